@@ -1,0 +1,78 @@
+"""The array namespace: NumPy on CPUs, CuPy on GPUs.
+
+Every array operation in mpicube goes through ``Backend.xp`` so the same code
+runs on both. Host (NumPy) copies are only made where data leaves the device:
+MPI without CUDA awareness, checkpoints, logging.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import UserError
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+@dataclass
+class Backend:
+    xp: object          # the numpy or cupy module
+    dtype: type         # np.float32 or np.float64
+    device: str         # "cpu" or "gpu"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device == "gpu"
+
+    def asarray(self, a, dtype=None):
+        """Move a host array to the backend (no copy on CPU when possible)."""
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_host(self, a) -> np.ndarray:
+        """A NumPy view or copy of a backend array."""
+        if self.is_gpu:
+            return self.xp.asnumpy(a)
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        """Wait for queued GPU work; MPI must not read a buffer still being written."""
+        if self.is_gpu:
+            self.xp.cuda.get_current_stream().synchronize()
+
+
+def node_local_rank(comm) -> int:
+    """Rank among the processes sharing this node (for one GPU per rank)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    rank = local.Get_rank()
+    local.Free()
+    return rank
+
+
+def make_backend(device: str = "cpu", dtype: str = "float32", comm=None) -> Backend:
+    """Select NumPy or CuPy, and on GPUs the device of this node-local rank."""
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    if device == "cpu":
+        return Backend(np, DTYPES[dtype], "cpu")
+    if device != "gpu":
+        raise UserError(f"unknown device {device!r}; choose cpu or gpu")
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise UserError("--device gpu needs CuPy: pip install 'mpicube[gpu]'") from exc
+    n_gpus = cupy.cuda.runtime.getDeviceCount()
+    if n_gpus == 0:  # pragma: no cover
+        raise UserError("--device gpu: no CUDA device visible on this node")
+    local = node_local_rank(comm) if comm is not None else 0
+    cupy.cuda.Device(local % n_gpus).use()
+    return Backend(cupy, DTYPES[dtype], "gpu")
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether MPI may be handed device pointers (set MPICUBE_CUDA_AWARE=1)."""
+    return os.environ.get("MPICUBE_CUDA_AWARE", "0") == "1"

@@ -1,0 +1,177 @@
+"""The only module that calls MPI collectives on array data.
+
+``Comm`` wraps one mpi4py communicator playing one named role (an *axis* of
+the processor grid, such as ``"j"`` of the 3-D cube or ``"dp"``). Every call
+is counted with the ring-algorithm conventions of DESIGN.md section 4, per
+rank:
+
+=================  ===========================  =============
+collective         elements moved               messages
+=================  ===========================  =============
+all-gather         (g-1)/g * gathered size      g-1
+reduce-scatter     (g-1)/g * input size         g-1
+all-reduce         2 (g-1)/g * size             2 (g-1)
+broadcast, reduce  size                         g-1
+=================  ===========================  =============
+
+A group of one rank moves nothing and makes no MPI call. Counts are exact
+``Fraction``s so the analytic cost model can be compared with ``==``.
+
+CuPy arrays are synchronised before MPI sees them and, unless
+``MPICUBE_CUDA_AWARE=1``, staged through host memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from fractions import Fraction
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import Backend, cuda_aware_mpi
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+class Counters:
+    """Elements, messages and seconds of communication, per axis name."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.elems = defaultdict(Fraction)   # axis -> elements moved by this rank
+        self.msgs = defaultdict(int)         # axis -> messages (ring steps)
+        self.seconds = defaultdict(float)    # axis -> wall time inside MPI calls
+
+    def add(self, axis: str, elems, msgs: int, seconds: float):
+        self.elems[axis] += Fraction(elems)
+        self.msgs[axis] += msgs
+        self.seconds[axis] += seconds
+
+    def total_elems(self) -> Fraction:
+        return sum(self.elems.values(), Fraction(0))
+
+    def total_msgs(self) -> int:
+        return sum(self.msgs.values())
+
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+class Comm:
+    """One axis of the processor grid: an mpi4py communicator, its role name,
+    the array backend and the shared counters."""
+
+    def __init__(self, mpi_comm, axis: str, backend: Backend, counters: Counters):
+        self.mpi = mpi_comm
+        self.axis = axis
+        self.backend = backend
+        self.counters = counters
+        self.size = mpi_comm.Get_size()
+        self.rank = mpi_comm.Get_rank()
+
+    def __repr__(self):
+        return f"Comm({self.axis!r}, rank {self.rank} of {self.size})"
+
+    # --- staging between the backend and MPI -------------------------------
+    def _to_mpi(self, x):
+        """A contiguous buffer MPI may read: host copy of device data unless
+        MPI is CUDA-aware."""
+        xp = self.backend.xp
+        x = xp.ascontiguousarray(x)
+        if self.backend.is_gpu:
+            self.backend.synchronize()
+            if not cuda_aware_mpi():
+                return xp.asnumpy(x)
+        return x
+
+    def _empty(self, shape, dtype):
+        if self.backend.is_gpu and not cuda_aware_mpi():
+            return np.empty(shape, dtype=dtype)
+        return self.backend.xp.empty(shape, dtype=dtype)
+
+    def _from_mpi(self, buf):
+        if self.backend.is_gpu and not cuda_aware_mpi():
+            return self.backend.xp.asarray(buf)
+        return buf
+
+    def _count(self, elems, msgs, t0):
+        self.counters.add(self.axis, elems, msgs, time.perf_counter() - t0)
+
+    # --- collectives ------------------------------------------------------
+    def allreduce(self, x, op: str = "sum"):
+        """Elementwise reduction over the group; returns a new array."""
+        if self.size == 1:
+            return x.copy()
+        t0 = time.perf_counter()
+        buf = self._to_mpi(x.copy())   # MPI reduces in place: never into the caller's x
+        self.mpi.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        g = self.size
+        self._count(Fraction(2 * (g - 1), g) * buf.size, 2 * (g - 1), t0)
+        return self._from_mpi(buf)
+
+    def allgather(self, x, axis: int = 0):
+        """Concatenate every rank's ``x`` along ``axis`` in rank order."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        g = self.size
+        send = self._to_mpi(x)
+        recv = self._empty((g,) + tuple(x.shape), x.dtype)   # (g, *x.shape)
+        self.mpi.Allgather(send, recv)
+        self._count((g - 1) * send.size, g - 1, t0)
+        recv = self._from_mpi(recv)
+        xp = self.backend.xp
+        if axis % x.ndim == 0:
+            return recv.reshape((g * x.shape[0],) + tuple(x.shape[1:]))
+        return xp.concatenate(list(recv), axis=axis)
+
+    def reduce_scatter(self, x, axis: int = 0):
+        """Sum over the group, then keep this rank's block along ``axis``."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        g = self.size
+        xp = self.backend.xp
+        if axis % x.ndim == 0:
+            block_shape = (x.shape[0] // g,) + tuple(x.shape[1:])
+        else:
+            x = xp.stack(xp.split(x, g, axis=axis))          # (g, *block)
+            block_shape = tuple(x.shape[1:])
+        send = self._to_mpi(x)
+        recv = self._empty(tuple(block_shape), x.dtype)
+        self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
+        self._count(Fraction(g - 1, g) * send.size, g - 1, t0)
+        return self._from_mpi(recv)
+
+    def bcast(self, x, root: int):
+        """Broadcast the root's ``x``; every rank passes an array of the right
+        shape and dtype (ignored on non-roots) and gets the root's values."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        buf = self._to_mpi(x) if self.rank == root else self._empty(x.shape, x.dtype)
+        self.mpi.Bcast(buf, root=root)
+        self._count(buf.size, self.size - 1, t0)
+        return self._from_mpi(buf)
+
+    def reduce(self, x, root: int):
+        """Sum onto ``root``; returns the sum there and None elsewhere."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        send = self._to_mpi(x)
+        recv = self._empty(x.shape, x.dtype) if self.rank == root else None
+        self.mpi.Reduce(send, recv, op=MPI.SUM, root=root)
+        self._count(send.size, self.size - 1, t0)
+        return self._from_mpi(recv) if self.rank == root else None
+
+    # --- small host-side helpers (not counted: metadata, not model data) ----
+    def barrier(self):
+        self.mpi.Barrier()
+
+    def bcast_object(self, obj, root: int = 0):
+        return self.mpi.bcast(obj, root=root)

@@ -1,0 +1,76 @@
+"""From the MPI world to a layout: data-parallel x tensor-parallel axes.
+
+world = dp x tp with the tensor-parallel ranks innermost (contiguous), so a
+tensor-parallel group sits on as few nodes as possible: world rank
+``d * tp + t`` is replica d, tensor-parallel rank t. All sizes are validated
+before the first collective, so a bad size gives the same error on every rank
+and no rank waits in a communicator split.
+"""
+
+from __future__ import annotations
+
+from .backend import Backend
+from .comm import Comm, Counters
+from .config import ModelConfig
+from .errors import ConfigError
+from .layouts import LAYOUTS
+from .layouts.base import Axes
+
+LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
+
+
+def integer_root(n: int, k: int):
+    """r with r**k == n, or None."""
+    r = round(n ** (1.0 / k))
+    for cand in (r - 1, r, r + 1):
+        if cand >= 1 and cand ** k == n:
+            return cand
+    return None
+
+
+def choose_layout(name: str, tp_size: int, depth: int = 1) -> str:
+    """Resolve ``auto``: 3-D on a cube, else 2-D on a square, else 1-D."""
+    if name != "auto":
+        return name
+    if tp_size == 1:
+        return "serial"
+    if integer_root(tp_size, 3):
+        return "3d"
+    if integer_root(tp_size, 2):
+        return "2d"
+    return "1d"
+
+
+def split_world(world_size: int, dp: int) -> int:
+    """Tensor-parallel size for ``dp`` replicas, or a ConfigError."""
+    if dp < 1 or world_size % dp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"--dp {dp} must divide the world size {world_size}; choose one of {divisors}")
+    return world_size // dp
+
+
+def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1):
+    """(layout class, resolved name, tp size) after validating every size;
+    pure: no MPI."""
+    tp = split_world(world_size, dp)
+    resolved = choose_layout(name, tp, depth)
+    if resolved not in LAYOUTS:
+        raise ConfigError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+    if batch_size % dp:
+        raise ConfigError(f"--batch-size {batch_size} must be divisible by --dp {dp}")
+    cls = LAYOUTS[resolved]
+    cls.validate(cfg, tp, batch_size // dp, depth)
+    return cls, resolved, tp
+
+
+def build_layout(name: str, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_world,
+                 dp: int = 1, depth: int = 1, counters: Counters = None):
+    """Validate, then split the world and construct the layout object."""
+    cls, resolved, tp = plan(name, cfg, batch_size, mpi_world.Get_size(), dp, depth)
+    counters = counters if counters is not None else Counters()
+    rank = mpi_world.Get_rank()
+    dp_rank, tp_rank = divmod(rank, tp)
+    world = Comm(mpi_world, "world", backend, counters)
+    tp_comm = Comm(mpi_world.Split(color=dp_rank, key=tp_rank), "tp", backend, counters)
+    dp_comm = Comm(mpi_world.Split(color=tp_rank, key=dp_rank), "dp", backend, counters)
+    return cls(cfg, Axes(world=world, dp=dp_comm, tp=tp_comm), batch_size, depth=depth)

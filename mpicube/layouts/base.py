@@ -1,0 +1,157 @@
+"""The layout protocol, and the pieces every layout shares.
+
+A layout says, for one rank, which block of every parameter and activation
+it holds, and supplies the distributed primitives the model is written
+against. The model (``mpicube.model``) never asks which layout it runs on;
+it only uses what is defined here.
+
+Activations move between two forms:
+
+* *canonical* - between blocks, at residual adds and LayerNorms:
+  (B_c, T, C_c), the sequences ``canonical_seqs`` and hidden columns
+  ``canonical_cols``;
+* *intermediate* - between the two linears of a pair (c_attn -> c_proj,
+  c_fc -> mlp.c_proj), where attention and GELU run: (B_m, T, C_m), the
+  sequences ``mid_seqs`` and, for attention, the heads ``head_ids``.
+
+Sequence indices refer to the data-parallel replica's batch; a whole
+sequence always sits on one rank so attention needs no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..comm import Comm
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..params import ParamDecl, ParamSpec, ParamStore
+
+
+@dataclass
+class Axes:
+    """The communicators every layout has."""
+
+    world: Comm
+    dp: Comm      # data-parallel replicas of this rank's tensor-parallel position
+    tp: Comm      # this rank's tensor-parallel group
+
+
+class Layout:
+    """Base class; subclasses fill in sharding and the linear/embedding maps."""
+
+    name = "base"
+
+    def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1):
+        self.cfg = cfg
+        self.axes = axes
+        self.backend = axes.tp.backend
+        self.batch_size = batch_size                  # global sequences per step
+        self.local_batch = batch_size // axes.dp.size  # sequences per dp replica
+        self.vocab_padded = cfg.vocab_size
+
+    # --- what every layout provides (overridden) -------------------------
+    canonical_seqs: np.ndarray      # (B_c,) sequences held in canonical form
+    canonical_cols: np.ndarray      # (C_c,) global hidden columns held
+    mid_seqs: np.ndarray            # (B_m,) sequences held between paired linears
+    head_ids: np.ndarray            # (nh,) global attention heads held
+    hidden_comm = None              # Comm splitting the canonical hidden size, or None
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, tp: int, local_batch: int, depth: int) -> None:
+        """Raise ConfigError if the sizes do not fit; pure, no MPI, so every
+        rank reaches the same verdict before any collective."""
+
+    def shard(self, decl: ParamDecl) -> ParamSpec:
+        raise NotImplementedError
+
+    def linear(self, store: ParamStore, prefix: str, position: str):
+        """Module for ``prefix.weight``/``prefix.bias``; position "first" maps
+        canonical -> intermediate, "second" intermediate -> canonical."""
+        raise NotImplementedError
+
+    def tied_embedding(self, store: ParamStore):
+        raise NotImplementedError
+
+    # --- shared helpers ---------------------------------------------------
+    def describe(self) -> dict:
+        """JSON-able description (saved in checkpoints and config.json)."""
+        return {"layout": self.name, "tp": self.axes.tp.size, "dp": self.axes.dp.size}
+
+    @staticmethod
+    def pad_to(n: int, multiple: int) -> int:
+        return -(-n // multiple) * multiple
+
+    @classmethod
+    def require(cls, ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"layout {cls.name}: {message}")
+
+
+def nearest_multiples(value: int, multiple: int) -> str:
+    """The multiples of ``multiple`` just below and above ``value``, for
+    error messages that suggest a valid size."""
+    below = value // multiple * multiple
+    above = below + multiple
+    return " or ".join(str(v) for v in (below, above) if v > 0)
+
+
+class DenseLinear:
+    """y = x @ W + b on local blocks, with the two Megatron hooks: an
+    all-reduce of the output before the bias (row-parallel) and an all-reduce
+    of the input gradient (column-parallel). Serial uses neither."""
+
+    def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None):
+        self.w = store.data[prefix + ".weight"]       # (C_in, C_out)
+        self.b = store.data[prefix + ".bias"]         # (C_out,)
+        self.dw = store.grad[prefix + ".weight"]
+        self.db = store.grad[prefix + ".bias"]
+        self.out_reduce = out_reduce
+        self.dx_reduce = dx_reduce
+
+    def forward(self, x):
+        """x (B, T, C_in) -> y (B, T, C_out)."""
+        self.x = x
+        y = x @ self.w                                 # (B, T, C_out)
+        if self.out_reduce is not None:
+            y = self.out_reduce.allreduce(y)
+        y += self.b
+        return y
+
+    def backward(self, dy):
+        """dy (B, T, C_out) -> dx (B, T, C_in)."""
+        x2 = self.x.reshape(-1, self.x.shape[-1])     # (B*T, C_in)
+        dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
+        self.dw += x2.T @ dy2
+        self.db += dy2.sum(0)
+        dx = dy @ self.w.T                            # (B, T, C_in)
+        if self.dx_reduce is not None:
+            dx = self.dx_reduce.allreduce(dx)
+        self.x = None
+        return dx
+
+
+class LayerNorm:
+    """LayerNorm over a hidden size that may be split across ``comm``."""
+
+    def __init__(self, store: ParamStore, prefix: str, n_hidden: int, comm: Comm = None):
+        self.gamma = store.data[prefix + ".weight"]   # (C_c,)
+        self.beta = store.data[prefix + ".bias"]      # (C_c,)
+        self.dgamma = store.grad[prefix + ".weight"]
+        self.dbeta = store.grad[prefix + ".bias"]
+        self.n_hidden = n_hidden
+        self.allsum = comm.allreduce if comm is not None else ops.identity
+
+    def forward(self, x):
+        """x (B, T, C_c) -> (B, T, C_c)."""
+        y, self.cache = ops.layernorm_forward(x, self.gamma, self.beta, self.n_hidden, allsum=self.allsum)
+        return y
+
+    def backward(self, dy):
+        dx = ops.layernorm_backward(dy, self.cache, self.gamma, self.dgamma, self.dbeta, self.n_hidden,
+                                    allsum=self.allsum)
+        self.cache = None
+        return dx

@@ -1,0 +1,184 @@
+"""3-D tensor parallelism: the q x q x q cube of Bian et al. (arXiv 2105.14450).
+
+Rank (i, j, k) holds 1/q^3 of every matrix:
+
+* activation X (N, h): rows block i, sub-block j; columns block k
+  -> (B/q^2, T, h/q), the *canonical* form;
+* weight W (h_in, h_out) of a first linear: rows block k, sub-block i;
+  columns block j -> (h_in/q^2, h_out/q).
+
+A linear all-gathers X over j and W over i, multiplies the
+(N/q, h_in/q) x (h_in/q, h_out/q) blocks, and reduce-scatters the partial Y
+over k, leaving rows block i, sub-block k, columns block j. The second linear
+of a pair swaps the roles of j and k, which brings the activation back to
+canonical form with no re-layout. Backward mirrors it: all-gather dY,
+reduce-scatter dX and dW.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops
+from ..comm import Comm
+from ..errors import ConfigError
+from ..params import ParamDecl, ParamSpec, full_index, split_index
+from .base import Layout, nearest_multiples
+
+
+class CubeLayout(Layout):
+    name = "3d"
+
+    @classmethod
+    def cube_side(cls, tp: int) -> int:
+        from ..grid import integer_root
+
+        q = integer_root(tp, 3)
+        if q is None:
+            cubes = sorted((s ** 3 for s in range(1, 20)), key=lambda v: abs(v - tp))[:2]
+            raise ConfigError(f"layout 3d: needs a tensor-parallel size q^3; got {tp}: "
+                              f"nearest valid sizes {' or '.join(map(str, sorted(cubes)))}")
+        return q
+
+    @classmethod
+    def validate(cls, cfg, tp, local_batch, depth):
+        q = cls.cube_side(tp)
+        cls.require(depth == 1, "--depth applies to 2.5d only")
+        cls.require(local_batch % (q * q) == 0,
+                    f"batch size per replica {local_batch} must be divisible by q^2 = {q * q}: "
+                    f"use {nearest_multiples(local_batch, q * q)}")
+        cls.require(cfg.n_embd % (q * q) == 0,
+                    f"n_embd {cfg.n_embd} must be divisible by q^2 = {q * q} (weights split q^2 ways): "
+                    f"use {nearest_multiples(cfg.n_embd, q * q)}")
+        cls.require(cfg.n_head % q == 0,
+                    f"n_head {cfg.n_head} must be divisible by q = {q}: use {nearest_multiples(cfg.n_head, q)}")
+
+    def __init__(self, cfg, axes, batch_size, depth=1):
+        super().__init__(cfg, axes, batch_size)
+        self.q = q = self.cube_side(axes.tp.size)
+        self.i, rest = divmod(axes.tp.rank, q * q)
+        self.j, self.k = divmod(rest, q)
+        i, j, k = self.i, self.j, self.k
+        tp, be, ct = axes.tp.mpi, axes.tp.backend, axes.tp.counters
+
+        def sub(name, color, key):
+            return Comm(tp.Split(color=color, key=key), name, be, ct)
+
+        self.ci = sub("i", j * q + k, i)          # varies i
+        self.cj = sub("j", i * q + k, j)          # varies j
+        self.ck = sub("k", i * q + j, k)          # varies k
+        self.ij = sub("ij", k, i * q + j)         # plane varying i, j
+        self.ik = sub("ik", j, i * q + k)         # plane varying i, k
+        self.hidden_comm = self.ck
+        self.vocab_padded = self.pad_to(cfg.vocab_size, q)
+        self.canonical_seqs = split_index(self.local_batch, q * q, i * q + j)
+        self.mid_seqs = split_index(self.local_batch, q * q, i * q + k)
+        self.canonical_cols = split_index(cfg.n_embd, q, k)
+        self.head_ids = split_index(cfg.n_head, q, j)
+
+    def shard(self, decl: ParamDecl) -> ParamSpec:
+        q, i, j, k, shape = self.q, self.i, self.j, self.k, decl.shape
+        on_ij = dict(grad_comm=self.ij, replicas=q * q, writer=(i == 0 and j == 0))
+        if decl.role == "wte":     # the LM head's W = wte^T as a first linear
+            return ParamSpec(decl, (split_index(self.vocab_padded, q, j), split_index(shape[1], q * q, k * q + i)))
+        if decl.role == "w_first":
+            return ParamSpec(decl, (split_index(shape[0], q * q, k * q + i), split_index(shape[1], q, j, decl.groups)))
+        if decl.role == "w_second":
+            return ParamSpec(decl, (split_index(shape[0], q * q, j * q + i), split_index(shape[1], q, k)))
+        if decl.role == "b_first":
+            return ParamSpec(decl, (split_index(shape[0], q, j, decl.groups),),
+                             grad_comm=self.ik, replicas=q * q, writer=(i == 0 and k == 0))
+        if decl.role == "wpe":
+            return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, k)), **on_ij)
+        # norm, b_second: hidden block k
+        return ParamSpec(decl, (split_index(shape[0], q, k),), **on_ij)
+
+    def linear(self, store, prefix, position):
+        if position == "first":
+            return CubeLinear(store, prefix, a=self.cj, b=self.ck, weight_comm=self.ci)
+        return CubeLinear(store, prefix, a=self.ck, b=self.cj, weight_comm=self.ci)
+
+    def tied_embedding(self, store):
+        return CubeTiedEmbedding(store, self)
+
+    def describe(self):
+        return {**super().describe(), "q": self.q}
+
+
+class CubeLinear:
+    """Input rows sub-block ``a``, columns block ``b``; output rows sub-block
+    ``b``, columns block ``a``. First linears use (a, b) = (j, k), second
+    linears (k, j)."""
+
+    def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm):
+        self.w = store.data[prefix + ".weight"]      # (h_in/q^2, h_out/q)
+        self.bias = store.data[prefix + ".bias"]     # (h_out/q,)
+        self.dw = store.grad[prefix + ".weight"]
+        self.dbias = store.grad[prefix + ".bias"]
+        self.a, self.b, self.wc = a, b, weight_comm
+
+    def forward(self, x):
+        """x (B/q^2, T, h_in/q) -> (B/q^2, T, h_out/q)."""
+        self.xg = self.a.allgather(x, axis=0)        # (B/q, T, h_in/q)
+        self.wg = self.wc.allgather(self.w, axis=0)  # (h_in/q, h_out/q)
+        y = self.b.reduce_scatter(self.xg @ self.wg, axis=0)   # (B/q^2, T, h_out/q)
+        y += self.bias
+        return y
+
+    def backward(self, dy):
+        """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
+        dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
+        dx = self.a.reduce_scatter(dyg @ self.wg.T, axis=0)    # (B/q^2, T, h_in/q)
+        xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
+        dwg = xg2.T @ dyg.reshape(-1, dyg.shape[-1])           # (h_in/q, h_out/q)
+        self.dw += self.wc.reduce_scatter(dwg, axis=0)
+        self.dbias += dy.sum((0, 1))
+        self.xg = self.wg = None
+        return dx
+
+
+class CubeTiedEmbedding:
+    """wte (V, h) is held like the LM head's W = wte^T of a first linear:
+    rank (i, j, k) has vocabulary block j, hidden block k, sub-block i.
+    One all-gather over i per step serves both the lookup and the head."""
+
+    def __init__(self, store, layout: CubeLayout):
+        self.wte = store.data["wte"]                 # (V/q, h/q^2)
+        self.dwte = store.grad["wte"]
+        self.ci, self.cj, self.ck = layout.ci, layout.cj, layout.ck
+        q, i = layout.q, layout.i
+        self.row_block = split_index(layout.local_batch, q, i)    # sequences of rows block i
+        self.logit_seqs = layout.mid_seqs
+        self.vocab_comm = layout.cj
+        self.vocab_start = layout.j * layout.vocab_padded // q
+        self.row_replicas = q
+        self.xp = layout.backend.xp
+
+    def embed(self, ids):
+        """ids (B_dp, T) -> x (B/q^2, T, h/q) canonical."""
+        self.wg = self.ci.allgather(self.wte, axis=1)             # (V/q, h/q)
+        self.dwg = self.xp.zeros_like(self.wg)
+        ids_i = ids[self.xp.asarray(self.row_block)]              # (B/q, T)
+        part, self.embed_cache = ops.embedding_forward(ids_i, self.wg, self.vocab_start)  # (B/q, T, h/q)
+        return self.cj.reduce_scatter(part, axis=0)
+
+    def embed_backward(self, dx):
+        dxg = self.cj.allgather(dx, axis=0)                       # (B/q, T, h/q)
+        ops.embedding_backward(dxg, self.embed_cache, self.dwg)
+        self.embed_cache = None
+
+    def logits(self, x):
+        """x (B/q^2, T, h/q) -> logits (B/q^2, T, V/q): rows block i,
+        sub-block k; vocabulary block j."""
+        self.xg = self.cj.allgather(x, axis=0)                    # (B/q, T, h/q)
+        return self.ck.reduce_scatter(self.xg @ self.wg.T, axis=0)
+
+    def logits_backward(self, dlogits):
+        dlg = self.ck.allgather(dlogits, axis=0)                  # (B/q, T, V/q)
+        self.dwg += dlg.reshape(-1, dlg.shape[-1]).T @ self.xg.reshape(-1, self.xg.shape[-1])
+        self.xg = None
+        return self.cj.reduce_scatter(dlg @ self.wg, axis=0)      # (B/q^2, T, h/q)
+
+    def finish_backward(self):
+        self.dwte += self.ci.reduce_scatter(self.dwg, axis=1)
+        self.wg = self.dwg = None

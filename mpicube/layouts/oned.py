@@ -1,0 +1,62 @@
+"""1-D tensor parallelism (Megatron-LM) over p ranks.
+
+Activations between blocks are replicated on every rank. The first linear of
+each pair is split by columns (so attention heads split p ways), the second
+by rows; the row-split output is all-reduced in forward and the input
+gradient of the column-split linear is all-reduced in backward. The tied
+embedding and LM head are split by vocabulary: the lookup is all-reduced,
+and the cross-entropy reduces its max, sum of exponentials and target logit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..params import ParamDecl, ParamSpec, full_index, split_index
+from .base import DenseLinear, Layout, nearest_multiples
+from .serial import DenseTiedEmbedding
+
+
+class OneDLayout(Layout):
+    name = "1d"
+
+    @classmethod
+    def validate(cls, cfg, tp, local_batch, depth):
+        cls.require(cfg.n_head % tp == 0,
+                    f"n_head {cfg.n_head} must be divisible by the tensor-parallel size {tp} "
+                    f"(heads are split {tp} ways): use n_head {nearest_multiples(cfg.n_head, tp)}")
+
+    def __init__(self, cfg, axes, batch_size, depth=1):
+        super().__init__(cfg, axes, batch_size)
+        p, t = axes.tp.size, axes.tp.rank
+        self.p, self.t = p, t
+        self.vocab_padded = self.pad_to(cfg.vocab_size, p)
+        self.canonical_seqs = np.arange(self.local_batch)
+        self.mid_seqs = self.canonical_seqs
+        self.canonical_cols = np.arange(cfg.n_embd)
+        self.head_ids = split_index(cfg.n_head, p, t)
+
+    def shard(self, decl: ParamDecl) -> ParamSpec:
+        p, t, shape = self.p, self.t, decl.shape
+        if decl.role == "wte":
+            return ParamSpec(decl, (split_index(self.vocab_padded, p, t), full_index(shape[1])))
+        if decl.role == "w_first":
+            return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], p, t, decl.groups)))
+        if decl.role == "b_first":
+            return ParamSpec(decl, (split_index(shape[0], p, t, decl.groups),))
+        if decl.role == "w_second":
+            return ParamSpec(decl, (split_index(shape[0], p, t), full_index(shape[1])))
+        # wpe, norm, b_second: replicated, and every rank computes the whole gradient
+        return ParamSpec(decl, tuple(full_index(n) for n in shape), replicas=p, writer=(t == 0))
+
+    def linear(self, store, prefix, position):
+        if position == "first":   # column-parallel
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp)
+        return DenseLinear(store, prefix, out_reduce=self.axes.tp)   # row-parallel
+
+    def tied_embedding(self, store):
+        return DenseTiedEmbedding(store, self, vocab_comm=self.axes.tp,
+                                  vocab_start=self.t * self.vocab_padded // self.p)
+
+    def describe(self):
+        return {**super().describe(), "p": self.p}

@@ -1,0 +1,77 @@
+"""One rank holds everything: the reference every other layout must match."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops
+from ..params import ParamDecl, ParamSpec, full_index
+from .base import DenseLinear, Layout
+
+
+class SerialLayout(Layout):
+    name = "serial"
+
+    @classmethod
+    def validate(cls, cfg, tp, local_batch, depth):
+        cls.require(tp == 1, f"runs on one rank per data-parallel replica, not {tp}; "
+                             "use --dp to replicate it or choose a parallel layout")
+
+    def __init__(self, cfg, axes, batch_size, depth=1):
+        super().__init__(cfg, axes, batch_size)
+        self.canonical_seqs = np.arange(self.local_batch)
+        self.mid_seqs = self.canonical_seqs
+        self.canonical_cols = np.arange(cfg.n_embd)
+        self.head_ids = np.arange(cfg.n_head)
+
+    def shard(self, decl: ParamDecl) -> ParamSpec:
+        return ParamSpec(decl, tuple(full_index(n) for n in decl.shape))
+
+    def linear(self, store, prefix, position):
+        return DenseLinear(store, prefix)
+
+    def tied_embedding(self, store):
+        return DenseTiedEmbedding(store, self)
+
+
+class DenseTiedEmbedding:
+    """Token embedding and LM head sharing ``wte``, with an optional vocabulary
+    split over ``vocab_comm`` (1-D); serial has none."""
+
+    def __init__(self, store, layout, vocab_comm=None, vocab_start=0):
+        self.wte = store.data["wte"]        # (V_l, h)
+        self.dwte = store.grad["wte"]
+        self.vocab_comm = vocab_comm
+        self.vocab_start = vocab_start
+        self.logit_seqs = layout.canonical_seqs
+        self.row_replicas = layout.axes.tp.size
+
+    def embed(self, ids):
+        """ids (B, T) -> x (B, T, h)."""
+        x, self.embed_cache = ops.embedding_forward(ids, self.wte, self.vocab_start)
+        if self.vocab_comm is not None:
+            x = self.vocab_comm.allreduce(x)
+        return x
+
+    def embed_backward(self, dx):
+        ops.embedding_backward(dx, self.embed_cache, self.dwte)
+        self.embed_cache = None
+
+    def logits(self, x):
+        """x (B, T, h) -> logits (B, T, V_l)."""
+        self.x = x
+        return x @ self.wte.T
+
+    def logits_backward(self, dlogits):
+        """dlogits (B, T, V_l) -> dx (B, T, h)."""
+        x2 = self.x.reshape(-1, self.x.shape[-1])               # (B*T, h)
+        dl2 = dlogits.reshape(-1, dlogits.shape[-1])            # (B*T, V_l)
+        self.dwte += dl2.T @ x2
+        dx = dlogits @ self.wte                                  # (B, T, h)
+        if self.vocab_comm is not None:
+            dx = self.vocab_comm.allreduce(dx)
+        self.x = None
+        return dx
+
+    def finish_backward(self):
+        """Nothing gathered, nothing to reduce."""

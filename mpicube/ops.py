@@ -1,0 +1,228 @@
+"""Local kernels: forward/backward pairs with no communication of their own.
+
+Where a kernel needs a sum over a dimension that a layout may have split
+across ranks (the hidden size for LayerNorm, the vocabulary for the softmax),
+it takes the reduction as a callable (``allsum``, ``allmax``); serial code
+passes the identity. Backward functions return input gradients and add
+parameter gradients into the buffers they are given (``+=``), as in llm.c.
+
+Shapes: B batch rows held locally, T sequence, C local hidden width,
+nh local heads, hd head size, V local vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def identity(x):
+    return x
+
+
+# --- LayerNorm ---------------------------------------------------------------
+def layernorm_forward(x, gamma, beta, n_hidden, eps=1e-5, allsum=identity):
+    """x (B, T, C) -> y (B, T, C); statistics over the full hidden size
+    ``n_hidden``, of which this rank holds C columns. Two passes (mean, then
+    centred variance) keep float32 accurate."""
+    mean = allsum(x.sum(-1, keepdims=True)) / n_hidden               # (B, T, 1)
+    xc = x - mean                                                    # (B, T, C)
+    var = allsum((xc * xc).sum(-1, keepdims=True)) / n_hidden        # (B, T, 1)
+    rstd = 1.0 / (var + eps) ** 0.5                                  # (B, T, 1)
+    xhat = xc
+    xhat *= rstd                                                     # (B, T, C)
+    y = xhat * gamma + beta                                          # (B, T, C)
+    return y, (xhat, rstd)
+
+
+def layernorm_backward(dy, cache, gamma, dgamma, dbeta, n_hidden, allsum=identity):
+    """dy (B, T, C) -> dx (B, T, C); adds into dgamma, dbeta (C,)."""
+    xhat, rstd = cache
+    dgamma += (dy * xhat).sum((0, 1))
+    dbeta += dy.sum((0, 1))
+    dxhat = dy * gamma                                               # (B, T, C)
+    sums = allsum(_stack_last(dxhat.sum(-1), (dxhat * xhat).sum(-1)))  # (B, T, 2)
+    mean_dxhat = sums[..., 0:1] / n_hidden
+    mean_dxhat_xhat = sums[..., 1:2] / n_hidden
+    dx = dxhat
+    dx -= mean_dxhat
+    dx -= xhat * mean_dxhat_xhat
+    dx *= rstd
+    return dx
+
+
+def _stack_last(a, b):
+    xp = _xp(a)
+    return xp.stack([a, b], axis=-1)
+
+
+def _xp(a):
+    """The array module of ``a`` (numpy or cupy)."""
+    mod = type(a).__module__
+    if mod.startswith("cupy"):
+        import cupy
+
+        return cupy
+    import numpy
+
+    return numpy
+
+
+# --- GELU (tanh approximation, as GPT-2) --------------------------------------
+_GELU_S = math.sqrt(2.0 / math.pi)
+
+
+def gelu_forward(x):
+    """x (..., C) -> y (..., C); the input is kept for backward."""
+    xp = _xp(x)
+    inner = x * x
+    inner *= 0.044715
+    inner += 1.0
+    inner *= x
+    inner *= _GELU_S
+    t = xp.tanh(inner, out=inner)                                    # (..., C)
+    y = t + 1.0
+    y *= x
+    y *= 0.5
+    return y, (x, t)
+
+
+def gelu_backward(dy, cache):
+    x, t = cache
+    # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 * 0.044715 x^2)
+    x2 = x * x
+    x2 *= 3 * 0.044715
+    x2 += 1.0
+    x2 *= _GELU_S * 0.5
+    x2 *= x
+    one_minus_t2 = 1.0 - t * t
+    grad = x2
+    grad *= one_minus_t2
+    grad += 0.5 * (1.0 + t)
+    grad *= dy
+    return grad
+
+
+# --- causal multi-head attention ---------------------------------------------
+def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0):
+    """qkv (B, T, 3*nh*hd), columns [q | k | v] with heads contiguous in each
+    -> y (B, T, nh*hd). ``keep_mask`` (B, nh, T, T) is the dropout mask on the
+    attention probabilities (None: no dropout)."""
+    xp = _xp(qkv)
+    B, T, C3 = qkv.shape
+    hd = C3 // (3 * n_head)
+    qkv5 = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
+    q, k, v = qkv5[0], qkv5[1], qkv5[2]                               # (B, nh, T, hd)
+    scale = 1.0 / math.sqrt(hd)
+    scores = q @ k.swapaxes(-1, -2)                                   # (B, nh, T, T)
+    scores *= scale
+    scores += causal_bias(xp, T, scores.dtype)
+    scores -= scores.max(-1, keepdims=True)
+    probs = xp.exp(scores, out=scores)
+    probs /= probs.sum(-1, keepdims=True)                             # (B, nh, T, T)
+    used = probs if keep_mask is None else probs * keep_mask * (1.0 / keep_prob)
+    y = used @ v                                                      # (B, nh, T, hd)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, n_head * hd)           # (B, T, nh*hd)
+    return y, (q, k, v, probs, used, keep_mask, keep_prob, scale)
+
+
+def attention_backward(dy, cache):
+    """dy (B, T, nh*hd) -> dqkv (B, T, 3*nh*hd)."""
+    xp = _xp(dy)
+    q, k, v, probs, used, keep_mask, keep_prob, scale = cache
+    B, nh, T, hd = q.shape
+    dy4 = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)             # (B, nh, T, hd)
+    dqkv = xp.empty((3, B, nh, T, hd), dtype=dy.dtype)
+    xp.matmul(used.swapaxes(-1, -2), dy4, out=dqkv[2])               # dv
+    dprobs = dy4 @ v.swapaxes(-1, -2)                                 # (B, nh, T, T)
+    if keep_mask is not None:
+        dprobs *= keep_mask
+        dprobs *= 1.0 / keep_prob
+    # softmax backward: ds = p * (dp - sum(dp * p))
+    dscores = dprobs
+    dscores -= (dprobs * probs).sum(-1, keepdims=True)
+    dscores *= probs
+    dscores *= scale
+    xp.matmul(dscores, k, out=dqkv[0])                                # dq
+    xp.matmul(dscores.swapaxes(-1, -2), q, out=dqkv[1])               # dk
+    return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)
+
+
+_CAUSAL = {}
+
+
+def causal_bias(xp, T, dtype):
+    """(T, T) additive mask: 0 on and below the diagonal, -inf above."""
+    key = (xp.__name__, T, dtype)
+    if key not in _CAUSAL:
+        bias = xp.zeros((T, T), dtype=dtype)
+        bias[xp.triu_indices(T, 1)] = -xp.inf
+        _CAUSAL[key] = bias
+    return _CAUSAL[key]
+
+
+# --- softmax cross-entropy over a (possibly split) vocabulary -----------------
+def cross_entropy_forward(logits, targets, vocab_start, vocab_size, allmax=identity, allsum=identity):
+    """logits (n, V) hold vocabulary columns [vocab_start, vocab_start + V) of
+    a vocabulary of ``vocab_size`` real entries (columns past it are padding
+    and masked out). targets (n,) global ids. Returns per-row loss (n,).
+    Three reductions over the vocabulary split: max, sum of exp, target logit."""
+    xp = _xp(logits)
+    n, V = logits.shape
+    n_real = max(0, min(V, vocab_size - vocab_start))
+    z = logits.copy()                                                 # (n, V)
+    if n_real < V:
+        z[:, n_real:] = -xp.inf
+    row_max = allmax(z.max(-1))                                       # (n,)
+    z -= row_max[:, None]
+    probs = xp.exp(z, out=z)                                          # (n, V) unnormalised
+    sum_exp = allsum(probs.sum(-1))                                   # (n,)
+    probs /= sum_exp[:, None]
+    local_t = targets - vocab_start                                   # (n,)
+    mine = (local_t >= 0) & (local_t < V)                             # (n,)
+    rows = xp.arange(n)
+    t_clip = xp.clip(local_t, 0, V - 1)
+    target_logit = allsum(xp.where(mine, logits[rows, t_clip], 0.0))  # (n,)
+    loss = xp.log(sum_exp) + row_max - target_logit                   # (n,)
+    return loss, (probs, mine, t_clip)
+
+
+def cross_entropy_backward(scale, cache):
+    """d(scale * sum(loss))/dlogits (n, V); no communication needed."""
+    xp = _xp(cache[0])
+    probs, mine, t_clip = cache
+    dlogits = probs * scale                                           # (n, V)
+    rows = xp.arange(probs.shape[0])
+    dlogits[rows[mine], t_clip[mine]] -= scale
+    return dlogits
+
+
+# --- token embedding lookup over a vocabulary block ---------------------------
+def embedding_forward(ids, weight, vocab_start):
+    """ids (B, T) global -> (B, T, C): rows of ``weight`` (V, C), which holds
+    vocabulary [vocab_start, vocab_start + V); ids outside give zeros (another
+    rank adds them)."""
+    xp = _xp(weight)
+    V = weight.shape[0]
+    local = ids - vocab_start
+    mine = (local >= 0) & (local < V)                                 # (B, T)
+    out = weight[xp.clip(local, 0, V - 1)]                           # (B, T, C)
+    if not bool(mine.all()):
+        out *= mine[..., None]
+    return out, (local, mine)
+
+
+def embedding_backward(dy, cache, dweight):
+    """Adds dy (B, T, C) into the rows of dweight (V, C) its ids selected."""
+    local, mine = cache
+    scatter_add(dweight, local[mine], dy[mine])
+
+
+def scatter_add(target, rows, values):
+    """target[rows] += values, summing repeated rows."""
+    xp = _xp(target)
+    if xp.__name__ == "numpy":
+        xp.add.at(target, rows, values)
+    else:  # pragma: no cover - GPU only
+        import cupyx
+
+        cupyx.scatter_add(target, rows, values)

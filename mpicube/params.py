@@ -1,0 +1,172 @@
+"""Parameters: what the model declares, how a layout shards it, and the one
+flat buffer per rank that holds every local block.
+
+The model names each logical tensor once (``ParamDecl``); a layout answers
+with a ``ParamSpec`` saying which global indices this rank holds and over
+which communicator its gradient must be summed. ``ParamStore`` lays all local
+blocks out in one flat data buffer and one flat gradient buffer, so the
+data-parallel all-reduce, the optimizer and gradient clipping each touch one
+contiguous array instead of a hundred small ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import rng
+from .backend import Backend
+from .comm import Comm
+
+
+@dataclass(frozen=True)
+class ParamDecl:
+    """A logical parameter as the model sees it.
+
+    ``role`` tells the layout how the tensor is used: ``wte``, ``wpe``, ``norm``,
+    ``w_first``/``b_first`` (first linear of a pair, e.g. c_attn, c_fc),
+    ``w_second``/``b_second`` (second linear, e.g. c_proj).
+    ``groups`` > 1 means the output columns are ``groups`` stacked tensors
+    (c_attn's [q | k | v]) that must each be split the same way.
+    """
+
+    name: str
+    shape: tuple
+    role: str
+    init: str              # "normal", "ones" or "zeros"
+    std: float = 0.0
+    decay: bool = False
+    groups: int = 1
+
+
+@dataclass
+class ParamSpec:
+    """How one rank holds one parameter.
+
+    ``index[d]`` lists the global indices (along dimension d) of the local
+    block; indices >= ``decl.shape[d]`` are vocabulary padding, always zero.
+    ``grad_comm`` is the group of replicas whose partial gradients must be
+    summed (None when each rank's gradient is already complete).
+    ``replicas`` is how many ranks of the tensor-parallel group hold this same
+    block (to count it once in norms); ``writer`` is True on exactly one of them.
+    """
+
+    decl: ParamDecl
+    index: tuple
+    grad_comm: Optional[Comm] = None
+    replicas: int = 1
+    writer: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.decl.name
+
+    @property
+    def local_shape(self) -> tuple:
+        return tuple(len(ix) for ix in self.index)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.local_shape))
+
+
+def split_index(n: int, parts: int, block: int, groups: int = 1) -> np.ndarray:
+    """Global indices of block ``block`` of ``parts`` along a dimension of
+    length ``n``; with ``groups`` > 1, the dimension is ``groups`` stacked
+    tensors of n/groups each and the block takes its share of every one."""
+    per_group = n // groups
+    width = per_group // parts
+    start = block * width
+    return np.concatenate([g * per_group + np.arange(start, start + width) for g in range(groups)])
+
+
+def full_index(n: int) -> np.ndarray:
+    return np.arange(n)
+
+
+class ParamStore:
+    """Every local parameter block of a rank in one flat buffer, with the
+    gradient and the views the model uses."""
+
+    def __init__(self, specs: list, backend: Backend, seed: int):
+        # Parameters that share a gradient communicator sit next to each other,
+        # so each group is summed by one all-reduce on a contiguous slice.
+        def group_key(spec):
+            return "" if spec.grad_comm is None else spec.grad_comm.axis
+
+        self.specs = sorted(specs, key=lambda s: (group_key(s), not s.decl.decay))
+        self.by_name = {s.name: s for s in self.specs}
+        self.backend = backend
+        xp, dtype = backend.xp, backend.dtype
+        total = sum(s.size for s in self.specs)
+        self.flat = xp.zeros(total, dtype=dtype)       # (P_local,)
+        self.flat_grad = xp.zeros(total, dtype=dtype)  # (P_local,)
+        self.offsets = {}
+        self.data, self.grad = {}, {}
+        offset = 0
+        for spec in self.specs:
+            self.offsets[spec.name] = (offset, offset + spec.size)
+            self.data[spec.name] = self.flat[offset:offset + spec.size].reshape(spec.local_shape)
+            self.grad[spec.name] = self.flat_grad[offset:offset + spec.size].reshape(spec.local_shape)
+            offset += spec.size
+        self.grad_groups = self._contiguous_groups()
+        self.decay_slices = self._runs([s for s in self.specs if s.decl.decay])
+        self.initialize(seed)
+
+    def _runs(self, specs) -> list:
+        """Merge the flat ranges of ``specs`` into as few slices as possible."""
+        runs = []
+        for spec in specs:
+            lo, hi = self.offsets[spec.name]
+            if runs and runs[-1][1] == lo:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi])
+        return [slice(lo, hi) for lo, hi in runs]
+
+    def _contiguous_groups(self) -> list:
+        """(comm, flat slice) for every gradient communicator."""
+        groups = {}
+        for spec in self.specs:
+            if spec.grad_comm is not None:
+                groups.setdefault(spec.grad_comm.axis, (spec.grad_comm, []))[1].append(spec)
+        return [(comm, self._runs(specs)[0]) for comm, specs in groups.values()]
+
+    def initialize(self, seed: int) -> None:
+        """GPT-2 initialisation evaluated at this rank's global indices only."""
+        for spec in self.specs:
+            self.data[spec.name][...] = self.backend.asarray(init_block(spec, seed), dtype=self.backend.dtype)
+
+    def zero_grad(self) -> None:
+        self.flat_grad.fill(0)
+
+
+def real_mask(spec: ParamSpec) -> np.ndarray:
+    """Boolean (local shape) mask: True where the block holds a real entry,
+    False on vocabulary padding."""
+    mask = np.ones(spec.local_shape, dtype=bool)
+    for grid, n in zip(np.ix_(*spec.index), spec.decl.shape):
+        mask &= grid < n
+    return mask
+
+
+def clipped_index(spec: ParamSpec) -> tuple:
+    """``spec.index`` with padding positions pointed at the last real entry,
+    for fancy-indexing a full logical tensor."""
+    return tuple(np.minimum(ix, n - 1) for ix, n in zip(spec.index, spec.decl.shape))
+
+
+def init_block(spec: ParamSpec, seed: int) -> np.ndarray:
+    """Initial values (host float64) of the block ``spec.index`` of a logical
+    tensor: a pure function of (seed, name, global index)."""
+    decl = spec.decl
+    shape = spec.local_shape
+    if decl.init == "ones":
+        return np.ones(shape)
+    if decl.init == "zeros":
+        return np.zeros(shape)
+    values = decl.std * rng.normal(rng.make_key(seed, "init", decl.name), rng.flat_index(decl.shape, clipped_index(spec)))
+    values[~real_mask(spec)] = 0.0   # vocabulary padding stays exactly zero
+    return values

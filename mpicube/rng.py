@@ -1,0 +1,64 @@
+"""A counter-based random generator: values are a pure function of
+(key, global element index).
+
+This is what makes every layout start from the same model and draw the same
+dropout masks (DESIGN.md section 2): a rank evaluates the generator only at the
+global indices of the block it owns, so no rank ever materialises a whole
+tensor and no sequential stream has to be replayed or split.
+
+The mixer is the SplitMix64 finaliser, applied to ``index * golden + key``;
+it is cheap, vectorises in NumPy's wrapping uint64 arithmetic, and passes the
+usual statistical batteries for this use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def make_key(*parts) -> np.uint64:
+    """A 64-bit key from any printable parts, e.g. (seed, "init", name)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return np.uint64(int.from_bytes(digest, "little"))
+
+
+def _mix(key: np.uint64, counter: np.ndarray) -> np.ndarray:
+    x = counter.astype(np.uint64) * _GOLDEN + key
+    x ^= x >> np.uint64(30)
+    x *= _M1
+    x ^= x >> np.uint64(27)
+    x *= _M2
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def uniform(key: np.uint64, counter: np.ndarray) -> np.ndarray:
+    """Uniform float64 in [0, 1), one per counter value (same shape)."""
+    return (_mix(key, counter) >> np.uint64(11)).astype(np.float64) * (2.0 ** -53)
+
+
+def normal(key: np.uint64, counter: np.ndarray) -> np.ndarray:
+    """Standard normal float64 per counter value, by Box-Muller on the
+    counters 2c and 2c+1 (so distinct counters never share a uniform)."""
+    counter = counter.astype(np.uint64)
+    u1 = uniform(key, counter * np.uint64(2))
+    u2 = uniform(key, counter * np.uint64(2) + np.uint64(1))
+    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def flat_index(shape, index) -> np.ndarray:
+    """Row-major flat indices of the block ``index`` (one global index array
+    per dimension) of a tensor of logical ``shape``; broadcast to the block's
+    shape."""
+    strides = np.cumprod((1,) + tuple(shape[::-1]))[:-1][::-1]
+    grids = np.ix_(*[np.asarray(ix, dtype=np.uint64) for ix in index])
+    flat = np.zeros(tuple(len(ix) for ix in index), dtype=np.uint64)
+    for grid, stride in zip(grids, strides):
+        flat += grid * np.uint64(stride)
+    return flat
