@@ -42,8 +42,8 @@ def close(name, got, want, scale=None):
 def main():
     layout_name, dp, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
-    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=6, n_embd=36)
-    batch = int(sys.argv[5]) if len(sys.argv) > 5 else 36
+    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=12, n_embd=36)
+    batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
     rng = np.random.default_rng(3)
     steps = [(rng.integers(0, 61, (batch, 8)), rng.integers(0, 61, (batch, 8))) for _ in range(3)]
 
