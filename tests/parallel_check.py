@@ -16,6 +16,7 @@ from mpi4py import MPI
 from mpicube.backend import make_backend
 from mpicube.comm import Counters
 from mpicube.config import ModelConfig
+from mpicube.costmodel import Problem, step_traffic
 from mpicube.grid import build_layout
 from mpicube.model import GPT, gpt_params
 from mpicube.optim import AdamW, global_grad_norm, sync_gradients
@@ -39,6 +40,19 @@ def close(name, got, want, scale=None):
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
 
 
+def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
+    """Measured elements and messages per axis == the analytic model."""
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx)
+    want = step_traffic(problem)
+    axes = set(want.elems) | set(counters.elems)
+    for axis in axes:
+        got_e, want_e = counters.elems.get(axis, 0), want.elems.get(axis, 0)
+        got_m, want_m = counters.msgs.get(axis, 0), want.msgs.get(axis, 0)
+        if got_e != want_e or got_m != want_m:
+            raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: axis {axis}: measured {got_e} elements / "
+                                 f"{got_m} messages, model predicts {want_e} / {want_m}")
+
+
 def main():
     layout_name, dp, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
@@ -47,7 +61,7 @@ def main():
     rng = np.random.default_rng(3)
     steps = [(rng.integers(0, 61, (batch, 8)), rng.integers(0, 61, (batch, 8))) for _ in range(3)]
 
-    layout, store, model, _ = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout)
+    layout, store, model, counters = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout)
     s_layout, s_store, s_model, _ = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
     opt, s_opt = AdamW(store, weight_decay=0.1), AdamW(s_store, weight_decay=0.1)
     rows = slice(layout.axes.dp.rank * layout.local_batch, (layout.axes.dp.rank + 1) * layout.local_batch)
@@ -55,6 +69,7 @@ def main():
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):
             st.zero_grad()
+        counters.reset()
         loss = model.forward(x[rows], y[rows], step=step)
         s_loss = s_model.forward(x, y, step=step)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
@@ -77,6 +92,7 @@ def main():
             close(f"step {step} grad {spec.name}", np.where(mask, got, 0), np.where(mask, want, 0), np.abs(full).max())
             if not mask.all():
                 assert np.all(got[~mask] == 0), f"padding gradient of {spec.name} is not zero"
+        check_traffic(layout_name, cfg, layout, batch, dp, depth, counters)
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm))
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm))
     for spec in store.specs:

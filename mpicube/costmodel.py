@@ -1,0 +1,218 @@
+"""Analytic communication and memory per rank per training step.
+
+Each layout's function walks the same collective sequence its code issues
+(layouts/*.py), with the ring conventions of ``mpicube.comm``, and returns
+the elements and messages per axis. Tests check that these predictions
+equal the measured counters exactly, so this file and the layouts cannot
+drift apart silently. The formulas of DESIGN.md section 4 fall out as the
+linear-layer part of ``cube``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from .config import ModelConfig
+from .grid import plan
+from .model import gpt_params
+
+
+@dataclass
+class Traffic:
+    """Elements and messages per axis for one rank and one step."""
+
+    elems: dict = field(default_factory=lambda: defaultdict(Fraction))
+    msgs: dict = field(default_factory=lambda: defaultdict(int))
+
+    def _add(self, axis, g, elems, msgs, times=1):
+        if g > 1 and times:
+            self.elems[axis] += Fraction(elems) * times
+            self.msgs[axis] += msgs * times
+
+    def allreduce(self, axis, g, n, times=1):
+        self._add(axis, g, Fraction(2 * (g - 1), g) * n, 2 * (g - 1), times)
+
+    def allgather(self, axis, g, n_local, times=1):
+        self._add(axis, g, (g - 1) * n_local, g - 1, times)
+
+    def reduce_scatter(self, axis, g, n_in, times=1):
+        self._add(axis, g, Fraction(g - 1, g) * n_in, g - 1, times)
+
+    def bcast(self, axis, g, n, times=1):
+        self._add(axis, g, n, g - 1, times)
+
+    reduce = bcast
+
+    def total_elems(self) -> Fraction:
+        return sum(self.elems.values(), Fraction(0))
+
+    def total_msgs(self) -> int:
+        return sum(self.msgs.values())
+
+
+@dataclass
+class Problem:
+    """The sizes one step works on, as one rank sees them."""
+
+    cfg: ModelConfig
+    layout: str
+    tp: int
+    dp: int
+    depth: int
+    batch: int          # global sequences per step
+    seq_len: int
+
+    @property
+    def local_batch(self):
+        return self.batch // self.dp
+
+
+def _linears(cfg: ModelConfig):
+    """(h_in, h_out, position) of every linear of one block."""
+    h = cfg.n_embd
+    return [(h, 3 * h, "first"), (h, h, "second"), (h, 4 * h, "first"), (4 * h, h, "second")]
+
+
+def _layernorm(t: Traffic, axis, g, rows, count):
+    """Forward: mean and variance all-reduces; backward: one of two sums."""
+    t.allreduce(axis, g, rows, times=2 * count)
+    t.allreduce(axis, g, 2 * rows, times=count)
+
+
+def _cross_entropy(t: Traffic, axis, g, rows):
+    t.allreduce(axis, g, rows, times=3)   # max, sum of exp, target logit
+
+
+def serial_traffic(p: Problem) -> Traffic:
+    return Traffic()
+
+
+def oned_traffic(p: Problem) -> Traffic:
+    t, g = Traffic(), p.tp
+    act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
+    t.allreduce("tp", g, act, times=4 * p.cfg.n_layer)    # 2 forward (row-split), 2 backward (column-split)
+    t.allreduce("tp", g, act, times=2)                    # embedding lookup, LM head backward
+    _cross_entropy(t, "tp", g, p.local_batch * p.seq_len)
+    return t
+
+
+def tesseract_traffic(p: Problem) -> Traffic:
+    t, cfg, d = Traffic(), p.cfg, p.depth
+    q = round((p.tp // d) ** 0.5)
+    n = p.local_batch * p.seq_len // (d * q)              # activation rows per rank
+    V = -(-cfg.vocab_size // q) * q
+    for h_in, h_out, _ in _linears(cfg) * cfg.n_layer:
+        x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
+        t.bcast("row", q, x_panel, times=2 * q)           # forward, and again for dW
+        t.reduce("row", q, x_panel, times=q)              # dX
+        t.bcast("col", q, w_panel, times=2 * q)           # forward, and again for dX
+        t.reduce("col", q, w_panel, times=q)              # dW
+    _layernorm(t, "row", q, n, 2 * cfg.n_layer + 1)
+    t.allgather("col", q, (V // q) * (cfg.n_embd // q))   # wte[:, block c]
+    t.reduce_scatter("row", q, n * V)                     # LM head forward
+    t.allgather("row", q, n * V // q)                     # LM head backward
+    t.reduce_scatter("col", q, V * (cfg.n_embd // q))     # wte gradient
+    _cross_entropy(t, "row", q, n)
+    return t
+
+
+def cube_traffic(p: Problem) -> Traffic:
+    t, cfg = Traffic(), p.cfg
+    q = round(p.tp ** (1 / 3))
+    n = p.local_batch * p.seq_len // (q * q)              # canonical rows per rank
+    h = cfg.n_embd
+    V = -(-cfg.vocab_size // q) * q
+    for h_in, h_out, position in _linears(cfg) * cfg.n_layer:
+        a, b = ("j", "k") if position == "first" else ("k", "j")
+        t.allgather(a, q, n * h_in // q)                  # X over a
+        t.allgather("i", q, (h_in // (q * q)) * (h_out // q))   # W over i
+        t.reduce_scatter(b, q, n * q * h_out // q)        # Y over b
+        t.allgather(b, q, n * h_out // q)                 # dY over b
+        t.reduce_scatter(a, q, n * q * h_in // q)         # dX over a
+        t.reduce_scatter("i", q, (h_in // q) * (h_out // q))    # dW over i
+    _layernorm(t, "k", q, n, 2 * cfg.n_layer + 1)
+    t.allgather("i", q, (V // q) * (h // (q * q)))        # wte over i
+    t.reduce_scatter("j", q, n * q * h // q)              # lookup
+    t.allgather("j", q, n * h // q)                       # head: X over j
+    t.reduce_scatter("k", q, n * q * V // q)              # head: logits over k
+    t.allgather("k", q, n * V // q)                       # head backward: dlogits
+    t.reduce_scatter("j", q, n * q * h // q)              # head backward: dX
+    t.allgather("j", q, n * h // q)                       # lookup backward: dX
+    t.reduce_scatter("i", q, (V // q) * (h // q))         # wte gradient
+    _cross_entropy(t, "j", q, n)
+    return t
+
+
+TRAFFIC = {"serial": serial_traffic, "1d": oned_traffic, "2d": tesseract_traffic,
+           "2.5d": tesseract_traffic, "3d": cube_traffic}
+
+
+def local_param_sizes(p: Problem) -> dict:
+    """{name: (local elements, gradient axis or None)} for one rank, from the
+    sharding rules of each layout (closed forms, not the layout code)."""
+    cfg, out = p.cfg, {}
+    for decl in gpt_params(cfg):
+        out[decl.name] = _local_size(p, decl)
+    return out
+
+
+def _local_size(p: Problem, decl):
+    role, shape, cfg = decl.role, decl.shape, p.cfg
+    numel = 1
+    for n in shape:
+        numel *= n
+    if p.layout == "serial":
+        return numel, None
+    if p.layout == "1d":
+        g = p.tp
+        if role == "wte":
+            return -(-cfg.vocab_size // g) * cfg.n_embd, None
+        if role in ("w_first", "b_first", "w_second"):
+            return numel // g, None
+        return numel, None
+    if p.layout in ("2d", "2.5d"):
+        d = p.depth
+        q = round((p.tp // d) ** 0.5)
+        on_depth = "depth" if d > 1 else None
+        if role == "wte":
+            return -(-cfg.vocab_size // q) * cfg.n_embd // q, on_depth
+        if role in ("w_first", "w_second"):
+            return numel // (q * q), on_depth
+        return numel // q, "col_depth"     # wpe, norm, biases: hidden block c
+    q = round(p.tp ** (1 / 3))
+    if role == "wte":
+        return -(-cfg.vocab_size // q) * cfg.n_embd // (q * q), None
+    if role in ("w_first", "w_second"):
+        return numel // (q ** 3), None
+    if role == "b_first":
+        return numel // q, "ik"
+    return numel // q, "ij"                # wpe, norm, b_second
+
+
+def step_traffic(p: Problem) -> Traffic:
+    """Everything one training step moves: the layout's forward/backward,
+    the gradient all-reduces over replica groups and over dp, the gradient
+    norm and the reported loss."""
+    t = TRAFFIC[p.layout](p)
+    sizes = local_param_sizes(p)
+    group_sizes = defaultdict(int)
+    for n, axis in sizes.values():
+        if axis is not None:
+            group_sizes[axis] += n
+    for axis, n in group_sizes.items():
+        t.allreduce(axis, _group_size(p, axis), n)
+    t.allreduce("dp", p.dp, sum(n for n, _ in sizes.values()))
+    t.allreduce("tp", p.tp, 1)                 # gradient norm
+    t.allreduce("world", p.tp * p.dp, 1)       # reported loss
+    return t
+
+
+def _group_size(p: Problem, axis: str) -> int:
+    if axis == "depth":
+        return p.depth
+    if axis == "col_depth":
+        return p.tp // round((p.tp // p.depth) ** 0.5)
+    q = round(p.tp ** (1 / 3))
+    return q * q                               # ij, ik planes of the cube

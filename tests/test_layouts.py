@@ -1,0 +1,31 @@
+"""Every layout follows the serial model (float64, relative 1e-10): loss,
+logits, every parameter gradient and the parameters after three AdamW steps,
+with dropout on; and its measured communication equals the cost model
+exactly. See tests/parallel_check.py for what each run checks."""
+
+import pytest
+
+from mpirun import mpiexec
+
+CASES = [
+    # (ranks, layout, dp, depth)
+    (2, "1d", 1, 1),
+    (4, "1d", 1, 1),
+    (4, "2d", 1, 1),
+    (9, "2d", 1, 1),
+    (8, "2.5d", 1, 2),
+    (8, "3d", 1, 1),
+    (27, "3d", 1, 1),
+    (8, "2d", 2, 1),
+    (16, "3d", 2, 1),
+    (2, "serial", 2, 1),
+    (4, "1d", 2, 1),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks,layout,dp,depth", CASES, ids=[f"{c[1]}-n{c[0]}-dp{c[2]}-d{c[3]}" for c in CASES])
+def test_layout_matches_serial(ranks, layout, dp, depth):
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, depth, 0.1], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK {layout} world={ranks} dp={dp} depth={depth}" in proc.stdout
