@@ -49,9 +49,22 @@ def split_world(world_size: int, dp: int) -> int:
     return world_size // dp
 
 
+def validate_model(cfg: ModelConfig) -> None:
+    """Sizes that no layout can run."""
+    for name in ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.n_embd % cfg.n_head:
+        fits = [n for n in range(1, cfg.n_embd + 1) if cfg.n_embd % n == 0]
+        near = sorted(fits, key=lambda n: abs(n - cfg.n_head))[:2]
+        raise ConfigError(f"n_embd {cfg.n_embd} must be divisible by n_head {cfg.n_head}: "
+                          f"use n_head {' or '.join(map(str, sorted(near)))}")
+
+
 def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1):
     """(layout class, resolved name, tp size) after validating every size;
     pure: no MPI."""
+    validate_model(cfg)
     tp = split_world(world_size, dp)
     resolved = choose_layout(name, tp, depth)
     if resolved not in LAYOUTS:

@@ -17,6 +17,8 @@ reduce-scatter dX and dW.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import ops
@@ -35,9 +37,10 @@ class CubeLayout(Layout):
 
         q = integer_root(tp, 3)
         if q is None:
-            cubes = sorted((s ** 3 for s in range(1, 20)), key=lambda v: abs(v - tp))[:2]
+            below = max(s ** 3 for s in range(1, tp + 1) if s ** 3 <= tp)
+            above = min(s ** 3 for s in range(1, tp + 2) if s ** 3 > tp)
             raise ConfigError(f"layout 3d: needs a tensor-parallel size q^3; got {tp}: "
-                              f"nearest valid sizes {' or '.join(map(str, sorted(cubes)))}")
+                              f"nearest valid sizes {below} or {above}")
         return q
 
     @classmethod
@@ -49,7 +52,7 @@ class CubeLayout(Layout):
                     f"use {nearest_multiples(local_batch, q * q)}")
         cls.require(cfg.n_embd % (q * q) == 0,
                     f"n_embd {cfg.n_embd} must be divisible by q^2 = {q * q} (weights split q^2 ways): "
-                    f"use {nearest_multiples(cfg.n_embd, q * q)}")
+                    f"use {nearest_multiples(cfg.n_embd, math.lcm(q * q, cfg.n_head))}")
         cls.require(cfg.n_head % q == 0,
                     f"n_head {cfg.n_head} must be divisible by q = {q}: use {nearest_multiples(cfg.n_head, q)}")
 

@@ -38,9 +38,10 @@ class TesseractLayout(Layout):
             raise ConfigError(f"layout {cls.name}: --depth {depth} must divide the tensor-parallel size {tp}")
         q = integer_root(tp // depth, 2)
         if q is None:
-            sizes = sorted({depth * s * s for s in range(1, 65)}, key=lambda v: abs(v - tp))[:2]
+            below = max(depth * s * s for s in range(1, tp + 1) if depth * s * s <= tp)
+            above = min(depth * s * s for s in range(1, tp + 2) if depth * s * s > tp)
             raise ConfigError(f"layout {cls.name}: needs a tensor-parallel size d*q*q (d = {depth}); "
-                              f"got {tp}: nearest valid sizes {' or '.join(map(str, sorted(sizes)))}")
+                              f"got {tp}: nearest valid sizes {below} or {above}")
         return q
 
     @classmethod

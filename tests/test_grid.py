@@ -1,0 +1,42 @@
+"""Size validation happens before any MPI call and names the fix."""
+
+import pytest
+
+from mpicube.config import ModelConfig
+from mpicube.errors import ConfigError
+from mpicube.grid import choose_layout, plan
+
+CFG = ModelConfig(vocab_size=256, n_ctx=16, n_layer=1, n_head=12, n_embd=144)
+
+
+@pytest.mark.parametrize("tp,expected", [(1, "serial"), (2, "1d"), (4, "2d"), (6, "1d"), (8, "3d"),
+                                         (9, "2d"), (27, "3d"), (64, "3d")])
+def test_auto_layout(tp, expected):
+    assert choose_layout("auto", tp) == expected
+
+
+@pytest.mark.parametrize("layout,world,dp,depth,batch,cfg,message", [
+    ("3d", 10, 1, 1, 8, CFG, "q^3; got 10: nearest valid sizes 8 or 27"),
+    ("3d", 8, 1, 1, 6, CFG, "batch size per replica 6 must be divisible by q^2 = 4: use 4 or 8"),
+    ("3d", 27, 1, 1, 9, ModelConfig(n_head=12, n_embd=132), "n_embd 132 must be divisible by q^2 = 9 (weights split q^2 ways): use 108 or 144"),
+    ("3d", 8, 1, 1, 8, ModelConfig(n_head=9, n_embd=144), "n_head 9 must be divisible by q = 2: use 8 or 10"),
+    ("2d", 6, 1, 1, 8, CFG, "nearest valid sizes 4 or 9"),
+    ("2d", 4, 1, 1, 3, CFG, "batch size per replica 3 must be divisible by d*q = 2: use 2 or 4"),
+    ("2.5d", 8, 1, 3, 8, CFG, "--depth 3 must divide the tensor-parallel size 8"),
+    ("1d", 5, 1, 1, 8, CFG, "n_head 12 must be divisible by the tensor-parallel size 5"),
+    ("serial", 2, 1, 1, 8, CFG, "runs on one rank per data-parallel replica"),
+    ("auto", 6, 4, 1, 8, CFG, "--dp 4 must divide the world size 6; choose one of [1, 2, 3, 6]"),
+    ("auto", 4, 2, 1, 7, CFG, "--batch-size 7 must be divisible by --dp 2"),
+    ("4d", 4, 1, 1, 8, CFG, "unknown layout '4d'"),
+    ("auto", 1, 1, 1, 8, ModelConfig(n_head=7, n_embd=144), "n_embd 144 must be divisible by n_head 7: use n_head 6 or 8"),
+])
+def test_bad_sizes_are_named(layout, world, dp, depth, batch, cfg, message):
+    with pytest.raises(ConfigError) as err:
+        plan(layout, cfg, batch, world, dp, depth)
+    assert message in str(err.value)
+
+
+def test_valid_plans():
+    assert plan("auto", CFG, 16, 64)[1] == "3d"
+    assert plan("2.5d", CFG, 8, 8, 1, 2)[2] == 8
+    assert plan("auto", CFG, 8, 16, dp=2)[1:] == ("3d", 8)
