@@ -191,6 +191,63 @@ def _local_size(p: Problem, decl):
     return numel // q, "ij"                # wpe, norm, b_second
 
 
+@dataclass
+class Memory:
+    """Elements held per rank, by category."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def activation_elems(p: Problem, dropout: bool = False) -> int:
+    """Elements kept for backward after one forward pass (what
+    ``GPT.saved_elements`` measures): LayerNorm outputs and statistics,
+    linear inputs (gathered in 3-D), q/k/v, attention probabilities, GELU
+    input and tanh, logits and softmax, gathered embedding panels, masks."""
+    cfg, T, L, h = p.cfg, p.seq_len, p.cfg.n_layer, p.cfg.n_embd
+    if p.layout in ("serial", "1d"):
+        q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
+        V = -(-cfg.vocab_size // heads) * heads // heads
+        mid_cols = h // heads
+    elif p.layout in ("2d", "2.5d"):
+        q = round((p.tp // p.depth) ** 0.5)
+        split_rows, split_cols, heads = p.depth * q, q, q
+        V = -(-cfg.vocab_size // q)
+        mid_cols = h // q
+    else:
+        q = round(p.tp ** (1 / 3))
+        split_rows, split_cols, heads = q * q, q, q
+        V = -(-cfg.vocab_size // q)
+        mid_cols = h // q
+    seqs = p.local_batch // split_rows
+    n = seqs * T                       # token rows per rank, canonical and intermediate alike
+    cc = h // split_cols               # canonical width
+    probs = seqs * (cfg.n_head // heads) * T * T
+    per_layer = 2 * (n * cc + n) + n * 3 * mid_cols + probs + 2 * n * 4 * mid_cols
+    total = L * per_layer + (n * cc + n) + 2 * n * V
+    if p.layout == "3d":
+        for h_in, h_out, _ in _linears(cfg):
+            total += L * (q * n * h_in // q + (h_in // q) * (h_out // q))   # gathered X and W
+        total += q * n * h // q + 2 * V * (h // q)                           # head input, wte panel + grad
+    else:
+        total += L * (2 * n * cc + n * mid_cols + n * 4 * mid_cols) + n * cc  # linear inputs, head input
+        if p.layout in ("2d", "2.5d"):
+            total += 2 * (V * q) * (h // q)                                   # wte[:, block c] + grad
+    if dropout:
+        total += L * (2 * n * cc + 2 * probs) + n * cc
+    return total
+
+
+def step_memory(p: Problem, dropout: bool = False) -> Memory:
+    params = sum(n for n, _ in local_param_sizes(p).values())
+    return Memory(params, params, 2 * params, activation_elems(p, dropout))
+
+
 def step_traffic(p: Problem) -> Traffic:
     """Everything one training step moves: the layout's forward/backward,
     the gradient all-reduces over replica groups and over dp, the gradient

@@ -169,6 +169,34 @@ class GPT:
         local = xp.asarray([float(row_loss.sum()) / emb.row_replicas], dtype=xp.float64)
         return float(layout.axes.world.allreduce(local)[0]) / self.n_tokens
 
+    def saved_elements(self) -> int:
+        """Floating-point elements this rank holds for backward right after
+        forward: activations, gathered weight panels, dropout masks. Counted
+        by walking every module's caches (each buffer once, parameters
+        excluded), to check the analytic memory model against what the code
+        really keeps."""
+        params = (self.store.flat, self.store.flat_grad)
+        seen = {}
+
+        def visit(value):
+            if isinstance(value, (tuple, list)):
+                for item in value:
+                    visit(item)
+            elif hasattr(value, "dtype") and hasattr(value, "base") and value.dtype.kind == "f":
+                owner = value
+                while owner.base is not None:
+                    owner = owner.base
+                if not any(owner is p for p in params):
+                    seen[id(owner)] = owner.size
+
+        modules = [self, self.embedding, self.ln_f]
+        for block in self.blocks:
+            modules += [block, block.ln_1, block.c_attn, block.c_proj, block.ln_2, block.c_fc, block.mlp_proj]
+        for module in modules:
+            for value in vars(module).values():
+                visit(value)
+        return sum(seen.values())
+
     def backward(self) -> None:
         """Adds d(mean loss)/d(parameter) into the store's gradient buffer
         (before any gradient synchronisation)."""

@@ -16,7 +16,7 @@ from mpi4py import MPI
 from mpicube.backend import make_backend
 from mpicube.comm import Counters
 from mpicube.config import ModelConfig
-from mpicube.costmodel import Problem, step_traffic
+from mpicube.costmodel import Problem, step_memory, step_traffic
 from mpicube.grid import build_layout
 from mpicube.model import GPT, gpt_params
 from mpicube.optim import AdamW, global_grad_norm, sync_gradients
@@ -53,6 +53,16 @@ def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
                                  f"{got_m} messages, model predicts {want_e} / {want_m}")
 
 
+def check_memory(cfg, layout, batch, dp, depth, dropout, store, model):
+    """Parameters and saved activations == the analytic memory model."""
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx)
+    want = step_memory(problem, dropout > 0)
+    got = (store.flat.size, model.saved_elements())
+    if got != (want.params, want.activations):
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: measured (params, activations) {got}, "
+                             f"model predicts {(want.params, want.activations)}")
+
+
 def main():
     layout_name, dp, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
@@ -73,6 +83,7 @@ def main():
         loss = model.forward(x[rows], y[rows], step=step)
         s_loss = s_model.forward(x, y, step=step)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
+        check_memory(cfg, layout, batch, dp, depth, dropout, store, model)
         if step == 1:
             emb = model.embedding
             seqs = layout.axes.dp.rank * layout.local_batch + emb.logit_seqs
