@@ -273,3 +273,101 @@ def _group_size(p: Problem, axis: str) -> int:
         return p.tp // round((p.tp // p.depth) ** 0.5)
     q = round(p.tp ** (1 / 3))
     return q * q                               # ij, ik planes of the cube
+
+
+# --- the report behind `mpicube info` ------------------------------------------
+def comparison_depth(tp: int) -> int:
+    """A depth for 2.5-D at this size: d = q when tp is a cube (Tesseract's
+    usual choice), else the smallest d > 1 leaving a square grid."""
+    from .grid import integer_root
+
+    q = integer_root(tp, 3)
+    if q and q > 1:
+        return q
+    for d in range(2, tp + 1):
+        if tp % d == 0 and integer_root(tp // d, 2):
+            return d
+    return 1
+
+
+def _fmt(n) -> str:
+    n = float(n)
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.4g}"
+
+
+def _problem(name, cfg, batch_size, world_size, dp, depth):
+    """A validated Problem, or the ConfigError's message."""
+    from .errors import ConfigError
+
+    try:
+        _, resolved, tp = plan(name, cfg, batch_size, world_size, dp, depth)
+    except ConfigError as err:
+        return str(err)
+    return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx)
+
+
+def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
+           depth: int = 1, bytes_per_elem: int = 4) -> str:
+    """Sharding plan and per-rank predictions for one layout, then the four
+    schemes side by side at the same world size."""
+    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth)
+    if isinstance(chosen, str):
+        from .errors import ConfigError
+
+        raise ConfigError(chosen)
+    lines = [f"layout {chosen.layout}: world {world_size} = dp {dp} x tp {chosen.tp}"
+             + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else ""),
+             f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step", "",
+             "sharding plan (per rank):",
+             f"  {'tensor':<28} {'global shape':>16} {'local elems':>12}  gradient summed over"]
+    sizes = local_param_sizes(chosen)
+    shown = {}
+    for decl in gpt_params(cfg):
+        key = decl.name.split(".", 2)[-1] if decl.name.startswith("h.") else decl.name
+        if key in shown:
+            continue
+        shown[key] = True
+        n, axis = sizes[decl.name]
+        label = ("h.*." + key) if decl.name.startswith("h.") else key
+        lines.append(f"  {label:<28} {str(decl.shape):>16} {n:>12}  {axis or '-'}")
+    traffic, memory = step_traffic(chosen), step_memory(chosen)
+    lines += ["", "communication per rank per step (elements, messages):"]
+    for axis in sorted(traffic.elems):
+        lines.append(f"  {axis:<10} {_fmt(traffic.elems[axis]):>10} {traffic.msgs[axis]:>8}")
+    lines.append(f"  {'total':<10} {_fmt(traffic.total_elems()):>10} {traffic.total_msgs():>8}")
+    lines += ["", f"memory per rank (elements; bytes at {bytes_per_elem} B/element):"]
+    for field_name in ("params", "grads", "optimizer", "activations"):
+        n = getattr(memory, field_name)
+        lines.append(f"  {field_name:<12} {_fmt(n):>10}  {_fmt(n * bytes_per_elem)}B")
+    lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(memory.total() * bytes_per_elem)}B")
+    lines += ["", compare(cfg, batch_size, world_size, dp, bytes_per_elem)]
+    return "\n".join(lines)
+
+
+def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, bytes_per_elem: int = 4) -> str:
+    """1-D, 2-D, 2.5-D and 3-D at the same world size: communication and
+    memory per rank, and each one's ratio to 3-D."""
+    tp = world_size // dp if world_size % dp == 0 else 0
+    rows = []
+    for name in ("1d", "2d", "2.5d", "3d"):
+        depth = comparison_depth(tp) if name == "2.5d" and tp else 1
+        rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth)))
+    base = next((p for n, _, p in rows if n == "3d" and not isinstance(p, str)), None)
+    base_t = step_traffic(base).total_elems() if base else None
+    base_m = step_memory(base).total() if base else None
+    lines = [f"all schemes at world {world_size} (dp {dp}), per rank per step:",
+             f"  {'layout':<10} {'comm elems':>11} {'messages':>9} {'memory':>10} {'comm/3d':>8} {'mem/3d':>7}"]
+    for name, depth, p in rows:
+        label = f"{name} d={depth}" if name == "2.5d" else name
+        if isinstance(p, str):
+            lines.append(f"  {label:<10} n/a: {p}")
+            continue
+        t, m = step_traffic(p), step_memory(p)
+        ratio_t = f"{float(t.total_elems() / base_t):.2f}x" if base_t else "-"
+        ratio_m = f"{m.total() / base_m:.2f}x" if base_m else "-"
+        lines.append(f"  {label:<10} {_fmt(t.total_elems()):>11} {t.total_msgs():>9} "
+                     f"{_fmt(m.total() * bytes_per_elem) + 'B':>10} {ratio_t:>8} {ratio_m:>7}")
+    return "\n".join(lines)
