@@ -1,0 +1,71 @@
+#!/bin/bash
+# mpicube on Slurm: 3-D tensor parallelism on a 4x4x4 cube = 64 GPUs
+# (16 nodes x 4 GPUs, one MPI rank per GPU), checkpointing and requeueing
+# itself until the run is done.
+#
+# Submit from the repository root (mpicube options after the script are
+# passed to `mpicube train`):
+#     sbatch jobs/slurm_64gpu.sh
+#     DATA=/scratch/shards RUN_DIR=runs/my-run sbatch jobs/slurm_64gpu.sh --steps 2000
+#
+# Edit before the first run:
+#   - #SBATCH lines: --account and --partition (delete one '#' to enable
+#     them), --time. With 8 GPUs per node use --nodes=8
+#     --ntasks-per-node=8 --gpus-per-node=8 (--ntasks stays 64).
+#     Older Slurm without --gpus-per-node: --gres=gpu:4.
+#   - "site setup" below: the module loads for CUDA and for the MPI that
+#     mpi4py was built against, and the venv if it is not <repo>/.venv.
+#     Make the venv once, on a login node, after the same module loads:
+#         make install-site-mpi && .venv/bin/pip install -e '.[gpu]'
+#   - the run settings below, or their environment variables.
+#
+# GPUs: every rank must see all GPUs of its node; mpicube picks one by its
+# node-local rank (--device gpu). Do not add --gpus-per-task or --gpu-bind.
+#
+# Restarts: each launch runs `mpicube train --resume --out $RUN_DIR`, which
+# continues from the run's newest checkpoint (or starts fresh). 180 s before
+# the time limit Slurm sends SIGUSR1 to every rank (--signal without "B:"
+# reaches the job steps, not just this shell); mpicube writes a checkpoint
+# and exits 75, and this script requeues the job (same id, log appended).
+# Exit 0 means finished; any other status is a failure and is not requeued.
+# Variables and details: jobs/common.sh.
+#
+#SBATCH --job-name=mpicube-3d-64
+#SBATCH --nodes=16
+#SBATCH --ntasks=64
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=8
+#SBATCH --time=06:00:00
+#SBATCH --signal=USR1@180
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+##SBATCH --account=CHANGE_ME
+##SBATCH --partition=CHANGE_ME
+
+# ---- site setup ----------------------------------------------------------------------------
+# module load cuda/12 openmpi       # the MPI that mpi4py in the venv was built against
+# export VENV=/path/to/venv         # default: <repo>/.venv
+# export SRUN_ARGS=--mpi=pmix       # if the MPI probe below reports a world of 1
+
+set -euo pipefail
+REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+[[ -f $REPO_DIR/jobs/common.sh ]] || REPO_DIR=$REPO_DIR/..  # submitted from jobs/
+# shellcheck source=jobs/common.sh
+source "$REPO_DIR/jobs/common.sh"
+
+# ---- the run: a 4x4x4 cube, one rank per GPU ---------------------------------------
+# 3-D layout divisibility: BATCH_SIZE by q^2=16, N_EMBD by q^2=16, N_HEAD by q=4.
+# Every value can be overridden from the environment.
+# About 12 GB per GPU (mostly activations); `mpicube info --layout 3d -n 64` with
+# the same sizes prints the sharding plan, traffic and memory per rank.
+: "${RUN_DIR:=runs/3d-64gpu}"
+: "${DATA:=}"  # token shards from `mpicube prepare`; empty: the built-in corpus
+: "${N_LAYER:=24}" "${N_HEAD:=32}" "${N_EMBD:=2048}" "${SEQ_LEN:=1024}" "${BATCH_SIZE:=64}"
+: "${STEPS:=20000}" "${LR:=3e-4}" "${WARMUP:=1000}" "${CKPT_EVERY:=250}"
+: "${LAYOUT:=3d}" "${DTYPE:=float32}" "${DEVICE:=gpu}"
+
+mpc_setup slurm
+mpc_check_world
+mpc_run "$@"
