@@ -1,0 +1,388 @@
+"""The ``mpicube`` command line: train, eval, prepare, info, inspect.
+
+Run it as ``mpiexec -n P mpicube train ...`` (or ``python -m mpicube``).
+
+Errors (DESIGN.md section 7). Bad input - ``UserError`` (``ConfigError`` is
+one), ``DataError``, ``CheckpointError``, a click usage error - is reported by
+rank 0 as one line ``error: <message>`` on stderr, without a traceback, and
+the job exits with status 2. Such an error is normally raised by every rank
+at the same point (sizes are validated before any collective, and inputs
+that only rank 0 reads are broadcast with their error); when it is raised by
+only some ranks while others wait in a collective, the ranks that failed
+wait ``MPICUBE_ERROR_GRACE`` seconds (default 3) for the rest, then print
+their own message and abort the whole job. Any other exception prints its
+traceback, each line prefixed with the rank, and aborts the job with status
+1, so no rank is ever left waiting.
+
+Exit statuses: 0 done (also after ``--stop-after``), 1 internal error,
+2 bad input, 3 training diverged, 75 stopped by a signal or ``--time-limit``
+with a checkpoint written (resume with ``--resume``), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from inspect import signature
+
+import click
+
+from . import __version__
+from .checkpoint import CheckpointError
+from .data import DataError
+from .errors import UserError
+
+try:                                    # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:             # pragma: no cover - older Pythons
+    import tomli as tomllib
+
+LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
+USER_ERRORS = (UserError, DataError, CheckpointError)
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+_mpi = {"world": None, "errors": None}   # COMM_WORLD and a private duplicate for error agreement
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _rank() -> int:
+    world = _mpi["world"]
+    return 0 if world is None else world.Get_rank()
+
+
+def echo(text: str = "", err: bool = False) -> None:
+    """Print on rank 0 only."""
+    if _rank() == 0:
+        click.echo(text, err=err)
+
+
+class Duration(click.ParamType):
+    """Seconds, or [[H:]M:]S like a batch system's time limit."""
+
+    name = "seconds"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            parts = [float(p) for p in str(value).split(":")]
+        except ValueError:
+            self.fail(f"{value!r} is not a number of seconds or [[H:]M:]S", param, ctx)
+        if len(parts) > 3:
+            self.fail(f"{value!r} has too many ':' fields (use [[H:]M:]S)", param, ctx)
+        seconds = 0.0
+        for p in parts:
+            seconds = seconds * 60 + p
+        return seconds
+
+
+def _load_config(ctx, param, path):
+    """``--config FILE.toml``: its keys (option names, dashes or underscores)
+    become defaults, so options given on the command line override them."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: cannot read ({exc.strerror})", ctx, param) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise click.BadParameter(f"{path}: not valid TOML ({exc})", ctx, param) from None
+    known = {p.name for p in ctx.command.params if p.expose_value}
+    values = {}
+    for key, value in doc.items():
+        name = key.replace("-", "_")
+        if name not in known or isinstance(value, dict):
+            raise click.BadParameter(f"{path}: unknown key {key!r}; valid keys are option names such as "
+                                     f"{', '.join(sorted(known)[:6])}, ...", ctx, param)
+        values[name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **values}
+    return path
+
+
+def model_options(f):
+    """The model's shape, shared by ``train`` and ``info``."""
+    f = click.option("--seq-len", type=int, default=64, show_default=True,
+                     help="sequence length T, also the model's context n_ctx")(f)
+    f = click.option("--n-embd", type=int, default=144, show_default=True, help="hidden size h")(f)
+    f = click.option("--n-head", type=int, default=12, show_default=True, help="attention heads")(f)
+    f = click.option("--n-layer", type=int, default=4, show_default=True, help="transformer blocks")(f)
+    return f
+
+
+def layout_options(f):
+    f = click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")(f)
+    f = click.option("--dp", type=int, default=1, show_default=True,
+                     help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")(f)
+    f = click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default="auto", show_default=True,
+                     help="tensor-parallel scheme; auto: 3d on a cube, 2d on a square, else 1d")(f)
+    return f
+
+
+def device_options(f):
+    f = click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+                     help="NumPy on CPUs or CuPy, one GPU per rank")(f)
+    f = click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
+                     show_default=True)(f)
+    return f
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="mpicube")
+def cli():
+    """GPT-2 training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
+
+    Run under MPI: mpiexec -n 8 mpicube train --layout 3d
+    """
+
+
+@cli.command()
+@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
+              expose_value=False, help="TOML file of option values (keys as option names); "
+                                       "options on the command line override it")
+@layout_options
+@model_options
+@click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
+@click.option("--steps", type=int, default=500, show_default=True, help="optimizer steps (LR schedule length)")
+@click.option("--lr", type=float, default=3e-3, show_default=True, help="peak learning rate")
+@click.option("--warmup", type=int, default=20, show_default=True, help="linear warmup steps, then cosine decay")
+@click.option("--weight-decay", type=float, default=0.1, show_default=True)
+@click.option("--grad-clip", type=float, default=1.0, show_default=True, help="global norm clip (0 = off)")
+@click.option("--dropout", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=1337, show_default=True, help="initialisation, data order, dropout")
+@device_options
+@click.option("--data", type=str, default=None, metavar="PATH",
+              help="train token shard (its <stem>_val<suffix> sibling is the validation set); "
+                   "default: the built-in corpus (the Python standard library's sources)")
+@click.option("--out", type=str, default=None, metavar="RUN_DIR", help="run directory  [default: runs/<timestamp>]")
+@click.option("--ckpt-every", type=int, default=0, show_default=True,
+              help="checkpoint every N steps (0 = only the final one)")
+@click.option("--keep", type=int, default=3, show_default=True, help="checkpoints kept (0 = all)")
+@click.option("--eval-every", type=int, default=0, show_default=True, help="validate every N steps (0 = off)")
+@click.option("--eval-batches", type=int, default=8, show_default=True, help="batches per validation")
+@click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
+@click.option("--init-from", type=str, default=None, metavar="CKPT",
+              help="checkpoint (step dir, checkpoint.h5 or run dir) to take the parameters from, saved on "
+                   "any layout; with --resume also its optimizer state and step, unless the run "
+                   "directory has a checkpoint of its own")
+@click.option("--resume", is_flag=True, default=False,
+              help="continue from the run directory's latest checkpoint (fresh start if it has none)")
+@click.option("--stop-after", type=int, default=None,
+              help="stop after this step with a checkpoint (the schedule still follows --steps)")
+@click.option("--time-limit", type=Duration(), default=None,
+              help="wall-clock budget (seconds or [[H:]M:]S): checkpoint and exit 75 before it runs out")
+def train(**kwargs):
+    """Train a GPT-2 model.
+
+    Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
+    step) and checkpoints in RUN_DIR/ckpt/. SIGTERM or SIGUSR1 on any rank
+    (or --time-limit) writes a checkpoint and exits with status 75;
+    `--resume` continues exactly where it stopped.
+    """
+    from .train import TrainOptions
+    from .train import train as run_training
+
+    return run_training(TrainOptions(**kwargs), _mpi["world"])
+
+
+@cli.command("eval")
+@click.argument("ckpt")
+@click.option("--data", type=str, default=None, metavar="PATH",
+              help="token shard to evaluate on  [default: the built-in validation shard]")
+@click.option("--batch-size", type=int, default=None,
+              help="sequences per batch  [default: the checkpoint's training batch size]")
+@click.option("--seq-len", type=int, default=None, help="sequence length  [default: the model's context]")
+@click.option("--batches", type=int, default=8, show_default=True, help="evaluation batches (0 = all)")
+@layout_options
+@device_options
+def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device):
+    """Mean cross-entropy of a checkpoint on a token shard.
+
+    Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
+    JSON object with "loss", "step" and "tokens".
+    """
+    from .train import evaluate_checkpoint
+
+    result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
+                                 _mpi["world"])
+    echo(f"{result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f} over {result['batches']} "
+         f"batches of {result['batch_size']} x {result['seq_len']} tokens")
+    echo(json.dumps(result))
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--out", required=True, type=str, metavar="FILE", help="train shard to write, e.g. data/corpus.bin")
+@click.option("--val-fraction", type=float, default=0.05, show_default=True,
+              help="tail of the token stream that goes to <stem>_val<suffix>")
+def prepare(inputs, out, val_fraction):
+    """Tokenize text files and folders (bytes -> tokens) into train/val shards."""
+    from . import data
+    from .train import on_root
+
+    paths = on_root(_mpi["world"], lambda: [str(p) for p in data.prepare(list(inputs), out, val_fraction)])
+    for path in paths:
+        echo(f"wrote {path}: {len(data.read_shard(path)):,} tokens")
+
+
+@cli.command()
+@model_options
+@click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
+              help="also show this layout's sharding plan and cost predictions")
+@click.option("-n", "--world-size", type=int, default=None, help="number of ranks for the plan")
+@click.option("--dp", type=int, default=1, show_default=True)
+@click.option("--depth", type=int, default=1, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype):
+    """Model size; with --layout/-n, the sharding plan and per-rank predictions."""
+    from .config import ModelConfig
+    from .data import VOCAB_SIZE
+    from .train import validate_model_config
+
+    cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    validate_model_config(cfg)
+    n = cfg.n_params()
+    h = cfg.n_embd
+    embed = (cfg.vocab_size + cfg.n_ctx) * h
+    per_layer = (n - embed - 2 * h) // cfg.n_layer
+    width = 4 if dtype == "float32" else 8
+    echo(f"model: GPT-2, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
+         f"vocab {cfg.vocab_size}")
+    echo(f"parameters: {n:,} (embeddings {embed:,}, {cfg.n_layer} layers x {per_layer:,}, ln_f {2 * h:,})")
+    echo(f"memory: {_mib(n * width)} of parameters in {dtype}; {_mib(4 * n * width)} with gradients and "
+         f"AdamW moments (before sharding)")
+    if layout is not None or world_size is not None:
+        from . import costmodel
+
+        if not hasattr(costmodel, "report"):
+            raise UserError("this build's cost model has no report (mpicube.costmodel.report)")
+        extra = {}
+        if "bytes_per_elem" in signature(costmodel.report).parameters:
+            extra["bytes_per_elem"] = width
+        echo()
+        echo(costmodel.report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, **extra))
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 20:.1f} MiB"
+
+
+@cli.command()
+@click.argument("ckpt")
+def inspect(ckpt):
+    """Report a checkpoint's contents and check every shard; exit 1 if damaged."""
+    from .checkpoint import inspect as inspect_checkpoint
+
+    ok, report = inspect_checkpoint(ckpt)
+    echo(report)
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv=None) -> None:
+    """Console entry point: run a command, turn errors into exit statuses."""
+    _init_mpi()
+    try:
+        status = cli.main(args=argv, prog_name="mpicube", standalone_mode=False)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        _fail("interrupted", EXIT_INTERRUPTED, agree=False)
+    except click.ClickException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":      # bare `mpicube` (click >= 8.2): the help
+            echo(exc.format_message())
+            sys.exit(EXIT_USAGE)
+        _fail(_click_message(exc), EXIT_USAGE)
+    except USER_ERRORS as exc:
+        _fail(str(exc), getattr(exc, "exit_code", EXIT_USAGE))
+    except Exception:  # noqa: BLE001 - anything else is a bug: traceback, abort the job
+        _crash()
+    sys.stdout.flush()
+    sys.exit(status if isinstance(status, int) else 0)
+
+
+def _init_mpi() -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    _mpi["world"] = world
+    if world.Get_size() > 1 and _mpi["errors"] is None:
+        _mpi["errors"] = world.Dup()   # errors are agreed here, never in a communicator a collective may be using
+
+
+def _click_message(exc: click.ClickException) -> str:
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, click.UsageError) and ctx is not None:
+        message += f" (see '{ctx.command_path} --help')"
+    return message
+
+
+def _all_ranks_failed(timeout: float) -> bool:
+    """Whether every rank reaches this point within ``timeout`` seconds."""
+    request = _mpi["errors"].Ibarrier()
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _grace_seconds() -> float:
+    try:
+        return float(os.environ.get("MPICUBE_ERROR_GRACE", "3"))
+    except ValueError:
+        return 3.0
+
+
+def _fail(message: str, status: int, agree: bool = True) -> None:
+    """Report a user-facing error once and end the job with ``status``."""
+    world = _mpi["world"]
+    message = " ".join(message.split()) or "failed"
+    if world is None or world.Get_size() == 1:
+        click.echo(f"error: {message}", err=True)
+        sys.exit(status)
+    if agree and _all_ranks_failed(_grace_seconds()):
+        if world.Get_rank() == 0:
+            click.echo(f"error: {message}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.exit(status)
+    # Other ranks are still busy or waiting in a collective: this rank speaks and ends the job.
+    click.echo(f"error: rank {world.Get_rank()}: {message}", err=True)
+    _abort(world, status)
+
+
+def _abort(world, status: int) -> None:
+    """MPI_Abort the job; it may return before the launcher has killed this
+    process, and nothing may run after it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    world.Abort(status)
+    os._exit(status)
+
+
+def _crash() -> None:
+    """An unexpected exception: traceback with the rank, then abort every rank."""
+    world = _mpi["world"]
+    text = traceback.format_exc()
+    if world is not None and world.Get_size() > 1:
+        rank = world.Get_rank()
+        text = "".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True))
+    sys.stdout.flush()
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    if world is not None and world.Get_size() > 1:
+        _abort(world, 1)
+    sys.exit(1)

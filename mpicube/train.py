@@ -1,0 +1,744 @@
+"""The training loop: data, model, optimizer, checkpoints, logging, signals.
+
+One step, on every rank (s is 1-based)::
+
+    x, y = loader.batch(s - 1)                # (B, T) global batch, same on every rank
+    x, y = x[rows], y[rows]                   # (B_dp, T) this data-parallel replica's rows
+    loss = model.forward(x, y, step=s); model.backward()
+    sync_gradients(store, dp); norm = global_grad_norm(store, tp)
+    opt.step(schedule(s), clip_scale(norm))
+
+Everything a run needs to continue is (parameters, AdamW moments and t, the
+step): the loader is random access by step and dropout masks are a function
+of the step, so a resumed run repeats the uninterrupted one bit for bit on the
+same layout, and follows it up to rounding on any other.
+
+Stopping early is agreed by all ranks at step boundaries with one tiny
+uncounted all-reduce: SIGTERM/SIGUSR1 on any rank or ``--time-limit``
+(checkpoint, exit status 75 = EX_TEMPFAIL, "requeue me"), ``--stop-after``
+(checkpoint, exit status 0). A non-finite loss or gradient norm stops the run
+without saving the bad state (exit status 3).
+
+Files in the run directory (rank 0 writes all but the checkpoint shards)::
+
+    config.json      model, options, layout, world size, version
+    metrics.jsonl    one object per step, and one per evaluation
+    ckpt/            checkpoints (mpicube.checkpoint)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from . import __version__, checkpoint, data
+from .backend import make_backend
+from .checkpoint import CheckpointError
+from .comm import Counters
+from .config import ModelConfig
+from .errors import ConfigError, UserError
+from .grid import build_layout, plan
+from .model import GPT, gpt_params
+from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
+from .params import ParamStore
+
+EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
+EXIT_DIVERGED = 3        # non-finite loss or gradient norm
+
+# Test hook (for tests/test_cli.py): the world rank named by this
+# variable raises an unexpected exception at step 2, to check that an
+# exception on one rank ends the whole job instead of leaving it hanging.
+CRASH_HOOK = "MPICUBE_TEST_CRASH_RANK"
+
+# Errors that mean "bad input" and are shown to the user as one line.
+USER_ERRORS = (UserError, data.DataError, CheckpointError)
+
+
+class DivergedError(UserError):
+    """The loss or gradient norm stopped being finite."""
+
+    exit_code = EXIT_DIVERGED
+
+
+@dataclass
+class TrainOptions:
+    """Every option of ``mpicube train`` (same names as the command line)."""
+
+    layout: str = "auto"
+    dp: int = 1
+    depth: int = 1
+    n_layer: int = 4
+    n_head: int = 12
+    n_embd: int = 144
+    seq_len: int = 64
+    batch_size: int = 8            # global sequences per step
+    steps: int = 500
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dropout: float = 0.0
+    seed: int = 1337
+    dtype: str = "float32"
+    device: str = "cpu"
+    data: Optional[str] = None     # train shard; None = built-in corpus
+    out: Optional[str] = None      # run directory; None = runs/<timestamp>
+    ckpt_every: int = 0            # 0 = only the final checkpoint
+    keep: int = 3                  # 0 = keep every checkpoint
+    eval_every: int = 0            # 0 = no evaluation
+    eval_batches: int = 8
+    log_every: int = 10
+    init_from: Optional[str] = None
+    resume: bool = False
+    stop_after: Optional[int] = None
+    time_limit: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=data.VOCAB_SIZE, n_ctx=self.seq_len, n_layer=self.n_layer,
+                           n_head=self.n_head, n_embd=self.n_embd)
+
+    @property
+    def last_step(self) -> int:
+        """The step this invocation stops after (the schedule still spans ``steps``)."""
+        return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
+
+    def validate(self) -> None:
+        """Raise ConfigError for a bad value; pure, so every rank agrees."""
+        positive = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "dp", "depth",
+                    "eval_batches", "log_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{_dash(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup", "ckpt_every", "keep", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_dash(name)} must be 0 or more, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"--{_dash(name)} must be a finite number >= 0, got {value}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ConfigError(f"--stop-after must be at least 1, got {self.stop_after}")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
+        validate_model_config(self.model_config())
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def validate_model_config(cfg: ModelConfig) -> None:
+    """Shape constraints of GPT-2 itself (layouts add their own)."""
+    if cfg.n_embd % cfg.n_head:
+        heads = [d for d in range(1, cfg.n_embd + 1) if cfg.n_embd % d == 0]
+        near = sorted(heads, key=lambda d: (abs(d - cfg.n_head), d))[:2]
+        below = cfg.n_embd // cfg.n_head * cfg.n_head
+        sizes = " or ".join(str(v) for v in (below, below + cfg.n_head) if v > 0)
+        raise ConfigError(f"n_embd {cfg.n_embd} must be divisible by n_head {cfg.n_head} "
+                          f"(each head gets n_embd/n_head columns): use --n-head "
+                          f"{' or '.join(map(str, sorted(near)))}, or --n-embd {sizes}")
+
+
+# --------------------------------------------------------------------------- MPI helpers
+
+
+def on_root(comm, fn):
+    """Run ``fn`` on rank 0 only and give its result, or its user-facing
+    error, to every rank: a bad input then stops all ranks with the same
+    message instead of leaving some of them waiting in a collective."""
+    result = error = None
+    if comm.Get_rank() == 0:
+        try:
+            result = fn()
+        except USER_ERRORS as exc:
+            error = (type(exc), str(exc))
+    result, error = comm.bcast((result, error), root=0)
+    if error is not None:
+        raise error[0](error[1])
+    return result
+
+
+def agree_max(comm, value: int) -> int:
+    """The largest ``value`` over all ranks. Uses the raw mpi4py communicator,
+    so this bookkeeping never shows up in the communication counters."""
+    from mpi4py import MPI
+
+    return int(comm.allreduce(int(value), op=MPI.MAX))
+
+
+# --------------------------------------------------------------------------- model and data
+
+
+@dataclass
+class Parts:
+    """A model on this rank: the layout, its parameter store and the GPT."""
+
+    cfg: ModelConfig
+    backend: object
+    counters: object
+    layout: object
+    store: object
+    model: object
+
+    @property
+    def rows(self) -> slice:
+        """This data-parallel replica's rows of a global (B, T) batch."""
+        b = self.layout.local_batch
+        r = self.layout.axes.dp.rank
+        return slice(r * b, (r + 1) * b)
+
+
+def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
+                seed=0, dropout=0.0) -> Parts:
+    """Backend, layout (validated before any collective), parameters, model."""
+    validate_model_config(cfg)
+    backend = make_backend(device, dtype, mpi_world)
+    counters = Counters()
+    layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
+                          counters=counters)
+    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
+    model = GPT(cfg, layout, store, dropout=dropout, seed=seed)
+    return Parts(cfg, backend, counters, layout, store, model)
+
+
+def eval_model(parts: Parts):
+    """A GPT view of the same parameters with dropout off (GPT objects are
+    cheap: the parameters live in the store)."""
+    return GPT(parts.cfg, parts.layout, parts.store, dropout=0.0, seed=0)
+
+
+def mean_eval_loss(parts: Parts, model, tokens, seq_len: int, n_batches: int) -> float:
+    """Mean cross-entropy over evaluation batches 0..n_batches-1 (forward
+    only); every batch has B x T positions, so this is the mean over all."""
+    B = parts.layout.batch_size
+    total = 0.0
+    for k in range(n_batches):
+        x, y = data.eval_batch(tokens, B, seq_len, k)               # (B, T) each
+        total += model.forward(x[parts.rows], y[parts.rows], step=0)
+    return total / n_batches
+
+
+def val_path_for(train_path: Path) -> Path:
+    """The validation shard ``<stem>_val<suffix>`` beside a train shard."""
+    return train_path.with_name(f"{train_path.stem}_val{train_path.suffix}")
+
+
+def resolve_data(mpi_world, path: Optional[str]):
+    """(train path, val path): the given shard and its ``_val`` sibling if
+    present (else the train shard itself), or the built-in corpus, which rank
+    0 prepares once before the others read it."""
+    if path is None:
+        return tuple(on_root(mpi_world, lambda: tuple(str(p) for p in data.builtin_corpus())))
+    train = Path(path)
+    val = val_path_for(train)
+    return str(train), str(val if val.is_file() else train)
+
+
+# --------------------------------------------------------------------------- checkpoint state
+
+
+def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
+    """Checkpoint blocks of every parameter and AdamW moment held here."""
+    blocks = []
+    buffers = [("model", store.flat)]
+    if with_optimizer:
+        buffers += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
+    for spec in store.specs:
+        lo, hi = store.offsets[spec.name]
+        for prefix, flat in buffers:
+            local = store.backend.to_host(flat[lo:hi]).reshape(spec.local_shape)
+            blocks.append(checkpoint.Block(name=f"{prefix}/{spec.name}", local=local, shape=spec.decl.shape,
+                                           index=spec.index, writer=bool(spec.writer and dp_rank == 0)))
+    return blocks
+
+
+def open_verified(mpi_world, path) -> "checkpoint.Checkpoint":
+    """Rank 0 opens and verifies (checksums of every shard), then every rank
+    opens the same checkpoint without re-hashing it."""
+    resolved = on_root(mpi_world, lambda: _verify(path))
+    return checkpoint.open_checkpoint(resolved, verify=False)
+
+
+def _verify(path) -> str:
+    with checkpoint.open_checkpoint(path, verify=True) as ck:
+        return str(ck.file)
+
+
+def load_state(ck, store, opt=None) -> None:
+    """Read exactly this rank's block of every parameter (and, given ``opt``,
+    of the AdamW moments) from a checkpoint written on any layout."""
+    prefixes = ["model"] + (["optimizer/m", "optimizer/v"] if opt is not None else [])
+    names = set(ck.names())
+    for spec in store.specs:                   # check everything before reading anything
+        for prefix in prefixes:
+            name = f"{prefix}/{spec.name}"
+            if name not in names:
+                what = "optimizer state (needed by --resume)" if prefix != "model" else "this parameter"
+                raise CheckpointError(f"{ck.path}: has no tensor {name!r} ({what})")
+            have, want = tuple(ck.shape(name)), tuple(spec.decl.shape)
+            if have != want:
+                raise CheckpointError(
+                    f"{ck.path}: tensor {name!r} has shape {have} but this model needs {want} "
+                    f"(checkpoint model {_describe_cfg(ck.attrs.get('config'))}; check --n-layer, "
+                    f"--n-head, --n-embd, --seq-len)")
+    backend = store.backend
+    for spec in store.specs:
+        lo, hi = store.offsets[spec.name]
+        targets = [("model", store.flat)]
+        if opt is not None:
+            targets += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
+        for prefix, flat in targets:
+            block = ck.read(f"{prefix}/{spec.name}", index=spec.index, dtype=backend.dtype)
+            flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=backend.dtype)
+
+
+def describe_layout(d: dict) -> str:
+    """``{"layout": "3d", "tp": 8, "dp": 1, "q": 2}`` -> ``layout 3d (tp 8, dp 1, q 2)``."""
+    rest = ", ".join(f"{k} {v}" for k, v in d.items() if k != "layout")
+    return f"layout {d.get('layout')}" + (f" ({rest})" if rest else "")
+
+
+def _describe_cfg(cfg) -> str:
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except ValueError:
+            return cfg
+    if not isinstance(cfg, dict):
+        return "unknown"
+    return ", ".join(f"{k} {v}" for k, v in cfg.items())
+
+
+def attr_dict(value) -> dict:
+    """A checkpoint attribute that holds JSON (decoded or not)."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+# --------------------------------------------------------------------------- console
+
+
+class Console:
+    """Rank 0's output: a tqdm bar on a terminal, else one line per interval."""
+
+    def __init__(self, enabled: bool, first: int, last: int, log_every: int):
+        self.enabled = enabled
+        self.first, self.last, self.log_every = first, last, log_every
+        self.t0 = time.monotonic()
+        self.bar = None
+        if enabled and last >= first and _terminal_width(sys.stderr) >= 40:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=last, initial=first - 1, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def say(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def step(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        s = rec["step"]
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}",
+                                 tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+            return
+        if s % self.log_every == 0 or s in (self.first, self.last):
+            elapsed = time.monotonic() - self.t0
+            left = elapsed / (s - self.first + 1) * (self.last - s)
+            print(f"step {s:>{len(str(self.last))}}/{self.last} | loss {rec['loss']:.4f} | "
+                  f"lr {rec['lr']:.2e} | {rec['tokens_per_s']:,.0f} tok/s | "
+                  f"{_clock(elapsed)} elapsed, {_clock(left)} left", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _terminal_width(stream) -> int:
+    """Columns of the terminal ``stream`` writes to; 0 if it is not one."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """Set up once, then ``run()``; returns the process exit status."""
+
+    def __init__(self, opts: TrainOptions, mpi_world=None):
+        if mpi_world is None:
+            from mpi4py import MPI
+
+            mpi_world = MPI.COMM_WORLD
+        self.opts = opts
+        self.world = mpi_world
+        self.rank = mpi_world.Get_rank()
+        self.t_start = time.monotonic()
+        self.stop_signal = 0            # set by the signal handler
+        self.ckpt_seconds = 0.0         # how long the last save took
+        self.slowest_step = 0.0
+        self.last_ckpt = None           # path of the last checkpoint of this run
+        self.console = Console(False, 1, 0, 1)
+        self.metrics = None
+        self.notes = []                 # said once the console is up
+
+    # --- setup ---------------------------------------------------------------
+    def setup(self) -> None:
+        o = self.opts
+        o.validate()
+        self.cfg = o.model_config()
+        plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth)   # pure: no MPI yet
+        self.train_path, self.val_path = resolve_data(self.world, o.data)
+        train_tokens = data.read_shard(self.train_path)
+        self.loader = data.TrainLoader(train_tokens, o.batch_size, o.seq_len, o.seed)
+        if o.eval_every:
+            self.val_tokens = data.read_shard(self.val_path)
+            available = data.eval_batch_count(self.val_tokens, o.batch_size, o.seq_len)
+            if available == 0:
+                raise data.DataError(f"{self.val_path}: too small for one evaluation batch of "
+                                     f"{o.batch_size} x {o.seq_len + 1} tokens")
+            self.eval_batches = min(o.eval_batches, available)
+            if self.eval_batches < o.eval_batches:
+                self.notes.append(f"note: {self.val_path} holds {available} evaluation batches; "
+                                  f"validating on {available}, not --eval-batches {o.eval_batches}")
+
+        self.run_dir = Path(on_root(self.world, self._prepare_run_dir))
+        self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
+                                 o.seed, o.dropout)
+        self.opt = AdamW(self.parts.store, weight_decay=o.weight_decay)
+        self.schedule = Schedule(o.lr, o.warmup, o.steps)
+        self.start_step = self._restore() + 1
+
+        if self.rank == 0:
+            self._write_config()
+            self._open_metrics()
+        self.world.Barrier()
+
+    def _prepare_run_dir(self) -> str:
+        o = self.opts
+        if o.out is None:
+            if o.resume:
+                raise UserError("--resume needs --out RUN_DIR (the run to continue)")
+            base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+            run_dir, n = base, 1
+            while run_dir.exists():
+                run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
+        else:
+            run_dir = Path(o.out)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UserError(f"--out {run_dir}: exists and is not a directory")
+        if not o.resume and checkpoint.latest(run_dir) is not None:
+            raise UserError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
+                            "or choose another --out")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--out {run_dir}: cannot create the run directory ({exc.strerror})") from None
+        return str(run_dir)
+
+    def _restore(self) -> int:
+        """Load parameters / state as asked; return the last completed step."""
+        o = self.opts
+        source, full = None, False
+        if o.resume:
+            own = on_root(self.world, lambda: _str_or_none(checkpoint.latest(self.run_dir)))
+            if own is not None:
+                source, full = own, True
+            elif o.init_from is not None:
+                source, full = o.init_from, True
+            else:
+                self.notes.append(f"no checkpoint in {self.run_dir}: starting a fresh run")
+        elif o.init_from is not None:
+            source = o.init_from
+        if source is None:
+            return 0
+        ck = open_verified(self.world, source)
+        with ck:
+            load_state(ck, self.parts.store, self.opt if full else None)
+            if not full:
+                self.notes.append(f"initialized parameters from {ck.path} (step {ck.step})")
+                return 0
+            self.opt.t = int(ck.attrs.get("adam_t", ck.step))
+            position = attr_dict(ck.attrs.get("data"))
+            step = int(position.get("step", ck.step))
+            self.notes.append(f"resuming from {ck.path} at step {step}")
+            changed = self._changed_options(attr_dict(ck.attrs.get("train")))
+            if changed:
+                self.notes.append("note: options differ from the checkpoint's run: " + ", ".join(changed))
+            self.last_ckpt = ck.path
+            return step
+
+    def _changed_options(self, saved: dict) -> list:
+        """Options that change the trajectory and differ from a resumed run's."""
+        relevant = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "lr", "warmup",
+                    "weight_decay", "grad_clip", "dropout", "seed", "dtype", "data")
+        now = self.opts.to_dict()
+        return [f"--{_dash(k)} {saved[k]} -> {now[k]}" for k in relevant if k in saved and saved[k] != now[k]]
+
+    def _write_config(self) -> None:
+        layout = self.parts.layout
+        doc = {
+            "mpicube_version": __version__,
+            "world_size": self.world.Get_size(),
+            "model": self.cfg.to_dict(),
+            "n_params": self.cfg.n_params(),
+            "train": self.opts.to_dict(),
+            "layout": layout.describe(),
+            "data": {"train": self.train_path, "val": self.val_path},
+        }
+        path = self.run_dir / "config.json"
+        tmp = path.with_name(".config.json.tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def _open_metrics(self) -> None:
+        """Start metrics.jsonl, keeping on resume only the records up to the
+        step the run continues from (later ones are repeated)."""
+        path = self.run_dir / "metrics.jsonl"
+        kept = []
+        if self.start_step > 1 and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("step", math.inf) < self.start_step:
+                    kept.append(line)
+        self.metrics = open(path, "w")
+        for line in kept:
+            self.metrics.write(line + "\n")
+        self.metrics.flush()
+
+    def _record(self, rec: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
+
+    # --- the loop ------------------------------------------------------------
+    def run(self) -> int:
+        with self._signal_handlers():
+            try:
+                self.setup()
+                return self._loop()
+            finally:
+                self.console.close()
+                if self.metrics is not None:
+                    self.metrics.close()
+
+    def _loop(self) -> int:
+        o, first, last = self.opts, self.start_step, self.opts.last_step
+        self.console = Console(self.rank == 0, first, last, o.log_every)
+        say = self.console.say
+        layout = self.parts.layout
+        say(f"mpicube {__version__}: {self.cfg.n_params():,} parameters, {describe_layout(layout.describe())}, "
+            f"{self.world.Get_size()} rank(s), run {self.run_dir}")
+        for note in self.notes:
+            say(note)
+        if first > last:
+            say(f"nothing to do: the run is at step {first - 1}, "
+                f"{'--stop-after' if last < o.steps else '--steps'} is {last}")
+            return 0
+        crash_rank = os.environ.get(CRASH_HOOK)
+        for s in range(first, last + 1):
+            if crash_rank is not None and s >= 2 and int(crash_rank) == self.rank:
+                raise RuntimeError(f"{CRASH_HOOK}={crash_rank}: deliberate failure at step {s} (test hook)")
+            t0 = time.monotonic()
+            rec = self.train_step(s)
+            self._record(rec)
+            self.console.step(rec)
+            if o.eval_every and (s % o.eval_every == 0 or s == o.steps):
+                val = self.evaluate(s)
+                self._record({"step": s, "val_loss": val})
+                say(f"step {s} | val_loss {val:.4f}" if val is not None else f"step {s} | val_loss is not finite")
+            self.slowest_step = max(self.slowest_step, time.monotonic() - t0)
+            stop = self._agree_stop()
+            if s == last or stop or (o.ckpt_every and s % o.ckpt_every == 0):
+                self.save(s)
+            if stop:
+                why = "a signal" if stop == 2 else f"--time-limit {o.time_limit:g}s"
+                say(f"stopped by {why} after step {s}; continue with --resume (exit status {EXIT_PREEMPTED})")
+                return EXIT_PREEMPTED
+        if last < o.steps:
+            say(f"stopped after step {last} (--stop-after); continue with --resume")
+        else:
+            say(f"done: {last} steps")
+        return 0
+
+    def train_step(self, s: int) -> dict:
+        """One optimizer step; the metrics record of step ``s``."""
+        o, p = self.opts, self.parts
+        p.counters.reset()
+        p.backend.synchronize()
+        t0 = time.perf_counter()
+        x, y = self.loader.batch(s - 1)                      # (B, T) each, global
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            p.store.zero_grad()
+            loss = p.model.forward(x[p.rows], y[p.rows], step=s)
+            p.model.backward()
+            sync_gradients(p.store, p.layout.axes.dp)
+            norm = global_grad_norm(p.store, p.layout.axes.tp)
+            bad = not (math.isfinite(loss) and math.isfinite(norm))
+            if agree_max(self.world, bad):
+                raise DivergedError(self._diverged_message(s, loss, norm))
+            scale = min(1.0, o.grad_clip / (norm + 1e-6)) if o.grad_clip > 0 else 1.0
+            lr = self.schedule(s)
+            self.opt.step(lr, scale)
+        p.backend.synchronize()
+        dt = time.perf_counter() - t0
+        return {
+            "step": s,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": norm,
+            "step_time_s": dt,
+            "tokens_per_s": o.batch_size * o.seq_len / dt if dt > 0 else 0.0,
+            "comm_elems": float(p.counters.total_elems()),
+            "comm_msgs": int(p.counters.total_msgs()),
+        }
+
+    def _diverged_message(self, s, loss, norm) -> str:
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
+        last = f"the last checkpoint, {self.last_ckpt}, is intact" if self.last_ckpt else "no checkpoint was written"
+        return (f"training diverged at step {s}: the {what}; stopped without saving this state "
+                f"({last}; try a lower --lr or a longer --warmup)")
+
+    def evaluate(self, s: int) -> Optional[float]:
+        """Mean validation loss over the first ``eval_batches`` evaluation batches (None if not finite)."""
+        model = eval_model(self.parts)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            val = mean_eval_loss(self.parts, model, self.val_tokens, self.opts.seq_len, self.eval_batches)
+        return val if math.isfinite(val) else None
+
+    def save(self, s: int) -> Path:
+        t0 = time.monotonic()
+        p, o = self.parts, self.opts
+        attrs = {
+            "config": json.dumps(self.cfg.to_dict()),
+            "train": json.dumps(o.to_dict()),
+            "layout": json.dumps(p.layout.describe()),
+            "adam_t": int(self.opt.t),
+            "data": json.dumps({"step": s, "path": self.train_path, "batch_size": o.batch_size,
+                                "seq_len": o.seq_len, "seed": o.seed}),
+            "mpicube_version": __version__,
+        }
+        blocks = state_blocks(p.store, self.opt, p.layout.axes.dp.rank)
+        path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None)
+        self.last_ckpt = path
+        self.ckpt_seconds = time.monotonic() - t0
+        self.console.say(f"checkpoint {path}")
+        return path
+
+    # --- stopping early ------------------------------------------------------
+    def _agree_stop(self) -> int:
+        """0 to go on, 1 for the time limit, 2 for a signal: the same on every rank."""
+        code = self.stop_signal
+        if self.opts.time_limit is not None:
+            elapsed = time.monotonic() - self.t_start
+            if elapsed + self.slowest_step + self.ckpt_seconds >= self.opts.time_limit:
+                code = max(code, 1)
+        return agree_max(self.world, code)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = 2
+
+    @contextmanager
+    def _signal_handlers(self):
+        """SIGTERM and SIGUSR1 ask for a checkpoint and exit at the next step boundary."""
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:      # not the main thread: no handlers
+                pass
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _str_or_none(path) -> Optional[str]:
+    return None if path is None else str(path)
+
+
+def train(opts: TrainOptions, mpi_world=None) -> int:
+    """Run ``mpicube train``; the process exit status."""
+    return Trainer(opts, mpi_world).run()
+
+
+# --------------------------------------------------------------------------- evaluation of a checkpoint
+
+
+def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None, batches=8, layout="auto",
+                        dp=1, depth=1, dtype="float32", device="cpu", mpi_world=None) -> dict:
+    """Mean cross-entropy of a checkpoint's model over ``batches`` evaluation
+    batches (0 = all) of a token shard, on any layout and world size."""
+    if mpi_world is None:
+        from mpi4py import MPI
+
+        mpi_world = MPI.COMM_WORLD
+    ck = open_verified(mpi_world, ckpt_path)
+    with ck:
+        cfg_dict = attr_dict(ck.attrs.get("config"))
+        if not cfg_dict:
+            raise CheckpointError(f"{ck.path}: no model config attribute")
+        cfg = ModelConfig.from_dict(cfg_dict)
+        saved = attr_dict(ck.attrs.get("train"))
+        B = int(batch_size or saved.get("batch_size") or 8)
+        T = int(seq_len or cfg.n_ctx)
+        if not 1 <= T <= cfg.n_ctx:
+            raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
+        if batches < 0:
+            raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
+        if data_path is None:
+            data_path = resolve_data(mpi_world, None)[1]          # built-in validation shard
+        tokens = data.read_shard(data_path)
+        available = data.eval_batch_count(tokens, B, T)
+        n = available if batches == 0 else batches
+        if n == 0 or n > available:
+            raise data.DataError(f"{data_path}: holds {available} evaluation batches of {B} x {T + 1} tokens, "
+                                 f"{n} requested")
+        parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device)
+        load_state(ck, parts.store)
+        step = ck.step
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        loss = mean_eval_loss(parts, eval_model(parts), tokens, T, n)
+    return {"loss": loss, "step": step, "batches": n, "tokens": n * B * T, "batch_size": B, "seq_len": T,
+            "layout": parts.layout.describe(), "checkpoint": str(ck.path)}

@@ -1,0 +1,149 @@
+"""Shared fixtures: run ``mpiexec -n N python -m mpicube ...`` for real, and
+small token shards.
+
+Every command runs under the ``mpiexec`` that sits beside this Python (the
+MPICH wheel's) when there is one, else the first on PATH, with
+``MPIEXEC_TIMEOUT`` set so a hung job is killed by the launcher, and a
+subprocess timeout on top of that.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mpicube import data
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TIMEOUT = 60            # seconds a single mpicube command may take in these tests
+
+# Model options small enough that a step takes about a millisecond.
+TINY = ["--layout", "serial", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16",
+        "--batch-size", "4"]
+
+
+def find_mpiexec() -> str:
+    beside = Path(PYTHON).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec: pip install mpich (or load an MPI module)")
+    return found
+
+
+@dataclass
+class Result:
+    """A finished command: the CompletedProcess and how long it took."""
+
+    proc: subprocess.CompletedProcess
+    seconds: float
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+    @property
+    def stdout(self):
+        return self.proc.stdout
+
+    @property
+    def stderr(self):
+        return self.proc.stderr
+
+    def error_lines(self):
+        return [line for line in (self.stdout + self.stderr).splitlines() if line.startswith("error:")]
+
+    def __str__(self):
+        return (f"exit status {self.returncode} after {self.seconds:.1f}s\n--- stdout\n{self.stdout}"
+                f"\n--- stderr\n{self.stderr}")
+
+
+class MpiCube:
+    """Runs the mpicube command line under mpiexec in a test's directory."""
+
+    def __init__(self, cwd: Path, cache: Path):
+        self.cwd = cwd
+        self.mpiexec = find_mpiexec()
+        self.env = dict(os.environ)
+        self.env.update({
+            "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+            "MPICUBE_CACHE": str(cache),          # the built-in corpus, prepared once per session
+            "MPIEXEC_TIMEOUT": str(TIMEOUT),
+            "PYTHONUNBUFFERED": "1",
+        })
+        self.env["PATH"] = os.pathsep.join([str(Path(self.mpiexec).parent), self.env.get("PATH", "")])
+
+    def command(self, *args, n: int = 1, env: dict = None) -> list:
+        """``mpiexec -n N python -m mpicube ARGS``; ``env`` goes to every rank."""
+        cmd = [self.mpiexec, "-n", str(n)]
+        for key, value in (env or {}).items():
+            cmd += ["-genv", key, str(value)]
+        return cmd + [PYTHON, "-m", "mpicube", *map(str, args)]
+
+    def mpmd(self, *groups) -> list:
+        """Several programs in one job: each group is (n, args, env or None),
+        e.g. different arguments or environment on rank 1 only."""
+        cmd = [self.mpiexec]
+        for i, (n, args, env) in enumerate(groups):
+            if i:
+                cmd.append(":")
+            cmd += ["-n", str(n)]
+            for key, value in (env or {}).items():
+                cmd += ["-env", key, str(value)]
+            cmd += [PYTHON, "-m", "mpicube", *map(str, args)]
+        return cmd
+
+    def run(self, *args, n: int = 1, env: dict = None, timeout: float = TIMEOUT + 15, cmd=None) -> Result:
+        cmd = cmd or self.command(*args, n=n, env=env)
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=self.cwd, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        return Result(proc, time.monotonic() - t0)
+
+    def popen(self, *args, n: int = 1, env: dict = None) -> subprocess.Popen:
+        return subprocess.Popen(self.command(*args, n=n, env=env), cwd=self.cwd, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="session")
+def corpus_cache(tmp_path_factory) -> Path:
+    """A private MPICUBE_CACHE, so tests never write to the user's ~/.cache."""
+    path = tmp_path_factory.mktemp("mpicube-cache")
+    data.builtin_corpus(path)
+    return path
+
+
+@pytest.fixture
+def mpicube(tmp_path, corpus_cache) -> MpiCube:
+    return MpiCube(tmp_path, corpus_cache)
+
+
+def sample_text_files() -> list:
+    """A few fixed standard-library sources: real text, the same on every run."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [stdlib / "textwrap.py", stdlib / "shlex.py"]
+
+
+@pytest.fixture(scope="session")
+def tiny_shard(tmp_path_factory) -> Path:
+    """A prepared train shard (and its ``_val`` sibling) of a few ten thousand tokens."""
+    out = tmp_path_factory.mktemp("data") / "tiny.bin"
+    train, val = data.prepare(sample_text_files(), out, val_fraction=0.1)
+    assert len(data.read_shard(val)) > 4 * 16 * 8 + 1        # room for 8 evaluation batches of 4 x 16
+    return train
+
+
+def read_metrics(run_dir: Path):
+    """(step records, evaluation records) of a run's metrics.jsonl."""
+    import json
+
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]

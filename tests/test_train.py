@@ -1,0 +1,193 @@
+"""The training loop end to end: learning, resuming bit for bit, preemption,
+divergence. Every run is a real `mpiexec ... python -m mpicube train`."""
+
+import os
+import re
+import signal
+import time
+
+import numpy as np
+from conftest import TINY, read_metrics
+
+from mpicube import checkpoint
+
+
+def run_ok(mpicube, *args, n=1):
+    r = mpicube.run("train", *TINY, *args, n=n)
+    assert r.returncode == 0, r
+    return r
+
+
+def losses(run_dir):
+    return [(s["step"], s["loss"], s["lr"], s["grad_norm"]) for s in read_metrics(run_dir)[0]]
+
+
+def latest_step(run_dir):
+    path = checkpoint.latest(run_dir)
+    return None if path is None else int(path.name.split("_")[1])
+
+
+def test_loss_decreases_on_builtin_corpus(mpicube, tmp_path):
+    run_ok(mpicube, "--steps", "30", "--warmup", "5", "--lr", "1e-2", "--out", "run")
+    loss = [s["loss"] for s in read_metrics(tmp_path / "run")[0]]
+    assert len(loss) == 30
+    assert np.mean(loss[-5:]) < loss[0] - 0.5, loss
+
+
+def test_stop_after_then_resume_is_bit_identical(mpicube, tmp_path):
+    """2 data-parallel ranks, float32, dropout on: 6 steps in one go versus
+    --stop-after 3 and --resume; every logged number must be identical."""
+    opts = ["--steps", "6", "--warmup", "2", "--dropout", "0.1", "--dp", "2", "--eval-every", "2"]
+    run_ok(mpicube, *opts, "--out", "whole", n=2)
+
+    r = run_ok(mpicube, *opts, "--out", "split", "--stop-after", "3", n=2)
+    assert "--stop-after" in r.stdout
+    assert latest_step(tmp_path / "split") == 3
+    assert [s for s, *_ in losses(tmp_path / "split")] == [1, 2, 3]
+
+    r = run_ok(mpicube, *opts, "--out", "split", "--resume", n=2)
+    assert "resuming from" in r.stdout
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+    assert read_metrics(tmp_path / "split")[1] == read_metrics(tmp_path / "whole")[1]   # val_loss at 2, 4, 6
+    assert latest_step(tmp_path / "split") == 6
+
+    # parameters and optimizer state end up the same too
+    with checkpoint.open_checkpoint(tmp_path / "whole") as a, checkpoint.open_checkpoint(tmp_path / "split") as b:
+        assert a.attrs["adam_t"] == b.attrs["adam_t"] == 6
+        for name in ("model/wte", "model/h.0.attn.c_attn.weight", "optimizer/v/ln_f.weight"):
+            assert np.array_equal(a.read(name), b.read(name)), name
+
+    # resuming a finished run does nothing and succeeds; without --resume it refuses
+    r = run_ok(mpicube, *opts, "--out", "split", "--resume", n=2)
+    assert "nothing to do" in r.stdout and len(losses(tmp_path / "split")) == 6
+    r = mpicube.run("train", *TINY, *opts, "--out", "split", n=2)
+    assert r.returncode == 2 and "--resume" in r.error_lines()[0], r
+
+
+def _children(pid):
+    """All descendants of ``pid``, from /proc."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        todo += kids
+    return found
+
+
+def _rank_pid(launcher_pid, rank):
+    """The pid of MPI rank ``rank`` among the launcher's descendants (PMI_RANK in its environment)."""
+    for pid in _children(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no process of rank {rank} under pid {launcher_pid}")
+
+
+def _wait_for_steps(proc, run_dir, n, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if len(read_metrics(run_dir)[0]) >= n:
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"fewer than {n} steps after {timeout}s")
+
+
+def test_sigterm_on_one_rank_checkpoints_and_resumes(mpicube, tmp_path):
+    steps = 300
+    opts = ["--steps", str(steps), "--dp", "2", "--log-every", "1000"]
+    run_ok(mpicube, *opts, "--out", "whole", n=2)
+
+    proc = mpicube.popen("train", *TINY, *opts, "--out", "run", n=2)
+    try:
+        _wait_for_steps(proc, tmp_path / "run", 2)
+        os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, (out, err)
+    assert "stopped by a signal" in out
+    done = len(losses(tmp_path / "run"))
+    assert 2 <= done < steps
+    assert latest_step(tmp_path / "run") == done          # checkpoint of the last completed step
+
+    run_ok(mpicube, *opts, "--out", "run", "--resume", n=2)
+    assert latest_step(tmp_path / "run") == steps
+    assert losses(tmp_path / "run") == losses(tmp_path / "whole")
+
+
+def test_time_limit_stops_with_status_75(mpicube, tmp_path):
+    r = mpicube.run("train", *TINY, "--steps", "100000", "--time-limit", "0:0.5", "--out", "run")
+    assert r.returncode == 75, r
+    assert "--time-limit" in r.stdout
+    done = len(losses(tmp_path / "run"))
+    assert 1 <= done < 100000 and latest_step(tmp_path / "run") == done
+    assert r.seconds < 20
+
+
+def test_divergence_stops_without_saving_bad_state(mpicube, tmp_path):
+    # an absurd learning rate overflows float32 within a couple of steps
+    r = mpicube.run("train", *TINY, "--steps", "10", "--lr", "1e30", "--warmup", "0", "--ckpt-every", "1",
+                    "--out", "run")
+    assert r.returncode == 3, r
+    assert "Traceback" not in r.stdout + r.stderr
+    good = len(losses(tmp_path / "run"))                  # steps logged before the bad one
+    assert 1 <= good < 10
+    [line] = r.error_lines()
+    assert f"diverged at step {good + 1}" in line and "without saving" in line, line
+    assert latest_step(tmp_path / "run") == good
+    assert not (tmp_path / "run" / "ckpt" / f"step_{good + 1:08d}").exists()
+    ok, report = checkpoint.inspect(tmp_path / "run")
+    assert ok, report
+    with checkpoint.open_checkpoint(tmp_path / "run") as ck:
+        assert all(np.isfinite(ck.read(name)).all() for name in ck.names() if name.startswith("model/"))
+
+
+def test_init_from_on_another_world_size(mpicube, tmp_path):
+    opts = ["--steps", "6", "--warmup", "2", "--lr", "1e-2", "--dtype", "float64"]
+    run_ok(mpicube, *opts, "--out", "whole")
+    run_ok(mpicube, *opts, "--out", "first", "--stop-after", "4")
+
+    # full state (--resume with --init-from, empty run dir), read back on 2 ranks
+    r = run_ok(mpicube, *opts, "--out", "second", "--init-from", "first", "--resume", "--dp", "2", n=2)
+    assert "resuming from" in r.stdout
+    resumed, whole = losses(tmp_path / "second"), losses(tmp_path / "whole")
+    assert [s for s, *_ in resumed] == [5, 6]
+    for got, want in zip(resumed, whole[4:]):
+        assert got[0] == want[0] and got[2] == want[2]
+        assert np.allclose(got[1:], want[1:], rtol=1e-10, atol=0)   # up to data-parallel rounding
+
+    # parameters only: a fresh optimizer, step 1, and a better start than random
+    run_ok(mpicube, "--steps", "1", "--lr", "0", "--dtype", "float64", "--out", "params", "--init-from", "whole",
+           "--dp", "2", n=2)
+    with checkpoint.open_checkpoint(tmp_path / "params") as ck:
+        assert ck.step == 1 and ck.attrs["adam_t"] == 1
+    assert losses(tmp_path / "params")[0][1] < losses(tmp_path / "whole")[0][1] - 0.2
+
+    # a model of another shape: one error naming the tensor
+    r = mpicube.run("train", *TINY, "--n-embd", "32", "--out", "wide", "--init-from", "whole")
+    assert r.returncode == 2, r
+    [line] = r.error_lines()
+    assert re.search(r"tensor 'model/[^']+' has shape \(.*16.*\) but this model needs \(.*32.*\)", line), line
+    assert "Traceback" not in r.stdout + r.stderr
+
+    # --resume on a run directory without a checkpoint starts afresh and says so
+    r = run_ok(mpicube, "--steps", "1", "--out", "empty", "--resume")
+    assert "starting a fresh run" in r.stdout and len(losses(tmp_path / "empty")) == 1
