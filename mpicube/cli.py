@@ -1,4 +1,4 @@
-"""The ``mpicube`` command line: train, eval, prepare, info, inspect.
+"""The ``mpicube`` command line: train, eval, prepare, info, inspect, bench.
 
 Run it as ``mpiexec -n P mpicube train ...`` (or ``python -m mpicube``).
 
@@ -26,7 +26,6 @@ import os
 import sys
 import time
 import traceback
-from inspect import signature
 
 import click
 
@@ -247,10 +246,10 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     """Model size; with --layout/-n, the sharding plan and per-rank predictions."""
     from .config import ModelConfig
     from .data import VOCAB_SIZE
-    from .train import validate_model_config
+    from .grid import validate_model
 
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-    validate_model_config(cfg)
+    validate_model(cfg)
     n = cfg.n_params()
     h = cfg.n_embd
     embed = (cfg.vocab_size + cfg.n_ctx) * h
@@ -262,15 +261,52 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     echo(f"memory: {_mib(n * width)} of parameters in {dtype}; {_mib(4 * n * width)} with gradients and "
          f"AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
-        from . import costmodel
+        from .costmodel import report
 
-        if not hasattr(costmodel, "report"):
-            raise UserError("this build's cost model has no report (mpicube.costmodel.report)")
-        extra = {}
-        if "bytes_per_elem" in signature(costmodel.report).parameters:
-            extra["bytes_per_elem"] = width
         echo()
-        echo(costmodel.report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, **extra))
+        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, bytes_per_elem=width))
+
+
+@cli.command()
+@click.option("--layout", "layouts", type=click.Choice(LAYOUT_CHOICES), multiple=True,
+              help="layout(s) to time, each in turn in the same job  [default: auto]")
+@click.option("--dp", type=int, default=1, show_default=True,
+              help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")
+@click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")
+@model_options
+@click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
+@click.option("--warmup-steps", type=int, default=2, show_default=True, help="untimed steps first")
+@click.option("--steps", type=int, default=5, show_default=True, help="timed steps")
+@click.option("--seed", type=int, default=0, show_default=True)
+@device_options
+@click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
+def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warmup_steps, steps, seed, dtype,
+          device, as_json):
+    """Time training steps; compare with the cost model and a plain matmul.
+
+    Prints the median step time and spread, tokens/s, model FLOP/s and their
+    fraction of the same process's matmul rate, the forward/backward/sync/
+    optimizer split, time inside MPI, measured vs predicted communication and
+    memory per rank (rank 0's figures).
+    """
+    from .bench import bench_layout, format_table
+    from .config import ModelConfig
+    from .data import VOCAB_SIZE
+    from .train import build_parts
+
+    if steps < 1 or warmup_steps < 0:
+        raise UserError("--steps must be at least 1 and --warmup-steps at least 0")
+    cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    results = []
+    for name in layouts or ("auto",):
+        parts = build_parts(cfg, name, batch_size, _mpi["world"], dp=dp, depth=depth if name == "2.5d" else 1,
+                            dtype=dtype, device=device, seed=seed)
+        results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
+    echo(format_table(results, 4 if dtype == "float32" else 8))
+    if as_json:
+        first = results[0]
+        echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
+                         "gemm_fraction": first["gemm_fraction"], "results": results}))
 
 
 def _mib(nbytes: int) -> str:

@@ -55,10 +55,13 @@ def validate_model(cfg: ModelConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.n_embd % cfg.n_head:
-        fits = [n for n in range(1, cfg.n_embd + 1) if cfg.n_embd % n == 0]
-        near = sorted(fits, key=lambda n: abs(n - cfg.n_head))[:2]
-        raise ConfigError(f"n_embd {cfg.n_embd} must be divisible by n_head {cfg.n_head}: "
-                          f"use n_head {' or '.join(map(str, sorted(near)))}")
+        heads = [d for d in range(1, cfg.n_embd + 1) if cfg.n_embd % d == 0]
+        near = sorted(heads, key=lambda d: (abs(d - cfg.n_head), d))[:2]
+        below = cfg.n_embd // cfg.n_head * cfg.n_head
+        sizes = " or ".join(str(v) for v in (below, below + cfg.n_head) if v > 0)
+        raise ConfigError(f"n_embd {cfg.n_embd} must be divisible by n_head {cfg.n_head} "
+                          f"(each head gets n_embd/n_head columns): use --n-head "
+                          f"{' or '.join(map(str, sorted(near)))}, or --n-embd {sizes}")
 
 
 def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1):

@@ -48,7 +48,7 @@ from .checkpoint import CheckpointError
 from .comm import Counters
 from .config import ModelConfig
 from .errors import ConfigError, UserError
-from .grid import build_layout, plan
+from .grid import build_layout, plan, validate_model
 from .model import GPT, gpt_params
 from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
 from .params import ParamStore
@@ -136,23 +136,11 @@ class TrainOptions:
             raise ConfigError(f"--stop-after must be at least 1, got {self.stop_after}")
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
-        validate_model_config(self.model_config())
+        validate_model(self.model_config())
 
 
 def _dash(name: str) -> str:
     return name.replace("_", "-")
-
-
-def validate_model_config(cfg: ModelConfig) -> None:
-    """Shape constraints of GPT-2 itself (layouts add their own)."""
-    if cfg.n_embd % cfg.n_head:
-        heads = [d for d in range(1, cfg.n_embd + 1) if cfg.n_embd % d == 0]
-        near = sorted(heads, key=lambda d: (abs(d - cfg.n_head), d))[:2]
-        below = cfg.n_embd // cfg.n_head * cfg.n_head
-        sizes = " or ".join(str(v) for v in (below, below + cfg.n_head) if v > 0)
-        raise ConfigError(f"n_embd {cfg.n_embd} must be divisible by n_head {cfg.n_head} "
-                          f"(each head gets n_embd/n_head columns): use --n-head "
-                          f"{' or '.join(map(str, sorted(near)))}, or --n-embd {sizes}")
 
 
 # --------------------------------------------------------------------------- MPI helpers
@@ -207,7 +195,7 @@ class Parts:
 def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
                 seed=0, dropout=0.0) -> Parts:
     """Backend, layout (validated before any collective), parameters, model."""
-    validate_model_config(cfg)
+    validate_model(cfg)
     backend = make_backend(device, dtype, mpi_world)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,

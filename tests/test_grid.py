@@ -28,7 +28,7 @@ def test_auto_layout(tp, expected):
     ("auto", 6, 4, 1, 8, CFG, "--dp 4 must divide the world size 6; choose one of [1, 2, 3, 6]"),
     ("auto", 4, 2, 1, 7, CFG, "--batch-size 7 must be divisible by --dp 2"),
     ("4d", 4, 1, 1, 8, CFG, "unknown layout '4d'"),
-    ("auto", 1, 1, 1, 8, ModelConfig(n_head=7, n_embd=144), "n_embd 144 must be divisible by n_head 7: use n_head 6 or 8"),
+    ("auto", 1, 1, 1, 8, ModelConfig(n_head=7, n_embd=144), "n_embd 144 must be divisible by n_head 7 (each head gets n_embd/n_head columns): use --n-head 6 or 8, or --n-embd 140 or 147"),
 ])
 def test_bad_sizes_are_named(layout, world, dp, depth, batch, cfg, message):
     with pytest.raises(ConfigError) as err:

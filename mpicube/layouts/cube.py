@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
 from .. import ops
 from ..comm import Comm

@@ -18,7 +18,6 @@ l, row r, column c. d = 1 is the 2-D scheme.
 
 from __future__ import annotations
 
-import numpy as np
 
 from ..comm import Comm
 from ..errors import ConfigError

@@ -1,0 +1,134 @@
+"""``mpicube bench``: time training steps and put the figures beside the
+cost model.
+
+For each requested layout: warm-up steps, then timed steps on fixed random
+tokens (data loading is not what is measured). Reports the median step time
+and its spread, tokens/s, model FLOP/s and their fraction of a plain matmul
+timed in the same process, the forward/backward/gradient-sync/optimizer split
+and the time inside MPI, the measured communication beside the analytic
+prediction, and memory per rank by category.
+
+Model FLOPs per step (the usual dense count, causal mask not discounted):
+6 N (P_blocks + V h) + 12 L N T h, with N = B T tokens, P_blocks the
+parameters of the transformer blocks, V h the tied LM head; per rank it is
+divided by the world size.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+
+from .costmodel import Problem, step_memory, step_traffic
+from .optim import AdamW, global_grad_norm, sync_gradients
+
+
+def model_flops(cfg, batch_size: int, seq_len: int) -> float:
+    """Training FLOPs of one step on the whole global batch."""
+    h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    n_tokens = batch_size * seq_len
+    block_params = cfg.n_params() - V * h - cfg.n_ctx * h - 2 * h
+    return 6.0 * n_tokens * (block_params + V * h) + 12.0 * L * n_tokens * seq_len * h
+
+
+def gemm_rate(backend, m: int, k: int, n: int, repeats: int = 5) -> float:
+    """FLOP/s of a plain (m, k) x (k, n) matmul on this backend (median)."""
+    xp = backend.xp
+    a = xp.ones((m, k), dtype=backend.dtype)
+    b = xp.ones((k, n), dtype=backend.dtype)
+    out = xp.empty((m, n), dtype=backend.dtype)
+    times = []
+    for i in range(repeats + 2):
+        backend.synchronize()
+        t0 = time.perf_counter()
+        xp.matmul(a, b, out=out)
+        backend.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 2.0 * m * k * n / float(np.median(times))
+
+
+def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) -> dict:
+    """Time ``steps`` training steps after ``warmup`` ones; figures for this rank
+    (rank 0's are reported)."""
+    layout, store, model, counters, backend = parts.layout, parts.store, parts.model, parts.counters, parts.backend
+    cfg = parts.cfg
+    opt = AdamW(store)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (layout.batch_size, seq_len + 1))
+    x, y = tokens[parts.rows, :-1], tokens[parts.rows, 1:]                      # (B_dp, T)
+    phases = {"forward_s": [], "backward_s": [], "sync_s": [], "optimizer_s": [], "comm_s": [], "step_s": []}
+    saved = 0
+    for i in range(warmup + steps):
+        counters.reset()
+        marks = [time.perf_counter()]
+        store.zero_grad()
+        model.forward(x, y, step=i + 1)
+        backend.synchronize()
+        marks.append(time.perf_counter())
+        saved = model.saved_elements()
+        model.backward()
+        backend.synchronize()
+        marks.append(time.perf_counter())
+        sync_gradients(store, layout.axes.dp)
+        norm = global_grad_norm(store, layout.axes.tp)
+        marks.append(time.perf_counter())
+        opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)))
+        backend.synchronize()
+        marks.append(time.perf_counter())
+        if i >= warmup:
+            for key, t0, t1 in zip(("forward_s", "backward_s", "sync_s", "optimizer_s"), marks, marks[1:]):
+                phases[key].append(t1 - t0)
+            phases["step_s"].append(marks[-1] - marks[0])
+            phases["comm_s"].append(counters.total_seconds())
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
+                      layout.describe().get("depth", 1), layout.batch_size, seq_len)
+    predicted, memory = step_traffic(problem), step_memory(problem)
+    step_times = np.array(phases["step_s"])
+    median = float(np.median(step_times))
+    world = layout.axes.world.size
+    flops_rank = model_flops(cfg, layout.batch_size, seq_len) / world
+    fc = store.grad["h.0.mlp.c_fc.weight"].shape                               # (h_in local, h_out local)
+    rate = gemm_rate(backend, len(layout.mid_seqs) * seq_len, len(layout.canonical_cols), fc[1])
+    return {
+        **layout.describe(),
+        "world": world,
+        "depth": layout.describe().get("depth", 1),
+        "step_time_s": median,
+        "step_time_spread_s": [float(step_times.min()), float(step_times.max())],
+        "tokens_per_s": layout.batch_size * seq_len / median,
+        "model_flops_per_step": model_flops(cfg, layout.batch_size, seq_len),
+        "flops_per_s_per_rank": flops_rank / median,
+        "gemm_flops_per_s": rate,
+        "gemm_fraction": flops_rank / median / rate,
+        "split": {key: float(np.median(v)) for key, v in phases.items() if key != "step_s"},
+        "comm": {"measured_elems": float(counters.total_elems()), "measured_msgs": counters.total_msgs(),
+                 "predicted_elems": float(predicted.total_elems()), "predicted_msgs": predicted.total_msgs(),
+                 "exact": counters.total_elems() == predicted.total_elems()
+                 and counters.total_msgs() == predicted.total_msgs()},
+        "memory": {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
+                   "activations": memory.activations, "measured_params": int(store.flat.size),
+                   "measured_activations": int(saved),
+                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+    }
+
+
+def format_table(results: list, dtype_bytes: int) -> str:
+    """Human-readable summary of ``bench_layout`` results."""
+    head = (f"{'layout':<8} {'world':>5} {'step ms':>9} {'spread ms':>15} {'tok/s':>9} {'GFLOP/s':>8} "
+            f"{'gemm%':>6} {'fwd':>6} {'bwd':>6} {'sync':>6} {'opt':>6} {'mpi':>6} "
+            f"{'comm elems':>11} {'predicted':>11} {'mem MB':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        s, c, m = r["split"], r["comm"], r["memory"]
+        mem = (m["params"] + m["grads"] + m["optimizer"] + m["activations"]) * dtype_bytes / 1e6
+        spread = f"{r['step_time_spread_s'][0] * 1e3:.1f}-{r['step_time_spread_s'][1] * 1e3:.1f}"
+        lines.append(
+            f"{r['layout']:<8} {r['world']:>5} {r['step_time_s'] * 1e3:>9.1f} {spread:>15} "
+            f"{r['tokens_per_s']:>9.0f} {r['flops_per_s_per_rank'] / 1e9:>8.2f} {100 * r['gemm_fraction']:>5.1f}% "
+            + " ".join(f"{s[k] * 1e3:>6.1f}" for k in ("forward_s", "backward_s", "sync_s", "optimizer_s", "comm_s"))
+            + f" {c['measured_elems']:>11.4g} {c['predicted_elems']:>11.4g} {mem:>8.2f}")
+    lines.append("times in ms per step (median); gemm% = model FLOP/s per rank / same-process matmul FLOP/s; "
+                 "mpi = time inside MPI calls (part of fwd/bwd/sync); memory = params+grads+Adam+saved activations")
+    return "\n".join(lines)
