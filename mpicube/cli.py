@@ -242,13 +242,16 @@ def prepare(inputs, out, val_fraction):
 @click.option("--depth", type=int, default=1, show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
-def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype):
+@click.option("--vocab-size", type=int, default=None,
+              help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
+def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype, vocab_size):
     """Model size; with --layout/-n, the sharding plan and per-rank predictions."""
     from .config import ModelConfig
     from .data import VOCAB_SIZE
     from .grid import validate_model
 
-    cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    cfg = ModelConfig(vocab_size=vocab_size or VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head,
+                      n_embd=n_embd)
     validate_model(cfg)
     n = cfg.n_params()
     h = cfg.n_embd
