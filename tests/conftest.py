@@ -2,13 +2,11 @@
 small token shards.
 
 Every command runs under the ``mpiexec`` that sits beside this Python (the
-MPICH wheel's) when there is one, else the first on PATH, with
-``MPIEXEC_TIMEOUT`` set so a hung job is killed by the launcher, and a
-subprocess timeout on top of that.
+MPICH wheel's), with the environment of ``mpirun.job_env``: MPIEXEC_TIMEOUT
+so a hung job is killed by the launcher, a subprocess timeout on top of that.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mpicube import data
+from mpirun import MPIEXEC, job_env
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -27,16 +26,6 @@ TIMEOUT = 60            # seconds a single mpicube command may take in these tes
 # Model options small enough that a step takes about a millisecond.
 TINY = ["--layout", "serial", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16",
         "--batch-size", "4"]
-
-
-def find_mpiexec() -> str:
-    beside = Path(PYTHON).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec: pip install mpich (or load an MPI module)")
-    return found
 
 
 @dataclass
@@ -71,15 +60,12 @@ class MpiCube:
 
     def __init__(self, cwd: Path, cache: Path):
         self.cwd = cwd
-        self.mpiexec = find_mpiexec()
-        self.env = dict(os.environ)
-        self.env.update({
-            "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-            "MPICUBE_CACHE": str(cache),          # the built-in corpus, prepared once per session
-            "MPIEXEC_TIMEOUT": str(TIMEOUT),
-            "PYTHONUNBUFFERED": "1",
-        })
-        self.env["PATH"] = os.pathsep.join([str(Path(self.mpiexec).parent), self.env.get("PATH", "")])
+        if not MPIEXEC.exists():
+            raise RuntimeError(f"no mpiexec next to {PYTHON}: install the venv with `make install`")
+        self.mpiexec = str(MPIEXEC)
+        self.env = job_env({"MPICUBE_CACHE": str(cache),      # the built-in corpus, prepared once per session
+                            "PYTHONUNBUFFERED": "1"}, timeout=TIMEOUT)
+        self.env["PATH"] = os.pathsep.join([str(MPIEXEC.parent), self.env.get("PATH", "")])
 
     def command(self, *args, n: int = 1, env: dict = None) -> list:
         """``mpiexec -n N python -m mpicube ARGS``; ``env`` goes to every rank."""

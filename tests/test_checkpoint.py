@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mpicube import checkpoint as C
+from mpirun import mpiexec
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -27,17 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _mpirun(mode: str, run_dir: Path, env_extra: dict | None = None):
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.exists():
-        pytest.skip(f"no mpiexec next to {sys.executable} (pip install mpich mpi4py)")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["MPIEXEC_TIMEOUT"] = "60"
-    env.update(env_extra or {})
-    return subprocess.run(
-        [str(mpiexec), "-n", str(S.NRANKS), sys.executable, "-m", "mpi4py", str(SCRIPT),
-         mode, str(run_dir)],
-        env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=90)
+    return mpiexec(S.NRANKS, ["-m", "mpi4py", SCRIPT, mode, run_dir], timeout=60, env=env_extra)
 
 
 @pytest.fixture(scope="module")
