@@ -230,14 +230,18 @@ def activation_elems(p: Problem, dropout: bool = False) -> int:
     probs = seqs * (cfg.n_head // heads) * T * T
     per_layer = 2 * (n * cc + n) + n * 3 * mid_cols + probs + 2 * n * 4 * mid_cols
     total = L * per_layer + (n * cc + n) + 2 * n * V
+    # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
+    copies = 2 if q > 1 else 1
     if p.layout == "3d":
         for h_in, h_out, _ in _linears(cfg):
-            total += L * (q * n * h_in // q + (h_in // q) * (h_out // q))   # gathered X and W
-        total += q * n * h // q + 2 * V * (h // q)                           # head input, wte panel + grad
+            total += L * q * n * h_in // q                                   # gathered X
+            if q > 1:
+                total += L * (h_in // q) * (h_out // q)                      # gathered W
+        total += q * n * h // q + copies * V * (h // q)                      # head input, wte panel (+ grad)
     else:
         total += L * (2 * n * cc + n * mid_cols + n * 4 * mid_cols) + n * cc  # linear inputs, head input
         if p.layout in ("2d", "2.5d"):
-            total += 2 * (V * q) * (h // q)                                   # wte[:, block c] + grad
+            total += copies * (V * q) * (h // q)                              # wte[:, block c] (+ grad)
     if dropout:
         total += L * (2 * n * cc + 2 * probs) + n * cc
     return total

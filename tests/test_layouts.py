@@ -20,6 +20,8 @@ CASES = [
     (16, "3d", 2, 1),
     (2, "serial", 2, 1),
     (4, "1d", 2, 1),
+    (1, "3d", 1, 1),      # grids of one rank: "gathered" panels are the parameters themselves
+    (2, "2d", 2, 1),
 ]
 
 
