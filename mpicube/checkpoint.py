@@ -827,6 +827,32 @@ def open_checkpoint(path, verify: bool = True) -> Checkpoint:
 # --------------------------------------------------------------------------
 # inspect
 
+def _shape_problems(ck) -> list:
+    """Tensors missing, or shaped unlike the model that the ``config``
+    attribute describes (a checkpoint no reader could load)."""
+    from .config import ModelConfig
+    from .model import gpt_params
+
+    cfg = ck.attrs.get("config")
+    if not isinstance(cfg, dict):
+        return [f"{ck.file}: attribute 'config' is missing or not a JSON object"]
+    try:
+        decls = gpt_params(ModelConfig.from_dict(cfg))
+    except (TypeError, ValueError) as e:
+        return [f"{ck.file}: attribute 'config' does not describe a model: {e}"]
+    have, problems = set(ck.names()), []
+    for decl in decls:
+        for prefix in ("model", "optimizer/m", "optimizer/v"):
+            name = f"{prefix}/{decl.name}"
+            if name not in have:
+                if prefix == "model":
+                    problems.append(f"{ck.file}: tensor {name!r} is missing")
+            elif tuple(ck.shape(name)) != tuple(decl.shape):
+                problems.append(f"{ck.file}: tensor {name!r} has shape {tuple(ck.shape(name))} but the model in "
+                                f"its 'config' attribute needs {tuple(decl.shape)}")
+    return problems
+
+
 def inspect(path) -> tuple[bool, str]:
     """Human-readable report of a checkpoint and a full integrity check.
 
@@ -874,6 +900,7 @@ def inspect(path) -> tuple[bool, str]:
             except Exception as e:  # noqa: BLE001
                 problems.append(f"{ck.file}: tensor {name!r}: {e}")
         lines.append(f"  total {_fmt_size(total)}")
+        problems += _shape_problems(ck)
         lines.append(f"shards ({len(ck.shard_sha256)}):")
         for rel, digest in sorted(ck.shard_sha256.items()):
             p = ck.path / rel

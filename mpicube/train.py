@@ -283,8 +283,7 @@ def load_state(ck, store, opt=None) -> None:
             if have != want:
                 raise CheckpointError(
                     f"{ck.path}: tensor {name!r} has shape {have} but this model needs {want} "
-                    f"(checkpoint model {_describe_cfg(ck.attrs.get('config'))}; check --n-layer, "
-                    f"--n-head, --n-embd, --seq-len)")
+                    f"(checkpoint model {_describe_cfg(ck.attrs.get('config'))})")
     backend = store.backend
     for spec in store.specs:
         lo, hi = store.offsets[spec.name]
