@@ -7,6 +7,7 @@ MPI without CUDA awareness, checkpoints, logging.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -53,11 +54,30 @@ def node_local_rank(comm) -> int:
     return rank
 
 
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed blocks of up to 32 MiB in the heap.
+
+    By default it hands large freed blocks back to the OS (mmap'd chunks,
+    heap trimming), so each step's temporaries - activations, gradients of
+    the same sizes every step - are page-faulted in afresh every time; on
+    the 768-wide model that costs about a fifth of the step. A no-op where
+    the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 def make_backend(device: str = "cpu", dtype: str = "float32", comm=None) -> Backend:
     """Select NumPy or CuPy, and on GPUs the device of this node-local rank."""
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if device == "cpu":
+        keep_freed_memory()
         return Backend(np, DTYPES[dtype], "cpu")
     if device != "gpu":
         raise UserError(f"unknown device {device!r}; choose cpu or gpu")

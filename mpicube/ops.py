@@ -19,6 +19,20 @@ def identity(x):
     return x
 
 
+# Elementwise chains (GELU, softmax) make several passes over arrays far larger
+# than the CPU caches. On NumPy they run block by block, so that all passes over
+# a block hit the cache; on a GPU one block is the whole array (one kernel each).
+CACHE_ELEMS = 1 << 15
+
+
+def row_blocks(xp, n_rows: int, row_elems: int):
+    """Slices of the first axis, each about CACHE_ELEMS elements (NumPy), or
+    one slice of everything (CuPy)."""
+    step = n_rows if xp.__name__ != "numpy" else max(1, CACHE_ELEMS // max(1, row_elems))
+    for lo in range(0, n_rows, step):
+        yield slice(lo, min(n_rows, lo + step))
+
+
 # --- LayerNorm ---------------------------------------------------------------
 def layernorm_forward(x, gamma, beta, n_hidden, eps=1e-5, allsum=identity):
     """x (B, T, C) -> y (B, T, C); statistics over the full hidden size
@@ -72,34 +86,48 @@ _GELU_S = math.sqrt(2.0 / math.pi)
 
 
 def gelu_forward(x):
-    """x (..., C) -> y (..., C); the input is kept for backward."""
+    """x (..., C) -> y (..., C); keeps x and tanh(...) for backward."""
     xp = _xp(x)
-    inner = x * x
-    inner *= 0.044715
-    inner += 1.0
-    inner *= x
-    inner *= _GELU_S
-    t = xp.tanh(inner, out=inner)                                    # (..., C)
-    y = t + 1.0
-    y *= x
-    y *= 0.5
-    return y, (x, t)
+    x2 = x.reshape(-1, x.shape[-1])                                  # (n, C)
+    y, t = xp.empty_like(x2), xp.empty_like(x2)
+    for rows in row_blocks(xp, *x2.shape):
+        xb, tb, yb = x2[rows], t[rows], y[rows]
+        xp.multiply(xb, xb, out=tb)                                  # t = tanh(s (x + 0.044715 x^3))
+        tb *= 0.044715
+        tb += 1.0
+        tb *= xb
+        tb *= _GELU_S
+        xp.tanh(tb, out=tb)
+        xp.add(tb, 1.0, out=yb)                                      # y = 0.5 x (1 + t)
+        yb *= xb
+        yb *= 0.5
+    return y.reshape(x.shape), (x2, t)
 
 
 def gelu_backward(dy, cache):
-    x, t = cache
-    # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 * 0.044715 x^2)
-    x2 = x * x
-    x2 *= 3 * 0.044715
-    x2 += 1.0
-    x2 *= _GELU_S * 0.5
-    x2 *= x
-    one_minus_t2 = 1.0 - t * t
-    grad = x2
-    grad *= one_minus_t2
-    grad += 0.5 * (1.0 + t)
-    grad *= dy
-    return grad
+    """dy (..., C) -> dx (..., C):
+    dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 * 0.044715 x^2))."""
+    xp = _xp(dy)
+    x2, t = cache
+    dy2 = dy.reshape(x2.shape)
+    dx = xp.empty_like(x2)
+    work = xp.empty(min(x2.size, max(CACHE_ELEMS, x2.shape[1])), dtype=x2.dtype)
+    for rows in row_blocks(xp, *x2.shape):
+        xb, tb, out = x2[rows], t[rows], dx[rows]
+        w = work[: xb.size].reshape(xb.shape)
+        xp.multiply(xb, xb, out=w)
+        w *= 3 * 0.044715
+        w += 1.0
+        w *= xb
+        w *= _GELU_S * 0.5                                           # 0.5 s x (1 + 3c x^2)
+        xp.multiply(tb, tb, out=out)
+        xp.subtract(1.0, out, out=out)                               # 1 - t^2
+        out *= w
+        out += 0.5
+        xp.multiply(tb, 0.5, out=w)
+        out += w                                                     # + 0.5 (1 + t)
+        out *= dy2[rows]
+    return dx.reshape(dy.shape)
 
 
 # --- causal multi-head attention ---------------------------------------------
@@ -113,12 +141,16 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0):
     qkv5 = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
     q, k, v = qkv5[0], qkv5[1], qkv5[2]                               # (B, nh, T, hd)
     scale = 1.0 / math.sqrt(hd)
-    scores = q @ k.swapaxes(-1, -2)                                   # (B, nh, T, T)
-    scores *= scale
-    scores += causal_bias(xp, T, scores.dtype)
-    scores -= scores.max(-1, keepdims=True)
-    probs = xp.exp(scores, out=scores)
-    probs /= probs.sum(-1, keepdims=True)                             # (B, nh, T, T)
+    probs = q @ k.swapaxes(-1, -2)                                    # (B, nh, T, T) scores
+    bias = causal_bias(xp, T, probs.dtype)
+    flat = probs.reshape(-1, T, T)
+    for mats in row_blocks(xp, flat.shape[0], T * T):                 # softmax, cache block by block
+        s = flat[mats]
+        s *= scale
+        s += bias
+        s -= s.max(-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= s.sum(-1, keepdims=True)
     used = probs if keep_mask is None else probs * keep_mask * (1.0 / keep_prob)
     y = used @ v                                                      # (B, nh, T, hd)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, n_head * hd)           # (B, T, nh*hd)
@@ -133,15 +165,16 @@ def attention_backward(dy, cache):
     dy4 = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)             # (B, nh, T, hd)
     dqkv = xp.empty((3, B, nh, T, hd), dtype=dy.dtype)
     xp.matmul(used.swapaxes(-1, -2), dy4, out=dqkv[2])               # dv
-    dprobs = dy4 @ v.swapaxes(-1, -2)                                 # (B, nh, T, T)
+    dscores = dy4 @ v.swapaxes(-1, -2)                                # (B, nh, T, T) d probs
     if keep_mask is not None:
-        dprobs *= keep_mask
-        dprobs *= 1.0 / keep_prob
-    # softmax backward: ds = p * (dp - sum(dp * p))
-    dscores = dprobs
-    dscores -= (dprobs * probs).sum(-1, keepdims=True)
-    dscores *= probs
-    dscores *= scale
+        dscores *= keep_mask
+        dscores *= 1.0 / keep_prob
+    flat_d, flat_p = dscores.reshape(-1, T, T), probs.reshape(-1, T, T)
+    for mats in row_blocks(xp, flat_d.shape[0], T * T):               # ds = p (dp - sum(dp p)) * scale
+        d, p = flat_d[mats], flat_p[mats]
+        d -= (d * p).sum(-1, keepdims=True)
+        d *= p
+        d *= scale
     xp.matmul(dscores, k, out=dqkv[0])                                # dq
     xp.matmul(dscores.swapaxes(-1, -2), q, out=dqkv[1])               # dk
     return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)

@@ -61,7 +61,15 @@ class Schedule:
 class AdamW:
     """Adam with decoupled weight decay applied only to ``decl.decay``
     parameters (the matrices of the linears; biases, LayerNorm and
-    embeddings are not decayed unless ``decay_all``)."""
+    embeddings are not decayed unless ``decay_all``), as PyTorch's AdamW:
+    p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps).
+
+    The update is a dozen elementwise passes. Done on the whole buffer, each
+    pass would stream every parameter through memory again; done block by
+    block, a block's p, g, m and v stay in cache for all of them.
+    """
+
+    BLOCK = 1 << 15     # elements per cache block (128 KiB of float32 per array)
 
     def __init__(self, store: ParamStore, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
                  decay_all: bool = False):
@@ -73,31 +81,48 @@ class AdamW:
         self.weight_decay = weight_decay
         self.beta1, self.beta2 = betas
         self.eps = eps
-        self.decay_slices = [slice(None)] if decay_all else store.decay_slices
-        self._work = xp.empty_like(store.flat)  # scratch, reused every step
+        decayed = [slice(0, store.flat.size)] if decay_all else store.decay_slices
+        self.blocks = self._blocks(store.flat.size, decayed)
+        self._work = xp.empty(min(self.BLOCK, store.flat.size), dtype=store.flat.dtype)  # scratch
+
+    @classmethod
+    def _blocks(cls, size: int, decayed: list) -> list:
+        """(block slice, [decayed slices relative to the block]) covering the buffer."""
+        blocks = []
+        for lo in range(0, size, cls.BLOCK):
+            hi = min(size, lo + cls.BLOCK)
+            inside = [slice(max(lo, d.start) - lo, min(hi, d.stop) - lo) for d in decayed
+                      if d.start < hi and d.stop > lo]
+            blocks.append((slice(lo, hi), inside))
+        return blocks
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One update with learning rate ``lr``; gradients are multiplied by
         ``grad_scale`` first (clipping)."""
         xp = self.store.backend.xp
-        p, g, m, v, w = self.store.flat, self.store.flat_grad, self.m, self.v, self._work
         self.t += 1
-        if grad_scale != 1.0:
-            g *= grad_scale
-        m *= self.beta1
-        m += (1.0 - self.beta1) * g
-        xp.multiply(g, g, out=w)
-        v *= self.beta2
-        w *= 1.0 - self.beta2
-        v += w
-        if self.weight_decay:
-            for sl in self.decay_slices:
-                p[sl] *= 1.0 - lr * self.weight_decay
-        bias1 = 1.0 - self.beta1 ** self.t
-        bias2 = 1.0 - self.beta2 ** self.t
-        xp.sqrt(v, out=w)
-        w *= 1.0 / math.sqrt(bias2)
-        w += self.eps
-        xp.divide(m, w, out=w)
-        w *= lr / bias1
-        p -= w
+        b1, b2 = self.beta1, self.beta2
+        step_size = lr / (1.0 - b1 ** self.t)
+        inv_sqrt_bias2 = 1.0 / math.sqrt(1.0 - b2 ** self.t)
+        keep = 1.0 - lr * self.weight_decay
+        for block, decayed in self.blocks:
+            p, g, m, v = self.store.flat[block], self.store.flat_grad[block], self.m[block], self.v[block]
+            w = self._work[: p.size]
+            if grad_scale != 1.0:
+                g *= grad_scale
+            m *= b1                                   # m = b1 m + (1 - b1) g
+            xp.multiply(g, 1.0 - b1, out=w)
+            m += w
+            v *= b2                                   # v = b2 v + (1 - b2) g^2
+            xp.multiply(g, g, out=w)
+            w *= 1.0 - b2
+            v += w
+            if self.weight_decay:
+                for sl in decayed:
+                    p[sl] *= keep
+            xp.sqrt(v, out=w)                         # p -= lr m_hat / (sqrt(v_hat) + eps)
+            w *= inv_sqrt_bias2
+            w += self.eps
+            xp.divide(m, w, out=w)
+            w *= step_size
+            p -= w

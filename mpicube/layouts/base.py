@@ -99,6 +99,12 @@ def nearest_multiples(value: int, multiple: int) -> str:
     return " or ".join(str(v) for v in (below, above) if v > 0)
 
 
+def matmul_rows(x, w):
+    """x (..., K) @ w (K, M) -> (..., M) as one 2-D GEMM over all leading
+    rows (NumPy would otherwise run one GEMM per leading index)."""
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[-1],))
+
+
 class DenseLinear:
     """y = x @ W + b on local blocks, with the two Megatron hooks: an
     all-reduce of the output before the bias (row-parallel) and an all-reduce
@@ -115,23 +121,24 @@ class DenseLinear:
     def forward(self, x):
         """x (B, T, C_in) -> y (B, T, C_out)."""
         self.x = x
-        y = x @ self.w                                 # (B, T, C_out)
+        y = x.reshape(-1, x.shape[-1]) @ self.w       # (B*T, C_out): one 2-D GEMM, not B small ones
         if self.out_reduce is not None:
             y = self.out_reduce.allreduce(y)
         y += self.b
-        return y
+        return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
     def backward(self, dy):
         """dy (B, T, C_out) -> dx (B, T, C_in)."""
-        x2 = self.x.reshape(-1, self.x.shape[-1])     # (B*T, C_in)
+        x_shape = self.x.shape
+        x2 = self.x.reshape(-1, x_shape[-1])          # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         self.dw += x2.T @ dy2
         self.db += dy2.sum(0)
-        dx = dy @ self.w.T                            # (B, T, C_in)
+        dx = dy2 @ self.w.T                           # (B*T, C_in)
         if self.dx_reduce is not None:
             dx = self.dx_reduce.allreduce(dx)
         self.x = None
-        return dx
+        return dx.reshape(x_shape)
 
 
 class LayerNorm:

@@ -24,7 +24,7 @@ from .. import ops
 from ..comm import Comm
 from ..errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, nearest_multiples
+from .base import Layout, matmul_rows, nearest_multiples
 
 
 class CubeLayout(Layout):
@@ -123,14 +123,14 @@ class CubeLinear:
         """x (B/q^2, T, h_in/q) -> (B/q^2, T, h_out/q)."""
         self.xg = self.a.allgather(x, axis=0)        # (B/q, T, h_in/q)
         self.wg = self.wc.allgather(self.w, axis=0)  # (h_in/q, h_out/q)
-        y = self.b.reduce_scatter(self.xg @ self.wg, axis=0)   # (B/q^2, T, h_out/q)
+        y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg), axis=0)   # (B/q^2, T, h_out/q)
         y += self.bias
         return y
 
     def backward(self, dy):
         """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
         dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
-        dx = self.a.reduce_scatter(dyg @ self.wg.T, axis=0)    # (B/q^2, T, h_in/q)
+        dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T), axis=0)    # (B/q^2, T, h_in/q)
         xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
         dwg = xg2.T @ dyg.reshape(-1, dyg.shape[-1])           # (h_in/q, h_out/q)
         self.dw += self.wc.reduce_scatter(dwg, axis=0)
@@ -173,13 +173,13 @@ class CubeTiedEmbedding:
         """x (B/q^2, T, h/q) -> logits (B/q^2, T, V/q): rows block i,
         sub-block k; vocabulary block j."""
         self.xg = self.cj.allgather(x, axis=0)                    # (B/q, T, h/q)
-        return self.ck.reduce_scatter(self.xg @ self.wg.T, axis=0)
+        return self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T), axis=0)
 
     def logits_backward(self, dlogits):
         dlg = self.ck.allgather(dlogits, axis=0)                  # (B/q, T, V/q)
         self.dwg += dlg.reshape(-1, dlg.shape[-1]).T @ self.xg.reshape(-1, self.xg.shape[-1])
         self.xg = None
-        return self.cj.reduce_scatter(dlg @ self.wg, axis=0)      # (B/q^2, T, h/q)
+        return self.cj.reduce_scatter(matmul_rows(dlg, self.wg), axis=0)      # (B/q^2, T, h/q)
 
     def finish_backward(self):
         self.dwte += self.ci.reduce_scatter(self.dwg, axis=1)

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import ops
 from ..params import ParamDecl, ParamSpec, full_index
-from .base import DenseLinear, Layout
+from .base import DenseLinear, Layout, matmul_rows
 
 
 class SerialLayout(Layout):
@@ -60,14 +60,14 @@ class DenseTiedEmbedding:
     def logits(self, x):
         """x (B, T, h) -> logits (B, T, V_l)."""
         self.x = x
-        return x @ self.wte.T
+        return matmul_rows(x, self.wte.T)
 
     def logits_backward(self, dlogits):
         """dlogits (B, T, V_l) -> dx (B, T, h)."""
         x2 = self.x.reshape(-1, self.x.shape[-1])               # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])            # (B*T, V_l)
         self.dwte += dl2.T @ x2
-        dx = dlogits @ self.wte                                  # (B, T, h)
+        dx = matmul_rows(dlogits, self.wte)                      # (B, T, h)
         if self.vocab_comm is not None:
             dx = self.vocab_comm.allreduce(dx)
         self.x = None

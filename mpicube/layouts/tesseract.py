@@ -22,7 +22,7 @@ from __future__ import annotations
 from ..comm import Comm
 from ..errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, nearest_multiples
+from .base import Layout, matmul_rows, nearest_multiples
 from .. import ops
 
 
@@ -180,7 +180,7 @@ class TesseractTiedEmbedding:
     def logits(self, x):
         """x (B_c, T, h/q) -> logits (B_c, T, V/q), vocabulary block c."""
         self.x = x
-        partial = x @ self.w_full.T                             # (B_c, T, V) partial over c
+        partial = matmul_rows(x, self.w_full.T)                 # (B_c, T, V) partial over c
         return self.row.reduce_scatter(partial, axis=-1)
 
     def logits_backward(self, dlogits):
@@ -189,7 +189,7 @@ class TesseractTiedEmbedding:
         d2 = dfull.reshape(-1, dfull.shape[-1])
         self.dw_full += d2.T @ self.x.reshape(-1, self.x.shape[-1])
         self.x = None
-        return dfull @ self.w_full                              # (B_c, T, h/q)
+        return matmul_rows(dfull, self.w_full)                  # (B_c, T, h/q)
 
     def finish_backward(self):
         self.dwte += self.col.reduce_scatter(self.dw_full, axis=0)
