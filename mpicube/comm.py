@@ -61,6 +61,23 @@ class Counters:
         return sum(self.seconds.values())
 
 
+class Pending:
+    """A started collective: ``wait()`` completes it and returns its result
+    (the time spent waiting is added to the axis's seconds). Holds the send
+    buffer so it outlives the operation."""
+
+    def __init__(self, finish, comm: "Comm" = None, send=None):
+        self._finish, self._comm, self._send = finish, comm, send
+
+    def wait(self):
+        t0 = time.perf_counter()
+        out = self._finish()
+        if self._comm is not None:
+            self._comm.counters.add(self._comm.axis, 0, 0, time.perf_counter() - t0)
+        self._send = None
+        return out
+
+
 class Comm:
     """One axis of the processor grid: an mpi4py communicator, its role name,
     the array backend and the shared counters."""
@@ -168,6 +185,46 @@ class Comm:
         self.mpi.Reduce(send, recv, op=MPI.SUM, root=root)
         self._count(send.size, self.size - 1, t0)
         return self._from_mpi(recv) if self.rank == root else None
+
+    # --- nonblocking variants, to overlap communication with computation ---
+    def iallgather(self, x, axis: int = 0) -> "Pending":
+        """Start ``allgather``; ``.wait()`` returns what it would have."""
+        if self.size == 1:
+            return Pending(lambda: x)
+        t0 = time.perf_counter()
+        g = self.size
+        send = self._to_mpi(x)
+        recv = self._empty((g,) + tuple(x.shape), x.dtype)   # (g, *x.shape)
+        request = self.mpi.Iallgather(send, recv)
+        self._count((g - 1) * send.size, g - 1, t0)
+
+        def finish():
+            request.Wait()
+            out = self._from_mpi(recv)
+            if axis % x.ndim == 0:
+                return out.reshape((g * x.shape[0],) + tuple(x.shape[1:]))
+            return self.backend.xp.concatenate(list(out), axis=axis)
+
+        return Pending(finish, self, send)
+
+    def ireduce_scatter(self, x, axis: int = 0) -> "Pending":
+        """Start ``reduce_scatter`` along axis 0; ``.wait()`` returns the block."""
+        if self.size == 1:
+            return Pending(lambda: x)
+        if axis % x.ndim != 0:
+            raise ValueError("ireduce_scatter splits axis 0 only")
+        t0 = time.perf_counter()
+        g = self.size
+        send = self._to_mpi(x)
+        recv = self._empty((x.shape[0] // g,) + tuple(x.shape[1:]), x.dtype)
+        request = self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM)
+        self._count(Fraction(g - 1, g) * send.size, g - 1, t0)
+
+        def finish():
+            request.Wait()
+            return self._from_mpi(recv)
+
+        return Pending(finish, self, send)
 
     # --- small host-side helpers (not counted: metadata, not model data) ----
     def barrier(self):

@@ -46,6 +46,15 @@ for axis in (0, 1, -1):
     assert ax.shape == tuple(gathered) and aty.shape == tuple(shape)
     check(f"all-gather/reduce-scatter axis {axis}", dot(ax, y), dot(x, aty))
 
+# the nonblocking variants return and count exactly what the blocking ones do
+x, y = rng.normal(size=(2, 3)), rng.normal(size=(2 * g, 3))
+counters.reset()
+assert np.array_equal(comm.iallgather(x).wait(), comm.allgather(x))
+assert np.array_equal(comm.iallgather(x, axis=1).wait(), comm.allgather(x, axis=1))
+assert np.array_equal(comm.ireduce_scatter(y).wait(), comm.reduce_scatter(y))
+assert counters.elems["x"] == 2 * (2 * (g - 1) * x.size + Fraction(g - 1, g) * y.size)
+assert counters.msgs["x"] == 6 * (g - 1)
+
 for root in range(g):
     x, y = rng.normal(size=(5, 2)), rng.normal(size=(5, 2))
     counters.reset()

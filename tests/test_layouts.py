@@ -31,3 +31,12 @@ def test_layout_matches_serial(ranks, layout, dp, depth):
     proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, depth, 0.1], timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"OK {layout} world={ranks} dp={dp} depth={depth}" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_cube_without_overlap_matches_serial():
+    """The blocking path of the 3-D linears (MPICUBE_OVERLAP=0) is checked too."""
+    proc = mpiexec(8, ["-m", "mpi4py", "tests/parallel_check.py", "3d", 1, 1, 0.1], timeout=180,
+                   env={"MPICUBE_OVERLAP": "0"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK 3d world=8 dp=1 depth=1" in proc.stdout

@@ -18,6 +18,7 @@ reduce-scatter dX and dW.
 from __future__ import annotations
 
 import math
+import os
 
 
 from .. import ops
@@ -72,6 +73,9 @@ class CubeLayout(Layout):
         self.ij = sub("ij", k, i * q + j)         # plane varying i, j
         self.ik = sub("ik", j, i * q + k)         # plane varying i, k
         self.hidden_comm = self.ck
+        # Nonblocking weight gathers and weight-gradient reductions overlap the
+        # activation collectives and GEMMs; MPICUBE_OVERLAP=0 turns it off to measure it.
+        self.overlap = os.environ.get("MPICUBE_OVERLAP", "1") != "0"
         self.vocab_padded = self.pad_to(cfg.vocab_size, q)
         self.canonical_seqs = split_index(self.local_batch, q * q, i * q + j)
         self.mid_seqs = split_index(self.local_batch, q * q, i * q + k)
@@ -97,8 +101,8 @@ class CubeLayout(Layout):
 
     def linear(self, store, prefix, position):
         if position == "first":
-            return CubeLinear(store, prefix, a=self.cj, b=self.ck, weight_comm=self.ci)
-        return CubeLinear(store, prefix, a=self.ck, b=self.cj, weight_comm=self.ci)
+            return CubeLinear(store, prefix, a=self.cj, b=self.ck, weight_comm=self.ci, overlap=self.overlap)
+        return CubeLinear(store, prefix, a=self.ck, b=self.cj, weight_comm=self.ci, overlap=self.overlap)
 
     def tied_embedding(self, store):
         return CubeTiedEmbedding(store, self)
@@ -112,7 +116,8 @@ class CubeLinear:
     ``b``, columns block ``a``. First linears use (a, b) = (j, k), second
     linears (k, j)."""
 
-    def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm):
+    def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True):
+        self.overlap = overlap
         self.w = store.data[prefix + ".weight"]      # (h_in/q^2, h_out/q)
         self.bias = store.data[prefix + ".bias"]     # (h_out/q,)
         self.dw = store.grad[prefix + ".weight"]
@@ -121,8 +126,13 @@ class CubeLinear:
 
     def forward(self, x):
         """x (B/q^2, T, h_in/q) -> (B/q^2, T, h_out/q)."""
-        self.xg = self.a.allgather(x, axis=0)        # (B/q, T, h_in/q)
-        self.wg = self.wc.allgather(self.w, axis=0)  # (h_in/q, h_out/q)
+        if self.overlap:                             # W travels while X is gathered
+            w_pending = self.wc.iallgather(self.w, axis=0)
+            self.xg = self.a.allgather(x, axis=0)    # (B/q, T, h_in/q)
+            self.wg = w_pending.wait()               # (h_in/q, h_out/q)
+        else:
+            self.xg = self.a.allgather(x, axis=0)
+            self.wg = self.wc.allgather(self.w, axis=0)
         y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg), axis=0)   # (B/q^2, T, h_out/q)
         y += self.bias
         return y
@@ -130,10 +140,15 @@ class CubeLinear:
     def backward(self, dy):
         """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
         dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
-        dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T), axis=0)    # (B/q^2, T, h_in/q)
         xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
         dwg = xg2.T @ dyg.reshape(-1, dyg.shape[-1])           # (h_in/q, h_out/q)
-        self.dw += self.wc.reduce_scatter(dwg, axis=0)
+        if self.overlap:                             # dW travels while dX is computed and reduced
+            dw_pending = self.wc.ireduce_scatter(dwg, axis=0)
+            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T), axis=0)    # (B/q^2, T, h_in/q)
+            self.dw += dw_pending.wait()
+        else:
+            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T), axis=0)
+            self.dw += self.wc.reduce_scatter(dwg, axis=0)
         self.dbias += dy.sum((0, 1))
         self.xg = self.wg = None
         return dx
