@@ -16,7 +16,7 @@ SITE_MPI = $(VENV)/.site-mpi
 MPICC ?= mpicc
 
 TRAIN_DEFAULTS = --n-layer 4 --n-head 12 --n-embd 144 --seq-len 64 --batch-size 8 \
-                 --steps 500 --lr 3e-3 --warmup 20 --out runs/default
+                 --steps 500 --lr 3e-3 --warmup 20 --eval-every 100 --out runs/default
 TRAIN_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
