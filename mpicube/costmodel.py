@@ -228,7 +228,8 @@ def activation_elems(p: Problem, dropout: bool = False) -> int:
     n = seqs * T                       # token rows per rank, canonical and intermediate alike
     cc = h // split_cols               # canonical width
     probs = seqs * (cfg.n_head // heads) * T * T
-    per_layer = 2 * (n * cc + n) + n * 3 * mid_cols + probs + 2 * n * 4 * mid_cols
+    # LN xhat + rstd (x2), qkv and the scaled copy of q, probabilities, GELU input and tanh
+    per_layer = 2 * (n * cc + n) + n * 4 * mid_cols + probs + 2 * n * 4 * mid_cols
     total = L * per_layer + (n * cc + n) + 2 * n * V
     # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
     copies = 2 if q > 1 else 1

@@ -40,21 +40,24 @@ def layernorm_forward(x, gamma, beta, n_hidden, eps=1e-5, allsum=identity):
     centred variance) keep float32 accurate."""
     mean = allsum(x.sum(-1, keepdims=True)) / n_hidden               # (B, T, 1)
     xc = x - mean                                                    # (B, T, C)
-    var = allsum((xc * xc).sum(-1, keepdims=True)) / n_hidden        # (B, T, 1)
+    var = allsum(rowdot(xc, xc)[..., None]) / n_hidden               # (B, T, 1)
     rstd = 1.0 / (var + eps) ** 0.5                                  # (B, T, 1)
     xhat = xc
     xhat *= rstd                                                     # (B, T, C)
-    y = xhat * gamma + beta                                          # (B, T, C)
+    y = xhat * gamma                                                 # (B, T, C)
+    y += beta
     return y, (xhat, rstd)
 
 
 def layernorm_backward(dy, cache, gamma, dgamma, dbeta, n_hidden, allsum=identity):
     """dy (B, T, C) -> dx (B, T, C); adds into dgamma, dbeta (C,)."""
     xhat, rstd = cache
-    dgamma += (dy * xhat).sum((0, 1))
+    xp = _xp(dy)
+    C = dy.shape[-1]
+    dgamma += xp.einsum("ij,ij->j", dy.reshape(-1, C), xhat.reshape(-1, C))   # one pass, no temporary
     dbeta += dy.sum((0, 1))
     dxhat = dy * gamma                                               # (B, T, C)
-    sums = allsum(_stack_last(dxhat.sum(-1), (dxhat * xhat).sum(-1)))  # (B, T, 2)
+    sums = allsum(_stack_last(dxhat.sum(-1), rowdot(dxhat, xhat)))  # (B, T, 2)
     mean_dxhat = sums[..., 0:1] / n_hidden
     mean_dxhat_xhat = sums[..., 1:2] / n_hidden
     dx = dxhat
@@ -62,6 +65,14 @@ def layernorm_backward(dy, cache, gamma, dgamma, dbeta, n_hidden, allsum=identit
     dx -= xhat * mean_dxhat_xhat
     dx *= rstd
     return dx
+
+
+def rowdot(a, b):
+    """sum(a * b, axis=-1) in one pass, without the product temporary."""
+    xp = _xp(a)
+    if hasattr(xp, "vecdot"):
+        return xp.vecdot(a, b)
+    return (a * b).sum(-1)  # pragma: no cover - array modules without vecdot
 
 
 def _stack_last(a, b):
@@ -141,12 +152,12 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0):
     qkv5 = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
     q, k, v = qkv5[0], qkv5[1], qkv5[2]                               # (B, nh, T, hd)
     scale = 1.0 / math.sqrt(hd)
+    q = q * scale                      # scaling q is T/hd times cheaper than scaling the scores
     probs = q @ k.swapaxes(-1, -2)                                    # (B, nh, T, T) scores
     bias = causal_bias(xp, T, probs.dtype)
     flat = probs.reshape(-1, T, T)
     for mats in row_blocks(xp, flat.shape[0], T * T):                 # softmax, cache block by block
         s = flat[mats]
-        s *= scale
         s += bias
         s -= s.max(-1, keepdims=True)
         xp.exp(s, out=s)
@@ -154,7 +165,7 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0):
     used = probs if keep_mask is None else probs * keep_mask * (1.0 / keep_prob)
     y = used @ v                                                      # (B, nh, T, hd)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, n_head * hd)           # (B, T, nh*hd)
-    return y, (q, k, v, probs, used, keep_mask, keep_prob, scale)
+    return y, (q, k, v, probs, used, keep_mask, keep_prob, scale)   # q already scaled
 
 
 def attention_backward(dy, cache):
@@ -170,13 +181,13 @@ def attention_backward(dy, cache):
         dscores *= keep_mask
         dscores *= 1.0 / keep_prob
     flat_d, flat_p = dscores.reshape(-1, T, T), probs.reshape(-1, T, T)
-    for mats in row_blocks(xp, flat_d.shape[0], T * T):               # ds = p (dp - sum(dp p)) * scale
+    for mats in row_blocks(xp, flat_d.shape[0], T * T):               # ds = p (dp - sum(dp p))
         d, p = flat_d[mats], flat_p[mats]
-        d -= (d * p).sum(-1, keepdims=True)
+        d -= rowdot(d, p)[..., None]
         d *= p
-        d *= scale
-    xp.matmul(dscores, k, out=dqkv[0])                                # dq
-    xp.matmul(dscores.swapaxes(-1, -2), q, out=dqkv[1])               # dk
+    xp.matmul(dscores, k, out=dqkv[0])                                # dq = ds k scale
+    dqkv[0] *= scale
+    xp.matmul(dscores.swapaxes(-1, -2), q, out=dqkv[1])               # dk = ds^T (q scale)
     return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)
 
 

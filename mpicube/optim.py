@@ -102,8 +102,10 @@ class AdamW:
         xp = self.store.backend.xp
         self.t += 1
         b1, b2 = self.beta1, self.beta2
-        step_size = lr / (1.0 - b1 ** self.t)
-        inv_sqrt_bias2 = 1.0 / math.sqrt(1.0 - b2 ** self.t)
+        # lr m_hat / (sqrt(v_hat) + eps) = step * m / (sqrt(v) + eps'), folding both bias corrections
+        sqrt_bias2 = math.sqrt(1.0 - b2 ** self.t)
+        step = lr * sqrt_bias2 / (1.0 - b1 ** self.t)
+        eps = self.eps * sqrt_bias2
         keep = 1.0 - lr * self.weight_decay
         for block, decayed in self.blocks:
             p, g, m, v = self.store.flat[block], self.store.flat_grad[block], self.m[block], self.v[block]
@@ -120,9 +122,8 @@ class AdamW:
             if self.weight_decay:
                 for sl in decayed:
                     p[sl] *= keep
-            xp.sqrt(v, out=w)                         # p -= lr m_hat / (sqrt(v_hat) + eps)
-            w *= inv_sqrt_bias2
-            w += self.eps
+            xp.sqrt(v, out=w)                         # p -= step m / (sqrt(v) + eps')
+            w += eps
             xp.divide(m, w, out=w)
-            w *= step_size
+            w *= step
             p -= w
