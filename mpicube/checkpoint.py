@@ -58,6 +58,8 @@ from typing import Any, Iterable, Sequence
 import h5py
 import numpy as np
 
+from .errors import UserError
+
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "Block", "Checkpoint",
     "save", "latest", "open_checkpoint", "inspect",
@@ -76,7 +78,7 @@ _MAX_READS = 256          # hyperslab reads per Checkpoint.read call, at most
 _MAX_COVER_CELLS = 10_000_000
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint problem; the message names the file or tensor concerned."""
 
 
@@ -828,8 +830,8 @@ def open_checkpoint(path, verify: bool = True) -> Checkpoint:
 # inspect
 
 def _shape_problems(ck) -> list:
-    """Tensors missing, or shaped unlike the model that the ``config``
-    attribute describes (a checkpoint no reader could load)."""
+    """GPT tensors shaped unlike the model that the ``config`` attribute
+    describes (a checkpoint no reader could load)."""
     from .config import ModelConfig
     from .model import gpt_params
 
@@ -844,10 +846,7 @@ def _shape_problems(ck) -> list:
     for decl in decls:
         for prefix in ("model", "optimizer/m", "optimizer/v"):
             name = f"{prefix}/{decl.name}"
-            if name not in have:
-                if prefix == "model":
-                    problems.append(f"{ck.file}: tensor {name!r} is missing")
-            elif tuple(ck.shape(name)) != tuple(decl.shape):
+            if name in have and tuple(ck.shape(name)) != tuple(decl.shape):
                 problems.append(f"{ck.file}: tensor {name!r} has shape {tuple(ck.shape(name))} but the model in "
                                 f"its 'config' attribute needs {tuple(decl.shape)}")
     return problems

@@ -30,8 +30,6 @@ import traceback
 import click
 
 from . import __version__
-from .checkpoint import CheckpointError
-from .data import DataError
 from .errors import UserError
 
 try:                                    # Python >= 3.11
@@ -40,7 +38,6 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
     import tomli as tomllib
 
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
-USER_ERRORS = (UserError, DataError, CheckpointError)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -226,7 +223,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
 def prepare(inputs, out, val_fraction):
     """Tokenize text files and folders (bytes -> tokens) into train/val shards."""
     from . import data
-    from .train import on_root
+    from .comm import on_root
 
     paths = on_root(_mpi["world"], lambda: [str(p) for p in data.prepare(list(inputs), out, val_fraction)])
     for path in paths:
@@ -342,7 +339,7 @@ def main(argv=None) -> None:
             echo(exc.format_message())
             sys.exit(EXIT_USAGE)
         _fail(_click_message(exc), EXIT_USAGE)
-    except USER_ERRORS as exc:
+    except UserError as exc:          # DataError and CheckpointError are UserErrors too
         _fail(str(exc), getattr(exc, "exit_code", EXIT_USAGE))
     except Exception:  # noqa: BLE001 - anything else is a bug: traceback, abort the job
         _crash()

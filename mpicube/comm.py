@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .backend import Backend, cuda_aware_mpi
+from .errors import UserError
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -232,3 +233,25 @@ class Comm:
 
     def bcast_object(self, obj, root: int = 0):
         return self.mpi.bcast(obj, root=root)
+
+
+# --- agreement on host objects (raw mpi4py calls: bookkeeping, not counted) ---
+def on_root(mpi_comm, fn):
+    """Run ``fn`` on rank 0 only and give its result, or its user-facing
+    error, to every rank: a bad input then stops all ranks with the same
+    message instead of leaving some of them waiting in a collective."""
+    result = error = None
+    if mpi_comm.Get_rank() == 0:
+        try:
+            result = fn()
+        except UserError as exc:
+            error = (type(exc), str(exc))
+    result, error = mpi_comm.bcast((result, error), root=0)
+    if error is not None:
+        raise error[0](error[1])
+    return result
+
+
+def agree_max(mpi_comm, value: int) -> int:
+    """The largest ``value`` over all ranks (e.g. a stop flag)."""
+    return int(mpi_comm.allreduce(int(value), op=MPI.MAX))

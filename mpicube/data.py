@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import UserError
+
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256  # llm.c token shard format: 256 int32 header, then uint16 tokens
@@ -29,7 +31,7 @@ STDLIB_EXCLUDED_DIRS = frozenset(
 )
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad or unreadable data input; message is shown to the user as is."""
 
 

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -45,13 +44,15 @@ import numpy as np
 from . import __version__, checkpoint, data
 from .backend import make_backend
 from .checkpoint import CheckpointError
-from .comm import Counters
+from .comm import Counters, agree_max, on_root
 from .config import ModelConfig
 from .errors import ConfigError, UserError
 from .grid import build_layout, plan, validate_model
 from .model import GPT, gpt_params
 from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
 from .params import ParamStore
+from .console import Console
+from .state import attr_dict, describe_layout, load_state, open_verified, state_blocks
 
 EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
 EXIT_DIVERGED = 3        # non-finite loss or gradient norm
@@ -60,10 +61,6 @@ EXIT_DIVERGED = 3        # non-finite loss or gradient norm
 # variable raises an unexpected exception at step 2, to check that an
 # exception on one rank ends the whole job instead of leaving it hanging.
 CRASH_HOOK = "MPICUBE_TEST_CRASH_RANK"
-
-# Errors that mean "bad input" and are shown to the user as one line.
-USER_ERRORS = (UserError, data.DataError, CheckpointError)
-
 
 class DivergedError(UserError):
     """The loss or gradient norm stopped being finite."""
@@ -143,33 +140,6 @@ def _dash(name: str) -> str:
     return name.replace("_", "-")
 
 
-# --------------------------------------------------------------------------- MPI helpers
-
-
-def on_root(comm, fn):
-    """Run ``fn`` on rank 0 only and give its result, or its user-facing
-    error, to every rank: a bad input then stops all ranks with the same
-    message instead of leaving some of them waiting in a collective."""
-    result = error = None
-    if comm.Get_rank() == 0:
-        try:
-            result = fn()
-        except USER_ERRORS as exc:
-            error = (type(exc), str(exc))
-    result, error = comm.bcast((result, error), root=0)
-    if error is not None:
-        raise error[0](error[1])
-    return result
-
-
-def agree_max(comm, value: int) -> int:
-    """The largest ``value`` over all ranks. Uses the raw mpi4py communicator,
-    so this bookkeeping never shows up in the communication counters."""
-    from mpi4py import MPI
-
-    return int(comm.allreduce(int(value), op=MPI.MAX))
-
-
 # --------------------------------------------------------------------------- model and data
 
 
@@ -236,151 +206,6 @@ def resolve_data(mpi_world, path: Optional[str]):
     train = Path(path)
     val = val_path_for(train)
     return str(train), str(val if val.is_file() else train)
-
-
-# --------------------------------------------------------------------------- checkpoint state
-
-
-def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
-    """Checkpoint blocks of every parameter and AdamW moment held here."""
-    blocks = []
-    buffers = [("model", store.flat)]
-    if with_optimizer:
-        buffers += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
-    for spec in store.specs:
-        lo, hi = store.offsets[spec.name]
-        for prefix, flat in buffers:
-            local = store.backend.to_host(flat[lo:hi]).reshape(spec.local_shape)
-            blocks.append(checkpoint.Block(name=f"{prefix}/{spec.name}", local=local, shape=spec.decl.shape,
-                                           index=spec.index, writer=bool(spec.writer and dp_rank == 0)))
-    return blocks
-
-
-def open_verified(mpi_world, path) -> "checkpoint.Checkpoint":
-    """Rank 0 opens and verifies (checksums of every shard), then every rank
-    opens the same checkpoint without re-hashing it."""
-    resolved = on_root(mpi_world, lambda: _verify(path))
-    return checkpoint.open_checkpoint(resolved, verify=False)
-
-
-def _verify(path) -> str:
-    with checkpoint.open_checkpoint(path, verify=True) as ck:
-        return str(ck.file)
-
-
-def load_state(ck, store, opt=None) -> None:
-    """Read exactly this rank's block of every parameter (and, given ``opt``,
-    of the AdamW moments) from a checkpoint written on any layout."""
-    prefixes = ["model"] + (["optimizer/m", "optimizer/v"] if opt is not None else [])
-    names = set(ck.names())
-    for spec in store.specs:                   # check everything before reading anything
-        for prefix in prefixes:
-            name = f"{prefix}/{spec.name}"
-            if name not in names:
-                what = "optimizer state (needed by --resume)" if prefix != "model" else "this parameter"
-                raise CheckpointError(f"{ck.path}: has no tensor {name!r} ({what})")
-            have, want = tuple(ck.shape(name)), tuple(spec.decl.shape)
-            if have != want:
-                raise CheckpointError(
-                    f"{ck.path}: tensor {name!r} has shape {have} but this model needs {want} "
-                    f"(checkpoint model {_describe_cfg(ck.attrs.get('config'))})")
-    backend = store.backend
-    for spec in store.specs:
-        lo, hi = store.offsets[spec.name]
-        targets = [("model", store.flat)]
-        if opt is not None:
-            targets += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
-        for prefix, flat in targets:
-            block = ck.read(f"{prefix}/{spec.name}", index=spec.index, dtype=backend.dtype)
-            flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=backend.dtype)
-
-
-def describe_layout(d: dict) -> str:
-    """``{"layout": "3d", "tp": 8, "dp": 1, "q": 2}`` -> ``layout 3d (tp 8, dp 1, q 2)``."""
-    rest = ", ".join(f"{k} {v}" for k, v in d.items() if k != "layout")
-    return f"layout {d.get('layout')}" + (f" ({rest})" if rest else "")
-
-
-def _describe_cfg(cfg) -> str:
-    if isinstance(cfg, str):
-        try:
-            cfg = json.loads(cfg)
-        except ValueError:
-            return cfg
-    if not isinstance(cfg, dict):
-        return "unknown"
-    return ", ".join(f"{k} {v}" for k, v in cfg.items())
-
-
-def attr_dict(value) -> dict:
-    """A checkpoint attribute that holds JSON (decoded or not)."""
-    if isinstance(value, (str, bytes)):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return {}
-    return value if isinstance(value, dict) else {}
-
-
-# --------------------------------------------------------------------------- console
-
-
-class Console:
-    """Rank 0's output: a tqdm bar on a terminal, else one line per interval."""
-
-    def __init__(self, enabled: bool, first: int, last: int, log_every: int):
-        self.enabled = enabled
-        self.first, self.last, self.log_every = first, last, log_every
-        self.t0 = time.monotonic()
-        self.bar = None
-        if enabled and last >= first and _terminal_width(sys.stderr) >= 40:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=last, initial=first - 1, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def say(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stdout)
-        else:
-            print(text, flush=True)
-
-    def step(self, rec: dict) -> None:
-        if not self.enabled:
-            return
-        s = rec["step"]
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}",
-                                 tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
-            return
-        if s % self.log_every == 0 or s in (self.first, self.last):
-            elapsed = time.monotonic() - self.t0
-            left = elapsed / (s - self.first + 1) * (self.last - s)
-            print(f"step {s:>{len(str(self.last))}}/{self.last} | loss {rec['loss']:.4f} | "
-                  f"lr {rec['lr']:.2e} | {rec['tokens_per_s']:,.0f} tok/s | "
-                  f"{_clock(elapsed)} elapsed, {_clock(left)} left", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-def _terminal_width(stream) -> int:
-    """Columns of the terminal ``stream`` writes to; 0 if it is not one."""
-    try:
-        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
-    except (AttributeError, OSError, ValueError):
-        return 0
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}:{m:02d}:{s:02d}"
 
 
 # --------------------------------------------------------------------------- the trainer

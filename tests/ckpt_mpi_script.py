@@ -19,8 +19,8 @@ import sys
 import numpy as np
 
 NRANKS = 4
-A_NAME = "model/h.0.attn.c_attn.weight"   # (10, 12), columns [q | k | v]
-R_NAME = "model/ln_f.weight"              # (12,), replicated, rank 0 writes
+A_NAME = "model/test.qkv"                  # (10, 12), columns [q | k | v]
+R_NAME = "model/test.norm"                 # (12,), replicated, rank 0 writes
 W_NAME = "model/wte"                      # (7, 4), vocabulary padded to 8
 P_NAME = "optimizer/m/pad"                # (5,), padded to 8; rank 3 holds padding only
 S_NAME = "state/tokens_seen"              # scalar, written by rank 1

@@ -1,0 +1,91 @@
+"""A rank's training state <-> checkpoints: which blocks it writes, and
+reading exactly its blocks back from a checkpoint saved on any layout."""
+
+from __future__ import annotations
+
+import json
+
+from . import checkpoint
+from .checkpoint import CheckpointError
+from .comm import on_root
+
+
+def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
+    """Checkpoint blocks of every parameter and AdamW moment held here."""
+    blocks = []
+    buffers = [("model", store.flat)]
+    if with_optimizer:
+        buffers += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
+    for spec in store.specs:
+        lo, hi = store.offsets[spec.name]
+        for prefix, flat in buffers:
+            local = store.backend.to_host(flat[lo:hi]).reshape(spec.local_shape)
+            blocks.append(checkpoint.Block(name=f"{prefix}/{spec.name}", local=local, shape=spec.decl.shape,
+                                           index=spec.index, writer=bool(spec.writer and dp_rank == 0)))
+    return blocks
+
+
+def open_verified(mpi_world, path) -> "checkpoint.Checkpoint":
+    """Rank 0 opens and verifies (checksums of every shard), then every rank
+    opens the same checkpoint without re-hashing it."""
+    resolved = on_root(mpi_world, lambda: _verify(path))
+    return checkpoint.open_checkpoint(resolved, verify=False)
+
+
+def _verify(path) -> str:
+    with checkpoint.open_checkpoint(path, verify=True) as ck:
+        return str(ck.file)
+
+
+def load_state(ck, store, opt=None) -> None:
+    """Read exactly this rank's block of every parameter (and, given ``opt``,
+    of the AdamW moments) from a checkpoint written on any layout."""
+    prefixes = ["model"] + (["optimizer/m", "optimizer/v"] if opt is not None else [])
+    names = set(ck.names())
+    for spec in store.specs:                   # check everything before reading anything
+        for prefix in prefixes:
+            name = f"{prefix}/{spec.name}"
+            if name not in names:
+                what = "optimizer state (needed by --resume)" if prefix != "model" else "this parameter"
+                raise CheckpointError(f"{ck.path}: has no tensor {name!r} ({what})")
+            have, want = tuple(ck.shape(name)), tuple(spec.decl.shape)
+            if have != want:
+                raise CheckpointError(
+                    f"{ck.path}: tensor {name!r} has shape {have} but this model needs {want} "
+                    f"(checkpoint model {_describe_cfg(ck.attrs.get('config'))})")
+    backend = store.backend
+    for spec in store.specs:
+        lo, hi = store.offsets[spec.name]
+        targets = [("model", store.flat)]
+        if opt is not None:
+            targets += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
+        for prefix, flat in targets:
+            block = ck.read(f"{prefix}/{spec.name}", index=spec.index, dtype=backend.dtype)
+            flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=backend.dtype)
+
+
+def describe_layout(d: dict) -> str:
+    """``{"layout": "3d", "tp": 8, "dp": 1, "q": 2}`` -> ``layout 3d (tp 8, dp 1, q 2)``."""
+    rest = ", ".join(f"{k} {v}" for k, v in d.items() if k != "layout")
+    return f"layout {d.get('layout')}" + (f" ({rest})" if rest else "")
+
+
+def _describe_cfg(cfg) -> str:
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except ValueError:
+            return cfg
+    if not isinstance(cfg, dict):
+        return "unknown"
+    return ", ".join(f"{k} {v}" for k, v in cfg.items())
+
+
+def attr_dict(value) -> dict:
+    """A checkpoint attribute that holds JSON (decoded or not)."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
