@@ -133,3 +133,10 @@ def read_metrics(run_dir: Path):
 
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+
+
+def last_json(stdout: str) -> dict:
+    """The JSON object on the last line of a command's stdout."""
+    import json
+
+    return json.loads(stdout.strip().splitlines()[-1])

@@ -39,3 +39,36 @@ def mpiexec(n: int, args: list, timeout: int = 120, env: dict | None = None, cwd
     cmd = [str(MPIEXEC), "-n", str(n), sys.executable] + [str(a) for a in args]
     return subprocess.run(cmd, env=job_env(env, timeout), cwd=str(cwd or ROOT), capture_output=True,
                           text=True, timeout=timeout + 30)
+
+
+def descendants(pid: int) -> list:
+    """Every process below ``pid`` (the ranks under an mpiexec), from /proc."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        kids = [child for child, p in parent.items() if p == pid]
+        found += kids
+        todo += kids
+    return found
+
+
+def rank_pid(launcher_pid: int, rank: int):
+    """The pid of MPI rank ``rank`` under the launcher (PMI_RANK in its
+    environment), or None while it has not started."""
+    for pid in descendants(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in env:
+            return pid
+    return None

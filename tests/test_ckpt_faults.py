@@ -24,7 +24,8 @@ import time
 
 import h5py
 import pytest
-from conftest import MpiCube, read_metrics
+from mpirun import rank_pid
+from conftest import MpiCube, last_json, read_metrics
 
 from mpicube import checkpoint
 
@@ -40,20 +41,10 @@ TENSOR = "model/wte"                     # split over both ranks by the 1-D layo
 HANG = 20                                # seconds: far below MPIEXEC_TIMEOUT, above the error grace
 
 
-def launcher(cwd, cache) -> MpiCube:
-    cube = MpiCube(cwd, cache)
-    cube.env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"      # MPICH with more ranks than cores
-    return cube
-
-
-def last_json(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory, corpus_cache):
     """A 2-rank run stopped after step 2 with its checkpoint (the schedule runs to step 4)."""
-    cube = launcher(tmp_path_factory.mktemp("faults"), corpus_cache)
+    cube = MpiCube(tmp_path_factory.mktemp("faults"), corpus_cache)
     r = cube.run("train", *MODEL, "--stop-after", GOOD_STEP, "--out", "good", n=NRANKS)
     assert r.returncode == 0, r
     run = cube.cwd / "good"
@@ -67,7 +58,7 @@ def good_run(tmp_path_factory, corpus_cache):
 
 @pytest.fixture
 def cube(tmp_path, corpus_cache) -> MpiCube:
-    return launcher(tmp_path, corpus_cache)
+    return MpiCube(tmp_path, corpus_cache)
 
 
 @pytest.fixture
@@ -85,37 +76,6 @@ def visible(ckpt_dir) -> list:
 # --------------------------------------------------------------------------- kill -9 during a save
 
 
-def _descendants(pid) -> list:
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def _pid_of_rank(launcher_pid, rank):
-    """The pid of MPI rank ``rank`` started by the launcher (PMI_RANK in its environment), or None."""
-    for pid in _descendants(launcher_pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if f"PMI_RANK={rank}".encode() in env:
-            return pid
-    return None
-
-
 def test_kill_9_during_save_keeps_previous_checkpoint(cube, run):
     """Resume to step 4; as soon as rank 1 has opened its shard of the step-4
     checkpoint, SIGKILL it. Nothing of step 4 may become visible, and the
@@ -130,7 +90,7 @@ def test_kill_9_during_save_keeps_previous_checkpoint(cube, run):
             assert proc.poll() is None, ("the run ended before saving step 4", proc.communicate())
             assert time.monotonic() < deadline, "no step-4 save within 60 s"
             if rank1 is None:
-                rank1 = _pid_of_rank(proc.pid, 1)
+                rank1 = rank_pid(proc.pid, 1)
             time.sleep(0.002)
         os.kill(rank1, signal.SIGKILL)
         out, err = proc.communicate(timeout=60)

@@ -4,16 +4,12 @@ import json
 
 import numpy as np
 import pytest
-from conftest import TINY, read_metrics, sample_text_files
+from conftest import TINY, last_json, read_metrics, sample_text_files
 
 from mpicube import checkpoint, data
 from mpicube.config import ModelConfig
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_elems", "comm_msgs"}
-
-
-def last_json(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def test_prepare_train_eval_inspect(mpicube, tmp_path):

@@ -15,7 +15,7 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-from conftest import MpiCube, read_metrics
+from conftest import MpiCube, last_json, read_metrics
 
 from mpicube import checkpoint
 
@@ -30,16 +30,6 @@ SCHEDULE = ["--steps", "5", "--warmup", "1", "--lr", "1e-2", "--eval-every", "3"
 SAVED_STEP = 3
 EVAL_RTOL = 1e-6        # a forward pass in float32, summed in another order
 STEP_RTOL = 1e-5        # one more optimizer step in float32, in another order
-
-
-def launcher(cwd, cache) -> MpiCube:
-    cube = MpiCube(cwd, cache)
-    cube.env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"      # MPICH with more ranks than cores
-    return cube
-
-
-def last_json(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def relerr(a, b) -> float:
@@ -79,7 +69,7 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus_cache) -> Runs:
-    runs = Runs(launcher(tmp_path_factory.mktemp("reshard"), corpus_cache))
+    runs = Runs(MpiCube(tmp_path_factory.mktemp("reshard"), corpus_cache))
     r = runs.train("src", "3d", 8, "--ckpt-every", str(SAVED_STEP), "--keep", "0")
     assert "layout 3d (tp 8, dp 1, q 2)" in r.stdout, r
     assert runs.saved.is_dir() and checkpoint.latest(runs.dir / "src").name == "step_00000005"

@@ -7,6 +7,7 @@ import signal
 import time
 
 import numpy as np
+from mpirun import rank_pid
 from conftest import TINY, read_metrics
 
 from mpicube import checkpoint
@@ -64,38 +65,6 @@ def test_stop_after_then_resume_is_bit_identical(mpicube, tmp_path):
     assert r.returncode == 2 and "--resume" in r.error_lines()[0], r
 
 
-def _children(pid):
-    """All descendants of ``pid``, from /proc."""
-    parent = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        found += kids
-        todo += kids
-    return found
-
-
-def _rank_pid(launcher_pid, rank):
-    """The pid of MPI rank ``rank`` among the launcher's descendants (PMI_RANK in its environment)."""
-    for pid in _children(launcher_pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if f"PMI_RANK={rank}".encode() in env:
-            return pid
-    raise AssertionError(f"no process of rank {rank} under pid {launcher_pid}")
-
-
 def _wait_for_steps(proc, run_dir, n, timeout=30):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -117,7 +86,9 @@ def test_sigterm_on_one_rank_checkpoints_and_resumes(mpicube, tmp_path):
     proc = mpicube.popen("train", *TINY, *opts, "--out", "run", n=2)
     try:
         _wait_for_steps(proc, tmp_path / "run", 2)
-        os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM)
+        pid = rank_pid(proc.pid, 1)
+        assert pid is not None, "rank 1 is not running"
+        os.kill(pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
