@@ -82,15 +82,17 @@ class AdamW:
         self.beta1, self.beta2 = betas
         self.eps = eps
         decayed = [slice(0, store.flat.size)] if decay_all else store.decay_slices
-        self.blocks = self._blocks(store.flat.size, decayed)
-        self._work = xp.empty(min(self.BLOCK, store.flat.size), dtype=store.flat.dtype)  # scratch
+        # cache blocks on the CPU; on a GPU one block (a kernel per pass, not thousands)
+        block = self.BLOCK if xp.__name__ == "numpy" else max(1, store.flat.size)
+        self.blocks = self._blocks(store.flat.size, decayed, block)
+        self._work = xp.empty(min(block, store.flat.size), dtype=store.flat.dtype)  # scratch
 
-    @classmethod
-    def _blocks(cls, size: int, decayed: list) -> list:
+    @staticmethod
+    def _blocks(size: int, decayed: list, block: int) -> list:
         """(block slice, [decayed slices relative to the block]) covering the buffer."""
         blocks = []
-        for lo in range(0, size, cls.BLOCK):
-            hi = min(size, lo + cls.BLOCK)
+        for lo in range(0, size, block):
+            hi = min(size, lo + block)
             inside = [slice(max(lo, d.start) - lo, min(hi, d.stop) - lo) for d in decayed
                       if d.start < hi and d.stop > lo]
             blocks.append((slice(lo, hi), inside))
