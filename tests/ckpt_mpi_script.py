@@ -96,6 +96,7 @@ def check_readback(comm, path, step, version):
 def main(mode: str, run_dir: str) -> None:
     from mpi4py import MPI
     from mpicube import checkpoint as C
+    from mpicube.checkpoint import write as checkpoint_write
 
     comm = MPI.COMM_WORLD
     r = comm.Get_rank()
@@ -122,7 +123,7 @@ def main(mode: str, run_dir: str) -> None:
                 if os.path.basename(os.fspath(src)).startswith(".tmp_step_"):
                     raise OSError("injected rename failure")
                 return real_replace(src, dst, *a, **k)
-            C.os.replace = bad_replace
+            os.replace = bad_replace       # os is one module: this reaches the checkpoint writer
         try:
             C.save(run_dir, 3, blocks_for(r, 3, version=2), attrs_for(3), comm)
         except C.CheckpointError as e:
@@ -130,7 +131,7 @@ def main(mode: str, run_dir: str) -> None:
         else:
             raise AssertionError("save with a failing rename did not raise")
         finally:
-            C.os.replace = real_replace
+            os.replace = real_replace
         check_readback(comm, os.path.join(run_dir, "ckpt", "step_00000003"), 3, 1)
         if r == 0:
             print("RENAME-FAULT-OK", flush=True)
@@ -141,7 +142,7 @@ def main(mode: str, run_dir: str) -> None:
         if r == int(os.environ.get("CKPT_FAULT_RANK", "-1")):
             def boom(path):
                 raise RuntimeError(f"injected fault on rank {r}")
-            C._sha256_file = boom
+            checkpoint_write._sha256_file = boom
         C.save(run_dir, 4, blocks_for(r, 4), attrs_for(4), comm, keep=2)
         print("UNREACHABLE: save with a faulty rank returned", flush=True)
         return

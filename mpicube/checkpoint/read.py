@@ -1,0 +1,234 @@
+"""Finding and opening checkpoints, and reading any block of any tensor."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .format import (
+    CKPT_DIR, CheckpointError, FORMAT, LATEST, MAIN_FILE, VERSION, _MAX_READS, _STEP_RE, _as_index,
+    _decode_attr, _fmt_shape, _sha256_file,
+)
+
+
+
+def latest(run_dir) -> Path | None:
+    """The checkpoint directory ``RUN/ckpt/latest`` points to, or None."""
+    run_dir = Path(run_dir)
+    f = run_dir / CKPT_DIR / LATEST
+    if not f.is_file():
+        return None
+    name = f.read_text().strip()
+    if not _STEP_RE.match(name):
+        raise CheckpointError(f"{f}: does not name a step directory (got {name!r})")
+    d = run_dir / CKPT_DIR / name
+    if not (d / MAIN_FILE).is_file():
+        raise CheckpointError(f"{f} points to {d}, which has no {MAIN_FILE}")
+    return d
+
+
+def _resolve(path) -> Path:
+    p = Path(path)
+    if p.is_file():
+        return p
+    if (p / MAIN_FILE).is_file():
+        return p / MAIN_FILE
+    if (p / CKPT_DIR / LATEST).is_file():
+        return latest(p) / MAIN_FILE
+    if (p / LATEST).is_file() and p.name == CKPT_DIR:
+        return latest(p.parent) / MAIN_FILE
+    if p.is_dir() and (p / CKPT_DIR).is_dir():
+        raise CheckpointError(f"{p / CKPT_DIR}: no checkpoint committed yet (no {LATEST} file)")
+    raise CheckpointError(
+        f"{p}: no checkpoint found (expected a step_XXXXXXXX directory, its {MAIN_FILE}, "
+        f"or a run directory with {CKPT_DIR}/{LATEST})")
+
+
+class Checkpoint:
+    """A committed checkpoint opened for reading (see :func:`open_checkpoint`)."""
+
+    def __init__(self, file: Path, verify: bool = True):
+        self.file = Path(file)
+        self.path = self.file.parent
+        try:
+            self._f = h5py.File(self.file, "r", locking=False)
+        except Exception as e:  # noqa: BLE001 - h5py raises OSError, sometimes others
+            raise CheckpointError(
+                f"{self.file}: cannot open checkpoint (truncated or not an HDF5 file?): {e}") from e
+        try:
+            self._check_header()
+            if verify:
+                self.verify()
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _attr(self, key: str):
+        try:
+            return self._f.attrs[key]
+        except KeyError:
+            raise CheckpointError(f"{self.file}: root attribute {key!r} is missing") from None
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{self.file}: cannot read root attribute {key!r}: {e}") from e
+
+    def _check_header(self) -> None:
+        fmt = _decode_attr(self._attr("format"))
+        if fmt != FORMAT:
+            raise CheckpointError(f"{self.file}: attribute 'format' is {fmt!r}, expected {FORMAT!r}")
+        ver = _decode_attr(self._attr("version"))
+        if ver != VERSION:
+            raise CheckpointError(
+                f"{self.file}: attribute 'version' is {ver!r}; this mpicube reads version {VERSION}")
+        try:
+            self.step = int(_decode_attr(self._attr("step")))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.file}: attribute 'step' is not an integer") from e
+        names = _decode_attr(self._attr("tensors"))
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise CheckpointError(f"{self.file}: attribute 'tensors' is not a JSON list of names")
+        self._names = names
+        shards = _decode_attr(self._attr("shard_sha256"))
+        if not (isinstance(shards, dict) and all(isinstance(v, str) for v in shards.values())):
+            raise CheckpointError(f"{self.file}: attribute 'shard_sha256' is not a JSON object")
+        self.shard_sha256 = shards
+        self.attrs = {}
+        try:
+            for k in self._f.attrs:
+                if k not in ("tensors", "shard_sha256"):
+                    self.attrs[k] = _decode_attr(self._f.attrs[k])
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{self.file}: cannot read root attributes: {e}") from e
+
+    def verify(self) -> None:
+        """Check every tensor is present and every shard exists with its sha256."""
+        for name in self._names:
+            try:
+                obj = self._f.get(name)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{self.file}: tensor {name!r} is unreadable: {e}") from e
+            if not isinstance(obj, h5py.Dataset):
+                raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
+        for rel, digest in sorted(self.shard_sha256.items()):
+            p = self.path / rel
+            if not p.is_file():
+                raise CheckpointError(
+                    f"{p}: shard file is missing (tensors stored in it would read as zeros)")
+            got = _sha256_file(p)
+            if got != digest:
+                raise CheckpointError(
+                    f"{p}: shard file is corrupt (sha256 {got[:16]}..., expected {digest[:16]}...)")
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name) -> bool:
+        return name in self._names
+
+    def _ds(self, name: str) -> h5py.Dataset:
+        if name not in self._names:
+            raise CheckpointError(
+                f"{self.file}: no tensor {name!r} (it has {len(self._names)}: "
+                f"{', '.join(self._names[:8])}{', ...' if len(self._names) > 8 else ''})")
+        return self._f[name]
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._ds(name).shape)
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._ds(name).dtype
+
+    def read(self, name: str, index=None, dtype=None) -> np.ndarray:
+        """The whole tensor, or the block at per-dim global index arrays.
+
+        ``index[d]`` may hold any non-negative global indices in any order;
+        values ``>= shape[d]`` are padding and come back as 0.  Only bounding
+        boxes of runs of the needed indices are read from the file.
+        """
+        ds = self._ds(name)
+        shape = ds.shape
+        what = f"{self.file}: tensor {name!r}"
+        try:
+            if index is None:
+                out = ds[()]
+                return np.asarray(out if dtype is None else out.astype(dtype, copy=False))
+            index = tuple(index)
+            if len(index) != len(shape):
+                raise CheckpointError(f"{what}: index has {len(index)} dims, tensor {_fmt_shape(shape)}")
+            idx = [_as_index(range(*ix.indices(shape[d])) if isinstance(ix, slice) else ix, d, what)
+                   for d, ix in enumerate(index)]
+            out = np.zeros(tuple(len(i) for i in idx), dtype=dtype or ds.dtype)
+            if out.size == 0:
+                return out
+            pos = [np.nonzero(i < shape[d])[0] for d, i in enumerate(idx)]
+            if any(p.size == 0 for p in pos):
+                return out
+            clusters = _clusters([idx[d][p] for d, p in enumerate(pos)])
+            for combo in itertools.product(*clusters):
+                box = tuple(slice(lo, hi) for lo, hi, _ in combo)
+                slab = ds[box]
+                src = np.ix_(*[idx[d][pos[d][sel]] - lo for d, (lo, _, sel) in enumerate(combo)])
+                dst = np.ix_(*[pos[d][sel] for d, (_, _, sel) in enumerate(combo)])
+                out[dst] = slab[src]
+            return out
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fletcher32 failures etc.
+            raise CheckpointError(f"{what}: read failed: {e}") from e
+
+    def close(self) -> None:
+        if getattr(self, "_f", None) is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"Checkpoint({str(self.path)!r}, step={getattr(self, 'step', '?')}, tensors={len(self._names)})"
+
+
+def _clusters(gs: list) -> list:
+    """Per dim: groups (lo, hi, positions) of the wanted indices to read as one slab.
+
+    Starts from maximal runs of sorted unique indices and merges across the
+    smallest gaps until at most _MAX_READS slabs are needed in total.
+    """
+    per_dim = []
+    for g in gs:
+        u = np.unique(g)
+        gaps = np.diff(u) - 1
+        per_dim.append((u, gaps, int(np.count_nonzero(gaps > 0)) + 1))
+    counts = [c for _, _, c in per_dim]
+    while math.prod(counts) > _MAX_READS:
+        d = int(np.argmax(counts))
+        counts[d] = max(1, counts[d] // 2)
+    out = []
+    for (u, gaps, _), c, g in zip(per_dim, counts, gs):
+        if c > 1:
+            cut = np.sort(np.argsort(-gaps, kind="stable")[: c - 1]) + 1
+        else:
+            cut = np.zeros(0, np.int64)
+        edges = np.concatenate(([0], cut, [u.size]))
+        groups = []
+        for a, b in zip(edges[:-1], edges[1:]):
+            lo, hi = int(u[a]), int(u[b - 1]) + 1
+            groups.append((lo, hi, np.nonzero((g >= lo) & (g < hi))[0]))
+        out.append(groups)
+    return out
+
+
+def open_checkpoint(path, verify: bool = True) -> Checkpoint:
+    """Open a checkpoint: a step dir, its checkpoint.h5, or a run dir (its latest).
+
+    Checks the ``format`` and ``version`` attributes; with ``verify`` (the
+    default) also that every shard file exists and matches its sha256, which
+    reads the whole checkpoint once.  Problems raise :class:`CheckpointError`.
+    """
+    return Checkpoint(_resolve(path), verify=verify)
