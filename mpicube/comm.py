@@ -136,34 +136,42 @@ class Comm:
         if self.size == 1:
             return x
         t0 = time.perf_counter()
-        g = self.size
-        send = self._to_mpi(x)
-        recv = self._empty((g,) + tuple(x.shape), x.dtype)   # (g, *x.shape)
+        send, recv = self._gather_buffers(x)
         self.mpi.Allgather(send, recv)
-        self._count((g - 1) * send.size, g - 1, t0)
-        recv = self._from_mpi(recv)
-        xp = self.backend.xp
-        if axis % x.ndim == 0:
-            return recv.reshape((g * x.shape[0],) + tuple(x.shape[1:]))
-        return xp.concatenate(list(recv), axis=axis)
+        self._count((self.size - 1) * send.size, self.size - 1, t0)
+        return self._gathered(recv, x, axis)
 
     def reduce_scatter(self, x, axis: int = 0):
         """Sum over the group, then keep this rank's block along ``axis``."""
         if self.size == 1:
             return x
         t0 = time.perf_counter()
-        g = self.size
-        xp = self.backend.xp
+        send, recv = self._scatter_buffers(x, axis)
+        self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
+        self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0)
+        return self._from_mpi(recv)
+
+    def _gather_buffers(self, x):
+        """(send, recv) for gathering ``x``; recv is (g, *x.shape)."""
+        return self._to_mpi(x), self._empty((self.size,) + tuple(x.shape), x.dtype)
+
+    def _gathered(self, recv, x, axis):
+        """The (g, *x.shape) receive buffer as ``x`` concatenated along ``axis``."""
+        out = self._from_mpi(recv)
+        if axis % x.ndim == 0:
+            return out.reshape((self.size * x.shape[0],) + tuple(x.shape[1:]))
+        return self.backend.xp.concatenate(list(out), axis=axis)
+
+    def _scatter_buffers(self, x, axis):
+        """(send, recv) for reduce-scattering ``x`` along ``axis``: the send
+        buffer holds the g blocks one after another."""
+        g, xp = self.size, self.backend.xp
         if axis % x.ndim == 0:
             block_shape = (x.shape[0] // g,) + tuple(x.shape[1:])
         else:
             x = xp.stack(xp.split(x, g, axis=axis))          # (g, *block)
             block_shape = tuple(x.shape[1:])
-        send = self._to_mpi(x)
-        recv = self._empty(tuple(block_shape), x.dtype)
-        self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
-        self._count(Fraction(g - 1, g) * send.size, g - 1, t0)
-        return self._from_mpi(recv)
+        return self._to_mpi(x), self._empty(block_shape, x.dtype)
 
     def bcast(self, x, root: int):
         """Broadcast the root's ``x``; every rank passes an array of the right
@@ -193,33 +201,24 @@ class Comm:
         if self.size == 1:
             return Pending(lambda: x)
         t0 = time.perf_counter()
-        g = self.size
-        send = self._to_mpi(x)
-        recv = self._empty((g,) + tuple(x.shape), x.dtype)   # (g, *x.shape)
+        send, recv = self._gather_buffers(x)
         request = self.mpi.Iallgather(send, recv)
-        self._count((g - 1) * send.size, g - 1, t0)
+        self._count((self.size - 1) * send.size, self.size - 1, t0)
 
         def finish():
             request.Wait()
-            out = self._from_mpi(recv)
-            if axis % x.ndim == 0:
-                return out.reshape((g * x.shape[0],) + tuple(x.shape[1:]))
-            return self.backend.xp.concatenate(list(out), axis=axis)
+            return self._gathered(recv, x, axis)
 
         return Pending(finish, self, send)
 
     def ireduce_scatter(self, x, axis: int = 0) -> "Pending":
-        """Start ``reduce_scatter`` along axis 0; ``.wait()`` returns the block."""
+        """Start ``reduce_scatter``; ``.wait()`` returns this rank's block."""
         if self.size == 1:
             return Pending(lambda: x)
-        if axis % x.ndim != 0:
-            raise ValueError("ireduce_scatter splits axis 0 only")
         t0 = time.perf_counter()
-        g = self.size
-        send = self._to_mpi(x)
-        recv = self._empty((x.shape[0] // g,) + tuple(x.shape[1:]), x.dtype)
+        send, recv = self._scatter_buffers(x, axis)
         request = self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM)
-        self._count(Fraction(g - 1, g) * send.size, g - 1, t0)
+        self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0)
 
         def finish():
             request.Wait()

@@ -54,6 +54,8 @@ assert np.array_equal(comm.iallgather(x, axis=1).wait(), comm.allgather(x, axis=
 assert np.array_equal(comm.ireduce_scatter(y).wait(), comm.reduce_scatter(y))
 assert counters.elems["x"] == 2 * (2 * (g - 1) * x.size + Fraction(g - 1, g) * y.size)
 assert counters.msgs["x"] == 6 * (g - 1)
+z = rng.normal(size=(2, 3 * g))
+assert np.array_equal(comm.ireduce_scatter(z, axis=1).wait(), comm.reduce_scatter(z, axis=1))
 
 for root in range(g):
     x, y = rng.normal(size=(5, 2)), rng.normal(size=(5, 2))
