@@ -379,8 +379,9 @@ class Trainer:
         self.console = Console(self.rank == 0, first, last, o.log_every)
         say = self.console.say
         layout = self.parts.layout
-        say(f"mpicube {__version__}: {self.cfg.n_params():,} parameters, {describe_layout(layout.describe())}, "
-            f"{self.world.Get_size()} rank(s), run {self.run_dir}")
+        chosen = " (chosen by --layout auto)" if o.layout == "auto" else ""
+        say(f"mpicube {__version__}: {self.cfg.n_params():,} parameters, {describe_layout(layout.describe())}"
+            f"{chosen}, {self.world.Get_size()} rank(s), run {self.run_dir}")
         for note in self.notes:
             say(note)
         if first > last:
