@@ -40,6 +40,7 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+ABORT_PAUSE = 1.0       # seconds between a rank's last words and MPI_Abort
 
 _mpi = {"world": None, "errors": None}   # COMM_WORLD and a private duplicate for error agreement
 
@@ -402,9 +403,12 @@ def _fail(message: str, status: int, agree: bool = True) -> None:
 
 def _abort(world, status: int) -> None:
     """MPI_Abort the job; it may return before the launcher has killed this
-    process, and nothing may run after it."""
+    process, and nothing may run after it. MPI_Abort tears the job down at
+    once, and output this rank has just written may still be on its way
+    through the launcher: pause a moment first so the message is not lost."""
     sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(ABORT_PAUSE)
     world.Abort(status)
     os._exit(status)
 
