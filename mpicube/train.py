@@ -164,8 +164,9 @@ class Parts:
 
 def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
                 seed=0, dropout=0.0) -> Parts:
-    """Backend, layout (validated before any collective), parameters, model."""
-    validate_model(cfg)
+    """Backend, layout, parameters, model. Every size is validated first
+    (``plan`` is pure), before device selection makes its first collective."""
+    plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth)
     backend = make_backend(device, dtype, mpi_world)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 
-
 from .. import ops
 from ..comm import Comm
 from ..errors import ConfigError

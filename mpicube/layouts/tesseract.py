@@ -18,12 +18,11 @@ l, row r, column c. d = 1 is the 2-D scheme.
 
 from __future__ import annotations
 
-
+from .. import ops
 from ..comm import Comm
 from ..errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 from .base import Layout, matmul_rows, nearest_multiples
-from .. import ops
 
 
 class TesseractLayout(Layout):
