@@ -1,6 +1,7 @@
 # mpicube: install, train, test, bench.  GNU make; recipes are indented with tabs.
 #
-#   make install            .venv with mpicube, the MPICH wheel (gives mpiexec) and pytest
+#   make install            .venv with mpicube, the MPICH wheel (gives mpiexec), numba (fused
+#                           CPU kernels, compiled into numba's cache here) and pytest
 #   make install-site-mpi   .venv with mpi4py built against the `mpicc` on PATH (clusters)
 #   make train              train the default small model; TRAIN_ARGS="--steps 50" overrides
 #   make test               run the test suite
@@ -31,8 +32,9 @@ install: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	if [ -f $(SITE_MPI) ]; then extras=test; else extras=mpich,test; fi; \
+	if [ -f $(SITE_MPI) ]; then extras=test,fast; else extras=mpich,test,fast; fi; \
 	$(BIN)/python -m pip install -e ".[$$extras]"
+	$(BIN)/python -m mpicube.fused
 	touch $@
 
 install-site-mpi:
@@ -42,7 +44,8 @@ install-site-mpi:
 	@mpicc=$$(command -v $(MPICC)) || { echo "install-site-mpi: '$(MPICC)' not found; load the site MPI module first (or set MPICC=/path/to/mpicc)" >&2; exit 1; }; \
 	echo "building mpi4py against $$mpicc"; \
 	MPICC="$$mpicc" $(BIN)/python -m pip install --no-cache-dir --no-binary mpi4py mpi4py
-	$(BIN)/python -m pip install -e ".[test]"
+	$(BIN)/python -m pip install -e ".[test,fast]"
+	$(BIN)/python -m mpicube.fused
 	touch $(SITE_MPI) $(STAMP)
 
 train: install

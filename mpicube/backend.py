@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import fused
 from .errors import UserError
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -44,14 +45,15 @@ class Backend:
             self.xp.cuda.get_current_stream().synchronize()
 
 
-def node_local_rank(comm) -> int:
-    """Rank among the processes sharing this node (for one GPU per rank)."""
+def node_local(comm) -> tuple:
+    """(rank, size) among the processes of ``comm`` sharing this node: the
+    GPU to take, and how many ranks share the node's cores. Collective."""
     from mpi4py import MPI
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    rank = local.Get_rank()
+    rank, size = local.Get_rank(), local.Get_size()
     local.Free()
-    return rank
+    return rank, size
 
 
 def keep_freed_memory() -> None:
@@ -73,11 +75,14 @@ def keep_freed_memory() -> None:
 
 
 def make_backend(device: str = "cpu", dtype: str = "float32", comm=None) -> Backend:
-    """Select NumPy or CuPy, and on GPUs the device of this node-local rank."""
+    """Select NumPy or CuPy: on CPUs the fused kernels' threads (the node's
+    cores shared among its ranks), on GPUs the device of this node-local rank."""
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if device == "cpu":
+        fused.check_choice()
         keep_freed_memory()
+        fused.configure_threads(node_local(comm)[1] if comm is not None else 1)
         return Backend(np, DTYPES[dtype], "cpu")
     if device != "gpu":
         raise UserError(f"unknown device {device!r}; choose cpu or gpu")
@@ -88,7 +93,7 @@ def make_backend(device: str = "cpu", dtype: str = "float32", comm=None) -> Back
     n_gpus = cupy.cuda.runtime.getDeviceCount()
     if n_gpus == 0:  # pragma: no cover
         raise UserError("--device gpu: no CUDA device visible on this node")
-    local = node_local_rank(comm) if comm is not None else 0
+    local = node_local(comm)[0] if comm is not None else 0
     cupy.cuda.Device(local % n_gpus).use()
     return Backend(cupy, DTYPES[dtype], "gpu")
 

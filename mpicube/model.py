@@ -212,4 +212,5 @@ class GPT:
         self.dwpe[:T] += dx.sum(0)
         self.embedding.embed_backward(dx)
         self.embedding.finish_backward()
+        self.store.settle()
         self.ce_cache = self.logits = None

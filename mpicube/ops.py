@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from . import fused
+
 
 def identity(x):
     return x
@@ -38,6 +42,8 @@ def layernorm_forward(x, gamma, beta, n_hidden, eps=1e-5, allsum=identity):
     """x (B, T, C) -> y (B, T, C); statistics over the full hidden size
     ``n_hidden``, of which this rank holds C columns. Two passes (mean, then
     centred variance) keep float32 accurate."""
+    if fused.active(x, gamma, beta):
+        return _layernorm_forward_fused(x, gamma, beta, n_hidden, eps, allsum)
     mean = allsum(x.sum(-1, keepdims=True)) / n_hidden               # (B, T, 1)
     xc = x - mean                                                    # (B, T, C)
     var = allsum(rowdot(xc, xc)[..., None]) / n_hidden               # (B, T, 1)
@@ -56,6 +62,8 @@ def layernorm_backward(dy, cache, gamma, dgamma, dbeta, n_hidden, allsum=identit
     C = dy.shape[-1]
     dgamma += xp.einsum("ij,ij->j", dy.reshape(-1, C), xhat.reshape(-1, C))   # one pass, no temporary
     dbeta += dy.sum((0, 1))
+    if fused.active(dy, xhat, gamma):
+        return _layernorm_backward_fused(dy, xhat, rstd, gamma, n_hidden, allsum)
     dxhat = dy * gamma                                               # (B, T, C)
     sums = allsum(_stack_last(dxhat.sum(-1), rowdot(dxhat, xhat)))  # (B, T, 2)
     mean_dxhat = sums[..., 0:1] / n_hidden
@@ -65,6 +73,34 @@ def layernorm_backward(dy, cache, gamma, dgamma, dbeta, n_hidden, allsum=identit
     dx -= xhat * mean_dxhat_xhat
     dx *= rstd
     return dx
+
+
+def _layernorm_forward_fused(x, gamma, beta, n_hidden, eps, allsum):
+    """layernorm_forward in three threaded passes, split at its two all-reduces."""
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)                                            # (n, C)
+    stats = np.empty(x2.shape[0], dtype=x.dtype)                     # (n,)
+    fused.row_sums(x2, stats)
+    mean = allsum(stats) / n_hidden                                  # (n,)
+    xhat = np.empty_like(x2)                                         # (n, C) centred, then normalised
+    fused.center_rows(x2, mean, xhat, stats)
+    rstd = 1.0 / (allsum(stats) / n_hidden + eps) ** 0.5             # (n,)
+    y = np.empty_like(x2)                                            # (n, C)
+    fused.normalize_rows(xhat, rstd, gamma, beta, y)
+    return y.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(x.shape[:-1] + (1,)))
+
+
+def _layernorm_backward_fused(dy, xhat, rstd, gamma, n_hidden, allsum):
+    """The input gradient of layernorm_backward: one threaded pass for the two
+    row sums, one all-reduce, one threaded pass for dx."""
+    C = dy.shape[-1]
+    dy2, xhat2 = dy.reshape(-1, C), xhat.reshape(-1, C)              # (n, C)
+    sums = np.empty((dy2.shape[0], 2), dtype=dy.dtype)               # (n, 2)
+    fused.layernorm_grad_sums(dy2, gamma, xhat2, sums)
+    means = allsum(sums) / n_hidden                                  # (n, 2)
+    dx = np.empty_like(dy2)                                          # (n, C)
+    fused.layernorm_grad_input(dy2, gamma, xhat2, np.ascontiguousarray(rstd.reshape(-1)), means, dx)
+    return dx.reshape(dy.shape)
 
 
 def rowdot(a, b):
@@ -122,6 +158,9 @@ def gelu_backward(dy, cache):
     x2, t = cache
     dy2 = dy.reshape(x2.shape)
     dx = xp.empty_like(x2)
+    if fused.active(dy2, x2, t):
+        fused.gelu_backward(dy2.reshape(-1), x2.reshape(-1), t.reshape(-1), dx.reshape(-1))
+        return dx.reshape(dy.shape)
     work = xp.empty(min(x2.size, max(CACHE_ELEMS, x2.shape[1])), dtype=x2.dtype)
     for rows in row_blocks(xp, *x2.shape):
         xb, tb, out = x2[rows], t[rows], dx[rows]
@@ -146,7 +185,6 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0):
     """qkv (B, T, 3*nh*hd), columns [q | k | v] with heads contiguous in each
     -> y (B, T, nh*hd). ``keep_mask`` (B, nh, T, T) is the dropout mask on the
     attention probabilities (None: no dropout)."""
-    xp = _xp(qkv)
     B, T, C3 = qkv.shape
     hd = C3 // (3 * n_head)
     qkv5 = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
@@ -154,14 +192,7 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0):
     scale = 1.0 / math.sqrt(hd)
     q = q * scale                      # scaling q is T/hd times cheaper than scaling the scores
     probs = q @ k.swapaxes(-1, -2)                                    # (B, nh, T, T) scores
-    bias = causal_bias(xp, T, probs.dtype)
-    flat = probs.reshape(-1, T, T)
-    for mats in row_blocks(xp, flat.shape[0], T * T):                 # softmax, cache block by block
-        s = flat[mats]
-        s += bias
-        s -= s.max(-1, keepdims=True)
-        xp.exp(s, out=s)
-        s /= s.sum(-1, keepdims=True)
+    causal_softmax(probs.reshape(-1, T, T))
     used = probs if keep_mask is None else probs * keep_mask * (1.0 / keep_prob)
     y = used @ v                                                      # (B, nh, T, hd)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, n_head * hd)           # (B, T, nh*hd)
@@ -180,15 +211,39 @@ def attention_backward(dy, cache):
     if keep_mask is not None:
         dscores *= keep_mask
         dscores *= 1.0 / keep_prob
-    flat_d, flat_p = dscores.reshape(-1, T, T), probs.reshape(-1, T, T)
-    for mats in row_blocks(xp, flat_d.shape[0], T * T):               # ds = p (dp - sum(dp p))
-        d, p = flat_d[mats], flat_p[mats]
-        d -= rowdot(d, p)[..., None]
-        d *= p
+    causal_softmax_backward(dscores.reshape(-1, T, T), probs.reshape(-1, T, T))
     xp.matmul(dscores, k, out=dqkv[0])                                # dq = ds k scale
     dqkv[0] *= scale
     xp.matmul(dscores.swapaxes(-1, -2), q, out=dqkv[1])               # dk = ds^T (q scale)
     return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)
+
+
+def causal_softmax(s):
+    """s (M, T, T) scores -> causal softmax probabilities, in place."""
+    if fused.active(s):
+        fused.softmax_causal(s)
+        return
+    xp = _xp(s)
+    bias = causal_bias(xp, s.shape[-1], s.dtype)
+    for mats in row_blocks(xp, s.shape[0], s.shape[1] * s.shape[2]):   # cache block by block
+        block = s[mats]
+        block += bias
+        block -= block.max(-1, keepdims=True)
+        xp.exp(block, out=block)
+        block /= block.sum(-1, keepdims=True)
+
+
+def causal_softmax_backward(d, p):
+    """d (M, T, T) gradient w.r.t. probabilities p -> w.r.t. the scores, in
+    place: ds = p (dp - sum(dp p))."""
+    if fused.active(d, p):
+        fused.softmax_causal_backward(d, p)
+        return
+    xp = _xp(d)
+    for mats in row_blocks(xp, d.shape[0], d.shape[1] * d.shape[2]):
+        dm, pm = d[mats], p[mats]
+        dm -= rowdot(dm, pm)[..., None]
+        dm *= pm
 
 
 _CAUSAL = {}
@@ -264,7 +319,9 @@ def embedding_backward(dy, cache, dweight):
 def scatter_add(target, rows, values):
     """target[rows] += values, summing repeated rows."""
     xp = _xp(target)
-    if xp.__name__ == "numpy":
+    if target.ndim == 2 and fused.active(values, target):
+        fused.scatter_add_rows(target, xp.ascontiguousarray(rows), values)
+    elif xp.__name__ == "numpy":
         xp.add.at(target, rows, values)
     else:  # pragma: no cover - GPU only
         import cupyx

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import fused
 from .comm import Comm
 from .params import ParamStore
 
@@ -64,9 +65,11 @@ class AdamW:
     embeddings are not decayed unless ``decay_all``), as PyTorch's AdamW:
     p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps).
 
-    The update is a dozen elementwise passes. Done on the whole buffer, each
-    pass would stream every parameter through memory again; done block by
-    block, a block's p, g, m and v stay in cache for all of them.
+    With the fused kernels (``mpicube.fused``) the update is one threaded
+    pass per run of decayed or undecayed parameters. Otherwise it is a dozen
+    array passes; done on the whole buffer, each would stream every parameter
+    through memory again, so they run block by block and a block's p, g, m
+    and v stay in cache for all of them.
     """
 
     BLOCK = 1 << 15     # elements per cache block (128 KiB of float32 per array)
@@ -85,6 +88,7 @@ class AdamW:
         # cache blocks on the CPU; on a GPU one block (a kernel per pass, not thousands)
         block = self.BLOCK if xp.__name__ == "numpy" else max(1, store.flat.size)
         self.blocks = self._blocks(store.flat.size, decayed, block)
+        self.runs = self._runs(store.flat.size, decayed)
         self._work = xp.empty(min(block, store.flat.size), dtype=store.flat.dtype)  # scratch
 
     @staticmethod
@@ -98,9 +102,22 @@ class AdamW:
             blocks.append((slice(lo, hi), inside))
         return blocks
 
+    @staticmethod
+    def _runs(size: int, decayed: list) -> list:
+        """(slice, decayed?) runs covering the buffer, alternating."""
+        runs, at = [], 0
+        for d in sorted(decayed, key=lambda d: d.start):
+            if d.start > at:
+                runs.append((slice(at, d.start), False))
+            runs.append((d, True))
+            at = d.stop
+        if at < size:
+            runs.append((slice(at, size), False))
+        return runs
+
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One update with learning rate ``lr``; gradients are multiplied by
-        ``grad_scale`` first (clipping)."""
+        """One update with learning rate ``lr``; gradients count multiplied by
+        ``grad_scale`` (clipping), without being changed in the buffer."""
         xp = self.store.backend.xp
         self.t += 1
         b1, b2 = self.beta1, self.beta2
@@ -109,17 +126,21 @@ class AdamW:
         step = lr * sqrt_bias2 / (1.0 - b1 ** self.t)
         eps = self.eps * sqrt_bias2
         keep = 1.0 - lr * self.weight_decay
+        flat, flat_grad = self.store.flat, self.store.flat_grad
+        if fused.active(flat, flat_grad, self.m, self.v):
+            for run, decays in self.runs:
+                fused.adamw(flat[run], flat_grad[run], self.m[run], self.v[run], b1, b2, step, eps,
+                            keep if decays and self.weight_decay else 1.0, grad_scale)
+            return
         for block, decayed in self.blocks:
             p, g, m, v = self.store.flat[block], self.store.flat_grad[block], self.m[block], self.v[block]
             w = self._work[: p.size]
-            if grad_scale != 1.0:
-                g *= grad_scale
-            m *= b1                                   # m = b1 m + (1 - b1) g
-            xp.multiply(g, 1.0 - b1, out=w)
+            m *= b1                                   # m = b1 m + (1 - b1) s g   (s = grad_scale)
+            xp.multiply(g, (1.0 - b1) * grad_scale, out=w)
             m += w
-            v *= b2                                   # v = b2 v + (1 - b2) g^2
+            v *= b2                                   # v = b2 v + (1 - b2) s^2 g^2
             xp.multiply(g, g, out=w)
-            w *= 1.0 - b2
+            w *= (1.0 - b2) * grad_scale * grad_scale
             v += w
             if self.weight_decay:
                 for sl in decayed:

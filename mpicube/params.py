@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import rng
+from . import fused, rng
 from .backend import Backend
 from .comm import Comm
 
@@ -112,6 +112,8 @@ class ParamStore:
             self.grad[spec.name] = self.flat_grad[offset:offset + spec.size].reshape(spec.local_shape)
             offset += spec.size
         self.grad_groups = self._contiguous_groups()
+        self._deferred, self._unwritten = set(), set()    # see defer_zero
+        self._eager_runs = None
         self.decay_slices = self._runs([s for s in self.specs if s.decl.decay])
         self.initialize(seed)
 
@@ -139,8 +141,60 @@ class ParamStore:
         for spec in self.specs:
             self.data[spec.name][...] = self.backend.asarray(init_block(spec, seed), dtype=self.backend.dtype)
 
+    # --- gradients that skip zero_grad --------------------------------------
+    # The linears' weight gradients are nearly the whole buffer. Clearing them
+    # each step and then adding a GEMM's result into them streams that buffer
+    # through memory three extra times; instead each is *deferred*: zero_grad
+    # leaves it, and its first contribution of the step overwrites it.
+
+    def defer_zero(self, name: str) -> None:
+        """Let ``name``'s gradient skip zero_grad; every contribution to it
+        must then come through add_grad or add_matmul."""
+        self._deferred.add(name)
+        self._eager_runs = None
+
     def zero_grad(self) -> None:
-        self.flat_grad.fill(0)
+        """Start a step: gradients read as zero (deferred ones once written)."""
+        if self._eager_runs is None:
+            self._eager_runs = self._runs([s for s in self.specs if s.name not in self._deferred])
+        for run in self._eager_runs:
+            if fused.active(self.flat_grad):
+                fused.fill_zero(self.flat_grad[run])
+            else:
+                self.flat_grad[run] = 0
+        self._unwritten = set(self._deferred)
+
+    def add_grad(self, name: str, value) -> None:
+        """grad[name] += value (a copy when it is the step's first contribution)."""
+        if name in self._unwritten:
+            self._unwritten.discard(name)
+            self.grad[name][...] = value
+        else:
+            self.grad[name] += value
+
+    def add_matmul(self, name: str, a, b) -> None:
+        """grad[name] += a @ b; the step's first contribution is a GEMM
+        written straight into the buffer."""
+        if name in self._unwritten:
+            self._unwritten.discard(name)
+            self.backend.xp.matmul(a, b, out=self.grad[name])
+        else:
+            self.grad[name] += a @ b
+
+    def grad_for_add(self, name: str):
+        """The gradient view of ``name``, zeroed first if it is deferred and
+        still unwritten, for code that adds into it in place (scatter-add)."""
+        if name in self._unwritten:
+            self._unwritten.discard(name)
+            self.grad[name][...] = 0
+        return self.grad[name]
+
+    def settle(self) -> None:
+        """Zero the deferred gradients nothing wrote this step, so the buffer
+        is complete before it is summed, clipped or stepped on."""
+        for name in self._unwritten:
+            self.grad[name][...] = 0
+        self._unwritten.clear()
 
 
 def real_mask(spec: ParamSpec) -> np.ndarray:

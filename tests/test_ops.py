@@ -120,8 +120,13 @@ def test_embedding_block():
 
 
 def test_dense_linear():
-    store = SimpleNamespace(data={"l.weight": rng.normal(size=(4, 5)), "l.bias": rng.normal(size=5)},
-                            grad={"l.weight": np.zeros((4, 5)), "l.bias": np.zeros(5)})
+    from mpicube.backend import make_backend
+    from mpicube.params import ParamDecl, ParamSpec, ParamStore
+
+    specs = [ParamSpec(ParamDecl("l.weight", (4, 5), "w_first", "normal", 1.0), (np.arange(4), np.arange(5))),
+             ParamSpec(ParamDecl("l.bias", (5,), "b_first", "normal", 1.0), (np.arange(5),))]
+    store = ParamStore(specs, make_backend("cpu", "float64"), seed=2)
+    store.zero_grad()
     lin = DenseLinear(store, "l")
     x, r = rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 3, 5))
     loss = lambda: float((DenseLinear(store, "l").forward(x) * r).sum())

@@ -19,10 +19,12 @@ import argparse
 import math
 import time
 
+import mpicube  # noqa: F401  (first: it sets OpenBLAS's thread spin time before NumPy loads OpenBLAS)
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpicube import fused
 from mpicube.bench import model_flops
 from mpicube.config import ModelConfig
 from mpicube.optim import AdamW
@@ -139,7 +141,7 @@ def main():
     flops = model_flops(cfg, args.batch_size, args.seq_len)
     print(f"model: {cfg.n_layer} layers, n_embd {h}, {cfg.n_head} heads, seq {args.seq_len}, batch "
           f"{args.batch_size}, vocab 256; {flops / 1e9:.2f} GFLOP per step; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; mpicube kernels: {fused.describe()}")
     print(f"first-step loss: mpicube {first[0]:.6f}, torch {first[1]:.6f}")
     print(f"{'':<10} {'median step':>12} {'spread':>17} {'GFLOP/s':>8} {'matmul GFLOP/s':>15} {'fraction':>9}")
     for name, med, ts, g in (("mpicube", m_ours, t_ours, g_np), ("torch", m_theirs, t_theirs, g_torch)):

@@ -113,7 +113,8 @@ class DenseLinear:
     def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None):
         self.w = store.data[prefix + ".weight"]       # (C_in, C_out)
         self.b = store.data[prefix + ".bias"]         # (C_out,)
-        self.dw = store.grad[prefix + ".weight"]
+        self.store, self.w_name = store, prefix + ".weight"
+        store.defer_zero(self.w_name)                 # dW is written by add_matmul
         self.db = store.grad[prefix + ".bias"]
         self.out_reduce = out_reduce
         self.dx_reduce = dx_reduce
@@ -132,7 +133,7 @@ class DenseLinear:
         x_shape = self.x.shape
         x2 = self.x.reshape(-1, x_shape[-1])          # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
-        self.dw += x2.T @ dy2
+        self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
         self.db += dy2.sum(0)
         dx = dy2 @ self.w.T                           # (B*T, C_in)
         if self.dx_reduce is not None:

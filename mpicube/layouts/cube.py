@@ -119,7 +119,8 @@ class CubeLinear:
         self.overlap = overlap
         self.w = store.data[prefix + ".weight"]      # (h_in/q^2, h_out/q)
         self.bias = store.data[prefix + ".bias"]     # (h_out/q,)
-        self.dw = store.grad[prefix + ".weight"]
+        self.store, self.w_name = store, prefix + ".weight"
+        store.defer_zero(self.w_name)                # dW arrives whole from a reduce-scatter: add_grad
         self.dbias = store.grad[prefix + ".bias"]
         self.a, self.b, self.wc = a, b, weight_comm
 
@@ -144,10 +145,10 @@ class CubeLinear:
         if self.overlap:                             # dW travels while dX is computed and reduced
             dw_pending = self.wc.ireduce_scatter(dwg, axis=0)
             dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T), axis=0)    # (B/q^2, T, h_in/q)
-            self.dw += dw_pending.wait()
+            self.store.add_grad(self.w_name, dw_pending.wait())
         else:
             dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T), axis=0)
-            self.dw += self.wc.reduce_scatter(dwg, axis=0)
+            self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0))
         self.dbias += dy.sum((0, 1))
         self.xg = self.wg = None
         return dx
@@ -160,7 +161,8 @@ class CubeTiedEmbedding:
 
     def __init__(self, store, layout: CubeLayout):
         self.wte = store.data["wte"]                 # (V/q, h/q^2)
-        self.dwte = store.grad["wte"]
+        self.store = store
+        store.defer_zero("wte")                      # written once, in finish_backward
         self.ci, self.cj, self.ck = layout.ci, layout.cj, layout.ck
         q, i = layout.q, layout.i
         self.row_block = split_index(layout.local_batch, q, i)    # sequences of rows block i
@@ -196,5 +198,5 @@ class CubeTiedEmbedding:
         return self.cj.reduce_scatter(matmul_rows(dlg, self.wg), axis=0)      # (B/q^2, T, h/q)
 
     def finish_backward(self):
-        self.dwte += self.ci.reduce_scatter(self.dwg, axis=1)
+        self.store.add_grad("wte", self.ci.reduce_scatter(self.dwg, axis=1))
         self.wg = self.dwg = None

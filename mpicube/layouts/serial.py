@@ -40,7 +40,8 @@ class DenseTiedEmbedding:
 
     def __init__(self, store, layout, vocab_comm=None, vocab_start=0):
         self.wte = store.data["wte"]        # (V_l, h)
-        self.dwte = store.grad["wte"]
+        self.store = store
+        store.defer_zero("wte")             # the head's GEMM writes it first (backward runs head -> lookup)
         self.vocab_comm = vocab_comm
         self.vocab_start = vocab_start
         self.logit_seqs = layout.canonical_seqs
@@ -54,7 +55,7 @@ class DenseTiedEmbedding:
         return x
 
     def embed_backward(self, dx):
-        ops.embedding_backward(dx, self.embed_cache, self.dwte)
+        ops.embedding_backward(dx, self.embed_cache, self.store.grad_for_add("wte"))
         self.embed_cache = None
 
     def logits(self, x):
@@ -66,7 +67,7 @@ class DenseTiedEmbedding:
         """dlogits (B, T, V_l) -> dx (B, T, h)."""
         x2 = self.x.reshape(-1, self.x.shape[-1])               # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])            # (B*T, V_l)
-        self.dwte += dl2.T @ x2
+        self.store.add_matmul("wte", dl2.T, x2)                 # dwte (V_l, h) += dlogits^T x
         dx = matmul_rows(dlogits, self.wte)                      # (B, T, h)
         if self.vocab_comm is not None:
             dx = self.vocab_comm.allreduce(dx)

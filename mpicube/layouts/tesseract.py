@@ -113,7 +113,8 @@ class SummaLinear:
     def __init__(self, store, prefix, layout: TesseractLayout):
         self.w = store.data[prefix + ".weight"]      # (h_in/q, h_out/q)
         self.b = store.data[prefix + ".bias"]        # (h_out/q,)
-        self.dw = store.grad[prefix + ".weight"]
+        self.store, self.w_name = store, prefix + ".weight"
+        store.defer_zero(self.w_name)                # dW arrives whole from a reduce: add_grad
         self.db = store.grad[prefix + ".bias"]
         self.row, self.col = layout.row, layout.col
         self.q, self.r, self.c = layout.q, layout.r, layout.c
@@ -145,7 +146,7 @@ class SummaLinear:
             x_panel = self.row.bcast(self.x2, root=s)
             part = self.col.reduce(x_panel.T @ dy2, root=s)     # (h_in/q, h_out/q) on row s
             if self.r == s:
-                self.dw += part
+                self.store.add_grad(self.w_name, part)
         self.db += dy2.sum(0)
         self.x2 = None
         return dx.reshape(B, T, -1)
@@ -156,7 +157,8 @@ class TesseractTiedEmbedding:
 
     def __init__(self, store, layout: TesseractLayout):
         self.wte = store.data["wte"]                 # (V/q, h/q): vocab block r, hidden block c
-        self.dwte = store.grad["wte"]
+        self.store = store
+        store.defer_zero("wte")                      # written once, in finish_backward
         self.row, self.col = layout.row, layout.col
         self.seqs = layout.canonical_seqs
         self.logit_seqs = layout.canonical_seqs
@@ -191,5 +193,5 @@ class TesseractTiedEmbedding:
         return matmul_rows(dfull, self.w_full)                  # (B_c, T, h/q)
 
     def finish_backward(self):
-        self.dwte += self.col.reduce_scatter(self.dw_full, axis=0)
+        self.store.add_grad("wte", self.col.reduce_scatter(self.dw_full, axis=0))
         self.w_full = self.dw_full = None

@@ -1,0 +1,282 @@
+"""Fused, threaded CPU kernels for the work between the GEMMs (numba).
+
+Why this module exists: NumPy runs every elementwise operation as its own
+single-threaded pass over an array that is far larger than the caches. On
+the 768-wide benchmark model those passes (softmax, GELU backward,
+LayerNorm, AdamW, clearing the gradients) took a third of the step while
+the GEMMs ran on every core. A kernel here does a whole chain in one pass,
+on every core, and the causal softmax skips the masked upper triangle.
+
+They are optional. Without numba, or with ``MPICUBE_KERNELS=numpy``,
+``mpicube.ops`` and the optimizer run their NumPy code, which is also the
+code CuPy runs on GPUs, and so does work too small to repay waking the
+threads. The two paths agree up to rounding (tests compare them). Row sums
+and the AdamW update are computed in float64 whatever the storage dtype.
+GELU's forward stays in NumPy, whose SIMD tanh beats numba's scalar one.
+
+Threads: the workqueue layer, because OpenMP worker threads spin after each
+kernel and would take the core OpenBLAS's next GEMM needs. The count is
+``OMP_NUM_THREADS`` if set, otherwise the node's cores shared among the
+ranks on the node (``configure_threads``).
+
+Every kernel takes C-contiguous arrays; ``active`` says whether the fused
+path applies to a set of arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from .errors import UserError
+
+CHOICES = ("auto", "numba", "numpy")
+
+try:  # numba is an optional extra: pip install 'mpicube[fast]'
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+    import numba
+    from numba import prange
+except ImportError:  # pragma: no cover - depends on the install
+    numba = None
+    prange = range
+
+_enabled = numba is not None and os.environ.get("MPICUBE_KERNELS", "auto") != "numpy"
+
+
+def check_choice() -> None:
+    """Raise UserError for a bad or unsatisfiable MPICUBE_KERNELS."""
+    choice = os.environ.get("MPICUBE_KERNELS", "auto")
+    if choice not in CHOICES:
+        raise UserError(f"MPICUBE_KERNELS={choice!r}: choose one of {', '.join(CHOICES)}")
+    if choice == "numba" and numba is None:
+        raise UserError("MPICUBE_KERNELS=numba, but numba is not installed: pip install 'mpicube[fast]'")
+
+
+def use(enabled: bool) -> bool:
+    """Switch the fused kernels on or off (if numba is there); returns the
+    previous setting. For tests and benchmarks that compare the two paths."""
+    global _enabled
+    previous = _enabled
+    _enabled = bool(enabled) and numba is not None
+    return previous
+
+
+def describe() -> str:
+    """Which kernels run, for benchmark reports."""
+    if not _enabled:
+        return "numpy"
+    if numba.get_num_threads() < 2:
+        return "numpy (one thread per rank: the fused kernels need two)"
+    return f"numba fused, {numba.get_num_threads()} threads per rank"
+
+
+def configure_threads(local_ranks: int) -> None:
+    """Threads per rank: OMP_NUM_THREADS if set, else this node's cores
+    divided among its ``local_ranks`` ranks (at least one)."""
+    if numba is None:
+        return
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = int(wanted) if wanted.isdigit() and int(wanted) > 0 else max(1, cores // max(1, local_ranks))
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+
+
+def _jit(sums: bool = False, parallel: bool = True):
+    """numba.njit with an on-disk cache (compiled once per install, see
+    ``warm``); the identity without numba, so this module always imports.
+    ``sums``: the kernel's float sums may be reassociated, which lets them
+    run in SIMD lanes (as NumPy's pairwise sums do); nothing else is relaxed,
+    so NaN and inf still propagate."""
+    if numba is None:
+        return lambda f: f
+    return numba.njit(parallel=parallel, cache=True, fastmath={"reassoc"} if sums else False)
+
+# Waking the worker threads costs 0.1-0.25 ms on this project's 2-core VMs
+# (tens of microseconds on bare metal), about what NumPy needs for a few
+# passes over this many elements: smaller work stays on the NumPy path.
+PARALLEL_MIN_ELEMS = 1 << 18
+
+
+def active(*arrays) -> bool:
+    """True if the fused kernels are on, run on more than one thread, and
+    apply to these arrays: C-contiguous NumPy arrays, the first holding at
+    least PARALLEL_MIN_ELEMS elements (the work). Otherwise the caller takes
+    its array-module path (always so for CuPy arrays and strided views)."""
+    return (_enabled and numba.get_num_threads() > 1 and arrays[0].size >= PARALLEL_MIN_ELEMS
+            and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays))
+
+
+_GELU_S = math.sqrt(2.0 / math.pi)
+
+
+# --- GELU (tanh approximation): backward only ---------------------------------
+@_jit()
+def gelu_backward(dy, x, t, dx):
+    """dy, x, t (n,) -> dx (n,) where t = tanh(s (x + 0.044715 x^3)) from the
+    forward: dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 * 0.044715 x^2))."""
+    for i in prange(x.size):
+        a, th = x[i], t[i]
+        dx[i] = dy[i] * (0.5 * (1.0 + th) + 0.5 * a * (1.0 - th * th) * _GELU_S * (1.0 + 3 * 0.044715 * a * a))
+
+
+# --- causal softmax -------------------------------------------------------------
+@_jit(sums=True)
+def softmax_causal(s):
+    """s (M, T, T) scores -> probabilities, in place. Row i of each matrix
+    keeps columns 0..i; the rest become 0 (as exp(-inf) would) unread."""
+    T = s.shape[1]
+    for r in prange(s.shape[0] * T):
+        row, i = s[r // T, r % T], r % T                      # (T,), its query position
+        top = row[0]
+        for j in range(1, i + 1):                            # (a NaN still reaches every entry via exp)
+            if row[j] > top:
+                top = row[j]
+        total = 0.0
+        for j in range(i + 1):
+            e = np.exp(row[j] - top)
+            row[j] = e
+            total += e
+        inv = 1.0 / total
+        for j in range(i + 1):
+            row[j] *= inv
+        for j in range(i + 1, T):
+            row[j] = 0.0
+
+
+@_jit(sums=True)
+def softmax_causal_backward(d, p):
+    """d (M, T, T) gradient w.r.t. probabilities p -> w.r.t. the scores, in
+    place: d <- p (d - sum(d p)) on the causal part, 0 above it."""
+    T = d.shape[1]
+    for r in prange(d.shape[0] * T):
+        m, i = r // T, r % T
+        drow, prow = d[m, i], p[m, i]                         # (T,) each
+        dot = 0.0
+        for j in range(i + 1):
+            dot += drow[j] * prow[j]
+        for j in range(i + 1):
+            drow[j] = prow[j] * (drow[j] - dot)
+        for j in range(i + 1, T):
+            drow[j] = 0.0
+
+
+# --- LayerNorm, in the stages between its all-reduces ------------------------------
+@_jit(sums=True)
+def row_sums(x, out):
+    """x (n, C) -> out (n,) row sums."""
+    for r in prange(x.shape[0]):
+        acc = 0.0
+        for c in range(x.shape[1]):
+            acc += x[r, c]
+        out[r] = acc
+
+
+@_jit(sums=True)
+def center_rows(x, mean, xc, sumsq):
+    """xc = x - mean[:, None]; sumsq[r] = sum(xc[r]^2). x, xc (n, C); mean, sumsq (n,)."""
+    for r in prange(x.shape[0]):
+        acc = 0.0
+        for c in range(x.shape[1]):
+            d = x[r, c] - mean[r]
+            xc[r, c] = d
+            acc += d * d
+        sumsq[r] = acc
+
+
+@_jit()
+def normalize_rows(xhat, rstd, gamma, beta, y):
+    """xhat *= rstd[:, None] in place, then y = xhat gamma + beta.
+    xhat, y (n, C); rstd (n,); gamma, beta (C,)."""
+    for r in prange(xhat.shape[0]):
+        for c in range(xhat.shape[1]):
+            h = xhat[r, c] * rstd[r]
+            xhat[r, c] = h
+            y[r, c] = h * gamma[c] + beta[c]
+
+
+@_jit(sums=True)
+def layernorm_grad_sums(dy, gamma, xhat, sums):
+    """sums[r] = (sum(dy gamma), sum(dy gamma xhat)) over row r. dy, xhat (n, C); sums (n, 2)."""
+    for r in prange(dy.shape[0]):
+        s0 = 0.0
+        s1 = 0.0
+        for c in range(dy.shape[1]):
+            g = dy[r, c] * gamma[c]
+            s0 += g
+            s1 += g * xhat[r, c]
+        sums[r, 0] = s0
+        sums[r, 1] = s1
+
+
+@_jit()
+def layernorm_grad_input(dy, gamma, xhat, rstd, means, dx):
+    """dx = (dy gamma - means[:, 0] - xhat means[:, 1]) rstd, row by row.
+    dy, xhat, dx (n, C); gamma (C,); rstd (n,); means (n, 2)."""
+    for r in prange(dy.shape[0]):
+        m0, m1, rs = means[r, 0], means[r, 1], rstd[r]
+        for c in range(dy.shape[1]):
+            dx[r, c] = (dy[r, c] * gamma[c] - m0 - xhat[r, c] * m1) * rs
+
+
+# --- AdamW ------------------------------------------------------------------------
+@_jit()
+def adamw(p, g, m, v, b1, b2, step, eps, keep, grad_scale):
+    """One AdamW update of the slice p, g, m, v (n,) in one pass: the
+    gradient times grad_scale feeds m and v (g itself is left as it is),
+    p <- keep p - step m / (sqrt(v) + eps)."""
+    for i in prange(p.size):
+        gi = g[i] * grad_scale
+        mi = b1 * m[i] + (1.0 - b1) * gi
+        vi = b2 * v[i] + (1.0 - b2) * gi * gi
+        m[i] = mi
+        v[i] = vi
+        p[i] = keep * p[i] - step * mi / (math.sqrt(vi) + eps)
+
+
+@_jit()
+def fill_zero(a):
+    """a (n,) = 0, threaded (NumPy's fill is one thread)."""
+    for i in prange(a.size):
+        a[i] = 0
+
+
+# --- embedding gradient -------------------------------------------------------------
+@_jit(parallel=False)
+def scatter_add_rows(target, rows, values):
+    """target[rows[i]] += values[i] for each i, repeated rows summed in
+    order. target (V, C); rows (n,); values (n, C). One thread (rows may
+    repeat), but a plain loop instead of np.add.at's slow generic path."""
+    for i in range(rows.size):
+        r = rows[i]
+        for c in range(values.shape[1]):
+            target[r, c] += values[i, c]
+
+
+def warm() -> None:
+    """Compile every kernel for float32 and float64 into numba's cache, so
+    that the ranks of a job load them instead of each compiling them."""
+    for dtype in (np.float32, np.float64):
+        v, n = np.ones(4, dtype), np.ones(2, dtype)
+        x, two = np.ones((2, 4), dtype), np.ones((2, 2), dtype)
+        s = np.ones((1, 2, 2), dtype)
+        gelu_backward(v, v, v, v.copy())
+        softmax_causal(s)
+        softmax_causal_backward(s.copy(), s)
+        row_sums(x, n.copy())
+        center_rows(x, n, x.copy(), n.copy())
+        normalize_rows(x.copy(), n, v, v, x.copy())
+        layernorm_grad_sums(x, v, x, two.copy())
+        layernorm_grad_input(x, v, x, n, two, x.copy())
+        adamw(v.copy(), v.copy(), v.copy(), v.copy(), 0.9, 0.95, 1e-3, 1e-8, 1.0, 1.0)
+        fill_zero(v.copy())
+        scatter_add_rows(x.copy(), np.zeros(2, np.int64), x)
+
+
+if __name__ == "__main__":  # python -m mpicube.fused: fill the compile cache (make install does)
+    if numba is None:
+        print("numba is not installed: mpicube uses its NumPy kernels")
+    else:
+        warm()
+        print(f"fused kernels compiled and cached ({describe()})")
