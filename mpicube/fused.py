@@ -12,7 +12,7 @@ They are optional. Without numba, or with ``MPICUBE_KERNELS=numpy``,
 code CuPy runs on GPUs, and so does work too small to repay waking the
 threads. The two paths agree up to rounding (tests compare them). Row sums
 and the AdamW update are computed in float64 whatever the storage dtype.
-GELU's forward stays in NumPy, whose SIMD tanh beats numba's scalar one.
+GELU's tanh stays NumPy's, whose SIMD code beats numba's scalar call.
 
 Threads: the workqueue layer, because OpenMP worker threads spin after each
 kernel and would take the core OpenBLAS's next GEMM needs. The count is
@@ -83,6 +83,11 @@ def configure_threads(local_ranks: int) -> None:
     numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
 
 
+def threads() -> int:
+    """Threads this rank's fused work may use (1 when the kernels are off)."""
+    return numba.get_num_threads() if _enabled else 1
+
+
 def _jit(sums: bool = False, parallel: bool = True):
     """numba.njit with an on-disk cache (compiled once per install, see
     ``warm``); the identity without numba, so this module always imports.
@@ -96,7 +101,7 @@ def _jit(sums: bool = False, parallel: bool = True):
 # Waking the worker threads costs 0.1-0.25 ms on this project's 2-core VMs
 # (tens of microseconds on bare metal), about what NumPy needs for a few
 # passes over this many elements: smaller work stays on the NumPy path.
-PARALLEL_MIN_ELEMS = 1 << 18
+PARALLEL_MIN_ELEMS = 1 << 19
 
 
 def active(*arrays) -> bool:
@@ -104,14 +109,31 @@ def active(*arrays) -> bool:
     apply to these arrays: C-contiguous NumPy arrays, the first holding at
     least PARALLEL_MIN_ELEMS elements (the work). Otherwise the caller takes
     its array-module path (always so for CuPy arrays and strided views)."""
-    return (_enabled and numba.get_num_threads() > 1 and arrays[0].size >= PARALLEL_MIN_ELEMS
+    return (threads() > 1 and arrays[0].size >= PARALLEL_MIN_ELEMS
             and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays))
 
 
 _GELU_S = math.sqrt(2.0 / math.pi)
 
 
-# --- GELU (tanh approximation): backward only ---------------------------------
+# --- GELU (tanh approximation) ------------------------------------------------------
+# The forward's tanh stays NumPy's (SIMD; numba's is a scalar libm call):
+# these two kernels do the passes before and after it.
+@_jit()
+def gelu_tanh_argument(x, u):
+    """x (n,) -> u (n,) = s (x + 0.044715 x^3), s = sqrt(2 / pi)."""
+    for i in prange(x.size):
+        a = x[i]
+        u[i] = _GELU_S * a * (1.0 + 0.044715 * a * a)
+
+
+@_jit()
+def gelu_from_tanh(x, t, y):
+    """x, t (n,) -> y (n,) = 0.5 x (1 + t), t = tanh(s (x + 0.044715 x^3))."""
+    for i in prange(x.size):
+        y[i] = 0.5 * x[i] * (1.0 + t[i])
+
+
 @_jit()
 def gelu_backward(dy, x, t, dx):
     """dy, x, t (n,) -> dx (n,) where t = tanh(s (x + 0.044715 x^3)) from the
@@ -242,6 +264,70 @@ def fill_zero(a):
         a[i] = 0
 
 
+# --- batched small GEMMs (attention) ---------------------------------------------------
+# Attention multiplies B*nh small matrices (T x hd by hd x T, ...). NumPy
+# hands them to OpenBLAS one by one, and OpenBLAS splits each small GEMM
+# over its threads for almost nothing: 48 GEMMs of 256 x 64 x 256 take
+# 2.8 ms on two BLAS threads and 3.0 ms on one. Splitting the *batch*
+# instead, each thread running whole GEMMs on a one-thread BLAS, takes
+# 1.7 ms. threadpoolctl switches the BLAS to one thread around the call.
+_pool = None           # ThreadPoolExecutor, made on first use
+_blas = None           # threadpoolctl controllers of NumPy's BLAS
+
+
+def _blas_controllers() -> list:
+    global _blas
+    if _blas is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        except ImportError:  # pragma: no cover - part of the fast extra
+            _blas = []
+    return _blas
+
+
+# Handing half a batch to another Python thread costs about 0.2 ms here;
+# below this many multiply-adds the split loses (the 144-wide model's QK^T,
+# 5M, does; the 768-wide one's, 200M, gains 1.2 ms).
+SPLIT_MIN_MACS = 1 << 26
+
+
+def splits_batch(a, b) -> bool:
+    """Whether batched_matmul should split a @ b: NumPy operands of shape
+    (B, nh, n, k) and (B, nh, k, m), this rank has threads, and the product
+    is at least SPLIT_MIN_MACS multiply-adds."""
+    return (threads() > 1 and isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.ndim == 4
+            and a.shape[0] * a.shape[1] > 1 and a.size * b.shape[3] >= SPLIT_MIN_MACS and bool(_blas_controllers()))
+
+
+def batched_matmul(a, b, out=None):
+    """a (B, nh, n, k) @ b (B, nh, k, m) -> (B, nh, n, m), the batch split
+    over this rank's threads (along B, or along nh when B is 1), each
+    running whole GEMMs on a one-thread BLAS."""
+    n = threads()
+    axis = 0 if a.shape[0] > 1 else 1
+    global _pool
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="mpicube-bmm")
+    if out is None:
+        out = np.empty(a.shape[:-1] + b.shape[-1:], dtype=np.result_type(a, b))
+    cut = np.linspace(0, a.shape[axis], min(n, a.shape[axis]) + 1).astype(int)
+    parts = [(slice(None),) * axis + (slice(lo, hi),) for lo, hi in zip(cut, cut[1:])]
+    saved = [c.num_threads for c in _blas]
+    for c in _blas:
+        c.set_num_threads(1)
+    try:
+        futures = [_pool.submit(np.matmul, a[p], b[p], out=out[p]) for p in parts[1:]]
+        np.matmul(a[parts[0]], b[parts[0]], out=out[parts[0]])       # this thread takes the first share
+        for f in futures:
+            f.result()
+    finally:
+        for c, k in zip(_blas, saved):
+            c.set_num_threads(k)
+    return out
+
+
 # --- embedding gradient -------------------------------------------------------------
 @_jit(parallel=False)
 def scatter_add_rows(target, rows, values):
@@ -261,6 +347,8 @@ def warm() -> None:
         v, n = np.ones(4, dtype), np.ones(2, dtype)
         x, two = np.ones((2, 4), dtype), np.ones((2, 2), dtype)
         s = np.ones((1, 2, 2), dtype)
+        gelu_tanh_argument(v, v.copy())
+        gelu_from_tanh(v, v, v.copy())
         gelu_backward(v, v, v, v.copy())
         softmax_causal(s)
         softmax_causal_backward(s.copy(), s)

@@ -137,6 +137,11 @@ def gelu_forward(x):
     xp = _xp(x)
     x2 = x.reshape(-1, x.shape[-1])                                  # (n, C)
     y, t = xp.empty_like(x2), xp.empty_like(x2)
+    if fused.active(x2):
+        fused.gelu_tanh_argument(x2.reshape(-1), t.reshape(-1))
+        xp.tanh(t, out=t)
+        fused.gelu_from_tanh(x2.reshape(-1), t.reshape(-1), y.reshape(-1))
+        return y.reshape(x.shape), (x2, t)
     for rows in row_blocks(xp, *x2.shape):
         xb, tb, yb = x2[rows], t[rows], y[rows]
         xp.multiply(xb, xb, out=tb)                                  # t = tanh(s (x + 0.044715 x^3))
@@ -191,12 +196,12 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0):
     q, k, v = qkv5[0], qkv5[1], qkv5[2]                               # (B, nh, T, hd)
     scale = 1.0 / math.sqrt(hd)
     q = q * scale                      # scaling q is T/hd times cheaper than scaling the scores
-    probs = q @ k.swapaxes(-1, -2)                                    # (B, nh, T, T) scores
+    probs = batched_matmul(q, k.swapaxes(-1, -2))                     # (B, nh, T, T) scores
     causal_softmax(probs.reshape(-1, T, T))
     used = probs if keep_mask is None else probs * keep_mask * (1.0 / keep_prob)
-    y = used @ v                                                      # (B, nh, T, hd)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, n_head * hd)           # (B, T, nh*hd)
-    return y, (q, k, v, probs, used, keep_mask, keep_prob, scale)   # q already scaled
+    y = _xp(qkv).empty((B, T, n_head, hd), dtype=qkv.dtype)           # (B, T, nh, hd)
+    batched_matmul(used, v, out=y.transpose(0, 2, 1, 3))             # written in place: no transpose copy
+    return y.reshape(B, T, n_head * hd), (q, k, v, probs, used, keep_mask, keep_prob, scale)   # q already scaled
 
 
 def attention_backward(dy, cache):
@@ -205,17 +210,27 @@ def attention_backward(dy, cache):
     q, k, v, probs, used, keep_mask, keep_prob, scale = cache
     B, nh, T, hd = q.shape
     dy4 = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)             # (B, nh, T, hd)
-    dqkv = xp.empty((3, B, nh, T, hd), dtype=dy.dtype)
-    xp.matmul(used.swapaxes(-1, -2), dy4, out=dqkv[2])               # dv
-    dscores = dy4 @ v.swapaxes(-1, -2)                                # (B, nh, T, T) d probs
+    dqkv5 = xp.empty((B, T, 3, nh, hd), dtype=dy.dtype)              # the layout of qkv's columns
+    dqkv = dqkv5.transpose(2, 0, 3, 1, 4)                             # (3, B, nh, T, hd) view, GEMMs write into it
+    bmm = batched_matmul
+    bmm(used.swapaxes(-1, -2), dy4, out=dqkv[2])                      # dv
+    dscores = bmm(dy4, v.swapaxes(-1, -2))                            # (B, nh, T, T) d probs
     if keep_mask is not None:
         dscores *= keep_mask
         dscores *= 1.0 / keep_prob
     causal_softmax_backward(dscores.reshape(-1, T, T), probs.reshape(-1, T, T))
-    xp.matmul(dscores, k, out=dqkv[0])                                # dq = ds k scale
+    bmm(dscores, k, out=dqkv[0])                                      # dq = ds k scale
     dqkv[0] *= scale
-    xp.matmul(dscores.swapaxes(-1, -2), q, out=dqkv[1])               # dk = ds^T (q scale)
-    return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)
+    bmm(dscores.swapaxes(-1, -2), q, out=dqkv[1])                     # dk = ds^T (q scale)
+    return dqkv5.reshape(B, T, 3 * nh * hd)
+
+
+def batched_matmul(a, b, out=None):
+    """a (B, nh, n, k) @ b (B, nh, k, m) -> (B, nh, n, m): attention's many
+    small GEMMs, split over threads where fused.splits_batch says so."""
+    if fused.splits_batch(a, b):
+        return fused.batched_matmul(a, b, out)
+    return _xp(a).matmul(a, b, out=out)
 
 
 def causal_softmax(s):

@@ -29,26 +29,26 @@ rng = np.random.default_rng(0)
 @contextmanager
 def kernels(on: bool, check: bool = True):
     """fused.use(on) inside the block, the previous setting after it. On, the
-    kernels apply at every size (no minimum work, at least 2 threads) and, if
+    kernels (and the batch split of attention's GEMMs) apply at every size
+    (no minimum work, at least 2 threads) and, if
     ``check``, every fused.active call inside must say True (else the
     comparison would be NumPy against NumPy); off, every one False."""
     numba, real_active, answers = fused.numba, fused.active, []
     if on and numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("the fused kernels need at least 2 numba threads")
-    threads, min_elems = numba.get_num_threads(), getattr(fused, "PARALLEL_MIN_ELEMS", None)
+    threads, min_elems, min_macs = numba.get_num_threads(), fused.PARALLEL_MIN_ELEMS, fused.SPLIT_MIN_MACS
     previous = fused.use(on)
     fused.active = lambda *arrays: answers.append(real_active(*arrays)) or answers[-1]
     if on:
         numba.set_num_threads(max(2, threads))
-        fused.PARALLEL_MIN_ELEMS = 0
+        fused.PARALLEL_MIN_ELEMS = fused.SPLIT_MIN_MACS = 0
     try:
         yield
     finally:
         fused.active = real_active
         fused.use(previous)
         numba.set_num_threads(threads)
-        if min_elems is not None:
-            fused.PARALLEL_MIN_ELEMS = min_elems
+        fused.PARALLEL_MIN_ELEMS, fused.SPLIT_MIN_MACS = min_elems, min_macs
     if check:                                     # on: fused everywhere; off: nowhere
         assert (answers and all(answers)) if on else not any(answers), f"active() said {answers}"
 
@@ -120,16 +120,20 @@ def test_layernorm_split_hidden_allsum():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 5, 12), (4, 128, 2048)])
-def test_gelu_backward(shape, dtype):
-    """GELU's backward agrees (its forward is NumPy in both modes)."""
+def test_gelu(shape, dtype):
+    """GELU's forward (y and the cached tanh) and backward agree."""
     x, dy = normal(shape, dtype, 0, 2), normal(shape, dtype)
-    _, cache = ops.gelu_forward(x)
-    assert_same(*both(lambda: [ops.gelu_backward(dy, cache)]), dtype)
+
+    def run():
+        y, cache = ops.gelu_forward(x)
+        return y, cache[1], ops.gelu_backward(dy, cache)
+
+    assert_same(*both(run), dtype)
 
 
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,nh,T,hd", [(1, 1, 1, 4), (2, 3, 5, 4), (2, 8, 256, 8)])
+@pytest.mark.parametrize("B,nh,T,hd", [(1, 1, 1, 4), (1, 3, 5, 4), (2, 3, 5, 4), (3, 8, 256, 8)])
 def test_attention(B, nh, T, hd, dtype, dropout):
     """Attention forward (y) and backward (dqkv) agree with and without a
     dropout mask; the last shape has 1<<20 scores."""
@@ -341,3 +345,23 @@ def test_check_choice(monkeypatch):
     monkeypatch.setattr(fused, "numba", None)
     with pytest.raises(UserError, match="not installed"):
         fused.check_choice()
+
+
+@pytest.mark.parametrize("B,nh", [(1, 5), (2, 1), (3, 4), (5, 3)])
+def test_batched_matmul_split(B, nh):
+    """The batch split (along B, or heads when B is 1) equals one matmul on
+    strided and transposed operands, with and without out=, and leaves the
+    BLAS thread count as it found it."""
+    from threadpoolctl import threadpool_info
+
+    qkv = normal((B, 7, 3, nh, 6), np.float64).transpose(2, 0, 3, 1, 4)      # (3, B, nh, T, hd) views
+    q, k = qkv[0], qkv[1]
+    before = [lib["num_threads"] for lib in threadpool_info()]
+    with kernels(True, check=False):
+        assert fused.splits_batch(q, k.swapaxes(-1, -2)) == (B * nh > 1)
+        got = ops.batched_matmul(q, k.swapaxes(-1, -2))                       # (B, nh, T, T)
+        out = np.full((B, nh, 7, 6), np.nan)
+        ops.batched_matmul(got, k, out=out)
+    np.testing.assert_allclose(got, np.matmul(q, k.swapaxes(-1, -2)), rtol=1e-13)
+    np.testing.assert_allclose(out, np.matmul(got, k), rtol=1e-13)
+    assert [lib["num_threads"] for lib in threadpool_info()] == before
