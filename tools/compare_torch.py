@@ -19,12 +19,11 @@ import argparse
 import math
 import time
 
-import mpicube  # noqa: F401  (first: it sets OpenBLAS's thread spin time before NumPy loads OpenBLAS)
+from mpicube import fused  # first: mpicube sets OpenBLAS's thread spin time before NumPy loads OpenBLAS
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpicube import fused
 from mpicube.bench import model_flops
 from mpicube.config import ModelConfig
 from mpicube.optim import AdamW
@@ -66,11 +65,13 @@ class TorchGPT(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def matmul_rate(mm, a, b, repeats=7):
+def matmul_rate(mm, a, b, min_repeats=7, min_seconds=0.5):
+    """FLOP/s of mm(a, b): the median of at least ``min_repeats`` timings
+    spanning ``min_seconds`` (one short burst is at the mercy of the VM)."""
     for _ in range(2):
         mm(a, b)
     times = []
-    for _ in range(repeats):
+    while len(times) < min_repeats or sum(times) < min_seconds:
         t0 = time.perf_counter()
         mm(a, b)
         times.append(time.perf_counter() - t0)
@@ -120,10 +121,16 @@ def main():
         topt.step()
         return float(loss)
 
+    N, h = args.batch_size * args.seq_len, args.n_embd
+    a32, b32 = np.ones((N, h), np.float32), np.ones((h, 4 * h), np.float32)
+    ta, tb = torch.ones(N, h), torch.ones(h, 4 * h)
+
     first = (ours(), theirs())
     ours()
     theirs()
-    t_ours, t_theirs = [], []
+    # Each round times both steps and both libraries' matmul, so that every
+    # figure of a fraction comes from the same stretch of the machine's time.
+    t_ours, t_theirs, r_np, r_torch = [], [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         ours()
@@ -132,12 +139,10 @@ def main():
         t2 = time.perf_counter()
         t_ours.append(t1 - t0)
         t_theirs.append(t2 - t1)
+        r_np.append(matmul_rate(np.matmul, a32, b32, min_repeats=3, min_seconds=0.05))
+        r_torch.append(matmul_rate(torch.matmul, ta, tb, min_repeats=3, min_seconds=0.05))
     m_ours, m_theirs = float(np.median(t_ours)), float(np.median(t_theirs))
-
-    N, h = args.batch_size * args.seq_len, args.n_embd
-    a32, b32 = np.ones((N, h), np.float32), np.ones((h, 4 * h), np.float32)
-    g_np = matmul_rate(np.matmul, a32, b32)
-    g_torch = matmul_rate(torch.matmul, torch.ones(N, h), torch.ones(h, 4 * h))
+    g_np, g_torch = float(np.median(r_np)), float(np.median(r_torch))
     flops = model_flops(cfg, args.batch_size, args.seq_len)
     print(f"model: {cfg.n_layer} layers, n_embd {h}, {cfg.n_head} heads, seq {args.seq_len}, batch "
           f"{args.batch_size}, vocab 256; {flops / 1e9:.2f} GFLOP per step; torch {torch.__version__}, "
