@@ -52,6 +52,9 @@ def check_choice() -> None:
         raise UserError(f"MPICUBE_KERNELS={choice!r}: choose one of {', '.join(CHOICES)}")
     if choice == "numba" and numba is None:
         raise UserError("MPICUBE_KERNELS=numba, but numba is not installed: pip install 'mpicube[fast]'")
+    min_elems = os.environ.get("MPICUBE_FUSED_MIN_ELEMS", "").strip()
+    if min_elems and not min_elems.isdigit():
+        raise UserError(f"MPICUBE_FUSED_MIN_ELEMS={min_elems!r}: give a number of elements (0 or more)")
 
 
 def use(enabled: bool) -> bool:
@@ -101,7 +104,9 @@ def _jit(sums: bool = False, parallel: bool = True):
 # Waking the worker threads costs 0.1-0.25 ms on this project's 2-core VMs
 # (tens of microseconds on bare metal), about what NumPy needs for a few
 # passes over this many elements: smaller work stays on the NumPy path.
-PARALLEL_MIN_ELEMS = 1 << 19
+# MPICUBE_FUSED_MIN_ELEMS overrides it (0: fused at every size).
+_MIN_ELEMS_SET = os.environ.get("MPICUBE_FUSED_MIN_ELEMS", "").strip()    # checked in check_choice
+PARALLEL_MIN_ELEMS = int(_MIN_ELEMS_SET) if _MIN_ELEMS_SET.isdigit() else 1 << 19
 
 
 def active(*arrays) -> bool:
@@ -288,8 +293,9 @@ def _blas_controllers() -> list:
 
 # Handing half a batch to another Python thread costs about 0.2 ms here;
 # below this many multiply-adds the split loses (the 144-wide model's QK^T,
-# 5M, does; the 768-wide one's, 200M, gains 1.2 ms).
-SPLIT_MIN_MACS = 1 << 26
+# 5M, does; the 768-wide one's, 200M, gains 1.2 ms). Scales with
+# PARALLEL_MIN_ELEMS (1 << 26 by default).
+SPLIT_MIN_MACS = 128 * PARALLEL_MIN_ELEMS
 
 
 def splits_batch(a, b) -> bool:

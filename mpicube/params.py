@@ -158,7 +158,7 @@ class ParamStore:
         if self._eager_runs is None:
             self._eager_runs = self._runs([s for s in self.specs if s.name not in self._deferred])
         for run in self._eager_runs:
-            if fused.active(self.flat_grad):
+            if fused.active(self.flat_grad[run]):
                 fused.fill_zero(self.flat_grad[run])
             else:
                 self.flat_grad[run] = 0

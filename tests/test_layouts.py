@@ -40,3 +40,20 @@ def test_cube_without_overlap_matches_serial():
                    env={"MPICUBE_OVERLAP": "0"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK 3d world=8 dp=1 depth=1" in proc.stdout
+
+
+FUSED_EVERYWHERE = {"MPICUBE_KERNELS": "numba", "MPICUBE_FUSED_MIN_ELEMS": "0", "OMP_NUM_THREADS": "2"}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks,layout", [(2, "1d"), (4, "2d"), (8, "3d")])
+def test_layout_matches_serial_with_fused_kernels(ranks, layout):
+    """With the fused CPU kernels forced on at every size (two threads per
+    rank), including LayerNorm statistics summed over a split hidden size and
+    attention batches of one sequence split by heads, each layout still
+    follows serial."""
+    pytest.importorskip("numba")
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, 1, 1, 0.1], timeout=180,
+                   env=FUSED_EVERYWHERE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK {layout} world={ranks} dp=1 depth=1" in proc.stdout
