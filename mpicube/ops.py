@@ -230,7 +230,11 @@ def batched_matmul(a, b, out=None):
     small GEMMs, split over threads where fused.splits_batch says so."""
     if fused.splits_batch(a, b):
         return fused.batched_matmul(a, b, out)
-    return _xp(a).matmul(a, b, out=out)
+    xp = _xp(a)
+    if out is None or xp.__name__ == "numpy":
+        return xp.matmul(a, b, out=out)
+    out[...] = xp.matmul(a, b)           # CuPy: ``out`` here is a strided view, which its matmul may refuse
+    return out
 
 
 def causal_softmax(s):

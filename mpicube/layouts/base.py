@@ -90,6 +90,13 @@ class Layout:
         if not ok:
             raise ConfigError(f"layout {cls.name}: {message}")
 
+    @classmethod
+    def require_multiple(cls, what: str, value: int, divisor: int, why: str, suggest_step: int = 0) -> None:
+        """ConfigError unless ``divisor`` divides ``value``, suggesting the
+        nearest multiples of ``suggest_step`` (default: of ``divisor``)."""
+        cls.require(value % divisor == 0, f"{what} {value} must be divisible by {why}: "
+                                          f"use {nearest_multiples(value, suggest_step or divisor)}")
+
 
 def nearest_multiples(value: int, multiple: int) -> str:
     """The multiples of ``multiple`` just below and above ``value``, for

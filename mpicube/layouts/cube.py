@@ -24,7 +24,7 @@ from .. import ops
 from ..comm import Comm
 from ..errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, matmul_rows, nearest_multiples
+from .base import Layout, matmul_rows
 
 
 class CubeLayout(Layout):
@@ -46,14 +46,10 @@ class CubeLayout(Layout):
     def validate(cls, cfg, tp, local_batch, depth):
         q = cls.cube_side(tp)
         cls.require(depth == 1, "--depth applies to 2.5d only")
-        cls.require(local_batch % (q * q) == 0,
-                    f"batch size per replica {local_batch} must be divisible by q^2 = {q * q}: "
-                    f"use {nearest_multiples(local_batch, q * q)}")
-        cls.require(cfg.n_embd % (q * q) == 0,
-                    f"n_embd {cfg.n_embd} must be divisible by q^2 = {q * q} (weights split q^2 ways): "
-                    f"use {nearest_multiples(cfg.n_embd, math.lcm(q * q, cfg.n_head))}")
-        cls.require(cfg.n_head % q == 0,
-                    f"n_head {cfg.n_head} must be divisible by q = {q}: use {nearest_multiples(cfg.n_head, q)}")
+        cls.require_multiple("batch size per replica", local_batch, q * q, f"q^2 = {q * q}")
+        cls.require_multiple("n_embd", cfg.n_embd, q * q, f"q^2 = {q * q} (weights split q^2 ways)",
+                             math.lcm(q * q, cfg.n_head))
+        cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
 
     def __init__(self, cfg, axes, batch_size, depth=1):
         super().__init__(cfg, axes, batch_size)

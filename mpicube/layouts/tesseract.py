@@ -22,7 +22,7 @@ from .. import ops
 from ..comm import Comm
 from ..errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, matmul_rows, nearest_multiples
+from .base import Layout, matmul_rows
 
 
 class TesseractLayout(Layout):
@@ -46,11 +46,8 @@ class TesseractLayout(Layout):
     def validate(cls, cfg, tp, local_batch, depth):
         q = cls.grid_side(tp, depth)
         split = depth * q
-        cls.require(local_batch % split == 0,
-                    f"batch size per replica {local_batch} must be divisible by d*q = {split}: "
-                    f"use {nearest_multiples(local_batch, split)}")
-        cls.require(cfg.n_head % q == 0,
-                    f"n_head {cfg.n_head} must be divisible by q = {q}: use {nearest_multiples(cfg.n_head, q)}")
+        cls.require_multiple("batch size per replica", local_batch, split, f"d*q = {split}")
+        cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
 
     def __init__(self, cfg, axes, batch_size, depth=1):
         super().__init__(cfg, axes, batch_size)
