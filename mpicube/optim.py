@@ -21,6 +21,7 @@ def sync_gradients(store: ParamStore, dp: Comm) -> None:
     tensor-parallel group, then over data-parallel replicas (one flat
     all-reduce). The loss is already normalised by the global token count,
     so these are sums, not means."""
+    store.settle()
     for comm, flat_slice in store.grad_groups:
         store.flat_grad[flat_slice] = comm.allreduce(store.flat_grad[flat_slice])
     if dp.size > 1:
@@ -32,6 +33,7 @@ def global_grad_norm(store: ParamStore, tp: Comm) -> float:
     tensor-parallel ranks replicate it (gradients are identical across dp
     after sync_gradients)."""
     xp = store.backend.xp
+    store.settle()
     local = 0.0
     for spec in store.specs:
         g = store.grad[spec.name].reshape(-1)
@@ -119,6 +121,7 @@ class AdamW:
         """One update with learning rate ``lr``; gradients count multiplied by
         ``grad_scale`` (clipping), without being changed in the buffer."""
         xp = self.store.backend.xp
+        self.store.settle()
         self.t += 1
         b1, b2 = self.beta1, self.beta2
         # lr m_hat / (sqrt(v_hat) + eps) = step * m / (sqrt(v) + eps'), folding both bias corrections

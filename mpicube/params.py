@@ -191,7 +191,9 @@ class ParamStore:
 
     def settle(self) -> None:
         """Zero the deferred gradients nothing wrote this step, so the buffer
-        is complete before it is summed, clipped or stepped on."""
+        is complete before it is summed, clipped or stepped on (the model's
+        backward and every reader of the whole buffer call it; a no-op when
+        all were written)."""
         for name in self._unwritten:
             self.grad[name][...] = 0
         self._unwritten.clear()

@@ -365,3 +365,23 @@ def test_batched_matmul_split(B, nh):
     np.testing.assert_allclose(got, np.matmul(q, k.swapaxes(-1, -2)), rtol=1e-13)
     np.testing.assert_allclose(out, np.matmul(got, k), rtol=1e-13)
     assert [lib["num_threads"] for lib in threadpool_info()] == before
+
+
+def test_readers_of_the_whole_buffer_settle_deferred_gradients():
+    """zero_grad with no backward after it: the gradient norm, the
+    synchronisation and AdamW see zeros, not last step's deferred values."""
+    from mpicube.comm import Comm, Counters
+    from mpicube.optim import global_grad_norm, sync_gradients
+
+    parts = build_parts(ModelConfig(vocab_size=11, n_ctx=4, n_layer=1, n_head=2, n_embd=8), "serial", 2,
+                        MPI.COMM_SELF, dtype="float64")
+    store = parts.store
+    store.flat_grad[...] = 1.0                      # stale values, as if from a previous step
+    store.zero_grad()
+    assert store._unwritten                         # the linears' weights were deferred
+    assert global_grad_norm(store, parts.layout.axes.tp) == 0.0
+    assert not store.flat_grad.any()
+    store.flat_grad[...] = 1.0
+    store.zero_grad()
+    sync_gradients(store, Comm(MPI.COMM_SELF, "dp", store.backend, Counters()))
+    assert not store.flat_grad.any()
