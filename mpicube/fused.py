@@ -101,6 +101,7 @@ def _jit(sums: bool = False, parallel: bool = True):
         return lambda f: f
     return numba.njit(parallel=parallel, cache=True, fastmath={"reassoc"} if sums else False)
 
+
 # Waking the worker threads costs 0.1-0.25 ms on this project's 2-core VMs
 # (tens of microseconds on bare metal), about what NumPy needs for a few
 # passes over this many elements: smaller work stays on the NumPy path.
@@ -276,6 +277,8 @@ def fill_zero(a):
 # 2.8 ms on two BLAS threads and 3.0 ms on one. Splitting the *batch*
 # instead, each thread running whole GEMMs on a one-thread BLAS, takes
 # 1.7 ms. threadpoolctl switches the BLAS to one thread around the call.
+# The pool's threads run only NumPy: numba's workqueue layer must never be
+# entered from two threads at once.
 _pool = None           # ThreadPoolExecutor, made on first use
 _blas = None           # threadpoolctl controllers of NumPy's BLAS
 
