@@ -34,23 +34,33 @@ def model_flops(cfg, batch_size: int, seq_len: int) -> float:
     return 6.0 * n_tokens * (block_params + V * h) + 12.0 * L * n_tokens * seq_len * h
 
 
+def median_seconds(run, repeats: int = 5, min_seconds: float = 0.2, warmup: int = 2) -> float:
+    """Median wall time of ``run()`` over at least ``repeats`` calls spanning
+    ``min_seconds``, after ``warmup`` untimed calls: one short burst is at
+    the mercy of whatever else the machine is doing."""
+    for _ in range(warmup):
+        run()
+    times = []
+    while len(times) < repeats or sum(times) < min_seconds:
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def gemm_rate(backend, m: int, k: int, n: int, repeats: int = 5, min_seconds: float = 0.2) -> float:
-    """FLOP/s of a plain (m, k) x (k, n) matmul on this backend: the median
-    of at least ``repeats`` timings spanning ``min_seconds``."""
+    """FLOP/s of a plain (m, k) x (k, n) matmul on this backend (median_seconds)."""
     xp = backend.xp
     a = xp.ones((m, k), dtype=backend.dtype)
     b = xp.ones((k, n), dtype=backend.dtype)
     out = xp.empty((m, n), dtype=backend.dtype)
-    times, i = [], 0
-    while len(times) < repeats or sum(times) < min_seconds:
+
+    def run():
         backend.synchronize()
-        t0 = time.perf_counter()
         xp.matmul(a, b, out=out)
         backend.synchronize()
-        if i >= 2:                                   # two warm-up calls
-            times.append(time.perf_counter() - t0)
-        i += 1
-    return 2.0 * m * k * n / float(np.median(times))
+
+    return 2.0 * m * k * n / median_seconds(run, repeats, min_seconds)
 
 
 def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) -> dict:

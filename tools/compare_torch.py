@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpicube.bench import model_flops
+from mpicube.bench import median_seconds, model_flops
 from mpicube.config import ModelConfig
 from mpicube.optim import AdamW
 from mpicube.train import build_parts
@@ -66,16 +66,8 @@ class TorchGPT(torch.nn.Module):
 
 
 def matmul_rate(mm, a, b, min_repeats=7, min_seconds=0.5):
-    """FLOP/s of mm(a, b): the median of at least ``min_repeats`` timings
-    spanning ``min_seconds`` (one short burst is at the mercy of the VM)."""
-    for _ in range(2):
-        mm(a, b)
-    times = []
-    while len(times) < min_repeats or sum(times) < min_seconds:
-        t0 = time.perf_counter()
-        mm(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / float(np.median(times))
+    """FLOP/s of mm(a, b) (bench.median_seconds)."""
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / median_seconds(lambda: mm(a, b), min_repeats, min_seconds)
 
 
 def main():
