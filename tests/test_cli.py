@@ -171,3 +171,22 @@ def test_unexpected_exception_on_one_rank_aborts_the_job(mpicube, tmp_path):
     assert "[rank 0] Traceback" not in r.stderr
     assert r.seconds < 20, r
     assert len(read_metrics(tmp_path / "run")[0]) < 10
+
+
+def test_bench_reports_and_matches_the_cost_model(mpicube):
+    """`mpicube bench --json` on 4 ranks, 1-D and 2-D in one job: the keys
+    the issue asks for, positive times and rates, which kernels ran, and the
+    measured communication equal to the model's prediction."""
+    r = mpicube.run("bench", "--layout", "1d", "--layout", "2d", "--n-layer", "1", "--n-embd", "24",
+                    "--n-head", "4", "--seq-len", "8", "--batch-size", "4", "--warmup-steps", "1",
+                    "--steps", "2", "--json", n=4)
+    assert r.returncode == 0, r
+    out = last_json(r.stdout)
+    assert out["step_time_s"] > 0 and out["tokens_per_s"] > 0 and out["gemm_fraction"] > 0, out
+    assert [res["layout"] for res in out["results"]] == ["1d", "2d"]
+    for res in out["results"]:
+        assert res["comm"]["exact"], res["comm"]
+        assert res["comm"]["measured_elems"] > 0
+        assert res["kernels"].startswith("numpy"), res["kernels"]   # 4 ranks on 2 cores: one thread each
+        assert set(res["split"]) == {"forward_s", "backward_s", "sync_s", "optimizer_s", "comm_s"}
+    assert "CPU kernels:" in r.stdout
