@@ -87,22 +87,10 @@ class AdamW:
         self.beta1, self.beta2 = betas
         self.eps = eps
         decayed = [slice(0, store.flat.size)] if decay_all else store.decay_slices
-        # cache blocks on the CPU; on a GPU one block (a kernel per pass, not thousands)
-        block = self.BLOCK if xp.__name__ == "numpy" else max(1, store.flat.size)
-        self.blocks = self._blocks(store.flat.size, decayed, block)
         self.runs = self._runs(store.flat.size, decayed)
-        self._work = xp.empty(min(block, store.flat.size), dtype=store.flat.dtype)  # scratch
-
-    @staticmethod
-    def _blocks(size: int, decayed: list, block: int) -> list:
-        """(block slice, [decayed slices relative to the block]) covering the buffer."""
-        blocks = []
-        for lo in range(0, size, block):
-            hi = min(size, lo + block)
-            inside = [slice(max(lo, d.start) - lo, min(hi, d.stop) - lo) for d in decayed
-                      if d.start < hi and d.stop > lo]
-            blocks.append((slice(lo, hi), inside))
-        return blocks
+        # cache blocks on the CPU; on a GPU one block (a kernel per pass, not thousands)
+        self.block = self.BLOCK if xp.__name__ == "numpy" else max(1, store.flat.size)
+        self._work = xp.empty(min(self.block, store.flat.size), dtype=store.flat.dtype)  # scratch
 
     @staticmethod
     def _runs(size: int, decayed: list) -> list:
@@ -120,7 +108,6 @@ class AdamW:
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One update with learning rate ``lr``; gradients count multiplied by
         ``grad_scale`` (clipping), without being changed in the buffer."""
-        xp = self.store.backend.xp
         self.store.settle()
         self.t += 1
         b1, b2 = self.beta1, self.beta2
@@ -130,26 +117,33 @@ class AdamW:
         eps = self.eps * sqrt_bias2
         keep = 1.0 - lr * self.weight_decay
         flat, flat_grad = self.store.flat, self.store.flat_grad
-        if fused.active(flat, flat_grad, self.m, self.v):
-            for run, decays in self.runs:
+        fused_path = fused.active(flat, flat_grad, self.m, self.v)
+        for run, decays in self.runs:
+            run_keep = keep if decays else 1.0
+            if fused_path:
                 fused.adamw(flat[run], flat_grad[run], self.m[run], self.v[run], b1, b2, step, eps,
-                            keep if decays and self.weight_decay else 1.0, grad_scale)
-            return
-        for block, decayed in self.blocks:
-            p, g, m, v = self.store.flat[block], self.store.flat_grad[block], self.m[block], self.v[block]
-            w = self._work[: p.size]
-            m *= b1                                   # m = b1 m + (1 - b1) s g   (s = grad_scale)
-            xp.multiply(g, (1.0 - b1) * grad_scale, out=w)
-            m += w
-            v *= b2                                   # v = b2 v + (1 - b2) s^2 g^2
-            xp.multiply(g, g, out=w)
-            w *= (1.0 - b2) * grad_scale * grad_scale
-            v += w
-            if self.weight_decay:
-                for sl in decayed:
-                    p[sl] *= keep
-            xp.sqrt(v, out=w)                         # p -= step m / (sqrt(v) + eps')
-            w += eps
-            xp.divide(m, w, out=w)
-            w *= step
-            p -= w
+                            run_keep, grad_scale)
+                continue
+            for lo in range(run.start, run.stop, self.block):
+                block = slice(lo, min(run.stop, lo + self.block))
+                self._update_block(flat[block], flat_grad[block], self.m[block], self.v[block],
+                                   b1, b2, step, eps, run_keep, grad_scale)
+
+    def _update_block(self, p, g, m, v, b1, b2, step, eps, keep, grad_scale) -> None:
+        """The NumPy/CuPy update of one cache block, pass by pass."""
+        xp = self.store.backend.xp
+        w = self._work[: p.size]
+        m *= b1                                       # m = b1 m + (1 - b1) s g   (s = grad_scale)
+        xp.multiply(g, (1.0 - b1) * grad_scale, out=w)
+        m += w
+        v *= b2                                       # v = b2 v + (1 - b2) s^2 g^2
+        xp.multiply(g, g, out=w)
+        w *= (1.0 - b2) * grad_scale * grad_scale
+        v += w
+        if keep != 1.0:
+            p *= keep                                 # decoupled weight decay
+        xp.sqrt(v, out=w)                             # p -= step m / (sqrt(v) + eps')
+        w += eps
+        xp.divide(m, w, out=w)
+        w *= step
+        p -= w
