@@ -194,9 +194,8 @@ class ParamStore:
         is complete before it is summed, clipped or stepped on (the model's
         backward and every reader of the whole buffer call it; a no-op when
         all were written)."""
-        for name in self._unwritten:
-            self.grad[name][...] = 0
-        self._unwritten.clear()
+        for name in list(self._unwritten):
+            self.grad_for_add(name)
 
 
 def real_mask(spec: ParamSpec) -> np.ndarray:

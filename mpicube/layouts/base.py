@@ -129,24 +129,23 @@ class DenseLinear:
     def forward(self, x):
         """x (B, T, C_in) -> y (B, T, C_out)."""
         self.x = x
-        y = x.reshape(-1, x.shape[-1]) @ self.w       # (B*T, C_out): one 2-D GEMM, not B small ones
+        y = matmul_rows(x, self.w)                    # (B, T, C_out)
         if self.out_reduce is not None:
             y = self.out_reduce.allreduce(y)
         y += self.b
-        return y.reshape(x.shape[:-1] + (y.shape[-1],))
+        return y
 
     def backward(self, dy):
         """dy (B, T, C_out) -> dx (B, T, C_in)."""
-        x_shape = self.x.shape
-        x2 = self.x.reshape(-1, x_shape[-1])          # (B*T, C_in)
+        x2 = self.x.reshape(-1, self.x.shape[-1])     # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
         self.db += dy2.sum(0)
-        dx = dy2 @ self.w.T                           # (B*T, C_in)
+        dx = matmul_rows(dy, self.w.T)                # (B, T, C_in)
         if self.dx_reduce is not None:
             dx = self.dx_reduce.allreduce(dx)
         self.x = None
-        return dx.reshape(x_shape)
+        return dx
 
 
 class LayerNorm:
