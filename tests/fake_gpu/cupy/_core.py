@@ -1,0 +1,571 @@
+"""The stand-in's ``cupy.ndarray``: a plain Python object around a private
+NumPy array that plays the part of device memory.
+
+It is a wrapper rather than a NumPy subclass so that it has what a CuPy array
+has and nothing more: no buffer protocol (MPI cannot read it unless the
+CUDA array interface is switched on), ``__array__`` raising TypeError,
+``__array_ufunc__ = None`` and an ``__array_function__`` that declines, so
+NumPy refuses it in ufuncs, functions and mixed arithmetic. Real CuPy would
+dispatch ``numpy.exp(device_array)`` to itself; the stand-in refuses instead,
+because in mpicube such a call is a bug (ops must use ``xp``). NumPy scalars
+on the left (``numpy.float32(2) * a``) still work, as in CuPy.
+
+Operands follow CuPy's kernel rules: stand-in arrays, Python scalars and
+NumPy scalars; anything else, a NumPy array in particular, is a TypeError.
+Indices and advanced-index values follow CuPy's indexing code: host index
+arrays and lists are copied to the device (counted), a host array assigned
+through advanced indexing is copied too, but a basic slice assignment takes
+only scalars (CuPy routes it through ``fill``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from . import _stand_in
+
+_HOST_SCALARS = (bool, int, float, complex, np.generic)
+_INDEX_KINDS = "biu"
+
+
+def check_dtype(dtype) -> np.dtype:
+    """CuPy holds booleans and numbers only."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "biufc":
+        raise ValueError(f"Unsupported dtype {dtype}")
+    return dtype
+
+
+def _owner(a: np.ndarray):
+    """The object owning the memory of NumPy array ``a`` (NumPy keeps view
+    bases pointing at the owner, never at an intermediate view)."""
+    return a if a.base is None else a.base
+
+
+def wrap(a) -> "ndarray":
+    """A new device array owning the NumPy result ``a`` (0-d for scalars)."""
+    if type(a) is not np.ndarray:
+        a = np.asarray(a)
+    out = object.__new__(ndarray)
+    out._a = a
+    out._base = None
+    return out
+
+
+def wrap_view(a, src: "ndarray") -> "ndarray":
+    """``a``, computed from ``src``: a view whose ``base`` is the array that
+    owns the memory when ``a`` shares it (CuPy's rule), else a new array."""
+    if type(a) is np.ndarray and a.base is not None and _owner(a) is _owner(src._a):
+        out = object.__new__(ndarray)
+        out._a = a
+        out._base = src if src._base is None else src._base
+        return out
+    if a is src._a:
+        return wrap_view(a.view(), src)
+    return wrap(a)
+
+
+def operand(x):
+    """The NumPy value of a kernel argument: device arrays and scalars only."""
+    if type(x) is ndarray:
+        return x._a
+    if isinstance(x, _HOST_SCALARS):
+        return x
+    raise TypeError(f"Unsupported type {type(x)}")
+
+
+def device_array(x, what: str = "argument") -> np.ndarray:
+    """The NumPy value of an argument that must be a device array."""
+    if type(x) is ndarray:
+        return x._a
+    raise TypeError(f"{what} must be a cupy.ndarray, not {type(x).__module__}.{type(x).__name__}")
+
+
+def out_array(out):
+    """The NumPy value of an ``out=`` argument (None, or a device array)."""
+    if out is None:
+        return None
+    if isinstance(out, tuple) and len(out) == 1:
+        out = out[0]
+    if type(out) is ndarray:
+        return out._a
+    raise TypeError("Output arguments must be cupy.ndarray")
+
+
+def from_host(obj, dtype=None, **kwargs) -> "ndarray":
+    """Copy host data (NumPy array, list, scalar) to a new device array."""
+    a = np.array(obj, dtype=dtype, copy=True, **kwargs)
+    check_dtype(a.dtype)
+    _stand_in.count_h2d(a.nbytes)
+    return wrap(a)
+
+
+def _count_mask_syncs(n: int) -> None:
+    """CuPy reads the number of True values of each boolean index back to
+    the host to size the result: one small device-to-host copy each."""
+    for _ in range(n):
+        _stand_in.count_d2h(8)
+
+
+def prepare_index(key):
+    """(NumPy key, has advanced index, number of boolean masks). Host arrays,
+    lists and bools become device index arrays (copied, as CuPy does); an
+    Ellipsis is appended so that full integer indexing yields a 0-d view."""
+    items = list(key) if isinstance(key, tuple) else [key]
+    advanced, masks, has_ellipsis = False, 0, False
+    for i, s in enumerate(items):
+        if s is None or isinstance(s, slice):
+            continue
+        if s is Ellipsis:
+            has_ellipsis = True
+            continue
+        if type(s) is ndarray:
+            arr = s._a
+        elif isinstance(s, (list, tuple, np.ndarray, bool, np.bool_)):
+            arr = np.array(s)
+            if isinstance(s, (list, tuple)) and arr.size == 0:
+                arr = arr.astype(np.int32)  # an empty list means no indices, not an empty mask
+            if arr.dtype.kind in _INDEX_KINDS:
+                _stand_in.count_h2d(arr.nbytes)
+        else:
+            continue  # an integer; NumPy checks anything stranger
+        if arr.dtype.kind not in _INDEX_KINDS:
+            raise IndexError(f"arrays used as indices must be of integer or boolean type (actual: {arr.dtype.type})")
+        advanced = True
+        masks += arr.dtype.kind == "b"
+        items[i] = arr
+    if not has_ellipsis:
+        items.append(Ellipsis)
+    return tuple(items), advanced, masks
+
+
+class Flags:
+    """The subset of ``ndarray.flags`` CuPy offers."""
+
+    def __init__(self, c_contiguous: bool, f_contiguous: bool, owndata: bool):
+        self.c_contiguous, self.f_contiguous, self.owndata = c_contiguous, f_contiguous, owndata
+
+    def __getitem__(self, name):
+        return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous,
+                "OWNDATA": self.owndata}[name]
+
+    def __repr__(self):
+        return f"  C_CONTIGUOUS : {self.c_contiguous}\n  F_CONTIGUOUS : {self.f_contiguous}\n  OWNDATA : {self.owndata}"
+
+
+class MemoryPointer:
+    """``ndarray.data``: an address inside a device allocation. It keeps the
+    owning array alive, so ``cupy.ndarray(shape, dtype, memptr=p)`` can build
+    views into it as CuPy code does with pooled buffers."""
+
+    def __init__(self, owner: "ndarray", ptr: int):
+        self._owner, self.ptr = owner, ptr
+        self.device_id = 0
+
+    def __add__(self, offset: int) -> "MemoryPointer":
+        return MemoryPointer(self._owner, self.ptr + int(offset))
+
+    def __int__(self):
+        return self.ptr
+
+    @property
+    def device(self):
+        from .cuda import Device
+
+        return Device(self.device_id)
+
+    def numpy_buffer(self) -> tuple:
+        """(owning NumPy array, byte offset of ``ptr`` in it)."""
+        buf = _owner(self._owner._a)
+        if not isinstance(buf, np.ndarray):
+            raise NotImplementedError("stand-in: memptr into memory NumPy does not own")
+        return buf, self.ptr - buf.ctypes.data
+
+
+def _binary(ufunc):
+    """The forward, reflected and in-place operators of ``ufunc``."""
+
+    def op(self, other):
+        return wrap(ufunc(self._a, operand(other)))
+
+    def rop(self, other):
+        return wrap(ufunc(operand(other), self._a))
+
+    def iop(self, other):
+        ufunc(self._a, operand(other), out=self._a)
+        return self
+
+    return op, rop, iop
+
+
+def _comparison(ufunc, unrelated: bool | None = None):
+    """A rich comparison; ``==`` / ``!=`` with objects that have no notion of
+    equality (None, ...) give all-False / all-True, as in CuPy."""
+
+    def op(self, other):
+        if unrelated is not None and (other is None or type(other).__eq__ is object.__eq__):
+            return wrap(np.full(self._a.shape, unrelated, dtype=np.bool_))
+        return wrap(ufunc(self._a, operand(other)))
+
+    return op
+
+
+class ndarray:
+    """A device array of the stand-in (see the module docstring)."""
+
+    __slots__ = ("_a", "_base", "__weakref__")
+    __module__ = "cupy"
+    __array_ufunc__ = None
+    __array_priority__ = 100
+
+    def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        dtype = check_dtype(dtype)
+        if memptr is None:
+            self._a = np.empty(shape, dtype, order=order)
+        else:
+            buf, offset = memptr.numpy_buffer()
+            self._a = np.ndarray(shape, dtype, buffer=buf, offset=offset, strides=strides, order=order)
+        self._base = None
+
+    # --- refusals -----------------------------------------------------------
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
+
+    def __array_function__(self, func, types, args, kwargs):
+        return NotImplemented
+
+    @property
+    def __cuda_array_interface__(self):
+        """Version 3, only while MPICUBE_CUDA_AWARE=1: then mpi4py hands the
+        address to MPI, which reads host memory, as a CUDA-aware MPI would
+        read device memory."""
+        if not _stand_in.cuda_aware():
+            raise AttributeError("'cupy.ndarray' object has no attribute '__cuda_array_interface__' "
+                                 "(the stand-in offers it only with MPICUBE_CUDA_AWARE=1)")
+        a = self._a
+        typestr = a.dtype.str
+        return {"shape": a.shape, "typestr": typestr, "descr": [("", typestr)],
+                "strides": None if a.flags.c_contiguous else a.strides,
+                "data": (a.ctypes.data if a.size else 0, not a.flags.writeable),
+                "stream": 1, "version": 3}
+
+    # --- attributes ---------------------------------------------------------
+    @property
+    def shape(self):
+        return self._a.shape
+
+    @shape.setter
+    def shape(self, new_shape):
+        self._a = np.reshape(self._a, new_shape, copy=False)
+
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    itemsize = property(lambda self: self._a.itemsize)
+    nbytes = property(lambda self: self._a.nbytes)
+    strides = property(lambda self: self._a.strides)
+    base = property(lambda self: self._base)
+    T = property(lambda self: wrap_view(self._a.T, self))
+    real = property(lambda self: wrap_view(self._a.real, self))
+    imag = property(lambda self: wrap_view(self._a.imag, self))
+
+    @property
+    def mT(self):
+        if self.ndim < 2:
+            raise ValueError("matrix transpose with ndim < 2 is undefined")
+        return self.swapaxes(-1, -2)
+
+    @property
+    def flags(self):
+        f = self._a.flags
+        return Flags(f.c_contiguous, f.f_contiguous, self._base is None)
+
+    @property
+    def data(self):
+        return MemoryPointer(self if self._base is None else self._base, self._a.ctypes.data)
+
+    @property
+    def device(self):
+        from .cuda import Device
+
+        return Device()
+
+    # --- host transfers -----------------------------------------------------
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        """A host copy (counted), into ``out`` (a NumPy array, e.g. pinned) if given."""
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise TypeError("Only numpy.ndarray can be obtained from cupy.ndarray")
+            if out.dtype != self.dtype:
+                raise TypeError(f"{out.dtype} array cannot be obtained from {self.dtype} array")
+            if out.shape != self.shape:
+                raise ValueError(f"Shape mismatch. Expected shape: {self.shape}, actual shape: {out.shape}")
+            out[...] = self._a
+            _stand_in.count_d2h(self.nbytes)
+            return out
+        order = order.upper()
+        if order == "A":
+            order = "F" if self._a.flags.f_contiguous and not self._a.flags.c_contiguous else "C"
+        _stand_in.count_d2h(self.nbytes)
+        return np.array(self._a, order=order, copy=True)
+
+    def set(self, arr, stream=None):
+        """Overwrite with host data of the same dtype and shape (counted)."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if self.dtype != arr.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if self.shape != arr.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):
+            raise RuntimeError("Cannot set to non-contiguous array")
+        _stand_in.count_h2d(arr.nbytes)
+        self._a[...] = arr
+
+    def item(self, *args):
+        _stand_in.count_d2h(self.itemsize)
+        return self._a.item(*args)
+
+    def tolist(self):
+        return self.get().tolist()
+
+    def __int__(self):
+        return int(self.get())
+
+    def __float__(self):
+        return float(self.get())
+
+    def __complex__(self):
+        return complex(self.get())
+
+    def __bool__(self):
+        if self.size == 0:
+            warnings.warn("The truth value of an empty array is ambiguous. Returning False, but in future "
+                          "this will result in an error. Use `array.size > 0` to check that an array is "
+                          "not empty.", DeprecationWarning, stacklevel=2)
+            return False
+        if self.size == 1:
+            return bool(self.get())
+        raise ValueError("The truth value of an array with more than one element is ambiguous. "
+                         "Use a.any() or a.all()")
+
+    def __repr__(self):
+        return repr(self.get())
+
+    def __str__(self):
+        return str(self.get())
+
+    def __format__(self, spec):
+        return format(self.get(), spec)
+
+    def __reduce__(self):
+        from ._creation import array
+
+        return array, (self.get(order="A"),)
+
+    # --- containers and indexing ---------------------------------------------
+    def __len__(self):
+        if self.ndim == 0:
+            raise TypeError("len() of unsized object")
+        return self._a.shape[0]
+
+    def __iter__(self):
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(self._a.shape[0]))
+
+    def __getitem__(self, key):
+        index, _, masks = prepare_index(key)
+        _count_mask_syncs(masks)
+        return wrap_view(self._a[index], self)
+
+    def __setitem__(self, key, value):
+        index, advanced, masks = prepare_index(key)
+        if type(value) is ndarray:
+            source = value._a
+        elif advanced:
+            source = from_host(value, self.dtype)._a
+        else:
+            source = np.asarray(value, dtype=self.dtype)
+            if source.ndim:
+                raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
+        _count_mask_syncs(masks)
+        self._a[index] = source
+
+    def fill(self, value):
+        if type(value) is ndarray:
+            if value.ndim:
+                raise ValueError("non-scalar cupy.ndarray cannot be used for fill")
+            self._a[...] = value._a
+            return
+        value = np.asarray(value, dtype=self.dtype)
+        if value.ndim:
+            raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
+        self._a.fill(value[()])
+
+    # --- shape and copies ---------------------------------------------------
+    def reshape(self, *shape, order="C"):
+        shape = shape[0] if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)) else shape
+        return wrap_view(self._a.reshape(shape, order=order), self)
+
+    def transpose(self, *axes):
+        return wrap_view(self._a.transpose(*axes), self)
+
+    def swapaxes(self, axis1, axis2):
+        return wrap_view(self._a.swapaxes(axis1, axis2), self)
+
+    def ravel(self, order="C"):
+        return wrap_view(self._a.ravel(order), self)
+
+    def squeeze(self, axis=None):
+        return wrap_view(self._a.squeeze(axis), self)
+
+    def diagonal(self, offset=0, axis1=0, axis2=1):
+        return wrap_view(self._a.diagonal(offset, axis1, axis2), self)
+
+    def flatten(self, order="C"):
+        return wrap(self._a.flatten(order))
+
+    def copy(self, order="C"):
+        return wrap(self._a.copy(order))
+
+    def __copy__(self):
+        return self.copy()
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        dtype = check_dtype(dtype)
+        if not copy and dtype == self.dtype:
+            return self
+        return wrap(self._a.astype(dtype, order=order, casting=casting or "unsafe"))
+
+    def view(self, dtype=None):
+        return wrap_view(self._a.view() if dtype is None else self._a.view(check_dtype(dtype)), self)
+
+    # --- reductions and other methods ---------------------------------------
+    def _reduce(self, func, out, **kwargs):
+        result = func(self._a, out=out_array(out), **kwargs)
+        return out if out is not None else wrap(result)
+
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False):
+        return self._reduce(np.sum, out, axis=axis, dtype=dtype, keepdims=keepdims)
+
+    def prod(self, axis=None, dtype=None, out=None, keepdims=False):
+        return self._reduce(np.prod, out, axis=axis, dtype=dtype, keepdims=keepdims)
+
+    def mean(self, axis=None, dtype=None, out=None, keepdims=False):
+        return self._reduce(np.mean, out, axis=axis, dtype=dtype, keepdims=keepdims)
+
+    def var(self, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+        return self._reduce(np.var, out, axis=axis, dtype=dtype, ddof=ddof, keepdims=keepdims)
+
+    def std(self, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+        return self._reduce(np.std, out, axis=axis, dtype=dtype, ddof=ddof, keepdims=keepdims)
+
+    def max(self, axis=None, out=None, keepdims=False):
+        return self._reduce(np.max, out, axis=axis, keepdims=keepdims)
+
+    def min(self, axis=None, out=None, keepdims=False):
+        return self._reduce(np.min, out, axis=axis, keepdims=keepdims)
+
+    def all(self, axis=None, out=None, keepdims=False):
+        return self._reduce(np.all, out, axis=axis, keepdims=keepdims)
+
+    def any(self, axis=None, out=None, keepdims=False):
+        return self._reduce(np.any, out, axis=axis, keepdims=keepdims)
+
+    def argmax(self, axis=None, out=None, dtype=None, keepdims=False):
+        result = self._reduce(np.argmax, out, axis=axis, keepdims=keepdims)
+        return result if dtype is None else result.astype(dtype, copy=False)
+
+    def argmin(self, axis=None, out=None, dtype=None, keepdims=False):
+        result = self._reduce(np.argmin, out, axis=axis, keepdims=keepdims)
+        return result if dtype is None else result.astype(dtype, copy=False)
+
+    def cumsum(self, axis=None, dtype=None, out=None):
+        return self._reduce(np.cumsum, out, axis=axis, dtype=dtype)
+
+    def clip(self, min=None, max=None, out=None):
+        lo = None if min is None else operand(min)
+        hi = None if max is None else operand(max)
+        return self._reduce(lambda a, out: np.clip(a, lo, hi, out=out), out)
+
+    def dot(self, b, out=None):
+        return self._reduce(lambda a, out: np.dot(a, device_array(b, "b"), out=out), out)
+
+    def sort(self, axis=-1, kind=None):
+        self._a.sort(axis=axis, kind=kind)
+
+    def argsort(self, axis=-1, kind=None):
+        return wrap(self._a.argsort(axis=axis, kind=kind))
+
+    def nonzero(self):
+        if self.ndim == 0:
+            raise ValueError("Calling nonzero on 0d arrays is not allowed. "
+                             "Use cp.atleast_1d(scalar).nonzero() instead.")
+        _count_mask_syncs(1)
+        return tuple(wrap(i) for i in self._a.nonzero())
+
+    def take(self, indices, axis=None, out=None):
+        index = indices._a if type(indices) is ndarray else from_host(indices, np.intp)._a
+        return self._reduce(lambda a, out: np.take(a, index, axis=axis, out=out), out)
+
+    def repeat(self, repeats, axis=None):
+        if type(repeats) is ndarray:
+            raise ValueError("`repeats` should not be a cupy.ndarray")
+        return wrap(self._a.repeat(repeats, axis))
+
+    def trace(self, offset=0, axis1=0, axis2=1, dtype=None, out=None):
+        return self._reduce(lambda a, out: a.trace(offset, axis1, axis2, dtype, out), out)
+
+    def conj(self):
+        return wrap(self._a.conj())
+
+    def round(self, decimals=0, out=None):
+        return self._reduce(lambda a, out: a.round(decimals, out), out)
+
+    # --- operators ----------------------------------------------------------
+    __add__, __radd__, __iadd__ = _binary(np.add)
+    __sub__, __rsub__, __isub__ = _binary(np.subtract)
+    __mul__, __rmul__, __imul__ = _binary(np.multiply)
+    __truediv__, __rtruediv__, __itruediv__ = _binary(np.true_divide)
+    __floordiv__, __rfloordiv__, __ifloordiv__ = _binary(np.floor_divide)
+    __mod__, __rmod__, __imod__ = _binary(np.remainder)
+    __matmul__, __rmatmul__, __imatmul__ = _binary(np.matmul)
+    __and__, __rand__, __iand__ = _binary(np.bitwise_and)
+    __or__, __ror__, __ior__ = _binary(np.bitwise_or)
+    __xor__, __rxor__, __ixor__ = _binary(np.bitwise_xor)
+    __lshift__, __rlshift__, __ilshift__ = _binary(np.left_shift)
+    __rshift__, __rrshift__, __irshift__ = _binary(np.right_shift)
+    __pow__, __rpow__, __ipow__ = _binary(np.power)
+
+    def __divmod__(self, other):
+        return tuple(wrap(r) for r in np.divmod(self._a, operand(other)))
+
+    def __rdivmod__(self, other):
+        return tuple(wrap(r) for r in np.divmod(operand(other), self._a))
+
+    __lt__ = _comparison(np.less)
+    __le__ = _comparison(np.less_equal)
+    __gt__ = _comparison(np.greater)
+    __ge__ = _comparison(np.greater_equal)
+    __eq__ = _comparison(np.equal, unrelated=False)
+    __ne__ = _comparison(np.not_equal, unrelated=True)
+    __hash__ = None
+
+    def __neg__(self):
+        return wrap(np.negative(self._a))
+
+    def __pos__(self):
+        return wrap(np.positive(self._a))
+
+    def __abs__(self):
+        return wrap(np.absolute(self._a))
+
+    def __invert__(self):
+        return wrap(np.invert(self._a))

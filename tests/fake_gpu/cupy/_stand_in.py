@@ -1,0 +1,60 @@
+"""Bookkeeping of the stand-in: transfer counters and the switch that makes
+arrays look like device memory to a CUDA-aware MPI.
+
+The counters exist so tests can check mpicube's promise that nothing leaves
+the device inside a step except the loss and the gradient norm: every copy
+between "host" (NumPy) and "device" (stand-in) memory, and every implicit
+synchronisation that CuPy performs to learn a data-dependent size (boolean
+masks, nonzero, unique), is counted here. Ranks launched by mpiexec cannot be
+asked directly, so with ``MPICUBE_FAKE_GPU_REPORT=<path>`` each process writes
+its counters to ``<path>.<pid>`` as JSON when it exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+
+_counts = {"h2d": 0, "d2h": 0, "h2d_bytes": 0, "d2h_bytes": 0, "syncs": 0}
+
+
+def transfers() -> dict:
+    """A copy of the counters: h2d / d2h (number of copies), h2d_bytes /
+    d2h_bytes, syncs (explicit stream or device synchronisations)."""
+    return dict(_counts)
+
+
+def reset_transfers() -> None:
+    for key in _counts:
+        _counts[key] = 0
+
+
+def count_h2d(nbytes: int) -> None:
+    _counts["h2d"] += 1
+    _counts["h2d_bytes"] += int(nbytes)
+
+
+def count_d2h(nbytes: int) -> None:
+    _counts["d2h"] += 1
+    _counts["d2h_bytes"] += int(nbytes)
+
+
+def count_sync() -> None:
+    _counts["syncs"] += 1
+
+
+def cuda_aware() -> bool:
+    """Whether arrays expose ``__cuda_array_interface__``; read on every
+    access so a test can flip it inside one process."""
+    return os.environ.get("MPICUBE_CUDA_AWARE", "0") == "1"
+
+
+def _write_report(path: str) -> None:
+    with open(f"{path}.{os.getpid()}", "w") as f:
+        json.dump(transfers(), f)
+
+
+_REPORT = os.environ.get("MPICUBE_FAKE_GPU_REPORT")
+if _REPORT:
+    atexit.register(_write_report, _REPORT)
