@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import fused
+from . import cuda_kernels, fused
 from .errors import UserError
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -24,6 +24,8 @@ class Backend:
     xp: object          # the numpy or cupy module
     dtype: type         # np.float32 or np.float64
     device: str         # "cpu" or "gpu"
+    tf32: bool = False  # float32 GEMMs on tensor cores (GPU only)
+    staging: object = field(default=None, repr=False)   # comm.Staging: pinned host buffers for MPI
 
     @property
     def is_gpu(self) -> bool:
@@ -74,30 +76,121 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def make_backend(device: str = "cpu", dtype: str = "float32", comm=None) -> Backend:
+def make_backend(device: str = "cpu", dtype: str = "float32", comm=None, tf32: bool = False) -> Backend:
     """Select NumPy or CuPy: on CPUs the fused kernels' threads (the node's
     cores shared among its ranks), on GPUs the device of this node-local rank."""
+    from .comm import Staging
+
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    if device not in ("cpu", "gpu"):
+        raise UserError(f"unknown device {device!r}; choose cpu or gpu")
+    if tf32 and device != "gpu":
+        raise UserError("--tf32 applies to GPUs only (tensor cores); drop it or add --device gpu")
+    if tf32 and dtype != "float32":
+        raise UserError(f"--tf32 applies to float32 GEMMs, not --dtype {dtype}")
     if device == "cpu":
         fused.check_choice()
         keep_freed_memory()
-        fused.configure_threads(node_local(comm)[1] if comm is not None else 1)
+        fused.configure_threads(comm)
         return Backend(np, DTYPES[dtype], "cpu")
-    if device != "gpu":
-        raise UserError(f"unknown device {device!r}; choose cpu or gpu")
+    cupy = import_cupy()
+    cuda_kernels.check_choice()
+    local = node_local(comm)[0] if comm is not None else 0
+    cupy.cuda.Device(local % visible_gpus(cupy)).use()
+    if cuda_aware_mpi():
+        check_cuda_aware(cupy)
+    set_tf32(cupy, tf32)
+    return Backend(cupy, DTYPES[dtype], "gpu", tf32=tf32, staging=Staging())
+
+
+def import_cupy():
+    """The cupy module, or one clear error saying how to get it."""
     try:
         import cupy
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise UserError("--device gpu needs CuPy: pip install 'mpicube[gpu]'") from exc
-    n_gpus = cupy.cuda.runtime.getDeviceCount()
-    if n_gpus == 0:  # pragma: no cover
-        raise UserError("--device gpu: no CUDA device visible on this node")
-    local = node_local(comm)[0] if comm is not None else 0
-    cupy.cuda.Device(local % n_gpus).use()
-    return Backend(cupy, DTYPES[dtype], "gpu")
+    except ModuleNotFoundError as exc:
+        if exc.name != "cupy":
+            raise UserError(f"--device gpu: CuPy is installed but does not import ({exc})") from None
+        raise UserError("--device gpu needs CuPy: pip install 'mpicube[gpu]' "
+                        "(or the cupy-cudaXXx wheel matching your CUDA)") from None
+    except ImportError as exc:
+        raise UserError(f"--device gpu: CuPy is installed but does not import ({exc})") from None
+    return cupy
+
+
+def visible_gpus(cupy) -> int:
+    """How many CUDA devices this process sees; UserError if none."""
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise UserError(f"--device gpu: no usable CUDA device on this node ({exc})") from None
+    if n == 0:
+        raise UserError("--device gpu: no CUDA device visible on this node (check CUDA_VISIBLE_DEVICES)")
+    return n
+
+
+def set_tf32(cupy, enabled: bool) -> None:
+    """Let cuBLAS run float32 GEMMs on tensor cores (TF32 inputs, float32
+    accumulation), or forbid it. CuPy reads CUPY_TF32 when it first picks a
+    GEMM compute type; setting the compute type as well covers a CuPy that
+    has already picked one."""
+    os.environ["CUPY_TF32"] = "1" if enabled else "0"
+    try:
+        from cupy._core import _routines_linalg as linalg
+
+        kind = linalg.COMPUTE_TYPE_TF32 if enabled else linalg.COMPUTE_TYPE_DEFAULT
+        linalg.set_compute_type(np.float32, kind)
+    except (ImportError, AttributeError):   # another CuPy layout, or the CI stand-in
+        pass
 
 
 def cuda_aware_mpi() -> bool:
     """Whether MPI may be handed device pointers (set MPICUBE_CUDA_AWARE=1)."""
     return os.environ.get("MPICUBE_CUDA_AWARE", "0") == "1"
+
+
+def mpi_cuda_support():
+    """What the MPI library says about reading CUDA device memory: True,
+    False, or None where it has no way to say. Open MPI answers through
+    MPIX_Query_cuda_support, MPICH through MPIX_GPU_query_support."""
+    from mpi4py import MPI  # noqa: F401  (loads the MPI library into the process)
+
+    for lib in _loaded_mpi_libraries():
+        if hasattr(lib, "MPIX_Query_cuda_support"):
+            return bool(lib.MPIX_Query_cuda_support())
+        if hasattr(lib, "MPIX_GPU_query_support"):
+            supported = ctypes.c_int(0)
+            if lib.MPIX_GPU_query_support(0, ctypes.byref(supported)) == 0:   # 0 = MPIX_GPU_SUPPORT_CUDA
+                return bool(supported.value)
+    return None
+
+
+def _loaded_mpi_libraries() -> list:
+    """ctypes handles of the libmpi* shared objects mpi4py has loaded (they
+    are loaded privately, so the process's global symbols do not show them)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi" in line}
+    except OSError:  # pragma: no cover - not Linux
+        return []
+    libs = []
+    for path in sorted(paths):
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:  # pragma: no cover
+            continue
+    return libs
+
+
+def check_cuda_aware(xp) -> None:
+    """MPICUBE_CUDA_AWARE=1 with an MPI that says it cannot read device
+    memory would crash inside the first collective: refuse it up front.
+    (CI's CuPy stand-in keeps its arrays in host memory, which any MPI reads.)"""
+    if getattr(xp, "_mpicube_host_memory", False):
+        return
+    if mpi_cuda_support() is False:
+        from mpi4py import MPI
+
+        library = MPI.Get_library_version().splitlines()[0].strip()
+        raise UserError(f"MPICUBE_CUDA_AWARE=1, but this MPI ({library}) is not CUDA-aware: "
+                        "unset it to stage through host memory, or use a CUDA-aware MPI build")

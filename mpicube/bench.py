@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from . import fused
+from . import kernels
 from .costmodel import Problem, step_memory, step_traffic
 from .optim import AdamW, global_grad_norm, sync_gradients
 
@@ -111,7 +111,9 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
         "step_time_s": median,
         "step_time_spread_s": [float(step_times.min()), float(step_times.max())],
         "tokens_per_s": layout.batch_size * seq_len / median,
-        "kernels": fused.describe(),
+        "kernels": kernels.describe(backend.device),
+        "device": backend.device,
+        "tf32": backend.tf32,
         "model_flops_per_step": model_flops(cfg, layout.batch_size, seq_len),
         "flops_per_s_per_rank": flops_rank / median,
         "gemm_flops_per_s": rate,
@@ -143,8 +145,11 @@ def format_table(results: list, dtype_bytes: int) -> str:
             f"{r['tokens_per_s']:>9.0f} {r['flops_per_s_per_rank'] / 1e9:>8.2f} {100 * r['gemm_fraction']:>5.1f}% "
             + " ".join(f"{s[k] * 1e3:>6.1f}" for k in ("forward_s", "backward_s", "sync_s", "optimizer_s", "comm_s"))
             + f" {c['measured_elems']:>11.4g} {c['predicted_elems']:>11.4g} {mem:>8.2f}")
-    kernels = results[0]["kernels"] if results else fused.describe()
-    lines.append(f"CPU kernels: {kernels}. Times in ms per step (median); "
+    if results:
+        r = results[0]
+        lines.append(f"device {r['device']}{' (TF32 GEMMs)' if r['tf32'] else ''}; kernels: {r['kernels']}; "
+                     f"{r['flops_per_s_per_rank'] / 1e12:.3f} model TFLOP/s per rank")
+    lines.append("Times in ms per step (median); "
                  "gemm% = model FLOP/s per rank / same-process matmul FLOP/s; "
                  "mpi = time inside MPI calls (part of fwd/bwd/sync); memory = params+grads+Adam+saved activations")
     return "\n".join(lines)

@@ -17,8 +17,12 @@ broadcast, reduce  size                         g-1
 A group of one rank moves nothing and makes no MPI call. Counts are exact
 ``Fraction``s so the analytic cost model can be compared with ``==``.
 
-CuPy arrays are synchronised before MPI sees them and, unless
-``MPICUBE_CUDA_AWARE=1``, staged through host memory.
+On a GPU every call first waits for the device's queued work (MPI must not
+read a buffer a kernel is still writing, nor hand out memory a kernel still
+reads), and only then starts its clock, so GPU compute is never billed to
+communication. A CUDA-aware MPI (``MPICUBE_CUDA_AWARE=1``) then gets device
+buffers; any other MPI gets pinned host buffers from a ``Staging`` pool,
+reused step after step.
 """
 
 from __future__ import annotations
@@ -62,6 +66,32 @@ class Counters:
         return sum(self.seconds.values())
 
 
+class Staging:
+    """Pinned host buffers for MPI when it cannot read device memory.
+
+    Page-locked memory lets the device copy at full link speed, and
+    allocating it is expensive, so buffers are kept and reused: a step
+    repeats the same collectives with the same shapes, so after the first
+    step every ``take`` finds a free buffer. A buffer is taken for the
+    duration of one collective (until ``wait`` for a nonblocking one) and
+    given back after its contents have been copied to the device.
+    """
+
+    def __init__(self):
+        self._free = defaultdict(list)     # (shape, dtype) -> idle pinned arrays
+
+    def take(self, shape, dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype).str)
+        if self._free[key]:
+            return self._free[key].pop()
+        import cupyx
+
+        return cupyx.empty_pinned(tuple(shape), dtype=dtype)
+
+    def give(self, buf: np.ndarray) -> None:
+        self._free[(buf.shape, buf.dtype.str)].append(buf)
+
+
 class Pending:
     """A started collective: ``wait()`` completes it and returns its result
     (the time spent waiting is added to the axis's seconds). Holds the send
@@ -83,11 +113,12 @@ class Comm:
     """One axis of the processor grid: an mpi4py communicator, its role name,
     the array backend and the shared counters."""
 
-    def __init__(self, mpi_comm, axis: str, backend: Backend, counters: Counters):
+    def __init__(self, mpi_comm, axis: str, backend: Backend, counters: Counters, staging: Staging = None):
         self.mpi = mpi_comm
         self.axis = axis
         self.backend = backend
         self.counters = counters
+        self.staging = staging if staging is not None else backend.staging
         self.size = mpi_comm.Get_size()
         self.rank = mpi_comm.Get_rank()
 
@@ -95,26 +126,49 @@ class Comm:
         return f"Comm({self.axis!r}, rank {self.rank} of {self.size})"
 
     # --- staging between the backend and MPI -------------------------------
+    @property
+    def _staged(self) -> bool:
+        """Device arrays go through pinned host buffers (GPU, MPI not CUDA-aware)."""
+        return self.backend.is_gpu and not cuda_aware_mpi()
+
+    def _start(self) -> float:
+        """Wait for queued device work, then start the clock."""
+        self.backend.synchronize()
+        return time.perf_counter()
+
     def _to_mpi(self, x):
-        """A contiguous buffer MPI may read: host copy of device data unless
-        MPI is CUDA-aware."""
-        xp = self.backend.xp
-        x = xp.ascontiguousarray(x)
-        if self.backend.is_gpu:
-            self.backend.synchronize()
-            if not cuda_aware_mpi():
-                return xp.asnumpy(x)
-        return x
+        """A contiguous buffer MPI may read holding ``x``: a pinned host copy
+        when staged (MPI may also write it), else ``x`` itself or a
+        contiguous copy."""
+        if self._staged:
+            buf = self.staging.take(x.shape, x.dtype)
+            self.backend.xp.ascontiguousarray(x).get(out=buf)
+            return buf
+        return self.backend.xp.ascontiguousarray(x)
+
+    def _private(self, x):
+        """Like _to_mpi, but always a buffer of our own (in-place reductions
+        must not write into the caller's array)."""
+        return self._to_mpi(x) if self._staged else x.copy()
 
     def _empty(self, shape, dtype):
-        if self.backend.is_gpu and not cuda_aware_mpi():
-            return np.empty(shape, dtype=dtype)
+        if self._staged:
+            return self.staging.take(shape, dtype)
         return self.backend.xp.empty(shape, dtype=dtype)
 
     def _from_mpi(self, buf):
-        if self.backend.is_gpu and not cuda_aware_mpi():
-            return self.backend.xp.asarray(buf)
-        return buf
+        """The device array of a received buffer; a staged buffer goes back to the pool."""
+        if not self._staged:
+            return buf
+        out = self.backend.xp.asarray(buf)
+        self.backend.synchronize()          # the copy has finished reading buf
+        self.staging.give(buf)
+        return out
+
+    def _done(self, buf) -> None:
+        """A send buffer MPI has finished with."""
+        if self._staged:
+            self.staging.give(buf)
 
     def _count(self, elems, msgs, t0):
         self.counters.add(self.axis, elems, msgs, time.perf_counter() - t0)
@@ -124,8 +178,8 @@ class Comm:
         """Elementwise reduction over the group; returns a new array."""
         if self.size == 1:
             return x.copy()
-        t0 = time.perf_counter()
-        buf = self._to_mpi(x.copy())   # MPI reduces in place: never into the caller's x
+        t0 = self._start()
+        buf = self._private(x)         # MPI reduces in place: never into the caller's x
         self.mpi.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         g = self.size
         self._count(Fraction(2 * (g - 1), g) * buf.size, 2 * (g - 1), t0)
@@ -135,20 +189,22 @@ class Comm:
         """Concatenate every rank's ``x`` along ``axis`` in rank order."""
         if self.size == 1:
             return x
-        t0 = time.perf_counter()
+        t0 = self._start()
         send, recv = self._gather_buffers(x)
         self.mpi.Allgather(send, recv)
         self._count((self.size - 1) * send.size, self.size - 1, t0)
+        self._done(send)
         return self._gathered(recv, x, axis)
 
     def reduce_scatter(self, x, axis: int = 0):
         """Sum over the group, then keep this rank's block along ``axis``."""
         if self.size == 1:
             return x
-        t0 = time.perf_counter()
+        t0 = self._start()
         send, recv = self._scatter_buffers(x, axis)
         self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
         self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0)
+        self._done(send)
         return self._from_mpi(recv)
 
     def _gather_buffers(self, x):
@@ -178,21 +234,28 @@ class Comm:
         shape and dtype (ignored on non-roots) and gets the root's values."""
         if self.size == 1:
             return x
-        t0 = time.perf_counter()
-        buf = self._to_mpi(x) if self.rank == root else self._empty(x.shape, x.dtype)
+        t0 = self._start()
+        if self.rank != root:
+            buf = self._empty(x.shape, x.dtype)
+            self.mpi.Bcast(buf, root=root)
+            self._count(buf.size, self.size - 1, t0)
+            return self._from_mpi(buf)
+        buf = self._to_mpi(x)
         self.mpi.Bcast(buf, root=root)
         self._count(buf.size, self.size - 1, t0)
-        return self._from_mpi(buf)
+        self._done(buf)
+        return x if self._staged else buf       # the root keeps its own device array
 
     def reduce(self, x, root: int):
         """Sum onto ``root``; returns the sum there and None elsewhere."""
         if self.size == 1:
             return x
-        t0 = time.perf_counter()
+        t0 = self._start()
         send = self._to_mpi(x)
         recv = self._empty(x.shape, x.dtype) if self.rank == root else None
         self.mpi.Reduce(send, recv, op=MPI.SUM, root=root)
         self._count(send.size, self.size - 1, t0)
+        self._done(send)
         return self._from_mpi(recv) if self.rank == root else None
 
     # --- nonblocking variants, to overlap communication with computation ---
@@ -200,13 +263,14 @@ class Comm:
         """Start ``allgather``; ``.wait()`` returns what it would have."""
         if self.size == 1:
             return Pending(lambda: x)
-        t0 = time.perf_counter()
+        t0 = self._start()
         send, recv = self._gather_buffers(x)
         request = self.mpi.Iallgather(send, recv)
         self._count((self.size - 1) * send.size, self.size - 1, t0)
 
         def finish():
             request.Wait()
+            self._done(send)
             return self._gathered(recv, x, axis)
 
         return Pending(finish, self, send)
@@ -215,13 +279,14 @@ class Comm:
         """Start ``reduce_scatter``; ``.wait()`` returns this rank's block."""
         if self.size == 1:
             return Pending(lambda: x)
-        t0 = time.perf_counter()
+        t0 = self._start()
         send, recv = self._scatter_buffers(x, axis)
         request = self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM)
         self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0)
 
         def finish():
             request.Wait()
+            self._done(send)
             return self._from_mpi(recv)
 
         return Pending(finish, self, send)

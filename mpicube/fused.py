@@ -16,8 +16,8 @@ GELU's tanh stays NumPy's, whose SIMD code beats numba's scalar call.
 
 Threads: the workqueue layer, because OpenMP worker threads spin after each
 kernel and would take the core OpenBLAS's next GEMM needs. The count is
-``OMP_NUM_THREADS`` if set, otherwise the node's cores shared among the
-ranks on the node (``configure_threads``).
+this rank's share of the node's cores, the same for BLAS and numba
+(``mpicube.threads``, applied by ``configure_threads``).
 
 Every kernel takes C-contiguous arrays; ``active`` says whether the fused
 path applies to a set of arrays.
@@ -75,15 +75,13 @@ def describe() -> str:
     return f"numba fused, {numba.get_num_threads()} threads per rank"
 
 
-def configure_threads(local_ranks: int) -> None:
-    """Threads per rank: OMP_NUM_THREADS if set, else this node's cores
-    divided among its ``local_ranks`` ranks (at least one)."""
-    if numba is None:
-        return
-    wanted = os.environ.get("OMP_NUM_THREADS", "")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    n = int(wanted) if wanted.isdigit() and int(wanted) > 0 else max(1, cores // max(1, local_ranks))
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+def configure_threads(comm=None) -> None:
+    """Threads per rank for these kernels and every other pool the rank
+    starts (BLAS, OpenMP): ``mpicube.threads`` decides the share (collective
+    over ``comm``)."""
+    from . import threads as thread_share
+
+    thread_share.configure(comm)
 
 
 def threads() -> int:
@@ -138,6 +136,14 @@ def gelu_from_tanh(x, t, y):
     """x, t (n,) -> y (n,) = 0.5 x (1 + t), t = tanh(s (x + 0.044715 x^3))."""
     for i in prange(x.size):
         y[i] = 0.5 * x[i] * (1.0 + t[i])
+
+
+def gelu_forward(x, t, y):
+    """x (n,) -> t = tanh(s (x + 0.044715 x^3)), y = 0.5 x (1 + t): two
+    threaded passes around NumPy's SIMD tanh (cuda_kernels does it in one)."""
+    gelu_tanh_argument(x, t)
+    np.tanh(t, out=t)
+    gelu_from_tanh(x, t, y)
 
 
 @_jit()
@@ -340,11 +346,15 @@ def batched_matmul(a, b, out=None):
 # --- embedding gradient -------------------------------------------------------------
 @_jit(parallel=False)
 def scatter_add_rows(target, rows, values):
-    """target[rows[i]] += values[i] for each i, repeated rows summed in
-    order. target (V, C); rows (n,); values (n, C). One thread (rows may
-    repeat), but a plain loop instead of np.add.at's slow generic path."""
+    """target[rows[i]] += values[i] for each i with rows[i] in [0, V),
+    repeated rows summed in order; other rows (ids of another rank's
+    vocabulary block) skipped. target (V, C); rows (n,); values (n, C). One
+    thread (rows may repeat), but a plain loop instead of np.add.at's slow
+    generic path."""
     for i in range(rows.size):
         r = rows[i]
+        if r < 0 or r >= target.shape[0]:
+            continue
         for c in range(values.shape[1]):
             target[r, c] += values[i, c]
 

@@ -49,7 +49,9 @@ def gpt_params(cfg: ModelConfig) -> list:
 
 class Dropout:
     """Masks that are a pure function of (seed, step, site, global index), so
-    every layout drops the same elements (DESIGN.md section 2)."""
+    every layout drops the same elements (DESIGN.md section 2). They are
+    drawn where the activations live: on a GPU the hash runs on the device
+    and nothing is copied per step but a few small index vectors, once."""
 
     def __init__(self, p: float, seed: int, layout: Layout):
         self.p, self.seed, self.layout = p, seed, layout
@@ -59,17 +61,24 @@ class Dropout:
         self.canonical_seqs = first_seq + layout.canonical_seqs   # global sequence ids
         self.mid_seqs = first_seq + layout.mid_seqs
         self.canonical_shape = (layout.batch_size, cfg.n_ctx, cfg.n_embd)
+        self._indices = {}                                        # (kind, T) -> index vectors on the device
 
-    def _mask(self, step, site, global_shape, index):
-        u = rng.uniform(rng.make_key(self.seed, "dropout", step, site), rng.flat_index(global_shape, index))
-        return self.layout.backend.asarray(u >= self.p, dtype=self.layout.backend.dtype)
+    def _mask(self, step, site, global_shape, kind, T, index):
+        """(block shape) keep mask: 1.0 where kept, 0.0 where dropped."""
+        backend = self.layout.backend
+        if (kind, T) not in self._indices:
+            self._indices[kind, T] = tuple(backend.xp.asarray(ix, dtype=np.uint64) for ix in index)
+        counter = rng.flat_index(global_shape, self._indices[kind, T], backend.xp)   # (block shape) uint64
+        return ops.keep_mask(rng.make_key(self.seed, "dropout", step, site), counter, self.p, backend.dtype)
 
     def canonical(self, step, site, T):
         """(B_c, T, C_c) keep mask for an activation in canonical form, or None."""
         if self.p == 0.0:
             return None
         index = (self.canonical_seqs, np.arange(T), self.layout.canonical_cols)
-        return self._mask(step, site, self.canonical_shape, index) * (1.0 / self.keep)
+        mask = self._mask(step, site, self.canonical_shape, "canonical", T, index)
+        mask *= 1.0 / self.keep
+        return mask
 
     def attention(self, step, site, T):
         """(B_m, nh, T, T) keep mask on attention probabilities, or None."""
@@ -78,7 +87,7 @@ class Dropout:
         cfg = self.layout.cfg
         shape = (self.layout.batch_size, cfg.n_head, cfg.n_ctx, cfg.n_ctx)
         index = (self.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
-        return self._mask(step, site, shape, index)
+        return self._mask(step, site, shape, "attention", T, index)
 
 
 class Block:

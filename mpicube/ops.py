@@ -8,6 +8,14 @@ parameter gradients into the buffers they are given (``+=``), as in llm.c.
 
 Shapes: B batch rows held locally, T sequence, C local hidden width,
 nh local heads, hd head size, V local vocabulary.
+
+Every function runs on NumPy or CuPy arrays (the array module is the
+inputs'). Where a fused kernel module applies (``fused``: numba on the CPU;
+``cuda_kernels``: CuPy kernels on a GPU; both offer the same functions with
+the same output arguments), it does the work in fewer passes; otherwise the
+plain array code below runs, which is also what MPICUBE_KERNELS=numpy
+forces on either device. Nothing here copies data to the host, so a GPU
+step never waits on a device-to-host transfer inside an op.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ import math
 
 import numpy as np
 
-from . import fused
+from . import cuda_kernels, fused, rng
+from .kernels import kernels_for
 
 
 def identity(x):
@@ -29,12 +38,34 @@ def identity(x):
 CACHE_ELEMS = 1 << 15
 
 
+def block_rows(xp, n_rows: int, row_elems: int) -> int:
+    """Rows per block: about CACHE_ELEMS elements on NumPy, all of them on a GPU."""
+    return max(1, CACHE_ELEMS // max(1, row_elems)) if xp is np else max(1, n_rows)
+
+
 def row_blocks(xp, n_rows: int, row_elems: int):
-    """Slices of the first axis, each about CACHE_ELEMS elements (NumPy), or
-    one slice of everything (CuPy)."""
-    step = n_rows if xp.__name__ != "numpy" else max(1, CACHE_ELEMS // max(1, row_elems))
+    """Slices of the first axis, ``block_rows`` rows each."""
+    step = block_rows(xp, n_rows, row_elems)
     for lo in range(0, n_rows, step):
         yield slice(lo, min(n_rows, lo + step))
+
+
+def column_sums(a):
+    """a (n, C) -> (C,) sums over the rows, in a's dtype. Narrow types are
+    accumulated in float64: a running float32 sum over millions of rows (a
+    bias gradient of a large batch) loses about 4% where float64 loses
+    nothing visible."""
+    if a.dtype.itemsize >= 8:
+        return a.sum(0)
+    return a.sum(0, dtype=np.float64).astype(a.dtype)
+
+
+def column_dots(a, b):
+    """a, b (n, C) -> (C,) sums over the rows of a * b, accumulated as in column_sums."""
+    xp = _xp(a)
+    if a.dtype.itemsize >= 8:
+        return xp.einsum("ij,ij->j", a, b)          # one pass, no temporary
+    return (a * b).sum(0, dtype=np.float64).astype(a.dtype)
 
 
 # --- LayerNorm ---------------------------------------------------------------
@@ -42,8 +73,9 @@ def layernorm_forward(x, gamma, beta, n_hidden, eps=1e-5, allsum=identity):
     """x (B, T, C) -> y (B, T, C); statistics over the full hidden size
     ``n_hidden``, of which this rank holds C columns. Two passes (mean, then
     centred variance) keep float32 accurate."""
-    if fused.active(x, gamma, beta):
-        return _layernorm_forward_fused(x, gamma, beta, n_hidden, eps, allsum)
+    k = kernels_for(x, gamma, beta)
+    if k is not None:
+        return _layernorm_forward_fused(k, x, gamma, beta, n_hidden, eps, allsum)
     mean = allsum(x.sum(-1, keepdims=True)) / n_hidden               # (B, T, 1)
     xc = x - mean                                                    # (B, T, C)
     var = allsum(rowdot(xc, xc)[..., None]) / n_hidden               # (B, T, 1)
@@ -58,12 +90,12 @@ def layernorm_forward(x, gamma, beta, n_hidden, eps=1e-5, allsum=identity):
 def layernorm_backward(dy, cache, gamma, dgamma, dbeta, n_hidden, allsum=identity):
     """dy (B, T, C) -> dx (B, T, C); adds into dgamma, dbeta (C,)."""
     xhat, rstd = cache
-    xp = _xp(dy)
     C = dy.shape[-1]
-    dgamma += xp.einsum("ij,ij->j", dy.reshape(-1, C), xhat.reshape(-1, C))   # one pass, no temporary
-    dbeta += dy.sum((0, 1))
-    if fused.active(dy, xhat, gamma):
-        return _layernorm_backward_fused(dy, xhat, rstd, gamma, n_hidden, allsum)
+    dgamma += column_dots(dy.reshape(-1, C), xhat.reshape(-1, C))
+    dbeta += column_sums(dy.reshape(-1, C))
+    k = kernels_for(dy, xhat, gamma)
+    if k is not None:
+        return _layernorm_backward_fused(k, dy, xhat, rstd, gamma, n_hidden, allsum)
     dxhat = dy * gamma                                               # (B, T, C)
     sums = allsum(_stack_last(dxhat.sum(-1), rowdot(dxhat, xhat)))  # (B, T, 2)
     mean_dxhat = sums[..., 0:1] / n_hidden
@@ -75,31 +107,34 @@ def layernorm_backward(dy, cache, gamma, dgamma, dbeta, n_hidden, allsum=identit
     return dx
 
 
-def _layernorm_forward_fused(x, gamma, beta, n_hidden, eps, allsum):
-    """layernorm_forward in three threaded passes, split at its two all-reduces."""
+def _layernorm_forward_fused(k, x, gamma, beta, n_hidden, eps, allsum):
+    """layernorm_forward in three passes of kernel module ``k``, split at
+    its two all-reduces."""
+    xp = _xp(x)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)                                            # (n, C)
-    stats = np.empty(x2.shape[0], dtype=x.dtype)                     # (n,)
-    fused.row_sums(x2, stats)
+    stats = xp.empty(x2.shape[0], dtype=x.dtype)                     # (n,)
+    k.row_sums(x2, stats)
     mean = allsum(stats) / n_hidden                                  # (n,)
-    xhat = np.empty_like(x2)                                         # (n, C) centred, then normalised
-    fused.center_rows(x2, mean, xhat, stats)
+    xhat = xp.empty_like(x2)                                         # (n, C) centred, then normalised
+    k.center_rows(x2, mean, xhat, stats)
     rstd = 1.0 / (allsum(stats) / n_hidden + eps) ** 0.5             # (n,)
-    y = np.empty_like(x2)                                            # (n, C)
-    fused.normalize_rows(xhat, rstd, gamma, beta, y)
+    y = xp.empty_like(x2)                                            # (n, C)
+    k.normalize_rows(xhat, rstd, gamma, beta, y)
     return y.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(x.shape[:-1] + (1,)))
 
 
-def _layernorm_backward_fused(dy, xhat, rstd, gamma, n_hidden, allsum):
-    """The input gradient of layernorm_backward: one threaded pass for the two
-    row sums, one all-reduce, one threaded pass for dx."""
+def _layernorm_backward_fused(k, dy, xhat, rstd, gamma, n_hidden, allsum):
+    """The input gradient of layernorm_backward: one pass of kernel module
+    ``k`` for the two row sums, one all-reduce, one pass for dx."""
+    xp = _xp(dy)
     C = dy.shape[-1]
     dy2, xhat2 = dy.reshape(-1, C), xhat.reshape(-1, C)              # (n, C)
-    sums = np.empty((dy2.shape[0], 2), dtype=dy.dtype)               # (n, 2)
-    fused.layernorm_grad_sums(dy2, gamma, xhat2, sums)
+    sums = xp.empty((dy2.shape[0], 2), dtype=dy.dtype)               # (n, 2)
+    k.layernorm_grad_sums(dy2, gamma, xhat2, sums)
     means = allsum(sums) / n_hidden                                  # (n, 2)
-    dx = np.empty_like(dy2)                                          # (n, C)
-    fused.layernorm_grad_input(dy2, gamma, xhat2, np.ascontiguousarray(rstd.reshape(-1)), means, dx)
+    dx = xp.empty_like(dy2)                                          # (n, C)
+    k.layernorm_grad_input(dy2, gamma, xhat2, xp.ascontiguousarray(rstd.reshape(-1)), means, dx)
     return dx.reshape(dy.shape)
 
 
@@ -117,15 +152,12 @@ def _stack_last(a, b):
 
 
 def _xp(a):
-    """The array module of ``a`` (numpy or cupy)."""
-    mod = type(a).__module__
-    if mod.startswith("cupy"):
-        import cupy
+    """The array module of ``a``: numpy, or cupy for anything else."""
+    if isinstance(a, (np.ndarray, np.generic)):
+        return np
+    import cupy
 
-        return cupy
-    import numpy
-
-    return numpy
+    return cupy.get_array_module(a)
 
 
 # --- GELU (tanh approximation, as GPT-2) --------------------------------------
@@ -137,10 +169,9 @@ def gelu_forward(x):
     xp = _xp(x)
     x2 = x.reshape(-1, x.shape[-1])                                  # (n, C)
     y, t = xp.empty_like(x2), xp.empty_like(x2)
-    if fused.active(x2):
-        fused.gelu_tanh_argument(x2.reshape(-1), t.reshape(-1))
-        xp.tanh(t, out=t)
-        fused.gelu_from_tanh(x2.reshape(-1), t.reshape(-1), y.reshape(-1))
+    k = kernels_for(x2)
+    if k is not None:
+        k.gelu_forward(x2.reshape(-1), t.reshape(-1), y.reshape(-1))
         return y.reshape(x.shape), (x2, t)
     for rows in row_blocks(xp, *x2.shape):
         xb, tb, yb = x2[rows], t[rows], y[rows]
@@ -163,13 +194,14 @@ def gelu_backward(dy, cache):
     x2, t = cache
     dy2 = dy.reshape(x2.shape)
     dx = xp.empty_like(x2)
-    if fused.active(dy2, x2, t):
-        fused.gelu_backward(dy2.reshape(-1), x2.reshape(-1), t.reshape(-1), dx.reshape(-1))
+    k = kernels_for(dy2, x2, t)
+    if k is not None:
+        k.gelu_backward(dy2.reshape(-1), x2.reshape(-1), t.reshape(-1), dx.reshape(-1))
         return dx.reshape(dy.shape)
-    work = xp.empty(min(x2.size, max(CACHE_ELEMS, x2.shape[1])), dtype=x2.dtype)
+    work = xp.empty((min(x2.shape[0], block_rows(xp, *x2.shape)), x2.shape[1]), dtype=x2.dtype)  # (rows, C)
     for rows in row_blocks(xp, *x2.shape):
         xb, tb, out = x2[rows], t[rows], dx[rows]
-        w = work[: xb.size].reshape(xb.shape)
+        w = work[: xb.shape[0]]
         xp.multiply(xb, xb, out=w)
         w *= 3 * 0.044715
         w += 1.0
@@ -239,8 +271,9 @@ def batched_matmul(a, b, out=None):
 
 def causal_softmax(s):
     """s (M, T, T) scores -> causal softmax probabilities, in place."""
-    if fused.active(s):
-        fused.softmax_causal(s)
+    k = kernels_for(s)
+    if k is not None:
+        k.softmax_causal(s)
         return
     xp = _xp(s)
     bias = causal_bias(xp, s.shape[-1], s.dtype)
@@ -255,8 +288,9 @@ def causal_softmax(s):
 def causal_softmax_backward(d, p):
     """d (M, T, T) gradient w.r.t. probabilities p -> w.r.t. the scores, in
     place: ds = p (dp - sum(dp p))."""
-    if fused.active(d, p):
-        fused.softmax_causal_backward(d, p)
+    k = kernels_for(d, p)
+    if k is not None:
+        k.softmax_causal_backward(d, p)
         return
     xp = _xp(d)
     for mats in row_blocks(xp, d.shape[0], d.shape[1] * d.shape[2]):
@@ -287,13 +321,21 @@ def cross_entropy_forward(logits, targets, vocab_start, vocab_size, allmax=ident
     xp = _xp(logits)
     n, V = logits.shape
     n_real = max(0, min(V, vocab_size - vocab_start))
-    z = logits.copy()                                                 # (n, V)
-    if n_real < V:
-        z[:, n_real:] = -xp.inf
-    row_max = allmax(z.max(-1))                                       # (n,)
-    z -= row_max[:, None]
-    probs = xp.exp(z, out=z)                                          # (n, V) unnormalised
-    sum_exp = allsum(probs.sum(-1))                                   # (n,)
+    if cuda_kernels.active(logits):
+        row_max = xp.empty(n, dtype=logits.dtype)                     # (n,)
+        cuda_kernels.masked_row_max(logits, n_real, row_max)
+        row_max = allmax(row_max)
+        probs, sum_exp = xp.empty_like(logits), xp.empty(n, dtype=logits.dtype)   # (n, V), (n,)
+        cuda_kernels.exp_rows(logits, row_max, n_real, probs, sum_exp)
+    else:
+        probs = logits.copy()                                         # (n, V) scores, then exp
+        if n_real < V:
+            probs[:, n_real:] = -xp.inf
+        row_max = allmax(probs.max(-1))                               # (n,)
+        probs -= row_max[:, None]
+        xp.exp(probs, out=probs)
+        sum_exp = probs.sum(-1)                                       # (n,)
+    sum_exp = allsum(sum_exp)
     probs /= sum_exp[:, None]
     local_t = targets - vocab_start                                   # (n,)
     mine = (local_t >= 0) & (local_t < V)                             # (n,)
@@ -305,12 +347,15 @@ def cross_entropy_forward(logits, targets, vocab_start, vocab_size, allmax=ident
 
 
 def cross_entropy_backward(scale, cache):
-    """d(scale * sum(loss))/dlogits (n, V); no communication needed."""
+    """d(scale * sum(loss))/dlogits (n, V); no communication needed. The
+    target column is lowered on every row, by 0 where another rank holds
+    the target, instead of selecting rows with a boolean mask (whose size
+    a GPU would have to copy to the host)."""
     xp = _xp(cache[0])
     probs, mine, t_clip = cache
     dlogits = probs * scale                                           # (n, V)
     rows = xp.arange(probs.shape[0])
-    dlogits[rows[mine], t_clip[mine]] -= scale
+    dlogits[rows, t_clip] -= (mine * scale).astype(dlogits.dtype)
     return dlogits
 
 
@@ -318,31 +363,58 @@ def cross_entropy_backward(scale, cache):
 def embedding_forward(ids, weight, vocab_start):
     """ids (B, T) global -> (B, T, C): rows of ``weight`` (V, C), which holds
     vocabulary [vocab_start, vocab_start + V); ids outside give zeros (another
-    rank adds them)."""
+    rank adds them). The cache is the local row of each id, out-of-range included."""
     xp = _xp(weight)
     V = weight.shape[0]
-    local = ids - vocab_start
+    local = ids - vocab_start                                         # (B, T)
     mine = (local >= 0) & (local < V)                                 # (B, T)
     out = weight[xp.clip(local, 0, V - 1)]                           # (B, T, C)
-    if not bool(mine.all()):
-        out *= mine[..., None]
-    return out, (local, mine)
+    out *= mine[..., None]           # always: asking whether all ids are ours would sync a GPU
+    return out, local
 
 
-def embedding_backward(dy, cache, dweight):
+def embedding_backward(dy, local, dweight):
     """Adds dy (B, T, C) into the rows of dweight (V, C) its ids selected."""
-    local, mine = cache
-    scatter_add(dweight, local[mine], dy[mine])
+    scatter_add_rows(dweight, local.reshape(-1), dy.reshape(-1, dy.shape[-1]))
 
 
-def scatter_add(target, rows, values):
-    """target[rows] += values, summing repeated rows."""
+def scatter_add_rows(target, rows, values):
+    """target (V, C)[rows[i]] += values[i] (n, C) for every rows[i] in [0, V);
+    other rows are skipped. Repeated rows are summed in a fixed order, never
+    with atomics, so that a run repeats bit for bit on any device: NumPy's
+    add.at and the fused kernels add them in index order; on a GPU without
+    kernels a one-hot GEMM does it (CuPy's scatter_add uses atomics)."""
     xp = _xp(target)
-    if target.ndim == 2 and fused.active(values, target):
-        fused.scatter_add_rows(target, xp.ascontiguousarray(rows), values)
-    elif xp.__name__ == "numpy":
-        xp.add.at(target, rows, values)
-    else:  # pragma: no cover - GPU only
-        import cupyx
+    k = kernels_for(values, target)
+    if k is not None:
+        k.scatter_add_rows(target, xp.ascontiguousarray(rows), values)
+    elif xp is np:
+        keep = (rows >= 0) & (rows < target.shape[0])                 # (n,)
+        np.add.at(target, rows[keep], values[keep])
+    else:
+        _scatter_add_by_gemm(target, rows, values)
 
-        cupyx.scatter_add(target, rows, values)
+
+def _scatter_add_by_gemm(target, rows, values, chunk_elems: int = 1 << 24):
+    """target[lo:hi] += onehot(rows)[lo:hi] @ values, a block of the
+    vocabulary at a time so the one-hot matrix stays under chunk_elems."""
+    xp = _xp(target)
+    V, n = target.shape[0], rows.shape[0]
+    step = max(1, chunk_elems // max(1, n))
+    for lo in range(0, V, step):
+        hi = min(V, lo + step)
+        onehot = (rows[None, :] == xp.arange(lo, hi)[:, None]).astype(values.dtype)   # (hi - lo, n)
+        target[lo:hi] += onehot @ values
+
+
+# --- dropout ------------------------------------------------------------------
+def keep_mask(key, counter, p: float, dtype):
+    """1.0 where the counter-based uniform of ``counter`` (uint64, any shape,
+    on the device) is at least ``p``, else 0.0: a dropout keep mask drawn
+    where it is used, bit-identical on every device (mpicube.rng)."""
+    out = _xp(counter).empty(counter.shape, dtype=dtype)             # (counter's shape)
+    if cuda_kernels.active(out):
+        cuda_kernels.dropout_keep(int(key), counter, p, out)
+    else:
+        out[...] = rng.uniform(key, counter) >= p
+    return out

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import fused
 from .comm import Comm
+from .kernels import kernels_for
 from .params import ParamStore
 
 
@@ -31,14 +31,16 @@ def sync_gradients(store: ParamStore, dp: Comm) -> None:
 def global_grad_norm(store: ParamStore, tp: Comm) -> float:
     """L2 norm of the logical gradient: each block counted once however many
     tensor-parallel ranks replicate it (gradients are identical across dp
-    after sync_gradients)."""
+    after sync_gradients). One dot product per run of the flat buffer that
+    shares a replica count, summed on the device; the only copy to the host
+    is the final number."""
     xp = store.backend.xp
     store.settle()
-    local = 0.0
-    for spec in store.specs:
-        g = store.grad[spec.name].reshape(-1)
-        local += float(g @ g) / spec.replicas
-    total = tp.allreduce(xp.asarray([local], dtype=xp.float64))
+    local = xp.zeros(1, dtype=xp.float64)                # (1,) on the device
+    for replicas, run in store.replica_runs:
+        g = store.flat_grad[run]                         # (n,)
+        local += xp.dot(g, g).astype(xp.float64) / replicas
+    total = tp.allreduce(local)
     return math.sqrt(float(total[0]))
 
 
@@ -67,8 +69,8 @@ class AdamW:
     embeddings are not decayed unless ``decay_all``), as PyTorch's AdamW:
     p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps).
 
-    With the fused kernels (``mpicube.fused``) the update is one threaded
-    pass per run of decayed or undecayed parameters. Otherwise it is a dozen
+    With fused kernels (``mpicube.kernels``) the update is one pass per run
+    of decayed or undecayed parameters. Otherwise it is a dozen
     array passes; done on the whole buffer, each would stream every parameter
     through memory again, so they run block by block and a block's p, g, m
     and v stay in cache for all of them.
@@ -117,12 +119,12 @@ class AdamW:
         eps = self.eps * sqrt_bias2
         keep = 1.0 - lr * self.weight_decay
         flat, flat_grad = self.store.flat, self.store.flat_grad
-        fused_path = fused.active(flat, flat_grad, self.m, self.v)
+        kernels = kernels_for(flat, flat_grad, self.m, self.v)
         for run, decays in self.runs:
             run_keep = keep if decays else 1.0
-            if fused_path:
-                fused.adamw(flat[run], flat_grad[run], self.m[run], self.v[run], b1, b2, step, eps,
-                            run_keep, grad_scale)
+            if kernels is not None:
+                kernels.adamw(flat[run], flat_grad[run], self.m[run], self.v[run], b1, b2, step, eps,
+                              run_keep, grad_scale)
                 continue
             for lo in range(run.start, run.stop, self.block):
                 block = slice(lo, min(run.stop, lo + self.block))

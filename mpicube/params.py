@@ -115,6 +115,9 @@ class ParamStore:
         self._deferred, self._unwritten = set(), set()    # see defer_zero
         self._eager_runs = None
         self.decay_slices = self._runs([s for s in self.specs if s.decl.decay])
+        # (replicas, flat slice) runs: the gradient norm counts each replicated block once
+        self.replica_runs = [(r, run) for r in sorted({s.replicas for s in self.specs})
+                             for run in self._runs([s for s in self.specs if s.replicas == r])]
         self.initialize(seed)
 
     def _runs(self, specs) -> list:

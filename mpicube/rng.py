@@ -9,6 +9,13 @@ tensor and no sequential stream has to be replayed or split.
 The mixer is the SplitMix64 finaliser, applied to ``index * golden + key``;
 it is cheap, vectorises in NumPy's wrapping uint64 arithmetic, and passes the
 usual statistical batteries for this use.
+
+``uniform`` and ``flat_index`` work on NumPy or CuPy arrays alike: uint64
+multiplication, xor and shifts wrap the same way on both, and the float64
+conversion of a 53-bit integer is exact, so dropout masks drawn on a GPU are
+bit-identical to the host's and nothing has to be copied to the device.
+``normal`` (initial values, drawn once) stays on the host: its log and cos
+may differ in the last bit between the host's and the device's libm.
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ def make_key(*parts) -> np.uint64:
     return np.uint64(int.from_bytes(digest, "little"))
 
 
-def _mix(key: np.uint64, counter: np.ndarray) -> np.ndarray:
-    x = counter.astype(np.uint64) * _GOLDEN + key
+def _mix(key: np.uint64, counter):
+    x = counter.astype(np.uint64) * _GOLDEN + np.uint64(key)
     x ^= x >> np.uint64(30)
     x *= _M1
     x ^= x >> np.uint64(27)
@@ -38,8 +45,9 @@ def _mix(key: np.uint64, counter: np.ndarray) -> np.ndarray:
     return x
 
 
-def uniform(key: np.uint64, counter: np.ndarray) -> np.ndarray:
-    """Uniform float64 in [0, 1), one per counter value (same shape)."""
+def uniform(key: np.uint64, counter):
+    """Uniform float64 in [0, 1), one per counter value (same shape and
+    array module as ``counter``)."""
     return (_mix(key, counter) >> np.uint64(11)).astype(np.float64) * (2.0 ** -53)
 
 
@@ -52,13 +60,15 @@ def normal(key: np.uint64, counter: np.ndarray) -> np.ndarray:
     return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
 
 
-def flat_index(shape, index) -> np.ndarray:
-    """Row-major flat indices of the block ``index`` (one global index array
-    per dimension) of a tensor of logical ``shape``; broadcast to the block's
-    shape."""
+def flat_index(shape, index, xp=np):
+    """Row-major flat indices (uint64) of the block ``index`` (one global
+    index array per dimension, NumPy or already on ``xp``'s device) of a
+    tensor of logical ``shape``, broadcast to the block's shape, built with
+    the array module ``xp``."""
     strides = np.cumprod((1,) + tuple(shape[::-1]))[:-1][::-1]
-    grids = np.ix_(*[np.asarray(ix, dtype=np.uint64) for ix in index])
-    flat = np.zeros(tuple(len(ix) for ix in index), dtype=np.uint64)
-    for grid, stride in zip(grids, strides):
-        flat += grid * np.uint64(stride)
+    flat = xp.zeros(tuple(len(ix) for ix in index), dtype=np.uint64)
+    for dim, (ix, stride) in enumerate(zip(index, strides)):
+        axis = [1] * len(index)
+        axis[dim] = len(ix)
+        flat += xp.asarray(ix, dtype=np.uint64).reshape(axis) * np.uint64(stride)
     return flat

@@ -5,9 +5,18 @@ and batch, and compares its own blocks with the matching blocks of the serial
 tensors (equivalent to gathering, without the gather): loss, logits, every
 parameter gradient, and every parameter after three AdamW steps.
 
-Usage: python -m mpi4py tests/parallel_check.py LAYOUT DP DEPTH [DROPOUT]
+Usage: python -m mpi4py tests/parallel_check.py LAYOUT DP DEPTH [DROPOUT [BATCH]]
+
+Environment:
+  MPICUBE_CHECK_DEVICE=gpu    the layout under test runs on the GPU (CuPy, or
+                              CI's stand-in in tests/fake_gpu), the serial
+                              reference on the CPU
+  MPICUBE_CHECK_SIZE=large    a model whose per-rank arrays exceed the CPU's
+                              cache-blocking size (ops.CACHE_ELEMS) on every
+                              layout up to 8 ranks, with a batch of 16 or more
 """
 
+import os
 import sys
 
 import numpy as np
@@ -25,8 +34,11 @@ from mpicube.params import ParamStore, clipped_index, real_mask
 RTOL = 1e-10
 
 
-def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7):
-    backend = make_backend("cpu", "float64")
+DEVICE = os.environ.get("MPICUBE_CHECK_DEVICE", "cpu")
+
+
+def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu"):
+    backend = make_backend(device, "float64")
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch, backend, comm, dp=dp, depth=depth, counters=counters)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
@@ -66,12 +78,18 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model):
 def main():
     layout_name, dp, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
-    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=12, n_embd=36)
+    if os.environ.get("MPICUBE_CHECK_SIZE") == "large":
+        cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=2, n_head=12, n_embd=72)
+    else:
+        cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=12, n_embd=36)
+    T = cfg.n_ctx
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
     rng = np.random.default_rng(3)
-    steps = [(rng.integers(0, 61, (batch, 8)), rng.integers(0, 61, (batch, 8))) for _ in range(3)]
+    steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T))) for _ in range(3)]
 
-    layout, store, model, counters = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout)
+    layout, store, model, counters = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout,
+                                           device=DEVICE)
+    host = layout.backend.to_host
     s_layout, s_store, s_model, _ = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
     opt, s_opt = AdamW(store, weight_decay=0.1), AdamW(s_store, weight_decay=0.1)
     rows = slice(layout.axes.dp.rank * layout.local_batch, (layout.axes.dp.rank + 1) * layout.local_batch)
@@ -89,7 +107,7 @@ def main():
             seqs = layout.axes.dp.rank * layout.local_batch + emb.logit_seqs
             v0, nv = emb.vocab_start, model.logits.shape[-1]
             real = max(0, min(nv, cfg.vocab_size - v0))
-            close("logits", model.logits[..., :real], s_model.logits[seqs][..., v0:v0 + real])
+            close("logits", host(model.logits)[..., :real], s_model.logits[seqs][..., v0:v0 + real])
         model.backward()
         s_model.backward()
         sync_gradients(store, layout.axes.dp)
@@ -99,7 +117,7 @@ def main():
             full = s_store.grad[spec.name]
             want = full[np.ix_(*clipped_index(spec))]
             mask = real_mask(spec)
-            got = store.grad[spec.name]
+            got = host(store.grad[spec.name])
             close(f"step {step} grad {spec.name}", np.where(mask, got, 0), np.where(mask, want, 0), np.abs(full).max())
             if not mask.all():
                 assert np.all(got[~mask] == 0), f"padding gradient of {spec.name} is not zero"
@@ -109,11 +127,12 @@ def main():
     for spec in store.specs:
         full = s_store.data[spec.name]
         mask = real_mask(spec)
-        close(f"param {spec.name} after 3 steps", np.where(mask, store.data[spec.name], 0),
+        close(f"param {spec.name} after 3 steps", np.where(mask, host(store.data[spec.name]), 0),
               np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
-        print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} loss={s_loss:.12f}")
+        print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
+              f"loss={s_loss:.12f}")
 
 
 if __name__ == "__main__":
