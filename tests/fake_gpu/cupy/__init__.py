@@ -27,8 +27,9 @@ from numpy import (  # dtypes and constants are NumPy's, as in CuPy
     int32, int64, int_, intp, isscalar, nan, newaxis, pi, uint8, uint16, uint32, uint64, uintp,
 )
 
-from . import _stand_in, cuda
+from . import _stand_in
 from ._core import ndarray
+from . import cuda
 from ._creation import *  # noqa: F401,F403
 from ._manipulation import *  # noqa: F401,F403
 from ._math import *  # noqa: F401,F403

@@ -25,163 +25,9 @@ import warnings
 import numpy as np
 
 from . import _stand_in
-
-_HOST_SCALARS = (bool, int, float, complex, np.generic)
-_INDEX_KINDS = "biu"
-
-
-def check_dtype(dtype) -> np.dtype:
-    """CuPy holds booleans and numbers only."""
-    dtype = np.dtype(dtype)
-    if dtype.kind not in "biufc":
-        raise ValueError(f"Unsupported dtype {dtype}")
-    return dtype
-
-
-def _owner(a: np.ndarray):
-    """The object owning the memory of NumPy array ``a`` (NumPy keeps view
-    bases pointing at the owner, never at an intermediate view)."""
-    return a if a.base is None else a.base
-
-
-def wrap(a) -> "ndarray":
-    """A new device array owning the NumPy result ``a`` (0-d for scalars)."""
-    if type(a) is not np.ndarray:
-        a = np.asarray(a)
-    out = object.__new__(ndarray)
-    out._a = a
-    out._base = None
-    return out
-
-
-def wrap_view(a, src: "ndarray") -> "ndarray":
-    """``a``, computed from ``src``: a view whose ``base`` is the array that
-    owns the memory when ``a`` shares it (CuPy's rule), else a new array."""
-    if type(a) is np.ndarray and a.base is not None and _owner(a) is _owner(src._a):
-        out = object.__new__(ndarray)
-        out._a = a
-        out._base = src if src._base is None else src._base
-        return out
-    if a is src._a:
-        return wrap_view(a.view(), src)
-    return wrap(a)
-
-
-def operand(x):
-    """The NumPy value of a kernel argument: device arrays and scalars only."""
-    if type(x) is ndarray:
-        return x._a
-    if isinstance(x, _HOST_SCALARS):
-        return x
-    raise TypeError(f"Unsupported type {type(x)}")
-
-
-def device_array(x, what: str = "argument") -> np.ndarray:
-    """The NumPy value of an argument that must be a device array."""
-    if type(x) is ndarray:
-        return x._a
-    raise TypeError(f"{what} must be a cupy.ndarray, not {type(x).__module__}.{type(x).__name__}")
-
-
-def out_array(out):
-    """The NumPy value of an ``out=`` argument (None, or a device array)."""
-    if out is None:
-        return None
-    if isinstance(out, tuple) and len(out) == 1:
-        out = out[0]
-    if type(out) is ndarray:
-        return out._a
-    raise TypeError("Output arguments must be cupy.ndarray")
-
-
-def from_host(obj, dtype=None, **kwargs) -> "ndarray":
-    """Copy host data (NumPy array, list, scalar) to a new device array."""
-    a = np.array(obj, dtype=dtype, copy=True, **kwargs)
-    check_dtype(a.dtype)
-    _stand_in.count_h2d(a.nbytes)
-    return wrap(a)
-
-
-def _count_mask_syncs(n: int) -> None:
-    """CuPy reads the number of True values of each boolean index back to
-    the host to size the result: one small device-to-host copy each."""
-    for _ in range(n):
-        _stand_in.count_d2h(8)
-
-
-def prepare_index(key):
-    """(NumPy key, has advanced index, number of boolean masks). Host arrays,
-    lists and bools become device index arrays (copied, as CuPy does); an
-    Ellipsis is appended so that full integer indexing yields a 0-d view."""
-    items = list(key) if isinstance(key, tuple) else [key]
-    advanced, masks, has_ellipsis = False, 0, False
-    for i, s in enumerate(items):
-        if s is None or isinstance(s, slice):
-            continue
-        if s is Ellipsis:
-            has_ellipsis = True
-            continue
-        if type(s) is ndarray:
-            arr = s._a
-        elif isinstance(s, (list, tuple, np.ndarray, bool, np.bool_)):
-            arr = np.array(s)
-            if isinstance(s, (list, tuple)) and arr.size == 0:
-                arr = arr.astype(np.int32)  # an empty list means no indices, not an empty mask
-            if arr.dtype.kind in _INDEX_KINDS:
-                _stand_in.count_h2d(arr.nbytes)
-        else:
-            continue  # an integer; NumPy checks anything stranger
-        if arr.dtype.kind not in _INDEX_KINDS:
-            raise IndexError(f"arrays used as indices must be of integer or boolean type (actual: {arr.dtype.type})")
-        advanced = True
-        masks += arr.dtype.kind == "b"
-        items[i] = arr
-    if not has_ellipsis:
-        items.append(Ellipsis)
-    return tuple(items), advanced, masks
-
-
-class Flags:
-    """The subset of ``ndarray.flags`` CuPy offers."""
-
-    def __init__(self, c_contiguous: bool, f_contiguous: bool, owndata: bool):
-        self.c_contiguous, self.f_contiguous, self.owndata = c_contiguous, f_contiguous, owndata
-
-    def __getitem__(self, name):
-        return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous,
-                "OWNDATA": self.owndata}[name]
-
-    def __repr__(self):
-        return f"  C_CONTIGUOUS : {self.c_contiguous}\n  F_CONTIGUOUS : {self.f_contiguous}\n  OWNDATA : {self.owndata}"
-
-
-class MemoryPointer:
-    """``ndarray.data``: an address inside a device allocation. It keeps the
-    owning array alive, so ``cupy.ndarray(shape, dtype, memptr=p)`` can build
-    views into it as CuPy code does with pooled buffers."""
-
-    def __init__(self, owner: "ndarray", ptr: int):
-        self._owner, self.ptr = owner, ptr
-        self.device_id = 0
-
-    def __add__(self, offset: int) -> "MemoryPointer":
-        return MemoryPointer(self._owner, self.ptr + int(offset))
-
-    def __int__(self):
-        return self.ptr
-
-    @property
-    def device(self):
-        from .cuda import Device
-
-        return Device(self.device_id)
-
-    def numpy_buffer(self) -> tuple:
-        """(owning NumPy array, byte offset of ``ptr`` in it)."""
-        buf = _owner(self._owner._a)
-        if not isinstance(buf, np.ndarray):
-            raise NotImplementedError("stand-in: memptr into memory NumPy does not own")
-        return buf, self.ptr - buf.ctypes.data
+from ._convert import (check_dtype, count_mask_syncs, device_array, from_host, operand, out_array,
+                       prepare_index, wrap, wrap_view)
+from ._memory import Flags, MemoryPointer
 
 
 def _binary(ufunc):
@@ -379,7 +225,7 @@ class ndarray:
 
     def __getitem__(self, key):
         index, _, masks = prepare_index(key)
-        _count_mask_syncs(masks)
+        count_mask_syncs(masks)
         return wrap_view(self._a[index], self)
 
     def __setitem__(self, key, value):
@@ -392,7 +238,7 @@ class ndarray:
             source = np.asarray(value, dtype=self.dtype)
             if source.ndim:
                 raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
-        _count_mask_syncs(masks)
+        count_mask_syncs(masks)
         self._a[index] = source
 
     def fill(self, value):
@@ -508,7 +354,7 @@ class ndarray:
         if self.ndim == 0:
             raise ValueError("Calling nonzero on 0d arrays is not allowed. "
                              "Use cp.atleast_1d(scalar).nonzero() instead.")
-        _count_mask_syncs(1)
+        count_mask_syncs(1)
         return tuple(wrap(i) for i in self._a.nonzero())
 
     def take(self, indices, axis=None, out=None):

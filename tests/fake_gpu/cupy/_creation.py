@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import check_dtype, device_array, from_host, ndarray, operand, wrap
+from ._convert import check_dtype, device_array, from_host, operand, wrap
+from ._core import ndarray
 
 def _device_leaves(obj):
     """``obj`` with each device array replaced by its NumPy value when it is

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _stand_in
-from ._core import device_array, ndarray, out_array, wrap, wrap_view
+from ._convert import device_array, out_array, wrap, wrap_view
+from ._core import ndarray
 
 
 def _arrays(seq, what: str) -> list:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import device_array, ndarray, operand, out_array, wrap
+from ._convert import device_array, operand, out_array, wrap
+from ._core import ndarray
 
 
 class ufunc:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupy._core import from_host, ndarray, operand, prepare_index
 from cupy import _stand_in
+from cupy._convert import from_host, operand, prepare_index
+from cupy._core import ndarray
 
 
 def empty_pinned(shape, dtype=float, order="C"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from .. import _stand_in
-from .._core import MemoryPointer
+from .._memory import MemoryPointer
 from . import runtime
 
 
