@@ -127,6 +127,8 @@ def device_options(f):
                      help="NumPy on CPUs or CuPy, one GPU per rank")(f)
     f = click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
                      show_default=True)(f)
+    f = click.option("--tf32", is_flag=True, default=False,
+                     help="GPU: float32 GEMMs on tensor cores (TF32 inputs, float32 accumulation)")(f)
     return f
 
 
@@ -201,7 +203,7 @@ def train(**kwargs):
 @click.option("--batches", type=int, default=8, show_default=True, help="evaluation batches (0 = all)")
 @layout_options
 @device_options
-def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device):
+def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device, tf32):
     """Mean cross-entropy of a checkpoint on a token shard.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
@@ -210,7 +212,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
     from .train import evaluate_checkpoint
 
     result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
-                                 _mpi["world"])
+                                 _mpi["world"], tf32=tf32)
     echo(f"{result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f} over {result['batches']} "
          f"batches of {result['batch_size']} x {result['seq_len']} tokens")
     echo(json.dumps(result))
@@ -282,7 +284,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 @device_options
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
 def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warmup_steps, steps, seed, dtype,
-          device, as_json):
+          device, tf32, as_json):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -290,6 +292,7 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warm
     optimizer split, time inside MPI, measured vs predicted communication and
     memory per rank (rank 0's figures).
     """
+    from . import threads
     from .bench import bench_layout, format_table
     from .config import ModelConfig
     from .data import VOCAB_SIZE
@@ -301,13 +304,15 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warm
     results = []
     for name in layouts or ("auto",):
         parts = build_parts(cfg, name, batch_size, _mpi["world"], dp=dp, depth=depth if name == "2.5d" else 1,
-                            dtype=dtype, device=device, seed=seed)
+                            dtype=dtype, device=device, seed=seed, tf32=tf32)
         results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
     echo(format_table(results, 4 if dtype == "float32" else 8))
+    echo(f"threads: {threads.current().describe()}")
     if as_json:
         first = results[0]
         echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
-                         "gemm_fraction": first["gemm_fraction"], "results": results}))
+                         "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
+                         "results": results}))
 
 
 def _mib(nbytes: int) -> str:

@@ -41,7 +41,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import __version__, checkpoint, data
+from . import __version__, checkpoint, data, threads
 from .backend import make_backend
 from .checkpoint import CheckpointError
 from .comm import Counters, agree_max, on_root
@@ -89,6 +89,7 @@ class TrainOptions:
     seed: int = 1337
     dtype: str = "float32"
     device: str = "cpu"
+    tf32: bool = False             # GPU float32 GEMMs on tensor cores
     data: Optional[str] = None     # train shard; None = built-in corpus
     out: Optional[str] = None      # run directory; None = runs/<timestamp>
     ckpt_every: int = 0            # 0 = only the final checkpoint
@@ -163,11 +164,14 @@ class Parts:
 
 
 def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
-                seed=0, dropout=0.0) -> Parts:
+                seed=0, dropout=0.0, tf32=False) -> Parts:
     """Backend, layout, parameters, model. Every size is validated first
-    (``plan`` is pure), before device selection makes its first collective."""
+    (``plan`` is pure), before device selection makes its first collective;
+    then every thread pool of the rank gets its share of the node's cores,
+    on CPUs and GPUs alike, before the first GEMM."""
     plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth)
-    backend = make_backend(device, dtype, mpi_world)
+    threads.configure(mpi_world)
+    backend = make_backend(device, dtype, mpi_world, tf32=tf32)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
                           counters=counters)
@@ -254,7 +258,7 @@ class Trainer:
 
         self.run_dir = Path(on_root(self.world, self._prepare_run_dir))
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
-                                 o.seed, o.dropout)
+                                 o.seed, o.dropout, o.tf32)
         self.opt = AdamW(self.parts.store, weight_decay=o.weight_decay)
         self.schedule = Schedule(o.lr, o.warmup, o.steps)
         self.start_step = self._restore() + 1
@@ -335,6 +339,7 @@ class Trainer:
             "train": self.opts.to_dict(),
             "layout": layout.describe(),
             "data": {"train": self.train_path, "val": self.val_path},
+            "threads": threads.current().to_dict(),
         }
         path = self.run_dir / "config.json"
         tmp = path.with_name(".config.json.tmp")
@@ -521,7 +526,7 @@ def train(opts: TrainOptions, mpi_world=None) -> int:
 
 
 def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None, batches=8, layout="auto",
-                        dp=1, depth=1, dtype="float32", device="cpu", mpi_world=None) -> dict:
+                        dp=1, depth=1, dtype="float32", device="cpu", mpi_world=None, tf32=False) -> dict:
     """Mean cross-entropy of a checkpoint's model over ``batches`` evaluation
     batches (0 = all) of a token shard, on any layout and world size."""
     if mpi_world is None:
@@ -549,7 +554,7 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
         if n == 0 or n > available:
             raise data.DataError(f"{data_path}: holds {available} evaluation batches of {B} x {T + 1} tokens, "
                                  f"{n} requested")
-        parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device)
+        parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device, tf32=tf32)
         load_state(ck, parts.store)
         step = ck.step
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
