@@ -175,7 +175,7 @@ class GPT:
         allsum = comm.allreduce if comm is not None else ops.identity
         row_loss, self.ce_cache = ops.cross_entropy_forward(
             logits.reshape(-1, logits.shape[-1]), tgt, emb.vocab_start, self.cfg.vocab_size, allmax, allsum)
-        local = xp.asarray([float(row_loss.sum()) / emb.row_replicas], dtype=xp.float64)
+        local = row_loss.sum(dtype=xp.float64).reshape(1) / emb.row_replicas   # (1,) on the device
         return float(layout.axes.world.allreduce(local)[0]) / self.n_tokens
 
     def saved_elements(self) -> int:

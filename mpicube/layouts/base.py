@@ -140,7 +140,7 @@ class DenseLinear:
         x2 = self.x.reshape(-1, self.x.shape[-1])     # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
-        self.db += dy2.sum(0)
+        self.db += ops.column_sums(dy2)
         dx = matmul_rows(dy, self.w.T)                # (B, T, C_in)
         if self.dx_reduce is not None:
             dx = self.dx_reduce.allreduce(dx)

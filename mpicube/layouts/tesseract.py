@@ -144,7 +144,7 @@ class SummaLinear:
             part = self.col.reduce(x_panel.T @ dy2, root=s)     # (h_in/q, h_out/q) on row s
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
-        self.db += dy2.sum(0)
+        self.db += ops.column_sums(dy2)
         self.x2 = None
         return dx.reshape(B, T, -1)
 
