@@ -324,8 +324,9 @@ def _mib(nbytes: int) -> str:
 def inspect(ckpt):
     """Report a checkpoint's contents and check every shard; exit 1 if damaged."""
     from .checkpoint import inspect as inspect_checkpoint
+    from .state import model_shapes
 
-    ok, report = inspect_checkpoint(ckpt)
+    ok, report = inspect_checkpoint(ckpt, expected=model_shapes)
     echo(report)
     return 0 if ok else 1
 

@@ -13,19 +13,11 @@ from .backend import Backend
 from .comm import Comm, Counters
 from .config import ModelConfig
 from .errors import ConfigError
+from .intmath import integer_root
 from .layouts import LAYOUTS
 from .layouts.base import Axes
 
 LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
-
-
-def integer_root(n: int, k: int):
-    """r with r**k == n, or None."""
-    r = round(n ** (1.0 / k))
-    for cand in (r - 1, r, r + 1):
-        if cand >= 1 and cand ** k == n:
-            return cand
-    return None
 
 
 def choose_layout(name: str, tp_size: int, depth: int = 1) -> str:

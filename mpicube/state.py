@@ -64,6 +64,15 @@ def load_state(ck, store, opt=None) -> None:
             flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=backend.dtype)
 
 
+def model_shapes(config: dict) -> dict:
+    """{parameter name: shape} of the GPT a checkpoint's ``config``
+    attribute describes (what ``checkpoint.inspect`` checks tensors against)."""
+    from .config import ModelConfig
+    from .model import gpt_params
+
+    return {decl.name: tuple(decl.shape) for decl in gpt_params(ModelConfig.from_dict(config))}
+
+
 def describe_layout(d: dict) -> str:
     """``{"layout": "3d", "tp": 8, "dp": 1, "q": 2}`` -> ``layout 3d (tp 8, dp 1, q 2)``."""
     rest = ", ".join(f"{k} {v}" for k, v in d.items() if k != "layout")

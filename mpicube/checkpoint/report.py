@@ -13,35 +13,36 @@ from .format import (
 )
 
 
-def _shape_problems(ck) -> list:
-    """GPT tensors shaped unlike the model that the ``config`` attribute
-    describes (a checkpoint no reader could load)."""
-    from ..config import ModelConfig
-    from ..model import gpt_params
-
+def _shape_problems(ck, expected) -> list:
+    """Tensors shaped unlike the model that the ``config`` attribute
+    describes (a checkpoint no reader could load). ``expected`` maps that
+    config to {parameter name: shape}; the caller knows the model, this
+    package knows only tensors by name and shape."""
     cfg = ck.attrs.get("config")
     if not isinstance(cfg, dict):
         return [f"{ck.file}: attribute 'config' is missing or not a JSON object"]
     try:
-        decls = gpt_params(ModelConfig.from_dict(cfg))
+        shapes = expected(cfg)
     except (TypeError, ValueError) as e:
         return [f"{ck.file}: attribute 'config' does not describe a model: {e}"]
     have, problems = set(ck.names()), []
-    for decl in decls:
+    for param, shape in shapes.items():
         for prefix in ("model", "optimizer/m", "optimizer/v"):
-            name = f"{prefix}/{decl.name}"
-            if name in have and tuple(ck.shape(name)) != tuple(decl.shape):
+            name = f"{prefix}/{param}"
+            if name in have and tuple(ck.shape(name)) != tuple(shape):
                 problems.append(f"{ck.file}: tensor {name!r} has shape {tuple(ck.shape(name))} but the model in "
-                                f"its 'config' attribute needs {tuple(decl.shape)}")
+                                f"its 'config' attribute needs {tuple(shape)}")
     return problems
 
 
-def inspect(path) -> tuple[bool, str]:
+def inspect(path, expected=None) -> tuple[bool, str]:
     """Human-readable report of a checkpoint and a full integrity check.
 
     Lists tensors (shape, dtype, pieces), attributes (config, training
     options, the layout that saved it) and, for every shard, its sha256 and
     a read of every dataset in it (which checks the fletcher32 checksums).
+    ``expected``, if given, maps the ``config`` attribute to {parameter
+    name: shape}, and tensors of other shapes are problems.
     Returns ``(ok, report)``; never raises for a broken checkpoint.
     """
     lines: list[str] = []
@@ -83,7 +84,8 @@ def inspect(path) -> tuple[bool, str]:
             except Exception as e:  # noqa: BLE001
                 problems.append(f"{ck.file}: tensor {name!r}: {e}")
         lines.append(f"  total {_fmt_size(total)}")
-        problems += _shape_problems(ck)
+        if expected is not None:
+            problems += _shape_problems(ck, expected)
         lines.append(f"shards ({len(ck.shard_sha256)}):")
         for rel, digest in sorted(ck.shard_sha256.items()):
             p = ck.path / rel

@@ -32,7 +32,7 @@ class CubeLayout(Layout):
 
     @classmethod
     def cube_side(cls, tp: int) -> int:
-        from ..grid import integer_root
+        from ..intmath import integer_root
 
         q = integer_root(tp, 3)
         if q is None:

@@ -30,7 +30,7 @@ class TesseractLayout(Layout):
 
     @classmethod
     def grid_side(cls, tp: int, depth: int) -> int:
-        from ..grid import integer_root
+        from ..intmath import integer_root
 
         if depth < 1 or tp % depth:
             raise ConfigError(f"layout {cls.name}: --depth {depth} must divide the tensor-parallel size {tp}")
