@@ -104,9 +104,11 @@ def _error(result):
 @pytest.mark.timeout(120)
 def test_bad_gpu_options_give_one_line(mpicube, tiny_shard):
     args = ["train", *TINY, "--steps", "2", "--data", tiny_shard]
-    assert "needs CuPy" in _error(mpicube.run(*args, "--device", "gpu", "--out", "a", n=2))
+    two = ["--dp", "2"]                                    # two ranks: the message still comes once
+    assert "needs CuPy" in _error(mpicube.run(*args, *two, "--device", "gpu", "--out", "a", n=2))
     no_gpu = {**FAKE_GPU, "MPICUBE_FAKE_GPU_COUNT": "0"}
-    assert "no CUDA device" in _error(mpicube.run(*args, "--device", "gpu", "--out", "b", n=2, env=no_gpu))
+    assert "no usable CUDA device" in _error(mpicube.run(*args, *two, "--device", "gpu", "--out", "b", n=2,
+                                                         env=no_gpu))
     assert "--tf32 applies to GPUs" in _error(mpicube.run(*args, "--tf32", "--out", "c"))
     bad_kernels = {**FAKE_GPU, "MPICUBE_CUDA_KERNELS": "maybe"}
     assert "MPICUBE_CUDA_KERNELS" in _error(mpicube.run(*args, "--device", "gpu", "--out", "d", env=bad_kernels))
