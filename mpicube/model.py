@@ -149,6 +149,9 @@ class GPT:
         self.blocks = [Block(layout, store, i) for i in range(cfg.n_layer)]
         self.ln_f = LayerNorm(store, "ln_f", cfg.n_embd, layout.hidden_comm)
         self.dropout = Dropout(dropout, seed, layout)
+        # Opt-in (mpicube.trace): a dict that forward fills with this rank's
+        # canonical blocks of "emb", "h.{i}" and "ln_f"; None costs nothing.
+        self.capture = None
 
     def forward(self, idx, targets, step: int = 0) -> float:
         """idx, targets (B_dp, T): this data-parallel replica's batch.
@@ -162,9 +165,16 @@ class GPT:
         self.keep_emb = self.dropout.canonical(step, "emb", T)
         if self.keep_emb is not None:
             x *= self.keep_emb
-        for block in self.blocks:
+        capture = self.capture
+        if capture is not None:
+            capture["emb"] = x.copy()                                       # (B_c, T, C_c)
+        for i, block in enumerate(self.blocks):
             x = block.forward(x, self.dropout, step)
+            if capture is not None:
+                capture[f"h.{i}"] = x.copy()                                # (B_c, T, C_c)
         x = self.ln_f.forward(x)
+        if capture is not None:
+            capture["ln_f"] = x.copy()                                      # (B_c, T, C_c)
         logits = self.embedding.logits(x)                                   # (B_l, T, V_l)
         self.logits = logits
         emb = self.embedding

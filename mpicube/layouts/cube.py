@@ -95,9 +95,10 @@ class CubeLayout(Layout):
         return ParamSpec(decl, (split_index(shape[0], q, k),), **on_ij)
 
     def linear(self, store, prefix, position):
-        if position == "first":
-            return CubeLinear(store, prefix, a=self.cj, b=self.ck, weight_comm=self.ci, overlap=self.overlap)
-        return CubeLinear(store, prefix, a=self.ck, b=self.cj, weight_comm=self.ci, overlap=self.overlap)
+        a, b = (self.cj, self.ck) if position == "first" else (self.ck, self.cj)
+        if os.environ.get("MPICUBE_TEST_WRONG_AXIS") == prefix:   # TEST ONLY (tests/test_trace.py): a bug to catch
+            b = a                                                  # reduce-scatter Y over the input's row axis
+        return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap)
 
     def tied_embedding(self, store):
         return CubeTiedEmbedding(store, self)
