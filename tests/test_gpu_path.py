@@ -95,6 +95,16 @@ def test_device_to_host_transfers_per_step_do_not_grow_with_depth(tmp_path, corp
     assert max(counts["2"]) <= 8, counts
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks,layout", [(2, "1d"), (4, "2d")])
+def test_staging_buffers_are_reused_across_steps(ranks, layout):
+    proc = mpiexec(ranks, ["tests/gpu_staging_check.py", layout], timeout=90, env=FAKE_GPU)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = json.loads(proc.stdout.strip().splitlines()[-1])["pinned_allocations_after_step"]
+    assert after[0] > 0, after                      # the collectives were staged
+    assert after[1] == after[3], after              # and nothing new was pinned after the second step
+
+
 def _error(result):
     lines = result.error_lines()
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result
