@@ -146,5 +146,18 @@ def test_project_json():
     assert all(s["ratios"]["1d/3d"] > 0 for s in doc["sensitivity"])
 
 
+def test_gpu_check_records_instead_of_failing(tmp_path):
+    """tools/gpu_check.py on a machine without a GPU: its env step runs in a
+    child, what is missing is recorded, and summary.json and the log appear."""
+    cmd = [sys.executable, str(HERE / "gpu_check.py"), "--only", "env", "--out", str(tmp_path), "--budget-s", "60"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+    env = json.loads((tmp_path / "summary.json").read_text())["steps"]["env"]
+    assert proc.returncode == (0 if env["ok"] else 1), proc.stderr
+    assert env["mpi_library"] and "seconds" in env and "cuda" in env
+    assert "=== env" in (tmp_path / "gpu_check.log").read_text()
+    bad = subprocess.run(cmd[:2] + ["--only", "env,bogus"], capture_output=True, text=True, env=_env(), timeout=60)
+    assert bad.returncode == 2 and "unknown step(s) bogus" in bad.stderr
+
+
 if __name__ == "__main__":
     report_groups(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
