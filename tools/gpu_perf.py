@@ -189,7 +189,7 @@ def run_shape(label: str, cfg, batch: int, deadline: float, torch, out: dict, sa
 
     backend, layout, store, model = build_mpicube(cfg, batch)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, T + 1))
-    x, y = tokens[:, :-1], tokens[:, 1:]                                       # (B, T)
+    x, y = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])   # (B, T)
     sync = backend.synchronize
     out["mpicube_first_loss"] = model.forward(x, y, step=1)
 
