@@ -140,8 +140,8 @@ def row_threads(width: int) -> int:
 
 
 def _rows(name: str, rows: int, width: int, dtype, args: tuple) -> None:
-    """Launch a row kernel: one block per row; the last two kernel arguments
-    before ``args``' extras are (rows, width)."""
+    """Launch a row kernel: a block per row (grid-stride past MAX_BLOCKS),
+    its threads striding over the row's ``width`` columns."""
     if rows > 0:
         _launch(name, dtype, rows, row_threads(width), args)
 
