@@ -13,23 +13,40 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import cuda_kernels, fused
+from . import cuda_kernels, fused, precision
 from .errors import UserError
-
-DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
 @dataclass
 class Backend:
     xp: object          # the numpy or cupy module
-    dtype: type         # np.float32 or np.float64
+    dtype: np.dtype     # activations and the weights' working copy: float64, float32, float16 or bfloat16
     device: str         # "cpu" or "gpu"
     tf32: bool = False  # float32 GEMMs on tensor cores (GPU only)
     staging: object = field(default=None, repr=False)   # comm.Staging: pinned host buffers for MPI
 
+    def __post_init__(self):
+        self.dtype = np.dtype(self.dtype)
+
     @property
     def is_gpu(self) -> bool:
         return self.device == "gpu"
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit storage over float32 master weights (mixed precision)."""
+        return precision.is_half(self.dtype)
+
+    @property
+    def master_dtype(self) -> np.dtype:
+        """Master weights, gradients and Adam moments: float32 under 16-bit
+        storage, else the storage format itself."""
+        return precision.compute_dtype(self.dtype)
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """What ops compute in, statistics and reductions included."""
+        return precision.compute_dtype(self.dtype)
 
     def asarray(self, a, dtype=None):
         """Move a host array to the backend (no copy on CPU when possible)."""
@@ -81,8 +98,6 @@ def make_backend(device: str = "cpu", dtype: str = "float32", comm=None, tf32: b
     cores shared among its ranks), on GPUs the device of this node-local rank."""
     from .comm import Staging
 
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if device not in ("cpu", "gpu"):
         raise UserError(f"unknown device {device!r}; choose cpu or gpu")
     if tf32 and device != "gpu":
@@ -90,10 +105,11 @@ def make_backend(device: str = "cpu", dtype: str = "float32", comm=None, tf32: b
     if tf32 and dtype != "float32":
         raise UserError(f"--tf32 applies to float32 GEMMs, not --dtype {dtype}")
     if device == "cpu":
+        storage = precision.dtype_of(dtype)
         fused.check_choice()
         keep_freed_memory()
         fused.configure_threads(comm)
-        return Backend(np, DTYPES[dtype], "cpu")
+        return Backend(np, storage, "cpu")
     cupy = import_cupy()
     cuda_kernels.check_choice()
     local = node_local(comm)[0] if comm is not None else 0
@@ -101,7 +117,24 @@ def make_backend(device: str = "cpu", dtype: str = "float32", comm=None, tf32: b
     if cuda_aware_mpi():
         check_cuda_aware(cupy)
     set_tf32(cupy, tf32)
-    return Backend(cupy, DTYPES[dtype], "gpu", tf32=tf32, staging=Staging())
+    return Backend(cupy, device_dtype(cupy, dtype), "gpu", tf32=tf32, staging=Staging())
+
+
+def device_dtype(cupy, name: str) -> np.dtype:
+    """The storage format ``name`` on this CuPy: bfloat16 only where CuPy can
+    hold and multiply it, otherwise one error that says to use float16."""
+    if name != "bfloat16":
+        return precision.dtype_of(name)
+    try:
+        bf16 = precision.bfloat16()
+        a = cupy.ones((2, 2), dtype=bf16)
+        (a @ a).sum()
+    except UserError:
+        raise
+    except Exception as exc:       # CuPy's refusal varies by version: TypeError, ValueError, NotImplementedError
+        raise UserError(f"--dtype bfloat16: this CuPy ({getattr(cupy, '__version__', '?')}) has no bfloat16 "
+                        f"arrays ({type(exc).__name__}); use --dtype float16 on GPUs") from None
+    return bf16
 
 
 def import_cupy():

@@ -38,6 +38,7 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
     import tomli as tomllib
 
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
+DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 ABORT_PAUSE = 1.0       # seconds between a rank's last words and MPI_Abort
@@ -125,8 +126,9 @@ def layout_options(f):
 def device_options(f):
     f = click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
                      help="NumPy on CPUs or CuPy, one GPU per rank")(f)
-    f = click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
-                     show_default=True)(f)
+    f = click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+                     help="float64 verifies, float32 trains; float16 and bfloat16 train in mixed precision "
+                          "(16-bit activations and communication, float32 master weights)")(f)
     f = click.option("--tf32", is_flag=True, default=False,
                      help="GPU: float32 GEMMs on tensor cores (TF32 inputs, float32 accumulation)")(f)
     return f
@@ -179,6 +181,12 @@ def cli():
               help="stop after this step with a checkpoint (the schedule still follows --steps)")
 @click.option("--time-limit", type=Duration(), default=None,
               help="wall-clock budget (seconds or [[H:]M:]S): checkpoint and exit 75 before it runs out")
+@click.option("--loss-scale", type=float, default=None,
+              help="float16: initial dynamic loss scale  [default: 65536]")
+@click.option("--loss-scale-growth-interval", type=int, default=None,
+              help="float16: steps without overflow before the scale doubles  [default: 2000]")
+@click.option("--loss-scale-backoff", type=float, default=None,
+              help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
 def train(**kwargs):
     """Train a GPT-2 model.
 

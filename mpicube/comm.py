@@ -15,7 +15,16 @@ broadcast, reduce  size                         g-1
 =================  ===========================  =============
 
 A group of one rank moves nothing and makes no MPI call. Counts are exact
-``Fraction``s so the analytic cost model can be compared with ``==``.
+``Fraction``s so the analytic cost model can be compared with ``==``; bytes
+are the elements times the width of what MPI really moved.
+
+MPI has no 16-bit floating-point types. Gathers and broadcasts of float16
+or bfloat16 arrays move them as raw 2-byte words (no arithmetic touches
+them). Reductions of 16-bit arrays are done in float32: upcast, reduce with
+MPI's own SUM/MAX, round the result back. A 16-bit reduction would need a
+user-defined MPI operation (a Python callback per message); measured on the
+development machine it was slower than the float32 reduction at every size
+tried (docs/performance.md), and it would round every partial sum to 16 bits.
 
 On a GPU every call first waits for the device's queued work (MPI must not
 read a buffer a kernel is still writing, nor hand out memory a kernel still
@@ -34,6 +43,7 @@ from fractions import Fraction
 import numpy as np
 from mpi4py import MPI
 
+from . import precision
 from .backend import Backend, cuda_aware_mpi
 from .errors import UserError
 
@@ -41,23 +51,29 @@ _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
 
 class Counters:
-    """Elements, messages and seconds of communication, per axis name."""
+    """Elements, bytes, messages and seconds of communication, per axis name."""
 
     def __init__(self):
         self.reset()
 
     def reset(self):
         self.elems = defaultdict(Fraction)   # axis -> elements moved by this rank
+        self.bytes = defaultdict(Fraction)   # axis -> bytes moved by this rank
         self.msgs = defaultdict(int)         # axis -> messages (ring steps)
         self.seconds = defaultdict(float)    # axis -> wall time inside MPI calls
 
-    def add(self, axis: str, elems, msgs: int, seconds: float):
+    def add(self, axis: str, elems, msgs: int, seconds: float, width: int = 0):
+        """Count ``elems`` elements of ``width`` bytes each."""
         self.elems[axis] += Fraction(elems)
+        self.bytes[axis] += Fraction(elems) * width
         self.msgs[axis] += msgs
         self.seconds[axis] += seconds
 
     def total_elems(self) -> Fraction:
         return sum(self.elems.values(), Fraction(0))
+
+    def total_bytes(self) -> Fraction:
+        return sum(self.bytes.values(), Fraction(0))
 
     def total_msgs(self) -> int:
         return sum(self.msgs.values())
@@ -170,20 +186,35 @@ class Comm:
         if self._staged:
             self.staging.give(buf)
 
-    def _count(self, elems, msgs, t0):
-        self.counters.add(self.axis, elems, msgs, time.perf_counter() - t0)
+    def _count(self, elems, msgs, t0, width: int):
+        self.counters.add(self.axis, elems, msgs, time.perf_counter() - t0, width)
+
+    # --- 16-bit formats ----------------------------------------------------
+    def _words(self, x):
+        """A 16-bit float array as raw 2-byte words MPI can move (uint16, no
+        copy when contiguous); any other array as it is."""
+        if not precision.is_half(x.dtype):
+            return x
+        return self.backend.xp.ascontiguousarray(x).view(self.backend.xp.uint16)
+
+    @staticmethod
+    def _wide(x):
+        """What a reduction of ``x`` works on: float32 for 16-bit formats."""
+        return precision.up(x)
 
     # --- collectives ------------------------------------------------------
     def allreduce(self, x, op: str = "sum"):
-        """Elementwise reduction over the group; returns a new array."""
+        """Elementwise reduction over the group; returns a new array (in
+        ``x``'s format; 16-bit arrays are reduced in float32)."""
         if self.size == 1:
             return x.copy()
         t0 = self._start()
-        buf = self._private(x)         # MPI reduces in place: never into the caller's x
+        wide = self._wide(x)
+        buf = self._private(wide) if wide is x else self._to_mpi(wide)   # MPI reduces in place: never into x
         self.mpi.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         g = self.size
-        self._count(Fraction(2 * (g - 1), g) * buf.size, 2 * (g - 1), t0)
-        return self._from_mpi(buf)
+        self._count(Fraction(2 * (g - 1), g) * buf.size, 2 * (g - 1), t0, buf.itemsize)
+        return precision.narrow(self._from_mpi(buf), x.dtype)
 
     def allgather(self, x, axis: int = 0):
         """Concatenate every rank's ``x`` along ``axis`` in rank order."""
@@ -192,28 +223,32 @@ class Comm:
         t0 = self._start()
         send, recv = self._gather_buffers(x)
         self.mpi.Allgather(send, recv)
-        self._count((self.size - 1) * send.size, self.size - 1, t0)
+        self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
         return self._gathered(recv, x, axis)
 
     def reduce_scatter(self, x, axis: int = 0):
-        """Sum over the group, then keep this rank's block along ``axis``."""
+        """Sum over the group, then keep this rank's block along ``axis``
+        (16-bit arrays are summed in float32 and returned in their format)."""
         if self.size == 1:
             return x
         t0 = self._start()
-        send, recv = self._scatter_buffers(x, axis)
+        send, recv = self._scatter_buffers(self._wide(x), axis)
         self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
-        self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0)
+        self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
-        return self._from_mpi(recv)
+        return precision.narrow(self._from_mpi(recv), x.dtype)
 
     def _gather_buffers(self, x):
-        """(send, recv) for gathering ``x``; recv is (g, *x.shape)."""
-        return self._to_mpi(x), self._empty((self.size,) + tuple(x.shape), x.dtype)
+        """(send, recv) for gathering ``x`` (as raw words if 16-bit); recv is (g, *x.shape)."""
+        words = self._words(x)
+        return self._to_mpi(words), self._empty((self.size,) + tuple(x.shape), words.dtype)
 
     def _gathered(self, recv, x, axis):
         """The (g, *x.shape) receive buffer as ``x`` concatenated along ``axis``."""
         out = self._from_mpi(recv)
+        if out.dtype != x.dtype:
+            out = out.view(x.dtype)                 # raw 16-bit words back to their format
         if axis % x.ndim == 0:
             return out.reshape((self.size * x.shape[0],) + tuple(x.shape[1:]))
         return self.backend.xp.concatenate(list(out), axis=axis)
@@ -231,32 +266,38 @@ class Comm:
 
     def bcast(self, x, root: int):
         """Broadcast the root's ``x``; every rank passes an array of the right
-        shape and dtype (ignored on non-roots) and gets the root's values."""
+        shape and dtype (ignored on non-roots) and gets the root's values
+        (16-bit arrays travel as raw words)."""
         if self.size == 1:
             return x
         t0 = self._start()
+        words = self._words(x)
         if self.rank != root:
-            buf = self._empty(x.shape, x.dtype)
+            buf = self._empty(x.shape, words.dtype)
             self.mpi.Bcast(buf, root=root)
-            self._count(buf.size, self.size - 1, t0)
-            return self._from_mpi(buf)
-        buf = self._to_mpi(x)
+            self._count(buf.size, self.size - 1, t0, buf.itemsize)
+            out = self._from_mpi(buf)
+            return out if out.dtype == x.dtype else out.view(x.dtype)
+        buf = self._to_mpi(words)
         self.mpi.Bcast(buf, root=root)
-        self._count(buf.size, self.size - 1, t0)
+        self._count(buf.size, self.size - 1, t0, buf.itemsize)
         self._done(buf)
-        return x if self._staged else buf       # the root keeps its own device array
+        if self._staged:
+            return x                            # the root keeps its own device array
+        return buf if buf.dtype == x.dtype else buf.view(x.dtype)
 
     def reduce(self, x, root: int):
-        """Sum onto ``root``; returns the sum there and None elsewhere."""
+        """Sum onto ``root``; returns the sum there (in ``x``'s format, summed
+        in float32 if that is 16-bit) and None elsewhere."""
         if self.size == 1:
             return x
         t0 = self._start()
-        send = self._to_mpi(x)
-        recv = self._empty(x.shape, x.dtype) if self.rank == root else None
+        send = self._to_mpi(self._wide(x))
+        recv = self._empty(x.shape, send.dtype) if self.rank == root else None
         self.mpi.Reduce(send, recv, op=MPI.SUM, root=root)
-        self._count(send.size, self.size - 1, t0)
+        self._count(send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
-        return self._from_mpi(recv) if self.rank == root else None
+        return precision.narrow(self._from_mpi(recv), x.dtype) if self.rank == root else None
 
     # --- nonblocking variants, to overlap communication with computation ---
     def iallgather(self, x, axis: int = 0) -> "Pending":
@@ -266,7 +307,7 @@ class Comm:
         t0 = self._start()
         send, recv = self._gather_buffers(x)
         request = self.mpi.Iallgather(send, recv)
-        self._count((self.size - 1) * send.size, self.size - 1, t0)
+        self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
 
         def finish():
             request.Wait()
@@ -280,14 +321,14 @@ class Comm:
         if self.size == 1:
             return Pending(lambda: x)
         t0 = self._start()
-        send, recv = self._scatter_buffers(x, axis)
+        send, recv = self._scatter_buffers(self._wide(x), axis)
         request = self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM)
-        self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0)
+        self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0, send.itemsize)
 
         def finish():
             request.Wait()
             self._done(send)
-            return self._from_mpi(recv)
+            return precision.narrow(self._from_mpi(recv), x.dtype)
 
         return Pending(finish, self, send)
 

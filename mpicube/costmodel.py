@@ -6,6 +6,12 @@ the elements and messages per axis. Tests check that these predictions
 equal the measured counters exactly, so this file and the layouts cannot
 drift apart silently. The formulas of DESIGN.md section 4 fall out as the
 linear-layer part of ``cube``.
+
+Bytes follow from what each collective carries (``Widths``): activations,
+weight copies and the panels layouts gather or broadcast travel in the
+storage format (2 bytes under mixed precision), reductions in the compute
+format (float32: MPI has no 16-bit sum), weight gradients in the master
+format, and the gradient norm and the loss as one float64 each.
 """
 
 from __future__ import annotations
@@ -19,34 +25,58 @@ from .grid import plan
 from .model import gpt_params
 
 
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per element of each kind of data a step moves or keeps."""
+
+    act: int     # activations, the weights' working copy, gathered and broadcast panels
+    red: int     # reductions and per-row statistics (the compute format)
+    grad: int    # gradients, master weights, Adam moments
+    scalar: int = 8   # the gradient norm and the loss (float64)
+
+    @classmethod
+    def of(cls, dtype: str) -> "Widths":
+        storage = STORAGE_BYTES[dtype]
+        wide = max(4, storage)          # 16-bit formats compute, reduce and keep gradients in float32
+        return cls(act=storage, red=wide, grad=wide)
+
+
+STORAGE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
 @dataclass
 class Traffic:
-    """Elements and messages per axis for one rank and one step."""
+    """Elements, bytes and messages per axis for one rank and one step."""
 
     elems: dict = field(default_factory=lambda: defaultdict(Fraction))
     msgs: dict = field(default_factory=lambda: defaultdict(int))
+    bytes: dict = field(default_factory=lambda: defaultdict(Fraction))
 
-    def _add(self, axis, g, elems, msgs, times=1):
+    def _add(self, axis, g, elems, msgs, times, width):
         if g > 1 and times:
             self.elems[axis] += Fraction(elems) * times
+            self.bytes[axis] += Fraction(elems) * times * width
             self.msgs[axis] += msgs * times
 
-    def allreduce(self, axis, g, n, times=1):
-        self._add(axis, g, Fraction(2 * (g - 1), g) * n, 2 * (g - 1), times)
+    def allreduce(self, axis, g, n, times=1, width=4):
+        self._add(axis, g, Fraction(2 * (g - 1), g) * n, 2 * (g - 1), times, width)
 
-    def allgather(self, axis, g, n_local, times=1):
-        self._add(axis, g, (g - 1) * n_local, g - 1, times)
+    def allgather(self, axis, g, n_local, times=1, width=4):
+        self._add(axis, g, (g - 1) * n_local, g - 1, times, width)
 
-    def reduce_scatter(self, axis, g, n_in, times=1):
-        self._add(axis, g, Fraction(g - 1, g) * n_in, g - 1, times)
+    def reduce_scatter(self, axis, g, n_in, times=1, width=4):
+        self._add(axis, g, Fraction(g - 1, g) * n_in, g - 1, times, width)
 
-    def bcast(self, axis, g, n, times=1):
-        self._add(axis, g, n, g - 1, times)
+    def bcast(self, axis, g, n, times=1, width=4):
+        self._add(axis, g, n, g - 1, times, width)
 
     reduce = bcast
 
     def total_elems(self) -> Fraction:
         return sum(self.elems.values(), Fraction(0))
+
+    def total_bytes(self) -> Fraction:
+        return sum(self.bytes.values(), Fraction(0))
 
     def total_msgs(self) -> int:
         return sum(self.msgs.values())
@@ -63,10 +93,15 @@ class Problem:
     depth: int
     batch: int          # global sequences per step
     seq_len: int
+    dtype: str = "float32"   # storage format: float64, float32, float16 or bfloat16
 
     @property
     def local_batch(self):
         return self.batch // self.dp
+
+    @property
+    def widths(self) -> Widths:
+        return Widths.of(self.dtype)
 
 
 def _linears(cfg: ModelConfig):
@@ -75,14 +110,14 @@ def _linears(cfg: ModelConfig):
     return [(h, 3 * h, "first"), (h, h, "second"), (h, 4 * h, "first"), (4 * h, h, "second")]
 
 
-def _layernorm(t: Traffic, axis, g, rows, count):
+def _layernorm(t: Traffic, axis, g, rows, count, width):
     """Forward: mean and variance all-reduces; backward: one of two sums."""
-    t.allreduce(axis, g, rows, times=2 * count)
-    t.allreduce(axis, g, 2 * rows, times=count)
+    t.allreduce(axis, g, rows, times=2 * count, width=width)
+    t.allreduce(axis, g, 2 * rows, times=count, width=width)
 
 
-def _cross_entropy(t: Traffic, axis, g, rows):
-    t.allreduce(axis, g, rows, times=3)   # max, sum of exp, target logit
+def _cross_entropy(t: Traffic, axis, g, rows, width):
+    t.allreduce(axis, g, rows, times=3, width=width)   # max, sum of exp, target logit
 
 
 def serial_traffic(p: Problem) -> Traffic:
@@ -90,58 +125,58 @@ def serial_traffic(p: Problem) -> Traffic:
 
 
 def oned_traffic(p: Problem) -> Traffic:
-    t, g = Traffic(), p.tp
+    t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
-    t.allreduce("tp", g, act, times=4 * p.cfg.n_layer)    # 2 forward (row-split), 2 backward (column-split)
-    t.allreduce("tp", g, act, times=2)                    # embedding lookup, LM head backward
-    _cross_entropy(t, "tp", g, p.local_batch * p.seq_len)
+    t.allreduce("tp", g, act, times=4 * p.cfg.n_layer, width=w.red)   # 2 forward (row-split), 2 backward
+    t.allreduce("tp", g, act, times=2, width=w.red)       # embedding lookup, LM head backward
+    _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.red)
     return t
 
 
 def tesseract_traffic(p: Problem) -> Traffic:
-    t, cfg, d = Traffic(), p.cfg, p.depth
+    t, cfg, d, w = Traffic(), p.cfg, p.depth, p.widths
     q = round((p.tp // d) ** 0.5)
     n = p.local_batch * p.seq_len // (d * q)              # activation rows per rank
     V = -(-cfg.vocab_size // q) * q
     for h_in, h_out, _ in _linears(cfg) * cfg.n_layer:
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
-        t.bcast("row", q, x_panel, times=2 * q)           # forward, and again for dW
-        t.reduce("row", q, x_panel, times=q)              # dX
-        t.bcast("col", q, w_panel, times=2 * q)           # forward, and again for dX
-        t.reduce("col", q, w_panel, times=q)              # dW
-    _layernorm(t, "row", q, n, 2 * cfg.n_layer + 1)
-    t.allgather("col", q, (V // q) * (cfg.n_embd // q))   # wte[:, block c]
-    t.reduce_scatter("row", q, n * V)                     # LM head forward
-    t.allgather("row", q, n * V // q)                     # LM head backward
-    t.reduce_scatter("col", q, V * (cfg.n_embd // q))     # wte gradient
-    _cross_entropy(t, "row", q, n)
+        t.bcast("row", q, x_panel, times=2 * q, width=w.act)    # forward, and again for dW
+        t.reduce("row", q, x_panel, times=q, width=w.red)       # dX
+        t.bcast("col", q, w_panel, times=2 * q, width=w.act)    # forward, and again for dX
+        t.reduce("col", q, w_panel, times=q, width=w.grad)      # dW
+    _layernorm(t, "row", q, n, 2 * cfg.n_layer + 1, w.red)
+    t.allgather("col", q, (V // q) * (cfg.n_embd // q), width=w.act)   # wte[:, block c]
+    t.reduce_scatter("row", q, n * V, width=w.red)                # LM head forward
+    t.allgather("row", q, n * V // q, width=w.act)                # LM head backward
+    t.reduce_scatter("col", q, V * (cfg.n_embd // q), width=w.grad)   # wte gradient
+    _cross_entropy(t, "row", q, n, w.red)
     return t
 
 
 def cube_traffic(p: Problem) -> Traffic:
-    t, cfg = Traffic(), p.cfg
+    t, cfg, w = Traffic(), p.cfg, p.widths
     q = round(p.tp ** (1 / 3))
     n = p.local_batch * p.seq_len // (q * q)              # canonical rows per rank
     h = cfg.n_embd
     V = -(-cfg.vocab_size // q) * q
     for h_in, h_out, position in _linears(cfg) * cfg.n_layer:
         a, b = ("j", "k") if position == "first" else ("k", "j")
-        t.allgather(a, q, n * h_in // q)                  # X over a
-        t.allgather("i", q, (h_in // (q * q)) * (h_out // q))   # W over i
-        t.reduce_scatter(b, q, n * q * h_out // q)        # Y over b
-        t.allgather(b, q, n * h_out // q)                 # dY over b
-        t.reduce_scatter(a, q, n * q * h_in // q)         # dX over a
-        t.reduce_scatter("i", q, (h_in // q) * (h_out // q))    # dW over i
-    _layernorm(t, "k", q, n, 2 * cfg.n_layer + 1)
-    t.allgather("i", q, (V // q) * (h // (q * q)))        # wte over i
-    t.reduce_scatter("j", q, n * q * h // q)              # lookup
-    t.allgather("j", q, n * h // q)                       # head: X over j
-    t.reduce_scatter("k", q, n * q * V // q)              # head: logits over k
-    t.allgather("k", q, n * V // q)                       # head backward: dlogits
-    t.reduce_scatter("j", q, n * q * h // q)              # head backward: dX
-    t.allgather("j", q, n * h // q)                       # lookup backward: dX
-    t.reduce_scatter("i", q, (V // q) * (h // q))         # wte gradient
-    _cross_entropy(t, "j", q, n)
+        t.allgather(a, q, n * h_in // q, width=w.act)                         # X over a
+        t.allgather("i", q, (h_in // (q * q)) * (h_out // q), width=w.act)    # W over i
+        t.reduce_scatter(b, q, n * q * h_out // q, width=w.red)               # Y over b
+        t.allgather(b, q, n * h_out // q, width=w.act)                        # dY over b
+        t.reduce_scatter(a, q, n * q * h_in // q, width=w.red)                # dX over a
+        t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.grad)    # dW over i
+    _layernorm(t, "k", q, n, 2 * cfg.n_layer + 1, w.red)
+    t.allgather("i", q, (V // q) * (h // (q * q)), width=w.act)   # wte over i
+    t.reduce_scatter("j", q, n * q * h // q, width=w.red)         # lookup
+    t.allgather("j", q, n * h // q, width=w.act)                  # head: X over j
+    t.reduce_scatter("k", q, n * q * V // q, width=w.red)         # head: logits over k
+    t.allgather("k", q, n * V // q, width=w.act)                  # head backward: dlogits
+    t.reduce_scatter("j", q, n * q * h // q, width=w.red)         # head backward: dX
+    t.allgather("j", q, n * h // q, width=w.act)                  # lookup backward: dX
+    t.reduce_scatter("i", q, (V // q) * (h // q), width=w.grad)   # wte gradient
+    _cross_entropy(t, "j", q, n, w.red)
     return t
 
 
@@ -193,7 +228,8 @@ def _local_size(p: Problem, decl):
 
 @dataclass
 class Memory:
-    """Elements held per rank, by category."""
+    """Elements held per rank, by category (``step_memory``), or their
+    bytes (``step_memory_bytes``)."""
 
     params: int
     grads: int
@@ -206,9 +242,25 @@ class Memory:
 
 def activation_elems(p: Problem, dropout: bool = False) -> int:
     """Elements kept for backward after one forward pass (what
-    ``GPT.saved_elements`` measures): LayerNorm outputs and statistics,
-    linear inputs (gathered in 3-D), q/k/v, attention probabilities, GELU
-    input and tanh, logits and softmax, gathered embedding panels, masks."""
+    ``GPT.saved_elements`` measures)."""
+    return sum(activation_terms(p, dropout).values())
+
+
+def activation_bytes(p: Problem, dropout: bool = False) -> int:
+    """Bytes of ``activation_elems`` (what ``GPT.saved_bytes`` measures):
+    activations in the storage format, LayerNorm's per-row statistics in the
+    compute format, the gradient panels of the tied embedding in the master
+    format."""
+    w = p.widths
+    width = {"act": w.act, "stat": w.red, "grad": w.grad}
+    return sum(n * width[kind] for kind, n in activation_terms(p, dropout).items())
+
+
+def activation_terms(p: Problem, dropout: bool = False) -> dict:
+    """{"act", "stat", "grad": elements} kept for backward: LayerNorm
+    outputs and statistics, linear inputs (gathered in 3-D), q/k/v,
+    attention probabilities, GELU input and tanh, logits and softmax,
+    gathered embedding panels and their gradients, masks."""
     cfg, T, L, h = p.cfg, p.seq_len, p.cfg.n_layer, p.cfg.n_embd
     if p.layout in ("serial", "1d"):
         q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
@@ -228,29 +280,41 @@ def activation_elems(p: Problem, dropout: bool = False) -> int:
     n = seqs * T                       # token rows per rank, canonical and intermediate alike
     cc = h // split_cols               # canonical width
     probs = seqs * (cfg.n_head // heads) * T * T
-    # LN xhat + rstd (x2), qkv and the scaled copy of q, probabilities, GELU input and tanh
-    per_layer = 2 * (n * cc + n) + n * 4 * mid_cols + probs + 2 * n * 4 * mid_cols
-    total = L * per_layer + (n * cc + n) + 2 * n * V
+    # LN xhat (x2), qkv and the scaled copy of q, probabilities, GELU input and tanh
+    act = L * (2 * n * cc + n * 4 * mid_cols + probs + 2 * n * 4 * mid_cols) + n * cc + 2 * n * V
+    stat = (2 * L + 1) * n                      # LayerNorm rstd: per row, ln_1, ln_2 and ln_f
+    grad = 0
     # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
-    copies = 2 if q > 1 else 1
+    gathered = q > 1
     if p.layout == "3d":
         for h_in, h_out, _ in _linears(cfg):
-            total += L * q * n * h_in // q                                   # gathered X
-            if q > 1:
-                total += L * (h_in // q) * (h_out // q)                      # gathered W
-        total += q * n * h // q + copies * V * (h // q)                      # head input, wte panel (+ grad)
+            act += L * q * n * h_in // q                                     # gathered X
+            if gathered:
+                act += L * (h_in // q) * (h_out // q)                        # gathered W
+        act += q * n * h // q + gathered * V * (h // q)                      # head input, wte panel
+        grad += V * (h // q)                                                 # its gradient
     else:
-        total += L * (2 * n * cc + n * mid_cols + n * 4 * mid_cols) + n * cc  # linear inputs, head input
+        act += L * (2 * n * cc + n * mid_cols + n * 4 * mid_cols) + n * cc   # linear inputs, head input
         if p.layout in ("2d", "2.5d"):
-            total += copies * (V * q) * (h // q)                              # wte[:, block c] (+ grad)
+            act += gathered * (V * q) * (h // q)                              # wte[:, block c]
+            grad += (V * q) * (h // q)                                        # its gradient
     if dropout:
-        total += L * (2 * n * cc + 2 * probs) + n * cc
-    return total
+        act += L * (2 * n * cc + 2 * probs) + n * cc
+    return {"act": act, "stat": stat, "grad": grad}
 
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:
     params = sum(n for n, _ in local_param_sizes(p).values())
     return Memory(params, params, 2 * params, activation_elems(p, dropout))
+
+
+def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
+    """``step_memory`` in bytes: under mixed precision the parameters are a
+    float32 master plus a 16-bit working copy, gradients and Adam moments
+    float32, activations mostly 16-bit."""
+    w, params = p.widths, step_memory(p, dropout).params
+    working = params * w.act if w.act != w.grad else 0
+    return Memory(params * w.grad + working, params * w.grad, 2 * params * w.grad, activation_bytes(p, dropout))
 
 
 def step_traffic(p: Problem) -> Traffic:
@@ -263,11 +327,12 @@ def step_traffic(p: Problem) -> Traffic:
     for n, axis in sizes.values():
         if axis is not None:
             group_sizes[axis] += n
+    w = p.widths
     for axis, n in group_sizes.items():
-        t.allreduce(axis, _group_size(p, axis), n)
-    t.allreduce("dp", p.dp, sum(n for n, _ in sizes.values()))
-    t.allreduce("tp", p.tp, 1)                 # gradient norm
-    t.allreduce("world", p.tp * p.dp, 1)       # reported loss
+        t.allreduce(axis, _group_size(p, axis), n, width=w.grad)
+    t.allreduce("dp", p.dp, sum(n for n, _ in sizes.values()), width=w.grad)
+    t.allreduce("tp", p.tp, 1, width=w.scalar)                 # gradient norm
+    t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)       # reported loss
     return t
 
 

@@ -109,6 +109,21 @@ def read_shard(path) -> np.ndarray:
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))  # (N,) uint16
 
 
+def check_vocab(tokens, vocab_size: int, path) -> None:
+    """DataError naming ``path`` and the first position holding an id that
+    the model's vocabulary does not have. Shards hold any uint16 (llm.c's
+    GPT-2-tokenized data goes up to 50256); a model of a smaller vocabulary
+    would otherwise index past its embedding. Scanned in chunks, so a
+    memory-mapped shard is never copied whole."""
+    chunk = 1 << 24
+    for lo in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[lo:lo + chunk])                                 # (chunk,) uint16
+        if part.size and int(part.max()) >= vocab_size:
+            first = lo + int(np.argmax(part >= vocab_size))
+            raise DataError(f"{path}: token {int(tokens[first])} at position {first:,} is outside the model's "
+                            f"vocabulary of {vocab_size} (ids 0..{vocab_size - 1})")
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -155,8 +170,9 @@ def _input_files(inputs):
     return files
 
 
-def _concat(files) -> np.ndarray:
-    """Byte tokens of all files, each followed by a b"\\n" separator."""
+def _concat(files, encode=None) -> np.ndarray:
+    """Tokens of all files, each followed by a b"\\n" separator: bytes, or
+    ``encode(text)`` (e.g. GPT-2's BPE) of the whole stream decoded as UTF-8."""
     parts = []
     content = 0
     for f in files:
@@ -171,7 +187,10 @@ def _concat(files) -> np.ndarray:
         raise DataError("no input files found")
     if content == 0:
         raise DataError("the corpus is empty (all input files are empty)")
-    return encode_bytes(b"".join(parts))  # (N,) uint16
+    stream = b"".join(parts)
+    if encode is None:
+        return encode_bytes(stream)  # (N,) uint16
+    return np.asarray(encode(stream.decode("utf-8", errors="replace")), dtype=np.uint16)  # (N,) uint16
 
 
 def _val_path(out: Path) -> Path:
@@ -193,14 +212,16 @@ def _write_split(tokens, out, val_fraction):
     return out, val
 
 
-def prepare(inputs, out, val_fraction=0.05) -> tuple[Path, Path]:
+def prepare(inputs, out, val_fraction=0.05, encode=None) -> tuple[Path, Path]:
     """Tokenize text files/directories into a train shard `out` and a val shard `<stem>_val<suffix>`.
+
+    Bytes by default; ``encode`` (text -> ids below 65536) for another tokenizer.
 
     The validation split is the tail of the stream (not a random sample) so
     that it is contiguous text, like the evaluation windows expect.
     Returns (train_path, val_path).
     """
-    return _write_split(_concat(_input_files(inputs)), out, val_fraction)
+    return _write_split(_concat(_input_files(inputs), encode), out, val_fraction)
 
 
 def _stdlib_files():

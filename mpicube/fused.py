@@ -112,11 +112,13 @@ def active(*arrays) -> bool:
     """True if the fused kernels are on, run on more than one thread, and
     apply to these arrays: C-contiguous NumPy arrays, the first holding at
     least PARALLEL_MIN_ELEMS elements (the work). Otherwise the caller takes
-    its array-module path (always so for CuPy arrays and strided views)."""
+    its array-module path (always so for CuPy arrays, strided views and the
+    16-bit formats, which the kernels do not take: ops upcast those first)."""
     return (threads() > 1 and arrays[0].size >= PARALLEL_MIN_ELEMS
-            and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays))
+            and all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype in _FLOATS for a in arrays))
 
 
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _GELU_S = math.sqrt(2.0 / math.pi)
 
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import ops, rng
+from . import ops, precision, rng
 from .config import ModelConfig
 from .layouts.base import Layout, LayerNorm
 from .params import ParamDecl, ParamStore
@@ -145,7 +145,7 @@ class GPT:
         self.cfg, self.layout, self.store = cfg, layout, store
         self.xp = layout.backend.xp
         self.embedding = layout.tied_embedding(store)
-        self.wpe, self.dwpe = store.data["wpe"], store.grad["wpe"]    # (n_ctx, C_c)
+        self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]    # (n_ctx, C_c)
         self.blocks = [Block(layout, store, i) for i in range(cfg.n_layer)]
         self.ln_f = LayerNorm(store, "ln_f", cfg.n_embd, layout.hidden_comm)
         self.dropout = Dropout(dropout, seed, layout)
@@ -157,6 +157,7 @@ class GPT:
         """idx, targets (B_dp, T): this data-parallel replica's batch.
         Returns the mean cross-entropy over the whole global batch."""
         xp, layout = self.xp, self.layout
+        self.store.refresh_work()                # the 16-bit working copy, after an optimizer step or a load
         idx = xp.asarray(idx)
         B, T = idx.shape
         self.n_tokens = layout.batch_size * T                               # N, global
@@ -194,19 +195,28 @@ class GPT:
         by walking every module's caches (each buffer once, parameters
         excluded), to check the analytic memory model against what the code
         really keeps."""
-        params = (self.store.flat, self.store.flat_grad)
+        return sum(a.size for a in self._saved_buffers())
+
+    def saved_bytes(self) -> int:
+        """The bytes of ``saved_elements`` (16-bit activations, float32
+        statistics and gradient panels under mixed precision)."""
+        return sum(a.nbytes for a in self._saved_buffers())
+
+    def _saved_buffers(self) -> list:
+        """The distinct floating-point buffers behind every module's caches."""
+        params = (self.store.flat, self.store.flat_grad, self.store.flat_work)
         seen = {}
 
         def visit(value):
             if isinstance(value, (tuple, list)):
                 for item in value:
                     visit(item)
-            elif hasattr(value, "dtype") and hasattr(value, "base") and value.dtype.kind == "f":
+            elif hasattr(value, "dtype") and hasattr(value, "base") and precision.is_float(value.dtype):
                 owner = value
                 while owner.base is not None:
                     owner = owner.base
                 if not any(owner is p for p in params):
-                    seen[id(owner)] = owner.size
+                    seen[id(owner)] = owner
 
         modules = [self, self.embedding, self.ln_f]
         for block in self.blocks:
@@ -214,12 +224,15 @@ class GPT:
         for module in modules:
             for value in vars(module).values():
                 visit(value)
-        return sum(seen.values())
+        return list(seen.values())
 
-    def backward(self) -> None:
+    def backward(self, loss_scale: float = 1.0) -> None:
         """Adds d(mean loss)/d(parameter) into the store's gradient buffer
-        (before any gradient synchronisation)."""
-        dlogits = ops.cross_entropy_backward(1.0 / self.n_tokens, self.ce_cache)
+        (before any gradient synchronisation), times ``loss_scale``: float16
+        gradients of activations would underflow at their true size, so
+        dynamic loss scaling (mpicube.loss_scale) raises them and divides
+        the float32 parameter gradients back afterwards."""
+        dlogits = ops.cross_entropy_backward(loss_scale / self.n_tokens, self.ce_cache)
         dlogits = dlogits.reshape(self.logits.shape)                       # (B_l, T, V_l)
         dx = self.embedding.logits_backward(dlogits)                       # (B_c, T, C_c)
         dx = self.ln_f.backward(dx)
@@ -227,8 +240,9 @@ class GPT:
             dx = block.backward(dx)
         if self.keep_emb is not None:
             dx = dx * self.keep_emb
-        T = dx.shape[1]
-        self.dwpe[:T] += dx.sum(0)
+        B, T, C = dx.shape
+        self.dwpe[:T] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
+            dx.reshape(B, T * C)).reshape(T, C)                            # 16-bit dx: summed in float32+
         self.embedding.embed_backward(dx)
         self.embedding.finish_backward()
         self.store.settle()

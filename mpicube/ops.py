@@ -16,6 +16,13 @@ the same output arguments), it does the work in fewer passes; otherwise the
 plain array code below runs, which is also what MPICUBE_KERNELS=numpy
 forces on either device. Nothing here copies data to the host, so a GPU
 step never waits on a device-to-host transfer inside an op.
+
+16-bit inputs (mixed precision, ``mpicube.precision``): each op upcasts what
+it reads to float32, computes there (statistics, softmax and cross-entropy
+included, and the fused kernels apply to the float32 copies), and returns
+and caches its results rounded to the input's format; LayerNorm's
+per-row statistics stay float32. Parameter gradients are added into the
+float32 gradient buffers without a 16-bit rounding.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import math
 
 import numpy as np
 
-from . import cuda_kernels, fused, rng
+from . import cuda_kernels, fused, precision, rng
 from .kernels import kernels_for
+from .precision import compute_dtype, is_half, narrow, up
 
 
 def identity(x):
@@ -51,13 +59,13 @@ def row_blocks(xp, n_rows: int, row_elems: int):
 
 
 def column_sums(a):
-    """a (n, C) -> (C,) sums over the rows, in a's dtype. Narrow types are
-    accumulated in float64: a running float32 sum over millions of rows (a
-    bias gradient of a large batch) loses about 4% where float64 loses
-    nothing visible."""
+    """a (n, C) -> (C,) sums over the rows, in a's compute format (float32
+    for 16-bit a). Narrow types are accumulated in float64: a running
+    float32 sum over millions of rows (a bias gradient of a large batch)
+    loses about 4% where float64 loses nothing visible."""
     if a.dtype.itemsize >= 8:
         return a.sum(0)
-    return a.sum(0, dtype=np.float64).astype(a.dtype)
+    return a.sum(0, dtype=np.float64).astype(compute_dtype(a.dtype))
 
 
 def column_dots(a, b):
@@ -65,14 +73,18 @@ def column_dots(a, b):
     xp = _xp(a)
     if a.dtype.itemsize >= 8:
         return xp.einsum("ij,ij->j", a, b)          # one pass, no temporary
-    return (a * b).sum(0, dtype=np.float64).astype(a.dtype)
+    return (up(a) * up(b)).sum(0, dtype=np.float64).astype(compute_dtype(a.dtype))
 
 
 # --- LayerNorm ---------------------------------------------------------------
 def layernorm_forward(x, gamma, beta, n_hidden, eps=1e-5, allsum=identity):
     """x (B, T, C) -> y (B, T, C); statistics over the full hidden size
     ``n_hidden``, of which this rank holds C columns. Two passes (mean, then
-    centred variance) keep float32 accurate."""
+    centred variance) keep float32 accurate. The cache is (xhat, rstd):
+    xhat in x's format, rstd (B, T, 1) in the compute format."""
+    if is_half(x.dtype):
+        y, (xhat, rstd) = layernorm_forward(up(x), up(gamma), up(beta), n_hidden, eps, allsum)
+        return narrow(y, x.dtype), (narrow(xhat, x.dtype), rstd)
     k = kernels_for(x, gamma, beta)
     if k is not None:
         return _layernorm_forward_fused(k, x, gamma, beta, n_hidden, eps, allsum)
@@ -90,6 +102,9 @@ def layernorm_forward(x, gamma, beta, n_hidden, eps=1e-5, allsum=identity):
 def layernorm_backward(dy, cache, gamma, dgamma, dbeta, n_hidden, allsum=identity):
     """dy (B, T, C) -> dx (B, T, C); adds into dgamma, dbeta (C,)."""
     xhat, rstd = cache
+    if is_half(dy.dtype):
+        dx = layernorm_backward(up(dy), (up(xhat), rstd), up(gamma), dgamma, dbeta, n_hidden, allsum)
+        return narrow(dx, dy.dtype)
     C = dy.shape[-1]
     dgamma += column_dots(dy.reshape(-1, C), xhat.reshape(-1, C))
     dbeta += column_sums(dy.reshape(-1, C))
@@ -166,6 +181,9 @@ _GELU_S = math.sqrt(2.0 / math.pi)
 
 def gelu_forward(x):
     """x (..., C) -> y (..., C); keeps x and tanh(...) for backward."""
+    if is_half(x.dtype):
+        y, (_, t) = gelu_forward(up(x))
+        return narrow(y, x.dtype), (x.reshape(-1, x.shape[-1]), narrow(t, x.dtype))
     xp = _xp(x)
     x2 = x.reshape(-1, x.shape[-1])                                  # (n, C)
     y, t = xp.empty_like(x2), xp.empty_like(x2)
@@ -192,6 +210,8 @@ def gelu_backward(dy, cache):
     dx = dy (0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 * 0.044715 x^2))."""
     xp = _xp(dy)
     x2, t = cache
+    if is_half(dy.dtype):
+        return narrow(gelu_backward(up(dy), (up(x2), up(t))), dy.dtype)
     dy2 = dy.reshape(x2.shape)
     dx = xp.empty_like(x2)
     k = kernels_for(dy2, x2, t)
@@ -227,10 +247,13 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0):
     qkv5 = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
     q, k, v = qkv5[0], qkv5[1], qkv5[2]                               # (B, nh, T, hd)
     scale = 1.0 / math.sqrt(hd)
-    q = q * scale                      # scaling q is T/hd times cheaper than scaling the scores
+    q = q * q.dtype.type(scale)        # scaling q is T/hd times cheaper than scaling the scores; keeps q's format
     probs = batched_matmul(q, k.swapaxes(-1, -2))                     # (B, nh, T, T) scores
     causal_softmax(probs.reshape(-1, T, T))
     used = probs if keep_mask is None else probs * keep_mask * (1.0 / keep_prob)
+    if is_half(qkv.dtype):                   # scores and softmax ran in float32; store 16 bits
+        probs, used = narrow(probs, qkv.dtype), (None if keep_mask is None else narrow(used, qkv.dtype))
+        used = probs if used is None else used
     y = _xp(qkv).empty((B, T, n_head, hd), dtype=qkv.dtype)           # (B, T, nh, hd)
     batched_matmul(used, v, out=y.transpose(0, 2, 1, 3))             # written in place: no transpose copy
     return y.reshape(B, T, n_head * hd), (q, k, v, probs, used, keep_mask, keep_prob, scale)   # q already scaled
@@ -250,7 +273,7 @@ def attention_backward(dy, cache):
     if keep_mask is not None:
         dscores *= keep_mask
         dscores *= 1.0 / keep_prob
-    causal_softmax_backward(dscores.reshape(-1, T, T), probs.reshape(-1, T, T))
+    causal_softmax_backward(dscores.reshape(-1, T, T), up(probs).reshape(-1, T, T))
     bmm(dscores, k, out=dqkv[0])                                      # dq = ds k scale
     dqkv[0] *= scale
     bmm(dscores.swapaxes(-1, -2), q, out=dqkv[1])                     # dk = ds^T (q scale)
@@ -259,7 +282,11 @@ def attention_backward(dy, cache):
 
 def batched_matmul(a, b, out=None):
     """a (B, nh, n, k) @ b (B, nh, k, m) -> (B, nh, n, m): attention's many
-    small GEMMs, split over threads where fused.splits_batch says so."""
+    small GEMMs, split over threads where fused.splits_batch says so. With
+    a 16-bit operand: accumulated in float32, returned in float32 or
+    rounded into ``out``."""
+    if is_half(a.dtype) or is_half(b.dtype):
+        return precision.matmul(a, b, out=out, dtype=None if out is not None else np.float32)
     if fused.splits_batch(a, b):
         return fused.batched_matmul(a, b, out)
     xp = _xp(a)
@@ -318,6 +345,10 @@ def cross_entropy_forward(logits, targets, vocab_start, vocab_size, allmax=ident
     a vocabulary of ``vocab_size`` real entries (columns past it are padding
     and masked out). targets (n,) global ids. Returns per-row loss (n,).
     Three reductions over the vocabulary split: max, sum of exp, target logit."""
+    if is_half(logits.dtype):              # softmax statistics in float32; probabilities kept in 16 bits
+        loss, (probs, mine, t_clip) = cross_entropy_forward(up(logits), targets, vocab_start, vocab_size,
+                                                             allmax, allsum)
+        return loss, (narrow(probs, logits.dtype), mine, t_clip)
     xp = _xp(logits)
     n, V = logits.shape
     n_real = max(0, min(V, vocab_size - vocab_start))
@@ -353,6 +384,8 @@ def cross_entropy_backward(scale, cache):
     a GPU would have to copy to the host)."""
     xp = _xp(cache[0])
     probs, mine, t_clip = cache
+    if is_half(probs.dtype):
+        return narrow(cross_entropy_backward(scale, (up(probs), mine, t_clip)), probs.dtype)
     dlogits = probs * scale                                           # (n, V)
     rows = xp.arange(probs.shape[0])
     dlogits[rows, t_clip] -= (mine * scale).astype(dlogits.dtype)
@@ -385,6 +418,7 @@ def scatter_add_rows(target, rows, values):
     add.at and the fused kernels add them in index order; on a GPU without
     kernels a one-hot GEMM does it (CuPy's scatter_add uses atomics)."""
     xp = _xp(target)
+    values = up(values)                                               # (n, C) 16-bit rows added in float32
     k = kernels_for(values, target)
     if k is not None:
         k.scatter_add_rows(target, xp.ascontiguousarray(rows), values)

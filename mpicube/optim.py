@@ -130,6 +130,7 @@ class AdamW:
                 block = slice(lo, min(run.stop, lo + self.block))
                 self._update_block(flat[block], flat_grad[block], self.m[block], self.v[block],
                                    b1, b2, step, eps, run_keep, grad_scale)
+        self.store.params_changed()
 
     def _update_block(self, p, g, m, v, b1, b2, step, eps, keep, grad_scale) -> None:
         """The NumPy/CuPy update of one cache block, pass by pass."""

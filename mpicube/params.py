@@ -7,6 +7,11 @@ which communicator its gradient must be summed. ``ParamStore`` lays all local
 blocks out in one flat data buffer and one flat gradient buffer, so the
 data-parallel all-reduce, the optimizer and gradient clipping each touch one
 contiguous array instead of a hundred small ones.
+
+Under mixed precision the data and gradient buffers are the float32 master
+(what the optimizer updates and checkpoints hold) and a third buffer holds
+the 16-bit working copy the model computes with (``work``): rounded from
+the master once per optimizer step, lazily, before the next forward.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import fused, rng
+from . import fused, precision, rng
 from .backend import Backend
 from .comm import Comm
 
@@ -99,17 +104,21 @@ class ParamStore:
         self.specs = sorted(specs, key=lambda s: (group_key(s), not s.decl.decay))
         self.by_name = {s.name: s for s in self.specs}
         self.backend = backend
-        xp, dtype = backend.xp, backend.dtype
+        xp, master = backend.xp, backend.master_dtype
         total = sum(s.size for s in self.specs)
-        self.flat = xp.zeros(total, dtype=dtype)       # (P_local,)
-        self.flat_grad = xp.zeros(total, dtype=dtype)  # (P_local,)
+        self.flat = xp.zeros(total, dtype=master)      # (P_local,) master weights
+        self.flat_grad = xp.zeros(total, dtype=master)  # (P_local,)
+        # (P_local,) the working copy in the storage format; the master itself when they agree
+        self.flat_work = xp.zeros(total, dtype=backend.dtype) if backend.dtype != master else self.flat
+        self._work_stale = False
         self.offsets = {}
-        self.data, self.grad = {}, {}
+        self.data, self.grad, self.work = {}, {}, {}
         offset = 0
         for spec in self.specs:
             self.offsets[spec.name] = (offset, offset + spec.size)
             self.data[spec.name] = self.flat[offset:offset + spec.size].reshape(spec.local_shape)
             self.grad[spec.name] = self.flat_grad[offset:offset + spec.size].reshape(spec.local_shape)
+            self.work[spec.name] = self.flat_work[offset:offset + spec.size].reshape(spec.local_shape)
             offset += spec.size
         self.grad_groups = self._contiguous_groups()
         self._deferred, self._unwritten = set(), set()    # see defer_zero
@@ -142,7 +151,27 @@ class ParamStore:
     def initialize(self, seed: int) -> None:
         """GPT-2 initialisation evaluated at this rank's global indices only."""
         for spec in self.specs:
-            self.data[spec.name][...] = self.backend.asarray(init_block(spec, seed), dtype=self.backend.dtype)
+            self.data[spec.name][...] = self.backend.asarray(init_block(spec, seed), dtype=self.flat.dtype)
+        self.params_changed()
+
+    # --- the working copy ---------------------------------------------------
+    @property
+    def mixed(self) -> bool:
+        """Whether the model computes with a 16-bit copy of the master weights."""
+        return self.flat_work is not self.flat
+
+    def params_changed(self) -> None:
+        """Say that the master weights were written (optimizer step, load,
+        initialisation): the working copy is rounded afresh before the next
+        forward. Code that writes ``data`` or ``flat`` directly calls it too."""
+        self._work_stale = self.mixed
+
+    def refresh_work(self) -> None:
+        """Round the master weights into the working copy if they changed
+        since the last time (one pass over the buffer per optimizer step)."""
+        if self._work_stale:
+            self.flat_work[...] = self.flat
+            self._work_stale = False
 
     # --- gradients that skip zero_grad --------------------------------------
     # The linears' weight gradients are nearly the whole buffer. Clearing them
@@ -176,13 +205,14 @@ class ParamStore:
             self.grad[name] += value
 
     def add_matmul(self, name: str, a, b) -> None:
-        """grad[name] += a @ b; the step's first contribution is a GEMM
+        """grad[name] += a @ b (accumulated in float32 or better, whatever
+        the operands' format); the step's first contribution is a GEMM
         written straight into the buffer."""
         if name in self._unwritten:
             self._unwritten.discard(name)
-            self.backend.xp.matmul(a, b, out=self.grad[name])
+            precision.matmul(a, b, out=self.grad[name])
         else:
-            self.grad[name] += a @ b
+            self.grad[name] += precision.matmul(a, b, dtype=self.flat_grad.dtype)
 
     def grad_for_add(self, name: str):
         """The gradient view of ``name``, zeroed first if it is deferred and

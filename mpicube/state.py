@@ -4,6 +4,7 @@ reading exactly its blocks back from a checkpoint saved on any layout."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from . import checkpoint
 from .checkpoint import CheckpointError
@@ -25,16 +26,25 @@ def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
     return blocks
 
 
-def open_verified(mpi_world, path) -> "checkpoint.Checkpoint":
-    """Rank 0 opens and verifies (checksums of every shard), then every rank
-    opens the same checkpoint without re-hashing it."""
-    resolved = on_root(mpi_world, lambda: _verify(path))
-    return checkpoint.open_checkpoint(resolved, verify=False)
+def open_verified(mpi_world, path, notes: list | None = None) -> "checkpoint.Checkpoint":
+    """Rank 0 finds the checkpoint (a run directory's newest), then every
+    rank opens it and hashes its share of the shard files; a problem found
+    anywhere stops every rank with the same message."""
+    resolved, said = on_root(mpi_world, lambda: _find(path))
+    if notes is not None:
+        notes.extend(said)
+    return checkpoint.open_checkpoint(resolved, verify=True, comm=mpi_world)
 
 
-def _verify(path) -> str:
-    with checkpoint.open_checkpoint(path, verify=True) as ck:
-        return str(ck.file)
+def _find(path) -> tuple:
+    said = []
+    p = Path(path)
+    if p.is_dir() and not (p / checkpoint.MAIN_FILE).is_file() and (p / "ckpt").is_dir():
+        found = checkpoint.latest(p, said)
+        if found is not None:
+            p = found
+    with checkpoint.open_checkpoint(p, verify=False) as ck:
+        return str(ck.file), said
 
 
 def load_state(ck, store, opt=None) -> None:
@@ -53,15 +63,16 @@ def load_state(ck, store, opt=None) -> None:
                 raise CheckpointError(
                     f"{ck.path}: tensor {name!r} has shape {have} but this model needs {want} "
                     f"(checkpoint model {_describe_cfg(ck.attrs.get('config'))})")
-    backend = store.backend
+    backend, master = store.backend, store.flat.dtype      # the master weights, float32 under 16-bit storage
     for spec in store.specs:
         lo, hi = store.offsets[spec.name]
         targets = [("model", store.flat)]
         if opt is not None:
             targets += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
         for prefix, flat in targets:
-            block = ck.read(f"{prefix}/{spec.name}", index=spec.index, dtype=backend.dtype)
-            flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=backend.dtype)
+            block = ck.read(f"{prefix}/{spec.name}", index=spec.index, dtype=master)
+            flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)
+    store.params_changed()
 
 
 def model_shapes(config: dict) -> dict:

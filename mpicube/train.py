@@ -52,10 +52,21 @@ from .model import GPT, gpt_params
 from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
 from .params import ParamStore
 from .console import Console
+from .loss_scale import scaler_for
 from .state import attr_dict, describe_layout, load_state, open_verified, state_blocks
 
 EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
 EXIT_DIVERGED = 3        # non-finite loss or gradient norm
+
+# Test hook (for tests/test_precision.py): at the step this variable names,
+# the last world rank puts an inf into its gradient after the gradient
+# synchronisation, as a float16 overflow on one rank would; the step must be
+# skipped on every rank alike.
+OVERFLOW_HOOK = "MPICUBE_TEST_OVERFLOW_STEP"
+
+# Test hook (for tests/test_train.py, tests/test_ckpt_faults.py): "RANK:STEP:SIGNAL"
+# makes that world rank send itself the signal as it starts saving that step.
+SIGNAL_HOOK = "MPICUBE_TEST_SIGNAL_IN_SAVE"
 
 # Test hook (for tests/test_cli.py): the world rank named by this
 # variable raises an unexpected exception at step 2, to check that an
@@ -90,6 +101,9 @@ class TrainOptions:
     dtype: str = "float32"
     device: str = "cpu"
     tf32: bool = False             # GPU float32 GEMMs on tensor cores
+    loss_scale: Optional[float] = None                 # float16: initial loss scale (None = default)
+    loss_scale_growth_interval: Optional[int] = None   # float16: good steps before the scale doubles
+    loss_scale_backoff: Optional[float] = None         # float16: factor applied on overflow
     data: Optional[str] = None     # train shard; None = built-in corpus
     out: Optional[str] = None      # run directory; None = runs/<timestamp>
     ckpt_every: int = 0            # 0 = only the final checkpoint
@@ -134,7 +148,14 @@ class TrainOptions:
             raise ConfigError(f"--stop-after must be at least 1, got {self.stop_after}")
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
+        self.loss_scaler()
         validate_model(self.model_config())
+
+    def loss_scaler(self):
+        """A fresh LossScaler for --dtype float16, else None (ConfigError for
+        loss-scale options with another format)."""
+        return scaler_for(self.dtype, self.loss_scale, self.loss_scale_growth_interval, self.loss_scale_backoff)
+
 
 
 def _dash(name: str) -> str:
@@ -260,6 +281,7 @@ class Trainer:
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
                                  o.seed, o.dropout, o.tf32)
         self.opt = AdamW(self.parts.store, weight_decay=o.weight_decay)
+        self.scaler = o.loss_scaler()                  # float16 only
         self.schedule = Schedule(o.lr, o.warmup, o.steps)
         self.start_step = self._restore() + 1
 
@@ -313,6 +335,8 @@ class Trainer:
                 self.notes.append(f"initialized parameters from {ck.path} (step {ck.step})")
                 return 0
             self.opt.t = int(ck.attrs.get("adam_t", ck.step))
+            if self.scaler is not None and "loss_scale" in ck.attrs:
+                self.scaler.restore(ck.attrs["loss_scale"])     # scale and counters: resume stays exact
             position = attr_dict(ck.attrs.get("data"))
             step = int(position.get("step", ck.step))
             self.notes.append(f"resuming from {ck.path} at step {step}")
@@ -427,30 +451,52 @@ class Trainer:
         p.backend.synchronize()
         t0 = time.perf_counter()
         x, y = self.loader.batch(s - 1)                      # (B, T) each, global
+        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             p.store.zero_grad()
             loss = p.model.forward(x[p.rows], y[p.rows], step=s)
-            p.model.backward()
+            p.model.backward(loss_scale=loss_scale)
             sync_gradients(p.store, p.layout.axes.dp)
-            norm = global_grad_norm(p.store, p.layout.axes.tp)
-            bad = not (math.isfinite(loss) and math.isfinite(norm))
-            if agree_max(self.world, bad):
+            self._inject_overflow(s)
+            norm = global_grad_norm(p.store, p.layout.axes.tp) / loss_scale
+            # 2: the loss is not finite (diverged); 1: only the gradient is (an
+            # overflow: skip the step when loss scaling, else diverged). Agreed
+            # by every rank, so all skip or stop together.
+            verdict = agree_max(self.world, 2 if not math.isfinite(loss) else int(not math.isfinite(norm)))
+            if verdict == 2 or (verdict == 1 and self.scaler is None):
                 raise DivergedError(self._diverged_message(s, loss, norm))
-            scale = min(1.0, o.grad_clip / (norm + 1e-6)) if o.grad_clip > 0 else 1.0
+            skipped = verdict == 1
             lr = self.schedule(s)
-            self.opt.step(lr, scale)
+            if not skipped:
+                clip = min(1.0, o.grad_clip / (norm + 1e-6)) if o.grad_clip > 0 else 1.0
+                self.opt.step(lr, clip / loss_scale)
+            if self.scaler is not None:
+                self.scaler.update(not skipped)
         p.backend.synchronize()
         dt = time.perf_counter() - t0
-        return {
+        rec = {
             "step": s,
             "loss": loss,
             "lr": lr,
-            "grad_norm": norm,
+            "grad_norm": None if skipped else norm,
             "step_time_s": dt,
             "tokens_per_s": o.batch_size * o.seq_len / dt if dt > 0 else 0.0,
             "comm_elems": float(p.counters.total_elems()),
+            "comm_bytes": float(p.counters.total_bytes()),
             "comm_msgs": int(p.counters.total_msgs()),
         }
+        if self.scaler is not None:
+            rec.update(loss_scale=loss_scale, skipped=skipped)
+            if skipped:
+                self.console.say(f"step {s}: gradient overflow at loss scale {loss_scale:g}: step skipped, "
+                                 f"scale now {self.scaler.scale:g}")
+        return rec
+
+    def _inject_overflow(self, s: int) -> None:
+        """The OVERFLOW_HOOK test hook: an inf in the last rank's gradient at one step."""
+        hook = os.environ.get(OVERFLOW_HOOK)
+        if hook is not None and int(hook) == s and self.rank == self.world.Get_size() - 1:
+            self.parts.store.flat_grad[0] = math.inf
 
     def _diverged_message(self, s, loss, norm) -> str:
         what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
@@ -473,6 +519,7 @@ class Trainer:
             "train": json.dumps(o.to_dict()),
             "layout": json.dumps(p.layout.describe()),
             "adam_t": int(self.opt.t),
+            **({"loss_scale": self.scaler.to_json()} if self.scaler is not None else {}),
             "data": json.dumps({"step": s, "path": self.train_path, "batch_size": o.batch_size,
                                 "seq_len": o.seq_len, "seed": o.seed}),
             "mpicube_version": __version__,

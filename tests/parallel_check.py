@@ -1,9 +1,12 @@
-"""Run under mpiexec: one layout against the serial model, in float64.
+"""Run under mpiexec: one layout against the serial model, in float64 (or
+in a 16-bit format against serial in the same format).
 
 Every rank also builds the serial model on MPI.COMM_SELF from the same seed
 and batch, and compares its own blocks with the matching blocks of the serial
 tensors (equivalent to gathering, without the gather): loss, logits, every
-parameter gradient, and every parameter after three AdamW steps.
+parameter gradient, and every parameter after three AdamW steps. Measured
+communication (elements, bytes, messages per axis) and memory (elements and
+bytes of parameters and saved activations) must equal the cost model.
 
 Usage: python -m mpi4py tests/parallel_check.py LAYOUT DP DEPTH [DROPOUT [BATCH]]
 
@@ -14,6 +17,23 @@ Environment:
   MPICUBE_CHECK_SIZE=large    a model whose per-rank arrays exceed the CPU's
                               cache-blocking size (ops.CACHE_ELEMS) on every
                               layout up to 8 ranks, with a batch of 16 or more
+  MPICUBE_CHECK_DTYPE=float16 both models in mixed precision (float16 or
+                              bfloat16), compared with the tolerance below
+
+Tolerance in 16 bits. Both models round the same float32 results to 16 bits
+at the same points; they differ only where float32 reassociation (sums in a
+different order across ranks, relative size ~1e-7) moves a value across a
+16-bit rounding boundary, which changes that value by one unit in the last
+place, 2u relative (u = 2^-11 for float16, 2^-8 for bfloat16). Such
+crossings are rare (a fraction ~1e-7/u of the roundings) and independent,
+so every checked tensor may differ from serial by a few units in the last
+place of its largest entry: RTOL = 4 ulps = 8u. That holds while both
+models start from the same parameters, i.e. for the loss, logits and
+gradients of step 1. After an AdamW step it no longer does: Adam divides
+each gradient by its own running magnitude, so a gradient entry that is
+mostly rounding noise moves its parameter by a full step either way. So in
+16 bits the gradients of steps 2 and 3 and the parameters after them are
+not compared, and the losses of steps 2 and 3 (same RTOL) check the updates.
 """
 
 import os
@@ -25,20 +45,26 @@ from mpi4py import MPI
 from mpicube.backend import make_backend
 from mpicube.comm import Counters
 from mpicube.config import ModelConfig
-from mpicube.costmodel import Problem, step_memory, step_traffic
+from mpicube.costmodel import Problem, step_memory, step_memory_bytes, step_traffic
 from mpicube.grid import build_layout
 from mpicube.model import GPT, gpt_params
 from mpicube.optim import AdamW, global_grad_norm, sync_gradients
 from mpicube.params import ParamStore, clipped_index, real_mask
-
-RTOL = 1e-10
-
+from mpicube.precision import is_half, unit_roundoff, dtype_of
 
 DEVICE = os.environ.get("MPICUBE_CHECK_DEVICE", "cpu")
+DTYPE = os.environ.get("MPICUBE_CHECK_DTYPE", "float64")
+HALF = is_half(dtype_of(DTYPE))
+RTOL = 8 * unit_roundoff(dtype_of(DTYPE)) if HALF else 1e-10
+WORST = [0.0]          # the largest relative difference seen, for the report line
+# float16 trains with loss scaling (mpicube.loss_scale); without it the
+# gradients of activations here would sit among float16's subnormals, whose
+# spacing is absolute, and the ulp argument above would not apply.
+LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
 
 
 def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu"):
-    backend = make_backend(device, "float64")
+    backend = make_backend(device, DTYPE)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch, backend, comm, dp=dp, depth=depth, counters=counters)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
@@ -46,33 +72,39 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
 
 
 def close(name, got, want, scale=None):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     scale = np.abs(want).max() if scale is None else scale
     err = np.abs(got - want).max() / max(scale, 1e-300) if got.size else 0.0
+    WORST[0] = max(WORST[0], err)
     if not err <= RTOL:
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
 
 
 def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
-    """Measured elements and messages per axis == the analytic model."""
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx)
+    """Measured elements, bytes and messages per axis == the analytic model."""
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE)
     want = step_traffic(problem)
     axes = set(want.elems) | set(counters.elems)
     for axis in axes:
-        got_e, want_e = counters.elems.get(axis, 0), want.elems.get(axis, 0)
-        got_m, want_m = counters.msgs.get(axis, 0), want.msgs.get(axis, 0)
-        if got_e != want_e or got_m != want_m:
-            raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: axis {axis}: measured {got_e} elements / "
-                                 f"{got_m} messages, model predicts {want_e} / {want_m}")
+        got = counters.elems.get(axis, 0), counters.bytes.get(axis, 0), counters.msgs.get(axis, 0)
+        model = want.elems.get(axis, 0), want.bytes.get(axis, 0), want.msgs.get(axis, 0)
+        if got != model:
+            raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: axis {axis}: measured {got[0]} elements / "
+                                 f"{got[1]} bytes / {got[2]} messages, model predicts {model[0]} / {model[1]} / "
+                                 f"{model[2]}")
 
 
 def check_memory(cfg, layout, batch, dp, depth, dropout, store, model):
-    """Parameters and saved activations == the analytic memory model."""
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx)
-    want = step_memory(problem, dropout > 0)
-    got = (store.flat.size, model.saved_elements())
-    if got != (want.params, want.activations):
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: measured (params, activations) {got}, "
-                             f"model predicts {(want.params, want.activations)}")
+    """Parameters and saved activations == the analytic memory model, in
+    elements and in bytes."""
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE)
+    want, want_bytes = step_memory(problem, dropout > 0), step_memory_bytes(problem, dropout > 0)
+    param_bytes = store.flat.nbytes + (store.flat_work.nbytes if store.mixed else 0)
+    got = (store.flat.size, model.saved_elements(), param_bytes, model.saved_bytes())
+    predicted = (want.params, want.activations, want_bytes.params, want_bytes.activations)
+    if got != predicted:
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: measured (params, activations, their bytes) {got}, "
+                             f"model predicts {predicted}")
 
 
 def main():
@@ -108,12 +140,13 @@ def main():
             v0, nv = emb.vocab_start, model.logits.shape[-1]
             real = max(0, min(nv, cfg.vocab_size - v0))
             close("logits", host(model.logits)[..., :real], s_model.logits[seqs][..., v0:v0 + real])
-        model.backward()
-        s_model.backward()
+        model.backward(loss_scale=LOSS_SCALE)
+        s_model.backward(loss_scale=LOSS_SCALE)
         sync_gradients(store, layout.axes.dp)
-        norm, s_norm = global_grad_norm(store, layout.axes.tp), global_grad_norm(s_store, s_layout.axes.tp)
+        norm = global_grad_norm(store, layout.axes.tp) / LOSS_SCALE
+        s_norm = global_grad_norm(s_store, s_layout.axes.tp) / LOSS_SCALE
         close(f"step {step} grad norm", np.array([norm]), np.array([s_norm]))
-        for spec in store.specs:
+        for spec in store.specs if step == 1 or not HALF else []:
             full = s_store.grad[spec.name]
             want = full[np.ix_(*clipped_index(spec))]
             mask = real_mask(spec)
@@ -122,9 +155,9 @@ def main():
             if not mask.all():
                 assert np.all(got[~mask] == 0), f"padding gradient of {spec.name} is not zero"
         check_traffic(layout_name, cfg, layout, batch, dp, depth, counters)
-        opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm))
-        s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm))
-    for spec in store.specs:
+        opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / LOSS_SCALE)
+        s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
+    for spec in store.specs if not HALF else []:
         full = s_store.data[spec.name]
         mask = real_mask(spec)
         close(f"param {spec.name} after 3 steps", np.where(mask, host(store.data[spec.name]), 0),
@@ -132,7 +165,7 @@ def main():
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
-              f"loss={s_loss:.12f}")
+              f"dtype={DTYPE} loss={s_loss:.12f} worst={WORST[0]:.2e} (rtol {RTOL:.1e})")
 
 
 if __name__ == "__main__":

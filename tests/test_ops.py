@@ -49,6 +49,7 @@ def test_layernorm():
 def test_layernorm_module_accumulates():
     store = SimpleNamespace(data={"ln.weight": rng.normal(size=4), "ln.bias": rng.normal(size=4)},
                             grad={"ln.weight": np.ones(4), "ln.bias": np.ones(4)})
+    store.work = store.data                 # the working copy the layers read: the master itself here
     ln = LayerNorm(store, "ln", 4)
     x, r = rng.normal(size=(1, 2, 4)), rng.normal(size=(1, 2, 4))
     ln.forward(x)

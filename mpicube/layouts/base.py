@@ -16,6 +16,13 @@ Activations move between two forms:
 
 Sequence indices refer to the data-parallel replica's batch; a whole
 sequence always sits on one rank so attention needs no communication.
+
+Precision: layers compute with the store's working copy (``store.work``,
+16-bit under mixed precision) and add into its float32 gradients. Every
+GEMM goes through ``matmul_rows``/``precision.matmul`` (float32
+accumulation); a GEMM whose result is summed over ranks or gets a bias
+returns float32 (``dtype=acc``), which is reduced, biased and only then
+rounded to the activation format (``narrow``), once.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ops
+from .. import ops, precision
 from ..comm import Comm
 from ..config import ModelConfig
 from ..errors import ConfigError
@@ -106,10 +113,18 @@ def nearest_multiples(value: int, multiple: int) -> str:
     return " or ".join(str(v) for v in (below, above) if v > 0)
 
 
-def matmul_rows(x, w):
+def matmul_rows(x, w, dtype=None):
     """x (..., K) @ w (K, M) -> (..., M) as one 2-D GEMM over all leading
-    rows (NumPy would otherwise run one GEMM per leading index)."""
-    return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[-1],))
+    rows (NumPy would otherwise run one GEMM per leading index), accumulated
+    in float32 or better; the result in ``dtype`` (default x's)."""
+    y = precision.matmul(x.reshape(-1, x.shape[-1]), w, dtype=dtype)
+    return y.reshape(x.shape[:-1] + (w.shape[-1],))
+
+
+def acc(a):
+    """The format a GEMM result that will be reduced or biased is kept in:
+    float32 for 16-bit activations, else their own format."""
+    return precision.compute_dtype(a.dtype)
 
 
 class DenseLinear:
@@ -118,8 +133,8 @@ class DenseLinear:
     of the input gradient (column-parallel). Serial uses neither."""
 
     def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None):
-        self.w = store.data[prefix + ".weight"]       # (C_in, C_out)
-        self.b = store.data[prefix + ".bias"]         # (C_out,)
+        self.w = store.work[prefix + ".weight"]       # (C_in, C_out)
+        self.b = store.work[prefix + ".bias"]         # (C_out,)
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)                 # dW is written by add_matmul
         self.db = store.grad[prefix + ".bias"]
@@ -129,11 +144,11 @@ class DenseLinear:
     def forward(self, x):
         """x (B, T, C_in) -> y (B, T, C_out)."""
         self.x = x
-        y = matmul_rows(x, self.w)                    # (B, T, C_out)
+        y = matmul_rows(x, self.w, acc(x))            # (B, T, C_out)
         if self.out_reduce is not None:
             y = self.out_reduce.allreduce(y)
         y += self.b
-        return y
+        return precision.narrow(y, x.dtype)
 
     def backward(self, dy):
         """dy (B, T, C_out) -> dx (B, T, C_in)."""
@@ -141,9 +156,11 @@ class DenseLinear:
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
         self.db += ops.column_sums(dy2)
-        dx = matmul_rows(dy, self.w.T)                # (B, T, C_in)
         if self.dx_reduce is not None:
-            dx = self.dx_reduce.allreduce(dx)
+            dx = self.dx_reduce.allreduce(matmul_rows(dy, self.w.T, acc(dy)))   # (B, T, C_in)
+            dx = precision.narrow(dx, dy.dtype)
+        else:
+            dx = matmul_rows(dy, self.w.T)            # (B, T, C_in)
         self.x = None
         return dx
 
@@ -152,8 +169,8 @@ class LayerNorm:
     """LayerNorm over a hidden size that may be split across ``comm``."""
 
     def __init__(self, store: ParamStore, prefix: str, n_hidden: int, comm: Comm = None):
-        self.gamma = store.data[prefix + ".weight"]   # (C_c,)
-        self.beta = store.data[prefix + ".bias"]      # (C_c,)
+        self.gamma = store.work[prefix + ".weight"]   # (C_c,)
+        self.beta = store.work[prefix + ".bias"]      # (C_c,)
         self.dgamma = store.grad[prefix + ".weight"]
         self.dbeta = store.grad[prefix + ".bias"]
         self.n_hidden = n_hidden

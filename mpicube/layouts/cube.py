@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 import os
 
-from .. import ops
+from .. import ops, precision
 from ..comm import Comm
 from ..errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, matmul_rows
+from .base import Layout, acc, matmul_rows
 
 
 class CubeLayout(Layout):
@@ -114,8 +114,8 @@ class CubeLinear:
 
     def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True):
         self.overlap = overlap
-        self.w = store.data[prefix + ".weight"]      # (h_in/q^2, h_out/q)
-        self.bias = store.data[prefix + ".bias"]     # (h_out/q,)
+        self.w = store.work[prefix + ".weight"]      # (h_in/q^2, h_out/q)
+        self.bias = store.work[prefix + ".bias"]     # (h_out/q,)
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)                # dW arrives whole from a reduce-scatter: add_grad
         self.dbias = store.grad[prefix + ".bias"]
@@ -130,22 +130,23 @@ class CubeLinear:
         else:
             self.xg = self.a.allgather(x, axis=0)
             self.wg = self.wc.allgather(self.w, axis=0)
-        y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg), axis=0)   # (B/q^2, T, h_out/q)
+        y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg, acc(x)), axis=0)   # (B/q^2, T, h_out/q)
         y += self.bias
-        return y
+        return precision.narrow(y, x.dtype)
 
     def backward(self, dy):
         """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
         dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
         xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
-        dwg = xg2.T @ dyg.reshape(-1, dyg.shape[-1])           # (h_in/q, h_out/q)
+        dwg = precision.matmul(xg2.T, dyg.reshape(-1, dyg.shape[-1]), dtype=self.store.flat_grad.dtype)  # (h_in/q, h_out/q)
         if self.overlap:                             # dW travels while dX is computed and reduced
             dw_pending = self.wc.ireduce_scatter(dwg, axis=0)
-            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T), axis=0)    # (B/q^2, T, h_in/q)
+            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0)    # (B/q^2, T, h_in/q)
             self.store.add_grad(self.w_name, dw_pending.wait())
         else:
-            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T), axis=0)
+            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0)
             self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0))
+        dx = precision.narrow(dx, dy.dtype)
         self.dbias += ops.column_sums(dy.reshape(-1, dy.shape[-1]))
         self.xg = self.wg = None
         return dx
@@ -157,7 +158,7 @@ class CubeTiedEmbedding:
     One all-gather over i per step serves both the lookup and the head."""
 
     def __init__(self, store, layout: CubeLayout):
-        self.wte = store.data["wte"]                 # (V/q, h/q^2)
+        self.wte = store.work["wte"]                 # (V/q, h/q^2)
         self.store = store
         store.defer_zero("wte")                      # written once, in finish_backward
         self.ci, self.cj, self.ck = layout.ci, layout.cj, layout.ck
@@ -172,7 +173,7 @@ class CubeTiedEmbedding:
     def embed(self, ids):
         """ids (B_dp, T) -> x (B/q^2, T, h/q) canonical."""
         self.wg = self.ci.allgather(self.wte, axis=1)             # (V/q, h/q)
-        self.dwg = self.xp.zeros_like(self.wg)
+        self.dwg = self.xp.zeros(self.wg.shape, dtype=self.store.flat_grad.dtype)   # (V/q, h/q) float32+
         ids_i = ids[self.xp.asarray(self.row_block)]              # (B/q, T)
         part, self.embed_cache = ops.embedding_forward(ids_i, self.wg, self.vocab_start)  # (B/q, T, h/q)
         return self.cj.reduce_scatter(part, axis=0)
@@ -186,13 +187,16 @@ class CubeTiedEmbedding:
         """x (B/q^2, T, h/q) -> logits (B/q^2, T, V/q): rows block i,
         sub-block k; vocabulary block j."""
         self.xg = self.cj.allgather(x, axis=0)                    # (B/q, T, h/q)
-        return self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T), axis=0)
+        logits = self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T, acc(x)), axis=0)
+        return precision.narrow(logits, x.dtype)
 
     def logits_backward(self, dlogits):
         dlg = self.ck.allgather(dlogits, axis=0)                  # (B/q, T, V/q)
-        self.dwg += dlg.reshape(-1, dlg.shape[-1]).T @ self.xg.reshape(-1, self.xg.shape[-1])
+        self.dwg += precision.matmul(dlg.reshape(-1, dlg.shape[-1]).T, self.xg.reshape(-1, self.xg.shape[-1]),
+                                     dtype=self.dwg.dtype)
         self.xg = None
-        return self.cj.reduce_scatter(matmul_rows(dlg, self.wg), axis=0)      # (B/q^2, T, h/q)
+        dx = self.cj.reduce_scatter(matmul_rows(dlg, self.wg, acc(dlogits)), axis=0)      # (B/q^2, T, h/q)
+        return precision.narrow(dx, dlogits.dtype)
 
     def finish_backward(self):
         self.store.add_grad("wte", self.ci.reduce_scatter(self.dwg, axis=1))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import ops
+from .. import ops, precision
 from ..params import ParamDecl, ParamSpec, full_index
-from .base import DenseLinear, Layout, matmul_rows
+from .base import DenseLinear, Layout, acc, matmul_rows
 
 
 class SerialLayout(Layout):
@@ -39,7 +39,7 @@ class DenseTiedEmbedding:
     split over ``vocab_comm`` (1-D); serial has none."""
 
     def __init__(self, store, layout, vocab_comm=None, vocab_start=0):
-        self.wte = store.data["wte"]        # (V_l, h)
+        self.wte = store.work["wte"]        # (V_l, h)
         self.store = store
         store.defer_zero("wte")             # the head's GEMM writes it first (backward runs head -> lookup)
         self.vocab_comm = vocab_comm
@@ -68,9 +68,11 @@ class DenseTiedEmbedding:
         x2 = self.x.reshape(-1, self.x.shape[-1])               # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])            # (B*T, V_l)
         self.store.add_matmul("wte", dl2.T, x2)                 # dwte (V_l, h) += dlogits^T x
-        dx = matmul_rows(dlogits, self.wte)                      # (B, T, h)
-        if self.vocab_comm is not None:
-            dx = self.vocab_comm.allreduce(dx)
+        if self.vocab_comm is None:
+            dx = matmul_rows(dlogits, self.wte)                  # (B, T, h)
+        else:                                                    # partial sums over the vocabulary split
+            dx = self.vocab_comm.allreduce(matmul_rows(dlogits, self.wte, acc(dlogits)))
+            dx = precision.narrow(dx, dlogits.dtype)
         self.x = None
         return dx
 

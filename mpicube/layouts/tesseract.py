@@ -18,11 +18,11 @@ l, row r, column c. d = 1 is the 2-D scheme.
 
 from __future__ import annotations
 
-from .. import ops
+from .. import ops, precision
 from ..comm import Comm
 from ..errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, matmul_rows
+from .base import Layout, acc, matmul_rows
 
 
 class TesseractLayout(Layout):
@@ -108,8 +108,8 @@ class SummaLinear:
     """Y[r, c] = sum_s X[r, s] W[s, c] (+ b[c]) on a q x q grid."""
 
     def __init__(self, store, prefix, layout: TesseractLayout):
-        self.w = store.data[prefix + ".weight"]      # (h_in/q, h_out/q)
-        self.b = store.data[prefix + ".bias"]        # (h_out/q,)
+        self.w = store.work[prefix + ".weight"]      # (h_in/q, h_out/q)
+        self.b = store.work[prefix + ".bias"]        # (h_out/q,)
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)                # dW arrives whole from a reduce: add_grad
         self.db = store.grad[prefix + ".bias"]
@@ -121,13 +121,13 @@ class SummaLinear:
         """x (B_c, T, h_in/q) -> (B_c, T, h_out/q)."""
         B, T, _ = x.shape
         self.x2 = x2 = x.reshape(B * T, -1)                     # (n, h_in/q)
-        y = self.xp.zeros((B * T, self.w.shape[1]), dtype=x.dtype)  # (n, h_out/q)
+        y = self.xp.zeros((B * T, self.w.shape[1]), dtype=acc(x))   # (n, h_out/q), float32 for 16-bit x
         for s in range(self.q):
             x_panel = self.row.bcast(x2, root=s)                # X[r, s] (n, h_in/q)
             w_panel = self.col.bcast(self.w, root=s)            # W[s, c] (h_in/q, h_out/q)
-            y += x_panel @ w_panel
+            y += precision.matmul(x_panel, w_panel, dtype=y.dtype)
         y += self.b
-        return y.reshape(B, T, -1)
+        return precision.narrow(y, x.dtype).reshape(B, T, -1)
 
     def backward(self, dy):
         """dy (B_c, T, h_out/q) -> dx (B_c, T, h_in/q)."""
@@ -136,12 +136,13 @@ class SummaLinear:
         dx = None
         for s in range(self.q):                                 # dX[r, s] = sum_c dY[r, c] W[s, c]^T
             w_panel = self.col.bcast(self.w, root=s)
-            part = self.row.reduce(dy2 @ w_panel.T, root=s)     # (n, h_in/q) on column s
-            if self.c == s:
-                dx = part
+            part = self.row.reduce(precision.matmul(dy2, w_panel.T, dtype=acc(dy2)), root=s)  # (n, h_in/q)
+            if self.c == s:                                     # on column s
+                dx = precision.narrow(part, dy.dtype)
         for s in range(self.q):                                 # dW[s, c] = sum_r X[r, s]^T dY[r, c]
             x_panel = self.row.bcast(self.x2, root=s)
-            part = self.col.reduce(x_panel.T @ dy2, root=s)     # (h_in/q, h_out/q) on row s
+            part = self.col.reduce(precision.matmul(x_panel.T, dy2, dtype=self.store.flat_grad.dtype),
+                                   root=s)                      # (h_in/q, h_out/q) on row s
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
         self.db += ops.column_sums(dy2)
@@ -153,7 +154,7 @@ class TesseractTiedEmbedding:
     """Lookup and LM head over wte[:, hidden block c], gathered once per step."""
 
     def __init__(self, store, layout: TesseractLayout):
-        self.wte = store.data["wte"]                 # (V/q, h/q): vocab block r, hidden block c
+        self.wte = store.work["wte"]                 # (V/q, h/q): vocab block r, hidden block c
         self.store = store
         store.defer_zero("wte")                      # written once, in finish_backward
         self.row, self.col = layout.row, layout.col
@@ -167,7 +168,7 @@ class TesseractTiedEmbedding:
     def embed(self, ids):
         """ids (B_dp, T) -> x (B_c, T, h/q)."""
         self.w_full = self.col.allgather(self.wte, axis=0)      # (V, h/q)
-        self.dw_full = self.xp.zeros_like(self.w_full)
+        self.dw_full = self.xp.zeros(self.w_full.shape, dtype=self.store.flat_grad.dtype)  # (V, h/q) float32+
         x, self.embed_cache = ops.embedding_forward(ids[self.xp.asarray(self.seqs)], self.w_full, 0)
         return x
 
@@ -178,14 +179,14 @@ class TesseractTiedEmbedding:
     def logits(self, x):
         """x (B_c, T, h/q) -> logits (B_c, T, V/q), vocabulary block c."""
         self.x = x
-        partial = matmul_rows(x, self.w_full.T)                 # (B_c, T, V) partial over c
-        return self.row.reduce_scatter(partial, axis=-1)
+        partial = matmul_rows(x, self.w_full.T, acc(x))         # (B_c, T, V) partial over c
+        return precision.narrow(self.row.reduce_scatter(partial, axis=-1), x.dtype)
 
     def logits_backward(self, dlogits):
         """dlogits (B_c, T, V/q) -> dx (B_c, T, h/q)."""
         dfull = self.row.allgather(dlogits, axis=-1)            # (B_c, T, V)
         d2 = dfull.reshape(-1, dfull.shape[-1])
-        self.dw_full += d2.T @ self.x.reshape(-1, self.x.shape[-1])
+        self.dw_full += precision.matmul(d2.T, self.x.reshape(-1, self.x.shape[-1]), dtype=self.dw_full.dtype)
         self.x = None
         return matmul_rows(dfull, self.w_full)                  # (B_c, T, h/q)
 
