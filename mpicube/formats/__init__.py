@@ -99,8 +99,9 @@ def load_params(model: ModelFile, store) -> None:
 
     check_shapes(model.path, {n: model.shape(n) for n in model.names()},
                  {spec.name: tuple(spec.decl.shape) for spec in store.specs}, what="parameter")
-    backend = store.backend
+    backend, master = store.backend, store.flat.dtype     # master weights: float32 under 16-bit storage
     for spec in store.specs:
         lo, hi = store.offsets[spec.name]
-        block = model.read(spec.name, index=spec.index, dtype=backend.dtype)
-        store.flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=backend.dtype)
+        block = model.read(spec.name, index=spec.index, dtype=master)
+        store.flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)
+    store.params_changed()                                  # the 16-bit working copy is rounded afresh
