@@ -1,4 +1,5 @@
-"""The ``mpicube`` command line: train, eval, prepare, info, inspect, bench.
+"""The ``mpicube`` command line: train, eval, prepare, info, inspect, bench,
+convert, generate.
 
 Run it as ``mpiexec -n P mpicube train ...`` (or ``python -m mpicube``).
 
@@ -152,6 +153,8 @@ def cli():
                                        "options on the command line override it")
 @layout_options
 @model_options
+@click.option("--vocab-size", type=int, default=256, show_default=True,
+              help="vocabulary (256: byte-level tokens; 50257: GPT-2's BPE); --init-from's model sets its own")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
 @click.option("--steps", type=int, default=500, show_default=True, help="optimizer steps (LR schedule length)")
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="peak learning rate")
@@ -171,9 +174,10 @@ def cli():
 @click.option("--eval-every", type=int, default=0, show_default=True, help="validate every N steps (0 = off)")
 @click.option("--eval-batches", type=int, default=8, show_default=True, help="batches per validation")
 @click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
-@click.option("--init-from", type=str, default=None, metavar="CKPT",
-              help="checkpoint (step dir, checkpoint.h5 or run dir) to take the parameters from, saved on "
-                   "any layout; with --resume also its optimizer state and step, unless the run "
+@click.option("--init-from", type=str, default=None, metavar="MODEL",
+              help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
+                   "run dir, saved on any layout), a Hugging Face GPT-2 directory or an llm.c model file; "
+                   "with --resume also a checkpoint's optimizer state and step, unless the run "
                    "directory has a checkpoint of its own")
 @click.option("--resume", is_flag=True, default=False,
               help="continue from the run directory's latest checkpoint (fresh start if it has none)")
@@ -195,10 +199,14 @@ def train(**kwargs):
     (or --time-limit) writes a checkpoint and exits with status 75;
     `--resume` continues exactly where it stopped.
     """
-    from .train import TrainOptions
+    from .train import SHAPE_OPTIONS, TrainOptions
     from .train import train as run_training
 
-    return run_training(TrainOptions(**kwargs), _mpi["world"])
+    opts = TrainOptions(**kwargs)
+    ctx = click.get_current_context()      # a model file decides the shape options nobody gave
+    opts.given_shape = tuple(k for k in SHAPE_OPTIONS
+                             if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
+    return run_training(opts, _mpi["world"])
 
 
 @cli.command("eval")
@@ -212,7 +220,10 @@ def train(**kwargs):
 @layout_options
 @device_options
 def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device, tf32):
-    """Mean cross-entropy of a checkpoint on a token shard.
+    """Mean cross-entropy of a model on a token shard.
+
+    CKPT is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
+    llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
     JSON object with "loss", "step" and "tokens".
@@ -231,12 +242,18 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
 @click.option("--out", required=True, type=str, metavar="FILE", help="train shard to write, e.g. data/corpus.bin")
 @click.option("--val-fraction", type=float, default=0.05, show_default=True,
               help="tail of the token stream that goes to <stem>_val<suffix>")
-def prepare(inputs, out, val_fraction):
-    """Tokenize text files and folders (bytes -> tokens) into train/val shards."""
-    from . import data
+@click.option("--tokenizer", type=click.Choice(["bytes", "gpt2"]), default="bytes", show_default=True,
+              help="bytes (vocabulary 256) or GPT-2's BPE through tiktoken (vocabulary 50257)")
+def prepare(inputs, out, val_fraction, tokenizer):
+    """Tokenize text files and folders into train/val shards (uint16 token ids)."""
+    from . import data, tokenizers
     from .comm import on_root
 
-    paths = on_root(_mpi["world"], lambda: [str(p) for p in data.prepare(list(inputs), out, val_fraction)])
+    def run():
+        encode = None if tokenizer == "bytes" else tokenizers.load(tokenizer).encode
+        return [str(p) for p in data.prepare(list(inputs), out, val_fraction, encode)]
+
+    paths = on_root(_mpi["world"], run)
     for path in paths:
         echo(f"wrote {path}: {len(data.read_shard(path)):,} tokens")
 
@@ -330,11 +347,21 @@ def _mib(nbytes: int) -> str:
 @cli.command()
 @click.argument("ckpt")
 def inspect(ckpt):
-    """Report a checkpoint's contents and check every shard; exit 1 if damaged."""
+    """Report a model file's contents and check it; exit 1 if damaged.
+
+    A mpicube checkpoint: every shard's checksum. A Hugging Face GPT-2
+    directory or an llm.c model file: its configuration and every tensor,
+    read whole.
+    """
     from .checkpoint import inspect as inspect_checkpoint
+    from .formats import detect
+    from .formats.report import inspect_model
     from .state import model_shapes
 
-    ok, report = inspect_checkpoint(ckpt, expected=model_shapes)
+    if detect(ckpt) == "mpicube":
+        ok, report = inspect_checkpoint(ckpt, expected=model_shapes)
+    else:
+        ok, report = inspect_model(ckpt)
     echo(report)
     return 0 if ok else 1
 
@@ -374,6 +401,137 @@ trace_command.params[:0] = [p for p in train.params if p.name in TRACE_TRAIN_OPT
 @click.option("--rtol", type=float, default=None,
               help="relative tolerance, against the larger max |x| of the two tensors  "
                    "[default: 1e-10 float64, 1e-4 float32, 1e-2 float16/bfloat16]")
+@click.option("--atol", type=float, default=None,
+              help="absolute tolerance  [default: 1e-13 float64, 1e-6 float32, 1e-3 float16/bfloat16]")
+@click.option("--json", "as_json", is_flag=True,
+              help='end stdout with {"first_divergence": NAME or null, "max_rel": ..., "tensors": N}')
+def compare(trace_a, trace_b, rtol, atol, as_json):
+    """Compare two traces tensor by tensor; name the first divergence.
+
+    A tensor agrees when max |a - b| <= atol + rtol * max(max |a|, max |b|);
+    defaults follow the coarser dtype of the two traces. The first
+    divergence is named in the order the computation happens: the batches,
+    the initial parameters, then per step the forward (emb, h.0, ...,
+    ln_f, logits, loss), the gradients as backward produces them, the
+    gradient norm and learning rate, the updated parameters. Exit status 0
+    when all agree, 1 when something diverges, 2 when a file is not a trace
+    or the two model configs differ.
+    """
+    from .comm import on_root
+    from .compare import compare_traces, format_report
+
+    result = on_root(_mpi["world"], lambda: compare_traces(trace_a, trace_b, rtol, atol))
+    echo(format_report(result))
+    if as_json:
+        echo(json.dumps(result.summary()))
+    return 0 if result.first_divergence is None else 1
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", "to", type=click.Choice(["mpicube", "hf", "llmc"]), required=True,
+              help="format to write: a mpicube run directory, a Hugging Face GPT-2 directory or an llm.c file")
+@click.option("--max-shard-size", type=str, default=None, metavar="SIZE",
+              help="hf: split the weights into safetensors files of at most SIZE (e.g. 2GB, 500MB)")
+def convert(src, dst, to, max_shard_size):
+    """Convert a model between mpicube, Hugging Face and llm.c formats.
+
+    SRC's format is detected: a mpicube checkpoint (run dir, step dir or
+    checkpoint.h5), a Hugging Face GPT-2 directory (config.json and
+    safetensors) or an llm.c model file. Tensors are copied exactly.
+    """
+    from .comm import on_root
+    from .formats.convert import convert as run_convert, parse_size
+
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    summary = on_root(_mpi["world"], lambda: run_convert(src, dst, to, limit))
+    cfg = summary["config"]
+    echo(f"read {summary['source']}: n_layer {cfg['n_layer']}, n_head {cfg['n_head']}, n_embd {cfg['n_embd']}, "
+         f"n_ctx {cfg['n_ctx']}, vocab {cfg['vocab_size']} ({', '.join(summary['dtypes'])})")
+    for note in summary["notes"]:
+        echo(note)
+    echo(f"wrote {summary['destination']} ({to}): " + ", ".join(summary["files"]))
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--prompt", type=str, default=None, help="text to continue (byte-level or GPT-2 BPE models)")
+@click.option("--prompt-tokens", type=str, default=None, metavar="IDS",
+              help="token ids to continue, comma-separated: 1,2,3 (any vocabulary)")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k likeliest (0 = all)")
+@click.option("--seed", type=int, default=1337, show_default=True)
+@click.option("--cache/--no-cache", default=True, show_default=True,
+              help="key/value cache; --no-cache recomputes the whole prefix for every token")
+@layout_options
+@device_options
+@click.option("--json", "as_json", is_flag=True, help='end stdout with {"tokens": [...], "text": ...}')
+def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout, dp, depth,
+             dtype, device, tf32, as_json):
+    """Continue a prompt with any model file, on any layout.
+
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
+    llm.c model file. Without a prompt, generation starts from a newline
+    (byte-level models) or <|endoftext|> (GPT-2's vocabulary). The same
+    seed gives the same tokens on every layout and world size.
+    """
+    from .generate import GenerateOptions
+    from .generate import generate as run_generate
+
+    opts = GenerateOptions(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout,
+                           dp, depth, dtype, device, tf32)
+    result = run_generate(opts, _mpi["world"])
+    if result["text"] is not None:
+        echo(result["prompt_text"] + result["text"])
+    else:
+        echo("tokens: " + " ".join(map(str, result["prompt_tokens"])) + " | " + " ".join(map(str, result["tokens"])))
+    per_token = result["per_token_s"]
+    echo(f"{len(result['tokens'])} new tokens, prompt {len(result['prompt_tokens'])} tokens in "
+         f"{result['prefill_s'] * 1e3:.1f} ms" + (f", {per_token * 1e3:.2f} ms per new token" if per_token else "")
+         + (" (key/value cache)" if cache else " (no cache)"))
+    if as_json:
+        echo(json.dumps({"tokens": result["tokens"], "text": result["text"],
+                         "prompt_tokens": result["prompt_tokens"], "prefill_s": result["prefill_s"],
+                         "per_token_s": per_token, "cache": cache, "layout": result["layout"]}))
+
+
+# `trace` takes these options of `train`, as train defines them (same defaults and help).
+TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "depth", "n_layer", "n_head", "n_embd", "seq_len", "batch_size",
+                       "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
+                       "data", "init_from")
+
+
+@cli.command("trace")
+@click.option("--steps", type=int, default=3, show_default=True,
+              help="training steps to trace (also the length of the LR schedule)")
+@click.option("--out", required=True, metavar="FILE.h5", help="the trace file to write")
+@click.option("--max-bytes", default="2GB", show_default=True,
+              help="refuse a trace larger than this (bytes, or a number with K, M or G)")
+def trace_command(**kwargs):
+    """Run N training steps and write every tensor of them to a trace.
+
+    Any layout and world size; rank 0 writes full logical tensors: the
+    batches, the initial parameters and, per step, the activations after
+    each block, logits, loss, gradients, updated parameters and dropout
+    masks (format mpicube-trace v1, docs/trace-format.md). Check it against
+    another trace with `mpicube compare`.
+    """
+    from .trace import run_trace
+
+    run_trace(kwargs, _mpi["world"], say=echo)
+
+
+trace_command.params[:0] = [p for p in train.params if p.name in TRACE_TRAIN_OPTIONS]
+
+
+@cli.command()
+@click.argument("trace_a", metavar="A.h5")
+@click.argument("trace_b", metavar="B.h5")
+@click.option("--rtol", type=float, default=None,
+              help="relative tolerance, against the larger max |x| of the two tensors  "
+                   "[default: 1e-10 float64, 1e-3 float32, 5e-2 float16/bfloat16]")
 @click.option("--atol", type=float, default=None,
               help="absolute tolerance  [default: 1e-13 float64, 1e-6 float32, 1e-3 float16/bfloat16]")
 @click.option("--json", "as_json", is_flag=True,

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import ops, precision, rng
+from . import kvcache, ops, precision, rng
 from .config import ModelConfig
 from .layouts.base import Layout, LayerNorm
 from .params import ParamDecl, ParamStore
@@ -137,6 +137,14 @@ class Block:
         self.attn_cache = self.gelu_cache = None
         return dx
 
+    def decode(self, x, cache, pos: int):
+        """Inference on positions pos .. pos+t-1 with a key/value cache
+        (mpicube.kvcache), no dropout: x (B_c, t, C_c) -> (B_c, t, C_c)."""
+        qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, t, 3 C_m)
+        x = x + self.c_proj.forward(kvcache.cached_attention(qkv, self.n_local_heads, cache, pos))
+        g, _ = ops.gelu_forward(self.c_fc.forward(self.ln_2.forward(x)))      # (B_m, t, 4 C_m)
+        return x + self.mlp_proj.forward(g)
+
 
 class GPT:
     """The whole model on one rank's share of the layout."""
@@ -188,6 +196,25 @@ class GPT:
             logits.reshape(-1, logits.shape[-1]), tgt, emb.vocab_start, self.cfg.vocab_size, allmax, allsum)
         local = row_loss.sum(dtype=xp.float64).reshape(1) / emb.row_replicas   # (1,) on the device
         return float(layout.axes.world.allreduce(local)[0]) / self.n_tokens
+
+    def new_caches(self) -> list:
+        """An empty key/value cache per block for this rank's sequences
+        and heads, over the whole context."""
+        cfg, layout = self.cfg, self.layout
+        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), len(layout.head_ids), cfg.n_ctx, cfg.head_dim,
+                                self.store.flat.dtype) for _ in self.blocks]
+
+    def decode(self, idx, pos: int, caches: list):
+        """Logits of positions pos .. pos+t-1 given their tokens idx (B_dp, t)
+        and the caches holding positions before pos: (B_l, t, V_l), this
+        rank's rows ``embedding.logit_seqs`` and vocabulary block."""
+        self.store.refresh_work()
+        idx = self.xp.asarray(idx)
+        t = idx.shape[1]
+        x = self.embedding.embed(idx) + self.wpe[pos:pos + t]              # (B_c, t, C_c)
+        for block, cache in zip(self.blocks, caches):
+            x = block.decode(x, cache, pos)
+        return self.embedding.logits(self.ln_f.forward(x))                  # (B_l, t, V_l)
 
     def saved_elements(self) -> int:
         """Floating-point elements this rank holds for backward right after

@@ -34,16 +34,15 @@ import os
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from . import __version__, checkpoint, data, threads
+from . import __version__, checkpoint, data, formats, threads
 from .backend import make_backend
-from .checkpoint import CheckpointError
 from .comm import Counters, agree_max, on_root
 from .config import ModelConfig
 from .errors import ConfigError, UserError
@@ -53,10 +52,11 @@ from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
 from .params import ParamStore
 from .console import Console
 from .loss_scale import scaler_for
-from .state import attr_dict, describe_layout, load_state, open_verified, state_blocks
+from .state import attr_dict, describe_layout, load_state, state_blocks
 
 EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
 EXIT_DIVERGED = 3        # non-finite loss or gradient norm
+SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")   # what a model file given to a run decides
 
 # Test hook (for tests/test_precision.py): at the step this variable names,
 # the last world rank puts an inf into its gradient after the gradient
@@ -90,6 +90,7 @@ class TrainOptions:
     n_head: int = 12
     n_embd: int = 144
     seq_len: int = 64
+    vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
     batch_size: int = 8            # global sequences per step
     steps: int = 500
     lr: float = 3e-3
@@ -120,7 +121,7 @@ class TrainOptions:
         return asdict(self)
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(vocab_size=data.VOCAB_SIZE, n_ctx=self.seq_len, n_layer=self.n_layer,
+        return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,
                            n_head=self.n_head, n_embd=self.n_embd)
 
     @property
@@ -130,7 +131,7 @@ class TrainOptions:
 
     def validate(self) -> None:
         """Raise ConfigError for a bad value; pure, so every rank agrees."""
-        positive = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "dp", "depth",
+        positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "steps", "dp", "depth",
                     "eval_batches", "log_every")
         for name in positive:
             if getattr(self, name) < 1:
@@ -262,7 +263,8 @@ class Trainer:
         o = self.opts
         o.validate()
         self.cfg = o.model_config()
-        plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth)   # pure: no MPI yet
+        if o.init_from is None:               # else the model file says what the model is
+            plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth)   # pure: no MPI yet
         self.train_path, self.val_path = resolve_data(self.world, o.data)
         train_tokens = data.read_shard(self.train_path)
         self.loader = data.TrainLoader(train_tokens, o.batch_size, o.seq_len, o.seed)
@@ -278,6 +280,14 @@ class Trainer:
                                   f"validating on {available}, not --eval-batches {o.eval_batches}")
 
         self.run_dir = Path(on_root(self.world, self._prepare_run_dir))
+        self.source, self.full_state = self._model_source()
+        self.model_file = None
+        if self.source is not None:           # the model's shape and vocabulary come from the file
+            self.model_file = formats.open_everywhere(self.world, self.source)
+            self.cfg = self._file_config(self.model_file)
+        on_root(self.world, lambda: data.check_vocab(train_tokens, self.cfg.vocab_size, self.train_path))
+        if o.eval_every:
+            on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
                                  o.seed, o.dropout, o.tf32)
         self.opt = AdamW(self.parts.store, weight_decay=o.weight_decay)
@@ -312,28 +322,61 @@ class Trainer:
             raise UserError(f"--out {run_dir}: cannot create the run directory ({exc.strerror})") from None
         return str(run_dir)
 
-    def _restore(self) -> int:
-        """Load parameters / state as asked; return the last completed step."""
+    def _model_source(self) -> tuple:
+        """(model file or None, whether to restore the whole training state)."""
         o = self.opts
-        source, full = None, False
         if o.resume:
             own = on_root(self.world, lambda: _str_or_none(checkpoint.latest(self.run_dir)))
             if own is not None:
-                source, full = own, True
-            elif o.init_from is not None:
-                source, full = o.init_from, True
-            else:
+                return own, True
+            if o.init_from is None:
                 self.notes.append(f"no checkpoint in {self.run_dir}: starting a fresh run")
-        elif o.init_from is not None:
-            source = o.init_from
-        if source is None:
+            return o.init_from, o.init_from is not None
+        return o.init_from, False
+
+    def _file_config(self, model_file) -> ModelConfig:
+        """The model of ``model_file``, checked against --seq-len; a note
+        when the shape options differ from it (they are not used)."""
+        o, cfg = self.opts, model_file.config
+        if o.seq_len > cfg.n_ctx:
+            raise ConfigError(f"--seq-len {o.seq_len} is longer than the context of {model_file.describe()} "
+                              f"({cfg.n_ctx} positions)")
+        wanted = replace(o.model_config(), n_ctx=cfg.n_ctx)
+        differ = [k for k in SHAPE_OPTIONS if getattr(wanted, k) != getattr(cfg, k)]
+        given = getattr(o, "given_shape", SHAPE_OPTIONS)     # the CLI says which were typed; API callers mean all
+        if any(k in given for k in differ):                  # asked for another model than the file holds
+            leave_out = f"(leave out {', '.join('--' + _dash(k) for k in differ)} to take the file's model)"
+            wanted_shapes = formats.base.gpt2_shapes(wanted)
+            for name, have in model_file.shapes.items():
+                if name in wanted_shapes and wanted_shapes[name] != have:
+                    label = f"model/{name}" if model_file.kind == "mpicube" else name
+                    raise ConfigError(f"{model_file.path}: tensor '{label}' has shape {have} but this model needs "
+                                      f"{wanted_shapes[name]} {leave_out}")
+            k = differ[0]
+            raise ConfigError(f"{model_file.path}: holds a model with {k} {getattr(cfg, k)}, this run asks for "
+                              f"{getattr(wanted, k)} {leave_out}")
+        if differ:
+            differ = [f"--{_dash(k)}" for k in differ]
+            self.notes.append(f"note: the model's shape comes from {model_file.path}: n_layer {cfg.n_layer}, "
+                              f"n_head {cfg.n_head}, n_embd {cfg.n_embd}, n_ctx {cfg.n_ctx}, vocab {cfg.vocab_size} "
+                              f"({', '.join(differ)} not used)")
+        return cfg
+
+    def _restore(self) -> int:
+        """Load parameters / state as asked; return the last completed step."""
+        if self.model_file is None:
             return 0
-        ck = open_verified(self.world, source)
-        with ck:
-            load_state(ck, self.parts.store, self.opt if full else None)
-            if not full:
-                self.notes.append(f"initialized parameters from {ck.path} (step {ck.step})")
+        full = self.full_state
+        with self.model_file as model_file:
+            if model_file.kind != "mpicube" or not full:
+                formats.load_params(model_file, self.parts.store)
+                if full:
+                    self.notes.append(f"note: {model_file.path} holds no optimizer state: starting at step 0 "
+                                      "with fresh AdamW moments")
+                self.notes.append(f"initialized parameters from {model_file.describe()}")
                 return 0
+            ck = model_file.ck
+            load_state(ck, self.parts.store, self.opt)
             self.opt.t = int(ck.attrs.get("adam_t", ck.step))
             if self.scaler is not None and "loss_scale" in ck.attrs:
                 self.scaler.restore(ck.attrs["loss_scale"])     # scale and counters: resume stays exact
@@ -580,12 +623,8 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
         from mpi4py import MPI
 
         mpi_world = MPI.COMM_WORLD
-    ck = open_verified(mpi_world, ckpt_path)
-    with ck:
-        cfg_dict = attr_dict(ck.attrs.get("config"))
-        if not cfg_dict:
-            raise CheckpointError(f"{ck.path}: no model config attribute")
-        cfg = ModelConfig.from_dict(cfg_dict)
+    with formats.open_everywhere(mpi_world, ckpt_path) as ck:     # any model file
+        cfg = ck.config
         saved = attr_dict(ck.attrs.get("train"))
         B = int(batch_size or saved.get("batch_size") or 8)
         T = int(seq_len or cfg.n_ctx)
@@ -596,13 +635,14 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
         if data_path is None:
             data_path = resolve_data(mpi_world, None)[1]          # built-in validation shard
         tokens = data.read_shard(data_path)
+        on_root(mpi_world, lambda: data.check_vocab(tokens, cfg.vocab_size, data_path))
         available = data.eval_batch_count(tokens, B, T)
         n = available if batches == 0 else batches
         if n == 0 or n > available:
             raise data.DataError(f"{data_path}: holds {available} evaluation batches of {B} x {T + 1} tokens, "
                                  f"{n} requested")
         parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device, tf32=tf32)
-        load_state(ck, parts.store)
+        formats.load_params(ck, parts.store)
         step = ck.step
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         loss = mean_eval_loss(parts, eval_model(parts), tokens, T, n)
