@@ -400,7 +400,7 @@ trace_command.params[:0] = [p for p in train.params if p.name in TRACE_TRAIN_OPT
 @click.argument("trace_b", metavar="B.h5")
 @click.option("--rtol", type=float, default=None,
               help="relative tolerance, against the larger max |x| of the two tensors  "
-                   "[default: 1e-10 float64, 1e-4 float32, 1e-2 float16/bfloat16]")
+                   "[default: 1e-10 float64, 1e-3 float32, 5e-2 float16/bfloat16]")
 @click.option("--atol", type=float, default=None,
               help="absolute tolerance  [default: 1e-13 float64, 1e-6 float32, 1e-3 float16/bfloat16]")
 @click.option("--json", "as_json", is_flag=True,

@@ -1,0 +1,247 @@
+"""`mpicube trace` and `mpicube compare` end to end, on real traces.
+
+Every layout's trace equals the serial one in float64 (through `compare`,
+so `compare` itself is tested on real traces); one altered element is
+named as the first divergence; a deliberately wrong 3-D linear
+(MPICUBE_TEST_WRONG_AXIS) is caught at the first activation it touches;
+the torch version of the same steps agrees when torch is available.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import MpiCube, last_json
+
+from mpicube import data
+from mpicube.compare import DEFAULT_TOLERANCES, computation_order
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 3
+CFG = {"vocab_size": 256, "n_ctx": 8, "n_layer": 2, "n_head": 4, "n_embd": 16}
+MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", "--batch-size", "8",
+         "--dtype", "float64", "--dropout", "0.1", "--seed", "5", "--warmup", "2"]
+N_TENSORS = len(computation_order(CFG, STEPS))      # every name a full trace holds
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory, corpus_cache) -> MpiCube:
+    runner = MpiCube(tmp_path_factory.mktemp("trace"), corpus_cache)
+    runner.env["MPIEXEC_TIMEOUT"] = "240"      # 8 ranks on 2 cores start slowly
+    return runner
+
+
+@pytest.fixture(scope="module")
+def serial_trace(runner) -> Path:
+    r = runner.run("trace", "--layout", "serial", *MODEL, "--steps", STEPS, "--out", "serial.h5")
+    assert r.returncode == 0, r
+    assert f"wrote serial.h5: {STEPS} steps of serial" in r.stdout
+    return runner.cwd / "serial.h5"
+
+
+def compare(runner, a, b, *extra):
+    r = runner.run("compare", a, b, "--json", *extra)
+    return r, (last_json(r.stdout) if r.returncode in (0, 1) else None)
+
+
+def test_serial_trace_holds_the_steps_it_ran(serial_trace, corpus_cache):
+    """The file is what docs/trace-format.md says, and its tensors are the
+    serial model's: the loader's batches, the initial parameters, and step
+    1's loss, logits and gradients recomputed here in-process."""
+    from mpi4py import MPI
+
+    from mpicube.config import ModelConfig
+    from mpicube.train import build_parts
+
+    with h5py.File(serial_trace, "r") as f:
+        assert f.attrs["format"] == "mpicube-trace" and f.attrs["version"] == 1 and f.attrs["steps"] == STEPS
+        assert json.loads(f.attrs["config"]) == CFG and f.attrs["dtype"] == "float64"
+        assert json.loads(f.attrs["layout"])["layout"] == "serial"
+        opt = json.loads(f.attrs["optimizer"])
+        assert opt["betas"] == [0.9, 0.95] and opt["grad_clip"]["max_norm"] == 1.0
+        assert "h.0.attn.c_attn.weight" in opt["decay"] and "wte" not in opt["decay"]
+        assert opt["lr"]["values"] == [f[f"step_{s}/lr"][()] for s in range(1, STEPS + 1)]
+        names = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+        assert sorted(names) == sorted(computation_order(CFG, STEPS))
+
+        tokens = f["tokens"][()]                                        # (N, B, T+1)
+        assert tokens.shape == (STEPS, 8, 9) and tokens.dtype == np.int32
+        loader = data.TrainLoader(data.read_shard(data.builtin_corpus(corpus_cache)[0]), 8, 8, 5)
+        for s in range(STEPS):
+            x, y = loader.batch(s)
+            assert np.array_equal(tokens[s, :, :-1], x) and np.array_equal(tokens[s, :, 1:], y)
+
+        masks = f["step_1/dropout/h.1.attn"][()]                         # (B, nh, T, T)
+        assert masks.shape == (8, 4, 8, 8) and set(np.unique(masks)) == {0, 1}
+        assert 0.85 < masks.mean() < 0.95                                # keep probability 0.9
+
+        cfg = ModelConfig(**CFG)
+        parts = build_parts(cfg, "serial", 8, MPI.COMM_SELF, dtype="float64", seed=5, dropout=0.1)
+        for name, block in parts.store.data.items():
+            assert np.array_equal(f[f"init/{name}"][()], block), name
+        parts.store.zero_grad()
+        x, y = tokens[0, :, :-1], tokens[0, :, 1:]
+        loss = parts.model.forward(x, y, step=1)
+        assert loss == f["step_1/loss"][()]
+        assert np.array_equal(parts.model.logits, f["step_1/logits"][()])
+        parts.model.backward()
+        for name, grad in parts.store.grad.items():
+            assert np.array_equal(f[f"step_1/grad/{name}"][()], grad), name
+
+
+CASES = [
+    # (ranks, layout, dp, depth)
+    (4, "1d", 2, 1),
+    (4, "2d", 1, 1),
+    (8, "2.5d", 1, 2),
+    (8, "3d", 1, 1),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks,layout,dp,depth", CASES, ids=[f"{c[1]}-n{c[0]}-dp{c[2]}" for c in CASES])
+def test_every_layout_traces_the_serial_steps(runner, serial_trace, ranks, layout, dp, depth):
+    out = f"{layout}-{ranks}.h5"
+    r = runner.run("trace", "--layout", layout, "--dp", dp, "--depth", depth, *MODEL, "--steps", STEPS,
+                   "--out", out, n=ranks, timeout=240)
+    assert r.returncode == 0, r
+    r, summary = compare(runner, serial_trace, out)
+    assert r.returncode == 0, r
+    assert summary["first_divergence"] is None and summary["tensors"] == N_TENSORS
+    assert summary["max_rel"] <= 1e-10
+    assert "all tensors agree" in r.stdout
+
+
+def test_an_altered_element_is_the_first_divergence(runner, serial_trace):
+    altered = runner.cwd / "altered.h5"
+    shutil.copy(serial_trace, altered)
+    with h5py.File(altered, "r+") as f:
+        f["step_2/act/h.1"][3, 4, 5] += 1e-7
+    r, summary = compare(runner, serial_trace, altered)
+    assert r.returncode == 1, r
+    assert summary["first_divergence"] == "step_2/act/h.1" and summary["tensors"] == N_TENSORS
+    assert "1 outside tolerance" in r.stdout and "first divergence: step_2/act/h.1" in r.stdout
+    r, summary = compare(runner, serial_trace, altered, "--atol", "1e-6")       # a looser tolerance
+    assert r.returncode == 0 and summary["first_divergence"] is None, r
+
+
+@pytest.mark.timeout(300)
+def test_a_wrong_cube_axis_is_caught_at_the_first_activation_it_touches(runner, serial_trace):
+    """MPICUBE_TEST_WRONG_AXIS makes block 1's c_fc reduce-scatter its
+    output over j instead of k: same shapes, wrong sums. Everything before
+    block 1 agrees; block 1's output is the first divergence."""
+    r = runner.run("trace", "--layout", "3d", *MODEL, "--steps", 1, "--out", "wrong.h5", n=8, timeout=240,
+                   env={"MPICUBE_TEST_WRONG_AXIS": "h.1.mlp.c_fc"})
+    assert r.returncode == 0, r
+    r, summary = compare(runner, serial_trace, "wrong.h5")
+    assert r.returncode == 1, r
+    assert summary["first_divergence"] == "step_1/act/h.1"
+    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("step_1/")}
+    assert rows["step_1/act/h.0"].endswith("yes") and rows["step_1/act/h.1"].endswith("NO")
+    assert "only in A" in r.stdout                                      # steps 2 and 3
+
+
+def test_compare_lists_tensors_present_in_one_trace_only(runner, serial_trace):
+    partial = runner.cwd / "partial.h5"
+    shutil.copy(serial_trace, partial)
+    with h5py.File(partial, "r+") as f:
+        del f["step_3"]
+        del f["step_1/dropout"]
+    r, summary = compare(runner, serial_trace, partial)
+    assert r.returncode == 0, r
+    n_dropout = 1 + 3 * CFG["n_layer"]
+    n_step = len(computation_order(CFG, 1)) - len(computation_order(CFG, 0))
+    assert summary["tensors"] == N_TENSORS - n_step - n_dropout
+    assert f"only in A ({n_step + n_dropout}): step_1/dropout/emb, step_1/dropout/h.0.attn" in r.stdout
+    assert "only in B" not in r.stdout
+
+
+def test_compare_refuses_what_is_not_a_comparable_trace(runner, serial_trace):
+    (runner.cwd / "text.h5").write_text("not hdf5\n")
+    with h5py.File(runner.cwd / "other.h5", "w") as f:
+        f.attrs["format"] = "mpicube-checkpoint"
+    small = ["--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--seq-len", "8", "--batch-size", "2"]
+    r = runner.run("trace", "--layout", "serial", *small, "--steps", 1, "--out", "small.h5")
+    assert r.returncode == 0, r
+    for other, message in [("missing.h5", "missing.h5: no such file"),
+                           ("text.h5", "text.h5: not an HDF5 file"),
+                           ("other.h5", "other.h5: not a trace (format 'mpicube-checkpoint'"),
+                           ("small.h5", "different models: n_layer 2 vs 1, n_head 4 vs 2, n_embd 16 vs 8")]:
+        r = runner.run("compare", serial_trace, other)
+        assert r.returncode == 2, r
+        assert len(r.error_lines()) == 1 and message in r.error_lines()[0], r
+        assert "Traceback" not in r.stderr
+
+
+def test_trace_refuses_a_trace_over_max_bytes_or_nowhere_to_write(runner):
+    r = runner.run("trace", "--layout", "serial", *MODEL, "--out", "big.h5", "--max-bytes", "100K")
+    assert r.returncode == 2 and len(r.error_lines()) == 1, r
+    assert "more than --max-bytes" in r.stderr and not (runner.cwd / "big.h5").exists()
+    r = runner.run("trace", "--layout", "serial", *MODEL, "--out", "no/such/dir/t.h5")
+    assert r.returncode == 2 and r.error_lines() == ["error: --out no/such/dir/t.h5: directory no/such/dir "
+                                                     "does not exist"], r
+    r = runner.run("trace", "--layout", "serial", *MODEL, "--out", "x.h5", "--max-bytes", "lots")
+    assert r.returncode == 2 and "is not a size" in r.stderr, r
+
+
+def test_compare_help_states_the_default_tolerances(runner):
+    r = runner.run("compare", "--help")
+    assert r.returncode == 0, r
+    text = " ".join(r.stdout.split())
+    for dtype, tolerances in DEFAULT_TOLERANCES.items():
+        for value in tolerances:                                        # 1e-10, 1e-3, ... as the help writes them
+            said = f"{value:.0e}".replace("e-0", "e-")
+            assert f"{said} {dtype}" in text or f"{said} float16/{dtype}" in text, (dtype, said, text)
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def torch_python():
+    """A Python that has torch and h5py: this one, or MPICUBE_TORCH_PYTHON."""
+    if importlib.util.find_spec("torch") is not None:
+        return sys.executable
+    return os.environ.get("MPICUBE_TORCH_PYTHON")
+
+
+@pytest.mark.timeout(300)
+def test_torch_trace_agrees_with_mpicube(runner, serial_trace):
+    """tools/torch_trace.py (modules, autograd, torch.optim.AdamW, clipping,
+    the trace's dropout masks) follows mpicube's serial trace to float64
+    rounding."""
+    python = torch_python()
+    if python is None:
+        pytest.skip("torch is not installed (optional, for tools/torch_trace.py only: pip install torch, "
+                    "or set MPICUBE_TORCH_PYTHON to a Python that has torch and h5py)")
+    out = runner.cwd / "torch.h5"
+    proc = subprocess.run([python, str(REPO / "tools" / "torch_trace.py"), str(serial_trace), "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r, summary = compare(runner, serial_trace, out)
+    assert r.returncode == 0, r
+    assert summary["first_divergence"] is None and summary["tensors"] == N_TENSORS
+    assert summary["max_rel"] <= 1e-10
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.environ.get("MPICUBE_TEST_27") != "1",
+                    reason="27 ranks take minutes on 2 cores: set MPICUBE_TEST_27=1 to run")
+def test_27_rank_cube_traces_the_serial_steps(runner, serial_trace):
+    model = [a for a in MODEL]
+    model[model.index("--batch-size") + 1] = "9"
+    model[model.index("--n-embd") + 1] = "18"
+    model[model.index("--n-head") + 1] = "3"
+    r = runner.run("trace", "--layout", "serial", *model, "--steps", STEPS, "--out", "s9.h5")
+    assert r.returncode == 0, r
+    r = runner.run("trace", "--layout", "3d", *model, "--steps", STEPS, "--out", "c27.h5", n=27, timeout=500)
+    assert r.returncode == 0, r
+    r, summary = compare(runner, "s9.h5", "c27.h5")
+    assert r.returncode == 0 and summary["max_rel"] <= 1e-10, r
