@@ -1,0 +1,95 @@
+"""Generation (issue 11): the key/value cache against the training
+forward pass, sampling, tokenizers, and the same tokens for a seed on
+several layouts."""
+
+import numpy as np
+import pytest
+from conftest import TINY, last_json
+from gpt2_files import random_gpt2, reference_greedy, write_llmc
+
+from mpicube import kvcache, ops
+from mpicube.config import ModelConfig
+from mpicube.generate import Sampler
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_cached_attention_equals_training_attention():
+    """Prefill of 5 positions, then 3 one at a time: the same outputs as
+    causal attention over all 8 at once (float64)."""
+    rng = np.random.default_rng(0)
+    B, T, nh, hd = 2, 8, 3, 4
+    qkv = rng.standard_normal((B, T, 3 * nh * hd))                     # (B, T, 3 C)
+    want, _ = ops.attention_forward(qkv, nh)                            # (B, T, C)
+    cache = kvcache.KVCache(np, B, nh, 16, hd, np.float64)
+    got = [kvcache.cached_attention(qkv[:, :5], nh, cache, 0)]
+    got += [kvcache.cached_attention(qkv[:, t:t + 1], nh, cache, t) for t in range(5, T)]
+    assert np.allclose(np.concatenate(got, axis=1), want, rtol=1e-12, atol=1e-12)
+
+
+def test_sampler():
+    logits = np.array([0.0, 3.0, 1.0, 2.9, -1.0])
+    assert Sampler(0.0, 0, 1)(logits) == 1                               # greedy
+    assert {Sampler(1.0, 1, s)(logits) for s in range(20)} == {1}       # top-1 is greedy
+    draws = [Sampler(1.0, 2, s)(logits) for s in range(200)]
+    assert set(draws) == {1, 3} and 70 < draws.count(1) < 130            # p = 0.52 / 0.48
+    a, b = Sampler(0.8, 0, 7), Sampler(0.8, 0, 7)
+    assert [a(logits) for _ in range(50)] == [b(logits) for _ in range(50)]   # a seed fixes the draws
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """An llm.c file of a random 300-token model (not byte-level: tokens only)."""
+    cfg = ModelConfig(vocab_size=300, n_ctx=48, n_layer=2, n_head=4, n_embd=16)
+    tensors = random_gpt2(cfg, seed=11)
+    path = write_llmc(tmp_path_factory.mktemp("gen") / "m.bin", tensors, cfg)
+    return path, tensors, cfg
+
+
+def test_cache_equals_recomputing_the_prefix(mpicube, small_model):
+    """Greedy decoding with the cache, without it (the training forward over
+    the whole prefix each step) and a plain NumPy GPT-2 give the same 24
+    tokens; on 8 ranks (3-D) too."""
+    path, tensors, cfg = small_model
+    prompt = [5, 17, 299, 0]
+    want = reference_greedy(tensors, cfg, prompt, 24)
+    for extra, n in (([], 1), (["--no-cache"], 1), (["--layout", "3d"], 8), (["--layout", "3d", "--no-cache"], 8)):
+        r = mpicube.run("generate", path, "--prompt-tokens", "5,17,299,0", "--max-new-tokens", "24",
+                        "--temperature", "0", "--dtype", "float64", "--json", *extra, n=n)
+        assert r.returncode == 0, r
+        result = last_json(r.stdout)
+        assert result["tokens"] == want, (extra, result["tokens"], want)
+        assert result["text"] is None and result["prompt_tokens"] == prompt
+
+
+def test_byte_level_text_and_sampling_on_two_layouts(mpicube, tmp_path):
+    r = mpicube.run("train", *TINY, "--steps", "3", "--out", "run")
+    assert r.returncode == 0, r
+    outs = []
+    for layout, n in (("serial", 1), ("1d", 2)):
+        r = mpicube.run("generate", "run", "--prompt", "def f(x):", "--max-new-tokens", "6", "--seed", "9",
+                        "--top-k", "20", "--layout", layout, "--json", n=n)
+        assert r.returncode == 0, r
+        result = last_json(r.stdout)
+        assert len(result["tokens"]) == 6 and result["prompt_tokens"] == list(b"def f(x):")
+        assert result["text"] == bytes(result["tokens"]).decode("utf-8", errors="replace")
+        assert r.stdout.startswith("def f(x):"), r
+        outs.append(result["tokens"])
+    assert outs[0] == outs[1]
+
+
+def test_gpt2_text_without_tiktoken_is_one_clear_error(mpicube, tmp_path):
+    try:
+        import tiktoken  # noqa: F401
+        pytest.skip("tiktoken is installed here")
+    except ImportError:
+        pass
+    cfg = ModelConfig(vocab_size=50257, n_ctx=8, n_layer=1, n_head=2, n_embd=8)
+    path = write_llmc(tmp_path / "g.bin", random_gpt2(cfg), cfg)
+    r = mpicube.run("generate", path, "--prompt", "Hello")
+    assert r.returncode == 2, r
+    [line] = r.error_lines()
+    assert "needs tiktoken" in line and "--prompt-tokens" in line
+    r = mpicube.run("generate", path, "--prompt-tokens", "50256", "--max-new-tokens", "3", "--json")
+    assert r.returncode == 0, r
+    assert last_json(r.stdout)["text"] is None and len(last_json(r.stdout)["tokens"]) == 3
