@@ -245,3 +245,20 @@ def test_27_rank_cube_traces_the_serial_steps(runner, serial_trace):
     assert r.returncode == 0, r
     r, summary = compare(runner, "s9.h5", "c27.h5")
     assert r.returncode == 0 and summary["max_rel"] <= 1e-10, r
+
+
+def test_teaching_doc_quotes_lines_the_layouts_still_have():
+    """docs/tensor-parallelism.md ties each step to `file` · `function` ·
+    `a line of it`; a refactor that moves the line must update the page."""
+    import re
+
+    text = (REPO / "docs" / "tensor-parallelism.md").read_text()
+    quotes = re.findall(r"`(\w+\.py)` · `([\w.]+)` · `([^`]+)`", text)
+    assert len(quotes) >= 20
+    for filename, function, line in quotes:
+        path = REPO / "mpicube" / ("layouts" if filename != "optim.py" else "") / filename
+        source = path.read_text()
+        assert f"def {function.split('.')[-1]}(" in source, (filename, function)
+        assert line in source, (filename, function, line)
+    for picture in re.findall(r"\]\((tp/[\w.]+\.png)\)", text):
+        assert (REPO / "docs" / picture).is_file(), picture
