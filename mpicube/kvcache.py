@@ -20,7 +20,8 @@ import numpy as np
 
 class KVCache:
     """Keys and values of one block for positions 0 .. n_ctx-1:
-    (B_m, nh, n_ctx, hd) each, for this rank's sequences and heads."""
+    (B_m, nh, n_ctx, hd) each, for this rank's sequences and heads, in
+    the activations' dtype."""
 
     def __init__(self, xp, n_seqs: int, n_heads: int, n_ctx: int, head_dim: int, dtype):
         self.k = xp.zeros((n_seqs, n_heads, n_ctx, head_dim), dtype=dtype)   # (B_m, nh, n_ctx, hd)
@@ -39,8 +40,10 @@ def cached_attention(qkv, n_head: int, cache: KVCache, pos: int):
     qkv5 = qkv.reshape(B, t, 3, n_head, hd).transpose(2, 0, 3, 1, 4)     # (3, B, nh, t, hd)
     cache.k[:, :, pos:end] = qkv5[1]
     cache.v[:, :, pos:end] = qkv5[2]
-    q = qkv5[0] * (1.0 / math.sqrt(hd))                                   # (B, nh, t, hd)
-    keys, values = cache.k[:, :, :end], cache.v[:, :, :end]               # (B, nh, end, hd)
+    wide = np.promote_types(qkv.dtype, np.float32)          # 16-bit activations: scores in float32
+    q = qkv5[0].astype(wide) * (1.0 / math.sqrt(hd))                      # (B, nh, t, hd)
+    keys = cache.k[:, :, :end].astype(wide, copy=False)                   # (B, nh, end, hd)
+    values = cache.v[:, :, :end].astype(wide, copy=False)                 # (B, nh, end, hd)
     scores = xp.matmul(q, keys.swapaxes(-1, -2))                         # (B, nh, t, end)
     if t > 1:                                                             # the new block is causal
         later = xp.arange(end)[None, :] > (pos + xp.arange(t))[:, None]   # (t, end)
@@ -49,7 +52,7 @@ def cached_attention(qkv, n_head: int, cache: KVCache, pos: int):
     xp.exp(scores, out=scores)
     scores /= scores.sum(-1, keepdims=True)                               # probabilities
     y = xp.matmul(scores, values)                                         # (B, nh, t, hd)
-    return xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, t, n_head * hd)
+    return xp.ascontiguousarray(y.transpose(0, 2, 1, 3), dtype=qkv.dtype).reshape(B, t, n_head * hd)
 
 
 def _xp(a):

@@ -202,7 +202,7 @@ class GPT:
         and heads, over the whole context."""
         cfg, layout = self.cfg, self.layout
         return [kvcache.KVCache(self.xp, len(layout.mid_seqs), len(layout.head_ids), cfg.n_ctx, cfg.head_dim,
-                                self.store.flat.dtype) for _ in self.blocks]
+                                self.layout.backend.dtype) for _ in self.blocks]
 
     def decode(self, idx, pos: int, caches: list):
         """Logits of positions pos .. pos+t-1 given their tokens idx (B_dp, t)

@@ -59,12 +59,15 @@ def parse_config(path: Path, doc) -> ModelConfig:
     model_type = doc.get("model_type")
     if model_type != "gpt2":
         raise FormatError(f"{where}: model_type {model_type!r} is not 'gpt2'; mpicube reads GPT-2 models only")
+    eps = doc.get("layer_norm_epsilon", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise FormatError(f"{where}: layer_norm_epsilon {json.dumps(eps)} is not a number")
     refusals = [
         ("activation_function", doc.get("activation_function", "gelu_new") not in TANH_GELU,
          "mpicube's MLP uses the tanh-approximated GELU ('gelu_new')"),
         ("n_inner", doc.get("n_inner") not in (None, 4 * doc.get("n_embd", 0)),
          "mpicube's MLP is 4 * n_embd wide"),
-        ("layer_norm_epsilon", float(doc.get("layer_norm_epsilon", 1e-5)) != 1e-5,
+        ("layer_norm_epsilon", float(eps) != 1e-5,
          "mpicube's LayerNorm uses eps 1e-5"),
         ("scale_attn_weights", doc.get("scale_attn_weights", True) is not True,
          "mpicube scales attention scores by 1/sqrt(head_dim)"),
