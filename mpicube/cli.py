@@ -266,7 +266,9 @@ def prepare(inputs, out, val_fraction, tokenizer):
 @click.option("--dp", type=int, default=1, show_default=True)
 @click.option("--depth", type=int, default=1, show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+              help="format of the estimate: float16/bfloat16 count 16-bit activations and panels, "
+                   "float32 reductions, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype, vocab_size):
@@ -282,17 +284,21 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     h = cfg.n_embd
     embed = (cfg.vocab_size + cfg.n_ctx) * h
     per_layer = (n - embed - 2 * h) // cfg.n_layer
-    width = 4 if dtype == "float32" else 8
+    from .costmodel import Widths
+
+    w = Widths.of(dtype)
     echo(f"model: GPT-2, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
          f"vocab {cfg.vocab_size}")
     echo(f"parameters: {n:,} (embeddings {embed:,}, {cfg.n_layer} layers x {per_layer:,}, ln_f {2 * h:,})")
-    echo(f"memory: {_mib(n * width)} of parameters in {dtype}; {_mib(4 * n * width)} with gradients and "
-         f"AdamW moments (before sharding)")
+    working = n * w.act if w.act != w.grad else 0           # mixed precision: a 16-bit working copy too
+    echo(f"memory: {_mib(n * w.grad + working)} of parameters in {dtype}"
+         + (f" (float32 master + {dtype} working copy)" if working else "")
+         + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
         from .costmodel import report
 
         echo()
-        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, bytes_per_elem=width))
+        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype))
 
 
 @cli.command()

@@ -368,7 +368,7 @@ def _fmt(n) -> str:
     return f"{n:.4g}"
 
 
-def _problem(name, cfg, batch_size, world_size, dp, depth):
+def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32"):
     """A validated Problem, or the ConfigError's message."""
     from .errors import ConfigError
 
@@ -376,14 +376,16 @@ def _problem(name, cfg, batch_size, world_size, dp, depth):
         _, resolved, tp = plan(name, cfg, batch_size, world_size, dp, depth)
     except ConfigError as err:
         return str(err)
-    return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx)
+    return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
-           depth: int = 1, bytes_per_elem: int = 4) -> str:
+           depth: int = 1, dtype: str = "float32") -> str:
     """Sharding plan and per-rank predictions for one layout, then the four
-    schemes side by side at the same world size."""
-    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth)
+    schemes side by side at the same world size, in bytes of ``dtype``'s
+    real widths (mixed precision: 16-bit activations and panels, float32
+    reductions, gradients and optimizer state)."""
+    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype)
     if isinstance(chosen, str):
         from .errors import ConfigError
 
@@ -403,41 +405,43 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
         n, axis = sizes[decl.name]
         label = ("h.*." + key) if decl.name.startswith("h.") else key
         lines.append(f"  {label:<28} {str(decl.shape):>16} {n:>12}  {axis or '-'}")
-    traffic, memory = step_traffic(chosen), step_memory(chosen)
-    lines += ["", "communication per rank per step (elements, messages):"]
+    traffic, memory, nbytes = step_traffic(chosen), step_memory(chosen), step_memory_bytes(chosen)
+    lines += ["", f"communication per rank per step ({dtype}: elements, bytes, messages):"]
     for axis in sorted(traffic.elems):
-        lines.append(f"  {axis:<10} {_fmt(traffic.elems[axis]):>10} {traffic.msgs[axis]:>8}")
-    lines.append(f"  {'total':<10} {_fmt(traffic.total_elems()):>10} {traffic.total_msgs():>8}")
-    lines += ["", f"memory per rank (elements; bytes at {bytes_per_elem} B/element):"]
+        lines.append(f"  {axis:<10} {_fmt(traffic.elems[axis]):>10} {_fmt(traffic.bytes[axis]) + 'B':>10} "
+                     f"{traffic.msgs[axis]:>8}")
+    lines.append(f"  {'total':<10} {_fmt(traffic.total_elems()):>10} {_fmt(traffic.total_bytes()) + 'B':>10} "
+                 f"{traffic.total_msgs():>8}")
+    lines += ["", f"memory per rank ({dtype}: elements, bytes):"]
     for field_name in ("params", "grads", "optimizer", "activations"):
-        n = getattr(memory, field_name)
-        lines.append(f"  {field_name:<12} {_fmt(n):>10}  {_fmt(n * bytes_per_elem)}B")
-    lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(memory.total() * bytes_per_elem)}B")
-    lines += ["", compare(cfg, batch_size, world_size, dp, bytes_per_elem)]
+        lines.append(f"  {field_name:<12} {_fmt(getattr(memory, field_name)):>10}  "
+                     f"{_fmt(getattr(nbytes, field_name))}B")
+    lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(nbytes.total())}B")
+    lines += ["", compare(cfg, batch_size, world_size, dp, dtype)]
     return "\n".join(lines)
 
 
-def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, bytes_per_elem: int = 4) -> str:
+def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dtype: str = "float32") -> str:
     """1-D, 2-D, 2.5-D and 3-D at the same world size: communication and
-    memory per rank, and each one's ratio to 3-D."""
+    memory per rank in bytes of ``dtype``, and each one's ratio to 3-D."""
     tp = world_size // dp if world_size % dp == 0 else 0
     rows = []
     for name in ("1d", "2d", "2.5d", "3d"):
         depth = comparison_depth(tp) if name == "2.5d" and tp else 1
-        rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth)))
+        rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth, dtype)))
     base = next((p for n, _, p in rows if n == "3d" and not isinstance(p, str)), None)
-    base_t = step_traffic(base).total_elems() if base else None
-    base_m = step_memory(base).total() if base else None
-    lines = [f"all schemes at world {world_size} (dp {dp}), per rank per step:",
-             f"  {'layout':<10} {'comm elems':>11} {'messages':>9} {'memory':>10} {'comm/3d':>8} {'mem/3d':>7}"]
+    base_t = step_traffic(base).total_bytes() if base else None
+    base_m = step_memory_bytes(base).total() if base else None
+    lines = [f"all schemes at world {world_size} (dp {dp}), {dtype}, per rank per step:",
+             f"  {'layout':<10} {'comm bytes':>11} {'messages':>9} {'memory':>10} {'comm/3d':>8} {'mem/3d':>7}"]
     for name, depth, p in rows:
         label = f"{name} d={depth}" if name == "2.5d" else name
         if isinstance(p, str):
             lines.append(f"  {label:<10} n/a: {p}")
             continue
-        t, m = step_traffic(p), step_memory(p)
-        ratio_t = f"{float(t.total_elems() / base_t):.2f}x" if base_t else "-"
+        t, m = step_traffic(p), step_memory_bytes(p)
+        ratio_t = f"{float(t.total_bytes() / base_t):.2f}x" if base_t else "-"
         ratio_m = f"{m.total() / base_m:.2f}x" if base_m else "-"
-        lines.append(f"  {label:<10} {_fmt(t.total_elems()):>11} {t.total_msgs():>9} "
-                     f"{_fmt(m.total() * bytes_per_elem) + 'B':>10} {ratio_t:>8} {ratio_m:>7}")
+        lines.append(f"  {label:<10} {_fmt(t.total_bytes()) + 'B':>11} {t.total_msgs():>9} "
+                     f"{_fmt(m.total()) + 'B':>10} {ratio_t:>8} {ratio_m:>7}")
     return "\n".join(lines)
