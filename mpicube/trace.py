@@ -160,10 +160,12 @@ class Collector:
                                     (self.canonical_seqs, np.arange(T), self.cols), keep(mask)))
         return pieces
 
-    def params(self, prefix: str, which: str) -> list:
-        """One copy of every parameter (``which`` = "data") or gradient ("grad")."""
+    def params(self, prefix: str, which: str, divide: float = 1.0) -> list:
+        """One copy of every parameter (``which`` = "data") or gradient
+        ("grad", ``divide`` = the loss scale it carries)."""
         views = getattr(self.store, which)
-        return [Piece(f"{prefix}/{spec.name}", tuple(spec.decl.shape), spec.index, self.host(views[spec.name]))
+        return [Piece(f"{prefix}/{spec.name}", tuple(spec.decl.shape), spec.index,
+                      self.host(views[spec.name]) / divide if divide != 1.0 else self.host(views[spec.name]))
                 for spec in self.store.specs if spec.writer and self.param_writer]
 
 
@@ -273,6 +275,7 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
         with model_file:
             formats.load_params(model_file, parts.store)
     opt = AdamW(parts.store, weight_decay=opts.weight_decay)
+    scaler = opts.loss_scaler()                                 # float16 only: dynamic loss scaling
     schedule = Schedule(opts.lr, opts.warmup, N)
     collect = Collector(parts, store_dtype)
     layout = parts.layout
@@ -306,16 +309,21 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
                 loss = parts.model.forward(x[rows], y[rows], step=s)
                 forward = collect.activations(parts.model.capture, T) + [collect.logits(T)] + collect.masks(T)
                 parts.model.capture = None
-                parts.model.backward()
+                loss_scale = scaler.scale if scaler is not None else 1.0
+                parts.model.backward(loss_scale=loss_scale)
                 sync_gradients(parts.store, layout.axes.dp)
-                norm = global_grad_norm(parts.store, layout.axes.tp)
+                norm = global_grad_norm(parts.store, layout.axes.tp) / loss_scale
                 if agree_max(mpi_world, not (math.isfinite(loss) and math.isfinite(norm))):
-                    raise DivergedError(f"trace: step {s}: the loss is {loss} and the gradient norm {norm}; "
+                    hint = (f"; float16 gradients overflowed at loss scale {loss_scale:g} and a trace cannot skip "
+                            "a step: pass a smaller --loss-scale") if scaler is not None else ""
+                    raise DivergedError(f"trace: step {s}: the loss is {loss} and the gradient norm {norm}{hint}; "
                                         "nothing written")
-                grads = collect.params("grad", "grad")
+                grads = collect.params("grad", "grad", divide=loss_scale)
                 scale = min(1.0, opts.grad_clip / (norm + CLIP_EPS)) if opts.grad_clip > 0 else 1.0
                 lr = schedule(s)
-                opt.step(lr, scale)
+                opt.step(lr, scale / loss_scale)
+                if scaler is not None:
+                    scaler.update(True)
             step_pieces = forward + grads + collect.params("param", "data")
             tensors = gather_pieces(mpi_world, step_pieces)
             if writer is not None:
