@@ -262,3 +262,20 @@ def test_teaching_doc_quotes_lines_the_layouts_still_have():
         assert line in source, (filename, function, line)
     for picture in re.findall(r"\]\((tp/[\w.]+\.png)\)", text):
         assert (REPO / "docs" / picture).is_file(), picture
+
+
+def test_trace_starts_from_a_checkpoint(runner):
+    """--init-from: the trace's init/ are exactly the checkpoint's parameters."""
+    small = ["--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--seq-len", "8", "--batch-size", "2",
+             "--dtype", "float64"]
+    r = runner.run("train", "--layout", "serial", *small, "--steps", "2", "--out", "run")
+    assert r.returncode == 0, r
+    r = runner.run("trace", "--layout", "serial", *small, "--steps", 1, "--init-from", "run", "--out", "from.h5")
+    assert r.returncode == 0, r
+    from mpicube import checkpoint
+
+    with checkpoint.open_checkpoint(runner.cwd / "run") as ck, h5py.File(runner.cwd / "from.h5", "r") as f:
+        names = [n[len("model/"):] for n in ck.names() if n.startswith("model/")]
+        assert sorted(names) == sorted(f["init"])
+        for name in names:
+            assert np.array_equal(ck.read(f"model/{name}"), f[f"init/{name}"][()]), name
