@@ -33,11 +33,25 @@
 # EXTRA_ARGS, LAUNCHER, SRUN_ARGS and MPIEXEC_ARGS are split on whitespace.
 # Needs bash 4.4 or newer.
 #
-# Exit statuses of `mpicube train`, which the scripts pass on:
-#   0   training finished (all --steps done)
+# Exit statuses of `mpicube train` and what the scripts make of them (the
+# job's exit status, as the scheduler records it):
+#   0   training finished (all --steps done): 0
+#   2   bad input (one `error:` line), 3 training diverged: 2, 3; no resubmission
 #   75  stopped early on SIGTERM/SIGUSR1 or --time-limit, after writing a
-#       checkpoint: requeue (Slurm) or resubmit (PBS) and continue
-#   any other: a real failure; nothing is resubmitted
+#       checkpoint: requeue (Slurm) or resubmit (PBS) and continue; the job
+#       ends with 75 when MAX_RESUBMITS stops the chain (and with 1 when the
+#       run made no progress: a chain that would loop)
+#   any other (1 internal error; a launcher's own status such as srun's 137
+#       after it killed the other ranks of an aborted job): 1; no resubmission
+# The scripts' own failures (no venv, a wrong MPI world size) exit 1 too.
+#
+# Stopping early: SIGUSR1 to the batch shell (Slurm's --signal=B:USR1@N,
+# `scancel --signal=USR1 --batch`, PBS's `qsig -s USR1`) is passed on to the
+# ranks through the launcher, which forwards it, as soon as this launch of
+# mpicube is up; SIGUSR1 sent to the ranks directly (--signal=USR1@N without
+# B:, `scancel --signal=USR1`) needs no help. SIGTERM is left alone: it comes
+# with the scheduler's kill at the time limit or from scancel/qdel, when the
+# job must not be requeued; mpicube still checkpoints on it if it has time.
 #
 # GPUs: run one rank per GPU and let every rank see all of its node's GPUs.
 # mpicube picks its device itself (--device gpu): the node-local rank, from an
@@ -56,6 +70,18 @@ MPC_VARS=(REPO_DIR VENV RUN_DIR DATA LAYOUT DTYPE DEVICE N_LAYER N_HEAD N_EMBD
   OMP_NUM_THREADS)
 
 mpc_log() { echo "[mpicube job $(date '+%F %T')] $*"; }
+
+# A stop request can arrive at any moment, even before mpc_setup: the trap is
+# set as this file is sourced. bash runs a trap only between commands, so the
+# launcher runs in the background while the shell waits for it (mpc_launch).
+MPC_STOP=0     # 1: SIGUSR1 came and has not been passed on to the ranks yet
+MPC_TRAPS=0    # how many signals this shell has trapped
+mpc_on_usr1() {
+  MPC_STOP=1
+  MPC_TRAPS=$((MPC_TRAPS + 1))
+  mpc_log "got SIGUSR1: the ranks will checkpoint and stop (passed on once mpicube is up)"
+}
+trap mpc_on_usr1 USR1
 mpc_die() {
   echo "[mpicube job] error: $*" >&2
   exit 1
@@ -149,7 +175,8 @@ mpc_setup() {
 # the node count, the most ranks on one node and the fewest GPUs a rank sees
 # (-1: CUDA_VISIBLE_DEVICES unset, i.e. all of the node's GPUs).
 MPC_PROBE_PY='
-import os
+import os, signal
+signal.signal(signal.SIGUSR1, lambda *_: print("MPICUBE_PROBE_STOP", flush=True))
 from mpi4py import MPI
 world = MPI.COMM_WORLD
 node = world.Split_type(MPI.COMM_TYPE_SHARED)
@@ -178,6 +205,10 @@ mpc_check_world() {
   fi
   local out status=0
   out=$("${cmd[@]}" 2>&1) || status=$?
+  if [[ $out == *MPICUBE_PROBE_STOP* ]]; then
+    MPC_STOP=1
+    mpc_log "the ranks got SIGUSR1 during the MPI probe: mpicube will be asked to checkpoint and stop"
+  fi
   local lines
   lines=$(grep -o 'MPICUBE_PROBE ' <<<"$out" | wc -l)
   if ((status != 0 || lines == 0)); then
@@ -272,16 +303,23 @@ mpc_run() {
   mpc_log "running: ${MPC_LAUNCH[*]} mpicube $(printf '%q ' "${MPC_ARGS[@]}")"
 
   local status=0
-  "${MPC_LAUNCH[@]}" "$MPC_MPICUBE" "${MPC_ARGS[@]}" || status=$?
+  mpc_launch "${MPC_LAUNCH[@]}" "$MPC_MPICUBE" "${MPC_ARGS[@]}" || status=$?
   case $status in
   0)
     mpc_log "training finished"
     exit 0
     ;;
   "$MPC_EXIT_PREEMPTED") ;;
-  *)
-    mpc_log "mpicube failed with status $status; not resubmitting"
+  2 | 3)
+    mpc_log "mpicube failed with status $status ($([[ $status == 2 ]] && echo 'bad input' || echo 'training diverged')); not resubmitting"
     exit "$status"
+    ;;
+  *)
+    # When one rank fails alone, mpicube aborts the job and the launcher
+    # reports the ranks it killed (srun: 137) rather than the rank's status:
+    # every failure other than 2 and 3 leaves the job with status 1.
+    mpc_log "mpicube failed with status $status; not resubmitting (job exit status 1)"
+    exit 1
     ;;
   esac
 
@@ -297,6 +335,55 @@ mpc_run() {
   local) mpc_log "run the same command again to resume from step $after" ;;
   esac
   exit "$MPC_EXIT_PREEMPTED"
+}
+
+# mpc_file_id FILE: its inode and modification time ("" if absent).
+mpc_file_id() { stat -c '%i %y' "$1" 2>/dev/null || true; }
+
+# mpc_alive PID: whether the process runs (not gone, not a zombie).
+mpc_alive() {
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  [[ ${stat%% *} != Z ]]
+}
+
+# mpc_launch CMD...: run the launcher in the background and wait for it,
+# passing SIGUSR1 on to it (MPICH's mpiexec, srun and Open MPI's mpirun all
+# forward SIGUSR1 to the ranks); returns its exit status. A rank that gets
+# SIGUSR1 before mpicube has installed its handler dies of it, so a request is
+# held back until this launch is up: rank 0 rewrites RUN_DIR/config.json after
+# every rank has passed its handler (the setup's first collectives).
+mpc_launch() {
+  local config=$RUN_DIR/config.json before status traps interrupted=
+  before=$(mpc_file_id "$config")
+  "$@" &
+  local child=$!
+  while :; do
+    if ((MPC_STOP)) && [[ $(mpc_file_id "$config") != "$before" ]]; then
+      MPC_STOP=0
+      if kill -USR1 "$child" 2>/dev/null; then
+        mpc_log "passed SIGUSR1 on to the ranks through $1"
+      fi
+    fi
+    if ((MPC_STOP)) && mpc_alive "$child"; then
+      sleep 0.5 # mpicube is not up yet
+      continue
+    fi
+    traps=$MPC_TRAPS
+    status=0
+    wait "$child" || status=$?
+    # A trapped signal interrupts `wait` (status 128+n) while the child runs
+    # on; wait again. (Had the child ended just then with that very status,
+    # the second wait finds no child: 127.)
+    if ((status == 127)) && [[ -n $interrupted ]]; then
+      status=$interrupted
+    elif ((traps != MPC_TRAPS && status > 128)); then
+      interrupted=$status
+      continue
+    fi
+    return "$status"
+  done
 }
 
 # Slurm: put this same job (same id, same script and arguments) back in the

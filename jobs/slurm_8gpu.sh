@@ -24,10 +24,15 @@
 #
 # Restarts: each launch runs `mpicube train --resume --out $RUN_DIR`, which
 # continues from the run's newest checkpoint (or starts fresh). 120 s before
-# the time limit Slurm sends SIGUSR1 to every rank (--signal without "B:"
-# reaches the job steps, not just this shell); mpicube writes a checkpoint
-# and exits 75, and this script requeues the job (same id, log appended).
-# Exit 0 means finished; any other status is a failure and is not requeued.
+# the time limit (give or take the 30 s between Slurm's checks) Slurm sends
+# SIGUSR1 to this shell ("B:"), which passes it on to the ranks as soon as
+# mpicube is up, so even a signal that comes early is not lost; mpicube
+# writes a checkpoint and exits 75, and this script requeues the job (same
+# id, log appended, SLURM_RESTART_COUNT one higher). To preempt by hand:
+# `scancel --signal=USR1 --batch JOBID` (or without --batch, to the ranks).
+# Exit 0 means finished, 75 stopped without requeueing (MAX_RESUBMITS); any
+# other status is a failure (2 bad input, 3 diverged, 1 other) and is not
+# requeued.
 # Variables and details: jobs/common.sh.
 #
 #SBATCH --job-name=mpicube-3d-8
@@ -37,7 +42,7 @@
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=8
 #SBATCH --time=04:00:00
-#SBATCH --signal=USR1@120
+#SBATCH --signal=B:USR1@120
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
