@@ -4,11 +4,9 @@ reading exactly its blocks back from a checkpoint saved on any layout."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from . import checkpoint
 from .checkpoint import CheckpointError
-from .comm import on_root
 
 
 def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
@@ -26,30 +24,26 @@ def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
     return blocks
 
 
-def open_verified(mpi_world, path, notes: list | None = None) -> "checkpoint.Checkpoint":
-    """Rank 0 finds the checkpoint (a run directory's newest), then every
-    rank opens it and hashes its share of the shard files; a problem found
-    anywhere stops every rank with the same message."""
-    resolved, said = on_root(mpi_world, lambda: _find(path))
-    if notes is not None:
-        notes.extend(said)
-    return checkpoint.open_checkpoint(resolved, verify=True, comm=mpi_world)
-
-
-def _find(path) -> tuple:
-    said = []
-    p = Path(path)
-    if p.is_dir() and not (p / checkpoint.MAIN_FILE).is_file() and (p / "ckpt").is_dir():
-        found = checkpoint.latest(p, said)
-        if found is not None:
-            p = found
-    with checkpoint.open_checkpoint(p, verify=False) as ck:
-        return str(ck.file), said
-
-
-def load_state(ck, store, opt=None) -> None:
+def load_state(ck, store, opt=None, comm=None) -> None:
     """Read exactly this rank's block of every parameter (and, given ``opt``,
-    of the AdamW moments) from a checkpoint written on any layout."""
+    of the AdamW moments) from a checkpoint written on any layout. With
+    ``comm``, a read that fails on some ranks (a damaged chunk that only
+    they read) fails on every rank with the same message, so none is left
+    waiting in the next collective."""
+    error = None
+    try:
+        _load_state(ck, store, opt)
+    except CheckpointError as e:
+        error = str(e)
+    if comm is not None:
+        for rank, message in enumerate(comm.allgather(error)):
+            if message is not None:
+                raise CheckpointError(message if rank == 0 else f"rank {rank}: {message}")
+    elif error is not None:
+        raise CheckpointError(error)
+
+
+def _load_state(ck, store, opt=None) -> None:
     prefixes = ["model"] + (["optimizer/m", "optimizer/v"] if opt is not None else [])
     names = set(ck.names())
     for spec in store.specs:                   # check everything before reading anything

@@ -8,6 +8,8 @@ MODE "fault": overwriting step 3 with rank 0's rename failing must raise on
               every rank and keep the old step 3; then saving step 4 with an
               exception on rank 2 (env CKPT_FAULT_RANK) is left uncaught, so
               the job exits non-zero.
+MODE "verify": every rank opens RUN_DIR's checkpoint with the communicator;
+              rank 0 prints "VERIFY" and JSON of [files hashed, error] per rank.
 
 The expected tensors are defined here (``expected``) and imported by the test.
 """
@@ -145,6 +147,28 @@ def main(mode: str, run_dir: str) -> None:
             checkpoint_write._sha256_file = boom
         C.save(run_dir, 4, blocks_for(r, 4), attrs_for(4), comm, keep=2)
         print("UNREACHABLE: save with a faulty rank returned", flush=True)
+        return
+
+    if mode == "verify":
+        import json
+        from pathlib import Path
+
+        from mpicube.checkpoint import read as checkpoint_read
+        hashed = []
+        real_sha = checkpoint_read._sha256_file
+
+        def recording_sha(path):
+            hashed.append("/".join(Path(path).parts[-2:]))
+            return real_sha(path)
+        checkpoint_read._sha256_file = recording_sha
+        error = None
+        try:
+            C.open_checkpoint(run_dir, comm=comm).close()
+        except C.CheckpointError as e:
+            error = str(e)
+        everyone = comm.gather([sorted(hashed), error])
+        if r == 0:
+            print("VERIFY " + json.dumps(everyone), flush=True)
         return
 
     raise SystemExit(f"unknown mode {mode!r}")

@@ -3,6 +3,7 @@ partial reads, keep/latest, corruption detection and atomic commit."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -146,6 +147,49 @@ def test_many_runs_read_matches_fancy_index(run_dir):
                 _expected_block(S.expected(3, 1)[S.A_NAME], (rows, cols), (10, 12)))
 
 
+def test_one_mapping_per_piece_in_index_files(run_dir):
+    """checkpoint.h5 links each tensor to a virtual dataset in its owner's
+    index file, which maps each rank's block once, however many runs it
+    spans (the q | k | v columns of test.qkv are three per rank)."""
+    step = run_dir / "ckpt" / "step_00000003"
+    with h5py.File(step / "checkpoint.h5", "r") as f:
+        link = f.get(S.A_NAME, getlink=True)
+        assert isinstance(link, h5py.ExternalLink) and link.filename.startswith("index/rank_"), link
+        files = [m.file_name for m in f[S.A_NAME].virtual_sources()]
+    assert sorted(files) == [f"../shards/rank_{r:05d}.h5" for r in range(4)]
+    assert len(list((step / "index").iterdir())) <= 4
+
+
+def _verify_run(run: Path):
+    p = _mpirun("verify", run)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("VERIFY "))
+    return json.loads(line[len("VERIFY "):])
+
+
+def test_load_spreads_hashing_over_the_ranks(run_dir):
+    """Opening on 4 ranks hashes every file once, each rank the files
+    numbered like itself (on the saving layout, those it wrote and reads)."""
+    ranks = _verify_run(run_dir)
+    with C.open_checkpoint(run_dir, verify=False) as ck:
+        files = sorted(ck.shard_sha256)
+    assert all(error is None for _, error in ranks), ranks
+    assert sorted(f for hashed, _ in ranks for f in hashed) == files
+    for r, (hashed, _) in enumerate(ranks):
+        assert hashed and all(f.endswith(f"rank_{r:05d}.h5") for f in hashed), (r, hashed)
+
+
+def test_damage_found_by_one_rank_stops_every_rank(copy_run):
+    shard = copy_run / "ckpt" / "step_00000003" / "shards" / "rank_00002.h5"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    ranks = _verify_run(copy_run)
+    assert [len(hashed) for hashed, _ in ranks] != [0] * 4
+    errors = {error for _, error in ranks}
+    assert len(errors) == 1 and "rank_00002.h5: shard file is corrupt" in errors.pop(), ranks
+
+
 # --------------------------------------------------------------------------
 # damage is detected and named
 
@@ -255,3 +299,43 @@ def test_serial_save_and_cover_checks(tmp_path):
     assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["latest", p.name]
     with pytest.raises(C.CheckpointError, match="reserved"):
         C.save(tmp_path, 6, good, {"version": 3})
+
+
+# --------------------------------------------------------------------------
+# a run directory after jobs that died
+
+def test_latest_falls_back_and_recover_restores(copy_run):
+    """A job killed between the commit's renames while overwriting step 3
+    leaves `latest` naming a step that is not there: `latest` falls back to
+    the newest complete checkpoint (saying so), and `recover` moves the
+    step aside back."""
+    ck = copy_run / "ckpt"
+    aside = ck / ".old_step_00000003_0badf00d"
+    os.replace(ck / "step_00000003", aside)
+    notes = []
+    assert C.latest(copy_run, notes) == ck / "step_00000002"
+    assert len(notes) == 1 and "'step_00000003', which is not a complete checkpoint" in notes[0], notes
+    with C.open_checkpoint(copy_run) as c:
+        assert c.step == 2
+    (ck / ".tmp_step_00000004_dead_0123").mkdir()
+    done = C.recover(copy_run)
+    assert any("restored" in line for line in done) and any(".tmp_step_00000004" in line for line in done), done
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert C.latest(copy_run) == ck / "step_00000003"
+    (ck / "latest").unlink()
+    assert C.latest(copy_run) == ck / "step_00000003"          # no `latest` at all: the newest complete
+
+
+def test_save_removes_only_its_own_temporary_dirs(tmp_path):
+    """Another saver's temporary directory (a job still writing, as far as
+    this one can know) survives this saver's pruning."""
+    x = np.arange(6.0).reshape(2, 3)
+    block = [_blk("model/x", x, (2, 3), (np.arange(2), np.arange(3)))]
+    C.save(tmp_path, 1, block, owner="first")
+    theirs = tmp_path / "ckpt" / ".tmp_step_00000007_other_0a1b2c"
+    theirs.mkdir()
+    (theirs / "checkpoint.h5").write_bytes(b"in progress")
+    C.save(tmp_path, 2, block, keep=1, owner="second")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [theirs.name, "latest", "step_00000002"]
+    with pytest.raises(C.CheckpointError, match="owner"):
+        C.save(tmp_path, 3, block, owner="not/this")

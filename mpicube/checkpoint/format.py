@@ -157,4 +157,5 @@ class _SelfComm:
     def bcast(self, obj, root=0): return obj
     def gather(self, obj, root=0): return [obj]
     def allgather(self, obj): return [obj]
+    def alltoall(self, objs): return list(objs)
     def Barrier(self): pass

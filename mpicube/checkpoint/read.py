@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import zlib
 from pathlib import Path
 
 import h5py
@@ -16,19 +17,39 @@ from .format import (
 
 
 
-def latest(run_dir) -> Path | None:
-    """The checkpoint directory ``RUN/ckpt/latest`` points to, or None."""
+def latest(run_dir, notes: list | None = None) -> Path | None:
+    """The run's newest committed checkpoint directory, or None.
+
+    ``RUN/ckpt/latest`` names it. If that file is missing, or names a step
+    that is not there (a job killed between the commit's two renames), the
+    newest step directory that holds a checkpoint.h5 is taken instead, and
+    a line saying so is appended to ``notes``."""
     run_dir = Path(run_dir)
-    f = run_dir / CKPT_DIR / LATEST
-    if not f.is_file():
+    ckpt = run_dir / CKPT_DIR
+    f = ckpt / LATEST
+    named = f.read_text().strip() if f.is_file() else None
+    if named is not None and _STEP_RE.match(named) and (ckpt / named / MAIN_FILE).is_file():
+        return ckpt / named
+    found = _newest_complete(ckpt)
+    if named is None and found is None:
         return None
-    name = f.read_text().strip()
-    if not _STEP_RE.match(name):
-        raise CheckpointError(f"{f}: does not name a step directory (got {name!r})")
-    d = run_dir / CKPT_DIR / name
-    if not (d / MAIN_FILE).is_file():
-        raise CheckpointError(f"{f} points to {d}, which has no {MAIN_FILE}")
-    return d
+    if found is None:
+        if not _STEP_RE.match(named):
+            raise CheckpointError(f"{f}: does not name a step directory (got {named!r})")
+        raise CheckpointError(f"{f} points to {ckpt / named}, which has no {MAIN_FILE}, and no other "
+                              "complete checkpoint is there")
+    if notes is not None:
+        why = f"{f} is missing" if named is None else f"{f} names {named!r}, which is not a complete checkpoint"
+        notes.append(f"note: {why}; using the newest complete one found, {found}")
+    return found
+
+
+def _newest_complete(ckpt: Path) -> Path | None:
+    if not ckpt.is_dir():
+        return None
+    steps = sorted((p.name for p in ckpt.iterdir() if _STEP_RE.match(p.name) and (p / MAIN_FILE).is_file()),
+                   reverse=True)
+    return ckpt / steps[0] if steps else None
 
 
 def _resolve(path) -> Path:
@@ -37,12 +58,13 @@ def _resolve(path) -> Path:
         return p
     if (p / MAIN_FILE).is_file():
         return p / MAIN_FILE
-    if (p / CKPT_DIR / LATEST).is_file():
-        return latest(p) / MAIN_FILE
-    if (p / LATEST).is_file() and p.name == CKPT_DIR:
-        return latest(p.parent) / MAIN_FILE
-    if p.is_dir() and (p / CKPT_DIR).is_dir():
-        raise CheckpointError(f"{p / CKPT_DIR}: no checkpoint committed yet (no {LATEST} file)")
+    if p.name == CKPT_DIR and p.is_dir():
+        p = p.parent
+    if (p / CKPT_DIR).is_dir():
+        found = latest(p)
+        if found is None:
+            raise CheckpointError(f"{p / CKPT_DIR}: no checkpoint committed yet (no {LATEST} file)")
+        return found / MAIN_FILE
     raise CheckpointError(
         f"{p}: no checkpoint found (expected a step_XXXXXXXX directory, its {MAIN_FILE}, "
         f"or a run directory with {CKPT_DIR}/{LATEST})")
@@ -103,8 +125,9 @@ class Checkpoint:
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{self.file}: cannot read root attributes: {e}") from e
 
-    def verify(self) -> None:
-        """Check every tensor is present and every shard exists with its sha256."""
+    def verify(self, files=None) -> None:
+        """Check every tensor is present and every shard exists with its
+        sha256; ``files``: only these of the shard files (a rank's share)."""
         for name in self._names:
             try:
                 obj = self._f.get(name)
@@ -113,6 +136,8 @@ class Checkpoint:
             if not isinstance(obj, h5py.Dataset):
                 raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
         for rel, digest in sorted(self.shard_sha256.items()):
+            if files is not None and rel not in files:
+                continue
             p = self.path / rel
             if not p.is_file():
                 raise CheckpointError(
@@ -133,7 +158,10 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.file}: no tensor {name!r} (it has {len(self._names)}: "
                 f"{', '.join(self._names[:8])}{', ...' if len(self._names) > 8 else ''})")
-        return self._f[name]
+        try:
+            return self._f[name]
+        except Exception as e:  # noqa: BLE001 - a link to a missing or damaged index file
+            raise CheckpointError(f"{self.file}: tensor {name!r} is unreadable: {e}") from e
 
     def shape(self, name: str) -> tuple:
         return tuple(self._ds(name).shape)
@@ -224,11 +252,38 @@ def _clusters(gs: list) -> list:
     return out
 
 
-def open_checkpoint(path, verify: bool = True) -> Checkpoint:
+def open_checkpoint(path, verify: bool = True, comm=None) -> Checkpoint:
     """Open a checkpoint: a step dir, its checkpoint.h5, or a run dir (its latest).
 
     Checks the ``format`` and ``version`` attributes; with ``verify`` (the
     default) also that every shard file exists and matches its sha256, which
-    reads the whole checkpoint once.  Problems raise :class:`CheckpointError`.
+    reads the whole checkpoint once. Problems raise :class:`CheckpointError`.
+
+    With ``comm`` (an mpi4py communicator) it is collective: every rank
+    opens the same path and hashes only its share of the files (shard
+    ``rank_XXXXX`` falls to rank XXXXX modulo the world size, so on the
+    saving layout each rank checks what it wrote and will read), and a
+    problem found by any rank is raised by every rank with the same message.
     """
-    return Checkpoint(_resolve(path), verify=verify)
+    if comm is None or comm.Get_size() == 1:
+        return Checkpoint(_resolve(path), verify=verify)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ck, error = None, None
+    try:
+        ck = Checkpoint(_resolve(path), verify=False)
+        if verify:
+            ck.verify(files={rel for rel in ck.shard_sha256 if verifier_of(rel, size) == rank})
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in comm.allgather(error) if e is not None]
+    if errors:
+        if ck is not None:
+            ck.close()
+        raise CheckpointError(errors[0])
+    return ck
+
+
+def verifier_of(rel: str, size: int) -> int:
+    """The rank (of ``size``) that hashes the file ``rel`` of a checkpoint."""
+    digits = "".join(c for c in Path(rel).stem if c.isdigit())
+    return int(digits) % size if digits else zlib.crc32(rel.encode()) % size

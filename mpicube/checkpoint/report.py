@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import h5py
 
@@ -11,6 +12,30 @@ from .read import open_checkpoint
 from .format import (
     CheckpointError, _fmt_shape, _fmt_size, _sha256_file,
 )
+from .vds import INDEX_DIR
+
+
+def _pieces(ck, name: str, ds, problems: list) -> str:
+    """Where a tensor's pieces are: the shard files its virtual dataset (in
+    an index file, or in checkpoint.h5 itself in a one-level checkpoint)
+    maps; missing files are problems."""
+    def known(fn: str) -> bool:
+        if fn not in ck.shard_sha256:
+            problems.append(f"tensor {name!r}: source {fn} has no recorded sha256")
+        elif not (ck.path / fn).is_file():
+            problems.append(f"tensor {name!r}: source {ck.path / fn} is missing")
+        else:
+            return True
+        return False
+
+    here = os.path.relpath(os.path.dirname(os.path.abspath(ds.file.filename)), os.path.abspath(ck.path))
+    pieces, shards = 0, set()
+    for src in ds.virtual_sources():
+        fn = os.path.normpath(os.path.join(here, src.file_name))        # relative to the checkpoint
+        pieces += 1
+        if fn not in shards and known(fn):
+            shards.add(fn)
+    return f"{pieces} pieces in {len(shards)} shard(s)"
 
 
 def _shape_problems(ck, expected) -> list:
@@ -69,17 +94,7 @@ def inspect(path, expected=None) -> tuple[bool, str]:
                     raise CheckpointError("missing")
                 nbytes = ds.size * ds.dtype.itemsize
                 total += nbytes
-                if ds.is_virtual:
-                    srcs = ds.virtual_sources()
-                    files = sorted({m.file_name for m in srcs})
-                    for fn in files:
-                        if fn not in ck.shard_sha256:
-                            problems.append(f"tensor {name!r}: source {fn} has no recorded sha256")
-                        elif not (ck.path / fn).is_file():
-                            problems.append(f"tensor {name!r}: source {ck.path / fn} is missing")
-                    how = f"{len(srcs)} pieces in {len(files)} shard(s)"
-                else:
-                    how = "stored in checkpoint.h5"
+                how = _pieces(ck, name, ds, problems) if ds.is_virtual else "stored in checkpoint.h5"
                 lines.append(f"  {name:<40s} {_fmt_shape(ds.shape):<14s} {str(ds.dtype):<8s} {how}")
             except Exception as e:  # noqa: BLE001
                 problems.append(f"{ck.file}: tensor {name!r}: {e}")
@@ -98,6 +113,9 @@ def inspect(path, expected=None) -> tuple[bool, str]:
             if got != digest:
                 problems.append(f"{p}: sha256 mismatch (file is corrupt)")
             nd, bad = 0, []
+            if rel.startswith(INDEX_DIR + "/"):         # virtual datasets: read through the shards above
+                lines.append(f"  {rel}  {_fmt_size(p.stat().st_size)}  {sha}  index")
+                continue
             try:
                 with h5py.File(p, "r", locking=False) as sf:
                     dsets = []

@@ -81,14 +81,23 @@ def open_model(path, verify: bool = True) -> ModelFile:
 
 def open_everywhere(mpi_world, path) -> ModelFile:
     """Every rank opens the same model; rank 0 checks it first (and names
-    the file it resolved to), so a bad file is one error on every rank."""
+    the file it resolved to), so a bad file is one error on every rank. A
+    mpicube checkpoint's shards are hashed by all ranks, each its share
+    (``checkpoint.open_checkpoint`` with the communicator), not by rank 0 alone."""
+    from .. import checkpoint
     from ..comm import on_root
+    from . import native
 
     def check():
+        if detect(path) == "mpicube":
+            with open_model(path, verify=False) as m:
+                return "mpicube", str(m.ck.file)
         with open_model(path, verify=True) as m:
-            return str(m.ck.file) if m.kind == "mpicube" else str(m.path)
+            return m.kind, str(m.path)
 
-    resolved = on_root(mpi_world, check)
+    kind, resolved = on_root(mpi_world, check)
+    if kind == "mpicube":
+        return native.NativeModel(checkpoint.open_checkpoint(resolved, verify=True, comm=mpi_world))
     return open_model(resolved, verify=False)
 
 
