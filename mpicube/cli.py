@@ -120,7 +120,8 @@ def layout_options(f):
     f = click.option("--dp", type=int, default=1, show_default=True,
                      help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")(f)
     f = click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default="auto", show_default=True,
-                     help="tensor-parallel scheme; auto: 3d on a cube, 2d on a square, else 1d")(f)
+                     help="tensor-parallel scheme; auto: 2.5d with --depth, else 3d on a cube, 2d on a "
+                          "square, 1d otherwise")(f)
     return f
 
 
@@ -167,6 +168,9 @@ def cli():
 @click.option("--data", type=str, default=None, metavar="PATH",
               help="train token shard (its <stem>_val<suffix> sibling is the validation set); "
                    "default: the built-in corpus (the Python standard library's sources)")
+@click.option("--val-data", type=str, default=None, metavar="PATH",
+              help="validation token shard  [default: the --data shard's <stem>_val<suffix> sibling; "
+                   "without one, validation is off]")
 @click.option("--out", type=str, default=None, metavar="RUN_DIR", help="run directory  [default: runs/<timestamp>]")
 @click.option("--ckpt-every", type=int, default=0, show_default=True,
               help="checkpoint every N steps (0 = only the final one)")
@@ -177,10 +181,12 @@ def cli():
 @click.option("--init-from", type=str, default=None, metavar="MODEL",
               help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
                    "run dir, saved on any layout), a Hugging Face GPT-2 directory or an llm.c model file; "
-                   "with --resume also a checkpoint's optimizer state and step, unless the run "
-                   "directory has a checkpoint of its own")
+                   "this run starts its own schedule and AdamW moments (with --resume: unless the run "
+                   "directory has a checkpoint of its own, which is continued instead)")
 @click.option("--resume", is_flag=True, default=False,
               help="continue from the run directory's latest checkpoint (fresh start if it has none)")
+@click.option("--force-unlock", is_flag=True, default=False,
+              help="take over the run directory's lock from a job on another host (only if that job has ended)")
 @click.option("--stop-after", type=int, default=None,
               help="stop after this step with a checkpoint (the schedule still follows --steps)")
 @click.option("--time-limit", type=Duration(), default=None,
@@ -212,7 +218,8 @@ def train(**kwargs):
 @cli.command("eval")
 @click.argument("ckpt")
 @click.option("--data", type=str, default=None, metavar="PATH",
-              help="token shard to evaluate on  [default: the built-in validation shard]")
+              help="token shard to evaluate on  [default: the validation shard of the data the checkpoint "
+                   "was trained on; the built-in corpus's for a model without one]")
 @click.option("--batch-size", type=int, default=None,
               help="sequences per batch  [default: the checkpoint's training batch size]")
 @click.option("--seq-len", type=int, default=None, help="sequence length  [default: the model's context]")
@@ -232,6 +239,8 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
 
     result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
                                  _mpi["world"], tf32=tf32)
+    if result.get("note"):
+        echo(result["note"])
     echo(f"{result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f} over {result['batches']} "
          f"batches of {result['batch_size']} x {result['seq_len']} tokens")
     echo(json.dumps(result))
@@ -334,7 +343,7 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warm
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     results = []
     for name in layouts or ("auto",):
-        parts = build_parts(cfg, name, batch_size, _mpi["world"], dp=dp, depth=depth if name == "2.5d" else 1,
+        parts = build_parts(cfg, name, batch_size, _mpi["world"], dp=dp, depth=depth if name in ("2.5d", "auto") else 1,
                             dtype=dtype, device=device, seed=seed, tf32=tf32)
         results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
     echo(format_table(results, 4 if dtype == "float32" else 8))

@@ -21,9 +21,12 @@ LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
 
 
 def choose_layout(name: str, tp_size: int, depth: int = 1) -> str:
-    """Resolve ``auto``: 3-D on a cube, else 2-D on a square, else 1-D."""
+    """Resolve ``auto``: 2.5-D when a depth is given (only 2.5-D has one),
+    else 3-D on a cube, 2-D on a square, 1-D otherwise."""
     if name != "auto":
         return name
+    if depth > 1:
+        return "2.5d"
     if tp_size == 1:
         return "serial"
     if integer_root(tp_size, 3):
@@ -66,6 +69,9 @@ def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int 
         raise ConfigError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
     if batch_size % dp:
         raise ConfigError(f"--batch-size {batch_size} must be divisible by --dp {dp}")
+    if depth != 1 and resolved != "2.5d":
+        raise ConfigError(f"--depth {depth} applies to the 2.5d layout only (layout {resolved}): "
+                          f"drop --depth, or use --layout 2.5d")
     cls = LAYOUTS[resolved]
     cls.validate(cfg, tp, batch_size // dp, depth)
     return cls, resolved, tp

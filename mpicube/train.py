@@ -41,7 +41,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import __version__, checkpoint, data, formats, threads
+from . import __version__, checkpoint, data, dataplan, formats, rundir, threads
 from .backend import make_backend
 from .comm import Counters, agree_max, on_root
 from .config import ModelConfig
@@ -106,6 +106,7 @@ class TrainOptions:
     loss_scale_growth_interval: Optional[int] = None   # float16: good steps before the scale doubles
     loss_scale_backoff: Optional[float] = None         # float16: factor applied on overflow
     data: Optional[str] = None     # train shard; None = built-in corpus
+    val_data: Optional[str] = None  # validation shard; None = the train shard's <stem>_val sibling, if any
     out: Optional[str] = None      # run directory; None = runs/<timestamp>
     ckpt_every: int = 0            # 0 = only the final checkpoint
     keep: int = 3                  # 0 = keep every checkpoint
@@ -114,6 +115,7 @@ class TrainOptions:
     log_every: int = 10
     init_from: Optional[str] = None
     resume: bool = False
+    force_unlock: bool = False     # take the run directory's lock from a job on another host
     stop_after: Optional[int] = None
     time_limit: Optional[float] = None
 
@@ -156,7 +158,6 @@ class TrainOptions:
         """A fresh LossScaler for --dtype float16, else None (ConfigError for
         loss-scale options with another format)."""
         return scaler_for(self.dtype, self.loss_scale, self.loss_scale_growth_interval, self.loss_scale_backoff)
-
 
 
 def _dash(name: str) -> str:
@@ -219,11 +220,6 @@ def mean_eval_loss(parts: Parts, model, tokens, seq_len: int, n_batches: int) ->
     return total / n_batches
 
 
-def val_path_for(train_path: Path) -> Path:
-    """The validation shard ``<stem>_val<suffix>`` beside a train shard."""
-    return train_path.with_name(f"{train_path.stem}_val{train_path.suffix}")
-
-
 def resolve_data(mpi_world, path: Optional[str]):
     """(train path, val path): the given shard and its ``_val`` sibling if
     present (else the train shard itself), or the built-in corpus, which rank
@@ -231,7 +227,7 @@ def resolve_data(mpi_world, path: Optional[str]):
     if path is None:
         return tuple(on_root(mpi_world, lambda: tuple(str(p) for p in data.builtin_corpus())))
     train = Path(path)
-    val = val_path_for(train)
+    val = dataplan.val_path_for(train)
     return str(train), str(val if val.is_file() else train)
 
 
@@ -256,6 +252,8 @@ class Trainer:
         self.last_ckpt = None           # path of the last checkpoint of this run
         self.console = Console(False, 1, 0, 1)
         self.metrics = None
+        self.lock = None                # rank 0: the run directory's lock
+        self.owner = None               # this job's name in temporary checkpoint directories
         self.notes = []                 # said once the console is up
 
     # --- setup ---------------------------------------------------------------
@@ -265,28 +263,23 @@ class Trainer:
         self.cfg = o.model_config()
         if o.init_from is None:               # else the model file says what the model is
             plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth)   # pure: no MPI yet
-        self.train_path, self.val_path = resolve_data(self.world, o.data)
-        train_tokens = data.read_shard(self.train_path)
+        self.data_plan, train_tokens, self.val_tokens = dataplan.plan_training_data(
+            self.world, o.data, o.val_data, o.batch_size, o.seq_len, o.eval_every, o.eval_batches)
+        self.train_path, self.val_path = self.data_plan.train, self.data_plan.val
+        self.eval_batches = self.data_plan.eval_batches          # 0: no validation
+        self.notes += self.data_plan.notes
         self.loader = data.TrainLoader(train_tokens, o.batch_size, o.seq_len, o.seed)
-        if o.eval_every:
-            self.val_tokens = data.read_shard(self.val_path)
-            available = data.eval_batch_count(self.val_tokens, o.batch_size, o.seq_len)
-            if available == 0:
-                raise data.DataError(f"{self.val_path}: too small for one evaluation batch of "
-                                     f"{o.batch_size} x {o.seq_len + 1} tokens")
-            self.eval_batches = min(o.eval_batches, available)
-            if self.eval_batches < o.eval_batches:
-                self.notes.append(f"note: {self.val_path} holds {available} evaluation batches; "
-                                  f"validating on {available}, not --eval-batches {o.eval_batches}")
 
-        self.run_dir = Path(on_root(self.world, self._prepare_run_dir))
+        run_dir, self.owner, said = on_root(self.world, self._prepare_run_dir)
+        self.run_dir = Path(run_dir)
+        self.notes += said
         self.source, self.full_state = self._model_source()
         self.model_file = None
         if self.source is not None:           # the model's shape and vocabulary come from the file
             self.model_file = formats.open_everywhere(self.world, self.source)
             self.cfg = self._file_config(self.model_file)
         on_root(self.world, lambda: data.check_vocab(train_tokens, self.cfg.vocab_size, self.train_path))
-        if o.eval_every:
+        if self.eval_batches:
             on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
                                  o.seed, o.dropout, o.tf32)
@@ -300,7 +293,10 @@ class Trainer:
             self._open_metrics()
         self.world.Barrier()
 
-    def _prepare_run_dir(self) -> str:
+    def _prepare_run_dir(self) -> tuple:
+        """Rank 0: (run directory, this job's name for its temporary files,
+        notes), holding the run directory's lock from here to the end of the
+        run, and with the debris of dead jobs cleared."""
         o = self.opts
         if o.out is None:
             if o.resume:
@@ -320,19 +316,29 @@ class Trainer:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"--out {run_dir}: cannot create the run directory ({exc.strerror})") from None
-        return str(run_dir)
+        notes = []
+        self.lock = rundir.acquire(run_dir, force=o.force_unlock, notes=notes)
+        try:
+            notes += [f"note: {line}" for line in checkpoint.recover(run_dir)]
+        except OSError as exc:
+            notes.append(f"warning: could not tidy {run_dir / checkpoint.CKPT_DIR}: {exc}")
+        return str(run_dir), self.lock.token, notes
 
     def _model_source(self) -> tuple:
         """(model file or None, whether to restore the whole training state)."""
         o = self.opts
         if o.resume:
-            own = on_root(self.world, lambda: _str_or_none(checkpoint.latest(self.run_dir)))
+            own, said = on_root(self.world, self._own_latest)
+            self.notes += said
             if own is not None:
                 return own, True
             if o.init_from is None:
                 self.notes.append(f"no checkpoint in {self.run_dir}: starting a fresh run")
-            return o.init_from, o.init_from is not None
-        return o.init_from, False
+        return o.init_from, False          # --init-from starts this run's own schedule and optimizer
+
+    def _own_latest(self) -> tuple:
+        said = []
+        return _str_or_none(checkpoint.latest(self.run_dir, said)), said
 
     def _file_config(self, model_file) -> ModelConfig:
         """The model of ``model_file``, checked against --seq-len; a note
@@ -376,7 +382,7 @@ class Trainer:
                 self.notes.append(f"initialized parameters from {model_file.describe()}")
                 return 0
             ck = model_file.ck
-            load_state(ck, self.parts.store, self.opt)
+            load_state(ck, self.parts.store, self.opt, comm=self.world)
             self.opt.t = int(ck.attrs.get("adam_t", ck.step))
             if self.scaler is not None and "loss_scale" in ck.attrs:
                 self.scaler.restore(ck.attrs["loss_scale"])     # scale and counters: resume stays exact
@@ -397,6 +403,8 @@ class Trainer:
         return [f"--{_dash(k)} {saved[k]} -> {now[k]}" for k in relevant if k in saved and saved[k] != now[k]]
 
     def _write_config(self) -> None:
+        """config.json: the run as this launch sees it, and every launch's
+        world, layout, threads, environment and versions (appended)."""
         layout = self.parts.layout
         doc = {
             "mpicube_version": __version__,
@@ -408,28 +416,23 @@ class Trainer:
             "data": {"train": self.train_path, "val": self.val_path},
             "threads": threads.current().to_dict(),
         }
-        path = self.run_dir / "config.json"
-        tmp = path.with_name(".config.json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
+        launch = {
+            "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "start_step": self.start_step,
+            "host": threads.current().host,
+            "world_size": self.world.Get_size(),
+            "layout": layout.describe(),
+            "threads": threads.current().to_dict(),
+            "train": self.opts.to_dict(),
+            "environment": rundir.environment(),
+            "versions": rundir.versions(),
+        }
+        rundir.record_launch(self.run_dir, doc, launch)
 
     def _open_metrics(self) -> None:
-        """Start metrics.jsonl, keeping on resume only the records up to the
-        step the run continues from (later ones are repeated)."""
-        path = self.run_dir / "metrics.jsonl"
-        kept = []
-        if self.start_step > 1 and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and rec.get("step", math.inf) < self.start_step:
-                    kept.append(line)
-        self.metrics = open(path, "w")
-        for line in kept:
-            self.metrics.write(line + "\n")
-        self.metrics.flush()
+        """metrics.jsonl, appended to, its records from the step this launch
+        starts at cut off (they are repeated); never rewritten."""
+        self.metrics = rundir.open_metrics(self.run_dir, self.start_step)
 
     def _record(self, rec: dict) -> None:
         if self.metrics is not None:
@@ -446,6 +449,8 @@ class Trainer:
                 self.console.close()
                 if self.metrics is not None:
                     self.metrics.close()
+                if self.lock is not None:
+                    self.lock.release()
 
     def _loop(self) -> int:
         o, first, last = self.opts, self.start_step, self.opts.last_step
@@ -469,7 +474,7 @@ class Trainer:
             rec = self.train_step(s)
             self._record(rec)
             self.console.step(rec)
-            if o.eval_every and (s % o.eval_every == 0 or s == o.steps):
+            if self.eval_batches and (s % o.eval_every == 0 or s == o.steps):
                 val = self.evaluate(s)
                 self._record({"step": s, "val_loss": val})
                 say(f"step {s} | val_loss {val:.4f}" if val is not None else f"step {s} | val_loss is not finite")
@@ -477,6 +482,7 @@ class Trainer:
             stop = self._agree_stop()
             if s == last or stop or (o.ckpt_every and s % o.ckpt_every == 0):
                 self.save(s)
+                stop = stop or (s < last and self._agree_stop())    # a signal during the save: stop on it
             if stop:
                 why = "a signal" if stop == 2 else f"--time-limit {o.time_limit:g}s"
                 say(f"stopped by {why} after step {s}; continue with --resume (exit status {EXIT_PREEMPTED})")
@@ -563,16 +569,30 @@ class Trainer:
             "layout": json.dumps(p.layout.describe()),
             "adam_t": int(self.opt.t),
             **({"loss_scale": self.scaler.to_json()} if self.scaler is not None else {}),
-            "data": json.dumps({"step": s, "path": self.train_path, "batch_size": o.batch_size,
+            "data": json.dumps({"step": s, "path": self.train_path, "val": self.val_path,
+                                "builtin": self.data_plan.builtin, "batch_size": o.batch_size,
                                 "seq_len": o.seq_len, "seed": o.seed}),
             "mpicube_version": __version__,
         }
         blocks = state_blocks(p.store, self.opt, p.layout.axes.dp.rank)
-        path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None)
+        self._signal_in_save(s)
+        path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None,
+                               owner=self.owner)
         self.last_ckpt = path
         self.ckpt_seconds = time.monotonic() - t0
         self.console.say(f"checkpoint {path}")
         return path
+
+    def _signal_in_save(self, s: int) -> None:
+        """The SIGNAL_HOOK test hook ("RANK:STEP:SIGNAL"): that rank sends
+        itself the signal as it starts saving that step (SIGUSR1: a
+        scheduler's warning landing mid-save; SIGSTOP: a rank frozen with
+        the save half done, for a test to kill)."""
+        hook = os.environ.get(SIGNAL_HOOK)
+        if hook:
+            rank, step, name = hook.split(":")
+            if int(rank) == self.rank and int(step) == s:
+                os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
     # --- stopping early ------------------------------------------------------
     def _agree_stop(self) -> int:
@@ -632,19 +652,14 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
             raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
         if batches < 0:
             raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
-        if data_path is None:
-            data_path = resolve_data(mpi_world, None)[1]          # built-in validation shard
-        tokens = data.read_shard(data_path)
+        recorded = attr_dict(getattr(ck, "attrs", {}).get("data"))      # what the model was trained on
+        data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, recorded, B, T, batches)
         on_root(mpi_world, lambda: data.check_vocab(tokens, cfg.vocab_size, data_path))
-        available = data.eval_batch_count(tokens, B, T)
-        n = available if batches == 0 else batches
-        if n == 0 or n > available:
-            raise data.DataError(f"{data_path}: holds {available} evaluation batches of {B} x {T + 1} tokens, "
-                                 f"{n} requested")
         parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device, tf32=tf32)
         formats.load_params(ck, parts.store)
         step = ck.step
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         loss = mean_eval_loss(parts, eval_model(parts), tokens, T, n)
     return {"loss": loss, "step": step, "batches": n, "tokens": n * B * T, "batch_size": B, "seq_len": T,
-            "layout": parts.layout.describe(), "checkpoint": str(ck.path)}
+            "layout": parts.layout.describe(), "checkpoint": str(ck.path), "data": data_path,
+            **({"note": note} if note else {})}

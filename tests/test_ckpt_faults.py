@@ -8,7 +8,8 @@
   version and a checkpoint of another model shape, each read through every
   entry point that reads checkpoints (`eval`, `inspect`, `train --init-from`,
   `train --resume`): one clear message naming the file or tensor, a non-zero
-  exit, no traceback, nothing written, and (on 2 ranks) no hang.
+  exit, no traceback, nothing written, and (on 2 ranks) no hang (a hang
+  would end in MPIEXEC_TIMEOUT's kill, not in exit status 2).
 
 One good 2-rank (1-D) run is made per module; every test damages its own copy.
 """
@@ -38,7 +39,6 @@ GOOD_STEP = 2
 STEP_DIR = f"step_{GOOD_STEP:08d}"
 SHARD = "rank_00001.h5"                  # written by rank 1, not by the rank that commits
 TENSOR = "model/wte"                     # split over both ranks by the 1-D layout
-HANG = 20                                # seconds: far below MPIEXEC_TIMEOUT, above the error grace
 
 
 @pytest.fixture(scope="module")
@@ -76,22 +76,35 @@ def visible(ckpt_dir) -> list:
 # --------------------------------------------------------------------------- kill -9 during a save
 
 
+def stopped(pid) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
 def test_kill_9_during_save_keeps_previous_checkpoint(cube, run):
-    """Resume to step 4; as soon as rank 1 has opened its shard of the step-4
-    checkpoint, SIGKILL it. Nothing of step 4 may become visible, and the
-    step-2 checkpoint must still be `latest` and load everywhere."""
+    """Resume to step 4; rank 1 stops itself (SIGSTOP, a test hook) as it
+    starts saving step 4, while rank 0 has begun the save and waits for it;
+    then rank 1 is killed with SIGKILL. Nothing of step 4 may become
+    visible, and the step-2 checkpoint must still be `latest` and load
+    everywhere. The test waits for states (rank 1 stopped, rank 0's
+    temporary directory there), never for a number of milliseconds."""
     ckpt = run / "ckpt"
-    proc = subprocess.Popen(cube.command("train", *MODEL, "--resume", "--out", run, n=NRANKS), cwd=cube.cwd,
-                            env=cube.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = cube.command("train", *MODEL, "--resume", "--out", run, n=NRANKS,
+                       env={"MPICUBE_TEST_SIGNAL_IN_SAVE": "1:4:STOP"})
+    proc = subprocess.Popen(cmd, cwd=cube.cwd, env=cube.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         deadline = time.monotonic() + 60
-        rank1 = None                                 # found while the run starts, so the kill is immediate
-        while rank1 is None or not list(ckpt.glob(f".tmp_step_00000004_*/shards/{SHARD}")):
+        rank1 = None
+        while rank1 is None or not stopped(rank1) or not list(ckpt.glob(".tmp_step_00000004_*")):
             assert proc.poll() is None, ("the run ended before saving step 4", proc.communicate())
-            assert time.monotonic() < deadline, "no step-4 save within 60 s"
-            if rank1 is None:
-                rank1 = rank_pid(proc.pid, 1)
-            time.sleep(0.002)
+            assert time.monotonic() < deadline, "rank 1 did not stop in the step-4 save within 60 s"
+            rank1 = rank1 or rank_pid(proc.pid, 1)
+            time.sleep(0.05)
         os.kill(rank1, signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -235,9 +248,8 @@ def test_damaged_checkpoint_gives_one_clear_error(cube, run, fault, entry):
     lines = r.error_lines()
     assert len(lines) == 1, r
     assert re.search(message, lines[0]), r
-    if fault != "corrupt-chunk":                  # found by rank 0's verification: agreed by both ranks
+    if fault != "corrupt-chunk":                  # found by verification: agreed by both ranks
         assert not lines[0].startswith("error: rank "), r
-    assert r.seconds < HANG, r
     # nothing was written: not a checkpoint, not the run's files
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
     if entry == "init-from":

@@ -36,6 +36,15 @@ def test_bad_sizes_are_named(layout, world, dp, depth, batch, cfg, message):
     assert message in str(err.value)
 
 
+def test_auto_with_a_depth_means_2_5d():
+    """Only 2.5-D has a depth: auto takes it, the other layouts refuse it."""
+    assert choose_layout("auto", 8, depth=2) == "2.5d"
+    assert plan("auto", CFG, 8, 8, 1, 2)[1:] == ("2.5d", 8)
+    for layout, world in (("1d", 4), ("2d", 4), ("3d", 8)):
+        with pytest.raises(ConfigError, match="--depth 2 applies to the 2.5d layout only"):
+            plan(layout, CFG, 8, world, 1, 2)
+
+
 def test_valid_plans():
     assert plan("auto", CFG, 16, 64)[1] == "3d"
     assert plan("2.5d", CFG, 8, 8, 1, 2)[2] == 8

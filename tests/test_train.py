@@ -3,6 +3,7 @@ divergence. Every run is a real `mpiexec ... python -m mpicube train`."""
 
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -114,7 +115,6 @@ def test_time_limit_stops_with_status_75(mpicube, tmp_path):
     assert "--time-limit" in r.stdout
     done = len(losses(tmp_path / "run"))
     assert 1 <= done < 100000 and latest_step(tmp_path / "run") == done
-    assert r.seconds < 20
 
 
 def test_divergence_stops_without_saving_bad_state(mpicube, tmp_path):
@@ -140,14 +140,32 @@ def test_init_from_on_another_world_size(mpicube, tmp_path):
     run_ok(mpicube, *opts, "--out", "whole")
     run_ok(mpicube, *opts, "--out", "first", "--stop-after", "4")
 
-    # full state (--resume with --init-from, empty run dir), read back on 2 ranks
-    r = run_ok(mpicube, *opts, "--out", "second", "--init-from", "first", "--resume", "--dp", "2", n=2)
+    # the full state on 2 ranks: --resume of a copy of the run directory
+    shutil.copytree(tmp_path / "first", tmp_path / "second")
+    r = run_ok(mpicube, *opts, "--out", "second", "--resume", "--dp", "2", n=2)
     assert "resuming from" in r.stdout
     resumed, whole = losses(tmp_path / "second"), losses(tmp_path / "whole")
-    assert [s for s, *_ in resumed] == [5, 6]
-    for got, want in zip(resumed, whole[4:]):
+    assert [s for s, *_ in resumed] == [1, 2, 3, 4, 5, 6]
+    for got, want in zip(resumed, whole):
         assert got[0] == want[0] and got[2] == want[2]
         assert np.allclose(got[1:], want[1:], rtol=1e-10, atol=0)   # up to data-parallel rounding
+
+    # --init-from with --resume (as the job scripts pass it) into an empty run
+    # directory: the parameters of `first`, but this run's own schedule and
+    # optimizer from step 1, not first's step 5
+    r = run_ok(mpicube, *opts, "--out", "tuned", "--init-from", "first", "--resume", "--dp", "2", n=2)
+    assert "initialized parameters from" in r.stdout and "resuming" not in r.stdout
+    tuned = losses(tmp_path / "tuned")
+    assert [s for s, *_ in tuned] == [1, 2, 3, 4, 5, 6]
+    assert [lr for _, _, lr, _ in tuned] == [lr for _, _, lr, _ in whole]
+    assert tuned[0][1] < whole[0][1] - 0.2                        # trained parameters, fresh schedule
+    with checkpoint.open_checkpoint(tmp_path / "tuned") as ck:
+        assert ck.step == 6 and ck.attrs["adam_t"] == 6
+    # resumed later, the run continues its own checkpoint, not `first`
+    r = run_ok(mpicube, *opts, "--steps", "7", "--out", "tuned", "--init-from", "first", "--resume", "--dp", "2",
+               n=2)
+    assert f"resuming from {tmp_path / 'tuned' / 'ckpt' / 'step_00000006'}" in r.stdout or \
+        "resuming from tuned/ckpt/step_00000006" in r.stdout, r.stdout
 
     # parameters only: a fresh optimizer, step 1, and a better start than random
     run_ok(mpicube, "--steps", "1", "--lr", "0", "--dtype", "float64", "--out", "params", "--init-from", "whole",
