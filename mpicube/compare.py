@@ -133,10 +133,12 @@ def describe(f) -> str:
     return ", ".join(parts)
 
 
-def dataset_names(f) -> list:
-    names = []
-    f.visititems(lambda name, obj: names.append(name) if hasattr(obj, "shape") else None)
-    return names
+def datasets(f) -> dict:
+    """{path: dataset} of every dataset in the file, opened once (h5py's
+    lookup by path costs more than reading a small tensor)."""
+    found = {}
+    f.visititems(lambda name, obj: found.__setitem__(name, obj) if hasattr(obj, "shape") else None)
+    return found
 
 
 # --------------------------------------------------------------------------- order
@@ -259,12 +261,13 @@ def compare_traces(path_a, path_b, rtol=None, atol=None) -> Result:
         atol = d_atol if atol is None else atol
         if not (rtol >= 0 and atol >= 0):
             raise UserError(f"--rtol and --atol must be 0 or more, got {rtol} and {atol}")
-        names_a, names_b = set(dataset_names(fa)), set(dataset_names(fb))
+        sets_a, sets_b = datasets(fa), datasets(fb)
+        names_a, names_b = set(sets_a), set(sets_b)
         result = Result(str(path_a), str(path_b), rtol, atol, dtypes, (describe(fa), describe(fb)))
         result.only_a = ordered(names_a - names_b, cfg_a)
         result.only_b = ordered(names_b - names_a, cfg_a)
         for name in ordered(names_a & names_b, cfg_a):
-            a, b = fa[name][()], fb[name][()]
+            a, b = sets_a[name][()], sets_b[name][()]
             note = ""
             if name == "tokens" and a.ndim == b.ndim == 3 and a.shape[1:] == b.shape[1:] and len(a) != len(b):
                 n = min(len(a), len(b))                 # traces of different lengths: the common steps
