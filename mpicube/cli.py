@@ -381,67 +381,6 @@ def inspect(ckpt):
     return 0 if ok else 1
 
 
-# `trace` takes these options of `train`, as train defines them (same defaults and help).
-TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "depth", "n_layer", "n_head", "n_embd", "seq_len", "batch_size",
-                       "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
-                       "data", "init_from")
-
-
-@cli.command("trace")
-@click.option("--steps", type=int, default=3, show_default=True,
-              help="training steps to trace (also the length of the LR schedule)")
-@click.option("--out", required=True, metavar="FILE.h5", help="the trace file to write")
-@click.option("--max-bytes", default="2GB", show_default=True,
-              help="refuse a trace larger than this (bytes, or a number with K, M or G)")
-def trace_command(**kwargs):
-    """Run N training steps and write every tensor of them to a trace.
-
-    Any layout and world size; rank 0 writes full logical tensors: the
-    batches, the initial parameters and, per step, the activations after
-    each block, logits, loss, gradients, updated parameters and dropout
-    masks (format mpicube-trace v1, docs/trace-format.md). Check it against
-    another trace with `mpicube compare`.
-    """
-    from .trace import run_trace
-
-    run_trace(kwargs, _mpi["world"], say=echo)
-
-
-trace_command.params[:0] = [p for p in train.params if p.name in TRACE_TRAIN_OPTIONS]
-
-
-@cli.command()
-@click.argument("trace_a", metavar="A.h5")
-@click.argument("trace_b", metavar="B.h5")
-@click.option("--rtol", type=float, default=None,
-              help="relative tolerance, against the larger max |x| of the two tensors  "
-                   "[default: 1e-10 float64, 1e-3 float32, 5e-2 float16/bfloat16]")
-@click.option("--atol", type=float, default=None,
-              help="absolute tolerance  [default: 1e-13 float64, 1e-6 float32, 1e-3 float16/bfloat16]")
-@click.option("--json", "as_json", is_flag=True,
-              help='end stdout with {"first_divergence": NAME or null, "max_rel": ..., "tensors": N}')
-def compare(trace_a, trace_b, rtol, atol, as_json):
-    """Compare two traces tensor by tensor; name the first divergence.
-
-    A tensor agrees when max |a - b| <= atol + rtol * max(max |a|, max |b|);
-    defaults follow the coarser dtype of the two traces. The first
-    divergence is named in the order the computation happens: the batches,
-    the initial parameters, then per step the forward (emb, h.0, ...,
-    ln_f, logits, loss), the gradients as backward produces them, the
-    gradient norm and learning rate, the updated parameters. Exit status 0
-    when all agree, 1 when something diverges, 2 when a file is not a trace
-    or the two model configs differ.
-    """
-    from .comm import on_root
-    from .compare import compare_traces, format_report
-
-    result = on_root(_mpi["world"], lambda: compare_traces(trace_a, trace_b, rtol, atol))
-    echo(format_report(result))
-    if as_json:
-        echo(json.dumps(result.summary()))
-    return 0 if result.first_divergence is None else 1
-
-
 @cli.command()
 @click.argument("src")
 @click.argument("dst")
@@ -515,7 +454,7 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
 # `trace` takes these options of `train`, as train defines them (same defaults and help).
 TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "depth", "n_layer", "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
-                       "data", "init_from")
+                       "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff")
 
 
 @cli.command("trace")
