@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 
 from mpicube.config import ModelConfig
-from mpicube.costmodel import Problem, step_memory, step_traffic
+from mpicube.costmodel import Problem, step_memory, step_memory_bytes, step_traffic
 from mpicube.errors import ConfigError
 from mpicube.grid import integer_root, plan
 
@@ -200,19 +200,30 @@ class Cluster:
         return asdict(self)
 
 
+# bytes_per_elem -> the storage format whose real widths the cost model counts
+# (2: float16 mixed precision, whose reductions, gradients and scalars are wider)
+FORMAT_OF_WIDTH = {2: "float16", 4: "float32", 8: "float64"}
+
+
+def in_format(problem: Problem, cluster: Cluster) -> Problem:
+    """``problem`` in the storage format of ``cluster.bytes_per_elem``."""
+    return replace(problem, dtype=FORMAT_OF_WIDTH[cluster.bytes_per_elem])
+
+
 def comm_time(problem: Problem, cluster: Cluster) -> dict:
-    """{axis: dict(elems, msgs, span, link, bw, seconds)} for one step:
-    seconds = msgs * alpha + elems * bytes / bw, collectives not overlapped
+    """{axis: dict(elems, bytes, msgs, span, link, bw, seconds)} for one step:
+    seconds = msgs * alpha + bytes / bw, the bytes at the real width of
+    each collective's data (mpicube.costmodel), collectives not overlapped
     with each other or with compute."""
-    traffic = step_traffic(problem)
+    traffic = step_traffic(in_format(problem, cluster))
     groups = axis_groups(problem.layout, problem.tp, problem.depth, problem.dp)
     out = {}
     for axis in sorted(traffic.elems):
         elems, msgs = traffic.elems[axis], traffic.msgs[axis]
         span = axis_span(groups[axis], cluster.gpus_per_node)
         alpha, bw, label = cluster.link(span)
-        seconds = msgs * alpha + float(elems) * cluster.bytes_per_elem / bw
-        out[axis] = dict(elems=float(elems), msgs=msgs, ranks=span.size, nodes=span.nodes,
+        seconds = msgs * alpha + float(traffic.bytes[axis]) / bw
+        out[axis] = dict(elems=float(elems), bytes=float(traffic.bytes[axis]), msgs=msgs, ranks=span.size, nodes=span.nodes,
                          flows=span.flows, link=label, bw=bw, seconds=seconds)
     return out
 
@@ -230,10 +241,13 @@ def step_time(problem: Problem, cluster: Cluster) -> dict:
 # --------------------------------------------------------------------------- small helpers
 
 
-def memory(problem: Problem) -> dict:
+def memory(problem: Problem, cluster: Cluster = None) -> dict:
+    """Elements per rank by category, and ``total_bytes`` at the real widths
+    of ``cluster.bytes_per_elem``'s format (default: the problem's own)."""
     m = step_memory(problem)
+    b = step_memory_bytes(in_format(problem, cluster) if cluster is not None else problem)
     return dict(params=m.params, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
-                total=m.total())
+                total=m.total(), total_bytes=b.total())
 
 
 def traffic_totals(problem: Problem) -> tuple:

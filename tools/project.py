@@ -50,7 +50,9 @@ SOURCES = [
      "node's GPUs."),
     ("alpha_intra", "latency inside a node", "Per message (ring step): NVLink plus CUDA/MPI software overhead."),
     ("alpha_inter", "latency between nodes", "Per message: EDR's ~1 us plus MPI/NCCL software overhead."),
-    ("bytes_per_elem", "element size", "fp16 activations, weights and gradients (mixed precision)."),
+    ("bytes_per_elem", "element size", "2: float16 mixed precision at its real widths (mpicube.costmodel): "
+                                      "activations, weight copies and gathered panels in 2 bytes; reductions, "
+                                      "gradients and Adam state in float32."),
 ]
 DEFAULTS = pm.Cluster()
 
@@ -128,7 +130,7 @@ def size_sweep(args, cluster: pm.Cluster) -> list:
         res = project(probs, cluster)
         out.append(dict(n_embd=h, seq_len=T, batch=B, tokens=B * T, ratios=ratios(res),
                         comm_share_3d=res["3d"]["comm"] / res["3d"]["total"],
-                        mem_gb={lay: pm.memory(p)["total"] * cluster.bytes_per_elem / 1e9 for lay, p in probs.items()}))
+                        mem_gb={lay: pm.memory(p, cluster)["total_bytes"] / 1e9 for lay, p in probs.items()}))
     return out
 
 
@@ -186,7 +188,7 @@ def report(args, cfg, cluster, probs, skipped, res, sens, sizes) -> str:
             continue
         r = res[lay]
         paper = PAPER.get(f"{lay}/3d")
-        mem = pm.memory(probs[lay])["total"] * cluster.bytes_per_elem / 1e9
+        mem = pm.memory(probs[lay], cluster)["total_bytes"] / 1e9
         L.append(f"  {lay:<6} {_ms(r['compute']):>10} {_ms(r['comm_intra']):>10} {_ms(r['comm_inter']):>10} "
                  f"{_ms(r['total']):>9} {r['vs_3d']:>5.2f}x {(f'{paper:.2f}x' if paper else '-'):>6} "
                  f"{mem:>9.1f} GB")
