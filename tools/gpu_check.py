@@ -26,6 +26,9 @@ hanging step is recorded and the next one runs:
             1.3B shape, with and without TF32, kernels off and on, beside
             PyTorch eager with the same weights, as ms, TFLOP/s, ratios and
             the fraction of a large same-process GEMM
+  mixed     tools/gpu_mixed.py: the 1.3B shape in float16 with loss
+            scaling (and bfloat16 if CuPy has it) beside PyTorch eager
+            autocast, same weights; against the 16-bit GEMM rate
 
 On the device machine (the repository is copied there, the venv is not;
 its image has CuPy, PyTorch, mpi4py, h5py, click, numba and pytest):
@@ -59,10 +62,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-STEPS = ("env", "kernels", "serial", "parallel", "resume", "perf")
+STEPS = ("env", "kernels", "serial", "parallel", "resume", "perf", "mixed")
 # seconds a step may take at most, and the least it needs (kept back while earlier steps run)
-CAPS = {"env": 60, "kernels": 150, "serial": 120, "parallel": 170, "resume": 90, "perf": 400}
-NEEDS = {"env": 10, "kernels": 40, "serial": 40, "parallel": 60, "resume": 40, "perf": 150}
+CAPS = {"env": 60, "kernels": 150, "serial": 120, "parallel": 170, "resume": 90, "perf": 400, "mixed": 240}
+NEEDS = {"env": 10, "kernels": 40, "serial": 40, "parallel": 60, "resume": 40, "perf": 150, "mixed": 90}
 
 
 class Report:
@@ -250,6 +253,15 @@ def step_resume(report, args, timeout):
             results[name] = {"ok": equal, "straight": a, "resumed": b}
             report.log(f"resume, {name}: {'bit for bit' if equal else 'DIFFERS'}")
     return {"ok": all(r["ok"] for r in results.values()), **results}
+
+
+def step_mixed(report, args, timeout):
+    """tools/gpu_mixed.py: the 1.3B shape in float16 (and bfloat16 where CuPy
+    has it) beside PyTorch autocast, against the 16-bit GEMM rate."""
+    extra = ["--deadline", str(time.time() + timeout - 10)] + (["--quick"] if args.quick else [])
+    result = worker(report, "mixed", timeout, extra, script=HERE / "gpu_mixed.py")
+    result.setdefault("ok", False)
+    return result
 
 
 def step_perf(report, args, timeout):
