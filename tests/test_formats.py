@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 from conftest import PYTHON, TINY, last_json

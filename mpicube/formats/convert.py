@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from . import FormatError, detect, open_model
+from . import FormatError, open_model
 
 
 def _check_destination(dst: Path, to: str) -> None:
