@@ -15,6 +15,7 @@ from .format import (
     _decode_attr, _fmt_shape, _sha256_file,
 )
 
+INDEX_FILES_OPEN = 64       # index files a Checkpoint keeps open
 
 
 def latest(run_dir, notes: list | None = None) -> Path | None:
@@ -76,6 +77,7 @@ class Checkpoint:
     def __init__(self, file: Path, verify: bool = True):
         self.file = Path(file)
         self.path = self.file.parent
+        self._index = {}                 # relative path -> open index file, least recently used first
         try:
             self._f = h5py.File(self.file, "r", locking=False)
         except Exception as e:  # noqa: BLE001 - h5py raises OSError, sometimes others
@@ -129,11 +131,9 @@ class Checkpoint:
         """Check every tensor is present and every shard exists with its
         sha256; ``files``: only these of the shard files (a rank's share)."""
         for name in self._names:
-            try:
-                obj = self._f.get(name)
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{self.file}: tensor {name!r} is unreadable: {e}") from e
-            if not isinstance(obj, h5py.Dataset):
+            if self._f.get(name, getlink=True) is None:
+                raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
+            if not isinstance(self._ds(name), h5py.Dataset):
                 raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
         for rel, digest in sorted(self.shard_sha256.items()):
             if files is not None and rel not in files:
@@ -159,9 +159,24 @@ class Checkpoint:
                 f"{self.file}: no tensor {name!r} (it has {len(self._names)}: "
                 f"{', '.join(self._names[:8])}{', ...' if len(self._names) > 8 else ''})")
         try:
-            return self._f[name]
+            link = self._f.get(name, getlink=True)
+            if not isinstance(link, h5py.ExternalLink):
+                return self._f[name]
+            return self._index_file(link.filename)[link.path]
         except Exception as e:  # noqa: BLE001 - a link to a missing or damaged index file
             raise CheckpointError(f"{self.file}: tensor {name!r} is unreadable: {e}") from e
+
+    def _index_file(self, rel: str) -> h5py.File:
+        """An index file, kept open among the last INDEX_FILES_OPEN used:
+        HDF5 would open it afresh at every pass through a link (a resumed
+        rank passes through each link twice: the shape check and the read)."""
+        f = self._index.pop(rel, None)
+        if f is None:
+            f = h5py.File(self.path / rel, "r", locking=False)
+            while len(self._index) >= INDEX_FILES_OPEN:
+                self._index.pop(next(iter(self._index))).close()
+        self._index[rel] = f
+        return f
 
     def shape(self, name: str) -> tuple:
         return tuple(self._ds(name).shape)
@@ -208,6 +223,9 @@ class Checkpoint:
             raise CheckpointError(f"{what}: read failed: {e}") from e
 
     def close(self) -> None:
+        for f in getattr(self, "_index", {}).values():
+            f.close()
+        self._index = {}
         if getattr(self, "_f", None) is not None:
             self._f.close()
             self._f = None
