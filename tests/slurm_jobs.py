@@ -125,18 +125,18 @@ class Job:
         steps = [int(p.name[5:]) for p in self.run_dir.glob("ckpt/step_*") if p.name[5:].isdigit()]
         return max(steps, default=0)
 
+    def training(self, target: int):
+        """The ranks' pids once all of them run and the run has logged step ``target``, else None."""
+        pids = self.ranks()
+        done = self.steps()
+        return pids if len(pids) == self.ntasks and done and done[-1]["step"] >= target else None
+
     def wait_training(self, steps: int = 3, timeout: float = 240) -> list:
         """Wait until all ranks run and have trained ``steps`` steps past the
         latest checkpoint (so this run of the job is up); the ranks' pids."""
         target = self.latest_checkpoint() + steps
-
-        def ready():
-            pids = self.ranks()
-            done = self.steps()
-            return pids if len(pids) == self.ntasks and done and done[-1]["step"] >= target else None
-
-        return wait_for(ready, timeout, f"job {self.id} to train to step {target} on {self.ntasks} ranks",
-                        self.report)
+        return wait_for(lambda: self.training(target), timeout,
+                        f"job {self.id} to train to step {target} on {self.ntasks} ranks", self.report)
 
 
 def mpicube_ranks(pids) -> list:

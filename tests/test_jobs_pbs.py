@@ -80,13 +80,28 @@ class PbsJob:
         return self.env(**{**run, **variables})
 
     def start(self, env: dict, script: Path = ROOT / "jobs" / "pbs_8gpu.sh") -> subprocess.Popen:
-        return subprocess.Popen(["bash", str(script)], cwd=self.dir, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        """Start the script, its output going to a new log file (``log()``) as PBS's -j oe would."""
+        self.logs = getattr(self, "logs", 0) + 1
+        with open(self.log_path(), "w") as log:
+            return subprocess.Popen(["bash", str(script)], cwd=self.dir, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT)
+
+    def log_path(self) -> Path:
+        return self.dir / f"job{self.logs}.log"
+
+    def log(self) -> str:
+        return self.log_path().read_text(errors="replace")
+
+    def finish(self, proc: subprocess.Popen, timeout: float = 240):
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        return proc.returncode, self.log()
 
     def run(self, env: dict, timeout: float = 240):
-        proc = self.start(env)
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
+        return self.finish(self.start(env), timeout)
 
     def calls(self, command: str) -> list:
         path = self.dir / f"{command}.calls"
@@ -139,24 +154,21 @@ def test_status_75_resubmits_and_the_next_job_resumes_bit_for_bit(pbs, tmp_path,
     through mpiexec; mpicube checkpoints and exits 75; the script qsubs itself
     (STUB) to run after this job. The test then runs that submission as PBS
     would: the recorded script with only the -v variables, no settings."""
-    env = pbs.settings(STUB_WALLTIME="01:00:00")
-    proc = pbs.start(env)
+    proc = pbs.start(pbs.settings(STUB_WALLTIME="01:00:00"))
     try:
         def training_ranks():
             pids = mpicube_ranks(descendants(proc.pid))
             trained = (pbs.run_dir / "metrics.jsonl").exists() and len(read_metrics(pbs.run_dir)[0]) >= 3
             return pids if len(pids) == 2 and trained else None
 
-        pids = wait_for(training_ranks, 120, "2 ranks training")
+        pids = wait_for(training_ranks, 120, "2 ranks training", pbs.log)
         with held(pids):
             os.kill(proc.pid, signal.SIGUSR1)
             wait_for(lambda: all(pending(p, signal.SIGUSR1) is not False for p in pids), 60,
-                     "SIGUSR1 passed on to both ranks")
-        out, _ = proc.communicate(timeout=120)
+                     "SIGUSR1 passed on to both ranks", pbs.log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 75, out
+        status, out = pbs.finish(proc)
+    assert status == 75, out
     assert "got SIGUSR1" in out and "passed SIGUSR1 on to the ranks through mpiexec" in out, out
     stopped = len(read_metrics(pbs.run_dir)[0])
     assert 3 <= stopped < STEPS
@@ -171,19 +183,32 @@ def test_status_75_resubmits_and_the_next_job_resumes_bit_for_bit(pbs, tmp_path,
     variables = dict(item.split("=", 1) for item in args[3].split(","))
     second = pbs.start(pbs.env(PBS_JOBID="1235.stub-pbs", STUB_WALLTIME="01:00:00", **variables),
                        script=Path(args[4]))
-    out, _ = second.communicate(timeout=240)
-    assert second.returncode == 0, out
+    status, out = pbs.finish(second)
+    assert status == 0, out
     assert "restart 1" in out and f"latest checkpoint: step {stopped}" in out, out
     assert pbs.losses() == reference_losses(tmp_path, tiny_shard)
     assert len(pbs.calls("qsub")) == 1
 
 
-def test_max_resubmits_ends_the_chain_with_status_75(pbs):
-    """The third job of a chain with MAX_RESUBMITS=2 stops (here by
-    TIME_LIMIT=1: mpicube checkpoints after its first step) and submits no fourth."""
-    status, out = pbs.run(pbs.settings(TIME_LIMIT=1, MAX_RESUBMITS=2, MPICUBE_RESUBMITS=2))
+def test_early_signal_waits_for_mpicube_and_max_resubmits_ends_the_chain(pbs):
+    """SIGUSR1 as soon as the script has its trap, before mpicube is up (as a
+    Slurm signal due before the job starts comes): the script holds it until
+    this launch of mpicube has its handler, so no rank dies of it; mpicube
+    stops after a step with 75. This is the third job of a chain with
+    MAX_RESUBMITS=2, so it submits no fourth."""
+    proc = pbs.start(pbs.settings(STUB_WALLTIME="01:00:00", MAX_RESUBMITS=2, MPICUBE_RESUBMITS=2))
+    try:
+        wait_for(lambda: "[mpicube job" in pbs.log(), 60, "the script to start", pbs.log)
+        os.kill(proc.pid, signal.SIGUSR1)
+    finally:
+        status, out = pbs.finish(proc)
     assert status == 75, out
+    lines = out.splitlines()
+    got = next(i for i, line in enumerate(lines) if "got SIGUSR1" in line)
+    running = next(i for i, line in enumerate(lines) if "] running: " in line)
+    passed = next(i for i, line in enumerate(lines) if "passed SIGUSR1 on to the ranks" in line)
+    assert got < running < passed, out
+    assert "stopped by a signal after step" in out and "Traceback" not in out, out
     assert "MAX_RESUBMITS=2 resubmissions reached: not resubmitting" in out, out
-    assert pbs.calls("qsub") == [] and pbs.calls("qstat") == []     # TIME_LIMIT given: no walltime needed
-    assert len(read_metrics(pbs.run_dir)[0]) >= 1
-
+    assert pbs.calls("qsub") == []
+    assert 1 <= len(read_metrics(pbs.run_dir)[0]) < STEPS

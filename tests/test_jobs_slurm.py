@@ -122,22 +122,25 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(jobs, re
     """--time=2 with the script's --signal=B:USR1@120: the signal is due as the
     job starts, and Slurm sends it at its first check after that (0-30 s in),
     perhaps before mpicube is up. Every run of the job would get one: once the
-    job is requeued the test gives it 10 minutes, so that the second run
-    finishes."""
+    first has its signal, the test gives the job 10 minutes, so that the run
+    after the requeue finishes."""
     job = jobs("slurm_8gpu.sh", options=["--time=2"])
-    pids = job.wait_training()
-    if "got SIGUSR1" not in job.log():
+
+    def signalled():
+        return "got SIGUSR1" in job.log()
+
+    pids = wait_for(lambda: signalled() or job.training(3), 240, "training or Slurm's signal", job.report)
+    if not signalled():
         with held(pids):
-            wait_for(lambda: "got SIGUSR1" in job.log(), 60, "Slurm's --signal", job.report)
+            wait_for(signalled, 60, "Slurm's --signal", job.report)
             wait_pending(pids, signal.SIGUSR1, 60, "SIGUSR1 passed on to every rank", job.report)
-    wait_for(lambda: f"requeued job {job.id}" in job.log(), 120, "the job to requeue itself", job.report)
     job.cluster.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=10")
     end = job.wait_end()
     assert (end["JobState"], end["ExitCode"], end["Restarts"]) == ("COMPLETED", "0:0", "1"), job.report()
     log = job.log()
     assert restarts_logged(job) == [0, 1], log
     assert "passed SIGUSR1 on to the ranks through srun" in log
-    assert "mpicube stopped early (status 75)" in log, log
+    assert "mpicube stopped early (status 75)" in log and f"requeued job {job.id}" in log, log
     assert losses(job) == reference(2, "1d", STEPS)
 
 
