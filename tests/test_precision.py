@@ -248,3 +248,38 @@ def test_info_reports_real_widths(mpicube):
     elems16, bytes16 = total(r16.stdout, "communication per rank")[1:3]
     elems32, bytes32 = total(r32.stdout, "communication per rank")[1:3]
     assert elems16 == elems32 and bytes16 != bytes32
+
+
+COMM16 = """
+import numpy as np, ml_dtypes
+from fractions import Fraction
+from mpi4py import MPI
+from mpicube.backend import make_backend
+from mpicube.comm import Comm, Counters
+world = MPI.COMM_WORLD
+g, r = world.size, world.rank
+for dtype in (np.float16, ml_dtypes.bfloat16):
+    counters = Counters()
+    comm = Comm(world, "x", make_backend("cpu", "float32"), counters)
+    x = (np.random.default_rng(r).normal(size=(g * 3, 5)) * 100).astype(dtype)      # (g*3, 5)
+    everyone = [(np.random.default_rng(k).normal(size=(g * 3, 5)) * 100).astype(dtype) for k in range(g)]
+    gathered = comm.allgather(x, axis=1)
+    assert gathered.dtype == dtype and np.array_equal(gathered.view(np.uint16),
+                                                      np.concatenate(everyone, axis=1).view(np.uint16))
+    assert np.array_equal(comm.bcast(x, root=g - 1).view(np.uint16), everyone[-1].view(np.uint16))
+    exact = sum(e.astype(np.float32) for e in everyone)                                # float32 sum, rounded once
+    summed = comm.reduce_scatter(x, axis=0)
+    assert summed.dtype == dtype and np.array_equal(summed, exact[r * 3:(r + 1) * 3].astype(dtype))
+    assert np.array_equal(comm.allreduce(x), exact.astype(dtype))
+    n = x.size
+    want = (g - 1) * n * 2 + n * 2 + Fraction(g - 1, g) * n * 4 + Fraction(2 * (g - 1), g) * n * 4
+    assert counters.bytes["x"] == want, (counters.bytes["x"], want)
+print("OK comm16")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_16bit_collectives_move_raw_words_and_reduce_in_float32():
+    pytest.importorskip("ml_dtypes")
+    proc = mpiexec(3, ["-c", COMM16], timeout=60)
+    assert proc.returncode == 0 and "OK comm16" in proc.stdout, proc.stdout + proc.stderr
