@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -56,7 +55,7 @@ def reference(tmp_path_factory, tiny_shard):
                     "--n-layer", MODEL["N_LAYER"], "--n-head", MODEL["N_HEAD"], "--n-embd", MODEL["N_EMBD"],
                     "--seq-len", MODEL["SEQ_LEN"], "--batch-size", MODEL["BATCH_SIZE"], "--steps", steps,
                     "--lr", MODEL["LR"], "--warmup", MODEL["WARMUP"], "--data", tiny_shard, "--out", out]
-            r = mpiexec(ntasks, args, env={"OMP_NUM_THREADS": "1"}, timeout=120)
+            r = mpiexec(ntasks, args, env={"OMP_NUM_THREADS": "1"}, timeout=240)
             assert r.returncode == 0, r.stdout + r.stderr
             done[key] = [rec["loss"] for rec in read_metrics(out)[0]]
         return done[key]

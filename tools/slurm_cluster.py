@@ -244,7 +244,11 @@ class Cluster:
     def _wait_idle(self, timeout: float) -> None:
         def idle():
             proc = self.run("sinfo", "-h", "-o", "%t", check=False, timeout=15)
-            return proc.returncode == 0 and proc.stdout.strip().rstrip("*") == "idle"
+            state = proc.stdout.strip().rstrip("*~#")
+            if proc.returncode == 0 and state in ("drain", "inval", "down"):
+                reason = self.run("sinfo", "-h", "-R", "-o", "%E", check=False).stdout.strip()
+                raise ClusterError(f"the node is {state}: {reason}\n{self.log_tail('slurmd')}")
+            return proc.returncode == 0 and state == "idle"
 
         self._wait(idle, timeout, "the node did not become idle")
 
