@@ -124,7 +124,7 @@ def test_float16_resume_is_exact_with_the_loss_scale(mpicube, tiny_shard):
     got = [tuple(r[k] for k in keys) for r in read_metrics(mpicube.cwd / "split")[0]]
     assert got == want                                                    # bit for bit
     scales = [r[2] for r in want]
-    assert scales == [1024, 1024, 2048, 1024, 1024, 2048, 2048, 4096]    # doubles after 2 good steps, halves on overflow
+    assert scales == [1024, 1024, 2048, 1024, 1024, 2048, 2048, 4096]    # x2 after 2 good steps, /2 on overflow
     assert [r[3] for r in want] == [False, False, True] + [False] * 5
 
 

@@ -138,7 +138,8 @@ class CubeLinear:
         """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
         dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
         xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
-        dwg = precision.matmul(xg2.T, dyg.reshape(-1, dyg.shape[-1]), dtype=self.store.flat_grad.dtype)  # (h_in/q, h_out/q)
+        dy2 = dyg.reshape(-1, dyg.shape[-1])                   # (N/q, h_out/q)
+        dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
         if self.overlap:                             # dW travels while dX is computed and reduced
             dw_pending = self.wc.ireduce_scatter(dwg, axis=0)
             dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0)    # (B/q^2, T, h_in/q)
