@@ -140,6 +140,9 @@ def run_dtype(label, cfg, batch, dtype, deadline, torch, out, save) -> None:
     if "ms" in t:
         r["over_torch"] = r["ms"] / t["ms"]
     r["targets_met"] = r["gemm_fraction"] >= 0.4 and r.get("over_torch", float("inf")) <= 1.2
+    from mpicube import cublas_gemm
+
+    r["float32_output_gemms"] = cublas_gemm.status()     # gemmex, or widened if its self-check failed
     out["mpicube"] = r
     save()
     gpu_perf.log(f"{label} {dtype} mpicube: {r['ms']:.1f} ms/step, {r['tflops']:.1f} TFLOP/s, "
