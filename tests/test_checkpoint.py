@@ -339,3 +339,17 @@ def test_save_removes_only_its_own_temporary_dirs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [theirs.name, "latest", "step_00000002"]
     with pytest.raises(C.CheckpointError, match="owner"):
         C.save(tmp_path, 3, block, owner="not/this")
+
+
+def test_metadata_benchmark_runs(capsys):
+    """tools/ckpt_meta_bench.py at a small size: every tensor of the model
+    indexed, one mapping per writer block (the 3-D weights are unique to
+    each of the 8 ranks)."""
+    spec = importlib.util.spec_from_file_location("ckpt_meta_bench", ROOT / "tools" / "ckpt_meta_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    figures = bench.main(["--ranks", "8", "--n-layer", "1", "--n-embd", "64", "--n-head", "4", "--seq-len", "16"])
+    assert figures["tensors"] == 3 * (4 + 12)
+    weights = 3 * (4 + 1)                    # c_attn, c_proj, c_fc, mlp.c_proj, wte; with m and v
+    assert figures["mappings"] >= weights * 8
+    assert "rank 0:" in capsys.readouterr().out

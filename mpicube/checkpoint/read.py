@@ -78,6 +78,7 @@ class Checkpoint:
         self.file = Path(file)
         self.path = self.file.parent
         self._index = {}                 # relative path -> open index file, least recently used first
+        self._links = {}                 # tensor name -> its link in checkpoint.h5
         try:
             self._f = h5py.File(self.file, "r", locking=False)
         except Exception as e:  # noqa: BLE001 - h5py raises OSError, sometimes others
@@ -130,10 +131,10 @@ class Checkpoint:
     def verify(self, files=None) -> None:
         """Check every tensor is present and every shard exists with its
         sha256; ``files``: only these of the shard files (a rank's share)."""
-        for name in self._names:
-            if self._f.get(name, getlink=True) is None:
-                raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
-            if not isinstance(self._ds(name), h5py.Dataset):
+        for name in self._names:            # links are checked, not followed: their files are hashed below
+            link = self._link(name)
+            if link is None or (not isinstance(link, h5py.ExternalLink)
+                                and not isinstance(self._f.get(name), h5py.Dataset)):
                 raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
         for rel, digest in sorted(self.shard_sha256.items()):
             if files is not None and rel not in files:
@@ -159,12 +160,19 @@ class Checkpoint:
                 f"{self.file}: no tensor {name!r} (it has {len(self._names)}: "
                 f"{', '.join(self._names[:8])}{', ...' if len(self._names) > 8 else ''})")
         try:
-            link = self._f.get(name, getlink=True)
+            link = self._link(name)
             if not isinstance(link, h5py.ExternalLink):
                 return self._f[name]
             return self._index_file(link.filename)[link.path]
         except Exception as e:  # noqa: BLE001 - a link to a missing or damaged index file
             raise CheckpointError(f"{self.file}: tensor {name!r} is unreadable: {e}") from e
+
+    def _link(self, name: str):
+        """The link of tensor ``name`` in checkpoint.h5 (an ExternalLink to
+        its index dataset, or a HardLink), None if there is none; cached."""
+        if name not in self._links:
+            self._links[name] = self._f.get(name, getlink=True)
+        return self._links[name]
 
     def _index_file(self, rel: str) -> h5py.File:
         """An index file, kept open among the last INDEX_FILES_OPEN used:
