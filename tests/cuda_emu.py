@@ -3,8 +3,8 @@
 CI has no GPU, yet the kernels' index arithmetic, masks and block
 reductions are exactly what can go wrong in them. This compiles
 mpicube/cuda_source.py's text against a small emulation of the CUDA
-built-ins and runs it on one OS thread, each CUDA thread a user-level
-context (ucontext) with its own stack:
+built-ins and runs it on one OS thread, each CUDA thread a fiber with its
+own stack (started with ucontext, switched with _setjmp/_longjmp):
 
 - the blocks of a launch run one after another, so ``__shared__`` can be a
   function-static array; within a block the first runnable thread in a
@@ -24,7 +24,9 @@ it passes whatever bytes it is given.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -33,34 +35,65 @@ from pathlib import Path
 import numpy as np
 
 SHIM = r"""
+#undef _FORTIFY_SOURCE                        // its longjmp check refuses jumps between stacks
 #include <math.h>
+#include <setjmp.h>
 #include <ucontext.h>
 #include <cstring>
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <vector>
 
 struct emu_dim3 { unsigned x, y, z; };
 static emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
-// One CUDA thread: a user-level context with its own stack.
+// One CUDA thread: a fiber with its own stack that runs thread bodies one
+// after another, block after block. ucontext only starts it on its stack;
+// switches go through _setjmp/_longjmp, which do not save the signal mask
+// (swapcontext makes a system call for it on every switch, and a block
+// reduction switches about a dozen times per thread).
 struct EmuBarrier;
 struct EmuThread {
-    ucontext_t context;
+    ucontext_t start;
+    jmp_buf resume;                          // where the fiber continues
     std::vector<char> stack;
-    bool done;
+    bool started;                            // running its loop (else: start it afresh)
+    bool done;                               // finished this block's body, idle
     const EmuBarrier* waiting;               // the barrier it waits at, or null
     unsigned waited;                         // that barrier's generation when it arrived
 };
 
-static ucontext_t emu_scheduler;
+static jmp_buf emu_scheduler;
 static EmuThread* emu_current;
 static const std::function<void()>* emu_body;
 
+static void emu_suspend() {
+    EmuThread* self = emu_current;
+    if (!_setjmp(self->resume)) _longjmp(emu_scheduler, 1);
+}
+
 static void emu_entry() {
-    (*emu_body)();
-    emu_current->done = true;
-}                                             // returns to emu_scheduler (uc_link)
+    for (;;) {                                // one thread body per turn
+        (*emu_body)();
+        emu_current->done = true;
+        emu_suspend();
+    }
+}
+
+// Run `th` until it waits at a barrier or ends its body.
+static void emu_switch_to(EmuThread& th) {
+    emu_current = &th;
+    if (_setjmp(emu_scheduler)) return;
+    if (th.started) _longjmp(th.resume, 1);
+    th.started = true;
+    getcontext(&th.start);
+    th.start.uc_stack.ss_sp = th.stack.data();
+    th.start.uc_stack.ss_size = th.stack.size();
+    th.start.uc_link = nullptr;
+    makecontext(&th.start, emu_entry, 0);
+    setcontext(&th.start);
+}
 
 struct EmuBarrier {
     unsigned n, count, generation;
@@ -71,10 +104,11 @@ struct EmuBarrier {
             ++generation;
             return;
         }
-        emu_current->waiting = this;
-        emu_current->waited = arrived;
-        swapcontext(&emu_current->context, &emu_scheduler);
-        emu_current->waiting = nullptr;
+        EmuThread* self = emu_current;
+        self->waiting = this;
+        self->waited = arrived;
+        emu_suspend();
+        self->waiting = nullptr;
     }
 };
 
@@ -123,18 +157,18 @@ static int emu_run(unsigned grid, unsigned block, const std::function<void()>& b
             std::swap(order[t], order[(state >> 33) % (t + 1)]);
         }
     }
-    std::vector<EmuThread> threads(block);
-    for (auto& th : threads) th.stack.resize(1 << 17);
+    static std::vector<std::unique_ptr<EmuThread>> pool;   // fibers and stacks live across launches
+    while (pool.size() < block) {
+        pool.emplace_back(new EmuThread{});
+        pool.back()->stack.resize(1 << 17);
+    }
     for (unsigned b = 0; b < grid; ++b) {
         blockIdx = {b, 0, 0};
         emu_block_barrier = EmuBarrier{block, 0, 0};
         emu_warp_barriers.assign(block / 32, EmuBarrier{32, 0, 0});
-        for (auto& th : threads) {
-            getcontext(&th.context);
-            th.context.uc_stack.ss_sp = th.stack.data();
-            th.context.uc_stack.ss_size = th.stack.size();
-            th.context.uc_link = &emu_scheduler;
-            makecontext(&th.context, emu_entry, 0);
+        for (unsigned t = 0; t < block; ++t) {
+            EmuThread& th = *pool[t];
+            if (!th.done) th.started = false;     // left inside a body by a deadlock: start afresh
             th.done = false;
             th.waiting = nullptr;
         }
@@ -142,7 +176,7 @@ static int emu_run(unsigned grid, unsigned block, const std::function<void()>& b
             EmuThread* next = nullptr;
             unsigned next_id = 0, unfinished = 0;
             for (unsigned t : order) {
-                EmuThread& th = threads[t];
+                EmuThread& th = *pool[t];
                 if (th.done) continue;
                 ++unfinished;
                 if (!next && (!th.waiting || th.waiting->generation != th.waited)) {
@@ -152,9 +186,8 @@ static int emu_run(unsigned grid, unsigned block, const std::function<void()>& b
             }
             if (unfinished == 0) break;
             if (!next) return 1;
-            emu_current = next;
             threadIdx = {next_id, 0, 0};
-            swapcontext(&emu_scheduler, &next->context);
+            emu_switch_to(*next);
         }
     }
     return 0;
@@ -195,16 +228,39 @@ def compiler() -> str | None:
 
 
 def build(source: str, folder: Path) -> Path:
-    """Compile ``source`` with the shim into a shared library (cached by content)."""
+    """Compile ``source`` with the shim into a shared library (cached by
+    content). Several processes may ask at once (the ranks of one MPI job):
+    a lock file lets one compile while the others wait, and the library
+    appears under its final name only when complete."""
     text = SHIM + source + "\n" + _wrappers(kernels(source)) + "\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     lib = folder / f"cuda_emu_{digest}.so"
-    if not lib.exists():
-        cpp = folder / f"cuda_emu_{digest}.cpp"
-        cpp.write_text(text)
-        subprocess.run([compiler(), "-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-Wall", "-Werror",
-                        "-Wno-unknown-pragmas", str(cpp), "-o", str(lib)], check=True, capture_output=True, text=True)
+    if lib.exists():
+        return lib
+    with open(folder / f"cuda_emu_{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not lib.exists():
+            cpp = folder / f"cuda_emu_{digest}.{os.getpid()}.cpp"
+            partial = folder / f"cuda_emu_{digest}.{os.getpid()}.so"
+            cpp.write_text(text)
+            done = subprocess.run([compiler(), "-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-Wall",
+                                   "-Werror", "-Wno-unknown-pragmas", str(cpp), "-o", str(partial)],
+                                  capture_output=True, text=True)
+            cpp.unlink()
+            if done.returncode != 0:
+                raise RuntimeError(f"g++ could not compile the emulated kernels:\n{done.stderr}")
+            os.replace(partial, lib)
     return lib
+
+
+def scalar_dtype(source: str) -> np.dtype:
+    """The storage type ``scalar_t`` that mpicube.cuda_source typed ``source`` with."""
+    found = re.search(r"typedef (float|double) scalar_t;", source)
+    if not found:
+        raise ValueError("no `typedef float|double scalar_t;` in the kernel source")
+    return np.dtype(np.float32 if found.group(1) == "float" else np.float64)
 
 
 class Kernel:
@@ -247,10 +303,11 @@ class Kernel:
 
 
 class Module:
-    """Stands in for cupy.RawModule(code=source(dtype))."""
+    """Stands in for cupy.RawModule(code=source(dtype)); ``dtype`` None
+    reads it from the source's ``scalar_t``."""
 
     def __init__(self, source: str, dtype, folder: Path):
-        self.dtype = np.dtype(dtype)
+        self.dtype = scalar_dtype(source) if dtype is None else np.dtype(dtype)
         self.signatures = kernels(source)
         self.lib = ctypes.CDLL(str(build(source, folder)))
         self.functions = {}

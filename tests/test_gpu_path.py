@@ -8,13 +8,21 @@ the CPU's cache-blocking sizes, equals the serial CPU model to 1e-10; the
 command line trains, resumes bit for bit, saves and evaluates on it; a
 serial step copies to the host only a fixed handful of scalars; bad GPU
 options give one line and exit 2.
+
+With MPICUBE_FAKE_GPU_KERNELS=1 the stand-in also runs CUDA source (through
+tests/cuda_emu.py's g++ emulation), so mpicube's opt-in CUDA kernels
+(MPICUBE_CUDA_KERNELS=1) are checked at their call sites in whole steps:
+serial, 1d, 2d and 3d against the serial CPU model, a bitwise resume, and
+no extra host copies; each test asserts that every kernel ran on every rank.
 """
 
 import json
 
 import pytest
 
+import cuda_emu
 from conftest import TINY, last_json, read_metrics
+from mpicube import cuda_source
 from mpirun import ROOT, mpiexec
 
 FAKE_GPU = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}"}
@@ -136,3 +144,78 @@ def test_cuda_aware_request_is_refused_when_mpi_says_no():
     proc = mpiexec(1, ["-c", code], timeout=40)
     assert "support False" in proc.stdout, proc.stdout + proc.stderr
     assert "refused: MPICUBE_CUDA_AWARE=1, but this MPI" in proc.stdout
+
+
+# --- mpicube's CUDA kernels at their call sites, on the stand-in --------------------
+# MPICUBE_FAKE_GPU_KERNELS=1 gives the stand-in a cupy.RawModule that runs the
+# kernels' CUDA source through tests/cuda_emu.py's g++ emulation, so
+# MPICUBE_CUDA_KERNELS=1 takes them inside whole steps. Every rank reports its
+# launches per kernel (MPICUBE_FAKE_GPU_REPORT): each kernel must have run on
+# every rank, or the check passed on the array path and means nothing.
+KERNEL_CASES = [(1, "serial"), (2, "1d"), (4, "2d"), (8, "3d")]
+
+
+@pytest.fixture(scope="session")
+def emulated_kernels(tmp_path_factory):
+    """The stand-in's kernel environment, the libraries compiled once here
+    (so ranks never wait on g++ inside a launch's time limit)."""
+    if cuda_emu.compiler() is None:
+        pytest.skip("no g++: the stand-in cannot run CUDA source without it")
+    cache = tmp_path_factory.mktemp("cuda-emu")
+    for dtype in ("float32", "float64"):
+        cuda_emu.build(cuda_source.source(dtype), cache)
+    return {**FAKE_GPU, "MPICUBE_FAKE_GPU_KERNELS": "1", "MPICUBE_CUDA_KERNELS": "1",
+            "MPICUBE_FAKE_GPU_KERNEL_CACHE": str(cache)}
+
+
+def kernel_launches(report, ranks: int) -> list:
+    """Per process: {kernel: launches}; checks each of ``ranks`` processes ran every kernel."""
+    counts = [json.loads(p.read_text())["launches"] for p in report.parent.glob(report.name + ".*")]
+    assert len(counts) == ranks, counts
+    every = set(cuda_emu.kernels(cuda_source.source("float64")))
+    for launches in counts:
+        assert {k for k, n in launches.items() if n > 0} == every, launches
+    return counts
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks,layout", KERNEL_CASES, ids=[c[1] for c in KERNEL_CASES])
+def test_cuda_kernels_in_whole_steps_match_serial_cpu(ranks, layout, emulated_kernels, tmp_path):
+    report = tmp_path / "launches"
+    env = {**emulated_kernels, "MPICUBE_CHECK_DEVICE": "gpu", "MPICUBE_FAKE_GPU_REPORT": str(report)}
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, 1, 1, 0.1, 8], timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK {layout} world={ranks} dp=1 depth=1 device=gpu dtype=float64" in proc.stdout
+    kernel_launches(report, ranks)
+
+
+@pytest.mark.timeout(300)
+def test_cuda_kernels_train_resume_bitwise(mpicube, tiny_shard, emulated_kernels, tmp_path):
+    common = [*TINY[2:], "--layout", "1d", "--steps", "6", "--dropout", "0.1", "--data", tiny_shard,
+              "--device", "gpu", "--log-every", "1"]
+    runs = [("straight", []), ("split", ["--stop-after", "3"]), ("split", ["--resume"])]
+    mpicube.env["MPIEXEC_TIMEOUT"] = "150"                     # emulated kernels: slower than the array path
+    for i, (out, extra) in enumerate(runs):
+        env = {**emulated_kernels, "MPICUBE_FAKE_GPU_REPORT": str(tmp_path / f"run{i}")}
+        result = mpicube.run("train", *common, "--out", out, *extra, n=2, env=env, timeout=200)
+        assert result.returncode == 0, result
+        kernel_launches(tmp_path / f"run{i}", 2)
+    want = [r["loss"] for r in read_metrics(mpicube.cwd / "straight")[0]]
+    got = [r["loss"] for r in read_metrics(mpicube.cwd / "split")[0]]
+    assert len(want) == 6 and got == want                      # bit for bit
+
+
+@pytest.mark.timeout(200)
+def test_cuda_kernels_copy_nothing_more_to_the_host(emulated_kernels, tmp_path, corpus_cache):
+    """The kernels' launches take host scalars only: a serial step copies to
+    the host exactly what it copies on the array path."""
+    counts = {}
+    for on in ("0", "1"):
+        env = {**emulated_kernels, "MPICUBE_CUDA_KERNELS": on, "MPICUBE_CACHE": str(corpus_cache),
+               "MPICUBE_FAKE_GPU_REPORT": str(tmp_path / f"kernels{on}")}
+        proc = mpiexec(1, ["tests/gpu_transfers_check.py", tmp_path / f"kernels{on}", 2], timeout=150, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        counts[on] = json.loads(proc.stdout.strip().splitlines()[-1])["2"]
+    kernel_launches(tmp_path / "kernels1", 1)
+    assert counts["1"] == counts["0"], counts
+

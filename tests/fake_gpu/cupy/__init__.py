@@ -13,10 +13,17 @@ would fail (or be slow) because code mixes host and device data:
   ``MPICUBE_CUDA_AWARE=1``, which switches on ``__cuda_array_interface__``
   (v3), so mpi4py passes the memory straight to MPI like a CUDA-aware MPI;
 - only API that CuPy has (no ``vecdot``; no ``ElementwiseKernel`` /
-  ``ReductionKernel`` / ``RawKernel`` / ``RawModule``: CUDA source cannot run);
+  ``ReductionKernel`` / ``RawKernel`` / ``RawModule``: CUDA source cannot run),
+  except that ``MPICUBE_FAKE_GPU_KERNELS=1`` (where g++ exists) adds
+  ``RawModule``, which runs CUDA source through tests/cuda_emu.py's g++
+  emulation of CUDA threads on the arrays' NumPy memory, and an
+  ``ElementwiseKernel`` that only marks the kernel API as present (see
+  _kernels.py); everything else stays as strict as without it;
 - every host<->device copy and implicit sync is counted:
   ``cupy._stand_in.transfers()``, ``reset_transfers()``, and with
-  ``MPICUBE_FAKE_GPU_REPORT=<path>`` a JSON file ``<path>.<pid>`` at exit.
+  ``MPICUBE_FAKE_GPU_REPORT=<path>`` a JSON file ``<path>.<pid>`` at exit;
+  RawModule launches are counted by kernel name (``_stand_in.launches()``,
+  ``"launches"`` in that file).
 
 ``cupy._mpicube_host_memory`` (absent from real CuPy) tells mpicube that
 this "device" memory is host memory that any MPI may be handed.
@@ -27,7 +34,7 @@ from numpy import (  # dtypes and constants are NumPy's, as in CuPy
     int32, int64, int_, intp, isscalar, nan, newaxis, pi, uint8, uint16, uint32, uint64, uintp,
 )
 
-from . import _stand_in
+from . import _kernels, _stand_in
 from ._core import ndarray
 from . import cuda
 from ._creation import *  # noqa: F401,F403
@@ -36,6 +43,8 @@ from ._math import *  # noqa: F401,F403
 from ._math import UFUNCS as _UFUNCS
 
 globals().update(_UFUNCS)
+if _kernels.enabled():
+    RawModule, ElementwiseKernel = _kernels.RawModule, _kernels.ElementwiseKernel
 max = amax
 min = amin
 round = around

@@ -8,6 +8,10 @@ synchronisation that CuPy performs to learn a data-dependent size (boolean
 masks, nonzero, unique), is counted here. Ranks launched by mpiexec cannot be
 asked directly, so with ``MPICUBE_FAKE_GPU_REPORT=<path>`` each process writes
 its counters to ``<path>.<pid>`` as JSON when it exits.
+
+Kernel launches (only where ``MPICUBE_FAKE_GPU_KERNELS=1`` gives the
+stand-in a RawModule, see _kernels.py) are counted by kernel name apart
+from the transfers: ``launches()``, and ``"launches"`` in the report.
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ def count_sync() -> None:
     _counts["syncs"] += 1
 
 
+_launches = {}          # kernel name -> launches through cupy.RawModule
+
+
+def launches() -> dict:
+    """A copy of the launch counts, {kernel name: launches}."""
+    return dict(_launches)
+
+
+def count_launch(name: str) -> None:
+    _launches[name] = _launches.get(name, 0) + 1
+
+
 def cuda_aware() -> bool:
     """Whether arrays expose ``__cuda_array_interface__``; read on every
     access so a test can flip it inside one process."""
@@ -52,7 +68,7 @@ def cuda_aware() -> bool:
 
 def _write_report(path: str) -> None:
     with open(f"{path}.{os.getpid()}", "w") as f:
-        json.dump(transfers(), f)
+        json.dump({**transfers(), "launches": launches()}, f)
 
 
 _REPORT = os.environ.get("MPICUBE_FAKE_GPU_REPORT")
