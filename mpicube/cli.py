@@ -235,7 +235,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
     JSON object with "loss", "step" and "tokens".
     """
-    from .train import evaluate_checkpoint
+    from .evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
                                  _mpi["world"], tf32=tf32)

@@ -42,14 +42,13 @@ from typing import Optional
 import numpy as np
 
 from . import __version__, checkpoint, data, dataplan, formats, rundir, threads
-from .backend import make_backend
-from .comm import Counters, agree_max, on_root
+from .comm import agree_max, on_root
 from .config import ModelConfig
 from .errors import ConfigError, UserError
-from .grid import build_layout, plan, validate_model
-from .model import GPT, gpt_params
+from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
+from .grid import plan, validate_model
 from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
-from .params import ParamStore
+from .parts import Parts, build_parts  # noqa: F401 (re-exported: tools and tests build models from here)
 from .console import Console
 from .loss_scale import scaler_for
 from .state import attr_dict, describe_layout, load_state, state_blocks
@@ -164,60 +163,7 @@ def _dash(name: str) -> str:
     return name.replace("_", "-")
 
 
-# --------------------------------------------------------------------------- model and data
-
-
-@dataclass
-class Parts:
-    """A model on this rank: the layout, its parameter store and the GPT."""
-
-    cfg: ModelConfig
-    backend: object
-    counters: object
-    layout: object
-    store: object
-    model: object
-
-    @property
-    def rows(self) -> slice:
-        """This data-parallel replica's rows of a global (B, T) batch."""
-        b = self.layout.local_batch
-        r = self.layout.axes.dp.rank
-        return slice(r * b, (r + 1) * b)
-
-
-def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
-                seed=0, dropout=0.0, tf32=False) -> Parts:
-    """Backend, layout, parameters, model. Every size is validated first
-    (``plan`` is pure), before device selection makes its first collective;
-    then every thread pool of the rank gets its share of the node's cores,
-    on CPUs and GPUs alike, before the first GEMM."""
-    plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth)
-    threads.configure(mpi_world)
-    backend = make_backend(device, dtype, mpi_world, tf32=tf32)
-    counters = Counters()
-    layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
-                          counters=counters)
-    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
-    model = GPT(cfg, layout, store, dropout=dropout, seed=seed)
-    return Parts(cfg, backend, counters, layout, store, model)
-
-
-def eval_model(parts: Parts):
-    """A GPT view of the same parameters with dropout off (GPT objects are
-    cheap: the parameters live in the store)."""
-    return GPT(parts.cfg, parts.layout, parts.store, dropout=0.0, seed=0)
-
-
-def mean_eval_loss(parts: Parts, model, tokens, seq_len: int, n_batches: int) -> float:
-    """Mean cross-entropy over evaluation batches 0..n_batches-1 (forward
-    only); every batch has B x T positions, so this is the mean over all."""
-    B = parts.layout.batch_size
-    total = 0.0
-    for k in range(n_batches):
-        x, y = data.eval_batch(tokens, B, seq_len, k)               # (B, T) each
-        total += model.forward(x[parts.rows], y[parts.rows], step=0)
-    return total / n_batches
+# --------------------------------------------------------------------------- data
 
 
 def resolve_data(mpi_world, path: Optional[str]):
@@ -630,36 +576,3 @@ def _str_or_none(path) -> Optional[str]:
 def train(opts: TrainOptions, mpi_world=None) -> int:
     """Run ``mpicube train``; the process exit status."""
     return Trainer(opts, mpi_world).run()
-
-
-# --------------------------------------------------------------------------- evaluation of a checkpoint
-
-
-def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None, batches=8, layout="auto",
-                        dp=1, depth=1, dtype="float32", device="cpu", mpi_world=None, tf32=False) -> dict:
-    """Mean cross-entropy of a checkpoint's model over ``batches`` evaluation
-    batches (0 = all) of a token shard, on any layout and world size."""
-    if mpi_world is None:
-        from mpi4py import MPI
-
-        mpi_world = MPI.COMM_WORLD
-    with formats.open_everywhere(mpi_world, ckpt_path) as ck:     # any model file
-        cfg = ck.config
-        saved = attr_dict(ck.attrs.get("train"))
-        B = int(batch_size or saved.get("batch_size") or 8)
-        T = int(seq_len or cfg.n_ctx)
-        if not 1 <= T <= cfg.n_ctx:
-            raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
-        if batches < 0:
-            raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
-        recorded = attr_dict(getattr(ck, "attrs", {}).get("data"))      # what the model was trained on
-        data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, recorded, B, T, batches)
-        on_root(mpi_world, lambda: data.check_vocab(tokens, cfg.vocab_size, data_path))
-        parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device, tf32=tf32)
-        formats.load_params(ck, parts.store)
-        step = ck.step
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        loss = mean_eval_loss(parts, eval_model(parts), tokens, T, n)
-    return {"loss": loss, "step": step, "batches": n, "tokens": n * B * T, "batch_size": B, "seq_len": T,
-            "layout": parts.layout.describe(), "checkpoint": str(ck.path), "data": data_path,
-            **({"note": note} if note else {})}
