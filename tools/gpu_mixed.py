@@ -19,12 +19,8 @@ Run by tools/gpu_check.py (its ``mixed`` step), or alone:
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import sys
-import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +34,6 @@ from mpicube.config import ModelConfig  # noqa: E402
 
 SHAPES = {"1.3b": (ModelConfig(vocab_size=50304, n_ctx=1024, n_layer=24, n_head=16, n_embd=2048), 4)}
 QUICK = {"tiny": (ModelConfig(vocab_size=512, n_ctx=64, n_layer=2, n_head=4, n_embd=64), 2)}
-GEMM = 8192
 LOSS_SCALE = 1024.0          # float16: fixed here (no overflow in a few steps from GPT-2's init)
 
 
@@ -131,7 +126,7 @@ def run_dtype(label, cfg, batch, dtype, deadline, torch, out, save) -> None:
         norm = global_grad_norm(store, layout.axes.tp) / scale
         opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)) / scale)
 
-    rate = gemm_rate(backend, GEMM, GEMM, GEMM)
+    rate = gemm_rate(backend, gpu_perf.GEMM, gpu_perf.GEMM, gpu_perf.GEMM)  # --quick: a small one
     out["gemm_rate_tflops"] = rate / 1e12
     r = gpu_perf.time_steps(mpicube_step, sync, deadline)
     r["tflops"] = flops / (r["ms"] / 1e3) / 1e12
@@ -151,43 +146,13 @@ def run_dtype(label, cfg, batch, dtype, deadline, torch, out, save) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", required=True, help="where to write the results")
-    ap.add_argument("--quick", action="store_true", help="a tiny shape instead (checks the script, not the GPU)")
-    ap.add_argument("--deadline", type=float, default=time.time() + 300, help="epoch seconds to stop by")
-    args = ap.parse_args(argv)
-    global GEMM
-    GEMM = 128 if args.quick else GEMM
-    results = {"ok": False, "shapes": {}}
+    def cases(quick, torch, deadline, results, save):
+        for label, (cfg, batch) in (QUICK if quick else SHAPES).items():
+            for dtype in ("float16", "bfloat16"):      # bfloat16 on a CuPy without it records its error
+                out = results["shapes"].setdefault(label, {}).setdefault(dtype, {})
+                yield label, out, lambda: run_dtype(label, cfg, batch, dtype, deadline, torch, out, save)
 
-    def save():
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
-        results["torch"] = torch.__version__
-    except Exception as exc:
-        torch = None
-        results["torch"] = f"unavailable: {type(exc).__name__}: {exc}"
-    for label, (cfg, batch) in (QUICK if args.quick else SHAPES).items():
-        for dtype in ("float16", "bfloat16"):
-            out = results["shapes"].setdefault(label, {}).setdefault(dtype, {})
-            try:
-                run_dtype(label, cfg, batch, dtype, args.deadline, torch, out, save)
-            except Exception as exc:            # bfloat16 on a CuPy without it says so here
-                traceback.print_exc()
-                out["error"] = f"{type(exc).__name__}: {exc}"
-            finally:
-                gc.collect()
-                try:
-                    import cupy
-
-                    cupy.get_default_memory_pool().free_all_blocks()
-                except Exception:
-                    pass
-            save()
+    results, save = gpu_perf.run_checks(__doc__, 300, 128, cases, argv)
     fp16 = [s.get("float16", {}) for s in results["shapes"].values()]
     results["ok"] = all("mpicube" in r for r in fp16)
     save()

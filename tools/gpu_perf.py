@@ -274,44 +274,72 @@ def run_shape(label: str, cfg, batch: int, deadline: float, torch, out: dict, sa
     cuda_kernels.use(False)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", required=True, help="where to write the results")
-    ap.add_argument("--quick", action="store_true", help="a tiny shape instead (checks the script, not the GPU)")
-    ap.add_argument("--deadline", type=float, default=time.time() + 400, help="epoch seconds to stop by")
-    args = ap.parse_args(argv)
-    global GEMM
-    GEMM = 512 if args.quick else GEMM
-    results = {"ok": False, "shapes": {}}
-
-    def save():
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+def torch_on_device(results: dict):
+    """PyTorch if it sees a CUDA device, else None; ``results["torch"]``
+    says which (mpicube's own figures are worth having either way)."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
         results["torch"] = torch.__version__
-    except Exception as exc:  # mpicube's figures are still worth having
-        torch = None
+        return torch
+    except Exception as exc:
         results["torch"] = f"unavailable: {type(exc).__name__}: {exc}"
         log(f"PyTorch {results['torch']}")
-    for label, (cfg, batch) in (QUICK if args.quick else SHAPES).items():
-        results["shapes"][label] = {}
+        return None
+
+
+def release_device_memory() -> None:
+    """Hand the last shape's arrays back to the device before the next one."""
+    gc.collect()
+    try:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+    except Exception:
+        pass
+
+
+def run_checks(doc: str, seconds: float, quick_gemm: int, cases, argv=None) -> tuple:
+    """The command line both device scripts share: ``--json`` (where the
+    results go, rewritten after every case so a timeout keeps what ran),
+    ``--quick`` and ``--deadline``. ``cases(quick, torch, deadline, results,
+    save)`` yields (label, dict to fill, function filling it); a case that
+    raises records its error and the next one runs. Returns (results, save)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--quick", action="store_true", help="a tiny shape instead (checks the script, not the GPU)")
+    ap.add_argument("--deadline", type=float, default=time.time() + seconds, help="epoch seconds to stop by")
+    args = ap.parse_args(argv)
+    global GEMM
+    if args.quick:
+        GEMM = quick_gemm
+    results = {"ok": False, "shapes": {}}
+
+    def save():
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+
+    torch = torch_on_device(results)
+    for label, out, fill in cases(args.quick, torch, args.deadline, results, save):
         try:
-            run_shape(label, cfg, batch, args.deadline, torch, results["shapes"][label], save)
+            fill()
         except Exception as exc:
             traceback.print_exc()
-            results["shapes"][label]["error"] = f"{type(exc).__name__}: {exc}"
+            out["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            gc.collect()
-            try:
-                import cupy
-
-                cupy.get_default_memory_pool().free_all_blocks()
-            except Exception:
-                pass
+            release_device_memory()
         save()
+    return results, save
+
+
+def main(argv=None) -> int:
+    def cases(quick, torch, deadline, results, save):
+        for label, (cfg, batch) in (QUICK if quick else SHAPES).items():
+            out = results["shapes"][label] = {}
+            yield label, out, lambda: run_shape(label, cfg, batch, deadline, torch, out, save)
+
+    results, save = run_checks(__doc__, 400, 512, cases, argv)
     shapes = results["shapes"].values()
     results["ok"] = all("error" not in s and all("ms" in r for r in s.get("mpicube", {}).values()) for s in shapes)
     save()
