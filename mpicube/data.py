@@ -9,11 +9,11 @@ number.
 import os
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_write
 from .errors import UserError
 
 MAGIC = 20240520
@@ -38,28 +38,6 @@ class DataError(UserError, ValueError):
 # --------------------------------------------------------------------------- shards
 
 
-def _atomic_write(path, chunks):
-    """Write byte chunks to `path` via a unique temp file in the same directory and os.replace.
-
-    Readers (or other MPI ranks preparing the same file) then see either the
-    old file or the complete new one, never a partial write.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def write_shard(path, tokens) -> None:
     """Write `tokens` as an llm.c shard (header of 256 int32: magic, version, count; then uint16)."""
     tokens = np.asarray(tokens)  # (N,) any integer dtype
@@ -72,7 +50,7 @@ def write_shard(path, tokens) -> None:
     header = np.zeros(HEADER_INTS, dtype="<i4")  # (256,) int32 little-endian
     header[:3] = (MAGIC, VERSION, tokens.size)
     body = tokens.astype("<u2", copy=False)  # (N,) uint16 little-endian
-    _atomic_write(path, [header.tobytes(), body.tobytes()])
+    atomic_write(path, [header.tobytes(), body.tobytes()])
 
 
 def read_shard(path) -> np.ndarray:

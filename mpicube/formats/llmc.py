@@ -18,12 +18,11 @@ memory-mapped, so a rank's block costs only the pages it touches.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_write
 from ..config import ModelConfig
 from .base import FormatError, ModelFile, check_shapes, gpt2_shapes, model_config
 
@@ -155,21 +154,15 @@ def write(dst, tensors: dict, cfg: ModelConfig) -> Path:
     vocab_padded = padded_vocab(cfg.vocab_size)
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:8] = (MAGIC, FLOAT32, cfg.n_ctx, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, vocab_padded)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header.tobytes())
-            for _, _, members in file_layout(cfg, vocab_padded):
-                for name, _, transposed in members:
-                    t = np.asarray(tensors[name], dtype="<f4")
-                    f.write(np.ascontiguousarray(t.T if transposed else t).tobytes())
-                if members[0][0] == "wte":
-                    f.write(np.zeros((vocab_padded - cfg.vocab_size, cfg.n_embd), dtype="<f4").tobytes())
-        os.replace(tmp, dst)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+
+    def chunks():
+        yield header.tobytes()
+        for _, _, members in file_layout(cfg, vocab_padded):
+            for name, _, transposed in members:
+                t = np.asarray(tensors[name], dtype="<f4")
+                yield np.ascontiguousarray(t.T if transposed else t).tobytes()
+            if members[0][0] == "wte":
+                yield np.zeros((vocab_padded - cfg.vocab_size, cfg.n_embd), dtype="<f4").tobytes()
+
+    atomic_write(dst, chunks())
     return dst

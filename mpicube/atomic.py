@@ -1,0 +1,32 @@
+"""Files that appear whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write(path, chunks) -> Path:
+    """Write the byte chunks (any iterable, consumed lazily) to ``path``
+    through a unique temporary file in the same directory, then rename it.
+
+    Readers, or other MPI ranks writing the same file, then see either the
+    old file or the complete new one, never a partial write; a failure
+    midway (a full disk, an exception from the iterable) leaves no debris.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
