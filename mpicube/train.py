@@ -565,8 +565,12 @@ class Trainer:
         try:
             yield
         finally:
+            # After a signal-driven stop the job is on its way out (requeued);
+            # a scheduler that repeats its warning must not kill a rank in
+            # MPI_Finalize with SIGUSR1's default action, so such signals are
+            # ignored from here on instead of handed back.
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, signal.SIG_IGN if self.stop_signal else handler)
 
 
 def _str_or_none(path) -> Optional[str]:

@@ -184,3 +184,36 @@ def test_init_from_on_another_world_size(mpicube, tmp_path):
     # --resume on a run directory without a checkpoint starts afresh and says so
     r = run_ok(mpicube, "--steps", "1", "--out", "empty", "--resume")
     assert "starting a fresh run" in r.stdout and len(losses(tmp_path / "empty")) == 1
+
+
+def test_signals_after_a_signal_stop_are_ignored_not_fatal():
+    """A scheduler may repeat its warning while a stopped job finalises;
+    after a signal-driven stop SIGUSR1/SIGTERM must not fall back to their
+    default action (killing the rank), while a run that was not stopped by
+    a signal hands the previous handlers back."""
+    from mpicube.train import TrainOptions, Trainer
+
+    before, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    quiet = Trainer(TrainOptions(), mpi_world=_SelfWorld())
+    with quiet._signal_handlers():
+        assert signal.getsignal(signal.SIGUSR1) == quiet._on_signal
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+    stopped = Trainer(TrainOptions(), mpi_world=_SelfWorld())
+    try:
+        with stopped._signal_handlers():
+            signal.raise_signal(signal.SIGUSR1)
+            assert stopped.stop_signal == 2
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        signal.raise_signal(signal.SIGUSR1)                  # would end this test process if not ignored
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        signal.signal(signal.SIGTERM, before_term)
+
+
+class _SelfWorld:
+    """What Trainer.__init__ asks of its world communicator, without MPI."""
+
+    def Get_rank(self):
+        return 0
