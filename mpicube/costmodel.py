@@ -503,7 +503,8 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
         lines.append(f"  {field_name:<12} {_fmt(getattr(memory, field_name)):>10}  "
                      f"{_fmt(getattr(nbytes, field_name))}B")
     lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(nbytes.total())}B")
-    lines += ["", f"GEMM and attention FLOPs per rank per step (predicted): {_fmt(step_flops(chosen))}"]
+    tflops = float(step_flops(chosen)) / 1e12
+    lines += ["", f"GEMM and attention FLOPs per rank per step (predicted, not measured): {tflops:.4g} T"]
     lines += ["", compare(cfg, batch_size, world_size, dp, dtype)]
     return "\n".join(lines)
 
