@@ -229,6 +229,9 @@ class Trainer:
         on_root(self.world, lambda: data.check_vocab(train_tokens, self.cfg.vocab_size, self.train_path))
         if self.eval_batches:
             on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
+        if self.model_file is not None and o.recompute != "none":   # 1-D row shards split B_dp x --seq-len rows
+            plan(o.layout, replace(self.cfg, n_ctx=o.seq_len), o.batch_size, self.world.Get_size(), o.dp, o.depth,
+                 o.recompute)
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
                                  o.seed, o.dropout, o.tf32, recompute=o.recompute)
         note = recompute_note(self.parts.layout, o.recompute)

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON
+from conftest import PYTHON, TINY
 from mpirun import job_env, mpiexec
 
 from mpicube.config import ModelConfig
@@ -210,3 +210,15 @@ def test_command_line(tmp_path, corpus_cache):
     result = json.loads(bench["out"][-1])["results"][0]
     assert result["recompute"] == "gathers" and result["comm"]["exact"]
     assert result["memory"]["measured_activations"] == result["memory"]["activations"]
+
+
+def test_row_shards_checked_against_seq_len_of_a_model_file(mpicube):
+    """With --init-from the model's context may be longer than --seq-len:
+    1-D row shards split B_dp x seq_len rows, checked before the first step."""
+    r = mpicube.run("train", *TINY, "--steps", "1", "--out", "model")
+    assert r.returncode == 0, r
+    r = mpicube.run("train", "--layout", "1d", "--init-from", "model", "--seq-len", "3", "--batch-size", "1",
+                    "--recompute", "gathers", "--steps", "1", "--out", "again", n=2)
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "1 x 3 token rows per replica" in lines[0], r
