@@ -222,3 +222,17 @@ def test_row_shards_checked_against_seq_len_of_a_model_file(mpicube):
     assert r.returncode == 2, r
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "1 x 3 token rows per replica" in lines[0], r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks,layout,mode,env", [
+    (2, "1d", "blocks", {"MPICUBE_CHECK_DEVICE": "gpu", "PYTHONPATH": f"{HERE / 'fake_gpu'}:{HERE.parent}"}),
+    (8, "3d", "gathers", {"MPICUBE_CHECK_DTYPE": "bfloat16"}),
+], ids=["1d-n2-blocks-gpu-standin", "3d-n8-gathers-bfloat16"])
+def test_recompute_on_gpu_and_in_mixed_precision(ranks, layout, mode, env):
+    """The GPU path (CI's CuPy stand-in, tests/fake_gpu) and 16-bit storage:
+    still serial's numbers, and memory and traffic equal the model in bytes."""
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, 1, 1, 0.1], timeout=240,
+                   env={"MPICUBE_CHECK_RECOMPUTE": mode, **env})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK {layout} world={ranks} dp=1 depth=1" in proc.stdout and f"recompute={mode}" in proc.stdout
