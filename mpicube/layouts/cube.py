@@ -131,17 +131,15 @@ class CubeLinear:
         self.dbias = store.grad[prefix + ".bias"]
         self.a, self.b, self.wc = a, b, weight_comm
 
-    def _gather(self, x):
-        """X (B/q, T, h_in/q) gathered over a and W (h_in/q, h_out/q) over i."""
-        if self.overlap:                             # W travels while X is gathered
-            w_pending = self.wc.iallgather(self.w, axis=0)
-            xg = self.a.allgather(x, axis=0)         # (B/q, T, h_in/q)
-            return xg, w_pending.wait()              # (h_in/q, h_out/q)
-        return self.a.allgather(x, axis=0), self.wc.allgather(self.w, axis=0)
-
     def forward(self, x):
         """x (B/q^2, T, h_in/q) -> (B/q^2, T, h_out/q)."""
-        self.xg, self.wg = self._gather(x)           # (B/q, T, h_in/q), (h_in/q, h_out/q)
+        if self.overlap:                             # W travels while X is gathered
+            w_pending = self.wc.iallgather(self.w, axis=0)
+            self.xg = self.a.allgather(x, axis=0)    # (B/q, T, h_in/q)
+            self.wg = w_pending.wait()               # (h_in/q, h_out/q)
+        else:
+            self.xg = self.a.allgather(x, axis=0)
+            self.wg = self.wc.allgather(self.w, axis=0)
         y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg, acc(x)), axis=0)   # (B/q^2, T, h_out/q)
         if self.regather:                            # keep the local X only
             self.x, self.xg, self.wg = x, None, None
@@ -150,8 +148,9 @@ class CubeLinear:
 
     def backward(self, dy):
         """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
-        if self.xg is None:                          # --recompute gathers: gather them again
-            self.xg, self.wg = self._gather(self.x)
+        if self.xg is None:                          # --recompute gathers: gather them again (blocking)
+            self.xg = self.a.allgather(self.x, axis=0)              # (B/q, T, h_in/q)
+            self.wg = self.wc.allgather(self.w, axis=0)             # (h_in/q, h_out/q)
         dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
         xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
         dy2 = dyg.reshape(-1, dyg.shape[-1])                   # (N/q, h_out/q)

@@ -64,16 +64,16 @@ class OneDLayout(Layout):
         return ParamSpec(decl, tuple(full_index(n) for n in shape), replicas=p, writer=(t == 0))
 
     def linear(self, store, prefix, position):
-        if position == "first":   # column-parallel: its input is replicated
-            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self._gathers_shard())
+        if position == "first" and self.recompute == "gathers":   # its replicated input kept as a row shard
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard)
+        if position == "first":   # column-parallel
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp)
         return DenseLinear(store, prefix, out_reduce=self.axes.tp)   # row-parallel
 
     def tied_embedding(self, store):
         return DenseTiedEmbedding(store, self, vocab_comm=self.axes.tp,
-                                  vocab_start=self.t * self.vocab_padded // self.p, shard=self._gathers_shard())
-
-    def _gathers_shard(self):
-        return self.row_shard if self.recompute == "gathers" else None
+                                  vocab_start=self.t * self.vocab_padded // self.p,
+                                  shard=self.row_shard if self.recompute == "gathers" else None)
 
     def save_block_input(self, x):
         return self.row_shard.keep(x)                # (n/p, C) rows and x's shape
