@@ -93,6 +93,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
         marks.append(time.perf_counter())
         saved, saved_bytes = model.saved_elements(), model.saved_bytes()
         model.backward(loss_scale=loss_scale)
+        saved += model.recompute_peak_elements          # --recompute blocks: one rerun block on top
+        saved_bytes += model.recompute_peak_bytes
         backend.synchronize()
         marks.append(time.perf_counter())
         sync_gradients(store, layout.axes.dp)
@@ -107,7 +109,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
             phases["step_s"].append(marks[-1] - marks[0])
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
-                      layout.describe().get("depth", 1), layout.batch_size, seq_len, backend.dtype.name)
+                      layout.describe().get("depth", 1), layout.batch_size, seq_len, backend.dtype.name,
+                      layout.recompute)
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     step_times = np.array(phases["step_s"])
     median = float(np.median(step_times))
@@ -128,6 +131,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
         "device": backend.device,
         "dtype": backend.dtype.name,
         "tf32": backend.tf32,
+        "recompute": layout.recompute,
         "model_flops_per_step": model_flops(cfg, layout.batch_size, seq_len),
         "flops_per_s_per_rank": flops_rank / median,
         "gemm_flops_per_s": rate,

@@ -40,6 +40,7 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
 
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
+RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 ABORT_PAUSE = 1.0       # seconds between a rank's last words and MPI_Abort
@@ -125,6 +126,13 @@ def layout_options(f):
     return f
 
 
+def recompute_option(f):
+    return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
+                        help="trade memory for communication and FLOPs: gathers = gather weight and activation "
+                             "panels again in backward instead of keeping them; blocks = keep only each "
+                             "block's input and rerun its forward in backward")(f)
+
+
 def device_options(f):
     f = click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
                      help="NumPy on CPUs or CuPy, one GPU per rank")(f)
@@ -165,6 +173,7 @@ def cli():
 @click.option("--dropout", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options
+@recompute_option
 @click.option("--data", type=str, default=None, metavar="PATH",
               help="train token shard (its <stem>_val<suffix> sibling is the validation set); "
                    "default: the built-in corpus (the Python standard library's sources)")
@@ -280,7 +289,8 @@ def prepare(inputs, out, val_fraction, tokenizer):
                    "float32 reductions, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
-def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype, vocab_size):
+@recompute_option
+def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype, vocab_size, recompute):
     """Model size; with --layout/-n, the sharding plan and per-rank predictions."""
     from .config import ModelConfig
     from .data import VOCAB_SIZE
@@ -307,7 +317,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         from .costmodel import report
 
         echo()
-        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype))
+        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype, recompute=recompute))
 
 
 @cli.command()
@@ -322,9 +332,10 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 @click.option("--steps", type=int, default=5, show_default=True, help="timed steps")
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_options
+@recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
 def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warmup_steps, steps, seed, dtype,
-          device, tf32, as_json):
+          device, tf32, recompute, as_json):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -336,15 +347,20 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warm
     from .bench import bench_layout, format_table
     from .config import ModelConfig
     from .data import VOCAB_SIZE
+    from .parts import recompute_note
     from .train import build_parts
 
     if steps < 1 or warmup_steps < 0:
         raise UserError("--steps must be at least 1 and --warmup-steps at least 0")
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-    results = []
+    results, noted = [], set()
     for name in layouts or ("auto",):
         parts = build_parts(cfg, name, batch_size, _mpi["world"], dp=dp, depth=depth if name in ("2.5d", "auto") else 1,
-                            dtype=dtype, device=device, seed=seed, tf32=tf32)
+                            dtype=dtype, device=device, seed=seed, tf32=tf32, recompute=recompute)
+        note = recompute_note(parts.layout, recompute)
+        if note and note not in noted:
+            noted.add(note)
+            echo(note)
         results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
     echo(format_table(results, 4 if dtype == "float32" else 8))
     echo(f"threads: {threads.current().describe()}")

@@ -12,6 +12,21 @@ weight copies and the panels layouts gather or broadcast travel in the
 storage format (2 bytes under mixed precision), reductions in the compute
 format (float32: MPI has no 16-bit sum), weight gradients in the master
 format, and the gradient norm and the loss as one float64 each.
+
+Recompute modes (``Problem.recompute``, layouts/base.py):
+
+* "gathers" adds the second gathering of every panel a layout let go of
+  after forward (3-D: X and W of each linear, the LM head's input and wte
+  panel; 2-D/2.5-D: the wte panel; 1-D: the row-sharded inputs of the
+  column-parallel linears and of the LM head) and drops them from the saved
+  activations. The panels gathered again in backward are transient, like
+  the gathered dY of every backward today, and are not counted as memory.
+* "blocks" adds every collective of each block's forward a second time
+  (1-D also the all-gather of the row-sharded block input); the saved
+  activations are each block's input plus what lies outside the blocks,
+  and ``activation_terms`` adds the working set of one rerun block (its
+  caches and dropout masks, measured as ``GPT.recompute_peak_*``), since
+  backward holds that on top.
 """
 
 from __future__ import annotations
@@ -94,6 +109,7 @@ class Problem:
     batch: int          # global sequences per step
     seq_len: int
     dtype: str = "float32"   # storage format: float64, float32, float16 or bfloat16
+    recompute: str = "none"  # none, gathers or blocks (layouts/base.py RECOMPUTE_MODES)
 
     @property
     def local_batch(self):
@@ -130,6 +146,11 @@ def oned_traffic(p: Problem) -> Traffic:
     t.allreduce("tp", g, act, times=4 * p.cfg.n_layer, width=w.red)   # 2 forward (row-split), 2 backward
     t.allreduce("tp", g, act, times=2, width=w.red)       # embedding lookup, LM head backward
     _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.red)
+    if p.recompute == "gathers":                          # c_attn, c_fc and LM head inputs from row shards
+        t.allgather("tp", g, act // g, times=2 * p.cfg.n_layer + 1, width=w.act)
+    if p.recompute == "blocks":                           # block inputs from row shards, forwards again
+        t.allgather("tp", g, act // g, times=p.cfg.n_layer, width=w.act)
+        t.allreduce("tp", g, act, times=2 * p.cfg.n_layer, width=w.red)
     return t
 
 
@@ -138,14 +159,18 @@ def tesseract_traffic(p: Problem) -> Traffic:
     q = round((p.tp // d) ** 0.5)
     n = p.local_batch * p.seq_len // (d * q)              # activation rows per rank
     V = -(-cfg.vocab_size // q) * q
+    forwards = 2 if p.recompute == "blocks" else 1            # blocks: each block's forward again
     for h_in, h_out, _ in _linears(cfg) * cfg.n_layer:
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
-        t.bcast("row", q, x_panel, times=2 * q, width=w.act)    # forward, and again for dW
+        t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
         t.reduce("row", q, x_panel, times=q, width=w.red)       # dX
-        t.bcast("col", q, w_panel, times=2 * q, width=w.act)    # forward, and again for dX
+        t.bcast("col", q, w_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dX
         t.reduce("col", q, w_panel, times=q, width=w.grad)      # dW
     _layernorm(t, "row", q, n, 2 * cfg.n_layer + 1, w.red)
-    t.allgather("col", q, (V // q) * (cfg.n_embd // q), width=w.act)   # wte[:, block c]
+    if forwards == 2:
+        t.allreduce("row", q, n, times=2 * 2 * cfg.n_layer, width=w.red)   # ln_1, ln_2 statistics again
+    gathers = 2 if p.recompute == "gathers" else 1            # gathers: wte panel again for the head backward
+    t.allgather("col", q, (V // q) * (cfg.n_embd // q), times=gathers, width=w.act)   # wte[:, block c]
     t.reduce_scatter("row", q, n * V, width=w.red)                # LM head forward
     t.allgather("row", q, n * V // q, width=w.act)                # LM head backward
     t.reduce_scatter("col", q, V * (cfg.n_embd // q), width=w.grad)   # wte gradient
@@ -159,18 +184,22 @@ def cube_traffic(p: Problem) -> Traffic:
     n = p.local_batch * p.seq_len // (q * q)              # canonical rows per rank
     h = cfg.n_embd
     V = -(-cfg.vocab_size // q) * q
+    gathers = 2 if p.recompute == "gathers" else 1     # gathers: X and W again in backward
+    forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
     for h_in, h_out, position in _linears(cfg) * cfg.n_layer:
         a, b = ("j", "k") if position == "first" else ("k", "j")
-        t.allgather(a, q, n * h_in // q, width=w.act)                         # X over a
-        t.allgather("i", q, (h_in // (q * q)) * (h_out // q), width=w.act)    # W over i
-        t.reduce_scatter(b, q, n * q * h_out // q, width=w.red)               # Y over b
+        t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
+        t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=forwards * gathers, width=w.act)   # W over i
+        t.reduce_scatter(b, q, n * q * h_out // q, times=forwards, width=w.red)               # Y over b
         t.allgather(b, q, n * h_out // q, width=w.act)                        # dY over b
         t.reduce_scatter(a, q, n * q * h_in // q, width=w.red)                # dX over a
         t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.grad)    # dW over i
     _layernorm(t, "k", q, n, 2 * cfg.n_layer + 1, w.red)
-    t.allgather("i", q, (V // q) * (h // (q * q)), width=w.act)   # wte over i
+    if forwards == 2:
+        t.allreduce("k", q, n, times=2 * 2 * cfg.n_layer, width=w.red)       # ln_1, ln_2 statistics again
+    t.allgather("i", q, (V // q) * (h // (q * q)), times=gathers, width=w.act)   # wte over i
     t.reduce_scatter("j", q, n * q * h // q, width=w.red)         # lookup
-    t.allgather("j", q, n * h // q, width=w.act)                  # head: X over j
+    t.allgather("j", q, n * h // q, times=gathers, width=w.act)   # head: X over j
     t.reduce_scatter("k", q, n * q * V // q, width=w.red)         # head: logits over k
     t.allgather("k", q, n * V // q, width=w.act)                  # head backward: dlogits
     t.reduce_scatter("j", q, n * q * h // q, width=w.red)         # head backward: dX
@@ -260,8 +289,18 @@ def activation_terms(p: Problem, dropout: bool = False) -> dict:
     """{"act", "stat", "grad": elements} kept for backward: LayerNorm
     outputs and statistics, linear inputs (gathered in 3-D), q/k/v,
     attention probabilities, GELU input and tanh, logits and softmax,
-    gathered embedding panels and their gradients, masks."""
-    cfg, T, L, h = p.cfg, p.seq_len, p.cfg.n_layer, p.cfg.n_embd
+    gathered embedding panels and their gradients, masks. Under
+    --recompute blocks: the block inputs, what lies outside the blocks, and
+    one rerun block's working set on top (``kept_and_rerun_terms``)."""
+    kept, rerun = kept_and_rerun_terms(p, dropout)
+    return {kind: kept[kind] + rerun[kind] for kind in kept}
+
+
+def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
+    """({kind: elements} kept right after forward (``GPT.saved_elements``),
+    {kind: elements} of one block's caches after its rerun under
+    --recompute blocks (``GPT.recompute_peak_elements``), zero otherwise)."""
+    cfg, T, L, h, mode = p.cfg, p.seq_len, p.cfg.n_layer, p.cfg.n_embd, p.recompute
     if p.layout in ("serial", "1d"):
         q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
         V = -(-cfg.vocab_size // heads) * heads // heads
@@ -280,27 +319,41 @@ def activation_terms(p: Problem, dropout: bool = False) -> dict:
     n = seqs * T                       # token rows per rank, canonical and intermediate alike
     cc = h // split_cols               # canonical width
     probs = seqs * (cfg.n_head // heads) * T * T
-    # LN xhat (x2), qkv and the scaled copy of q, probabilities, GELU input and tanh
-    act = L * (2 * n * cc + n * 4 * mid_cols + probs + 2 * n * 4 * mid_cols) + n * cc + 2 * n * V
-    stat = (2 * L + 1) * n                      # LayerNorm rstd: per row, ln_1, ln_2 and ln_f
-    grad = 0
+    # 1-D keeps a replicated activation it can gather again as a row shard of 1/p.
+    shard = p.tp if p.layout == "1d" else 1
     # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
     gathered = q > 1
+    regather = mode == "gathers"
+
+    # one block: LN xhat (x2), qkv and the scaled copy of q, probabilities, GELU input and tanh
+    block = 2 * n * cc + n * 4 * mid_cols + probs + 2 * n * 4 * mid_cols
     if p.layout == "3d":
         for h_in, h_out, _ in _linears(cfg):
-            act += L * q * n * h_in // q                                     # gathered X
-            if gathered:
-                act += L * (h_in // q) * (h_out // q)                        # gathered W
-        act += q * n * h // q + gathered * V * (h // q)                      # head input, wte panel
-        grad += V * (h // q)                                                 # its gradient
+            block += n * h_in // q if regather else q * n * h_in // q         # local or gathered X
+            block += 0 if regather else gathered * (h_in // q) * (h_out // q)   # gathered W
     else:
-        act += L * (2 * n * cc + n * mid_cols + n * 4 * mid_cols) + n * cc   # linear inputs, head input
+        first_inputs = 2 * n * cc // shard if regather else 2 * n * cc     # c_attn, c_fc
+        block += first_inputs + n * mid_cols + n * 4 * mid_cols            # c_proj, mlp.c_proj
+    if dropout:
+        block += 2 * n * cc + 2 * probs
+    # outside the blocks: ln_f xhat, logits and softmax, head input, wte panels, embedding mask
+    outside, grad = n * cc + 2 * n * V, 0
+    if p.layout == "3d":
+        outside += n * h // q if regather else q * n * h // q                 # head input
+        outside += 0 if regather else gathered * V * (h // q)                 # wte panel
+        grad += V * (h // q)                                                  # its gradient
+    else:
+        outside += n * cc // shard if regather else n * cc                   # head input
         if p.layout in ("2d", "2.5d"):
-            act += gathered * (V * q) * (h // q)                              # wte[:, block c]
+            outside += 0 if regather else gathered * (V * q) * (h // q)      # wte[:, block c]
             grad += (V * q) * (h // q)                                        # its gradient
     if dropout:
-        act += L * (2 * n * cc + 2 * probs) + n * cc
-    return {"act": act, "stat": stat, "grad": grad}
+        outside += n * cc
+    if mode == "blocks":
+        kept = {"act": L * n * cc // shard + outside, "stat": n, "grad": grad}
+        return kept, {"act": block, "stat": 2 * n, "grad": 0}
+    kept = {"act": L * block + outside, "stat": (2 * L + 1) * n, "grad": grad}   # rstd of ln_1, ln_2, ln_f
+    return kept, {"act": 0, "stat": 0, "grad": 0}
 
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:
@@ -336,6 +389,37 @@ def step_traffic(p: Problem) -> Traffic:
     return t
 
 
+def step_flops(p: Problem) -> Fraction:
+    """GEMM and attention FLOPs per rank per step, from the sizes alone (a
+    prediction, not measured: nothing counts FLOPs at run time). Forward
+    2 m n k per GEMM (the four linears of every block, the two batched
+    attention products, the LM head over the layout's padded vocabulary),
+    backward twice the forward, and under --recompute blocks every block's
+    forward once more. Every layout splits each of these evenly over its
+    tensor-parallel ranks, so one rank does 1/tp of its replica's work."""
+    cfg, L, h, T = p.cfg, p.cfg.n_layer, p.cfg.n_embd, p.seq_len
+    N = p.local_batch * T                                            # tokens per replica
+    linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in _linears(cfg))
+    attention = 2 * 2 * p.local_batch * T * T * h                    # q k^T and probs v, causal mask not discounted
+    block = L * (linears + attention)
+    head = 2 * N * h * _padded_vocab(p)
+    forwards = 2 if p.recompute == "blocks" else 1
+    return Fraction(3 * (block + head) + (forwards - 1) * block, p.tp)
+
+
+def _padded_vocab(p: Problem) -> int:
+    """The vocabulary the layout's LM head multiplies by (padded to its split)."""
+    if p.layout == "serial":
+        split = 1
+    elif p.layout == "1d":
+        split = p.tp
+    elif p.layout in ("2d", "2.5d"):
+        split = round((p.tp // p.depth) ** 0.5)
+    else:
+        split = round(p.tp ** (1 / 3))
+    return -(-p.cfg.vocab_size // split) * split
+
+
 def _group_size(p: Problem, axis: str) -> int:
     if axis == "depth":
         return p.depth
@@ -368,31 +452,33 @@ def _fmt(n) -> str:
     return f"{n:.4g}"
 
 
-def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32"):
+def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none"):
     """A validated Problem, or the ConfigError's message."""
     from .errors import ConfigError
 
     try:
-        _, resolved, tp = plan(name, cfg, batch_size, world_size, dp, depth)
+        _, resolved, tp = plan(name, cfg, batch_size, world_size, dp, depth, recompute)
     except ConfigError as err:
         return str(err)
-    return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype)
+    return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
+                   recompute)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
-           depth: int = 1, dtype: str = "float32") -> str:
-    """Sharding plan and per-rank predictions for one layout, then the four
+           depth: int = 1, dtype: str = "float32", recompute: str = "none") -> str:
+    """Sharding plan and per-rank predictions for one layout (with the
+    ``recompute`` mode's communication, memory and FLOPs), then the four
     schemes side by side at the same world size, in bytes of ``dtype``'s
     real widths (mixed precision: 16-bit activations and panels, float32
     reductions, gradients and optimizer state)."""
-    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype)
+    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute)
     if isinstance(chosen, str):
         from .errors import ConfigError
 
         raise ConfigError(chosen)
     lines = [f"layout {chosen.layout}: world {world_size} = dp {dp} x tp {chosen.tp}"
              + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else ""),
-             f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step", "",
+             f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step, --recompute {recompute}", "",
              "sharding plan (per rank):",
              f"  {'tensor':<28} {'global shape':>16} {'local elems':>12}  gradient summed over"]
     sizes = local_param_sizes(chosen)
@@ -417,6 +503,8 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
         lines.append(f"  {field_name:<12} {_fmt(getattr(memory, field_name)):>10}  "
                      f"{_fmt(getattr(nbytes, field_name))}B")
     lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(nbytes.total())}B")
+    tflops = float(step_flops(chosen)) / 1e12
+    lines += ["", f"GEMM and attention FLOPs per rank per step (predicted, not measured): {tflops:.4g} T"]
     lines += ["", compare(cfg, batch_size, world_size, dp, dtype)]
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import ConfigError
 from .intmath import integer_root
 from .layouts import LAYOUTS
-from .layouts.base import Axes
+from .layouts.base import RECOMPUTE_MODES, Axes
 
 LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
 
@@ -59,10 +59,13 @@ def validate_model(cfg: ModelConfig) -> None:
                           f"{' or '.join(map(str, sorted(near)))}, or --n-embd {sizes}")
 
 
-def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1):
-    """(layout class, resolved name, tp size) after validating every size;
-    pure: no MPI."""
+def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1,
+         recompute: str = "none"):
+    """(layout class, resolved name, tp size) after validating every size
+    (and, for ``recompute``, the sizes that mode needs); pure: no MPI."""
     validate_model(cfg)
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
     tp = split_world(world_size, dp)
     resolved = choose_layout(name, tp, depth)
     if resolved not in LAYOUTS:
@@ -73,18 +76,18 @@ def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int 
         raise ConfigError(f"--depth {depth} applies to the 2.5d layout only (layout {resolved}): "
                           f"drop --depth, or use --layout 2.5d")
     cls = LAYOUTS[resolved]
-    cls.validate(cfg, tp, batch_size // dp, depth)
+    cls.validate(cfg, tp, batch_size // dp, depth, recompute)
     return cls, resolved, tp
 
 
 def build_layout(name: str, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_world,
-                 dp: int = 1, depth: int = 1, counters: Counters = None):
+                 dp: int = 1, depth: int = 1, counters: Counters = None, recompute: str = "none"):
     """Validate, then split the world and construct the layout object."""
-    cls, resolved, tp = plan(name, cfg, batch_size, mpi_world.Get_size(), dp, depth)
+    cls, resolved, tp = plan(name, cfg, batch_size, mpi_world.Get_size(), dp, depth, recompute)
     counters = counters if counters is not None else Counters()
     rank = mpi_world.Get_rank()
     dp_rank, tp_rank = divmod(rank, tp)
     world = Comm(mpi_world, "world", backend, counters)
     tp_comm = Comm(mpi_world.Split(color=dp_rank, key=tp_rank), "tp", backend, counters)
     dp_comm = Comm(mpi_world.Split(color=tp_rank, key=dp_rank), "dp", backend, counters)
-    return cls(cfg, Axes(world=world, dp=dp_comm, tp=tp_comm), batch_size, depth=depth)
+    return cls(cfg, Axes(world=world, dp=dp_comm, tp=tp_comm), batch_size, depth=depth, recompute=recompute)

@@ -91,11 +91,20 @@ class Dropout:
 
 
 class Block:
-    """Pre-LN transformer block: x += attn(ln_1(x)); x += mlp(ln_2(x))."""
+    """Pre-LN transformer block: x += attn(ln_1(x)); x += mlp(ln_2(x)).
+
+    Under ``--recompute blocks`` (``layout.recompute``) forward keeps only
+    the block's input (as ``layout.save_block_input`` stores it) and lets go
+    of every cache and dropout mask; ``rerun`` repeats the forward inside
+    backward with the same step, so the masks come again from the same hash
+    and the caches are the same numbers, before ``backward`` uses them."""
 
     def __init__(self, layout: Layout, store: ParamStore, i: int):
         p, h = f"h.{i}.", layout.cfg.n_embd
         self.site = f"h.{i}"
+        self.layout = layout
+        self.checkpoint = layout.recompute == "blocks"
+        self.replay = None                   # (saved input, dropout, step) under --recompute blocks
         self.ln_1 = LayerNorm(store, p + "ln_1", h, layout.hidden_comm)
         self.c_attn = layout.linear(store, p + "attn.c_attn", "first")
         self.c_proj = layout.linear(store, p + "attn.c_proj", "second")
@@ -104,8 +113,34 @@ class Block:
         self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
         self.n_local_heads = len(layout.head_ids)
 
-    def forward(self, x, dropout: Dropout, step: int):
+    def modules(self) -> list:
+        """The block and its layers: everything that holds a cache."""
+        return [self, self.ln_1, self.c_attn, self.c_proj, self.ln_2, self.c_fc, self.mlp_proj]
+
+    def forward(self, x, dropout: "Dropout", step: int):
         """x (B_c, T, C_c) -> (B_c, T, C_c)."""
+        if not self.checkpoint:
+            return self._forward(x, dropout, step)
+        self.replay = (self.layout.save_block_input(x), dropout, step)
+        y = self._forward(x, dropout, step)                                    # (B_c, T, C_c)
+        self._release()
+        return y
+
+    def rerun(self) -> None:
+        """--recompute blocks: rebuild the caches backward needs from the
+        saved input (the same arithmetic as the first forward)."""
+        saved, dropout, step = self.replay
+        self.replay = None
+        self._forward(self.layout.load_block_input(saved), dropout, step)
+
+    def _release(self) -> None:
+        self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None
+        self.attn_cache = self.gelu_cache = None
+        for layer in self.modules()[1:]:
+            layer.release()
+
+    def _forward(self, x, dropout: "Dropout", step: int):
+        """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
         T = x.shape[1]
         self.keep_attn = dropout.attention(step, self.site + ".attn", T)
         self.keep_resid_attn = dropout.canonical(step, self.site + ".resid_attn", T)
@@ -135,6 +170,7 @@ class Block:
         dqkv = ops.attention_backward(da, self.attn_cache)
         dx = dx + self.ln_1.backward(self.c_attn.backward(dqkv))
         self.attn_cache = self.gelu_cache = None
+        self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None   # masks: no longer needed
         return dx
 
     def decode(self, x, cache, pos: int):
@@ -157,6 +193,9 @@ class GPT:
         self.blocks = [Block(layout, store, i) for i in range(cfg.n_layer)]
         self.ln_f = LayerNorm(store, "ln_f", cfg.n_embd, layout.hidden_comm)
         self.dropout = Dropout(dropout, seed, layout)
+        # --recompute blocks: the largest set of one block's caches right after
+        # its rerun in the last backward (elements, bytes); 0 otherwise.
+        self.recompute_peak_elements = self.recompute_peak_bytes = 0
         # Opt-in (mpicube.trace): a dict that forward fills with this rank's
         # canonical blocks of "emb", "h.{i}" and "ln_f"; None costs nothing.
         self.capture = None
@@ -221,7 +260,8 @@ class GPT:
         forward: activations, gathered weight panels, dropout masks. Counted
         by walking every module's caches (each buffer once, parameters
         excluded), to check the analytic memory model against what the code
-        really keeps."""
+        really keeps. Under --recompute blocks, backward holds one rerun
+        block's caches on top: ``recompute_peak_elements``."""
         return sum(a.size for a in self._saved_buffers())
 
     def saved_bytes(self) -> int:
@@ -229,8 +269,9 @@ class GPT:
         statistics and gradient panels under mixed precision)."""
         return sum(a.nbytes for a in self._saved_buffers())
 
-    def _saved_buffers(self) -> list:
-        """The distinct floating-point buffers behind every module's caches."""
+    def _saved_buffers(self, modules=None) -> list:
+        """The distinct floating-point buffers behind every module's caches
+        (of ``modules``, default the whole model's)."""
         params = (self.store.flat, self.store.flat_grad, self.store.flat_work)
         seen = {}
 
@@ -245,9 +286,10 @@ class GPT:
                 if not any(owner is p for p in params):
                     seen[id(owner)] = owner
 
-        modules = [self, self.embedding, self.ln_f]
-        for block in self.blocks:
-            modules += [block, block.ln_1, block.c_attn, block.c_proj, block.ln_2, block.c_fc, block.mlp_proj]
+        if modules is None:
+            modules = [self, self.embedding, self.ln_f]
+            for block in self.blocks:
+                modules += block.modules()
         for module in modules:
             for value in vars(module).values():
                 visit(value)
@@ -263,7 +305,13 @@ class GPT:
         dlogits = dlogits.reshape(self.logits.shape)                       # (B_l, T, V_l)
         dx = self.embedding.logits_backward(dlogits)                       # (B_c, T, C_c)
         dx = self.ln_f.backward(dx)
+        self.recompute_peak_elements = self.recompute_peak_bytes = 0
         for block in reversed(self.blocks):
+            if block.replay is not None:                                   # --recompute blocks
+                block.rerun()
+                rebuilt = self._saved_buffers(block.modules())             # this block's caches
+                self.recompute_peak_elements = max(self.recompute_peak_elements, sum(a.size for a in rebuilt))
+                self.recompute_peak_bytes = max(self.recompute_peak_bytes, sum(a.nbytes for a in rebuilt))
             dx = block.backward(dx)
         if self.keep_emb is not None:
             dx = dx * self.keep_emb

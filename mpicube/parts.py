@@ -36,17 +36,26 @@ class Parts:
 
 
 def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
-                seed=0, dropout=0.0, tf32=False) -> Parts:
+                seed=0, dropout=0.0, tf32=False, recompute="none") -> Parts:
     """Backend, layout, parameters, model. Every size is validated first
     (``plan`` is pure), before device selection makes its first collective;
     then every thread pool of the rank gets its share of the node's cores,
-    on CPUs and GPUs alike, before the first GEMM."""
-    plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth)
+    on CPUs and GPUs alike, before the first GEMM. ``recompute`` is the
+    layout's memory mode (layouts/base.py RECOMPUTE_MODES)."""
+    plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth, recompute)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
-                          counters=counters)
+                          counters=counters, recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed)
     return Parts(cfg, backend, counters, layout, store, model)
+
+
+def recompute_note(layout, recompute: str):
+    """The one line to say when a recompute mode has nothing to do on this
+    layout, else None."""
+    if recompute == "gathers" and layout.name == "serial":
+        return "note: --recompute gathers: nothing is gathered on the serial layout"
+    return None

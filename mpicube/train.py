@@ -48,7 +48,7 @@ from .errors import ConfigError, UserError
 from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
 from .grid import plan, validate_model
 from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
-from .parts import Parts, build_parts  # noqa: F401 (re-exported: tools and tests build models from here)
+from .parts import Parts, build_parts, recompute_note  # noqa: F401 (build_parts re-exported for tools and tests)
 from .console import Console
 from .loss_scale import scaler_for
 from .state import attr_dict, describe_layout, load_state, state_blocks
@@ -101,6 +101,7 @@ class TrainOptions:
     dtype: str = "float32"
     device: str = "cpu"
     tf32: bool = False             # GPU float32 GEMMs on tensor cores
+    recompute: str = "none"        # none, gathers or blocks: memory for communication and FLOPs
     loss_scale: Optional[float] = None                 # float16: initial loss scale (None = default)
     loss_scale_growth_interval: Optional[int] = None   # float16: good steps before the scale doubles
     loss_scale_backoff: Optional[float] = None         # float16: factor applied on overflow
@@ -208,7 +209,8 @@ class Trainer:
         o.validate()
         self.cfg = o.model_config()
         if o.init_from is None:               # else the model file says what the model is
-            plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth)   # pure: no MPI yet
+            plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth,
+                 o.recompute)                                                               # pure: no MPI yet
         self.data_plan, train_tokens, self.val_tokens = dataplan.plan_training_data(
             self.world, o.data, o.val_data, o.batch_size, o.seq_len, o.eval_every, o.eval_batches)
         self.train_path, self.val_path = self.data_plan.train, self.data_plan.val
@@ -227,8 +229,14 @@ class Trainer:
         on_root(self.world, lambda: data.check_vocab(train_tokens, self.cfg.vocab_size, self.train_path))
         if self.eval_batches:
             on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
+        if self.model_file is not None and o.recompute != "none":   # 1-D row shards split B_dp x --seq-len rows
+            plan(o.layout, replace(self.cfg, n_ctx=o.seq_len), o.batch_size, self.world.Get_size(), o.dp, o.depth,
+                 o.recompute)
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
-                                 o.seed, o.dropout, o.tf32)
+                                 o.seed, o.dropout, o.tf32, recompute=o.recompute)
+        note = recompute_note(self.parts.layout, o.recompute)
+        if note:
+            self.notes.append(note)
         self.opt = AdamW(self.parts.store, weight_decay=o.weight_decay)
         self.scaler = o.loss_scaler()                  # float16 only
         self.schedule = Schedule(o.lr, o.warmup, o.steps)

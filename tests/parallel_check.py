@@ -19,6 +19,10 @@ Environment:
                               layout up to 8 ranks, with a batch of 16 or more
   MPICUBE_CHECK_DTYPE=float16 both models in mixed precision (float16 or
                               bfloat16), compared with the tolerance below
+  MPICUBE_CHECK_RECOMPUTE=blocks  the layout under test runs with --recompute
+                              gathers or blocks (the serial reference with
+                              none); memory is checked as what forward keeps
+                              plus, for blocks, one rerun block's caches
 
 Tolerance in 16 bits. Both models round the same float32 results to 16 bits
 at the same points; they differ only where float32 reassociation (sums in a
@@ -45,7 +49,7 @@ from mpi4py import MPI
 from mpicube.backend import make_backend
 from mpicube.comm import Counters
 from mpicube.config import ModelConfig
-from mpicube.costmodel import Problem, step_memory, step_memory_bytes, step_traffic
+from mpicube.costmodel import Problem, kept_and_rerun_terms, step_memory, step_memory_bytes, step_traffic
 from mpicube.grid import build_layout
 from mpicube.model import GPT, gpt_params
 from mpicube.optim import AdamW, global_grad_norm, sync_gradients
@@ -54,6 +58,7 @@ from mpicube.precision import is_half, unit_roundoff, dtype_of
 
 DEVICE = os.environ.get("MPICUBE_CHECK_DEVICE", "cpu")
 DTYPE = os.environ.get("MPICUBE_CHECK_DTYPE", "float64")
+RECOMPUTE = os.environ.get("MPICUBE_CHECK_RECOMPUTE", "none")
 HALF = is_half(dtype_of(DTYPE))
 RTOL = 8 * unit_roundoff(dtype_of(DTYPE)) if HALF else 1e-10
 WORST = [0.0]          # the largest relative difference seen, for the report line
@@ -63,10 +68,11 @@ WORST = [0.0]          # the largest relative difference seen, for the report li
 LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
 
 
-def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu"):
+def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu", recompute="none"):
     backend = make_backend(device, DTYPE)
     counters = Counters()
-    layout = build_layout(layout_name, cfg, batch, backend, comm, dp=dp, depth=depth, counters=counters)
+    layout = build_layout(layout_name, cfg, batch, backend, comm, dp=dp, depth=depth, counters=counters,
+                          recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
     return layout, store, GPT(cfg, layout, store, dropout=dropout, seed=seed), counters
 
@@ -82,7 +88,7 @@ def close(name, got, want, scale=None):
 
 def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
     """Measured elements, bytes and messages per axis == the analytic model."""
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE)
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE, RECOMPUTE)
     want = step_traffic(problem)
     axes = set(want.elems) | set(counters.elems)
     for axis in axes:
@@ -94,13 +100,21 @@ def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
                                  f"{model[2]}")
 
 
-def check_memory(cfg, layout, batch, dp, depth, dropout, store, model):
+def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept):
     """Parameters and saved activations == the analytic memory model, in
-    elements and in bytes."""
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE)
+    elements and in bytes. ``kept`` is (elements, bytes) measured right
+    after forward; under --recompute blocks the rerun block's caches
+    (measured in backward) come on top, and what forward kept alone is
+    checked too."""
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE, RECOMPUTE)
     want, want_bytes = step_memory(problem, dropout > 0), step_memory_bytes(problem, dropout > 0)
+    want_kept = sum(kept_and_rerun_terms(problem, dropout > 0)[0].values())
+    if kept[0] != want_kept:
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: forward keeps {kept[0]} elements, model predicts "
+                             f"{want_kept}")
     param_bytes = store.flat.nbytes + (store.flat_work.nbytes if store.mixed else 0)
-    got = (store.flat.size, model.saved_elements(), param_bytes, model.saved_bytes())
+    got = (store.flat.size, kept[0] + model.recompute_peak_elements, param_bytes,
+           kept[1] + model.recompute_peak_bytes)
     predicted = (want.params, want.activations, want_bytes.params, want_bytes.activations)
     if got != predicted:
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: measured (params, activations, their bytes) {got}, "
@@ -120,7 +134,7 @@ def main():
     steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T))) for _ in range(3)]
 
     layout, store, model, counters = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout,
-                                           device=DEVICE)
+                                           device=DEVICE, recompute=RECOMPUTE)
     host = layout.backend.to_host
     s_layout, s_store, s_model, _ = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
     opt, s_opt = AdamW(store, weight_decay=0.1), AdamW(s_store, weight_decay=0.1)
@@ -133,7 +147,7 @@ def main():
         loss = model.forward(x[rows], y[rows], step=step)
         s_loss = s_model.forward(x, y, step=step)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
-        check_memory(cfg, layout, batch, dp, depth, dropout, store, model)
+        kept = model.saved_elements(), model.saved_bytes()
         if step == 1:
             emb = model.embedding
             seqs = layout.axes.dp.rank * layout.local_batch + emb.logit_seqs
@@ -142,6 +156,7 @@ def main():
             close("logits", host(model.logits)[..., :real], s_model.logits[seqs][..., v0:v0 + real])
         model.backward(loss_scale=LOSS_SCALE)
         s_model.backward(loss_scale=LOSS_SCALE)
+        check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept)
         sync_gradients(store, layout.axes.dp)
         norm = global_grad_norm(store, layout.axes.tp) / LOSS_SCALE
         s_norm = global_grad_norm(s_store, s_layout.axes.tp) / LOSS_SCALE
@@ -165,7 +180,7 @@ def main():
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
-              f"dtype={DTYPE} loss={s_loss:.12f} worst={WORST[0]:.2e} (rtol {RTOL:.1e})")
+              f"dtype={DTYPE} recompute={RECOMPUTE} loss={s_loss:.12f} worst={WORST[0]:.2e} (rtol {RTOL:.1e})")
 
 
 if __name__ == "__main__":

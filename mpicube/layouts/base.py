@@ -47,12 +47,25 @@ class Axes:
     tp: Comm      # this rank's tensor-parallel group
 
 
+RECOMPUTE_MODES = ("none", "gathers", "blocks")
+
+
 class Layout:
-    """Base class; subclasses fill in sharding and the linear/embedding maps."""
+    """Base class; subclasses fill in sharding and the linear/embedding maps.
+
+    ``recompute`` trades memory for communication and arithmetic:
+    "gathers" makes the layout's linears and tied embedding let go of the
+    panels they gathered or broadcast (or, in 1-D, of most of a replicated
+    input) after the forward GEMM and gather them again in backward;
+    "blocks" makes the model keep only each block's input (through
+    ``save_block_input``) and rerun the block's forward inside backward."""
 
     name = "base"
 
-    def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1):
+    def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none"):
+        if recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+        self.recompute = recompute
         self.cfg = cfg
         self.axes = axes
         self.backend = axes.tp.backend
@@ -68,7 +81,7 @@ class Layout:
     hidden_comm = None              # Comm splitting the canonical hidden size, or None
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, tp: int, local_batch: int, depth: int) -> None:
+    def validate(cls, cfg: ModelConfig, tp: int, local_batch: int, depth: int, recompute: str = "none") -> None:
         """Raise ConfigError if the sizes do not fit; pure, no MPI, so every
         rank reaches the same verdict before any collective."""
 
@@ -82,6 +95,16 @@ class Layout:
 
     def tied_embedding(self, store: ParamStore):
         raise NotImplementedError
+
+    def save_block_input(self, x):
+        """What a block keeps of its input x (B_c, T, C_c) under
+        ``--recompute blocks``: x itself, unless the layout replicates it
+        (1-D keeps a row shard)."""
+        return x
+
+    def load_block_input(self, saved):
+        """The block input (B_c, T, C_c) back from ``save_block_input``."""
+        return saved
 
     # --- shared helpers ---------------------------------------------------
     def describe(self) -> dict:
@@ -127,12 +150,41 @@ def acc(a):
     return precision.compute_dtype(a.dtype)
 
 
+class RowShard:
+    """A replicated activation kept as this rank's 1/p of its rows and
+    all-gathered over ``comm`` when backward needs it again (1-D's
+    ``--recompute``). The kept part is a copy: a view would hold on to
+    the whole array."""
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+
+    def keep(self, x):
+        """x (..., C), the same on every rank of comm -> (rows (n/p, C), x's shape)."""
+        p, r = self.comm.size, self.comm.rank
+        if p == 1:
+            return x, x.shape
+        x2 = x.reshape(-1, x.shape[-1])                  # (n, C)
+        if x2.shape[0] % p:
+            raise ValueError(f"{x2.shape[0]} rows cannot be split {p} ways")
+        n = x2.shape[0] // p
+        return x2[r * n:(r + 1) * n].copy(), x.shape     # (n/p, C)
+
+    def restore(self, kept):
+        """The whole x (..., C) back from ``keep``'s result."""
+        part, shape = kept
+        return self.comm.allgather(part, axis=0).reshape(shape)
+
+
 class DenseLinear:
     """y = x @ W + b on local blocks, with the two Megatron hooks: an
     all-reduce of the output before the bias (row-parallel) and an all-reduce
-    of the input gradient (column-parallel). Serial uses neither."""
+    of the input gradient (column-parallel). Serial uses neither. With a
+    ``RowShard`` (1-D column-parallel under ``--recompute gathers``) the
+    replicated input is kept as a row shard and gathered again in backward."""
 
-    def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None):
+    def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None,
+                 shard: RowShard = None):
         self.w = store.work[prefix + ".weight"]       # (C_in, C_out)
         self.b = store.work[prefix + ".bias"]         # (C_out,)
         self.store, self.w_name = store, prefix + ".weight"
@@ -140,10 +192,11 @@ class DenseLinear:
         self.db = store.grad[prefix + ".bias"]
         self.out_reduce = out_reduce
         self.dx_reduce = dx_reduce
+        self.shard = shard
 
     def forward(self, x):
         """x (B, T, C_in) -> y (B, T, C_out)."""
-        self.x = x
+        self.x = x if self.shard is None else self.shard.keep(x)
         y = matmul_rows(x, self.w, acc(x))            # (B, T, C_out)
         if self.out_reduce is not None:
             y = self.out_reduce.allreduce(y)
@@ -152,7 +205,8 @@ class DenseLinear:
 
     def backward(self, dy):
         """dy (B, T, C_out) -> dx (B, T, C_in)."""
-        x2 = self.x.reshape(-1, self.x.shape[-1])     # (B*T, C_in)
+        x = self.x if self.shard is None else self.shard.restore(self.x)   # (B, T, C_in)
+        x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
         self.db += ops.column_sums(dy2)
@@ -163,6 +217,10 @@ class DenseLinear:
             dx = matmul_rows(dy, self.w.T)            # (B, T, C_in)
         self.x = None
         return dx
+
+    def release(self):
+        """Forget what forward kept (--recompute blocks reruns forward)."""
+        self.x = None
 
 
 class LayerNorm:
@@ -186,3 +244,7 @@ class LayerNorm:
                                     allsum=self.allsum)
         self.cache = None
         return dx
+
+    def release(self):
+        """Forget what forward kept (--recompute blocks reruns forward)."""
+        self.cache = None

@@ -13,6 +13,11 @@ over k, leaving rows block i, sub-block k, columns block j. The second linear
 of a pair swaps the roles of j and k, which brings the activation back to
 canonical form with no re-layout. Backward mirrors it: all-gather dY,
 reduce-scatter dX and dW.
+
+``--recompute gathers``: a linear keeps its local X instead of the gathered
+one and drops the gathered W after the forward GEMM, gathering both again
+in backward; the LM head keeps its local input and drops the wte panel the
+same way.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class CubeLayout(Layout):
         return q
 
     @classmethod
-    def validate(cls, cfg, tp, local_batch, depth):
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
         q = cls.cube_side(tp)
         cls.require(depth == 1, "--depth applies to 2.5d only")
         cls.require_multiple("batch size per replica", local_batch, q * q, f"q^2 = {q * q}")
@@ -51,8 +56,8 @@ class CubeLayout(Layout):
                              math.lcm(q * q, cfg.n_head))
         cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
 
-    def __init__(self, cfg, axes, batch_size, depth=1):
-        super().__init__(cfg, axes, batch_size)
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
+        super().__init__(cfg, axes, batch_size, recompute=recompute)
         self.q = q = self.cube_side(axes.tp.size)
         self.i, rest = divmod(axes.tp.rank, q * q)
         self.j, self.k = divmod(rest, q)
@@ -98,7 +103,8 @@ class CubeLayout(Layout):
         a, b = (self.cj, self.ck) if position == "first" else (self.ck, self.cj)
         if os.environ.get("MPICUBE_TEST_WRONG_AXIS") == prefix:   # TEST ONLY (tests/test_trace.py): a bug to catch
             b = a                                                  # reduce-scatter Y over the input's row axis
-        return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap)
+        return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap,
+                          regather=self.recompute == "gathers")
 
     def tied_embedding(self, store):
         return CubeTiedEmbedding(store, self)
@@ -110,10 +116,14 @@ class CubeLayout(Layout):
 class CubeLinear:
     """Input rows sub-block ``a``, columns block ``b``; output rows sub-block
     ``b``, columns block ``a``. First linears use (a, b) = (j, k), second
-    linears (k, j)."""
+    linears (k, j). With ``regather`` (--recompute gathers) forward keeps
+    only the local X and backward gathers X and W again."""
 
-    def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True):
+    def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True,
+                 regather: bool = False):
         self.overlap = overlap
+        self.regather = regather
+        self.x = self.xg = self.wg = None
         self.w = store.work[prefix + ".weight"]      # (h_in/q^2, h_out/q)
         self.bias = store.work[prefix + ".bias"]     # (h_out/q,)
         self.store, self.w_name = store, prefix + ".weight"
@@ -131,11 +141,16 @@ class CubeLinear:
             self.xg = self.a.allgather(x, axis=0)
             self.wg = self.wc.allgather(self.w, axis=0)
         y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg, acc(x)), axis=0)   # (B/q^2, T, h_out/q)
+        if self.regather:                            # keep the local X only
+            self.x, self.xg, self.wg = x, None, None
         y += self.bias
         return precision.narrow(y, x.dtype)
 
     def backward(self, dy):
         """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
+        if self.xg is None:                          # --recompute gathers: gather them again (blocking)
+            self.xg = self.a.allgather(self.x, axis=0)              # (B/q, T, h_in/q)
+            self.wg = self.wc.allgather(self.w, axis=0)             # (h_in/q, h_out/q)
         dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
         xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
         dy2 = dyg.reshape(-1, dyg.shape[-1])                   # (N/q, h_out/q)
@@ -149,8 +164,12 @@ class CubeLinear:
             self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0))
         dx = precision.narrow(dx, dy.dtype)
         self.dbias += ops.column_sums(dy.reshape(-1, dy.shape[-1]))
-        self.xg = self.wg = None
+        self.x = self.xg = self.wg = None
         return dx
+
+    def release(self):
+        """Forget what forward kept (--recompute blocks reruns forward)."""
+        self.x = self.xg = self.wg = None
 
 
 class CubeTiedEmbedding:
@@ -170,6 +189,8 @@ class CubeTiedEmbedding:
         self.vocab_start = layout.j * layout.vocab_padded // q
         self.row_replicas = q
         self.xp = layout.backend.xp
+        self.regather = layout.recompute == "gathers"
+        self.x = self.xg = None
 
     def embed(self, ids):
         """ids (B_dp, T) -> x (B/q^2, T, h/q) canonical."""
@@ -189,9 +210,15 @@ class CubeTiedEmbedding:
         sub-block k; vocabulary block j."""
         self.xg = self.cj.allgather(x, axis=0)                    # (B/q, T, h/q)
         logits = self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T, acc(x)), axis=0)
+        if self.regather:                 # --recompute gathers: both gathered again in logits_backward
+            self.x, self.xg, self.wg = x, None, None
         return precision.narrow(logits, x.dtype)
 
     def logits_backward(self, dlogits):
+        if self.xg is None:
+            self.wg = self.ci.allgather(self.wte, axis=1)         # (V/q, h/q)
+            self.xg = self.cj.allgather(self.x, axis=0)           # (B/q, T, h/q)
+            self.x = None
         dlg = self.ck.allgather(dlogits, axis=0)                  # (B/q, T, V/q)
         self.dwg += precision.matmul(dlg.reshape(-1, dlg.shape[-1]).T, self.xg.reshape(-1, self.xg.shape[-1]),
                                      dtype=self.dwg.dtype)

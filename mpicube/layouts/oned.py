@@ -6,6 +6,11 @@ by rows; the row-split output is all-reduced in forward and the input
 gradient of the column-split linear is all-reduced in backward. The tied
 embedding and LM head are split by vocabulary: the lookup is all-reduced,
 and the cross-entropy reduces its max, sum of exponentials and target logit.
+
+``--recompute gathers`` keeps the replicated inputs of the column-parallel
+linears and of the LM head as a 1/p row shard (``RowShard``), all-gathered
+again in backward; ``--recompute blocks`` keeps each block's (replicated)
+input the same way. Both need the B_dp*T token rows to split p ways.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import DenseLinear, Layout, nearest_multiples
+import math
+
+from .base import DenseLinear, Layout, RowShard, nearest_multiples
 from .serial import DenseTiedEmbedding
 
 
@@ -21,15 +28,22 @@ class OneDLayout(Layout):
     name = "1d"
 
     @classmethod
-    def validate(cls, cfg, tp, local_batch, depth):
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
         cls.require(cfg.n_head % tp == 0,
                     f"n_head {cfg.n_head} must be divisible by the tensor-parallel size {tp} "
                     f"(heads are split {tp} ways): use n_head {nearest_multiples(cfg.n_head, tp)}")
+        if recompute != "none":       # replicated activations are kept as row shards
+            step = tp // math.gcd(tp, cfg.n_ctx)      # sequences per replica must be a multiple of this
+            cls.require(local_batch * cfg.n_ctx % tp == 0,
+                        f"--recompute {recompute} keeps 1/{tp} of the {local_batch} x {cfg.n_ctx} token rows "
+                        f"per replica, which must be divisible by {tp}: use a batch size per replica of "
+                        f"{nearest_multiples(local_batch, step)}")
 
-    def __init__(self, cfg, axes, batch_size, depth=1):
-        super().__init__(cfg, axes, batch_size)
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
+        super().__init__(cfg, axes, batch_size, recompute=recompute)
         p, t = axes.tp.size, axes.tp.rank
         self.p, self.t = p, t
+        self.row_shard = RowShard(axes.tp)
         self.vocab_padded = self.pad_to(cfg.vocab_size, p)
         self.canonical_seqs = np.arange(self.local_batch)
         self.mid_seqs = self.canonical_seqs
@@ -50,13 +64,22 @@ class OneDLayout(Layout):
         return ParamSpec(decl, tuple(full_index(n) for n in shape), replicas=p, writer=(t == 0))
 
     def linear(self, store, prefix, position):
+        if position == "first" and self.recompute == "gathers":   # its replicated input kept as a row shard
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard)
         if position == "first":   # column-parallel
             return DenseLinear(store, prefix, dx_reduce=self.axes.tp)
         return DenseLinear(store, prefix, out_reduce=self.axes.tp)   # row-parallel
 
     def tied_embedding(self, store):
         return DenseTiedEmbedding(store, self, vocab_comm=self.axes.tp,
-                                  vocab_start=self.t * self.vocab_padded // self.p)
+                                  vocab_start=self.t * self.vocab_padded // self.p,
+                                  shard=self.row_shard if self.recompute == "gathers" else None)
+
+    def save_block_input(self, x):
+        return self.row_shard.keep(x)                # (n/p, C) rows and x's shape
+
+    def load_block_input(self, saved):
+        return self.row_shard.restore(saved)         # (B, T, h)
 
     def describe(self):
         return {**super().describe(), "p": self.p}

@@ -13,12 +13,12 @@ class SerialLayout(Layout):
     name = "serial"
 
     @classmethod
-    def validate(cls, cfg, tp, local_batch, depth):
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
         cls.require(tp == 1, f"runs on one rank per data-parallel replica, not {tp}; "
                              "use --dp to replicate it or choose a parallel layout")
 
-    def __init__(self, cfg, axes, batch_size, depth=1):
-        super().__init__(cfg, axes, batch_size)
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
+        super().__init__(cfg, axes, batch_size, recompute=recompute)
         self.canonical_seqs = np.arange(self.local_batch)
         self.mid_seqs = self.canonical_seqs
         self.canonical_cols = np.arange(cfg.n_embd)
@@ -36,14 +36,17 @@ class SerialLayout(Layout):
 
 class DenseTiedEmbedding:
     """Token embedding and LM head sharing ``wte``, with an optional vocabulary
-    split over ``vocab_comm`` (1-D); serial has none."""
+    split over ``vocab_comm`` (1-D); serial has none. With a ``RowShard``
+    (1-D, --recompute gathers) the head keeps a row shard of its replicated
+    input and gathers it again in backward."""
 
-    def __init__(self, store, layout, vocab_comm=None, vocab_start=0):
+    def __init__(self, store, layout, vocab_comm=None, vocab_start=0, shard=None):
         self.wte = store.work["wte"]        # (V_l, h)
         self.store = store
         store.defer_zero("wte")             # the head's GEMM writes it first (backward runs head -> lookup)
         self.vocab_comm = vocab_comm
         self.vocab_start = vocab_start
+        self.shard = shard
         self.logit_seqs = layout.canonical_seqs
         self.row_replicas = layout.axes.tp.size
 
@@ -60,12 +63,13 @@ class DenseTiedEmbedding:
 
     def logits(self, x):
         """x (B, T, h) -> logits (B, T, V_l)."""
-        self.x = x
+        self.x = x if self.shard is None else self.shard.keep(x)
         return matmul_rows(x, self.wte.T)
 
     def logits_backward(self, dlogits):
         """dlogits (B, T, V_l) -> dx (B, T, h)."""
-        x2 = self.x.reshape(-1, self.x.shape[-1])               # (B*T, h)
+        x = self.x if self.shard is None else self.shard.restore(self.x)   # (B, T, h)
+        x2 = x.reshape(-1, x.shape[-1])                         # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])            # (B*T, V_l)
         self.store.add_matmul("wte", dl2.T, x2)                 # dwte (V_l, h) += dlogits^T x
         if self.vocab_comm is None:

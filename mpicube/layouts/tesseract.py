@@ -14,6 +14,11 @@ l, row r, column c. d = 1 is the 2-D scheme.
   one all-gather along the column gives wte[:, hidden block c], used both for
   the lookup and for the LM head, whose partial logits are reduce-scattered
   along the row (vocabulary split by c).
+
+``--recompute gathers``: SUMMA linears keep only their local X already
+(panels are broadcast again in backward); the tied embedding lets go of
+wte[:, block c] after the LM head's forward GEMM and gathers it again in
+``logits_backward``.
 """
 
 from __future__ import annotations
@@ -43,14 +48,14 @@ class TesseractLayout(Layout):
         return q
 
     @classmethod
-    def validate(cls, cfg, tp, local_batch, depth):
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
         q = cls.grid_side(tp, depth)
         split = depth * q
         cls.require_multiple("batch size per replica", local_batch, split, f"d*q = {split}")
         cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
 
-    def __init__(self, cfg, axes, batch_size, depth=1):
-        super().__init__(cfg, axes, batch_size)
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
+        super().__init__(cfg, axes, batch_size, recompute=recompute)
         self.d = depth
         self.q = q = self.grid_side(axes.tp.size, depth)
         self.l, rest = divmod(axes.tp.rank, q * q)
@@ -98,10 +103,10 @@ class TwoDLayout(TesseractLayout):
     name = "2d"
 
     @classmethod
-    def validate(cls, cfg, tp, local_batch, depth):
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
         if depth != 1:
             raise ConfigError("layout 2d: --depth applies to 2.5d only")
-        super().validate(cfg, tp, local_batch, 1)
+        super().validate(cfg, tp, local_batch, 1, recompute)
 
 
 class SummaLinear:
@@ -149,6 +154,10 @@ class SummaLinear:
         self.x2 = None
         return dx.reshape(B, T, -1)
 
+    def release(self):
+        """Forget what forward kept (--recompute blocks reruns forward)."""
+        self.x2 = None
+
 
 class TesseractTiedEmbedding:
     """Lookup and LM head over wte[:, hidden block c], gathered once per step."""
@@ -164,6 +173,7 @@ class TesseractTiedEmbedding:
         self.vocab_start = layout.c * layout.vocab_padded // layout.q
         self.row_replicas = layout.q
         self.xp = layout.backend.xp
+        self.regather = layout.recompute == "gathers"
 
     def embed(self, ids):
         """ids (B_dp, T) -> x (B_c, T, h/q)."""
@@ -180,6 +190,8 @@ class TesseractTiedEmbedding:
         """x (B_c, T, h/q) -> logits (B_c, T, V/q), vocabulary block c."""
         self.x = x
         partial = matmul_rows(x, self.w_full.T, acc(x))         # (B_c, T, V) partial over c
+        if self.regather:                                       # gathered again in logits_backward
+            self.w_full = None
         return precision.narrow(self.row.reduce_scatter(partial, axis=-1), x.dtype)
 
     def logits_backward(self, dlogits):
@@ -188,6 +200,8 @@ class TesseractTiedEmbedding:
         d2 = dfull.reshape(-1, dfull.shape[-1])
         self.dw_full += precision.matmul(d2.T, self.x.reshape(-1, self.x.shape[-1]), dtype=self.dw_full.dtype)
         self.x = None
+        if self.w_full is None:                                 # --recompute gathers
+            self.w_full = self.col.allgather(self.wte, axis=0)  # (V, h/q)
         return matmul_rows(dfull, self.w_full)                  # (B_c, T, h/q)
 
     def finish_backward(self):
