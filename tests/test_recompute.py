@@ -45,7 +45,7 @@ def test_recompute_matches_serial_and_cost_model(ranks, layout, depth, mode):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks,layout,depth", [(8, "3d", 1), (4, "2d", 1)])
+@pytest.mark.parametrize("ranks,layout,depth", [(8, "3d", 1), (4, "2d", 1), (2, "1d", 1)])
 def test_modes_equal_none_after_three_steps(ranks, layout, depth):
     """none, gathers and blocks side by side in one job: equal to 1e-12,
     and gathers/blocks keep less and move more than none (2-D here also
