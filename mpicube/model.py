@@ -117,7 +117,7 @@ class Block:
         """The block and its layers: everything that holds a cache."""
         return [self, self.ln_1, self.c_attn, self.c_proj, self.ln_2, self.c_fc, self.mlp_proj]
 
-    def forward(self, x, dropout: "Dropout", step: int):
+    def forward(self, x, dropout: Dropout, step: int):
         """x (B_c, T, C_c) -> (B_c, T, C_c)."""
         if not self.checkpoint:
             return self._forward(x, dropout, step)
@@ -139,7 +139,7 @@ class Block:
         for layer in self.modules()[1:]:
             layer.release()
 
-    def _forward(self, x, dropout: "Dropout", step: int):
+    def _forward(self, x, dropout: Dropout, step: int):
         """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
         T = x.shape[1]
         self.keep_attn = dropout.attention(step, self.site + ".attn", T)
