@@ -259,6 +259,7 @@ class Trainer:
             try:
                 plan(o.layout, self.cfg, int(saved), world, o.dp, o.depth, o.grad_accum)
                 o.batch_size = int(saved)
+                self.batch_note = f"batch {o.batch_size} (the resumed run's)"
                 return
             except ConfigError:
                 pass
