@@ -13,7 +13,7 @@ import json
 
 import pytest
 from conftest import TINY, read_metrics
-from mpirun import mpiexec
+from mpirun import ROOT, mpiexec
 
 from mpicube.config import ModelConfig
 from mpicube.costmodel import Problem, activation_elems, step_traffic
@@ -99,6 +99,20 @@ def test_accumulating_layout_matches_serial(ranks, layout, dp):
                    env={"MPICUBE_CHECK_ACCUM": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"OK {layout} world={ranks} dp={dp} depth=1 device=cpu dtype=float64 accum=2" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("env,words", [
+    ({"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}", "MPICUBE_CHECK_DEVICE": "gpu"}, "device=gpu dtype=float64"),
+    ({"MPICUBE_CHECK_DTYPE": "bfloat16"}, "device=cpu dtype=bfloat16"),
+], ids=["gpu-stand-in", "bfloat16"])
+def test_accumulating_2d_on_the_gpu_path_and_in_16_bits(env, words):
+    """Dropout indices per micro-batch on the device (CI's CuPy stand-in);
+    mixed precision with loss scaling, against serial in the same format."""
+    proc = mpiexec(4, ["-m", "mpi4py", "tests/parallel_check.py", "2d", 1, 1, 0.1], timeout=240,
+                   env={**env, "MPICUBE_CHECK_ACCUM": "2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK 2d world=4 dp=1 depth=1 {words} accum=2" in proc.stdout
 
 
 # --------------------------------------------------------------------------- the command line
