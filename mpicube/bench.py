@@ -80,23 +80,29 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
     cfg = parts.cfg
     opt = AdamW(store)
     loss_scale = 1024.0 if backend.dtype == np.float16 else 1.0     # as float16 training scales the loss
-    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (layout.batch_size, seq_len + 1))
-    x, y = tokens[parts.rows, :-1], tokens[parts.rows, 1:]                      # (B_dp, T)
+    B = parts.batch_size                                                       # the step's, all micro-batches
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, seq_len + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]                                        # (B, T)
     phases = {"forward_s": [], "backward_s": [], "sync_s": [], "optimizer_s": [], "comm_s": [], "step_s": []}
     saved = 0
     for i in range(warmup + steps):
         counters.reset()
         marks = [time.perf_counter()]
         store.zero_grad()
-        model.forward(x, y, step=i + 1)
-        backend.synchronize()
-        marks.append(time.perf_counter())
-        saved, saved_bytes = model.saved_elements(), model.saved_bytes()
-        model.backward(loss_scale=loss_scale)
-        saved += model.recompute_peak_elements          # --recompute blocks: one rerun block on top
-        saved_bytes += model.recompute_peak_bytes
-        backend.synchronize()
-        marks.append(time.perf_counter())
+        fwd = bwd = 0.0
+        for m in range(parts.grad_accum):                   # as mpicube.accum.forward_backward, timed apart
+            rows = parts.micro_rows(m)
+            t0 = time.perf_counter()
+            model.forward(x[rows], y[rows], step=i + 1, micro=m)
+            backend.synchronize()
+            t1 = time.perf_counter()
+            saved, saved_bytes = model.saved_elements(), model.saved_bytes()
+            model.backward(loss_scale=loss_scale)
+            saved += model.recompute_peak_elements      # --recompute blocks: one rerun block on top
+            saved_bytes += model.recompute_peak_bytes
+            backend.synchronize()
+            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+        marks += [marks[0] + fwd, time.perf_counter()]
         sync_gradients(store, layout.axes.dp)
         norm = global_grad_norm(store, layout.axes.tp) / loss_scale
         marks.append(time.perf_counter())
@@ -109,13 +115,13 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
             phases["step_s"].append(marks[-1] - marks[0])
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
-                      layout.describe().get("depth", 1), layout.batch_size, seq_len, backend.dtype.name,
-                      layout.recompute)
+                      layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
+                      grad_accum=parts.grad_accum)
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     step_times = np.array(phases["step_s"])
     median = float(np.median(step_times))
     world = layout.axes.world.size
-    flops_rank = model_flops(cfg, layout.batch_size, seq_len) / world
+    flops_rank = model_flops(cfg, B, seq_len) / world
     fc = store.grad["h.0.mlp.c_fc.weight"].shape                               # (h_in local, h_out local)
     gemm_shape = (len(layout.mid_seqs) * seq_len, len(layout.canonical_cols), fc[1])
     rate = gemm_rate(backend, *gemm_shape)
@@ -126,13 +132,15 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
         "depth": layout.describe().get("depth", 1),
         "step_time_s": median,
         "step_time_spread_s": [float(step_times.min()), float(step_times.max())],
-        "tokens_per_s": layout.batch_size * seq_len / median,
+        "tokens_per_s": B * seq_len / median,
+        "batch_size": B,
+        "grad_accum": parts.grad_accum,
         "kernels": kernels.describe(backend.device),
         "device": backend.device,
         "dtype": backend.dtype.name,
         "tf32": backend.tf32,
         "recompute": layout.recompute,
-        "model_flops_per_step": model_flops(cfg, layout.batch_size, seq_len),
+        "model_flops_per_step": model_flops(cfg, B, seq_len),
         "flops_per_s_per_rank": flops_rank / median,
         "gemm_flops_per_s": rate,
         "gemm_float32_flops_per_s": rate32,

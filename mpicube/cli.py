@@ -164,7 +164,10 @@ def cli():
 @model_options
 @click.option("--vocab-size", type=int, default=256, show_default=True,
               help="vocabulary (256: byte-level tokens; 50257: GPT-2's BPE); --init-from's model sets its own")
-@click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
+@click.option("--batch-size", type=int, default=None,
+              help="global sequences per step  [default: the smallest of at least 8 that the layout accepts]")
+@click.option("--grad-accum", type=int, default=1, show_default=True,
+              help="micro-batches per step: forward+backward on batch/N sequences at a time, one update")
 @click.option("--steps", type=int, default=500, show_default=True, help="optimizer steps (LR schedule length)")
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="peak learning rate")
 @click.option("--warmup", type=int, default=20, show_default=True, help="linear warmup steps, then cosine decay")
@@ -245,11 +248,14 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
     JSON object with "loss", "step" and "tokens".
     """
     from .evaluate import evaluate_checkpoint
+    from .state import describe_layout
 
     result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
                                  _mpi["world"], tf32=tf32)
     if result.get("note"):
         echo(result["note"])
+    if result.get("batch_note"):
+        echo(f"{describe_layout(result['layout'])}, {result['batch_note']}")
     echo(f"{result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f} over {result['batches']} "
          f"batches of {result['batch_size']} x {result['seq_len']} tokens")
     echo(json.dumps(result))
@@ -283,14 +289,18 @@ def prepare(inputs, out, val_fraction, tokenizer):
 @click.option("-n", "--world-size", type=int, default=None, help="number of ranks for the plan")
 @click.option("--dp", type=int, default=1, show_default=True)
 @click.option("--depth", type=int, default=1, show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
+@click.option("--batch-size", type=int, default=None,
+              help="global sequences per step  [default: the smallest of at least 8 that the layout accepts]")
+@click.option("--grad-accum", type=int, default=1, show_default=True,
+              help="micro-batches per step (activations of one micro-batch, its traffic N times)")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
               help="format of the estimate: float16/bfloat16 count 16-bit activations and panels, "
                    "float32 reductions, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
 @recompute_option
-def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype, vocab_size, recompute):
+def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
+         vocab_size, recompute):
     """Model size; with --layout/-n, the sharding plan and per-rank predictions."""
     from .config import ModelConfig
     from .data import VOCAB_SIZE
@@ -315,9 +325,15 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
         from .costmodel import report
+        from .grid import default_batch
 
         echo()
-        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype, recompute=recompute))
+        if batch_size is None:
+            batch_size, why = default_batch(layout or "auto", cfg, world_size or 1, dp, depth, grad_accum,
+                                            recompute=recompute)
+            echo(why)
+        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype, recompute=recompute,
+                    grad_accum=grad_accum))
 
 
 @cli.command()
@@ -327,15 +343,18 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
               help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")
 @click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")
 @model_options
-@click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
+@click.option("--batch-size", type=int, default=None,
+              help="global sequences per step  [default: the smallest of at least 8 that each layout accepts]")
+@click.option("--grad-accum", type=int, default=1, show_default=True,
+              help="micro-batches per step: forward+backward on batch/N sequences at a time, one update")
 @click.option("--warmup-steps", type=int, default=2, show_default=True, help="untimed steps first")
 @click.option("--steps", type=int, default=5, show_default=True, help="timed steps")
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_options
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
-def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warmup_steps, steps, seed, dtype,
-          device, tf32, recompute, as_json):
+def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
+          dtype, device, tf32, recompute, as_json):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -347,6 +366,7 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warm
     from .bench import bench_layout, format_table
     from .config import ModelConfig
     from .data import VOCAB_SIZE
+    from .grid import default_batch
     from .parts import recompute_note
     from .train import build_parts
 
@@ -355,8 +375,14 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warm
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     results, noted = [], set()
     for name in layouts or ("auto",):
-        parts = build_parts(cfg, name, batch_size, _mpi["world"], dp=dp, depth=depth if name in ("2.5d", "auto") else 1,
-                            dtype=dtype, device=device, seed=seed, tf32=tf32, recompute=recompute)
+        layout_depth = depth if name in ("2.5d", "auto") else 1
+        batch = batch_size
+        if batch is None:                                  # each layout its own smallest batch
+            batch, why = default_batch(name, cfg, _mpi["world"].Get_size(), dp, layout_depth, grad_accum,
+                                       recompute=recompute)
+            echo(f"bench {name}: {why}")
+        parts = build_parts(cfg, name, batch, _mpi["world"], dp=dp, depth=layout_depth, dtype=dtype, device=device,
+                            seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute)
         note = recompute_note(parts.layout, recompute)
         if note and note not in noted:
             noted.add(note)

@@ -87,6 +87,13 @@ class Traffic:
 
     reduce = bcast
 
+    def add(self, other: "Traffic", times: int = 1) -> None:
+        """Add ``times`` repetitions of ``other`` (micro-batches)."""
+        for axis in other.elems:
+            self.elems[axis] += other.elems[axis] * times
+            self.bytes[axis] += other.bytes[axis] * times
+            self.msgs[axis] += other.msgs[axis] * times
+
     def total_elems(self) -> Fraction:
         return sum(self.elems.values(), Fraction(0))
 
@@ -110,10 +117,13 @@ class Problem:
     seq_len: int
     dtype: str = "float32"   # storage format: float64, float32, float16 or bfloat16
     recompute: str = "none"  # none, gathers or blocks (layouts/base.py RECOMPUTE_MODES)
+    grad_accum: int = 1      # micro-batches per step (mpicube.accum)
 
     @property
     def local_batch(self):
-        return self.batch // self.dp
+        """Sequences per replica in one forward pass: the micro-batch, which
+        sizes every activation and activation-borne collective."""
+        return self.batch // self.dp // self.grad_accum
 
     @property
     def widths(self) -> Widths:
@@ -371,10 +381,13 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
 
 
 def step_traffic(p: Problem) -> Traffic:
-    """Everything one training step moves: the layout's forward/backward,
-    the gradient all-reduces over replica groups and over dp, the gradient
-    norm and the reported loss."""
-    t = TRAFFIC[p.layout](p)
+    """Everything one training step moves: the layout's forward/backward
+    once per micro-batch (at the micro-batch's sizes), then once per step
+    the gradient all-reduces over replica groups and over dp and the
+    gradient norm; the reported loss once per micro-batch (each forward
+    returns its share, GPT.forward)."""
+    t = Traffic()
+    t.add(TRAFFIC[p.layout](p), p.grad_accum)
     sizes = local_param_sizes(p)
     group_sizes = defaultdict(int)
     for n, axis in sizes.values():
@@ -385,7 +398,7 @@ def step_traffic(p: Problem) -> Traffic:
         t.allreduce(axis, _group_size(p, axis), n, width=w.grad)
     t.allreduce("dp", p.dp, sum(n for n, _ in sizes.values()), width=w.grad)
     t.allreduce("tp", p.tp, 1, width=w.scalar)                 # gradient norm
-    t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)       # reported loss
+    t.allreduce("world", p.tp * p.dp, 1, times=p.grad_accum, width=w.scalar)   # reported loss, per micro-batch
     return t
 
 
@@ -398,13 +411,13 @@ def step_flops(p: Problem) -> Fraction:
     forward once more. Every layout splits each of these evenly over its
     tensor-parallel ranks, so one rank does 1/tp of its replica's work."""
     cfg, L, h, T = p.cfg, p.cfg.n_layer, p.cfg.n_embd, p.seq_len
-    N = p.local_batch * T                                            # tokens per replica
+    N = p.local_batch * T                                            # tokens per replica and micro-batch
     linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in _linears(cfg))
     attention = 2 * 2 * p.local_batch * T * T * h                    # q k^T and probs v, causal mask not discounted
     block = L * (linears + attention)
     head = 2 * N * h * _padded_vocab(p)
     forwards = 2 if p.recompute == "blocks" else 1
-    return Fraction(3 * (block + head) + (forwards - 1) * block, p.tp)
+    return Fraction(p.grad_accum * (3 * (block + head) + (forwards - 1) * block), p.tp)   # N micro-batches
 
 
 def _padded_vocab(p: Problem) -> int:
@@ -452,33 +465,35 @@ def _fmt(n) -> str:
     return f"{n:.4g}"
 
 
-def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none"):
+def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none", grad_accum=1):
     """A validated Problem, or the ConfigError's message."""
     from .errors import ConfigError
 
     try:
-        _, resolved, tp = plan(name, cfg, batch_size, world_size, dp, depth, recompute)
+        _, resolved, tp = plan(name, cfg, batch_size, world_size, dp, depth, grad_accum, recompute)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
-                   recompute)
+                   recompute=recompute, grad_accum=grad_accum)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
-           depth: int = 1, dtype: str = "float32", recompute: str = "none") -> str:
+           depth: int = 1, dtype: str = "float32", recompute: str = "none", grad_accum: int = 1) -> str:
     """Sharding plan and per-rank predictions for one layout (with the
     ``recompute`` mode's communication, memory and FLOPs), then the four
     schemes side by side at the same world size, in bytes of ``dtype``'s
     real widths (mixed precision: 16-bit activations and panels, float32
     reductions, gradients and optimizer state)."""
-    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute)
+    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum)
     if isinstance(chosen, str):
         from .errors import ConfigError
 
         raise ConfigError(chosen)
     lines = [f"layout {chosen.layout}: world {world_size} = dp {dp} x tp {chosen.tp}"
              + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else ""),
-             f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step, --recompute {recompute}", "",
+             f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step"
+             + (f", in {grad_accum} micro-batches of {batch_size // grad_accum}" if grad_accum > 1 else "")
+             + f", --recompute {recompute}", "",
              "sharding plan (per rank):",
              f"  {'tensor':<28} {'global shape':>16} {'local elems':>12}  gradient summed over"]
     sizes = local_param_sizes(chosen)
@@ -505,18 +520,20 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(nbytes.total())}B")
     tflops = float(step_flops(chosen)) / 1e12
     lines += ["", f"GEMM and attention FLOPs per rank per step (predicted, not measured): {tflops:.4g} T"]
-    lines += ["", compare(cfg, batch_size, world_size, dp, dtype)]
+    lines += ["", compare(cfg, batch_size, world_size, dp, dtype, grad_accum)]
     return "\n".join(lines)
 
 
-def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dtype: str = "float32") -> str:
+def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dtype: str = "float32",
+            grad_accum: int = 1) -> str:
     """1-D, 2-D, 2.5-D and 3-D at the same world size: communication and
     memory per rank in bytes of ``dtype``, and each one's ratio to 3-D."""
     tp = world_size // dp if world_size % dp == 0 else 0
     rows = []
     for name in ("1d", "2d", "2.5d", "3d"):
         depth = comparison_depth(tp) if name == "2.5d" and tp else 1
-        rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth, dtype)))
+        rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth, dtype,
+                                           grad_accum=grad_accum)))
     base = next((p for n, _, p in rows if n == "3d" and not isinstance(p, str)), None)
     base_t = step_traffic(base).total_bytes() if base else None
     base_m = step_memory_bytes(base).total() if base else None

@@ -7,7 +7,9 @@ import numpy as np
 
 from . import data, dataplan, formats
 from .comm import on_root
+from .accum import forward_loss
 from .errors import ConfigError
+from .grid import default_batch, plan
 from .model import GPT
 from .parts import Parts, build_parts
 from .state import attr_dict
@@ -16,17 +18,18 @@ from .state import attr_dict
 def eval_model(parts: Parts):
     """A GPT view of the same parameters with dropout off (GPT objects are
     cheap: the parameters live in the store)."""
-    return GPT(parts.cfg, parts.layout, parts.store, dropout=0.0, seed=0)
+    return GPT(parts.cfg, parts.layout, parts.store, dropout=0.0, seed=0, grad_accum=parts.grad_accum)
 
 
 def mean_eval_loss(parts: Parts, model, tokens, seq_len: int, n_batches: int) -> float:
     """Mean cross-entropy over evaluation batches 0..n_batches-1 (forward
-    only); every batch has B x T positions, so this is the mean over all."""
-    B = parts.layout.batch_size
+    only, in the run's micro-batches); every batch has B x T positions, so
+    this is the mean over all."""
+    B = parts.batch_size
     total = 0.0
     for k in range(n_batches):
         x, y = data.eval_batch(tokens, B, seq_len, k)               # (B, T) each
-        total += model.forward(x[parts.rows], y[parts.rows], step=0)
+        total += forward_loss(parts, model, x, y)
     return total / n_batches
 
 
@@ -41,7 +44,8 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
     with formats.open_everywhere(mpi_world, ckpt_path) as ck:     # any model file
         cfg = ck.config
         saved = attr_dict(ck.attrs.get("train"))
-        B = int(batch_size or saved.get("batch_size") or 8)
+        B, batch_note = eval_batch_size(batch_size, saved.get("batch_size"), layout, cfg, mpi_world.Get_size(),
+                                        dp, depth)
         T = int(seq_len or cfg.n_ctx)
         if not 1 <= T <= cfg.n_ctx:
             raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
@@ -57,4 +61,20 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
         loss = mean_eval_loss(parts, eval_model(parts), tokens, T, n)
     return {"loss": loss, "step": step, "batches": n, "tokens": n * B * T, "batch_size": B, "seq_len": T,
             "layout": parts.layout.describe(), "checkpoint": str(ck.path), "data": data_path,
-            **({"note": note} if note else {})}
+            **({"note": note} if note else {}), **({"batch_note": batch_note} if batch_note else {})}
+
+
+def eval_batch_size(given, saved, layout, cfg, world_size, dp, depth) -> tuple:
+    """(batch size, words announcing it or None): the one given; else the
+    checkpoint's training batch if this layout accepts it; else the
+    smallest of at least 8 that it accepts (grid.default_batch)."""
+    if given is not None:
+        return int(given), None
+    if saved:
+        try:
+            plan(layout, cfg, int(saved), world_size, dp, depth)
+            return int(saved), None
+        except ConfigError:
+            batch, why = default_batch(layout, cfg, world_size, dp, depth)
+            return batch, f"{why}; the checkpoint's batch {saved} does not fit"
+    return default_batch(layout, cfg, world_size, dp, depth)

@@ -15,9 +15,10 @@ from .config import ModelConfig
 from .errors import ConfigError
 from .intmath import integer_root
 from .layouts import LAYOUTS
-from .layouts.base import RECOMPUTE_MODES, Axes
+from .layouts.base import RECOMPUTE_MODES, Axes, nearest_multiples
 
 LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
+DEFAULT_MIN_BATCH = 8      # a default batch is the smallest valid one of at least this many sequences
 
 
 def choose_layout(name: str, tp_size: int, depth: int = 1) -> str:
@@ -60,9 +61,12 @@ def validate_model(cfg: ModelConfig) -> None:
 
 
 def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1,
-         recompute: str = "none"):
-    """(layout class, resolved name, tp size) after validating every size
-    (and, for ``recompute``, the sizes that mode needs); pure: no MPI."""
+         grad_accum: int = 1, recompute: str = "none"):
+    """(layout class, resolved name, tp size) after validating every size;
+    pure: no MPI. ``batch_size`` is the step's global batch; with
+    ``grad_accum`` N the layout runs micro-batches of batch_size / N
+    sequences, and the layout's constraints apply to those (and, for
+    ``recompute``, the sizes that mode needs)."""
     validate_model(cfg)
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
@@ -70,24 +74,82 @@ def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int 
     resolved = choose_layout(name, tp, depth)
     if resolved not in LAYOUTS:
         raise ConfigError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+    if grad_accum < 1:
+        raise ConfigError(f"--grad-accum must be at least 1, got {grad_accum}")
     if batch_size % dp:
         raise ConfigError(f"--batch-size {batch_size} must be divisible by --dp {dp}")
     if depth != 1 and resolved != "2.5d":
         raise ConfigError(f"--depth {depth} applies to the 2.5d layout only (layout {resolved}): "
                           f"drop --depth, or use --layout 2.5d")
     cls = LAYOUTS[resolved]
-    cls.validate(cfg, tp, batch_size // dp, depth, recompute)
+    per_replica = batch_size // dp
+    if per_replica % grad_accum:
+        divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+        raise ConfigError(f"--grad-accum {grad_accum} must divide the batch per replica {per_replica} "
+                          f"(--batch-size {batch_size} / --dp {dp}): use --batch-size "
+                          f"{nearest_multiples(batch_size, dp * grad_accum)}, or --grad-accum one of {divisors}")
+    micro = per_replica // grad_accum
+    if grad_accum > 1:
+        split = micro_split(cls, cfg, tp, depth, recompute)
+        if micro % split:
+            raise ConfigError(f"layout {resolved}: the micro-batch per replica {micro} (--batch-size {batch_size} "
+                              f"/ --dp {dp} / --grad-accum {grad_accum}) must be divisible by {split}: use "
+                              f"--batch-size {nearest_multiples(batch_size, dp * grad_accum * split)}")
+    cls.validate(cfg, tp, micro, depth, recompute)
     return cls, resolved, tp
 
 
+def micro_split(cls, cfg: ModelConfig, tp: int, depth: int, recompute: str = "none") -> int:
+    """The smallest batch per replica (per micro-batch) that layout ``cls``
+    accepts for this model; the accepted ones are its multiples (every
+    layout's batch constraint is a divisibility: 1, d*q or q^2, all dividing
+    tp). Raises the layout's ConfigError for what no batch can fix."""
+    cls.validate(cfg, tp, tp, depth, recompute)    # a multiple of every split: only the model can fail
+    for split in range(1, tp + 1):
+        if tp % split == 0:
+            try:
+                cls.validate(cfg, tp, split, depth, recompute)
+                return split
+            except ConfigError:
+                continue
+    return tp
+
+
+def batch_multiple(name: str, cfg: ModelConfig, world_size: int, dp: int = 1, depth: int = 1,
+                   grad_accum: int = 1, recompute: str = "none") -> tuple:
+    """(m, resolved layout, tp): the global batch sizes ``plan`` accepts
+    for this layout, dp and gradient accumulation are the multiples of m."""
+    tp = split_world(world_size, dp)
+    resolved = choose_layout(name, tp, depth)
+    plan(name, cfg, dp * grad_accum * tp, world_size, dp, depth, grad_accum, recompute)   # every non-batch error
+    return dp * grad_accum * micro_split(LAYOUTS[resolved], cfg, tp, depth, recompute), resolved, tp
+
+
+def default_batch(name: str, cfg: ModelConfig, world_size: int, dp: int = 1, depth: int = 1,
+                  grad_accum: int = 1, at_least: int = DEFAULT_MIN_BATCH, recompute: str = "none") -> tuple:
+    """(batch, why): the smallest global batch of at least ``at_least``
+    sequences that the layout accepts, and the words that announce it.
+    Why: a fixed default of 8 cannot run on 64 ranks in 3-D (q^2 = 16
+    sequences per replica at least), so ``mpirun -n 64 mpicube train``
+    would stop at once; pure, so every rank picks the same size."""
+    m, resolved, tp = batch_multiple(name, cfg, world_size, dp, depth, grad_accum, recompute)
+    batch = -(-at_least // m) * m
+    extra = "".join(f", {k} {v}" for k, v in (("dp", dp), ("depth", depth), ("grad-accum", grad_accum)) if v != 1)
+    return batch, f"batch {batch} (smallest of at least {at_least} that layout {resolved}, tp {tp}{extra} accepts)"
+
+
 def build_layout(name: str, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_world,
-                 dp: int = 1, depth: int = 1, counters: Counters = None, recompute: str = "none"):
-    """Validate, then split the world and construct the layout object."""
-    cls, resolved, tp = plan(name, cfg, batch_size, mpi_world.Get_size(), dp, depth, recompute)
+                 dp: int = 1, depth: int = 1, counters: Counters = None, grad_accum: int = 1,
+                 recompute: str = "none"):
+    """Validate, then split the world and construct the layout object, for
+    the micro-batch (``batch_size / grad_accum`` global sequences) that
+    one forward pass runs."""
+    cls, resolved, tp = plan(name, cfg, batch_size, mpi_world.Get_size(), dp, depth, grad_accum, recompute)
     counters = counters if counters is not None else Counters()
     rank = mpi_world.Get_rank()
     dp_rank, tp_rank = divmod(rank, tp)
     world = Comm(mpi_world, "world", backend, counters)
     tp_comm = Comm(mpi_world.Split(color=dp_rank, key=tp_rank), "tp", backend, counters)
     dp_comm = Comm(mpi_world.Split(color=tp_rank, key=dp_rank), "dp", backend, counters)
-    return cls(cfg, Axes(world=world, dp=dp_comm, tp=tp_comm), batch_size, depth=depth, recompute=recompute)
+    return cls(cfg, Axes(world=world, dp=dp_comm, tp=tp_comm), batch_size // grad_accum, depth=depth,
+               recompute=recompute)

@@ -53,29 +53,39 @@ class Dropout:
     drawn where the activations live: on a GPU the hash runs on the device
     and nothing is copied per step but a few small index vectors, once."""
 
-    def __init__(self, p: float, seed: int, layout: Layout):
+    def __init__(self, p: float, seed: int, layout: Layout, grad_accum: int = 1):
         self.p, self.seed, self.layout = p, seed, layout
         self.keep = 1.0 - p
         cfg = layout.cfg
-        first_seq = layout.axes.dp.rank * layout.local_batch
-        self.canonical_seqs = first_seq + layout.canonical_seqs   # global sequence ids
-        self.mid_seqs = first_seq + layout.mid_seqs
-        self.canonical_shape = (layout.batch_size, cfg.n_ctx, cfg.n_embd)
-        self._indices = {}                                        # (kind, T) -> index vectors on the device
+        self.grad_accum = grad_accum
+        self.micro = 0                                            # which micro-batch of the step runs
+        step_batch = layout.batch_size * grad_accum               # the layout holds one micro-batch
+        self.canonical_shape = (step_batch, cfg.n_ctx, cfg.n_embd)
+        self._indices = {}                                        # (kind, T, micro) -> index vectors on the device
+
+    def first_seq(self, micro: int) -> int:
+        """Global index of this replica's first sequence in micro-batch
+        ``micro``: replica r holds rows [r*b, (r+1)*b) of the step's batch
+        (b = B/dp), micro-batch m the rows r*b + m*b/N onwards, so the
+        masks are those of the same step without accumulation."""
+        b_micro = self.layout.local_batch
+        return (self.layout.axes.dp.rank * self.grad_accum + micro) * b_micro
 
     def _mask(self, step, site, global_shape, kind, T, index):
         """(block shape) keep mask: 1.0 where kept, 0.0 where dropped."""
         backend = self.layout.backend
-        if (kind, T) not in self._indices:
-            self._indices[kind, T] = tuple(backend.xp.asarray(ix, dtype=np.uint64) for ix in index)
-        counter = rng.flat_index(global_shape, self._indices[kind, T], backend.xp)   # (block shape) uint64
+        if (kind, T, self.micro) not in self._indices:
+            first, seqs = self.first_seq(self.micro), index[0]
+            index = (first + np.asarray(seqs),) + tuple(index[1:])   # global sequence ids
+            self._indices[kind, T, self.micro] = tuple(backend.xp.asarray(ix, dtype=np.uint64) for ix in index)
+        counter = rng.flat_index(global_shape, self._indices[kind, T, self.micro], backend.xp)  # (block) uint64
         return ops.keep_mask(rng.make_key(self.seed, "dropout", step, site), counter, self.p, backend.dtype)
 
     def canonical(self, step, site, T):
         """(B_c, T, C_c) keep mask for an activation in canonical form, or None."""
         if self.p == 0.0:
             return None
-        index = (self.canonical_seqs, np.arange(T), self.layout.canonical_cols)
+        index = (self.layout.canonical_seqs, np.arange(T), self.layout.canonical_cols)
         mask = self._mask(step, site, self.canonical_shape, "canonical", T, index)
         mask *= 1.0 / self.keep
         return mask
@@ -85,8 +95,8 @@ class Dropout:
         if self.p == 0.0:
             return None
         cfg = self.layout.cfg
-        shape = (self.layout.batch_size, cfg.n_head, cfg.n_ctx, cfg.n_ctx)
-        index = (self.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
+        shape = (self.canonical_shape[0], cfg.n_head, cfg.n_ctx, cfg.n_ctx)
+        index = (self.layout.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
         return self._mask(step, site, shape, "attention", T, index)
 
 
@@ -185,14 +195,18 @@ class Block:
 class GPT:
     """The whole model on one rank's share of the layout."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, store: ParamStore, dropout: float = 0.0, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, layout: Layout, store: ParamStore, dropout: float = 0.0, seed: int = 0,
+                 grad_accum: int = 1):
         self.cfg, self.layout, self.store = cfg, layout, store
+        # The layout runs one micro-batch; a step is ``grad_accum`` of them
+        # (mpicube.accum), and the loss is the mean over the whole step.
+        self.grad_accum = grad_accum
         self.xp = layout.backend.xp
         self.embedding = layout.tied_embedding(store)
         self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]    # (n_ctx, C_c)
         self.blocks = [Block(layout, store, i) for i in range(cfg.n_layer)]
         self.ln_f = LayerNorm(store, "ln_f", cfg.n_embd, layout.hidden_comm)
-        self.dropout = Dropout(dropout, seed, layout)
+        self.dropout = Dropout(dropout, seed, layout, grad_accum)
         # --recompute blocks: the largest set of one block's caches right after
         # its rerun in the last backward (elements, bytes); 0 otherwise.
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
@@ -200,14 +214,18 @@ class GPT:
         # canonical blocks of "emb", "h.{i}" and "ln_f"; None costs nothing.
         self.capture = None
 
-    def forward(self, idx, targets, step: int = 0) -> float:
-        """idx, targets (B_dp, T): this data-parallel replica's batch.
-        Returns the mean cross-entropy over the whole global batch."""
+    def forward(self, idx, targets, step: int = 0, micro: int = 0) -> float:
+        """idx, targets (B_dp, T): this data-parallel replica's rows of
+        micro-batch ``micro`` of the step (the whole step's rows when it has
+        one). Returns this micro-batch's cross-entropy summed and divided by
+        the whole step's token count, so the micro-batches' returns (and
+        gradients) add up to the step's mean (and its gradient)."""
         xp, layout = self.xp, self.layout
         self.store.refresh_work()                # the 16-bit working copy, after an optimizer step or a load
         idx = xp.asarray(idx)
         B, T = idx.shape
-        self.n_tokens = layout.batch_size * T                               # N, global
+        self.dropout.micro = micro
+        self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
         x = self.embedding.embed(idx)                                       # (B_c, T, C_c)
         x = x + self.wpe[:T]
         self.keep_emb = self.dropout.canonical(step, "emb", T)

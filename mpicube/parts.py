@@ -26,31 +26,46 @@ class Parts:
     layout: object
     store: object
     model: object
+    grad_accum: int = 1     # micro-batches per step; the layout is built for one of them
+
+    @property
+    def batch_size(self) -> int:
+        """Global sequences per step (all micro-batches)."""
+        return self.layout.batch_size * self.grad_accum
 
     @property
     def rows(self) -> slice:
         """This data-parallel replica's rows of a global (B, T) batch."""
-        b = self.layout.local_batch
+        b = self.layout.local_batch * self.grad_accum
         r = self.layout.axes.dp.rank
         return slice(r * b, (r + 1) * b)
 
+    def micro_rows(self, m: int) -> slice:
+        """This replica's rows of micro-batch ``m`` in the global (B, T)
+        batch: the m-th run of B/(dp N) rows inside ``rows``."""
+        b = self.layout.local_batch
+        first = self.rows.start + m * b
+        return slice(first, first + b)
+
 
 def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
-                seed=0, dropout=0.0, tf32=False, recompute="none") -> Parts:
+                seed=0, dropout=0.0, tf32=False, grad_accum=1, recompute="none") -> Parts:
     """Backend, layout, parameters, model. Every size is validated first
     (``plan`` is pure), before device selection makes its first collective;
     then every thread pool of the rank gets its share of the node's cores,
-    on CPUs and GPUs alike, before the first GEMM. ``recompute`` is the
+    on CPUs and GPUs alike, before the first GEMM. ``batch_size`` is the
+    step's; with ``grad_accum`` N the layout and its buffers are sized for
+    micro-batches of batch_size / N sequences. ``recompute`` is the
     layout's memory mode (layouts/base.py RECOMPUTE_MODES)."""
-    plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth, recompute)
+    plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth, grad_accum, recompute)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
-                          counters=counters, recompute=recompute)
+                          counters=counters, grad_accum=grad_accum, recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
-    model = GPT(cfg, layout, store, dropout=dropout, seed=seed)
-    return Parts(cfg, backend, counters, layout, store, model)
+    model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
+    return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
 
 def recompute_note(layout, recompute: str):

@@ -32,7 +32,7 @@ import numpy as np
 from . import __version__, data
 from .comm import agree_max, on_root
 from .errors import ConfigError, UserError
-from .grid import plan
+from .grid import default_batch, plan
 from .model import gpt_params
 from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
 
@@ -249,6 +249,8 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
         if opts.seq_len > cfg.n_ctx:
             raise ConfigError(f"--seq-len {opts.seq_len} is longer than the context of {model_file.describe()} "
                               f"({cfg.n_ctx} positions)")
+    if opts.batch_size is None:                 # train's default: the smallest of at least 8 that fits
+        opts.batch_size = default_batch(opts.layout, cfg, mpi_world.Get_size(), opts.dp, opts.depth)[0]
     B, T, N = opts.batch_size, opts.seq_len, opts.steps
     plan(opts.layout, cfg, B, mpi_world.Get_size(), opts.dp, opts.depth)
     store_dtype = np.float64 if opts.dtype == "float64" else np.float32

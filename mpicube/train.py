@@ -3,8 +3,7 @@
 One step, on every rank (s is 1-based)::
 
     x, y = loader.batch(s - 1)                # (B, T) global batch, same on every rank
-    x, y = x[rows], y[rows]                   # (B_dp, T) this data-parallel replica's rows
-    loss = model.forward(x, y, step=s); model.backward()
+    loss = forward_backward(parts, x, y, s)   # this replica's rows, in --grad-accum micro-batches
     sync_gradients(store, dp); norm = global_grad_norm(store, tp)
     opt.step(schedule(s), clip_scale(norm))
 
@@ -46,7 +45,8 @@ from .comm import agree_max, on_root
 from .config import ModelConfig
 from .errors import ConfigError, UserError
 from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
-from .grid import plan, validate_model
+from .accum import forward_backward
+from .grid import default_batch, plan, validate_model
 from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
 from .parts import Parts, build_parts, recompute_note  # noqa: F401 (build_parts re-exported for tools and tests)
 from .console import Console
@@ -90,7 +90,8 @@ class TrainOptions:
     n_embd: int = 144
     seq_len: int = 64
     vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
-    batch_size: int = 8            # global sequences per step
+    batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits
+    grad_accum: int = 1            # micro-batches per step (forward+backward each), one optimizer step
     steps: int = 500
     lr: float = 3e-3
     warmup: int = 20
@@ -134,9 +135,9 @@ class TrainOptions:
     def validate(self) -> None:
         """Raise ConfigError for a bad value; pure, so every rank agrees."""
         positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "steps", "dp", "depth",
-                    "eval_batches", "log_every")
+                    "eval_batches", "log_every", "grad_accum")
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{_dash(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup", "ckpt_every", "keep", "eval_every"):
             if getattr(self, name) < 0:
@@ -208,15 +209,16 @@ class Trainer:
         o = self.opts
         o.validate()
         self.cfg = o.model_config()
-        if o.init_from is None:               # else the model file says what the model is
-            plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth,
-                 o.recompute)                                                               # pure: no MPI yet
-        self.data_plan, train_tokens, self.val_tokens = dataplan.plan_training_data(
-            self.world, o.data, o.val_data, o.batch_size, o.seq_len, o.eval_every, o.eval_batches)
-        self.train_path, self.val_path = self.data_plan.train, self.data_plan.val
-        self.eval_batches = self.data_plan.eval_batches          # 0: no validation
-        self.notes += self.data_plan.notes
-        self.loader = data.TrainLoader(train_tokens, o.batch_size, o.seq_len, o.seed)
+        self.batch_note = None                # how a default batch size was chosen, for the console
+        # A default batch fits the model, which a model file may decide: then
+        # it (and the data plan, which needs it) waits until the file is open.
+        wait_for_file = o.batch_size is None and (o.init_from is not None or o.resume)
+        if not wait_for_file:
+            self._choose_batch()
+            if o.init_from is None:           # else the model file says what the model is
+                plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth, o.grad_accum,
+                     o.recompute)                                                           # pure
+            self._plan_data()
 
         run_dir, self.owner, said = on_root(self.world, self._prepare_run_dir)
         self.run_dir = Path(run_dir)
@@ -226,14 +228,17 @@ class Trainer:
         if self.source is not None:           # the model's shape and vocabulary come from the file
             self.model_file = formats.open_everywhere(self.world, self.source)
             self.cfg = self._file_config(self.model_file)
-        on_root(self.world, lambda: data.check_vocab(train_tokens, self.cfg.vocab_size, self.train_path))
+        if wait_for_file:
+            self._choose_batch()
+            self._plan_data()
+        on_root(self.world, lambda: data.check_vocab(self.train_tokens, self.cfg.vocab_size, self.train_path))
         if self.eval_batches:
             on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
         if self.model_file is not None and o.recompute != "none":   # 1-D row shards split B_dp x --seq-len rows
             plan(o.layout, replace(self.cfg, n_ctx=o.seq_len), o.batch_size, self.world.Get_size(), o.dp, o.depth,
-                 o.recompute)
+                 o.grad_accum, o.recompute)
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
-                                 o.seed, o.dropout, o.tf32, recompute=o.recompute)
+                                 o.seed, o.dropout, o.tf32, grad_accum=o.grad_accum, recompute=o.recompute)
         note = recompute_note(self.parts.layout, o.recompute)
         if note:
             self.notes.append(note)
@@ -246,6 +251,38 @@ class Trainer:
             self._write_config()
             self._open_metrics()
         self.world.Barrier()
+
+    def _choose_batch(self) -> None:
+        """Without --batch-size: a resumed run's own batch if this layout
+        takes it, else the smallest of at least 8 that the layout accepts
+        for this model (grid.default_batch); pure, so every rank agrees."""
+        o = self.opts
+        if o.batch_size is not None:
+            return
+        world = self.world.Get_size()
+        saved = None
+        if getattr(self, "full_state", False) and self.model_file is not None:
+            saved = attr_dict(getattr(self.model_file, "attrs", {}).get("train")).get("batch_size")
+        if saved:
+            try:
+                plan(o.layout, self.cfg, int(saved), world, o.dp, o.depth, o.grad_accum, o.recompute)
+                o.batch_size = int(saved)
+                self.batch_note = f"batch {o.batch_size} (the resumed run's)"
+                return
+            except ConfigError:
+                pass
+        o.batch_size, self.batch_note = default_batch(o.layout, self.cfg, world, o.dp, o.depth, o.grad_accum,
+                                                      recompute=o.recompute)
+
+    def _plan_data(self) -> None:
+        """The data plan (rank 0 decides, every rank checks) and the loader."""
+        o = self.opts
+        self.data_plan, self.train_tokens, self.val_tokens = dataplan.plan_training_data(
+            self.world, o.data, o.val_data, o.batch_size, o.seq_len, o.eval_every, o.eval_batches)
+        self.train_path, self.val_path = self.data_plan.train, self.data_plan.val
+        self.eval_batches = self.data_plan.eval_batches          # 0: no validation
+        self.notes += self.data_plan.notes
+        self.loader = data.TrainLoader(self.train_tokens, o.batch_size, o.seq_len, o.seed)
 
     def _prepare_run_dir(self) -> tuple:
         """Rank 0: (run directory, this job's name for its temporary files,
@@ -412,8 +449,11 @@ class Trainer:
         say = self.console.say
         layout = self.parts.layout
         chosen = " (chosen by --layout auto)" if o.layout == "auto" else ""
+        batch = self.batch_note or f"batch {o.batch_size}"
+        if o.grad_accum > 1:
+            batch += f" in {o.grad_accum} micro-batches of {o.batch_size // o.grad_accum}"
         say(f"mpicube {__version__}: {self.cfg.n_params():,} parameters, {describe_layout(layout.describe())}"
-            f"{chosen}, {self.world.Get_size()} rank(s), run {self.run_dir}")
+            f"{chosen}, {batch}, {self.world.Get_size()} rank(s), run {self.run_dir}")
         for note in self.notes:
             say(note)
         if first > last:
@@ -457,8 +497,7 @@ class Trainer:
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             p.store.zero_grad()
-            loss = p.model.forward(x[p.rows], y[p.rows], step=s)
-            p.model.backward(loss_scale=loss_scale)
+            loss = forward_backward(p, x, y, s, loss_scale)     # N micro-batches, gradients added up
             sync_gradients(p.store, p.layout.axes.dp)
             self._inject_overflow(s)
             norm = global_grad_norm(p.store, p.layout.axes.tp) / loss_scale

@@ -23,6 +23,12 @@ Environment:
                               gathers or blocks (the serial reference with
                               none); memory is checked as what forward keeps
                               plus, for blocks, one rerun block's caches
+  MPICUBE_CHECK_ACCUM=N       the layout under test runs each step as N
+                              micro-batches (the trainer's
+                              mpicube.accum.forward_backward), the serial
+                              reference the whole batch at once; memory is
+                              checked after every micro-batch's forward
+                              (with both, they combine)
 
 Tolerance in 16 bits. Both models round the same float32 results to 16 bits
 at the same points; they differ only where float32 reassociation (sums in a
@@ -51,9 +57,11 @@ from mpicube.comm import Counters
 from mpicube.config import ModelConfig
 from mpicube.costmodel import Problem, kept_and_rerun_terms, step_memory, step_memory_bytes, step_traffic
 from mpicube.grid import build_layout
+from mpicube.accum import forward_backward
 from mpicube.model import GPT, gpt_params
 from mpicube.optim import AdamW, global_grad_norm, sync_gradients
 from mpicube.params import ParamStore, clipped_index, real_mask
+from mpicube.parts import Parts
 from mpicube.precision import is_half, unit_roundoff, dtype_of
 
 DEVICE = os.environ.get("MPICUBE_CHECK_DEVICE", "cpu")
@@ -62,19 +70,21 @@ RECOMPUTE = os.environ.get("MPICUBE_CHECK_RECOMPUTE", "none")
 HALF = is_half(dtype_of(DTYPE))
 RTOL = 8 * unit_roundoff(dtype_of(DTYPE)) if HALF else 1e-10
 WORST = [0.0]          # the largest relative difference seen, for the report line
+ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
 # float16 trains with loss scaling (mpicube.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
 LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
 
 
-def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu", recompute="none"):
+def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu", grad_accum=1, recompute="none"):
     backend = make_backend(device, DTYPE)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch, backend, comm, dp=dp, depth=depth, counters=counters,
-                          recompute=recompute)
+                          grad_accum=grad_accum, recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
-    return layout, store, GPT(cfg, layout, store, dropout=dropout, seed=seed), counters
+    model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
+    return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
 
 def close(name, got, want, scale=None):
@@ -88,7 +98,8 @@ def close(name, got, want, scale=None):
 
 def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
     """Measured elements, bytes and messages per axis == the analytic model."""
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE, RECOMPUTE)
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
+                      recompute=RECOMPUTE, grad_accum=ACCUM)
     want = step_traffic(problem)
     axes = set(want.elems) | set(counters.elems)
     for axis in axes:
@@ -106,7 +117,8 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept):
     after forward; under --recompute blocks the rerun block's caches
     (measured in backward) come on top, and what forward kept alone is
     checked too."""
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE, RECOMPUTE)
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
+                      recompute=RECOMPUTE, grad_accum=ACCUM)
     want, want_bytes = step_memory(problem, dropout > 0), step_memory_bytes(problem, dropout > 0)
     want_kept = sum(kept_and_rerun_terms(problem, dropout > 0)[0].values())
     if kept[0] != want_kept:
@@ -133,30 +145,38 @@ def main():
     rng = np.random.default_rng(3)
     steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T))) for _ in range(3)]
 
-    layout, store, model, counters = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout,
-                                           device=DEVICE, recompute=RECOMPUTE)
+    parts = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout, device=DEVICE, grad_accum=ACCUM,
+                  recompute=RECOMPUTE)
+    layout, store, model, counters = parts.layout, parts.store, parts.model, parts.counters
     host = layout.backend.to_host
-    s_layout, s_store, s_model, _ = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
+    serial = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
+    s_layout, s_store, s_model = serial.layout, serial.store, serial.model
     opt, s_opt = AdamW(store, weight_decay=0.1), AdamW(s_store, weight_decay=0.1)
-    rows = slice(layout.axes.dp.rank * layout.local_batch, (layout.axes.dp.rank + 1) * layout.local_batch)
 
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):
             st.zero_grad()
         counters.reset()
-        loss = model.forward(x[rows], y[rows], step=step)
         s_loss = s_model.forward(x, y, step=step)
+        s_logits = s_model.logits                                   # (B, T, V) the whole batch
+
+        kept = []                                                   # (elements, bytes) per micro-batch
+
+        def after_forward(m):
+            """Between micro-batch m's forward and its backward."""
+            kept.append((model.saved_elements(), model.saved_bytes()))
+            if step == 1:
+                emb = model.embedding
+                seqs = parts.micro_rows(m).start + emb.logit_seqs   # global sequences of these logits
+                v0, nv = emb.vocab_start, model.logits.shape[-1]
+                real = max(0, min(nv, cfg.vocab_size - v0))
+                close(f"logits of micro-batch {m}", host(model.logits)[..., :real], s_logits[seqs][..., v0:v0 + real])
+
+        loss = forward_backward(parts, x, y, step, LOSS_SCALE, after_forward=after_forward)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
-        kept = model.saved_elements(), model.saved_bytes()
-        if step == 1:
-            emb = model.embedding
-            seqs = layout.axes.dp.rank * layout.local_batch + emb.logit_seqs
-            v0, nv = emb.vocab_start, model.logits.shape[-1]
-            real = max(0, min(nv, cfg.vocab_size - v0))
-            close("logits", host(model.logits)[..., :real], s_model.logits[seqs][..., v0:v0 + real])
-        model.backward(loss_scale=LOSS_SCALE)
         s_model.backward(loss_scale=LOSS_SCALE)
-        check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept)
+        assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
+        check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept[0])
         sync_gradients(store, layout.axes.dp)
         norm = global_grad_norm(store, layout.axes.tp) / LOSS_SCALE
         s_norm = global_grad_norm(s_store, s_layout.axes.tp) / LOSS_SCALE
@@ -180,7 +200,8 @@ def main():
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
-              f"dtype={DTYPE} recompute={RECOMPUTE} loss={s_loss:.12f} worst={WORST[0]:.2e} (rtol {RTOL:.1e})")
+              f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} loss={s_loss:.12f} worst={WORST[0]:.2e} "
+              f"(rtol {RTOL:.1e})")
 
 
 if __name__ == "__main__":
