@@ -98,7 +98,7 @@ def test_accumulating_layout_matches_serial(ranks, layout, dp):
     proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, 1, 0.1], timeout=240,
                    env={"MPICUBE_CHECK_ACCUM": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"OK {layout} world={ranks} dp={dp} depth=1 device=cpu dtype=float64 accum=2" in proc.stdout
+    assert f"OK {layout} world={ranks} dp={dp} depth=1 device=cpu dtype=float64 recompute=none accum=2" in proc.stdout
 
 
 @pytest.mark.timeout(300)
@@ -112,7 +112,7 @@ def test_accumulating_2d_on_the_gpu_path_and_in_16_bits(env, words):
     proc = mpiexec(4, ["-m", "mpi4py", "tests/parallel_check.py", "2d", 1, 1, 0.1], timeout=240,
                    env={**env, "MPICUBE_CHECK_ACCUM": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"OK 2d world=4 dp=1 depth=1 {words} accum=2" in proc.stdout
+    assert f"OK 2d world=4 dp=1 depth=1 {words} recompute=none accum=2" in proc.stdout
 
 
 # --------------------------------------------------------------------------- the command line
