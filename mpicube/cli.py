@@ -197,6 +197,10 @@ def cli():
               help="float16: steps without overflow before the scale doubles  [default: 2000]")
 @click.option("--loss-scale-backoff", type=float, default=None,
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
+@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+              callback=lambda ctx, param, value: int(value),
+              help="1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
+                   "replicas; gradients reduce-scattered, parameters all-gathered")
 def train(**kwargs):
     """Train a GPT-2 model.
 
@@ -280,7 +284,10 @@ def prepare(inputs, out, val_fraction, tokenizer):
                    "float32 reductions, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
-def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype, vocab_size):
+@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+              callback=lambda ctx, param, value: int(value),
+              help="the estimate with the optimizer state sharded over --dp (as train --zero 1)")
+def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype, vocab_size, zero):
     """Model size; with --layout/-n, the sharding plan and per-rank predictions."""
     from .config import ModelConfig
     from .data import VOCAB_SIZE
@@ -307,7 +314,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         from .costmodel import report
 
         echo()
-        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype))
+        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype, zero=zero))
 
 
 @cli.command()

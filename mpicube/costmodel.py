@@ -94,6 +94,7 @@ class Problem:
     batch: int          # global sequences per step
     seq_len: int
     dtype: str = "float32"   # storage format: float64, float32, float16 or bfloat16
+    zero: int = 0            # 1: optimizer state (and a 16-bit run's master) sharded over dp (mpicube.zero)
 
     @property
     def local_batch(self):
@@ -102,6 +103,11 @@ class Problem:
     @property
     def widths(self) -> Widths:
         return Widths.of(self.dtype)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer state is sharded (--zero 1 with dp > 1)."""
+        return bool(self.zero) and self.dp > 1
 
 
 def _linears(cfg: ModelConfig):
@@ -304,15 +310,32 @@ def activation_terms(p: Problem, dropout: bool = False) -> dict:
 
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:
+    """Elements per rank. Under --zero 1 the buffers are padded to P_pad (a
+    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp)."""
     params = sum(n for n, _ in local_param_sizes(p).values())
+    if p.sharded:
+        padded, chunk = zero_sizes(params, p.dp, p.zero)
+        return Memory(padded, padded, 2 * chunk, activation_elems(p, dropout))
     return Memory(params, params, 2 * params, activation_elems(p, dropout))
+
+
+def zero_sizes(params: int, dp: int, zero: int) -> tuple:
+    """(P_pad, C): the padded buffer and each replica's chunk (mpicube.zero)."""
+    from .zero import sizes
+
+    return sizes(params, dp, zero)
 
 
 def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
     """``step_memory`` in bytes: under mixed precision the parameters are a
     float32 master plus a 16-bit working copy, gradients and Adam moments
     float32, activations mostly 16-bit."""
-    w, params = p.widths, step_memory(p, dropout).params
+    w, elems = p.widths, step_memory(p, dropout)
+    if p.sharded:   # the full buffer is the 16-bit working copy, the float32 master only the chunk
+        chunk = elems.optimizer // 2
+        params = elems.params * w.act + (chunk * w.grad if w.act != w.grad else 0)
+        return Memory(params, elems.grads * w.grad, elems.optimizer * w.grad, activation_bytes(p, dropout))
+    params = elems.params
     working = params * w.act if w.act != w.grad else 0
     return Memory(params * w.grad + working, params * w.grad, 2 * params * w.grad, activation_bytes(p, dropout))
 
@@ -320,7 +343,9 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
 def step_traffic(p: Problem) -> Traffic:
     """Everything one training step moves: the layout's forward/backward,
     the gradient all-reduces over replica groups and over dp, the gradient
-    norm and the reported loss."""
+    norm and the reported loss. Under --zero 1 the dp all-reduce is a
+    reduce-scatter of the padded gradient and an all-gather of the updated
+    chunk (in the storage format), and the norm is summed over the world."""
     t = TRAFFIC[p.layout](p)
     sizes = local_param_sizes(p)
     group_sizes = defaultdict(int)
@@ -330,8 +355,15 @@ def step_traffic(p: Problem) -> Traffic:
     w = p.widths
     for axis, n in group_sizes.items():
         t.allreduce(axis, _group_size(p, axis), n, width=w.grad)
-    t.allreduce("dp", p.dp, sum(n for n, _ in sizes.values()), width=w.grad)
-    t.allreduce("tp", p.tp, 1, width=w.scalar)                 # gradient norm
+    params = sum(n for n, _ in sizes.values())
+    if p.sharded:
+        padded, chunk = zero_sizes(params, p.dp, p.zero)
+        t.reduce_scatter("dp", p.dp, padded, width=w.grad)
+        t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
+        t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)   # gradient norm
+    else:
+        t.allreduce("dp", p.dp, params, width=w.grad)
+        t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
     t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)       # reported loss
     return t
 
@@ -368,7 +400,7 @@ def _fmt(n) -> str:
     return f"{n:.4g}"
 
 
-def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32"):
+def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", zero=0):
     """A validated Problem, or the ConfigError's message."""
     from .errors import ConfigError
 
@@ -376,22 +408,28 @@ def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32"):
         _, resolved, tp = plan(name, cfg, batch_size, world_size, dp, depth)
     except ConfigError as err:
         return str(err)
-    return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype)
+    return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
+                   zero=zero)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
-           depth: int = 1, dtype: str = "float32") -> str:
+           depth: int = 1, dtype: str = "float32", zero: int = 0) -> str:
     """Sharding plan and per-rank predictions for one layout, then the four
     schemes side by side at the same world size, in bytes of ``dtype``'s
     real widths (mixed precision: 16-bit activations and panels, float32
-    reductions, gradients and optimizer state)."""
-    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype)
+    reductions, gradients and optimizer state); ``zero=1`` with the
+    optimizer state sharded over dp."""
+    from .zero import validate
+
+    validate(zero, dp)
+    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, zero)
     if isinstance(chosen, str):
         from .errors import ConfigError
 
         raise ConfigError(chosen)
     lines = [f"layout {chosen.layout}: world {world_size} = dp {dp} x tp {chosen.tp}"
-             + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else ""),
+             + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else "")
+             + (", optimizer state sharded over dp (--zero 1)" if chosen.sharded else ""),
              f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step", "",
              "sharding plan (per rank):",
              f"  {'tensor':<28} {'global shape':>16} {'local elems':>12}  gradient summed over"]
@@ -417,22 +455,24 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
         lines.append(f"  {field_name:<12} {_fmt(getattr(memory, field_name)):>10}  "
                      f"{_fmt(getattr(nbytes, field_name))}B")
     lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(nbytes.total())}B")
-    lines += ["", compare(cfg, batch_size, world_size, dp, dtype)]
+    lines += ["", compare(cfg, batch_size, world_size, dp, dtype, zero)]
     return "\n".join(lines)
 
 
-def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dtype: str = "float32") -> str:
+def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dtype: str = "float32",
+            zero: int = 0) -> str:
     """1-D, 2-D, 2.5-D and 3-D at the same world size: communication and
     memory per rank in bytes of ``dtype``, and each one's ratio to 3-D."""
     tp = world_size // dp if world_size % dp == 0 else 0
     rows = []
     for name in ("1d", "2d", "2.5d", "3d"):
         depth = comparison_depth(tp) if name == "2.5d" and tp else 1
-        rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth, dtype)))
+        rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth, dtype, zero)))
     base = next((p for n, _, p in rows if n == "3d" and not isinstance(p, str)), None)
     base_t = step_traffic(base).total_bytes() if base else None
     base_m = step_memory_bytes(base).total() if base else None
-    lines = [f"all schemes at world {world_size} (dp {dp}), {dtype}, per rank per step:",
+    lines = [f"all schemes at world {world_size} (dp {dp}{', zero 1' if zero and dp > 1 else ''}), {dtype}, "
+             "per rank per step:",
              f"  {'layout':<10} {'comm bytes':>11} {'messages':>9} {'memory':>10} {'comm/3d':>8} {'mem/3d':>7}"]
     for name, depth, p in rows:
         label = f"{name} d={depth}" if name == "2.5d" else name

@@ -231,7 +231,7 @@ class GPT:
 
     def _saved_buffers(self) -> list:
         """The distinct floating-point buffers behind every module's caches."""
-        params = (self.store.flat, self.store.flat_grad, self.store.flat_work)
+        params = self.store.buffers()
         seen = {}
 
         def visit(value):
