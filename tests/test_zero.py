@@ -167,32 +167,35 @@ def test_zero1_bfloat16_resumes_bit_for_bit(runs):
 
 
 def test_zero_needs_data_parallelism(mpicube):
+    """Every rank refuses before any collective; rank 0 says it once."""
     r = mpicube.run("train", "--layout", "1d", "--zero", "1", "--steps", "1", n=2)
     assert r.returncode == 2, r
     assert r.error_lines() == ["error: --zero 1 shards the optimizer state over data-parallel replicas and "
                                "needs --dp 2 or more (got --dp 1)"], r
-    r = mpicube.run("info", "-n", "4", "--zero", "1")
-    assert r.returncode == 2 and len(r.error_lines()) == 1 and "--dp 2 or more" in r.error_lines()[0], r
 
 
-def test_info_knows_zero(mpicube):
-    """`info --zero 1` predicts the sharded optimizer state: a quarter of
-    the moments with dp 4, and the dp reduce-scatter and all-gather."""
-    args = ["info", "-n", "8", "--dp", "4", "--layout", "1d", "--n-embd", "64", "--n-head", "4"]
-    plain, zero = mpicube.run(*args), mpicube.run(*args, "--zero", "1")
-    assert plain.returncode == 0 and zero.returncode == 0, (plain, zero)
-    assert "optimizer state sharded over dp (--zero 1)" in zero.stdout and "--zero 1" not in plain.stdout
-
-    def optimizer_elems(out):
-        line = next(x for x in out.splitlines() if x.strip().startswith("optimizer "))
-        return line.split()[1]
+def test_info_knows_zero(tmp_path):
+    """`info --zero 1` predicts the sharded optimizer state (2 C moments,
+    C = ceil(P / dp)) and says so; with dp 1 it refuses in one line."""
+    from test_formats import run_cases
 
     from mpicube.config import ModelConfig
     from mpicube.costmodel import Problem, _fmt, step_memory
+
+    args = ["info", "-n", "8", "--dp", "4", "--layout", "1d", "--n-embd", "64", "--n-head", "4"]
+    bad, plain, zero = run_cases(tmp_path, [["info", "-n", "4", "--zero", "1"], args, args + ["--zero", "1"]])
+    assert bad["status"] == 2, bad
+    assert len(bad["err"]) == 1 and "--dp 2 or more" in bad["err"][0], bad
+    assert plain["status"] == 0 and zero["status"] == 0, (plain, zero)
+    assert any("optimizer state sharded over dp (--zero 1)" in x for x in zero["out"])
+    assert not any("--zero 1" in x for x in plain["out"])
+
+    def optimizer_elems(out):
+        return next(x for x in out if x.strip().startswith("optimizer ")).split()[1]
 
     cfg = ModelConfig(vocab_size=256, n_ctx=64, n_layer=4, n_head=4, n_embd=64)
     p0, p1 = Problem(cfg, "1d", 2, 4, 1, 8, 64), Problem(cfg, "1d", 2, 4, 1, 8, 64, zero=1)
     moments = step_memory(p0).optimizer                      # 2 P
     assert step_memory(p1).optimizer == 2 * -(-moments // 2 // 4)   # 2 C, C = ceil(P / 4)
-    assert optimizer_elems(plain.stdout) == _fmt(moments)
-    assert optimizer_elems(zero.stdout) == _fmt(step_memory(p1).optimizer)
+    assert optimizer_elems(plain["out"]) == _fmt(moments)
+    assert optimizer_elems(zero["out"]) == _fmt(step_memory(p1).optimizer)
