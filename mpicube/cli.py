@@ -330,8 +330,11 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_options
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
+@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+              callback=lambda ctx, param, value: int(value),
+              help="1: the optimizer state sharded over --dp (as train --zero 1)")
 def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warmup_steps, steps, seed, dtype,
-          device, tf32, as_json):
+          device, tf32, as_json, zero):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -351,7 +354,7 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, warm
     results = []
     for name in layouts or ("auto",):
         parts = build_parts(cfg, name, batch_size, _mpi["world"], dp=dp, depth=depth if name in ("2.5d", "auto") else 1,
-                            dtype=dtype, device=device, seed=seed, tf32=tf32)
+                            dtype=dtype, device=device, seed=seed, tf32=tf32, zero=zero)
         results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
     echo(format_table(results, 4 if dtype == "float32" else 8))
     echo(f"threads: {threads.current().describe()}")
