@@ -6,7 +6,8 @@ sharded over the data-parallel replicas (mpicube/zero.py).
    communication and memory (the sharded moments and master included) equal
    the cost model exactly: tests/parallel_check.py with MPICUBE_CHECK_ZERO=1.
    One bfloat16 run checks the 16-bit path (the 16-bit working copy
-   gathered, the float32 master sharded) with parallel_check's tolerance.
+   gathered, the float32 master sharded) with parallel_check's tolerance;
+   two runs on CI's CuPy stand-in check the device path.
 2. Checkpoints keep their format (full logical tensors) and move freely:
    real `mpicube train` runs saved with --zero 1 continue with --zero 0 on
    another layout and world size and vice versa, following the
@@ -24,7 +25,7 @@ import pytest
 from conftest import MpiCube, read_metrics
 
 from mpicube import checkpoint
-from mpirun import mpiexec
+from mpirun import ROOT, mpiexec
 
 CASES = [
     # (ranks, layout, dp, depth): P % dp != 0 (a padded chunk) for 3d with 16 ranks
@@ -52,6 +53,23 @@ def test_zero_bfloat16_matches_serial():
                    env={"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_DTYPE": "bfloat16"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK 1d world=4 dp=2 depth=1 device=cpu dtype=bfloat16 zero=1" in proc.stdout
+
+
+FAKE_GPU = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}", "MPICUBE_CHECK_DEVICE": "gpu"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks,layout,dtype,cuda_aware", [(2, "serial", "float64", "0"), (4, "1d", "float16", "1")],
+                         ids=["serial-float64-staged", "1d-float16-cuda-aware"])
+def test_zero_on_the_gpu_path(ranks, layout, dtype, cuda_aware):
+    """The device path (CI's strict CuPy stand-in, tests/fake_gpu): the
+    reduce-scatter, the all-gather of the chunk (16-bit words in float16)
+    and the gathered master stay on the device or go through the staging
+    buffers, and the result follows the serial CPU model."""
+    env = {**FAKE_GPU, "MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_DTYPE": dtype, "MPICUBE_CUDA_AWARE": cuda_aware}
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, 2, 1, 0.1], timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK {layout} world={ranks} dp=2 depth=1 device=gpu dtype={dtype} zero=1" in proc.stdout
 
 
 # --- checkpoints -------------------------------------------------------------------
