@@ -27,22 +27,28 @@ from conftest import MpiCube, read_metrics
 from mpicube import checkpoint
 from mpirun import ROOT, mpiexec
 
+# The fused CPU kernels forced on at every size, two threads per rank (as tests/test_layouts.py):
+# AdamW's numba kernel on the chunk's decayed and undecayed runs.
+FUSED = {"MPICUBE_KERNELS": "numba", "MPICUBE_FUSED_MIN_ELEMS": "0", "OMP_NUM_THREADS": "2"}
 CASES = [
-    # (ranks, layout, dp, depth): P % dp != 0 (a padded chunk) for 3d with 16 ranks
-    (2, "serial", 2, 1),
-    (4, "serial", 4, 1),
-    (4, "1d", 2, 1),
-    (8, "2d", 2, 1),
-    (4, "2.5d", 2, 2),     # q = 1, d = 2: weight gradients summed over depth before the reduce-scatter
-    (16, "3d", 2, 1),
+    # (ranks, layout, dp, depth, env): P % dp != 0 (a padded chunk) for 3d with 16 ranks
+    (2, "serial", 2, 1, {}),
+    (4, "serial", 4, 1, {}),
+    (4, "1d", 2, 1, FUSED),
+    (8, "2d", 2, 1, {}),
+    (4, "2.5d", 2, 2, {}),     # q = 1, d = 2: weight gradients summed over depth before the reduce-scatter
+    (16, "3d", 2, 1, {}),
 ]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks,layout,dp,depth", CASES, ids=[f"{c[1]}-n{c[0]}-dp{c[2]}" for c in CASES])
-def test_zero_matches_serial(ranks, layout, dp, depth):
+@pytest.mark.parametrize("ranks,layout,dp,depth,env", CASES,
+                         ids=[f"{c[1]}-n{c[0]}-dp{c[2]}" + ("-fused" if c[4] else "") for c in CASES])
+def test_zero_matches_serial(ranks, layout, dp, depth, env):
+    if env:
+        pytest.importorskip("numba")
     proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, depth, 0.1], timeout=240,
-                   env={"MPICUBE_CHECK_ZERO": "1"})
+                   env={"MPICUBE_CHECK_ZERO": "1", **env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"OK {layout} world={ranks} dp={dp} depth={depth} device=cpu dtype=float64 zero=1" in proc.stdout
 
