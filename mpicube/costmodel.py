@@ -12,6 +12,14 @@ weight copies and the panels layouts gather or broadcast travel in the
 storage format (2 bytes under mixed precision), reductions in the compute
 format (float32: MPI has no 16-bit sum), weight gradients in the master
 format, and the gradient norm and the loss as one float64 each.
+
+``Problem.zero = 1`` (mpicube.zero, with dp > 1): the buffers are padded to
+P_pad = dp C; the dp all-reduce becomes a reduce-scatter of the padded
+gradient (master format) and an all-gather of the updated chunk (storage
+format), the gradient norm is all-reduced over the world, and AdamW keeps
+2 C moments. Under mixed precision the float32 master is the chunk only
+and is counted with the parameters (C master + P_pad working copy), as the
+master is counted there with --zero 0.
 """
 
 from __future__ import annotations

@@ -12,6 +12,14 @@ Under mixed precision the data and gradient buffers are the float32 master
 (what the optimizer updates and checkpoints hold) and a third buffer holds
 the 16-bit working copy the model computes with (``work``): rounded from
 the master once per optimizer step, lazily, before the next forward.
+
+Under ``--zero 1`` (mpicube.zero) the buffers are padded to a multiple of
+dp and the optimizer updates only this replica's chunk of them
+(``master``, ``shard``); the step all-gathers the chunks afterwards. With
+mixed precision the float32 master is then held as that chunk only, and
+``flat``/``data`` do not exist: code outside the step reads and writes the
+full master through ``full_master`` and ``writing_master``, which work in
+every mode.
 """
 
 from __future__ import annotations
