@@ -29,7 +29,7 @@ import numpy as np
 
 from . import kernels, precision
 from .costmodel import Problem, step_memory, step_memory_bytes, step_traffic
-from .optim import AdamW, global_grad_norm, sync_gradients
+from .optim import make_step
 
 
 def model_flops(cfg, batch_size: int, seq_len: int) -> float:
@@ -78,7 +78,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
     (rank 0's are reported)."""
     layout, store, model, counters, backend = parts.layout, parts.store, parts.model, parts.counters, parts.backend
     cfg = parts.cfg
-    opt = AdamW(store)
+    opt = make_step(store, layout.axes)          # --zero 1: zero.ShardedStep
     loss_scale = 1024.0 if backend.dtype == np.float16 else 1.0     # as float16 training scales the loss
     B = parts.batch_size                                                       # the step's, all micro-batches
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, seq_len + 1))
@@ -103,8 +103,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
             backend.synchronize()
             fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
         marks += [marks[0] + fwd, time.perf_counter()]
-        sync_gradients(store, layout.axes.dp)
-        norm = global_grad_norm(store, layout.axes.tp) / loss_scale
+        opt.sync()
+        norm = opt.grad_norm() / loss_scale
         marks.append(time.perf_counter())
         opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)) / loss_scale)
         backend.synchronize()
@@ -116,7 +116,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
-                      grad_accum=parts.grad_accum)
+                      zero=int(store.partition.sharded), grad_accum=parts.grad_accum)
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     step_times = np.array(phases["step_s"])
     median = float(np.median(step_times))
@@ -154,7 +154,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
                  and counters.total_bytes() == predicted.total_bytes()
                  and counters.total_msgs() == predicted.total_msgs()},
         "memory": {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
-                   "activations": memory.activations, "measured_params": int(store.flat.size),
+                   "activations": memory.activations, "measured_params": int(store.flat_work.size),
                    "measured_activations": int(saved),
                    "bytes": {"params": memory_bytes.params, "grads": memory_bytes.grads,
                              "optimizer": memory_bytes.optimizer, "activations": memory_bytes.activations,

@@ -209,6 +209,10 @@ def cli():
               help="float16: steps without overflow before the scale doubles  [default: 2000]")
 @click.option("--loss-scale-backoff", type=float, default=None,
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
+@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+              callback=lambda ctx, param, value: int(value),
+              help="1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
+                   "replicas; gradients reduce-scattered, parameters all-gathered")
 def train(**kwargs):
     """Train a GPT-2 model.
 
@@ -298,9 +302,12 @@ def prepare(inputs, out, val_fraction, tokenizer):
                    "float32 reductions, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
+@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+              callback=lambda ctx, param, value: int(value),
+              help="the estimate with the optimizer state sharded over --dp (as train --zero 1)")
 @recompute_option
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
-         vocab_size, recompute):
+         vocab_size, zero, recompute):
     """Model size; with --layout/-n, the sharding plan and per-rank predictions."""
     from .config import ModelConfig
     from .data import VOCAB_SIZE
@@ -333,7 +340,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                                             recompute=recompute)
             echo(why)
         echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype, recompute=recompute,
-                    grad_accum=grad_accum))
+                    grad_accum=grad_accum, zero=zero))
 
 
 @cli.command()
@@ -353,8 +360,11 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 @device_options
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
+@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+              callback=lambda ctx, param, value: int(value),
+              help="1: the optimizer state sharded over --dp (as train --zero 1)")
 def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
-          dtype, device, tf32, recompute, as_json):
+          dtype, device, tf32, recompute, zero, as_json):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -382,7 +392,8 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
                                        recompute=recompute)
             echo(f"bench {name}: {why}")
         parts = build_parts(cfg, name, batch, _mpi["world"], dp=dp, depth=layout_depth, dtype=dtype, device=device,
-                            seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute)
+                            seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute,
+                            zero=zero)
         note = recompute_note(parts.layout, recompute)
         if note and note not in noted:
             noted.add(note)

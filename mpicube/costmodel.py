@@ -27,6 +27,14 @@ Recompute modes (``Problem.recompute``, layouts/base.py):
   and ``activation_terms`` adds the working set of one rerun block (its
   caches and dropout masks, measured as ``GPT.recompute_peak_*``), since
   backward holds that on top.
+
+``Problem.zero = 1`` (mpicube.zero, with dp > 1): the buffers are padded to
+P_pad = dp C; the dp all-reduce becomes a reduce-scatter of the padded
+gradient (master format) and an all-gather of the updated chunk (storage
+format), the gradient norm is all-reduced over the world, and AdamW keeps
+2 C moments. Under mixed precision the float32 master is the chunk only
+and is counted with the parameters (C master + P_pad working copy), as the
+master is counted there with --zero 0.
 """
 
 from __future__ import annotations
@@ -117,6 +125,7 @@ class Problem:
     seq_len: int
     dtype: str = "float32"   # storage format: float64, float32, float16 or bfloat16
     recompute: str = "none"  # none, gathers or blocks (layouts/base.py RECOMPUTE_MODES)
+    zero: int = 0            # 1: optimizer state (and a 16-bit run's master) sharded over dp (mpicube.zero)
     grad_accum: int = 1      # micro-batches per step (mpicube.accum)
 
     @property
@@ -128,6 +137,11 @@ class Problem:
     @property
     def widths(self) -> Widths:
         return Widths.of(self.dtype)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer state is sharded (--zero 1 with dp > 1)."""
+        return bool(self.zero) and self.dp > 1
 
 
 def _linears(cfg: ModelConfig):
@@ -367,15 +381,32 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
 
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:
+    """Elements per rank. Under --zero 1 the buffers are padded to P_pad (a
+    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp)."""
     params = sum(n for n, _ in local_param_sizes(p).values())
+    if p.sharded:
+        padded, chunk = zero_sizes(params, p.dp, p.zero)
+        return Memory(padded, padded, 2 * chunk, activation_elems(p, dropout))
     return Memory(params, params, 2 * params, activation_elems(p, dropout))
+
+
+def zero_sizes(params: int, dp: int, zero: int) -> tuple:
+    """(P_pad, C): the padded buffer and each replica's chunk (mpicube.zero)."""
+    from .zero import sizes
+
+    return sizes(params, dp, zero)
 
 
 def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
     """``step_memory`` in bytes: under mixed precision the parameters are a
     float32 master plus a 16-bit working copy, gradients and Adam moments
     float32, activations mostly 16-bit."""
-    w, params = p.widths, step_memory(p, dropout).params
+    w, elems = p.widths, step_memory(p, dropout)
+    if p.sharded:   # the full buffer is the 16-bit working copy, the float32 master only the chunk
+        chunk = elems.optimizer // 2
+        params = elems.params * w.act + (chunk * w.grad if w.act != w.grad else 0)
+        return Memory(params, elems.grads * w.grad, elems.optimizer * w.grad, activation_bytes(p, dropout))
+    params = elems.params
     working = params * w.act if w.act != w.grad else 0
     return Memory(params * w.grad + working, params * w.grad, 2 * params * w.grad, activation_bytes(p, dropout))
 
@@ -385,7 +416,9 @@ def step_traffic(p: Problem) -> Traffic:
     once per micro-batch (at the micro-batch's sizes), then once per step
     the gradient all-reduces over replica groups and over dp and the
     gradient norm; the reported loss once per micro-batch (each forward
-    returns its share, GPT.forward)."""
+    returns its share, GPT.forward). Under --zero 1 the dp all-reduce is a
+    reduce-scatter of the padded gradient and an all-gather of the updated
+    chunk (in the storage format), and the norm is summed over the world."""
     t = Traffic()
     t.add(TRAFFIC[p.layout](p), p.grad_accum)
     sizes = local_param_sizes(p)
@@ -396,8 +429,15 @@ def step_traffic(p: Problem) -> Traffic:
     w = p.widths
     for axis, n in group_sizes.items():
         t.allreduce(axis, _group_size(p, axis), n, width=w.grad)
-    t.allreduce("dp", p.dp, sum(n for n, _ in sizes.values()), width=w.grad)
-    t.allreduce("tp", p.tp, 1, width=w.scalar)                 # gradient norm
+    params = sum(n for n, _ in sizes.values())
+    if p.sharded:
+        padded, chunk = zero_sizes(params, p.dp, p.zero)
+        t.reduce_scatter("dp", p.dp, padded, width=w.grad)
+        t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
+        t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)   # gradient norm
+    else:
+        t.allreduce("dp", p.dp, params, width=w.grad)
+        t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
     t.allreduce("world", p.tp * p.dp, 1, times=p.grad_accum, width=w.scalar)   # reported loss, per micro-batch
     return t
 
@@ -465,7 +505,8 @@ def _fmt(n) -> str:
     return f"{n:.4g}"
 
 
-def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none", grad_accum=1):
+def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none", grad_accum=1,
+             zero=0):
     """A validated Problem, or the ConfigError's message."""
     from .errors import ConfigError
 
@@ -474,23 +515,29 @@ def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", reco
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
-                   recompute=recompute, grad_accum=grad_accum)
+                   recompute=recompute, grad_accum=grad_accum, zero=zero)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
-           depth: int = 1, dtype: str = "float32", recompute: str = "none", grad_accum: int = 1) -> str:
+           depth: int = 1, dtype: str = "float32", recompute: str = "none", grad_accum: int = 1,
+           zero: int = 0) -> str:
     """Sharding plan and per-rank predictions for one layout (with the
-    ``recompute`` mode's communication, memory and FLOPs), then the four
-    schemes side by side at the same world size, in bytes of ``dtype``'s
-    real widths (mixed precision: 16-bit activations and panels, float32
-    reductions, gradients and optimizer state)."""
-    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum)
+    ``recompute`` mode's communication, memory and FLOPs, ``grad_accum``
+    micro-batches, and with ``zero=1`` the optimizer state sharded over
+    dp), then the four schemes side by side at the same world size, in
+    bytes of ``dtype``'s real widths (mixed precision: 16-bit activations
+    and panels, float32 reductions, gradients and optimizer state)."""
+    from .zero import validate
+
+    validate(zero, dp)
+    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero)
     if isinstance(chosen, str):
         from .errors import ConfigError
 
         raise ConfigError(chosen)
     lines = [f"layout {chosen.layout}: world {world_size} = dp {dp} x tp {chosen.tp}"
-             + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else ""),
+             + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else "")
+             + (", optimizer state sharded over dp (--zero 1)" if chosen.sharded else ""),
              f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step"
              + (f", in {grad_accum} micro-batches of {batch_size // grad_accum}" if grad_accum > 1 else "")
              + f", --recompute {recompute}", "",
@@ -520,12 +567,12 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(nbytes.total())}B")
     tflops = float(step_flops(chosen)) / 1e12
     lines += ["", f"GEMM and attention FLOPs per rank per step (predicted, not measured): {tflops:.4g} T"]
-    lines += ["", compare(cfg, batch_size, world_size, dp, dtype, grad_accum)]
+    lines += ["", compare(cfg, batch_size, world_size, dp, dtype, grad_accum, zero)]
     return "\n".join(lines)
 
 
 def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dtype: str = "float32",
-            grad_accum: int = 1) -> str:
+            grad_accum: int = 1, zero: int = 0) -> str:
     """1-D, 2-D, 2.5-D and 3-D at the same world size: communication and
     memory per rank in bytes of ``dtype``, and each one's ratio to 3-D."""
     tp = world_size // dp if world_size % dp == 0 else 0
@@ -533,11 +580,12 @@ def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dty
     for name in ("1d", "2d", "2.5d", "3d"):
         depth = comparison_depth(tp) if name == "2.5d" and tp else 1
         rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth, dtype,
-                                           grad_accum=grad_accum)))
+                                           grad_accum=grad_accum, zero=zero)))
     base = next((p for n, _, p in rows if n == "3d" and not isinstance(p, str)), None)
     base_t = step_traffic(base).total_bytes() if base else None
     base_m = step_memory_bytes(base).total() if base else None
-    lines = [f"all schemes at world {world_size} (dp {dp}), {dtype}, per rank per step:",
+    lines = [f"all schemes at world {world_size} (dp {dp}{', zero 1' if zero and dp > 1 else ''}), {dtype}, "
+             "per rank per step:",
              f"  {'layout':<10} {'comm bytes':>11} {'messages':>9} {'memory':>10} {'comm/3d':>8} {'mem/3d':>7}"]
     for name, depth, p in rows:
         label = f"{name} d={depth}" if name == "2.5d" else name

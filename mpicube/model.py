@@ -290,7 +290,7 @@ class GPT:
     def _saved_buffers(self, modules=None) -> list:
         """The distinct floating-point buffers behind every module's caches
         (of ``modules``, default the whole model's)."""
-        params = (self.store.flat, self.store.flat_grad, self.store.flat_work)
+        params = self.store.buffers()
         seen = {}
 
         def visit(value):

@@ -1,14 +1,17 @@
 """AdamW on the flat parameter buffer, gradient synchronisation and
 clipping, and the learning-rate schedule.
 
-Everything works on ``ParamStore.flat``/``flat_grad``: the optimizer is a
+Everything works on ``ParamStore.master``/``flat_grad``: the optimizer is a
 handful of in-place vector operations whatever the model size, and the
-data-parallel all-reduce is one call.
+data-parallel all-reduce is one call. The step the trainer runs is an
+object (``make_step``): ``ReplicatedStep`` here, or ``zero.ShardedStep``
+for --zero 1, where each replica updates only its chunk of the buffer.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .comm import Comm
@@ -16,14 +19,20 @@ from .kernels import kernels_for
 from .params import ParamStore
 
 
+def sync_replica_groups(store: ParamStore) -> None:
+    """Sum partial gradients over each parameter's replica group inside the
+    tensor-parallel group (the first half of every step's synchronisation)."""
+    store.settle()
+    for comm, flat_slice in store.grad_groups:
+        store.flat_grad[flat_slice] = comm.allreduce(store.flat_grad[flat_slice])
+
+
 def sync_gradients(store: ParamStore, dp: Comm) -> None:
     """Sum partial gradients over each parameter's replica group inside the
     tensor-parallel group, then over data-parallel replicas (one flat
     all-reduce). The loss is already normalised by the global token count,
     so these are sums, not means."""
-    store.settle()
-    for comm, flat_slice in store.grad_groups:
-        store.flat_grad[flat_slice] = comm.allreduce(store.flat_grad[flat_slice])
+    sync_replica_groups(store)
     if dp.size > 1:
         store.flat_grad[...] = dp.allreduce(store.flat_grad)
 
@@ -82,17 +91,19 @@ class AdamW:
                  decay_all: bool = False):
         xp = store.backend.xp
         self.store = store
-        self.m = xp.zeros_like(store.flat)      # (P_local,) first moment
-        self.v = xp.zeros_like(store.flat)      # (P_local,) second moment
+        # the buffer this rank updates: the whole (P_local,), or its chunk (C,) under --zero 1
+        master = store.master
+        self.m = xp.zeros_like(master)          # (C,) first moment
+        self.v = xp.zeros_like(master)          # (C,) second moment
         self.t = 0                              # updates taken
         self.weight_decay = weight_decay
         self.beta1, self.beta2 = betas
         self.eps = eps
-        decayed = [slice(0, store.flat.size)] if decay_all else store.decay_slices
-        self.runs = self._runs(store.flat.size, decayed)
+        decayed = [slice(0, master.size)] if decay_all else store.partition.local(store.decay_slices)
+        self.runs = self._runs(master.size, decayed)
         # cache blocks on the CPU; on a GPU one block (a kernel per pass, not thousands)
-        self.block = self.BLOCK if xp.__name__ == "numpy" else max(1, store.flat.size)
-        self._work = xp.empty(min(self.block, store.flat.size), dtype=store.flat.dtype)  # scratch
+        self.block = self.BLOCK if xp.__name__ == "numpy" else max(1, master.size)
+        self._work = xp.empty(max(1, min(self.block, master.size)), dtype=master.dtype)  # scratch
 
     @staticmethod
     def _runs(size: int, decayed: list) -> list:
@@ -118,7 +129,7 @@ class AdamW:
         step = lr * sqrt_bias2 / (1.0 - b1 ** self.t)
         eps = self.eps * sqrt_bias2
         keep = 1.0 - lr * self.weight_decay
-        flat, flat_grad = self.store.flat, self.store.flat_grad
+        flat, flat_grad = self.store.master, self.store.flat_grad[self.store.shard]    # (C,) each
         kernels = kernels_for(flat, flat_grad, self.m, self.v)
         for run, decays in self.runs:
             run_keep = keep if decays else 1.0
@@ -131,6 +142,40 @@ class AdamW:
                 self._update_block(flat[block], flat_grad[block], self.m[block], self.v[block],
                                    b1, b2, step, eps, run_keep, grad_scale)
         self.store.params_changed()
+
+    # --- the whole moments, for checkpoints ------------------------------------
+    # Under --zero 1 each replica holds the moments of its chunk only. A
+    # checkpoint holds full logical tensors (format version 1, readable on
+    # any layout, world size and zero setting), so a save gathers them over
+    # dp and a load keeps this replica's chunk of full ones. That costs each
+    # rank temporaries of 2 P_pad elements (and P_pad of master weights under
+    # mixed precision, ParamStore.full_master) while it saves or loads. It is
+    # acceptable here: it happens between steps, it is never more than what
+    # --zero 0 holds all the time, and it keeps one format that every reader,
+    # layout and zero setting takes. A model too large for it would have each
+    # replica write its own chunk instead.
+
+    def full_moments(self) -> tuple:
+        """(m, v) over the rank's whole flat buffer: the moments themselves,
+        or under --zero 1 gathered over dp (collective)."""
+        store = self.store
+        if not store.partition.sharded:
+            return self.m, self.v
+        return store.dp.allgather(self.m), store.dp.allgather(self.v)     # (P_pad,) each
+
+    @contextmanager
+    def writing_moments(self):
+        """Yields (m, v) over the whole flat buffer for the caller to fill;
+        under --zero 1 temporaries of which this replica keeps its chunk."""
+        store = self.store
+        if not store.partition.sharded:
+            yield self.m, self.v
+            return
+        xp, n = store.backend.xp, store.partition.padded
+        m, v = xp.zeros(n, dtype=self.m.dtype), xp.zeros(n, dtype=self.v.dtype)   # (P_pad,) each
+        yield m, v
+        self.m[...] = m[store.shard]
+        self.v[...] = v[store.shard]
 
     def _update_block(self, p, g, m, v, b1, b2, step, eps, keep, grad_scale) -> None:
         """The NumPy/CuPy update of one cache block, pass by pass."""
@@ -150,3 +195,34 @@ class AdamW:
         xp.divide(m, w, out=w)
         w *= step
         p -= w
+
+
+class ReplicatedStep:
+    """The optimizer step of --zero 0: every data-parallel replica sums the
+    whole gradient (all-reduce) and updates the whole buffer. Built once and
+    called every step by the trainer and tests/parallel_check.py, with the
+    same calls as ``zero.ShardedStep``; ``adam`` holds the moments and the
+    step count."""
+
+    def __init__(self, store: ParamStore, axes, weight_decay: float = 0.1):
+        self.store, self.axes = store, axes
+        self.adam = AdamW(store, weight_decay=weight_decay)
+
+    def sync(self) -> None:
+        sync_gradients(self.store, self.axes.dp)
+
+    def grad_norm(self) -> float:
+        return global_grad_norm(self.store, self.axes.tp)
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        self.adam.step(lr, grad_scale)
+
+
+def make_step(store: ParamStore, axes, weight_decay: float = 0.1):
+    """The optimizer step for ``store``: sharded over dp if the store is
+    (``zero=1``), else replicated."""
+    if store.partition.sharded:
+        from .zero import ShardedStep
+
+        return ShardedStep(store, axes, weight_decay)
+    return ReplicatedStep(store, axes, weight_decay)

@@ -12,10 +12,19 @@ Under mixed precision the data and gradient buffers are the float32 master
 (what the optimizer updates and checkpoints hold) and a third buffer holds
 the 16-bit working copy the model computes with (``work``): rounded from
 the master once per optimizer step, lazily, before the next forward.
+
+Under ``--zero 1`` (mpicube.zero) the buffers are padded to a multiple of
+dp and the optimizer updates only this replica's chunk of them
+(``master``, ``shard``); the step all-gathers the chunks afterwards. With
+mixed precision the float32 master is then held as that chunk only, and
+``flat``/``data`` do not exist: code outside the step reads and writes the
+full master through ``full_master`` and ``writing_master``, which work in
+every mode.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +33,7 @@ import numpy as np
 from . import fused, precision, rng
 from .backend import Backend
 from .comm import Comm
+from .zero import Partition
 
 
 @dataclass(frozen=True)
@@ -95,7 +105,7 @@ class ParamStore:
     """Every local parameter block of a rank in one flat buffer, with the
     gradient and the views the model uses."""
 
-    def __init__(self, specs: list, backend: Backend, seed: int):
+    def __init__(self, specs: list, backend: Backend, seed: int, dp: Optional[Comm] = None, zero: int = 0):
         # Parameters that share a gradient communicator sit next to each other,
         # so each group is summed by one all-reduce on a contiguous slice.
         def group_key(spec):
@@ -106,17 +116,31 @@ class ParamStore:
         self.backend = backend
         xp, master = backend.xp, backend.master_dtype
         total = sum(s.size for s in self.specs)
-        self.flat = xp.zeros(total, dtype=master)      # (P_local,) master weights
-        self.flat_grad = xp.zeros(total, dtype=master)  # (P_local,)
-        # (P_local,) the working copy in the storage format; the master itself when they agree
-        self.flat_work = xp.zeros(total, dtype=backend.dtype) if backend.dtype != master else self.flat
+        # --zero 1: the optimizer's share of the buffer is this replica's chunk (mpicube.zero)
+        self.dp = dp if zero else None
+        self.partition = Partition(total, dp.size, dp.rank) if zero and dp is not None else Partition(total)
+        self.shard = self.partition.own                  # the slice of the buffer this rank's optimizer updates
+        padded, mixed = self.partition.padded, backend.dtype != master
+        self.flat_grad = xp.zeros(padded, dtype=master)  # (P_pad,) P_pad = P unless sharded
+        if self.partition.sharded and mixed:
+            # The float32 master exists only as this replica's chunk; the full
+            # buffer is the 16-bit working copy, all-gathered after each step.
+            self._flat = None
+            self.master = xp.zeros(self.partition.chunk, dtype=master)   # (C,) master chunk
+            self.flat_work = xp.zeros(padded, dtype=backend.dtype)       # (P_pad,) working copy
+        else:
+            self._flat = xp.zeros(padded, dtype=master)                  # (P_pad,) master weights
+            # (P_pad,) the working copy in the storage format; the master itself when they agree
+            self.flat_work = xp.zeros(padded, dtype=backend.dtype) if mixed else self._flat
+            self.master = self._flat[self.shard]                         # (C,) what the optimizer updates
         self._work_stale = False
         self.offsets = {}
-        self.data, self.grad, self.work = {}, {}, {}
+        self._data, self.grad, self.work = {}, {}, {}
         offset = 0
         for spec in self.specs:
             self.offsets[spec.name] = (offset, offset + spec.size)
-            self.data[spec.name] = self.flat[offset:offset + spec.size].reshape(spec.local_shape)
+            if self._flat is not None:
+                self._data[spec.name] = self._flat[offset:offset + spec.size].reshape(spec.local_shape)
             self.grad[spec.name] = self.flat_grad[offset:offset + spec.size].reshape(spec.local_shape)
             self.work[spec.name] = self.flat_work[offset:offset + spec.size].reshape(spec.local_shape)
             offset += spec.size
@@ -150,28 +174,101 @@ class ParamStore:
 
     def initialize(self, seed: int) -> None:
         """GPT-2 initialisation evaluated at this rank's global indices only."""
-        for spec in self.specs:
-            self.data[spec.name][...] = self.backend.asarray(init_block(spec, seed), dtype=self.flat.dtype)
-        self.params_changed()
+        with self.writing_master() as flat:
+            for spec in self.specs:
+                lo, hi = self.offsets[spec.name]
+                flat[lo:hi] = self.backend.asarray(init_block(spec, seed).reshape(-1), dtype=flat.dtype)
+
+    # --- the full master, for code outside the optimizer step -----------------
+    # ``data`` and ``flat`` are the float32 master of every local block, full.
+    # Under --zero 1 with mixed precision no full master exists (each replica
+    # keeps its chunk, ``master``); readers and writers outside the step then
+    # go through full_master / writing_master, which work in every mode.
+
+    @property
+    def flat(self):
+        """(P_pad,) the full master buffer (not held under a sharded master)."""
+        if self._flat is None:
+            raise RuntimeError("the master weights are sharded over dp (--zero 1 with 16-bit storage): use "
+                               "ParamStore.full_master() to read them, writing_master() to write them")
+        return self._flat
+
+    @property
+    def data(self) -> dict:
+        """{name: local block of the full master} (views of ``flat``)."""
+        self.flat                                           # noqa: B018 (the clear error when sharded)
+        return self._data
+
+    def views(self, flat) -> dict:
+        """{name: local block} of a full buffer laid out like ``flat``
+        (e.g. what ``full_master`` returns)."""
+        return {spec.name: flat[lo:hi].reshape(spec.local_shape)
+                for spec in self.specs for lo, hi in [self.offsets[spec.name]]}
+
+    def full_master(self):
+        """(P_pad,) the full float32 master for a reader (a checkpoint save):
+        the live buffer, or under a sharded master a temporary all-gathered
+        over dp (P_pad float32 on each rank while the caller holds it).
+        Collective under --zero 1: every rank of the dp group calls it."""
+        if self._flat is not None:
+            self.refresh_work()                             # --zero 1 at full width: gather chunks first
+            return self._flat
+        return self.dp.allgather(self.master)
+
+    @contextmanager
+    def writing_master(self):
+        """Yields a (P_pad,) full master for the caller to fill completely
+        (initialisation, loading a model or checkpoint); afterwards the
+        working copy is rounded from it afresh. Under a sharded master the
+        buffer is a temporary of which this replica keeps its chunk, and the
+        working copy is rounded from the full values directly: every replica
+        wrote the same values, so nothing is gathered."""
+        if self._flat is not None:
+            yield self._flat
+            self._work_stale = self.mixed                   # every replica wrote every chunk
+            return
+        full = self.backend.xp.zeros(self.partition.padded, dtype=self.master.dtype)   # (P_pad,) temporary
+        yield full
+        self.master[...] = full[self.shard]
+        self.flat_work[...] = full
+        self._work_stale = False
+
+    def buffers(self) -> list:
+        """Every parameter and gradient buffer this rank holds (distinct arrays)."""
+        out = []
+        for a in (self._flat if self._flat is not None else self.master, self.flat_grad, self.flat_work):
+            if not any(a is b for b in out):
+                out.append(a)
+        return out
 
     # --- the working copy ---------------------------------------------------
     @property
     def mixed(self) -> bool:
         """Whether the model computes with a 16-bit copy of the master weights."""
-        return self.flat_work is not self.flat
+        return self.flat_work is not self._flat
 
     def params_changed(self) -> None:
         """Say that the master weights were written (optimizer step, load,
         initialisation): the working copy is rounded afresh before the next
-        forward. Code that writes ``data`` or ``flat`` directly calls it too."""
-        self._work_stale = self.mixed
+        forward, and under --zero 1 the other replicas' chunks are gathered.
+        Code that writes ``data`` or ``flat`` directly calls it too."""
+        self._work_stale = self.mixed or self.partition.sharded
 
     def refresh_work(self) -> None:
-        """Round the master weights into the working copy if they changed
-        since the last time (one pass over the buffer per optimizer step)."""
-        if self._work_stale:
-            self.flat_work[...] = self.flat
-            self._work_stale = False
+        """Bring the full parameters the model reads up to date if the master
+        changed since the last time: round it into the working copy (one
+        pass per optimizer step), and under --zero 1 all-gather the chunks
+        over dp (collective: the zero step calls it on every rank)."""
+        if not self._work_stale:
+            return
+        if self.partition.sharded:
+            own = self.flat_work[self.shard]                # (C,)
+            if self.mixed:
+                own[...] = self.master                      # rounded to the storage format
+            self.flat_work[...] = self.dp.allgather(own)    # (P_pad,)
+        else:
+            self.flat_work[...] = self._flat
+        self._work_stale = False
 
     # --- gradients that skip zero_grad --------------------------------------
     # The linears' weight gradients are nearly the whole buffer. Clearing them

@@ -14,6 +14,7 @@ from .config import ModelConfig
 from .grid import build_layout, plan
 from .model import GPT, gpt_params
 from .params import ParamStore
+from .zero import validate as validate_zero
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Parts:
 
 
 def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
-                seed=0, dropout=0.0, tf32=False, grad_accum=1, recompute="none") -> Parts:
+                seed=0, dropout=0.0, tf32=False, grad_accum=1, recompute="none", zero=0) -> Parts:
     """Backend, layout, parameters, model. Every size is validated first
     (``plan`` is pure), before device selection makes its first collective;
     then every thread pool of the rank gets its share of the node's cores,
@@ -63,7 +64,7 @@ def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="f
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
                           counters=counters, grad_accum=grad_accum, recompute=recompute)
-    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
+    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 

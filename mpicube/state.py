@@ -4,17 +4,22 @@ reading exactly its blocks back from a checkpoint saved on any layout."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 from . import checkpoint
 from .checkpoint import CheckpointError
 
 
 def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
-    """Checkpoint blocks of every parameter and AdamW moment held here."""
+    """Checkpoint blocks of every parameter and AdamW moment held here.
+    Under --zero 1 the master weights (mixed precision) and the moments are
+    gathered over dp first (collective: every rank calls this), so the blocks
+    are whole local tensors as with --zero 0."""
     blocks = []
-    buffers = [("model", store.flat)]
+    buffers = [("model", store.full_master())]
     if with_optimizer:
-        buffers += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
+        m, v = opt.full_moments()
+        buffers += [("optimizer/m", m), ("optimizer/v", v)]
     for spec in store.specs:
         lo, hi = store.offsets[spec.name]
         for prefix, flat in buffers:
@@ -57,16 +62,27 @@ def _load_state(ck, store, opt=None) -> None:
                 raise CheckpointError(
                     f"{ck.path}: tensor {name!r} has shape {have} but this model needs {want} "
                     f"(checkpoint model {_describe_cfg(ck.attrs.get('config'))})")
-    backend, master = store.backend, store.flat.dtype      # the master weights, float32 under 16-bit storage
-    for spec in store.specs:
-        lo, hi = store.offsets[spec.name]
-        targets = [("model", store.flat)]
-        if opt is not None:
-            targets += [("optimizer/m", opt.m), ("optimizer/v", opt.v)]
-        for prefix, flat in targets:
-            block = ck.read(f"{prefix}/{spec.name}", index=spec.index, dtype=master)
-            flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)
-    store.params_changed()
+    backend = store.backend
+    with store.writing_master() as flat, _moments(opt) as (m, v):    # under --zero 1, each keeps its chunk
+        master = flat.dtype                                 # float32 under 16-bit storage
+        for spec in store.specs:
+            lo, hi = store.offsets[spec.name]
+            targets = [("model", flat)]
+            if opt is not None:
+                targets += [("optimizer/m", m), ("optimizer/v", v)]
+            for prefix, buf in targets:
+                block = ck.read(f"{prefix}/{spec.name}", index=spec.index, dtype=master)
+                buf[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)
+
+
+@contextmanager
+def _moments(opt):
+    """``opt.writing_moments()``, or (None, None) without an optimizer."""
+    if opt is None:
+        yield None, None
+    else:
+        with opt.writing_moments() as mv:
+            yield mv
 
 
 def model_shapes(config: dict) -> dict:

@@ -4,7 +4,7 @@ One step, on every rank (s is 1-based)::
 
     x, y = loader.batch(s - 1)                # (B, T) global batch, same on every rank
     loss = forward_backward(parts, x, y, s)   # this replica's rows, in --grad-accum micro-batches
-    sync_gradients(store, dp); norm = global_grad_norm(store, tp)
+    opt.sync(); norm = opt.grad_norm()       # opt: optim.make_step (--zero 1: zero.ShardedStep)
     opt.step(schedule(s), clip_scale(norm))
 
 Everything a run needs to continue is (parameters, AdamW moments and t, the
@@ -47,10 +47,11 @@ from .errors import ConfigError, UserError
 from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
 from .accum import forward_backward
 from .grid import default_batch, plan, validate_model
-from .optim import AdamW, Schedule, global_grad_norm, sync_gradients
+from .optim import Schedule, make_step
 from .parts import Parts, build_parts, recompute_note  # noqa: F401 (build_parts re-exported for tools and tests)
 from .console import Console
 from .loss_scale import scaler_for
+from .zero import validate as validate_zero
 from .state import attr_dict, describe_layout, load_state, state_blocks
 
 EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
@@ -119,6 +120,7 @@ class TrainOptions:
     force_unlock: bool = False     # take the run directory's lock from a job on another host
     stop_after: Optional[int] = None
     time_limit: Optional[float] = None
+    zero: int = 0                  # 1: AdamW state (and 16-bit runs' master weights) sharded over dp
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,6 +155,7 @@ class TrainOptions:
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
+        validate_zero(self.zero, self.dp)
         validate_model(self.model_config())
 
     def loss_scaler(self):
@@ -238,11 +241,12 @@ class Trainer:
             plan(o.layout, replace(self.cfg, n_ctx=o.seq_len), o.batch_size, self.world.Get_size(), o.dp, o.depth,
                  o.grad_accum, o.recompute)
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
-                                 o.seed, o.dropout, o.tf32, grad_accum=o.grad_accum, recompute=o.recompute)
+                                 o.seed, o.dropout, o.tf32, grad_accum=o.grad_accum, recompute=o.recompute,
+                                 zero=o.zero)
         note = recompute_note(self.parts.layout, o.recompute)
         if note:
             self.notes.append(note)
-        self.opt = AdamW(self.parts.store, weight_decay=o.weight_decay)
+        self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay)
         self.scaler = o.loss_scaler()                  # float16 only
         self.schedule = Schedule(o.lr, o.warmup, o.steps)
         self.start_step = self._restore() + 1
@@ -373,8 +377,8 @@ class Trainer:
                 self.notes.append(f"initialized parameters from {model_file.describe()}")
                 return 0
             ck = model_file.ck
-            load_state(ck, self.parts.store, self.opt, comm=self.world)
-            self.opt.t = int(ck.attrs.get("adam_t", ck.step))
+            load_state(ck, self.parts.store, self.opt.adam, comm=self.world)
+            self.opt.adam.t = int(ck.attrs.get("adam_t", ck.step))
             if self.scaler is not None and "loss_scale" in ck.attrs:
                 self.scaler.restore(ck.attrs["loss_scale"])     # scale and counters: resume stays exact
             position = attr_dict(ck.attrs.get("data"))
@@ -498,9 +502,9 @@ class Trainer:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             p.store.zero_grad()
             loss = forward_backward(p, x, y, s, loss_scale)     # N micro-batches, gradients added up
-            sync_gradients(p.store, p.layout.axes.dp)
+            self.opt.sync()
             self._inject_overflow(s)
-            norm = global_grad_norm(p.store, p.layout.axes.tp) / loss_scale
+            norm = self.opt.grad_norm() / loss_scale
             # 2: the loss is not finite (diverged); 1: only the gradient is (an
             # overflow: skip the step when loss scaling, else diverged). Agreed
             # by every rank, so all skip or stop together.
@@ -538,7 +542,8 @@ class Trainer:
         """The OVERFLOW_HOOK test hook: an inf in the last rank's gradient at one step."""
         hook = os.environ.get(OVERFLOW_HOOK)
         if hook is not None and int(hook) == s and self.rank == self.world.Get_size() - 1:
-            self.parts.store.flat_grad[0] = math.inf
+            store = self.parts.store
+            store.flat_grad[store.shard.start] = math.inf        # in the part this rank's norm reads
 
     def _diverged_message(self, s, loss, norm) -> str:
         what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
@@ -560,14 +565,14 @@ class Trainer:
             "config": json.dumps(self.cfg.to_dict()),
             "train": json.dumps(o.to_dict()),
             "layout": json.dumps(p.layout.describe()),
-            "adam_t": int(self.opt.t),
+            "adam_t": int(self.opt.adam.t),
             **({"loss_scale": self.scaler.to_json()} if self.scaler is not None else {}),
             "data": json.dumps({"step": s, "path": self.train_path, "val": self.val_path,
                                 "builtin": self.data_plan.builtin, "batch_size": o.batch_size,
                                 "seq_len": o.seq_len, "seed": o.seed}),
             "mpicube_version": __version__,
         }
-        blocks = state_blocks(p.store, self.opt, p.layout.axes.dp.rank)
+        blocks = state_blocks(p.store, self.opt.adam, p.layout.axes.dp.rank)
         self._signal_in_save(s)
         path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None,
                                owner=self.owner)

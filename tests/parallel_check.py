@@ -29,6 +29,12 @@ Environment:
                               reference the whole batch at once; memory is
                               checked after every micro-batch's forward
                               (with both, they combine)
+  MPICUBE_CHECK_ZERO=1        the layout under test shards its optimizer state
+                              over dp (--zero 1; the serial model stays zero
+                              0): gradients are compared on the chunk each
+                              rank owns after the reduce-scatter, parameters
+                              after the all-gather, and the memory check
+                              measures the sharded moments and master
 
 Tolerance in 16 bits. Both models round the same float32 results to 16 bits
 at the same points; they differ only where float32 reassociation (sums in a
@@ -59,7 +65,7 @@ from mpicube.costmodel import Problem, kept_and_rerun_terms, step_memory, step_m
 from mpicube.grid import build_layout
 from mpicube.accum import forward_backward
 from mpicube.model import GPT, gpt_params
-from mpicube.optim import AdamW, global_grad_norm, sync_gradients
+from mpicube.optim import make_step
 from mpicube.params import ParamStore, clipped_index, real_mask
 from mpicube.parts import Parts
 from mpicube.precision import is_half, unit_roundoff, dtype_of
@@ -67,6 +73,7 @@ from mpicube.precision import is_half, unit_roundoff, dtype_of
 DEVICE = os.environ.get("MPICUBE_CHECK_DEVICE", "cpu")
 DTYPE = os.environ.get("MPICUBE_CHECK_DTYPE", "float64")
 RECOMPUTE = os.environ.get("MPICUBE_CHECK_RECOMPUTE", "none")
+ZERO = int(os.environ.get("MPICUBE_CHECK_ZERO", "0"))
 HALF = is_half(dtype_of(DTYPE))
 RTOL = 8 * unit_roundoff(dtype_of(DTYPE)) if HALF else 1e-10
 WORST = [0.0]          # the largest relative difference seen, for the report line
@@ -77,12 +84,13 @@ ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
 LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
 
 
-def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu", grad_accum=1, recompute="none"):
+def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu", grad_accum=1, recompute="none",
+          zero=0):
     backend = make_backend(device, DTYPE)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch, backend, comm, dp=dp, depth=depth, counters=counters,
                           grad_accum=grad_accum, recompute=recompute)
-    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
+    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
@@ -99,7 +107,7 @@ def close(name, got, want, scale=None):
 def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
     """Measured elements, bytes and messages per axis == the analytic model."""
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM)
+                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO)
     want = step_traffic(problem)
     axes = set(want.elems) | set(counters.elems)
     for axis in axes:
@@ -111,26 +119,40 @@ def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
                                  f"{model[2]}")
 
 
-def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept):
-    """Parameters and saved activations == the analytic memory model, in
-    elements and in bytes. ``kept`` is (elements, bytes) measured right
-    after forward; under --recompute blocks the rerun block's caches
-    (measured in backward) come on top, and what forward kept alone is
-    checked too."""
+def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, adam):
+    """Parameters (master and working copy), gradients, AdamW moments and
+    saved activations == the analytic memory model, in elements and in
+    bytes (under --zero 1 the padded buffers and the sharded moments and
+    master). ``kept`` is (elements, bytes) measured right after forward;
+    under --recompute blocks the rerun block's caches (measured in
+    backward) come on top, and what forward kept alone is checked too."""
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM)
+                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO)
     want, want_bytes = step_memory(problem, dropout > 0), step_memory_bytes(problem, dropout > 0)
     want_kept = sum(kept_and_rerun_terms(problem, dropout > 0)[0].values())
     if kept[0] != want_kept:
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: forward keeps {kept[0]} elements, model predicts "
                              f"{want_kept}")
-    param_bytes = store.flat.nbytes + (store.flat_work.nbytes if store.mixed else 0)
-    got = (store.flat.size, kept[0] + model.recompute_peak_elements, param_bytes,
-           kept[1] + model.recompute_peak_bytes)
-    predicted = (want.params, want.activations, want_bytes.params, want_bytes.activations)
+    params = [b for b in store.buffers() if b is not store.flat_grad]     # master (or its chunk), working copy
+    got = (store.flat_work.size, store.flat_grad.size, adam.m.size + adam.v.size,
+           kept[0] + model.recompute_peak_elements, sum(b.nbytes for b in params), store.flat_grad.nbytes,
+           adam.m.nbytes + adam.v.nbytes, kept[1] + model.recompute_peak_bytes)
+    predicted = (want.params, want.grads, want.optimizer, want.activations,
+                 want_bytes.params, want_bytes.grads, want_bytes.optimizer, want_bytes.activations)
     if got != predicted:
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: measured (params, activations, their bytes) {got}, "
-                             f"model predicts {predicted}")
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: measured (params, grads, optimizer, activations, "
+                             f"then their bytes) {got}, model predicts {predicted}")
+
+
+def owned(store, spec) -> np.ndarray:
+    """Boolean (local shape) mask: the entries of ``spec``'s block inside the
+    chunk of the buffer this rank's optimizer owns (all of it unless --zero 1),
+    where the gradient is synchronised."""
+    lo, hi = store.offsets[spec.name]
+    own = store.shard
+    mask = np.zeros(spec.size, dtype=bool)
+    mask[max(lo, own.start) - lo:max(lo, min(hi, own.stop)) - lo] = True
+    return mask.reshape(spec.local_shape)
 
 
 def main():
@@ -146,12 +168,14 @@ def main():
     steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T))) for _ in range(3)]
 
     parts = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout, device=DEVICE, grad_accum=ACCUM,
-                  recompute=RECOMPUTE)
+                  recompute=RECOMPUTE, zero=ZERO)
     layout, store, model, counters = parts.layout, parts.store, parts.model, parts.counters
     host = layout.backend.to_host
     serial = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
     s_layout, s_store, s_model = serial.layout, serial.store, serial.model
-    opt, s_opt = AdamW(store, weight_decay=0.1), AdamW(s_store, weight_decay=0.1)
+    # the optimizer step the trainer runs (zero.ShardedStep under MPICUBE_CHECK_ZERO=1)
+    opt, s_opt = make_step(store, layout.axes, weight_decay=0.1), make_step(s_store, s_layout.axes, weight_decay=0.1)
+    assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
 
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):
@@ -176,32 +200,35 @@ def main():
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
         s_model.backward(loss_scale=LOSS_SCALE)
         assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-        check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept[0])
-        sync_gradients(store, layout.axes.dp)
-        norm = global_grad_norm(store, layout.axes.tp) / LOSS_SCALE
-        s_norm = global_grad_norm(s_store, s_layout.axes.tp) / LOSS_SCALE
+        check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept[0], opt.adam)
+        opt.sync()
+        s_opt.sync()
+        norm = opt.grad_norm() / LOSS_SCALE
+        s_norm = s_opt.grad_norm() / LOSS_SCALE
         close(f"step {step} grad norm", np.array([norm]), np.array([s_norm]))
         for spec in store.specs if step == 1 or not HALF else []:
             full = s_store.grad[spec.name]
             want = full[np.ix_(*clipped_index(spec))]
-            mask = real_mask(spec)
+            mask, mine = real_mask(spec), owned(store, spec)
             got = host(store.grad[spec.name])
-            close(f"step {step} grad {spec.name}", np.where(mask, got, 0), np.where(mask, want, 0), np.abs(full).max())
+            close(f"step {step} grad {spec.name}", np.where(mask & mine, got, 0), np.where(mask & mine, want, 0),
+                  np.abs(full).max())
             if not mask.all():
-                assert np.all(got[~mask] == 0), f"padding gradient of {spec.name} is not zero"
-        check_traffic(layout_name, cfg, layout, batch, dp, depth, counters)
+                assert np.all(got[~mask & mine] == 0), f"padding gradient of {spec.name} is not zero"
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / LOSS_SCALE)
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
+        check_traffic(layout_name, cfg, layout, batch, dp, depth, counters)   # the step's all-gather (zero 1) too
+    params = store.views(store.full_master())           # (collective under a sharded master)
     for spec in store.specs if not HALF else []:
         full = s_store.data[spec.name]
         mask = real_mask(spec)
-        close(f"param {spec.name} after 3 steps", np.where(mask, host(store.data[spec.name]), 0),
+        close(f"param {spec.name} after 3 steps", np.where(mask, host(params[spec.name]), 0),
               np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
-              f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} loss={s_loss:.12f} worst={WORST[0]:.2e} "
-              f"(rtol {RTOL:.1e})")
+              f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} loss={s_loss:.12f} "
+              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})")
 
 
 if __name__ == "__main__":

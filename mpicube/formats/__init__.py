@@ -108,9 +108,10 @@ def load_params(model: ModelFile, store) -> None:
 
     check_shapes(model.path, {n: model.shape(n) for n in model.names()},
                  {spec.name: tuple(spec.decl.shape) for spec in store.specs}, what="parameter")
-    backend, master = store.backend, store.flat.dtype     # master weights: float32 under 16-bit storage
-    for spec in store.specs:
-        lo, hi = store.offsets[spec.name]
-        block = model.read(spec.name, index=spec.index, dtype=master)
-        store.flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)
-    store.params_changed()                                  # the 16-bit working copy is rounded afresh
+    backend = store.backend
+    with store.writing_master() as flat:        # rounds the 16-bit working copy afresh; --zero 1 keeps a chunk
+        master = flat.dtype                     # master weights: float32 under 16-bit storage
+        for spec in store.specs:
+            lo, hi = store.offsets[spec.name]
+            block = model.read(spec.name, index=spec.index, dtype=master)
+            flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)
