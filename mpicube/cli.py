@@ -306,9 +306,12 @@ def prepare(inputs, out, val_fraction, tokenizer):
               callback=lambda ctx, param, value: int(value),
               help="the estimate with the optimizer state sharded over --dp (as train --zero 1)")
 @recompute_option
+@click.option("--json", "as_json", is_flag=True,
+              help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
-         vocab_size, zero, recompute):
-    """Model size; with --layout/-n, the sharding plan and per-rank predictions."""
+         vocab_size, zero, recompute, as_json):
+    """Model size; with --layout/-n, the sharding plan, per-rank predictions
+    and every memory option (--recompute, --zero) with what it costs."""
     from .config import ModelConfig
     from .data import VOCAB_SIZE
     from .grid import validate_model
@@ -331,7 +334,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
          + (f" (float32 master + {dtype} working copy)" if working else "")
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
-        from .costmodel import report
+        from .costreport import memory_options, report, summary
         from .grid import default_batch
 
         echo()
@@ -339,8 +342,15 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
             batch_size, why = default_batch(layout or "auto", cfg, world_size or 1, dp, depth, grad_accum,
                                             recompute=recompute)
             echo(why)
-        echo(report(layout or "auto", cfg, batch_size, world_size or 1, dp, depth, dtype=dtype, recompute=recompute,
-                    grad_accum=grad_accum, zero=zero))
+        args = (layout or "auto", cfg, batch_size, world_size or 1, dp, depth)
+        options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
+        echo(report(*args, **options))
+        echo()
+        echo(memory_options(cfg, batch_size, world_size or 1, dp, dtype, grad_accum))
+        if as_json:
+            echo(json.dumps(summary(*args, **options)))
+    elif as_json:
+        raise UserError("info --json describes a layout: give --layout and/or -n")
 
 
 @cli.command()

@@ -11,8 +11,8 @@ from conftest import PYTHON, TINY
 from mpirun import job_env, mpiexec
 
 from mpicube.config import ModelConfig
-from mpicube.costmodel import (Problem, _problem, kept_and_rerun_terms, step_flops, step_memory_bytes,
-                               step_traffic)
+from mpicube.costmodel import Problem, kept_and_rerun_terms, step_flops, step_memory_bytes, step_traffic
+from mpicube.costreport import _problem
 from mpicube.errors import ConfigError
 from mpicube.grid import plan
 from mpicube.layouts.base import RECOMPUTE_MODES

@@ -204,7 +204,8 @@ def test_info_knows_zero(tmp_path):
     from test_formats import run_cases
 
     from mpicube.config import ModelConfig
-    from mpicube.costmodel import Problem, _fmt, step_memory
+    from mpicube.costmodel import Problem, step_memory
+    from mpicube.costreport import _fmt
 
     args = ["info", "-n", "8", "--dp", "4", "--layout", "1d", "--n-embd", "64", "--n-head", "4"]
     bad, plain, zero = run_cases(tmp_path, [["info", "-n", "4", "--zero", "1"], args, args + ["--zero", "1"]])

@@ -34,7 +34,7 @@ for path in (str(HERE), str(HERE.parent)):
         sys.path.insert(0, path)
 
 from mpicube.config import ModelConfig  # noqa: E402
-from mpicube.costmodel import comparison_depth  # noqa: E402
+from mpicube.costreport import comparison_depth  # noqa: E402
 
 import perfmodel as pm  # noqa: E402
 
