@@ -276,8 +276,8 @@ def prepare(inputs, out, val_fraction, tokenizer):
 @click.option("--depth", type=int, default=1, show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True, help="global sequences per step")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
-              help="format of the estimate: float16/bfloat16 count 16-bit activations and panels, "
-                   "float32 reductions, master weights, gradients and AdamW moments")
+              help="format of the estimate: float16/bfloat16 count 16-bit activations, panels and their "
+                   "sums, float32 statistics, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, dtype, vocab_size):

@@ -11,32 +11,38 @@ the arithmetic happens at the receiver, in float32:
 * all-reduce = the same over the flattened array (zero-padded to a multiple
   of g), then an all-gather of the sums rounded to 16 bits, so every rank
   holds the identical result;
-* reduce onto a root = gather of the 16-bit partials, float32 sum at the
-  root in rank order.
+* reduce onto a root = the same all-to-all and float32 sums, then a gather
+  of the 16-bit-rounded sums onto the root (Rabenseifner's reduce). Not a
+  gather of the g partials with the sum at the root: the root's link would
+  carry (g-1) partials per call, more bytes than the float32 reduce it
+  replaces once g > 2 (the counting below prices a collective by its
+  busiest link, as for broadcast); this way every link carries
+  2 (g-1)/g of the data at 2 bytes, less than float32's 4 for any g.
 
 Every partial is rounded to the wire format once (the caller's own block
 too, so the result does not depend on which rank owns it), and every sum
 runs in the same order on every rank and in every run: the results are
-deterministic and bitwise reproducible. A reduce-scatter or a reduce
-returns the float32 sum (rounded to the input's format if that is 16-bit);
-an all-reduce returns the 16-bit-rounded sums, in the input's format.
+deterministic and bitwise reproducible. A reduce-scatter returns the
+float32 sums (rounded to the input's format if that is 16-bit); an
+all-reduce and a reduce return the 16-bit-rounded sums, in the input's
+format (so a weight-gradient block summed by SUMMA's reduce is rounded to
+16 bits once before it is added to the float32 gradient; the 3-D layout's
+weight-gradient reduce-scatter keeps the float32 sum).
 
 Counting, per rank, as the data travel (same conventions as ``comm``):
 
-=================  ==============================  ===========
+=================  ==============================  ============================
 collective         elements moved                  messages
-=================  ==============================  ===========
-reduce-scatter     (g-1)/g * input size            g-1   (the all-to-all: g-1 blocks out)
-all-reduce         2 (g-1) * ceil(n/g)             2 (g-1)  (all-to-all + all-gather)
-reduce, root       (g-1) * size                    g-1   (g-1 partials in)
-reduce, non-root   size                            1     (its partial out)
-=================  ==============================  ===========
+=================  ==============================  ============================
+reduce-scatter     (g-1)/g * input size            g-1 (all-to-all)
+all-reduce         2 (g-1) * ceil(n/g)             2 (g-1) (all-to-all + all-gather)
+reduce             2 (g-1) * ceil(n/g)             2 (g-1) (all-to-all + gather)
+=================  ==============================  ============================
 
-For a reduce-scatter and an all-reduce of a multiple of g elements these are
-exactly the ring figures of a float32 reduction, at 2 bytes per element.
-A reduce is not symmetric: over a SUMMA loop in which every rank is root
-once, each rank moves 2 (g-1)/g * size per call on average (the cost model
-counts it that way, ``Traffic.gather_reduce``).
+at 2 bytes each, the same on every rank. For a multiple of g elements the
+first two are exactly the ring figures of a float32 reduction; a reduce
+moves 2 (g-1)/g n elements where the float32 reduce is counted n, in twice
+the messages.
 """
 
 from __future__ import annotations
@@ -108,10 +114,11 @@ def ireduce_scatter(comm, x, axis, wire, pending_cls):
     return pending_cls(finish, comm, send)
 
 
-def allreduce(comm, x, wire):
-    """Sum of x over the group; every rank gets the same 16-bit-rounded sums."""
+def _chunk_sums(comm, x, wire):
+    """The first half of an all-reduce or reduce: x flattened, zero-padded to
+    g chunks, all-to-all, and this rank's chunk summed in float32 and
+    rounded to the wire. Returns (that chunk as words, chunk length)."""
     g, xp = comm.size, comm.backend.xp
-    t0 = comm._start()
     n = x.size
     chunk = -(-n // g)                                      # elements per rank's share
     flat = x.reshape(-1)                                    # (n,)
@@ -119,27 +126,34 @@ def allreduce(comm, x, wire):
         flat = xp.concatenate([flat, xp.zeros(chunk * g - n, dtype=x.dtype)])   # (g*chunk,)
     _, send, recv = _alltoall_start(comm, flat, 0, wire)
     comm._done(send)
-    mine = _words(comm, _summed(comm, recv, wire), wire)    # (chunk,) this rank's share, rounded
+    return _words(comm, _summed(comm, recv, wire), wire), chunk   # (chunk,) uint16
+
+
+def _assembled(comm, gathered, x, wire):
+    """The (g, chunk) gathered sums as an array shaped and typed like x."""
+    out = comm._from_mpi(gathered).view(wire).reshape(-1)[:x.size]   # (n,)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def allreduce(comm, x, wire):
+    """Sum of x over the group; every rank gets the same 16-bit-rounded sums."""
+    t0 = comm._start()
+    g = comm.size
+    mine, chunk = _chunk_sums(comm, x, wire)
     gathered = comm._empty((g, chunk), mine.dtype)
     comm.mpi.Allgather(mine, gathered)
     comm._count(2 * (g - 1) * chunk, 2 * (g - 1), t0, 2)
     comm._done(mine)
-    out = comm._from_mpi(gathered).view(wire).reshape(-1)[:n]   # (n,)
-    return out.reshape(x.shape).astype(x.dtype)
+    return _assembled(comm, gathered, x, wire)
 
 
 def reduce(comm, x, root, wire):
-    """Sum onto ``root`` (float32, rank order); None elsewhere."""
+    """Sum onto ``root`` (the 16-bit-rounded sums, in x's format); None elsewhere."""
     t0 = comm._start()
-    send = _words(comm, x, wire)
     g = comm.size
-    if comm.rank != root:
-        comm.mpi.Gather(send, None, root=root)
-        comm._count(send.size, 1, t0, 2)
-        comm._done(send)
-        return None
-    recv = comm._empty((g,) + tuple(x.shape), send.dtype)
-    comm.mpi.Gather(send, recv, root=root)
-    comm._count((g - 1) * send.size, g - 1, t0, 2)
-    comm._done(send)
-    return precision.narrow(_summed(comm, recv, wire), x.dtype)
+    mine, chunk = _chunk_sums(comm, x, wire)
+    gathered = comm._empty((g, chunk), mine.dtype) if comm.rank == root else None
+    comm.mpi.Gather(mine, gathered, root=root)
+    comm._count(2 * (g - 1) * chunk, 2 * (g - 1), t0, 2)
+    comm._done(mine)
+    return _assembled(comm, gathered, x, wire) if comm.rank == root else None

@@ -84,15 +84,13 @@ class Traffic:
             self.allreduce(axis, g, n, times, width)
 
     def reduce_onto(self, axis, g, n, times=1, width=4):
-        """``times`` reduces of n elements whose roots take turns (each rank
-        root times/g times). In 16 bits a gather (``comm_wire``): the root
-        takes g-1 partials in g-1 messages, the others send one, so a rank
-        averages 2 (g-1)/g n elements and 2 (g-1)/g messages per call."""
-        if width != 2:
+        """A reduce of n elements onto a root that travels in ``width``
+        bytes: MPI's (n, g-1) in a wide format, or in 16 bits
+        ``comm_wire``'s all-to-all + gather of ceil(n/g) elements each."""
+        if width == 2:
+            self._add(axis, g, 2 * (g - 1) * -(-n // g), 2 * (g - 1), times, width)
+        else:
             self.reduce(axis, g, n, times, width)
-            return
-        assert times % g == 0, "roots must take turns"
-        self._add(axis, g, 2 * (g - 1) * n, 2 * (g - 1), times // g, width)
 
     def bcast(self, axis, g, n, times=1, width=4):
         self._add(axis, g, n, g - 1, times, width)
