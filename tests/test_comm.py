@@ -1,4 +1,4 @@
-"""Adjoint identities and counting of the collectives (real mpiexec)."""
+"""Adjoint identities and counting of the collectives, and the 16-bit wire sums (real mpiexec)."""
 
 import pytest
 
@@ -38,3 +38,18 @@ def test_16bit_wire_sums_on_the_gpu_stand_in(cuda_aware):
     proc = mpiexec(3, ["-m", "mpi4py", "tests/comm_wire_check.py", "gpu"], timeout=90, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK comm wire on 3 ranks device=gpu" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks,layout", [(2, "1d"), (4, "2d")])
+def test_16bit_wire_staging_buffers_are_reused_across_steps(ranks, layout):
+    """Whole float16 steps on the stand-in, staged: the wire sums' pinned
+    buffers (all-to-all, all-gather, gather) come back to the pool, so
+    nothing new is pinned after the second step."""
+    import json
+
+    proc = mpiexec(ranks, ["tests/gpu_staging_check.py", layout, "float16"], timeout=90, env=FAKE_GPU)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = json.loads(proc.stdout.strip().splitlines()[-1])["pinned_allocations_after_step"]
+    assert after[0] > 0, after
+    assert after[1] == after[3], after
