@@ -24,13 +24,14 @@ them). A sum names its *wire format* at the call site (``wire=``): the
 layouts pass the activation format for sums of activations, activation
 gradients and weight-gradient partials, so under mixed precision those
 travel as 16-bit words and are added in float32 at the receiver
-(``mpicube.comm_wire``: all-to-all, gather). Without a 16-bit ``wire`` a
-reduction is MPI's own SUM/MAX in the compute format (16-bit arrays are
-upcast to float32 and the result rounded back), as for the small float32
-statistics (LayerNorm, cross-entropy, the gradient norm and the loss); in
-float32 and float64 runs ``wire`` equals the data's format and every call
-is the plain MPI reduction. (A user-defined 16-bit MPI operation would run
-a Python callback per message and round every partial sum to 16 bits.)
+(``mpicube.comm_wire``: all-to-all, then a gather of the sums). Without a
+16-bit ``wire`` a reduction is MPI's own SUM/MAX in the compute format
+(16-bit arrays are upcast to float32 and the result rounded back), as for
+the small float32 statistics (LayerNorm, cross-entropy, the gradient norm
+and the loss) and the gradient sums of replicated parameters; in float32
+and float64 runs ``wire`` equals the data's format and every call is the
+plain MPI reduction. (A user-defined 16-bit MPI operation would run a
+Python callback per message and round every partial sum to 16 bits.)
 
 On a GPU every call first waits for the device's queued work (MPI must not
 read a buffer a kernel is still writing, nor hand out memory a kernel still
@@ -310,8 +311,8 @@ class Comm:
     def reduce(self, x, root: int, wire=None):
         """Sum onto ``root``; returns the sum there (in ``x``'s format, summed
         in float32 if that is 16-bit) and None elsewhere. A 16-bit ``wire``
-        gathers the partials in that format and adds them in float32 at the
-        root (``comm_wire.reduce``)."""
+        sends the data in that format, sums in float32 where they arrive and
+        gathers the sums, rounded to it, onto the root (``comm_wire.reduce``)."""
         if self.size == 1:
             return x
         if _on_wire(wire):

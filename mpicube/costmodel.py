@@ -74,6 +74,7 @@ class Traffic:
     def reduce_scatter(self, axis, g, n_in, times=1, width=4):
         self._add(axis, g, Fraction(g - 1, g) * n_in, g - 1, times, width)
 
+    # Widths of 2 bytes are the 16-bit wire (every wide format is 4 or 8).
     def sum(self, axis, g, n, times=1, width=4):
         """An all-reduce of n elements that travels in ``width`` bytes: MPI's
         ring figures in a wide format, or in 16 bits ``comm_wire``'s
