@@ -298,8 +298,8 @@ def prepare(inputs, out, val_fraction, tokenizer):
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="micro-batches per step (activations of one micro-batch, its traffic N times)")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
-              help="format of the estimate: float16/bfloat16 count 16-bit activations and panels, "
-                   "float32 reductions, master weights, gradients and AdamW moments")
+              help="format of the estimate: float16/bfloat16 count 16-bit activations, panels and their "
+                   "sums, float32 statistics, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
 @click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,

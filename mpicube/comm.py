@@ -20,11 +20,18 @@ are the elements times the width of what MPI really moved.
 
 MPI has no 16-bit floating-point types. Gathers and broadcasts of float16
 or bfloat16 arrays move them as raw 2-byte words (no arithmetic touches
-them). Reductions of 16-bit arrays are done in float32: upcast, reduce with
-MPI's own SUM/MAX, round the result back. A 16-bit reduction would need a
-user-defined MPI operation (a Python callback per message); measured on the
-development machine it was slower than the float32 reduction at every size
-tried (docs/performance.md), and it would round every partial sum to 16 bits.
+them). A sum names its *wire format* at the call site (``wire=``): the
+layouts pass the activation format for sums of activations, activation
+gradients and weight-gradient partials, so under mixed precision those
+travel as 16-bit words and are added in float32 at the receiver
+(``mpicube.comm_wire``: all-to-all, then a gather of the sums). Without a
+16-bit ``wire`` a reduction is MPI's own SUM/MAX in the compute format
+(16-bit arrays are upcast to float32 and the result rounded back), as for
+the small float32 statistics (LayerNorm, cross-entropy, the gradient norm
+and the loss) and the gradient sums of replicated parameters; in float32
+and float64 runs ``wire`` equals the data's format and every call is the
+plain MPI reduction. (A user-defined 16-bit MPI operation would run a
+Python callback per message and round every partial sum to 16 bits.)
 
 On a GPU every call first waits for the device's queued work (MPI must not
 read a buffer a kernel is still writing, nor hand out memory a kernel still
@@ -43,11 +50,16 @@ from fractions import Fraction
 import numpy as np
 from mpi4py import MPI
 
-from . import precision
+from . import comm_wire, precision
 from .backend import Backend, cuda_aware_mpi
 from .errors import UserError
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def _on_wire(wire) -> bool:
+    """True when a sum is to travel in a 16-bit wire format."""
+    return wire is not None and precision.is_half(wire)
 
 
 class Counters:
@@ -203,11 +215,17 @@ class Comm:
         return precision.up(x)
 
     # --- collectives ------------------------------------------------------
-    def allreduce(self, x, op: str = "sum"):
+    def allreduce(self, x, op: str = "sum", wire=None):
         """Elementwise reduction over the group; returns a new array (in
-        ``x``'s format; 16-bit arrays are reduced in float32)."""
+        ``x``'s format; 16-bit arrays are reduced in float32). A 16-bit
+        ``wire`` sends the sum in that format (``comm_wire.allreduce``: every
+        rank gets the same sums, rounded to it)."""
         if self.size == 1:
             return x.copy()
+        if _on_wire(wire):
+            if op != "sum":
+                raise ValueError(f"a 16-bit wire format applies to sums, not {op}")
+            return comm_wire.allreduce(self, x, np.dtype(wire))
         t0 = self._start()
         wide = self._wide(x)
         buf = self._private(wide) if wide is x else self._to_mpi(wide)   # MPI reduces in place: never into x
@@ -227,11 +245,15 @@ class Comm:
         self._done(send)
         return self._gathered(recv, x, axis)
 
-    def reduce_scatter(self, x, axis: int = 0):
+    def reduce_scatter(self, x, axis: int = 0, wire=None):
         """Sum over the group, then keep this rank's block along ``axis``
-        (16-bit arrays are summed in float32 and returned in their format)."""
+        (16-bit arrays are summed in float32 and returned in their format).
+        A 16-bit ``wire`` sends the blocks in that format and adds them in
+        float32 at the receiver (``comm_wire.reduce_scatter``)."""
         if self.size == 1:
             return x
+        if _on_wire(wire):
+            return comm_wire.reduce_scatter(self, x, axis, np.dtype(wire))
         t0 = self._start()
         send, recv = self._scatter_buffers(self._wide(x), axis)
         self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
@@ -286,11 +308,15 @@ class Comm:
             return x                            # the root keeps its own device array
         return buf if buf.dtype == x.dtype else buf.view(x.dtype)
 
-    def reduce(self, x, root: int):
+    def reduce(self, x, root: int, wire=None):
         """Sum onto ``root``; returns the sum there (in ``x``'s format, summed
-        in float32 if that is 16-bit) and None elsewhere."""
+        in float32 if that is 16-bit) and None elsewhere. A 16-bit ``wire``
+        sends the data in that format, sums in float32 where they arrive and
+        gathers the sums, rounded to it, onto the root (``comm_wire.reduce``)."""
         if self.size == 1:
             return x
+        if _on_wire(wire):
+            return comm_wire.reduce(self, x, root, np.dtype(wire))
         t0 = self._start()
         send = self._to_mpi(self._wide(x))
         recv = self._empty(x.shape, send.dtype) if self.rank == root else None
@@ -316,10 +342,12 @@ class Comm:
 
         return Pending(finish, self, send)
 
-    def ireduce_scatter(self, x, axis: int = 0) -> "Pending":
+    def ireduce_scatter(self, x, axis: int = 0, wire=None) -> "Pending":
         """Start ``reduce_scatter``; ``.wait()`` returns this rank's block."""
         if self.size == 1:
             return Pending(lambda: x)
+        if _on_wire(wire):
+            return comm_wire.ireduce_scatter(self, x, axis, np.dtype(wire), Pending)
         t0 = self._start()
         send, recv = self._scatter_buffers(self._wide(x), axis)
         request = self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM)

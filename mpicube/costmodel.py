@@ -9,9 +9,15 @@ linear-layer part of ``cube``.
 
 Bytes follow from what each collective carries (``Widths``): activations,
 weight copies and the panels layouts gather or broadcast travel in the
-storage format (2 bytes under mixed precision), reductions in the compute
-format (float32: MPI has no 16-bit sum), weight gradients in the master
-format, and the gradient norm and the loss as one float64 each.
+storage format (2 bytes under mixed precision), and so do the sums of
+activations, activation gradients and weight-gradient partials (16-bit
+words added in float32 at the receiver, ``mpicube.comm_wire``). The small
+statistics (LayerNorm's per-row sums, the cross-entropy's max, sum and
+target logit) are reduced in the compute format (float32), the summed
+gradients of replicated parameters (replica groups, data parallelism) in
+the master format, and the gradient norm and the loss as one float64 each.
+Under mixed precision, bfloat16 therefore moves half of float32's bytes but
+for those statistics and gradient sums.
 
 Recompute modes (``Problem.recompute``, layouts/base.py):
 
@@ -52,15 +58,16 @@ class Widths:
     """Bytes per element of each kind of data a step moves or keeps."""
 
     act: int     # activations, the weights' working copy, gathered and broadcast panels
-    red: int     # reductions and per-row statistics (the compute format)
-    grad: int    # gradients, master weights, Adam moments
+    red: int     # the wire of sums of activations, their gradients, weight-gradient partials
+    grad: int    # gradients, master weights, Adam moments; replica and dp gradient sums
+    stat: int    # per-row statistics, kept and reduced in the compute format
     scalar: int = 8   # the gradient norm and the loss (float64)
 
     @classmethod
     def of(cls, dtype: str) -> "Widths":
         storage = STORAGE_BYTES[dtype]
-        wide = max(4, storage)          # 16-bit formats compute, reduce and keep gradients in float32
-        return cls(act=storage, red=wide, grad=wide)
+        wide = max(4, storage)          # 16-bit formats compute and keep gradients in float32
+        return cls(act=storage, red=storage, grad=wide, stat=wide)
 
 
 STORAGE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -88,6 +95,25 @@ class Traffic:
 
     def reduce_scatter(self, axis, g, n_in, times=1, width=4):
         self._add(axis, g, Fraction(g - 1, g) * n_in, g - 1, times, width)
+
+    # Widths of 2 bytes are the 16-bit wire (every wide format is 4 or 8).
+    def sum(self, axis, g, n, times=1, width=4):
+        """An all-reduce of n elements that travels in ``width`` bytes: MPI's
+        ring figures in a wide format, or in 16 bits ``comm_wire``'s
+        all-to-all + all-gather of ceil(n/g) elements per rank each."""
+        if width == 2:
+            self._add(axis, g, 2 * (g - 1) * -(-n // g), 2 * (g - 1), times, width)
+        else:
+            self.allreduce(axis, g, n, times, width)
+
+    def reduce_onto(self, axis, g, n, times=1, width=4):
+        """A reduce of n elements onto a root that travels in ``width``
+        bytes: MPI's (n, g-1) in a wide format, or in 16 bits
+        ``comm_wire``'s all-to-all + gather of ceil(n/g) elements each."""
+        if width == 2:
+            self._add(axis, g, 2 * (g - 1) * -(-n // g), 2 * (g - 1), times, width)
+        else:
+            self.reduce(axis, g, n, times, width)
 
     def bcast(self, axis, g, n, times=1, width=4):
         self._add(axis, g, n, g - 1, times, width)
@@ -149,7 +175,7 @@ def _linears(cfg: ModelConfig):
     return [(h, 3 * h, "first"), (h, h, "second"), (h, 4 * h, "first"), (4 * h, h, "second")]
 
 
-def _layernorm(t: Traffic, axis, g, rows, count, width):
+def _layernorm(t: Traffic, axis, g, rows, count, width):  # statistics: width is Widths.stat
     """Forward: mean and variance all-reduces; backward: one of two sums."""
     t.allreduce(axis, g, rows, times=2 * count, width=width)
     t.allreduce(axis, g, 2 * rows, times=count, width=width)
@@ -166,14 +192,14 @@ def serial_traffic(p: Problem) -> Traffic:
 def oned_traffic(p: Problem) -> Traffic:
     t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
-    t.allreduce("tp", g, act, times=4 * p.cfg.n_layer, width=w.red)   # 2 forward (row-split), 2 backward
-    t.allreduce("tp", g, act, times=2, width=w.red)       # embedding lookup, LM head backward
-    _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.red)
+    t.sum("tp", g, act, times=4 * p.cfg.n_layer, width=w.red)   # 2 forward (row-split), 2 backward
+    t.sum("tp", g, act, times=2, width=w.red)             # embedding lookup, LM head backward
+    _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
     if p.recompute == "gathers":                          # c_attn, c_fc and LM head inputs from row shards
         t.allgather("tp", g, act // g, times=2 * p.cfg.n_layer + 1, width=w.act)
     if p.recompute == "blocks":                           # block inputs from row shards, forwards again
         t.allgather("tp", g, act // g, times=p.cfg.n_layer, width=w.act)
-        t.allreduce("tp", g, act, times=2 * p.cfg.n_layer, width=w.red)
+        t.sum("tp", g, act, times=2 * p.cfg.n_layer, width=w.red)
     return t
 
 
@@ -186,18 +212,18 @@ def tesseract_traffic(p: Problem) -> Traffic:
     for h_in, h_out, _ in _linears(cfg) * cfg.n_layer:
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
         t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
-        t.reduce("row", q, x_panel, times=q, width=w.red)       # dX
+        t.reduce_onto("row", q, x_panel, times=q, width=w.red)  # dX
         t.bcast("col", q, w_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dX
-        t.reduce("col", q, w_panel, times=q, width=w.grad)      # dW
-    _layernorm(t, "row", q, n, 2 * cfg.n_layer + 1, w.red)
+        t.reduce_onto("col", q, w_panel, times=q, width=w.red)  # dW
+    _layernorm(t, "row", q, n, 2 * cfg.n_layer + 1, w.stat)
     if forwards == 2:
-        t.allreduce("row", q, n, times=2 * 2 * cfg.n_layer, width=w.red)   # ln_1, ln_2 statistics again
+        t.allreduce("row", q, n, times=2 * 2 * cfg.n_layer, width=w.stat)   # ln_1, ln_2 statistics again
     gathers = 2 if p.recompute == "gathers" else 1            # gathers: wte panel again for the head backward
     t.allgather("col", q, (V // q) * (cfg.n_embd // q), times=gathers, width=w.act)   # wte[:, block c]
     t.reduce_scatter("row", q, n * V, width=w.red)                # LM head forward
     t.allgather("row", q, n * V // q, width=w.act)                # LM head backward
-    t.reduce_scatter("col", q, V * (cfg.n_embd // q), width=w.grad)   # wte gradient
-    _cross_entropy(t, "row", q, n, w.red)
+    t.reduce_scatter("col", q, V * (cfg.n_embd // q), width=w.red)    # wte gradient
+    _cross_entropy(t, "row", q, n, w.stat)
     return t
 
 
@@ -216,10 +242,10 @@ def cube_traffic(p: Problem) -> Traffic:
         t.reduce_scatter(b, q, n * q * h_out // q, times=forwards, width=w.red)               # Y over b
         t.allgather(b, q, n * h_out // q, width=w.act)                        # dY over b
         t.reduce_scatter(a, q, n * q * h_in // q, width=w.red)                # dX over a
-        t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.grad)    # dW over i
-    _layernorm(t, "k", q, n, 2 * cfg.n_layer + 1, w.red)
+        t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.red)     # dW over i
+    _layernorm(t, "k", q, n, 2 * cfg.n_layer + 1, w.stat)
     if forwards == 2:
-        t.allreduce("k", q, n, times=2 * 2 * cfg.n_layer, width=w.red)       # ln_1, ln_2 statistics again
+        t.allreduce("k", q, n, times=2 * 2 * cfg.n_layer, width=w.stat)      # ln_1, ln_2 statistics again
     t.allgather("i", q, (V // q) * (h // (q * q)), times=gathers, width=w.act)   # wte over i
     t.reduce_scatter("j", q, n * q * h // q, width=w.red)         # lookup
     t.allgather("j", q, n * h // q, times=gathers, width=w.act)   # head: X over j
@@ -227,8 +253,8 @@ def cube_traffic(p: Problem) -> Traffic:
     t.allgather("k", q, n * V // q, width=w.act)                  # head backward: dlogits
     t.reduce_scatter("j", q, n * q * h // q, width=w.red)         # head backward: dX
     t.allgather("j", q, n * h // q, width=w.act)                  # lookup backward: dX
-    t.reduce_scatter("i", q, (V // q) * (h // q), width=w.grad)   # wte gradient
-    _cross_entropy(t, "j", q, n, w.red)
+    t.reduce_scatter("i", q, (V // q) * (h // q), width=w.red)    # wte gradient
+    _cross_entropy(t, "j", q, n, w.stat)
     return t
 
 
@@ -304,7 +330,7 @@ def activation_bytes(p: Problem, dropout: bool = False) -> int:
     compute format, the gradient panels of the tied embedding in the master
     format."""
     w = p.widths
-    width = {"act": w.act, "stat": w.red, "grad": w.grad}
+    width = {"act": w.act, "stat": w.stat, "grad": w.grad}
     return sum(n * width[kind] for kind, n in activation_terms(p, dropout).items())
 
 

@@ -54,8 +54,9 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     ``recompute`` mode's communication, memory and FLOPs, ``grad_accum``
     micro-batches, and with ``zero=1`` the optimizer state sharded over
     dp), then the four schemes side by side at the same world size, in
-    bytes of ``dtype``'s real widths (mixed precision: 16-bit activations
-    and panels, float32 reductions, gradients and optimizer state)."""
+    bytes of ``dtype``'s real widths (mixed precision: 16-bit activations,
+    panels and their sums, float32 statistics, gradient sums and optimizer
+    state)."""
     from .zero import validate
 
     validate(zero, dp)

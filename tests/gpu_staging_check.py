@@ -6,7 +6,8 @@ collectives with the same shapes, so a well-behaved staging pool stops
 allocating after the first step. Counts calls to ``cupyx.empty_pinned``
 (wrapped here, in the test) per step and prints them as JSON from rank 0.
 
-Usage: mpiexec -n 2 python tests/gpu_staging_check.py LAYOUT
+Usage: mpiexec -n 2 python tests/gpu_staging_check.py LAYOUT [DTYPE]
+(DTYPE float16: the 16-bit wire sums' all-to-all and gather buffers too)
 """
 
 import json
@@ -32,9 +33,9 @@ def counting_empty_pinned(*args, **kwargs):
 cupyx.empty_pinned = counting_empty_pinned
 
 
-def main(layout_name: str) -> None:
+def main(layout_name: str, dtype: str = "float32") -> None:
     cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=4, n_embd=16)
-    parts = build_parts(cfg, layout_name, 4, MPI.COMM_WORLD, device="gpu", seed=1, dropout=0.1)
+    parts = build_parts(cfg, layout_name, 4, MPI.COMM_WORLD, dtype=dtype, device="gpu", seed=1, dropout=0.1)
     opt = AdamW(parts.store)
     tokens = np.random.default_rng(0).integers(0, 61, (4, 9))
     x, y = tokens[parts.rows, :-1], tokens[parts.rows, 1:]                 # (B_dp, T)
@@ -52,4 +53,4 @@ def main(layout_name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

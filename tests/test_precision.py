@@ -144,7 +144,8 @@ def test_layout_in_16_bits_matches_serial_in_16_bits(ranks, layout, dp, depth, d
 @pytest.mark.parametrize("cuda_aware", ["0", "1"], ids=["staged", "cuda-aware"])
 def test_gpu_path_in_float16(cuda_aware):
     """The stand-in's float16 arrays through every collective of the 3-D
-    layout (raw 16-bit words, float32 reductions), staged and CUDA-aware."""
+    layout (raw 16-bit words; sums added in float32 where they arrive),
+    staged and CUDA-aware."""
     env = {**FAKE_GPU, "MPICUBE_CHECK_DEVICE": "gpu", "MPICUBE_CHECK_SIZE": "large", "MPICUBE_CHECK_DTYPE": "float16",
            "MPICUBE_CUDA_AWARE": cuda_aware}
     proc = mpiexec(8, ["-m", "mpi4py", "tests/parallel_check.py", "3d", 1, 1, 0.1, 16], timeout=240, env=env)
@@ -192,7 +193,8 @@ def test_bfloat16_halves_activation_memory_against_float32():
     """The cost model (which parallel_check holds equal to what the model
     keeps and moves): bfloat16 activations take half of float32's bytes
     but for LayerNorm's float32 statistics and the embedding's float32
-    gradient panel; the layouts' gathers and broadcasts move half."""
+    gradient panel; the layouts' gathers, broadcasts and sums move half
+    (exactly: test_bfloat16_moves_half_the_bytes_of_float32_but_...)."""
     from mpicube.config import ModelConfig
     from mpicube.costmodel import Problem, step_memory_bytes, step_traffic
 
@@ -203,6 +205,79 @@ def test_bfloat16_halves_activation_memory_against_float32():
         t32, t16 = (step_traffic(Problem(cfg, layout, tp, 1, 1, 16, 64, d)) for d in ("float32", "bfloat16"))
         assert t16.total_elems() == t32.total_elems()
         assert t16.total_bytes() <= t32.total_bytes()
+
+
+def kept_problem(problem):
+    """``problem`` with only what keeps its width in 16 bits: the wire of
+    activation sums and the activation format priced at 0 bytes, so its
+    traffic's bytes are those of the float32 statistics, the gradient sums
+    of replicated parameters and the float64 scalars."""
+    from dataclasses import dataclass, replace
+
+    from mpicube.costmodel import Problem, Widths
+
+    @dataclass
+    class Kept(Problem):
+        @property
+        def widths(self) -> Widths:
+            return replace(Widths.of(self.dtype), act=0, red=0)
+
+    return Kept(**{f: getattr(problem, f) for f in problem.__dataclass_fields__})
+
+
+def test_bfloat16_moves_half_the_bytes_of_float32_but_statistics_and_gradient_sums():
+    """Cost model, exactly: bytes16 = (bytes32 - K) / 2 + K, where K is what
+    keeps its width (LayerNorm and cross-entropy statistics, gradient sums
+    of replicated parameters, the gradient norm and the loss), a small share
+    of the traffic: 3d moves 0.504x of float32's bytes, 1d 0.5006x."""
+    from mpicube.config import ModelConfig
+    from mpicube.costmodel import Problem, step_traffic
+
+    cfg = ModelConfig(vocab_size=256, n_ctx=64, n_layer=4, n_head=12, n_embd=144)
+    for layout, tp, depth, share in (("3d", 8, 1, 0.01), ("1d", 2, 1, 0.002), ("1d", 4, 1, 0.002),
+                                     ("2d", 4, 1, 0.005), ("2.5d", 8, 2, 0.06)):
+        t32, t16 = (step_traffic(Problem(cfg, layout, tp, 1, depth, 16, 64, d)) for d in ("float32", "bfloat16"))
+        kept = step_traffic(kept_problem(Problem(cfg, layout, tp, 1, depth, 16, 64, "bfloat16"))).total_bytes()
+        assert t16.total_bytes() == (t32.total_bytes() - kept) / 2 + kept, layout
+        assert 0 < kept / t32.total_bytes() < share, (layout, float(kept / t32.total_bytes()))
+        assert t16.total_elems() == t32.total_elems()             # q, p = 2: the 16-bit sums count as MPI's
+        if layout in ("1d", "3d"):
+            assert t16.total_msgs() == t32.total_msgs()
+        else:                           # SUMMA's reduce in 16 bits: an all-to-all and a gather, 2 (q-1) messages
+            q, reduces = 2, 2 * 2 * 4 * cfg.n_layer                 # per linear: q for dX, q for dW
+            assert t16.total_msgs() == t32.total_msgs() + reduces * (q - 1)
+
+
+BENCH_SMALL = ["--n-layer", "2", "--n-head", "12", "--n-embd", "48", "--seq-len", "16", "--batch-size", "8",
+               "--warmup-steps", "1", "--steps", "1", "--json"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("ranks,layout", [(8, "3d"), (2, "1d")])
+def test_bfloat16_run_moves_the_bytes_the_model_predicts_about_half_of_float32(ranks, layout):
+    """Real runs (mpicube bench, rank 0's counters): measured == predicted
+    in float32 and in bfloat16, and the measured ratio is the model's
+    (bytes16 = (bytes32 - K) / 2 + K, K the statistics, gradient sums and
+    scalars that keep their width)."""
+    from fractions import Fraction
+
+    from mpicube.config import ModelConfig
+    from mpicube.costmodel import Problem, step_traffic
+
+    measured = {}
+    for dtype in ("float32", "bfloat16"):
+        proc = mpiexec(ranks, ["-m", "mpicube", "bench", "--layout", layout, "--dtype", dtype, *BENCH_SMALL],
+                       timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        comm = last_json(proc.stdout)["results"][0]["comm"]
+        assert comm["exact"] and comm["measured_bytes"] == comm["predicted_bytes"], comm
+        measured[dtype] = Fraction(comm["measured_bytes"])
+    cfg = ModelConfig(vocab_size=256, n_ctx=16, n_layer=2, n_head=12, n_embd=48)
+    p32 = Problem(cfg, layout, ranks, 1, 1, 8, 16, "float32")
+    kept = step_traffic(kept_problem(Problem(cfg, layout, ranks, 1, 1, 8, 16, "bfloat16"))).total_bytes()
+    assert measured["float32"] == step_traffic(p32).total_bytes()
+    assert measured["bfloat16"] == (measured["float32"] - kept) / 2 + kept
+    assert 0.5 < measured["bfloat16"] / measured["float32"] < 0.52, float(measured["bfloat16"] / measured["float32"])
 
 
 @pytest.mark.timeout(200)

@@ -51,8 +51,8 @@ SOURCES = [
     ("alpha_intra", "latency inside a node", "Per message (ring step): NVLink plus CUDA/MPI software overhead."),
     ("alpha_inter", "latency between nodes", "Per message: EDR's ~1 us plus MPI/NCCL software overhead."),
     ("bytes_per_elem", "element size", "2: float16 mixed precision at its real widths (mpicube.costmodel): "
-                                      "activations, weight copies and gathered panels in 2 bytes; reductions, "
-                                      "gradients and Adam state in float32."),
+                                      "activations, weight copies, gathered panels and their sums in 2 bytes; "
+                                      "statistics and gradient all-reduces in float32."),
 ]
 DEFAULTS = pm.Cluster()
 

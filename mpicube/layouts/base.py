@@ -199,7 +199,7 @@ class DenseLinear:
         self.x = x if self.shard is None else self.shard.keep(x)
         y = matmul_rows(x, self.w, acc(x))            # (B, T, C_out)
         if self.out_reduce is not None:
-            y = self.out_reduce.allreduce(y)
+            y = self.out_reduce.allreduce(y, wire=x.dtype)
         y += self.b
         return precision.narrow(y, x.dtype)
 
@@ -211,7 +211,7 @@ class DenseLinear:
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
         self.db += ops.column_sums(dy2)
         if self.dx_reduce is not None:
-            dx = self.dx_reduce.allreduce(matmul_rows(dy, self.w.T, acc(dy)))   # (B, T, C_in)
+            dx = self.dx_reduce.allreduce(matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)   # (B, T, C_in)
             dx = precision.narrow(dx, dy.dtype)
         else:
             dx = matmul_rows(dy, self.w.T)            # (B, T, C_in)

@@ -140,7 +140,7 @@ class CubeLinear:
         else:
             self.xg = self.a.allgather(x, axis=0)
             self.wg = self.wc.allgather(self.w, axis=0)
-        y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg, acc(x)), axis=0)   # (B/q^2, T, h_out/q)
+        y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg, acc(x)), axis=0, wire=x.dtype)  # (B/q^2, T, h_out/q)
         if self.regather:                            # keep the local X only
             self.x, self.xg, self.wg = x, None, None
         y += self.bias
@@ -156,12 +156,12 @@ class CubeLinear:
         dy2 = dyg.reshape(-1, dyg.shape[-1])                   # (N/q, h_out/q)
         dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
         if self.overlap:                             # dW travels while dX is computed and reduced
-            dw_pending = self.wc.ireduce_scatter(dwg, axis=0)
-            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0)    # (B/q^2, T, h_in/q)
+            dw_pending = self.wc.ireduce_scatter(dwg, axis=0, wire=self.w.dtype)
+            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0, wire=dy.dtype)  # (B/q^2,T,h_in/q)
             self.store.add_grad(self.w_name, dw_pending.wait())
         else:
-            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0)
-            self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0))
+            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0, wire=dy.dtype)
+            self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0, wire=self.w.dtype))
         dx = precision.narrow(dx, dy.dtype)
         self.dbias += ops.column_sums(dy.reshape(-1, dy.shape[-1]))
         self.x = self.xg = self.wg = None
@@ -198,7 +198,7 @@ class CubeTiedEmbedding:
         self.dwg = self.xp.zeros(self.wg.shape, dtype=self.store.flat_grad.dtype)   # (V/q, h/q) float32+
         ids_i = ids[self.xp.asarray(self.row_block)]              # (B/q, T)
         part, self.embed_cache = ops.embedding_forward(ids_i, self.wg, self.vocab_start)  # (B/q, T, h/q)
-        return self.cj.reduce_scatter(part, axis=0)
+        return self.cj.reduce_scatter(part, axis=0, wire=part.dtype)
 
     def embed_backward(self, dx):
         dxg = self.cj.allgather(dx, axis=0)                       # (B/q, T, h/q)
@@ -209,7 +209,7 @@ class CubeTiedEmbedding:
         """x (B/q^2, T, h/q) -> logits (B/q^2, T, V/q): rows block i,
         sub-block k; vocabulary block j."""
         self.xg = self.cj.allgather(x, axis=0)                    # (B/q, T, h/q)
-        logits = self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T, acc(x)), axis=0)
+        logits = self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T, acc(x)), axis=0, wire=x.dtype)
         if self.regather:                 # --recompute gathers: both gathered again in logits_backward
             self.x, self.xg, self.wg = x, None, None
         return precision.narrow(logits, x.dtype)
@@ -223,9 +223,10 @@ class CubeTiedEmbedding:
         self.dwg += precision.matmul(dlg.reshape(-1, dlg.shape[-1]).T, self.xg.reshape(-1, self.xg.shape[-1]),
                                      dtype=self.dwg.dtype)
         self.xg = None
-        dx = self.cj.reduce_scatter(matmul_rows(dlg, self.wg, acc(dlogits)), axis=0)      # (B/q^2, T, h/q)
+        dx = self.cj.reduce_scatter(matmul_rows(dlg, self.wg, acc(dlogits)), axis=0,
+                                   wire=dlogits.dtype)                          # (B/q^2, T, h/q)
         return precision.narrow(dx, dlogits.dtype)
 
     def finish_backward(self):
-        self.store.add_grad("wte", self.ci.reduce_scatter(self.dwg, axis=1))
+        self.store.add_grad("wte", self.ci.reduce_scatter(self.dwg, axis=1, wire=self.wte.dtype))
         self.wg = self.dwg = None

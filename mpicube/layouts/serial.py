@@ -54,7 +54,7 @@ class DenseTiedEmbedding:
         """ids (B, T) -> x (B, T, h)."""
         x, self.embed_cache = ops.embedding_forward(ids, self.wte, self.vocab_start)
         if self.vocab_comm is not None:
-            x = self.vocab_comm.allreduce(x)
+            x = self.vocab_comm.allreduce(x, wire=x.dtype)
         return x
 
     def embed_backward(self, dx):
@@ -75,7 +75,7 @@ class DenseTiedEmbedding:
         if self.vocab_comm is None:
             dx = matmul_rows(dlogits, self.wte)                  # (B, T, h)
         else:                                                    # partial sums over the vocabulary split
-            dx = self.vocab_comm.allreduce(matmul_rows(dlogits, self.wte, acc(dlogits)))
+            dx = self.vocab_comm.allreduce(matmul_rows(dlogits, self.wte, acc(dlogits)), wire=dlogits.dtype)
             dx = precision.narrow(dx, dlogits.dtype)
         self.x = None
         return dx

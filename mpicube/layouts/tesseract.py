@@ -141,13 +141,14 @@ class SummaLinear:
         dx = None
         for s in range(self.q):                                 # dX[r, s] = sum_c dY[r, c] W[s, c]^T
             w_panel = self.col.bcast(self.w, root=s)
-            part = self.row.reduce(precision.matmul(dy2, w_panel.T, dtype=acc(dy2)), root=s)  # (n, h_in/q)
+            part = self.row.reduce(precision.matmul(dy2, w_panel.T, dtype=acc(dy2)), root=s,
+                                   wire=dy.dtype)               # (n, h_in/q)
             if self.c == s:                                     # on column s
                 dx = precision.narrow(part, dy.dtype)
         for s in range(self.q):                                 # dW[s, c] = sum_r X[r, s]^T dY[r, c]
             x_panel = self.row.bcast(self.x2, root=s)
             part = self.col.reduce(precision.matmul(x_panel.T, dy2, dtype=self.store.flat_grad.dtype),
-                                   root=s)                      # (h_in/q, h_out/q) on row s
+                                   root=s, wire=self.w.dtype)   # (h_in/q, h_out/q) on row s
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
         self.db += ops.column_sums(dy2)
@@ -192,7 +193,7 @@ class TesseractTiedEmbedding:
         partial = matmul_rows(x, self.w_full.T, acc(x))         # (B_c, T, V) partial over c
         if self.regather:                                       # gathered again in logits_backward
             self.w_full = None
-        return precision.narrow(self.row.reduce_scatter(partial, axis=-1), x.dtype)
+        return precision.narrow(self.row.reduce_scatter(partial, axis=-1, wire=x.dtype), x.dtype)
 
     def logits_backward(self, dlogits):
         """dlogits (B_c, T, V/q) -> dx (B_c, T, h/q)."""
@@ -205,5 +206,5 @@ class TesseractTiedEmbedding:
         return matmul_rows(dfull, self.w_full)                  # (B_c, T, h/q)
 
     def finish_backward(self):
-        self.store.add_grad("wte", self.col.reduce_scatter(self.dw_full, axis=0))
+        self.store.add_grad("wte", self.col.reduce_scatter(self.dw_full, axis=0, wire=self.wte.dtype))
         self.w_full = self.dw_full = None
