@@ -159,7 +159,7 @@ def memory_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int =
                     continue
                 mem, t, f = step_memory_bytes(p).total(), step_traffic(p), step_flops(p)
                 lines.append(f"  {label:<10} {recompute:<9} {zero:>4} {_fmt(mem) + 'B':>9} "
-                             f"{100 * mem / base_mem:>7.1f}% {_fmt(t.total_bytes() - base_t.total_bytes()) + 'B':>11} "
+                             f"{100 * mem / base_mem:>7.1f}% {_fmt(round(t.total_bytes() - base_t.total_bytes())) + 'B':>11} "
                              f"{t.total_msgs() - base_t.total_msgs():>9} {float((f - base_f) / base_f):>+6.0%}")
     if dp == 1:
         lines.append("  (--zero 1 shards the optimizer state over data-parallel replicas: with --dp 1 there are none)")
