@@ -12,7 +12,7 @@ step): the loader is random access by step and dropout masks are a function
 of the step, so a resumed run repeats the uninterrupted one bit for bit on the
 same layout, and follows it up to rounding on any other.
 
-Stopping early is agreed by all ranks at step boundaries with one tiny
+Stopping early (mpicube.stopping) is agreed by all ranks at step boundaries with one tiny
 uncounted all-reduce: SIGTERM/SIGUSR1 on any rank or ``--time-limit``
 (checkpoint, exit status 75 = EX_TEMPFAIL, "requeue me"), ``--stop-after``
 (checkpoint, exit status 0). A non-finite loss or gradient norm stops the run
@@ -32,8 +32,7 @@ import math
 import os
 import signal
 import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -46,12 +45,12 @@ from .config import ModelConfig
 from .errors import ConfigError, UserError
 from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
 from .accum import forward_backward
-from .grid import default_batch, plan, validate_model
+from .grid import default_batch, plan
 from .optim import Schedule, make_step
 from .parts import Parts, build_parts, recompute_note  # noqa: F401 (build_parts re-exported for tools and tests)
 from .console import Console
-from .loss_scale import scaler_for
-from .zero import validate as validate_zero
+from .options import TrainOptions, _dash  # noqa: F401 (TrainOptions re-exported: tests and tools import it here)
+from .stopping import SIGNAL, EarlyStop
 from .state import attr_dict, describe_layout, load_state, state_blocks
 
 EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
@@ -77,95 +76,6 @@ class DivergedError(UserError):
     """The loss or gradient norm stopped being finite."""
 
     exit_code = EXIT_DIVERGED
-
-
-@dataclass
-class TrainOptions:
-    """Every option of ``mpicube train`` (same names as the command line)."""
-
-    layout: str = "auto"
-    dp: int = 1
-    depth: int = 1
-    n_layer: int = 4
-    n_head: int = 12
-    n_embd: int = 144
-    seq_len: int = 64
-    vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
-    batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits
-    grad_accum: int = 1            # micro-batches per step (forward+backward each), one optimizer step
-    steps: int = 500
-    lr: float = 3e-3
-    warmup: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    dropout: float = 0.0
-    seed: int = 1337
-    dtype: str = "float32"
-    device: str = "cpu"
-    tf32: bool = False             # GPU float32 GEMMs on tensor cores
-    recompute: str = "none"        # none, gathers or blocks: memory for communication and FLOPs
-    loss_scale: Optional[float] = None                 # float16: initial loss scale (None = default)
-    loss_scale_growth_interval: Optional[int] = None   # float16: good steps before the scale doubles
-    loss_scale_backoff: Optional[float] = None         # float16: factor applied on overflow
-    data: Optional[str] = None     # train shard; None = built-in corpus
-    val_data: Optional[str] = None  # validation shard; None = the train shard's <stem>_val sibling, if any
-    out: Optional[str] = None      # run directory; None = runs/<timestamp>
-    ckpt_every: int = 0            # 0 = only the final checkpoint
-    keep: int = 3                  # 0 = keep every checkpoint
-    eval_every: int = 0            # 0 = no evaluation
-    eval_batches: int = 8
-    log_every: int = 10
-    init_from: Optional[str] = None
-    resume: bool = False
-    force_unlock: bool = False     # take the run directory's lock from a job on another host
-    stop_after: Optional[int] = None
-    time_limit: Optional[float] = None
-    zero: int = 0                  # 1: AdamW state (and 16-bit runs' master weights) sharded over dp
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,
-                           n_head=self.n_head, n_embd=self.n_embd)
-
-    @property
-    def last_step(self) -> int:
-        """The step this invocation stops after (the schedule still spans ``steps``)."""
-        return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
-
-    def validate(self) -> None:
-        """Raise ConfigError for a bad value; pure, so every rank agrees."""
-        positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "steps", "dp", "depth",
-                    "eval_batches", "log_every", "grad_accum")
-        for name in positive:
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"--{_dash(name)} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup", "ckpt_every", "keep", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{_dash(name)} must be 0 or more, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"--{_dash(name)} must be a finite number >= 0, got {value}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ConfigError(f"--stop-after must be at least 1, got {self.stop_after}")
-        if self.time_limit is not None and not self.time_limit > 0:
-            raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
-        self.loss_scaler()
-        validate_zero(self.zero, self.dp)
-        validate_model(self.model_config())
-
-    def loss_scaler(self):
-        """A fresh LossScaler for --dtype float16, else None (ConfigError for
-        loss-scale options with another format)."""
-        return scaler_for(self.dtype, self.loss_scale, self.loss_scale_growth_interval, self.loss_scale_backoff)
-
-
-def _dash(name: str) -> str:
-    return name.replace("_", "-")
 
 
 # --------------------------------------------------------------------------- data
@@ -196,10 +106,7 @@ class Trainer:
         self.opts = opts
         self.world = mpi_world
         self.rank = mpi_world.Get_rank()
-        self.t_start = time.monotonic()
-        self.stop_signal = 0            # set by the signal handler
-        self.ckpt_seconds = 0.0         # how long the last save took
-        self.slowest_step = 0.0
+        self.stop = EarlyStop(mpi_world, opts.time_limit)   # signals and --time-limit, agreed by all ranks
         self.last_ckpt = None           # path of the last checkpoint of this run
         self.console = Console(False, 1, 0, 1)
         self.metrics = None
@@ -436,7 +343,7 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------
     def run(self) -> int:
-        with self._signal_handlers():
+        with self.stop.signal_handlers():
             try:
                 self.setup()
                 return self._loop()
@@ -476,13 +383,13 @@ class Trainer:
                 val = self.evaluate(s)
                 self._record({"step": s, "val_loss": val})
                 say(f"step {s} | val_loss {val:.4f}" if val is not None else f"step {s} | val_loss is not finite")
-            self.slowest_step = max(self.slowest_step, time.monotonic() - t0)
-            stop = self._agree_stop()
+            self.stop.slowest_step = max(self.stop.slowest_step, time.monotonic() - t0)
+            stop = self.stop.agree()
             if s == last or stop or (o.ckpt_every and s % o.ckpt_every == 0):
                 self.save(s)
-                stop = stop or (s < last and self._agree_stop())    # a signal during the save: stop on it
+                stop = stop or (s < last and self.stop.agree())    # a signal during the save: stop on it
             if stop:
-                why = "a signal" if stop == 2 else f"--time-limit {o.time_limit:g}s"
+                why = "a signal" if stop == SIGNAL else f"--time-limit {o.time_limit:g}s"
                 say(f"stopped by {why} after step {s}; continue with --resume (exit status {EXIT_PREEMPTED})")
                 return EXIT_PREEMPTED
         if last < o.steps:
@@ -577,7 +484,7 @@ class Trainer:
         path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None,
                                owner=self.owner)
         self.last_ckpt = path
-        self.ckpt_seconds = time.monotonic() - t0
+        self.stop.ckpt_seconds = time.monotonic() - t0
         self.console.say(f"checkpoint {path}")
         return path
 
@@ -591,38 +498,6 @@ class Trainer:
             rank, step, name = hook.split(":")
             if int(rank) == self.rank and int(step) == s:
                 os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
-
-    # --- stopping early ------------------------------------------------------
-    def _agree_stop(self) -> int:
-        """0 to go on, 1 for the time limit, 2 for a signal: the same on every rank."""
-        code = self.stop_signal
-        if self.opts.time_limit is not None:
-            elapsed = time.monotonic() - self.t_start
-            if elapsed + self.slowest_step + self.ckpt_seconds >= self.opts.time_limit:
-                code = max(code, 1)
-        return agree_max(self.world, code)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.stop_signal = 2
-
-    @contextmanager
-    def _signal_handlers(self):
-        """SIGTERM and SIGUSR1 ask for a checkpoint and exit at the next step boundary."""
-        previous = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                previous[sig] = signal.signal(sig, self._on_signal)
-            except ValueError:      # not the main thread: no handlers
-                pass
-        try:
-            yield
-        finally:
-            # After a signal-driven stop the job is on its way out (requeued);
-            # a scheduler that repeats its warning must not kill a rank in
-            # MPI_Finalize with SIGUSR1's default action, so such signals are
-            # ignored from here on instead of handed back.
-            for sig, handler in previous.items():
-                signal.signal(sig, signal.SIG_IGN if self.stop_signal else handler)
 
 
 def _str_or_none(path) -> Optional[str]:

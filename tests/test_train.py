@@ -191,19 +191,19 @@ def test_signals_after_a_signal_stop_are_ignored_not_fatal():
     after a signal-driven stop SIGUSR1/SIGTERM must not fall back to their
     default action (killing the rank), while a run that was not stopped by
     a signal hands the previous handlers back."""
-    from mpicube.train import TrainOptions, Trainer
+    from mpicube.stopping import SIGNAL, EarlyStop
 
     before, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    quiet = Trainer(TrainOptions(), mpi_world=_SelfWorld())
-    with quiet._signal_handlers():
-        assert signal.getsignal(signal.SIGUSR1) == quiet._on_signal
+    quiet = EarlyStop(world=None)
+    with quiet.signal_handlers():
+        assert signal.getsignal(signal.SIGUSR1) == quiet.on_signal
     assert signal.getsignal(signal.SIGUSR1) == before
 
-    stopped = Trainer(TrainOptions(), mpi_world=_SelfWorld())
+    stopped = EarlyStop(world=None)
     try:
-        with stopped._signal_handlers():
+        with stopped.signal_handlers():
             signal.raise_signal(signal.SIGUSR1)
-            assert stopped.stop_signal == 2
+            assert stopped.signalled == SIGNAL
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
         signal.raise_signal(signal.SIGUSR1)                  # would end this test process if not ignored
@@ -211,9 +211,3 @@ def test_signals_after_a_signal_stop_are_ignored_not_fatal():
         signal.signal(signal.SIGUSR1, before)
         signal.signal(signal.SIGTERM, before_term)
 
-
-class _SelfWorld:
-    """What Trainer.__init__ asks of its world communicator, without MPI."""
-
-    def Get_rank(self):
-        return 0
