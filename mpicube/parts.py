@@ -59,6 +59,7 @@ def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="f
     micro-batches of batch_size / N sequences. ``recompute`` is the
     layout's memory mode (layouts/base.py RECOMPUTE_MODES)."""
     plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth, grad_accum, recompute)
+    validate_zero(zero, dp)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
     counters = Counters()

@@ -140,3 +140,15 @@ def last_json(stdout: str) -> dict:
     import json
 
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def relerr(a, b) -> float:
+    return abs(a - b) / abs(b)
+
+
+def checkpoint_tensors(path) -> dict:
+    """Every tensor of a checkpoint, whole (verified on open)."""
+    from mpicube import checkpoint
+
+    with checkpoint.open_checkpoint(path) as ck:
+        return {name: ck.read(name) for name in ck.names()}

@@ -16,7 +16,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import MpiCube, last_json, read_metrics
+from conftest import MpiCube, checkpoint_tensors, last_json, read_metrics, relerr
 
 from mpicube import checkpoint
 
@@ -33,14 +33,6 @@ EVAL_RTOL = 1e-6        # a forward pass in float32, summed in another order
 STEP_RTOL = 1e-5        # one more optimizer step in float32, in another order
 
 
-def relerr(a, b) -> float:
-    return abs(a - b) / abs(b)
-
-
-def tensors(path) -> dict:
-    """Every tensor of a checkpoint, whole (verified on open)."""
-    with checkpoint.open_checkpoint(path) as ck:
-        return {name: ck.read(name) for name in ck.names()}
 
 
 class Runs:
@@ -135,7 +127,7 @@ def test_resume_on_another_layout_carries_optimizer_state(runs, layout, n):
     assert relerr(got[1]["grad_norm"], want[1]["grad_norm"]) < STEP_RTOL, (got[1], want[1])
     assert relerr(got_val, want_val) < STEP_RTOL, (got_val, want_val)
 
-    a, b = tensors(runs.dir / out), tensors(runs.dir / "src")
+    a, b = checkpoint_tensors(runs.dir / out), checkpoint_tensors(runs.dir / "src")
     assert sorted(a) == sorted(b)
     assert any(name.startswith("optimizer/m/") for name in a) and any(name.startswith("optimizer/v/") for name in a)
     for name in a:
@@ -178,6 +170,6 @@ def test_comparison_detects_lost_optimizer_state(runs):
     want, _ = _continued(runs.dir / "src")
     assert relerr(got[0]["loss"], want[0]["loss"]) < EVAL_RTOL
     assert relerr(got[1]["loss"], want[1]["loss"]) > 100 * STEP_RTOL, (got[1], want[1])
-    a, b = tensors(runs.dir / "cont_zeroed"), tensors(runs.dir / "src")
+    a, b = checkpoint_tensors(runs.dir / "cont_zeroed"), checkpoint_tensors(runs.dir / "src")
     m = "optimizer/m/h.0.attn.c_attn.weight"
     assert np.abs(a[m] - b[m]).max() > 100 * STEP_RTOL * np.abs(b[m]).max()

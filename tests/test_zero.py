@@ -18,11 +18,10 @@ sharded over the data-parallel replicas (mpicube/zero.py).
 """
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MpiCube, read_metrics
+from conftest import MpiCube, checkpoint_tensors, read_metrics, relerr
 
 from mpicube import checkpoint
 from mpirun import ROOT, mpiexec
@@ -87,13 +86,6 @@ EVAL_RTOL = 1e-6        # a forward pass in float32, summed in another order
 STEP_RTOL = 1e-5        # one more optimizer step in float32, in another order
 
 
-def relerr(a, b) -> float:
-    return abs(a - b) / abs(b)
-
-
-def tensors(path) -> dict:
-    with checkpoint.open_checkpoint(path) as ck:
-        return {name: ck.read(name) for name in ck.names()}
 
 
 class Runs:
@@ -134,7 +126,7 @@ def test_zero1_follows_zero0_and_saves_the_same_tensors(runs):
     moments gathered from the shards."""
     for a, b in zip(runs.steps("z1"), runs.steps("z0")):
         assert relerr(a["loss"], b["loss"]) < STEP_RTOL, (a, b)
-    a, b = tensors(runs.dir / "z1"), tensors(runs.dir / "z0")
+    a, b = checkpoint_tensors(runs.dir / "z1"), checkpoint_tensors(runs.dir / "z0")
     assert sorted(a) == sorted(b)
     assert any(name.startswith("optimizer/v/") for name in a)
     for name in a:
@@ -151,7 +143,7 @@ def _follows(runs, got_run, want_run):
     assert relerr(got[0]["loss"], want[0]["loss"]) < EVAL_RTOL, (got[0], want[0])
     assert relerr(got[1]["loss"], want[1]["loss"]) < STEP_RTOL, (got[1], want[1])
     assert relerr(got[1]["grad_norm"], want[1]["grad_norm"]) < STEP_RTOL, (got[1], want[1])
-    a, b = tensors(runs.dir / got_run), tensors(runs.dir / want_run)
+    a, b = checkpoint_tensors(runs.dir / got_run), checkpoint_tensors(runs.dir / want_run)
     for name in b:
         assert np.abs(a[name] - b[name]).max() <= STEP_RTOL * 10 * np.abs(b[name]).max(), name
 
@@ -181,7 +173,7 @@ def test_zero1_bfloat16_resumes_bit_for_bit(runs):
     got = [s for s in runs.steps("bf_cont") if s["step"] > SAVED_STEP]
     want = [s for s in runs.steps("bf") if s["step"] > SAVED_STEP]
     assert [(s["loss"], s["grad_norm"]) for s in got] == [(s["loss"], s["grad_norm"]) for s in want]
-    a, b = tensors(runs.dir / "bf_cont"), tensors(runs.dir / "bf")
+    a, b = checkpoint_tensors(runs.dir / "bf_cont"), checkpoint_tensors(runs.dir / "bf")
     assert sorted(a) == sorted(b)
     for name in b:
         assert np.array_equal(a[name], b[name]), name
