@@ -13,11 +13,16 @@ storage format (2 bytes under mixed precision), and so do the sums of
 activations, activation gradients and weight-gradient partials (16-bit
 words added in float32 at the receiver, ``mpicube.comm_wire``). The small
 statistics (LayerNorm's per-row sums, the cross-entropy's max, sum and
-target logit) are reduced in the compute format (float32), the summed
-gradients of replicated parameters (replica groups, data parallelism) in
-the master format, and the gradient norm and the loss as one float64 each.
-Under mixed precision, bfloat16 therefore moves half of float32's bytes but
-for those statistics and gradient sums.
+target logit) are reduced in the compute format (float32), and the
+gradient norm and the loss as one float64 each. The summed gradients of
+replicated parameters (replica groups, data parallelism) travel at
+``Widths.gsum`` (``precision.gradient_wire_name``): 2 bytes under
+bfloat16 (comm_wire's all-reduce, priced by ``Traffic.sum``, and its
+reduce-scatter under --zero 1), the master format otherwise (float16's
+loss-scaled gradients would overflow a 16-bit sum). bfloat16 therefore
+moves half of float32's bytes but for those statistics and scalars, with
+data parallelism too (1-D p = 2 x dp = 2, the ``make train`` model:
+2.39 MB per rank and step against 4.78 MB; float16 3.45 MB).
 
 Recompute modes (``Problem.recompute``, layouts/base.py):
 
@@ -36,8 +41,8 @@ Recompute modes (``Problem.recompute``, layouts/base.py):
 
 ``Problem.zero = 1`` (mpicube.zero, with dp > 1): the buffers are padded to
 P_pad = dp C; the dp all-reduce becomes a reduce-scatter of the padded
-gradient (master format) and an all-gather of the updated chunk (storage
-format), the gradient norm is all-reduced over the world, and AdamW keeps
+gradient (at ``Widths.gsum``) and an all-gather of the updated chunk
+(storage format), the gradient norm is all-reduced over the world, and AdamW keeps
 2 C moments. Under mixed precision the float32 master is the chunk only
 and is counted with the parameters (C master + P_pad working copy), as the
 master is counted there with --zero 0.
@@ -51,6 +56,7 @@ from fractions import Fraction
 
 from .config import ModelConfig
 from .model import gpt_params
+from .precision import gradient_wire_name
 
 
 @dataclass(frozen=True)
@@ -59,15 +65,17 @@ class Widths:
 
     act: int     # activations, the weights' working copy, gathered and broadcast panels
     red: int     # the wire of sums of activations, their gradients, weight-gradient partials
-    grad: int    # gradients, master weights, Adam moments; replica and dp gradient sums
+    grad: int    # gradients, master weights, Adam moments
     stat: int    # per-row statistics, kept and reduced in the compute format
+    gsum: int    # the wire of the replica-group and dp gradient sums (precision.gradient_wire_name)
     scalar: int = 8   # the gradient norm and the loss (float64)
 
     @classmethod
     def of(cls, dtype: str) -> "Widths":
         storage = STORAGE_BYTES[dtype]
         wide = max(4, storage)          # 16-bit formats compute and keep gradients in float32
-        return cls(act=storage, red=storage, grad=wide, stat=wide)
+        gsum = STORAGE_BYTES[gradient_wire_name(dtype)]
+        return cls(act=storage, red=storage, grad=wide, stat=wide, gsum=gsum)
 
 
 STORAGE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -439,11 +447,12 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
 def step_traffic(p: Problem) -> Traffic:
     """Everything one training step moves: the layout's forward/backward
     once per micro-batch (at the micro-batch's sizes), then once per step
-    the gradient all-reduces over replica groups and over dp and the
-    gradient norm; the reported loss once per micro-batch (each forward
-    returns its share, GPT.forward). Under --zero 1 the dp all-reduce is a
-    reduce-scatter of the padded gradient and an all-gather of the updated
-    chunk (in the storage format), and the norm is summed over the world."""
+    the gradient all-reduces over replica groups and over dp (at the
+    ``Widths.gsum`` wire) and the gradient norm; the reported loss once per
+    micro-batch (each forward returns its share, GPT.forward). Under
+    --zero 1 the dp all-reduce is a reduce-scatter of the padded gradient
+    and an all-gather of the updated chunk (in the storage format), and the
+    norm is summed over the world."""
     t = Traffic()
     t.add(TRAFFIC[p.layout](p), p.grad_accum)
     sizes = local_param_sizes(p)
@@ -453,15 +462,15 @@ def step_traffic(p: Problem) -> Traffic:
             group_sizes[axis] += n
     w = p.widths
     for axis, n in group_sizes.items():
-        t.allreduce(axis, _group_size(p, axis), n, width=w.grad)
+        t.sum(axis, _group_size(p, axis), n, width=w.gsum)
     params = sum(n for n, _ in sizes.values())
     if p.sharded:
         padded, chunk = zero_sizes(params, p.dp, p.zero)
-        t.reduce_scatter("dp", p.dp, padded, width=w.grad)
+        t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
         t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)   # gradient norm
     else:
-        t.allreduce("dp", p.dp, params, width=w.grad)
+        t.sum("dp", p.dp, params, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
     t.allreduce("world", p.tp * p.dp, 1, times=p.grad_accum, width=w.scalar)   # reported loss, per micro-batch
     return t

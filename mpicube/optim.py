@@ -14,27 +14,38 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from . import precision
 from .comm import Comm
 from .kernels import kernels_for
 from .params import ParamStore
 
 
+def gradient_wire(store: ParamStore):
+    """The wire format of the step's gradient sums (replica groups and dp),
+    ``precision.gradient_wire`` of the store's storage format: bfloat16
+    words for a bfloat16 store, else the master format (MPI's own sum)."""
+    return precision.gradient_wire(store.backend.dtype)
+
+
 def sync_replica_groups(store: ParamStore) -> None:
     """Sum partial gradients over each parameter's replica group inside the
-    tensor-parallel group (the first half of every step's synchronisation)."""
+    tensor-parallel group (the first half of every step's synchronisation),
+    in ``gradient_wire``: under bfloat16 the sums arrive rounded to
+    bfloat16 once and are kept in the float32 buffer."""
     store.settle()
+    wire = gradient_wire(store)
     for comm, flat_slice in store.grad_groups:
-        store.flat_grad[flat_slice] = comm.allreduce(store.flat_grad[flat_slice])
+        store.flat_grad[flat_slice] = comm.allreduce(store.flat_grad[flat_slice], wire=wire)
 
 
 def sync_gradients(store: ParamStore, dp: Comm) -> None:
     """Sum partial gradients over each parameter's replica group inside the
     tensor-parallel group, then over data-parallel replicas (one flat
-    all-reduce). The loss is already normalised by the global token count,
-    so these are sums, not means."""
+    all-reduce, in ``gradient_wire`` too). The loss is already normalised
+    by the global token count, so these are sums, not means."""
     sync_replica_groups(store)
     if dp.size > 1:
-        store.flat_grad[...] = dp.allreduce(store.flat_grad)
+        store.flat_grad[...] = dp.allreduce(store.flat_grad, wire=gradient_wire(store))
 
 
 def global_grad_norm(store: ParamStore, tp: Comm) -> float:

@@ -66,6 +66,30 @@ def compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32) if is_half(dtype) else np.dtype(dtype)
 
 
+def gradient_wire_name(name: str) -> str:
+    """The format the summed gradients travel in (replica groups inside the
+    tensor-parallel group, data parallelism), for a ``--dtype`` name: the
+    one place that decides it, for the optimizer steps
+    (``gradient_wire``) and the cost model (``costmodel.Widths``).
+
+    bfloat16 sums them in 16 bits (words added in float32 at the receiver,
+    ``mpicube.comm_wire``): bfloat16 has float32's exponent range, and the
+    gradient sums were most of what kept a data-parallel bfloat16 step
+    above half of float32's bytes, at no measurable cost in loss. float16
+    keeps the float32 master format: its loss-scaled gradients sit near the
+    top of float16's range, where a 16-bit sum would overflow and skip
+    steps. float32 and float64 sum in their own format (unchanged).
+    """
+    return "bfloat16" if name == "bfloat16" else ("float64" if name == "float64" else "float32")
+
+
+def gradient_wire(dtype) -> np.dtype:
+    """``gradient_wire_name`` for a storage dtype: the ``wire=`` of the
+    optimizer steps' gradient sums (the master format where that is not
+    16 bits, so those sums are MPI's own)."""
+    return dtype_of(gradient_wire_name(np.dtype(dtype).name))
+
+
 def unit_roundoff(dtype) -> float:
     """u = 2^-p for a format with p significand bits (implicit bit included):
     the largest relative error of rounding one value to it."""

@@ -30,7 +30,10 @@ One step, per rank (``ShardedStep``; the same calls as ``optim.ReplicatedStep``)
 
 Communication over dp is (dp-1)/dp P_pad gradient elements reduce-scattered
 plus (dp-1) C gathered, where --zero 0 all-reduces 2 (dp-1)/dp P: the same
-elements when P_pad = P, fewer bytes under mixed precision.
+elements when P_pad = P, fewer bytes under mixed precision (the gathered
+parameters are 16-bit words; so, under bfloat16, are the gradients both
+steps sum, ``precision.gradient_wire``, and then the elements are equal
+whatever P: comm_wire's all-reduce pads to dp C too).
 
 Checkpoints keep format version 1 (full logical tensors): the sharded state
 is gathered for a save and scattered (each replica keeps its chunk) on a
@@ -122,12 +125,15 @@ class ShardedStep:
 
     def sync(self) -> None:
         """Gradients summed inside the tensor-parallel replica groups, then
-        reduce-scattered over dp into the owned chunk of ``flat_grad``."""
-        from .optim import sync_replica_groups
+        reduce-scattered over dp into the owned chunk of ``flat_grad``, both
+        in ``optim.gradient_wire`` (under bfloat16 the reduce-scatter sends
+        16-bit words and keeps their float32 sum)."""
+        from .optim import gradient_wire, sync_replica_groups
 
         store = self.store
         sync_replica_groups(store)
-        store.flat_grad[store.shard] = self.axes.dp.reduce_scatter(store.flat_grad)   # (C,) of (P_pad,)
+        wire = gradient_wire(store)
+        store.flat_grad[store.shard] = self.axes.dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
 
     def grad_norm(self) -> float:
         """L2 norm of the logical gradient from the owned chunks: one
