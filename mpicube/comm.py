@@ -28,9 +28,10 @@ travel as 16-bit words and are added in float32 at the receiver
 16-bit ``wire`` a reduction is MPI's own SUM/MAX in the compute format
 (16-bit arrays are upcast to float32 and the result rounded back), as for
 the small float32 statistics (LayerNorm, cross-entropy, the gradient norm
-and the loss) and the gradient sums of replicated parameters; in float32
-and float64 runs ``wire`` equals the data's format and every call is the
-plain MPI reduction. (A user-defined 16-bit MPI operation would run a
+and the loss) and, except under bfloat16 (``precision.gradient_wire``),
+the gradient sums of replicated parameters and of data parallelism; in
+float32 and float64 runs ``wire`` equals the data's format and every call
+is the plain MPI reduction. (A user-defined 16-bit MPI operation would run a
 Python callback per message and round every partial sum to 16 bits.)
 
 On a GPU every call first waits for the device's queued work (MPI must not
