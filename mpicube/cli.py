@@ -134,6 +134,17 @@ def recompute_option(f):
                              "block's input and rerun its forward in backward")(f)
 
 
+def zero_option(help_text: str):
+    """``--zero {0,1}`` as an int (train, bench, info; each says what it does there)."""
+    return click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+                        callback=lambda ctx, param, value: int(value), help=help_text)
+
+
+def grad_accum_option(help_text: str):
+    """``--grad-accum N`` (train, bench, info; each says what it does there)."""
+    return click.option("--grad-accum", type=int, default=1, show_default=True, help=help_text)
+
+
 def device_options(f):
     f = click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
                      help="NumPy on CPUs or CuPy, one GPU per rank")(f)

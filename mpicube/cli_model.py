@@ -9,8 +9,8 @@ import json
 
 import click
 
-from .cli import (DTYPE_CHOICES, LAYOUT_CHOICES, _mpi, cli, device_options, echo, layout_options, model_options,
-                  recompute_option)
+from .cli import (DTYPE_CHOICES, LAYOUT_CHOICES, _mpi, cli, device_options, echo, grad_accum_option,
+                  layout_options, model_options, recompute_option, zero_option)
 from .errors import UserError
 
 
@@ -23,16 +23,13 @@ from .errors import UserError
 @click.option("--depth", type=int, default=1, show_default=True)
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that the layout accepts]")
-@click.option("--grad-accum", type=int, default=1, show_default=True,
-              help="micro-batches per step (activations of one micro-batch, its traffic N times)")
+@grad_accum_option("micro-batches per step (activations of one micro-batch, its traffic N times)")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
               help="format of the estimate: float16/bfloat16 count 16-bit activations, panels and their "
                    "sums, float32 statistics, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
-@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
-              callback=lambda ctx, param, value: int(value),
-              help="the estimate with the optimizer state sharded over --dp (as train --zero 1)")
+@zero_option("the estimate with the optimizer state sharded over --dp (as train --zero 1)")
 @recompute_option
 @click.option("--json", "as_json", is_flag=True,
               help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
@@ -94,17 +91,14 @@ def _mib(nbytes: int) -> str:
 @model_options
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that each layout accepts]")
-@click.option("--grad-accum", type=int, default=1, show_default=True,
-              help="micro-batches per step: forward+backward on batch/N sequences at a time, one update")
+@grad_accum_option("micro-batches per step: forward+backward on batch/N sequences at a time, one update")
 @click.option("--warmup-steps", type=int, default=2, show_default=True, help="untimed steps first")
 @click.option("--steps", type=int, default=5, show_default=True, help="timed steps")
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_options
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
-@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
-              callback=lambda ctx, param, value: int(value),
-              help="1: the optimizer state sharded over --dp (as train --zero 1)")
+@zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
 def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
           dtype, device, tf32, recompute, zero, as_json):
     """Time training steps; compare with the cost model and a plain matmul.

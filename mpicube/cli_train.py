@@ -8,7 +8,8 @@ import json
 
 import click
 
-from .cli import Duration, _load_config, _mpi, cli, device_options, echo, layout_options, model_options, recompute_option
+from .cli import (Duration, _load_config, _mpi, cli, device_options, echo, grad_accum_option, layout_options,
+                  model_options, recompute_option, zero_option)
 
 
 @cli.command()
@@ -21,8 +22,7 @@ from .cli import Duration, _load_config, _mpi, cli, device_options, echo, layout
               help="vocabulary (256: byte-level tokens; 50257: GPT-2's BPE); --init-from's model sets its own")
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that the layout accepts]")
-@click.option("--grad-accum", type=int, default=1, show_default=True,
-              help="micro-batches per step: forward+backward on batch/N sequences at a time, one update")
+@grad_accum_option("micro-batches per step: forward+backward on batch/N sequences at a time, one update")
 @click.option("--steps", type=int, default=500, show_default=True, help="optimizer steps (LR schedule length)")
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="peak learning rate")
 @click.option("--warmup", type=int, default=20, show_default=True, help="linear warmup steps, then cosine decay")
@@ -64,10 +64,8 @@ from .cli import Duration, _load_config, _mpi, cli, device_options, echo, layout
               help="float16: steps without overflow before the scale doubles  [default: 2000]")
 @click.option("--loss-scale-backoff", type=float, default=None,
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
-@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
-              callback=lambda ctx, param, value: int(value),
-              help="1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
-                   "replicas; gradients reduce-scattered, parameters all-gathered")
+@zero_option("1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
+             "replicas; gradients reduce-scattered, parameters all-gathered")
 def train(**kwargs):
     """Train a GPT-2 model.
 
