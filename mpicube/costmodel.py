@@ -54,6 +54,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from . import zero
 from .config import ModelConfig
 from .model import gpt_params
 from .precision import gradient_wire_name
@@ -418,16 +419,10 @@ def step_memory(p: Problem, dropout: bool = False) -> Memory:
     multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp)."""
     params = sum(n for n, _ in local_param_sizes(p).values())
     if p.sharded:
-        padded, chunk = zero_sizes(params, p.dp, p.zero)
+        padded, chunk = zero.sizes(params, p.dp, p.zero)
         return Memory(padded, padded, 2 * chunk, activation_elems(p, dropout))
     return Memory(params, params, 2 * params, activation_elems(p, dropout))
 
-
-def zero_sizes(params: int, dp: int, zero: int) -> tuple:
-    """(P_pad, C): the padded buffer and each replica's chunk (mpicube.zero)."""
-    from .zero import sizes
-
-    return sizes(params, dp, zero)
 
 
 def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
@@ -465,7 +460,7 @@ def step_traffic(p: Problem) -> Traffic:
         t.sum(axis, _group_size(p, axis), n, width=w.gsum)
     params = sum(n for n, _ in sizes.values())
     if p.sharded:
-        padded, chunk = zero_sizes(params, p.dp, p.zero)
+        padded, chunk = zero.sizes(params, p.dp, p.zero)
         t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
         t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)   # gradient norm

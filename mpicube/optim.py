@@ -54,14 +54,21 @@ def global_grad_norm(store: ParamStore, tp: Comm) -> float:
     after sync_gradients). One dot product per run of the flat buffer that
     shares a replica count, summed on the device; the only copy to the host
     is the final number."""
-    xp = store.backend.xp
     store.settle()
-    local = xp.zeros(1, dtype=xp.float64)                # (1,) on the device
-    for replicas, run in store.replica_runs:
-        g = store.flat_grad[run]                         # (n,)
-        local += xp.dot(g, g).astype(xp.float64) / replicas
-    total = tp.allreduce(local)
+    total = tp.allreduce(weighted_squares(store.backend.xp, store.flat_grad, store.replica_runs))
     return math.sqrt(float(total[0]))
+
+
+def weighted_squares(xp, grad, replica_runs):
+    """(1,) float64 on the device: the sum over (replicas, run) of
+    |grad[run]|^2 / replicas, one dot product per run, so a block that
+    ``replicas`` tensor-parallel ranks hold counts once when summed over
+    them (``global_grad_norm``, and ``zero.ShardedStep`` on its chunk)."""
+    local = xp.zeros(1, dtype=xp.float64)                # (1,)
+    for replicas, run in replica_runs:
+        g = grad[run]                                    # (n,)
+        local += xp.dot(g, g).astype(xp.float64) / replicas
+    return local
 
 
 @dataclass

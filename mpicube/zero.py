@@ -139,12 +139,10 @@ class ShardedStep:
         """L2 norm of the logical gradient from the owned chunks: one
         float64 all-reduce over the world; the only copy to the host is the
         final number."""
-        xp, store = self.store.backend.xp, self.store
-        g_own = store.flat_grad[store.shard]                 # (C,)
-        local = xp.zeros(1, dtype=xp.float64)                # (1,) on the device
-        for replicas, run in self.replica_runs:
-            g = g_own[run]                                   # (n,)
-            local += xp.dot(g, g).astype(xp.float64) / replicas
+        from .optim import weighted_squares
+
+        store = self.store
+        local = weighted_squares(store.backend.xp, store.flat_grad[store.shard], self.replica_runs)   # of (C,)
         return math.sqrt(float(self.axes.world.allreduce(local)[0]))
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
