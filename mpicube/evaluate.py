@@ -9,7 +9,7 @@ from . import data, dataplan, formats
 from .comm import on_root
 from .accum import forward_loss
 from .errors import ConfigError
-from .grid import default_batch, plan
+from .grid import saved_or_default_batch
 from .model import GPT
 from .parts import Parts, build_parts
 from .state import attr_dict
@@ -70,11 +70,7 @@ def eval_batch_size(given, saved, layout, cfg, world_size, dp, depth) -> tuple:
     smallest of at least 8 that it accepts (grid.default_batch)."""
     if given is not None:
         return int(given), None
-    if saved:
-        try:
-            plan(layout, cfg, int(saved), world_size, dp, depth)
-            return int(saved), None
-        except ConfigError:
-            batch, why = default_batch(layout, cfg, world_size, dp, depth)
-            return batch, f"{why}; the checkpoint's batch {saved} does not fit"
-    return default_batch(layout, cfg, world_size, dp, depth)
+    batch, kept, why = saved_or_default_batch(saved, layout, cfg, world_size, dp, depth)
+    if kept or not saved:
+        return batch, None if kept else why
+    return batch, f"{why}; the checkpoint's batch {saved} does not fit"

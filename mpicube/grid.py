@@ -138,6 +138,23 @@ def default_batch(name: str, cfg: ModelConfig, world_size: int, dp: int = 1, dep
     return batch, f"batch {batch} (smallest of at least {at_least} that layout {resolved}, tp {tp}{extra} accepts)"
 
 
+def saved_or_default_batch(saved, name: str, cfg: ModelConfig, world_size: int, dp: int = 1, depth: int = 1,
+                           grad_accum: int = 1, recompute: str = "none") -> tuple:
+    """(batch, kept, why) when no --batch-size is given: a model file's own
+    training batch ``saved`` (None if it records none) if this layout takes
+    it (kept True, why None), else ``default_batch`` and its words. The
+    trainer (resuming) and ``mpicube eval`` both choose this way, so a run
+    keeps its data order wherever it can."""
+    if saved:
+        try:
+            plan(name, cfg, int(saved), world_size, dp, depth, grad_accum, recompute)
+            return int(saved), True, None
+        except ConfigError:
+            pass
+    batch, why = default_batch(name, cfg, world_size, dp, depth, grad_accum, recompute=recompute)
+    return batch, False, why
+
+
 def build_layout(name: str, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_world,
                  dp: int = 1, depth: int = 1, counters: Counters = None, grad_accum: int = 1,
                  recompute: str = "none"):

@@ -45,7 +45,7 @@ from .config import ModelConfig
 from .errors import ConfigError, UserError
 from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
 from .accum import forward_backward
-from .grid import default_batch, plan
+from .grid import plan, saved_or_default_batch
 from .optim import Schedule, make_step
 from .parts import Parts, build_parts, recompute_note  # noqa: F401 (build_parts re-exported for tools and tests)
 from .console import Console
@@ -170,20 +170,12 @@ class Trainer:
         o = self.opts
         if o.batch_size is not None:
             return
-        world = self.world.Get_size()
         saved = None
         if getattr(self, "full_state", False) and self.model_file is not None:
             saved = attr_dict(getattr(self.model_file, "attrs", {}).get("train")).get("batch_size")
-        if saved:
-            try:
-                plan(o.layout, self.cfg, int(saved), world, o.dp, o.depth, o.grad_accum, o.recompute)
-                o.batch_size = int(saved)
-                self.batch_note = f"batch {o.batch_size} (the resumed run's)"
-                return
-            except ConfigError:
-                pass
-        o.batch_size, self.batch_note = default_batch(o.layout, self.cfg, world, o.dp, o.depth, o.grad_accum,
-                                                      recompute=o.recompute)
+        o.batch_size, kept, why = saved_or_default_batch(saved, o.layout, self.cfg, self.world.Get_size(), o.dp,
+                                                         o.depth, o.grad_accum, o.recompute)
+        self.batch_note = f"batch {o.batch_size} (the resumed run's)" if kept else why
 
     def _plan_data(self) -> None:
         """The data plan (rank 0 decides, every rank checks) and the loader."""
