@@ -393,9 +393,10 @@ mpc_requeue_slurm() {
     mpc_log "MAX_RESUBMITS=$MAX_RESUBMITS restarts reached: not requeueing; resubmit by hand to continue"
     return 0
   fi
-  if scontrol requeue "$SLURM_JOB_ID"; then
-    mpc_log "requeued job $SLURM_JOB_ID; it resumes from the latest checkpoint"
-  else
+  # Logged before the call: a successful requeue makes slurmctld cancel this
+  # batch step at once, so nothing after `scontrol requeue` is sure to run.
+  mpc_log "requeueing job $SLURM_JOB_ID; it resumes from the latest checkpoint"
+  if ! scontrol requeue "$SLURM_JOB_ID"; then
     mpc_log "scontrol requeue failed: submit the script again to resume"
   fi
 }
@@ -416,6 +417,9 @@ mpc_resubmit_pbs() {
     done
   } >"$env_file"
   [[ $env_file != *,* ]] || mpc_die "RUN_DIR must not contain a comma (qsub -v)"
+  # Logged before the call, like the Slurm requeue (qsub does not end this
+  # job, but a site's submit filter or a walltime kill may come first).
+  mpc_log "resubmitting $MPC_SELF to resume after this job (restart $((MPC_RESTARTS + 1)))"
   local id
   if id=$(qsub -W depend=afterany:"$PBS_JOBID" \
     -v "MPICUBE_RESUBMITS=$((MPC_RESTARTS + 1)),MPICUBE_JOB_ENV=$env_file" \

@@ -66,7 +66,7 @@ def test_stop_after_then_resume_is_bit_identical(mpicube, tmp_path):
     assert r.returncode == 2 and "--resume" in r.error_lines()[0], r
 
 
-def _wait_for_steps(proc, run_dir, n, timeout=30):
+def _wait_for_steps(proc, run_dir, n, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
