@@ -67,6 +67,11 @@ class PbsJob:
         base = job_env()            # PATH to python and the venv's mpiexec, MPICH's oversubscription setting
         env = {k: base[k] for k in ("PATH", "HOME", "LANG", "MPIR_CVAR_ENABLE_HEAVY_YIELD", "MPIEXEC_TIMEOUT")
                if k in base}
+        # The machine's OpenBLAS settings (a site sets them in every login
+        # shell, so a PBS job has them too). The losses are compared bit for
+        # bit with a plain mpiexec run, which inherits them: without them the
+        # job would pick another GEMM kernel and differ in the last bits.
+        env.update({k: v for k, v in base.items() if k.startswith("OPENBLAS_")})
         env.update(PATH=f"{self.stubs}:{env['PATH']}", STUB_LOG=str(self.dir), PBS_JOBID=JOB_ID,
                    PBS_NODEFILE=str(self.nodefile), PBS_O_WORKDIR=str(ROOT))
         env.update({k: str(v) for k, v in variables.items()})
