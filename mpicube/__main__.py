@@ -1,6 +1,6 @@
 """``python -m mpicube``: the same as the ``mpicube`` console command."""
 
-from .cli import main
+from .cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -47,7 +47,7 @@ def a_index(r: int):
 
 
 def blocks_for(r: int, step: int, version: int = 0):
-    from mpicube.checkpoint import Block
+    from mpicube.files.checkpoint import Block
     ex = expected(step, version)
     out = []
     rows, cols = a_index(r)
@@ -78,7 +78,7 @@ def attrs_for(step: int):
 
 def check_readback(comm, path, step, version):
     """Every rank loads its own blocks back, as a trainer resuming would."""
-    from mpicube.checkpoint import open_checkpoint
+    from mpicube.files.checkpoint import open_checkpoint
     comm.Barrier()
     with open_checkpoint(path, verify=comm.Get_rank() == 0) as ck:
         assert ck.step == step, ck.step
@@ -97,8 +97,8 @@ def check_readback(comm, path, step, version):
 
 def main(mode: str, run_dir: str) -> None:
     from mpi4py import MPI
-    from mpicube import checkpoint as C
-    from mpicube.checkpoint import write as checkpoint_write
+    from mpicube.files import checkpoint as C
+    from mpicube.files.checkpoint import write as checkpoint_write
 
     comm = MPI.COMM_WORLD
     r = comm.Get_rank()
@@ -153,7 +153,7 @@ def main(mode: str, run_dir: str) -> None:
         import json
         from pathlib import Path
 
-        from mpicube.checkpoint import read as checkpoint_read
+        from mpicube.files.checkpoint import read as checkpoint_read
         hashed = []
         real_sha = checkpoint_read._sha256_file
 

@@ -14,7 +14,7 @@ import sys
 
 
 def run(argv):
-    from mpicube import cli
+    from mpicube.cli import main as cli
 
     out, err = io.StringIO(), io.StringIO()
     status = 0

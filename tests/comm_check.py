@@ -11,8 +11,8 @@ from fractions import Fraction
 import numpy as np
 from mpi4py import MPI
 
-from mpicube.backend import make_backend
-from mpicube.comm import Comm, Counters
+from mpicube.device.backend import make_backend
+from mpicube.parallel.comm import Comm, Counters
 
 world = MPI.COMM_WORLD
 backend = make_backend("cpu", "float64")

@@ -1,4 +1,4 @@
-"""Run under mpiexec: the 16-bit wire sums (mpicube.comm_wire) against plain
+"""Run under mpiexec: the 16-bit wire sums (mpicube.parallel.comm_wire) against plain
 MPI sums of the same data.
 
 Every rank can regenerate every other rank's input from its seed, so the
@@ -19,8 +19,8 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from mpicube.backend import make_backend
-from mpicube.comm import Comm, Counters
+from mpicube.device.backend import make_backend
+from mpicube.parallel.comm import Comm, Counters
 
 world = MPI.COMM_WORLD
 g, rank = world.size, world.rank

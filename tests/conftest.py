@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mpicube import data
+from mpicube.files import data
 from mpirun import MPIEXEC, job_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def relerr(a, b) -> float:
 
 def checkpoint_tensors(path) -> dict:
     """Every tensor of a checkpoint, whole (verified on open)."""
-    from mpicube import checkpoint
+    from mpicube.files import checkpoint
 
     with checkpoint.open_checkpoint(path) as ck:
         return {name: ck.read(name) for name in ck.names()}

@@ -2,7 +2,7 @@
 
 CI has no GPU, yet the kernels' index arithmetic, masks and block
 reductions are exactly what can go wrong in them. This compiles
-mpicube/cuda_source.py's text against a small emulation of the CUDA
+mpicube/device/cuda_source.py's text against a small emulation of the CUDA
 built-ins and runs it on one OS thread, each CUDA thread a fiber with its
 own stack (started with ucontext, switched with _setjmp/_longjmp):
 
@@ -256,7 +256,7 @@ def build(source: str, folder: Path) -> Path:
 
 
 def scalar_dtype(source: str) -> np.dtype:
-    """The storage type ``scalar_t`` that mpicube.cuda_source typed ``source`` with."""
+    """The storage type ``scalar_t`` that mpicube.device.cuda_source typed ``source`` with."""
     found = re.search(r"typedef (float|double) scalar_t;", source)
     if not found:
         raise ValueError("no `typedef float|double scalar_t;` in the kernel source")

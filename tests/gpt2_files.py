@@ -1,6 +1,6 @@
 """Model files the tests make themselves (no downloads): random GPT-2
 weights, Hugging Face directories and llm.c files written by hand from the
-formats' published layouts (independently of mpicube.formats' writers),
+formats' published layouts (independently of mpicube.files.formats' writers),
 and a plain NumPy GPT-2 forward pass to check logits against."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mpicube.config import ModelConfig
-from mpicube.model import gpt_params
+from mpicube.core.config import ModelConfig
+from mpicube.model.gpt import gpt_params
 
 LAYER_ORDER = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
                "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",

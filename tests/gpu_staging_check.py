@@ -17,9 +17,10 @@ import cupyx
 import numpy as np
 from mpi4py import MPI
 
-from mpicube.config import ModelConfig
-from mpicube.optim import AdamW, global_grad_norm, sync_gradients
-from mpicube.train import build_parts
+from mpicube.core.config import ModelConfig
+from mpicube.training.optim import AdamW
+from mpicube.parallel.gradients import global_grad_norm, sync_gradients
+from mpicube.training.train import build_parts
 
 calls = [0]
 _empty_pinned = cupyx.empty_pinned

@@ -13,7 +13,7 @@ import sys
 
 import cupy
 
-from mpicube.train import Trainer, TrainOptions
+from mpicube.training.train import Trainer, TrainOptions
 
 
 def transfers_per_step(run_dir: str, n_layer: int) -> list:

@@ -25,7 +25,7 @@ Environment:
                               plus, for blocks, one rerun block's caches
   MPICUBE_CHECK_ACCUM=N       the layout under test runs each step as N
                               micro-batches (the trainer's
-                              mpicube.accum.forward_backward), the serial
+                              mpicube.training.accum.forward_backward), the serial
                               reference the whole batch at once; memory is
                               checked after every micro-batch's forward
                               (with both, they combine)
@@ -45,7 +45,7 @@ largest relative error of one rounding). The sources of difference:
    changes by one unit in the last place, 2u relative. Such crossings are
    rare (a fraction ~1e-7/u of the roundings) and independent: a few units
    in the last place of a tensor's largest entry, budgeted as 4 ulps = 8u.
-2. The layout's sums travel in 16 bits (mpicube.comm_wire): each of the g
+2. The layout's sums travel in 16 bits (mpicube.parallel.comm_wire): each of the g
    partials p_1..p_g of a sum S is rounded once before the float32 sum,
    which the serial model never does. The sum moves by at most
    sum_k u |p_k| <= g rho u M, where M is the largest |entry| of S's tensor
@@ -98,17 +98,18 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpicube.backend import make_backend
-from mpicube.comm import Counters
-from mpicube.config import ModelConfig
-from mpicube.costmodel import Problem, kept_and_rerun_terms, step_memory, step_memory_bytes, step_traffic
-from mpicube.grid import build_layout
-from mpicube.accum import forward_backward
-from mpicube.model import GPT, gpt_params
-from mpicube.optim import make_step
-from mpicube.params import ParamStore, clipped_index, real_mask
-from mpicube.parts import Parts
-from mpicube.precision import dtype_of, gradient_wire, is_half, unit_roundoff
+from mpicube.device.backend import make_backend
+from mpicube.parallel.comm import Counters
+from mpicube.core.config import ModelConfig
+from mpicube.analysis.costmodel import Problem, step_traffic
+from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory, step_memory_bytes
+from mpicube.parallel.grid import build_layout
+from mpicube.training.accum import forward_backward
+from mpicube.model.gpt import GPT, gpt_params
+from mpicube.training.step import make_step
+from mpicube.parallel.params import ParamStore, clipped_index, real_mask
+from mpicube.training.parts import Parts
+from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff
 
 DEVICE = os.environ.get("MPICUBE_CHECK_DEVICE", "cpu")
 DTYPE = os.environ.get("MPICUBE_CHECK_DTYPE", "float64")
@@ -118,7 +119,7 @@ HALF = is_half(dtype_of(DTYPE))
 RTOL = 1e-10           # float64; 16-bit runs set it from the layout (wire_tolerance)
 WORST = [0.0]          # the largest relative difference seen, for the report line
 ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
-# float16 trains with loss scaling (mpicube.loss_scale); without it the
+# float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
 LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0

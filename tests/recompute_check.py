@@ -15,13 +15,14 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from mpicube.backend import make_backend
-from mpicube.comm import Counters
-from mpicube.config import ModelConfig
-from mpicube.grid import build_layout
-from mpicube.model import GPT, gpt_params
-from mpicube.optim import AdamW, global_grad_norm, sync_gradients
-from mpicube.params import ParamStore
+from mpicube.device.backend import make_backend
+from mpicube.parallel.comm import Counters
+from mpicube.core.config import ModelConfig
+from mpicube.parallel.grid import build_layout
+from mpicube.model.gpt import GPT, gpt_params
+from mpicube.training.optim import AdamW
+from mpicube.parallel.gradients import global_grad_norm, sync_gradients
+from mpicube.parallel.params import ParamStore
 
 RTOL = 1e-12
 CFG = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=4, n_embd=16)

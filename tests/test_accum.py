@@ -1,7 +1,7 @@
 """``--grad-accum N`` and default batch sizes (issue 13, items 3 and 4).
 
 Accumulation must not change the trajectory: every layout, running a step as
-N micro-batches through the trainer's own code (mpicube.accum), follows the
+N micro-batches through the trainer's own code (mpicube.training.accum), follows the
 serial model run on the whole batch at once (float64, 1e-10), with measured
 communication and memory equal to the cost model; and ``mpicube train`` with
 and without accumulation logs the same losses. Without --batch-size, a
@@ -15,10 +15,11 @@ import pytest
 from conftest import TINY, read_metrics
 from mpirun import ROOT, mpiexec
 
-from mpicube.config import ModelConfig
-from mpicube.costmodel import Problem, activation_elems, step_traffic
-from mpicube.errors import ConfigError
-from mpicube.grid import default_batch, plan
+from mpicube.core.config import ModelConfig
+from mpicube.analysis.costmodel import Problem, step_traffic
+from mpicube.analysis.costmemory import activation_elems
+from mpicube.core.errors import ConfigError
+from mpicube.parallel.grid import default_batch, plan
 
 CFG = ModelConfig(vocab_size=256, n_ctx=64, n_layer=4, n_head=12, n_embd=144)   # train's default model
 

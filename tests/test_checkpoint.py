@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpicube import checkpoint as C
+from mpicube.files import checkpoint as C
 from mpirun import mpiexec
 
 HERE = Path(__file__).resolve().parent

@@ -28,7 +28,7 @@ import pytest
 from mpirun import rank_pid
 from conftest import MpiCube, last_json, read_metrics
 
-from mpicube import checkpoint
+from mpicube.files import checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import PYTHON, TINY, last_json, read_metrics, sample_text_files
 
-from mpicube import checkpoint, data
-from mpicube.config import ModelConfig
+from mpicube.files import checkpoint, data
+from mpicube.core.config import ModelConfig
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_elems", "comm_msgs"}
 

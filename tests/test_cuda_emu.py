@@ -81,7 +81,7 @@ def test_emulation_catches_a_missing_barrier_and_a_deadlock(folder):
 STAND_IN_CHECK = r"""
 import sys
 import numpy as np, cupy
-from mpicube import cuda_kernels as K
+from mpicube.device import cuda_kernels as K
 
 def refused(exc, func, *args):
     try:
@@ -125,7 +125,7 @@ def test_stand_in_raw_module_runs_cuda_source_strictly(folder):
 
 
 def test_stand_in_has_no_kernel_api_unless_asked(folder):
-    code = "import cupy, mpicube.cuda_kernels as K; print(hasattr(cupy, 'RawModule'), K.available())"
+    code = "import cupy, mpicube.device.cuda_kernels as K; print(hasattr(cupy, 'RawModule'), K.available())"
     done = subprocess.run([sys.executable, "-c", code], env=stand_in_env(folder), capture_output=True, text=True,
                           timeout=60)
     assert done.stdout.strip() == "False False", done.stderr

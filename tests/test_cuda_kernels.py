@@ -1,4 +1,4 @@
-"""mpicube.cuda_kernels against the array path of mpicube.ops.
+"""mpicube.device.cuda_kernels against the array path of mpicube.ops.
 
 Three kinds of test:
 - everywhere: the module imports without CuPy, stays off for NumPy arrays,
@@ -32,9 +32,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpicube import cuda_kernels as K
-from mpicube import cuda_source, fused, ops, rng
-from mpicube.errors import UserError
+from mpicube.device import cuda_kernels as K
+from mpicube.device import cuda_source, fused
+from mpicube import ops
+from mpicube.ops import rng
+from mpicube.core.errors import UserError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_emu  # noqa: E402
@@ -47,7 +49,7 @@ TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
 # --- without a GPU --------------------------------------------------------------------
 def test_imports_and_stays_off_without_cupy():
     code = ("import sys; sys.modules['cupy'] = None\n"      # makes `import cupy` fail
-            "import numpy as np, mpicube.cuda_kernels as k\n"
+            "import numpy as np, mpicube.device.cuda_kernels as k\n"
             "assert not k.available() and not k.active(np.ones(3)) and not k.use(True)\n"
             "print(k.describe())")
     env = dict(os.environ, MPICUBE_CUDA_KERNELS="1", PYTHONPATH=str(ROOT))

@@ -5,22 +5,10 @@ import sysconfig
 import numpy as np
 import pytest
 
-from mpicube import data
-from mpicube.data import (
-    HEADER_INTS,
-    MAGIC,
-    VERSION,
-    DataError,
-    TrainLoader,
-    builtin_corpus,
-    decode_tokens,
-    encode_bytes,
-    eval_batch,
-    eval_batch_count,
-    prepare,
-    read_shard,
-    write_shard,
-)
+from mpicube.files import data
+from mpicube.files.data import (HEADER_INTS, MAGIC, VERSION, DataError, TrainLoader, builtin_corpus,
+                                decode_tokens, encode_bytes, eval_batch, eval_batch_count, prepare,
+                                read_shard, write_shard)
 
 HEADER_BYTES = HEADER_INTS * 4
 

@@ -21,9 +21,9 @@ from gpt2_files import (bf16_round, random_gpt2, reference_greedy, reference_log
                         write_llmc)
 from mpirun import job_env
 
-from mpicube import checkpoint, data, formats
-from mpicube.config import ModelConfig
-from mpicube.formats.convert import convert
+from mpicube.files import checkpoint, data, formats
+from mpicube.core.config import ModelConfig
+from mpicube.files.formats.convert import convert
 
 pytestmark = pytest.mark.timeout(600)
 

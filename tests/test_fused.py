@@ -1,4 +1,4 @@
-"""The fused numba kernels (mpicube.fused) against the NumPy code they stand
+"""The fused numba kernels (mpicube.device.fused) against the NumPy code they stand
 in for, through the public ops, optimizer and ParamStore: every op, AdamW and
 a whole training step agree up to rounding, NaN still propagates, and
 deferred gradient zeroing neither leaves stale sums nor loses accumulation."""
@@ -9,16 +9,17 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpicube import fused, ops
-from mpicube.backend import make_backend
-from mpicube.config import ModelConfig
-from mpicube.errors import UserError
-from mpicube.model import gpt_params
-from mpicube.optim import AdamW
-from mpicube.params import ParamStore
-from mpicube.train import build_parts
+from mpicube.device import fused
+from mpicube import ops
+from mpicube.device.backend import make_backend
+from mpicube.core.config import ModelConfig
+from mpicube.core.errors import UserError
+from mpicube.model.gpt import gpt_params
+from mpicube.training.optim import AdamW
+from mpicube.parallel.params import ParamStore
+from mpicube.training.train import build_parts
 
-pytest.importorskip("numba")        # mpicube.fused imports without it, but then has nothing to test
+pytest.importorskip("numba")        # mpicube.device.fused imports without it, but then has nothing to test
 
 DTYPES = [np.float64, np.float32]
 TOL = {np.float64: (1e-12, 1e-12), np.float32: (1e-5, 1e-5)}        # (rtol, atol per unit of scale)
@@ -370,8 +371,8 @@ def test_batched_matmul_split(B, nh):
 def test_readers_of_the_whole_buffer_settle_deferred_gradients():
     """zero_grad with no backward after it: the gradient norm, the
     synchronisation and AdamW see zeros, not last step's deferred values."""
-    from mpicube.comm import Comm, Counters
-    from mpicube.optim import global_grad_norm, sync_gradients
+    from mpicube.parallel.comm import Comm, Counters
+    from mpicube.parallel.gradients import global_grad_norm, sync_gradients
 
     parts = build_parts(ModelConfig(vocab_size=11, n_ctx=4, n_layer=1, n_head=2, n_embd=8), "serial", 2,
                         MPI.COMM_SELF, dtype="float64")

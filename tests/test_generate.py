@@ -7,9 +7,10 @@ import pytest
 from conftest import TINY, last_json
 from gpt2_files import random_gpt2, reference_greedy, write_llmc
 
-from mpicube import kvcache, ops
-from mpicube.config import ModelConfig
-from mpicube.generate import Sampler
+from mpicube.model import kvcache
+from mpicube import ops
+from mpicube.core.config import ModelConfig
+from mpicube.cli.generate import Sampler
 
 pytestmark = pytest.mark.timeout(300)
 

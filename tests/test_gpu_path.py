@@ -22,7 +22,7 @@ import pytest
 
 import cuda_emu
 from conftest import TINY, last_json, read_metrics
-from mpicube import cuda_source
+from mpicube.device import cuda_source
 from mpirun import ROOT, mpiexec
 
 FAKE_GPU = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}"}
@@ -145,7 +145,7 @@ def test_cuda_aware_request_is_refused_when_mpi_says_no():
     """The MPICH wheel answers MPIX_GPU_query_support with "no": asking for
     CUDA-aware MPI with a real CuPy would crash in the first collective, so
     the check refuses it (the stand-in is exempt: its memory is host memory)."""
-    code = ("import types\nfrom mpicube import backend\nfrom mpicube.errors import UserError\n"
+    code = ("import types\nfrom mpicube.device import backend\nfrom mpicube.core.errors import UserError\n"
             "print('support', backend.mpi_cuda_support())\n"
             "try:\n    backend.check_cuda_aware(types.SimpleNamespace())\n"
             "except UserError as e:\n    print('refused:', e)\n")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from mpicube.config import ModelConfig
-from mpicube.errors import ConfigError
-from mpicube.grid import choose_layout, plan
+from mpicube.core.config import ModelConfig
+from mpicube.core.errors import ConfigError
+from mpicube.parallel.grid import choose_layout, plan
 
 CFG = ModelConfig(vocab_size=256, n_ctx=16, n_layer=1, n_head=12, n_embd=144)
 

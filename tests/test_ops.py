@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpicube import ops
-from mpicube.layouts.base import DenseLinear, LayerNorm
+from mpicube.parallel.layouts.base import DenseLinear, LayerNorm
 
 EPS = 1e-6
 RTOL = 1e-6
@@ -121,8 +121,8 @@ def test_embedding_block():
 
 
 def test_dense_linear():
-    from mpicube.backend import make_backend
-    from mpicube.params import ParamDecl, ParamSpec, ParamStore
+    from mpicube.device.backend import make_backend
+    from mpicube.parallel.params import ParamDecl, ParamSpec, ParamStore
 
     specs = [ParamSpec(ParamDecl("l.weight", (4, 5), "w_first", "normal", 1.0), (np.arange(4), np.arange(5))),
              ParamSpec(ParamDecl("l.bias", (5,), "b_first", "normal", 1.0), (np.arange(5),))]
@@ -142,11 +142,11 @@ def test_whole_model_gradient():
     """d loss / d every parameter of the serial GPT, with dropout on."""
     from mpi4py import MPI
 
-    from mpicube.backend import make_backend
-    from mpicube.config import ModelConfig
-    from mpicube.grid import build_layout
-    from mpicube.model import GPT, gpt_params
-    from mpicube.params import ParamStore
+    from mpicube.device.backend import make_backend
+    from mpicube.core.config import ModelConfig
+    from mpicube.parallel.grid import build_layout
+    from mpicube.model.gpt import GPT, gpt_params
+    from mpicube.parallel.params import ParamStore
 
     cfg = ModelConfig(vocab_size=11, n_ctx=5, n_layer=2, n_head=2, n_embd=8)
     backend = make_backend("cpu", "float64")
@@ -170,8 +170,8 @@ def test_row_reductions_are_accurate_in_float32():
     """Bias and LayerNorm parameter gradients sum over every token row; over
     4M rows of one sign a running float32 sum is off by percents. Measured
     through the ops the layers call, against float64."""
-    from mpicube.backend import make_backend
-    from mpicube.params import ParamDecl, ParamSpec, ParamStore
+    from mpicube.device.backend import make_backend
+    from mpicube.parallel.params import ParamDecl, ParamSpec, ParamStore
 
     n, C = 1 << 22, 2
     dy = rng.uniform(0.5, 1.5, (n, C)).astype(np.float32)                 # (n, C)

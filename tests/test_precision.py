@@ -190,7 +190,7 @@ def test_blockwise_16bit_gemm_equals_float32_gemm_of_the_widened_operands(monkey
     with a float32 accumulator, batches), with blocks small enough that
     each operand is cut several times."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    from mpicube import precision
+    from mpicube.device import precision
 
     monkeypatch.setattr(precision, "BLOCK_ELEMS", 64)
     rng = np.random.default_rng(0)
@@ -216,8 +216,9 @@ def test_bfloat16_halves_activation_memory_against_float32():
     but for LayerNorm's float32 statistics and the embedding's float32
     gradient panel; the layouts' gathers, broadcasts and sums move half
     (exactly: test_bfloat16_moves_half_the_bytes_of_float32_but_...)."""
-    from mpicube.config import ModelConfig
-    from mpicube.costmodel import Problem, step_memory_bytes, step_traffic
+    from mpicube.core.config import ModelConfig
+    from mpicube.analysis.costmodel import Problem, step_traffic
+    from mpicube.analysis.costmemory import step_memory_bytes
 
     cfg = ModelConfig(vocab_size=256, n_ctx=64, n_layer=4, n_head=12, n_embd=144)
     for layout, tp in (("3d", 8), ("2d", 4), ("1d", 4), ("serial", 1)):
@@ -235,7 +236,7 @@ def kept_problem(problem):
     statistics and the float64 scalars."""
     from dataclasses import dataclass, replace
 
-    from mpicube.costmodel import Problem, Widths
+    from mpicube.analysis.costmodel import Problem, Widths
 
     @dataclass
     class Kept(Problem):
@@ -261,8 +262,8 @@ def test_bfloat16_moves_half_the_bytes_of_float32_but_statistics_and_scalars():
     bytes (3d 0.5018x, 1d 0.5006x, 1d x dp 2 0.5005x with --zero 0 or 1).
     float16 keeps its gradient sums in float32: with dp = 2 it moves more
     than 0.51x (1d x dp 2: 0.58x)."""
-    from mpicube.config import ModelConfig
-    from mpicube.costmodel import Problem, step_traffic
+    from mpicube.core.config import ModelConfig
+    from mpicube.analysis.costmodel import Problem, step_traffic
 
     cfg = ModelConfig(vocab_size=256, n_ctx=64, n_layer=4, n_head=12, n_embd=144)
     for layout, tp, dp, depth, zero, share in RATIO_CASES:
@@ -302,8 +303,8 @@ def test_bfloat16_run_moves_the_bytes_the_model_predicts_about_half_of_float32(r
     bfloat16 gradient sums move half of float32's."""
     from fractions import Fraction
 
-    from mpicube.config import ModelConfig
-    from mpicube.costmodel import Problem, step_traffic
+    from mpicube.core.config import ModelConfig
+    from mpicube.analysis.costmodel import Problem, step_traffic
 
     measured = {}
     for dtype in ("float32", "bfloat16"):
@@ -370,8 +371,8 @@ COMM16 = """
 import numpy as np, ml_dtypes
 from fractions import Fraction
 from mpi4py import MPI
-from mpicube.backend import make_backend
-from mpicube.comm import Comm, Counters
+from mpicube.device.backend import make_backend
+from mpicube.parallel.comm import Comm, Counters
 world = MPI.COMM_WORLD
 g, r = world.size, world.rank
 for dtype in (np.float16, ml_dtypes.bfloat16):

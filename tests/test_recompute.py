@@ -10,12 +10,13 @@ import pytest
 from conftest import PYTHON, TINY
 from mpirun import job_env, mpiexec
 
-from mpicube.config import ModelConfig
-from mpicube.costmodel import Problem, kept_and_rerun_terms, step_flops, step_memory_bytes, step_traffic
-from mpicube.costreport import _problem
-from mpicube.errors import ConfigError
-from mpicube.grid import plan
-from mpicube.layouts.base import RECOMPUTE_MODES
+from mpicube.core.config import ModelConfig
+from mpicube.analysis.costmodel import Problem, step_flops, step_traffic
+from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory_bytes
+from mpicube.analysis.costreport import _problem
+from mpicube.core.errors import ConfigError
+from mpicube.parallel.grid import plan
+from mpicube.parallel.layouts.base import RECOMPUTE_MODES
 
 HERE = Path(__file__).resolve().parent
 

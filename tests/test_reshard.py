@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import MpiCube, checkpoint_tensors, last_json, read_metrics, relerr
 
-from mpicube import checkpoint
+from mpicube.files import checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 

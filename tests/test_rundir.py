@@ -16,7 +16,7 @@ import pytest
 from conftest import PYTHON, TINY, last_json, read_metrics
 from mpirun import rank_pid
 
-from mpicube import checkpoint, data
+from mpicube.files import checkpoint, data
 
 pytestmark = pytest.mark.timeout(300)
 

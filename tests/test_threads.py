@@ -1,4 +1,4 @@
-"""Each rank's thread pools get its share of the node's cores (mpicube.threads):
+"""Each rank's thread pools get its share of the node's cores (mpicube.device.threads):
 the decision itself, and real ranks under mpiexec whose BLAS and numba pools
 are checked from inside, with OMP_NUM_THREADS unset and the node's core count
 pretended through MPICUBE_NODE_CORES."""
@@ -11,8 +11,8 @@ import sys
 import pytest
 from mpirun import MPIEXEC, ROOT, job_env
 
-from mpicube.errors import UserError
-from mpicube.threads import decide
+from mpicube.core.errors import UserError
+from mpicube.device.threads import decide
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,8 +41,8 @@ PROBE = """
 import json
 from mpi4py import MPI
 from threadpoolctl import threadpool_info
-from mpicube import fused, threads
-from mpicube.backend import make_backend
+from mpicube.device import fused, threads
+from mpicube.device.backend import make_backend
 make_backend("cpu", "float32", MPI.COMM_WORLD)
 info = {"blas": [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"],
         "numba": fused.numba.get_num_threads() if fused.numba else None,

@@ -3,7 +3,8 @@
 Every layout's trace equals the serial one in float64 (through `compare`,
 so `compare` itself is tested on real traces); one altered element is
 named as the first divergence; a deliberately wrong 3-D linear
-(MPICUBE_TEST_WRONG_AXIS) is caught at the first activation it touches;
+(planted from outside by tests/planted_bug.py) is caught at the first
+activation it touches;
 the torch version of the same steps agrees when torch is available.
 """
 
@@ -20,8 +21,8 @@ import numpy as np
 import pytest
 from conftest import MpiCube, last_json
 
-from mpicube import data
-from mpicube.compare import DEFAULT_TOLERANCES, computation_order
+from mpicube.files import data
+from mpicube.analysis.compare import DEFAULT_TOLERANCES, computation_order
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -57,8 +58,8 @@ def test_serial_trace_holds_the_steps_it_ran(serial_trace, corpus_cache):
     1's loss, logits and gradients recomputed here in-process."""
     from mpi4py import MPI
 
-    from mpicube.config import ModelConfig
-    from mpicube.train import build_parts
+    from mpicube.core.config import ModelConfig
+    from mpicube.training.train import build_parts
 
     with h5py.File(serial_trace, "r") as f:
         assert f.attrs["format"] == "mpicube-trace" and f.attrs["version"] == 1 and f.attrs["steps"] == STEPS
@@ -120,6 +121,21 @@ def test_every_layout_traces_the_serial_steps(runner, serial_trace, ranks, layou
     assert "all tensors agree" in r.stdout
 
 
+@pytest.mark.timeout(300)
+def test_the_trainers_options_trace_the_serial_steps(runner, serial_trace):
+    """The trace observes the trainer's own step, so what the trainer can
+    do traces: 1-D 2 x dp 2 with --zero 1, two micro-batches and block
+    recomputation follows the serial trace to 1e-10 (the micro-batches'
+    activations land in their rows of the step's tensors)."""
+    r = runner.run("trace", "--layout", "1d", "--dp", 2, "--zero", 1, "--grad-accum", 2, "--recompute", "blocks",
+                   *MODEL, "--steps", STEPS, "--out", "options.h5", n=4, timeout=240)
+    assert r.returncode == 0, r
+    r, summary = compare(runner, serial_trace, "options.h5")
+    assert r.returncode == 0, r
+    assert summary["first_divergence"] is None and summary["tensors"] == N_TENSORS
+    assert summary["max_rel"] <= 1e-10
+
+
 def test_an_altered_element_is_the_first_divergence(runner, serial_trace):
     altered = runner.cwd / "altered.h5"
     shutil.copy(serial_trace, altered)
@@ -135,11 +151,13 @@ def test_an_altered_element_is_the_first_divergence(runner, serial_trace):
 
 @pytest.mark.timeout(300)
 def test_a_wrong_cube_axis_is_caught_at_the_first_activation_it_touches(runner, serial_trace):
-    """MPICUBE_TEST_WRONG_AXIS makes block 1's c_fc reduce-scatter its
-    output over j instead of k: same shapes, wrong sums. Everything before
-    block 1 agrees; block 1's output is the first divergence."""
-    r = runner.run("trace", "--layout", "3d", *MODEL, "--steps", 1, "--out", "wrong.h5", n=8, timeout=240,
-                   env={"MPICUBE_TEST_WRONG_AXIS": "h.1.mlp.c_fc"})
+    """tests/planted_bug.py makes block 1's c_fc reduce-scatter its output
+    over j instead of k: same shapes, wrong sums. Everything before block 1
+    agrees; block 1's output is the first divergence."""
+    cmd = runner.command("trace", "--layout", "3d", *MODEL, "--steps", 1, "--out", "wrong.h5", n=8)
+    at = cmd.index("-m")
+    cmd[at:at + 2] = [str(REPO / "tests" / "planted_bug.py"), "h.1.mlp.c_fc"]
+    r = runner.run(cmd=cmd, timeout=240)
     assert r.returncode == 0, r
     r, summary = compare(runner, serial_trace, "wrong.h5")
     assert r.returncode == 1, r
@@ -256,7 +274,7 @@ def test_teaching_doc_quotes_lines_the_layouts_still_have():
     quotes = re.findall(r"`(\w+\.py)` · `([\w.]+)` · `([^`]+)`", text)
     assert len(quotes) >= 20
     for filename, function, line in quotes:
-        path = REPO / "mpicube" / ("layouts" if filename != "optim.py" else "") / filename
+        path = REPO / "mpicube" / "parallel" / ("layouts" if filename != "gradients.py" else "") / filename
         source = path.read_text()
         assert f"def {function.split('.')[-1]}(" in source, (filename, function)
         assert line in source, (filename, function, line)
@@ -272,7 +290,7 @@ def test_trace_starts_from_a_checkpoint(runner):
     assert r.returncode == 0, r
     r = runner.run("trace", "--layout", "serial", *small, "--steps", 1, "--init-from", "run", "--out", "from.h5")
     assert r.returncode == 0, r
-    from mpicube import checkpoint
+    from mpicube.files import checkpoint
 
     with checkpoint.open_checkpoint(runner.cwd / "run") as ck, h5py.File(runner.cwd / "from.h5", "r") as f:
         names = [n[len("model/"):] for n in ck.names() if n.startswith("model/")]

@@ -11,7 +11,7 @@ import numpy as np
 from mpirun import rank_pid
 from conftest import TINY, read_metrics
 
-from mpicube import checkpoint
+from mpicube.files import checkpoint
 
 
 def run_ok(mpicube, *args, n=1):
@@ -191,7 +191,7 @@ def test_signals_after_a_signal_stop_are_ignored_not_fatal():
     after a signal-driven stop SIGUSR1/SIGTERM must not fall back to their
     default action (killing the rank), while a run that was not stopped by
     a signal hands the previous handlers back."""
-    from mpicube.stopping import SIGNAL, EarlyStop
+    from mpicube.training.stopping import SIGNAL, EarlyStop
 
     before, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
     quiet = EarlyStop(world=None)

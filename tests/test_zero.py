@@ -1,5 +1,5 @@
 """--zero 1: the AdamW moments (and a 16-bit run's float32 master weights)
-sharded over the data-parallel replicas (mpicube/zero.py).
+sharded over the data-parallel replicas (mpicube/parallel/zero.py).
 
 1. Every layout with dp = 2, and some with dp = 4, follows the serial model
    (zero 0) in float64 to 1e-10 through three AdamW steps, and its measured
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from conftest import MpiCube, checkpoint_tensors, read_metrics, relerr
 
-from mpicube import checkpoint
+from mpicube.files import checkpoint
 from mpirun import ROOT, mpiexec
 
 # The fused CPU kernels forced on at every size, two threads per rank (as tests/test_layouts.py):
@@ -195,9 +195,10 @@ def test_info_knows_zero(tmp_path):
     C = ceil(P / dp)) and says so; with dp 1 it refuses in one line."""
     from test_formats import run_cases
 
-    from mpicube.config import ModelConfig
-    from mpicube.costmodel import Problem, step_memory
-    from mpicube.costreport import _fmt
+    from mpicube.core.config import ModelConfig
+    from mpicube.analysis.costmodel import Problem
+    from mpicube.analysis.costmemory import step_memory
+    from mpicube.analysis.costreport import _fmt
 
     args = ["info", "-n", "8", "--dp", "4", "--layout", "1d", "--n-embd", "64", "--n-head", "4"]
     bad, plain, zero = run_cases(tmp_path, [["info", "-n", "4", "--zero", "1"], args, args + ["--zero", "1"]])

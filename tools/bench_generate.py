@@ -36,9 +36,9 @@ def main() -> None:
 
     from mpi4py import MPI
 
-    from mpicube.config import ModelConfig
-    from mpicube.generate import Generator, Sampler, generation_batch
-    from mpicube.train import build_parts
+    from mpicube.core.config import ModelConfig
+    from mpicube.cli.generate import Generator, Sampler, generation_batch
+    from mpicube.training.train import build_parts
 
     world = MPI.COMM_WORLD
     cfg = ModelConfig(vocab_size=args.vocab_size, n_ctx=args.n_ctx, n_layer=args.n_layer, n_head=args.n_head,

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpi4py import MPI  # noqa: E402
 
-from mpicube import checkpoint  # noqa: E402
-from mpicube.config import ModelConfig  # noqa: E402
-from mpicube.optim import AdamW  # noqa: E402
-from mpicube.state import load_state, state_blocks  # noqa: E402
-from mpicube.train import build_parts  # noqa: E402
+from mpicube.files import checkpoint  # noqa: E402
+from mpicube.core.config import ModelConfig  # noqa: E402
+from mpicube.training.optim import AdamW  # noqa: E402
+from mpicube.training.state import load_state, state_blocks  # noqa: E402
+from mpicube.training.train import build_parts  # noqa: E402
 
 
 def timed(comm, fn):

@@ -32,13 +32,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mpicube.checkpoint import Block, meta, vds  # noqa: E402
-from mpicube.checkpoint.format import MAIN_FILE  # noqa: E402
-from mpicube.checkpoint.write import describe_blocks  # noqa: E402
-from mpicube.config import ModelConfig  # noqa: E402
-from mpicube.intmath import integer_root  # noqa: E402
-from mpicube.layouts.cube import CubeLayout  # noqa: E402
-from mpicube.model import gpt_params  # noqa: E402
+from mpicube.files.checkpoint import Block, meta, vds  # noqa: E402
+from mpicube.files.checkpoint.format import MAIN_FILE  # noqa: E402
+from mpicube.files.checkpoint.write import describe_blocks  # noqa: E402
+from mpicube.core.config import ModelConfig  # noqa: E402
+from mpicube.core.intmath import integer_root  # noqa: E402
+from mpicube.parallel.layouts.cube import CubeLayout  # noqa: E402
+from mpicube.model.gpt import gpt_params  # noqa: E402
 
 
 def cube_blocks(cfg: ModelConfig, q: int, rank: int) -> list:

@@ -19,15 +19,15 @@ import argparse
 import math
 import time
 
-from mpicube import fused  # first: mpicube sets OpenBLAS's thread spin time before NumPy loads OpenBLAS
+from mpicube.device import fused
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpicube.bench import median_seconds, model_flops
-from mpicube.config import ModelConfig
-from mpicube.optim import AdamW
-from mpicube.train import build_parts
+from mpicube.analysis.bench import median_seconds, model_flops
+from mpicube.core.config import ModelConfig
+from mpicube.training.optim import AdamW
+from mpicube.training.train import build_parts
 
 
 class TorchGPT(torch.nn.Module):

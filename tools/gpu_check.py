@@ -290,7 +290,7 @@ def worker_env() -> dict:
     record("mpi4py_config", lambda: __import__("mpi4py").get_config())
     record("mpi4py", lambda: __import__("mpi4py").__version__)
     record("mpi_library", lambda: __import__("mpi4py.MPI", fromlist=["MPI"]).Get_library_version().strip())
-    record("mpi_cuda_aware", lambda: __import__("mpicube.backend", fromlist=["backend"]).mpi_cuda_support())
+    record("mpi_cuda_aware", lambda: __import__("mpicube.device.backend", fromlist=["backend"]).mpi_cuda_support())
     record("numpy", lambda: __import__("numpy").__version__)
     record("cupy", lambda: __import__("cupy").__version__)
 
@@ -306,7 +306,7 @@ def worker_env() -> dict:
                 "memory_gib": round(total / 2 ** 30, 1), "free_gib": round(free / 2 ** 30, 1)}
 
     record("cuda", cuda)
-    record("cuda_kernels_available", lambda: __import__("mpicube.cuda_kernels", fromlist=["x"]).available())
+    record("cuda_kernels_available", lambda: __import__("mpicube.device.cuda_kernels", fromlist=["x"]).available())
     record("torch", lambda: (lambda t: f"{t.__version__}, cuda {t.version.cuda}, available {t.cuda.is_available()}")(
         __import__("torch")))
     record("gxx", lambda: shutil.which("g++"))
@@ -319,10 +319,11 @@ def worker_serial(kernels: str) -> dict:
     import numpy as np
     from mpi4py import MPI
 
-    from mpicube import cuda_kernels
-    from mpicube.config import ModelConfig
-    from mpicube.optim import AdamW, global_grad_norm
-    from mpicube.train import build_parts
+    from mpicube.device import cuda_kernels
+    from mpicube.core.config import ModelConfig
+    from mpicube.training.optim import AdamW
+    from mpicube.parallel.gradients import global_grad_norm
+    from mpicube.training.train import build_parts
 
     if kernels == "on" and not cuda_kernels.available():
         return {"ok": False, "error": "CUDA kernels unavailable (cuda_kernels.available() is False)"}

@@ -9,7 +9,7 @@ the same GPT-2 from the same weights and batch, attention written out as
 mpicube computes it. One step is forward, backward, gradient norm and
 AdamW, ended by a device synchronisation; 3 warm-up steps, then the median
 of 5. Reported: ms per step, model TFLOP/s, the fraction of a large
-same-process 16-bit GEMM (8192^3, through ``mpicube.precision.matmul``, as
+same-process 16-bit GEMM (8192^3, through ``mpicube.device.precision.matmul``, as
 the model's GEMMs), and mpicube's time over PyTorch's. The issue's targets:
 at least 40% of that GEMM rate, and no slower than 1.2x PyTorch.
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import numpy as np  # noqa: E402
 
 import gpu_perf  # noqa: E402  (the float32 comparison: its PyTorch model and timing)
-from mpicube.config import ModelConfig  # noqa: E402
+from mpicube.core.config import ModelConfig  # noqa: E402
 
 SHAPES = {"1.3b": (ModelConfig(vocab_size=50304, n_ctx=1024, n_layer=24, n_head=16, n_embd=2048), 4)}
 QUICK = {"tiny": (ModelConfig(vocab_size=512, n_ctx=64, n_layer=2, n_head=4, n_embd=64), 2)}
@@ -41,11 +41,11 @@ def build(cfg, batch: int, dtype: str):
     """Serial parts on the GPU in ``dtype``, master weights drawn on the device."""
     from mpi4py import MPI
 
-    from mpicube.backend import make_backend
-    from mpicube.comm import Counters
-    from mpicube.grid import build_layout
-    from mpicube.model import GPT, gpt_params
-    from mpicube.params import ParamStore, real_mask
+    from mpicube.device.backend import make_backend
+    from mpicube.parallel.comm import Counters
+    from mpicube.parallel.grid import build_layout
+    from mpicube.model.gpt import GPT, gpt_params
+    from mpicube.parallel.params import ParamStore, real_mask
 
     class DeviceInitStore(ParamStore):
         def initialize(self, seed_):
@@ -69,8 +69,9 @@ def build(cfg, batch: int, dtype: str):
 
 
 def run_dtype(label, cfg, batch, dtype, deadline, torch, out, save) -> None:
-    from mpicube.bench import gemm_rate, model_flops
-    from mpicube.optim import AdamW, global_grad_norm
+    from mpicube.analysis.bench import gemm_rate, model_flops
+    from mpicube.training.optim import AdamW
+    from mpicube.parallel.gradients import global_grad_norm
 
     T, flops = cfg.n_ctx, model_flops(cfg, batch, cfg.n_ctx)
     backend, layout, store, model = build(cfg, batch, dtype)
@@ -135,7 +136,7 @@ def run_dtype(label, cfg, batch, dtype, deadline, torch, out, save) -> None:
     if "ms" in t:
         r["over_torch"] = r["ms"] / t["ms"]
     r["targets_met"] = r["gemm_fraction"] >= 0.4 and r.get("over_torch", float("inf")) <= 1.2
-    from mpicube import cublas_gemm
+    from mpicube.device import cublas_gemm
 
     r["float32_output_gemms"] = cublas_gemm.status()     # gemmex, or widened if its self-check failed
     out["mpicube"] = r

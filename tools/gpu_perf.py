@@ -10,8 +10,8 @@ on. One step is forward, backward, gradient norm and AdamW, ended by a
 device synchronisation; 3 warm-up steps, then the median of 5.
 
 Reported per configuration: ms per step, model TFLOP/s
-(mpicube.bench.model_flops), the fraction of a large same-process GEMM
-(mpicube.bench.gemm_rate, 8192^3, same TF32 setting), and mpicube's time
+(mpicube.analysis.bench.model_flops), the fraction of a large same-process GEMM
+(mpicube.analysis.bench.gemm_rate, 8192^3, same TF32 setting), and mpicube's time
 over PyTorch's. The first losses of both models from the shared weights
 are printed beside each other: they must agree, or the comparison is not
 of the same computation.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from mpicube.config import ModelConfig  # noqa: E402
+from mpicube.core.config import ModelConfig  # noqa: E402
 
 SHAPES = {
     "gpt2-small": (ModelConfig(vocab_size=50304, n_ctx=1024, n_layer=12, n_head=12, n_embd=768), 8),
@@ -62,11 +62,11 @@ def build_mpicube(cfg, batch: int, seed: int = 0):
     """Serial parts on the GPU in float32, weights drawn on the device."""
     from mpi4py import MPI
 
-    from mpicube.backend import make_backend
-    from mpicube.comm import Counters
-    from mpicube.grid import build_layout
-    from mpicube.model import GPT, gpt_params
-    from mpicube.params import ParamStore, real_mask
+    from mpicube.device.backend import make_backend
+    from mpicube.parallel.comm import Counters
+    from mpicube.parallel.grid import build_layout
+    from mpicube.model.gpt import GPT, gpt_params
+    from mpicube.parallel.params import ParamStore, real_mask
 
     class DeviceInitStore(ParamStore):
         """GPT-2's initial scales (N(0, std), ones, zeros) from CuPy's
@@ -159,7 +159,8 @@ def set_torch_tf32(torch, enabled: bool) -> None:
 def memory_needed(cfg, batch: int) -> float:
     """Bytes the run holds at its peak, roughly: mpicube's parameters,
     gradients and saved activations beside PyTorch's whole training state."""
-    from mpicube.costmodel import Problem, step_memory
+    from mpicube.analysis.costmodel import Problem
+    from mpicube.analysis.costmemory import step_memory
 
     mem = step_memory(Problem(cfg, "serial", 1, 1, 1, batch, cfg.n_ctx))
     params = cfg.n_params()
@@ -171,10 +172,11 @@ def run_shape(label: str, cfg, batch: int, deadline: float, torch, out: dict, sa
     each configuration (the parent may have to stop this process)."""
     import cupy
 
-    from mpicube import cuda_kernels
-    from mpicube.backend import set_tf32
-    from mpicube.bench import gemm_rate, model_flops
-    from mpicube.optim import AdamW, global_grad_norm
+    from mpicube.device import cuda_kernels
+    from mpicube.device.backend import set_tf32
+    from mpicube.analysis.bench import gemm_rate, model_flops
+    from mpicube.training.optim import AdamW
+    from mpicube.parallel.gradients import global_grad_norm
 
     T = cfg.n_ctx
     flops = model_flops(cfg, batch, T)

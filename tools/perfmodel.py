@@ -1,9 +1,9 @@
 """Shared pieces of the analysis tools (tools/scaling.py, tools/project.py).
 
-Nothing here measures anything: it builds ``mpicube.costmodel.Problem``s for
+Nothing here measures anything: it builds ``mpicube.analysis.costmodel.Problem``s for
 the sizes a sweep visits, counts FLOPs, maps every communication axis of a
-layout onto world ranks (the placement of ``mpicube.grid`` and
-``mpicube.layouts``), and prices the cost model's per-axis traffic with an
+layout onto world ranks (the placement of ``mpicube.parallel.grid`` and
+``mpicube.parallel.layouts``), and prices the cost model's per-axis traffic with an
 alpha-beta model of a GPU cluster.
 
 Run the tools from the repository root with ``PYTHONPATH=.`` (or with
@@ -16,10 +16,11 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 
-from mpicube.config import ModelConfig
-from mpicube.costmodel import Problem, step_memory, step_memory_bytes, step_traffic
-from mpicube.errors import ConfigError
-from mpicube.grid import integer_root, plan
+from mpicube.core.config import ModelConfig
+from mpicube.analysis.costmodel import Problem, step_traffic
+from mpicube.analysis.costmemory import step_memory, step_memory_bytes
+from mpicube.core.errors import ConfigError
+from mpicube.parallel.grid import integer_root, plan
 
 LAYOUTS = ("1d", "2d", "2.5d", "3d")
 
@@ -213,7 +214,7 @@ def in_format(problem: Problem, cluster: Cluster) -> Problem:
 def comm_time(problem: Problem, cluster: Cluster) -> dict:
     """{axis: dict(elems, bytes, msgs, span, link, bw, seconds)} for one step:
     seconds = msgs * alpha + bytes / bw, the bytes at the real width of
-    each collective's data (mpicube.costmodel), collectives not overlapped
+    each collective's data (mpicube.analysis.costmodel), collectives not overlapped
     with each other or with compute."""
     traffic = step_traffic(in_format(problem, cluster))
     groups = axis_groups(problem.layout, problem.tp, problem.depth, problem.dp)

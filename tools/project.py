@@ -4,7 +4,7 @@
     PYTHONPATH=. python tools/project.py --json     # the same, machine-readable
 
 An alpha-beta model priced on mpicube's exact per-rank, per-axis traffic
-(``mpicube.costmodel.step_traffic``):
+(``mpicube.analysis.costmodel.step_traffic``):
 
     step = FLOPs per rank / GPU rate
          + sum over axes (messages * alpha + elements * bytes / bandwidth)
@@ -33,8 +33,8 @@ for path in (str(HERE), str(HERE.parent)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from mpicube.config import ModelConfig  # noqa: E402
-from mpicube.costreport import comparison_depth  # noqa: E402
+from mpicube.core.config import ModelConfig  # noqa: E402
+from mpicube.analysis.costreport import comparison_depth  # noqa: E402
 
 import perfmodel as pm  # noqa: E402
 
@@ -50,7 +50,7 @@ SOURCES = [
      "node's GPUs."),
     ("alpha_intra", "latency inside a node", "Per message (ring step): NVLink plus CUDA/MPI software overhead."),
     ("alpha_inter", "latency between nodes", "Per message: EDR's ~1 us plus MPI/NCCL software overhead."),
-    ("bytes_per_elem", "element size", "2: float16 mixed precision at its real widths (mpicube.costmodel): "
+    ("bytes_per_elem", "element size", "2: float16 mixed precision at its real widths (mpicube.analysis.costmodel): "
                                       "activations, weight copies, gathered panels and their sums in 2 bytes; "
                                       "statistics and gradient all-reduces in float32."),
 ]
@@ -194,7 +194,7 @@ def report(args, cfg, cluster, probs, skipped, res, sens, sizes) -> str:
                  f"{mem:>9.1f} GB")
     L.append("  (x 3d: step time relative to 3d, i.e. 3-D's projected speedup; paper: Bian et al.'s measured speedup)")
     L.append("")
-    L.append("communication by axis (elements and messages per rank per step from mpicube.costmodel):")
+    L.append("communication by axis (elements and messages per rank per step from mpicube.analysis.costmodel):")
     L.append(f"  {'layout':<6} {'axis':<10} {'ranks':>5} {'nodes':>5} {'link':>6} {'GB/s':>7} {'G elems':>9} "
              f"{'msgs':>7} {'ms':>9}")
     for lay in res:

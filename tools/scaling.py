@@ -3,7 +3,7 @@
     PYTHONPATH=. python tools/scaling.py --out tools/out              # analytic (default)
     PYTHONPATH=. python tools/scaling.py --measure --out tools/out    # runs `mpicube bench` per point
 
-Analytic mode prices every point with ``mpicube.costmodel`` (communication
+Analytic mode prices every point with ``mpicube.analysis.costmodel`` (communication
 and memory per rank per step, exact: the test suite checks them against
 mpicube's counters) and is instant at any world size. Measure mode launches
 ``mpiexec -n P python -m mpicube bench ... --json`` for every point, records
@@ -48,7 +48,7 @@ for path in (str(HERE), str(ROOT)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from mpicube.config import ModelConfig  # noqa: E402
+from mpicube.core.config import ModelConfig  # noqa: E402
 
 import perfmodel as pm  # noqa: E402
 

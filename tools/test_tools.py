@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
-from mpicube.config import ModelConfig  # noqa: E402
+from mpicube.core.config import ModelConfig  # noqa: E402
 
 import perfmodel as pm  # noqa: E402
 
@@ -39,8 +39,8 @@ def report_groups(layout: str, dp: int, depth: int) -> None:
     """Under mpiexec: print, on rank 0, {axis: [world ranks of each communicator]}."""
     from mpi4py import MPI
 
-    from mpicube.backend import make_backend
-    from mpicube.grid import build_layout
+    from mpicube.device.backend import make_backend
+    from mpicube.parallel.grid import build_layout
 
     world = MPI.COMM_WORLD
     cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=1, n_head=12, n_embd=36)
@@ -101,7 +101,7 @@ def test_make_problem_reports_mpicube_message():
 
 
 def test_flops_agree_with_bench():
-    from mpicube.bench import model_flops
+    from mpicube.analysis.bench import model_flops
 
     cfg = ModelConfig(vocab_size=50257, n_ctx=1024, n_layer=4, n_head=64, n_embd=1024)
     prob = pm.make_problem("3d", cfg, 16, 64)

@@ -41,10 +41,10 @@ def collect(layout_name: str, depth: int, out: str) -> None:
     1-D pair, W2 and Y2); rank 0 writes them as JSON."""
     from mpi4py import MPI
 
-    from mpicube.backend import make_backend
-    from mpicube.config import ModelConfig
-    from mpicube.grid import build_layout
-    from mpicube.params import ParamDecl
+    from mpicube.device.backend import make_backend
+    from mpicube.core.config import ModelConfig
+    from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.params import ParamDecl
 
     world = MPI.COMM_WORLD
     cfg = ModelConfig(vocab_size=16, n_ctx=1, n_layer=1, n_head=4, n_embd=H)

@@ -4,7 +4,7 @@ Opt-in (``MPICUBE_FAKE_GPU_KERNELS=1``), because it needs g++ and is slow:
 the source is compiled by tests/cuda_emu.py against an emulation of CUDA
 threads, barriers and warp shuffles, and a launch runs it on the NumPy
 memory behind the stand-in arrays. That lets mpicube's opt-in CUDA kernels
-(mpicube.cuda_kernels) run at their real call sites inside whole training
+(mpicube.device.cuda_kernels) run at their real call sites inside whole training
 steps in CI. Libraries are cached by content in
 ``MPICUBE_FAKE_GPU_KERNEL_CACHE`` (default: a folder in the temp dir).
 
@@ -15,7 +15,7 @@ parameter's exact width (CuPy would pass a wrong width as garbage). Every
 launch is counted by kernel name (``_stand_in.launches()``), so a test can
 tell that the kernels ran instead of the array path.
 
-``ElementwiseKernel`` is here only because mpicube.cuda_kernels.available()
+``ElementwiseKernel`` is here only because mpicube.device.cuda_kernels.available()
 takes it as the sign of a real kernel API; constructing one raises.
 """
 

@@ -1,0 +1,194 @@
+"""``mpicube bench``: time training steps and put the figures beside the
+cost model.
+
+For each requested layout: warm-up steps, then timed steps on fixed random
+tokens (data loading is not what is measured). Reports the median step time
+and its spread, tokens/s, model FLOP/s and their fraction of a plain matmul
+timed in the same process, the forward/backward/gradient-sync/optimizer split
+and the time inside MPI, the measured communication beside the analytic
+prediction, and memory per rank by category.
+
+Model FLOPs per step (the usual dense count, causal mask not discounted):
+6 N (P_blocks + V h) + 12 L N T h, with N = B T tokens, P_blocks the
+parameters of the transformer blocks, V h the tied LM head; per rank it is
+divided by the world size.
+
+Under mixed precision the same-process matmul is the 16-bit GEMM the model
+uses (``precision.matmul``: on CPUs the float32 conversion of the panels
+included), with the plain float32 matmul of the same shape beside it, so the
+conversion's cost is visible; memory and communication are reported in
+bytes as well as elements, measured beside predicted.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+
+from ..device import kernels, precision
+from .costmodel import Problem, step_traffic
+from .costmemory import step_memory, step_memory_bytes
+from ..training.step import make_step
+
+
+def model_flops(cfg, batch_size: int, seq_len: int) -> float:
+    """Training FLOPs of one step on the whole global batch."""
+    h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    n_tokens = batch_size * seq_len
+    block_params = cfg.n_params() - V * h - cfg.n_ctx * h - 2 * h
+    return 6.0 * n_tokens * (block_params + V * h) + 12.0 * L * n_tokens * seq_len * h
+
+
+def median_seconds(run, repeats: int = 5, min_seconds: float = 0.2, warmup: int = 2) -> float:
+    """Median wall time of ``run()`` over at least ``repeats`` calls spanning
+    ``min_seconds``, after ``warmup`` untimed calls: one short burst is at
+    the mercy of whatever else the machine is doing."""
+    for _ in range(warmup):
+        run()
+    times = []
+    while len(times) < repeats or sum(times) < min_seconds:
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def gemm_rate(backend, m: int, k: int, n: int, repeats: int = 5, min_seconds: float = 0.2,
+              dtype=None) -> float:
+    """FLOP/s of a plain (m, k) x (k, n) matmul on this backend in ``dtype``
+    (default the backend's; 16-bit formats through ``precision.matmul``, as
+    the model runs them) (median_seconds)."""
+    xp = backend.xp
+    dtype = backend.dtype if dtype is None else dtype
+    a = xp.ones((m, k), dtype=dtype)
+    b = xp.ones((k, n), dtype=dtype)
+    out = xp.empty((m, n), dtype=dtype)
+
+    def run():
+        backend.synchronize()
+        precision.matmul(a, b, out=out)
+        backend.synchronize()
+
+    return 2.0 * m * k * n / median_seconds(run, repeats, min_seconds)
+
+
+def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) -> dict:
+    """Time ``steps`` training steps after ``warmup`` ones; figures for this rank
+    (rank 0's are reported)."""
+    layout, store, model, counters, backend = parts.layout, parts.store, parts.model, parts.counters, parts.backend
+    cfg = parts.cfg
+    opt = make_step(store, layout.axes)          # --zero 1: zero.ShardedStep
+    loss_scale = 1024.0 if backend.dtype == np.float16 else 1.0     # as float16 training scales the loss
+    B = parts.batch_size                                                       # the step's, all micro-batches
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, seq_len + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]                                        # (B, T)
+    phases = {"forward_s": [], "backward_s": [], "sync_s": [], "optimizer_s": [], "comm_s": [], "step_s": []}
+    saved = 0
+    for i in range(warmup + steps):
+        counters.reset()
+        marks = [time.perf_counter()]
+        store.zero_grad()
+        fwd = bwd = 0.0
+        for m in range(parts.grad_accum):                   # as mpicube.training.accum.forward_backward, timed apart
+            rows = parts.micro_rows(m)
+            t0 = time.perf_counter()
+            model.forward(x[rows], y[rows], step=i + 1, micro=m)
+            backend.synchronize()
+            t1 = time.perf_counter()
+            saved, saved_bytes = model.saved_elements(), model.saved_bytes()
+            model.backward(loss_scale=loss_scale)
+            saved += model.recompute_peak_elements      # --recompute blocks: one rerun block on top
+            saved_bytes += model.recompute_peak_bytes
+            backend.synchronize()
+            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+        marks += [marks[0] + fwd, time.perf_counter()]
+        opt.sync()
+        norm = opt.grad_norm() / loss_scale
+        marks.append(time.perf_counter())
+        opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)) / loss_scale)
+        backend.synchronize()
+        marks.append(time.perf_counter())
+        if i >= warmup:
+            for key, t0, t1 in zip(("forward_s", "backward_s", "sync_s", "optimizer_s"), marks, marks[1:]):
+                phases[key].append(t1 - t0)
+            phases["step_s"].append(marks[-1] - marks[0])
+            phases["comm_s"].append(counters.total_seconds())
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
+                      layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
+                      zero=int(store.partition.sharded), grad_accum=parts.grad_accum)
+    predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
+    step_times = np.array(phases["step_s"])
+    median = float(np.median(step_times))
+    world = layout.axes.world.size
+    flops_rank = model_flops(cfg, B, seq_len) / world
+    fc = store.grad["h.0.mlp.c_fc.weight"].shape                               # (h_in local, h_out local)
+    gemm_shape = (len(layout.mid_seqs) * seq_len, len(layout.canonical_cols), fc[1])
+    rate = gemm_rate(backend, *gemm_shape)
+    rate32 = gemm_rate(backend, *gemm_shape, dtype=np.float32) if backend.mixed else rate
+    return {
+        **layout.describe(),
+        "world": world,
+        "depth": layout.describe().get("depth", 1),
+        "step_time_s": median,
+        "step_time_spread_s": [float(step_times.min()), float(step_times.max())],
+        "tokens_per_s": B * seq_len / median,
+        "batch_size": B,
+        "grad_accum": parts.grad_accum,
+        "kernels": kernels.describe(backend.device),
+        "device": backend.device,
+        "dtype": backend.dtype.name,
+        "tf32": backend.tf32,
+        "recompute": layout.recompute,
+        "model_flops_per_step": model_flops(cfg, B, seq_len),
+        "flops_per_s_per_rank": flops_rank / median,
+        "gemm_flops_per_s": rate,
+        "gemm_float32_flops_per_s": rate32,
+        "gemm_fraction": flops_rank / median / rate,
+        "split": {key: float(np.median(v)) for key, v in phases.items() if key != "step_s"},
+        "comm": {"measured_elems": float(counters.total_elems()), "measured_msgs": counters.total_msgs(),
+                 "measured_bytes": float(counters.total_bytes()),
+                 "predicted_elems": float(predicted.total_elems()), "predicted_msgs": predicted.total_msgs(),
+                 "predicted_bytes": float(predicted.total_bytes()),
+                 "exact": counters.total_elems() == predicted.total_elems()
+                 and counters.total_bytes() == predicted.total_bytes()
+                 and counters.total_msgs() == predicted.total_msgs()},
+        "memory": {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
+                   "activations": memory.activations, "measured_params": int(store.flat_work.size),
+                   "measured_activations": int(saved),
+                   "bytes": {"params": memory_bytes.params, "grads": memory_bytes.grads,
+                             "optimizer": memory_bytes.optimizer, "activations": memory_bytes.activations,
+                             "measured_activations": int(saved_bytes)},
+                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+    }
+
+
+def format_table(results: list, dtype_bytes=None) -> str:
+    """Human-readable summary of ``bench_layout`` results (memory from their
+    byte counts; ``dtype_bytes`` is not used any more)."""
+    head = (f"{'layout':<8} {'world':>5} {'step ms':>9} {'spread ms':>15} {'tok/s':>9} {'GFLOP/s':>8} "
+            f"{'gemm%':>6} {'fwd':>6} {'bwd':>6} {'sync':>6} {'opt':>6} {'mpi':>6} "
+            f"{'comm bytes':>11} {'predicted':>11} {'mem MB':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        s, c, m = r["split"], r["comm"], r["memory"]["bytes"]
+        mem = (m["params"] + m["grads"] + m["optimizer"] + m["activations"]) / 1e6
+        spread = f"{r['step_time_spread_s'][0] * 1e3:.1f}-{r['step_time_spread_s'][1] * 1e3:.1f}"
+        lines.append(
+            f"{r['layout']:<8} {r['world']:>5} {r['step_time_s'] * 1e3:>9.1f} {spread:>15} "
+            f"{r['tokens_per_s']:>9.0f} {r['flops_per_s_per_rank'] / 1e9:>8.2f} {100 * r['gemm_fraction']:>5.1f}% "
+            + " ".join(f"{s[k] * 1e3:>6.1f}" for k in ("forward_s", "backward_s", "sync_s", "optimizer_s", "comm_s"))
+            + f" {c['measured_bytes']:>11.4g} {c['predicted_bytes']:>11.4g} {mem:>8.2f}")
+    if results:
+        r = results[0]
+        lines.append(f"device {r['device']}, {r['dtype']}{' (TF32 GEMMs)' if r['tf32'] else ''}; "
+                     f"kernels: {r['kernels']}; {r['flops_per_s_per_rank'] / 1e12:.3f} model TFLOP/s per rank")
+        if r["gemm_float32_flops_per_s"] != r["gemm_flops_per_s"]:
+            lines.append(f"{r['dtype']} GEMM (float32 accumulation, conversions included) "
+                         f"{r['gemm_flops_per_s'] / 1e9:.2f} GFLOP/s, float32 GEMM of the same shape "
+                         f"{r['gemm_float32_flops_per_s'] / 1e9:.2f} GFLOP/s")
+    lines.append("Times in ms per step (median); "
+                 "gemm% = model FLOP/s per rank / same-process matmul FLOP/s; "
+                 "mpi = time inside MPI calls (part of fwd/bwd/sync); memory = params+grads+Adam+saved activations")
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""What the commands share: the ``mpicube`` group, the options several
+commands take, rank 0's ``echo`` and the MPI world they run in.
+
+The commands live in ``cli.train`` (train, eval, prepare, trace) and
+``cli.model`` (info, bench, inspect, convert, generate, compare); each
+registers itself on ``cli`` from here. ``cli.main`` imports them all and
+runs the group under the error handling every command shares.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+
+try:                                    # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:             # pragma: no cover - older Pythons
+    import tomli as tomllib
+
+LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
+DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
+RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
+
+_mpi = {"world": None, "errors": None}   # COMM_WORLD and a private duplicate for error agreement
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _rank() -> int:
+    world = _mpi["world"]
+    return 0 if world is None else world.Get_rank()
+
+
+def echo(text: str = "", err: bool = False) -> None:
+    """Print on rank 0 only."""
+    if _rank() == 0:
+        click.echo(text, err=err)
+
+
+class Duration(click.ParamType):
+    """Seconds, or [[H:]M:]S like a batch system's time limit."""
+
+    name = "seconds"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            parts = [float(p) for p in str(value).split(":")]
+        except ValueError:
+            self.fail(f"{value!r} is not a number of seconds or [[H:]M:]S", param, ctx)
+        if len(parts) > 3:
+            self.fail(f"{value!r} has too many ':' fields (use [[H:]M:]S)", param, ctx)
+        seconds = 0.0
+        for p in parts:
+            seconds = seconds * 60 + p
+        return seconds
+
+
+def _load_config(ctx, param, path):
+    """``--config FILE.toml``: its keys (option names, dashes or underscores)
+    become defaults, so options given on the command line override them."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: cannot read ({exc.strerror})", ctx, param) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise click.BadParameter(f"{path}: not valid TOML ({exc})", ctx, param) from None
+    known = {p.name for p in ctx.command.params if p.expose_value}
+    values = {}
+    for key, value in doc.items():
+        name = key.replace("-", "_")
+        if name not in known or isinstance(value, dict):
+            raise click.BadParameter(f"{path}: unknown key {key!r}; valid keys are option names such as "
+                                     f"{', '.join(sorted(known)[:6])}, ...", ctx, param)
+        values[name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **values}
+    return path
+
+
+def model_options(f):
+    """The model's shape, shared by ``train`` and ``info``."""
+    f = click.option("--seq-len", type=int, default=64, show_default=True,
+                     help="sequence length T, also the model's context n_ctx")(f)
+    f = click.option("--n-embd", type=int, default=144, show_default=True, help="hidden size h")(f)
+    f = click.option("--n-head", type=int, default=12, show_default=True, help="attention heads")(f)
+    f = click.option("--n-layer", type=int, default=4, show_default=True, help="transformer blocks")(f)
+    return f
+
+
+def layout_options(f):
+    f = click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")(f)
+    f = click.option("--dp", type=int, default=1, show_default=True,
+                     help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")(f)
+    f = click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default="auto", show_default=True,
+                     help="tensor-parallel scheme; auto: 2.5d with --depth, else 3d on a cube, 2d on a "
+                          "square, 1d otherwise")(f)
+    return f
+
+
+def recompute_option(f):
+    return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
+                        help="trade memory for communication and FLOPs: gathers = gather weight and activation "
+                             "panels again in backward instead of keeping them; blocks = keep only each "
+                             "block's input and rerun its forward in backward")(f)
+
+
+def zero_option(help_text: str):
+    """``--zero {0,1}`` as an int (train, bench, info; each says what it does there)."""
+    return click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+                        callback=lambda ctx, param, value: int(value), help=help_text)
+
+
+def grad_accum_option(help_text: str):
+    """``--grad-accum N`` (train, bench, info; each says what it does there)."""
+    return click.option("--grad-accum", type=int, default=1, show_default=True, help=help_text)
+
+
+def device_options(f):
+    f = click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+                     help="NumPy on CPUs or CuPy, one GPU per rank")(f)
+    f = click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+                     help="float64 verifies, float32 trains; float16 and bfloat16 train in mixed precision "
+                          "(16-bit activations and communication, float32 master weights)")(f)
+    f = click.option("--tf32", is_flag=True, default=False,
+                     help="GPU: float32 GEMMs on tensor cores (TF32 inputs, float32 accumulation)")(f)
+    return f
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="mpicube")
+def cli():
+    """GPT-2 training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
+
+    Run under MPI: mpiexec -n 8 mpicube train --layout 3d
+    """

@@ -1,0 +1,221 @@
+"""``mpicube generate``: text from any model file, on any layout.
+
+The prompt goes through the model once (prefill), filling every block's
+key/value cache (mpicube.model.kvcache); after that each new token costs one
+position's forward pass. Without the cache (``--no-cache``) every step
+recomputes the whole prefix with the training forward pass, which is both
+the reference the cache is tested against and the baseline it is timed
+against.
+
+Layouts split the batch, so the model runs on the smallest batch the
+layout accepts, every row holding the same prompt, and row 0 is the one
+continued. Its logits at the last position are assembled on every rank
+(each piece has exactly one holder, so an all-reduce of max over blocks
+padded with -inf copies them exactly); every rank then samples the same
+token from the same host float64 vector with the same seeded generator.
+So a seed gives the same tokens on every layout and world size (up to
+logits that differ by rounding landing on either side of a draw).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..files import formats, tokenizers
+from ..core.errors import ConfigError, UserError
+
+
+@dataclass
+class GenerateOptions:
+    model: str
+    prompt: Optional[str] = None
+    prompt_tokens: Optional[str] = None       # "1,2,3"
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0                            # 0: the whole vocabulary
+    seed: int = 1337
+    cache: bool = True
+    layout: str = "auto"
+    dp: int = 1
+    depth: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    tf32: bool = False
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"--max-new-tokens must be 0 or more, got {self.max_new_tokens}")
+        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be 0 (no limit) or more, got {self.top_k}")
+        if self.prompt is not None and self.prompt_tokens is not None:
+            raise ConfigError("give --prompt or --prompt-tokens, not both")
+
+
+class Sampler:
+    """The next token from a logits vector: argmax at temperature 0, else a
+    draw from softmax(logits / T) over the top k, by inverse CDF with one
+    uniform per token from a generator seeded once, so the draw depends
+    only on the seed and the logits."""
+
+    def __init__(self, temperature: float, top_k: int, seed: int):
+        self.temperature, self.top_k = temperature, top_k
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """logits (V,) float64 -> token id."""
+        if self.temperature == 0:
+            return int(np.argmax(logits))
+        z = logits / self.temperature                                      # (V,)
+        if 0 < self.top_k < z.size:
+            kth = np.partition(z, -self.top_k)[-self.top_k]
+            z = np.where(z >= kth, z, -np.inf)
+        p = np.exp(z - z.max())                                            # (V,)
+        cdf = np.cumsum(p)
+        u = self.rng.random() * cdf[-1]
+        return int(min(np.searchsorted(cdf, u, side="right"), z.size - 1))
+
+
+def generation_batch(layout: str, cfg, world_size: int, dp: int, depth: int) -> int:
+    """The smallest global batch the layout accepts: dp times the first
+    per-replica batch that passes every size check. If none does, the
+    check's own error (about something other than the batch) is raised."""
+    from ..parallel.grid import plan
+
+    tp = max(1, world_size // max(dp, 1))
+    error = None
+    for per_replica in range(1, tp + 1):
+        try:
+            plan(layout, cfg, dp * per_replica, world_size, dp, depth)
+            return dp * per_replica
+        except ConfigError as e:
+            error = e
+    raise error
+
+
+def prompt_ids(opts: GenerateOptions, vocab_size: int, tokenizer_name):
+    """(prompt token ids, tokenizer or None)."""
+    tokenizer = None
+    if opts.prompt_tokens is not None:
+        try:
+            ids = [int(t) for t in opts.prompt_tokens.replace(" ", "").split(",") if t != ""]
+        except ValueError:
+            raise UserError(f"--prompt-tokens {opts.prompt_tokens!r}: expected comma-separated integers") from None
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise UserError(f"--prompt-tokens: token {bad[0]} is outside the model's vocabulary of {vocab_size}")
+        if tokenizer_name is not None:
+            try:
+                tokenizer = tokenizers.load(tokenizer_name)
+            except UserError:
+                tokenizer = None           # tokens in, tokens out
+    else:
+        if tokenizer_name is None:
+            raise UserError(f"a model with a vocabulary of {vocab_size} has no known tokenizer (mpicube knows "
+                            f"bytes, 256, and GPT-2's BPE, 50257): give token ids with --prompt-tokens")
+        tokenizer = tokenizers.load(tokenizer_name)
+        ids = tokenizer.encode(opts.prompt) if opts.prompt is not None else list(tokenizer.start)
+    if not ids:
+        raise UserError("the prompt is empty: give at least one token")
+    return ids, tokenizer
+
+
+def last_logits(parts, logits) -> np.ndarray:
+    """Row 0's logits at the last position, (V,) float64 on every rank,
+    from each rank's (B_l, t, V_l) block."""
+    layout, emb, backend = parts.layout, parts.model.embedding, parts.backend
+    xp = backend.xp
+    full = xp.full(layout.vocab_padded, -xp.inf, dtype=logits.dtype)     # (V_padded,)
+    rows = np.flatnonzero(np.asarray(emb.logit_seqs) == 0)
+    if layout.axes.dp.rank == 0 and rows.size:
+        start = emb.vocab_start
+        full[start:start + logits.shape[-1]] = logits[int(rows[0]), -1]
+    full = layout.axes.world.allreduce(full, "max")
+    return np.asarray(backend.to_host(full)[:parts.cfg.vocab_size], dtype=np.float64)
+
+
+class Generator:
+    """A model loaded on this rank's share of a layout, ready to continue prompts."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.rows = parts.layout.local_batch        # this replica's sequences, all the same prompt
+
+    def _sync(self) -> float:
+        self.parts.backend.synchronize()
+        return time.perf_counter()
+
+    def run(self, prompt: list, max_new_tokens: int, sampler: Sampler, cache: bool = True) -> dict:
+        """Continue ``prompt``; returns the new tokens and the time of the
+        prefill and of each new token."""
+        model = self.parts.model
+        seq = list(prompt)
+        new, step_times = [], []
+        caches = model.new_caches() if cache else None
+        t0 = self._sync()
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            logits = self._forward(seq, 0, caches)
+            prefill = self._sync() - t0
+            for n in range(max_new_tokens):
+                token = sampler(last_logits(self.parts, logits))
+                new.append(token)
+                seq.append(token)
+                if n + 1 == max_new_tokens:
+                    break
+                t0 = self._sync()
+                logits = self._forward(seq, len(seq) - 1, caches)
+                step_times.append(self._sync() - t0)
+        return {"tokens": new, "prefill_s": prefill, "step_times_s": step_times}
+
+    def _forward(self, seq: list, pos: int, caches):
+        """(B_l, t, V_l) logits of seq[pos:] (cached) or of all of seq."""
+        model = self.parts.model
+        if caches is not None:
+            idx = np.tile(np.asarray(seq[pos:], dtype=np.int64), (self.rows, 1))       # (B_dp, t)
+            return model.decode(idx, pos, caches)
+        idx = np.tile(np.asarray(seq, dtype=np.int64), (self.rows, 1))                 # (B_dp, T)
+        model.forward(idx, np.zeros_like(idx))
+        return model.logits
+
+
+def load_generator(model_file, cfg, layout="auto", dp=1, depth=1, dtype="float32", device="cpu", tf32=False,
+                   mpi_world=None) -> Generator:
+    """Build the smallest-batch model on this rank and read its blocks."""
+    from ..training.parts import build_parts
+
+    batch = generation_batch(layout, cfg, mpi_world.Get_size(), dp, depth)
+    parts = build_parts(cfg, layout, batch, mpi_world, dp, depth, dtype, device, tf32=tf32)
+    formats.load_params(model_file, parts.store)
+    return Generator(parts)
+
+
+def generate(opts: GenerateOptions, mpi_world) -> dict:
+    """Run ``mpicube generate``; the result rank 0 prints."""
+    opts.validate()
+    with formats.open_everywhere(mpi_world, opts.model) as model_file:
+        cfg = model_file.config
+        source = model_file.describe()
+        tokenizer_name = tokenizers.name_for(cfg.vocab_size)
+        prompt, tokenizer = prompt_ids(opts, cfg.vocab_size, tokenizer_name)
+        if len(prompt) + opts.max_new_tokens > cfg.n_ctx:
+            raise UserError(f"the prompt ({len(prompt)} tokens) plus --max-new-tokens {opts.max_new_tokens} is longer "
+                            f"than the model's context of {cfg.n_ctx} positions")
+        gen = load_generator(model_file, cfg, opts.layout, opts.dp, opts.depth, opts.dtype, opts.device, opts.tf32,
+                             mpi_world)
+    result = gen.run(prompt, opts.max_new_tokens, Sampler(opts.temperature, opts.top_k, opts.seed), opts.cache)
+    steps = result.pop("step_times_s")
+    result.update({
+        "prompt_tokens": prompt,
+        "text": tokenizer.decode(result["tokens"]) if tokenizer is not None else None,
+        "prompt_text": tokenizer.decode(prompt) if tokenizer is not None else None,
+        "per_token_s": float(np.median(steps)) if steps else None,
+        "cache": opts.cache,
+        "model": source,
+        "layout": gen.parts.layout.describe(),
+    })
+    return result

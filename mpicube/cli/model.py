@@ -1,0 +1,274 @@
+"""``mpicube info``, ``bench``, ``inspect``, ``convert``, ``generate`` and
+``compare``: the commands about a model, its files and its costs.
+Registered on the group of ``mpicube.cli``, whose error handling they
+share."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, _mpi, cli, device_options, echo, grad_accum_option,
+                     layout_options, model_options, recompute_option, zero_option)
+from ..core.errors import UserError
+
+
+@cli.command()
+@model_options
+@click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
+              help="also show this layout's sharding plan and cost predictions")
+@click.option("-n", "--world-size", type=int, default=None, help="number of ranks for the plan")
+@click.option("--dp", type=int, default=1, show_default=True)
+@click.option("--depth", type=int, default=1, show_default=True)
+@click.option("--batch-size", type=int, default=None,
+              help="global sequences per step  [default: the smallest of at least 8 that the layout accepts]")
+@grad_accum_option("micro-batches per step (activations of one micro-batch, its traffic N times)")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+              help="format of the estimate: float16/bfloat16 count 16-bit activations, panels and their "
+                   "sums, float32 statistics, master weights, gradients and AdamW moments")
+@click.option("--vocab-size", type=int, default=None,
+              help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
+@zero_option("the estimate with the optimizer state sharded over --dp (as train --zero 1)")
+@recompute_option
+@click.option("--json", "as_json", is_flag=True,
+              help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
+def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
+         vocab_size, zero, recompute, as_json):
+    """Model size; with --layout/-n, the sharding plan, per-rank predictions
+    and every memory option (--recompute, --zero) with what it costs."""
+    from ..core.config import ModelConfig
+    from ..files.data import VOCAB_SIZE
+    from ..parallel.grid import validate_model
+
+    cfg = ModelConfig(vocab_size=vocab_size or VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head,
+                      n_embd=n_embd)
+    validate_model(cfg)
+    n = cfg.n_params()
+    h = cfg.n_embd
+    embed = (cfg.vocab_size + cfg.n_ctx) * h
+    per_layer = (n - embed - 2 * h) // cfg.n_layer
+    from ..analysis.costmodel import Widths
+
+    w = Widths.of(dtype)
+    echo(f"model: GPT-2, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
+         f"vocab {cfg.vocab_size}")
+    echo(f"parameters: {n:,} (embeddings {embed:,}, {cfg.n_layer} layers x {per_layer:,}, ln_f {2 * h:,})")
+    working = n * w.act if w.act != w.grad else 0           # mixed precision: a 16-bit working copy too
+    echo(f"memory: {_mib(n * w.grad + working)} of parameters in {dtype}"
+         + (f" (float32 master + {dtype} working copy)" if working else "")
+         + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
+    if layout is not None or world_size is not None:
+        from ..analysis.costreport import memory_options, report, summary
+        from ..parallel.grid import default_batch
+
+        echo()
+        if batch_size is None:
+            batch_size, why = default_batch(layout or "auto", cfg, world_size or 1, dp, depth, grad_accum,
+                                            recompute=recompute)
+            echo(why)
+        args = (layout or "auto", cfg, batch_size, world_size or 1, dp, depth)
+        options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
+        echo(report(*args, **options))
+        echo()
+        echo(memory_options(cfg, batch_size, world_size or 1, dp, dtype, grad_accum))
+        if as_json:
+            echo(json.dumps(summary(*args, **options)))
+    elif as_json:
+        raise UserError("info --json describes a layout: give --layout and/or -n")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 20:.1f} MiB"
+
+
+@cli.command()
+@click.option("--layout", "layouts", type=click.Choice(LAYOUT_CHOICES), multiple=True,
+              help="layout(s) to time, each in turn in the same job  [default: auto]")
+@click.option("--dp", type=int, default=1, show_default=True,
+              help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")
+@click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")
+@model_options
+@click.option("--batch-size", type=int, default=None,
+              help="global sequences per step  [default: the smallest of at least 8 that each layout accepts]")
+@grad_accum_option("micro-batches per step: forward+backward on batch/N sequences at a time, one update")
+@click.option("--warmup-steps", type=int, default=2, show_default=True, help="untimed steps first")
+@click.option("--steps", type=int, default=5, show_default=True, help="timed steps")
+@click.option("--seed", type=int, default=0, show_default=True)
+@device_options
+@recompute_option
+@click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
+@zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
+def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
+          dtype, device, tf32, recompute, zero, as_json):
+    """Time training steps; compare with the cost model and a plain matmul.
+
+    Prints the median step time and spread, tokens/s, model FLOP/s and their
+    fraction of the same process's matmul rate, the forward/backward/sync/
+    optimizer split, time inside MPI, measured vs predicted communication and
+    memory per rank (rank 0's figures).
+    """
+    from ..device import threads
+    from ..analysis.bench import bench_layout, format_table
+    from ..core.config import ModelConfig
+    from ..files.data import VOCAB_SIZE
+    from ..parallel.grid import default_batch
+    from ..training.parts import recompute_note
+    from ..training.parts import build_parts
+
+    if steps < 1 or warmup_steps < 0:
+        raise UserError("--steps must be at least 1 and --warmup-steps at least 0")
+    cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    results, noted = [], set()
+    for name in layouts or ("auto",):
+        layout_depth = depth if name in ("2.5d", "auto") else 1
+        batch = batch_size
+        if batch is None:                                  # each layout its own smallest batch
+            batch, why = default_batch(name, cfg, _mpi["world"].Get_size(), dp, layout_depth, grad_accum,
+                                       recompute=recompute)
+            echo(f"bench {name}: {why}")
+        parts = build_parts(cfg, name, batch, _mpi["world"], dp=dp, depth=layout_depth, dtype=dtype, device=device,
+                            seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute,
+                            zero=zero)
+        note = recompute_note(parts.layout, recompute)
+        if note and note not in noted:
+            noted.add(note)
+            echo(note)
+        results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
+    echo(format_table(results, 4 if dtype == "float32" else 8))
+    echo(f"threads: {threads.current().describe()}")
+    if as_json:
+        first = results[0]
+        echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
+                         "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
+                         "results": results}))
+
+
+@cli.command()
+@click.argument("ckpt")
+def inspect(ckpt):
+    """Report a model file's contents and check it; exit 1 if damaged.
+
+    A mpicube checkpoint: every shard's checksum. A Hugging Face GPT-2
+    directory or an llm.c model file: its configuration and every tensor,
+    read whole.
+    """
+    from ..files.checkpoint import inspect as inspect_checkpoint
+    from ..files.formats import detect
+    from ..files.formats.report import inspect_model
+    from ..training.state import model_shapes
+
+    if detect(ckpt) == "mpicube":
+        ok, report = inspect_checkpoint(ckpt, expected=model_shapes)
+    else:
+        ok, report = inspect_model(ckpt)
+    echo(report)
+    return 0 if ok else 1
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", "to", type=click.Choice(["mpicube", "hf", "llmc"]), required=True,
+              help="format to write: a mpicube run directory, a Hugging Face GPT-2 directory or an llm.c file")
+@click.option("--max-shard-size", type=str, default=None, metavar="SIZE",
+              help="hf: split the weights into safetensors files of at most SIZE (e.g. 2GB, 500MB)")
+def convert(src, dst, to, max_shard_size):
+    """Convert a model between mpicube, Hugging Face and llm.c formats.
+
+    SRC's format is detected: a mpicube checkpoint (run dir, step dir or
+    checkpoint.h5), a Hugging Face GPT-2 directory (config.json and
+    safetensors) or an llm.c model file. Tensors are copied exactly.
+    """
+    from ..parallel.comm import on_root
+    from ..files.formats.convert import convert as run_convert, parse_size
+
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    summary = on_root(_mpi["world"], lambda: run_convert(src, dst, to, limit))
+    cfg = summary["config"]
+    echo(f"read {summary['source']}: n_layer {cfg['n_layer']}, n_head {cfg['n_head']}, n_embd {cfg['n_embd']}, "
+         f"n_ctx {cfg['n_ctx']}, vocab {cfg['vocab_size']} ({', '.join(summary['dtypes'])})")
+    for note in summary["notes"]:
+        echo(note)
+    echo(f"wrote {summary['destination']} ({to}): " + ", ".join(summary["files"]))
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--prompt", type=str, default=None, help="text to continue (byte-level or GPT-2 BPE models)")
+@click.option("--prompt-tokens", type=str, default=None, metavar="IDS",
+              help="token ids to continue, comma-separated: 1,2,3 (any vocabulary)")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k likeliest (0 = all)")
+@click.option("--seed", type=int, default=1337, show_default=True)
+@click.option("--cache/--no-cache", default=True, show_default=True,
+              help="key/value cache; --no-cache recomputes the whole prefix for every token")
+@layout_options
+@device_options
+@click.option("--json", "as_json", is_flag=True, help='end stdout with {"tokens": [...], "text": ...}')
+def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout, dp, depth,
+             dtype, device, tf32, as_json):
+    """Continue a prompt with any model file, on any layout.
+
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
+    llm.c model file. Without a prompt, generation starts from a newline
+    (byte-level models) or <|endoftext|> (GPT-2's vocabulary). The same
+    seed gives the same tokens on every layout and world size.
+    """
+    from .generate import GenerateOptions
+    from .generate import generate as run_generate
+
+    opts = GenerateOptions(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout,
+                           dp, depth, dtype, device, tf32)
+    result = run_generate(opts, _mpi["world"])
+    if result["text"] is not None:
+        echo(result["prompt_text"] + result["text"])
+    else:
+        echo("tokens: " + " ".join(map(str, result["prompt_tokens"])) + " | " + " ".join(map(str, result["tokens"])))
+    per_token = result["per_token_s"]
+    echo(f"{len(result['tokens'])} new tokens, prompt {len(result['prompt_tokens'])} tokens in "
+         f"{result['prefill_s'] * 1e3:.1f} ms" + (f", {per_token * 1e3:.2f} ms per new token" if per_token else "")
+         + (" (key/value cache)" if cache else " (no cache)"))
+    if as_json:
+        echo(json.dumps({"tokens": result["tokens"], "text": result["text"],
+                         "prompt_tokens": result["prompt_tokens"], "prefill_s": result["prefill_s"],
+                         "per_token_s": per_token, "cache": cache, "layout": result["layout"]}))
+
+
+# `trace` takes these options of `train`, as train defines them (same defaults and help).
+
+
+@cli.command()
+@click.argument("trace_a", metavar="A.h5")
+@click.argument("trace_b", metavar="B.h5")
+@click.option("--rtol", type=float, default=None,
+              help="relative tolerance, against the larger max |x| of the two tensors  "
+                   "[default: 1e-10 float64, 1e-3 float32, 5e-2 float16/bfloat16]")
+@click.option("--atol", type=float, default=None,
+              help="absolute tolerance  [default: 1e-13 float64, 1e-6 float32, 1e-3 float16/bfloat16]")
+@click.option("--json", "as_json", is_flag=True,
+              help='end stdout with {"first_divergence": NAME or null, "max_rel": ..., "tensors": N}')
+def compare(trace_a, trace_b, rtol, atol, as_json):
+    """Compare two traces tensor by tensor; name the first divergence.
+
+    A tensor agrees when max |a - b| <= atol + rtol * max(max |a|, max |b|);
+    defaults follow the coarser dtype of the two traces. The first
+    divergence is named in the order the computation happens: the batches,
+    the initial parameters, then per step the forward (emb, h.0, ...,
+    ln_f, logits, loss), the gradients as backward produces them, the
+    gradient norm and learning rate, the updated parameters. Exit status 0
+    when all agree, 1 when something diverges, 2 when a file is not a trace
+    or the two model configs differ.
+    """
+    from ..parallel.comm import on_root
+    from ..analysis.compare import compare_traces, format_report
+
+    result = on_root(_mpi["world"], lambda: compare_traces(trace_a, trace_b, rtol, atol))
+    echo(format_report(result))
+    if as_json:
+        echo(json.dumps(result.summary()))
+    return 0 if result.first_divergence is None else 1
+
+
+# --------------------------------------------------------------------------- entry point

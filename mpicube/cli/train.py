@@ -1,0 +1,169 @@
+"""``mpicube train``, ``eval``, ``prepare`` and ``trace``: the commands that
+read data and run the model forward (and backward). Registered on the
+group of ``mpicube.cli``, whose error handling they share."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .common import (Duration, _load_config, _mpi, cli, device_options, echo, grad_accum_option,
+                     layout_options, model_options, recompute_option, zero_option)
+
+
+@cli.command()
+@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
+              expose_value=False, help="TOML file of option values (keys as option names); "
+                                       "options on the command line override it")
+@layout_options
+@model_options
+@click.option("--vocab-size", type=int, default=256, show_default=True,
+              help="vocabulary (256: byte-level tokens; 50257: GPT-2's BPE); --init-from's model sets its own")
+@click.option("--batch-size", type=int, default=None,
+              help="global sequences per step  [default: the smallest of at least 8 that the layout accepts]")
+@grad_accum_option("micro-batches per step: forward+backward on batch/N sequences at a time, one update")
+@click.option("--steps", type=int, default=500, show_default=True, help="optimizer steps (LR schedule length)")
+@click.option("--lr", type=float, default=3e-3, show_default=True, help="peak learning rate")
+@click.option("--warmup", type=int, default=20, show_default=True, help="linear warmup steps, then cosine decay")
+@click.option("--weight-decay", type=float, default=0.1, show_default=True)
+@click.option("--grad-clip", type=float, default=1.0, show_default=True, help="global norm clip (0 = off)")
+@click.option("--dropout", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=1337, show_default=True, help="initialisation, data order, dropout")
+@device_options
+@recompute_option
+@click.option("--data", type=str, default=None, metavar="PATH",
+              help="train token shard (its <stem>_val<suffix> sibling is the validation set); "
+                   "default: the built-in corpus (the Python standard library's sources)")
+@click.option("--val-data", type=str, default=None, metavar="PATH",
+              help="validation token shard  [default: the --data shard's <stem>_val<suffix> sibling; "
+                   "without one, validation is off]")
+@click.option("--out", type=str, default=None, metavar="RUN_DIR", help="run directory  [default: runs/<timestamp>]")
+@click.option("--ckpt-every", type=int, default=0, show_default=True,
+              help="checkpoint every N steps (0 = only the final one)")
+@click.option("--keep", type=int, default=3, show_default=True, help="checkpoints kept (0 = all)")
+@click.option("--eval-every", type=int, default=0, show_default=True, help="validate every N steps (0 = off)")
+@click.option("--eval-batches", type=int, default=8, show_default=True, help="batches per validation")
+@click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
+@click.option("--init-from", type=str, default=None, metavar="MODEL",
+              help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
+                   "run dir, saved on any layout), a Hugging Face GPT-2 directory or an llm.c model file; "
+                   "this run starts its own schedule and AdamW moments (with --resume: unless the run "
+                   "directory has a checkpoint of its own, which is continued instead)")
+@click.option("--resume", is_flag=True, default=False,
+              help="continue from the run directory's latest checkpoint (fresh start if it has none)")
+@click.option("--force-unlock", is_flag=True, default=False,
+              help="take over the run directory's lock from a job on another host (only if that job has ended)")
+@click.option("--stop-after", type=int, default=None,
+              help="stop after this step with a checkpoint (the schedule still follows --steps)")
+@click.option("--time-limit", type=Duration(), default=None,
+              help="wall-clock budget (seconds or [[H:]M:]S): checkpoint and exit 75 before it runs out")
+@click.option("--loss-scale", type=float, default=None,
+              help="float16: initial dynamic loss scale  [default: 65536]")
+@click.option("--loss-scale-growth-interval", type=int, default=None,
+              help="float16: steps without overflow before the scale doubles  [default: 2000]")
+@click.option("--loss-scale-backoff", type=float, default=None,
+              help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
+@zero_option("1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
+             "replicas; gradients reduce-scattered, parameters all-gathered")
+def train(**kwargs):
+    """Train a GPT-2 model.
+
+    Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
+    step) and checkpoints in RUN_DIR/ckpt/. SIGTERM or SIGUSR1 on any rank
+    (or --time-limit) writes a checkpoint and exits with status 75;
+    `--resume` continues exactly where it stopped.
+    """
+    from ..training.launch import SHAPE_OPTIONS
+    from ..training.options import TrainOptions
+    from ..training.train import train as run_training
+
+    opts = TrainOptions(**kwargs)
+    ctx = click.get_current_context()      # a model file decides the shape options nobody gave
+    opts.given_shape = tuple(k for k in SHAPE_OPTIONS
+                             if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
+    return run_training(opts, _mpi["world"])
+
+
+@cli.command("eval")
+@click.argument("ckpt")
+@click.option("--data", type=str, default=None, metavar="PATH",
+              help="token shard to evaluate on  [default: the validation shard of the data the checkpoint "
+                   "was trained on; the built-in corpus's for a model without one]")
+@click.option("--batch-size", type=int, default=None,
+              help="sequences per batch  [default: the checkpoint's training batch size]")
+@click.option("--seq-len", type=int, default=None, help="sequence length  [default: the model's context]")
+@click.option("--batches", type=int, default=8, show_default=True, help="evaluation batches (0 = all)")
+@layout_options
+@device_options
+def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device, tf32):
+    """Mean cross-entropy of a model on a token shard.
+
+    CKPT is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
+    llm.c model file.
+
+    Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
+    JSON object with "loss", "step" and "tokens".
+    """
+    from ..training.evaluate import evaluate_checkpoint
+    from ..training.state import describe_layout
+
+    result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
+                                 _mpi["world"], tf32=tf32)
+    if result.get("note"):
+        echo(result["note"])
+    if result.get("batch_note"):
+        echo(f"{describe_layout(result['layout'])}, {result['batch_note']}")
+    echo(f"{result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f} over {result['batches']} "
+         f"batches of {result['batch_size']} x {result['seq_len']} tokens")
+    echo(json.dumps(result))
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--out", required=True, type=str, metavar="FILE", help="train shard to write, e.g. data/corpus.bin")
+@click.option("--val-fraction", type=float, default=0.05, show_default=True,
+              help="tail of the token stream that goes to <stem>_val<suffix>")
+@click.option("--tokenizer", type=click.Choice(["bytes", "gpt2"]), default="bytes", show_default=True,
+              help="bytes (vocabulary 256) or GPT-2's BPE through tiktoken (vocabulary 50257)")
+def prepare(inputs, out, val_fraction, tokenizer):
+    """Tokenize text files and folders into train/val shards (uint16 token ids)."""
+    from ..files import data, tokenizers
+    from ..parallel.comm import on_root
+
+    def run():
+        encode = None if tokenizer == "bytes" else tokenizers.load(tokenizer).encode
+        return [str(p) for p in data.prepare(list(inputs), out, val_fraction, encode)]
+
+    paths = on_root(_mpi["world"], run)
+    for path in paths:
+        echo(f"wrote {path}: {len(data.read_shard(path)):,} tokens")
+
+
+TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "depth", "n_layer", "n_head", "n_embd", "seq_len", "batch_size",
+                       "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
+                       "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
+                       "grad_accum", "recompute", "zero")
+
+
+@cli.command("trace")
+@click.option("--steps", type=int, default=3, show_default=True,
+              help="training steps to trace (also the length of the LR schedule)")
+@click.option("--out", required=True, metavar="FILE.h5", help="the trace file to write")
+@click.option("--max-bytes", default="2GB", show_default=True,
+              help="refuse a trace larger than this (bytes, or a number with K, M or G)")
+def trace_command(**kwargs):
+    """Run N training steps and write every tensor of them to a trace.
+
+    Any layout and world size; rank 0 writes full logical tensors: the
+    batches, the initial parameters and, per step, the activations after
+    each block, logits, loss, gradients, updated parameters and dropout
+    masks (format mpicube-trace v1, docs/trace-format.md). Check it against
+    another trace with `mpicube compare`.
+    """
+    from ..analysis.trace import run_trace
+
+    run_trace(kwargs, _mpi["world"], say=echo)
+
+
+trace_command.params[:0] = [p for p in train.params if p.name in TRACE_TRAIN_OPTIONS]

@@ -1,0 +1,9 @@
+"""The ground floor: what every layer needs and nothing depends on.
+
+The error types and their exit statuses (``errors``), the model's sizes
+(``config.ModelConfig``), integer helpers for divisibility messages
+(``intmath``) and rank 0's console (``console``).
+
+May import: nothing of mpicube (the standard library only: no NumPy
+arrays, no MPI).
+"""

@@ -1,0 +1,158 @@
+"""One share of the node's cores per rank, for every thread pool a rank starts.
+
+Why this module exists: ``mpirun -n P mpicube train`` starts P processes on
+a node, and each of them would otherwise start one BLAS thread per core
+(OpenBLAS does so when NumPy loads it), one numba worker per core and one
+OpenMP thread per core: P-fold oversubscription. Measured on 8 ranks on a
+2-core machine, that ran about ten times slower than the same job with
+``OMP_NUM_THREADS=1``. So before the first GEMM every rank limits all of
+its pools to its share:
+
+* ``OMP_NUM_THREADS``, if set to a positive integer (the user, or a job
+  script, has decided; the first entry of a nested list such as ``4,2``);
+* else the node's cores divided among the ranks on the node (at least one),
+  and never more than the cores this rank may run on. The node's cores are
+  the union of the CPU affinity masks of its ranks (so a launcher that binds
+  each rank to its own cores is respected), or ``MPICUBE_NODE_CORES`` if set
+  (a site whose masks do not tell the truth; tests set it to pretend a
+  larger node).
+
+The pools: NumPy's BLAS and any OpenMP runtime through threadpoolctl (a
+library loaded later is limited when it first shows up: see ``limit_new``),
+numba's workers, and the batched-matmul pool of ``fused`` (sized from
+numba's count). CuPy's host side runs on the same BLAS and OpenMP.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import asdict, dataclass, field
+
+from ..core.errors import UserError
+
+NODE_CORES_VAR = "MPICUBE_NODE_CORES"
+
+
+@dataclass
+class Share:
+    """This rank's thread budget and how it was decided (recorded in
+    config.json and printed by ``bench``)."""
+
+    threads: int                   # threads per rank for every pool
+    source: str                    # "OMP_NUM_THREADS" or "node cores"
+    node_cores: int                # cores of the node that were shared
+    ranks_on_node: int
+    rank_cpus: int                 # CPUs this rank may run on (its affinity mask)
+    host: str = ""
+    pools: dict = field(default_factory=dict)    # what each pool was set to: {"blas": 1, "numba": 1, ...}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        pools = ", ".join(f"{k} {v}" for k, v in self.pools.items()) or "no thread pools found"
+        if self.source == "OMP_NUM_THREADS":
+            why = f"OMP_NUM_THREADS={self.threads}"
+        else:
+            why = f"{self.node_cores} cores / {self.ranks_on_node} rank(s) on {self.host or 'this node'}"
+        return f"{self.threads} thread(s) per rank ({why}): {pools}"
+
+
+def _omp_num_threads(environ) -> int | None:
+    """OMP_NUM_THREADS as a positive integer, or None if unset or not one."""
+    first = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
+def node_cores_override(environ=os.environ) -> int | None:
+    """MPICUBE_NODE_CORES as a positive integer, None if unset; UserError if malformed."""
+    value = environ.get(NODE_CORES_VAR, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{NODE_CORES_VAR}={value!r}: give the number of cores of a node (1 or more)")
+    return int(value)
+
+
+def decide(ranks_on_node: int, node_cpus: int, rank_cpus: int, environ=os.environ) -> Share:
+    """The share of one rank (pure: the inputs are what the node looks like).
+
+    ``node_cpus``: distinct CPUs in the affinity masks of the node's ranks;
+    ``rank_cpus``: CPUs in this rank's own mask."""
+    omp = _omp_num_threads(environ)
+    override = node_cores_override(environ)
+    node = override if override is not None else node_cpus
+    if omp is not None:
+        return Share(omp, "OMP_NUM_THREADS", node, ranks_on_node, rank_cpus)
+    n = max(1, min(rank_cpus, node // max(1, ranks_on_node)))
+    return Share(n, "node cores", node, ranks_on_node, rank_cpus)
+
+
+def _affinity() -> set:
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))     # pragma: no cover - not Linux
+
+
+_current: Share | None = None
+_configured_for = None             # the communicator _current was decided on
+
+
+def configure(comm=None) -> Share:
+    """Decide this rank's share and apply it to every pool. Collective over
+    ``comm`` (an mpi4py communicator; None: a single process); calling it
+    again with the same communicator only re-applies the limits."""
+    global _current, _configured_for
+    if _current is not None and _configured_for is comm:
+        apply(_current)
+        return _current
+    mine = _affinity()
+    if comm is None:
+        cpus = [mine]
+    else:
+        from mpi4py import MPI
+
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            cpus = local.allgather(sorted(mine))
+        finally:
+            local.Free()
+    share = decide(len(cpus), len(set().union(*map(set, cpus))), len(mine))
+    share.host = socket.gethostname()
+    apply(share)
+    _current, _configured_for = share, comm
+    return share
+
+
+def apply(share: Share) -> None:
+    """Set every pool this process has loaded to ``share.threads``."""
+    pools = {}
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:   # pragma: no cover - a core dependency; only a broken install lacks it
+        ThreadpoolController = None
+    if ThreadpoolController is not None:
+        for lib in ThreadpoolController().lib_controllers:
+            lib.set_num_threads(share.threads)
+            pools[lib.internal_api] = lib.num_threads
+    try:
+        import numba
+    except ImportError:
+        numba = None
+    if numba is not None:
+        numba.set_num_threads(max(1, min(share.threads, numba.config.NUMBA_NUM_THREADS)))
+        pools["numba"] = numba.get_num_threads()
+    share.pools = pools
+
+
+def limit_new() -> None:
+    """Re-apply the share (for libraries loaded after ``configure``, such as
+    an OpenMP runtime that CuPy or h5py brings in later)."""
+    if _current is not None:
+        apply(_current)
+
+
+def current() -> Share | None:
+    """The share last applied in this process (None before ``configure``)."""
+    return _current

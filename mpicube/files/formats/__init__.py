@@ -1,0 +1,117 @@
+"""Model files in and out: mpicube checkpoints, Hugging Face GPT-2
+directories and llm.c model files (DESIGN.md section 10).
+
+``open_model(path)`` detects the format and returns a ``ModelFile``: the
+model's configuration and every parameter under its GPT-2 name, in
+mpicube's orientation, readable block by block. ``open_everywhere`` does
+that on every rank of a job, with rank 0 checking the file first so a bad
+file gives one message. ``load_params`` fills a rank's parameter store
+with exactly its blocks; ``convert`` writes any of the three formats.
+
+=========  =====================================  ======================
+format     path                                   per-rank reads
+=========  =====================================  ======================
+mpicube    run dir, step dir or checkpoint.h5     HDF5 hyperslabs
+hf         directory: config.json + safetensors   safetensors slices
+llmc       file with magic 20240326               memory-mapped pages
+=========  =====================================  ======================
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import FormatError, ModelFile
+
+KINDS = ("mpicube", "hf", "llmc")
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+__all__ = ["KINDS", "FormatError", "ModelFile", "detect", "open_model", "open_everywhere", "load_params"]
+
+
+def detect(path) -> str:
+    """Which of KINDS ``path`` holds, or a FormatError saying what was expected."""
+    from ..checkpoint.format import CKPT_DIR, MAIN_FILE
+    from . import hf, llmc
+
+    p = Path(path)
+    if not p.exists():
+        raise FormatError(f"{p}: no such file or directory")
+    if p.is_dir():
+        if hf.is_hf_dir(p):
+            return "hf"
+        if (p / MAIN_FILE).is_file() or (p / CKPT_DIR).is_dir() or p.name == CKPT_DIR:
+            return "mpicube"           # a run directory has a config.json of its own
+        if (p / hf.CONFIG).is_file():
+            found = sorted(x.name for x in p.iterdir() if x.suffix in (".bin", ".safetensors", ".h5", ".pt"))
+            raise FormatError(f"{p}: has {hf.CONFIG} but no {hf.SINGLE} or {hf.INDEX} "
+                              f"(mpicube reads safetensors only; found {', '.join(found) or 'no weights'})")
+        raise FormatError(f"{p}: not a model directory (expected a mpicube run or checkpoint directory, "
+                          f"or a Hugging Face GPT-2 directory with {hf.CONFIG} and {hf.SINGLE})")
+    if p.name == hf.CONFIG or p.suffix == ".safetensors" or p.name == hf.INDEX:
+        if hf.is_hf_dir(p.parent):
+            return "hf"
+        raise FormatError(f"{p}: a safetensors model needs {hf.CONFIG} and {hf.SINGLE} (or {hf.INDEX}) "
+                          f"in its directory: pass the directory")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise FormatError(f"{p}: cannot read it ({e.strerror})") from None
+    if head == HDF5_SIGNATURE:
+        return "mpicube"
+    return "llmc"        # anything else must be an llm.c model file; its reader says what is wrong
+
+
+def open_model(path, verify: bool = True) -> ModelFile:
+    """Open any model file for reading. ``verify`` runs the checks that
+    read data (checkpoint checksums, an HF head tied to wte); one rank
+    does them, the others open with ``verify=False``."""
+    from .. import checkpoint
+    from . import hf, llmc, native
+
+    kind = detect(path)
+    if kind == "hf":
+        p = Path(path)
+        return hf.HFModel(p if p.is_dir() else p.parent, check_head=verify)
+    if kind == "llmc":
+        return llmc.LlmcModel(path)
+    return native.NativeModel(checkpoint.open_checkpoint(path, verify=verify))
+
+
+def open_everywhere(mpi_world, path) -> ModelFile:
+    """Every rank opens the same model; rank 0 checks it first (and names
+    the file it resolved to), so a bad file is one error on every rank. A
+    mpicube checkpoint's shards are hashed by all ranks, each its share
+    (``checkpoint.open_checkpoint`` with the communicator), not by rank 0 alone."""
+    from .. import checkpoint
+    from ...parallel.comm import on_root
+    from . import native
+
+    def check():
+        if detect(path) == "mpicube":
+            with open_model(path, verify=False) as m:
+                return "mpicube", str(m.ck.file)
+        with open_model(path, verify=True) as m:
+            return m.kind, str(m.path)
+
+    kind, resolved = on_root(mpi_world, check)
+    if kind == "mpicube":
+        return native.NativeModel(checkpoint.open_checkpoint(resolved, verify=True, comm=mpi_world))
+    return open_model(resolved, verify=False)
+
+
+def load_params(model: ModelFile, store) -> None:
+    """Read exactly this rank's block of every parameter of ``store`` from
+    ``model`` (any format), after checking every shape."""
+    from .base import check_shapes
+
+    check_shapes(model.path, {n: model.shape(n) for n in model.names()},
+                 {spec.name: tuple(spec.decl.shape) for spec in store.specs}, what="parameter")
+    backend = store.backend
+    with store.writing_master() as flat:        # rounds the 16-bit working copy afresh; --zero 1 keeps a chunk
+        master = flat.dtype                     # master weights: float32 under 16-bit storage
+        for spec in store.specs:
+            lo, hi = store.offsets[spec.name]
+            block = model.read(spec.name, index=spec.index, dtype=master)
+            flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)

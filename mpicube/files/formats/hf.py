@@ -1,0 +1,281 @@
+"""Hugging Face GPT-2 directories: ``config.json`` and safetensors files
+with ``transformers``' GPT2LMHeadModel names, read and written through the
+``safetensors`` package's NumPy API (no torch).
+
+GPT-2's linears are ``Conv1D`` modules whose weights are stored (in, out),
+the orientation mpicube uses, so tensors map one to one:
+``transformer.h.{i}.attn.c_attn.weight`` is mpicube's
+``h.{i}.attn.c_attn.weight`` and so on; ``transformer.wte.weight`` is
+``wte``. The LM head is tied: ``lm_head.weight`` is absent or equal to the
+token embedding. OpenAI's original release stores the same names without
+the ``transformer.`` prefix and keeps the attention mask buffers
+(``h.{i}.attn.bias``, ``h.{i}.attn.masked_bias``), which are ignored.
+A configuration mpicube's model cannot compute is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ...core.config import ModelConfig
+from .base import FormatError, ModelFile, check_shapes, gpt2_shapes, model_config
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+PREFIX = "transformer."
+HEAD = "lm_head.weight"
+BUFFERS = (".attn.bias", ".attn.masked_bias")      # causal-mask buffers of older transformers
+# activation_function values that are GPT-2's tanh-approximated GELU
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+READABLE = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+
+
+def is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / CONFIG).is_file() and ((path / SINGLE).is_file() or (path / INDEX).is_file())
+
+
+def _safe_open(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="numpy")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
+        raise FormatError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def parse_config(path: Path, doc) -> ModelConfig:
+    """The ModelConfig of a GPT-2 ``config.json``, or a FormatError naming
+    the setting that mpicube's GPT-2 does not compute."""
+    where = path / CONFIG
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: not a JSON object")
+    model_type = doc.get("model_type")
+    if model_type != "gpt2":
+        raise FormatError(f"{where}: model_type {model_type!r} is not 'gpt2'; mpicube reads GPT-2 models only")
+    eps = doc.get("layer_norm_epsilon", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise FormatError(f"{where}: layer_norm_epsilon {json.dumps(eps)} is not a number")
+    refusals = [
+        ("activation_function", doc.get("activation_function", "gelu_new") not in TANH_GELU,
+         "mpicube's MLP uses the tanh-approximated GELU ('gelu_new')"),
+        ("n_inner", doc.get("n_inner") not in (None, 4 * doc.get("n_embd", 0)),
+         "mpicube's MLP is 4 * n_embd wide"),
+        ("layer_norm_epsilon", float(eps) != 1e-5,
+         "mpicube's LayerNorm uses eps 1e-5"),
+        ("scale_attn_weights", doc.get("scale_attn_weights", True) is not True,
+         "mpicube scales attention scores by 1/sqrt(head_dim)"),
+        ("scale_attn_by_inverse_layer_idx", bool(doc.get("scale_attn_by_inverse_layer_idx", False)),
+         "mpicube does not scale attention by the layer index"),
+        ("add_cross_attention", bool(doc.get("add_cross_attention", False)),
+         "mpicube's GPT-2 has no cross-attention"),
+        ("tie_word_embeddings", doc.get("tie_word_embeddings", True) is not True,
+         "mpicube's LM head is tied to the token embedding (wte)"),
+        ("is_encoder_decoder", bool(doc.get("is_encoder_decoder", False)),
+         "mpicube's GPT-2 is a decoder only"),
+    ]
+    for key, refused, why in refusals:
+        if refused:
+            raise FormatError(f"{where}: {key} = {json.dumps(doc.get(key))} is not supported: {why}")
+    missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k not in doc]
+    if "n_positions" not in doc and "n_ctx" not in doc:
+        missing.append("n_positions")
+    if missing:
+        raise FormatError(f"{where}: missing {', '.join(missing)}")
+    return model_config(where, doc["n_layer"], doc["n_head"], doc["n_embd"], doc.get("n_positions", doc.get("n_ctx")),
+                        doc["vocab_size"])
+
+
+class HFModel(ModelFile):
+    kind = "hf"
+
+    def __init__(self, path, check_head: bool = True):
+        path = Path(path)
+        try:
+            doc = json.loads((path / CONFIG).read_text())
+        except (OSError, ValueError) as e:
+            raise FormatError(f"{path / CONFIG}: cannot read it as JSON: {e}") from None
+        super().__init__(path, parse_config(path, doc))
+        self._files = {}                    # file name -> open safetensors handle
+        try:
+            self._map = self._weight_map()  # tensor name in the file -> file name
+            self._locate()
+            if check_head:
+                self._check_head()
+        except BaseException:
+            self.close()
+            raise
+
+    def _weight_map(self) -> dict:
+        if (self.path / INDEX).is_file():
+            where = self.path / INDEX
+            try:
+                doc = json.loads(where.read_text())
+                weight_map = doc["weight_map"]
+                assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+            except (OSError, ValueError, KeyError, TypeError, AssertionError):
+                raise FormatError(f"{where}: not a safetensors index (a JSON object with a 'weight_map')") from None
+            for name in sorted(set(weight_map.values())):
+                if "/" in name or name.startswith(".") or not (self.path / name).is_file():
+                    raise FormatError(f"{where}: shard {name!r} is missing")
+            for name, file in weight_map.items():
+                if name not in self._open(file).keys():
+                    raise FormatError(f"{self.path / file}: has no tensor {name!r}, which {INDEX} places there")
+            return dict(weight_map)
+        return {name: SINGLE for name in self._open(SINGLE).keys()}
+
+    def _open(self, file: str):
+        if file not in self._files:
+            self._files[file] = _safe_open(self.path / file)
+        return self._files[file]
+
+    def _locate(self) -> None:
+        """Map mpicube names to file names; check dtypes, shapes and strays."""
+        prefix = PREFIX if PREFIX + "wte.weight" in self._map else ""
+        self.file_names = {name: prefix + file_name(name) for name in self.shapes}
+        found, self._dtypes = {}, {}
+        for name, fname in self.file_names.items():
+            if fname not in self._map:
+                continue
+            sl = self._open(self._map[fname]).get_slice(fname)
+            found[name] = tuple(sl.get_shape())
+            code = sl.get_dtype()
+            if code not in READABLE:
+                hint = " (safetensors' NumPy API has no bfloat16: save the model in float32)" if code == "BF16" else ""
+                raise FormatError(f"{self._where(fname)}: tensor {fname!r} has dtype {code}; "
+                                  f"mpicube reads {', '.join(READABLE)}{hint}")
+            self._dtypes[name] = np.dtype(READABLE[code])
+        missing = [n for n in self.shapes if n not in found]
+        if missing:
+            raise FormatError(f"{self.path}: missing tensor {self.file_names[missing[0]]!r} (mpicube's "
+                              f"{missing[0]}; the model needs every GPT-2 parameter)")
+        check_shapes(self.path, found, self.shapes)
+        known = set(self.file_names.values()) | {HEAD}
+        for fname in self._map:
+            if fname not in known and not fname.endswith(BUFFERS):
+                raise FormatError(f"{self._where(fname)}: unexpected tensor {fname!r}: mpicube's GPT-2 has no such "
+                                  "parameter")
+
+    def _check_head(self) -> None:
+        """An LM head that is stored must be the token embedding itself."""
+        if HEAD not in self._map:
+            return
+        sl = self._open(self._map[HEAD]).get_slice(HEAD)
+        wte_name = self.file_names["wte"]
+        if tuple(sl.get_shape()) != self.shapes["wte"]:
+            raise FormatError(f"{self._where(HEAD)}: {HEAD} has shape {tuple(sl.get_shape())}, unlike wte "
+                              f"{self.shapes['wte']}: an untied LM head is not supported")
+        rows = self.shapes["wte"][0]
+        wte = self._open(self._map[wte_name]).get_slice(wte_name)
+        step = max(1, (1 << 22) // max(1, self.shapes["wte"][1]))
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)                    # safetensors slices do not clip
+            if not np.array_equal(sl[lo:hi], wte[lo:hi]):
+                raise FormatError(f"{self._where(HEAD)}: {HEAD} differs from {wte_name}: an untied LM head is not "
+                                  "supported (mpicube ties it to the token embedding)")
+
+    def _where(self, fname: str) -> Path:
+        return self.path / self._map.get(fname, SINGLE)
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._dtypes[name]
+
+    def read_box(self, name: str, box: tuple) -> np.ndarray:
+        fname = self.file_names[name]
+        try:
+            return self._open(self._map[fname]).get_slice(fname)[box]
+        except FormatError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise FormatError(f"{self._where(fname)}: cannot read tensor {fname!r}: {e}") from None
+
+    def describe(self) -> str:
+        n = len(set(self._map.values()))
+        files = f"{n} safetensors shards" if n > 1 else SINGLE
+        return f"Hugging Face GPT-2 directory {self.path} ({files})"
+
+    def close(self) -> None:
+        self._files = {}
+
+
+def file_name(name: str) -> str:
+    """mpicube's parameter name -> GPT2LMHeadModel's, without the prefix."""
+    return {"wte": "wte.weight", "wpe": "wpe.weight"}.get(name, name)
+
+
+def config_json(cfg: ModelConfig) -> dict:
+    """A config.json that ``transformers`` loads as GPT2LMHeadModel."""
+    doc = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "activation_function": "gelu_new",
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_embd": cfg.n_embd,
+        "n_positions": cfg.n_ctx,
+        "n_ctx": cfg.n_ctx,
+        "n_inner": None,
+        "vocab_size": cfg.vocab_size,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "attn_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    if cfg.vocab_size == 50257:          # GPT-2's BPE: <|endoftext|> begins and ends texts
+        doc["bos_token_id"] = doc["eos_token_id"] = 50256
+    return doc
+
+
+def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = None) -> list:
+    """Write a Hugging Face GPT-2 directory ``dst`` from {mpicube name:
+    whole tensor}; one ``model.safetensors``, or shards of at most
+    ``max_shard_bytes`` with ``model.safetensors.index.json``. The
+    directory appears complete or not at all. Returns the files written."""
+    from safetensors.numpy import save_file
+
+    dst = Path(dst)
+    check_shapes(dst, {n: t.shape for n, t in tensors.items()}, gpt2_shapes(cfg))
+    named = [(PREFIX + file_name(n), np.ascontiguousarray(tensors[n])) for n in gpt2_shapes(cfg)]
+    groups = [[]]
+    size = 0
+    for fname, array in named:
+        if max_shard_bytes and groups[-1] and size + array.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((fname, array))
+        size += array.nbytes
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        files = []
+        if len(groups) == 1:
+            save_file(dict(groups[0]), str(tmp / SINGLE), metadata={"format": "pt"})
+            files.append(SINGLE)
+        else:
+            weight_map = {}
+            for k, group in enumerate(groups, 1):
+                shard = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+                save_file(dict(group), str(tmp / shard), metadata={"format": "pt"})
+                weight_map.update({fname: shard for fname, _ in group})
+                files.append(shard)
+            index = {"metadata": {"total_size": sum(a.nbytes for _, a in named)}, "weight_map": weight_map}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            files.append(INDEX)
+        (tmp / CONFIG).write_text(json.dumps(config_json(cfg), indent=2) + "\n")
+        files.append(CONFIG)
+        os.replace(tmp, dst)                 # dst does not exist or is an empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [dst / f for f in files]

@@ -1,0 +1,345 @@
+"""GPT-2, written once against the layout protocol (layouts/base.py).
+
+Nothing here knows which layout it runs on: the layout supplies the linears,
+the tied embedding / LM head and the communicator of the hidden split; the
+model only strings them together with local ops from ``mpicube.ops``.
+Shapes use the layout's local sizes: B_c/C_c canonical rows/columns,
+B_m/C_m between paired linears, V_l local vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import kvcache
+from .. import ops
+from ..device import precision
+from ..ops import rng
+from ..core.config import ModelConfig
+from ..parallel.layouts.base import Layout, LayerNorm
+from ..parallel.params import ParamDecl, ParamStore
+
+
+def gpt_params(cfg: ModelConfig) -> list:
+    """Every logical parameter under its GPT-2 name, with GPT-2's init."""
+    h, std = cfg.n_embd, 0.02
+    resid_std = std / math.sqrt(2 * cfg.n_layer)   # residual projections
+    decls = [
+        ParamDecl("wte", (cfg.vocab_size, h), "wte", "normal", std),
+        ParamDecl("wpe", (cfg.n_ctx, h), "wpe", "normal", std),
+    ]
+    for i in range(cfg.n_layer):
+        p = f"h.{i}."
+        decls += [
+            ParamDecl(p + "ln_1.weight", (h,), "norm", "ones"),
+            ParamDecl(p + "ln_1.bias", (h,), "norm", "zeros"),
+            ParamDecl(p + "attn.c_attn.weight", (h, 3 * h), "w_first", "normal", std, decay=True, groups=3),
+            ParamDecl(p + "attn.c_attn.bias", (3 * h,), "b_first", "zeros", groups=3),
+            ParamDecl(p + "attn.c_proj.weight", (h, h), "w_second", "normal", resid_std, decay=True),
+            ParamDecl(p + "attn.c_proj.bias", (h,), "b_second", "zeros"),
+            ParamDecl(p + "ln_2.weight", (h,), "norm", "ones"),
+            ParamDecl(p + "ln_2.bias", (h,), "norm", "zeros"),
+            ParamDecl(p + "mlp.c_fc.weight", (h, 4 * h), "w_first", "normal", std, decay=True),
+            ParamDecl(p + "mlp.c_fc.bias", (4 * h,), "b_first", "zeros"),
+            ParamDecl(p + "mlp.c_proj.weight", (4 * h, h), "w_second", "normal", resid_std, decay=True),
+            ParamDecl(p + "mlp.c_proj.bias", (h,), "b_second", "zeros"),
+        ]
+    decls += [ParamDecl("ln_f.weight", (h,), "norm", "ones"), ParamDecl("ln_f.bias", (h,), "norm", "zeros")]
+    return decls
+
+
+class Dropout:
+    """Masks that are a pure function of (seed, step, site, global index), so
+    every layout drops the same elements (DESIGN.md section 2). They are
+    drawn where the activations live: on a GPU the hash runs on the device
+    and nothing is copied per step but a few small index vectors, once."""
+
+    def __init__(self, p: float, seed: int, layout: Layout, grad_accum: int = 1):
+        self.p, self.seed, self.layout = p, seed, layout
+        self.keep = 1.0 - p
+        cfg = layout.cfg
+        self.grad_accum = grad_accum
+        self.micro = 0                                            # which micro-batch of the step runs
+        step_batch = layout.batch_size * grad_accum               # the layout holds one micro-batch
+        self.canonical_shape = (step_batch, cfg.n_ctx, cfg.n_embd)
+        self._indices = {}                                        # (kind, T, micro) -> index vectors on the device
+
+    def first_seq(self, micro: int) -> int:
+        """Global index of this replica's first sequence in micro-batch
+        ``micro``: replica r holds rows [r*b, (r+1)*b) of the step's batch
+        (b = B/dp), micro-batch m the rows r*b + m*b/N onwards, so the
+        masks are those of the same step without accumulation."""
+        b_micro = self.layout.local_batch
+        return (self.layout.axes.dp.rank * self.grad_accum + micro) * b_micro
+
+    def _mask(self, step, site, global_shape, kind, T, index):
+        """(block shape) keep mask: 1.0 where kept, 0.0 where dropped."""
+        backend = self.layout.backend
+        if (kind, T, self.micro) not in self._indices:
+            first, seqs = self.first_seq(self.micro), index[0]
+            index = (first + np.asarray(seqs),) + tuple(index[1:])   # global sequence ids
+            self._indices[kind, T, self.micro] = tuple(backend.xp.asarray(ix, dtype=np.uint64) for ix in index)
+        counter = rng.flat_index(global_shape, self._indices[kind, T, self.micro], backend.xp)  # (block) uint64
+        return ops.keep_mask(rng.make_key(self.seed, "dropout", step, site), counter, self.p, backend.dtype)
+
+    def canonical(self, step, site, T):
+        """(B_c, T, C_c) keep mask for an activation in canonical form, or None."""
+        if self.p == 0.0:
+            return None
+        index = (self.layout.canonical_seqs, np.arange(T), self.layout.canonical_cols)
+        mask = self._mask(step, site, self.canonical_shape, "canonical", T, index)
+        mask *= 1.0 / self.keep
+        return mask
+
+    def attention(self, step, site, T):
+        """(B_m, nh, T, T) keep mask on attention probabilities, or None."""
+        if self.p == 0.0:
+            return None
+        cfg = self.layout.cfg
+        shape = (self.canonical_shape[0], cfg.n_head, cfg.n_ctx, cfg.n_ctx)
+        index = (self.layout.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
+        return self._mask(step, site, shape, "attention", T, index)
+
+
+class Block:
+    """Pre-LN transformer block: x += attn(ln_1(x)); x += mlp(ln_2(x)).
+
+    Under ``--recompute blocks`` (``layout.recompute``) forward keeps only
+    the block's input (as ``layout.save_block_input`` stores it) and lets go
+    of every cache and dropout mask; ``rerun`` repeats the forward inside
+    backward with the same step, so the masks come again from the same hash
+    and the caches are the same numbers, before ``backward`` uses them."""
+
+    def __init__(self, layout: Layout, store: ParamStore, i: int):
+        p, h = f"h.{i}.", layout.cfg.n_embd
+        self.site = f"h.{i}"
+        self.layout = layout
+        self.checkpoint = layout.recompute == "blocks"
+        self.replay = None                   # (saved input, dropout, step) under --recompute blocks
+        self.ln_1 = LayerNorm(store, p + "ln_1", h, layout.hidden_comm)
+        self.c_attn = layout.linear(store, p + "attn.c_attn", "first")
+        self.c_proj = layout.linear(store, p + "attn.c_proj", "second")
+        self.ln_2 = LayerNorm(store, p + "ln_2", h, layout.hidden_comm)
+        self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
+        self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
+        self.n_local_heads = len(layout.head_ids)
+
+    def modules(self) -> list:
+        """The block and its layers: everything that holds a cache."""
+        return [self, self.ln_1, self.c_attn, self.c_proj, self.ln_2, self.c_fc, self.mlp_proj]
+
+    def forward(self, x, dropout: Dropout, step: int):
+        """x (B_c, T, C_c) -> (B_c, T, C_c)."""
+        if not self.checkpoint:
+            return self._forward(x, dropout, step)
+        self.replay = (self.layout.save_block_input(x), dropout, step)
+        y = self._forward(x, dropout, step)                                    # (B_c, T, C_c)
+        self._release()
+        return y
+
+    def rerun(self) -> None:
+        """--recompute blocks: rebuild the caches backward needs from the
+        saved input (the same arithmetic as the first forward)."""
+        saved, dropout, step = self.replay
+        self.replay = None
+        self._forward(self.layout.load_block_input(saved), dropout, step)
+
+    def _release(self) -> None:
+        self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None
+        self.attn_cache = self.gelu_cache = None
+        for layer in self.modules()[1:]:
+            layer.release()
+
+    def _forward(self, x, dropout: Dropout, step: int):
+        """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
+        T = x.shape[1]
+        self.keep_attn = dropout.attention(step, self.site + ".attn", T)
+        self.keep_resid_attn = dropout.canonical(step, self.site + ".resid_attn", T)
+        self.keep_resid_mlp = dropout.canonical(step, self.site + ".resid_mlp", T)
+
+        qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, T, 3 C_m)
+        a, self.attn_cache = ops.attention_forward(qkv, self.n_local_heads, self.keep_attn, dropout.keep)
+        y = self.c_proj.forward(a)                                             # (B_c, T, C_c)
+        if self.keep_resid_attn is not None:
+            y *= self.keep_resid_attn
+        x = x + y
+        f = self.c_fc.forward(self.ln_2.forward(x))                           # (B_m, T, 4 C_m)
+        g, self.gelu_cache = ops.gelu_forward(f)
+        y = self.mlp_proj.forward(g)                                           # (B_c, T, C_c)
+        if self.keep_resid_mlp is not None:
+            y *= self.keep_resid_mlp
+        return x + y
+
+    def backward(self, dx):
+        """dx (B_c, T, C_c) -> (B_c, T, C_c)."""
+        dy = dx if self.keep_resid_mlp is None else dx * self.keep_resid_mlp
+        dg = self.mlp_proj.backward(dy)
+        df = ops.gelu_backward(dg, self.gelu_cache)
+        dx = dx + self.ln_2.backward(self.c_fc.backward(df))
+        dy = dx if self.keep_resid_attn is None else dx * self.keep_resid_attn
+        da = self.c_proj.backward(dy)
+        dqkv = ops.attention_backward(da, self.attn_cache)
+        dx = dx + self.ln_1.backward(self.c_attn.backward(dqkv))
+        self.attn_cache = self.gelu_cache = None
+        self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None   # masks: no longer needed
+        return dx
+
+    def decode(self, x, cache, pos: int):
+        """Inference on positions pos .. pos+t-1 with a key/value cache
+        (mpicube.model.kvcache), no dropout: x (B_c, t, C_c) -> (B_c, t, C_c)."""
+        qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, t, 3 C_m)
+        x = x + self.c_proj.forward(kvcache.cached_attention(qkv, self.n_local_heads, cache, pos))
+        g, _ = ops.gelu_forward(self.c_fc.forward(self.ln_2.forward(x)))      # (B_m, t, 4 C_m)
+        return x + self.mlp_proj.forward(g)
+
+
+class GPT:
+    """The whole model on one rank's share of the layout."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, store: ParamStore, dropout: float = 0.0, seed: int = 0,
+                 grad_accum: int = 1):
+        self.cfg, self.layout, self.store = cfg, layout, store
+        # The layout runs one micro-batch; a step is ``grad_accum`` of them
+        # (mpicube.training.accum), and the loss is the mean over the whole step.
+        self.grad_accum = grad_accum
+        self.xp = layout.backend.xp
+        self.embedding = layout.tied_embedding(store)
+        self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]    # (n_ctx, C_c)
+        self.blocks = [Block(layout, store, i) for i in range(cfg.n_layer)]
+        self.ln_f = LayerNorm(store, "ln_f", cfg.n_embd, layout.hidden_comm)
+        self.dropout = Dropout(dropout, seed, layout, grad_accum)
+        # --recompute blocks: the largest set of one block's caches right after
+        # its rerun in the last backward (elements, bytes); 0 otherwise.
+        self.recompute_peak_elements = self.recompute_peak_bytes = 0
+        # Opt-in (mpicube.analysis.trace): a dict that forward fills with this rank's
+        # canonical blocks of "emb", "h.{i}" and "ln_f"; None costs nothing.
+        self.capture = None
+
+    def forward(self, idx, targets, step: int = 0, micro: int = 0) -> float:
+        """idx, targets (B_dp, T): this data-parallel replica's rows of
+        micro-batch ``micro`` of the step (the whole step's rows when it has
+        one). Returns this micro-batch's cross-entropy summed and divided by
+        the whole step's token count, so the micro-batches' returns (and
+        gradients) add up to the step's mean (and its gradient)."""
+        xp, layout = self.xp, self.layout
+        self.store.refresh_work()                # the 16-bit working copy, after an optimizer step or a load
+        idx = xp.asarray(idx)
+        B, T = idx.shape
+        self.dropout.micro = micro
+        self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
+        x = self.embedding.embed(idx)                                       # (B_c, T, C_c)
+        x = x + self.wpe[:T]
+        self.keep_emb = self.dropout.canonical(step, "emb", T)
+        if self.keep_emb is not None:
+            x *= self.keep_emb
+        capture = self.capture
+        if capture is not None:
+            capture["emb"] = x.copy()                                       # (B_c, T, C_c)
+        for i, block in enumerate(self.blocks):
+            x = block.forward(x, self.dropout, step)
+            if capture is not None:
+                capture[f"h.{i}"] = x.copy()                                # (B_c, T, C_c)
+        x = self.ln_f.forward(x)
+        if capture is not None:
+            capture["ln_f"] = x.copy()                                      # (B_c, T, C_c)
+        logits = self.embedding.logits(x)                                   # (B_l, T, V_l)
+        self.logits = logits
+        emb = self.embedding
+        rows = xp.asarray(emb.logit_seqs)
+        tgt = xp.asarray(targets)[rows].reshape(-1)                         # (B_l*T,)
+        comm = emb.vocab_comm
+        allmax = (lambda a: comm.allreduce(a, "max")) if comm is not None else ops.identity
+        allsum = comm.allreduce if comm is not None else ops.identity
+        row_loss, self.ce_cache = ops.cross_entropy_forward(
+            logits.reshape(-1, logits.shape[-1]), tgt, emb.vocab_start, self.cfg.vocab_size, allmax, allsum)
+        local = row_loss.sum(dtype=xp.float64).reshape(1) / emb.row_replicas   # (1,) on the device
+        return float(layout.axes.world.allreduce(local)[0]) / self.n_tokens
+
+    def new_caches(self) -> list:
+        """An empty key/value cache per block for this rank's sequences
+        and heads, over the whole context."""
+        cfg, layout = self.cfg, self.layout
+        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), len(layout.head_ids), cfg.n_ctx, cfg.head_dim,
+                                self.layout.backend.dtype) for _ in self.blocks]
+
+    def decode(self, idx, pos: int, caches: list):
+        """Logits of positions pos .. pos+t-1 given their tokens idx (B_dp, t)
+        and the caches holding positions before pos: (B_l, t, V_l), this
+        rank's rows ``embedding.logit_seqs`` and vocabulary block."""
+        self.store.refresh_work()
+        idx = self.xp.asarray(idx)
+        t = idx.shape[1]
+        x = self.embedding.embed(idx) + self.wpe[pos:pos + t]              # (B_c, t, C_c)
+        for block, cache in zip(self.blocks, caches):
+            x = block.decode(x, cache, pos)
+        return self.embedding.logits(self.ln_f.forward(x))                  # (B_l, t, V_l)
+
+    def saved_elements(self) -> int:
+        """Floating-point elements this rank holds for backward right after
+        forward: activations, gathered weight panels, dropout masks. Counted
+        by walking every module's caches (each buffer once, parameters
+        excluded), to check the analytic memory model against what the code
+        really keeps. Under --recompute blocks, backward holds one rerun
+        block's caches on top: ``recompute_peak_elements``."""
+        return sum(a.size for a in self._saved_buffers())
+
+    def saved_bytes(self) -> int:
+        """The bytes of ``saved_elements`` (16-bit activations, float32
+        statistics and gradient panels under mixed precision)."""
+        return sum(a.nbytes for a in self._saved_buffers())
+
+    def _saved_buffers(self, modules=None) -> list:
+        """The distinct floating-point buffers behind every module's caches
+        (of ``modules``, default the whole model's)."""
+        params = self.store.buffers()
+        seen = {}
+
+        def visit(value):
+            if isinstance(value, (tuple, list)):
+                for item in value:
+                    visit(item)
+            elif hasattr(value, "dtype") and hasattr(value, "base") and precision.is_float(value.dtype):
+                owner = value
+                while owner.base is not None:
+                    owner = owner.base
+                if not any(owner is p for p in params):
+                    seen[id(owner)] = owner
+
+        if modules is None:
+            modules = [self, self.embedding, self.ln_f]
+            for block in self.blocks:
+                modules += block.modules()
+        for module in modules:
+            for value in vars(module).values():
+                visit(value)
+        return list(seen.values())
+
+    def backward(self, loss_scale: float = 1.0) -> None:
+        """Adds d(mean loss)/d(parameter) into the store's gradient buffer
+        (before any gradient synchronisation), times ``loss_scale``: float16
+        gradients of activations would underflow at their true size, so
+        dynamic loss scaling (mpicube.training.loss_scale) raises them and divides
+        the float32 parameter gradients back afterwards."""
+        dlogits = ops.cross_entropy_backward(loss_scale / self.n_tokens, self.ce_cache)
+        dlogits = dlogits.reshape(self.logits.shape)                       # (B_l, T, V_l)
+        dx = self.embedding.logits_backward(dlogits)                       # (B_c, T, C_c)
+        dx = self.ln_f.backward(dx)
+        self.recompute_peak_elements = self.recompute_peak_bytes = 0
+        for block in reversed(self.blocks):
+            if block.replay is not None:                                   # --recompute blocks
+                block.rerun()
+                rebuilt = self._saved_buffers(block.modules())             # this block's caches
+                self.recompute_peak_elements = max(self.recompute_peak_elements, sum(a.size for a in rebuilt))
+                self.recompute_peak_bytes = max(self.recompute_peak_bytes, sum(a.nbytes for a in rebuilt))
+            dx = block.backward(dx)
+        if self.keep_emb is not None:
+            dx = dx * self.keep_emb
+        B, T, C = dx.shape
+        self.dwpe[:T] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
+            dx.reshape(B, T * C)).reshape(T, C)                            # 16-bit dx: summed in float32+
+        self.embedding.embed_backward(dx)
+        self.embedding.finish_backward()
+        self.store.settle()
+        self.ce_cache = self.logits = None

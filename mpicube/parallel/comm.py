@@ -1,0 +1,367 @@
+"""The only module that calls MPI collectives on array data.
+
+``Comm`` wraps one mpi4py communicator playing one named role (an *axis* of
+the processor grid, such as ``"j"`` of the 3-D cube or ``"dp"``). Every call
+is counted with the ring-algorithm conventions of DESIGN.md section 4, per
+rank:
+
+=================  ===========================  =============
+collective         elements moved               messages
+=================  ===========================  =============
+all-gather         (g-1)/g * gathered size      g-1
+reduce-scatter     (g-1)/g * input size         g-1
+all-reduce         2 (g-1)/g * size             2 (g-1)
+broadcast, reduce  size                         g-1
+=================  ===========================  =============
+
+A group of one rank moves nothing and makes no MPI call. Counts are exact
+``Fraction``s so the analytic cost model can be compared with ``==``; bytes
+are the elements times the width of what MPI really moved.
+
+MPI has no 16-bit floating-point types. Gathers and broadcasts of float16
+or bfloat16 arrays move them as raw 2-byte words (no arithmetic touches
+them). A sum names its *wire format* at the call site (``wire=``): the
+layouts pass the activation format for sums of activations, activation
+gradients and weight-gradient partials, so under mixed precision those
+travel as 16-bit words and are added in float32 at the receiver
+(``mpicube.parallel.comm_wire``: all-to-all, then a gather of the sums). Without a
+16-bit ``wire`` a reduction is MPI's own SUM/MAX in the compute format
+(16-bit arrays are upcast to float32 and the result rounded back), as for
+the small float32 statistics (LayerNorm, cross-entropy, the gradient norm
+and the loss) and, except under bfloat16 (``precision.gradient_wire``),
+the gradient sums of replicated parameters and of data parallelism; in
+float32 and float64 runs ``wire`` equals the data's format and every call
+is the plain MPI reduction. (A user-defined 16-bit MPI operation would run a
+Python callback per message and round every partial sum to 16 bits.)
+
+On a GPU every call first waits for the device's queued work (MPI must not
+read a buffer a kernel is still writing, nor hand out memory a kernel still
+reads), and only then starts its clock, so GPU compute is never billed to
+communication. A CUDA-aware MPI (``MPICUBE_CUDA_AWARE=1``) then gets device
+buffers; any other MPI gets pinned host buffers from a ``Staging`` pool,
+reused step after step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from fractions import Fraction
+
+import numpy as np
+from mpi4py import MPI
+
+from . import comm_wire
+from ..device import precision
+from ..device.backend import Backend, cuda_aware_mpi
+from ..device.staging import Staging
+from ..core.errors import UserError
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def _on_wire(wire) -> bool:
+    """True when a sum is to travel in a 16-bit wire format."""
+    return wire is not None and precision.is_half(wire)
+
+
+class Counters:
+    """Elements, bytes, messages and seconds of communication, per axis name."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.elems = defaultdict(Fraction)   # axis -> elements moved by this rank
+        self.bytes = defaultdict(Fraction)   # axis -> bytes moved by this rank
+        self.msgs = defaultdict(int)         # axis -> messages (ring steps)
+        self.seconds = defaultdict(float)    # axis -> wall time inside MPI calls
+
+    def add(self, axis: str, elems, msgs: int, seconds: float, width: int = 0):
+        """Count ``elems`` elements of ``width`` bytes each."""
+        self.elems[axis] += Fraction(elems)
+        self.bytes[axis] += Fraction(elems) * width
+        self.msgs[axis] += msgs
+        self.seconds[axis] += seconds
+
+    def total_elems(self) -> Fraction:
+        return sum(self.elems.values(), Fraction(0))
+
+    def total_bytes(self) -> Fraction:
+        return sum(self.bytes.values(), Fraction(0))
+
+    def total_msgs(self) -> int:
+        return sum(self.msgs.values())
+
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+class Pending:
+    """A started collective: ``wait()`` completes it and returns its result
+    (the time spent waiting is added to the axis's seconds). Holds the send
+    buffer so it outlives the operation."""
+
+    def __init__(self, finish, comm: "Comm" = None, send=None):
+        self._finish, self._comm, self._send = finish, comm, send
+
+    def wait(self):
+        t0 = time.perf_counter()
+        out = self._finish()
+        if self._comm is not None:
+            self._comm.counters.add(self._comm.axis, 0, 0, time.perf_counter() - t0)
+        self._send = None
+        return out
+
+
+class Comm:
+    """One axis of the processor grid: an mpi4py communicator, its role name,
+    the array backend and the shared counters."""
+
+    def __init__(self, mpi_comm, axis: str, backend: Backend, counters: Counters, staging: Staging = None):
+        self.mpi = mpi_comm
+        self.axis = axis
+        self.backend = backend
+        self.counters = counters
+        self.staging = staging if staging is not None else backend.staging
+        self.size = mpi_comm.Get_size()
+        self.rank = mpi_comm.Get_rank()
+
+    def __repr__(self):
+        return f"Comm({self.axis!r}, rank {self.rank} of {self.size})"
+
+    # --- staging between the backend and MPI -------------------------------
+    @property
+    def _staged(self) -> bool:
+        """Device arrays go through pinned host buffers (GPU, MPI not CUDA-aware)."""
+        return self.backend.is_gpu and not cuda_aware_mpi()
+
+    def _start(self) -> float:
+        """Wait for queued device work, then start the clock."""
+        self.backend.synchronize()
+        return time.perf_counter()
+
+    def _to_mpi(self, x):
+        """A contiguous buffer MPI may read holding ``x``: a pinned host copy
+        when staged (MPI may also write it), else ``x`` itself or a
+        contiguous copy."""
+        if self._staged:
+            buf = self.staging.take(x.shape, x.dtype)
+            self.backend.xp.ascontiguousarray(x).get(out=buf)
+            return buf
+        return self.backend.xp.ascontiguousarray(x)
+
+    def _private(self, x):
+        """Like _to_mpi, but always a buffer of our own (in-place reductions
+        must not write into the caller's array)."""
+        return self._to_mpi(x) if self._staged else x.copy()
+
+    def _empty(self, shape, dtype):
+        if self._staged:
+            return self.staging.take(shape, dtype)
+        return self.backend.xp.empty(shape, dtype=dtype)
+
+    def _from_mpi(self, buf):
+        """The device array of a received buffer; a staged buffer goes back to the pool."""
+        if not self._staged:
+            return buf
+        out = self.backend.xp.asarray(buf)
+        self.backend.synchronize()          # the copy has finished reading buf
+        self.staging.give(buf)
+        return out
+
+    def _done(self, buf) -> None:
+        """A send buffer MPI has finished with."""
+        if self._staged:
+            self.staging.give(buf)
+
+    def _count(self, elems, msgs, t0, width: int):
+        self.counters.add(self.axis, elems, msgs, time.perf_counter() - t0, width)
+
+    # --- 16-bit formats ----------------------------------------------------
+    def _words(self, x):
+        """A 16-bit float array as raw 2-byte words MPI can move (uint16, no
+        copy when contiguous); any other array as it is."""
+        if not precision.is_half(x.dtype):
+            return x
+        return self.backend.xp.ascontiguousarray(x).view(self.backend.xp.uint16)
+
+    @staticmethod
+    def _wide(x):
+        """What a reduction of ``x`` works on: float32 for 16-bit formats."""
+        return precision.up(x)
+
+    # --- collectives ------------------------------------------------------
+    def allreduce(self, x, op: str = "sum", wire=None):
+        """Elementwise reduction over the group; returns a new array (in
+        ``x``'s format; 16-bit arrays are reduced in float32). A 16-bit
+        ``wire`` sends the sum in that format (``comm_wire.allreduce``: every
+        rank gets the same sums, rounded to it)."""
+        if self.size == 1:
+            return x.copy()
+        if _on_wire(wire):
+            if op != "sum":
+                raise ValueError(f"a 16-bit wire format applies to sums, not {op}")
+            return comm_wire.allreduce(self, x, np.dtype(wire))
+        t0 = self._start()
+        wide = self._wide(x)
+        buf = self._private(wide) if wide is x else self._to_mpi(wide)   # MPI reduces in place: never into x
+        self.mpi.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        g = self.size
+        self._count(Fraction(2 * (g - 1), g) * buf.size, 2 * (g - 1), t0, buf.itemsize)
+        return precision.narrow(self._from_mpi(buf), x.dtype)
+
+    def allgather(self, x, axis: int = 0):
+        """Concatenate every rank's ``x`` along ``axis`` in rank order."""
+        if self.size == 1:
+            return x
+        t0 = self._start()
+        send, recv = self._gather_buffers(x)
+        self.mpi.Allgather(send, recv)
+        self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
+        self._done(send)
+        return self._gathered(recv, x, axis)
+
+    def reduce_scatter(self, x, axis: int = 0, wire=None):
+        """Sum over the group, then keep this rank's block along ``axis``
+        (16-bit arrays are summed in float32 and returned in their format).
+        A 16-bit ``wire`` sends the blocks in that format and adds them in
+        float32 at the receiver (``comm_wire.reduce_scatter``)."""
+        if self.size == 1:
+            return x
+        if _on_wire(wire):
+            return comm_wire.reduce_scatter(self, x, axis, np.dtype(wire))
+        t0 = self._start()
+        send, recv = self._scatter_buffers(self._wide(x), axis)
+        self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
+        self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0, send.itemsize)
+        self._done(send)
+        return precision.narrow(self._from_mpi(recv), x.dtype)
+
+    def _gather_buffers(self, x):
+        """(send, recv) for gathering ``x`` (as raw words if 16-bit); recv is (g, *x.shape)."""
+        words = self._words(x)
+        return self._to_mpi(words), self._empty((self.size,) + tuple(x.shape), words.dtype)
+
+    def _gathered(self, recv, x, axis):
+        """The (g, *x.shape) receive buffer as ``x`` concatenated along ``axis``."""
+        out = self._from_mpi(recv)
+        if out.dtype != x.dtype:
+            out = out.view(x.dtype)                 # raw 16-bit words back to their format
+        if axis % x.ndim == 0:
+            return out.reshape((self.size * x.shape[0],) + tuple(x.shape[1:]))
+        return self.backend.xp.concatenate(list(out), axis=axis)
+
+    def _scatter_buffers(self, x, axis):
+        """(send, recv) for reduce-scattering ``x`` along ``axis``: the send
+        buffer holds the g blocks one after another."""
+        g, xp = self.size, self.backend.xp
+        if axis % x.ndim == 0:
+            block_shape = (x.shape[0] // g,) + tuple(x.shape[1:])
+        else:
+            x = xp.stack(xp.split(x, g, axis=axis))          # (g, *block)
+            block_shape = tuple(x.shape[1:])
+        return self._to_mpi(x), self._empty(block_shape, x.dtype)
+
+    def bcast(self, x, root: int):
+        """Broadcast the root's ``x``; every rank passes an array of the right
+        shape and dtype (ignored on non-roots) and gets the root's values
+        (16-bit arrays travel as raw words)."""
+        if self.size == 1:
+            return x
+        t0 = self._start()
+        words = self._words(x)
+        if self.rank != root:
+            buf = self._empty(x.shape, words.dtype)
+            self.mpi.Bcast(buf, root=root)
+            self._count(buf.size, self.size - 1, t0, buf.itemsize)
+            out = self._from_mpi(buf)
+            return out if out.dtype == x.dtype else out.view(x.dtype)
+        buf = self._to_mpi(words)
+        self.mpi.Bcast(buf, root=root)
+        self._count(buf.size, self.size - 1, t0, buf.itemsize)
+        self._done(buf)
+        if self._staged:
+            return x                            # the root keeps its own device array
+        return buf if buf.dtype == x.dtype else buf.view(x.dtype)
+
+    def reduce(self, x, root: int, wire=None):
+        """Sum onto ``root``; returns the sum there (in ``x``'s format, summed
+        in float32 if that is 16-bit) and None elsewhere. A 16-bit ``wire``
+        sends the data in that format, sums in float32 where they arrive and
+        gathers the sums, rounded to it, onto the root (``comm_wire.reduce``)."""
+        if self.size == 1:
+            return x
+        if _on_wire(wire):
+            return comm_wire.reduce(self, x, root, np.dtype(wire))
+        t0 = self._start()
+        send = self._to_mpi(self._wide(x))
+        recv = self._empty(x.shape, send.dtype) if self.rank == root else None
+        self.mpi.Reduce(send, recv, op=MPI.SUM, root=root)
+        self._count(send.size, self.size - 1, t0, send.itemsize)
+        self._done(send)
+        return precision.narrow(self._from_mpi(recv), x.dtype) if self.rank == root else None
+
+    # --- nonblocking variants, to overlap communication with computation ---
+    def iallgather(self, x, axis: int = 0) -> "Pending":
+        """Start ``allgather``; ``.wait()`` returns what it would have."""
+        if self.size == 1:
+            return Pending(lambda: x)
+        t0 = self._start()
+        send, recv = self._gather_buffers(x)
+        request = self.mpi.Iallgather(send, recv)
+        self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
+
+        def finish():
+            request.Wait()
+            self._done(send)
+            return self._gathered(recv, x, axis)
+
+        return Pending(finish, self, send)
+
+    def ireduce_scatter(self, x, axis: int = 0, wire=None) -> "Pending":
+        """Start ``reduce_scatter``; ``.wait()`` returns this rank's block."""
+        if self.size == 1:
+            return Pending(lambda: x)
+        if _on_wire(wire):
+            return comm_wire.ireduce_scatter(self, x, axis, np.dtype(wire), Pending)
+        t0 = self._start()
+        send, recv = self._scatter_buffers(self._wide(x), axis)
+        request = self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM)
+        self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0, send.itemsize)
+
+        def finish():
+            request.Wait()
+            self._done(send)
+            return precision.narrow(self._from_mpi(recv), x.dtype)
+
+        return Pending(finish, self, send)
+
+    # --- small host-side helpers (not counted: metadata, not model data) ----
+    def barrier(self):
+        self.mpi.Barrier()
+
+    def bcast_object(self, obj, root: int = 0):
+        return self.mpi.bcast(obj, root=root)
+
+
+# --- agreement on host objects (raw mpi4py calls: bookkeeping, not counted) ---
+def on_root(mpi_comm, fn):
+    """Run ``fn`` on rank 0 only and give its result, or its user-facing
+    error, to every rank: a bad input then stops all ranks with the same
+    message instead of leaving some of them waiting in a collective."""
+    result = error = None
+    if mpi_comm.Get_rank() == 0:
+        try:
+            result = fn()
+        except UserError as exc:
+            error = (type(exc), str(exc))
+    result, error = mpi_comm.bcast((result, error), root=0)
+    if error is not None:
+        raise error[0](error[1])
+    return result
+
+
+def agree_max(mpi_comm, value: int) -> int:
+    """The largest ``value`` over all ranks (e.g. a stop flag)."""
+    return int(mpi_comm.allreduce(int(value), op=MPI.MAX))

@@ -1,0 +1,251 @@
+"""The layout protocol, and the pieces every layout shares.
+
+A layout says, for one rank, which block of every parameter and activation
+it holds, and supplies the distributed primitives the model is written
+against. The model (``mpicube.model``) never asks which layout it runs on;
+it only uses what is defined here.
+
+Activations move between two forms:
+
+* *canonical* - between blocks, at residual adds and LayerNorms:
+  (B_c, T, C_c), the sequences ``canonical_seqs`` and hidden columns
+  ``canonical_cols``;
+* *intermediate* - between the two linears of a pair (c_attn -> c_proj,
+  c_fc -> mlp.c_proj), where attention and GELU run: (B_m, T, C_m), the
+  sequences ``mid_seqs`` and, for attention, the heads ``head_ids``.
+
+Sequence indices refer to the data-parallel replica's batch; a whole
+sequence always sits on one rank so attention needs no communication.
+
+Precision: layers compute with the store's working copy (``store.work``,
+16-bit under mixed precision) and add into its float32 gradients. Every
+GEMM goes through ``matmul_rows``/``precision.matmul`` (float32
+accumulation); a GEMM whose result is summed over ranks or gets a bias
+returns float32 (``dtype=acc``), which is reduced, biased and only then
+rounded to the activation format (``narrow``), once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import ops
+from ...device import precision
+from ..comm import Comm
+from ...core.config import ModelConfig
+from ...core.errors import ConfigError
+from ..params import ParamDecl, ParamSpec, ParamStore
+
+
+@dataclass
+class Axes:
+    """The communicators every layout has."""
+
+    world: Comm
+    dp: Comm      # data-parallel replicas of this rank's tensor-parallel position
+    tp: Comm      # this rank's tensor-parallel group
+
+
+RECOMPUTE_MODES = ("none", "gathers", "blocks")
+
+
+class Layout:
+    """Base class; subclasses fill in sharding and the linear/embedding maps.
+
+    ``recompute`` trades memory for communication and arithmetic:
+    "gathers" makes the layout's linears and tied embedding let go of the
+    panels they gathered or broadcast (or, in 1-D, of most of a replicated
+    input) after the forward GEMM and gather them again in backward;
+    "blocks" makes the model keep only each block's input (through
+    ``save_block_input``) and rerun the block's forward inside backward."""
+
+    name = "base"
+
+    def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none"):
+        if recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+        self.recompute = recompute
+        self.cfg = cfg
+        self.axes = axes
+        self.backend = axes.tp.backend
+        self.batch_size = batch_size                  # global sequences per step
+        self.local_batch = batch_size // axes.dp.size  # sequences per dp replica
+        self.vocab_padded = cfg.vocab_size
+
+    # --- what every layout provides (overridden) -------------------------
+    canonical_seqs: np.ndarray      # (B_c,) sequences held in canonical form
+    canonical_cols: np.ndarray      # (C_c,) global hidden columns held
+    mid_seqs: np.ndarray            # (B_m,) sequences held between paired linears
+    head_ids: np.ndarray            # (nh,) global attention heads held
+    hidden_comm = None              # Comm splitting the canonical hidden size, or None
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, tp: int, local_batch: int, depth: int, recompute: str = "none") -> None:
+        """Raise ConfigError if the sizes do not fit; pure, no MPI, so every
+        rank reaches the same verdict before any collective."""
+
+    def shard(self, decl: ParamDecl) -> ParamSpec:
+        raise NotImplementedError
+
+    def linear(self, store: ParamStore, prefix: str, position: str):
+        """Module for ``prefix.weight``/``prefix.bias``; position "first" maps
+        canonical -> intermediate, "second" intermediate -> canonical."""
+        raise NotImplementedError
+
+    def tied_embedding(self, store: ParamStore):
+        raise NotImplementedError
+
+    def save_block_input(self, x):
+        """What a block keeps of its input x (B_c, T, C_c) under
+        ``--recompute blocks``: x itself, unless the layout replicates it
+        (1-D keeps a row shard)."""
+        return x
+
+    def load_block_input(self, saved):
+        """The block input (B_c, T, C_c) back from ``save_block_input``."""
+        return saved
+
+    # --- shared helpers ---------------------------------------------------
+    def describe(self) -> dict:
+        """JSON-able description (saved in checkpoints and config.json)."""
+        return {"layout": self.name, "tp": self.axes.tp.size, "dp": self.axes.dp.size}
+
+    @staticmethod
+    def pad_to(n: int, multiple: int) -> int:
+        return -(-n // multiple) * multiple
+
+    @classmethod
+    def require(cls, ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"layout {cls.name}: {message}")
+
+    @classmethod
+    def require_multiple(cls, what: str, value: int, divisor: int, why: str, suggest_step: int = 0) -> None:
+        """ConfigError unless ``divisor`` divides ``value``, suggesting the
+        nearest multiples of ``suggest_step`` (default: of ``divisor``)."""
+        cls.require(value % divisor == 0, f"{what} {value} must be divisible by {why}: "
+                                          f"use {nearest_multiples(value, suggest_step or divisor)}")
+
+
+def nearest_multiples(value: int, multiple: int) -> str:
+    """The multiples of ``multiple`` just below and above ``value``, for
+    error messages that suggest a valid size."""
+    below = value // multiple * multiple
+    above = below + multiple
+    return " or ".join(str(v) for v in (below, above) if v > 0)
+
+
+def matmul_rows(x, w, dtype=None):
+    """x (..., K) @ w (K, M) -> (..., M) as one 2-D GEMM over all leading
+    rows (NumPy would otherwise run one GEMM per leading index), accumulated
+    in float32 or better; the result in ``dtype`` (default x's)."""
+    y = precision.matmul(x.reshape(-1, x.shape[-1]), w, dtype=dtype)
+    return y.reshape(x.shape[:-1] + (w.shape[-1],))
+
+
+def acc(a):
+    """The format a GEMM result that will be reduced or biased is kept in:
+    float32 for 16-bit activations, else their own format."""
+    return precision.compute_dtype(a.dtype)
+
+
+class RowShard:
+    """A replicated activation kept as this rank's 1/p of its rows and
+    all-gathered over ``comm`` when backward needs it again (1-D's
+    ``--recompute``). The kept part is a copy: a view would hold on to
+    the whole array."""
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+
+    def keep(self, x):
+        """x (..., C), the same on every rank of comm -> (rows (n/p, C), x's shape)."""
+        p, r = self.comm.size, self.comm.rank
+        if p == 1:
+            return x, x.shape
+        x2 = x.reshape(-1, x.shape[-1])                  # (n, C)
+        if x2.shape[0] % p:
+            raise ValueError(f"{x2.shape[0]} rows cannot be split {p} ways")
+        n = x2.shape[0] // p
+        return x2[r * n:(r + 1) * n].copy(), x.shape     # (n/p, C)
+
+    def restore(self, kept):
+        """The whole x (..., C) back from ``keep``'s result."""
+        part, shape = kept
+        return self.comm.allgather(part, axis=0).reshape(shape)
+
+
+class DenseLinear:
+    """y = x @ W + b on local blocks, with the two Megatron hooks: an
+    all-reduce of the output before the bias (row-parallel) and an all-reduce
+    of the input gradient (column-parallel). Serial uses neither. With a
+    ``RowShard`` (1-D column-parallel under ``--recompute gathers``) the
+    replicated input is kept as a row shard and gathered again in backward."""
+
+    def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None,
+                 shard: RowShard = None):
+        self.w = store.work[prefix + ".weight"]       # (C_in, C_out)
+        self.b = store.work[prefix + ".bias"]         # (C_out,)
+        self.store, self.w_name = store, prefix + ".weight"
+        store.defer_zero(self.w_name)                 # dW is written by add_matmul
+        self.db = store.grad[prefix + ".bias"]
+        self.out_reduce = out_reduce
+        self.dx_reduce = dx_reduce
+        self.shard = shard
+
+    def forward(self, x):
+        """x (B, T, C_in) -> y (B, T, C_out)."""
+        self.x = x if self.shard is None else self.shard.keep(x)
+        y = matmul_rows(x, self.w, acc(x))            # (B, T, C_out)
+        if self.out_reduce is not None:
+            y = self.out_reduce.allreduce(y, wire=x.dtype)
+        y += self.b
+        return precision.narrow(y, x.dtype)
+
+    def backward(self, dy):
+        """dy (B, T, C_out) -> dx (B, T, C_in)."""
+        x = self.x if self.shard is None else self.shard.restore(self.x)   # (B, T, C_in)
+        x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
+        dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
+        self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
+        self.db += ops.column_sums(dy2)
+        if self.dx_reduce is not None:
+            dx = self.dx_reduce.allreduce(matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)   # (B, T, C_in)
+            dx = precision.narrow(dx, dy.dtype)
+        else:
+            dx = matmul_rows(dy, self.w.T)            # (B, T, C_in)
+        self.x = None
+        return dx
+
+    def release(self):
+        """Forget what forward kept (--recompute blocks reruns forward)."""
+        self.x = None
+
+
+class LayerNorm:
+    """LayerNorm over a hidden size that may be split across ``comm``."""
+
+    def __init__(self, store: ParamStore, prefix: str, n_hidden: int, comm: Comm = None):
+        self.gamma = store.work[prefix + ".weight"]   # (C_c,)
+        self.beta = store.work[prefix + ".bias"]      # (C_c,)
+        self.dgamma = store.grad[prefix + ".weight"]
+        self.dbeta = store.grad[prefix + ".bias"]
+        self.n_hidden = n_hidden
+        self.allsum = comm.allreduce if comm is not None else ops.identity
+
+    def forward(self, x):
+        """x (B, T, C_c) -> (B, T, C_c)."""
+        y, self.cache = ops.layernorm_forward(x, self.gamma, self.beta, self.n_hidden, allsum=self.allsum)
+        return y
+
+    def backward(self, dy):
+        dx = ops.layernorm_backward(dy, self.cache, self.gamma, self.dgamma, self.dbeta, self.n_hidden,
+                                    allsum=self.allsum)
+        self.cache = None
+        return dx
+
+    def release(self):
+        """Forget what forward kept (--recompute blocks reruns forward)."""
+        self.cache = None

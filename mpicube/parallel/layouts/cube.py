@@ -1,0 +1,231 @@
+"""3-D tensor parallelism: the q x q x q cube of Bian et al. (arXiv 2105.14450).
+
+Rank (i, j, k) holds 1/q^3 of every matrix:
+
+* activation X (N, h): rows block i, sub-block j; columns block k
+  -> (B/q^2, T, h/q), the *canonical* form;
+* weight W (h_in, h_out) of a first linear: rows block k, sub-block i;
+  columns block j -> (h_in/q^2, h_out/q).
+
+A linear all-gathers X over j and W over i, multiplies the
+(N/q, h_in/q) x (h_in/q, h_out/q) blocks, and reduce-scatters the partial Y
+over k, leaving rows block i, sub-block k, columns block j. The second linear
+of a pair swaps the roles of j and k, which brings the activation back to
+canonical form with no re-layout. Backward mirrors it: all-gather dY,
+reduce-scatter dX and dW.
+
+``--recompute gathers``: a linear keeps its local X instead of the gathered
+one and drops the gathered W after the forward GEMM, gathering both again
+in backward; the LM head keeps its local input and drops the wte panel the
+same way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ... import ops
+from ...device import precision
+from ..comm import Comm
+from ...core.errors import ConfigError
+from ..params import ParamDecl, ParamSpec, full_index, split_index
+from .base import Layout, acc, matmul_rows
+
+
+class CubeLayout(Layout):
+    name = "3d"
+
+    @classmethod
+    def cube_side(cls, tp: int) -> int:
+        from ...core.intmath import integer_root
+
+        q = integer_root(tp, 3)
+        if q is None:
+            below = max(s ** 3 for s in range(1, tp + 1) if s ** 3 <= tp)
+            above = min(s ** 3 for s in range(1, tp + 2) if s ** 3 > tp)
+            raise ConfigError(f"layout 3d: needs a tensor-parallel size q^3; got {tp}: "
+                              f"nearest valid sizes {below} or {above}")
+        return q
+
+    @classmethod
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
+        q = cls.cube_side(tp)
+        cls.require(depth == 1, "--depth applies to 2.5d only")
+        cls.require_multiple("batch size per replica", local_batch, q * q, f"q^2 = {q * q}")
+        cls.require_multiple("n_embd", cfg.n_embd, q * q, f"q^2 = {q * q} (weights split q^2 ways)",
+                             math.lcm(q * q, cfg.n_head))
+        cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
+
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
+        super().__init__(cfg, axes, batch_size, recompute=recompute)
+        self.q = q = self.cube_side(axes.tp.size)
+        self.i, rest = divmod(axes.tp.rank, q * q)
+        self.j, self.k = divmod(rest, q)
+        i, j, k = self.i, self.j, self.k
+        tp, be, ct = axes.tp.mpi, axes.tp.backend, axes.tp.counters
+
+        def sub(name, color, key):
+            return Comm(tp.Split(color=color, key=key), name, be, ct)
+
+        self.ci = sub("i", j * q + k, i)          # varies i
+        self.cj = sub("j", i * q + k, j)          # varies j
+        self.ck = sub("k", i * q + j, k)          # varies k
+        self.ij = sub("ij", k, i * q + j)         # plane varying i, j
+        self.ik = sub("ik", j, i * q + k)         # plane varying i, k
+        self.hidden_comm = self.ck
+        # Nonblocking weight gathers and weight-gradient reductions overlap the
+        # activation collectives and GEMMs; MPICUBE_OVERLAP=0 turns it off to measure it.
+        self.overlap = os.environ.get("MPICUBE_OVERLAP", "1") != "0"
+        self.vocab_padded = self.pad_to(cfg.vocab_size, q)
+        self.canonical_seqs = split_index(self.local_batch, q * q, i * q + j)
+        self.mid_seqs = split_index(self.local_batch, q * q, i * q + k)
+        self.canonical_cols = split_index(cfg.n_embd, q, k)
+        self.head_ids = split_index(cfg.n_head, q, j)
+
+    def shard(self, decl: ParamDecl) -> ParamSpec:
+        q, i, j, k, shape = self.q, self.i, self.j, self.k, decl.shape
+        on_ij = dict(grad_comm=self.ij, replicas=q * q, writer=(i == 0 and j == 0))
+        if decl.role == "wte":     # the LM head's W = wte^T as a first linear
+            return ParamSpec(decl, (split_index(self.vocab_padded, q, j), split_index(shape[1], q * q, k * q + i)))
+        if decl.role == "w_first":
+            return ParamSpec(decl, (split_index(shape[0], q * q, k * q + i), split_index(shape[1], q, j, decl.groups)))
+        if decl.role == "w_second":
+            return ParamSpec(decl, (split_index(shape[0], q * q, j * q + i), split_index(shape[1], q, k)))
+        if decl.role == "b_first":
+            return ParamSpec(decl, (split_index(shape[0], q, j, decl.groups),),
+                             grad_comm=self.ik, replicas=q * q, writer=(i == 0 and k == 0))
+        if decl.role == "wpe":
+            return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, k)), **on_ij)
+        # norm, b_second: hidden block k
+        return ParamSpec(decl, (split_index(shape[0], q, k),), **on_ij)
+
+    def linear(self, store, prefix, position):
+        a, b = (self.cj, self.ck) if position == "first" else (self.ck, self.cj)
+        return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap,
+                          regather=self.recompute == "gathers")
+
+    def tied_embedding(self, store):
+        return CubeTiedEmbedding(store, self)
+
+    def describe(self):
+        return {**super().describe(), "q": self.q}
+
+
+class CubeLinear:
+    """Input rows sub-block ``a``, columns block ``b``; output rows sub-block
+    ``b``, columns block ``a``. First linears use (a, b) = (j, k), second
+    linears (k, j). With ``regather`` (--recompute gathers) forward keeps
+    only the local X and backward gathers X and W again."""
+
+    def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True,
+                 regather: bool = False):
+        self.overlap = overlap
+        self.regather = regather
+        self.x = self.xg = self.wg = None
+        self.w = store.work[prefix + ".weight"]      # (h_in/q^2, h_out/q)
+        self.bias = store.work[prefix + ".bias"]     # (h_out/q,)
+        self.store, self.w_name = store, prefix + ".weight"
+        store.defer_zero(self.w_name)                # dW arrives whole from a reduce-scatter: add_grad
+        self.dbias = store.grad[prefix + ".bias"]
+        self.a, self.b, self.wc = a, b, weight_comm
+
+    def forward(self, x):
+        """x (B/q^2, T, h_in/q) -> (B/q^2, T, h_out/q)."""
+        if self.overlap:                             # W travels while X is gathered
+            w_pending = self.wc.iallgather(self.w, axis=0)
+            self.xg = self.a.allgather(x, axis=0)    # (B/q, T, h_in/q)
+            self.wg = w_pending.wait()               # (h_in/q, h_out/q)
+        else:
+            self.xg = self.a.allgather(x, axis=0)
+            self.wg = self.wc.allgather(self.w, axis=0)
+        y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg, acc(x)), axis=0, wire=x.dtype)  # (B/q^2, T, h_out/q)
+        if self.regather:                            # keep the local X only
+            self.x, self.xg, self.wg = x, None, None
+        y += self.bias
+        return precision.narrow(y, x.dtype)
+
+    def backward(self, dy):
+        """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
+        if self.xg is None:                          # --recompute gathers: gather them again (blocking)
+            self.xg = self.a.allgather(self.x, axis=0)              # (B/q, T, h_in/q)
+            self.wg = self.wc.allgather(self.w, axis=0)             # (h_in/q, h_out/q)
+        dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
+        xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
+        dy2 = dyg.reshape(-1, dyg.shape[-1])                   # (N/q, h_out/q)
+        dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
+        if self.overlap:                             # dW travels while dX is computed and reduced
+            dw_pending = self.wc.ireduce_scatter(dwg, axis=0, wire=self.w.dtype)
+            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0, wire=dy.dtype)  # (B/q^2,T,h_in/q)
+            self.store.add_grad(self.w_name, dw_pending.wait())
+        else:
+            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0, wire=dy.dtype)
+            self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0, wire=self.w.dtype))
+        dx = precision.narrow(dx, dy.dtype)
+        self.dbias += ops.column_sums(dy.reshape(-1, dy.shape[-1]))
+        self.x = self.xg = self.wg = None
+        return dx
+
+    def release(self):
+        """Forget what forward kept (--recompute blocks reruns forward)."""
+        self.x = self.xg = self.wg = None
+
+
+class CubeTiedEmbedding:
+    """wte (V, h) is held like the LM head's W = wte^T of a first linear:
+    rank (i, j, k) has vocabulary block j, hidden block k, sub-block i.
+    One all-gather over i per step serves both the lookup and the head."""
+
+    def __init__(self, store, layout: CubeLayout):
+        self.wte = store.work["wte"]                 # (V/q, h/q^2)
+        self.store = store
+        store.defer_zero("wte")                      # written once, in finish_backward
+        self.ci, self.cj, self.ck = layout.ci, layout.cj, layout.ck
+        q, i = layout.q, layout.i
+        self.row_block = split_index(layout.local_batch, q, i)    # sequences of rows block i
+        self.logit_seqs = layout.mid_seqs
+        self.vocab_comm = layout.cj
+        self.vocab_start = layout.j * layout.vocab_padded // q
+        self.row_replicas = q
+        self.xp = layout.backend.xp
+        self.regather = layout.recompute == "gathers"
+        self.x = self.xg = None
+
+    def embed(self, ids):
+        """ids (B_dp, T) -> x (B/q^2, T, h/q) canonical."""
+        self.wg = self.ci.allgather(self.wte, axis=1)             # (V/q, h/q)
+        self.dwg = self.xp.zeros(self.wg.shape, dtype=self.store.flat_grad.dtype)   # (V/q, h/q) float32+
+        ids_i = ids[self.xp.asarray(self.row_block)]              # (B/q, T)
+        part, self.embed_cache = ops.embedding_forward(ids_i, self.wg, self.vocab_start)  # (B/q, T, h/q)
+        return self.cj.reduce_scatter(part, axis=0, wire=part.dtype)
+
+    def embed_backward(self, dx):
+        dxg = self.cj.allgather(dx, axis=0)                       # (B/q, T, h/q)
+        ops.embedding_backward(dxg, self.embed_cache, self.dwg)
+        self.embed_cache = None
+
+    def logits(self, x):
+        """x (B/q^2, T, h/q) -> logits (B/q^2, T, V/q): rows block i,
+        sub-block k; vocabulary block j."""
+        self.xg = self.cj.allgather(x, axis=0)                    # (B/q, T, h/q)
+        logits = self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T, acc(x)), axis=0, wire=x.dtype)
+        if self.regather:                 # --recompute gathers: both gathered again in logits_backward
+            self.x, self.xg, self.wg = x, None, None
+        return precision.narrow(logits, x.dtype)
+
+    def logits_backward(self, dlogits):
+        if self.xg is None:
+            self.wg = self.ci.allgather(self.wte, axis=1)         # (V/q, h/q)
+            self.xg = self.cj.allgather(self.x, axis=0)           # (B/q, T, h/q)
+            self.x = None
+        dlg = self.ck.allgather(dlogits, axis=0)                  # (B/q, T, V/q)
+        self.dwg += precision.matmul(dlg.reshape(-1, dlg.shape[-1]).T, self.xg.reshape(-1, self.xg.shape[-1]),
+                                     dtype=self.dwg.dtype)
+        self.xg = None
+        dx = self.cj.reduce_scatter(matmul_rows(dlg, self.wg, acc(dlogits)), axis=0,
+                                   wire=dlogits.dtype)                          # (B/q^2, T, h/q)
+        return precision.narrow(dx, dlogits.dtype)
+
+    def finish_backward(self):
+        self.store.add_grad("wte", self.ci.reduce_scatter(self.dwg, axis=1, wire=self.wte.dtype))
+        self.wg = self.dwg = None

@@ -1,0 +1,85 @@
+"""One rank holds everything: the reference every other layout must match."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import ops
+from ...device import precision
+from ..params import ParamDecl, ParamSpec, full_index
+from .base import DenseLinear, Layout, acc, matmul_rows
+
+
+class SerialLayout(Layout):
+    name = "serial"
+
+    @classmethod
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
+        cls.require(tp == 1, f"runs on one rank per data-parallel replica, not {tp}; "
+                             "use --dp to replicate it or choose a parallel layout")
+
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
+        super().__init__(cfg, axes, batch_size, recompute=recompute)
+        self.canonical_seqs = np.arange(self.local_batch)
+        self.mid_seqs = self.canonical_seqs
+        self.canonical_cols = np.arange(cfg.n_embd)
+        self.head_ids = np.arange(cfg.n_head)
+
+    def shard(self, decl: ParamDecl) -> ParamSpec:
+        return ParamSpec(decl, tuple(full_index(n) for n in decl.shape))
+
+    def linear(self, store, prefix, position):
+        return DenseLinear(store, prefix)
+
+    def tied_embedding(self, store):
+        return DenseTiedEmbedding(store, self)
+
+
+class DenseTiedEmbedding:
+    """Token embedding and LM head sharing ``wte``, with an optional vocabulary
+    split over ``vocab_comm`` (1-D); serial has none. With a ``RowShard``
+    (1-D, --recompute gathers) the head keeps a row shard of its replicated
+    input and gathers it again in backward."""
+
+    def __init__(self, store, layout, vocab_comm=None, vocab_start=0, shard=None):
+        self.wte = store.work["wte"]        # (V_l, h)
+        self.store = store
+        store.defer_zero("wte")             # the head's GEMM writes it first (backward runs head -> lookup)
+        self.vocab_comm = vocab_comm
+        self.vocab_start = vocab_start
+        self.shard = shard
+        self.logit_seqs = layout.canonical_seqs
+        self.row_replicas = layout.axes.tp.size
+
+    def embed(self, ids):
+        """ids (B, T) -> x (B, T, h)."""
+        x, self.embed_cache = ops.embedding_forward(ids, self.wte, self.vocab_start)
+        if self.vocab_comm is not None:
+            x = self.vocab_comm.allreduce(x, wire=x.dtype)
+        return x
+
+    def embed_backward(self, dx):
+        ops.embedding_backward(dx, self.embed_cache, self.store.grad_for_add("wte"))
+        self.embed_cache = None
+
+    def logits(self, x):
+        """x (B, T, h) -> logits (B, T, V_l)."""
+        self.x = x if self.shard is None else self.shard.keep(x)
+        return matmul_rows(x, self.wte.T)
+
+    def logits_backward(self, dlogits):
+        """dlogits (B, T, V_l) -> dx (B, T, h)."""
+        x = self.x if self.shard is None else self.shard.restore(self.x)   # (B, T, h)
+        x2 = x.reshape(-1, x.shape[-1])                         # (B*T, h)
+        dl2 = dlogits.reshape(-1, dlogits.shape[-1])            # (B*T, V_l)
+        self.store.add_matmul("wte", dl2.T, x2)                 # dwte (V_l, h) += dlogits^T x
+        if self.vocab_comm is None:
+            dx = matmul_rows(dlogits, self.wte)                  # (B, T, h)
+        else:                                                    # partial sums over the vocabulary split
+            dx = self.vocab_comm.allreduce(matmul_rows(dlogits, self.wte, acc(dlogits)), wire=dlogits.dtype)
+            dx = precision.narrow(dx, dlogits.dtype)
+        self.x = None
+        return dx
+
+    def finish_backward(self):
+        """Nothing gathered, nothing to reduce."""

@@ -1,0 +1,211 @@
+"""2-D (Optimus / SUMMA) and 2.5-D (Tesseract) tensor parallelism.
+
+The tensor-parallel group is d stacked q x q grids; rank (l, r, c) is depth
+l, row r, column c. d = 1 is the 2-D scheme.
+
+* Activations (B/(d q), T, h/q): sequence block l*q + r, hidden block c.
+* Weights (h_in/q, h_out/q): row block r, column block c, the same on every
+  depth slice; their gradients are all-reduced over depth.
+* Y = X W by SUMMA: q steps, each broadcasting an X panel along the row and
+  a W panel along the column. dX = dY W^T and dW = X^T dY broadcast one
+  operand and reduce the product onto the panel's owner.
+* LayerNorm statistics are all-reduced along the row (hidden is split by c).
+* Tied embedding: rank (r, c) holds wte[vocabulary block r, hidden block c];
+  one all-gather along the column gives wte[:, hidden block c], used both for
+  the lookup and for the LM head, whose partial logits are reduce-scattered
+  along the row (vocabulary split by c).
+
+``--recompute gathers``: SUMMA linears keep only their local X already
+(panels are broadcast again in backward); the tied embedding lets go of
+wte[:, block c] after the LM head's forward GEMM and gathers it again in
+``logits_backward``.
+"""
+
+from __future__ import annotations
+
+from ... import ops
+from ...device import precision
+from ..comm import Comm
+from ...core.errors import ConfigError
+from ..params import ParamDecl, ParamSpec, full_index, split_index
+from .base import Layout, acc, matmul_rows
+
+
+class TesseractLayout(Layout):
+    name = "2.5d"
+
+    @classmethod
+    def grid_side(cls, tp: int, depth: int) -> int:
+        from ...core.intmath import integer_root
+
+        if depth < 1 or tp % depth:
+            raise ConfigError(f"layout {cls.name}: --depth {depth} must divide the tensor-parallel size {tp}")
+        q = integer_root(tp // depth, 2)
+        if q is None:
+            below = max(depth * s * s for s in range(1, tp + 1) if depth * s * s <= tp)
+            above = min(depth * s * s for s in range(1, tp + 2) if depth * s * s > tp)
+            raise ConfigError(f"layout {cls.name}: needs a tensor-parallel size d*q*q (d = {depth}); "
+                              f"got {tp}: nearest valid sizes {below} or {above}")
+        return q
+
+    @classmethod
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
+        q = cls.grid_side(tp, depth)
+        split = depth * q
+        cls.require_multiple("batch size per replica", local_batch, split, f"d*q = {split}")
+        cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
+
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
+        super().__init__(cfg, axes, batch_size, recompute=recompute)
+        self.d = depth
+        self.q = q = self.grid_side(axes.tp.size, depth)
+        self.l, rest = divmod(axes.tp.rank, q * q)
+        self.r, self.c = divmod(rest, q)
+        l, r, c = self.l, self.r, self.c
+        tp, be, ct = axes.tp.mpi, axes.tp.backend, axes.tp.counters
+        self.row = Comm(tp.Split(color=l * q + r, key=c), "row", be, ct)        # varies c
+        self.col = Comm(tp.Split(color=l * q + c, key=r), "col", be, ct)        # varies r
+        self.depth = Comm(tp.Split(color=r * q + c, key=l), "depth", be, ct)    # varies l
+        self.col_depth = Comm(tp.Split(color=c, key=l * q + r), "col_depth", be, ct)  # varies r, l
+        self.hidden_comm = self.row
+        self.vocab_padded = self.pad_to(cfg.vocab_size, q)
+        self.canonical_seqs = split_index(self.local_batch, depth * q, l * q + r)
+        self.mid_seqs = self.canonical_seqs
+        self.canonical_cols = split_index(cfg.n_embd, q, c)
+        self.head_ids = split_index(cfg.n_head, q, c)
+
+    def shard(self, decl: ParamDecl) -> ParamSpec:
+        q, r, c, shape = self.q, self.r, self.c, decl.shape
+        on_depth = dict(grad_comm=self.depth if self.d > 1 else None, replicas=self.d, writer=self.l == 0)
+        on_plane = dict(grad_comm=self.col_depth, replicas=self.d * q, writer=(self.l == 0 and r == 0))
+        if decl.role == "wte":
+            return ParamSpec(decl, (split_index(self.vocab_padded, q, r), split_index(shape[1], q, c)), **on_depth)
+        if decl.role in ("w_first", "w_second"):
+            return ParamSpec(decl, (split_index(shape[0], q, r), split_index(shape[1], q, c, decl.groups)),
+                             **on_depth)
+        if decl.role == "wpe":
+            return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, c)), **on_plane)
+        # norm, b_first, b_second: hidden block c, partial gradients over rows
+        return ParamSpec(decl, (split_index(shape[0], q, c, decl.groups),), **on_plane)
+
+    def linear(self, store, prefix, position):
+        return SummaLinear(store, prefix, self)
+
+    def tied_embedding(self, store):
+        return TesseractTiedEmbedding(store, self)
+
+    def describe(self):
+        return {**super().describe(), "q": self.q, "depth": self.d}
+
+
+class TwoDLayout(TesseractLayout):
+    """The 2-D scheme: one q x q grid (d = 1)."""
+
+    name = "2d"
+
+    @classmethod
+    def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
+        if depth != 1:
+            raise ConfigError("layout 2d: --depth applies to 2.5d only")
+        super().validate(cfg, tp, local_batch, 1, recompute)
+
+
+class SummaLinear:
+    """Y[r, c] = sum_s X[r, s] W[s, c] (+ b[c]) on a q x q grid."""
+
+    def __init__(self, store, prefix, layout: TesseractLayout):
+        self.w = store.work[prefix + ".weight"]      # (h_in/q, h_out/q)
+        self.b = store.work[prefix + ".bias"]        # (h_out/q,)
+        self.store, self.w_name = store, prefix + ".weight"
+        store.defer_zero(self.w_name)                # dW arrives whole from a reduce: add_grad
+        self.db = store.grad[prefix + ".bias"]
+        self.row, self.col = layout.row, layout.col
+        self.q, self.r, self.c = layout.q, layout.r, layout.c
+        self.xp = layout.backend.xp
+
+    def forward(self, x):
+        """x (B_c, T, h_in/q) -> (B_c, T, h_out/q)."""
+        B, T, _ = x.shape
+        self.x2 = x2 = x.reshape(B * T, -1)                     # (n, h_in/q)
+        y = self.xp.zeros((B * T, self.w.shape[1]), dtype=acc(x))   # (n, h_out/q), float32 for 16-bit x
+        for s in range(self.q):
+            x_panel = self.row.bcast(x2, root=s)                # X[r, s] (n, h_in/q)
+            w_panel = self.col.bcast(self.w, root=s)            # W[s, c] (h_in/q, h_out/q)
+            y += precision.matmul(x_panel, w_panel, dtype=y.dtype)
+        y += self.b
+        return precision.narrow(y, x.dtype).reshape(B, T, -1)
+
+    def backward(self, dy):
+        """dy (B_c, T, h_out/q) -> dx (B_c, T, h_in/q)."""
+        B, T, _ = dy.shape
+        dy2 = dy.reshape(B * T, -1)                             # (n, h_out/q)
+        dx = None
+        for s in range(self.q):                                 # dX[r, s] = sum_c dY[r, c] W[s, c]^T
+            w_panel = self.col.bcast(self.w, root=s)
+            part = self.row.reduce(precision.matmul(dy2, w_panel.T, dtype=acc(dy2)), root=s,
+                                   wire=dy.dtype)               # (n, h_in/q)
+            if self.c == s:                                     # on column s
+                dx = precision.narrow(part, dy.dtype)
+        for s in range(self.q):                                 # dW[s, c] = sum_r X[r, s]^T dY[r, c]
+            x_panel = self.row.bcast(self.x2, root=s)
+            part = self.col.reduce(precision.matmul(x_panel.T, dy2, dtype=self.store.flat_grad.dtype),
+                                   root=s, wire=self.w.dtype)   # (h_in/q, h_out/q) on row s
+            if self.r == s:
+                self.store.add_grad(self.w_name, part)
+        self.db += ops.column_sums(dy2)
+        self.x2 = None
+        return dx.reshape(B, T, -1)
+
+    def release(self):
+        """Forget what forward kept (--recompute blocks reruns forward)."""
+        self.x2 = None
+
+
+class TesseractTiedEmbedding:
+    """Lookup and LM head over wte[:, hidden block c], gathered once per step."""
+
+    def __init__(self, store, layout: TesseractLayout):
+        self.wte = store.work["wte"]                 # (V/q, h/q): vocab block r, hidden block c
+        self.store = store
+        store.defer_zero("wte")                      # written once, in finish_backward
+        self.row, self.col = layout.row, layout.col
+        self.seqs = layout.canonical_seqs
+        self.logit_seqs = layout.canonical_seqs
+        self.vocab_comm = layout.row
+        self.vocab_start = layout.c * layout.vocab_padded // layout.q
+        self.row_replicas = layout.q
+        self.xp = layout.backend.xp
+        self.regather = layout.recompute == "gathers"
+
+    def embed(self, ids):
+        """ids (B_dp, T) -> x (B_c, T, h/q)."""
+        self.w_full = self.col.allgather(self.wte, axis=0)      # (V, h/q)
+        self.dw_full = self.xp.zeros(self.w_full.shape, dtype=self.store.flat_grad.dtype)  # (V, h/q) float32+
+        x, self.embed_cache = ops.embedding_forward(ids[self.xp.asarray(self.seqs)], self.w_full, 0)
+        return x
+
+    def embed_backward(self, dx):
+        ops.embedding_backward(dx, self.embed_cache, self.dw_full)
+        self.embed_cache = None
+
+    def logits(self, x):
+        """x (B_c, T, h/q) -> logits (B_c, T, V/q), vocabulary block c."""
+        self.x = x
+        partial = matmul_rows(x, self.w_full.T, acc(x))         # (B_c, T, V) partial over c
+        if self.regather:                                       # gathered again in logits_backward
+            self.w_full = None
+        return precision.narrow(self.row.reduce_scatter(partial, axis=-1, wire=x.dtype), x.dtype)
+
+    def logits_backward(self, dlogits):
+        """dlogits (B_c, T, V/q) -> dx (B_c, T, h/q)."""
+        dfull = self.row.allgather(dlogits, axis=-1)            # (B_c, T, V)
+        d2 = dfull.reshape(-1, dfull.shape[-1])
+        self.dw_full += precision.matmul(d2.T, self.x.reshape(-1, self.x.shape[-1]), dtype=self.dw_full.dtype)
+        self.x = None
+        if self.w_full is None:                                 # --recompute gathers
+            self.w_full = self.col.allgather(self.wte, axis=0)  # (V, h/q)
+        return matmul_rows(dfull, self.w_full)                  # (B_c, T, h/q)
+
+    def finish_backward(self):
+        self.store.add_grad("wte", self.col.reduce_scatter(self.dw_full, axis=0, wire=self.wte.dtype))
+        self.w_full = self.dw_full = None

@@ -1,0 +1,77 @@
+"""Validation loss: of the model a run is training, and of any model file
+(``mpicube eval``) on any layout and world size."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..files import data, formats
+from . import dataplan
+from ..parallel.comm import on_root
+from .accum import forward_loss
+from ..core.errors import ConfigError
+from ..parallel.grid import saved_or_default_batch
+from ..model.gpt import GPT
+from .parts import Parts, build_parts
+from .state import attr_dict
+
+
+def eval_model(parts: Parts):
+    """A GPT view of the same parameters with dropout off (GPT objects are
+    cheap: the parameters live in the store)."""
+    return GPT(parts.cfg, parts.layout, parts.store, dropout=0.0, seed=0, grad_accum=parts.grad_accum)
+
+
+def mean_eval_loss(parts: Parts, model, tokens, seq_len: int, n_batches: int) -> float:
+    """Mean cross-entropy over evaluation batches 0..n_batches-1 (forward
+    only, in the run's micro-batches); every batch has B x T positions, so
+    this is the mean over all."""
+    B = parts.batch_size
+    total = 0.0
+    for k in range(n_batches):
+        x, y = data.eval_batch(tokens, B, seq_len, k)               # (B, T) each
+        total += forward_loss(parts, model, x, y)
+    return total / n_batches
+
+
+def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None, batches=8, layout="auto",
+                        dp=1, depth=1, dtype="float32", device="cpu", mpi_world=None, tf32=False) -> dict:
+    """Mean cross-entropy of a checkpoint's model over ``batches`` evaluation
+    batches (0 = all) of a token shard, on any layout and world size."""
+    if mpi_world is None:
+        from mpi4py import MPI
+
+        mpi_world = MPI.COMM_WORLD
+    with formats.open_everywhere(mpi_world, ckpt_path) as ck:     # any model file
+        cfg = ck.config
+        saved = attr_dict(ck.attrs.get("train"))
+        B, batch_note = eval_batch_size(batch_size, saved.get("batch_size"), layout, cfg, mpi_world.Get_size(),
+                                        dp, depth)
+        T = int(seq_len or cfg.n_ctx)
+        if not 1 <= T <= cfg.n_ctx:
+            raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
+        if batches < 0:
+            raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
+        recorded = attr_dict(getattr(ck, "attrs", {}).get("data"))      # what the model was trained on
+        data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, recorded, B, T, batches)
+        on_root(mpi_world, lambda: data.check_vocab(tokens, cfg.vocab_size, data_path))
+        parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device, tf32=tf32)
+        formats.load_params(ck, parts.store)
+        step = ck.step
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        loss = mean_eval_loss(parts, eval_model(parts), tokens, T, n)
+    return {"loss": loss, "step": step, "batches": n, "tokens": n * B * T, "batch_size": B, "seq_len": T,
+            "layout": parts.layout.describe(), "checkpoint": str(ck.path), "data": data_path,
+            **({"note": note} if note else {}), **({"batch_note": batch_note} if batch_note else {})}
+
+
+def eval_batch_size(given, saved, layout, cfg, world_size, dp, depth) -> tuple:
+    """(batch size, words announcing it or None): the one given; else the
+    checkpoint's training batch if this layout accepts it; else the
+    smallest of at least 8 that it accepts (grid.default_batch)."""
+    if given is not None:
+        return int(given), None
+    batch, kept, why = saved_or_default_batch(saved, layout, cfg, world_size, dp, depth)
+    if kept or not saved:
+        return batch, None if kept else why
+    return batch, f"{why}; the checkpoint's batch {saved} does not fit"

@@ -1,0 +1,262 @@
+"""How a run starts: options checked, data planned, the run directory
+taken, the model built and initialised, restored or loaded from a file.
+
+``Launch`` is the first half of ``train.Trainer`` (which adds the loop, the
+step and the saves); it is its own module because starting is where the
+cases are - a fresh run, a resumed one, a model from an mpicube, Hugging
+Face or llm.c file, a batch size chosen to fit - and the loop should read
+without them. Everything here runs once, before step ``start_step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+from ..core.config import ModelConfig
+from ..core.errors import ConfigError, UserError
+from ..device import threads
+from ..files import checkpoint, data, formats
+from ..parallel.comm import on_root
+from ..parallel.grid import plan, saved_or_default_batch
+from . import dataplan, rundir
+from .options import _dash
+from .optim import Schedule
+from .parts import build_parts, recompute_note
+from .state import attr_dict, load_state
+from .step import make_step
+from .. import __version__
+
+SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")   # what a model file given to a run decides
+
+
+class Launch:
+    """The start of a run; ``setup()`` leaves on ``self``: ``cfg``, ``parts``,
+    ``opt`` (the optimizer step), ``scaler``, ``schedule``, ``loader``,
+    ``start_step``, the data plan and, when the run keeps files, ``run_dir``
+    with its lock, ``config.json`` and ``metrics.jsonl`` open. The subclass
+    sets ``opts``, ``world``, ``rank``, ``notes``, ``keep_files`` and
+    ``lock`` / ``metrics`` / ``owner`` / ``last_ckpt`` before calling it."""
+
+    def setup(self) -> None:
+        o = self.opts
+        o.validate()
+        self.cfg = o.model_config()
+        self.batch_note = None                # how a default batch size was chosen, for the console
+        # A default batch fits the model, which a model file may decide: then
+        # it (and the data plan, which needs it) waits until the file is open.
+        wait_for_file = o.batch_size is None and (o.init_from is not None or o.resume)
+        if not wait_for_file:
+            self._choose_batch()
+            if o.init_from is None:           # else the model file says what the model is
+                plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth, o.grad_accum,
+                     o.recompute)                                                           # pure
+            self._plan_data()
+
+        if self.keep_files:
+            run_dir, self.owner, said = on_root(self.world, self._prepare_run_dir)
+            self.run_dir = Path(run_dir)
+            self.notes += said
+        elif o.resume:
+            raise UserError("--resume needs a run directory, and this run keeps no files")
+        self.source, self.full_state = self._model_source()
+        self.model_file = None
+        if self.source is not None:           # the model's shape and vocabulary come from the file
+            self.model_file = formats.open_everywhere(self.world, self.source)
+            self.cfg = self._file_config(self.model_file)
+        if wait_for_file:
+            self._choose_batch()
+            self._plan_data()
+        on_root(self.world, lambda: data.check_vocab(self.train_tokens, self.cfg.vocab_size, self.train_path))
+        if self.eval_batches:
+            on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
+        if self.model_file is not None and o.recompute != "none":   # 1-D row shards split B_dp x --seq-len rows
+            plan(o.layout, replace(self.cfg, n_ctx=o.seq_len), o.batch_size, self.world.Get_size(), o.dp, o.depth,
+                 o.grad_accum, o.recompute)
+        self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
+                                 o.seed, o.dropout, o.tf32, grad_accum=o.grad_accum, recompute=o.recompute,
+                                 zero=o.zero)
+        note = recompute_note(self.parts.layout, o.recompute)
+        if note:
+            self.notes.append(note)
+        self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay)
+        self.scaler = o.loss_scaler()                  # float16 only
+        self.schedule = Schedule(o.lr, o.warmup, o.steps)
+        self.start_step = self._restore() + 1
+
+        if self.rank == 0 and self.keep_files:
+            self._write_config()
+            self._open_metrics()
+        self.world.Barrier()
+
+    def _choose_batch(self) -> None:
+        """Without --batch-size: a resumed run's own batch if this layout
+        takes it, else the smallest of at least 8 that the layout accepts
+        for this model (grid.default_batch); pure, so every rank agrees."""
+        o = self.opts
+        if o.batch_size is not None:
+            return
+        saved = None
+        if getattr(self, "full_state", False) and self.model_file is not None:
+            saved = attr_dict(getattr(self.model_file, "attrs", {}).get("train")).get("batch_size")
+        o.batch_size, kept, why = saved_or_default_batch(saved, o.layout, self.cfg, self.world.Get_size(), o.dp,
+                                                         o.depth, o.grad_accum, o.recompute)
+        self.batch_note = f"batch {o.batch_size} (the resumed run's)" if kept else why
+
+    def _plan_data(self) -> None:
+        """The data plan (rank 0 decides, every rank checks) and the loader."""
+        o = self.opts
+        self.data_plan, self.train_tokens, self.val_tokens = dataplan.plan_training_data(
+            self.world, o.data, o.val_data, o.batch_size, o.seq_len, o.eval_every, o.eval_batches)
+        self.train_path, self.val_path = self.data_plan.train, self.data_plan.val
+        self.eval_batches = self.data_plan.eval_batches          # 0: no validation
+        self.notes += self.data_plan.notes
+        self.loader = data.TrainLoader(self.train_tokens, o.batch_size, o.seq_len, o.seed)
+
+    def _prepare_run_dir(self) -> tuple:
+        """Rank 0: (run directory, this job's name for its temporary files,
+        notes), holding the run directory's lock from here to the end of the
+        run, and with the debris of dead jobs cleared."""
+        o = self.opts
+        if o.out is None:
+            if o.resume:
+                raise UserError("--resume needs --out RUN_DIR (the run to continue)")
+            base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+            run_dir, n = base, 1
+            while run_dir.exists():
+                run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
+        else:
+            run_dir = Path(o.out)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UserError(f"--out {run_dir}: exists and is not a directory")
+        if not o.resume and checkpoint.latest(run_dir) is not None:
+            raise UserError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
+                            "or choose another --out")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--out {run_dir}: cannot create the run directory ({exc.strerror})") from None
+        notes = []
+        self.lock = rundir.acquire(run_dir, force=o.force_unlock, notes=notes)
+        try:
+            notes += [f"note: {line}" for line in checkpoint.recover(run_dir)]
+        except OSError as exc:
+            notes.append(f"warning: could not tidy {run_dir / checkpoint.CKPT_DIR}: {exc}")
+        return str(run_dir), self.lock.token, notes
+
+    def _model_source(self) -> tuple:
+        """(model file or None, whether to restore the whole training state)."""
+        o = self.opts
+        if o.resume:
+            own, said = on_root(self.world, self._own_latest)
+            self.notes += said
+            if own is not None:
+                return own, True
+            if o.init_from is None:
+                self.notes.append(f"no checkpoint in {self.run_dir}: starting a fresh run")
+        return o.init_from, False          # --init-from starts this run's own schedule and optimizer
+
+    def _own_latest(self) -> tuple:
+        said = []
+        return _str_or_none(checkpoint.latest(self.run_dir, said)), said
+
+    def _file_config(self, model_file) -> ModelConfig:
+        """The model of ``model_file``, checked against --seq-len; a note
+        when the shape options differ from it (they are not used)."""
+        o, cfg = self.opts, model_file.config
+        if o.seq_len > cfg.n_ctx:
+            raise ConfigError(f"--seq-len {o.seq_len} is longer than the context of {model_file.describe()} "
+                              f"({cfg.n_ctx} positions)")
+        wanted = replace(o.model_config(), n_ctx=cfg.n_ctx)
+        differ = [k for k in SHAPE_OPTIONS if getattr(wanted, k) != getattr(cfg, k)]
+        given = getattr(o, "given_shape", SHAPE_OPTIONS)     # the CLI says which were typed; API callers mean all
+        if any(k in given for k in differ):                  # asked for another model than the file holds
+            leave_out = f"(leave out {', '.join('--' + _dash(k) for k in differ)} to take the file's model)"
+            wanted_shapes = formats.base.gpt2_shapes(wanted)
+            for name, have in model_file.shapes.items():
+                if name in wanted_shapes and wanted_shapes[name] != have:
+                    label = f"model/{name}" if model_file.kind == "mpicube" else name
+                    raise ConfigError(f"{model_file.path}: tensor '{label}' has shape {have} but this model needs "
+                                      f"{wanted_shapes[name]} {leave_out}")
+            k = differ[0]
+            raise ConfigError(f"{model_file.path}: holds a model with {k} {getattr(cfg, k)}, this run asks for "
+                              f"{getattr(wanted, k)} {leave_out}")
+        if differ:
+            differ = [f"--{_dash(k)}" for k in differ]
+            self.notes.append(f"note: the model's shape comes from {model_file.path}: n_layer {cfg.n_layer}, "
+                              f"n_head {cfg.n_head}, n_embd {cfg.n_embd}, n_ctx {cfg.n_ctx}, vocab {cfg.vocab_size} "
+                              f"({', '.join(differ)} not used)")
+        return cfg
+
+    def _restore(self) -> int:
+        """Load parameters / state as asked; return the last completed step."""
+        if self.model_file is None:
+            return 0
+        full = self.full_state
+        with self.model_file as model_file:
+            if model_file.kind != "mpicube" or not full:
+                formats.load_params(model_file, self.parts.store)
+                if full:
+                    self.notes.append(f"note: {model_file.path} holds no optimizer state: starting at step 0 "
+                                      "with fresh AdamW moments")
+                self.notes.append(f"initialized parameters from {model_file.describe()}")
+                return 0
+            ck = model_file.ck
+            load_state(ck, self.parts.store, self.opt.adam, comm=self.world)
+            self.opt.adam.t = int(ck.attrs.get("adam_t", ck.step))
+            if self.scaler is not None and "loss_scale" in ck.attrs:
+                self.scaler.restore(ck.attrs["loss_scale"])     # scale and counters: resume stays exact
+            position = attr_dict(ck.attrs.get("data"))
+            step = int(position.get("step", ck.step))
+            self.notes.append(f"resuming from {ck.path} at step {step}")
+            changed = self._changed_options(attr_dict(ck.attrs.get("train")))
+            if changed:
+                self.notes.append("note: options differ from the checkpoint's run: " + ", ".join(changed))
+            self.last_ckpt = ck.path
+            return step
+
+    def _changed_options(self, saved: dict) -> list:
+        """Options that change the trajectory and differ from a resumed run's."""
+        relevant = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "lr", "warmup",
+                    "weight_decay", "grad_clip", "dropout", "seed", "dtype", "data")
+        now = self.opts.to_dict()
+        return [f"--{_dash(k)} {saved[k]} -> {now[k]}" for k in relevant if k in saved and saved[k] != now[k]]
+
+    def _write_config(self) -> None:
+        """config.json: the run as this launch sees it, and every launch's
+        world, layout, threads, environment and versions (appended)."""
+        layout = self.parts.layout
+        doc = {
+            "mpicube_version": __version__,
+            "world_size": self.world.Get_size(),
+            "model": self.cfg.to_dict(),
+            "n_params": self.cfg.n_params(),
+            "train": self.opts.to_dict(),
+            "layout": layout.describe(),
+            "data": {"train": self.train_path, "val": self.val_path},
+            "threads": threads.current().to_dict(),
+        }
+        launch = {
+            "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "start_step": self.start_step,
+            "host": threads.current().host,
+            "world_size": self.world.Get_size(),
+            "layout": layout.describe(),
+            "threads": threads.current().to_dict(),
+            "train": self.opts.to_dict(),
+            "environment": rundir.environment(),
+            "versions": rundir.versions(),
+        }
+        rundir.record_launch(self.run_dir, doc, launch)
+
+    def _open_metrics(self) -> None:
+        """metrics.jsonl, appended to, its records from the step this launch
+        starts at cut off (they are repeated); never rewritten."""
+        self.metrics = rundir.open_metrics(self.run_dir, self.start_step)
+
+
+
+def _str_or_none(path) -> Optional[str]:
+    return None if path is None else str(path)

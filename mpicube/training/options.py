@@ -1,0 +1,106 @@
+"""Every option of ``mpicube train`` as one dataclass, and the checks that
+need no MPI (so every rank reaches the same verdict before the first
+collective). The trainer (``mpicube.training.train``), ``trace`` and API callers
+build runs from it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from ..files import data
+from ..core.config import ModelConfig
+from ..core.errors import ConfigError
+from ..parallel.grid import validate_model
+from .loss_scale import scaler_for
+from ..parallel.zero import validate as validate_zero
+
+
+@dataclass
+class TrainOptions:
+    """Every option of ``mpicube train`` (same names as the command line)."""
+
+    layout: str = "auto"
+    dp: int = 1
+    depth: int = 1
+    n_layer: int = 4
+    n_head: int = 12
+    n_embd: int = 144
+    seq_len: int = 64
+    vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
+    batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits
+    grad_accum: int = 1            # micro-batches per step (forward+backward each), one optimizer step
+    steps: int = 500
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dropout: float = 0.0
+    seed: int = 1337
+    dtype: str = "float32"
+    device: str = "cpu"
+    tf32: bool = False             # GPU float32 GEMMs on tensor cores
+    recompute: str = "none"        # none, gathers or blocks: memory for communication and FLOPs
+    loss_scale: Optional[float] = None                 # float16: initial loss scale (None = default)
+    loss_scale_growth_interval: Optional[int] = None   # float16: good steps before the scale doubles
+    loss_scale_backoff: Optional[float] = None         # float16: factor applied on overflow
+    data: Optional[str] = None     # train shard; None = built-in corpus
+    val_data: Optional[str] = None  # validation shard; None = the train shard's <stem>_val sibling, if any
+    out: Optional[str] = None      # run directory; None = runs/<timestamp>
+    ckpt_every: int = 0            # 0 = only the final checkpoint
+    keep: int = 3                  # 0 = keep every checkpoint
+    eval_every: int = 0            # 0 = no evaluation
+    eval_batches: int = 8
+    log_every: int = 10
+    init_from: Optional[str] = None
+    resume: bool = False
+    force_unlock: bool = False     # take the run directory's lock from a job on another host
+    stop_after: Optional[int] = None
+    time_limit: Optional[float] = None
+    zero: int = 0                  # 1: AdamW state (and 16-bit runs' master weights) sharded over dp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,
+                           n_head=self.n_head, n_embd=self.n_embd)
+
+    @property
+    def last_step(self) -> int:
+        """The step this invocation stops after (the schedule still spans ``steps``)."""
+        return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
+
+    def validate(self) -> None:
+        """Raise ConfigError for a bad value; pure, so every rank agrees."""
+        positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "steps", "dp", "depth",
+                    "eval_batches", "log_every", "grad_accum")
+        for name in positive:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{_dash(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup", "ckpt_every", "keep", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_dash(name)} must be 0 or more, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"--{_dash(name)} must be a finite number >= 0, got {value}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ConfigError(f"--stop-after must be at least 1, got {self.stop_after}")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
+        self.loss_scaler()
+        validate_zero(self.zero, self.dp)
+        validate_model(self.model_config())
+
+    def loss_scaler(self):
+        """A fresh LossScaler for --dtype float16, else None (ConfigError for
+        loss-scale options with another format)."""
+        return scaler_for(self.dtype, self.loss_scale, self.loss_scale_growth_interval, self.loss_scale_backoff)
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")

@@ -1,0 +1,89 @@
+"""The optimizer step the trainer runs: gradient sums, norm and AdamW as
+one object, replicated over data-parallel replicas (--zero 0) or sharded
+over them (--zero 1, see ``parallel.zero``).
+
+Both objects answer the same three calls, in this order every step:
+``sync()`` (sum the gradients), ``grad_norm()`` (the global L2 norm, for
+clipping and the log) and ``step(lr, grad_scale)``; ``adam`` holds the
+moments and the step count. The trainer, ``bench`` and
+tests/parallel_check.py all build theirs with ``make_step``, so the check
+tests the trainer's own code.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..parallel.gradients import (global_grad_norm, gradient_wire, sync_gradients, sync_replica_groups,
+                                  weighted_squares)
+from ..parallel.params import ParamStore
+from .optim import AdamW
+
+
+class ReplicatedStep:
+    """The optimizer step of --zero 0: every data-parallel replica sums the
+    whole gradient (all-reduce) and updates the whole buffer. Built once and
+    called every step by the trainer and tests/parallel_check.py, with the
+    same calls as ``ShardedStep``; ``adam`` holds the moments and the
+    step count."""
+
+    def __init__(self, store: ParamStore, axes, weight_decay: float = 0.1):
+        self.store, self.axes = store, axes
+        self.adam = AdamW(store, weight_decay=weight_decay)
+
+    def sync(self) -> None:
+        sync_gradients(self.store, self.axes.dp)
+
+    def grad_norm(self) -> float:
+        return global_grad_norm(self.store, self.axes.tp)
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        self.adam.step(lr, grad_scale)
+
+
+def make_step(store: ParamStore, axes, weight_decay: float = 0.1):
+    """The optimizer step for ``store``: sharded over dp if the store is
+    (``zero=1``), else replicated."""
+    if store.partition.sharded:
+        return ShardedStep(store, axes, weight_decay)
+    return ReplicatedStep(store, axes, weight_decay)
+
+
+class ShardedStep:
+    """The optimizer step of --zero 1; built once, called every step by the
+    trainer and by tests/parallel_check.py (``sync``, ``grad_norm``,
+    ``step``). ``adam`` holds the moments of the owned chunk and the step
+    count."""
+
+    def __init__(self, store, axes, weight_decay: float = 0.1):
+        if not store.partition.sharded or store.dp is not axes.dp:
+            raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero=1)")
+        self.store, self.axes = store, axes
+        self.adam = AdamW(store, weight_decay=weight_decay)
+        # (replicas, slice of the chunk): the gradient norm counts each replicated block once
+        self.replica_runs = [(r, run) for r, whole in store.replica_runs for run in store.partition.local([whole])]
+
+    def sync(self) -> None:
+        """Gradients summed inside the tensor-parallel replica groups, then
+        reduce-scattered over dp into the owned chunk of ``flat_grad``, both
+        in ``gradients.gradient_wire`` (under bfloat16 the reduce-scatter sends
+        16-bit words and keeps their float32 sum)."""
+        store = self.store
+        sync_replica_groups(store)
+        wire = gradient_wire(store)
+        store.flat_grad[store.shard] = self.axes.dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
+
+    def grad_norm(self) -> float:
+        """L2 norm of the logical gradient from the owned chunks: one
+        float64 all-reduce over the world; the only copy to the host is the
+        final number."""
+        store = self.store
+        local = weighted_squares(store.backend.xp, store.flat_grad[store.shard], self.replica_runs)   # of (C,)
+        return math.sqrt(float(self.axes.world.allreduce(local)[0]))
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """AdamW on the owned chunk, then the parameters all-gathered over dp
+        (``ParamStore.refresh_work``), so the next forward, a save or an
+        evaluation sees complete parameters."""
+        self.adam.step(lr, grad_scale)
+        self.store.refresh_work()

@@ -1,0 +1,63 @@
+"""When a run stops early, agreed by every rank at step boundaries.
+
+Three things end a run before ``--steps``: SIGTERM or SIGUSR1 on any rank
+(a scheduler's warning), ``--time-limit`` (judged on rank 0's and every
+rank's own clock, with room for one more step and one more checkpoint),
+and ``--stop-after`` (the loop's own bound). The first two are agreed with
+one tiny uncounted all-reduce of the largest reason, so all ranks stop at
+the same step, checkpoint together and exit with the same status.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from contextlib import contextmanager
+from typing import Optional
+
+from ..parallel.comm import agree_max
+
+GO_ON, TIME_LIMIT, SIGNAL = 0, 1, 2
+
+
+class EarlyStop:
+    """The stop reasons of one rank, and their agreement over ``world``."""
+
+    def __init__(self, world, time_limit: Optional[float] = None):
+        self.world = world
+        self.time_limit = time_limit
+        self.t_start = time.monotonic()
+        self.signalled = GO_ON         # set by the signal handler
+        self.slowest_step = 0.0        # seconds: room kept for one more step ...
+        self.ckpt_seconds = 0.0        # ... and one more checkpoint before the time limit
+
+    def agree(self) -> int:
+        """GO_ON, TIME_LIMIT or SIGNAL: the same on every rank."""
+        code = self.signalled
+        if self.time_limit is not None:
+            elapsed = time.monotonic() - self.t_start
+            if elapsed + self.slowest_step + self.ckpt_seconds >= self.time_limit:
+                code = max(code, TIME_LIMIT)
+        return agree_max(self.world, code)
+
+    def on_signal(self, signum, frame) -> None:
+        self.signalled = SIGNAL
+
+    @contextmanager
+    def signal_handlers(self):
+        """SIGTERM and SIGUSR1 ask for a checkpoint and exit at the next step boundary."""
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                previous[sig] = signal.signal(sig, self.on_signal)
+            except ValueError:      # not the main thread: no handlers
+                pass
+        try:
+            yield
+        finally:
+            # After a signal-driven stop the job is on its way out (requeued);
+            # a scheduler that repeats its warning must not kill a rank in
+            # MPI_Finalize with SIGUSR1's default action, so such signals are
+            # ignored from here on instead of handed back.
+            for sig, handler in previous.items():
+                signal.signal(sig, signal.SIG_IGN if self.signalled else handler)

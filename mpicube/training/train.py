@@ -1,0 +1,288 @@
+"""The training loop: data, model, optimizer, checkpoints, logging, signals.
+
+One step, on every rank (s is 1-based)::
+
+    x, y = loader.batch(s - 1)                # (B, T) global batch, same on every rank
+    loss = forward_backward(parts, x, y, s)   # this replica's rows, in --grad-accum micro-batches
+    opt.sync(); norm = opt.grad_norm()       # opt: step.make_step (--zero 1: step.ShardedStep)
+    opt.step(schedule(s), clip_scale(norm))
+
+How the run starts (options, data plan, run directory, the model built,
+restored or loaded) is ``launch.Launch``, which ``Trainer`` extends. This
+step is the only training step in mpicube: ``mpicube trace`` observes it
+through ``hooks.StepHooks`` instead of running a copy of its own.
+
+Everything a run needs to continue is (parameters, AdamW moments and t, the
+step): the loader is random access by step and dropout masks are a function
+of the step, so a resumed run repeats the uninterrupted one bit for bit on the
+same layout, and follows it up to rounding on any other.
+
+Stopping early (mpicube.training.stopping) is agreed by all ranks at step boundaries with one tiny
+uncounted all-reduce: SIGTERM/SIGUSR1 on any rank or ``--time-limit``
+(checkpoint, exit status 75 = EX_TEMPFAIL, "requeue me"), ``--stop-after``
+(checkpoint, exit status 0). A non-finite loss or gradient norm stops the run
+without saving the bad state (exit status 3).
+
+Files in the run directory (rank 0 writes all but the checkpoint shards)::
+
+    config.json      model, options, layout, world size, version
+    metrics.jsonl    one object per step, and one per evaluation
+    ckpt/            checkpoints (mpicube.files.checkpoint)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .. import __version__
+from ..core.console import Console
+from ..core.errors import UserError
+from ..files import checkpoint
+from ..parallel.comm import agree_max
+from .accum import forward_backward
+from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
+from .launch import Launch
+from .options import TrainOptions  # noqa: F401 (TrainOptions re-exported: tests and tools import it here)
+from .parts import build_parts  # noqa: F401 (re-exported for tools and tests)
+from .stopping import SIGNAL, EarlyStop
+from .state import describe_layout, state_blocks
+
+EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
+EXIT_DIVERGED = 3        # non-finite loss or gradient norm
+
+# Test hook (for tests/test_precision.py): at the step this variable names,
+# the last world rank puts an inf into its gradient after the gradient
+# synchronisation, as a float16 overflow on one rank would; the step must be
+# skipped on every rank alike.
+OVERFLOW_HOOK = "MPICUBE_TEST_OVERFLOW_STEP"
+
+# Test hook (for tests/test_train.py, tests/test_ckpt_faults.py): "RANK:STEP:SIGNAL"
+# makes that world rank send itself the signal as it starts saving that step.
+SIGNAL_HOOK = "MPICUBE_TEST_SIGNAL_IN_SAVE"
+
+# Test hook (for tests/test_cli.py): the world rank named by this
+# variable raises an unexpected exception at step 2, to check that an
+# exception on one rank ends the whole job instead of leaving it hanging.
+CRASH_HOOK = "MPICUBE_TEST_CRASH_RANK"
+
+
+class DivergedError(UserError):
+    """The loss or gradient norm stopped being finite."""
+
+    exit_code = EXIT_DIVERGED
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class Trainer(Launch):
+    """Set up once (``Launch.setup``), then ``run()``; returns the process
+    exit status. ``hooks`` observe every step (``hooks.StepHooks``); a run
+    with ``keep_files=False`` has no run directory: no lock, config,
+    metrics or checkpoints (what ``mpicube trace`` runs)."""
+
+    def __init__(self, opts: TrainOptions, mpi_world=None, hooks=(), keep_files: bool = True):
+        if mpi_world is None:
+            from mpi4py import MPI
+
+            mpi_world = MPI.COMM_WORLD
+        self.opts = opts
+        self.hooks = list(hooks)
+        self.keep_files = keep_files
+        self.run_dir = None
+        self.world = mpi_world
+        self.rank = mpi_world.Get_rank()
+        self.stop = EarlyStop(mpi_world, opts.time_limit)   # signals and --time-limit, agreed by all ranks
+        self.last_ckpt = None           # path of the last checkpoint of this run
+        self.console = Console(False, 1, 0, 1)
+        self.metrics = None
+        self.lock = None                # rank 0: the run directory's lock
+        self.owner = None               # this job's name in temporary checkpoint directories
+        self.notes = []                 # said once the console is up
+
+    def _record(self, rec: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
+
+    # --- the loop ------------------------------------------------------------
+    def run(self) -> int:
+        with self.stop.signal_handlers():
+            try:
+                self.setup()
+                return self._loop()
+            finally:
+                self.console.close()
+                if self.metrics is not None:
+                    self.metrics.close()
+                if self.lock is not None:
+                    self.lock.release()
+
+    def _loop(self) -> int:
+        o, first, last = self.opts, self.start_step, self.opts.last_step
+        self.console = Console(self.rank == 0, first, last, o.log_every)
+        say = self.console.say
+        layout = self.parts.layout
+        chosen = " (chosen by --layout auto)" if o.layout == "auto" else ""
+        batch = self.batch_note or f"batch {o.batch_size}"
+        if o.grad_accum > 1:
+            batch += f" in {o.grad_accum} micro-batches of {o.batch_size // o.grad_accum}"
+        say(f"mpicube {__version__}: {self.cfg.n_params():,} parameters, {describe_layout(layout.describe())}"
+            f"{chosen}, {batch}, {self.world.Get_size()} rank(s), run {self.run_dir}")
+        for note in self.notes:
+            say(note)
+        if first > last:
+            say(f"nothing to do: the run is at step {first - 1}, "
+                f"{'--stop-after' if last < o.steps else '--steps'} is {last}")
+            return 0
+        crash_rank = os.environ.get(CRASH_HOOK)
+        self._notify("run_started")
+        for s in range(first, last + 1):
+            if crash_rank is not None and s >= 2 and int(crash_rank) == self.rank:
+                raise RuntimeError(f"{CRASH_HOOK}={crash_rank}: deliberate failure at step {s} (test hook)")
+            t0 = time.monotonic()
+            rec = self.train_step(s)
+            self._record(rec)
+            self.console.step(rec)
+            self._notify("step_done", s, rec)
+            if self.eval_batches and (s % o.eval_every == 0 or s == o.steps):
+                val = self.evaluate(s)
+                self._record({"step": s, "val_loss": val})
+                say(f"step {s} | val_loss {val:.4f}" if val is not None else f"step {s} | val_loss is not finite")
+            self.stop.slowest_step = max(self.stop.slowest_step, time.monotonic() - t0)
+            stop = self.stop.agree()
+            if self.keep_files and (s == last or stop or (o.ckpt_every and s % o.ckpt_every == 0)):
+                self.save(s)
+                stop = stop or (s < last and self.stop.agree())    # a signal during the save: stop on it
+            if stop:
+                why = "a signal" if stop == SIGNAL else f"--time-limit {o.time_limit:g}s"
+                then = "; continue with --resume" if self.keep_files else ""
+                say(f"stopped by {why} after step {s}{then} (exit status {EXIT_PREEMPTED})")
+                return EXIT_PREEMPTED
+        if last < o.steps:
+            say(f"stopped after step {last} (--stop-after); continue with --resume")
+        else:
+            say(f"done: {last} steps")
+        return 0
+
+    def train_step(self, s: int) -> dict:
+        """One optimizer step; the metrics record of step ``s``."""
+        o, p = self.opts, self.parts
+        p.counters.reset()
+        p.backend.synchronize()
+        t0 = time.perf_counter()
+        x, y = self.loader.batch(s - 1)                      # (B, T) each, global
+        self._notify("step_started", s, x, y)
+        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        after_forward = (lambda m: self._notify("forward_done", s, m)) if self.hooks else None
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            p.store.zero_grad()
+            loss = forward_backward(p, x, y, s, loss_scale, after_forward)   # N micro-batches, gradients added up
+            self.opt.sync()
+            self._inject_overflow(s)
+            norm = self.opt.grad_norm() / loss_scale
+            # 2: the loss is not finite (diverged); 1: only the gradient is (an
+            # overflow: skip the step when loss scaling, else diverged). Agreed
+            # by every rank, so all skip or stop together.
+            verdict = agree_max(self.world, 2 if not math.isfinite(loss) else int(not math.isfinite(norm)))
+            if verdict == 2 or (verdict == 1 and self.scaler is None):
+                raise DivergedError(self._diverged_message(s, loss, norm))
+            skipped = verdict == 1
+            self._notify("gradients_ready", s, loss, norm, loss_scale, skipped)
+            lr = self.schedule(s)
+            if not skipped:
+                clip = min(1.0, o.grad_clip / (norm + 1e-6)) if o.grad_clip > 0 else 1.0
+                self.opt.step(lr, clip / loss_scale)
+            if self.scaler is not None:
+                self.scaler.update(not skipped)
+        p.backend.synchronize()
+        dt = time.perf_counter() - t0
+        rec = {
+            "step": s,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": None if skipped else norm,
+            "step_time_s": dt,
+            "tokens_per_s": o.batch_size * o.seq_len / dt if dt > 0 else 0.0,
+            "comm_elems": float(p.counters.total_elems()),
+            "comm_bytes": float(p.counters.total_bytes()),
+            "comm_msgs": int(p.counters.total_msgs()),
+        }
+        if self.scaler is not None:
+            rec.update(loss_scale=loss_scale, skipped=skipped)
+            if skipped:
+                self.console.say(f"step {s}: gradient overflow at loss scale {loss_scale:g}: step skipped, "
+                                 f"scale now {self.scaler.scale:g}")
+        return rec
+
+    def _notify(self, point: str, *args) -> None:
+        """Call every observer's ``point`` (a ``StepHooks`` method) with this trainer."""
+        for hook in self.hooks:
+            getattr(hook, point)(self, *args)
+
+    def _inject_overflow(self, s: int) -> None:
+        """The OVERFLOW_HOOK test hook: an inf in the last rank's gradient at one step."""
+        hook = os.environ.get(OVERFLOW_HOOK)
+        if hook is not None and int(hook) == s and self.rank == self.world.Get_size() - 1:
+            store = self.parts.store
+            store.flat_grad[store.shard.start] = math.inf        # in the part this rank's norm reads
+
+    def _diverged_message(self, s, loss, norm) -> str:
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
+        last = f"the last checkpoint, {self.last_ckpt}, is intact" if self.last_ckpt else "no checkpoint was written"
+        return (f"training diverged at step {s}: the {what}; stopped without saving this state "
+                f"({last}; try a lower --lr or a longer --warmup)")
+
+    def evaluate(self, s: int) -> Optional[float]:
+        """Mean validation loss over the first ``eval_batches`` evaluation batches (None if not finite)."""
+        model = eval_model(self.parts)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            val = mean_eval_loss(self.parts, model, self.val_tokens, self.opts.seq_len, self.eval_batches)
+        return val if math.isfinite(val) else None
+
+    def save(self, s: int) -> Path:
+        t0 = time.monotonic()
+        p, o = self.parts, self.opts
+        attrs = {
+            "config": json.dumps(self.cfg.to_dict()),
+            "train": json.dumps(o.to_dict()),
+            "layout": json.dumps(p.layout.describe()),
+            "adam_t": int(self.opt.adam.t),
+            **({"loss_scale": self.scaler.to_json()} if self.scaler is not None else {}),
+            "data": json.dumps({"step": s, "path": self.train_path, "val": self.val_path,
+                                "builtin": self.data_plan.builtin, "batch_size": o.batch_size,
+                                "seq_len": o.seq_len, "seed": o.seed}),
+            "mpicube_version": __version__,
+        }
+        blocks = state_blocks(p.store, self.opt.adam, p.layout.axes.dp.rank)
+        self._signal_in_save(s)
+        path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None,
+                               owner=self.owner)
+        self.last_ckpt = path
+        self.stop.ckpt_seconds = time.monotonic() - t0
+        self.console.say(f"checkpoint {path}")
+        return path
+
+    def _signal_in_save(self, s: int) -> None:
+        """The SIGNAL_HOOK test hook ("RANK:STEP:SIGNAL"): that rank sends
+        itself the signal as it starts saving that step (SIGUSR1: a
+        scheduler's warning landing mid-save; SIGSTOP: a rank frozen with
+        the save half done, for a test to kill)."""
+        hook = os.environ.get(SIGNAL_HOOK)
+        if hook:
+            rank, step, name = hook.split(":")
+            if int(rank) == self.rank and int(step) == s:
+                os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+
+
+def train(opts: TrainOptions, mpi_world=None) -> int:
+    """Run ``mpicube train``; the process exit status."""
+    return Trainer(opts, mpi_world).run()
