@@ -94,9 +94,13 @@ def _check_files(tmp: Path, files: dict) -> None:
 
 
 def _first_error(errors: list):
-    """The errors of all ranks as one message (None if there are none)."""
+    """The first rank's error, and how many more ranks failed (None if none
+    did): one short line, where a full disk fails every rank alike."""
     errors = [e for e in errors if e is not None]
-    return "; ".join(errors) if errors else None
+    if not errors:
+        return None
+    more = len(errors) - 1
+    return errors[0] + (f" (and {more} more rank{'s' if more > 1 else ''})" if more else "")
 
 
 def _write_latest(ckpt: Path, name: str) -> None:
@@ -193,6 +197,10 @@ def recover(run_dir) -> list:
 
 
 def _errmsg(rank: int, e: BaseException) -> str:
+    """One rank's failure in a few words: an OSError as its errno text (HDF5's
+    own text of a full disk runs to 300 characters), with the file if known."""
+    if isinstance(e, OSError) and e.errno:
+        return f"rank {rank}: {os.strerror(e.errno)}" + (f" ({e.filename})" if e.filename else "")
     return f"rank {rank}: {type(e).__name__}: {e}"
 
 
@@ -255,11 +263,12 @@ def save(run_dir, step: int, blocks: Iterable[Block], attrs: dict | None = None,
         entries, shard = _write_shard(tmp, rank, step, blocks)
     except Exception as e:  # noqa: BLE001
         local_exc, failed = e, _errmsg(rank, e)
-    failed = _first_error(comm.allgather(failed))
+    shards_failed = _first_error(comm.allgather(failed))      # the same on every rank
+    failed = None
 
     # phase 2: the owner of each tensor merges its pieces, indexes and checks them
     owned, index, summary = {}, None, {}
-    if failed is None:
+    if shards_failed is None:
         received = comm.alltoall([(bucket, shard[0] if shard else None)
                                   for bucket in meta.route(entries, size)])
         try:
@@ -279,7 +288,7 @@ def save(run_dir, step: int, blocks: Iterable[Block], attrs: dict | None = None,
     # phase 3: rank 0 writes checkpoint.h5 over the indexes and commits
     result = None
     if rank == 0:
-        result = _first_error([r[0] for r in reports])
+        result = shards_failed or _first_error([r[0] for r in reports])
         if result is None:
             try:
                 tensors = {name: t for _, s, _ in reports for name, t in s.items()}
