@@ -1,6 +1,6 @@
 """Race the run-directory lock: in each trial 3 processes call
 ``rundir.acquire`` on one directory at once (a barrier starts them), and
-every one that gets the lock holds it until all 3 have tried. Exactly one
+every one that gets the lock holds it until all trials are done. Exactly one
 must hold it in every trial.
 
 The trials cycle through what the directory holds before the race: no lock;
@@ -49,17 +49,17 @@ def _prepare(run_dir: Path, case: str, dead: int) -> None:
 
 
 def _contender(k: int, root: str, trials: int, barrier, held, refused) -> None:
+    locks = []                              # held to the end: the others race against a live holder
     for t in range(trials):
         barrier.wait()
         try:
-            lock = rundir.acquire(Path(root) / f"trial{t}")
+            locks.append(rundir.acquire(Path(root) / f"trial{t}"))
+            held[t * CONTENDERS + k] = True
         except UserError as exc:
-            lock = None
             refused[t * CONTENDERS + k] = "in use by" in str(exc)
-        held[t * CONTENDERS + k] = lock is not None
-        barrier.wait()                      # every holder still holds it here
-        if lock is not None:
-            lock.release()
+    barrier.wait()
+    for lock in locks:
+        lock.release()
 
 
 def race(trials: int, root: Path) -> dict:

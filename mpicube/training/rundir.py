@@ -322,9 +322,9 @@ def _resume_point(f, start_step: int) -> tuple:
             break
         offset += len(line)
     if bad:
-        lines = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        said.insert(0, f"passed over {len(bad)} line(s) that are not JSON (line {lines}); kept them and "
-                       f"the records after them")
+        where = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        said.insert(0, f"passed over {len(bad)} line(s) that are not JSON (line{'s' * (len(bad) > 1)} "
+                       f"{where}); kept them and the records after them")
     return offset, said
 
 

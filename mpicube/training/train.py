@@ -21,7 +21,10 @@ Stopping early (mpicube.training.stopping) is agreed by all ranks at step bounda
 uncounted all-reduce: SIGTERM/SIGUSR1 on any rank or ``--time-limit``
 (checkpoint, exit status 75 = EX_TEMPFAIL, "requeue me"), ``--stop-after``
 (checkpoint, exit status 0). A non-finite loss or gradient norm stops the run
-without saving the bad state (exit status 3).
+without saving the bad state (exit status 3). Rank 0 failing to append to
+metrics.jsonl (a full disk) is agreed the same way: every rank tries to save
+the step, then the job ends with one line and exit status 74, as it does when
+a save itself fails (``RunDirError``); the step whose record failed has none.
 
 Files in the run directory (rank 0 writes all but the checkpoint shards)::
 

@@ -15,12 +15,13 @@ from typing import Iterable, Sequence
 import h5py
 import numpy as np
 
-from . import meta, vds
+from . import h5create, meta, vds
 from .format import (Block, CKPT_DIR, CheckpointError, FORMAT, LATEST, MAIN_FILE, SHARD_DIR, VERSION,
                      _RESERVED, _STEP_RE, _SelfComm, _decode_attr, _encode_attr, _fsync_dir, _sha256_file,
                      _shard_rel, _step_name)
 
 _OWNER_RE = re.compile(r"^[A-Za-z0-9]+$")
+_HDF5_ERRNO = re.compile(r"\berrno = (\d+)")       # how HDF5's text of a failed system call gives errno
 
 
 def describe_blocks(rank: int, blocks: Sequence[Block]):
@@ -58,7 +59,7 @@ def _write_shard(tmp: Path, rank: int, step: int, blocks: Sequence[Block]):
         rel = _shard_rel(rank)
         path = tmp / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        with h5py.File(path, "w", locking=False) as f:
+        with h5create.create(path) as f:
             f.attrs["format"] = FORMAT + "-shard"
             f.attrs["version"] = VERSION
             f.attrs["step"] = step
@@ -197,10 +198,14 @@ def recover(run_dir) -> list:
 
 
 def _errmsg(rank: int, e: BaseException) -> str:
-    """One rank's failure in a few words: an OSError as its errno text (HDF5's
-    own text of a full disk runs to 300 characters), with the file if known."""
-    if isinstance(e, OSError) and e.errno:
-        return f"rank {rank}: {os.strerror(e.errno)}" + (f" ({e.filename})" if e.filename else "")
+    """One rank's failure in a few words: a failed system call as its errno
+    text (HDF5's own text of a full disk runs to 300 characters and names a
+    temporary file that is removed)."""
+    number = e.errno if isinstance(e, OSError) else None
+    if not number and (found := _HDF5_ERRNO.search(str(e))):
+        number = int(found.group(1))
+    if number:
+        return f"rank {rank}: {os.strerror(number)}"
     return f"rank {rank}: {type(e).__name__}: {e}"
 
 
