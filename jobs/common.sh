@@ -37,6 +37,9 @@
 # job's exit status, as the scheduler records it):
 #   0   training finished (all --steps done): 0
 #   2   bad input (one `error:` line), 3 training diverged: 2, 3; no resubmission
+#   74  the run directory failed (a full disk, a read-only file system; one
+#       `error:` line naming the file, after an attempt to checkpoint): 74; no
+#       resubmission, since the next job would fail the same way
 #   75  stopped early on SIGTERM/SIGUSR1 or --time-limit, after writing a
 #       checkpoint: requeue (Slurm) or resubmit (PBS) and continue; the job
 #       ends with 75 when MAX_RESUBMITS stops the chain (and with 1 when the
@@ -61,6 +64,7 @@
 # there are ranks on a node.
 
 MPC_EXIT_PREEMPTED=75
+MPC_EXIT_IO=74
 
 # Variables written to RUN_DIR/job-env.sh so that a resubmitted PBS job runs
 # with exactly the settings of the first one.
@@ -314,10 +318,14 @@ mpc_run() {
     mpc_log "mpicube failed with status $status ($([[ $status == 2 ]] && echo 'bad input' || echo 'training diverged')); not resubmitting"
     exit "$status"
     ;;
+  "$MPC_EXIT_IO")
+    mpc_log "mpicube failed with status $status (the run folder $RUN_DIR could not be written or read: see the error line); not resubmitting"
+    exit "$status"
+    ;;
   *)
     # When one rank fails alone, mpicube aborts the job and the launcher
     # reports the ranks it killed (srun: 137) rather than the rank's status:
-    # every failure other than 2 and 3 leaves the job with status 1.
+    # every failure other than 2, 3 and 74 leaves the job with status 1.
     mpc_log "mpicube failed with status $status; not resubmitting (job exit status 1)"
     exit 1
     ;;

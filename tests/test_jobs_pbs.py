@@ -9,7 +9,8 @@ the node file, and mpicube.
 What is PBS-specific, and tested here: the walltime left becomes
 --time-limit, too little walltime is refused, status 75 resubmits the script
 with qsub (after this job, settings carried in RUN_DIR/job-env.sh), the
-resubmitted job resumes from the checkpoint, and MAX_RESUBMITS ends the chain.
+resubmitted job resumes from the checkpoint, and MAX_RESUBMITS ends the chain;
+status 74 (the run folder failed) ends it too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import read_metrics
+from fs_faults import small_disks
 from mpirun import ROOT, descendants, job_env, mpiexec
 from slurm_jobs import held, mpicube_ranks, pending, wait_for
 
@@ -220,3 +222,19 @@ def test_early_signal_waits_for_mpicube_and_max_resubmits_ends_the_chain(pbs):
     assert "MAX_RESUBMITS=2 resubmissions reached: not resubmitting" in out, out
     assert pbs.calls("qsub") == []
     assert 1 <= len(read_metrics(pbs.run_dir)[0]) < STEPS
+
+
+def test_status_74_ends_the_chain(pbs, tmp_path):
+    """A run folder on a file system gone read-only: mpicube stops with 74
+    (one `error:` line naming the lock it cannot write), and the script ends
+    the job with 74 instead of resubmitting one that would fail alike."""
+    with small_disks(tmp_path) as (mount, _, read_only):
+        disk = mount(tmp_path / "disk", 256)
+        (disk / "run").mkdir()
+        read_only(disk)
+        pbs.run_dir = disk / "run"
+        status, out = pbs.run(pbs.settings(STUB_WALLTIME="01:00:00"))
+    assert status == 74, out
+    assert f"error: {disk}/run/mpicube.lock: cannot take the run directory's lock (Read-only file system)" in out
+    assert "mpicube failed with status 74 (the run folder" in out and "not resubmitting" in out, out
+    assert "Traceback" not in out and pbs.calls("qsub") == []

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import lock_trials
 from conftest import PYTHON, TINY, last_json, read_metrics
 from mpirun import rank_pid
 
@@ -69,6 +70,15 @@ def test_second_job_on_a_run_directory_is_refused(mpicube, tmp_path):
     done = steps_logged(tmp_path / "run")
     assert [s["step"] for s in read_metrics(tmp_path / "run")[0]] == list(range(1, done + 1))
     assert not (tmp_path / "run" / "mpicube.lock").exists()               # released at exit
+
+
+def test_concurrent_jobs_never_both_hold_the_lock(tmp_path):
+    """1,000 races of 3 processes for one run directory's lock, with no
+    lock, a dead one, an unreadable one or a dead one with a dead taker's
+    claim before each (tests/lock_trials.py): exactly one holder every time,
+    the others refused with the holder's name, nothing left behind."""
+    result = lock_trials.race(1000, tmp_path)
+    assert (result["double"], result["none"], result["odd"], result["debris"]) == (0, 0, 0, 0), result
 
 
 def test_lock_of_a_dead_process_is_taken_over(mpicube, tmp_path):
@@ -133,6 +143,56 @@ def test_each_launch_is_recorded_and_metrics_survive_a_resume(mpicube, tmp_path)
         assert launch["world_size"] == 2 and launch["train"]["stop_after"] in (3, None)
         assert {"mpicube", "numpy", "h5py", "mpi4py", "mpi", "python"} <= set(launch["versions"])
     assert config["train"]["stop_after"] is None                     # the run as the last launch sees it
+
+
+def test_a_bad_line_in_metrics_loses_no_later_record(mpicube, tmp_path):
+    """A line that is not JSON at step 3 (issue 24: it used to cut every
+    record after it on resume) is passed over with a note and kept, and so
+    are the records after it up to the step the run resumes from; the
+    records from there on are cut and repeated, as always."""
+    opts = ["--steps", "10", "--ckpt-every", "4"]
+    r = mpicube.run("train", *TINY, *opts, "--stop-after", "7", "--out", "run")
+    assert r.returncode == 0, r
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    lines[2] = "\x00\x00 garbage from a disk"
+    metrics.write_text("\n".join(lines) + "\n")                  # the checkpoint of step 7 is there: resume at 8
+
+    r = mpicube.run("train", *TINY, *opts, "--resume", "--out", "run")
+    assert r.returncode == 0, r
+    [note] = [line for line in r.stdout.splitlines() if "metrics.jsonl" in line]
+    assert note == ("note: run/metrics.jsonl: passed over 1 line(s) that are not JSON "
+                    "(line 3); kept them and the records after them"), r
+    after = metrics.read_text().splitlines()
+    assert after[:7] == lines[:7]                                    # byte for byte, the bad line too
+    assert [json.loads(line)["step"] for line in after[:2] + after[3:]] == [1, 2] + list(range(4, 11))
+
+    # resumed from step 8 (steps 9 and 10 repeated): a torn line after them goes with them, unannounced
+    shutil.rmtree(tmp_path / "run" / "ckpt" / "step_00000010")
+    (tmp_path / "run" / "ckpt" / "latest").write_text("step_00000008\n")
+    metrics.write_text("\n".join(after) + '\n{"step": 11, "lo')
+    r = mpicube.run("train", *TINY, *opts, "--resume", "--out", "run")
+    assert r.returncode == 0, r
+    again = metrics.read_text().splitlines()
+    assert again[:8] == after[:8] and "torn" not in r.stdout, r
+    assert [json.loads(line)["step"] for line in again[:2] + again[3:]] == [1, 2] + list(range(4, 11))
+
+
+def test_a_torn_last_line_is_cut_with_a_note(tmp_path):
+    """open_metrics on its own: a torn last line before the resume step is
+    cut and said; a blank line is no record and needs no note."""
+    from mpicube.training import rundir
+
+    records = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text(records[0] + "\n\n" + records[1] + '\n{"step": 3, "lo')
+    notes = []
+    log = rundir.open_metrics(tmp_path, 3, notes)
+    log.write({"step": 3, "loss": 2.0})
+    log.close()
+    assert notes == [f"note: {tmp_path / 'metrics.jsonl'}: cut a torn last line (line 4, 15 bytes: a job stopped "
+                     "mid-write)"]
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == \
+        [records[0], "", records[1], json.dumps({"step": 3, "loss": 2.0})]
 
 
 # --------------------------------------------------------------------------- a signal during a save

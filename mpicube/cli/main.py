@@ -18,8 +18,12 @@ traceback, each line prefixed with the rank, and aborts the job with status
 1, so no rank is ever left waiting.
 
 Exit statuses: 0 done (also after ``--stop-after``), 1 internal error,
-2 bad input, 3 training diverged, 75 stopped by a signal or ``--time-limit``
-with a checkpoint written (resume with ``--resume``), 130 interrupted.
+2 bad input, 3 training diverged, 74 (EX_IOERR) the run directory could not
+be written or read (a full disk, a read-only file system: the lock,
+config.json, metrics.jsonl or a checkpoint; one line naming the file, after
+an attempt to checkpoint when training was under way), 75 stopped by a
+signal or ``--time-limit`` with a checkpoint written (resume with
+``--resume``), 130 interrupted.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..core.config import ModelConfig
-from ..core.errors import ConfigError, UserError
+from ..core.errors import ConfigError, RunDirError, UserError, io_reason
 from ..device import threads
 from ..files import checkpoint, data, formats
 from ..parallel.comm import on_root
@@ -86,9 +86,8 @@ class Launch:
         self.schedule = Schedule(o.lr, o.warmup, o.steps)
         self.start_step = self._restore() + 1
 
-        if self.rank == 0 and self.keep_files:
-            self._write_config()
-            self._open_metrics()
+        if self.keep_files:                  # rank 0; its RunDirError reaches every rank
+            self.notes += on_root(self.world, self._write_run_files)
         self.world.Barrier()
 
     def _choose_batch(self) -> None:
@@ -137,7 +136,7 @@ class Launch:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(f"--out {run_dir}: cannot create the run directory ({exc.strerror})") from None
+            raise RunDirError(f"--out {run_dir}: cannot create the run directory ({io_reason(exc)})") from None
         notes = []
         self.lock = rundir.acquire(run_dir, force=o.force_unlock, notes=notes)
         try:
@@ -251,10 +250,15 @@ class Launch:
         }
         rundir.record_launch(self.run_dir, doc, launch)
 
-    def _open_metrics(self) -> None:
-        """metrics.jsonl, appended to, its records from the step this launch
-        starts at cut off (they are repeated); never rewritten."""
-        self.metrics = rundir.open_metrics(self.run_dir, self.start_step)
+    def _write_run_files(self) -> list:
+        """Rank 0: config.json written, metrics.jsonl opened; what to say
+        about the metrics (lines passed over or cut)."""
+        self._write_config()
+        said = []
+        # appended to, its records from the step this launch starts at cut
+        # off (they are repeated); never rewritten
+        self.metrics = rundir.open_metrics(self.run_dir, self.start_step, said)
+        return said
 
 
 

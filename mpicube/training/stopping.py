@@ -1,11 +1,13 @@
 """When a run stops early, agreed by every rank at step boundaries.
 
-Three things end a run before ``--steps``: SIGTERM or SIGUSR1 on any rank
+Four things end a run before ``--steps``: SIGTERM or SIGUSR1 on any rank
 (a scheduler's warning), ``--time-limit`` (judged on rank 0's and every
 rank's own clock, with room for one more step and one more checkpoint),
-and ``--stop-after`` (the loop's own bound). The first two are agreed with
-one tiny uncounted all-reduce of the largest reason, so all ranks stop at
-the same step, checkpoint together and exit with the same status.
+an I/O failure of the run directory on rank 0 (metrics.jsonl on a full
+disk), and ``--stop-after`` (the loop's own bound). All but the last are
+agreed with one tiny uncounted all-reduce of the largest reason, so all
+ranks stop at the same step, checkpoint together and exit with the same
+status.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Optional
 
 from ..parallel.comm import agree_max
 
-GO_ON, TIME_LIMIT, SIGNAL = 0, 1, 2
+GO_ON, TIME_LIMIT, SIGNAL, IO_FAILURE = 0, 1, 2, 3
 
 
 class EarlyStop:
@@ -30,10 +32,11 @@ class EarlyStop:
         self.signalled = GO_ON         # set by the signal handler
         self.slowest_step = 0.0        # seconds: room kept for one more step ...
         self.ckpt_seconds = 0.0        # ... and one more checkpoint before the time limit
+        self.io_failure = None         # rank 0: what it could not write in the run directory
 
     def agree(self) -> int:
-        """GO_ON, TIME_LIMIT or SIGNAL: the same on every rank."""
-        code = self.signalled
+        """GO_ON, TIME_LIMIT, SIGNAL or IO_FAILURE: the same on every rank."""
+        code = IO_FAILURE if self.io_failure is not None else self.signalled
         if self.time_limit is not None:
             elapsed = time.monotonic() - self.t_start
             if elapsed + self.slowest_step + self.ckpt_seconds >= self.time_limit:

@@ -21,7 +21,10 @@ Stopping early (mpicube.training.stopping) is agreed by all ranks at step bounda
 uncounted all-reduce: SIGTERM/SIGUSR1 on any rank or ``--time-limit``
 (checkpoint, exit status 75 = EX_TEMPFAIL, "requeue me"), ``--stop-after``
 (checkpoint, exit status 0). A non-finite loss or gradient norm stops the run
-without saving the bad state (exit status 3).
+without saving the bad state (exit status 3). Rank 0 failing to append to
+metrics.jsonl (a full disk) is agreed the same way: every rank tries to save
+the step, then the job ends with one line and exit status 74, as it does when
+a save itself fails (``RunDirError``); the step whose record failed has none.
 
 Files in the run directory (rank 0 writes all but the checkpoint shards)::
 
@@ -44,7 +47,7 @@ import numpy as np
 
 from .. import __version__
 from ..core.console import Console
-from ..core.errors import UserError
+from ..core.errors import RunDirError, UserError
 from ..files import checkpoint
 from ..parallel.comm import agree_max
 from .accum import forward_backward
@@ -52,7 +55,7 @@ from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F
 from .launch import Launch
 from .options import TrainOptions  # noqa: F401 (TrainOptions re-exported: tests and tools import it here)
 from .parts import build_parts  # noqa: F401 (re-exported for tools and tests)
-from .stopping import SIGNAL, EarlyStop
+from .stopping import IO_FAILURE, SIGNAL, EarlyStop
 from .state import describe_layout, state_blocks
 
 EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
@@ -109,9 +112,15 @@ class Trainer(Launch):
         self.notes = []                 # said once the console is up
 
     def _record(self, rec: dict) -> None:
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(rec) + "\n")
-            self.metrics.flush()
+        """Rank 0: append ``rec`` to metrics.jsonl. A failure (a full disk)
+        is kept for the step's end, where every rank learns of it
+        (``EarlyStop.agree``) and the run checkpoints and stops; no further
+        record is written."""
+        if self.metrics is not None and self.stop.io_failure is None:
+            try:
+                self.metrics.write(rec)
+            except RunDirError as exc:
+                self.stop.io_failure = str(exc)
 
     # --- the loop ------------------------------------------------------------
     def run(self) -> int:
@@ -159,6 +168,8 @@ class Trainer(Launch):
                 say(f"step {s} | val_loss {val:.4f}" if val is not None else f"step {s} | val_loss is not finite")
             self.stop.slowest_step = max(self.stop.slowest_step, time.monotonic() - t0)
             stop = self.stop.agree()
+            if stop == IO_FAILURE:
+                raise self._stop_on_io_failure(s)
             if self.keep_files and (s == last or stop or (o.ckpt_every and s % o.ckpt_every == 0)):
                 self.save(s)
                 stop = stop or (s < last and self.stop.agree())    # a signal during the save: stop on it
@@ -172,6 +183,19 @@ class Trainer(Launch):
         else:
             say(f"done: {last} steps")
         return 0
+
+    def _stop_on_io_failure(self, s: int) -> RunDirError:
+        """Every rank, after rank 0 failed to write the run directory during
+        step ``s``: the error to end the job with (exit status 74), after an
+        attempt to save step ``s``, so that freeing the disk and resuming
+        loses no work. A save that fails too leaves the last good checkpoint
+        as it was (``checkpoint.save`` commits whole or not at all)."""
+        what = self.stop.io_failure or "rank 0 could not write the run directory"
+        try:
+            path = self.save(s)
+        except RunDirError as exc:
+            return RunDirError(f"{what} after step {s}; and the checkpoint failed too: {exc}")
+        return RunDirError(f"{what} after step {s}; saved {path}: fix the disk and continue with --resume")
 
     def train_step(self, s: int) -> dict:
         """One optimizer step; the metrics record of step ``s``."""
@@ -264,8 +288,13 @@ class Trainer(Launch):
         }
         blocks = state_blocks(p.store, self.opt.adam, p.layout.axes.dp.rank)
         self._signal_in_save(s)
-        path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None,
-                               owner=self.owner)
+        try:
+            path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None,
+                                   owner=self.owner)
+        except checkpoint.CheckpointError as exc:     # raised by every rank alike: a full disk, most likely
+            last = f"the last good checkpoint, {self.last_ckpt}, is intact" if self.last_ckpt else \
+                "no checkpoint of this run was written"
+            raise RunDirError(f"{exc}; {last}") from exc
         self.last_ckpt = path
         self.stop.ckpt_seconds = time.monotonic() - t0
         self.console.say(f"checkpoint {path}")

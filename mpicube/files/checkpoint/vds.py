@@ -27,6 +27,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5p, h5s, h5t
 
+from . import h5create
 from .format import FORMAT, VERSION, CheckpointError, _encode_attr
 
 INDEX_DIR = "index"
@@ -68,7 +69,7 @@ def write_index(path: Path, tensors: dict) -> None:
     rank (``tensors`` as ``meta.assemble`` returns them; pieces are
     (rank, shard file relative to the checkpoint, dataset, mappings))."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with h5py.File(path, "w", locking=False) as f:
+    with h5create.create(path) as f:
         f.attrs["format"] = FORMAT + "-index"
         f.attrs["version"] = VERSION
         for name in sorted(tensors):
@@ -135,7 +136,7 @@ def write_main(path: Path, step: int, attrs: dict, tensors: dict, files: dict) -
     """Rank 0: checkpoint.h5. ``tensors``: {name: (shape, dtype str, index
     file or None, 0-d value or None)}; ``files``: {relative path: (sha256,
     size)} of every shard and index file."""
-    with h5py.File(path, "w", locking=False) as f:
+    with h5create.create(path) as f:
         f.attrs["format"] = FORMAT
         f.attrs["version"] = VERSION
         f.attrs["step"] = step

@@ -15,12 +15,13 @@ from typing import Iterable, Sequence
 import h5py
 import numpy as np
 
-from . import meta, vds
+from . import h5create, meta, vds
 from .format import (Block, CKPT_DIR, CheckpointError, FORMAT, LATEST, MAIN_FILE, SHARD_DIR, VERSION,
                      _RESERVED, _STEP_RE, _SelfComm, _decode_attr, _encode_attr, _fsync_dir, _sha256_file,
                      _shard_rel, _step_name)
 
 _OWNER_RE = re.compile(r"^[A-Za-z0-9]+$")
+_HDF5_ERRNO = re.compile(r"\berrno = (\d+)")       # how HDF5's text of a failed system call gives errno
 
 
 def describe_blocks(rank: int, blocks: Sequence[Block]):
@@ -58,7 +59,7 @@ def _write_shard(tmp: Path, rank: int, step: int, blocks: Sequence[Block]):
         rel = _shard_rel(rank)
         path = tmp / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        with h5py.File(path, "w", locking=False) as f:
+        with h5create.create(path) as f:
             f.attrs["format"] = FORMAT + "-shard"
             f.attrs["version"] = VERSION
             f.attrs["step"] = step
@@ -94,9 +95,13 @@ def _check_files(tmp: Path, files: dict) -> None:
 
 
 def _first_error(errors: list):
-    """The errors of all ranks as one message (None if there are none)."""
+    """The first rank's error, and how many more ranks failed (None if none
+    did): one short line, where a full disk fails every rank alike."""
     errors = [e for e in errors if e is not None]
-    return "; ".join(errors) if errors else None
+    if not errors:
+        return None
+    more = len(errors) - 1
+    return errors[0] + (f" (and {more} more rank{'s' if more > 1 else ''})" if more else "")
 
 
 def _write_latest(ckpt: Path, name: str) -> None:
@@ -193,6 +198,14 @@ def recover(run_dir) -> list:
 
 
 def _errmsg(rank: int, e: BaseException) -> str:
+    """One rank's failure in a few words: a failed system call as its errno
+    text (HDF5's own text of a full disk runs to 300 characters and names a
+    temporary file that is removed)."""
+    number = e.errno if isinstance(e, OSError) else None
+    if not number and (found := _HDF5_ERRNO.search(str(e))):
+        number = int(found.group(1))
+    if number:
+        return f"rank {rank}: {os.strerror(number)}"
     return f"rank {rank}: {type(e).__name__}: {e}"
 
 
@@ -255,11 +268,12 @@ def save(run_dir, step: int, blocks: Iterable[Block], attrs: dict | None = None,
         entries, shard = _write_shard(tmp, rank, step, blocks)
     except Exception as e:  # noqa: BLE001
         local_exc, failed = e, _errmsg(rank, e)
-    failed = _first_error(comm.allgather(failed))
+    shards_failed = _first_error(comm.allgather(failed))      # the same on every rank
+    failed = None
 
     # phase 2: the owner of each tensor merges its pieces, indexes and checks them
     owned, index, summary = {}, None, {}
-    if failed is None:
+    if shards_failed is None:
         received = comm.alltoall([(bucket, shard[0] if shard else None)
                                   for bucket in meta.route(entries, size)])
         try:
@@ -279,7 +293,7 @@ def save(run_dir, step: int, blocks: Iterable[Block], attrs: dict | None = None,
     # phase 3: rank 0 writes checkpoint.h5 over the indexes and commits
     result = None
     if rank == 0:
-        result = _first_error([r[0] for r in reports])
+        result = shards_failed or _first_error([r[0] for r in reports])
         if result is None:
             try:
                 tensors = {name: t for _, s, _ in reports for name, t in s.items()}
