@@ -37,7 +37,21 @@ def wrap(a) -> "ndarray":
     out = object.__new__(_core.ndarray)
     out._a = a
     out._base = None
+    out._mark = _stand_in.stamp()           # computed by queued work: pending until a synchronisation
     return out
+
+
+def wrap_empty(a) -> "ndarray":
+    """A new device array of memory nothing has written (``empty``)."""
+    out = wrap(a)
+    out._mark = -1
+    return out
+
+
+def written(x: "ndarray") -> None:
+    """Queued work writes ``x`` (in place, ``out=``, item assignment): its
+    memory, the owner's if ``x`` is a view, is pending until a synchronisation."""
+    (x._base if x._base is not None else x)._mark = _stand_in.stamp()
 
 
 def wrap_view(a, src: "ndarray") -> "ndarray":
@@ -47,6 +61,7 @@ def wrap_view(a, src: "ndarray") -> "ndarray":
         out = object.__new__(_core.ndarray)
         out._a = a
         out._base = src if src._base is None else src._base
+        out._mark = -1                      # a view: its owner's mark counts
         return out
     if a is src._a:
         return wrap_view(a.view(), src)
@@ -76,6 +91,7 @@ def out_array(out):
     if isinstance(out, tuple) and len(out) == 1:
         out = out[0]
     if type(out) is _core.ndarray:
+        written(out)
         return out._a
     raise TypeError("Output arguments must be cupy.ndarray")
 
@@ -85,7 +101,9 @@ def from_host(obj, dtype=None, **kwargs) -> "ndarray":
     a = np.array(obj, dtype=dtype, copy=True, **kwargs)
     check_dtype(a.dtype)
     _stand_in.count_h2d(a.nbytes)
-    return wrap(a)
+    out = wrap(a)
+    out._mark = -1                          # CuPy copies pageable host memory synchronously
+    return out
 
 
 def count_mask_syncs(n: int) -> None:
