@@ -8,6 +8,8 @@ imported at the bottom, once everything it takes from here exists.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import _stand_in
@@ -17,11 +19,17 @@ _INDEX_KINDS = "biu"
 
 
 def check_dtype(dtype) -> np.dtype:
-    """CuPy holds booleans and numbers only."""
+    """CuPy holds booleans and numbers only, and (CuPy 14, through
+    ml_dtypes) bfloat16; ``MPICUBE_FAKE_GPU_NO_BFLOAT16=1`` plays an older
+    CuPy without it."""
     dtype = np.dtype(dtype)
-    if dtype.kind not in "biufc":
+    if dtype.kind not in "biufc" and not (is_bfloat16(dtype) and not os.environ.get("MPICUBE_FAKE_GPU_NO_BFLOAT16")):
         raise ValueError(f"Unsupported dtype {dtype}")
     return dtype
+
+
+def is_bfloat16(dtype) -> bool:
+    return np.dtype(dtype).name == "bfloat16"
 
 
 def owner(a: np.ndarray):

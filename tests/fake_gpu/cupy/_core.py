@@ -389,6 +389,12 @@ class ndarray:
     __floordiv__, __rfloordiv__, __ifloordiv__ = _binary(np.floor_divide)
     __mod__, __rmod__, __imod__ = _binary(np.remainder)
     __matmul__, __rmatmul__, __imatmul__ = _binary(np.matmul)
+
+    def __matmul__(self, other):                # CuPy's batched path refuses bfloat16 (see _math.matmul)
+        from ._math import bfloat16_result, check_matmul
+
+        check_matmul(self, other)
+        return bfloat16_result(wrap(np.matmul(self._a, operand(other))), self, other)
     __and__, __rand__, __iand__ = _binary(np.bitwise_and)
     __or__, __ror__, __ior__ = _binary(np.bitwise_or)
     __xor__, __rxor__, __ixor__ = _binary(np.bitwise_xor)
