@@ -161,11 +161,6 @@ def matmul(cupy, a, b, dtype, out=None, tf32: bool = False):
     return result
 
 
-def matmul_to_float32(cupy, a, b, out=None):
-    """a @ b as float32 from 16-bit operands (``matmul`` with a float32 result)."""
-    return matmul(cupy, a, b, np.float32, out)
-
-
 def _self_check(cupy, key) -> bool:
     """Compare the cuBLAS call with the widened GEMM on a small product whose
     operands are row- and column-major (batched for "batched"); switch that
