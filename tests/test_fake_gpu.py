@@ -343,6 +343,49 @@ def cupyx_empty_pinned(n):
 
 
 @check
+def stream_order_refuses_buffers_queued_work_still_writes():
+    """What a CUDA-aware MPI may be handed: memory no queued work writes.
+    Computing, writing in place or through a view, ``out=`` and scatter_add
+    queue work; a stream or device synchronisation and a blocking copy to
+    the host retire it; ``empty`` and a copy from pageable host memory queue
+    nothing."""
+    import cupy
+    import cupyx
+
+    os.environ["MPICUBE_CUDA_AWARE"] = "1"
+    try:
+        def refused(a) -> bool:
+            try:
+                a.__cuda_array_interface__
+            except RuntimeError as exc:
+                assert "stand-in stream order" in str(exc) and "test_fake_gpu.py" in str(exc), exc
+                return True
+            return False
+
+        fresh = cupy.empty((4,), dtype=cupy.float32)
+        host = cupy.asarray(np.arange(4, dtype=np.float32))
+        assert not refused(fresh) and not refused(host)
+        y = host * 2                                   # a kernel
+        assert refused(y) and refused(y[1:]) and refused(y.view(cupy.int32))
+        cupy.cuda.get_current_stream().synchronize()
+        assert not refused(y) and not refused(y[1:])
+        y[2:] += 1                                     # in place, through a view: the owner is written
+        assert refused(y)
+        cupy.cuda.Device().synchronize()
+        cupy.multiply(host, 3, out=fresh)
+        assert refused(fresh)
+        fresh.get()                                    # a blocking copy waits for the stream
+        assert not refused(fresh)
+        cupyx.scatter_add(fresh, cupy.asarray(np.array([0, 0])), 1.0)
+        assert refused(fresh)
+        cupy.cuda.runtime.deviceSynchronize()
+        fresh.fill(0)
+        assert refused(fresh)
+    finally:
+        del os.environ["MPICUBE_CUDA_AWARE"]
+
+
+@check
 def cuda_array_interface_only_when_cuda_aware():
     import cupy
 
@@ -352,6 +395,9 @@ def cuda_array_interface_only_when_cuda_aware():
     assert not hasattr(x, "__dlpack__") and not hasattr(x, "__dlpack_device__")
     os.environ["MPICUBE_CUDA_AWARE"] = "1"  # read at access time
     try:
+        with pytest.raises(RuntimeError, match="stand-in stream order: .*synchronise after building the buffer"):
+            x.__cuda_array_interface__            # queued work (arange, reshape's owner) still writes it
+        cupy.cuda.get_current_stream().synchronize()
         cai = x.__cuda_array_interface__
         assert cai["version"] == 3 and cai["shape"] == (3, 4) and cai["typestr"] == "<f4"
         assert cai["strides"] is None and cai["data"] == (x.data.ptr, False)

@@ -219,6 +219,20 @@ def test_adamw():
     assert_same(runs[True], runs[False], np.float64)
 
 
+def test_adamw_keeps_no_scratch_buffer_when_its_kernel_runs():
+    """The array path's scratch (one block at most) is made only when that
+    path runs: with the fused kernel the step allocates nothing beyond the
+    moments (on a GPU the block, and so the scratch, is capped too:
+    AdamW.DEVICE_BLOCK, not the whole buffer)."""
+    for on, scratch in ((True, None), (False, min(AdamW.BLOCK, tiny_parts().store.flat.size))):
+        store = tiny_parts().store
+        opt = AdamW(store, weight_decay=0.1)
+        with kernels(on):
+            opt.step(1e-2)
+        assert (None if opt._work is None else opt._work.size) == scratch, on
+    assert AdamW.DEVICE_BLOCK < 1 << 30
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_adamw_decays_only_decayed(on):
     """With zero gradients the update is pure decay: decayed matrices shrink

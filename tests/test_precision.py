@@ -161,6 +161,20 @@ def test_layout_in_16_bits_matches_serial_in_16_bits(ranks, layout, dp, depth, d
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks,layout,cuda_aware", [(8, "3d", "0"), (2, "1d", "1")], ids=["3d-staged", "1d-aware"])
+def test_gpu_path_in_bfloat16(ranks, layout, cuda_aware):
+    """bfloat16 on the stand-in, which like CuPy 14 holds bfloat16 and
+    multiplies it in 2-D but refuses a batched bfloat16 matmul ("data type
+    'E' not understood", attention's P V): mpicube's batched products go
+    round it (cuBLAS on a GPU, widened operands here) and the layout
+    follows serial in bfloat16."""
+    env = {**FAKE_GPU, "MPICUBE_CHECK_DEVICE": "gpu", "MPICUBE_CHECK_DTYPE": "bfloat16", "MPICUBE_CUDA_AWARE": cuda_aware}
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, 1, 1, 0.1], timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK {layout} world={ranks} dp=1 depth=1 device=gpu dtype=bfloat16" in proc.stdout
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("cuda_aware", ["0"], ids=["staged"])
 def test_gpu_path_in_float16(cuda_aware):
     """The stand-in's float16 arrays through every collective of the 3-D
@@ -340,7 +354,8 @@ def test_bad_precision_input_is_one_error_line(mpicube, tiny_shard, tmp_path):
         *args, "--dtype", "float16", "--loss-scale", "0", "--out", "c"))
     assert "--tf32 applies to GPUs" in error(mpicube.run(*args, "--dtype", "float16", "--tf32", "--out", "d"))
     assert "use --dtype float16 on GPUs" in error(mpicube.run(*args, "--dtype", "bfloat16", "--device", "gpu",
-                                                               "--out", "e", env=FAKE_GPU))
+                                                               "--out", "e", env={**FAKE_GPU,
+                                                               "MPICUBE_FAKE_GPU_NO_BFLOAT16": "1"}))
     hidden = tmp_path / "no_ml_dtypes" / "ml_dtypes"              # an ml_dtypes that fails to import
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('ml_dtypes hidden by the test')\n")

@@ -139,6 +139,7 @@ def run_dtype(label, cfg, batch, dtype, deadline, torch, out, save) -> None:
     from mpicube.device import cublas_gemm
 
     r["float32_output_gemms"] = cublas_gemm.status()     # gemmex, or widened if its self-check failed
+    r["batched_16bit_gemms"] = cublas_gemm.batched_status()   # strided-batched-ex, or widened
     out["mpicube"] = r
     save()
     gpu_perf.log(f"{label} {dtype} mpicube: {r['ms']:.1f} ms/step, {r['tflops']:.1f} TFLOP/s, "

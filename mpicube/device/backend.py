@@ -122,13 +122,18 @@ def make_backend(device: str = "cpu", dtype: str = "float32", comm=None, tf32: b
 
 def device_dtype(cupy, name: str) -> np.dtype:
     """The storage format ``name`` on this CuPy: bfloat16 only where CuPy can
-    hold and multiply it, otherwise one error that says to use float16."""
+    hold it and mpicube can multiply it, 2-D and batched (CuPy's own batched
+    matmul cannot, so ``precision.matmul`` goes round it: the probe checks
+    that path), otherwise one error that says to use float16."""
     if name != "bfloat16":
         return precision.dtype_of(name)
     try:
         bf16 = precision.bfloat16()
         a = cupy.ones((2, 2), dtype=bf16)
         (a @ a).sum()
+        batch = cupy.ones((2, 2, 2), dtype=bf16)          # attention's batched products, as mpicube runs them
+        precision.matmul(batch, batch).sum()
+        precision.matmul(batch, batch, dtype=np.float32).sum()
     except UserError:
         raise
     except Exception as exc:       # CuPy's refusal varies by version: TypeError, ValueError, NotImplementedError
@@ -168,6 +173,7 @@ def set_tf32(cupy, enabled: bool) -> None:
     GEMM compute type; setting the compute type as well covers a CuPy that
     has already picked one."""
     os.environ["CUPY_TF32"] = "1" if enabled else "0"
+    precision.use_tf32(enabled)             # batched float32 GEMMs: CuPy's setting does not reach them
     try:
         from cupy._core import _routines_linalg as linalg
 

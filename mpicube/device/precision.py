@@ -116,33 +116,49 @@ def matmul(a, b, out=None, dtype=None):
     xp = array_module(a)
     if dtype is None:
         dtype = out.dtype if out is not None else a.dtype
+    if xp is not np:
+        return _matmul_device(xp, a, b, out, np.dtype(dtype))
     if not (is_half(a.dtype) or is_half(b.dtype)):
         if out is not None and out.dtype != dtype:
             raise ValueError("matmul: out has the wrong dtype")
         r = xp.matmul(a, b, out=out)
         return r if r.dtype == dtype else r.astype(dtype)
-    if xp is not np:
-        return _matmul_device(xp, a, b, out, dtype)
     return _matmul_blocks(a, b, out, dtype)
 
 
-def _matmul_device(xp, a, b, out, dtype):
-    """16-bit GEMM on a GPU. A 16-bit result: cuBLAS takes the 16-bit
-    operands as they are (tensor cores, float32 accumulation) and rounds
-    once, as the NumPy path does. A float32 result (a partial sum to be
-    reduced, a weight gradient): cuBLAS GemmEx with 16-bit inputs and a
-    float32 output where it applies (``cublas_gemm``), else the operands
-    are widened first; either way the result is not rounded to 16 bits on
-    the way, the same numbers as on CPUs."""
-    if is_half(dtype) and a.dtype == b.dtype == dtype:
-        r = xp.matmul(a, b)
-    else:
-        from . import cublas_gemm
+_TF32 = {"on": False}        # --tf32: float32 GEMMs may run on tensor cores (backend.set_tf32)
 
-        if dtype == np.float32 and is_half(a.dtype):
-            r = cublas_gemm.matmul_to_float32(xp, a, b, out)
-            if r is not None:
-                return r
+
+def use_tf32(enabled: bool) -> None:
+    """Whether float32 products on a GPU may take TF32 inputs (``--tf32``):
+    CuPy's own setting reaches its 2-D GEMMs only, so batched ones go
+    through ``cublas_gemm`` with the TF32 compute type."""
+    _TF32["on"] = bool(enabled)
+
+
+def _matmul_device(xp, a, b, out, dtype):
+    """A GEMM on a GPU. cuBLAS directly (``cublas_gemm``) where it applies:
+    16-bit operands with a 16-bit or float32 result, 2-D or batched
+    (tensor cores, float32 accumulation, transposed operands by flag), and
+    float32 ones under --tf32; the result is rounded once, the same numbers
+    as on CPUs. Otherwise CuPy: its 2-D 16-bit GEMM, or widened operands
+    for a batched 16-bit product (CuPy's batched matmul cannot take
+    bfloat16 and widens float16 anyway) or a mixed pair."""
+    from . import cublas_gemm
+
+    if a.dtype == b.dtype and (is_half(a.dtype) or (a.dtype == np.float32 and _TF32["on"])):
+        r = cublas_gemm.matmul(xp, a, b, dtype, out, tf32=a.dtype == np.float32)
+        if r is not None:
+            return r
+    if not (is_half(a.dtype) or is_half(b.dtype)):
+        if a.ndim == 2 and (out is None or out.dtype == dtype):
+            r = xp.matmul(a, b, out=out)
+            return r if r.dtype == dtype else r.astype(dtype)
+        r = xp.matmul(a, b)                 # batched: ``out`` may be a strided view CuPy's matmul refuses
+        r = r if r.dtype == dtype else r.astype(dtype)
+    elif a.ndim == 2 and is_half(dtype) and a.dtype == b.dtype == dtype:
+        r = narrow(xp.matmul(a, b), dtype)
+    else:
         r = narrow(xp.matmul(up(a), up(b)), dtype)
     if out is None:
         return r

@@ -279,10 +279,9 @@ def batched_matmul(a, b, out=None):
     if fused.splits_batch(a, b):
         return fused.batched_matmul(a, b, out)
     xp = array_module(a)
-    if out is None or xp.__name__ == "numpy":
+    if xp.__name__ == "numpy":
         return xp.matmul(a, b, out=out)
-    out[...] = xp.matmul(a, b)           # CuPy: ``out`` here is a strided view, which its matmul may refuse
-    return out
+    return precision.matmul(a, b, out=out)   # a GPU: cuBLAS with TF32 under --tf32, else CuPy
 
 
 def causal_softmax(s):

@@ -34,12 +34,14 @@ float32 and float64 runs ``wire`` equals the data's format and every call
 is the plain MPI reduction. (A user-defined 16-bit MPI operation would run a
 Python callback per message and round every partial sum to 16 bits.)
 
-On a GPU every call first waits for the device's queued work (MPI must not
-read a buffer a kernel is still writing, nor hand out memory a kernel still
-reads), and only then starts its clock, so GPU compute is never billed to
-communication. A CUDA-aware MPI (``MPICUBE_CUDA_AWARE=1``) then gets device
-buffers; any other MPI gets pinned host buffers from a ``Staging`` pool,
-reused step after step.
+On a GPU every call first builds its buffers (the copies, casts and packing
+that make a send buffer are kernels queued on the stream), then waits for
+the device's queued work, and only then starts its clock and calls MPI
+(``_start``, immediately before each MPI call): MPI must not read a buffer
+a kernel is still writing, and mpi4py hands a device pointer to MPI without
+synchronising anything. GPU compute is so never billed to communication. A
+CUDA-aware MPI (``MPICUBE_CUDA_AWARE=1``) gets the device buffers; any other
+MPI gets pinned host buffers from a ``Staging`` pool, reused step after step.
 """
 
 from __future__ import annotations
@@ -137,7 +139,9 @@ class Comm:
         return self.backend.is_gpu and not cuda_aware_mpi()
 
     def _start(self) -> float:
-        """Wait for queued device work, then start the clock."""
+        """Wait for queued device work, then start the clock. Called after
+        the buffers are built and right before the MPI call, so the last
+        kernel that writes a send buffer has finished when MPI reads it."""
         self.backend.synchronize()
         return time.perf_counter()
 
@@ -203,9 +207,9 @@ class Comm:
             if op != "sum":
                 raise ValueError(f"a 16-bit wire format applies to sums, not {op}")
             return comm_wire.allreduce(self, x, np.dtype(wire))
-        t0 = self._start()
         wide = self._wide(x)
         buf = self._private(wide) if wide is x else self._to_mpi(wide)   # MPI reduces in place: never into x
+        t0 = self._start()
         self.mpi.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         g = self.size
         self._count(Fraction(2 * (g - 1), g) * buf.size, 2 * (g - 1), t0, buf.itemsize)
@@ -215,8 +219,8 @@ class Comm:
         """Concatenate every rank's ``x`` along ``axis`` in rank order."""
         if self.size == 1:
             return x
-        t0 = self._start()
         send, recv = self._gather_buffers(x)
+        t0 = self._start()
         self.mpi.Allgather(send, recv)
         self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
@@ -231,8 +235,8 @@ class Comm:
             return x
         if _on_wire(wire):
             return comm_wire.reduce_scatter(self, x, axis, np.dtype(wire))
-        t0 = self._start()
         send, recv = self._scatter_buffers(self._wide(x), axis)
+        t0 = self._start()
         self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
         self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
@@ -269,15 +273,16 @@ class Comm:
         (16-bit arrays travel as raw words)."""
         if self.size == 1:
             return x
-        t0 = self._start()
         words = self._words(x)
         if self.rank != root:
             buf = self._empty(x.shape, words.dtype)
+            t0 = self._start()
             self.mpi.Bcast(buf, root=root)
             self._count(buf.size, self.size - 1, t0, buf.itemsize)
             out = self._from_mpi(buf)
             return out if out.dtype == x.dtype else out.view(x.dtype)
         buf = self._to_mpi(words)
+        t0 = self._start()
         self.mpi.Bcast(buf, root=root)
         self._count(buf.size, self.size - 1, t0, buf.itemsize)
         self._done(buf)
@@ -294,9 +299,9 @@ class Comm:
             return x
         if _on_wire(wire):
             return comm_wire.reduce(self, x, root, np.dtype(wire))
-        t0 = self._start()
         send = self._to_mpi(self._wide(x))
         recv = self._empty(x.shape, send.dtype) if self.rank == root else None
+        t0 = self._start()
         self.mpi.Reduce(send, recv, op=MPI.SUM, root=root)
         self._count(send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
@@ -307,8 +312,8 @@ class Comm:
         """Start ``allgather``; ``.wait()`` returns what it would have."""
         if self.size == 1:
             return Pending(lambda: x)
-        t0 = self._start()
         send, recv = self._gather_buffers(x)
+        t0 = self._start()
         request = self.mpi.Iallgather(send, recv)
         self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
 
@@ -325,8 +330,8 @@ class Comm:
             return Pending(lambda: x)
         if _on_wire(wire):
             return comm_wire.ireduce_scatter(self, x, axis, np.dtype(wire), Pending)
-        t0 = self._start()
         send, recv = self._scatter_buffers(self._wide(x), axis)
+        t0 = self._start()
         request = self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM)
         self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0, send.itemsize)
 

@@ -76,13 +76,16 @@ def _words(comm, x, wire):
 
 def _alltoall_start(comm, x, axis, wire, nonblocking=False):
     """Start the all-to-all of x's 16-bit blocks; returns (request or None,
-    send, recv). recv (g, *block) receives block ``rank`` of every rank."""
+    send, recv, t0). recv (g, *block) receives block ``rank`` of every
+    rank; t0 is the clock after the stream was synchronised on the built
+    send buffer (``Comm._start``), right before the MPI call."""
     send = _words(comm, _blocks(comm.backend.xp, x, comm.size, axis), wire)
     recv = comm._empty(send.shape, send.dtype)
+    t0 = comm._start()
     if nonblocking:
-        return comm.mpi.Ialltoall(send, recv), send, recv
+        return comm.mpi.Ialltoall(send, recv), send, recv, t0
     comm.mpi.Alltoall(send, recv)
-    return None, send, recv
+    return None, send, recv, t0
 
 
 def _summed(comm, recv, wire):
@@ -92,8 +95,7 @@ def _summed(comm, recv, wire):
 
 
 def reduce_scatter(comm, x, axis, wire):
-    t0 = comm._start()
-    _, send, recv = _alltoall_start(comm, x, axis, wire)
+    _, send, recv, t0 = _alltoall_start(comm, x, axis, wire)
     g = comm.size
     comm._count(Fraction(g - 1, g) * x.size, g - 1, t0, 2)
     comm._done(send)
@@ -101,8 +103,7 @@ def reduce_scatter(comm, x, axis, wire):
 
 
 def ireduce_scatter(comm, x, axis, wire, pending_cls):
-    t0 = comm._start()
-    request, send, recv = _alltoall_start(comm, x, axis, wire, nonblocking=True)
+    request, send, recv, t0 = _alltoall_start(comm, x, axis, wire, nonblocking=True)
     g = comm.size
     comm._count(Fraction(g - 1, g) * x.size, g - 1, t0, 2)
 
@@ -117,16 +118,17 @@ def ireduce_scatter(comm, x, axis, wire, pending_cls):
 def _chunk_sums(comm, x, wire):
     """The first half of an all-reduce or reduce: x flattened, zero-padded to
     g chunks, all-to-all, and this rank's chunk summed in float32 and
-    rounded to the wire. Returns (that chunk as words, chunk length)."""
+    rounded to the wire. Returns (that chunk as words, chunk length, the
+    clock at the all-to-all's start)."""
     g, xp = comm.size, comm.backend.xp
     n = x.size
     chunk = -(-n // g)                                      # elements per rank's share
     flat = x.reshape(-1)                                    # (n,)
     if chunk * g != n:
         flat = xp.concatenate([flat, xp.zeros(chunk * g - n, dtype=x.dtype)])   # (g*chunk,)
-    _, send, recv = _alltoall_start(comm, flat, 0, wire)
+    _, send, recv, t0 = _alltoall_start(comm, flat, 0, wire)
     comm._done(send)
-    return _words(comm, _summed(comm, recv, wire), wire), chunk   # (chunk,) uint16
+    return _words(comm, _summed(comm, recv, wire), wire), chunk, t0   # (chunk,) uint16
 
 
 def _assembled(comm, gathered, x, wire):
@@ -137,10 +139,10 @@ def _assembled(comm, gathered, x, wire):
 
 def allreduce(comm, x, wire):
     """Sum of x over the group; every rank gets the same 16-bit-rounded sums."""
-    t0 = comm._start()
     g = comm.size
-    mine, chunk = _chunk_sums(comm, x, wire)
+    mine, chunk, t0 = _chunk_sums(comm, x, wire)
     gathered = comm._empty((g, chunk), mine.dtype)
+    comm._start()                                           # the sums were computed after the first sync
     comm.mpi.Allgather(mine, gathered)
     comm._count(2 * (g - 1) * chunk, 2 * (g - 1), t0, 2)
     comm._done(mine)
@@ -149,10 +151,10 @@ def allreduce(comm, x, wire):
 
 def reduce(comm, x, root, wire):
     """Sum onto ``root`` (the 16-bit-rounded sums, in x's format); None elsewhere."""
-    t0 = comm._start()
     g = comm.size
-    mine, chunk = _chunk_sums(comm, x, wire)
+    mine, chunk, t0 = _chunk_sums(comm, x, wire)
     gathered = comm._empty((g, chunk), mine.dtype) if comm.rank == root else None
+    comm._start()                                           # the sums were computed after the first sync
     comm.mpi.Gather(mine, gathered, root=root)
     comm._count(2 * (g - 1) * chunk, 2 * (g - 1), t0, 2)
     comm._done(mine)

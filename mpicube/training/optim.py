@@ -50,6 +50,7 @@ class AdamW:
     """
 
     BLOCK = 1 << 15     # elements per cache block (128 KiB of float32 per array)
+    DEVICE_BLOCK = 1 << 24  # on a GPU: a few kernels per 16 Mi elements, and a bounded scratch buffer
 
     def __init__(self, store: ParamStore, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
                  decay_all: bool = False):
@@ -65,9 +66,9 @@ class AdamW:
         self.eps = eps
         decayed = [slice(0, master.size)] if decay_all else store.partition.local(store.decay_slices)
         self.runs = self._runs(master.size, decayed)
-        # cache blocks on the CPU; on a GPU one block (a kernel per pass, not thousands)
-        self.block = self.BLOCK if xp.__name__ == "numpy" else max(1, master.size)
-        self._work = xp.empty(max(1, min(self.block, master.size)), dtype=master.dtype)  # scratch
+        # cache blocks on the CPU; on a GPU large blocks (a kernel per pass, not thousands)
+        self.block = self.BLOCK if xp.__name__ == "numpy" else self.DEVICE_BLOCK
+        self._work = None       # the array path's scratch (at most one block), made when it first runs
 
     @staticmethod
     def _runs(size: int, decayed: list) -> list:
@@ -144,6 +145,8 @@ class AdamW:
     def _update_block(self, p, g, m, v, b1, b2, step, eps, keep, grad_scale) -> None:
         """The NumPy/CuPy update of one cache block, pass by pass."""
         xp = self.store.backend.xp
+        if self._work is None:
+            self._work = xp.empty(max(1, min(self.block, self.m.size)), dtype=self.m.dtype)   # (block,)
         w = self._work[: p.size]
         m *= b1                                       # m = b1 m + (1 - b1) s g   (s = grad_scale)
         xp.multiply(g, (1.0 - b1) * grad_scale, out=w)

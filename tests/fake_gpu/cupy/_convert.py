@@ -8,6 +8,8 @@ imported at the bottom, once everything it takes from here exists.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import _stand_in
@@ -17,11 +19,17 @@ _INDEX_KINDS = "biu"
 
 
 def check_dtype(dtype) -> np.dtype:
-    """CuPy holds booleans and numbers only."""
+    """CuPy holds booleans and numbers only, and (CuPy 14, through
+    ml_dtypes) bfloat16; ``MPICUBE_FAKE_GPU_NO_BFLOAT16=1`` plays an older
+    CuPy without it."""
     dtype = np.dtype(dtype)
-    if dtype.kind not in "biufc":
+    if dtype.kind not in "biufc" and not (is_bfloat16(dtype) and not os.environ.get("MPICUBE_FAKE_GPU_NO_BFLOAT16")):
         raise ValueError(f"Unsupported dtype {dtype}")
     return dtype
+
+
+def is_bfloat16(dtype) -> bool:
+    return np.dtype(dtype).name == "bfloat16"
 
 
 def owner(a: np.ndarray):
@@ -37,7 +45,21 @@ def wrap(a) -> "ndarray":
     out = object.__new__(_core.ndarray)
     out._a = a
     out._base = None
+    out._mark = _stand_in.stamp()           # computed by queued work: pending until a synchronisation
     return out
+
+
+def wrap_empty(a) -> "ndarray":
+    """A new device array of memory nothing has written (``empty``)."""
+    out = wrap(a)
+    out._mark = -1
+    return out
+
+
+def written(x: "ndarray") -> None:
+    """Queued work writes ``x`` (in place, ``out=``, item assignment): its
+    memory, the owner's if ``x`` is a view, is pending until a synchronisation."""
+    (x._base if x._base is not None else x)._mark = _stand_in.stamp()
 
 
 def wrap_view(a, src: "ndarray") -> "ndarray":
@@ -47,6 +69,7 @@ def wrap_view(a, src: "ndarray") -> "ndarray":
         out = object.__new__(_core.ndarray)
         out._a = a
         out._base = src if src._base is None else src._base
+        out._mark = -1                      # a view: its owner's mark counts
         return out
     if a is src._a:
         return wrap_view(a.view(), src)
@@ -76,6 +99,7 @@ def out_array(out):
     if isinstance(out, tuple) and len(out) == 1:
         out = out[0]
     if type(out) is _core.ndarray:
+        written(out)
         return out._a
     raise TypeError("Output arguments must be cupy.ndarray")
 
@@ -85,7 +109,9 @@ def from_host(obj, dtype=None, **kwargs) -> "ndarray":
     a = np.array(obj, dtype=dtype, copy=True, **kwargs)
     check_dtype(a.dtype)
     _stand_in.count_h2d(a.nbytes)
-    return wrap(a)
+    out = wrap(a)
+    out._mark = -1                          # CuPy copies pageable host memory synchronously
+    return out
 
 
 def count_mask_syncs(n: int) -> None:

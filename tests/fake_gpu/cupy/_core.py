@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _stand_in
 from ._convert import (check_dtype, count_mask_syncs, device_array, from_host, operand, out_array,
-                       prepare_index, wrap, wrap_view)
+                       prepare_index, wrap, wrap_view, written)
 from ._memory import Flags, MemoryPointer
 
 
@@ -41,6 +41,7 @@ def _binary(ufunc):
 
     def iop(self, other):
         ufunc(self._a, operand(other), out=self._a)
+        written(self)
         return self
 
     return op, rop, iop
@@ -61,7 +62,7 @@ def _comparison(ufunc, unrelated: bool | None = None):
 class ndarray:
     """A device array of the stand-in (see the module docstring)."""
 
-    __slots__ = ("_a", "_base", "__weakref__")
+    __slots__ = ("_a", "_base", "_mark", "__weakref__")   # _mark: _stand_in's stream-order stamp
     __module__ = "cupy"
     __array_ufunc__ = None
     __array_priority__ = 100
@@ -74,6 +75,7 @@ class ndarray:
             buf, offset = memptr.numpy_buffer()
             self._a = np.ndarray(shape, dtype, buffer=buf, offset=offset, strides=strides, order=order)
         self._base = None
+        self._mark = -1                     # allocated, not yet written by queued work
 
     # --- refusals -----------------------------------------------------------
     def __array__(self, dtype=None, copy=None):
@@ -91,6 +93,7 @@ class ndarray:
         if not _stand_in.cuda_aware():
             raise AttributeError("'cupy.ndarray' object has no attribute '__cuda_array_interface__' "
                                  "(the stand-in offers it only with MPICUBE_CUDA_AWARE=1)")
+        _stand_in.check_handoff((self._base if self._base is not None else self)._mark)
         a = self._a
         typestr = a.dtype.str
         return {"shape": a.shape, "typestr": typestr, "descr": [("", typestr)],
@@ -240,17 +243,20 @@ class ndarray:
                 raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         count_mask_syncs(masks)
         self._a[index] = source
+        written(self)
 
     def fill(self, value):
         if type(value) is ndarray:
             if value.ndim:
                 raise ValueError("non-scalar cupy.ndarray cannot be used for fill")
             self._a[...] = value._a
+            written(self)
             return
         value = np.asarray(value, dtype=self.dtype)
         if value.ndim:
             raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         self._a.fill(value[()])
+        written(self)
 
     # --- shape and copies ---------------------------------------------------
     def reshape(self, *shape, order="C"):
@@ -383,6 +389,12 @@ class ndarray:
     __floordiv__, __rfloordiv__, __ifloordiv__ = _binary(np.floor_divide)
     __mod__, __rmod__, __imod__ = _binary(np.remainder)
     __matmul__, __rmatmul__, __imatmul__ = _binary(np.matmul)
+
+    def __matmul__(self, other):                # CuPy's batched path refuses bfloat16 (see _math.matmul)
+        from ._math import bfloat16_result, check_matmul
+
+        check_matmul(self, other)
+        return bfloat16_result(wrap(np.matmul(self._a, operand(other))), self, other)
     __and__, __rand__, __iand__ = _binary(np.bitwise_and)
     __or__, __ror__, __ior__ = _binary(np.bitwise_or)
     __xor__, __rxor__, __ixor__ = _binary(np.bitwise_xor)

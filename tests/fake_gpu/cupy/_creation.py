@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._convert import check_dtype, device_array, from_host, operand, wrap
+from ._convert import check_dtype, device_array, from_host, operand, wrap, wrap_empty
 from ._core import ndarray
 
 def _device_leaves(obj):
@@ -84,7 +84,7 @@ def _module():
 
 # --- made on the device -----------------------------------------------------
 def empty(shape, dtype=float, order="C"):
-    return wrap(np.empty(shape, check_dtype(dtype), order))
+    return wrap_empty(np.empty(shape, check_dtype(dtype), order))
 
 
 def zeros(shape, dtype=float, order="C"):

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _stand_in
+from ._convert import written
 from ._core import ndarray
 
 ENV = "MPICUBE_FAKE_GPU_KERNELS"
@@ -82,6 +83,9 @@ class RawKernel:
         if len(grid) != 1 or len(block) != 1:
             raise NotImplementedError(f"stand-in: {self.name}: only 1-D grids and blocks are emulated")
         memory = tuple(_device_memory(a, f"{self.name} argument {i}") for i, a in enumerate(args))
+        for a in args:                      # a kernel may write any array it is given
+            if type(a) is ndarray:
+                written(a)
         self._kernel(grid, block, memory)
         _stand_in.count_launch(self.name)
 

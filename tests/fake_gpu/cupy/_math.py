@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._convert import device_array, operand, out_array, wrap
+from ._convert import device_array, is_bfloat16, operand, out_array, wrap
 from ._core import ndarray
 
 
@@ -50,7 +50,34 @@ frexp modf divmod equal not_equal less less_equal greater greater_equal logical_
 logical_xor logical_not bitwise_and bitwise_or bitwise_xor invert left_shift right_shift conjugate
 matmul""".split()
 
+class _Matmul(ufunc):
+    """``cupy.matmul`` (and ``@``): more than 2 dimensions go through CuPy's
+    batched path, which sends any dtype whose char is not in 'efdFD' to its
+    integer GEMM and so fails for bfloat16 (CuPy 14.2's source); 2-D
+    products of bfloat16 work."""
+
+    def __call__(self, *args, **kwargs):
+        check_matmul(*args[:2])
+        return bfloat16_result(super().__call__(*args, **kwargs), *args[:2])
+
+
+def bfloat16_result(result, a, b):
+    """NumPy's matmul of ml_dtypes bfloat16 returns float32; CuPy's returns
+    bfloat16 (float32 accumulation, one rounding): round it as CuPy does."""
+    if isinstance(result, ndarray) and isinstance(a, ndarray) and isinstance(b, ndarray) \
+            and is_bfloat16(a.dtype) and is_bfloat16(b.dtype) and not is_bfloat16(result.dtype):
+        return result.astype(a.dtype)
+    return result
+
+
+def check_matmul(a, b) -> None:
+    arrays = [x for x in (a, b) if isinstance(x, ndarray)]      # (builtins: this module shadows any/max)
+    if arrays and True in [is_bfloat16(x.dtype) for x in arrays] and sorted(x.ndim for x in arrays)[-1] > 2:
+        raise TypeError("data type 'E' not understood")
+
+
 UFUNCS = {name: ufunc(getattr(np, name), name) for name in _UFUNCS}
+UFUNCS["matmul"] = _Matmul(np.matmul, "matmul")
 UFUNCS["abs"] = UFUNCS["absolute"]
 UFUNCS["bitwise_not"] = UFUNCS["invert"]
 UFUNCS["conj"] = UFUNCS["conjugate"]

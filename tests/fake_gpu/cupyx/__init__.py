@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from cupy import _stand_in
-from cupy._convert import from_host, operand, prepare_index
+from cupy._convert import from_host, operand, prepare_index, written
 from cupy._core import ndarray
 
 
@@ -35,6 +35,7 @@ def _scatter(ufunc, a, slices, value):
     index, advanced, masks = prepare_index(slices)
     for _ in range(masks):
         _stand_in.count_d2h(8)
+    written(a)
     if not advanced:
         target = a._a[index]
         ufunc(target, operand(value), out=target)
