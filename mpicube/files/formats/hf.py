@@ -59,11 +59,11 @@ def read_json(where: Path, what: str):
     not JSON, or nested too deeply for the parser."""
     try:
         size = where.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise FormatError(f"{where}: {size:,} bytes is too large for {what} (at most {MAX_JSON_BYTES:,})")
-        return json.loads(where.read_bytes())
+        if size <= MAX_JSON_BYTES:
+            return json.loads(where.read_bytes())
     except (OSError, ValueError, RecursionError) as e:
         raise FormatError(f"{where}: cannot read it as JSON: {e}") from None
+    raise FormatError(f"{where}: {size:,} bytes is too large for {what} (at most {MAX_JSON_BYTES:,})")
 
 
 def parse_config(path: Path, doc) -> ModelConfig:
@@ -86,7 +86,8 @@ def parse_config(path: Path, doc) -> ModelConfig:
                        doc["n_positions"] if "n_positions" in doc else doc["n_ctx"], doc["vocab_size"])
     eps = doc.get("layer_norm_epsilon", 1e-5)
     # json reads 1e400 as inf: a number, but not one to compare or print as JSON
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or (isinstance(eps, float) and not math.isfinite(eps)):
+    finite = isinstance(eps, int) or (isinstance(eps, float) and math.isfinite(eps))
+    if isinstance(eps, bool) or not finite:
         raise FormatError(f"{where}: layer_norm_epsilon {_shown(eps)} is not a finite number")
     refusals = [
         ("activation_function", doc.get("activation_function", "gelu_new") not in TANH_GELU,
