@@ -164,8 +164,16 @@ def test_checkpoint_attributes_of_the_wrong_type_are_one_line(tmp_path, corpus_c
         argvs += [["eval", run, "--batches", "1"],
                   ["train", "--resume", "--out", run, "--steps", "1", "--seq-len", "16"]]
         expects += [(f"{name} via eval", expect), (f"{name} via train --resume", expect)]
-    for (name, expect), result in zip(expects, run_limited(tmp_path, argvs, corpus_cache)["results"]):
+    # inspect reports a checkpoint's problems (exit 1) instead: a config that lies about the layers is one
+    lying = [converted_checkpoint(tmp_path, f"inspect-{n}", config=json.dumps({**TINY.to_dict(), "n_layer": n}))
+             for n in (2 ** 31 - 1, 100_000)]
+    results = run_limited(tmp_path, argvs + [["inspect", run] for run in lying], corpus_cache)["results"]
+    for (name, expect), result in zip(expects, results):
         assert_one_line(name, result, expect)
+    for result in results[len(expects):]:
+        assert result["status"] == 1 and result["seconds"] < SECONDS, result
+        assert any(re.search(r"PROBLEM: .*'config' does not describe a model: it describes n_layer .* but there "
+                             r"is no tensor 'model/h.1.ln_1.weight'", line) for line in result["out"]), result
 
 
 def test_eval_of_nan_weights_prints_json_null(tmp_path, corpus_cache):

@@ -90,13 +90,27 @@ def _moments(opt):
             yield mv
 
 
-def model_shapes(config: dict) -> dict:
+def model_shapes(config: dict, names=None) -> dict:
     """{parameter name: shape} of the GPT a checkpoint's ``config``
-    attribute describes (what ``checkpoint.inspect`` checks tensors against)."""
+    attribute describes (what ``checkpoint.inspect`` checks tensors against).
+    Given the checkpoint's tensor ``names``, a parameter the config implies
+    and the checkpoint lacks is a ValueError found before the list is built,
+    by walking the names one at a time: a config claiming 100,000 layers
+    over a checkpoint of one costs one layer's steps, not a list of 1.2
+    million shapes."""
+    from ..core import memory
     from ..core.config import ModelConfig
+    from ..files.formats.base import first_missing
     from ..model.gpt import gpt_params
 
-    return {decl.name: tuple(decl.shape) for decl in gpt_params(ModelConfig.from_dict(config))}
+    cfg = ModelConfig.from_dict(config)
+    if names is not None:
+        missing = first_missing(cfg, lambda name: f"model/{name}" in names)
+        if missing is not None:
+            raise ValueError(f"it describes n_layer {memory.format_count(cfg.n_layer)} "
+                             f"({memory.format_count(memory.tensor_count(cfg.n_layer))} parameter tensors), but "
+                             f"there is no tensor 'model/{missing}'")
+    return {decl.name: tuple(decl.shape) for decl in gpt_params(cfg)}
 
 
 def describe_layout(d: dict) -> str:
