@@ -105,6 +105,63 @@ def test_config_file_and_overrides(mpicube, tmp_path):
     assert r.returncode == 2 and len(r.error_lines()) == 1 and "n_layers" in r.error_lines()[0], r
 
 
+def hostile_value_cases(tmp_path):
+    """(name, argv, expected error) for option values that used to be
+    converted loosely or end in a traceback (issue 24, defect 8), and sizes
+    no rank can hold (defect 2)."""
+    import os
+
+    tomls = {"float": "n-embd = 32.7\n", "bool": "steps = true\n", "twice": "n-embd = 32\nn_embd = 16\n",
+             "list": "n-embd = [16, 32]\n", "flag": 'tf32 = "yes"\n'}
+    for name, text in tomls.items():
+        (tmp_path / f"{name}.toml").write_text(text)
+    os.mkfifo(tmp_path / "fifo.toml")
+    train = ["train", "--steps", "1", "--out", tmp_path / "run"]
+    config = [
+        ("toml float", ["--config", tmp_path / "float.toml"], r"n-embd = 32.7: expected an integer"),
+        ("toml bool", ["--config", tmp_path / "bool.toml"], r"steps = true: expected an integer"),
+        ("toml twice", ["--config", tmp_path / "twice.toml"], r"'n-embd' and 'n_embd' are the same option"),
+        ("toml list", ["--config", tmp_path / "list.toml"], r"n-embd = \[16, 32\]: a list, and n-embd takes one"),
+        ("toml flag", ["--config", tmp_path / "flag.toml"], r"tf32 = 'yes': expected true or false"),
+        ("toml fifo", ["--config", tmp_path / "fifo.toml"], r"fifo.toml: not a regular file"),
+        ("seed", ["--seed", "-1"], r"-1 is not in the range 0<=x<=18446744073709551615"),
+        ("layers", ["--n-layer", "1000000"], r"n_layer 1,000,000.* needs at least 1.8 TiB of memory per rank"),
+        ("width", ["--n-embd", "100000", "--n-head", "10"], r"480,037,400,000 parameters.* needs at least"),
+        ("context", ["--seq-len", "200000"], r"attention scores, but"),
+        ("vocabulary", ["--vocab-size", "2000000000"], r"vocab 2,000,000,000.* needs at least"),
+    ]
+    cases = [(name, train + args, expect) for name, args, expect in config]
+    cases += [("generate seed", ["generate", "x", "--seed", "-1"], r"-1 is not in the range"),
+              ("bench seed", ["bench", "--seed", "-1"], r"-1 is not in the range"),
+              ("bench layers", ["bench", "--n-layer", "1000000", "--batch-size", "4"],
+               r"n_layer 1,000,000.* needs at least")]
+    return cases
+
+
+def test_hostile_values_and_sizes_are_one_line_each(tmp_path, corpus_cache):
+    """Each in one process through the real entry point (tests/cli_cases.py):
+    exit 2, one error line, no traceback, no MemoryError after minutes."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from mpirun import job_env
+
+    cases = hostile_value_cases(tmp_path)
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps([[str(a) for a in argv] for _, argv, _ in cases]))
+    proc = subprocess.run([PYTHON, str(Path(__file__).with_name("cli_cases.py")), str(spec)], cwd=tmp_path,
+                          env=job_env({"MPICUBE_CACHE": str(corpus_cache)}), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (name, _, expect), res in zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])):
+        lines = res["out"] + res["err"]
+        errors = [line for line in lines if line.startswith("error:")]
+        assert res["status"] == 2 and len(errors) == 1, (name, res)
+        assert re.search(expect, errors[0]), (name, errors[0])
+        assert not any("Traceback" in line for line in lines), (name, res)
+
+
 @pytest.mark.parametrize("model", [(4, 12, 144, 64), (1, 2, 16, 16), (3, 4, 64, 128)])
 def test_info_parameter_count(mpicube, model):
     n_layer, n_head, n_embd, seq_len = model

@@ -9,6 +9,8 @@ runs the group under the error handling every command shares.
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from .. import __version__
@@ -21,6 +23,9 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
 RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
+
+# --seed: NumPy's generators take any non-negative integer; -1 would be a traceback at the first batch
+SEED = click.IntRange(0, 2 ** 64 - 1)
 
 _mpi = {"world": None, "errors": None}   # COMM_WORLD and a private duplicate for error agreement
 
@@ -61,26 +66,63 @@ class Duration(click.ParamType):
 
 def _load_config(ctx, param, path):
     """``--config FILE.toml``: its keys (option names, dashes or underscores)
-    become defaults, so options given on the command line override them."""
+    become defaults, so options given on the command line override them.
+    Each value must already have its option's type (``_config_value``), and
+    an option may be named once."""
     if path is None:
         return None
+    if os.path.exists(path) and not os.path.isfile(path):      # a FIFO would block the read forever
+        raise click.BadParameter(f"{path}: not a regular file", ctx, param)
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
     except OSError as exc:
         raise click.BadParameter(f"{path}: cannot read ({exc.strerror})", ctx, param) from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise click.BadParameter(f"{path}: not valid TOML ({exc})", ctx, param) from None
-    known = {p.name for p in ctx.command.params if p.expose_value}
-    values = {}
+    options = {p.name: p for p in ctx.command.params if p.expose_value}
+    values, given_as = {}, {}
     for key, value in doc.items():
         name = key.replace("-", "_")
-        if name not in known or isinstance(value, dict):
+        if name not in options or isinstance(value, dict):
             raise click.BadParameter(f"{path}: unknown key {key!r}; valid keys are option names such as "
-                                     f"{', '.join(sorted(known)[:6])}, ...", ctx, param)
-        values[name] = value
+                                     f"{', '.join(sorted(options)[:6])}, ...", ctx, param)
+        if name in given_as:
+            raise click.BadParameter(f"{path}: {given_as[name]!r} and {key!r} are the same option "
+                                     f"(--{name.replace('_', '-')}); give it once", ctx, param)
+        given_as[name] = key
+        values[name] = _config_value(options[name], key, value, path, ctx, param)
     ctx.default_map = {**(ctx.default_map or {}), **values}
     return path
+
+
+def _config_value(option, key, value, path, ctx, param):
+    """``value`` if TOML gave it the type ``option`` takes, else a one-line
+    BadParameter. Nothing is converted: click would read ``n-embd = 32.7``
+    as 32 and ``steps = true`` as 1, silently; a list is refused by name."""
+    kind = option.type
+    if isinstance(value, list):
+        problem = f"a list, and {key} takes one value"
+    elif isinstance(kind, click.Choice) and isinstance(value, int) and str(value) in kind.choices:
+        return str(value)               # zero = 1 for --zero's choice "1"
+    elif option.is_flag or isinstance(kind, click.types.BoolParamType):
+        problem = None if isinstance(value, bool) else "expected true or false"
+    elif isinstance(kind, click.types.IntParamType):
+        problem = None if isinstance(value, int) and not isinstance(value, bool) else "expected an integer"
+    elif isinstance(kind, click.types.FloatParamType):
+        problem = None if isinstance(value, (int, float)) and not isinstance(value, bool) else "expected a number"
+    elif isinstance(kind, (click.Choice, click.types.StringParamType, click.Path)):
+        problem = None if isinstance(value, str) else "expected a string (in quotes)"
+    else:                               # Duration: seconds or "[[H:]M:]S"
+        problem = None if isinstance(value, (int, float, str)) and not isinstance(value, bool) else \
+            "expected a number or a string"
+    if problem is None:
+        return value
+    shown = repr(value) if isinstance(value, (list, str)) else str(value).lower() if isinstance(value, bool) \
+        else str(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise click.BadParameter(f"{path}: {key} = {shown}: {problem} (TOML values are taken as written, "
+                             "not converted)", ctx, param)
 
 
 def model_options(f):

@@ -9,7 +9,7 @@ import json
 
 import click
 
-from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, _mpi, cli, device_options, echo, grad_accum_option,
+from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, device_options, echo, grad_accum_option,
                      layout_options, model_options, recompute_option, zero_option)
 from ..core.errors import UserError
 
@@ -94,7 +94,7 @@ def _mib(nbytes: int) -> str:
 @grad_accum_option("micro-batches per step: forward+backward on batch/N sequences at a time, one update")
 @click.option("--warmup-steps", type=int, default=2, show_default=True, help="untimed steps first")
 @click.option("--steps", type=int, default=5, show_default=True, help="timed steps")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @device_options
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
@@ -129,7 +129,7 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
             echo(f"bench {name}: {why}")
         parts = build_parts(cfg, name, batch, _mpi["world"], dp=dp, depth=layout_depth, dtype=dtype, device=device,
                             seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute,
-                            zero=zero)
+                            zero=zero, seq_len=seq_len)
         note = recompute_note(parts.layout, recompute)
         if note and note not in noted:
             noted.add(note)
@@ -201,7 +201,7 @@ def convert(src, dst, to, max_shard_size):
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy")
 @click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k likeliest (0 = all)")
-@click.option("--seed", type=int, default=1337, show_default=True)
+@click.option("--seed", type=SEED, default=1337, show_default=True)
 @click.option("--cache/--no-cache", default=True, show_default=True,
               help="key/value cache; --no-cache recomputes the whole prefix for every token")
 @layout_options

@@ -5,10 +5,11 @@ group of ``mpicube.cli``, whose error handling they share."""
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
-from .common import (Duration, _load_config, _mpi, cli, device_options, echo, grad_accum_option,
+from .common import (SEED, Duration, _load_config, _mpi, cli, device_options, echo, grad_accum_option,
                      layout_options, model_options, recompute_option, zero_option)
 
 
@@ -29,7 +30,7 @@ from .common import (Duration, _load_config, _mpi, cli, device_options, echo, gr
 @click.option("--weight-decay", type=float, default=0.1, show_default=True)
 @click.option("--grad-clip", type=float, default=1.0, show_default=True, help="global norm clip (0 = off)")
 @click.option("--dropout", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=1337, show_default=True, help="initialisation, data order, dropout")
+@click.option("--seed", type=SEED, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options
 @recompute_option
 @click.option("--data", type=str, default=None, metavar="PATH",
@@ -114,7 +115,13 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
         echo(result["note"])
     if result.get("batch_note"):
         echo(f"{describe_layout(result['layout'])}, {result['batch_note']}")
-    echo(f"{result['checkpoint']} (step {result['step']}): loss {result['loss']:.6f} over {result['batches']} "
+    loss = result["loss"]
+    if math.isfinite(loss):
+        said = f"loss {loss:.6f}"
+    else:                       # NaN is not JSON: the last line says null, and this line why
+        said = f"loss {loss} (not finite: the model's weights or logits hold NaN or inf; \"loss\" is null)"
+        result["loss"] = None
+    echo(f"{result['checkpoint']} (step {result['step']}): {said} over {result['batches']} "
          f"batches of {result['batch_size']} x {result['seq_len']} tokens")
     echo(json.dumps(result))
 

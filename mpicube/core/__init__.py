@@ -2,7 +2,8 @@
 
 The error types and their exit statuses (``errors``), the model's sizes
 (``config.ModelConfig``), integer helpers for divisibility messages
-(``intmath``) and rank 0's console (``console``).
+(``intmath``), the memory a model needs against what the process may
+still take (``memory``) and rank 0's console (``console``).
 
 May import: nothing of mpicube (the standard library only: no NumPy
 arrays, no MPI).

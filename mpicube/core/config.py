@@ -24,8 +24,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: int(v) for k, v in d.items() if k in names})
+        """The sizes of a stored configuration (a checkpoint's ``config``
+        attribute), each an integer of at least 1; a ValueError names the
+        first that is not. Nothing is converted: 32.7, "32" or true as a
+        width is a damaged file, not 32 or 1."""
+        names = [f.name for f in fields(cls)]
+        values = {}
+        for name in names:
+            if name not in d:
+                raise ValueError(f"{name} is missing")
+            value = d[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            values[name] = value
+        return cls(**values)
 
     def n_params(self) -> int:
         """Logical parameter count (tied head counted once)."""

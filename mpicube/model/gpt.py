@@ -17,13 +17,36 @@ from . import kvcache
 from .. import ops
 from ..device import precision
 from ..ops import rng
+from ..core import memory
 from ..core.config import ModelConfig
 from ..parallel.layouts.base import Layout, LayerNorm
 from ..parallel.params import ParamDecl, ParamStore
 
 
+LAYER_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                "mlp.c_proj.weight", "mlp.c_proj.bias")     # each block's, in gpt_params' order
+
+
+def param_names(cfg: ModelConfig):
+    """The GPT-2 names of ``gpt_params(cfg)``, in order, one at a time: a
+    file reader walks them to find the first one a file lacks without
+    building a list as long as its header claims."""
+    yield "wte"
+    yield "wpe"
+    for i in range(cfg.n_layer):
+        for suffix in LAYER_PARAMS:
+            yield f"h.{i}.{suffix}"
+    yield "ln_f.weight"
+    yield "ln_f.bias"
+
+
 def gpt_params(cfg: ModelConfig) -> list:
-    """Every logical parameter under its GPT-2 name, with GPT-2's init."""
+    """Every logical parameter under its GPT-2 name, with GPT-2's init.
+    Every model and shape list is built here, so this is where a model
+    whose tensor list alone cannot fit in memory is refused (one line),
+    instead of minutes of building and a MemoryError."""
+    memory.require_tensors(cfg.n_layer)
     h, std = cfg.n_embd, 0.02
     resid_std = std / math.sqrt(2 * cfg.n_layer)   # residual projections
     decls = [

@@ -13,7 +13,7 @@ from ..core.errors import ConfigError
 from ..parallel.grid import saved_or_default_batch
 from ..model.gpt import GPT
 from .parts import Parts, build_parts
-from .state import attr_dict
+from .state import saved_state
 
 
 def eval_model(parts: Parts):
@@ -44,18 +44,16 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
         mpi_world = MPI.COMM_WORLD
     with formats.open_everywhere(mpi_world, ckpt_path) as ck:     # any model file
         cfg = ck.config
-        saved = attr_dict(ck.attrs.get("train"))
-        B, batch_note = eval_batch_size(batch_size, saved.get("batch_size"), layout, cfg, mpi_world.Get_size(),
-                                        dp, depth)
+        saved = saved_state(ck)                                   # the checkpoint's records, checked
+        B, batch_note = eval_batch_size(batch_size, saved.batch_size, layout, cfg, mpi_world.Get_size(), dp, depth)
         T = int(seq_len or cfg.n_ctx)
         if not 1 <= T <= cfg.n_ctx:
             raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
         if batches < 0:
             raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
-        recorded = attr_dict(getattr(ck, "attrs", {}).get("data"))      # what the model was trained on
-        data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, recorded, B, T, batches)
+        data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, saved.data, B, T, batches)
         on_root(mpi_world, lambda: data.check_vocab(tokens, cfg.vocab_size, data_path))
-        parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device, tf32=tf32)
+        parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device, tf32=tf32, seq_len=T)
         formats.load_params(ck, parts.store)
         step = ck.step
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):

@@ -25,7 +25,7 @@ from . import dataplan, rundir
 from .options import _dash
 from .optim import Schedule
 from .parts import build_parts, recompute_note
-from .state import attr_dict, load_state
+from .state import load_state, saved_state
 from .step import make_step
 from .. import __version__
 
@@ -77,7 +77,7 @@ class Launch:
                  o.grad_accum, o.recompute)
         self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
                                  o.seed, o.dropout, o.tf32, grad_accum=o.grad_accum, recompute=o.recompute,
-                                 zero=o.zero)
+                                 zero=o.zero, seq_len=o.seq_len)
         note = recompute_note(self.parts.layout, o.recompute)
         if note:
             self.notes.append(note)
@@ -99,7 +99,7 @@ class Launch:
             return
         saved = None
         if getattr(self, "full_state", False) and self.model_file is not None:
-            saved = attr_dict(getattr(self.model_file, "attrs", {}).get("train")).get("batch_size")
+            saved = saved_state(self.model_file).batch_size
         o.batch_size, kept, why = saved_or_default_batch(saved, o.layout, self.cfg, self.world.Get_size(), o.dp,
                                                          o.depth, o.grad_accum, o.recompute)
         self.batch_note = f"batch {o.batch_size} (the resumed run's)" if kept else why
@@ -203,14 +203,14 @@ class Launch:
                 self.notes.append(f"initialized parameters from {model_file.describe()}")
                 return 0
             ck = model_file.ck
+            saved = saved_state(model_file)             # every value checked before any is used
             load_state(ck, self.parts.store, self.opt.adam, comm=self.world)
-            self.opt.adam.t = int(ck.attrs.get("adam_t", ck.step))
-            if self.scaler is not None and "loss_scale" in ck.attrs:
-                self.scaler.restore(ck.attrs["loss_scale"])     # scale and counters: resume stays exact
-            position = attr_dict(ck.attrs.get("data"))
-            step = int(position.get("step", ck.step))
+            self.opt.adam.t = saved.adam_t
+            if self.scaler is not None and saved.loss_scale is not None:
+                self.scaler.restore(saved.loss_scale)   # scale and counters: resume stays exact
+            step = saved.step
             self.notes.append(f"resuming from {ck.path} at step {step}")
-            changed = self._changed_options(attr_dict(ck.attrs.get("train")))
+            changed = self._changed_options(saved.train)
             if changed:
                 self.notes.append("note: options differ from the checkpoint's run: " + ", ".join(changed))
             self.last_ckpt = ck.path

@@ -86,6 +86,8 @@ class TrainOptions:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"--{_dash(name)} must be a finite number >= 0, got {value}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
+            raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.stop_after is not None and self.stop_after < 1:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from ..device import threads
 from ..device.backend import make_backend
-from ..parallel.comm import Counters
+from ..core import memory
+from ..parallel.comm import Counters, agree_max
 from ..core.config import ModelConfig
 from ..parallel.grid import build_layout, plan
 from ..model.gpt import GPT, gpt_params
@@ -50,24 +51,65 @@ class Parts:
 
 
 def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
-                seed=0, dropout=0.0, tf32=False, grad_accum=1, recompute="none", zero=0) -> Parts:
+                seed=0, dropout=0.0, tf32=False, grad_accum=1, recompute="none", zero=0, seq_len=None) -> Parts:
     """Backend, layout, parameters, model. Every size is validated first
     (``plan`` is pure), before device selection makes its first collective;
     then every thread pool of the rank gets its share of the node's cores,
     on CPUs and GPUs alike, before the first GEMM. ``batch_size`` is the
     step's; with ``grad_accum`` N the layout and its buffers are sized for
     micro-batches of batch_size / N sequences. ``recompute`` is the
-    layout's memory mode (layouts/base.py RECOMPUTE_MODES)."""
-    plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth, grad_accum, recompute)
+    layout's memory mode (layouts/base.py RECOMPUTE_MODES). A model that
+    cannot fit in this rank's memory is refused before anything is
+    allocated (``require_room``; ``seq_len``, the sequences the model will
+    run, adds their attention scores to the bound)."""
+    _, resolved, tp = plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth, grad_accum, recompute)
     validate_zero(zero, dp)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
+    require_room(cfg, backend, mpi_world, resolved, tp, batch_size // (dp * grad_accum), seq_len)
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
                           counters=counters, grad_accum=grad_accum, recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
+
+
+def room_needed(cfg: ModelConfig, backend, tp: int, micro_batch: int, seq_len=None) -> int:
+    """A lower bound of the bytes a rank allocates for this model: its
+    share of the parameters (at least 1/tp of them) in the weights the
+    model computes with and in the gradients, and, given ``seq_len``, one
+    layer's attention scores for its ``micro_batch`` sequences (every
+    layout splits batch x heads over its tp ranks). Python ints: a size
+    of 2**31 layers is a number, not an overflow."""
+    share = -(-cfg.n_params() // tp)
+    need = share * (backend.master_dtype.itemsize + backend.dtype.itemsize)
+    if seq_len:
+        need += micro_batch * cfg.n_head * seq_len * seq_len // tp * backend.master_dtype.itemsize
+    return need
+
+
+def require_room(cfg: ModelConfig, backend, mpi_world, layout: str, tp: int, micro_batch: int, seq_len=None):
+    """ConfigError on every rank (one line) when ``room_needed`` exceeds
+    the smallest room of any rank: host memory (``core.memory``), or the
+    free memory of the rank's GPU. Every rank reaches this, so they agree
+    with one small allreduce before the first large allocation."""
+    need = room_needed(cfg, backend, tp, micro_batch, seq_len)
+    if backend.is_gpu:
+        free = int(backend.xp.cuda.Device().mem_info[0])
+        room, why = free, f"its GPU has {memory.format_bytes(free)} free"
+    else:
+        room, why = memory.available()
+    if mpi_world.Get_size() > 1:
+        least = -agree_max(mpi_world, -room)
+        if least < room:
+            room, why = least, f"a rank of this job has only {memory.format_bytes(least)}"
+    count = memory.format_count
+    memory.require(need, f"the model (n_layer {count(cfg.n_layer)}, n_embd {count(cfg.n_embd)}, n_ctx "
+                         f"{count(cfg.n_ctx)}, vocab {count(cfg.vocab_size)}: {count(cfg.n_params())} parameters) "
+                         f"on layout {layout} (tp {tp})", room=(room, why),
+                   purpose=" per rank for its weights and gradients" + (" and one layer's attention scores"
+                                                                        if seq_len else ""))
 
 
 def recompute_note(layout, recompute: str):

@@ -4,10 +4,15 @@ reading exactly its blocks back from a checkpoint saved on any layout."""
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional
 
 from ..files import checkpoint
 from ..files.checkpoint import CheckpointError
+
+MAX_STEP = 99_999_999           # the largest step a checkpoint directory is named for (step_%08d)
 
 
 def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
@@ -85,13 +90,27 @@ def _moments(opt):
             yield mv
 
 
-def model_shapes(config: dict) -> dict:
+def model_shapes(config: dict, names=None) -> dict:
     """{parameter name: shape} of the GPT a checkpoint's ``config``
-    attribute describes (what ``checkpoint.inspect`` checks tensors against)."""
+    attribute describes (what ``checkpoint.inspect`` checks tensors against).
+    Given the checkpoint's tensor ``names``, a parameter the config implies
+    and the checkpoint lacks is a ValueError found before the list is built,
+    by walking the names one at a time: a config claiming 100,000 layers
+    over a checkpoint of one costs one layer's steps, not a list of 1.2
+    million shapes."""
+    from ..core import memory
     from ..core.config import ModelConfig
+    from ..files.formats.base import first_missing
     from ..model.gpt import gpt_params
 
-    return {decl.name: tuple(decl.shape) for decl in gpt_params(ModelConfig.from_dict(config))}
+    cfg = ModelConfig.from_dict(config)
+    if names is not None:
+        missing = first_missing(cfg, lambda name: f"model/{name}" in names)
+        if missing is not None:
+            raise ValueError(f"it describes n_layer {memory.format_count(cfg.n_layer)} "
+                             f"({memory.format_count(memory.tensor_count(cfg.n_layer))} parameter tensors), but "
+                             f"there is no tensor 'model/{missing}'")
+    return {decl.name: tuple(decl.shape) for decl in gpt_params(cfg)}
 
 
 def describe_layout(d: dict) -> str:
@@ -119,3 +138,65 @@ def attr_dict(value) -> dict:
         except ValueError:
             return {}
     return value if isinstance(value, dict) else {}
+
+
+@dataclass
+class Saved:
+    """What a model file's attributes record of the run that wrote it,
+    every value checked: a checkpoint is untrusted input (DESIGN.md
+    section 6), and ``adam_t = "x"`` or ``data.step = -5`` must be one line,
+    not a traceback or a run that starts at step -4. A foreign model file
+    records nothing, and reads as a fresh start."""
+
+    step: int = 0                       # the last completed step (data.step, else the checkpoint's step)
+    adam_t: int = 0                     # AdamW's step count (bias correction)
+    batch_size: Optional[int] = None    # train.batch_size: the saving run's global batch
+    train: dict = field(default_factory=dict)      # the saving run's options, as recorded
+    data: dict = field(default_factory=dict)       # path, val (str or absent), builtin (bool)
+    loss_scale: Optional[dict] = None   # float16: scale, good_steps, skipped
+
+
+def saved_state(model_file) -> Saved:
+    """``Saved`` from ``model_file.attrs`` (a CheckpointError naming the
+    file and the attribute for the first value of the wrong type or range)."""
+    attrs = getattr(model_file, "attrs", None) or {}
+    where = getattr(model_file, "path", "model file")
+
+    def bad(what, value, wanted):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return CheckpointError(f"{where}: attribute {what} is {shown}, not {wanted}")
+
+    def integer(what, value, lo, hi):
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise bad(what, value, f"an integer from {lo:,} to {hi:,}")
+        return value
+
+    def document(key):
+        value = attrs.get(key, {})
+        decoded = attr_dict(value)
+        if not decoded and value not in ({}, "", None):
+            raise bad(f"'{key}'", value, "a JSON object")
+        return decoded
+
+    base = integer("'step'", getattr(model_file, "step", 0), 0, MAX_STEP)
+    train, data = document("train"), document("data")
+    step = integer("'data' step", data.get("step", base), 0, MAX_STEP)
+    adam_t = integer("'adam_t'", attrs.get("adam_t", step), 0, 1 << 62)
+    batch = train.get("batch_size")
+    if batch is not None:
+        batch = integer("'train' batch_size", batch, 1, 1 << 62)
+    for key in ("path", "val"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise bad(f"'data' {key}", data[key], "a file name")
+    if not isinstance(data.get("builtin", False), bool):
+        raise bad("'data' builtin", data["builtin"], "true or false")
+    loss_scale = None
+    if "loss_scale" in attrs:
+        loss_scale = document("loss_scale")
+        scale = loss_scale.get("scale")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise bad("'loss_scale' scale", scale, "a finite number > 0")
+        for key in ("good_steps", "skipped"):
+            integer(f"'loss_scale' {key}", loss_scale.get(key), 0, 1 << 62)
+    return Saved(step=step, adam_t=adam_t, batch_size=batch, train=train, data=data, loss_scale=loss_scale)

@@ -39,13 +39,14 @@ def _pieces(ck, name: str, ds, problems: list) -> str:
 def _shape_problems(ck, expected) -> list:
     """Tensors shaped unlike the model that the ``config`` attribute
     describes (a checkpoint no reader could load). ``expected`` maps that
-    config to {parameter name: shape}; the caller knows the model, this
-    package knows only tensors by name and shape."""
+    config and the checkpoint's tensor names to {parameter name: shape}
+    (a ValueError for a config the tensors cannot be); the caller knows the
+    model, this package knows only tensors by name and shape."""
     cfg = ck.attrs.get("config")
     if not isinstance(cfg, dict):
         return [f"{ck.file}: attribute 'config' is missing or not a JSON object"]
     try:
-        shapes = expected(cfg)
+        shapes = expected(cfg, set(ck.names()))
     except (TypeError, ValueError) as e:
         return [f"{ck.file}: attribute 'config' does not describe a model: {e}"]
     have, problems = set(ck.names()), []
@@ -64,8 +65,9 @@ def inspect(path, expected=None) -> tuple[bool, str]:
     Lists tensors (shape, dtype, pieces), attributes (config, training
     options, the layout that saved it) and, for every shard, its sha256 and
     a read of every dataset in it (which checks the fletcher32 checksums).
-    ``expected``, if given, maps the ``config`` attribute to {parameter
-    name: shape}, and tensors of other shapes are problems.
+    ``expected``, if given, maps the ``config`` attribute and the tensor
+    names to {parameter name: shape}, and tensors of other shapes are
+    problems.
     Returns ``(ok, report)``; never raises for a broken checkpoint.
     """
     lines: list[str] = []

@@ -155,10 +155,43 @@ def _remove_dir(ckpt: Path, d: Path, owner: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+ABANDONED_DIR = "abandoned"     # RUN/ckpt/abandoned/: later steps of a trajectory a resumed run left
+
+
+def _abandoned(ckpt: Path, current: Path) -> list:
+    """Step dirs numbered after ``current``, the step just committed. A save
+    of step s with step t > s on disk means this run resumed from an older
+    checkpoint than t (``latest`` named an older step, or was pointed back
+    by hand): t belongs to the trajectory it abandoned. Left in place, t
+    would outlive this run's own checkpoints under ``keep``, be what
+    ``latest``'s fallback (the newest complete step) takes after a crash,
+    and survive until this run happened to reach step t again."""
+    number = int(_STEP_RE.match(current.name).group(1))
+    return [p for p in ckpt.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir() and int(m.group(1)) > number]
+
+
+def _set_aside(ckpt: Path, abandoned: list) -> None:
+    """Move abandoned step dirs into ``RUN/ckpt/abandoned/`` (a run keeping
+    every checkpoint deletes none): out of reach of ``latest`` and of later
+    saves, still there for whoever wants them."""
+    aside = ckpt / ABANDONED_DIR
+    aside.mkdir(exist_ok=True)
+    for p in abandoned:
+        dst, n = aside / p.name, 1
+        while dst.exists():
+            dst, n = aside / f"{p.name}.{n}", n + 1
+        os.replace(p, dst)
+    _fsync_dir(ckpt)
+
+
 def _prune(ckpt: Path, keep: int, current: Path, owner: str) -> None:
-    """Keep the ``keep`` newest step dirs (and ``current``); remove this
-    saver's own leftovers, never another job's (``recover`` clears those
-    of dead jobs, under the run directory's lock)."""
+    """Keep the ``keep`` newest step dirs (and ``current``), after removing
+    the abandoned ones numbered after ``current`` (``_abandoned``), which
+    never count among the newest; remove this saver's own leftovers, never
+    another job's (``recover`` clears those of dead jobs, under the run
+    directory's lock)."""
+    for p in _abandoned(ckpt, current):
+        _remove_dir(ckpt, p, owner)
     steps = sorted((int(m.group(1)), p) for p in ckpt.iterdir()
                    if (m := _STEP_RE.match(p.name)) and p.is_dir())
     survivors = {p for _, p in steps[-keep:]} | {current}
@@ -217,7 +250,11 @@ def save(run_dir, step: int, blocks: Iterable[Block], attrs: dict | None = None,
     process) calls this with the blocks it holds.  ``attrs`` become root
     attributes of checkpoint.h5 (str, numbers, numpy arrays; dicts and lists
     are stored as JSON strings).  With ``keep=N`` only the N highest-numbered
-    step directories (and always the one just written) are kept.
+    step directories (and always the one just written) are kept. Step
+    directories numbered after ``step`` were left by a trajectory that this
+    run abandoned when it resumed from an older checkpoint: with ``keep``
+    they are pruned first, never counted among the N; without it they are
+    moved into ``RUN/ckpt/abandoned/`` (see ``_abandoned``).
     ``owner`` (letters and digits) names this saver in its temporary
     directories, so that it removes only its own.
 
@@ -307,9 +344,12 @@ def save(run_dir, step: int, blocks: Iterable[Block], attrs: dict | None = None,
                 result = _errmsg(0, e)
         if result is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        elif keep is not None:
+        else:
             try:
-                _prune(ckpt, int(keep), final, owner)
+                if keep is not None:
+                    _prune(ckpt, int(keep), final, owner)
+                elif _abandoned(ckpt, final):
+                    _set_aside(ckpt, _abandoned(ckpt, final))
             except OSError as e:
                 warnings.warn(f"{where}: could not delete old checkpoints: {e}")
     result = comm.bcast(result, root=0)

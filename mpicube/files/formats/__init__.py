@@ -37,6 +37,8 @@ def detect(path) -> str:
     p = Path(path)
     if not p.exists():
         raise FormatError(f"{p}: no such file or directory")
+    if not p.is_dir() and not p.is_file():     # a FIFO would block the first read forever
+        raise FormatError(f"{p}: not a regular file or directory (a model is a file or a directory)")
     if p.is_dir():
         if hf.is_hf_dir(p):
             return "hf"

@@ -13,12 +13,14 @@ contiguous boxes a file can serve is shared here.
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
 
+from ...core import memory
 from ...core.config import ModelConfig
-from ...core.errors import UserError
+from ...core.errors import ConfigError, UserError
 
 MAX_BOXES = 64          # contiguous reads per block before falling back to bounding boxes
 
@@ -35,6 +37,19 @@ def gpt2_shapes(cfg: ModelConfig) -> dict:
     return {decl.name: tuple(decl.shape) for decl in gpt_params(cfg)}
 
 
+def first_missing(cfg: ModelConfig, have) -> str | None:
+    """The first parameter name of the model ``cfg`` for which ``have(name)``
+    is false, or None. The names are walked one at a time, so a header
+    claiming 2**31 layers over a file of two costs as many steps as the
+    file has tensors: run it before anything as long as the claim is built."""
+    from ...model.gpt import param_names
+
+    for name in param_names(cfg):
+        if not have(name):
+            return name
+    return None
+
+
 class ModelFile:
     """Base class: subclasses set ``kind``, ``path``, ``config`` and
     implement ``read_box``, ``dtype`` and ``close``."""
@@ -46,7 +61,10 @@ class ModelFile:
     def __init__(self, path, config: ModelConfig):
         self.path = Path(path)
         self.config = config
-        self.shapes = gpt2_shapes(config)
+        try:
+            self.shapes = gpt2_shapes(config)
+        except ConfigError as e:                 # its tensor list alone does not fit in memory
+            raise FormatError(f"{self.path}: {e}") from None
 
     # --- what a format provides -------------------------------------------
     def read_box(self, name: str, box: tuple) -> np.ndarray:
@@ -82,6 +100,20 @@ class ModelFile:
     def read_all(self, dtype=None) -> dict:
         """{name: whole tensor} of every parameter."""
         return {name: self.read(name, dtype=dtype) for name in self.names()}
+
+    def require_memory(self, whole: bool) -> None:
+        """Refuse in one line, before reading, a model this process cannot
+        hold: ``whole``, every tensor at once (``convert``); else the largest
+        tensor with a float64 copy of it (``inspect``'s statistics)."""
+        sizes = [(math.prod(shape), self.dtype(name).itemsize) for name, shape in self.shapes.items()]
+        if whole:
+            need, what = sum(n * item for n, item in sizes), f"reading all of {self.path}"
+        else:
+            need, what = max(n * (item + 8) for n, item in sizes), f"reading the largest tensor of {self.path}"
+        try:
+            memory.require(need, what)
+        except ConfigError as e:
+            raise FormatError(str(e)) from None
 
     def __enter__(self):
         return self

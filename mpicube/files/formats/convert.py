@@ -37,6 +37,7 @@ def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
     notes = []
     with open_model(src, verify=True) as model:
         cfg = model.config
+        model.require_memory(whole=True)         # every tensor is held at once
         tensors = model.read_all()
         source = model.describe()
         kind = model.kind

@@ -16,6 +16,7 @@ A configuration mpicube's model cannot compute is refused by name.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ...core import memory
 from ...core.config import ModelConfig
-from .base import FormatError, ModelFile, check_shapes, gpt2_shapes, model_config
+from .base import FormatError, ModelFile, check_shapes, first_missing, gpt2_shapes, model_config
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -35,6 +37,7 @@ BUFFERS = (".attn.bias", ".attn.masked_bias")      # causal-mask buffers of olde
 # activation_function values that are GPT-2's tanh-approximated GELU
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 READABLE = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+MAX_JSON_BYTES = 64 << 20     # config.json is about a kilobyte, an index of 10,000 tensors about a megabyte
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -50,24 +53,48 @@ def _safe_open(path: Path):
         raise FormatError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
+def read_json(where: Path, what: str):
+    """The JSON document of a small file (config.json, the safetensors
+    index), or a FormatError: a file larger than MAX_JSON_BYTES, unreadable,
+    not JSON, or nested too deeply for the parser."""
+    try:
+        size = where.stat().st_size
+        if size <= MAX_JSON_BYTES:
+            return json.loads(where.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise FormatError(f"{where}: cannot read it as JSON: {e}") from None
+    raise FormatError(f"{where}: {size:,} bytes is too large for {what} (at most {MAX_JSON_BYTES:,})")
+
+
 def parse_config(path: Path, doc) -> ModelConfig:
     """The ModelConfig of a GPT-2 ``config.json``, or a FormatError naming
-    the setting that mpicube's GPT-2 does not compute."""
+    the setting that mpicube's GPT-2 does not compute. Any JSON document
+    gives one or the other (the sizes are checked before they are used)."""
     where = path / CONFIG
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: not a JSON object")
     model_type = doc.get("model_type")
     if model_type != "gpt2":
-        raise FormatError(f"{where}: model_type {model_type!r} is not 'gpt2'; mpicube reads GPT-2 models only")
+        raise FormatError(f"{where}: model_type {_shown(model_type, repr)} is not 'gpt2'; mpicube reads GPT-2 "
+                          "models only")
+    missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k not in doc]
+    if "n_positions" not in doc and "n_ctx" not in doc:
+        missing.append("n_positions")
+    if missing:
+        raise FormatError(f"{where}: missing {', '.join(missing)}")
+    cfg = model_config(where, doc["n_layer"], doc["n_head"], doc["n_embd"],
+                       doc["n_positions"] if "n_positions" in doc else doc["n_ctx"], doc["vocab_size"])
     eps = doc.get("layer_norm_epsilon", 1e-5)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise FormatError(f"{where}: layer_norm_epsilon {json.dumps(eps)} is not a number")
+    # json reads 1e400 as inf: a number, but not one to compare or print as JSON
+    finite = isinstance(eps, int) or (isinstance(eps, float) and math.isfinite(eps))
+    if isinstance(eps, bool) or not finite:
+        raise FormatError(f"{where}: layer_norm_epsilon {_shown(eps)} is not a finite number")
     refusals = [
         ("activation_function", doc.get("activation_function", "gelu_new") not in TANH_GELU,
          "mpicube's MLP uses the tanh-approximated GELU ('gelu_new')"),
-        ("n_inner", doc.get("n_inner") not in (None, 4 * doc.get("n_embd", 0)),
+        ("n_inner", doc.get("n_inner") not in (None, 4 * cfg.n_embd),
          "mpicube's MLP is 4 * n_embd wide"),
-        ("layer_norm_epsilon", float(eps) != 1e-5,
+        ("layer_norm_epsilon", eps != 1e-5,
          "mpicube's LayerNorm uses eps 1e-5"),
         ("scale_attn_weights", doc.get("scale_attn_weights", True) is not True,
          "mpicube scales attention scores by 1/sqrt(head_dim)"),
@@ -82,14 +109,18 @@ def parse_config(path: Path, doc) -> ModelConfig:
     ]
     for key, refused, why in refusals:
         if refused:
-            raise FormatError(f"{where}: {key} = {json.dumps(doc.get(key))} is not supported: {why}")
-    missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k not in doc]
-    if "n_positions" not in doc and "n_ctx" not in doc:
-        missing.append("n_positions")
-    if missing:
-        raise FormatError(f"{where}: missing {', '.join(missing)}")
-    return model_config(where, doc["n_layer"], doc["n_head"], doc["n_embd"], doc.get("n_positions", doc.get("n_ctx")),
-                        doc["vocab_size"])
+            raise FormatError(f"{where}: {key} = {_shown(doc.get(key))} is not supported: {why}")
+    return cfg
+
+
+def _shown(value, show=json.dumps) -> str:
+    """A JSON value for a message, cut short (a refused value may be a
+    megabyte of nested lists)."""
+    try:
+        text = show(value)
+    except (ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class HFModel(ModelFile):
@@ -97,14 +128,13 @@ class HFModel(ModelFile):
 
     def __init__(self, path, check_head: bool = True):
         path = Path(path)
-        try:
-            doc = json.loads((path / CONFIG).read_text())
-        except (OSError, ValueError) as e:
-            raise FormatError(f"{path / CONFIG}: cannot read it as JSON: {e}") from None
-        super().__init__(path, parse_config(path, doc))
+        cfg = parse_config(path, read_json(path / CONFIG, "a model configuration"))
+        self.path = path                    # the files are opened (and counted) before the model is built
         self._files = {}                    # file name -> open safetensors handle
         try:
             self._map = self._weight_map()  # tensor name in the file -> file name
+            self._check_described(cfg)
+            super().__init__(path, cfg)
             self._locate()
             if check_head:
                 self._check_head()
@@ -115,12 +145,10 @@ class HFModel(ModelFile):
     def _weight_map(self) -> dict:
         if (self.path / INDEX).is_file():
             where = self.path / INDEX
-            try:
-                doc = json.loads(where.read_text())
-                weight_map = doc["weight_map"]
-                assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
-            except (OSError, ValueError, KeyError, TypeError, AssertionError):
-                raise FormatError(f"{where}: not a safetensors index (a JSON object with a 'weight_map')") from None
+            doc = read_json(where, "a safetensors index")
+            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                raise FormatError(f"{where}: not a safetensors index (a JSON object with a 'weight_map')")
             for name in sorted(set(weight_map.values())):
                 if "/" in name or name.startswith(".") or not (self.path / name).is_file():
                     raise FormatError(f"{where}: shard {name!r} is missing")
@@ -129,6 +157,26 @@ class HFModel(ModelFile):
                     raise FormatError(f"{self.path / file}: has no tensor {name!r}, which {INDEX} places there")
             return dict(weight_map)
         return {name: SINGLE for name in self._open(SINGLE).keys()}
+
+    def _check_described(self, cfg: ModelConfig) -> None:
+        """Before the model's tensor list is built: every tensor that
+        config.json implies is in the files, found by walking the names one
+        at a time (a config claiming 2**31 layers stops at the first layer
+        the files lack), and said with what each side holds."""
+        prefix = PREFIX if PREFIX + "wte.weight" in self._map else ""
+        missing = first_missing(cfg, lambda name: prefix + file_name(name) in self._map)
+        if missing is None:
+            return
+        fname = prefix + file_name(missing)
+        claim = ""
+        if memory.tensor_count(cfg.n_layer) > len(self._map):
+            held = sum(math.prod(self._open(f).get_slice(n).get_shape()) for n, f in self._map.items())
+            claim = (f"; {CONFIG} describes n_layer {memory.format_count(cfg.n_layer)}: "
+                     f"{memory.format_count(memory.tensor_count(cfg.n_layer))} tensors of "
+                     f"{memory.format_count(cfg.n_params())} parameters, the files hold {len(self._map):,} "
+                     f"tensors of {held:,}")
+        raise FormatError(f"{self.path}: missing tensor {fname!r} (mpicube's {missing}; the model needs every "
+                          f"GPT-2 parameter){claim}")
 
     def _open(self, file: str):
         if file not in self._files:

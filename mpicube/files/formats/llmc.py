@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_write
+from ...core import memory
 from ...core.config import ModelConfig
+from ...core.errors import ConfigError
 from .base import FormatError, ModelFile, check_shapes, gpt2_shapes, model_config
 
 MAGIC = 20240326
@@ -77,10 +79,30 @@ def read_header(path: Path) -> tuple:
     """(ModelConfig, version, padded vocabulary) from an llm.c model file,
     after checking magic, version and the file's size."""
     try:
+        if not path.is_file():               # a FIFO or device would block or never end
+            raise FormatError(f"{path}: not a regular file")
         size = path.stat().st_size
-        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
     except OSError as e:
         raise FormatError(f"{path}: cannot read it ({e.strerror})") from None
+    return parse_header(path, head, size)
+
+
+def data_bytes(cfg: ModelConfig, vocab_padded: int, version: int) -> int:
+    """Bytes of parameters after the header, by arithmetic on Python ints
+    (no list of tensors, no overflow): the padded wte, then every other
+    parameter once (``ModelConfig.n_params`` counts the real vocabulary)."""
+    itemsize = 4 if version == FLOAT32 else 2
+    count = cfg.n_params() + (vocab_padded - cfg.vocab_size) * cfg.n_embd
+    return count * itemsize
+
+
+def parse_header(path: Path, head: bytes, size: int) -> tuple:
+    """``read_header`` on the first bytes of a file (up to HEADER_BYTES) and
+    its size: any bytes give a result or a FormatError. The size the
+    header describes is compared with the file's before anything is built."""
+    header = np.frombuffer(head[:len(head) // 4 * 4], dtype="<i4")
     if header.size < 8:
         raise FormatError(f"{path}: too short for an llm.c model header ({size} bytes)")
     magic, version = int(header[0]), int(header[1])
@@ -97,13 +119,13 @@ def read_header(path: Path) -> tuple:
     cfg = model_config(path, layers, heads, channels, max_t, vocab)
     if vocab_padded < vocab:
         raise FormatError(f"{path}: padded_vocab_size {vocab_padded} is smaller than vocab_size {vocab}")
-    itemsize = 4 if version == FLOAT32 else 2
-    count = sum(int(np.prod(shape)) for _, shape, _ in file_layout(cfg, vocab_padded))
-    expected = HEADER_BYTES + count * itemsize
+    expected = HEADER_BYTES + data_bytes(cfg, vocab_padded, version)
     if size != expected:
         what = "truncated" if size < expected else "longer than its header says"
+        count = (expected - HEADER_BYTES) // (4 if version == FLOAT32 else 2)
         raise FormatError(f"{path}: {what}: the header describes {count:,} {VERSIONS[version]} parameters "
-                          f"({expected:,} bytes with the header) but the file has {size:,} bytes")
+                          f"({expected:,} bytes with the header; n_layer {layers:,}, n_embd {channels:,}, "
+                          f"padded vocabulary {vocab_padded:,}) but the file has {size:,} bytes")
     return cfg, version, vocab_padded
 
 
@@ -113,7 +135,11 @@ class LlmcModel(ModelFile):
     def __init__(self, path):
         path = Path(path)
         cfg, self.version, self.vocab_padded = read_header(path)
-        super().__init__(path, cfg)
+        super().__init__(path, cfg)          # refuses a tensor list that cannot fit, before building it
+        try:
+            memory.require_address(path.stat().st_size, f"mapping {path}")
+        except ConfigError as e:
+            raise FormatError(str(e)) from None
         raw = np.memmap(path, dtype="<f4" if self.version == FLOAT32 else "<u2", mode="r", offset=HEADER_BYTES)
         self._views = {}                     # mpicube name -> (view in file order, transposed)
         offset = 0

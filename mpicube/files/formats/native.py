@@ -10,8 +10,9 @@ import json
 import numpy as np
 
 from .. import checkpoint
+from ...core import memory
 from ...core.config import ModelConfig
-from .base import FormatError, ModelFile
+from .base import FormatError, ModelFile, first_missing
 
 
 class NativeModel(ModelFile):
@@ -30,17 +31,32 @@ class NativeModel(ModelFile):
             raise FormatError(f"{ck.file}: no model config attribute")
         try:
             config = ModelConfig.from_dict(cfg)
+            self._check_described(config)
+            super().__init__(ck.path, config)
+            self._check_tensors(cfg)
+        except FormatError:                  # a ValueError too: caught first
+            ck.close()
+            raise
         except (TypeError, ValueError) as e:
             ck.close()
             raise FormatError(f"{ck.file}: attribute 'config' does not describe a model: {e}") from None
-        super().__init__(ck.path, config)
         self.step = ck.step
         self.attrs = ck.attrs
-        try:
-            self._check_tensors(cfg)
-        except FormatError:
-            ck.close()
-            raise
+
+    def _check_described(self, config: ModelConfig) -> None:
+        """Before the model's tensor list is built: the first parameter the
+        ``config`` attribute implies and the checkpoint lacks, found by
+        walking the names one at a time (a config claiming 2**31 layers over
+        a checkpoint of two stops at layer 2)."""
+        names = set(self.ck.names())
+        missing = first_missing(config, lambda name: "model/" + name in names)
+        if missing is not None:
+            held = sum(1 for n in names if n.startswith("model/"))
+            raise FormatError(f"{self.ck.path}: has no tensor 'model/{missing}' (this parameter): its 'config' "
+                              f"attribute describes n_layer {memory.format_count(config.n_layer)}, "
+                              f"{memory.format_count(memory.tensor_count(config.n_layer))} tensors of "
+                              f"{memory.format_count(config.n_params())} parameters, and it holds {held:,} "
+                              "model tensors")
 
     def _check_tensors(self, cfg: dict) -> None:
         """Every parameter present, shaped like the ``config`` attribute says."""

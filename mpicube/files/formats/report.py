@@ -16,6 +16,7 @@ def inspect_model(path) -> tuple:
     lines, problems = [], []
     with open_model(path, verify=True) as model:
         cfg = model.config
+        model.require_memory(whole=False)        # one tensor at a time
         lines.append(model.describe())
         lines.append(f"  model: n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {cfg.n_embd}, "
                      f"n_ctx {cfg.n_ctx}, vocab {cfg.vocab_size}; {cfg.n_params():,} parameters")

@@ -7,6 +7,7 @@ for the device before handing buffers to MPI.
 
 from __future__ import annotations
 
+import os
 import time
 
 from .. import _stand_in
@@ -54,6 +55,12 @@ class Device:
 
     def synchronize(self):
         _stand_in.count_sync()
+
+    @property
+    def mem_info(self) -> tuple:
+        """(free, total) bytes, as CuPy's; the stand-in's device memory is the host's."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 class Event:
