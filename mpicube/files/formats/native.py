@@ -5,11 +5,10 @@ only the hyperslabs a rank needs."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from .. import checkpoint
+from ..checkpoint.header import model_config
 from ...core.config import ModelConfig
 from .base import FormatError, ModelFile
 
@@ -19,26 +18,17 @@ class NativeModel(ModelFile):
 
     def __init__(self, ck: "checkpoint.Checkpoint"):
         self.ck = ck
-        cfg = ck.attrs.get("config")
-        if isinstance(cfg, str):
-            try:
-                cfg = json.loads(cfg)
-            except ValueError:
-                cfg = None
-        if not isinstance(cfg, dict):
-            ck.close()
-            raise FormatError(f"{ck.file}: no model config attribute")
         try:
-            config = ModelConfig.from_dict(cfg)
-        except (TypeError, ValueError) as e:
+            cfg = model_config(ck.attrs.get("config"), ck.file)       # CheckpointError if it is no model
+        except checkpoint.CheckpointError:
             ck.close()
-            raise FormatError(f"{ck.file}: attribute 'config' does not describe a model: {e}") from None
-        super().__init__(ck.path, config)
+            raise
+        super().__init__(ck.path, ModelConfig.from_dict(cfg))
         self.step = ck.step
         self.attrs = ck.attrs
         try:
             self._check_tensors(cfg)
-        except FormatError:
+        except (FormatError, checkpoint.CheckpointError):
             ck.close()
             raise
 
