@@ -136,8 +136,8 @@ def link_problem(f: h5py.File, name: str, what: str, final_external: bool) -> st
             continue
         if i == len(parts) and final_external and isinstance(link, h5py.ExternalLink):
             continue
-        kind = type(link).__name__.replace("Link", "").lower() or "unknown"
-        return f"{what}: {path!r} is a {kind} link (a checkpoint holds hard links only)"
+        kind = {h5py.ExternalLink: "an external", h5py.SoftLink: "a soft"}.get(type(link), "an unknown")
+        return f"{what}: {path!r} is {kind} link (a checkpoint holds hard links only)"
     return None
 
 
