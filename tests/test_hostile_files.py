@@ -126,7 +126,7 @@ def test_good_checkpoint_passes_every_check(good_run):
     checkpoint tests load saves of every layout through the same checks)."""
     with checkpoint.open_checkpoint(good_run) as ck:
         for name in ck.names():
-            problems, sources = ck.storage(name)
+            problems, sources = ck.check_storage(name)
             assert not problems and set(sources) <= set(ck.shard_sha256), (name, problems, sources)
     assert checkpoint.inspect(good_run)[0]
 

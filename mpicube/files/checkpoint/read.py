@@ -116,14 +116,17 @@ class Checkpoint:
                                 and not isinstance(self._f.get(name), h5py.Dataset)):
                 raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
         self._hash(files)
-        for name in self._names:
-            index = self._link(name)[1]
-            if files is None or index is None or index in files:
-                problems, _ = self.storage(name)
-                if problems:
-                    raise CheckpointError(problems[0])
+        try:
+            for name in self._names:
+                index = self._link(name)[1]
+                if files is None or index is None or index in files:
+                    problems, _ = self.check_storage(name)
+                    if problems:
+                        raise CheckpointError(problems[0])
+        finally:
+            self.bounds.close()             # the shards it opened to look at; reads go through HDF5's own
 
-    def storage(self, name: str) -> tuple[list, list]:
+    def check_storage(self, name: str) -> tuple[list, list]:
         """(problems, source files of its virtual mappings) of where tensor
         ``name``'s bytes come from (``storage.tensor_problems``)."""
         try:

@@ -15,10 +15,10 @@ from .vds import INDEX_DIR
 
 def _tensor_line(ck, name: str, problems: list) -> tuple[str, int]:
     """(report line, bytes) of a tensor; where its bytes come from is
-    checked as a loader checks it (``Checkpoint.storage``): sources outside
+    checked as a loader checks it (``Checkpoint.check_storage``): sources outside
     the listed files, missing ones, external storage are problems."""
     ds = ck._ds(name)                   # a bad link: a CheckpointError, reported by the caller
-    found, sources = ck.storage(name)
+    found, sources = ck.check_storage(name)
     problems += found
     if ds.is_virtual:
         how = f"{len(sources)} pieces in {len(set(sources))} shard(s)"

@@ -43,6 +43,7 @@ from .format import CheckpointError
 from .meta import check_cover
 
 STORED_LAYOUTS = {h5d.COMPACT: "compact", h5d.CONTIGUOUS: "contiguous", h5d.CHUNKED: "chunked"}
+FILES_OPEN = 64             # listed files Bounds keeps open at once (HDF5 opens the sources again to read them)
 
 
 def lexical_problem(rel) -> str | None:
@@ -106,9 +107,13 @@ class Bounds:
         return rel, self.file_problem(rel, must_exist=True)
 
     def open(self, rel: str) -> h5py.File:
-        f = self._open.get(rel)
+        """The listed file ``rel``, kept open among the last FILES_OPEN used."""
+        f = self._open.pop(rel, None)
         if f is None:
-            f = self._open[rel] = h5py.File(self.dir / rel, "r", locking=False)
+            f = h5py.File(self.dir / rel, "r", locking=False)
+            while len(self._open) >= FILES_OPEN:
+                self._open.pop(next(iter(self._open))).close()
+        self._open[rel] = f
         return f
 
     def close(self) -> None:
