@@ -293,6 +293,7 @@ SHARD_CASES = {
     "count-past-end": (lambda p: raw_shard(p, count=2**31 - 1), r"size mismatch: header says 2147483647 tokens"),
     "count-negative": (lambda p: raw_shard(p, count=-5), r"size mismatch: header says -5 tokens"),
     "cut-body": (lambda p: raw_shard(p, cut=3), r"size mismatch: header says 200 tokens"),
-    "cut-header": (lambda p: p.write_bytes(b"\x38\x0b\x35\x01" + b"\0" * 100), r"file is shorter than the 1024-byte shard header"),
+    "cut-header": (lambda p: p.write_bytes(np.array([MAGIC], "<i4").tobytes() + b"\0" * 100),
+                   r"file is shorter than the 1024-byte shard header"),
     "fifo": (lambda p: os.mkfifo(p), r"not a regular file"),
 }

@@ -11,7 +11,8 @@ import h5py
 import numpy as np
 
 from . import header, storage
-from .format import CKPT_DIR, CheckpointError, LATEST, MAIN_FILE, _MAX_READS, _STEP_RE, _as_index, _fmt_shape, _sha256_file
+from .format import (CKPT_DIR, CheckpointError, LATEST, MAIN_FILE, _MAX_READS, _STEP_RE, _as_index, _fmt_shape,
+                     _sha256_file)
 
 INDEX_FILES_OPEN = 64       # index files a Checkpoint keeps open
 
