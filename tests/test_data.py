@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpicube.files import data
-from mpicube.files.data import (HEADER_INTS, MAGIC, VERSION, DataError, TrainLoader, builtin_corpus,
+from mpicube.files.data import (HEADER_INTS, MAGIC, VERSION, DataError, TokenShard, TrainLoader, builtin_corpus,
                                 decode_tokens, encode_bytes, eval_batch, eval_batch_count, prepare,
                                 read_shard, write_shard)
 
@@ -34,9 +34,10 @@ def test_shard_round_trip(tmp_path):
     assert header[:3].tolist() == [MAGIC, VERSION, len(tokens)]
     assert not header[3:].any()
     got = read_shard(path)
-    assert isinstance(got, np.memmap)
+    assert isinstance(got, TokenShard) and len(got) == len(tokens)       # read on demand, never memory-mapped
     assert got.dtype == np.uint16
-    assert got.tolist() == tokens.tolist()
+    assert np.asarray(got).tolist() == tokens.tolist()
+    assert got[1:4].tolist() == [1, 255, 256] and got[::-2].tolist() == [42, 256, 1] and int(got[-2]) == 65535
     assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]  # no temp file left behind
 
 
@@ -44,12 +45,12 @@ def test_write_shard_replaces_and_rejects_out_of_range(tmp_path):
     path = tmp_path / "a.bin"
     write_shard(path, [1, 2, 3])
     write_shard(path, [7])
-    assert read_shard(path).tolist() == [7]
+    assert np.asarray(read_shard(path)).tolist() == [7]
     with pytest.raises(DataError, match="uint16"):
         write_shard(path, [70000])
     with pytest.raises(DataError, match="uint16"):
         write_shard(path, [-1])
-    assert read_shard(path).tolist() == [7]
+    assert np.asarray(read_shard(path)).tolist() == [7]
 
 
 def test_empty_shard_round_trip(tmp_path):
@@ -110,8 +111,8 @@ def test_prepare_exact_bytes_and_split(tmp_path):
     assert val == tmp_path / "out" / "corpus_val.bin"
 
     # a.py, b.txt, sub/c.md, z.rst, then single.dat: 25 bytes, the last round(25 * 0.2) = 5 are val
-    assert bytes(read_shard(train).astype(np.uint8)) == b"AA\nBBB\nC\nZZZZ\n012345"
-    assert bytes(read_shard(val).astype(np.uint8)) == b"6789\n"
+    assert bytes(np.asarray(read_shard(train)).astype(np.uint8)) == b"AA\nBBB\nC\nZZZZ\n012345"
+    assert bytes(np.asarray(read_shard(val)).astype(np.uint8)) == b"6789\n"
 
 
 @pytest.mark.parametrize(
@@ -164,7 +165,7 @@ def test_builtin_corpus_file_selection(tmp_path, monkeypatch):
 
     train, val = builtin_corpus(tmp_path / "cache")
     stream = b"init\ndec\nj\nos\n"  # json/__init__.py, json/decoder.py, json.py, os.py
-    got = bytes(read_shard(train).astype(np.uint8)) + bytes(read_shard(val).astype(np.uint8))
+    got = b"".join(bytes(np.asarray(read_shard(p)).astype(np.uint8)) for p in (train, val))
     assert got == stream
     assert len(read_shard(val)) == 1  # max(1, round(14 * 0.05))
 
@@ -220,13 +221,13 @@ def test_builtin_corpus_rebuilds_damaged_cache(tmp_path, monkeypatch):
     (fake / "a.py").write_bytes(b"print(1)\n" * 10)
     monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(fake)})
     train, val = builtin_corpus(tmp_path / "c")
-    expected, expected_val = read_shard(train).tolist(), read_shard(val).tolist()
+    expected, expected_val = np.asarray(read_shard(train)).tolist(), np.asarray(read_shard(val)).tolist()
     train.write_bytes(b"garbage")
     assert builtin_corpus(tmp_path / "c") == (train, val)
-    assert read_shard(train).tolist() == expected
+    assert np.asarray(read_shard(train)).tolist() == expected
     val.unlink()
     assert builtin_corpus(tmp_path / "c") == (train, val)
-    assert read_shard(val).tolist() == expected_val
+    assert np.asarray(read_shard(val)).tolist() == expected_val
 
 
 def _corpus_worker(cache):

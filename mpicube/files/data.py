@@ -7,6 +7,7 @@ number.
 """
 
 import os
+import stat
 import sys
 import sysconfig
 from pathlib import Path
@@ -53,26 +54,14 @@ def write_shard(path, tokens) -> None:
     atomic_write(path, [header.tobytes(), body.tobytes()])
 
 
-def read_shard(path) -> np.ndarray:
-    """Return the tokens of a shard as a read-only uint16 memmap (no copy of the file).
-
-    Every way a file can be wrong is checked up front so that a bad input stops
-    the run with a message naming the file, instead of training on garbage.
-    """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise DataError(f"{path}: token shard not found") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read token shard ({e.strerror})") from None
-    if size < HEADER_BYTES:
+def parse_header(header: bytes, size: int, path) -> int:
+    """The token count of a shard whose first bytes are ``header`` and whose
+    file holds ``size`` bytes, or a DataError naming ``path``: the header is
+    checked arithmetically against the real size before anything is read
+    or allocated (DESIGN.md section 5)."""
+    if size < HEADER_BYTES or len(header) < HEADER_BYTES:
         raise DataError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header ({size} bytes)")
-    try:
-        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)  # (256,) int32
-    except OSError as e:
-        raise DataError(f"{path}: cannot read token shard ({e})") from None
-    magic, version, count = (int(v) for v in header[:3])
+    magic, version, count = (int(v) for v in np.frombuffer(header, dtype="<i4", count=3))
     if magic != MAGIC:
         raise DataError(f"{path}: wrong magic number {magic} (expected {MAGIC}); not an llm.c token shard")
     if version != VERSION:
@@ -82,9 +71,129 @@ def read_shard(path) -> np.ndarray:
         raise DataError(
             f"{path}: size mismatch: header says {count} tokens ({expected} bytes) but the file has {size} bytes"
         )
-    if count == 0:  # mmap cannot map zero bytes
-        return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))  # (N,) uint16
+    return count
+
+
+class TokenShard:
+    """The tokens of one shard, read on demand with positioned reads.
+
+    Why not a memory map: a page of a mapped file that is truncated or
+    rewritten under a running job kills it with SIGBUS and no message. A
+    ``pread`` of a window comes back short instead, and that is a DataError
+    naming the file. The file stays open, so a shard *replaced* under the
+    job (a new file renamed over it) is still read as it was when opened.
+
+    Array-like enough for its users: ``len``, ``shape``, ``dtype``, an
+    integer or a slice (a copy, uint16), ``np.asarray`` (the whole shard)
+    and ``rows`` (the windows of a batch, one read each).
+    """
+
+    dtype = np.dtype("<u2")
+    ndim = 1
+
+    def __init__(self, path: Path, fd: int, count: int):
+        self.path = path
+        self._fd = fd
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def shape(self) -> tuple:
+        return (self._count,)
+
+    def _read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n) as a new (n,) uint16 array."""
+        out = np.empty(n, dtype=self.dtype)                                     # (n,) uint16
+        if n:
+            self._read_into(out, start)
+        return out
+
+    def _read_into(self, out: np.ndarray, start: int) -> None:
+        """Fill the contiguous array ``out`` with the tokens from ``start`` on."""
+        buf, want, got = memoryview(out).cast("B"), out.nbytes, 0
+        try:
+            while got < want:
+                n = os.preadv(self._fd, [buf[got:]], HEADER_BYTES + 2 * start + got)
+                if n == 0:                      # end of file: it is shorter than when it was opened
+                    break
+                got += n
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot read token shard ({e.strerror})") from None
+        if got != want:
+            raise DataError(f"{self.path}: token shard changed under this job: read {got} of {want} bytes at "
+                            f"token {start:,} of {self._count:,} (truncated or rewritten in place?)")
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self._count)
+            lo, hi = (start, stop) if step > 0 else (stop + 1, start + 1)
+            part = self._read(lo, max(0, hi - lo))
+            return part[::step] if step > 0 else part[::-1][::-step]
+        index = int(np.asarray(key).item()) if np.ndim(key) == 0 else None
+        if index is None:
+            raise TypeError("a token shard takes an integer or a slice (use rows() for windows)")
+        if not -self._count <= index < self._count:
+            raise IndexError(f"token {index} out of range for {self.path} ({self._count} tokens)")
+        return self._read(index % self._count, 1)[0]
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self._read(0, self._count)                                      # (N,) uint16
+        return whole if dtype is None else whole.astype(dtype)
+
+    def rows(self, starts, width: int) -> np.ndarray:
+        """(B, width) uint16: row r holds tokens [starts[r], starts[r] + width)."""
+        starts = np.asarray(starts, dtype=np.int64)                             # (B,)
+        if starts.size and (starts.min() < 0 or starts.max() + width > self._count):
+            raise IndexError(f"window past the end of {self.path} ({self._count} tokens)")
+        out = np.empty((starts.size, width), dtype=self.dtype)                  # (B, width) uint16
+        for r, start in enumerate(starts.tolist()):
+            self._read_into(out[r], start)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a TokenShard holds an open file and is not copied: read_shard its path again")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        self.close()
+
+    def __repr__(self):
+        return f"TokenShard({str(self.path)!r}, {self._count} tokens)"
+
+
+def read_shard(path) -> TokenShard:
+    """Open a shard (its tokens as a ``TokenShard``, read on demand).
+
+    Every way a file can be wrong is checked up front so that a bad input stops
+    the run with a message naming the file, instead of training on garbage;
+    size and header are those of the opened file, not of a path looked at
+    earlier. Not a regular file (a FIFO would block forever): a DataError.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise DataError(f"{path}: token shard not found") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read token shard ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path}: not a regular file, so not a token shard")
+        count = parse_header(os.pread(fd, HEADER_BYTES, 0), st.st_size, path)
+    except OSError as e:
+        os.close(fd)
+        raise DataError(f"{path}: cannot read token shard ({e.strerror})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return TokenShard(path, fd, count)
 
 
 def check_vocab(tokens, vocab_size: int, path) -> None:
@@ -92,7 +201,7 @@ def check_vocab(tokens, vocab_size: int, path) -> None:
     the model's vocabulary does not have. Shards hold any uint16 (llm.c's
     GPT-2-tokenized data goes up to 50256); a model of a smaller vocabulary
     would otherwise index past its embedding. Scanned in chunks, so a
-    memory-mapped shard is never copied whole."""
+    shard is never read whole."""
     chunk = 1 << 24
     for lo in range(0, len(tokens), chunk):
         part = np.asarray(tokens[lo:lo + chunk])                                 # (chunk,) uint16
@@ -237,9 +346,13 @@ def builtin_corpus(cache_dir=None) -> tuple[Path, Path]:
 
 
 def _windows(tokens, starts, seq_len):
-    """Gather windows of T+1 tokens at `starts` in one fancy-indexing op; return (x, y), y shifted by one."""
-    idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(seq_len + 1)  # (B, T+1) int64
-    chunk = np.asarray(tokens[idx], dtype=np.int64)  # (B, T+1) int64
+    """Windows of T+1 tokens at `starts` (a read each from a shard, one fancy-indexing op on an array);
+    return (x, y), y shifted by one."""
+    if isinstance(tokens, TokenShard):
+        chunk = tokens.rows(starts, seq_len + 1).astype(np.int64)  # (B, T+1) int64
+    else:
+        idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(seq_len + 1)  # (B, T+1) int64
+        chunk = np.asarray(tokens[idx], dtype=np.int64)  # (B, T+1) int64
     # contiguous copies: callers hand these to MPI and to matmuls
     return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])  # (B, T) each
 
@@ -258,7 +371,7 @@ class TrainLoader:
 
     def __init__(self, tokens, batch_size, seq_len, seed):
         _check_sizes(batch_size, seq_len)
-        self.tokens = tokens  # (N,) uint16, usually a memmap from read_shard
+        self.tokens = tokens  # (N,) uint16, usually a TokenShard from read_shard
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
         self.seed = int(seed)

@@ -43,8 +43,11 @@ those of jobs that died.  :func:`latest` falls back to the newest complete
 step directory when ``latest`` is missing or names nothing.
 
 Loading verifies, because a missing virtual-dataset source silently reads as
-fill values: :func:`open_checkpoint` checks the format/version attributes and
-the presence and sha256 digest of every shard.  Given a communicator, the
+fill values: :func:`open_checkpoint` checks the root attributes (``header``),
+the presence and sha256 digest of every shard, and, since a checkpoint is
+untrusted input, where every tensor's bytes come from (``storage``): only
+from the files it lists, inside its own directory, through hard links, with
+no external storage and no virtual source elsewhere.  Given a communicator, the
 ranks share the hashing (each hashes the files numbered like itself, which
 on the saving layout are the ones it reads) and agree on any problem.
 """

@@ -132,7 +132,7 @@ def _decode_attr(v: Any) -> Any:
         if s[:1] in ("{", "["):
             try:
                 return json.loads(v)
-            except ValueError:
+            except (ValueError, RecursionError):     # not JSON, or nested past Python's stack
                 return v
         return v
     if isinstance(v, np.generic):

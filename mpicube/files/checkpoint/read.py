@@ -10,8 +10,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .format import (CKPT_DIR, CheckpointError, FORMAT, LATEST, MAIN_FILE, VERSION, _MAX_READS, _STEP_RE,
-                     _as_index, _decode_attr, _fmt_shape, _sha256_file)
+from . import header, storage
+from .format import (CKPT_DIR, CheckpointError, LATEST, MAIN_FILE, _MAX_READS, _STEP_RE, _as_index, _fmt_shape,
+                     _sha256_file)
 
 INDEX_FILES_OPEN = 64       # index files a Checkpoint keeps open
 
@@ -70,13 +71,19 @@ def _resolve(path) -> Path:
 
 
 class Checkpoint:
-    """A committed checkpoint opened for reading (see :func:`open_checkpoint`)."""
+    """A committed checkpoint opened for reading (see :func:`open_checkpoint`).
+
+    No link is followed before ``storage`` has checked it; ``verify`` also
+    checks where every tensor's bytes come from (``storage``), so that a
+    loader reads only the files the checkpoint lists, inside its directory."""
 
     def __init__(self, file: Path, verify: bool = True):
         self.file = Path(file)
         self.path = self.file.parent
+        self.bounds = None               # storage.Bounds: the files it may read, once the header is read
         self._index = {}                 # relative path -> open index file, least recently used first
-        self._links = {}                 # tensor name -> its link in checkpoint.h5
+        self._links = {}                 # tensor name -> (its link in checkpoint.h5, index file or None)
+        self._inside = set()             # tensors whose path inside their index file was checked
         try:
             self._f = h5py.File(self.file, "r", locking=False)
         except Exception as e:  # noqa: BLE001 - h5py raises OSError, sometimes others
@@ -90,50 +97,47 @@ class Checkpoint:
             self._f.close()
             raise
 
-    def _attr(self, key: str):
-        try:
-            return self._f.attrs[key]
-        except KeyError:
-            raise CheckpointError(f"{self.file}: root attribute {key!r} is missing") from None
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{self.file}: cannot read root attribute {key!r}: {e}") from e
-
     def _check_header(self) -> None:
-        fmt = _decode_attr(self._attr("format"))
-        if fmt != FORMAT:
-            raise CheckpointError(f"{self.file}: attribute 'format' is {fmt!r}, expected {FORMAT!r}")
-        ver = _decode_attr(self._attr("version"))
-        if ver != VERSION:
-            raise CheckpointError(
-                f"{self.file}: attribute 'version' is {ver!r}; this mpicube reads version {VERSION}")
-        try:
-            self.step = int(_decode_attr(self._attr("step")))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{self.file}: attribute 'step' is not an integer") from e
-        names = _decode_attr(self._attr("tensors"))
-        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-            raise CheckpointError(f"{self.file}: attribute 'tensors' is not a JSON list of names")
-        self._names = names
-        shards = _decode_attr(self._attr("shard_sha256"))
-        if not (isinstance(shards, dict) and all(isinstance(v, str) for v in shards.values())):
-            raise CheckpointError(f"{self.file}: attribute 'shard_sha256' is not a JSON object")
-        self.shard_sha256 = shards
-        self.attrs = {}
-        try:
-            for k in self._f.attrs:
-                if k not in ("tensors", "shard_sha256"):
-                    self.attrs[k] = _decode_attr(self._f.attrs[k])
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{self.file}: cannot read root attributes: {e}") from e
+        head = header.parse_root(header.read_attrs(self._f.attrs, self.file), self.file)
+        self.step, self._names, self.shard_sha256, self.attrs = head.step, head.names, head.shard_sha256, head.attrs
+        self.bounds = storage.Bounds(self.path, self.shard_sha256)
 
     def verify(self, files=None) -> None:
-        """Check every tensor is present and every shard exists with its
-        sha256; ``files``: only these of the shard files (a rank's share)."""
+        """Check every tensor is present, every listed file inside the
+        checkpoint directory and matching its sha256, and every tensor's
+        bytes coming from listed files only (``storage``); ``files``: only
+        these of the listed files (a rank's share) are hashed, and only the
+        tensors indexed in them checked."""
+        problems = self.bounds.listing_problems()
+        if problems:
+            raise CheckpointError(problems[0])
         for name in self._names:            # links are checked, not followed: their files are hashed below
-            link = self._link(name)
+            link, _ = self._link(name)
             if link is None or (not isinstance(link, h5py.ExternalLink)
                                 and not isinstance(self._f.get(name), h5py.Dataset)):
                 raise CheckpointError(f"{self.file}: tensor {name!r} is missing")
+        self._hash(files)
+        try:
+            for name in self._names:
+                index = self._link(name)[1]
+                if files is None or index is None or index in files:
+                    problems, _ = self.check_storage(name)
+                    if problems:
+                        raise CheckpointError(problems[0])
+        finally:
+            self.bounds.close()             # the shards it opened to look at; reads go through HDF5's own
+
+    def check_storage(self, name: str) -> tuple[list, list]:
+        """(problems, source files of its virtual mappings) of where tensor
+        ``name``'s bytes come from (``storage.tensor_problems``)."""
+        try:
+            ds = self._ds(name)
+        except CheckpointError as e:
+            return [str(e)], []
+        index = self._link(name)[1]
+        return storage.tensor_problems(self.bounds, index or MAIN_FILE, ds, f"{self.file}: tensor {name!r}")
+
+    def _hash(self, files) -> None:
         for rel, digest in sorted(self.shard_sha256.items()):
             if files is not None and rel not in files:
                 continue
@@ -157,19 +161,41 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.file}: no tensor {name!r} (it has {len(self._names)}: "
                 f"{', '.join(self._names[:8])}{', ...' if len(self._names) > 8 else ''})")
+        what = f"{self.file}: tensor {name!r}"
+        link, index = self._link(name)
         try:
-            link = self._link(name)
-            if not isinstance(link, h5py.ExternalLink):
-                return self._f[name]
-            return self._index_file(link.filename)[link.path]
+            f, path = (self._f, name) if index is None else (self._index_file(index), link.path)
         except Exception as e:  # noqa: BLE001 - a link to a missing or damaged index file
-            raise CheckpointError(f"{self.file}: tensor {name!r} is unreadable: {e}") from e
+            raise CheckpointError(f"{what} is unreadable: {e}") from e
+        if index is not None and name not in self._inside:
+            why = storage.link_problem(f, path.lstrip("/"), f"{what}: in {index}", final_external=False)
+            if why is not None:
+                raise CheckpointError(why)
+            self._inside.add(name)
+        try:
+            ds = f.get(path)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{what} is unreadable: {e}") from e
+        if not isinstance(ds, h5py.Dataset):
+            raise CheckpointError(f"{what} is missing" if ds is None else f"{what} is not a dataset")
+        return ds
 
-    def _link(self, name: str):
-        """The link of tensor ``name`` in checkpoint.h5 (an ExternalLink to
-        its index dataset, or a HardLink), None if there is none; cached."""
+    def _link(self, name: str) -> tuple:
+        """(link, index file) of tensor ``name`` in checkpoint.h5: a hard
+        link (index None), or an external link into ``index``, one of the
+        listed files; (None, None) if there is none; a CheckpointError for
+        any other link, checked before anything is followed; cached."""
         if name not in self._links:
-            self._links[name] = self._f.get(name, getlink=True)
+            what = f"{self.file}: tensor {name!r}"
+            why = storage.link_problem(self._f, name, what, final_external=True)
+            if why is not None:
+                raise CheckpointError(why)
+            link, index = self._f.get(name, getlink=True), None
+            if isinstance(link, h5py.ExternalLink):
+                index, why = self.bounds.resolve(MAIN_FILE, link.filename, f"{what}: external link")
+                if why is not None:
+                    raise CheckpointError(why)
+            self._links[name] = (link, index)
         return self._links[name]
 
     def _index_file(self, rel: str) -> h5py.File:
@@ -232,6 +258,8 @@ class Checkpoint:
         for f in getattr(self, "_index", {}).values():
             f.close()
         self._index = {}
+        if getattr(self, "bounds", None) is not None:
+            self.bounds.close()
         if getattr(self, "_f", None) is not None:
             self._f.close()
             self._f = None

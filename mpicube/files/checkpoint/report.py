@@ -3,37 +3,29 @@
 from __future__ import annotations
 
 import json
-import os
 
 import h5py
 
-from .read import open_checkpoint
-
 from .format import CheckpointError, _fmt_shape, _fmt_size, _sha256_file
+from .header import model_config
+from .read import open_checkpoint
+from .storage import stored_problem
 from .vds import INDEX_DIR
 
 
-def _pieces(ck, name: str, ds, problems: list) -> str:
-    """Where a tensor's pieces are: the shard files its virtual dataset (in
-    an index file, or in checkpoint.h5 itself in a one-level checkpoint)
-    maps; missing files are problems."""
-    def known(fn: str) -> bool:
-        if fn not in ck.shard_sha256:
-            problems.append(f"tensor {name!r}: source {fn} has no recorded sha256")
-        elif not (ck.path / fn).is_file():
-            problems.append(f"tensor {name!r}: source {ck.path / fn} is missing")
-        else:
-            return True
-        return False
-
-    here = os.path.relpath(os.path.dirname(os.path.abspath(ds.file.filename)), os.path.abspath(ck.path))
-    pieces, shards = 0, set()
-    for src in ds.virtual_sources():
-        fn = os.path.normpath(os.path.join(here, src.file_name))        # relative to the checkpoint
-        pieces += 1
-        if fn not in shards and known(fn):
-            shards.add(fn)
-    return f"{pieces} pieces in {len(shards)} shard(s)"
+def _tensor_line(ck, name: str, problems: list) -> tuple[str, int]:
+    """(report line, bytes) of a tensor; where its bytes come from is
+    checked as a loader checks it (``Checkpoint.check_storage``): sources outside
+    the listed files, missing ones, external storage are problems."""
+    ds = ck._ds(name)                   # a bad link: a CheckpointError, reported by the caller
+    found, sources = ck.check_storage(name)
+    problems += found
+    if ds.is_virtual:
+        how = f"{len(sources)} pieces in {len(set(sources))} shard(s)"
+    else:
+        how = "stored in checkpoint.h5"
+    line = f"  {name:<40s} {_fmt_shape(ds.shape):<14s} {str(ds.dtype):<8s} {how}"
+    return line, ds.size * ds.dtype.itemsize
 
 
 def _shape_problems(ck, expected) -> list:
@@ -42,9 +34,10 @@ def _shape_problems(ck, expected) -> list:
     config and the checkpoint's tensor names to {parameter name: shape}
     (a ValueError for a config the tensors cannot be); the caller knows the
     model, this package knows only tensors by name and shape."""
-    cfg = ck.attrs.get("config")
-    if not isinstance(cfg, dict):
-        return [f"{ck.file}: attribute 'config' is missing or not a JSON object"]
+    try:
+        cfg = model_config(ck.attrs.get("config"), ck.file)
+    except CheckpointError as e:
+        return [str(e)]
     try:
         shapes = expected(cfg, set(ck.names()))
     except (TypeError, ValueError) as e:
@@ -53,10 +46,66 @@ def _shape_problems(ck, expected) -> list:
     for param, shape in shapes.items():
         for prefix in ("model", "optimizer/m", "optimizer/v"):
             name = f"{prefix}/{param}"
-            if name in have and tuple(ck.shape(name)) != tuple(shape):
-                problems.append(f"{ck.file}: tensor {name!r} has shape {tuple(ck.shape(name))} but the model in "
+            try:
+                found = tuple(ck.shape(name)) if name in have else tuple(shape)
+            except CheckpointError:
+                continue                        # a bad link: already a problem of the tensor list
+            if found != tuple(shape):
+                problems.append(f"{ck.file}: tensor {name!r} has shape {found} but the model in "
                                 f"its 'config' attribute needs {tuple(shape)}")
     return problems
+
+
+def _shard_line(ck, rel: str, digest: str, problems: list) -> str:
+    """The report line of a listed file: its sha256 and, for a shard, a
+    read of every dataset in it (which checks the fletcher32 checksums),
+    chunk by chunk; a file outside the directory is neither hashed nor
+    opened, a dataset stored outside its file is not read."""
+    p = ck.path / rel
+    why = ck.bounds.file_problem(rel, must_exist=True)
+    if why is not None:
+        problems.append(why)
+        return f"  {rel}  {'MISSING' if not p.exists() else 'REFUSED'}"
+    got = _sha256_file(p)
+    sha = "sha256 ok" if got == digest else "sha256 MISMATCH"
+    if got != digest:
+        problems.append(f"{p}: sha256 mismatch (file is corrupt)")
+    size = _fmt_size(p.stat().st_size)
+    if rel.startswith(INDEX_DIR + "/"):         # virtual datasets: read through the shards above
+        return f"  {rel}  {size}  {sha}  index"
+    nd, bad = 0, []
+    try:
+        with h5py.File(p, "r", locking=False) as sf:
+            dsets = []
+            sf.visititems(lambda n, o: dsets.append(n) if isinstance(o, h5py.Dataset) else None)
+            for n in dsets:
+                why = _read_dataset(sf[n], f"{p}: dataset {n!r}")
+                if why is None:
+                    nd += 1
+                else:
+                    bad.append(n)
+                    problems.append(why)
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"{p}: cannot open shard: {e}")
+        bad.append("<file>")
+    read = f"{nd} datasets read ok" if not bad else f"{len(bad)} dataset(s) FAILED"
+    return f"  {rel}  {size}  {sha}  {read}"
+
+
+def _read_dataset(ds, what: str) -> str | None:
+    """Read a shard's dataset through (a chunk at a time, so a declared
+    size is never allocated at once); the problem, or None."""
+    if ds.is_virtual:
+        return f"{what}: is a virtual dataset (shards hold stored data)"
+    why = stored_problem(ds, what)
+    if why is not None:
+        return why
+    try:
+        for sel in (ds.iter_chunks() if ds.chunks else [()]):
+            ds[sel]
+    except Exception as e:  # noqa: BLE001
+        return f"{what} unreadable (checksum?): {e}"
+    return None
 
 
 def inspect(path, expected=None) -> tuple[bool, str]:
@@ -89,49 +138,19 @@ def inspect(path, expected=None) -> tuple[bool, str]:
         total = 0
         for name in ck.names():
             try:
-                ds = ck._f.get(name)
-                if not isinstance(ds, h5py.Dataset):
-                    raise CheckpointError("missing")
-                nbytes = ds.size * ds.dtype.itemsize
+                line, nbytes = _tensor_line(ck, name, problems)
                 total += nbytes
-                how = _pieces(ck, name, ds, problems) if ds.is_virtual else "stored in checkpoint.h5"
-                lines.append(f"  {name:<40s} {_fmt_shape(ds.shape):<14s} {str(ds.dtype):<8s} {how}")
+                lines.append(line)
+            except CheckpointError as e:
+                problems.append(str(e))
             except Exception as e:  # noqa: BLE001
                 problems.append(f"{ck.file}: tensor {name!r}: {e}")
         lines.append(f"  total {_fmt_size(total)}")
         if expected is not None:
             problems += _shape_problems(ck, expected)
         lines.append(f"shards ({len(ck.shard_sha256)}):")
-        for rel, digest in sorted(ck.shard_sha256.items()):
-            p = ck.path / rel
-            if not p.is_file():
-                problems.append(f"{p}: shard file is missing")
-                lines.append(f"  {rel}  MISSING")
-                continue
-            got = _sha256_file(p)
-            sha = "sha256 ok" if got == digest else "sha256 MISMATCH"
-            if got != digest:
-                problems.append(f"{p}: sha256 mismatch (file is corrupt)")
-            nd, bad = 0, []
-            if rel.startswith(INDEX_DIR + "/"):         # virtual datasets: read through the shards above
-                lines.append(f"  {rel}  {_fmt_size(p.stat().st_size)}  {sha}  index")
-                continue
-            try:
-                with h5py.File(p, "r", locking=False) as sf:
-                    dsets = []
-                    sf.visititems(lambda n, o: dsets.append(n) if isinstance(o, h5py.Dataset) else None)
-                    for n in dsets:
-                        try:
-                            sf[n][()]
-                            nd += 1
-                        except Exception as e:  # noqa: BLE001
-                            bad.append(n)
-                            problems.append(f"{p}: dataset {n!r} unreadable (checksum?): {e}")
-            except Exception as e:  # noqa: BLE001
-                problems.append(f"{p}: cannot open shard: {e}")
-                bad.append("<file>")
-            read = f"{nd} datasets read ok" if not bad else f"{len(bad)} dataset(s) FAILED"
-            lines.append(f"  {rel}  {_fmt_size(p.stat().st_size)}  {sha}  {read}")
+        for rel, digest in sorted(ck.shard_sha256.items(), key=lambda kv: str(kv[0])):
+            lines.append(_shard_line(ck, rel, digest, problems))
     for pr in problems:
         lines.append(f"PROBLEM: {pr}")
     ok = not problems

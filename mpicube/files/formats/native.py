@@ -5,12 +5,11 @@ only the hyperslabs a rank needs."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from .. import checkpoint
 from ...core import memory
+from ..checkpoint.header import model_config
 from ...core.config import ModelConfig
 from .base import FormatError, ModelFile, first_missing
 
@@ -20,21 +19,13 @@ class NativeModel(ModelFile):
 
     def __init__(self, ck: "checkpoint.Checkpoint"):
         self.ck = ck
-        cfg = ck.attrs.get("config")
-        if isinstance(cfg, str):
-            try:
-                cfg = json.loads(cfg)
-            except ValueError:
-                cfg = None
-        if not isinstance(cfg, dict):
-            ck.close()
-            raise FormatError(f"{ck.file}: no model config attribute")
         try:
+            cfg = model_config(ck.attrs.get("config"), ck.file)       # CheckpointError if it is no model
             config = ModelConfig.from_dict(cfg)
             self._check_described(config)
             super().__init__(ck.path, config)
             self._check_tensors(cfg)
-        except FormatError:                  # a ValueError too: caught first
+        except (FormatError, checkpoint.CheckpointError):   # ValueErrors too: caught first
             ck.close()
             raise
         except (TypeError, ValueError) as e:
