@@ -19,7 +19,11 @@ traceback, each line prefixed with the rank, and aborts the job with status
 
 Exit statuses: 0 done (also after ``--stop-after``), 1 internal error,
 2 bad input, 3 training diverged, 75 stopped by a signal or ``--time-limit``
-with a checkpoint written (resume with ``--resume``), 130 interrupted.
+with a checkpoint written (resume with ``--resume``), 76 no progress: a
+collective waited, or a step stood still, for ``--collective-timeout``
+seconds (a rank stopped, died or was cut off); the first rank to notice says
+so in one line and the job is aborted, its last checkpoint intact
+(``mpicube.parallel.watchdog``), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ def main(argv=None) -> None:
 
 
 def _init_mpi() -> None:
+    # Before MPI_Init: MPICH's blocking calls yield the core with a nanosleep
+    # instead of spinning, unless the user chose (mpicube.parallel.waiting).
+    os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD

@@ -50,6 +50,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..device import precision
+from .waiting import complete
 
 
 def _blocks(xp, x, g, axis):
@@ -81,7 +82,7 @@ def _alltoall_start(comm, x, axis, wire, nonblocking=False):
     recv = comm._empty(send.shape, send.dtype)
     if nonblocking:
         return comm.mpi.Ialltoall(send, recv), send, recv
-    comm.mpi.Alltoall(send, recv)
+    complete(comm.mpi.Ialltoall(send, recv))
     return None, send, recv
 
 
@@ -92,7 +93,7 @@ def _summed(comm, recv, wire):
 
 
 def reduce_scatter(comm, x, axis, wire):
-    t0 = comm._start()
+    t0 = comm._start("reduce_scatter (16-bit)")
     _, send, recv = _alltoall_start(comm, x, axis, wire)
     g = comm.size
     comm._count(Fraction(g - 1, g) * x.size, g - 1, t0, 2)
@@ -101,17 +102,17 @@ def reduce_scatter(comm, x, axis, wire):
 
 
 def ireduce_scatter(comm, x, axis, wire, pending_cls):
-    t0 = comm._start()
+    t0 = comm._start("ireduce_scatter (16-bit)")
     request, send, recv = _alltoall_start(comm, x, axis, wire, nonblocking=True)
     g = comm.size
     comm._count(Fraction(g - 1, g) * x.size, g - 1, t0, 2)
 
     def finish():
-        request.Wait()
+        complete(request)
         comm._done(send)
         return precision.narrow(_summed(comm, recv, wire), x.dtype)
 
-    return pending_cls(finish, comm, send)
+    return pending_cls(finish, comm, send, "ireduce_scatter (16-bit)")
 
 
 def _chunk_sums(comm, x, wire):
@@ -137,11 +138,11 @@ def _assembled(comm, gathered, x, wire):
 
 def allreduce(comm, x, wire):
     """Sum of x over the group; every rank gets the same 16-bit-rounded sums."""
-    t0 = comm._start()
+    t0 = comm._start("allreduce (16-bit)")
     g = comm.size
     mine, chunk = _chunk_sums(comm, x, wire)
     gathered = comm._empty((g, chunk), mine.dtype)
-    comm.mpi.Allgather(mine, gathered)
+    complete(comm.mpi.Iallgather(mine, gathered))
     comm._count(2 * (g - 1) * chunk, 2 * (g - 1), t0, 2)
     comm._done(mine)
     return _assembled(comm, gathered, x, wire)
@@ -149,11 +150,11 @@ def allreduce(comm, x, wire):
 
 def reduce(comm, x, root, wire):
     """Sum onto ``root`` (the 16-bit-rounded sums, in x's format); None elsewhere."""
-    t0 = comm._start()
+    t0 = comm._start("reduce (16-bit)")
     g = comm.size
     mine, chunk = _chunk_sums(comm, x, wire)
     gathered = comm._empty((g, chunk), mine.dtype) if comm.rank == root else None
-    comm.mpi.Gather(mine, gathered, root=root)
+    complete(comm.mpi.Igather(mine, gathered, root=root))
     comm._count(2 * (g - 1) * chunk, 2 * (g - 1), t0, 2)
     comm._done(mine)
     return _assembled(comm, gathered, x, wire) if comm.rank == root else None
