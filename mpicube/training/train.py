@@ -21,7 +21,10 @@ Stopping early (mpicube.training.stopping) is agreed by all ranks at step bounda
 uncounted all-reduce: SIGTERM/SIGUSR1 on any rank or ``--time-limit``
 (checkpoint, exit status 75 = EX_TEMPFAIL, "requeue me"), ``--stop-after``
 (checkpoint, exit status 0). A non-finite loss or gradient norm stops the run
-without saving the bad state (exit status 3).
+without saving the bad state (exit status 3). The step boundary, an
+evaluation and a checkpoint save are noted for the watchdog
+(``mpicube.parallel.watchdog``, ``--collective-timeout``, exit status 76),
+which the command line runs around the trainer.
 
 Files in the run directory (rank 0 writes all but the checkpoint shards)::
 
