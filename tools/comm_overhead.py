@@ -10,9 +10,8 @@ Prints (rank 0), per call:
 * an all-reduce of 8 and of 65,536 float32 three ways: MPI's blocking
   ``Allreduce`` (what ``Comm`` called before), ``Iallreduce`` completed by
   ``waiting.complete`` (what it calls now), and the whole ``Comm.allreduce``
-  (copy, count, record), each the median of ``--reps`` calls after a
-  barrier, so that both ranks arrive together (the balanced case, where the
-  wait never sleeps).
+  (copy, count, record), each the median of ``--reps`` calls, the three
+  taken in turn after a barrier (``medians_us``).
 A figure, not a test: the machine's other load moves it.
 """
 
@@ -35,14 +34,19 @@ from mpicube.parallel.comm import Comm, Counters  # noqa: E402
 from mpicube.parallel.waiting import WAITS, complete  # noqa: E402
 
 
-def median_us(call, reps: int, world) -> float:
-    times = []
+def medians_us(calls: dict, reps: int, world) -> dict:
+    """Median microseconds of each call, taken in turn in every repetition
+    (after a barrier, so both ranks arrive together: the balanced case, in
+    which the wait never sleeps), so the machine's other load falls on all
+    of them alike."""
+    times = {name: [] for name in calls}
     for _ in range(reps):
-        world.Barrier()
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+        for name, call in calls.items():
+            world.Barrier()
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def main() -> None:
@@ -66,10 +70,10 @@ def main() -> None:
     for size in (8, 65536):
         x = np.ones(size, dtype=np.float32)
         buf = x.copy()
-        blocking = median_us(lambda: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), args.reps, world)
-        polled = median_us(lambda: complete(world.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)), args.reps, world)
-        whole = median_us(lambda: comm.allreduce(x), args.reps, world)
-        rows.append((size, blocking, polled, whole))
+        got = medians_us({"blocking": lambda: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+                          "polled": lambda: complete(world.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)),
+                          "comm": lambda: comm.allreduce(x)}, args.reps, world)
+        rows.append((size, got["blocking"], got["polled"], got["comm"]))
     if world.Get_rank() == 0:
         print(f"{world.Get_size()} ranks, {args.reps} calls each (median), {MPI.Get_library_version().splitlines()[0]}")
         print(f"wait record (WAITS.enter + WAITS.leave): {record_ns:.0f} ns per collective; the two clock reads "

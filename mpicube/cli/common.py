@@ -138,11 +138,11 @@ def collective_timeout_option(f):
 
 
 @contextmanager
-def watched(timeout: float):
+def watched(timeout: float, phase: str):
     """The command's body under the watchdog (collective over the world)."""
     from ..parallel.watchdog import watching
 
-    with watching(_mpi["world"], timeout):
+    with watching(_mpi["world"], timeout, phase):
         yield
 
 

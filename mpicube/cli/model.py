@@ -121,7 +121,7 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
         raise UserError("--steps must be at least 1 and --warmup-steps at least 0")
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     results, noted = [], set()
-    with watched(collective_timeout):
+    with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
             layout_depth = depth if name in ("2.5d", "auto") else 1
             batch = batch_size

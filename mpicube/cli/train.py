@@ -83,7 +83,7 @@ def train(collective_timeout, **kwargs):
     ctx = click.get_current_context()      # a model file decides the shape options nobody gave
     opts.given_shape = tuple(k for k in SHAPE_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
-    with watched(collective_timeout):
+    with watched(collective_timeout, "setup"):
         return run_training(opts, _mpi["world"])
 
 
@@ -112,7 +112,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
     from ..training.evaluate import evaluate_checkpoint
     from ..training.state import describe_layout
 
-    with watched(collective_timeout):
+    with watched(collective_timeout, "evaluation"):
         result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
                                      _mpi["world"], tf32=tf32)
     if result.get("note"):

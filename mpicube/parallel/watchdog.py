@@ -204,14 +204,15 @@ class Watchdog:
 
 
 @contextmanager
-def watching(world, timeout: float, waits=WAITS):
-    """Run the body with a watchdog on every rank of ``world`` (collective);
-    ``timeout`` 0 or None, or a single rank, runs it without one."""
+def watching(world, timeout: float, phase: str = "setup", waits=WAITS):
+    """Run the body with a watchdog on every rank of ``world`` (collective),
+    in ``phase`` (for the message) until the body names another; ``timeout``
+    0 or None, or a single rank, runs it without one."""
     if not timeout or world is None or world.Get_size() == 1:
         yield None
         return
     waits.step = None
-    waits.in_phase("setup")
+    waits.in_phase(phase)
     dog = Watchdog(world, timeout, waits).start()
     try:
         yield dog
