@@ -10,10 +10,13 @@ and completed by ``complete``: ``Test`` in a loop, as MPI's own wait does,
 for the first ``SPIN_S`` seconds (a balanced step's collectives finish
 within that and pay nothing), then between tests a sleep of a tenth of the
 time waited so far, at most ``NAP_MAX_S``, so that a long wait costs
-almost no CPU and finishes at most about 10 % (and ``NAP_MAX_S``) late.
-Measured with one of 4 ranks stopped on this project's 2-core test machine:
-the waiting ranks used 0.48 cores in MPICH's blocking wait, 0.21 with
-``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` and 0.01 in ``complete``. MPICH's own
+almost no CPU. The price is latency after a wait beyond ``SPIN_S``: each
+round of the collective's algorithm may find its partner asleep, for up to
+a tenth of what that partner had waited (and at most ``NAP_MAX_S``).
+Measured on this project's 2-core (and busy) test machine, a 4-rank 1-D
+``mpicube train`` with rank 2 stopped: the 3 waiting ranks used 0.44 cores
+in MPICH's blocking wait, 0.26 with ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``, and
+0.016 in ``complete`` (tests/test_watchdog.py prints the figure). MPICH's own
 settings cannot do as well: its yield (``MPIR_CVAR_ENABLE_HEAVY_YIELD``, a
 nanosleep every ``MPIR_CVAR_POLLS_BEFORE_YIELD`` polls) and progress throttle
 (``MPIR_CVAR_CH4_PROGRESS_THROTTLE``) still poll thousands of times a
