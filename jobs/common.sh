@@ -44,6 +44,9 @@
 #       checkpoint: requeue (Slurm) or resubmit (PBS) and continue; the job
 #       ends with 75 when MAX_RESUBMITS stops the chain (and with 1 when the
 #       run made no progress: a chain that would loop)
+#   76  no progress: a rank stopped, died or was cut off for --collective-timeout
+#       seconds (one `error:` line names it); the last checkpoint is intact: 76;
+#       no resubmission (a lost node is for a person to look at; resume by hand)
 #   any other (1 internal error; a launcher's own status such as srun's 137
 #       after it killed the other ranks of an aborted job): 1; no resubmission
 # The scripts' own failures (no venv, a wrong MPI world size) exit 1 too.
@@ -65,6 +68,7 @@
 
 MPC_EXIT_PREEMPTED=75
 MPC_EXIT_IO=74
+MPC_EXIT_NO_PROGRESS=76
 
 # Variables written to RUN_DIR/job-env.sh so that a resubmitted PBS job runs
 # with exactly the settings of the first one.
@@ -322,10 +326,14 @@ mpc_run() {
     mpc_log "mpicube failed with status $status (the run folder $RUN_DIR could not be written or read: see the error line); not resubmitting"
     exit "$status"
     ;;
+  "$MPC_EXIT_NO_PROGRESS")
+    mpc_log "mpicube failed with status $status (no progress: a rank stopped or was cut off; see its error line); not resubmitting"
+    exit "$status"
+    ;;
   *)
     # When one rank fails alone, mpicube aborts the job and the launcher
     # reports the ranks it killed (srun: 137) rather than the rank's status:
-    # every failure other than 2, 3 and 74 leaves the job with status 1.
+    # every failure other than 2, 3, 74 and 76 leaves the job with status 1.
     mpc_log "mpicube failed with status $status; not resubmitting (job exit status 1)"
     exit 1
     ;;

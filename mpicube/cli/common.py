@@ -10,6 +10,7 @@ runs the group under the error handling every command shares.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import click
 
@@ -161,6 +162,29 @@ def zero_option(help_text: str):
 def grad_accum_option(help_text: str):
     """``--grad-accum N`` (train, bench, info; each says what it does there)."""
     return click.option("--grad-accum", type=int, default=1, show_default=True, help=help_text)
+
+
+def collective_timeout_option(f):
+    """``--collective-timeout SECONDS``: every command that communicates
+    (train, eval, bench) runs under the watchdog (``parallel.watchdog``)."""
+    def check(ctx, param, value):
+        if value < 0:
+            raise click.BadParameter(f"{value:g} must be 0 (off) or a number of seconds", ctx, param)
+        return value
+
+    return click.option("--collective-timeout", type=Duration(), default=600, show_default=True, callback=check,
+                        metavar="SECONDS",
+                        help="abort the job (exit status 76) when a collective waits, or a step makes no "
+                             "progress, this long: a rank stopped, died or was cut off; 0 = never")(f)
+
+
+@contextmanager
+def watched(timeout: float, phase: str):
+    """The command's body under the watchdog (collective over the world)."""
+    from ..parallel.watchdog import watching
+
+    with watching(_mpi["world"], timeout, phase):
+        yield
 
 
 def device_options(f):

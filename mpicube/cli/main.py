@@ -23,7 +23,10 @@ be written or read (a full disk, a read-only file system: the lock,
 config.json, metrics.jsonl or a checkpoint; one line naming the file, after
 an attempt to checkpoint when training was under way), 75 stopped by a
 signal or ``--time-limit`` with a checkpoint written (resume with
-``--resume``), 130 interrupted.
+``--resume``), 76 no progress: a collective waited, or a step stood still,
+for ``--collective-timeout`` seconds (a rank stopped, died or was cut off);
+the first rank to notice says so in one line and the job is aborted, its
+last checkpoint intact (``mpicube.parallel.watchdog``), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def main(argv=None) -> None:
 
 
 def _init_mpi() -> None:
+    # Before MPI_Init: MPICH's blocking calls yield the core with a nanosleep
+    # instead of spinning, unless the user chose (mpicube.parallel.waiting).
+    os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD

@@ -9,8 +9,9 @@ import json
 
 import click
 
-from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, device_options, echo, grad_accum_option,
-                     layout_options, model_options, recompute_option, zero_option)
+from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
+                     echo, grad_accum_option, layout_options, model_options, recompute_option, watched,
+                     zero_option)
 from ..core.errors import UserError
 
 
@@ -99,8 +100,9 @@ def _mib(nbytes: int) -> str:
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
 @zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
+@collective_timeout_option
 def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
-          dtype, device, tf32, recompute, zero, as_json):
+          dtype, device, tf32, recompute, zero, as_json, collective_timeout):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -120,21 +122,22 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
         raise UserError("--steps must be at least 1 and --warmup-steps at least 0")
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     results, noted = [], set()
-    for name in layouts or ("auto",):
-        layout_depth = depth if name in ("2.5d", "auto") else 1
-        batch = batch_size
-        if batch is None:                                  # each layout its own smallest batch
-            batch, why = default_batch(name, cfg, _mpi["world"].Get_size(), dp, layout_depth, grad_accum,
-                                       recompute=recompute)
-            echo(f"bench {name}: {why}")
-        parts = build_parts(cfg, name, batch, _mpi["world"], dp=dp, depth=layout_depth, dtype=dtype, device=device,
-                            seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute,
-                            zero=zero, seq_len=seq_len)
-        note = recompute_note(parts.layout, recompute)
-        if note and note not in noted:
-            noted.add(note)
-            echo(note)
-        results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
+    with watched(collective_timeout, "bench"):
+        for name in layouts or ("auto",):
+            layout_depth = depth if name in ("2.5d", "auto") else 1
+            batch = batch_size
+            if batch is None:                                  # each layout its own smallest batch
+                batch, why = default_batch(name, cfg, _mpi["world"].Get_size(), dp, layout_depth, grad_accum,
+                                           recompute=recompute)
+                echo(f"bench {name}: {why}")
+            parts = build_parts(cfg, name, batch, _mpi["world"], dp=dp, depth=layout_depth, dtype=dtype,
+                                device=device, seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute,
+                                zero=zero, seq_len=seq_len)
+            note = recompute_note(parts.layout, recompute)
+            if note and note not in noted:
+                noted.add(note)
+                echo(note)
+            results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
     echo(format_table(results, 4 if dtype == "float32" else 8))
     echo(f"threads: {threads.current().describe()}")
     if as_json:

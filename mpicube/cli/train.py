@@ -9,8 +9,8 @@ import math
 
 import click
 
-from .common import (SEED, Duration, _load_config, _mpi, cli, device_options, echo, grad_accum_option,
-                     layout_options, model_options, recompute_option, zero_option)
+from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
+                     grad_accum_option, layout_options, model_options, recompute_option, watched, zero_option)
 
 
 @cli.command()
@@ -67,7 +67,8 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, device_options, ec
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
 @zero_option("1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
              "replicas; gradients reduce-scattered, parameters all-gathered")
-def train(**kwargs):
+@collective_timeout_option
+def train(collective_timeout, **kwargs):
     """Train a GPT-2 model.
 
     Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
@@ -83,7 +84,8 @@ def train(**kwargs):
     ctx = click.get_current_context()      # a model file decides the shape options nobody gave
     opts.given_shape = tuple(k for k in SHAPE_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
-    return run_training(opts, _mpi["world"])
+    with watched(collective_timeout, "setup"):
+        return run_training(opts, _mpi["world"])
 
 
 @cli.command("eval")
@@ -97,7 +99,9 @@ def train(**kwargs):
 @click.option("--batches", type=int, default=8, show_default=True, help="evaluation batches (0 = all)")
 @layout_options
 @device_options
-def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device, tf32):
+@collective_timeout_option
+def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device, tf32,
+                 collective_timeout):
     """Mean cross-entropy of a model on a token shard.
 
     CKPT is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
@@ -109,8 +113,9 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
     from ..training.evaluate import evaluate_checkpoint
     from ..training.state import describe_layout
 
-    result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
-                                 _mpi["world"], tf32=tf32)
+    with watched(collective_timeout, "evaluation"):
+        result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
+                                     _mpi["world"], tf32=tf32)
     if result.get("note"):
         echo(result["note"])
     if result.get("batch_note"):

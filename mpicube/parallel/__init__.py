@@ -1,12 +1,14 @@
 """Parallelism: how ranks share the work, and every byte that moves.
 
 ``comm`` holds the only MPI calls (with host staging, counters and the
-16-bit wire of ``comm_wire``); ``grid`` builds the named axes (dp, tp and
-the layout's own) from the world; ``layouts`` holds serial, 1-D, 2-D,
-2.5-D and 3-D tensor parallelism behind one protocol; ``params`` is each
-rank's flat parameter and gradient buffer; ``gradients`` sums gradients
-over replica groups and dp and takes the norm; ``zero`` partitions the
-buffer over dp for --zero 1.
+16-bit wire of ``comm_wire``), each completed by ``waiting``'s wait, which
+polls and then sleeps, and noted there for the ``watchdog`` thread of
+``--collective-timeout``; ``grid`` builds the named axes (dp, tp and the
+layout's own) from the world; ``layouts`` holds serial, 1-D, 2-D, 2.5-D
+and 3-D tensor parallelism behind one protocol; ``params`` is each rank's
+flat parameter and gradient buffer; ``gradients`` sums gradients over
+replica groups and dp and takes the norm; ``zero`` partitions the buffer
+over dp for --zero 1.
 
 May import: ``core``, ``device``, ``ops``.
 """

@@ -42,6 +42,12 @@ a kernel is still writing, and mpi4py hands a device pointer to MPI without
 synchronising anything. GPU compute is so never billed to communication. A
 CUDA-aware MPI (``MPICUBE_CUDA_AWARE=1``) gets the device buffers; any other
 MPI gets pinned host buffers from a ``Staging`` pool, reused step after step.
+
+Every collective is started nonblocking and completed by
+``waiting.complete``, which polls and then sleeps, so a rank that waits
+long for the others does not spin on a core; each call also records in
+``waiting.WAITS`` what this rank waits in (kind, axis, since when) for the
+watchdog (``mpicube.parallel.watchdog``, ``--collective-timeout``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import comm_wire
+from .waiting import WAITS, complete
 from ..device import precision
 from ..device.backend import Backend, cuda_aware_mpi
 from ..device.staging import Staging
@@ -104,14 +111,17 @@ class Pending:
     (the time spent waiting is added to the axis's seconds). Holds the send
     buffer so it outlives the operation."""
 
-    def __init__(self, finish, comm: "Comm" = None, send=None):
-        self._finish, self._comm, self._send = finish, comm, send
+    def __init__(self, finish, comm: "Comm" = None, send=None, kind: str = "wait"):
+        self._finish, self._comm, self._send, self._kind = finish, comm, send, kind
 
     def wait(self):
-        t0 = time.perf_counter()
+        if self._comm is None:
+            return self._finish()
+        t0 = WAITS.enter(self._kind, self._comm.axis)
         out = self._finish()
-        if self._comm is not None:
-            self._comm.counters.add(self._comm.axis, 0, 0, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self._comm.counters.add(self._comm.axis, 0, 0, t1 - t0)
+        WAITS.leave(t1)
         self._send = None
         return out
 
@@ -138,12 +148,13 @@ class Comm:
         """Device arrays go through pinned host buffers (GPU, MPI not CUDA-aware)."""
         return self.backend.is_gpu and not cuda_aware_mpi()
 
-    def _start(self) -> float:
-        """Wait for queued device work, then start the clock. Called after
-        the buffers are built and right before the MPI call, so the last
-        kernel that writes a send buffer has finished when MPI reads it."""
+    def _start(self, kind: str) -> float:
+        """Wait for queued device work, then start the clock and note that
+        this rank now waits in collective ``kind`` over this axis. Called
+        after the buffers are built and right before the MPI call, so the
+        last kernel that writes a send buffer has finished when MPI reads it."""
         self.backend.synchronize()
-        return time.perf_counter()
+        return WAITS.enter(kind, self.axis)
 
     def _to_mpi(self, x):
         """A contiguous buffer MPI may read holding ``x``: a pinned host copy
@@ -180,7 +191,10 @@ class Comm:
             self.staging.give(buf)
 
     def _count(self, elems, msgs, t0, width: int):
-        self.counters.add(self.axis, elems, msgs, time.perf_counter() - t0, width)
+        """Count a call started at ``t0``, which has finished (or, nonblocking, started)."""
+        t1 = time.perf_counter()
+        self.counters.add(self.axis, elems, msgs, t1 - t0, width)
+        WAITS.leave(t1)
 
     # --- 16-bit formats ----------------------------------------------------
     def _words(self, x):
@@ -209,8 +223,8 @@ class Comm:
             return comm_wire.allreduce(self, x, np.dtype(wire))
         wide = self._wide(x)
         buf = self._private(wide) if wide is x else self._to_mpi(wide)   # MPI reduces in place: never into x
-        t0 = self._start()
-        self.mpi.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        t0 = self._start("allreduce")
+        complete(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op]))
         g = self.size
         self._count(Fraction(2 * (g - 1), g) * buf.size, 2 * (g - 1), t0, buf.itemsize)
         return precision.narrow(self._from_mpi(buf), x.dtype)
@@ -220,8 +234,8 @@ class Comm:
         if self.size == 1:
             return x
         send, recv = self._gather_buffers(x)
-        t0 = self._start()
-        self.mpi.Allgather(send, recv)
+        t0 = self._start("allgather")
+        complete(self.mpi.Iallgather(send, recv))
         self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
         return self._gathered(recv, x, axis)
@@ -236,8 +250,8 @@ class Comm:
         if _on_wire(wire):
             return comm_wire.reduce_scatter(self, x, axis, np.dtype(wire))
         send, recv = self._scatter_buffers(self._wide(x), axis)
-        t0 = self._start()
-        self.mpi.Reduce_scatter_block(send, recv, op=MPI.SUM)
+        t0 = self._start("reduce_scatter")
+        complete(self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM))
         self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
         return precision.narrow(self._from_mpi(recv), x.dtype)
@@ -276,14 +290,14 @@ class Comm:
         words = self._words(x)
         if self.rank != root:
             buf = self._empty(x.shape, words.dtype)
-            t0 = self._start()
-            self.mpi.Bcast(buf, root=root)
+            t0 = self._start("bcast")
+            complete(self.mpi.Ibcast(buf, root=root))
             self._count(buf.size, self.size - 1, t0, buf.itemsize)
             out = self._from_mpi(buf)
             return out if out.dtype == x.dtype else out.view(x.dtype)
         buf = self._to_mpi(words)
-        t0 = self._start()
-        self.mpi.Bcast(buf, root=root)
+        t0 = self._start("bcast")
+        complete(self.mpi.Ibcast(buf, root=root))
         self._count(buf.size, self.size - 1, t0, buf.itemsize)
         self._done(buf)
         if self._staged:
@@ -301,8 +315,8 @@ class Comm:
             return comm_wire.reduce(self, x, root, np.dtype(wire))
         send = self._to_mpi(self._wide(x))
         recv = self._empty(x.shape, send.dtype) if self.rank == root else None
-        t0 = self._start()
-        self.mpi.Reduce(send, recv, op=MPI.SUM, root=root)
+        t0 = self._start("reduce")
+        complete(self.mpi.Ireduce(send, recv, op=MPI.SUM, root=root))
         self._count(send.size, self.size - 1, t0, send.itemsize)
         self._done(send)
         return precision.narrow(self._from_mpi(recv), x.dtype) if self.rank == root else None
@@ -313,16 +327,16 @@ class Comm:
         if self.size == 1:
             return Pending(lambda: x)
         send, recv = self._gather_buffers(x)
-        t0 = self._start()
+        t0 = self._start("iallgather")
         request = self.mpi.Iallgather(send, recv)
         self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
 
         def finish():
-            request.Wait()
+            complete(request)
             self._done(send)
             return self._gathered(recv, x, axis)
 
-        return Pending(finish, self, send)
+        return Pending(finish, self, send, "iallgather")
 
     def ireduce_scatter(self, x, axis: int = 0, wire=None) -> "Pending":
         """Start ``reduce_scatter``; ``.wait()`` returns this rank's block."""
@@ -331,20 +345,22 @@ class Comm:
         if _on_wire(wire):
             return comm_wire.ireduce_scatter(self, x, axis, np.dtype(wire), Pending)
         send, recv = self._scatter_buffers(self._wide(x), axis)
-        t0 = self._start()
+        t0 = self._start("ireduce_scatter")
         request = self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM)
         self._count(Fraction(self.size - 1, self.size) * send.size, self.size - 1, t0, send.itemsize)
 
         def finish():
-            request.Wait()
+            complete(request)
             self._done(send)
             return precision.narrow(self._from_mpi(recv), x.dtype)
 
-        return Pending(finish, self, send)
+        return Pending(finish, self, send, "ireduce_scatter")
 
     # --- small host-side helpers (not counted: metadata, not model data) ----
     def barrier(self):
-        self.mpi.Barrier()
+        WAITS.enter("barrier", self.axis)
+        complete(self.mpi.Ibarrier())
+        WAITS.leave()
 
     def bcast_object(self, obj, root: int = 0):
         return self.mpi.bcast(obj, root=root)
@@ -361,6 +377,10 @@ def on_root(mpi_comm, fn):
             result = fn()
         except UserError as exc:
             error = (type(exc), str(exc))
+    if mpi_comm.Get_size() > 1:             # the others wait for rank 0 without spinning
+        WAITS.enter("a barrier for rank 0's work", "world")
+        complete(mpi_comm.Ibarrier())
+        WAITS.leave()
     result, error = mpi_comm.bcast((result, error), root=0)
     if error is not None:
         raise error[0](error[1])
@@ -369,4 +389,8 @@ def on_root(mpi_comm, fn):
 
 def agree_max(mpi_comm, value: int) -> int:
     """The largest ``value`` over all ranks (e.g. a stop flag)."""
-    return int(mpi_comm.allreduce(int(value), op=MPI.MAX))
+    buf = np.array([int(value)], dtype=np.int64)
+    WAITS.enter("an agreement (allreduce)", "world")
+    complete(mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX))
+    WAITS.leave()
+    return int(buf[0])

@@ -50,6 +50,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..device import precision
+from .waiting import complete
 
 
 def _blocks(xp, x, g, axis):
@@ -74,17 +75,17 @@ def _words(comm, x, wire):
     return comm._to_mpi(xp.ascontiguousarray(precision.narrow(x, wire)).view(xp.uint16))
 
 
-def _alltoall_start(comm, x, axis, wire, nonblocking=False):
+def _alltoall_start(comm, x, axis, wire, nonblocking=False, kind: str = "alltoall (16-bit)"):
     """Start the all-to-all of x's 16-bit blocks; returns (request or None,
     send, recv, t0). recv (g, *block) receives block ``rank`` of every
     rank; t0 is the clock after the stream was synchronised on the built
     send buffer (``Comm._start``), right before the MPI call."""
     send = _words(comm, _blocks(comm.backend.xp, x, comm.size, axis), wire)
     recv = comm._empty(send.shape, send.dtype)
-    t0 = comm._start()
+    t0 = comm._start(kind)
     if nonblocking:
         return comm.mpi.Ialltoall(send, recv), send, recv, t0
-    comm.mpi.Alltoall(send, recv)
+    complete(comm.mpi.Ialltoall(send, recv))
     return None, send, recv, t0
 
 
@@ -95,7 +96,7 @@ def _summed(comm, recv, wire):
 
 
 def reduce_scatter(comm, x, axis, wire):
-    _, send, recv, t0 = _alltoall_start(comm, x, axis, wire)
+    _, send, recv, t0 = _alltoall_start(comm, x, axis, wire, kind="reduce_scatter (16-bit)")
     g = comm.size
     comm._count(Fraction(g - 1, g) * x.size, g - 1, t0, 2)
     comm._done(send)
@@ -103,19 +104,20 @@ def reduce_scatter(comm, x, axis, wire):
 
 
 def ireduce_scatter(comm, x, axis, wire, pending_cls):
-    request, send, recv, t0 = _alltoall_start(comm, x, axis, wire, nonblocking=True)
+    request, send, recv, t0 = _alltoall_start(comm, x, axis, wire, nonblocking=True,
+                                              kind="ireduce_scatter (16-bit)")
     g = comm.size
     comm._count(Fraction(g - 1, g) * x.size, g - 1, t0, 2)
 
     def finish():
-        request.Wait()
+        complete(request)
         comm._done(send)
         return precision.narrow(_summed(comm, recv, wire), x.dtype)
 
-    return pending_cls(finish, comm, send)
+    return pending_cls(finish, comm, send, "ireduce_scatter (16-bit)")
 
 
-def _chunk_sums(comm, x, wire):
+def _chunk_sums(comm, x, wire, kind: str):
     """The first half of an all-reduce or reduce: x flattened, zero-padded to
     g chunks, all-to-all, and this rank's chunk summed in float32 and
     rounded to the wire. Returns (that chunk as words, chunk length, the
@@ -126,7 +128,7 @@ def _chunk_sums(comm, x, wire):
     flat = x.reshape(-1)                                    # (n,)
     if chunk * g != n:
         flat = xp.concatenate([flat, xp.zeros(chunk * g - n, dtype=x.dtype)])   # (g*chunk,)
-    _, send, recv, t0 = _alltoall_start(comm, flat, 0, wire)
+    _, send, recv, t0 = _alltoall_start(comm, flat, 0, wire, kind=kind)
     comm._done(send)
     return _words(comm, _summed(comm, recv, wire), wire), chunk, t0   # (chunk,) uint16
 
@@ -140,10 +142,10 @@ def _assembled(comm, gathered, x, wire):
 def allreduce(comm, x, wire):
     """Sum of x over the group; every rank gets the same 16-bit-rounded sums."""
     g = comm.size
-    mine, chunk, t0 = _chunk_sums(comm, x, wire)
+    mine, chunk, t0 = _chunk_sums(comm, x, wire, "allreduce (16-bit)")
     gathered = comm._empty((g, chunk), mine.dtype)
-    comm._start()                                           # the sums were computed after the first sync
-    comm.mpi.Allgather(mine, gathered)
+    comm._start("allreduce (16-bit)")                      # the sums were computed after the first sync
+    complete(comm.mpi.Iallgather(mine, gathered))
     comm._count(2 * (g - 1) * chunk, 2 * (g - 1), t0, 2)
     comm._done(mine)
     return _assembled(comm, gathered, x, wire)
@@ -152,10 +154,10 @@ def allreduce(comm, x, wire):
 def reduce(comm, x, root, wire):
     """Sum onto ``root`` (the 16-bit-rounded sums, in x's format); None elsewhere."""
     g = comm.size
-    mine, chunk, t0 = _chunk_sums(comm, x, wire)
+    mine, chunk, t0 = _chunk_sums(comm, x, wire, "reduce (16-bit)")
     gathered = comm._empty((g, chunk), mine.dtype) if comm.rank == root else None
-    comm._start()                                           # the sums were computed after the first sync
-    comm.mpi.Gather(mine, gathered, root=root)
+    comm._start("reduce (16-bit)")                         # the sums were computed after the first sync
+    complete(comm.mpi.Igather(mine, gathered, root=root))
     comm._count(2 * (g - 1) * chunk, 2 * (g - 1), t0, 2)
     comm._done(mine)
     return _assembled(comm, gathered, x, wire) if comm.rank == root else None

@@ -25,6 +25,10 @@ without saving the bad state (exit status 3). Rank 0 failing to append to
 metrics.jsonl (a full disk) is agreed the same way: every rank tries to save
 the step, then the job ends with one line and exit status 74, as it does when
 a save itself fails (``RunDirError``); the step whose record failed has none.
+The step boundary, an
+evaluation and a checkpoint save are noted for the watchdog
+(``mpicube.parallel.watchdog``, ``--collective-timeout``, exit status 76),
+which the command line runs around the trainer.
 
 Files in the run directory (rank 0 writes all but the checkpoint shards)::
 
@@ -50,6 +54,7 @@ from ..core.console import Console
 from ..core.errors import RunDirError, UserError
 from ..files import checkpoint
 from ..parallel.comm import agree_max
+from ..parallel.waiting import WAITS
 from .accum import forward_backward
 from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
 from .launch import Launch
@@ -158,6 +163,7 @@ class Trainer(Launch):
             if crash_rank is not None and s >= 2 and int(crash_rank) == self.rank:
                 raise RuntimeError(f"{CRASH_HOOK}={crash_rank}: deliberate failure at step {s} (test hook)")
             t0 = time.monotonic()
+            WAITS.at_step(s)                    # progress, for the watchdog (--collective-timeout)
             rec = self.train_step(s)
             self._record(rec)
             self.console.step(rec)
@@ -267,9 +273,11 @@ class Trainer(Launch):
 
     def evaluate(self, s: int) -> Optional[float]:
         """Mean validation loss over the first ``eval_batches`` evaluation batches (None if not finite)."""
+        WAITS.in_phase("evaluation")
         model = eval_model(self.parts)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             val = mean_eval_loss(self.parts, model, self.val_tokens, self.opts.seq_len, self.eval_batches)
+        WAITS.in_phase("step")
         return val if math.isfinite(val) else None
 
     def save(self, s: int) -> Path:
@@ -287,6 +295,7 @@ class Trainer(Launch):
             "mpicube_version": __version__,
         }
         blocks = state_blocks(p.store, self.opt.adam, p.layout.axes.dp.rank)
+        WAITS.in_phase("checkpoint save")       # its agreement is plain mpi4py, unseen by the watchdog
         self._signal_in_save(s)
         try:
             path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None,
@@ -295,6 +304,7 @@ class Trainer(Launch):
             last = f"the last good checkpoint, {self.last_ckpt}, is intact" if self.last_ckpt else \
                 "no checkpoint of this run was written"
             raise RunDirError(f"{exc}; {last}") from exc
+        WAITS.in_phase("step")
         self.last_ckpt = path
         self.stop.ckpt_seconds = time.monotonic() - t0
         self.console.say(f"checkpoint {path}")
