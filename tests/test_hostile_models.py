@@ -156,7 +156,7 @@ ATTRIBUTE_CASES = [
      r"attribute 'loss_scale' scale is nan, not a finite number"),
     ("train-not-json", {"train": "{oops"}, r"attribute 'train' is '\{oops', not a JSON object"),
     ("config-float-width", {"config": json.dumps({**TINY.to_dict(), "n_embd": 32.7})},
-     r"attribute 'config' does not describe a model: n_embd must be a positive integer, got 32.7"),
+     r"attribute 'config': n_embd is 32.7, not an integer in 1..2147483647"),
     ("config-2^31-layers", {"config": json.dumps({**TINY.to_dict(), "n_layer": 2 ** 31 - 1})},
      r"has no tensor 'model/h.1.ln_1.weight'.*describes n_layer 2,147,483,647"),
 ]

@@ -32,6 +32,7 @@ from slurm_jobs import held, mpicube_ranks, pending, wait_for
 MODEL = ["--layout", "1d", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16",
          "--batch-size", "4", "--lr", "1e-3", "--warmup", "20"]
 STEPS = 120
+LONG = 100000          # a run that cannot end before the test's signal lands
 JOB_ID = "1234.stub-pbs"
 
 # STUB, not PBS: records its arguments, prints a new job id.
@@ -203,7 +204,9 @@ def test_early_signal_waits_for_mpicube_and_max_resubmits_ends_the_chain(pbs):
     this launch of mpicube has its handler, so no rank dies of it; mpicube
     stops after a step with 75. This is the third job of a chain with
     MAX_RESUBMITS=2, so it submits no fourth."""
-    proc = pbs.start(pbs.settings(STUB_WALLTIME="01:00:00", MAX_RESUBMITS=2, MPICUBE_RESUBMITS=2))
+    # A schedule far longer than the test: the signal is passed on once mpicube
+    # is up, and a 120-step run can end first (it takes under a second).
+    proc = pbs.start(pbs.settings(STUB_WALLTIME="01:00:00", MAX_RESUBMITS=2, MPICUBE_RESUBMITS=2, STEPS=LONG))
     try:
         wait_for(lambda: "[mpicube job" in pbs.log(), 60, "the script to start", pbs.log)
         os.kill(proc.pid, signal.SIGUSR1)
@@ -221,7 +224,7 @@ def test_early_signal_waits_for_mpicube_and_max_resubmits_ends_the_chain(pbs):
     assert "stopped by a signal after step" in out and "Traceback" not in out, out
     assert "MAX_RESUBMITS=2 resubmissions reached: not resubmitting" in out, out
     assert pbs.calls("qsub") == []
-    assert 1 <= len(read_metrics(pbs.run_dir)[0]) < STEPS
+    assert 1 <= len(read_metrics(pbs.run_dir)[0]) < LONG
 
 
 def test_status_74_ends_the_chain(pbs, tmp_path):

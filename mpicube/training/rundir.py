@@ -43,24 +43,37 @@ METRICS_FILE = "metrics.jsonl"
 LOCK_WAIT = 10.0        # seconds a contender keeps looking while another one takes a dead lock over
 
 
+def _process_stat(pid: int) -> list:
+    """The fields of /proc/PID/stat after the command name (Linux), or []."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _process_start(pid: int):
     """The start time of process ``pid`` in clock ticks since boot (Linux), or None."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(_process_stat(pid)[19])
+    except (IndexError, ValueError):
         return None
 
 
 def _alive(pid: int, start) -> bool:
     """Whether ``pid`` runs and is the process that took the lock (not a
-    later one that was given the same pid)."""
+    later one that was given the same pid). A zombie has ended: a rank
+    killed by its launcher's abort stays one until it is reaped, and where
+    nothing reaps orphans (a container whose init does not) that is never."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:       # someone else's process: alive
         return True
+    stat = _process_stat(pid)
+    if stat[:1] == ["Z"]:
+        return False
     now = _process_start(pid)
     return start is None or now is None or now == start
 
