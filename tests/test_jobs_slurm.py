@@ -27,9 +27,10 @@ from slurm_jobs import held, slurm_cluster, submit, wait_for, wait_pending
 MODEL = {"N_LAYER": "1", "N_HEAD": "2", "N_EMBD": "16", "SEQ_LEN": "16", "BATCH_SIZE": "4",
          "LR": "1e-3", "WARMUP": "20", "DTYPE": "float32"}
 STEPS = 120             # long enough to stop in the middle; a few seconds of training
-# Runs that are stopped twice: the ranks are held once they have trained past
-# the latest checkpoint, and 15 steps left after a resume can end (in a few
-# ms) before the test holds them; 1,500 steps leave a margin of seconds.
+# Runs a test stops: the ranks are held once they have trained a few steps
+# past the latest checkpoint, and a 120-step run (or the 15 steps left after
+# a resume) can end in milliseconds, before the test holds them; 1,500 steps
+# leave a margin of seconds.
 PREEMPTED_STEPS = 1500
 
 
@@ -127,7 +128,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(jobs, re
     perhaps before mpicube is up. Every run of the job would get one: once the
     first has its signal, the test gives the job 10 minutes, so that the run
     after the requeue finishes."""
-    job = jobs("slurm_8gpu.sh", options=["--time=2"])
+    job = jobs("slurm_8gpu.sh", steps=PREEMPTED_STEPS, options=["--time=2"])
 
     def signalled():
         return "got SIGUSR1" in job.log()
@@ -146,7 +147,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(jobs, re
     # "requeueing" is logged before `scontrol requeue`, which cancels the batch
     # step: nothing the script would write after that call is guaranteed.
     assert "mpicube stopped early (status 75)" in log and f"requeueing job {job.id}" in log, log
-    assert losses(job) == reference(2, "1d", STEPS)
+    assert losses(job) == reference(2, "1d", PREEMPTED_STEPS)
 
 
 def test_scancel_to_the_steps_then_to_the_batch_shell_requeue_and_resume(jobs, reference):
