@@ -33,6 +33,7 @@ MODEL = ["--layout", "1d", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", 
          "--batch-size", "4", "--lr", "1e-3", "--warmup", "20"]
 STEPS = 120
 LONG = 100000          # a run that cannot end before the test's signal lands
+PREEMPTED = 1500       # a run the test holds after 3 steps: 120 steps can end first, in milliseconds
 JOB_ID = "1234.stub-pbs"
 
 # STUB, not PBS: records its arguments, prints a new job id.
@@ -124,9 +125,9 @@ def pbs(tmp_path, tiny_shard):
     return PbsJob(tmp_path, tiny_shard)
 
 
-def reference_losses(tmp_path, tiny_shard) -> list:
+def reference_losses(tmp_path, tiny_shard, steps: int = STEPS) -> list:
     out = tmp_path / "reference"
-    r = mpiexec(2, ["-m", "mpicube", "train", *MODEL, "--steps", STEPS, "--data", tiny_shard, "--out", out],
+    r = mpiexec(2, ["-m", "mpicube", "train", *MODEL, "--steps", steps, "--data", tiny_shard, "--out", out],
                 env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     return [rec["loss"] for rec in read_metrics(out)[0]]
@@ -162,7 +163,7 @@ def test_status_75_resubmits_and_the_next_job_resumes_bit_for_bit(pbs, tmp_path,
     through mpiexec; mpicube checkpoints and exits 75; the script qsubs itself
     (STUB) to run after this job. The test then runs that submission as PBS
     would: the recorded script with only the -v variables, no settings."""
-    proc = pbs.start(pbs.settings(STUB_WALLTIME="01:00:00"))
+    proc = pbs.start(pbs.settings(STUB_WALLTIME="01:00:00", STEPS=PREEMPTED))
     try:
         def training_ranks():
             pids = mpicube_ranks(descendants(proc.pid))
@@ -179,7 +180,7 @@ def test_status_75_resubmits_and_the_next_job_resumes_bit_for_bit(pbs, tmp_path,
     assert status == 75, out
     assert "got SIGUSR1" in out and "passed SIGUSR1 on to the ranks through mpiexec" in out, out
     stopped = len(read_metrics(pbs.run_dir)[0])
-    assert 3 <= stopped < STEPS
+    assert 3 <= stopped < PREEMPTED
 
     [call] = pbs.calls("qsub")
     args = shlex.split(call)
@@ -194,7 +195,7 @@ def test_status_75_resubmits_and_the_next_job_resumes_bit_for_bit(pbs, tmp_path,
     status, out = pbs.finish(second)
     assert status == 0, out
     assert "restart 1" in out and f"latest checkpoint: step {stopped}" in out, out
-    assert pbs.losses() == reference_losses(tmp_path, tiny_shard)
+    assert pbs.losses() == reference_losses(tmp_path, tiny_shard, PREEMPTED)
     assert len(pbs.calls("qsub")) == 1
 
 

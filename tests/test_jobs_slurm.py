@@ -167,12 +167,12 @@ def test_scancel_to_the_steps_then_to_the_batch_shell_requeue_and_resume(jobs, r
 
 
 def test_max_resubmits_stops_the_requeue_loop_with_status_75(jobs):
-    job = jobs("slurm_8gpu.sh", MAX_RESUBMITS=0)
+    job = jobs("slurm_8gpu.sh", steps=PREEMPTED_STEPS, MAX_RESUBMITS=0)
     preempt(job, lambda: job.signal("--batch"), "scancel --signal=USR1 --batch")
     end = job.wait_end()
     assert (end["JobState"], end["ExitCode"], end["Restarts"]) == ("FAILED", "75:0", "0"), job.report()
     assert "MAX_RESUBMITS=0 restarts reached: not requeueing" in job.log()
-    assert 0 < len(job.steps()) < STEPS
+    assert 0 < len(job.steps()) < PREEMPTED_STEPS
 
 
 def test_world_size_check_refuses_ranks_that_each_see_a_world_of_one(jobs):
