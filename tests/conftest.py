@@ -152,3 +152,18 @@ def checkpoint_tensors(path) -> dict:
 
     with checkpoint.open_checkpoint(path) as ck:
         return {name: ck.read(name) for name in ck.names()}
+
+
+def wait_for_steps(proc, run_dir, n, timeout=120):
+    """Wait until the run in ``run_dir`` has logged ``n`` steps while ``proc`` runs
+    (a bounded wait that names what it waited for)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if len(read_metrics(run_dir)[0]) >= n:
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"fewer than {n} steps after {timeout}s")

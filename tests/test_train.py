@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 from mpirun import rank_pid
-from conftest import TINY, read_metrics
+from conftest import TINY, read_metrics, wait_for_steps
 
 from mpicube.files import checkpoint
 
@@ -67,16 +67,7 @@ def test_stop_after_then_resume_is_bit_identical(mpicube, tmp_path):
 
 
 def _wait_for_steps(proc, run_dir, n, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if len(read_metrics(run_dir)[0]) >= n:
-                return
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.01)
-    raise AssertionError(f"fewer than {n} steps after {timeout}s")
+    wait_for_steps(proc, run_dir, n, timeout)
 
 
 def test_sigterm_on_one_rank_checkpoints_and_resumes(mpicube, tmp_path):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, read_metrics, relerr
+from conftest import PYTHON, read_metrics, relerr, wait_for_steps
 from mpirun import MPIEXEC, ROOT
 
 from mpicube.files import checkpoint
@@ -201,16 +201,7 @@ def test_each_host_is_a_node(hosts, mpicube):
 
 
 def _wait_for_steps(proc, run_dir, n, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if len(read_metrics(run_dir)[0]) >= n:
-                return
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.01)
-    raise AssertionError(f"fewer than {n} steps after {timeout}s")
+    wait_for_steps(proc, run_dir, n, timeout)
 
 
 def test_cut_off_host_aborts_and_the_run_resumes_on_one_host(hosts, mpicube, tmp_path):
