@@ -119,8 +119,11 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:
     """Elements per rank. Under --zero 1 the buffers are padded to P_pad (a
-    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp)."""
+    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp); --zero 2
+    and 3: ``segmented_memory``."""
     params = sum(n for n, _ in local_param_sizes(p).values())
+    if p.segmented:
+        return segmented_memory(p, dropout)[0]
     if p.sharded:
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         return Memory(padded, padded, 2 * chunk, activation_elems(p, dropout))
@@ -133,6 +136,8 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
     float32 master plus a 16-bit working copy, gradients and Adam moments
     float32, activations mostly 16-bit."""
     w, elems = p.widths, step_memory(p, dropout)
+    if p.segmented:
+        return segmented_memory(p, dropout)[1]
     if p.sharded:   # the full buffer is the 16-bit working copy, the float32 master only the chunk
         chunk = elems.optimizer // 2
         params = elems.params * w.act + (chunk * w.grad if w.act != w.grad else 0)
@@ -140,3 +145,33 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
     params = elems.params
     working = params * w.act if w.act != w.grad else 0
     return Memory(params * w.grad + working, params * w.grad, 2 * params * w.grad, activation_bytes(p, dropout))
+
+
+def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
+    """(elements, bytes) per rank under --zero 2 and 3 (mpicube.parallel.fsdp):
+    the master chunk, summed gradient chunk and moments (C, C, 2 C); the
+    gradient slots (the outside segment's and two blocks', one if the model
+    has one block); --zero 2 the whole P_pad working copy, --zero 3 the
+    parameter slots (the same widths) and, under mixed precision, the
+    master chunk's 16-bit rounding. All are allocated once: this is the
+    peak of weights and gradients, the prefetched block included."""
+    w = p.widths
+    sizes = [(name, n) for name, (n, _) in local_param_sizes(p).items()]
+    segments = zero.segment_sizes(sizes, p.dp, p.zero)
+    chunk = sum(c for _, _, c in segments)
+    padded = {seg: p.dp * c for seg, _, c in segments}
+    blocks = [seg for seg in padded if seg != zero.OUTSIDE]
+    slots = padded.get(zero.OUTSIDE, 0) + min(2, len(blocks)) * max([padded[b] for b in blocks], default=0)
+    mixed = w.act != w.grad
+    grads = chunk + slots
+    if p.zero == 2:
+        whole = sum(padded.values())
+        elems = Memory(whole + chunk, grads, 2 * chunk, activation_elems(p, dropout))
+        size = Memory(whole * w.act + chunk * w.grad, grads * w.grad, 2 * chunk * w.grad,
+                      activation_bytes(p, dropout))
+        return elems, size
+    rounded = chunk if mixed else 0
+    elems = Memory(chunk + rounded + slots, grads, 2 * chunk, activation_elems(p, dropout))
+    size = Memory(chunk * w.grad + (rounded + slots) * w.act, grads * w.grad, 2 * chunk * w.grad,
+                  activation_bytes(p, dropout))
+    return elems, size

@@ -47,6 +47,15 @@ gradient (at ``Widths.gsum``) and an all-gather of the updated chunk
 2 C moments. Under mixed precision the float32 master is the chunk only
 and is counted with the parameters (C master + P_pad working copy), as the
 master is counted there with --zero 0.
+
+``Problem.zero`` = 2 or 3 (mpicube.parallel.fsdp): the buffer is cut per layer
+(``zero.segment_sizes``), and every micro-batch sums each layer's replica
+groups and reduce-scatters its padded segment over dp (``segmented_traffic``);
+--zero 3 all-gathers the outside segment once per step and the blocks as
+their two alternating slots need them: L in the step's first forward,
+L - 2 in every later pass (the last two blocks are still in their slots at
+each turn; all L stay when L <= 2); --zero 2 all-gathers the chunk after
+the step as --zero 1 does. Memory: ``costmemory.segmented_memory``.
 """
 
 from __future__ import annotations
@@ -175,8 +184,13 @@ class Problem:
 
     @property
     def sharded(self) -> bool:
-        """Whether the optimizer state is sharded (--zero 1 with dp > 1)."""
+        """Whether the optimizer state is sharded (--zero 1, 2 or 3 with dp > 1)."""
         return bool(self.zero) and self.dp > 1
+
+    @property
+    def segmented(self) -> bool:
+        """Whether gradients (and under 3 weights) are sharded per layer (--zero 2, 3)."""
+        return self.zero >= 2 and self.dp > 1
 
 
 def block_linears(cfg: ModelConfig):
@@ -334,7 +348,9 @@ def step_traffic(p: Problem) -> Traffic:
     for axis, n in group_sizes.items():
         t.sum(axis, _group_size(p, axis), n, width=w.gsum)
     params = sum(n for n, _ in sizes.values())
-    if p.sharded:
+    if p.segmented:
+        segmented_traffic(p, t, sizes)
+    elif p.sharded:
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
@@ -344,6 +360,36 @@ def step_traffic(p: Problem) -> Traffic:
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
     t.allreduce("world", p.tp * p.dp, 1, times=p.grad_accum, width=w.scalar)   # reported loss, per micro-batch
     return t
+
+
+def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
+    """--zero 2 and 3 (module docstring): per micro-batch and layer, the
+    replica-group sums and the reduce-scatter; the gathers; the norm."""
+    w = p.widths
+    segments = zero.segment_sizes([(name, n) for name, (n, _) in sizes.items()], p.dp, p.zero)
+    for seg, _, chunk in segments:
+        groups = defaultdict(int)
+        for name, (n, axis) in sizes.items():
+            if axis is not None and zero.segment_of(name) == seg:
+                groups[axis] += n
+        for axis, n in groups.items():
+            t.sum(axis, _group_size(p, axis), n, times=p.grad_accum, width=w.gsum)
+        t.reduce_scatter("dp", p.dp, p.dp * chunk, times=p.grad_accum, width=w.gsum)
+        if p.zero == 3:
+            t.allgather("dp", p.dp, chunk, times=1 if seg == zero.OUTSIDE else block_gathers(p), width=w.act)
+    if p.zero == 2:
+        t.allgather("dp", p.dp, sum(c for _, _, c in segments), width=w.act)   # parameters after the step
+    t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)                       # gradient norm
+
+
+def block_gathers(p: Problem) -> int:
+    """How often a block's weights are all-gathered per step under --zero 3,
+    on average: the total over the L blocks divided by L (the blocks'
+    segments are the same size, so only the total counts)."""
+    L, passes = p.cfg.n_layer, 2 * p.grad_accum
+    if L <= 2:
+        return 1
+    return Fraction(L + (passes - 1) * (L - 2), L)
 
 
 def step_flops(p: Problem) -> Fraction:

@@ -189,7 +189,7 @@ class Collector:
         flat = self.host(store.flat_grad)                                    # (P_pad,)
         if store.partition.sharded:
             chunks = self.layout.axes.dp.mpi.allgather(flat[store.shard])   # dp x (C,)
-            flat = np.concatenate(chunks)
+            flat = store.partition.assemble(np, np.concatenate(chunks))     # (P_pad,) in buffer order
         if divide != 1.0:
             flat = flat / divide
         return self._pieces("grad", store.views(flat))

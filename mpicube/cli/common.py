@@ -154,8 +154,8 @@ def recompute_option(f):
 
 
 def zero_option(help_text: str):
-    """``--zero {0,1}`` as an int (train, bench, info; each says what it does there)."""
-    return click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+    """``--zero {0,1,2,3}`` as an int (train, bench, info; each says what it does there)."""
+    return click.option("--zero", type=click.Choice(["0", "1", "2", "3"]), default="0", show_default=True,
                         callback=lambda ctx, param, value: int(value), help=help_text)
 
 

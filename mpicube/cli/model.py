@@ -30,7 +30,8 @@ from ..core.errors import UserError
                    "sums, float32 statistics, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
-@zero_option("the estimate with the optimizer state sharded over --dp (as train --zero 1)")
+@zero_option("the estimate with the optimizer state (1), also the gradients (2), also the weights (3) sharded "
+             "over --dp (as train --zero)")
 @recompute_option
 @click.option("--json", "as_json", is_flag=True,
               help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
@@ -99,7 +100,7 @@ def _mib(nbytes: int) -> str:
 @device_options
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
-@zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
+@zero_option("1: the optimizer state sharded over --dp; 2: and the gradients; 3: and the weights (as train --zero)")
 @collective_timeout_option
 def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
           dtype, device, tf32, recompute, zero, as_json, collective_timeout):

@@ -66,7 +66,9 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
 @click.option("--loss-scale-backoff", type=float, default=None,
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
 @zero_option("1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
-             "replicas; gradients reduce-scattered, parameters all-gathered")
+             "replicas; gradients reduce-scattered, parameters all-gathered; 2: also the gradients, "
+             "reduce-scattered per layer during backward; 3: also the weights, all-gathered per layer "
+             "just before it runs")
 @collective_timeout_option
 def train(collective_timeout, **kwargs):
     """Train a GPT-2 model.

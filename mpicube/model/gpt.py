@@ -231,6 +231,7 @@ class GPT:
         self.embedding = layout.tied_embedding(store)
         self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]    # (n_ctx, C_c)
         self.blocks = [Block(layout, store, i) for i in range(cfg.n_layer)]
+        self.sites = [block.site for block in self.blocks]
         self.ln_f = LayerNorm(store, "ln_f", cfg.n_embd, layout.hidden_comm)
         self.dropout = Dropout(dropout, seed, layout, grad_accum)
         # --recompute blocks: the largest set of one block's caches right after
@@ -248,6 +249,8 @@ class GPT:
         gradients) add up to the step's mean (and its gradient)."""
         xp, layout = self.xp, self.layout
         self.store.refresh_work()                # the 16-bit working copy, after an optimizer step or a load
+        # --zero 3 gathers each block's parameters just before it runs (parallel.fsdp); else no-ops
+        layers = self.store.layers("forward", self.sites)
         idx = xp.asarray(idx)
         B, T = idx.shape
         self.dropout.micro = micro
@@ -261,7 +264,9 @@ class GPT:
         if capture is not None:
             capture["emb"] = x.copy()                                       # (B_c, T, C_c)
         for i, block in enumerate(self.blocks):
+            layers.enter(i)
             x = block.forward(x, self.dropout, step)
+            layers.leave(i)
             if capture is not None:
                 capture[f"h.{i}"] = x.copy()                                # (B_c, T, C_c)
         x = self.ln_f.forward(x)
@@ -292,11 +297,14 @@ class GPT:
         and the caches holding positions before pos: (B_l, t, V_l), this
         rank's rows ``embedding.logit_seqs`` and vocabulary block."""
         self.store.refresh_work()
+        layers = self.store.layers("forward", self.sites)
         idx = self.xp.asarray(idx)
         t = idx.shape[1]
         x = self.embedding.embed(idx) + self.wpe[pos:pos + t]              # (B_c, t, C_c)
-        for block, cache in zip(self.blocks, caches):
+        for i, (block, cache) in enumerate(zip(self.blocks, caches)):
+            layers.enter(i)
             x = block.decode(x, cache, pos)
+            layers.leave(i)
         return self.embedding.logits(self.ln_f.forward(x))                  # (B_l, t, V_l)
 
     def saved_elements(self) -> int:
@@ -345,18 +353,23 @@ class GPT:
         gradients of activations would underflow at their true size, so
         dynamic loss scaling (mpicube.training.loss_scale) raises them and divides
         the float32 parameter gradients back afterwards."""
+        # --zero 2/3: each block's gradients reduce-scattered as its backward ends (parallel.fsdp)
+        layers = self.store.layers("backward", self.sites)
         dlogits = ops.cross_entropy_backward(loss_scale / self.n_tokens, self.ce_cache)
         dlogits = dlogits.reshape(self.logits.shape)                       # (B_l, T, V_l)
         dx = self.embedding.logits_backward(dlogits)                       # (B_c, T, C_c)
         dx = self.ln_f.backward(dx)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
-        for block in reversed(self.blocks):
+        for i in reversed(range(len(self.blocks))):
+            block = self.blocks[i]
+            layers.enter(i)                                                # the rerun shares the backward's gather
             if block.replay is not None:                                   # --recompute blocks
                 block.rerun()
                 rebuilt = self._saved_buffers(block.modules())             # this block's caches
                 self.recompute_peak_elements = max(self.recompute_peak_elements, sum(a.size for a in rebuilt))
                 self.recompute_peak_bytes = max(self.recompute_peak_bytes, sum(a.nbytes for a in rebuilt))
             dx = block.backward(dx)
+            layers.leave(i)
         if self.keep_emb is not None:
             dx = dx * self.keep_emb
         B, T, C = dx.shape
@@ -364,5 +377,6 @@ class GPT:
             dx.reshape(B, T * C)).reshape(T, C)                            # 16-bit dx: summed in float32+
         self.embedding.embed_backward(dx)
         self.embedding.finish_backward()
+        layers.finish()
         self.store.settle()
         self.ce_cache = self.logits = None

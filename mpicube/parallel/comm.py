@@ -322,11 +322,16 @@ class Comm:
         return precision.narrow(self._from_mpi(recv), x.dtype) if self.rank == root else None
 
     # --- nonblocking variants, to overlap communication with computation ---
-    def iallgather(self, x, axis: int = 0) -> "Pending":
-        """Start ``allgather``; ``.wait()`` returns what it would have."""
+    def iallgather(self, x, axis: int = 0, out=None) -> "Pending":
+        """Start ``allgather``; ``.wait()`` returns what it would have. With
+        ``out`` (contiguous, g x.size elements of x's format; axis 0) the
+        result is written there, received in place unless staged, and
+        ``out`` is returned (--zero 3 gathers a layer into a fixed buffer)."""
         if self.size == 1:
             return Pending(lambda: x)
         send, recv = self._gather_buffers(x)
+        if out is not None and not self._staged:
+            recv = self._words(out).reshape(recv.shape)          # (g, *x.shape) MPI writes out itself
         t0 = self._start("iallgather")
         request = self.mpi.Iallgather(send, recv)
         self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
@@ -334,6 +339,10 @@ class Comm:
         def finish():
             complete(request)
             self._done(send)
+            if out is not None:
+                if self._staged:
+                    out.reshape(-1)[...] = self._gathered(recv, x, 0).reshape(-1)
+                return out
             return self._gathered(recv, x, axis)
 
         return Pending(finish, self, send, "iallgather")

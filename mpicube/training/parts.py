@@ -14,7 +14,7 @@ from ..parallel.comm import Counters, agree_max
 from ..core.config import ModelConfig
 from ..parallel.grid import build_layout, plan
 from ..model.gpt import GPT, gpt_params
-from ..parallel.params import ParamStore
+from ..parallel.fsdp import make_store
 from ..parallel.zero import validate as validate_zero
 
 
@@ -70,7 +70,7 @@ def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="f
     counters = Counters()
     layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
                           counters=counters, grad_accum=grad_accum, recompute=recompute)
-    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
+    store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
