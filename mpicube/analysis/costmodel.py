@@ -64,7 +64,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from ..parallel import zero
+from ..parallel import fsdp, zero
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
 from ..device.precision import gradient_wire_name
@@ -345,21 +345,27 @@ def step_traffic(p: Problem) -> Traffic:
         if axis is not None:
             group_sizes[axis] += n
     w = p.widths
-    for axis, n in group_sizes.items():
-        t.sum(axis, _group_size(p, axis), n, width=w.gsum)
     params = sum(n for n, _ in sizes.values())
-    if p.segmented:
+    if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
         segmented_traffic(p, t, sizes)
     elif p.sharded:
+        _group_sums(p, t, group_sizes)
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
         t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)   # gradient norm
     else:
+        _group_sums(p, t, group_sizes)
         t.sum("dp", p.dp, params, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
     t.allreduce("world", p.tp * p.dp, 1, times=p.grad_accum, width=w.scalar)   # reported loss, per micro-batch
     return t
+
+
+def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
+    """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
+    for axis, n in group_sizes.items():
+        t.sum(axis, _group_size(p, axis), n, width=p.widths.gsum)
 
 
 def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
@@ -367,6 +373,9 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     replica-group sums and the reduce-scatter; the gathers; the norm."""
     w = p.widths
     segments = zero.segment_sizes([(name, n) for name, (n, _) in sizes.items()], p.dp, p.zero)
+    blocks = [c for seg, _, c in segments if seg != zero.OUTSIDE]
+    if p.zero == 3 and blocks:
+        t.allgather("dp", p.dp, blocks[0], times=fsdp.block_gathers(len(blocks), 2 * p.grad_accum), width=w.act)
     for seg, _, chunk in segments:
         groups = defaultdict(int)
         for name, (n, axis) in sizes.items():
@@ -375,21 +384,11 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
         for axis, n in groups.items():
             t.sum(axis, _group_size(p, axis), n, times=p.grad_accum, width=w.gsum)
         t.reduce_scatter("dp", p.dp, p.dp * chunk, times=p.grad_accum, width=w.gsum)
-        if p.zero == 3:
-            t.allgather("dp", p.dp, chunk, times=1 if seg == zero.OUTSIDE else block_gathers(p), width=w.act)
+        if p.zero == 3 and seg == zero.OUTSIDE:
+            t.allgather("dp", p.dp, chunk, width=w.act)          # once per step: it stays gathered
     if p.zero == 2:
         t.allgather("dp", p.dp, sum(c for _, _, c in segments), width=w.act)   # parameters after the step
     t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)                       # gradient norm
-
-
-def block_gathers(p: Problem) -> int:
-    """How often a block's weights are all-gathered per step under --zero 3,
-    on average: the total over the L blocks divided by L (the blocks'
-    segments are the same size, so only the total counts)."""
-    L, passes = p.cfg.n_layer, 2 * p.grad_accum
-    if L <= 2:
-        return 1
-    return Fraction(L + (passes - 1) * (L - 2), L)
 
 
 def step_flops(p: Problem) -> Fraction:

@@ -61,7 +61,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
          + (f" (float32 master + {dtype} working copy)" if working else "")
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
-        from ..analysis.costreport import memory_options, report, summary
+        from ..analysis.costreport import memory_options, report, summary, zero_options
         from ..parallel.grid import default_batch
 
         echo()
@@ -74,6 +74,9 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         echo(report(*args, **options))
         echo()
         echo(memory_options(cfg, batch_size, world_size or 1, dp, dtype, grad_accum))
+        if dp > 1:
+            echo()
+            echo(zero_options(cfg, batch_size, world_size or 1, dp, dtype, grad_accum, recompute))
         if as_json:
             echo(json.dumps(summary(*args, **options)))
     elif as_json:

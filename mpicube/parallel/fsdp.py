@@ -62,6 +62,18 @@ def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0) -> Par
     return ParamStore(specs, backend, seed, dp=dp, zero=zero)
 
 
+def block_gathers(n_blocks: int, passes_per_step: int) -> int:
+    """Block all-gathers per step under --zero 3 (the cost model's count of
+    what ``SegmentedStore`` does; ``passes_per_step`` = 2 N for N micro-
+    batches): every block in the step's first forward, then L - 2 in each
+    later pass (the two slots still hold the last two blocks of the pass
+    before at each turn); only the first forward's when all fit in two."""
+    L = n_blocks
+    if L <= 2:
+        return L
+    return L + (passes_per_step - 1) * (L - 2)
+
+
 def slot_key(segment: str, blocks: list):
     """Which slot holds ``segment``: the outside segment its own, block
     segments alternate between two (by position among this store's blocks)."""
