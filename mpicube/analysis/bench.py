@@ -117,7 +117,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
-                      zero=int(store.partition.sharded), grad_accum=parts.grad_accum)
+                      zero=store.zero, grad_accum=parts.grad_accum)
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     step_times = np.array(phases["step_s"])
     median = float(np.median(step_times))
@@ -155,7 +155,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
                  and counters.total_bytes() == predicted.total_bytes()
                  and counters.total_msgs() == predicted.total_msgs()},
         "memory": {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
-                   "activations": memory.activations, "measured_params": int(store.flat_work.size),
+                   "activations": memory.activations, "measured_params": int(
+                       sum(b.size for b in store.param_buffers()) if store.streams_gradients else store.flat_work.size),
                    "measured_activations": int(saved),
                    "bytes": {"params": memory_bytes.params, "grads": memory_bytes.grads,
                              "optimizer": memory_bytes.optimizer, "activations": memory_bytes.activations,

@@ -140,6 +140,7 @@ class ParamStore:
         self.dp = dp if zero else None
         self.partition = Partition(total, dp.size, dp.rank) if zero and dp is not None else Partition(total)
         self.shard = self.partition.own                  # the slice of the buffer this rank's optimizer updates
+        self.zero = int(self.partition.sharded)          # the --zero setting this store implements (0 or 1)
         padded, mixed = self.partition.padded, backend.dtype != master
         self.flat_grad = xp.zeros(padded, dtype=master)  # (P_pad,) P_pad = P unless sharded
         if self.partition.sharded and mixed:
