@@ -328,10 +328,14 @@ class Comm:
         result is written there, received in place unless staged, and
         ``out`` is returned (--zero 3 gathers a layer into a fixed buffer)."""
         if self.size == 1:
+            if out is not None:
+                out.reshape(-1)[...] = x.reshape(-1)
+                return Pending(lambda: out)
             return Pending(lambda: x)
-        send, recv = self._gather_buffers(x)
-        if out is not None and not self._staged:
-            recv = self._words(out).reshape(recv.shape)          # (g, *x.shape) MPI writes out itself
+        if out is not None and not self._staged:                 # MPI writes into out itself
+            send, recv = self._to_mpi(self._words(x)), self._words(out).reshape((self.size,) + tuple(x.shape))
+        else:
+            send, recv = self._gather_buffers(x)                 # recv (g, *x.shape)
         t0 = self._start("iallgather")
         request = self.mpi.Iallgather(send, recv)
         self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
