@@ -39,6 +39,8 @@ Environment:
                               sharded per layer, parallel/fsdp.py; memory
                               is every weight and gradient buffer, slots
                               included)
+  MPICUBE_CHECK_LAYERS=N      N transformer blocks instead of 2 (--zero 3
+                              with more blocks than its two weight slots)
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -125,6 +127,7 @@ HALF = is_half(dtype_of(DTYPE))
 RTOL = 1e-10           # float64; 16-bit runs set it from the layout (wire_tolerance)
 WORST = [0.0]          # the largest relative difference seen, for the report line
 ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
+LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
@@ -255,9 +258,9 @@ def main():
     layout_name, dp, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     if os.environ.get("MPICUBE_CHECK_SIZE") == "large":
-        cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=2, n_head=12, n_embd=72)
+        cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=LAYERS, n_head=12, n_embd=72)
     else:
-        cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=12, n_embd=36)
+        cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=LAYERS, n_head=12, n_embd=36)
     T = cfg.n_ctx
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
     rng = np.random.default_rng(3)

@@ -26,7 +26,9 @@ from mpirun import ROOT, mpiexec
 
 CASES = [
     # (ranks, layout, dp, depth, zero, env)
-    (4, "serial", 4, 1, 3, {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ACCUM": "2"}),
+    # 4 blocks, two weight slots: blocks gathered again after each turn of the passes
+    (4, "serial", 4, 1, 3, {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ACCUM": "2",
+                            "MPICUBE_CHECK_LAYERS": "4"}),
     (4, "1d", 2, 1, 3, {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ACCUM": "2"}),
     (4, "2.5d", 2, 2, 2, {}),      # q = 1, d = 2: the depth and column-depth groups summed per layer
     (8, "2d", 2, 1, 2, {}),
@@ -37,7 +39,7 @@ CASES = [
 
 def _id(case):
     ranks, layout, dp, _, zero, env = case
-    extra = "-".join(v for k, v in sorted(env.items()))
+    extra = "-".join(f"{k.split('_')[-1].lower()}{v}" for k, v in sorted(env.items()))
     return f"{layout}-n{ranks}-dp{dp}-zero{zero}" + (f"-{extra}" if extra else "")
 
 
