@@ -9,6 +9,7 @@ import math
 
 import click
 
+from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
                      grad_accum_option, layout_options, model_options, profile_option, recompute_option, watched,
                      zero_option)
@@ -87,6 +88,9 @@ def train(collective_timeout, profile, **kwargs):
     opts.given_shape = tuple(k for k in SHAPE_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
     hooks = []
+    if profile is not None and profile[1] > opts.last_step:
+        raise UserError(f"--profile {profile[0]}:{profile[1]} ends after the last step this run trains, "
+                        f"{opts.last_step} (--steps, --stop-after)")
     if profile is not None:
         from ..analysis.profile import ProfileHooks
 
