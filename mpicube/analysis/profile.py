@@ -54,7 +54,7 @@ class ProfileSession:
         self.first, self.last = steps
         self.out_dir, self.say = Path(out_dir), say
         self.meta = dict(meta or {})
-        self.recorder = profiler.Recorder(parts.backend.synchronize if parts.backend.is_gpu else None)
+        self.recorder = profiler.Recorder(parts.backend.synchronize if parts.backend.is_gpu else None, mpi_world)
         self.clock = None                    # (offset, origin) of align_clocks
         self.walls = {}                      # step -> wall seconds as the caller measured it
         self.wrapped = []
@@ -119,7 +119,7 @@ class ProfileSession:
         """Gather every rank's events on rank 0 (an uncounted object gather)
         and write the trace and its summary there."""
         gathered = self.world.gather(self._local_events(), root=0)
-        self.recorder = profiler.Recorder(self.recorder.sync)
+        self.recorder = profiler.Recorder(self.recorder.sync, self.world)
         if gathered is None:
             return
         doc = trace_document(gathered, {**self.meta, "steps": [self.first, self.last], "mpicube": __version__})

@@ -113,7 +113,9 @@ class Counters:
 class Pending:
     """A started collective: ``wait()`` completes it and returns its result
     (the time spent waiting is added to the axis's seconds). Holds the send
-    buffer so it outlives the operation."""
+    buffer so it outlives the operation. Made right after the start call's
+    ``Comm._count``, so ``WAITS.progress`` is then the time that call
+    returned: a profile's flight starts there."""
 
     def __init__(self, finish, comm: "Comm" = None, send=None, kind: str = "wait"):
         self._finish, self._comm, self._send, self._kind = finish, comm, send, kind
@@ -202,7 +204,7 @@ class Comm:
         t1 = time.perf_counter()
         self.counters.add(self.axis, elems, msgs, t1 - t0, width)
         if profiler.ACTIVE is not None:         # --profile: the kind is the one _start named
-            profiler.ACTIVE.comm(self, WAITS.current[0], t0, t1, Fraction(elems) * width)
+            profiler.ACTIVE.comm(self, (WAITS.current or ("call",))[0], t0, t1, Fraction(elems) * width)
         WAITS.leave(t1)
 
     # --- 16-bit formats ----------------------------------------------------

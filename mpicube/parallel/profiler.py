@@ -55,10 +55,11 @@ class Recorder:
     """One rank's spans and flights of the profiled steps. ``sync`` (the
     backend's synchronize) runs before each compute span closes, so that on
     a GPU a module's span ends when its kernels have, not when they were
-    queued."""
+    queued. Peers are named by their rank in ``world`` (default
+    MPI.COMM_WORLD)."""
 
-    def __init__(self, sync=None):
-        self.sync = sync
+    def __init__(self, sync=None, world=None):
+        self.sync, self.world = sync, world       # world: the communicator whose ranks name peers
         self.spans = []          # (thread, name, t0, t1, args)
         self.flights = []        # (thread, name, t0, t1, args): nonblocking calls from start to end of wait
         self._started = {}       # (axis, end of the start call) -> bytes, until its wait
@@ -73,9 +74,9 @@ class Recorder:
         if key not in self._peers:
             from mpi4py import MPI
 
-            group = comm.mpi.Get_group()
-            self._peers[key] = [int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.size)),
-                                                                          MPI.COMM_WORLD.Get_group())]
+            world = (self.world or MPI.COMM_WORLD).Get_group()
+            self._peers[key] = [int(r) for r in MPI.Group.Translate_ranks(comm.mpi.Get_group(),
+                                                                          list(range(comm.size)), world)]
         return self._peers[key]
 
     def comm(self, comm, kind: str, t0: float, t1: float, nbytes) -> None:
