@@ -10,7 +10,7 @@ Prints the nanoseconds of
 * ``Recorder.comm``, what each counted call adds under a profile.
 With ``--trace``, the spans per rank and step of that trace times those
 costs, against its steps' wall time: the overhead a profile adds to them.
-Each figure is the minimum of 7 repeats of ``timeit`` (the machine's other
+Each figure is the minimum of 40 repeats of ``timeit`` (the machine's other
 load only adds to a repeat, so the minimum is the cost).
 """
 
@@ -30,11 +30,11 @@ from mpicube.device.backend import make_backend  # noqa: E402
 from mpicube.parallel import profiler  # noqa: E402
 from mpicube.parallel.comm import Comm, Counters  # noqa: E402
 
-N = 200_000
+N = 20_000
 
 
 def ns(stmt) -> float:
-    return min(timeit.repeat(stmt, number=N, repeat=7)) / N * 1e9
+    return min(timeit.repeat(stmt, number=N, repeat=40)) / N * 1e9
 
 
 class Module:
