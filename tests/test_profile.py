@@ -74,11 +74,20 @@ def test_bench_profile_on_8_ranks_accounts_for_every_step(mpicube):
     assert 0.0 <= result["exposed_comm_fraction"] <= 1.0
 
     pytest.importorskip("matplotlib")
-    from mpicube.analysis.timeline import draw
-
-    out = mpicube.cwd / "timeline.png"
-    assert "8 rank(s)" in draw(mpicube.cwd / "prof", out)
+    r = mpicube.run("timeline", "prof", "--out", "pictures/timeline.png")
+    assert r.returncode == 0, r
+    assert "wrote pictures/timeline.png: 8 rank(s), " in r.stdout, r
+    out = mpicube.cwd / "pictures" / "timeline.png"
     assert out.read_bytes()[:8] == PNG_MAGIC and out.stat().st_size > 10_000
+
+    from mpicube.analysis.timeline import draw
+    from mpicube.core.errors import UserError
+
+    with pytest.raises(UserError, match="no such trace"):
+        draw(mpicube.cwd / "nowhere", mpicube.cwd / "x.png")
+    (mpicube.cwd / "bad.json").write_text("{")
+    with pytest.raises(UserError, match="not a JSON trace"):
+        draw(mpicube.cwd / "bad.json", mpicube.cwd / "x.png")
 
 
 def test_train_profile_and_a_range_outside_the_run(mpicube):
@@ -123,7 +132,8 @@ def test_profile_in_process_leaves_nothing_behind(tmp_path):
     assert profiler.ACTIVE is None
     assert not any(m in vars(mod) for _, _, mod, methods in parts.model.named_modules() for m in methods)
     assert "forward" not in vars(parts.model) and "step" not in vars(sessions[0].opt)
-    assert set(result["profile"]) >= {"profiled_step_s", "plain_step_s", "overhead", "trace_fractions"}
+    assert set(result["profile"]) >= {"profiled_step_s", "plain_step_s", "overhead", "overhead_cpu",
+                                       "trace_fractions"}
     doc = json.loads((tmp_path / "profile.json").read_text())
     assert validate(doc) == [] and list(summarize(doc)["ranks"]) == [0]
     assert result["profile"]["max_accounting_error"] <= 0.05

@@ -85,7 +85,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
     cfg = parts.cfg
     opt = make_step(store, layout.axes)          # --zero 1: zero.ShardedStep
     session = profile(opt) if profile is not None else None
-    profiled = []                                 # per timed step: whether it was profiled
+    profiled, cpu = [], []                        # per timed step: whether it was profiled; its CPU seconds
     loss_scale = 1024.0 if backend.dtype == np.float16 else 1.0     # as float16 training scales the loss
     B = parts.batch_size                                                       # the step's, all micro-batches
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, seq_len + 1))
@@ -96,6 +96,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
         counters.reset()
         if session is not None:
             session.begin(i + 1)
+        cpu0 = time.process_time()
         marks = [time.perf_counter()]
         store.zero_grad()
         fwd = bwd = 0.0
@@ -118,10 +119,12 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
         opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)) / loss_scale)
         backend.synchronize()
         marks.append(time.perf_counter())
+        cpu1 = time.process_time()
         if session is not None:
             session.end(i + 1, marks[-1] - marks[0])
         if i >= warmup:
             profiled.append(session is not None and session.profiling(i + 1))
+            cpu.append(cpu1 - cpu0)
             for key, t0, t1 in zip(("forward_s", "backward_s", "sync_s", "optimizer_s"), marks, marks[1:]):
                 phases[key].append(t1 - t0)
             phases["step_s"].append(marks[-1] - marks[0])
@@ -133,6 +136,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
     mixed = any(profiled) and not all(profiled)
     if mixed:                                     # the figures from the steps run as without --profile
         profiled_times = [t for t, p in zip(phases["step_s"], profiled) if p]
+        cpu_ratio = (np.median([c for c, p in zip(cpu, profiled) if p])
+                     / np.median([c for c, p in zip(cpu, profiled) if not p]))
         phases = {key: [t for t, p in zip(v, profiled) if not p] for key, v in phases.items()}
     else:
         profiled_times = phases["step_s"] if any(profiled) else []
@@ -166,7 +171,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
         "gemm_fraction": flops_rank / median / rate,
         "split": {key: float(np.median(v)) for key, v in phases.items() if key != "step_s"},
         "exposed_comm_fraction": exposed,
-        **({"profile": profile_figures(session, profiled_times, median if mixed else None)} if session is not None else {}),
+        **({"profile": profile_figures(session, profiled_times, median if mixed else None,
+                                       cpu_ratio if mixed else None)} if session is not None else {}),
         "comm": {"measured_elems": float(counters.total_elems()), "measured_msgs": counters.total_msgs(),
                  "measured_bytes": float(counters.total_bytes()),
                  "predicted_elems": float(predicted.total_elems()), "predicted_msgs": predicted.total_msgs(),
@@ -184,11 +190,12 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
     }
 
 
-def profile_figures(session, profiled_times: list, plain_median: float) -> dict:
+def profile_figures(session, profiled_times: list, plain_median: float, cpu_ratio: float = None) -> dict:
     """What ``--profile`` adds to a layout's results: the trace's path, its
     fractions (rank 0's, over the profiled steps) and the overhead, the
     median profiled timed step against the median of the others (when
-    both ran)."""
+    both ran), in wall time and in this process's CPU time (which the
+    machine's other load moves much less)."""
     out = {"steps": [session.first, session.last], "trace": str(session.out_dir / "profile.json")}
     if profiled_times:
         median = float(np.median(profiled_times))
@@ -196,6 +203,7 @@ def profile_figures(session, profiled_times: list, plain_median: float) -> dict:
         if plain_median is not None:
             out["plain_step_s"] = plain_median
             out["overhead"] = median / plain_median - 1.0
+            out["overhead_cpu"] = float(cpu_ratio) - 1.0
     if session.summary is not None:
         total = session.summary["ranks"][0]["total"]
         out["trace_fractions"] = {k: total[k + "_fraction"] for k in
