@@ -19,8 +19,9 @@ work, ``"comm " + axis`` for each communication axis (dp, tp, the layouts'
 own, later pp). Kinds whose name starts with "i" are nonblocking starts
 (``nonblocking``): the call is a span on the axis thread, and the time until
 its wait ends is a *flight* (drawn as an async event); the wait is a span
-named ``"wait " + kind``. Point-to-point calls are more kinds with their
-peers, nothing else changes.
+named ``"wait " + kind``. Point-to-point calls (a pipeline's sends and
+receives) are more kinds on their axis's thread, with their partner as
+``peers``; nothing else changes.
 
 Clocks. ``align_clocks`` runs once before the first profiled step: a
 barrier, then rank 0 exchanges a few ping-pongs with every rank and takes,
@@ -79,11 +80,14 @@ class Recorder:
                                                                           list(range(comm.size)), world)]
         return self._peers[key]
 
-    def comm(self, comm, kind: str, t0: float, t1: float, nbytes) -> None:
-        """A counted call of ``comm`` (``Comm._count``): started at t0, returned at t1."""
+    def comm(self, comm, kind: str, t0: float, t1: float, nbytes, peers: list = None) -> None:
+        """A counted call of ``comm`` (``Comm._count``): started at t0,
+        returned at t1. ``peers`` (world ranks) default to ``comm``'s whole
+        group; a point-to-point call names its partner."""
         blocking = not nonblocking(kind)
+        peers = self.peers(comm) if peers is None else [int(p) for p in peers]
         self.spans.append((axis_thread(comm.axis), kind, t0, t1,
-                           {"kind": kind, "axis": comm.axis, "bytes": float(nbytes), "peers": self.peers(comm),
+                           {"kind": kind, "axis": comm.axis, "bytes": float(nbytes), "peers": peers,
                             "blocking": blocking}))
         if not blocking:
             self._started[comm.axis, t1] = float(nbytes)
