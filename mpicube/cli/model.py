@@ -101,7 +101,7 @@ def _mib(nbytes: int) -> str:
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
 @zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
-@profile_option("steps START to STOP (counted from 1 with the warm-up steps) into OUT/profile.json, "
+@profile_option("steps START to STOP (counted from 1 with the warm-up steps) into RUN_DIR/profile.json, "
                 "timed apart from the others")
 @click.option("--out", type=str, default=None, metavar="RUN_DIR",
               help="where --profile writes (several layouts: RUN_DIR/<layout>/)  [default: runs/bench-<time>]")
