@@ -121,7 +121,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
         marks.append(time.perf_counter())
         cpu1 = time.process_time()
         if session is not None:
-            session.end(i + 1, marks[-1] - marks[0])
+            session.end(i + 1, (marks[0], marks[-1]))
         if i >= warmup:
             profiled.append(session is not None and session.profiling(i + 1))
             cpu.append(cpu1 - cpu0)

@@ -46,7 +46,7 @@ SUMMARY_FILE = "profile-summary.json"
 class ProfileSession:
     """Profiles steps ``first..last`` of one run on this rank, then writes
     the trace (rank 0) into ``out_dir``. Call ``begin(s)`` at the start of
-    every step and ``end(s, wall_s)`` at its end, on every rank (both
+    every step and ``end(s, timed)`` at its end, on every rank (both
     make world collectives at the first and last profiled step)."""
 
     def __init__(self, parts, opt, mpi_world, steps: tuple, out_dir, say=print, meta: dict = None):
@@ -78,12 +78,17 @@ class ProfileSession:
         self.parts.backend.synchronize()
         self.t0 = time.perf_counter()
 
-    def end(self, s: int, wall_s: float = None) -> None:
+    def end(self, s: int, timed: tuple = None) -> None:
+        """Step ``s`` has ended. ``timed``: the (start, end) perf_counter
+        readings the caller timed the step with (bench), which then bound
+        its span and give its wall time; else the span runs from ``begin``
+        to now and the wall time is the span's."""
         if not self.profiling(s) or self.t0 is None:
             return
         self.parts.backend.synchronize()
-        self.recorder.span(COMPUTE, f"step {s}", self.t0, time.perf_counter(), {"step": s})
-        self.walls[s] = wall_s
+        t0, t1 = timed if timed is not None else (self.t0, time.perf_counter())
+        self.recorder.span(COMPUTE, f"step {s}", t0, t1, {"step": s})
+        self.walls[s] = t1 - t0 if timed is not None else None
         self.t0 = None
         profiler.ACTIVE = None
         for w in self.wrapped:

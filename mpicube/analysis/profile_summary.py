@@ -21,8 +21,9 @@ wall time only if the spans tile the step without overlapping: a span
 counted twice, or a top-level span running past its neighbour, shows as
 ``accounted`` above the wall time; time the spans miss cannot hide, since
 idle is only what lies between spans. ``accounting_error`` is
-``|accounted - wall| / wall`` against the wall time the trainer or bench
-measured on its own clock, where it gave one.
+``|accounted - wall| / wall`` against the wall time the caller measured
+(bench: the same two clock readings its step time comes from), else the
+step span's own.
 """
 
 from __future__ import annotations
