@@ -10,7 +10,8 @@ flat parameter and gradient buffer; ``gradients`` sums gradients over
 replica groups and dp and takes the norm; ``zero`` partitions the buffer
 over dp for --zero 1 (per layer for 2 and 3); ``fsdp`` is the store of
 --zero 2 and 3, which reduce-scatters each layer's gradients and gathers
-its weights as the model walks its blocks.
+its weights as the model walks its blocks; ``profiler`` records the spans
+of ``--profile`` (``comm`` hands it every call and wait).
 
 May import: ``core``, ``device``, ``ops``.
 """
