@@ -104,9 +104,10 @@ class SegmentedStore(ParamStore):
         self.master = xp.zeros(C, dtype=master)                     # (C,) master chunk
         self.flat_grad = xp.zeros(C, dtype=master)                  # (C,) summed gradient chunk
         self.blocks = [seg.name for seg in self.partition.list if seg.name != OUTSIDE]
+        self.slot_of = {seg.name: slot_key(seg.name, self.blocks) for seg in self.partition.list}
         widths = {}
         for seg in self.partition.list:
-            key = slot_key(seg.name, self.blocks)
+            key = self.slot_of[seg.name]
             widths[key] = max(widths.get(key, 0), seg.padded)
         self.grad_slots = {key: xp.zeros(n, dtype=master) for key, n in widths.items()}   # (S_pad,) each
         if zero == 2:
@@ -125,7 +126,7 @@ class SegmentedStore(ParamStore):
             lo = at[seg.name]
             at[seg.name] += spec.size
             self.offsets[spec.name] = (lo, lo + spec.size)
-            key, inner = slot_key(seg.name, self.blocks), slice(lo - seg.lo, lo - seg.lo + spec.size)
+            key, inner = self.slot_of[seg.name], slice(lo - seg.lo, lo - seg.lo + spec.size)
             params = self.flat_work[lo:lo + spec.size] if zero == 2 else self.param_slots[key][inner]
             self.work[spec.name] = params.reshape(spec.local_shape)
             self.grad[spec.name] = self.grad_slots[key][inner].reshape(spec.local_shape)
@@ -221,23 +222,21 @@ class SegmentedStore(ParamStore):
     def clear_slot(self, segment: str) -> None:
         """Before ``segment``'s backward: its gradient slot is free (the
         reduce-scatter of the block that used it before has landed) and zero."""
-        key = slot_key(segment, self.blocks)
+        key = self.slot_of[segment]
         self._land(key)
         slot = self.grad_slots[key]
         slot[...] = 0
 
-    def reduce_slot(self, segment: str, wait: bool = False) -> None:
+    def reduce_slot(self, segment: str) -> None:
         """After ``segment``'s backward: sum its slot over the replica groups
         inside the tensor-parallel group, then start its reduce-scatter over
         dp into this replica's chunk (in ``gradient_wire``)."""
-        key, seg = slot_key(segment, self.blocks), self.partition.by_name[segment]
+        key, seg = self.slot_of[segment], self.partition.by_name[segment]
         slot = self.grad_slots[key]
         wire = precision.gradient_wire(self.backend.dtype)
         for comm, run in self.seg_groups.get(segment, []):
             slot[run] = comm.allreduce(slot[run], wire=wire)
         self._reducing[key] = (seg, self.dp.ireduce_scatter(slot[:seg.padded], wire=wire))
-        if wait:
-            self._land(key)
 
     def _land(self, key) -> None:
         if key in self._reducing:
@@ -260,9 +259,11 @@ class SegmentedStore(ParamStore):
         if self.zero != 3 or segment is None or segment in self._gathering:
             return
         self.refresh_work()
-        key = slot_key(segment, self.blocks)
+        key = self.slot_of[segment]
         if self._resident.get(key) == segment:
             return
+        for other in [s for s in self._gathering if self.slot_of[s] == key]:
+            self._gathering.pop(other).wait()                       # never two gathers into one slot
         seg = self.partition.by_name[segment]
         self._resident.pop(key, None)
         out = self.param_slots[key][:seg.padded]                   # (dp C_s,) the gathered segment
@@ -277,7 +278,7 @@ class SegmentedStore(ParamStore):
         pending = self._gathering.pop(segment, None)
         if pending is not None:
             pending.wait()
-            self._resident[slot_key(segment, self.blocks)] = segment
+            self._resident[self.slot_of[segment]] = segment
 
 
 class BlockStream(ResidentLayers):
