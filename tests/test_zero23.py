@@ -16,11 +16,10 @@ data-parallel replicas layer by layer (mpicube/parallel/fsdp.py).
    every layout, and the cost model's figures at the paper's scale.
 """
 
-import shutil
-
 import numpy as np
 import pytest
-from conftest import MpiCube, checkpoint_tensors, read_metrics, relerr
+from conftest import MpiCube, checkpoint_tensors, relerr
+from test_zero import EVAL_RTOL, SAVED_STEP, STEP_RTOL, Runs, resumes_bit_for_bit
 
 from mpirun import ROOT, mpiexec
 
@@ -72,37 +71,12 @@ def test_zero3_on_the_gpu_path():
 # --- checkpoints -------------------------------------------------------------------
 
 MODEL = ["--n-layer", "3", "--n-head", "6", "--n-embd", "36", "--seq-len", "8", "--batch-size", "36"]
-SCHEDULE = ["--steps", "5", "--warmup", "1", "--lr", "1e-2", "--ckpt-every", "3", "--keep", "0"]
-SAVED_STEP = 3
-EVAL_RTOL = 1e-6        # a forward pass in float32, summed in another order
-STEP_RTOL = 1e-5        # one more optimizer step in float32, in another order
-
-
-class Runs:
-    def __init__(self, cube: MpiCube):
-        self.cube, self.dir = cube, cube.cwd
-
-    def train(self, out, n, *extra):
-        r = self.cube.run("train", *MODEL, *SCHEDULE, "--out", out, *extra, n=n, timeout=240)
-        assert r.returncode == 0, r
-        return r
-
-    def resume(self, src, out, n, *extra):
-        """Steps 4 and 5 from ``src``'s step-3 checkpoint, copied into a new run directory."""
-        shutil.copytree(self.dir / src / "ckpt" / f"step_{SAVED_STEP:08d}",
-                        self.dir / out / "ckpt" / f"step_{SAVED_STEP:08d}")
-        r = self.train(out, n, "--resume", *extra)
-        assert "resuming from" in r.stdout, r
-        return r
-
-    def steps(self, run) -> list:
-        return read_metrics(self.dir / run)[0]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus_cache) -> Runs:
     """Uninterrupted runs on 1-D with dp 2 (4 ranks), --zero 3 and --zero 0."""
-    runs = Runs(MpiCube(tmp_path_factory.mktemp("zero23"), corpus_cache))
+    runs = Runs(MpiCube(tmp_path_factory.mktemp("zero23"), corpus_cache), MODEL)
     r = runs.train("z3", 4, "--layout", "1d", "--dp", "2", "--zero", "3")
     assert "layout 1d (tp 2, dp 2, p 2)" in r.stdout, r
     runs.train("z0", 4, "--layout", "1d", "--dp", "2", "--zero", "0")
@@ -148,16 +122,7 @@ def test_zero3_bfloat16_resumes_bit_for_bit(runs):
     """bfloat16 with zero 3 (float32 master chunk, 16-bit gathers): the state
     gathered for the step-3 save and scattered on resume continues the run
     bit for bit."""
-    opts = ["--layout", "serial", "--dp", "2", "--zero", "3", "--dtype", "bfloat16"]
-    runs.train("bf", 2, *opts)
-    runs.resume("bf", "bf_cont", 2, *opts)
-    got = [s for s in runs.steps("bf_cont") if s["step"] > SAVED_STEP]
-    want = [s for s in runs.steps("bf") if s["step"] > SAVED_STEP]
-    assert [(s["loss"], s["grad_norm"]) for s in got] == [(s["loss"], s["grad_norm"]) for s in want]
-    a, b = checkpoint_tensors(runs.dir / "bf_cont"), checkpoint_tensors(runs.dir / "bf")
-    assert sorted(a) == sorted(b)
-    for name in b:
-        assert np.array_equal(a[name], b[name]), name
+    resumes_bit_for_bit(runs, ["--layout", "serial", "--dp", "2", "--zero", "3", "--dtype", "bfloat16"])
 
 
 # --- bad input, info and the cost model -------------------------------------------------
