@@ -164,6 +164,23 @@ def grad_accum_option(help_text: str):
     return click.option("--grad-accum", type=int, default=1, show_default=True, help=help_text)
 
 
+def pipeline_options(f):
+    """``--pp``, ``--pp-schedule``, ``--virtual-stages`` (info here; train,
+    eval, bench and the rest take the same), checked against the model by
+    ``parallel.schedules.check_pipeline``."""
+    from ..parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
+
+    f = click.option("--virtual-stages", type=int, default=1, show_default=True,
+                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V)")(f)
+    f = click.option("--pp-schedule", type=click.Choice(SCHEDULES), default=DEFAULT_SCHEDULE, show_default=True,
+                     help="pipeline schedule over the --grad-accum micro-batches: gpipe = all forwards, then all "
+                          "backwards; 1f1b = one forward, one backward after a warm-up (at most pp in flight); "
+                          "interleaved = 1f1b over --virtual-stages chunks per stage (bubble / V)")(f)
+    f = click.option("--pp", type=int, default=1, show_default=True,
+                     help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
+    return f
+
+
 def collective_timeout_option(f):
     """``--collective-timeout SECONDS``: every command that communicates
     (train, eval, bench) runs under the watchdog (``parallel.watchdog``)."""
