@@ -7,6 +7,8 @@ split.
 
 from __future__ import annotations
 
+from mpi4py import MPI
+
 from ..device.backend import Backend
 from .comm import Comm, Counters
 from ..core.config import ModelConfig
@@ -41,7 +43,7 @@ def split_world(world_size: int, dp: int) -> int:
     return GridSpec(dp=dp).tp(world_size)
 
 
-NOT_BUILT = {"pp": "pipeline stages (issue 20)", "cp": "context parallelism (issue 22)"}
+NOT_BUILT = {"cp": "context parallelism (issue 22)"}
 
 
 def validate_axes(grid: GridSpec) -> None:
@@ -189,3 +191,16 @@ def build_layout(grid, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
     return cls(cfg, axes, batch_size // grad_accum, depth=grid.depth, recompute=recompute)
+
+
+def tied_pair(axes: Axes):
+    """The pair of pipeline stages that hold the tied ``wte`` (stage 0, the
+    lookup; stage P-1, the head) at this rank's (d, c, t), as a Comm on
+    axis "tied"; None on the other stages and without stages. Collective
+    over ``axes.pp``: every stage calls it."""
+    pp = axes.pp
+    if pp.size == 1:
+        return None
+    inside = pp.rank in (0, pp.size - 1)
+    sub = pp.mpi.Split(color=0 if inside else MPI.UNDEFINED, key=pp.rank)
+    return Comm(sub, "tied", pp.backend, pp.counters) if inside else None

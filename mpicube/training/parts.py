@@ -16,6 +16,8 @@ from ..parallel.grid import build_layout, plan
 from ..parallel.gridspec import GridSpec
 from ..model.gpt import GPT, gpt_params
 from ..parallel.params import ParamStore
+from ..parallel.schedules import check_pipeline
+from .pipeline import Pipeline, stage_specs
 from ..parallel.zero import validate as validate_zero
 
 
@@ -30,6 +32,7 @@ class Parts:
     store: object
     model: object
     grad_accum: int = 1     # micro-batches per step; the layout is built for one of them
+    pipeline: object = None  # training.pipeline.Pipeline under --pp > 1 (then ``model`` is it too)
 
     @property
     def batch_size(self) -> int:
@@ -52,7 +55,8 @@ class Parts:
 
 
 def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cpu", seed=0, dropout=0.0,
-                tf32=False, grad_accum=1, recompute="none", zero=0, seq_len=None) -> Parts:
+                tf32=False, grad_accum=1, recompute="none", zero=0, seq_len=None, pp_schedule="1f1b",
+                virtual=1) -> Parts:
     """Backend, layout, parameters, model, on the parallel axes ``grid``
     (a GridSpec, or a layout name for a run with no other axis). Every size is validated first
     (``plan`` is pure), before device selection makes its first collective;
@@ -63,9 +67,12 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
     layout's memory mode (layouts/base.py RECOMPUTE_MODES). A model that
     cannot fit in this rank's memory is refused before anything is
     allocated (``require_room``; ``seq_len``, the sequences the model will
-    run, adds their attention scores to the bound)."""
+    run, adds their attention scores to the bound). With ``grid.pp`` > 1
+    the rank holds its stage's parameters only and ``model`` is the
+    ``Pipeline`` of ``pp_schedule`` over ``virtual`` chunks per stage."""
     grid = GridSpec.of(grid)
     _, resolved, tp = plan(grid, cfg, batch_size, mpi_world.Get_size(), grad_accum, recompute)
+    check_pipeline(cfg.n_layer, grid.pp, pp_schedule, virtual, grad_accum)
     validate_zero(zero, grid.dp)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
@@ -73,6 +80,11 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
     counters = Counters()
     layout = build_layout(grid, cfg, batch_size, backend, mpi_world, counters=counters, grad_accum=grad_accum,
                           recompute=recompute)
+    if grid.pp > 1:
+        store = ParamStore(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=zero)
+        pipe = Pipeline(cfg, layout, store, schedule=pp_schedule, virtual=virtual, dropout=dropout, seed=seed,
+                        grad_accum=grad_accum)
+        return Parts(cfg, backend, counters, layout, store, pipe, grad_accum, pipeline=pipe)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)

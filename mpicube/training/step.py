@@ -35,7 +35,9 @@ class ReplicatedStep:
         sync_gradients(self.store, self.axes.dp)
 
     def grad_norm(self) -> float:
-        return global_grad_norm(self.store, self.axes.tp)
+        pp = self.axes.pp
+        # over the stages too, counted apart from the pipeline's own traffic ("pp")
+        return global_grad_norm(self.store, self.axes.tp, pp.renamed("pp_norm") if pp.size > 1 else None)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self.adam.step(lr, grad_scale)

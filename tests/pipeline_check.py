@@ -1,0 +1,158 @@
+"""Run under mpiexec: pipeline stages (--pp) over a layout against the serial
+model, in float64 with dropout (or in 16 bits against serial in the same
+format, losses only after step 1, as tests/parallel_check.py explains).
+
+Every rank builds the serial model on MPI.COMM_SELF from the same seed and
+batch (the whole batch at once, no accumulation) and compares the blocks of
+its own stage: loss, gradient norm, every parameter gradient after the
+step's sums (the tied wte after the sum over stages 0 and P-1) and every
+parameter after three AdamW steps with clipping. Measured point-to-point
+traffic (axis "pp") and the most saved activations a stage holds equal the
+cost model's (``MPICUBE_CHECK_COSTS=1``, once the model has them).
+
+Usage: python -m mpi4py tests/pipeline_check.py LAYOUT DP DEPTH PP SCHEDULE V ACCUM [DROPOUT [BATCH]]
+
+Environment: MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE and
+MPICUBE_CHECK_DTYPE as in tests/parallel_check.py; MPICUBE_CHECK_PLANT=swap
+runs stage 0 with its first send_act moved after its first backward's
+receive, an order that cannot complete (the caller sets a timeout).
+"""
+
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from mpicube.core.config import ModelConfig
+from mpicube.device.backend import make_backend
+from mpicube.device.precision import dtype_of, is_half
+from mpicube.parallel.comm import Counters
+from mpicube.parallel.grid import build_layout
+from mpicube.parallel.gridspec import GridSpec
+from mpicube.parallel.params import ParamStore, clipped_index, real_mask
+from mpicube.parallel.schedules import build_schedule
+from mpicube.training.accum import forward_backward
+from mpicube.training.parts import Parts
+from mpicube.training.pipeline import Pipeline, stage_specs
+from mpicube.training.step import make_step
+
+import parallel_check as pc
+
+DTYPE = pc.DTYPE
+HALF = is_half(dtype_of(DTYPE))
+RTOL = 1e-10
+PLANT = os.environ.get("MPICUBE_CHECK_PLANT", "")
+
+
+def planted(actions):
+    """Stage 0's list with its first send_act moved after the first
+    recv_grad: stage 1 then waits for an activation stage 0 sends only
+    after a gradient that stage 1 cannot produce."""
+    actions = list(actions)
+    send = next(i for i, a in enumerate(actions) if a.op == "send_act")
+    moved = actions.pop(send)
+    recv = next(i for i, a in enumerate(actions) if a.op == "recv_grad")
+    actions.insert(recv + 1, moved)
+    return actions
+
+
+def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout, recompute, zero):
+    backend = make_backend("cpu", DTYPE)
+    counters = Counters()
+    grid = GridSpec(layout_name, dp=dp, pp=pp, depth=depth)
+    layout = build_layout(grid, cfg, batch, backend, MPI.COMM_WORLD, counters=counters, grad_accum=accum,
+                          recompute=recompute)
+    store = ParamStore(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero)
+    actions = None
+    if PLANT and layout.axes.pp.rank == 0:
+        actions = planted(build_schedule(schedule, pp, accum, virtual)[0])
+    pipe = Pipeline(cfg, layout, store, schedule=schedule, virtual=virtual, dropout=dropout, seed=7,
+                    grad_accum=accum, actions=actions)
+    return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
+
+
+def close(name, got, want, scale=None):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    scale = np.abs(want).max() if scale is None else scale
+    err = np.abs(got - want).max() / max(scale, 1e-300) if got.size else 0.0
+    pc.WORST[0] = max(pc.WORST[0], err)
+    if not err <= RTOL:
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
+
+
+def check_costs(parts, cfg, batch, dp, pp, schedule, virtual, accum):
+    """Measured p2p elements/bytes/messages and peak saved activations ==
+    the cost model (analysis.costmodel / costmemory pipeline functions)."""
+    from mpicube.analysis import costpipe
+    layout, pipe = parts.layout, parts.pipeline
+    want = costpipe.p2p_traffic(cfg, layout.name, layout.axes.tp.size, dp, pp, batch, cfg.n_ctx, DTYPE,
+                                schedule, virtual, accum, layout.axes.pp.rank)
+    c = parts.counters
+    got = (c.elems.get("pp", 0), c.bytes.get("pp", 0), c.msgs.get("pp", 0))
+    if got != tuple(want):
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: p2p measured {got}, model {tuple(want)}")
+    peak = costpipe.peak_activations(cfg, layout.name, layout.axes.tp.size, dp, pp, batch, cfg.n_ctx, DTYPE,
+                                     schedule, virtual, accum, layout.axes.pp.rank, pc.RECOMPUTE,
+                                     dropout=True)
+    if pipe.peak_saved[0] != peak:
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: peak saved {pipe.peak_saved[0]}, model {peak}")
+
+
+def main():
+    global RTOL
+    layout_name, dp, depth, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    schedule, virtual, accum = sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
+    dropout = float(sys.argv[8]) if len(sys.argv) > 8 else 0.1
+    batch = int(sys.argv[9]) if len(sys.argv) > 9 else 8 * dp * accum
+    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=4, n_head=4, n_embd=16)
+    T = cfg.n_ctx
+    rng = np.random.default_rng(3)
+    steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T))) for _ in range(3)]
+
+    parts = build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout,
+                           pc.RECOMPUTE, pc.ZERO)
+    layout, store, counters = parts.layout, parts.store, parts.counters
+    if HALF:
+        RTOL = pc.wire_tolerance(layout, store) + 2 * pc.unit_roundoff(dtype_of(DTYPE))   # + the stage sum
+    serial = pc.build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
+    s_store, s_model = serial.store, serial.model
+    opt, s_opt = make_step(store, layout.axes, weight_decay=0.1), make_step(s_store, serial.layout.axes, 0.1)
+    host = layout.backend.to_host
+    for step, (x, y) in enumerate(steps, start=1):
+        for st in (store, s_store):
+            st.zero_grad()
+        counters.reset()
+        s_loss = s_model.forward(x, y, step=step)
+        measure = (lambda m: None) if os.environ.get("MPICUBE_CHECK_COSTS") == "1" else None
+        loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=measure)
+        close(f"step {step} loss", [loss], [s_loss])
+        s_model.backward(loss_scale=pc.LOSS_SCALE)
+        if measure is not None:
+            check_costs(parts, cfg, batch, dp, pp, schedule, virtual, accum)
+        opt.sync()
+        s_opt.sync()
+        norm, s_norm = opt.grad_norm() / pc.LOSS_SCALE, s_opt.grad_norm() / pc.LOSS_SCALE
+        close(f"step {step} grad norm", [norm], [s_norm])
+        for spec in store.specs if step == 1 or not HALF else []:
+            full = s_store.grad[spec.name]
+            mask, mine = real_mask(spec), pc.owned(store, spec)
+            close(f"step {step} grad {spec.name}", np.where(mask & mine, host(store.grad[spec.name]), 0),
+                  np.where(mask & mine, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+        opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / pc.LOSS_SCALE)
+    params = store.views(store.full_master())
+    for spec in store.specs if not HALF else []:
+        full = s_store.data[spec.name]
+        mask = real_mask(spec)
+        close(f"param {spec.name} after 3 steps", np.where(mask, host(params[spec.name]), 0),
+              np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.rank == 0:
+        print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "
+              f"schedule={schedule} V={virtual} accum={accum} dtype={DTYPE} recompute={pc.RECOMPUTE} "
+              f"zero={pc.ZERO} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} (rtol {RTOL:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
