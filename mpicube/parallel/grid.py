@@ -16,6 +16,7 @@ from ..core.errors import ConfigError
 from ..core.intmath import integer_root
 from .layouts import LAYOUTS
 from .gridspec import GridSpec
+from .schedules import check_pipeline
 from .layouts.base import RECOMPUTE_MODES, Axes, nearest_multiples
 
 LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
@@ -80,6 +81,7 @@ def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: i
         raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
     tp = grid.tp(world_size)
     validate_axes(grid)
+    check_pipeline(cfg.n_layer, grid.pp, grid.pp_schedule, grid.virtual_stages, grad_accum)
     dp, depth = grid.dp, grid.depth
     resolved = choose_layout(grid.layout, tp, depth)
     if resolved not in LAYOUTS:

@@ -16,7 +16,6 @@ from ..parallel.grid import build_layout, plan
 from ..parallel.gridspec import GridSpec
 from ..model.gpt import GPT, gpt_params
 from ..parallel.params import ParamStore
-from ..parallel.schedules import check_pipeline
 from .pipeline import Pipeline, stage_specs
 from ..parallel.zero import validate as validate_zero
 
@@ -55,8 +54,7 @@ class Parts:
 
 
 def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cpu", seed=0, dropout=0.0,
-                tf32=False, grad_accum=1, recompute="none", zero=0, seq_len=None, pp_schedule="1f1b",
-                virtual=1) -> Parts:
+                tf32=False, grad_accum=1, recompute="none", zero=0, seq_len=None) -> Parts:
     """Backend, layout, parameters, model, on the parallel axes ``grid``
     (a GridSpec, or a layout name for a run with no other axis). Every size is validated first
     (``plan`` is pure), before device selection makes its first collective;
@@ -69,10 +67,9 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
     allocated (``require_room``; ``seq_len``, the sequences the model will
     run, adds their attention scores to the bound). With ``grid.pp`` > 1
     the rank holds its stage's parameters only and ``model`` is the
-    ``Pipeline`` of ``pp_schedule`` over ``virtual`` chunks per stage."""
+    ``Pipeline`` of ``grid.pp_schedule`` over ``grid.virtual_stages`` chunks per stage."""
     grid = GridSpec.of(grid)
     _, resolved, tp = plan(grid, cfg, batch_size, mpi_world.Get_size(), grad_accum, recompute)
-    check_pipeline(cfg.n_layer, grid.pp, pp_schedule, virtual, grad_accum)
     validate_zero(zero, grid.dp)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
@@ -81,9 +78,10 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
     layout = build_layout(grid, cfg, batch_size, backend, mpi_world, counters=counters, grad_accum=grad_accum,
                           recompute=recompute)
     if grid.pp > 1:
+        virtual = grid.virtual_stages
         store = ParamStore(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=zero)
-        pipe = Pipeline(cfg, layout, store, schedule=pp_schedule, virtual=virtual, dropout=dropout, seed=seed,
-                        grad_accum=grad_accum)
+        pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=virtual, dropout=dropout,
+                        seed=seed, grad_accum=grad_accum)
         return Parts(cfg, backend, counters, layout, store, pipe, grad_accum, pipeline=pipe)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
