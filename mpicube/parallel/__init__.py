@@ -8,7 +8,9 @@ layout's own) from the world; ``layouts`` holds serial, 1-D, 2-D, 2.5-D
 and 3-D tensor parallelism behind one protocol; ``params`` is each rank's
 flat parameter and gradient buffer; ``gradients`` sums gradients over
 replica groups and dp and takes the norm; ``zero`` partitions the buffer
-over dp for --zero 1.
+over dp for --zero 1; ``schedules`` holds the pipeline schedules as
+pure data (GPipe, 1F1B, interleaved), the layer split and the validation
+of the pipeline options, with a simulator that checks them without MPI.
 
 May import: ``core``, ``device``, ``ops``.
 """
