@@ -13,11 +13,15 @@ cost model's (``MPICUBE_CHECK_COSTS=1``, once the model has them).
 Usage: python -m mpi4py tests/pipeline_check.py LAYOUT DP DEPTH PP SCHEDULE V ACCUM [DROPOUT [BATCH]]
 
 Environment: MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE and
-MPICUBE_CHECK_DTYPE as in tests/parallel_check.py; MPICUBE_CHECK_PLANT=swap
-runs stage 0 with its first send_act moved after its first backward's
-receive, an order that cannot complete (the caller sets a timeout).
+MPICUBE_CHECK_DTYPE as in tests/parallel_check.py. MPICUBE_CHECK_CKPT=DIR
+then moves the trained state through checkpoints: saved from this grid,
+loaded and saved again on the serial layout (rank 0 alone), then on pp 4 x
+1d (tp 2, the first 8 ranks), then loaded back here: every parameter and
+AdamW moment bitwise equal to what this grid held, and the three
+checkpoints' tensors bitwise equal too.
 """
 
+import json
 import os
 import sys
 
@@ -31,7 +35,6 @@ from mpicube.parallel.comm import Counters
 from mpicube.parallel.grid import build_layout
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.parallel.params import ParamStore, clipped_index, real_mask
-from mpicube.parallel.schedules import build_schedule
 from mpicube.training.accum import forward_backward
 from mpicube.training.parts import Parts
 from mpicube.training.pipeline import Pipeline, stage_specs
@@ -42,19 +45,6 @@ import parallel_check as pc
 DTYPE = pc.DTYPE
 HALF = is_half(dtype_of(DTYPE))
 RTOL = 1e-10
-PLANT = os.environ.get("MPICUBE_CHECK_PLANT", "")
-
-
-def planted(actions):
-    """Stage 0's list with its first send_act moved after the first
-    recv_grad: stage 1 then waits for an activation stage 0 sends only
-    after a gradient that stage 1 cannot produce."""
-    actions = list(actions)
-    send = next(i for i, a in enumerate(actions) if a.op == "send_act")
-    moved = actions.pop(send)
-    recv = next(i for i, a in enumerate(actions) if a.op == "recv_grad")
-    actions.insert(recv + 1, moved)
-    return actions
 
 
 def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout, recompute, zero):
@@ -64,11 +54,8 @@ def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, ac
     layout = build_layout(grid, cfg, batch, backend, MPI.COMM_WORLD, counters=counters, grad_accum=accum,
                           recompute=recompute)
     store = ParamStore(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero)
-    actions = None
-    if PLANT and layout.axes.pp.rank == 0:
-        actions = planted(build_schedule(schedule, pp, accum, virtual)[0])
     pipe = Pipeline(cfg, layout, store, schedule=schedule, virtual=virtual, dropout=dropout, seed=7,
-                    grad_accum=accum, actions=actions)
+                    grad_accum=accum)
     return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
 
 
@@ -97,6 +84,63 @@ def check_costs(parts, cfg, batch, dp, pp, schedule, virtual, accum):
                                      dropout=True)
     if pipe.peak_saved[0] != peak:
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: peak saved {pipe.peak_saved[0]}, model {peak}")
+
+
+def save(parts, opt, path, comm):
+    from mpicube.files import checkpoint
+    from mpicube.training.state import state_blocks
+
+    attrs = {"config": json.dumps(parts.cfg.to_dict()), "layout": json.dumps(parts.layout.describe())}
+    blocks = state_blocks(parts.store, opt.adam, parts.layout.axes.dp.rank)
+    return checkpoint.save(path, 1, blocks, attrs, comm=comm)
+
+
+def load(parts, opt, path, comm):
+    from mpicube.files import formats
+    from mpicube.training.state import load_state
+
+    with formats.open_everywhere(comm, path) as model_file:
+        load_state(model_file.ck, parts.store, opt.adam, comm=comm)
+
+
+def state_of(parts, opt) -> list:
+    m, v = opt.adam.full_moments()
+    return [parts.layout.backend.to_host(b).copy() for b in (parts.store.full_master(), m, v)]
+
+
+def roundtrip(parts, opt, root, batch):
+    """pp x layout -> serial -> pp 4 x 1d -> back (module docstring)."""
+    from mpicube.training.parts import build_parts
+
+    world = MPI.COMM_WORLD
+    before = state_of(parts, opt)
+    save(parts, opt, f"{root}/a", world)
+    paths = [f"{root}/a"]
+    for ranks, grid in ((1, GridSpec("serial")), (8, GridSpec("1d", pp=4))):
+        sub = world.Split(color=0 if world.rank < ranks else MPI.UNDEFINED, key=world.rank)
+        if sub != MPI.COMM_NULL:
+            other = build_parts(parts.cfg, grid, batch, sub, dtype=DTYPE, seed=99)
+            other_opt = make_step(other.store, other.layout.axes, weight_decay=0.1)
+            load(other, other_opt, paths[-1], sub)
+            save(other, other_opt, f"{root}/{grid.layout}", sub)
+            sub.Free()
+        paths.append(f"{root}/{grid.layout}")
+        world.Barrier()
+    parts.store.initialize(99)
+    load(parts, opt, paths[-1], world)
+    for name, got, want in zip(("parameters", "moment m", "moment v"), state_of(parts, opt), before):
+        if not np.array_equal(got, want):
+            raise AssertionError(f"rank {world.rank}: {name} differ after the round trip through checkpoints")
+    if world.rank == 0:
+        import h5py
+        files = [h5py.File(f"{root}/{d}/ckpt/step_00000001/checkpoint.h5", "r") for d in ("a", "serial", "1d")]
+        names = [f"{g}/{n}" for g in ("model", "optimizer/m", "optimizer/v") for n in files[0][g].keys()]
+        assert "model/wte" in names and len(names) == 3 * (4 + 12 * parts.cfg.n_layer), names
+        for f in files[1:]:
+            for n in names:
+                if not np.array_equal(f[n][...], files[0][n][...]):
+                    raise AssertionError(f"{n} differs between the checkpoints of the round trip")
+        print(f"checkpoint round trip OK: {len(names)} tensors", flush=True)
 
 
 def main():
@@ -147,6 +191,8 @@ def main():
         mask = real_mask(spec)
         close(f"param {spec.name} after 3 steps", np.where(mask, host(params[spec.name]), 0),
               np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+    if os.environ.get("MPICUBE_CHECK_CKPT"):
+        roundtrip(parts, opt, os.environ["MPICUBE_CHECK_CKPT"], batch)
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "

@@ -391,12 +391,6 @@ class Comm:
 
         return Pending(finish, self, recv, "irecv")
 
-    def renamed(self, axis: str) -> "Comm":
-        """The same communicator counted under another axis name (e.g. the
-        pipeline's gradient-norm sum, kept apart from its point-to-point
-        traffic on "pp")."""
-        return Comm(self.mpi, axis, self.backend, self.counters, self.staging)
-
     # --- small host-side helpers (not counted: metadata, not model data) ----
     def barrier(self):
         WAITS.enter("barrier", self.axis)
