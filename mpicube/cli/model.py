@@ -10,7 +10,7 @@ import json
 import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
-                     echo, grad_accum_option, layout_options, model_options, recompute_option, watched,
+                     echo, grad_accum_option, layout_options, model_options, pipeline_options, recompute_option, watched,
                      zero_option)
 from ..core.errors import UserError
 
@@ -209,10 +209,11 @@ def convert(src, dst, to, max_shard_size):
 @click.option("--cache/--no-cache", default=True, show_default=True,
               help="key/value cache; --no-cache recomputes the whole prefix for every token")
 @layout_options
+@pipeline_options
 @device_options
 @click.option("--json", "as_json", is_flag=True, help='end stdout with {"tokens": [...], "text": ...}')
 def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout, dp, depth,
-             dtype, device, tf32, as_json):
+             pp, pp_schedule, virtual_stages, dtype, device, tf32, as_json):
     """Continue a prompt with any model file, on any layout.
 
     MODEL is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
@@ -224,7 +225,7 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
     from .generate import generate as run_generate
 
     opts = GenerateOptions(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout,
-                           dp, depth, dtype, device, tf32)
+                           dp, depth, pp, pp_schedule, virtual_stages, dtype, device, tf32)
     result = run_generate(opts, _mpi["world"])
     if result["text"] is not None:
         echo(result["prompt_text"] + result["text"])

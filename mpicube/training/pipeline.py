@@ -109,7 +109,10 @@ class Pipeline:
         self.models = {}                        # (v, micro, dropout) -> GPT chunk
         self.peak_saved = (0, 0)                # (elements, bytes) the most saved at once, when measured
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
+        # Opt-in (mpicube.analysis.trace): the dict each chunk's forward fills
+        # (GPT.capture), and ``current``, the chunk whose forward ran last.
         self.capture = None
+        self.current = None
 
     # --- chunks -------------------------------------------------------------
     def chunk_model(self, v: int, micro: int, dropout: float = None) -> GPT:
@@ -157,7 +160,9 @@ class Pipeline:
             elif a.op == "forward":
                 model, rows = self.chunk_model(v, m), parts.micro_rows(m)
                 inp = x[rows] if model.first else inbox.pop(("recv_act", m, v))
+                model.capture, self.current = self.capture, model        # a trace's dict, and who filled it
                 out = model.forward(inp, y[rows], step=step, micro=m)
+                model.capture = None
                 if model.last:
                     loss += out
                 else:
@@ -246,3 +251,50 @@ class Pipeline:
         for pending in sends:
             pending.wait()
         return self._step_loss(loss)
+
+    # --- generation: the stages in turn ---------------------------------------
+    @property
+    def embedding(self):
+        """The LM head's tied embedding on the last stage (its logits'
+        rows and vocabulary block), None on the others."""
+        model = self.chunk_model(self.V - 1, 0, 0.0)
+        return model.embedding if model.last else None
+
+    def new_caches(self) -> dict:
+        """{local chunk: its blocks' key/value caches}."""
+        return {v: self.chunk_model(v, 0, 0.0).new_caches() for v in range(self.V)}
+
+    def decode(self, idx, pos: int, caches: dict):
+        """``GPT.decode`` through every stage in turn: logits (B_l, t, V_l)
+        on the last stage, None on the others."""
+        return self._in_turn(idx, lambda model, v, x: model.decode(x, pos, caches[v]))
+
+    def full_logits(self, idx):
+        """The training forward's logits of idx (B_dp, T) on the last
+        stage (None on the others): the reference for ``decode``."""
+        def run(model, v, x):
+            out = model.forward(x, np.zeros(idx.shape, dtype=np.int64))
+            return model.logits if model.last else out
+        return self._in_turn(idx, run)
+
+    def _in_turn(self, idx, fn):
+        """Chunks 0..PV-1 one after another, each stage waiting for the one
+        before it (one micro-batch: nothing to overlap)."""
+        result, sends = None, []
+        for v, k, _ in self.chunks:
+            model = self.chunk_model(v, 0, 0.0)
+            if k == 0:
+                x = idx
+            else:
+                a = Action("recv_act", 0, v, (k - 1) % self.P)
+                x = self.pp.irecv(self._block_shape(idx.shape[1]), self.layout.backend.dtype, a.peer,
+                                  self._tag(a)).wait()                     # (B_c, t, C_c)
+            out = fn(model, v, x)
+            if k < self.last_chunk:
+                a = Action("send_act", 0, v, (k + 1) % self.P)
+                sends.append(self.pp.isend(out, a.peer, self._tag(a)))
+            else:
+                result = out
+        for pending in sends:
+            pending.wait()
+        return result
