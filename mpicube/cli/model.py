@@ -90,6 +90,7 @@ def _mib(nbytes: int) -> str:
 @click.option("--dp", type=int, default=1, show_default=True,
               help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")
 @click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")
+@pipeline_options
 @model_options
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that each layout accepts]")
@@ -102,7 +103,7 @@ def _mib(nbytes: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
 @zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
 @collective_timeout_option
-def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
+def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
           dtype, device, tf32, recompute, zero, as_json, collective_timeout):
     """Time training steps; compare with the cost model and a plain matmul.
 
@@ -126,7 +127,8 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
-            grid = GridSpec(name, dp=dp, depth=depth if name in ("2.5d", "auto") else 1)
+            grid = GridSpec(name, dp=dp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
+                            pp_schedule=pp_schedule, virtual_stages=virtual_stages)
             batch = batch_size
             if batch is None:                                  # each layout its own smallest batch
                 batch, why = default_batch(grid, cfg, _mpi["world"].Get_size(), grad_accum, recompute=recompute)
