@@ -7,8 +7,8 @@ batch (the whole batch at once, no accumulation) and compares the blocks of
 its own stage: loss, gradient norm, every parameter gradient after the
 step's sums (the tied wte after the sum over stages 0 and P-1) and every
 parameter after three AdamW steps with clipping. Measured point-to-point
-traffic (axis "pp") and the most saved activations a stage holds equal the
-cost model's (``MPICUBE_CHECK_COSTS=1``, once the model has them).
+traffic on every axis (point-to-point "pp" included) and the most saved
+activations a stage holds equal the cost model's.
 
 Usage: python -m mpi4py tests/pipeline_check.py LAYOUT DP DEPTH PP SCHEDULE V ACCUM [DROPOUT [BATCH]]
 
@@ -68,22 +68,31 @@ def close(name, got, want, scale=None):
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
 
 
-def check_costs(parts, cfg, batch, dp, pp, schedule, virtual, accum):
-    """Measured p2p elements/bytes/messages and peak saved activations ==
-    the cost model (analysis.costmodel / costmemory pipeline functions)."""
-    from mpicube.analysis import costpipe
-    layout, pipe = parts.layout, parts.pipeline
-    want = costpipe.p2p_traffic(cfg, layout.name, layout.axes.tp.size, dp, pp, batch, cfg.n_ctx, DTYPE,
-                                schedule, virtual, accum, layout.axes.pp.rank)
-    c = parts.counters
-    got = (c.elems.get("pp", 0), c.bytes.get("pp", 0), c.msgs.get("pp", 0))
-    if got != tuple(want):
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: p2p measured {got}, model {tuple(want)}")
-    peak = costpipe.peak_activations(cfg, layout.name, layout.axes.tp.size, dp, pp, batch, cfg.n_ctx, DTYPE,
-                                     schedule, virtual, accum, layout.axes.pp.rank, pc.RECOMPUTE,
-                                     dropout=True)
-    if pipe.peak_saved[0] != peak:
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: peak saved {pipe.peak_saved[0]}, model {peak}")
+def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum):
+    """Measured elements/bytes/messages on every axis (point-to-point "pp"
+    included) and the peak saved activations of this stage == the cost
+    model (analysis.costmodel.step_traffic, costmemory's pipeline peak)."""
+    from mpicube.analysis.costmemory import pipeline_peak_activation_bytes, pipeline_peak_activations
+    from mpicube.analysis.costmodel import Problem, step_traffic
+
+    layout, pipe, c = parts.layout, parts.pipeline, parts.counters
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
+                      recompute=pc.RECOMPUTE, zero=pc.ZERO, grad_accum=accum, pp=pp, pp_schedule=schedule,
+                      virtual_stages=virtual, stage=layout.axes.pp.rank)
+    want = step_traffic(problem)
+    for axis in set(want.elems) | set(c.elems):
+        got = c.elems.get(axis, 0), c.bytes.get(axis, 0), c.msgs.get(axis, 0)
+        model = want.elems.get(axis, 0), want.bytes.get(axis, 0), want.msgs.get(axis, 0)
+        if got != model:
+            raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): axis {axis}: measured "
+                                 f"{got[0]} elements / {got[1]} bytes / {got[2]} messages, model {model[0]} / "
+                                 f"{model[1]} / {model[2]}")
+    peak = sum(pipeline_peak_activations(problem, dropout=True).values())
+    peak_bytes = pipeline_peak_activation_bytes(problem, dropout=True)
+    got = (pipe.peak_saved[0] + pipe.recompute_peak_elements, pipe.peak_saved[1] + pipe.recompute_peak_bytes)
+    if got != (peak, peak_bytes):
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): peak saved activations "
+                             f"{got} (elements, bytes), model {(peak, peak_bytes)}")
 
 
 def save(parts, opt, path, comm):
@@ -168,12 +177,9 @@ def main():
             st.zero_grad()
         counters.reset()
         s_loss = s_model.forward(x, y, step=step)
-        measure = (lambda m: None) if os.environ.get("MPICUBE_CHECK_COSTS") == "1" else None
-        loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=measure)
+        loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=lambda m: None)
         close(f"step {step} loss", [loss], [s_loss])
         s_model.backward(loss_scale=pc.LOSS_SCALE)
-        if measure is not None:
-            check_costs(parts, cfg, batch, dp, pp, schedule, virtual, accum)
         opt.sync()
         s_opt.sync()
         norm, s_norm = opt.grad_norm() / pc.LOSS_SCALE, s_opt.grad_norm() / pc.LOSS_SCALE
@@ -184,6 +190,7 @@ def main():
             close(f"step {step} grad {spec.name}", np.where(mask & mine, host(store.grad[spec.name]), 0),
                   np.where(mask & mine, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum)   # the step's all-gather too
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / pc.LOSS_SCALE)
     params = store.views(store.full_master())
     for spec in store.specs if not HALF else []:
