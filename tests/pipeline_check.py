@@ -2,19 +2,21 @@
 model, in float64 with dropout (or in 16 bits against serial in the same
 format, losses only after step 1, as tests/parallel_check.py explains).
 
-Every rank builds the serial model on MPI.COMM_SELF from the same seed and
-batch (the whole batch at once, no accumulation) and compares the blocks of
-its own stage: loss, gradient norm, every parameter gradient after the
+Rank 0 also runs the serial model on MPI.COMM_SELF from the same seed and
+batch (the whole batch at once, no accumulation) and sends its figures;
+every rank compares the blocks of its own stage: loss, gradient norm, every parameter gradient after the
 step's sums (the tied wte after the sum over stages 0 and P-1) and every
-parameter after three AdamW steps with clipping. Measured point-to-point
+parameter after the AdamW steps with clipping. Measured point-to-point
 traffic on every axis (point-to-point "pp" included) and the most saved
 activations a stage holds equal the cost model's.
 
-Usage: python -m mpi4py tests/pipeline_check.py LAYOUT DP DEPTH PP SCHEDULE V ACCUM [DROPOUT [BATCH]]
+Usage: python -m mpi4py tests/pipeline_check.py CASE [-- CASE ...]
+  CASE = LAYOUT DP DEPTH PP SCHEDULE V ACCUM [dropout=0.1] [batch=B] [steps=3] [dtype=float64]
+         [recompute=none] [zero=0] [ckpt=DIR]
 
-Environment: MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE and
-MPICUBE_CHECK_DTYPE as in tests/parallel_check.py. MPICUBE_CHECK_CKPT=DIR
-then moves the trained state through checkpoints: saved from this grid,
+zero, recompute and dtype as MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE
+and MPICUBE_CHECK_DTYPE in tests/parallel_check.py. ckpt=DIR then moves
+the trained state through checkpoints: saved from this grid,
 loaded and saved again on the serial layout (rank 0 alone), then on pp 4 x
 1d (tp 2, the first 8 ranks), then loaded back here: every parameter and
 AdamW moment bitwise equal to what this grid held, and the three
@@ -152,54 +154,104 @@ def roundtrip(parts, opt, root, batch):
         print(f"checkpoint round trip OK: {len(names)} tensors", flush=True)
 
 
+class SerialReference:
+    """The serial model of the same seed, batch and dropout, on rank 0 only
+    (the others receive its figures: one serial model per job, not per rank)."""
+
+    def __init__(self, cfg, batch, dropout):
+        self.parts = pc.build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
+        self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=0.1)
+
+    def step(self, x, y, step: int, grads: bool) -> tuple:
+        """(loss, gradient norm, {name: summed gradient} or None) of one step, then its update."""
+        store, model = self.parts.store, self.parts.model
+        store.zero_grad()
+        loss = model.forward(x, y, step=step)
+        model.backward(loss_scale=pc.LOSS_SCALE)
+        self.opt.sync()
+        norm = self.opt.grad_norm() / pc.LOSS_SCALE
+        out = (loss, norm, {n: g.copy() for n, g in store.grad.items()} if grads else None)
+        self.opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        return out
+
+
+def configure(options: dict) -> None:
+    """One case's settings, into this module's and parallel_check's globals
+    (the functions shared with parallel_check read them)."""
+    global DTYPE, HALF, RTOL
+    DTYPE = pc.DTYPE = options.get("dtype", "float64")
+    HALF = is_half(dtype_of(DTYPE))
+    pc.RECOMPUTE, pc.ZERO = options.get("recompute", "none"), int(options.get("zero", 0))
+    pc.LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
+    pc.WORST[0], RTOL = 0.0, 1e-10
+
+
 def main():
+    """Cases separated by "--", each LAYOUT DP DEPTH PP SCHEDULE V ACCUM and
+    any of dropout=, batch=, dtype=, recompute=, zero=, ckpt=DIR: one
+    launch runs several on the same ranks (MPI start-up paid once)."""
+    cases, case = [], []
+    for arg in sys.argv[1:] + ["--"]:
+        if arg == "--":
+            if case:
+                cases.append(case)
+            case = []
+        else:
+            case.append(arg)
+    for case in cases:
+        words = [a for a in case if "=" not in a]
+        options = dict(a.split("=", 1) for a in case if "=" in a)
+        configure(options)
+        run_case(words, options)
+
+
+def run_case(words: list, options: dict):
     global RTOL
-    layout_name, dp, depth, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    schedule, virtual, accum = sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
-    dropout = float(sys.argv[8]) if len(sys.argv) > 8 else 0.1
-    batch = int(sys.argv[9]) if len(sys.argv) > 9 else 8 * dp * accum
+    layout_name, dp, depth, pp = words[0], int(words[1]), int(words[2]), int(words[3])
+    schedule, virtual, accum = words[4], int(words[5]), int(words[6])
+    dropout = float(options.get("dropout", 0.1))
+    batch = int(options.get("batch", 8 * dp * accum))
     cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=4, n_head=4, n_embd=16)
     T = cfg.n_ctx
     rng = np.random.default_rng(3)
-    steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T))) for _ in range(3)]
+    steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T)))
+             for _ in range(int(options.get("steps", 3)))]
 
     parts = build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout,
                            pc.RECOMPUTE, pc.ZERO)
     layout, store, counters = parts.layout, parts.store, parts.counters
     if HALF:
         RTOL = pc.wire_tolerance(layout, store) + 2 * pc.unit_roundoff(dtype_of(DTYPE))   # + the stage sum
-    serial = pc.build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
-    s_store, s_model = serial.store, serial.model
-    opt, s_opt = make_step(store, layout.axes, weight_decay=0.1), make_step(s_store, serial.layout.axes, 0.1)
+    world = MPI.COMM_WORLD
+    serial = SerialReference(cfg, batch, dropout) if world.rank == 0 else None
+    opt = make_step(store, layout.axes, weight_decay=0.1)
     host = layout.backend.to_host
     for step, (x, y) in enumerate(steps, start=1):
-        for st in (store, s_store):
-            st.zero_grad()
+        ref = serial.step(x, y, step, grads=step == 1 or not HALF) if serial is not None else None
+        store.zero_grad()
         counters.reset()
-        s_loss = s_model.forward(x, y, step=step)
         loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=lambda m: None)
-        close(f"step {step} loss", [loss], [s_loss])
-        s_model.backward(loss_scale=pc.LOSS_SCALE)
         opt.sync()
-        s_opt.sync()
-        norm, s_norm = opt.grad_norm() / pc.LOSS_SCALE, s_opt.grad_norm() / pc.LOSS_SCALE
+        norm = opt.grad_norm() / pc.LOSS_SCALE
+        s_loss, s_norm, s_grads = world.bcast(ref, root=0)       # rank 0's serial step
+        close(f"step {step} loss", [loss], [s_loss])
         close(f"step {step} grad norm", [norm], [s_norm])
-        for spec in store.specs if step == 1 or not HALF else []:
-            full = s_store.grad[spec.name]
+        for spec in store.specs if s_grads is not None else []:
+            full = s_grads[spec.name]
             mask, mine = real_mask(spec), pc.owned(store, spec)
             close(f"step {step} grad {spec.name}", np.where(mask & mine, host(store.grad[spec.name]), 0),
                   np.where(mask & mine, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
         check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum)   # the step's all-gather too
-        s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / pc.LOSS_SCALE)
     params = store.views(store.full_master())
+    s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
     for spec in store.specs if not HALF else []:
-        full = s_store.data[spec.name]
+        full = s_params[spec.name]
         mask = real_mask(spec)
-        close(f"param {spec.name} after 3 steps", np.where(mask, host(params[spec.name]), 0),
+        close(f"param {spec.name} after {len(steps)} steps", np.where(mask, host(params[spec.name]), 0),
               np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
-    if os.environ.get("MPICUBE_CHECK_CKPT"):
-        roundtrip(parts, opt, os.environ["MPICUBE_CHECK_CKPT"], batch)
+    if "ckpt" in options:
+        roundtrip(parts, opt, options["ckpt"], batch)
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "
