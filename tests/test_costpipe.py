@@ -99,8 +99,9 @@ def test_stages_add_up_to_the_model(layout, tp, depth):
 @pytest.mark.parametrize("layout, tp, depth", LAYOUTS)
 def test_peak_activations(layout, tp, depth, recompute):
     """V = 1: the peak is min(P - p, N) micro-batches under 1F1B and N under
-    GPipe, each holding what one micro-batch keeps on that stage, plus the
-    stage's wte panels once, plus one rerun block under blocks."""
+    GPipe, each holding what one micro-batch keeps on that stage and (on
+    the end stages) its own wte panel and gradient, plus one rerun block
+    under blocks."""
     for schedule, pp, n, dropout in [("1f1b", 3, 5, False), ("1f1b", 3, 2, True), ("gpipe", 2, 3, True)]:
         p = problem(layout, tp, depth, pp, schedule, 1, n, recompute=recompute)
         for s in range(pp):
@@ -108,7 +109,7 @@ def test_peak_activations(layout, tp, depth, recompute):
             micro, step, rerun = chunk_terms(sp, sp.layers, sp.has_embed, sp.has_head, dropout)
             count = n if schedule == "gpipe" else min(pp - s, n)
             assert peak_in_flight(sp) == count
-            want = {k: count * micro[k] + step[k] + rerun[k] for k in micro}
+            want = {k: count * (micro[k] + step[k]) + rerun[k] for k in micro}
             assert pipeline_peak_activations(sp, dropout=dropout) == want, (schedule, s)
             assert step_memory(sp, dropout).activations == sum(want.values())
     # pp 1: the existing model; one micro-batch at a time whatever N
@@ -126,10 +127,10 @@ def test_interleaved_peak_walks_the_chunks():
     peak = pipeline_peak_activations(p, 0)
     assert peak_in_flight(p, 0) == min(2 * (2 - 1) + 2 * 2 + 1, 12) == 7
     per_chunk = [chunk_terms(p, 1, k == 0, k == 5)[0] for k in (0, 2, 4)]
-    step = chunk_terms(p, 0, True, False)[1]
+    step = chunk_terms(p, 0, True, False)[1]                  # chunk 0's wte panel, with each of its micro-batches
     # every chunk's per-micro terms bigger than nothing: the peak at 7 live pairs
-    assert sum(peak.values()) >= 7 * min(sum(c.values()) for c in per_chunk) + sum(step.values())
-    assert sum(peak.values()) <= 7 * max(sum(c.values()) for c in per_chunk) + sum(step.values())
+    assert sum(peak.values()) >= 7 * min(sum(c.values()) for c in per_chunk)
+    assert sum(peak.values()) <= 7 * (max(sum(c.values()) for c in per_chunk) + sum(step.values()))
     b16 = dataclasses.replace(p, dtype="bfloat16")
     assert pipeline_peak_activation_bytes(b16, 0) < pipeline_peak_activation_bytes(p, 0)
 
@@ -149,7 +150,7 @@ def test_a_pipeline_beats_every_flat_grid_at_512_ranks():
     best_flat = next(p for p, w in rows if w is flat)
     assert (best_flat.layout, best_flat.tp, best_flat.dp) == ("3d", 8, 64)
     pipe = worst(pipeline_problem("3d", PAPER, 512, 512, 8, 1, 8, "1f1b", 1, "bfloat16", grad_accum=16))
-    assert pipe["memory"] < flat["memory"] / 2 and pipe["cross_node"] < flat["cross_node"] / 5
+    assert pipe["memory"] < flat["memory"] / 1.8 and pipe["cross_node"] < flat["cross_node"] / 5
     assert pipe["bubble"] == pytest.approx(7 / 23)
     assert pipe["bytes"]["pp"] > 0 and pipe["bytes"]["tp"] > pipe["bytes"]["dp"] > 0
 

@@ -179,10 +179,13 @@ def _stage_terms(p: Problem, stage: int, dropout: bool) -> tuple:
     per_micro, rerun = {}, {"act": 0, "stat": 0, "grad": 0}
     for v in range(p.virtual_stages):
         k = v * p.pp + stage
-        per_micro[v], _, chunk_rerun = chunk_terms(p, len(split[k]), k == 0, k == last, dropout)
+        kept, panel, chunk_rerun = chunk_terms(p, len(split[k]), k == 0, k == last, dropout)
+        # each micro-batch in flight on the end chunks holds its own wte panel and
+        # gradient accumulator (the executor runs one GPT object per micro-batch,
+        # which gathers and reduce-scatters wte per micro-batch, as without stages)
+        per_micro[v] = {kind: kept[kind] + panel[kind] for kind in kept}
         rerun = {kind: max(rerun[kind], chunk_rerun[kind]) for kind in rerun}
-    step = chunk_terms(p, 0, stage == 0, stage == p.pp - 1, dropout)[1]
-    return per_micro, step, rerun
+    return per_micro, {"act": 0, "stat": 0, "grad": 0}, rerun
 
 
 def pipeline_peak_activations(p: Problem, stage: int = None, dropout: bool = False) -> dict:

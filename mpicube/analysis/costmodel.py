@@ -264,7 +264,8 @@ def step_traffic(p: Problem) -> Traffic:
         t.sum("dp", p.dp, params, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
         t.allreduce("pp", p.pp, 1, width=w.scalar)             # ... and over the stages
-    t.allreduce("world", p.tp * p.dp * p.pp, 1, times=p.grad_accum, width=w.scalar)   # reported loss, per micro-batch
+    # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
+    t.allreduce("world", p.tp * p.dp * p.pp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
 
 

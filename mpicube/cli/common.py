@@ -24,6 +24,7 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
 RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")  # parallel/schedules.py SCHEDULES (default 1f1b)
 
 # --seed: NumPy's generators take any non-negative integer; -1 would be a traceback at the first batch
 SEED = click.IntRange(0, 2 ** 64 - 1)
@@ -146,6 +147,18 @@ def layout_options(f):
     return f
 
 
+def pipeline_options(f):
+    """``--pp``, ``--pp-schedule`` and ``--virtual-stages`` (train, eval,
+    bench, trace, generate): pipeline stages around the tensor-parallel layout."""
+    f = click.option("--virtual-stages", type=int, default=1, show_default=True,
+                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V)")(f)
+    f = click.option("--pp-schedule", type=click.Choice(SCHEDULE_CHOICES), default="1f1b", show_default=True,
+                     help="pipeline schedule over the --grad-accum micro-batches")(f)
+    f = click.option("--pp", type=int, default=1, show_default=True,
+                     help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
+    return f
+
+
 def recompute_option(f):
     return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
                         help="trade memory for communication and FLOPs: gathers = gather weight and activation "
@@ -162,23 +175,6 @@ def zero_option(help_text: str):
 def grad_accum_option(help_text: str):
     """``--grad-accum N`` (train, bench, info; each says what it does there)."""
     return click.option("--grad-accum", type=int, default=1, show_default=True, help=help_text)
-
-
-def pipeline_options(f):
-    """``--pp``, ``--pp-schedule``, ``--virtual-stages`` (info here; train,
-    eval, bench and the rest take the same), checked against the model by
-    ``parallel.schedules.check_pipeline``."""
-    from ..parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
-
-    f = click.option("--virtual-stages", type=int, default=1, show_default=True,
-                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V)")(f)
-    f = click.option("--pp-schedule", type=click.Choice(SCHEDULES), default=DEFAULT_SCHEDULE, show_default=True,
-                     help="pipeline schedule over the --grad-accum micro-batches: gpipe = all forwards, then all "
-                          "backwards; 1f1b = one forward, one backward after a warm-up (at most pp in flight); "
-                          "interleaved = 1f1b over --virtual-stages chunks per stage (bubble / V)")(f)
-    f = click.option("--pp", type=int, default=1, show_default=True,
-                     help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
-    return f
 
 
 def collective_timeout_option(f):

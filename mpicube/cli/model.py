@@ -121,6 +121,7 @@ def _mib(nbytes: int) -> str:
 @click.option("--dp", type=int, default=1, show_default=True,
               help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")
 @click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")
+@pipeline_options
 @model_options
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that each layout accepts]")
@@ -133,7 +134,7 @@ def _mib(nbytes: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
 @zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
 @collective_timeout_option
-def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
+def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
           dtype, device, tf32, recompute, zero, as_json, collective_timeout):
     """Time training steps; compare with the cost model and a plain matmul.
 
@@ -157,7 +158,8 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
-            grid = GridSpec(name, dp=dp, depth=depth if name in ("2.5d", "auto") else 1)
+            grid = GridSpec(name, dp=dp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
+                            pp_schedule=pp_schedule, virtual_stages=virtual_stages)
             batch = batch_size
             if batch is None:                                  # each layout its own smallest batch
                 batch, why = default_batch(grid, cfg, _mpi["world"].Get_size(), grad_accum, recompute=recompute)
@@ -240,10 +242,11 @@ def convert(src, dst, to, max_shard_size):
 @click.option("--cache/--no-cache", default=True, show_default=True,
               help="key/value cache; --no-cache recomputes the whole prefix for every token")
 @layout_options
+@pipeline_options
 @device_options
 @click.option("--json", "as_json", is_flag=True, help='end stdout with {"tokens": [...], "text": ...}')
 def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout, dp, depth,
-             dtype, device, tf32, as_json):
+             pp, pp_schedule, virtual_stages, dtype, device, tf32, as_json):
     """Continue a prompt with any model file, on any layout.
 
     MODEL is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
@@ -255,7 +258,7 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
     from .generate import generate as run_generate
 
     opts = GenerateOptions(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout,
-                           dp, depth, dtype, device, tf32)
+                           dp, depth, pp, pp_schedule, virtual_stages, dtype, device, tf32)
     result = run_generate(opts, _mpi["world"])
     if result["text"] is not None:
         echo(result["prompt_text"] + result["text"])
