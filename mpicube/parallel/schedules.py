@@ -17,8 +17,8 @@ to k+1 (stage k % P to stage (k+1) % P), their gradients back.
 
 A ``recv_*`` sits right before the compute that consumes it and a
 ``send_*`` right after the compute that produced it. The executor posts
-receives early and nonblocking and sends nonblocking (see the contract in
-the module docstring of the executor), so a stage blocks only where a
+receives early and nonblocking and sends nonblocking
+(``mpicube.training.pipeline``), so a stage blocks only where a
 receive it needs has not been sent yet: ``simulate`` models exactly that.
 
 Also here, because the CLI, the planner and the cost model all need them
