@@ -168,3 +168,32 @@ def test_info_pp(mpicube):
     bad = mpicube.run("info", "-n", 8, "--n-layer", 4, "--pp", 2, "--virtual-stages", 2)
     assert bad.returncode == 2 and bad.stdout.count("--virtual-stages 2 applies to --pp-schedule interleaved only") + \
         bad.stderr.count("--virtual-stages 2 applies to --pp-schedule interleaved only") == 1
+
+
+def _script_defaults(name: str) -> dict:
+    """The ``: "${VAR:=value}"`` defaults of a job script."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "jobs" / name).read_text()
+    return dict(re.findall(r'\$\{(\w+):=([^}]*)\}', text))
+
+
+@pytest.mark.parametrize("script, world", [("slurm_512gpu.sh", 512), ("slurm_64gpu.sh", 64)])
+def test_job_scripts_pipelines_pay(script, world):
+    """The bigger Slurm scripts' default pipelines are valid for their model
+    and send fewer bytes across nodes of 4 GPUs (their #SBATCH layout) than
+    the single cube of the same world, with a bubble under 35 %."""
+    from mpicube.analysis.costpipereport import pipeline_problem, worst
+
+    v = _script_defaults(script)
+    cfg = ModelConfig(vocab_size=256, n_ctx=int(v["SEQ_LEN"]), n_layer=int(v["N_LAYER"]), n_head=int(v["N_HEAD"]),
+                      n_embd=int(v["N_EMBD"]))
+    p = pipeline_problem(v["LAYOUT"], cfg, int(v["BATCH_SIZE"]), world, int(v.get("DP", 1)), 1, int(v["PP"]),
+                         v["PP_SCHEDULE"], int(v["VIRTUAL_STAGES"]), v["DTYPE"], grad_accum=int(v["GRAD_ACCUM"]))
+    assert not isinstance(p, str), p
+    pipe = worst(p, ranks_per_node=4)
+    # the cube with 4 micro-batches, the scripts' comparison
+    flat = worst(pipeline_problem(v["LAYOUT"], cfg, int(v["BATCH_SIZE"]), world, 1, 1, 1, "1f1b", 1, v["DTYPE"],
+                                  grad_accum=4), ranks_per_node=4)
+    assert pipe["cross_node"] < flat["cross_node"] / 2 and pipe["bubble"] < 0.35
