@@ -100,7 +100,17 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
         marks = [time.perf_counter()]
         store.zero_grad()
         fwd = bwd = 0.0
-        for m in range(parts.grad_accum):                   # as mpicube.training.accum.forward_backward, timed apart
+        pipe = parts.pipeline
+        if pipe is not None:            # --pp: forwards and backwards interleave; "fwd" is the whole schedule
+            measure = (lambda m, v: None) if i == 0 else None                # peak saved: walked once, untimed
+            t0 = time.perf_counter()
+            pipe.forward_backward(parts, x, y, i + 1, loss_scale, after_forward=measure)
+            backend.synchronize()
+            fwd = time.perf_counter() - t0
+            if i == 0:
+                saved = pipe.peak_saved[0] + pipe.recompute_peak_elements
+                saved_bytes = pipe.peak_saved[1] + pipe.recompute_peak_bytes
+        for m in range(parts.grad_accum if pipe is None else 0):   # as accum.forward_backward, timed apart
             rows = parts.micro_rows(m)
             t0 = time.perf_counter()
             model.forward(x[rows], y[rows], step=i + 1, micro=m)
@@ -131,7 +141,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
-                      zero=store.zero, grad_accum=parts.grad_accum)
+                      zero=store.zero, grad_accum=parts.grad_accum, **_pipeline_terms(parts))
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     mixed = any(profiled) and not all(profiled)
     if mixed:                                     # the figures from the steps run as without --profile
@@ -146,7 +156,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
     exposed = float(np.median(np.array(phases["comm_s"]) / step_times))   # time in MPI calls and waits
     world = layout.axes.world.size
     flops_rank = model_flops(cfg, B, seq_len) / world
-    fc = store.grad["h.0.mlp.c_fc.weight"].shape                               # (h_in local, h_out local)
+    first_layer = parts.pipeline.chunks[0][2][0] if parts.pipeline is not None else 0     # this stage's first block
+    fc = store.grad[f"h.{first_layer}.mlp.c_fc.weight"].shape                  # (h_in local, h_out local)
     gemm_shape = (len(layout.mid_seqs) * seq_len, len(layout.canonical_cols), fc[1])
     rate = gemm_rate(backend, *gemm_shape)
     rate32 = gemm_rate(backend, *gemm_shape, dtype=np.float32) if backend.mixed else rate
@@ -214,6 +225,14 @@ def profile_figures(session, profiled_times: list, plain_median: float, cpu_rati
     return out
 
 
+def _pipeline_terms(parts) -> dict:
+    """The cost model's pipeline fields for this rank's stage (none without stages)."""
+    pipe = parts.pipeline
+    if pipe is None:
+        return {}
+    return {"pp": pipe.P, "pp_schedule": pipe.schedule, "virtual_stages": pipe.V, "stage": pipe.stage}
+
+
 def format_table(results: list, dtype_bytes=None) -> str:
     """Human-readable summary of ``bench_layout`` results (memory from their
     byte counts; ``dtype_bytes`` is not used any more)."""
@@ -242,5 +261,7 @@ def format_table(results: list, dtype_bytes=None) -> str:
     lines.append("Times in ms per step (median); "
                  "gemm% = model FLOP/s per rank / same-process matmul FLOP/s; "
                  "mpi = time inside MPI calls (part of fwd/bwd/sync); exposed = mpi / step: communication nothing "
-                 "overlapped; memory = params+grads+Adam+saved activations")
+                 "overlapped; memory = params+grads+Adam+saved activations"
+                 + ("; under --pp, fwd is the whole schedule (forwards and backwards interleave), rank 0 is "
+                    "stage 0" if any(r.get("pp", 1) > 1 for r in results) else ""))
     return "\n".join(lines)

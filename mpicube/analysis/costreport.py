@@ -6,7 +6,8 @@ over ``mpicube.analysis.costmodel``; nothing here runs a model."""
 from __future__ import annotations
 
 from ..core.config import ModelConfig
-from .costmodel import Problem, local_param_sizes, step_flops, step_traffic
+from .costflops import step_flops
+from .costmodel import Problem, local_param_sizes, step_traffic
 from .costmemory import step_memory, step_memory_bytes
 from ..parallel.gridspec import GridSpec
 from ..parallel.grid import plan

@@ -24,6 +24,7 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
 RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")  # parallel/schedules.py SCHEDULES (default 1f1b)
 
 # --seed: NumPy's generators take any non-negative integer; -1 would be a traceback at the first batch
 SEED = click.IntRange(0, 2 ** 64 - 1)
@@ -143,6 +144,18 @@ def layout_options(f):
     f = click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default="auto", show_default=True,
                      help="tensor-parallel scheme; auto: 2.5d with --depth, else 3d on a cube, 2d on a "
                           "square, 1d otherwise")(f)
+    return f
+
+
+def pipeline_options(f):
+    """``--pp``, ``--pp-schedule`` and ``--virtual-stages`` (train, eval,
+    bench, trace, generate): pipeline stages around the tensor-parallel layout."""
+    f = click.option("--virtual-stages", type=int, default=1, show_default=True,
+                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V)")(f)
+    f = click.option("--pp-schedule", type=click.Choice(SCHEDULE_CHOICES), default="1f1b", show_default=True,
+                     help="pipeline schedule over the --grad-accum micro-batches")(f)
+    f = click.option("--pp", type=int, default=1, show_default=True,
+                     help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
     return f
 
 

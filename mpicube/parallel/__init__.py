@@ -11,7 +11,10 @@ replica groups and dp and takes the norm; ``zero`` partitions the buffer
 over dp for --zero 1 (per layer for 2 and 3); ``fsdp`` is the store of
 --zero 2 and 3, which reduce-scatters each layer's gradients and gathers
 its weights as the model walks its blocks; ``profiler`` records the spans
-of ``--profile`` (``comm`` hands it every call and wait).
+of ``--profile`` (``comm`` hands it every call and wait); ``schedules``
+holds the pipeline schedules as pure data (GPipe, 1F1B, interleaved), the
+layer split and the validation of the pipeline options, with a simulator
+that checks them without MPI.
 
 May import: ``core``, ``device``, ``ops``.
 """

@@ -7,6 +7,8 @@ split.
 
 from __future__ import annotations
 
+from mpi4py import MPI
+
 from ..device.backend import Backend
 from .comm import Comm, Counters
 from ..core.config import ModelConfig
@@ -14,6 +16,7 @@ from ..core.errors import ConfigError
 from ..core.intmath import integer_root
 from .layouts import LAYOUTS
 from .gridspec import GridSpec
+from .schedules import check_pipeline
 from .layouts.base import RECOMPUTE_MODES, Axes, nearest_multiples
 
 LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
@@ -41,7 +44,7 @@ def split_world(world_size: int, dp: int) -> int:
     return GridSpec(dp=dp).tp(world_size)
 
 
-NOT_BUILT = {"pp": "pipeline stages (issue 20)", "cp": "context parallelism (issue 22)"}
+NOT_BUILT = {"cp": "context parallelism (issue 22)"}
 
 
 def validate_axes(grid: GridSpec) -> None:
@@ -78,6 +81,7 @@ def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: i
         raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
     tp = grid.tp(world_size)
     validate_axes(grid)
+    check_pipeline(cfg.n_layer, grid.pp, grid.pp_schedule, grid.virtual_stages, grad_accum)
     dp, depth = grid.dp, grid.depth
     resolved = choose_layout(grid.layout, tp, depth)
     if resolved not in LAYOUTS:
@@ -189,3 +193,16 @@ def build_layout(grid, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
     return cls(cfg, axes, batch_size // grad_accum, depth=grid.depth, recompute=recompute)
+
+
+def tied_pair(axes: Axes):
+    """The pair of pipeline stages that hold the tied ``wte`` (stage 0, the
+    lookup; stage P-1, the head) at this rank's (d, c, t), as a Comm on
+    axis "tied"; None on the other stages and without stages. Collective
+    over ``axes.pp``: every stage calls it."""
+    pp = axes.pp
+    if pp.size == 1:
+        return None
+    inside = pp.rank in (0, pp.size - 1)
+    sub = pp.mpi.Split(color=0 if inside else MPI.UNDEFINED, key=pp.rank)
+    return Comm(sub, "tied", pp.backend, pp.counters) if inside else None

@@ -42,6 +42,8 @@ class GridSpec:
     pp: int = 1            # pipeline stages
     cp: int = 1            # context-parallel ranks (each holds 2 of 2*cp chunks of every sequence)
     depth: int = 1         # the 2.5-D layout's depth
+    pp_schedule: str = "1f1b"   # the pipeline's schedule (parallel/schedules.py SCHEDULES)
+    virtual_stages: int = 1     # model chunks per stage (interleaved schedule)
 
     @classmethod
     def of(cls, value) -> "GridSpec":
@@ -82,5 +84,12 @@ class GridSpec:
         return d, p, c, t
 
     def words(self) -> str:
-        """The axes other than tp that are not 1, for a layout line: ', dp 2, pp 4'."""
-        return "".join(f", {n} {getattr(self, n)}" for n in ("dp", "pp", "cp", "depth") if getattr(self, n) != 1)
+        """The axes other than tp that are not 1, for a layout line: ', dp 2, pp 4 (1f1b)'."""
+        out = ""
+        for n in ("dp", "pp", "cp", "depth"):
+            if getattr(self, n) != 1:
+                out += f", {n} {getattr(self, n)}"
+                if n == "pp":
+                    v = f", V {self.virtual_stages}" if self.virtual_stages != 1 else ""
+                    out += f" ({self.pp_schedule}{v})"
+        return out

@@ -21,6 +21,7 @@ from ..device import threads
 from ..files import checkpoint, data, formats
 from ..parallel.comm import on_root
 from ..parallel.grid import plan, saved_or_default_batch
+from ..parallel.schedules import check_pipeline
 from . import dataplan, rundir
 from .options import _dash
 from .optim import Schedule
@@ -77,9 +78,10 @@ class Launch:
         self.parts = build_parts(self.cfg, o.grid, o.batch_size, self.world, dtype=o.dtype, device=o.device,
                                  seed=o.seed, dropout=o.dropout, tf32=o.tf32, grad_accum=o.grad_accum,
                                  recompute=o.recompute, zero=o.zero, seq_len=o.seq_len)
-        note = recompute_note(self.parts.layout, o.recompute)
-        if note:
-            self.notes.append(note)
+        for note in (recompute_note(self.parts.layout, o.recompute),
+                     check_pipeline(self.cfg.n_layer, o.pp, o.pp_schedule, o.virtual_stages, o.grad_accum)):
+            if note:                                   # e.g. fewer micro-batches than stages: a large bubble
+                self.notes.append(note)
         self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay)
         self.scaler = o.loss_scaler()                  # float16 only
         self.schedule = Schedule(o.lr, o.warmup, o.steps)

@@ -24,7 +24,9 @@ class TrainOptions:
 
     layout: str = "auto"
     dp: int = 1
-    pp: int = 1                    # pipeline stages (issue 20)
+    pp: int = 1                    # pipeline stages
+    pp_schedule: str = "1f1b"      # gpipe, 1f1b or interleaved (micro-batches: grad_accum)
+    virtual_stages: int = 1        # model chunks per stage under interleaved
     cp: int = 1                    # context-parallel ranks (issue 22)
     depth: int = 1
     n_layer: int = 4
@@ -69,7 +71,8 @@ class TrainOptions:
     @property
     def grid(self) -> GridSpec:
         """The parallel axes, as one value (parallel/gridspec.py)."""
-        return GridSpec(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth)
+        return GridSpec(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth,
+                        pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,

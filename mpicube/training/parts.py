@@ -16,6 +16,7 @@ from ..parallel.grid import build_layout, plan
 from ..parallel.gridspec import GridSpec
 from ..model.gpt import GPT, gpt_params
 from ..parallel.fsdp import make_store
+from .pipeline import Pipeline, stage_specs
 from ..parallel.zero import validate as validate_zero
 
 
@@ -30,6 +31,7 @@ class Parts:
     store: object
     model: object
     grad_accum: int = 1     # micro-batches per step; the layout is built for one of them
+    pipeline: object = None  # training.pipeline.Pipeline under --pp > 1 (then ``model`` is it too)
 
     @property
     def batch_size(self) -> int:
@@ -63,7 +65,9 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
     layout's memory mode (layouts/base.py RECOMPUTE_MODES). A model that
     cannot fit in this rank's memory is refused before anything is
     allocated (``require_room``; ``seq_len``, the sequences the model will
-    run, adds their attention scores to the bound)."""
+    run, adds their attention scores to the bound). With ``grid.pp`` > 1
+    the rank holds its stage's parameters only and ``model`` is the
+    ``Pipeline`` of ``grid.pp_schedule`` over ``grid.virtual_stages`` chunks per stage."""
     grid = GridSpec.of(grid)
     _, resolved, tp = plan(grid, cfg, batch_size, mpi_world.Get_size(), grad_accum, recompute)
     validate_zero(zero, grid.dp)
@@ -73,6 +77,12 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
     counters = Counters()
     layout = build_layout(grid, cfg, batch_size, backend, mpi_world, counters=counters, grad_accum=grad_accum,
                           recompute=recompute)
+    if grid.pp > 1:
+        virtual = grid.virtual_stages
+        store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=zero)
+        pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=virtual, dropout=dropout,
+                        seed=seed, grad_accum=grad_accum)
+        return Parts(cfg, backend, counters, layout, store, pipe, grad_accum, pipeline=pipe)
     store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)

@@ -36,7 +36,7 @@ class ReplicatedStep:
         sync_gradients(self.store, self.axes.dp)
 
     def grad_norm(self) -> float:
-        return global_grad_norm(self.store, self.axes.tp)
+        return global_grad_norm(self.store, self.axes.tp, self.axes.pp)     # pp: the sum over stages
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self.adam.step(lr, grad_scale)

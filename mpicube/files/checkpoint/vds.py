@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import h5py
