@@ -72,4 +72,4 @@ def test_gridspec_sizes_are_validated():
     with pytest.raises(ConfigError, match="--cp must be at least 1, got 0"):
         GridSpec(cp=0).tp(8)
     assert GridSpec.of("3d") == GridSpec(layout="3d")
-    assert GridSpec(dp=2, pp=2).words() == ", dp 2, pp 2"
+    assert GridSpec(dp=2, pp=2).words() == ", dp 2, pp 2 (1f1b)"
