@@ -97,8 +97,8 @@ def ravel(a, order="C"):
     return _view(np.ravel, a, order)
 
 
-def flip(m, axis=None):
-    return _view(np.flip, m, axis)
+def flip(a, axis=None):
+    return _view(np.flip, a, axis)
 
 
 def atleast_1d(*arys):
