@@ -10,7 +10,9 @@ The mixer is the SplitMix64 finaliser, applied to ``index * golden + key``;
 it is cheap, vectorises in NumPy's wrapping uint64 arithmetic, and passes the
 usual statistical batteries for this use.
 
-``uniform`` and ``flat_index`` work on NumPy or CuPy arrays alike: uint64
+``uniform``, ``flat_index`` and ``BlockIndex`` (a block's flat indices kept
+as one vector per dimension, so that a dropout mask never needs a uint64
+array of its own size) work on NumPy or CuPy arrays alike: uint64
 multiplication, xor and shifts wrap the same way on both, and the float64
 conversion of a 53-bit integer is exact, so dropout masks drawn on a GPU are
 bit-identical to the host's and nothing has to be copied to the device.
