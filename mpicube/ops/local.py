@@ -328,7 +328,7 @@ def causal_bias(xp, T, dtype):
 
 
 # --- dropout ------------------------------------------------------------------
-def keep_mask(key, counter, p: float, dtype, chunk_elems: int = 1 << 20):
+def keep_mask(key, counter, p: float, dtype, chunk_elems: int = 1 << 22):
     """1.0 where the counter-based uniform of the global element index is
     at least ``p``, else 0.0: a dropout keep mask drawn where it is used,
     bit-identical on every device (mpicube.ops.rng). ``counter`` is an
