@@ -5,6 +5,7 @@ bit where the CPU is, and with scratch memory that grows neither with the
 vocabulary (no one-hot GEMM) nor to a uint64 counter per mask element."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,8 +18,6 @@ FAKE_GPU = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}"}
 
 @pytest.mark.timeout(120)
 def test_embedding_backward_and_dropout_on_the_gpu_array_path():
-    import os
-
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_ops_check.py")], capture_output=True, text=True,
                           timeout=100, env={**os.environ, **FAKE_GPU})
     assert done.returncode == 0, done.stdout + done.stderr
