@@ -8,7 +8,13 @@ layout's own) from the world; ``layouts`` holds serial, 1-D, 2-D, 2.5-D
 and 3-D tensor parallelism behind one protocol; ``params`` is each rank's
 flat parameter and gradient buffer; ``gradients`` sums gradients over
 replica groups and dp and takes the norm; ``zero`` partitions the buffer
-over dp for --zero 1.
+over dp for --zero 1 (per layer for 2 and 3); ``fsdp`` is the store of
+--zero 2 and 3, which reduce-scatters each layer's gradients and gathers
+its weights as the model walks its blocks; ``profiler`` records the spans
+of ``--profile`` (``comm`` hands it every call and wait); ``schedules``
+holds the pipeline schedules as pure data (GPipe, 1F1B, interleaved), the
+layer split and the validation of the pipeline options, with a simulator
+that checks them without MPI.
 
 May import: ``core``, ``device``, ``ops``.
 """

@@ -176,11 +176,17 @@ class TesseractTiedEmbedding:
         self.row_replicas = layout.q
         self.xp = layout.backend.xp
         self.regather = layout.recompute == "gathers"
+        self.w_full = self.dw_full = None
+
+    def _gather(self):
+        """The step's wte columns and their gradient accumulator: gathered
+        once, for the lookup and the head."""
+        self.w_full = self.col.allgather(self.wte, axis=0)      # (V, h/q)
+        self.dw_full = self.xp.zeros(self.w_full.shape, dtype=self.store.flat_grad.dtype)  # (V, h/q) float32+
 
     def embed(self, ids):
         """ids (B_dp, T) -> x (B_c, T, h/q)."""
-        self.w_full = self.col.allgather(self.wte, axis=0)      # (V, h/q)
-        self.dw_full = self.xp.zeros(self.w_full.shape, dtype=self.store.flat_grad.dtype)  # (V, h/q) float32+
+        self._gather()
         x, self.embed_cache = ops.embedding_forward(ids[self.xp.asarray(self.seqs)], self.w_full, 0)
         return x
 
@@ -190,6 +196,8 @@ class TesseractTiedEmbedding:
 
     def logits(self, x):
         """x (B_c, T, h/q) -> logits (B_c, T, V/q), vocabulary block c."""
+        if self.dw_full is None:          # a pipeline's last stage: the head without the lookup
+            self._gather()
         self.x = x
         partial = matmul_rows(x, self.w_full.T, acc(x))         # (B_c, T, V) partial over c
         if self.regather:                                       # gathered again in logits_backward
