@@ -75,10 +75,12 @@ def run_case(layout_name, dp, depth, want, x, y) -> None:
     opt.sync()
     norm = opt.grad_norm() / pc.LOSS_SCALE
     pc.close("grad norm", np.array([norm]), np.array([norm_w]))
+    synced, synced_mask = pc.synced_gradient(store, host)                  # (P_pad,) each
     for spec in store.specs:
         full = grads_w[spec.name]
-        mask = real_mask(spec) & pc.owned(store, spec)
-        got = host(store.grad[spec.name])
+        lo, hi = store.offsets[spec.name]
+        mask = real_mask(spec) & synced_mask[lo:hi].reshape(spec.local_shape)
+        got = synced[lo:hi].reshape(spec.local_shape)
         pc.close(f"grad {spec.name}", np.where(mask, got, 0), np.where(mask, full[np.ix_(*clipped_index(spec))], 0),
                  np.abs(full).max())
     opt.step(LR, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
