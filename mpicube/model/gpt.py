@@ -104,7 +104,7 @@ class Dropout:
             first, seqs = self.first_seq(self.micro), index[0]
             index = (first + np.asarray(seqs),) + tuple(index[1:])   # global sequence ids
             self._indices[kind, T, self.micro] = tuple(backend.xp.asarray(ix, dtype=np.uint64) for ix in index)
-        counter = rng.flat_index(global_shape, self._indices[kind, T, self.micro], backend.xp)  # (block) uint64
+        counter = rng.block_index(global_shape, self._indices[kind, T, self.micro], backend.xp)   # per-dim terms
         return ops.keep_mask(rng.make_key(self.seed, "dropout", step, site), counter, self.p, backend.dtype)
 
     def canonical(self, step, site, T):
