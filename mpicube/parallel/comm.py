@@ -356,6 +356,50 @@ class Comm:
 
         return Pending(finish, self, send, "ireduce_scatter")
 
+    def iallreduce(self, x, op: str = "sum", wire=None) -> "Pending":
+        """Start ``allreduce``; ``.wait()`` returns what it would have. A
+        16-bit ``wire`` runs comm_wire's blocking stages here (no overlap)."""
+        if self.size == 1:
+            return Pending(lambda: x.copy())
+        if _on_wire(wire):
+            out = self.allreduce(x, op, wire)
+            return Pending(lambda: out)
+        wide = self._wide(x)
+        buf = self._private(wide) if wide is x else self._to_mpi(wide)
+        t0 = self._start("iallreduce")
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        g = self.size
+        self._count(Fraction(2 * (g - 1), g) * buf.size, 2 * (g - 1), t0, buf.itemsize)
+
+        def finish():
+            complete(request)
+            return precision.narrow(self._from_mpi(buf), x.dtype)
+
+        return Pending(finish, self, buf, "iallreduce")
+
+    def ibcast(self, x, root: int) -> "Pending":
+        """Start ``bcast``; ``.wait()`` returns what it would have (the root
+        leaves ``x`` unchanged until then: MPI reads it)."""
+        if self.size == 1:
+            return Pending(lambda: x)
+        words = self._words(x)
+        buf = self._empty(x.shape, words.dtype) if self.rank != root else self._to_mpi(words)
+        t0 = self._start("ibcast")
+        request = self.mpi.Ibcast(buf, root=root)
+        self._count(buf.size, self.size - 1, t0, buf.itemsize)
+
+        def finish():
+            complete(request)
+            if self.rank != root:
+                out = self._from_mpi(buf)
+                return out if out.dtype == x.dtype else out.view(x.dtype)
+            self._done(buf)
+            if self._staged:
+                return x                        # the root keeps its own device array
+            return buf if buf.dtype == x.dtype else buf.view(x.dtype)
+
+        return Pending(finish, self, buf, "ibcast")
+
     # --- small host-side helpers (not counted: metadata, not model data) ----
     def barrier(self):
         WAITS.enter("barrier", self.axis)
