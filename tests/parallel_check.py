@@ -35,6 +35,12 @@ Environment:
                               rank owns after the reduce-scatter, parameters
                               after the all-gather, and the memory check
                               measures the sharded moments and master
+                              (2 and 3: --zero 2 / 3, gradients and weights
+                              sharded per layer, parallel/fsdp.py; memory
+                              is every weight and gradient buffer, slots
+                              included)
+  MPICUBE_CHECK_LAYERS=N      N transformer blocks instead of 2 (--zero 3
+                              with more blocks than its two weight slots)
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -104,10 +110,12 @@ from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory, step_memory_bytes
 from mpicube.parallel.grid import build_layout
+from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
 from mpicube.model.gpt import GPT, gpt_params
 from mpicube.training.step import make_step
-from mpicube.parallel.params import ParamStore, clipped_index, real_mask
+from mpicube.parallel.fsdp import make_store
+from mpicube.parallel.params import clipped_index, real_mask
 from mpicube.training.parts import Parts
 from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff
 
@@ -119,6 +127,7 @@ HALF = is_half(dtype_of(DTYPE))
 RTOL = 1e-10           # float64; 16-bit runs set it from the layout (wire_tolerance)
 WORST = [0.0]          # the largest relative difference seen, for the report line
 ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
+LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
@@ -129,9 +138,9 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
           zero=0):
     backend = make_backend(device, DTYPE)
     counters = Counters()
-    layout = build_layout(layout_name, cfg, batch, backend, comm, dp=dp, depth=depth, counters=counters,
+    layout = build_layout(GridSpec(layout_name, dp=dp, depth=depth), cfg, batch, backend, comm, counters=counters,
                           grad_accum=grad_accum, recompute=recompute)
-    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
+    store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
@@ -213,8 +222,14 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, ada
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: forward keeps {kept[0]} elements, model predicts "
                              f"{want_kept}")
     params = [b for b in store.buffers() if b is not store.flat_grad]     # master (or its chunk), working copy
-    got = (store.flat_work.size, store.flat_grad.size, adam.m.size + adam.v.size,
-           kept[0] + model.recompute_peak_elements, sum(b.nbytes for b in params), store.flat_grad.nbytes,
+    grads = [store.flat_grad]
+    if store.streams_gradients:                                           # --zero 2/3: every buffer, slots too
+        params, grads = store.param_buffers(), store.grad_buffers()
+        counted = (sum(b.size for b in params), sum(b.size for b in grads))
+    else:
+        counted = (store.flat_work.size, store.flat_grad.size)
+    got = counted + (adam.m.size + adam.v.size,
+           kept[0] + model.recompute_peak_elements, sum(b.nbytes for b in params), sum(b.nbytes for b in grads),
            adam.m.nbytes + adam.v.nbytes, kept[1] + model.recompute_peak_bytes)
     predicted = (want.params, want.grads, want.optimizer, want.activations,
                  want_bytes.params, want_bytes.grads, want_bytes.optimizer, want_bytes.activations)
@@ -223,24 +238,29 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, ada
                              f"then their bytes) {got}, model predicts {predicted}")
 
 
-def owned(store, spec) -> np.ndarray:
-    """Boolean (local shape) mask: the entries of ``spec``'s block inside the
-    chunk of the buffer this rank's optimizer owns (all of it unless --zero 1),
-    where the gradient is synchronised."""
-    lo, hi = store.offsets[spec.name]
-    own = store.shard
-    mask = np.zeros(spec.size, dtype=bool)
-    mask[max(lo, own.start) - lo:max(lo, min(hi, own.stop)) - lo] = True
-    return mask.reshape(spec.local_shape)
+def synced_gradient(store, host):
+    """((P_pad,) host gradient, (P_pad,) bool mask) in the full buffer's
+    coordinates: where this rank holds the synchronised gradient (all of it
+    under --zero 0, its chunk under --zero 1, its chunk of every layer's
+    segment under --zero 2 and 3) and its values there."""
+    if not store.streams_gradients:
+        mask = np.zeros(store.flat_grad.size, dtype=bool)
+        mask[store.shard] = True
+        return host(store.flat_grad), mask
+    part = store.partition
+    full, mask, chunk = np.zeros(part.padded), np.zeros(part.padded, dtype=bool), host(store.flat_grad)
+    for seg in part.list:
+        full[seg.own], mask[seg.own] = chunk[seg.mine], True
+    return full, mask
 
 
 def main():
     layout_name, dp, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     if os.environ.get("MPICUBE_CHECK_SIZE") == "large":
-        cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=2, n_head=12, n_embd=72)
+        cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=LAYERS, n_head=12, n_embd=72)
     else:
-        cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=12, n_embd=36)
+        cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=LAYERS, n_head=12, n_embd=36)
     T = cfg.n_ctx
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
     rng = np.random.default_rng(3)
@@ -288,11 +308,13 @@ def main():
         norm = opt.grad_norm() / LOSS_SCALE
         s_norm = s_opt.grad_norm() / LOSS_SCALE
         close(f"step {step} grad norm", np.array([norm]), np.array([s_norm]))
+        synced, synced_mask = synced_gradient(store, host)
         for spec in store.specs if step == 1 or not HALF else []:
             full = s_store.grad[spec.name]
             want = full[np.ix_(*clipped_index(spec))]
-            mask, mine = real_mask(spec), owned(store, spec)
-            got = host(store.grad[spec.name])
+            lo, hi = store.offsets[spec.name]
+            mask, mine = real_mask(spec), synced_mask[lo:hi].reshape(spec.local_shape)
+            got = synced[lo:hi].reshape(spec.local_shape)
             close(f"step {step} grad {spec.name}", np.where(mask & mine, got, 0), np.where(mask & mine, want, 0),
                   np.abs(full).max())
             if not mask.all():

@@ -11,7 +11,8 @@ from conftest import PYTHON, TINY
 from mpirun import job_env, mpiexec
 
 from mpicube.core.config import ModelConfig
-from mpicube.analysis.costmodel import Problem, step_flops, step_traffic
+from mpicube.analysis.costflops import step_flops
+from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory_bytes
 from mpicube.analysis.costreport import _problem
 from mpicube.core.errors import ConfigError

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..parallel import zero
 from .costmodel import Problem, block_linears, local_param_sizes
+from .costpipe import peak_over_schedule
 
 
 @dataclass
@@ -60,8 +61,23 @@ def activation_terms(p: Problem, dropout: bool = False) -> dict:
 def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
     """({kind: elements} kept right after forward (``GPT.saved_elements``),
     {kind: elements} of one block's caches after its rerun under
-    --recompute blocks (``GPT.recompute_peak_elements``), zero otherwise)."""
-    cfg, T, L, h, mode = p.cfg, p.seq_len, p.cfg.n_layer, p.cfg.n_embd, p.recompute
+    --recompute blocks (``GPT.recompute_peak_elements``), zero otherwise),
+    for this stage's layers, lookup and head (the whole model without a
+    pipeline)."""
+    micro, step, rerun = chunk_terms(p, p.layers, p.has_embed, p.has_head, dropout)
+    return {kind: micro[kind] + step[kind] for kind in micro}, rerun
+
+
+def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = False) -> tuple:
+    """({kind: elements} one micro-batch keeps for backward on a chunk of
+    ``L`` blocks, with the lookup if ``embed`` and ln_f and the LM head if
+    ``head``; {kind: elements} the chunk holds once per step however many
+    micro-batches are in flight: the gathered wte panel and its gradient,
+    from the first use of wte to the end of backward; {kind: elements} of
+    one rerun block under --recompute blocks). A stage that only looks up
+    keeps the panel it gathered (the head, which would let it go under
+    --recompute gathers, never runs there)."""
+    cfg, T, h, mode = p.cfg, p.seq_len, p.cfg.n_embd, p.recompute
     if p.layout in ("serial", "1d"):
         q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
         V = -(-cfg.vocab_size // heads) * heads // heads
@@ -97,46 +113,138 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
         block += first_inputs + n * mid_cols + n * 4 * mid_cols            # c_proj, mlp.c_proj
     if dropout:
         block += 2 * n * cc + 2 * probs
-    # outside the blocks: ln_f xhat, logits and softmax, head input, wte panels, embedding mask
-    outside, grad = n * cc + 2 * n * V, 0
-    if p.layout == "3d":
-        outside += n * h // q if regather else q * n * h // q                 # head input
-        outside += 0 if regather else gathered * V * (h // q)                 # wte panel
-        grad += V * (h // q)                                                  # its gradient
-    else:
-        outside += n * cc // shard if regather else n * cc                   # head input
-        if p.layout in ("2d", "2.5d"):
-            outside += 0 if regather else gathered * (V * q) * (h // q)      # wte[:, block c]
-            grad += (V * q) * (h // q)                                        # its gradient
-    if dropout:
+    # outside the blocks: ln_f xhat, logits and softmax, head input (head); embedding mask (lookup);
+    # the wte panel and its gradient (either)
+    outside, panel, grad = 0, 0, 0
+    if head:
+        outside += n * cc + 2 * n * V
+        if p.layout == "3d":
+            outside += n * h // q if regather else q * n * h // q             # head input
+        else:
+            outside += n * cc // shard if regather else n * cc               # head input
+    if p.layout in ("2d", "2.5d", "3d") and (embed or head):
+        wte_panel = V * (h // q) if p.layout == "3d" else (V * q) * (h // q)  # 3-D's over i; wte[:, block c]
+        panel = 0 if regather and head else gathered * wte_panel
+        grad = wte_panel                                                      # its gradient
+    if dropout and embed:
         outside += n * cc
+    step = {"act": panel, "stat": 0, "grad": grad}
     if mode == "blocks":
-        kept = {"act": L * n * cc // shard + outside, "stat": n, "grad": grad}
-        return kept, {"act": block, "stat": 2 * n, "grad": 0}
-    kept = {"act": L * block + outside, "stat": (2 * L + 1) * n, "grad": grad}   # rstd of ln_1, ln_2, ln_f
-    return kept, {"act": 0, "stat": 0, "grad": 0}
+        kept = {"act": L * n * cc // shard + outside, "stat": n * head, "grad": 0}
+        return kept, step, {"act": block if L else 0, "stat": 2 * n if L else 0, "grad": 0}
+    kept = {"act": L * block + outside, "stat": (2 * L + head) * n, "grad": 0}   # rstd of ln_1, ln_2, ln_f
+    return kept, step, {"act": 0, "stat": 0, "grad": 0}
 
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:
     """Elements per rank. Under --zero 1 the buffers are padded to P_pad (a
-    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp)."""
+    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp); --zero 2
+    and 3: ``segmented_memory``. Under a pipeline: this stage's parameters,
+    and its peak saved activations over the schedule
+    (``pipeline_peak_activations``)."""
+    if p.segmented:
+        return segmented_memory(p, dropout)[0]
     params = sum(n for n, _ in local_param_sizes(p).values())
+    acts = _stage_activations(p, dropout, bytes_=False)
     if p.sharded:
         padded, chunk = zero.sizes(params, p.dp, p.zero)
-        return Memory(padded, padded, 2 * chunk, activation_elems(p, dropout))
-    return Memory(params, params, 2 * params, activation_elems(p, dropout))
+        return Memory(padded, padded, 2 * chunk, acts)
+    return Memory(params, params, 2 * params, acts)
 
+
+def _stage_activations(p: Problem, dropout: bool, bytes_: bool) -> int:
+    if p.pp == 1:
+        return activation_bytes(p, dropout) if bytes_ else activation_elems(p, dropout)
+    if bytes_:
+        return pipeline_peak_activation_bytes(p, p.stage, dropout)
+    return sum(pipeline_peak_activations(p, p.stage, dropout).values())
 
 
 def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
     """``step_memory`` in bytes: under mixed precision the parameters are a
     float32 master plus a 16-bit working copy, gradients and Adam moments
     float32, activations mostly 16-bit."""
+    if p.segmented:
+        return segmented_memory(p, dropout)[1]
     w, elems = p.widths, step_memory(p, dropout)
+    acts = _stage_activations(p, dropout, bytes_=True)
     if p.sharded:   # the full buffer is the 16-bit working copy, the float32 master only the chunk
         chunk = elems.optimizer // 2
         params = elems.params * w.act + (chunk * w.grad if w.act != w.grad else 0)
-        return Memory(params, elems.grads * w.grad, elems.optimizer * w.grad, activation_bytes(p, dropout))
+        return Memory(params, elems.grads * w.grad, elems.optimizer * w.grad, acts)
     params = elems.params
     working = params * w.act if w.act != w.grad else 0
-    return Memory(params * w.grad + working, params * w.grad, 2 * params * w.grad, activation_bytes(p, dropout))
+    return Memory(params * w.grad + working, params * w.grad, 2 * params * w.grad, acts)
+
+
+def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
+    """(elements, bytes) per rank under --zero 2 and 3 (mpicube.parallel.fsdp):
+    the master chunk, summed gradient chunk and moments (C, C, 2 C); the
+    gradient slots (the outside segment's and two blocks', one if the model
+    has one block); --zero 2 the whole P_pad working copy, --zero 3 the
+    parameter slots (the same widths) and, under mixed precision, the
+    master chunk's 16-bit rounding. All are allocated once: this is the
+    peak of weights and gradients, the prefetched block included."""
+    w = p.widths
+    sizes = [(name, n) for name, (n, _) in local_param_sizes(p).items()]
+    segments = zero.segment_sizes(sizes, p.dp, p.zero)
+    chunk = sum(c for _, _, c in segments)
+    padded = {seg: p.dp * c for seg, _, c in segments}
+    blocks = [seg for seg in padded if seg != zero.OUTSIDE]
+    slots = padded.get(zero.OUTSIDE, 0) + min(2, len(blocks)) * max([padded[b] for b in blocks], default=0)
+    mixed = w.act != w.grad
+    grads = chunk + slots
+    if p.zero == 2:
+        whole = sum(padded.values())
+        elems = Memory(whole + chunk, grads, 2 * chunk, _stage_activations(p, dropout, bytes_=False))
+        size = Memory(whole * w.act + chunk * w.grad, grads * w.grad, 2 * chunk * w.grad,
+                      _stage_activations(p, dropout, bytes_=True))
+        return elems, size
+    rounded = chunk if mixed else 0
+    elems = Memory(chunk + rounded + slots, grads, 2 * chunk, _stage_activations(p, dropout, bytes_=False))
+    size = Memory(chunk * w.grad + (rounded + slots) * w.act, grads * w.grad, 2 * chunk * w.grad,
+                  _stage_activations(p, dropout, bytes_=True))
+    return elems, size
+
+
+def _stage_terms(p: Problem, stage: int, dropout: bool) -> tuple:
+    """({local chunk: one micro-batch's kept terms}, per-step terms, rerun terms) of ``stage``."""
+    split, last = p.chunk_layers, p.pp * p.virtual_stages - 1
+    per_micro, rerun = {}, {"act": 0, "stat": 0, "grad": 0}
+    for v in range(p.virtual_stages):
+        k = v * p.pp + stage
+        kept, panel, chunk_rerun = chunk_terms(p, len(split[k]), k == 0, k == last, dropout)
+        # each micro-batch in flight on the end chunks holds its own wte panel and
+        # gradient accumulator (the executor runs one GPT object per micro-batch,
+        # which gathers and reduce-scatters wte per micro-batch, as without stages)
+        per_micro[v] = {kind: kept[kind] + panel[kind] for kind in kept}
+        rerun = {kind: max(rerun[kind], chunk_rerun[kind]) for kind in rerun}
+    return per_micro, {"act": 0, "stat": 0, "grad": 0}, rerun
+
+
+def pipeline_peak_activations(p: Problem, stage: int = None, dropout: bool = False) -> dict:
+    """{"act", "stat", "grad": elements} a rank of ``stage`` (default
+    ``p.stage``) holds for backward at its peak over the step: each
+    in-flight micro-batch chunk of its schedule holds one micro-batch's
+    saved activations of that chunk's layers (and the lookup's on chunk 0,
+    ln_f's and the head's on the last), the wte panel and its gradient are
+    held once, and one rerun block sits on top during a backward under
+    --recompute blocks. Without a pipeline: ``activation_terms``."""
+    if p.pp == 1:
+        return activation_terms(p, dropout)
+    stage = p.stage if stage is None else stage
+    return peak_over_schedule(p, stage, *_stage_terms(p, stage, dropout), lambda t: sum(t.values()))[1]
+
+
+def pipeline_peak_activation_bytes(p: Problem, stage: int = None, dropout: bool = False) -> int:
+    """The bytes at the peak (activations in the storage format, statistics
+    in the compute format, gradient panels in the master format); the
+    peak of bytes, which the peak of elements need not be."""
+    if p.pp == 1:
+        return activation_bytes(p, dropout)
+    stage = p.stage if stage is None else stage
+    w = p.widths
+    width = {"act": w.act, "stat": w.stat, "grad": w.grad}
+    return peak_over_schedule(p, stage, *_stage_terms(p, stage, dropout),
+                              lambda t: sum(n * width[k] for k, n in t.items()))[0]
+

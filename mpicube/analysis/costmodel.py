@@ -1,5 +1,9 @@
-"""Analytic communication and FLOPs per rank per training step (memory:
-``costmemory``, which shares the ``Problem`` and parameter sizes here).
+"""Analytic communication per rank per training step (memory:
+``costmemory``, FLOPs: ``costflops``, the pipeline's point-to-point
+traffic and bubble: ``costpipe``; the ``Problem`` they share is in
+``costbase``). Under a pipeline every figure is one stage's
+(``Problem.stage``): its layers, and the lookup or the head where it has
+them.
 
 Each layout's function walks the same collective sequence its code issues
 (layouts/*.py), with the ring conventions of ``mpicube.parallel.comm``, and returns
@@ -47,136 +51,26 @@ gradient (at ``Widths.gsum``) and an all-gather of the updated chunk
 2 C moments. Under mixed precision the float32 master is the chunk only
 and is counted with the parameters (C master + P_pad working copy), as the
 master is counted there with --zero 0.
+
+``Problem.zero`` = 2 or 3 (mpicube.parallel.fsdp): the buffer is cut per layer
+(``zero.segment_sizes``), and every micro-batch sums each layer's replica
+groups and reduce-scatters its padded segment over dp (``segmented_traffic``);
+--zero 3 all-gathers the outside segment once per step and the blocks as
+their two alternating slots need them: L in the step's first forward,
+L - 2 in every later pass (the last two blocks are still in their slots at
+each turn; all L stay when L <= 2); --zero 2 all-gathers the chunk after
+the step as --zero 1 does. Memory: ``costmemory.segmented_memory``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from fractions import Fraction
 
-from ..parallel import zero
+from ..parallel import fsdp, zero
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
-from ..device.precision import gradient_wire_name
-
-
-@dataclass(frozen=True)
-class Widths:
-    """Bytes per element of each kind of data a step moves or keeps."""
-
-    act: int     # activations, the weights' working copy, gathered and broadcast panels
-    red: int     # the wire of sums of activations, their gradients, weight-gradient partials
-    grad: int    # gradients, master weights, Adam moments
-    stat: int    # per-row statistics, kept and reduced in the compute format
-    gsum: int    # the wire of the replica-group and dp gradient sums (precision.gradient_wire_name)
-    scalar: int = 8   # the gradient norm and the loss (float64)
-
-    @classmethod
-    def of(cls, dtype: str) -> "Widths":
-        storage = STORAGE_BYTES[dtype]
-        wide = max(4, storage)          # 16-bit formats compute and keep gradients in float32
-        gsum = STORAGE_BYTES[gradient_wire_name(dtype)]
-        return cls(act=storage, red=storage, grad=wide, stat=wide, gsum=gsum)
-
-
-STORAGE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass
-class Traffic:
-    """Elements, bytes and messages per axis for one rank and one step."""
-
-    elems: dict = field(default_factory=lambda: defaultdict(Fraction))
-    msgs: dict = field(default_factory=lambda: defaultdict(int))
-    bytes: dict = field(default_factory=lambda: defaultdict(Fraction))
-
-    def _add(self, axis, g, elems, msgs, times, width):
-        if g > 1 and times:
-            self.elems[axis] += Fraction(elems) * times
-            self.bytes[axis] += Fraction(elems) * times * width
-            self.msgs[axis] += msgs * times
-
-    def allreduce(self, axis, g, n, times=1, width=4):
-        self._add(axis, g, Fraction(2 * (g - 1), g) * n, 2 * (g - 1), times, width)
-
-    def allgather(self, axis, g, n_local, times=1, width=4):
-        self._add(axis, g, (g - 1) * n_local, g - 1, times, width)
-
-    def reduce_scatter(self, axis, g, n_in, times=1, width=4):
-        self._add(axis, g, Fraction(g - 1, g) * n_in, g - 1, times, width)
-
-    # Widths of 2 bytes are the 16-bit wire (every wide format is 4 or 8).
-    def sum(self, axis, g, n, times=1, width=4):
-        """An all-reduce of n elements that travels in ``width`` bytes: MPI's
-        ring figures in a wide format, or in 16 bits ``comm_wire``'s
-        all-to-all + all-gather of ceil(n/g) elements per rank each."""
-        if width == 2:
-            self._add(axis, g, 2 * (g - 1) * -(-n // g), 2 * (g - 1), times, width)
-        else:
-            self.allreduce(axis, g, n, times, width)
-
-    def reduce_onto(self, axis, g, n, times=1, width=4):
-        """A reduce of n elements onto a root that travels in ``width``
-        bytes: MPI's (n, g-1) in a wide format, or in 16 bits
-        ``comm_wire``'s all-to-all + gather of ceil(n/g) elements each."""
-        if width == 2:
-            self._add(axis, g, 2 * (g - 1) * -(-n // g), 2 * (g - 1), times, width)
-        else:
-            self.reduce(axis, g, n, times, width)
-
-    def bcast(self, axis, g, n, times=1, width=4):
-        self._add(axis, g, n, g - 1, times, width)
-
-    reduce = bcast
-
-    def add(self, other: "Traffic", times: int = 1) -> None:
-        """Add ``times`` repetitions of ``other`` (micro-batches)."""
-        for axis in other.elems:
-            self.elems[axis] += other.elems[axis] * times
-            self.bytes[axis] += other.bytes[axis] * times
-            self.msgs[axis] += other.msgs[axis] * times
-
-    def total_elems(self) -> Fraction:
-        return sum(self.elems.values(), Fraction(0))
-
-    def total_bytes(self) -> Fraction:
-        return sum(self.bytes.values(), Fraction(0))
-
-    def total_msgs(self) -> int:
-        return sum(self.msgs.values())
-
-
-@dataclass
-class Problem:
-    """The sizes one step works on, as one rank sees them."""
-
-    cfg: ModelConfig
-    layout: str
-    tp: int
-    dp: int
-    depth: int
-    batch: int          # global sequences per step
-    seq_len: int
-    dtype: str = "float32"   # storage format: float64, float32, float16 or bfloat16
-    recompute: str = "none"  # none, gathers or blocks (layouts/base.py RECOMPUTE_MODES)
-    zero: int = 0            # 1: optimizer state (and a 16-bit run's master) sharded over dp (mpicube.parallel.zero)
-    grad_accum: int = 1      # micro-batches per step (mpicube.training.accum)
-
-    @property
-    def local_batch(self):
-        """Sequences per replica in one forward pass: the micro-batch, which
-        sizes every activation and activation-borne collective."""
-        return self.batch // self.dp // self.grad_accum
-
-    @property
-    def widths(self) -> Widths:
-        return Widths.of(self.dtype)
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the optimizer state is sharded (--zero 1 with dp > 1)."""
-        return bool(self.zero) and self.dp > 1
+from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
+from .costpipe import pipeline_traffic
 
 
 def block_linears(cfg: ModelConfig):
@@ -202,14 +96,16 @@ def serial_traffic(p: Problem) -> Traffic:
 def oned_traffic(p: Problem) -> Traffic:
     t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
-    t.sum("tp", g, act, times=4 * p.cfg.n_layer, width=w.red)   # 2 forward (row-split), 2 backward
-    t.sum("tp", g, act, times=2, width=w.red)             # embedding lookup, LM head backward
-    _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
+    L, head = p.layers, int(p.has_head)
+    t.sum("tp", g, act, times=4 * L, width=w.red)         # 2 forward (row-split), 2 backward
+    t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
+    if head:
+        _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
     if p.recompute == "gathers":                          # c_attn, c_fc and LM head inputs from row shards
-        t.allgather("tp", g, act // g, times=2 * p.cfg.n_layer + 1, width=w.act)
+        t.allgather("tp", g, act // g, times=2 * L + head, width=w.act)
     if p.recompute == "blocks":                           # block inputs from row shards, forwards again
-        t.allgather("tp", g, act // g, times=p.cfg.n_layer, width=w.act)
-        t.sum("tp", g, act, times=2 * p.cfg.n_layer, width=w.red)
+        t.allgather("tp", g, act // g, times=L, width=w.act)
+        t.sum("tp", g, act, times=2 * L, width=w.red)
     return t
 
 
@@ -219,21 +115,24 @@ def tesseract_traffic(p: Problem) -> Traffic:
     n = p.local_batch * p.seq_len // (d * q)              # activation rows per rank
     V = -(-cfg.vocab_size // q) * q
     forwards = 2 if p.recompute == "blocks" else 1            # blocks: each block's forward again
-    for h_in, h_out, _ in block_linears(cfg) * cfg.n_layer:
+    L, head, wte = p.layers, int(p.has_head), int(p.has_embed or p.has_head)
+    for h_in, h_out, _ in block_linears(cfg) * L:
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
         t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
         t.reduce_onto("row", q, x_panel, times=q, width=w.red)  # dX
         t.bcast("col", q, w_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dX
         t.reduce_onto("col", q, w_panel, times=q, width=w.red)  # dW
-    _layernorm(t, "row", q, n, 2 * cfg.n_layer + 1, w.stat)
+    _layernorm(t, "row", q, n, 2 * L + head, w.stat)
     if forwards == 2:
-        t.allreduce("row", q, n, times=2 * 2 * cfg.n_layer, width=w.stat)   # ln_1, ln_2 statistics again
-    gathers = 2 if p.recompute == "gathers" else 1            # gathers: wte panel again for the head backward
+        t.allreduce("row", q, n, times=2 * 2 * L, width=w.stat)   # ln_1, ln_2 statistics again
+    # A stage holding wte gathers it at its first use; gathers: again for the head backward.
+    gathers = wte + (head if p.recompute == "gathers" else 0)
     t.allgather("col", q, (V // q) * (cfg.n_embd // q), times=gathers, width=w.act)   # wte[:, block c]
-    t.reduce_scatter("row", q, n * V, width=w.red)                # LM head forward
-    t.allgather("row", q, n * V // q, width=w.act)                # LM head backward
-    t.reduce_scatter("col", q, V * (cfg.n_embd // q), width=w.red)    # wte gradient
-    _cross_entropy(t, "row", q, n, w.stat)
+    t.reduce_scatter("row", q, n * V, times=head, width=w.red)    # LM head forward
+    t.allgather("row", q, n * V // q, times=head, width=w.act)    # LM head backward
+    t.reduce_scatter("col", q, V * (cfg.n_embd // q), times=wte, width=w.red)    # wte gradient
+    if head:
+        _cross_entropy(t, "row", q, n, w.stat)
     return t
 
 
@@ -245,7 +144,8 @@ def cube_traffic(p: Problem) -> Traffic:
     V = -(-cfg.vocab_size // q) * q
     gathers = 2 if p.recompute == "gathers" else 1     # gathers: X and W again in backward
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
-    for h_in, h_out, position in block_linears(cfg) * cfg.n_layer:
+    L, embed, head = p.layers, int(p.has_embed), int(p.has_head)
+    for h_in, h_out, position in block_linears(cfg) * L:
         a, b = ("j", "k") if position == "first" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
         t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=forwards * gathers, width=w.act)   # W over i
@@ -253,18 +153,20 @@ def cube_traffic(p: Problem) -> Traffic:
         t.allgather(b, q, n * h_out // q, width=w.act)                        # dY over b
         t.reduce_scatter(a, q, n * q * h_in // q, width=w.red)                # dX over a
         t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.red)     # dW over i
-    _layernorm(t, "k", q, n, 2 * cfg.n_layer + 1, w.stat)
+    _layernorm(t, "k", q, n, 2 * L + head, w.stat)
     if forwards == 2:
-        t.allreduce("k", q, n, times=2 * 2 * cfg.n_layer, width=w.stat)      # ln_1, ln_2 statistics again
-    t.allgather("i", q, (V // q) * (h // (q * q)), times=gathers, width=w.act)   # wte over i
-    t.reduce_scatter("j", q, n * q * h // q, width=w.red)         # lookup
-    t.allgather("j", q, n * h // q, times=gathers, width=w.act)   # head: X over j
-    t.reduce_scatter("k", q, n * q * V // q, width=w.red)         # head: logits over k
-    t.allgather("k", q, n * V // q, width=w.act)                  # head backward: dlogits
-    t.reduce_scatter("j", q, n * q * h // q, width=w.red)         # head backward: dX
-    t.allgather("j", q, n * h // q, width=w.act)                  # lookup backward: dX
-    t.reduce_scatter("i", q, (V // q) * (h // q), width=w.red)    # wte gradient
-    _cross_entropy(t, "j", q, n, w.stat)
+        t.allreduce("k", q, n, times=2 * 2 * L, width=w.stat)      # ln_1, ln_2 statistics again
+    wte = int(embed or head)                           # a stage holding wte gathers it at its first use
+    t.allgather("i", q, (V // q) * (h // (q * q)), times=wte + head * (gathers - 1), width=w.act)   # wte over i
+    t.reduce_scatter("j", q, n * q * h // q, times=embed, width=w.red)         # lookup
+    t.allgather("j", q, n * h // q, times=head * gathers, width=w.act)   # head: X over j
+    t.reduce_scatter("k", q, n * q * V // q, times=head, width=w.red)         # head: logits over k
+    t.allgather("k", q, n * V // q, times=head, width=w.act)                  # head backward: dlogits
+    t.reduce_scatter("j", q, n * q * h // q, times=head, width=w.red)         # head backward: dX
+    t.allgather("j", q, n * h // q, times=embed, width=w.act)                  # lookup backward: dX
+    t.reduce_scatter("i", q, (V // q) * (h // q), times=wte, width=w.red)    # wte gradient
+    if head:
+        _cross_entropy(t, "j", q, n, w.stat)
     return t
 
 
@@ -274,11 +176,30 @@ TRAFFIC = {"serial": serial_traffic, "1d": oned_traffic, "2d": tesseract_traffic
 
 def local_param_sizes(p: Problem) -> dict:
     """{name: (local elements, gradient axis or None)} for one rank, from the
-    sharding rules of each layout (closed forms, not the layout code)."""
+    sharding rules of each layout (closed forms, not the layout code);
+    under a pipeline only the tensors of this stage (``on_stage``)."""
     cfg, out = p.cfg, {}
+    mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
     for decl in gpt_params(cfg):
-        out[decl.name] = _local_size(p, decl)
+        if on_stage(p, decl.name, mine):
+            out[decl.name] = _local_size(p, decl)
     return out
+
+
+def on_stage(p: Problem, name: str, layers: set = None) -> bool:
+    """Whether parameter ``name`` lives on this stage: a block's on the stage
+    of its chunk (``layers``: this stage's, computed once by the caller),
+    wpe on the first, ln_f on the last, and wte on both (the LM head is
+    tied to the lookup: each end holds a copy)."""
+    if p.pp == 1:
+        return True
+    if name.startswith("h."):
+        if layers is None:
+            layers = {i for k in p.stage_chunks for i in p.chunk_layers[k]}
+        return int(name.split(".")[1]) in layers
+    if name == "wte":
+        return p.has_embed or p.has_head
+    return p.has_embed if name == "wpe" else p.has_head
 
 
 def _local_size(p: Problem, decl):
@@ -322,59 +243,70 @@ def step_traffic(p: Problem) -> Traffic:
     micro-batch (each forward returns its share, GPT.forward). Under
     --zero 1 the dp all-reduce is a reduce-scatter of the padded gradient
     and an all-gather of the updated chunk (in the storage format), and the
-    norm is summed over the world."""
+    norm is summed over the world.
+
+    Under a pipeline (pp > 1) the figures are this stage's: its layers'
+    collectives, its point-to-point traffic (``costpipe.pipeline_traffic``,
+    axis "pp"), the sum of the tied wte's gradient over the first and last
+    stage (axis "tied", at the gsum wire), and the gradient norm all-reduced
+    over "pp" after "tp" (one float64 each)."""
     t = Traffic()
     t.add(TRAFFIC[p.layout](p), p.grad_accum)
+    t.add(pipeline_traffic(p))
     sizes = local_param_sizes(p)
     group_sizes = defaultdict(int)
     for n, axis in sizes.values():
         if axis is not None:
             group_sizes[axis] += n
     w = p.widths
-    for axis, n in group_sizes.items():
-        t.sum(axis, _group_size(p, axis), n, width=w.gsum)
+    if p.pp > 1 and (p.has_embed or p.has_head):
+        t.sum("tied", 2, sizes["wte"][0], width=w.gsum)        # wte's two copies, before the optimizer
     params = sum(n for n, _ in sizes.values())
-    if p.sharded:
+    if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
+        segmented_traffic(p, t, sizes)
+    elif p.sharded:
+        _group_sums(p, t, group_sizes)
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
-        t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)   # gradient norm
+        t.allreduce("world", p.tp * p.dp * p.pp, 1, width=w.scalar)   # gradient norm
     else:
+        _group_sums(p, t, group_sizes)
         t.sum("dp", p.dp, params, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
-    t.allreduce("world", p.tp * p.dp, 1, times=p.grad_accum, width=w.scalar)   # reported loss, per micro-batch
+        t.allreduce("pp", p.pp, 1, width=w.scalar)             # ... and over the stages
+    # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
+    t.allreduce("world", p.tp * p.dp * p.pp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
 
 
-def step_flops(p: Problem) -> Fraction:
-    """GEMM and attention FLOPs per rank per step, from the sizes alone (a
-    prediction, not measured: nothing counts FLOPs at run time). Forward
-    2 m n k per GEMM (the four linears of every block, the two batched
-    attention products, the LM head over the layout's padded vocabulary),
-    backward twice the forward, and under --recompute blocks every block's
-    forward once more. Every layout splits each of these evenly over its
-    tensor-parallel ranks, so one rank does 1/tp of its replica's work."""
-    cfg, L, h, T = p.cfg, p.cfg.n_layer, p.cfg.n_embd, p.seq_len
-    N = p.local_batch * T                                            # tokens per replica and micro-batch
-    linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in block_linears(cfg))
-    attention = 2 * 2 * p.local_batch * T * T * h                    # q k^T and probs v, causal mask not discounted
-    block = L * (linears + attention)
-    head = 2 * N * h * _padded_vocab(p)
-    forwards = 2 if p.recompute == "blocks" else 1
-    return Fraction(p.grad_accum * (3 * (block + head) + (forwards - 1) * block), p.tp)   # N micro-batches
+def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
+    """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
+    for axis, n in group_sizes.items():
+        t.sum(axis, _group_size(p, axis), n, width=p.widths.gsum)
 
 
-def _padded_vocab(p: Problem) -> int:
-    """The vocabulary the layout's LM head multiplies by (padded to its split)."""
-    if p.layout == "serial":
-        split = 1
-    elif p.layout == "1d":
-        split = p.tp
-    elif p.layout in ("2d", "2.5d"):
-        split = round((p.tp // p.depth) ** 0.5)
-    else:
-        split = round(p.tp ** (1 / 3))
-    return -(-p.cfg.vocab_size // split) * split
+def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
+    """--zero 2 and 3 (module docstring): per micro-batch and layer, the
+    replica-group sums and the reduce-scatter; the gathers; the norm."""
+    w = p.widths
+    segments = zero.segment_sizes([(name, n) for name, (n, _) in sizes.items()], p.dp, p.zero)
+    blocks = [c for seg, _, c in segments if seg != zero.OUTSIDE]
+    if p.zero == 3 and blocks:
+        t.allgather("dp", p.dp, blocks[0], times=fsdp.block_gathers(len(blocks), 2 * p.grad_accum), width=w.act)
+    for seg, _, chunk in segments:
+        groups = defaultdict(int)
+        for name, (n, axis) in sizes.items():
+            if axis is not None and zero.segment_of(name) == seg:
+                groups[axis] += n
+        for axis, n in groups.items():
+            t.sum(axis, _group_size(p, axis), n, times=p.grad_accum, width=w.gsum)
+        t.reduce_scatter("dp", p.dp, p.dp * chunk, times=p.grad_accum, width=w.gsum)
+        if p.zero == 3 and seg == zero.OUTSIDE:
+            t.allgather("dp", p.dp, chunk, width=w.act)          # once per step: it stays gathered
+    if p.zero == 2:
+        t.allgather("dp", p.dp, sum(c for _, _, c in segments), width=w.act)   # parameters after the step
+    t.allreduce("world", p.tp * p.dp * p.pp, 1, width=w.scalar)                # gradient norm
 
 
 def _group_size(p: Problem, axis: str) -> int:

@@ -115,7 +115,7 @@ class Collector:
 
     def __init__(self, parts, store_dtype, batch_size: int):
         self.parts = parts
-        self.layout, self.store, self.model = parts.layout, parts.store, parts.model
+        self.layout, self.store = parts.layout, parts.store
         self.dtype = np.dtype(store_dtype)
         self.B = batch_size                                  # global sequences per step
         self.cfg = parts.cfg
@@ -124,11 +124,20 @@ class Collector:
         self.param_writer = self.layout.axes.dp.rank == 0
         self.at(parts.micro_rows(0).start)
 
+    @property
+    def model(self):
+        """The GPT whose forward ran last: the model, or under pipeline
+        stages the chunk (training.pipeline.Pipeline.current); each chunk
+        gives the pieces of the tensors it computes, so rank 0 assembles
+        the same names as without stages."""
+        pipe = self.parts.pipeline
+        return pipe.current if pipe is not None else self.parts.model
+
     def at(self, first: int) -> None:
         layout = self.layout
+        self.first = first
         self.canonical_seqs = first + np.asarray(layout.canonical_seqs)
         self.mid_seqs = first + np.asarray(layout.mid_seqs)
-        self.logit_seqs = first + np.asarray(self.model.embedding.logit_seqs)
 
     def host(self, a, dtype=None) -> np.ndarray:
         return np.asarray(self.parts.backend.to_host(a)).astype(dtype or self.dtype)
@@ -141,13 +150,17 @@ class Collector:
     def activations(self, capture: dict, T: int) -> list:
         return [self.canonical(f"act/{key}", block, T) for key, block in capture.items()]
 
-    def logits(self, T: int) -> Piece:
-        """(B_l, T, V_l) -> piece of (B, T, V); padded vocabulary dropped."""
-        emb = self.model.embedding
-        local = self.model.logits                              # (B_l, T, V_l)
+    def logits(self, T: int) -> list:
+        """(B_l, T, V_l) -> piece of (B, T, V); padded vocabulary dropped
+        (none from a pipeline chunk without the head)."""
+        model = self.model
+        if not model.last:
+            return []
+        emb = model.embedding
+        local = model.logits                                   # (B_l, T, V_l)
         vocab = emb.vocab_start + np.arange(local.shape[-1])
-        return Piece("logits", (self.B, T, self.cfg.vocab_size), (self.logit_seqs, np.arange(T), vocab),
-                     self.host(local))
+        seqs = self.first + np.asarray(emb.logit_seqs)
+        return [Piece("logits", (self.B, T, self.cfg.vocab_size), (seqs, np.arange(T), vocab), self.host(local))]
 
     def masks(self, T: int, step: int) -> list:
         """Keep masks (1 kept, 0 dropped) as uint8, none without dropout.
@@ -155,11 +168,13 @@ class Collector:
         has them drawn again: they are a function of (seed, step, site,
         global index), so the second draw is the first."""
         model = self.model
-        if model.keep_emb is None:
+        if model.dropout.p == 0.0:
             return []
         keep = lambda m: self.host(m != 0, np.uint8)           # noqa: E731 - scaled masks to 0/1
-        pieces = [Piece("dropout/emb", (self.B, T, self.cfg.n_embd),
-                        (self.canonical_seqs, np.arange(T), self.cols), keep(model.keep_emb))]
+        pieces = []
+        if model.first:
+            pieces.append(Piece("dropout/emb", (self.B, T, self.cfg.n_embd),
+                                (self.canonical_seqs, np.arange(T), self.cols), keep(model.keep_emb)))
         for block in model.blocks:
             drawn = (block.keep_attn, block.keep_resid_attn, block.keep_resid_mlp)
             if block.keep_attn is None:
@@ -189,7 +204,7 @@ class Collector:
         flat = self.host(store.flat_grad)                                    # (P_pad,)
         if store.partition.sharded:
             chunks = self.layout.axes.dp.mpi.allgather(flat[store.shard])   # dp x (C,)
-            flat = np.concatenate(chunks)
+            flat = store.partition.assemble(np, np.concatenate(chunks))     # (P_pad,) in buffer order
         if divide != 1.0:
             flat = flat / divide
         return self._pieces("grad", store.views(flat))
@@ -284,7 +299,7 @@ class Recorder(StepHooks):
     def forward_done(self, trainer, s, micro) -> None:
         parts, collect = trainer.parts, self.collect
         collect.at(parts.micro_rows(micro).start)
-        self.forward += collect.activations(parts.model.capture, self.T) + [collect.logits(self.T)]
+        self.forward += collect.activations(parts.model.capture, self.T) + collect.logits(self.T)
         self.forward += collect.masks(self.T, s)
         parts.model.capture = {}                              # the next micro-batch's
 
@@ -323,8 +338,8 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
         with formats.open_everywhere(mpi_world, opts.init_from) as model_file:
             cfg = model_file.config
     if opts.batch_size is None:                 # train's default: the smallest of at least 8 that fits
-        opts.batch_size = default_batch(opts.layout, cfg, mpi_world.Get_size(), opts.dp, opts.depth,
-                                        opts.grad_accum, recompute=opts.recompute)[0]
+        opts.batch_size = default_batch(opts.grid, cfg, mpi_world.Get_size(), opts.grad_accum,
+                                        recompute=opts.recompute)[0]
     B, T, N = opts.batch_size, opts.seq_len, opts.steps
     store_dtype = np.float64 if opts.dtype == "float64" else np.float32
     size = trace_bytes(cfg, B, T, N, opts.dropout, np.dtype(store_dtype).itemsize)

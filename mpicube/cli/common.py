@@ -24,6 +24,7 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
 RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")  # parallel/schedules.py SCHEDULES (default 1f1b)
 
 # --seed: NumPy's generators take any non-negative integer; -1 would be a traceback at the first batch
 SEED = click.IntRange(0, 2 ** 64 - 1)
@@ -146,6 +147,18 @@ def layout_options(f):
     return f
 
 
+def pipeline_options(f):
+    """``--pp``, ``--pp-schedule`` and ``--virtual-stages`` (train, eval,
+    bench, trace, generate): pipeline stages around the tensor-parallel layout."""
+    f = click.option("--virtual-stages", type=int, default=1, show_default=True,
+                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V)")(f)
+    f = click.option("--pp-schedule", type=click.Choice(SCHEDULE_CHOICES), default="1f1b", show_default=True,
+                     help="pipeline schedule over the --grad-accum micro-batches")(f)
+    f = click.option("--pp", type=int, default=1, show_default=True,
+                     help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
+    return f
+
+
 def recompute_option(f):
     return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
                         help="trade memory for communication and FLOPs: gathers = gather weight and activation "
@@ -154,9 +167,34 @@ def recompute_option(f):
 
 
 def zero_option(help_text: str):
-    """``--zero {0,1}`` as an int (train, bench, info; each says what it does there)."""
-    return click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+    """``--zero {0,1,2,3}`` as an int (train, bench, info; each says what it does there)."""
+    return click.option("--zero", type=click.Choice(["0", "1", "2", "3"]), default="0", show_default=True,
                         callback=lambda ctx, param, value: int(value), help=help_text)
+
+
+class StepRange(click.ParamType):
+    """``START:STOP``, 1 <= START <= STOP: the steps START to STOP, both
+    included (one step: ``N`` or ``N:N``)."""
+
+    name = "START:STOP"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            parts = [int(p) for p in str(value).split(":")]
+        except ValueError:
+            parts = []
+        parts = parts * 2 if len(parts) == 1 else parts
+        if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+            self.fail(f"{value!r} is not START:STOP with 1 <= START <= STOP (e.g. 2:4: steps 2 to 4)", param, ctx)
+        return parts[0], parts[1]
+
+
+def profile_option(help_text: str):
+    """``--profile START:STOP`` (train, bench): a per-rank timeline of those steps (analysis.profile)."""
+    return click.option("--profile", type=StepRange(), default=None,
+                        help="record a timeline of compute and communication on every rank for " + help_text)
 
 
 def grad_accum_option(help_text: str):

@@ -42,6 +42,9 @@ class GenerateOptions:
     layout: str = "auto"
     dp: int = 1
     depth: int = 1
+    pp: int = 1                               # pipeline stages, run in turn for every token
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
     dtype: str = "float32"
     device: str = "cpu"
     tf32: bool = False
@@ -81,17 +84,18 @@ class Sampler:
         return int(min(np.searchsorted(cdf, u, side="right"), z.size - 1))
 
 
-def generation_batch(layout: str, cfg, world_size: int, dp: int, depth: int) -> int:
+def generation_batch(layout: str, cfg, world_size: int, dp: int, depth: int, pp: int = 1) -> int:
     """The smallest global batch the layout accepts: dp times the first
     per-replica batch that passes every size check. If none does, the
     check's own error (about something other than the batch) is raised."""
     from ..parallel.grid import plan
+    from ..parallel.gridspec import GridSpec
 
-    tp = max(1, world_size // max(dp, 1))
+    tp = max(1, world_size // max(dp * pp, 1))
     error = None
     for per_replica in range(1, tp + 1):
         try:
-            plan(layout, cfg, dp * per_replica, world_size, dp, depth)
+            plan(GridSpec(layout, dp=dp, depth=depth, pp=pp), cfg, dp * per_replica, world_size)
             return dp * per_replica
         except ConfigError as e:
             error = e
@@ -127,11 +131,12 @@ def prompt_ids(opts: GenerateOptions, vocab_size: int, tokenizer_name):
 
 def last_logits(parts, logits) -> np.ndarray:
     """Row 0's logits at the last position, (V,) float64 on every rank,
-    from each rank's (B_l, t, V_l) block."""
+    from each rank's (B_l, t, V_l) block (None on a pipeline stage
+    without the head: it adds only -inf)."""
     layout, emb, backend = parts.layout, parts.model.embedding, parts.backend
     xp = backend.xp
-    full = xp.full(layout.vocab_padded, -xp.inf, dtype=logits.dtype)     # (V_padded,)
-    rows = np.flatnonzero(np.asarray(emb.logit_seqs) == 0)
+    full = xp.full(layout.vocab_padded, -xp.inf, dtype=backend.dtype)    # (V_padded,)
+    rows = np.flatnonzero(np.asarray(emb.logit_seqs) == 0) if logits is not None else np.zeros(0)
     if layout.axes.dp.rank == 0 and rows.size:
         start = emb.vocab_start
         full[start:start + logits.shape[-1]] = logits[int(rows[0]), -1]
@@ -179,17 +184,21 @@ class Generator:
             idx = np.tile(np.asarray(seq[pos:], dtype=np.int64), (self.rows, 1))       # (B_dp, t)
             return model.decode(idx, pos, caches)
         idx = np.tile(np.asarray(seq, dtype=np.int64), (self.rows, 1))                 # (B_dp, T)
+        if self.parts.pipeline is not None:
+            return model.full_logits(idx)
         model.forward(idx, np.zeros_like(idx))
         return model.logits
 
 
 def load_generator(model_file, cfg, layout="auto", dp=1, depth=1, dtype="float32", device="cpu", tf32=False,
-                   mpi_world=None) -> Generator:
+                   mpi_world=None, pp=1, pp_schedule="1f1b", virtual_stages=1) -> Generator:
     """Build the smallest-batch model on this rank and read its blocks."""
+    from ..parallel.gridspec import GridSpec
     from ..training.parts import build_parts
 
-    batch = generation_batch(layout, cfg, mpi_world.Get_size(), dp, depth)
-    parts = build_parts(cfg, layout, batch, mpi_world, dp, depth, dtype, device, tf32=tf32)
+    grid = GridSpec(layout, dp=dp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages)
+    batch = generation_batch(layout, cfg, mpi_world.Get_size(), dp, depth, pp)
+    parts = build_parts(cfg, grid, batch, mpi_world, dtype=dtype, device=device, tf32=tf32)
     formats.load_params(model_file, parts.store)
     return Generator(parts)
 
@@ -206,7 +215,7 @@ def generate(opts: GenerateOptions, mpi_world) -> dict:
             raise UserError(f"the prompt ({len(prompt)} tokens) plus --max-new-tokens {opts.max_new_tokens} is longer "
                             f"than the model's context of {cfg.n_ctx} positions")
         gen = load_generator(model_file, cfg, opts.layout, opts.dp, opts.depth, opts.dtype, opts.device, opts.tf32,
-                             mpi_world)
+                             mpi_world, opts.pp, opts.pp_schedule, opts.virtual_stages)
     result = gen.run(prompt, opts.max_new_tokens, Sampler(opts.temperature, opts.top_k, opts.seed), opts.cache)
     steps = result.pop("step_times_s")
     result.update({

@@ -45,14 +45,18 @@ def sync_gradients(store: ParamStore, dp: Comm) -> None:
         store.flat_grad[...] = dp.allreduce(store.flat_grad, wire=gradient_wire(store))
 
 
-def global_grad_norm(store: ParamStore, tp: Comm) -> float:
+def global_grad_norm(store: ParamStore, tp: Comm, stages: Comm = None) -> float:
     """L2 norm of the logical gradient: each block counted once however many
     tensor-parallel ranks replicate it (gradients are identical across dp
     after sync_gradients). One dot product per run of the flat buffer that
     shares a replica count, summed on the device; the only copy to the host
-    is the final number."""
+    is the final number. With pipeline stages (``stages``, the pipeline's
+    communicator) each stage holds its own layers, so the sums are added
+    over the stages too (the tied wte counts half on each of its two)."""
     store.settle()
     total = tp.allreduce(weighted_squares(store.backend.xp, store.flat_grad, store.replica_runs))
+    if stages is not None and stages.size > 1:
+        total = stages.allreduce(total)
     return math.sqrt(float(total[0]))
 
 

@@ -1,6 +1,7 @@
 """The optimizer step the trainer runs: gradient sums, norm and AdamW as
 one object, replicated over data-parallel replicas (--zero 0) or sharded
-over them (--zero 1, see ``parallel.zero``).
+over them (--zero 1, see ``parallel.zero``; --zero 2 and 3, whose
+gradients arrive reduce-scattered during backward, ``parallel.fsdp``).
 
 Both objects answer the same three calls, in this order every step:
 ``sync()`` (sum the gradients), ``grad_norm()`` (the global L2 norm, for
@@ -35,7 +36,7 @@ class ReplicatedStep:
         sync_gradients(self.store, self.axes.dp)
 
     def grad_norm(self) -> float:
-        return global_grad_norm(self.store, self.axes.tp)
+        return global_grad_norm(self.store, self.axes.tp, self.axes.pp)     # pp: the sum over stages
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self.adam.step(lr, grad_scale)
@@ -57,7 +58,7 @@ class ShardedStep:
 
     def __init__(self, store, axes, weight_decay: float = 0.1):
         if not store.partition.sharded or store.dp is not axes.dp:
-            raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero=1)")
+            raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero >= 1)")
         self.store, self.axes = store, axes
         self.adam = AdamW(store, weight_decay=weight_decay)
         # (replicas, slice of the chunk): the gradient norm counts each replicated block once
@@ -69,6 +70,9 @@ class ShardedStep:
         in ``gradients.gradient_wire`` (under bfloat16 the reduce-scatter sends
         16-bit words and keeps their float32 sum)."""
         store = self.store
+        if store.streams_gradients:         # --zero 2/3: reduce-scattered per layer during backward
+            store.wait_gradients()
+            return
         sync_replica_groups(store)
         wire = gradient_wire(store)
         store.flat_grad[store.shard] = self.axes.dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)

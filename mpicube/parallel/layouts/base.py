@@ -35,6 +35,7 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..comm import Comm
+from ..comm_start import iallreduce
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore
@@ -42,11 +43,14 @@ from ..params import ParamDecl, ParamSpec, ParamStore
 
 @dataclass
 class Axes:
-    """The communicators every layout has."""
+    """The communicators every layout has, one per axis of the GridSpec
+    (grid.build_layout makes them; an unused axis has size 1)."""
 
     world: Comm
-    dp: Comm      # data-parallel replicas of this rank's tensor-parallel position
+    dp: Comm      # data-parallel replicas of this rank's (stage, context, tensor-parallel) position
     tp: Comm      # this rank's tensor-parallel group
+    pp: Comm      # this rank's pipeline: the same position in every stage (size 1 without stages)
+    cp: Comm      # this rank's context-parallel ring (size 1 without context parallelism)
 
 
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
@@ -119,7 +123,9 @@ class Layout:
     # --- shared helpers ---------------------------------------------------
     def describe(self) -> dict:
         """JSON-able description (saved in checkpoints and config.json)."""
-        return {"layout": self.name, "tp": self.axes.tp.size, "dp": self.axes.dp.size}
+        axes = {"layout": self.name, "tp": self.axes.tp.size, "dp": self.axes.dp.size}
+        axes.update({n: getattr(self.axes, n).size for n in ("pp", "cp") if getattr(self.axes, n).size != 1})
+        return axes
 
     @staticmethod
     def pad_to(n: int, multiple: int) -> int:
@@ -223,7 +229,7 @@ class DenseLinear:
         x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         if self.overlap:                              # dX travels while dW and db are computed
-            pending = self.dx_reduce.iallreduce(matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
+            pending = iallreduce(self.dx_reduce, matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
             self.store.add_matmul(self.w_name, x2.T, dy2)
             self.db += ops.column_sums(dy2)
             self.x = None

@@ -188,12 +188,17 @@ class CubeTiedEmbedding:
         self.row_replicas = q
         self.xp = layout.backend.xp
         self.regather = layout.recompute == "gathers"
-        self.x = self.xg = None
+        self.x = self.xg = self.wg = self.dwg = None
+
+    def _gather(self):
+        """The step's wte panel and its gradient accumulator: one all-gather
+        over i serves the lookup and the head."""
+        self.wg = self.ci.allgather(self.wte, axis=1)             # (V/q, h/q)
+        self.dwg = self.xp.zeros(self.wg.shape, dtype=self.store.flat_grad.dtype)   # (V/q, h/q) float32+
 
     def embed(self, ids):
         """ids (B_dp, T) -> x (B/q^2, T, h/q) canonical."""
-        self.wg = self.ci.allgather(self.wte, axis=1)             # (V/q, h/q)
-        self.dwg = self.xp.zeros(self.wg.shape, dtype=self.store.flat_grad.dtype)   # (V/q, h/q) float32+
+        self._gather()
         ids_i = ids[self.xp.asarray(self.row_block)]              # (B/q, T)
         part, self.embed_cache = ops.embedding_forward(ids_i, self.wg, self.vocab_start)  # (B/q, T, h/q)
         return self.cj.reduce_scatter(part, axis=0, wire=part.dtype)
@@ -206,6 +211,8 @@ class CubeTiedEmbedding:
     def logits(self, x):
         """x (B/q^2, T, h/q) -> logits (B/q^2, T, V/q): rows block i,
         sub-block k; vocabulary block j."""
+        if self.dwg is None:              # a pipeline's last stage: the head without the lookup
+            self._gather()
         self.xg = self.cj.allgather(x, axis=0)                    # (B/q, T, h/q)
         logits = self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T, acc(x)), axis=0, wire=x.dtype)
         if self.regather:                 # --recompute gathers: both gathered again in logits_backward

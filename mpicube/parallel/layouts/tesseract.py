@@ -31,6 +31,7 @@ from __future__ import annotations
 from ... import ops
 from ...device import precision
 from ..comm import Comm
+from ..comm_start import ibcast
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 from .base import Layout, acc, matmul_rows
@@ -138,11 +139,11 @@ class SummaLinear:
             for s in range(self.q):
                 yield [comm.bcast(a, root=s) for comm, a in sources]
             return
-        posted = [comm.ibcast(a, root=0) for comm, a in sources]
+        posted = [ibcast(comm, a, root=0) for comm, a in sources]
         for s in range(self.q):
             ready = [p.wait() for p in posted]
             if s + 1 < self.q:
-                posted = [comm.ibcast(a, root=s + 1) for comm, a in sources]
+                posted = [ibcast(comm, a, root=s + 1) for comm, a in sources]
             yield ready
 
     def forward(self, x):
@@ -195,11 +196,17 @@ class TesseractTiedEmbedding:
         self.row_replicas = layout.q
         self.xp = layout.backend.xp
         self.regather = layout.recompute == "gathers"
+        self.w_full = self.dw_full = None
+
+    def _gather(self):
+        """The step's wte columns and their gradient accumulator: gathered
+        once, for the lookup and the head."""
+        self.w_full = self.col.allgather(self.wte, axis=0)      # (V, h/q)
+        self.dw_full = self.xp.zeros(self.w_full.shape, dtype=self.store.flat_grad.dtype)  # (V, h/q) float32+
 
     def embed(self, ids):
         """ids (B_dp, T) -> x (B_c, T, h/q)."""
-        self.w_full = self.col.allgather(self.wte, axis=0)      # (V, h/q)
-        self.dw_full = self.xp.zeros(self.w_full.shape, dtype=self.store.flat_grad.dtype)  # (V, h/q) float32+
+        self._gather()
         x, self.embed_cache = ops.embedding_forward(ids[self.xp.asarray(self.seqs)], self.w_full, 0)
         return x
 
@@ -209,6 +216,8 @@ class TesseractTiedEmbedding:
 
     def logits(self, x):
         """x (B_c, T, h/q) -> logits (B_c, T, V/q), vocabulary block c."""
+        if self.dw_full is None:          # a pipeline's last stage: the head without the lookup
+            self._gather()
         self.x = x
         partial = matmul_rows(x, self.w_full.T, acc(x))         # (B_c, T, V) partial over c
         if self.regather:                                       # gathered again in logits_backward

@@ -1,0 +1,40 @@
+"""Analytic FLOPs per rank per training step, over ``costmodel``'s
+``Problem`` (communication there, memory in ``costmemory``)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from .costmodel import Problem, block_linears
+
+
+def step_flops(p: Problem) -> Fraction:
+    """GEMM and attention FLOPs per rank per step, from the sizes alone (a
+    prediction, not measured: nothing counts FLOPs at run time). Forward
+    2 m n k per GEMM (the four linears of every block, the two batched
+    attention products, the LM head over the layout's padded vocabulary),
+    backward twice the forward, and under --recompute blocks every block's
+    forward once more. Every layout splits each of these evenly over its
+    tensor-parallel ranks, so one rank does 1/tp of its replica's work;
+    under a pipeline, of its stage's layers (and the head on the last)."""
+    cfg, L, h, T = p.cfg, p.layers, p.cfg.n_embd, p.seq_len
+    N = p.local_batch * T                                            # tokens per replica and micro-batch
+    linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in block_linears(cfg))
+    attention = 2 * 2 * p.local_batch * T * T * h                    # q k^T and probs v, causal mask not discounted
+    block = L * (linears + attention)
+    head = 2 * N * h * _padded_vocab(p) if p.has_head else 0
+    forwards = 2 if p.recompute == "blocks" else 1
+    return Fraction(p.grad_accum * (3 * (block + head) + (forwards - 1) * block), p.tp)   # N micro-batches
+
+
+def _padded_vocab(p: Problem) -> int:
+    """The vocabulary the layout's LM head multiplies by (padded to its split)."""
+    if p.layout == "serial":
+        split = 1
+    elif p.layout == "1d":
+        split = p.tp
+    elif p.layout in ("2d", "2.5d"):
+        split = round((p.tp // p.depth) ** 0.5)
+    else:
+        split = round(p.tp ** (1 / 3))
+    return -(-p.cfg.vocab_size // split) * split

@@ -1,0 +1,300 @@
+"""Pipeline parallelism (``--pp P``): this rank's stage of the model and the
+executor that runs a schedule's action list on it.
+
+Stage p holds model chunks p, P + p, ..., (V-1)P + p (``--virtual-stages
+V``), each a contiguous run of layers (``schedules.layer_split``); chunk 0
+also holds the embeddings, chunk PV-1 the final LayerNorm and the LM head.
+A chunk is a ``GPT`` built with ``layers``/``first``/``last``: the model is
+written once. Every stage runs the same tensor-parallel layout, so a stage
+boundary needs no re-layout: each tensor-parallel rank sends its own
+canonical activation block (B_c, T, C_c) to the rank with the same (d, c, t)
+in the next stage, over ``axes.pp``, in the working format.
+
+Why the executor is data driven: ``schedules.build_schedule`` returns each
+stage's ordered actions (forward/backward of micro-batch m on chunk v,
+sends, receives). The executor posts every receive of the step up front,
+nonblocking and in list order, waits for each at its ``recv_*`` action
+(right before the compute that consumes it), and starts each send
+nonblocking at its ``send_*`` action, completing all sends at the end of
+the step. Message tags encode (kind, micro, sending chunk), so order between
+two peers cannot mismatch; a list whose order cannot complete hangs in a
+receive, which the watchdog (``--collective-timeout``) names and ends.
+
+Each (chunk, micro-batch) gets its own ``GPT`` object sharing the store:
+the modules keep their caches as attributes, and under 1F1B up to P
+micro-batches of a chunk are in flight on one stage at once. The objects
+hold no arrays but those caches.
+
+The numerics are those of the same step without a pipeline: micro-batch m
+is ``Parts.micro_rows(m)`` of the step's batch, dropout masks are drawn at
+global sequence indices (``Dropout.first_seq``), every micro-batch's loss is
+divided by the step's token count, and backward adds into the gradient
+buffers. The tied ``wte``: stage 0 (lookup) and stage P-1 (head) each hold a
+copy in the layout's sharding; after the step's last backward their
+gradients are summed over the pair (axis "tied"), so both copies take the
+same optimizer step. The gradient norm counts the tensor once: both copies
+declare twice the layout's replica count (so each counts half), and only
+stage 0's copy is written to a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..model.gpt import GPT, gpt_params
+from ..parallel.gradients import gradient_wire
+from ..parallel.grid import tied_pair
+from ..parallel.schedules import Action, build_schedule, layer_split, message_tag
+
+
+def stage_chunks(n_layer: int, stages: int, stage: int, virtual: int = 1) -> list:
+    """(local chunk v, model chunk k, layers) of every chunk stage ``stage`` holds."""
+    split = layer_split(n_layer, stages * virtual)
+    return [(v, v * stages + stage, split[v * stages + stage]) for v in range(virtual)]
+
+
+def stage_names(cfg, stages: int, stage: int, virtual: int = 1) -> set:
+    """The parameter names stage ``stage`` holds."""
+    last = stages * virtual - 1
+    names = set()
+    for _, k, layers in stage_chunks(cfg.n_layer, stages, stage, virtual):
+        names.update(f"h.{i}." for i in layers)
+        if k == 0:
+            names.update(("wte", "wpe"))
+        if k == last:
+            names.update(("wte", "ln_f."))
+    return names
+
+
+def stage_specs(layout, cfg, virtual: int = 1) -> list:
+    """This rank's ParamSpecs: its stage's parameters only. With more than
+    one stage the tied ``wte`` is held twice (stage 0 and stage P-1), so each
+    copy declares twice the layout's replicas (the norm counts it once) and
+    only stage 0's copy writes it to a checkpoint."""
+    pp = layout.axes.pp
+    keep = stage_names(cfg, pp.size, pp.rank, virtual)
+    specs = []
+    for decl in gpt_params(cfg):
+        name = decl.name
+        if not any(name == k or (k.endswith(".") and name.startswith(k)) for k in keep):
+            continue
+        spec = layout.shard(decl)
+        if name == "wte" and pp.size > 1:
+            spec = dataclasses.replace(spec, replicas=2 * spec.replicas, writer=spec.writer and pp.rank == 0)
+        specs.append(spec)
+    return specs
+
+
+class Pipeline:
+    """This rank's chunks and the executor of their schedule (module
+    docstring). ``forward_backward`` and ``forward_loss`` answer what
+    ``training.accum``'s functions of the same names do without stages."""
+
+    def __init__(self, cfg, layout, store, *, schedule: str = "1f1b", virtual: int = 1, dropout: float = 0.0,
+                 seed: int = 0, grad_accum: int = 1, actions=None):
+        self.cfg, self.layout, self.store = cfg, layout, store
+        self.pp = layout.axes.pp
+        self.P, self.V, self.N = self.pp.size, virtual, grad_accum
+        self.stage = self.pp.rank
+        self.schedule = schedule
+        self.dropout, self.seed = dropout, seed
+        self.chunks = stage_chunks(cfg.n_layer, self.P, self.stage, virtual)     # (v, k, layers)
+        self.last_chunk = self.P * virtual - 1
+        # the action list: the schedule's, or one a test plants
+        self.actions = actions if actions is not None else build_schedule(schedule, self.P, grad_accum,
+                                                                           virtual)[self.stage]
+        self.tied = tied_pair(layout.axes)      # stages 0 and P-1 (None on the others, or with one stage)
+        self.models = {}                        # (v, micro, dropout) -> GPT chunk
+        self.peak_saved = (0, 0)                # (elements, bytes) the most saved at once, when measured
+        self.recompute_peak_elements = self.recompute_peak_bytes = 0
+        # Opt-in (mpicube.analysis.trace): the dict each chunk's forward fills
+        # (GPT.capture), and ``current``, the chunk whose forward ran last.
+        self.capture = None
+        self.current = None
+
+    # --- chunks -------------------------------------------------------------
+    def chunk_model(self, v: int, micro: int, dropout: float = None) -> GPT:
+        """The GPT of local chunk ``v`` for micro-batch ``micro`` (made once)."""
+        p = self.dropout if dropout is None else dropout
+        key = (v, micro, p)
+        if key not in self.models:
+            _, k, layers = self.chunks[v]
+            model = GPT(self.cfg, self.layout, self.store, dropout=p, seed=self.seed, grad_accum=self.N,
+                        layers=layers, first=k == 0, last=k == self.last_chunk)
+            model.loss_comm = None              # shares summed once per step (``_step_loss``)
+            self.models[key] = model
+        return self.models[key]
+
+    def _tag(self, a) -> int:
+        return message_tag(a, self.stage, self.P, self.V, self.N)
+
+    def _block_shape(self, T: int) -> tuple:
+        """(B_c, T, C_c): one micro-batch's canonical activation block on this rank."""
+        return len(self.layout.canonical_seqs), T, len(self.layout.canonical_cols)
+
+    def _post_receives(self, actions, T: int) -> dict:
+        shape, dtype = self._block_shape(T), self.layout.backend.dtype
+        return {(a.op, a.micro, a.chunk): self.pp.irecv(shape, dtype, a.peer, self._tag(a))
+                for a in actions if a.op.startswith("recv")}
+
+    # --- one step -----------------------------------------------------------
+    def forward_backward(self, parts, x, y, step: int, loss_scale: float = 1.0, after_forward=None) -> float:
+        """x, y (B, T): the step's global batch. Runs this stage's action
+        list; returns the step's mean loss (the same on every rank).
+        ``after_forward(m, v)``, if given, runs after each forward (tests
+        measure memory there); ``peak_saved`` is then the most this stage
+        held for backward at once."""
+        posted = self._post_receives(self.actions, x.shape[1])
+        inbox, outbox, sends, loss = {}, {}, [], 0.0
+        live = set()
+        self.peak_saved = (0, 0)
+        self.recompute_peak_elements = self.recompute_peak_bytes = 0
+        for a in self.actions:
+            m, v = a.micro, a.chunk
+            if a.op.startswith("recv"):
+                inbox[a.op, m, v] = posted.pop((a.op, m, v)).wait()             # (B_c, T, C_c)
+            elif a.op.startswith("send"):
+                sends.append(self.pp.isend(outbox.pop((a.op, m, v)), a.peer, self._tag(a)))
+            elif a.op == "forward":
+                model, rows = self.chunk_model(v, m), parts.micro_rows(m)
+                inp = x[rows] if model.first else inbox.pop(("recv_act", m, v))
+                model.capture, self.current = self.capture, model        # a trace's dict, and who filled it
+                out = model.forward(inp, y[rows], step=step, micro=m)
+                model.capture = None
+                if model.last:
+                    loss += out
+                else:
+                    outbox["send_act", m, v] = out                               # (B_c, T, C_c)
+                live.add((v, m))
+                if after_forward is not None:
+                    after_forward(m, v)
+                    self._measure(live)
+            elif a.op == "backward":
+                model = self.chunk_model(v, m)
+                dy = None if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
+                dx = model.backward(loss_scale=loss_scale, dy=dy)
+                live.discard((v, m))
+                self.recompute_peak_elements = max(self.recompute_peak_elements, model.recompute_peak_elements)
+                self.recompute_peak_bytes = max(self.recompute_peak_bytes, model.recompute_peak_bytes)
+                if not model.first:
+                    outbox["send_grad", m, v] = dx                               # (B_c, T, C_c)
+            else:
+                raise ValueError(f"unknown pipeline action {a}")
+        for pending in sends:
+            pending.wait()
+        if posted or inbox or outbox:
+            raise RuntimeError(f"stage {self.stage}: the action list left messages unused: "
+                               f"{sorted(set(posted) | set(inbox) | set(outbox))[:3]}")
+        self._sum_tied()
+        return self._step_loss(loss)
+
+    def _measure(self, live) -> None:
+        elems = nbytes = 0
+        for v, m in live:
+            buffers = self.chunk_model(v, m)._saved_buffers()
+            elems += sum(b.size for b in buffers)
+            nbytes += sum(b.nbytes for b in buffers)
+        self.peak_saved = max(self.peak_saved, (elems, nbytes))
+
+    def _sum_tied(self) -> None:
+        """The tied wte's two gradients (lookup on stage 0, head on stage
+        P-1) summed over the pair, before the step's gradient sums."""
+        if self.tied is None:
+            return
+        store = self.store
+        store.settle()
+        store.grad["wte"][...] = self.tied.allreduce(store.grad["wte"], wire=gradient_wire(store))
+
+    def _step_loss(self, share: float) -> float:
+        """The last stage's loss shares summed over every rank (the other
+        stages add zero): one float64 all-reduce per step."""
+        xp = self.layout.backend.xp
+        return float(self.layout.axes.world.allreduce(xp.asarray(np.array([share])))[0])
+
+    # --- forward only (evaluation) --------------------------------------------
+    def forward_actions(self) -> list:
+        """This stage's forward-only list: micro-batches in order, each
+        through the chunks in order. Every dependency runs from (m, k-1) to
+        (m, k), and each stage's list follows the order of (m, k), so it
+        completes."""
+        P, last, out = self.P, self.last_chunk, []
+        for m in range(self.N):
+            for v, k, _ in self.chunks:
+                if k > 0:
+                    out.append(Action("recv_act", m, v, (k - 1) % P))
+                out.append(Action("forward", m, v))
+                if k < last:
+                    out.append(Action("send_act", m, v, (k + 1) % P))
+        return out
+
+    def forward_loss(self, parts, x, y, step: int = 0, dropout: float = 0.0) -> float:
+        """The step's mean loss over the global batch x, y (B, T), forward
+        only (the chunks of ``dropout``, default none: evaluation's view)."""
+        actions = self.forward_actions()
+        posted = self._post_receives(actions, x.shape[1])
+        sends, outbox, loss = [], {}, 0.0
+        for a in actions:
+            m, v = a.micro, a.chunk
+            if a.op == "recv_act":
+                inp = posted.pop((a.op, m, v)).wait()
+            elif a.op == "send_act":
+                sends.append(self.pp.isend(outbox.pop((m, v)), a.peer, self._tag(a)))
+            else:
+                model, rows = self.chunk_model(v, 0, dropout), parts.micro_rows(m)
+                out = model.forward(x[rows] if model.first else inp, y[rows], step=step, micro=m)
+                if model.last:
+                    loss += out
+                else:
+                    outbox[m, v] = out
+        for pending in sends:
+            pending.wait()
+        return self._step_loss(loss)
+
+    # --- generation: the stages in turn ---------------------------------------
+    @property
+    def embedding(self):
+        """The LM head's tied embedding on the last stage (its logits'
+        rows and vocabulary block), None on the others."""
+        model = self.chunk_model(self.V - 1, 0, 0.0)
+        return model.embedding if model.last else None
+
+    def new_caches(self) -> dict:
+        """{local chunk: its blocks' key/value caches}."""
+        return {v: self.chunk_model(v, 0, 0.0).new_caches() for v in range(self.V)}
+
+    def decode(self, idx, pos: int, caches: dict):
+        """``GPT.decode`` through every stage in turn: logits (B_l, t, V_l)
+        on the last stage, None on the others."""
+        return self._in_turn(idx, lambda model, v, x: model.decode(x, pos, caches[v]))
+
+    def full_logits(self, idx):
+        """The training forward's logits of idx (B_dp, T) on the last
+        stage (None on the others): the reference for ``decode``."""
+        def run(model, v, x):
+            out = model.forward(x, np.zeros(idx.shape, dtype=np.int64))
+            return model.logits if model.last else out
+        return self._in_turn(idx, run)
+
+    def _in_turn(self, idx, fn):
+        """Chunks 0..PV-1 one after another, each stage waiting for the one
+        before it (one micro-batch: nothing to overlap)."""
+        result, sends = None, []
+        for v, k, _ in self.chunks:
+            model = self.chunk_model(v, 0, 0.0)
+            if k == 0:
+                x = idx
+            else:
+                a = Action("recv_act", 0, v, (k - 1) % self.P)
+                x = self.pp.irecv(self._block_shape(idx.shape[1]), self.layout.backend.dtype, a.peer,
+                                  self._tag(a)).wait()                     # (B_c, t, C_c)
+            out = fn(model, v, x)
+            if k < self.last_chunk:
+                a = Action("send_act", 0, v, (k + 1) % self.P)
+                sends.append(self.pp.isend(out, a.peer, self._tag(a)))
+            else:
+                result = out
+        for pending in sends:
+            pending.wait()
+        return result

@@ -1,0 +1,263 @@
+"""Run under mpiexec: pipeline stages (--pp) over a layout against the serial
+model, in float64 with dropout (or in 16 bits against serial in the same
+format, losses only after step 1, as tests/parallel_check.py explains).
+
+Rank 0 also runs the serial model on MPI.COMM_SELF from the same seed and
+batch (the whole batch at once, no accumulation) and sends its figures;
+every rank compares the blocks of its own stage: loss, gradient norm, every parameter gradient after the
+step's sums (the tied wte after the sum over stages 0 and P-1) and every
+parameter after the AdamW steps with clipping. Measured point-to-point
+traffic on every axis (point-to-point "pp" included) and the most saved
+activations a stage holds equal the cost model's.
+
+Usage: python -m mpi4py tests/pipeline_check.py CASE [-- CASE ...]
+  CASE = LAYOUT DP DEPTH PP SCHEDULE V ACCUM [dropout=0.1] [batch=B] [steps=3] [dtype=float64]
+         [recompute=none] [zero=0] [ckpt=DIR]
+
+zero, recompute and dtype as MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE
+and MPICUBE_CHECK_DTYPE in tests/parallel_check.py. ckpt=DIR then moves
+the trained state through checkpoints: saved from this grid,
+loaded and saved again on the serial layout (rank 0 alone), then on pp 4 x
+1d (tp 2, the first 8 ranks), then loaded back here: every parameter and
+AdamW moment bitwise equal to what this grid held, and the three
+checkpoints' tensors bitwise equal too.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from mpicube.core.config import ModelConfig
+from mpicube.device.backend import make_backend
+from mpicube.device.precision import dtype_of, is_half
+from mpicube.parallel.comm import Counters
+from mpicube.parallel.grid import build_layout
+from mpicube.parallel.gridspec import GridSpec
+from mpicube.parallel.params import ParamStore, clipped_index, real_mask
+from mpicube.training.accum import forward_backward
+from mpicube.training.parts import Parts
+from mpicube.training.pipeline import Pipeline, stage_specs
+from mpicube.training.step import make_step
+
+import parallel_check as pc
+
+DTYPE = pc.DTYPE
+HALF = is_half(dtype_of(DTYPE))
+RTOL = 1e-10
+
+
+def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout, recompute, zero):
+    backend = make_backend("cpu", DTYPE)
+    counters = Counters()
+    grid = GridSpec(layout_name, dp=dp, pp=pp, depth=depth)
+    layout = build_layout(grid, cfg, batch, backend, MPI.COMM_WORLD, counters=counters, grad_accum=accum,
+                          recompute=recompute)
+    store = ParamStore(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero)
+    pipe = Pipeline(cfg, layout, store, schedule=schedule, virtual=virtual, dropout=dropout, seed=7,
+                    grad_accum=accum)
+    return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
+
+
+def close(name, got, want, scale=None):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    scale = np.abs(want).max() if scale is None else scale
+    err = np.abs(got - want).max() / max(scale, 1e-300) if got.size else 0.0
+    pc.WORST[0] = max(pc.WORST[0], err)
+    if not err <= RTOL:
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
+
+
+def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum):
+    """Measured elements/bytes/messages on every axis (point-to-point "pp"
+    included) and the peak saved activations of this stage == the cost
+    model (analysis.costmodel.step_traffic, costmemory's pipeline peak)."""
+    from mpicube.analysis.costmemory import pipeline_peak_activation_bytes, pipeline_peak_activations
+    from mpicube.analysis.costmodel import Problem, step_traffic
+
+    layout, pipe, c = parts.layout, parts.pipeline, parts.counters
+    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
+                      recompute=pc.RECOMPUTE, zero=pc.ZERO, grad_accum=accum, pp=pp, pp_schedule=schedule,
+                      virtual_stages=virtual, stage=layout.axes.pp.rank)
+    want = step_traffic(problem)
+    for axis in set(want.elems) | set(c.elems):
+        got = c.elems.get(axis, 0), c.bytes.get(axis, 0), c.msgs.get(axis, 0)
+        model = want.elems.get(axis, 0), want.bytes.get(axis, 0), want.msgs.get(axis, 0)
+        if got != model:
+            raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): axis {axis}: measured "
+                                 f"{got[0]} elements / {got[1]} bytes / {got[2]} messages, model {model[0]} / "
+                                 f"{model[1]} / {model[2]}")
+    peak = sum(pipeline_peak_activations(problem, dropout=True).values())
+    peak_bytes = pipeline_peak_activation_bytes(problem, dropout=True)
+    got = (pipe.peak_saved[0] + pipe.recompute_peak_elements, pipe.peak_saved[1] + pipe.recompute_peak_bytes)
+    if got != (peak, peak_bytes):
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): peak saved activations "
+                             f"{got} (elements, bytes), model {(peak, peak_bytes)}")
+
+
+def save(parts, opt, path, comm):
+    from mpicube.files import checkpoint
+    from mpicube.training.state import state_blocks
+
+    attrs = {"config": json.dumps(parts.cfg.to_dict()), "layout": json.dumps(parts.layout.describe())}
+    blocks = state_blocks(parts.store, opt.adam, parts.layout.axes.dp.rank)
+    return checkpoint.save(path, 1, blocks, attrs, comm=comm)
+
+
+def load(parts, opt, path, comm):
+    from mpicube.files import formats
+    from mpicube.training.state import load_state
+
+    with formats.open_everywhere(comm, path) as model_file:
+        load_state(model_file.ck, parts.store, opt.adam, comm=comm)
+
+
+def state_of(parts, opt) -> list:
+    m, v = opt.adam.full_moments()
+    return [parts.layout.backend.to_host(b).copy() for b in (parts.store.full_master(), m, v)]
+
+
+def roundtrip(parts, opt, root, batch):
+    """pp x layout -> serial -> pp 4 x 1d -> back (module docstring)."""
+    from mpicube.training.parts import build_parts
+
+    world = MPI.COMM_WORLD
+    before = state_of(parts, opt)
+    save(parts, opt, f"{root}/a", world)
+    paths = [f"{root}/a"]
+    for ranks, grid in ((1, GridSpec("serial")), (8, GridSpec("1d", pp=4))):
+        sub = world.Split(color=0 if world.rank < ranks else MPI.UNDEFINED, key=world.rank)
+        if sub != MPI.COMM_NULL:
+            other = build_parts(parts.cfg, grid, batch, sub, dtype=DTYPE, seed=99)
+            other_opt = make_step(other.store, other.layout.axes, weight_decay=0.1)
+            load(other, other_opt, paths[-1], sub)
+            save(other, other_opt, f"{root}/{grid.layout}", sub)
+            sub.Free()
+        paths.append(f"{root}/{grid.layout}")
+        world.Barrier()
+    parts.store.initialize(99)
+    load(parts, opt, paths[-1], world)
+    for name, got, want in zip(("parameters", "moment m", "moment v"), state_of(parts, opt), before):
+        if not np.array_equal(got, want):
+            raise AssertionError(f"rank {world.rank}: {name} differ after the round trip through checkpoints")
+    if world.rank == 0:
+        import h5py
+        files = [h5py.File(f"{root}/{d}/ckpt/step_00000001/checkpoint.h5", "r") for d in ("a", "serial", "1d")]
+        names = [f"{g}/{n}" for g in ("model", "optimizer/m", "optimizer/v") for n in files[0][g].keys()]
+        assert "model/wte" in names and len(names) == 3 * (4 + 12 * parts.cfg.n_layer), names
+        for f in files[1:]:
+            for n in names:
+                if not np.array_equal(f[n][...], files[0][n][...]):
+                    raise AssertionError(f"{n} differs between the checkpoints of the round trip")
+        print(f"checkpoint round trip OK: {len(names)} tensors", flush=True)
+
+
+class SerialReference:
+    """The serial model of the same seed, batch and dropout, on rank 0 only
+    (the others receive its figures: one serial model per job, not per rank)."""
+
+    def __init__(self, cfg, batch, dropout):
+        self.parts = pc.build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
+        self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=0.1)
+
+    def step(self, x, y, step: int, grads: bool) -> tuple:
+        """(loss, gradient norm, {name: summed gradient} or None) of one step, then its update."""
+        store, model = self.parts.store, self.parts.model
+        store.zero_grad()
+        loss = model.forward(x, y, step=step)
+        model.backward(loss_scale=pc.LOSS_SCALE)
+        self.opt.sync()
+        norm = self.opt.grad_norm() / pc.LOSS_SCALE
+        out = (loss, norm, {n: g.copy() for n, g in store.grad.items()} if grads else None)
+        self.opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        return out
+
+
+def configure(options: dict) -> None:
+    """One case's settings, into this module's and parallel_check's globals
+    (the functions shared with parallel_check read them)."""
+    global DTYPE, HALF, RTOL
+    DTYPE = pc.DTYPE = options.get("dtype", "float64")
+    HALF = is_half(dtype_of(DTYPE))
+    pc.RECOMPUTE, pc.ZERO = options.get("recompute", "none"), int(options.get("zero", 0))
+    pc.LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
+    pc.WORST[0], RTOL = 0.0, 1e-10
+
+
+def main():
+    """Cases separated by "--", each LAYOUT DP DEPTH PP SCHEDULE V ACCUM and
+    any of dropout=, batch=, dtype=, recompute=, zero=, ckpt=DIR: one
+    launch runs several on the same ranks (MPI start-up paid once)."""
+    cases, case = [], []
+    for arg in sys.argv[1:] + ["--"]:
+        if arg == "--":
+            if case:
+                cases.append(case)
+            case = []
+        else:
+            case.append(arg)
+    for case in cases:
+        words = [a for a in case if "=" not in a]
+        options = dict(a.split("=", 1) for a in case if "=" in a)
+        configure(options)
+        run_case(words, options)
+
+
+def run_case(words: list, options: dict):
+    global RTOL
+    layout_name, dp, depth, pp = words[0], int(words[1]), int(words[2]), int(words[3])
+    schedule, virtual, accum = words[4], int(words[5]), int(words[6])
+    dropout = float(options.get("dropout", 0.1))
+    batch = int(options.get("batch", 8 * dp * accum))
+    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=4, n_head=4, n_embd=16)
+    T = cfg.n_ctx
+    rng = np.random.default_rng(3)
+    steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T)))
+             for _ in range(int(options.get("steps", 3)))]
+
+    parts = build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout,
+                           pc.RECOMPUTE, pc.ZERO)
+    layout, store, counters = parts.layout, parts.store, parts.counters
+    if HALF:
+        RTOL = pc.wire_tolerance(layout, store) + 2 * pc.unit_roundoff(dtype_of(DTYPE))   # + the stage sum
+    world = MPI.COMM_WORLD
+    serial = SerialReference(cfg, batch, dropout) if world.rank == 0 else None
+    opt = make_step(store, layout.axes, weight_decay=0.1)
+    host = layout.backend.to_host
+    for step, (x, y) in enumerate(steps, start=1):
+        ref = serial.step(x, y, step, grads=step == 1 or not HALF) if serial is not None else None
+        store.zero_grad()
+        counters.reset()
+        loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=lambda m: None)
+        opt.sync()
+        norm = opt.grad_norm() / pc.LOSS_SCALE
+        s_loss, s_norm, s_grads = world.bcast(ref, root=0)       # rank 0's serial step
+        close(f"step {step} loss", [loss], [s_loss])
+        close(f"step {step} grad norm", [norm], [s_norm])
+        for spec in store.specs if s_grads is not None else []:
+            full = s_grads[spec.name]
+            mask, mine = real_mask(spec), pc.owned(store, spec)
+            close(f"step {step} grad {spec.name}", np.where(mask & mine, host(store.grad[spec.name]), 0),
+                  np.where(mask & mine, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+        opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum)   # the step's all-gather too
+    params = store.views(store.full_master())
+    s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
+    for spec in store.specs if not HALF else []:
+        full = s_params[spec.name]
+        mask = real_mask(spec)
+        close(f"param {spec.name} after {len(steps)} steps", np.where(mask, host(params[spec.name]), 0),
+              np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+    if "ckpt" in options:
+        roundtrip(parts, opt, options["ckpt"], batch)
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.rank == 0:
+        print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "
+              f"schedule={schedule} V={virtual} accum={accum} dtype={DTYPE} recompute={pc.RECOMPUTE} "
+              f"zero={pc.ZERO} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} (rtol {RTOL:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

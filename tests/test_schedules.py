@@ -1,0 +1,176 @@
+"""The pipeline schedules without MPI: every schedule the CLI can build for
+P 1..4 stages, N 1..8 micro-batches and V 1..3 virtual chunks satisfies the
+contract's invariants, completes under the executor's blocking semantics,
+and has the model's bubble; a planted wrong order is caught."""
+
+import itertools
+
+import pytest
+
+from mpicube.core.errors import ConfigError
+from mpicube.parallel.schedules import (SCHEDULES, Action, Deadlock, bubble_fraction, build_schedule,
+                                        check_pipeline, check_pp_world, in_flight, layer_split,
+                                        message_tag, peak_in_flight, simulate)
+
+
+def valid_cases():
+    """(name, P, N, V) for every combination build_schedule accepts."""
+    for name, P, N, V in itertools.product(SCHEDULES, range(1, 5), range(1, 9), range(1, 4)):
+        if V > 1 and name != "interleaved":
+            continue
+        if name == "interleaved" and (P < 2 or N % P):
+            continue
+        yield name, P, N, V
+
+
+CASES = list(valid_cases())
+
+
+def test_case_count():
+    # gpipe and 1f1b: 4 x 8 each; interleaved: P=2 (4 N values), 3 (2), 4 (2) times 3 V values
+    assert len(CASES) == 32 + 32 + (4 + 2 + 2) * 3
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_invariants(name):
+    for case in [c for c in CASES if c[0] == name]:
+        _, P, N, V = case
+        sched = build_schedule(name, P, N, V)
+        assert len(sched) == P
+        last = P * V - 1
+        sends = {}
+        for p, acts in enumerate(sched):
+            assert all(a.op in ("forward", "backward") or 0 <= a.peer < P for a in acts), case
+            for m, v in itertools.product(range(N), range(V)):
+                ops = [(i, a.op) for i, a in enumerate(acts) if (a.micro, a.chunk) == (m, v)
+                       and a.op in ("forward", "backward")]
+                assert [o for _, o in ops] == ["forward", "backward"], (case, p, m, v)
+            for i, a in enumerate(acts):
+                k = a.chunk * P + p
+                if a.op.startswith("recv"):            # right before the compute that consumes it
+                    nxt = acts[i + 1]
+                    assert (nxt.op, nxt.micro, nxt.chunk) == (
+                        "forward" if a.op == "recv_act" else "backward", a.micro, a.chunk), case
+                    assert a.peer == ((k - 1) % P if a.op == "recv_act" else (k + 1) % P)
+                if a.op.startswith("send"):            # right after the compute that produced it
+                    prev = acts[i - 1]
+                    assert (prev.op, prev.micro, prev.chunk) == (
+                        "forward" if a.op == "send_act" else "backward", a.micro, a.chunk), case
+                    tag = message_tag(a, p, P, V, N)
+                    assert tag not in sends, case
+                    sends[tag] = (p, a)
+                if a.op == "forward":                 # chunk 0 has no producer, the last no consumer
+                    assert (i > 0 and acts[i - 1].op == "recv_act") == (k > 0), case
+                if a.op == "backward":
+                    assert (i > 0 and acts[i - 1].op == "recv_grad") == (k < last), case
+        recvs = {message_tag(a, p, P, V, N): (p, a) for p, acts in enumerate(sched)
+                 for a in acts if a.op.startswith("recv")}
+        assert len(recvs) == sum(a.op.startswith("recv") for acts in sched for a in acts)
+        assert sends.keys() == recvs.keys(), case       # every send has its receive, and back
+        for tag, (p, a) in sends.items():
+            q, b = recvs[tag]
+            assert (a.peer, b.peer, a.op[5:], a.micro) == (q, p, b.op[5:], b.micro), case
+        assert len(sends) == 2 * N * last
+
+
+def test_in_flight_bounds():
+    for name, P, N, V in CASES:
+        sched = build_schedule(name, P, N, V)
+        peaks = [peak_in_flight(acts) for acts in sched]
+        if name == "gpipe":
+            assert peaks == [N] * P
+        elif name == "1f1b" or V == 1:
+            assert peaks == [min(P - p, N) for p in range(P)], (name, P, N, V)
+            assert peaks[0] <= P
+        else:
+            # Megatron's warm-up plus the one steady-state forward
+            assert peaks == [min(2 * (P - 1 - p) + (V - 1) * P + 1, N * V) for p in range(P)]
+        for acts in sched:
+            assert in_flight(acts)[-1] == ()            # every activation freed by the step's end
+
+
+def test_simulation_completes_with_the_model_bubble():
+    """Unit-time chunks, and backwards 2x and 3x as long as forwards: the
+    measured idle share equals bubble_fraction exactly in every case."""
+    for name, P, N, V in CASES:
+        sched = build_schedule(name, P, N, V)
+        for fb in ((1, 1), (1, 2), (1, 3)):
+            result = simulate(sched, *fb)
+            assert result["bubble"] == pytest.approx(bubble_fraction(name, P, N, V), abs=1e-12), (name, P, N, V, fb)
+            assert result["busy"] == [N * V * sum(fb)] * P
+
+
+def test_interleaving_shrinks_the_bubble():
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 4, 8) == bubble_fraction("1f1b", 4, 8)
+    assert bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("interleaved", 4, 8, 1) == bubble_fraction("1f1b", 4, 8)
+
+
+def test_planted_wrong_orders_are_caught():
+    good = build_schedule("1f1b", 2, 2)
+    simulate(good)
+    # Both stages receive first: stage 0 waits for a gradient before sending the activation.
+    bad = [list(acts) for acts in good]
+    recv = next(a for a in bad[0] if a.op == "recv_grad")
+    bad[0].remove(recv)
+    bad[0].insert(0, recv)
+    with pytest.raises(Deadlock, match="stage 0 waits at.*recv_grad.*stage 1 waits at.*recv_act"):
+        simulate(bad)
+    # Stage 1 takes the micro-batches in the other order than stage 0 sends gradients for.
+    swapped = [list(acts) for acts in build_schedule("gpipe", 3, 2)]
+    last = swapped[2]
+    i, j = last.index(Action("recv_act", 0, 0, 1)), last.index(Action("recv_act", 1, 0, 1))
+    last[i], last[j] = last[j], last[i]
+    simulate(swapped)                                    # tags keep a reordered receive matched
+    # A receive from the wrong stage never matches.
+    wrong = [list(acts) for acts in build_schedule("1f1b", 3, 1)]
+    wrong[1][0] = Action("recv_act", 0, 0, 2)
+    with pytest.raises(Deadlock, match="stage 1 waits"):
+        simulate(wrong)
+    # A missing receive leaves a message nobody takes.
+    missing = [list(acts) for acts in build_schedule("1f1b", 2, 1)]
+    missing[1] = [a for a in missing[1] if a.op != "recv_act"]
+    with pytest.raises(Deadlock, match="never received"):
+        simulate(missing)
+
+
+def test_layer_split():
+    assert [list(r) for r in layer_split(10, 4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert layer_split(8, 8) == [range(i, i + 1) for i in range(8)]
+    for n, c in itertools.product(range(1, 13), range(1, 13)):
+        if c > n:
+            with pytest.raises(ConfigError):
+                layer_split(n, c)
+            continue
+        parts = layer_split(n, c)
+        assert [i for r in parts for i in r] == list(range(n))
+        sizes = [len(r) for r in parts]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("args, words", [
+    ((12, 13), "--pp 13 exceeds n_layer 12 .* use --pp 12 or less"),
+    ((12, 2, "1f1b", 2), "--virtual-stages 2 applies to --pp-schedule interleaved only"),
+    ((12, 4, "interleaved", 2, 8), "8 chunks must divide n_layer 12: use --virtual-stages 1 or 3, or --n-layer 8 or 16"),
+    ((12, 2, "interleaved", 2, 5), "--grad-accum 5 must be a multiple of 2: use --grad-accum 4 or 6"),
+    ((12, 4, "interleaved", 3, 6), "--grad-accum 6 must be a multiple of 4: use --grad-accum 4 or 8"),
+    ((12, 1, "interleaved", 2, 2), "needs --pp 2 or more"),
+    ((12, 2, "zigzag"), "unknown --pp-schedule 'zigzag'"),
+    ((12, 0), "--pp must be at least 1"),
+])
+def test_check_pipeline_refuses(args, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        check_pipeline(*args)
+    assert "\n" not in str(err.value)
+
+
+def test_check_pipeline_accepts_and_notes():
+    assert check_pipeline(12, 4, "1f1b", 1, 8) is None
+    assert check_pipeline(12, 2, "interleaved", 3, 4) is None
+    assert check_pipeline(12, 1, "gpipe", 1, 1) is None
+    note = check_pipeline(12, 4, "1f1b", 1, 2)
+    assert "bubble is 60%" in note and "--grad-accum 4 or more" in note
+    assert check_pp_world(16, 2, 2) == 4
+    with pytest.raises(ConfigError, match="--pp 3 must divide the world size 16 / --dp 2: use --pp 2 or 4"):
+        check_pp_world(16, 3, 2)
