@@ -88,20 +88,21 @@ def test_paper_scale_cube_gathers_fits_in_2d_memory(dropout):
 
 @pytest.mark.parametrize("layout,depth", PAPER_LAYOUTS)
 def test_paper_scale_blocks_below_a_quarter(layout, depth):
-    """--recompute blocks brings every layout below 25% of its none figure
-    with GPT-2's dropout 0.1 (masks kept). Without dropout, 2.5-D (d = 4,
-    weights replicated over depth) cannot: its parameters, gradients and
-    AdamW moments alone are over 23% of its none figure; its activations
-    still fall below 25% of none's, as every layout's do."""
+    """--recompute blocks brings every layout's activations below 25% of
+    its none figure, with and without GPT-2's dropout 0.1, and its total
+    too, except 2.5-D (d = 4, weights replicated over depth): with
+    blockwise attention (no T x T probabilities or masks kept) its
+    parameters, gradients and AdamW moments alone are over 33% of its none
+    figure."""
     for dropout in (True, False):
         none = step_memory_bytes(paper(layout, depth, "none"), dropout)
         blocks = step_memory_bytes(paper(layout, depth, "blocks"), dropout)
         assert blocks.activations < 0.25 * none.activations
         fixed = none.params + none.grads + none.optimizer
-        if dropout or layout != "2.5d":
+        if layout != "2.5d":
             assert blocks.total() < 0.25 * none.total(), (layout, dropout, blocks.total() / none.total())
         else:
-            assert fixed > 0.23 * none.total() and blocks.total() < 0.33 * none.total()
+            assert fixed > 0.33 * none.total() and blocks.total() < 0.45 * none.total()
 
 
 def test_modes_trade_memory_for_traffic_and_flops():
@@ -120,7 +121,9 @@ def test_modes_trade_memory_for_traffic_and_flops():
         assert flops["gathers"] == flops["none"] < flops["blocks"] < 4 / 3 * flops["none"]
         kept, rerun = kept_and_rerun_terms(p["blocks"], True)
         none_kept, _ = kept_and_rerun_terms(p["none"], True)
-        assert rerun["stat"] == 2 * none_kept["stat"] // (2 * cfg.n_layer + 1)
+        rows = none_kept["stat"] - cfg.n_layer * rerun["stat"]       # ln_f's rstd: one per token row
+        heads = {"1d": world, "2d": 2, "2.5d": 2, "3d": 2}[layout]     # the head split of these grids
+        assert rows > 0 and rerun["stat"] == 2 * rows + rows * cfg.n_head // heads   # ln_1, ln_2 rstd; lse
     serial = {m: _problem("serial", cfg, 16, 1, 1, 1, "float64", m) for m in RECOMPUTE_MODES}
     assert step_memory_bytes(serial["gathers"]) == step_memory_bytes(serial["none"])
     assert step_traffic(serial["gathers"]) == step_traffic(serial["none"])

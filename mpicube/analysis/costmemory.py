@@ -49,7 +49,7 @@ def activation_bytes(p: Problem, dropout: bool = False) -> int:
 def activation_terms(p: Problem, dropout: bool = False) -> dict:
     """{"act", "stat", "grad": elements} kept for backward: LayerNorm
     outputs and statistics, linear inputs (gathered in 3-D), q/k/v,
-    attention probabilities, GELU input and tanh, logits and softmax,
+    attention output and log-sum-exp, GELU input and tanh, logits and softmax,
     gathered embedding panels and their gradients, masks. Under
     --recompute blocks: the block inputs, what lies outside the blocks, and
     one rerun block's working set on top (``kept_and_rerun_terms``)."""
@@ -79,15 +79,18 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
     seqs = p.local_batch // split_rows
     n = seqs * T                       # token rows per rank, canonical and intermediate alike
     cc = h // split_cols               # canonical width
-    probs = seqs * (cfg.n_head // heads) * T * T
+    lse = n * (cfg.n_head // heads)    # blockwise attention's per-row log-sum-exp, in the compute format
     # 1-D keeps a replicated activation it can gather again as a row shard of 1/p.
     shard = p.tp if p.layout == "1d" else 1
     # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
     gathered = q > 1
     regather = mode == "gathers"
 
-    # one block: LN xhat (x2), qkv and the scaled copy of q, probabilities, GELU input and tanh
-    block = 2 * n * cc + n * 4 * mid_cols + probs + 2 * n * 4 * mid_cols
+    # one block: LN xhat (x2), qkv and the scaled copy of q, GELU input and tanh; blockwise
+    # attention keeps no probabilities (ops.attention_blocks), only lse and its output
+    block = 2 * n * cc + n * 4 * mid_cols + 2 * n * 4 * mid_cols
+    if p.layout == "3d" and not regather:
+        block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
     if p.layout == "3d":
         for h_in, h_out, _ in block_linears(cfg):
             block += n * h_in // q if regather else q * n * h_in // q         # local or gathered X
@@ -96,7 +99,7 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
         first_inputs = 2 * n * cc // shard if regather else 2 * n * cc     # c_attn, c_fc
         block += first_inputs + n * mid_cols + n * 4 * mid_cols            # c_proj, mlp.c_proj
     if dropout:
-        block += 2 * n * cc + 2 * probs
+        block += 2 * n * cc            # residual masks; attention's are drawn block by block, never kept
     # outside the blocks: ln_f xhat, logits and softmax, head input, wte panels, embedding mask
     outside, grad = n * cc + 2 * n * V, 0
     if p.layout == "3d":
@@ -112,8 +115,8 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
         outside += n * cc
     if mode == "blocks":
         kept = {"act": L * n * cc // shard + outside, "stat": n, "grad": grad}
-        return kept, {"act": block, "stat": 2 * n, "grad": 0}
-    kept = {"act": L * block + outside, "stat": (2 * L + 1) * n, "grad": grad}   # rstd of ln_1, ln_2, ln_f
+        return kept, {"act": block, "stat": 2 * n + lse, "grad": 0}
+    kept = {"act": L * block + outside, "stat": (2 * L + 1) * n + L * lse, "grad": grad}   # rstd of LNs, lse
     return kept, {"act": 0, "stat": 0, "grad": 0}
 
 

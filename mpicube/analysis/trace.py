@@ -162,10 +162,12 @@ class Collector:
                         (self.canonical_seqs, np.arange(T), self.cols), keep(model.keep_emb))]
         for block in model.blocks:
             drawn = (block.keep_attn, block.keep_resid_attn, block.keep_resid_mlp)
-            if block.keep_attn is None:
+            if block.keep_resid_attn is None:
                 drop, site = model.dropout, block.site
                 drawn = (drop.attention(step, site + ".attn", T), drop.canonical(step, site + ".resid_attn", T),
                          drop.canonical(step, site + ".resid_mlp", T))
+            if callable(drawn[0]):                              # blockwise attention draws its mask by blocks
+                drawn = (model.dropout.attention(step, block.site + ".attn", T),) + drawn[1:]
             shape = (self.B, self.cfg.n_head, T, T)
             index = (self.mid_seqs, self.heads, np.arange(T), np.arange(T))
             pieces.append(Piece(f"dropout/{block.site}.attn", shape, index, keep(drawn[0])))

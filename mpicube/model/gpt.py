@@ -10,13 +10,14 @@ B_m/C_m between paired linears, V_l local vocabulary.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from . import kvcache
 from .. import ops
 from ..device import precision
-from ..ops import rng
+from ..ops import attention_blocks, rng
 from ..core import memory
 from ..core.config import ModelConfig
 from ..parallel.layouts.base import Layout, LayerNorm
@@ -125,6 +126,30 @@ class Dropout:
         index = (self.layout.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
         return self._mask(step, site, shape, "attention", T, index)
 
+    def attention_blocks(self, step, site, T, positions=None):
+        """A callable (rows, cols) -> (B_m, nh, rows, cols) block of the
+        keep mask ``attention`` draws, or None: blockwise attention draws
+        each block where it uses it (forward, and again in backward), at
+        the same global indices, so no (T, T) mask is ever held.
+        ``positions`` (T,): the global positions of the T local rows (a
+        context-parallel rank's chunks); default 0 .. T-1."""
+        if self.p == 0.0:
+            return None
+        cfg, xp = self.layout.cfg, self.layout.backend.xp
+        shape = (self.canonical_shape[0], cfg.n_head, cfg.n_ctx, cfg.n_ctx)
+        pos = np.arange(T) if positions is None else np.asarray(positions)
+        key = rng.make_key(self.seed, "dropout", step, site)
+        first = self.first_seq(self.micro)
+        seqs = xp.asarray(first + np.asarray(self.layout.mid_seqs), dtype=np.uint64)
+        heads = xp.asarray(self.layout.head_ids, dtype=np.uint64)
+        pos_d = xp.asarray(pos, dtype=np.uint64)
+        dtype, p = self.layout.backend.dtype, self.p
+
+        def block(rows, cols):
+            counter = rng.flat_index(shape, (seqs, heads, pos_d[rows], pos_d[cols]), xp)   # (B_m, nh, r, c)
+            return ops.keep_mask(key, counter, p, dtype)
+        return block
+
 
 class Block:
     """Pre-LN transformer block: x += attn(ln_1(x)); x += mlp(ln_2(x)).
@@ -148,6 +173,9 @@ class Block:
         self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
         self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
         self.n_local_heads = len(layout.head_ids)
+        # Blockwise attention (O(T) kept per head) unless MPICUBE_ATTENTION=full asks for the op that
+        # holds T x T (the reference; bench compares the two; the memory model counts blockwise only).
+        self.attention = ops if os.environ.get("MPICUBE_ATTENTION", "blocks") == "full" else attention_blocks
 
     def modules(self) -> list:
         """The block and its layers: everything that holds a cache."""
@@ -178,12 +206,16 @@ class Block:
     def _forward(self, x, dropout: Dropout, step: int):
         """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
         T = x.shape[1]
-        self.keep_attn = dropout.attention(step, self.site + ".attn", T)
+        if self.attention is ops:
+            self.keep_attn = dropout.attention(step, self.site + ".attn", T)       # (B_m, nh, T, T)
+        else:
+            self.keep_attn = dropout.attention_blocks(step, self.site + ".attn", T)   # a callable: never (T, T)
         self.keep_resid_attn = dropout.canonical(step, self.site + ".resid_attn", T)
         self.keep_resid_mlp = dropout.canonical(step, self.site + ".resid_mlp", T)
 
         qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, T, 3 C_m)
-        a, self.attn_cache = ops.attention_forward(qkv, self.n_local_heads, self.keep_attn, dropout.keep)
+        a, self.attn_cache = self.attention.attention_forward(qkv, self.n_local_heads, self.keep_attn,
+                                                              dropout.keep)                   # (B_m, T, C_m)
         y = self.c_proj.forward(a)                                             # (B_c, T, C_c)
         if self.keep_resid_attn is not None:
             y *= self.keep_resid_attn
@@ -203,7 +235,7 @@ class Block:
         dx = dx + self.ln_2.backward(self.c_fc.backward(df))
         dy = dx if self.keep_resid_attn is None else dx * self.keep_resid_attn
         da = self.c_proj.backward(dy)
-        dqkv = ops.attention_backward(da, self.attn_cache)
+        dqkv = self.attention.attention_backward(da, self.attn_cache)
         dx = dx + self.ln_1.backward(self.c_attn.backward(dqkv))
         self.attn_cache = self.gelu_cache = None
         self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None   # masks: no longer needed

@@ -78,14 +78,16 @@ def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="f
 def room_needed(cfg: ModelConfig, backend, tp: int, micro_batch: int, seq_len=None) -> int:
     """A lower bound of the bytes a rank allocates for this model: its
     share of the parameters (at least 1/tp of them) in the weights the
-    model computes with and in the gradients, and, given ``seq_len``, one
-    layer's attention scores for its ``micro_batch`` sequences (every
-    layout splits batch x heads over its tp ranks). Python ints: a size
-    of 2**31 layers is a number, not an overflow."""
+    model computes with and in the gradients, and, given ``seq_len``, what
+    every layer keeps for backward of its ``micro_batch`` sequences at the
+    least (q, k, v, the scaled q, the GELU input and tanh: 12 h per token,
+    every layout splits them over its tp ranks; blockwise attention keeps
+    no scores). Python ints: a size of 2**31 layers is a number, not an
+    overflow."""
     share = -(-cfg.n_params() // tp)
     need = share * (backend.master_dtype.itemsize + backend.dtype.itemsize)
     if seq_len:
-        need += micro_batch * cfg.n_head * seq_len * seq_len // tp * backend.master_dtype.itemsize
+        need += cfg.n_layer * micro_batch * seq_len * 12 * cfg.n_embd // tp * backend.dtype.itemsize
     return need
 
 
@@ -108,7 +110,7 @@ def require_room(cfg: ModelConfig, backend, mpi_world, layout: str, tp: int, mic
     memory.require(need, f"the model (n_layer {count(cfg.n_layer)}, n_embd {count(cfg.n_embd)}, n_ctx "
                          f"{count(cfg.n_ctx)}, vocab {count(cfg.vocab_size)}: {count(cfg.n_params())} parameters) "
                          f"on layout {layout} (tp {tp})", room=(room, why),
-                   purpose=" per rank for its weights and gradients" + (" and one layer's attention scores"
+                   purpose=" per rank for its weights and gradients" + (" and the activations its layers keep"
                                                                         if seq_len else ""))
 
 
