@@ -104,6 +104,7 @@ from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory, step_memory_bytes
 from mpicube.parallel.grid import build_layout
+from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
 from mpicube.model.gpt import GPT, gpt_params
 from mpicube.training.step import make_step
@@ -129,7 +130,7 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
           zero=0):
     backend = make_backend(device, DTYPE)
     counters = Counters()
-    layout = build_layout(layout_name, cfg, batch, backend, comm, dp=dp, depth=depth, counters=counters,
+    layout = build_layout(GridSpec(layout_name, dp=dp, depth=depth), cfg, batch, backend, comm, counters=counters,
                           grad_accum=grad_accum, recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)

@@ -19,6 +19,7 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.parallel.grid import build_layout
+from mpicube.parallel.gridspec import GridSpec
 from mpicube.model.gpt import GPT, gpt_params
 from mpicube.training.optim import AdamW
 from mpicube.parallel.gradients import global_grad_norm, sync_gradients
@@ -33,7 +34,7 @@ def run(layout_name, depth, recompute, steps):
     """Three steps on this rank; returns what is compared and measured."""
     backend = make_backend("cpu", "float64")
     counters = Counters()
-    layout = build_layout(layout_name, CFG, BATCH, backend, MPI.COMM_WORLD, depth=depth, counters=counters,
+    layout = build_layout(GridSpec(layout_name, depth=depth), CFG, BATCH, backend, MPI.COMM_WORLD, counters=counters,
                           recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(CFG)], backend, 11)
     model = GPT(CFG, layout, store, dropout=0.1, seed=11)

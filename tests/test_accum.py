@@ -20,6 +20,7 @@ from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costmemory import activation_elems
 from mpicube.core.errors import ConfigError
 from mpicube.parallel.grid import default_batch, plan
+from mpicube.parallel.gridspec import GridSpec
 
 CFG = ModelConfig(vocab_size=256, n_ctx=64, n_layer=4, n_head=12, n_embd=144)   # train's default model
 
@@ -42,13 +43,15 @@ CFG = ModelConfig(vocab_size=256, n_ctx=64, n_layer=4, n_head=12, n_embd=144)   
 def test_default_batch_is_the_smallest_that_fits(world, kwargs, batch, words):
     kwargs = dict(kwargs)
     name = kwargs.pop("name", "auto")
-    got, why = default_batch(name, CFG, world, **kwargs)
+    grid = GridSpec(name, dp=kwargs.get("dp", 1), depth=kwargs.get("depth", 1))
+    accum = kwargs.get("grad_accum", 1)
+    got, why = default_batch(grid, CFG, world, accum)
     assert got == batch
     assert why == f"batch {batch} (smallest of at least 8 that {words})"
-    plan(name, CFG, got, world, kwargs.get("dp", 1), kwargs.get("depth", 1), kwargs.get("grad_accum", 1))
+    plan(grid, CFG, got, world, accum)
     for smaller in range(8, got):
         with pytest.raises(ConfigError):
-            plan(name, CFG, smaller, world, kwargs.get("dp", 1), kwargs.get("depth", 1), kwargs.get("grad_accum", 1))
+            plan(grid, CFG, smaller, world, accum)
 
 
 def test_default_batch_names_what_no_batch_can_fix():
@@ -67,7 +70,7 @@ def test_default_batch_names_what_no_batch_can_fix():
 ])
 def test_the_micro_batch_is_validated(batch, dp, accum, message):
     with pytest.raises(ConfigError) as err:
-        plan("auto", CFG, batch, 64 * dp, dp, 1, accum)
+        plan(GridSpec(dp=dp), CFG, batch, 64 * dp, accum)
     assert message in str(err.value)
 
 

@@ -5,6 +5,7 @@ import pytest
 from mpicube.core.config import ModelConfig
 from mpicube.core.errors import ConfigError
 from mpicube.parallel.grid import choose_layout, plan
+from mpicube.parallel.gridspec import GridSpec
 
 CFG = ModelConfig(vocab_size=256, n_ctx=16, n_layer=1, n_head=12, n_embd=144)
 
@@ -32,20 +33,43 @@ def test_auto_layout(tp, expected):
 ])
 def test_bad_sizes_are_named(layout, world, dp, depth, batch, cfg, message):
     with pytest.raises(ConfigError) as err:
-        plan(layout, cfg, batch, world, dp, depth)
+        plan(GridSpec(layout, dp=dp, depth=depth), cfg, batch, world)
     assert message in str(err.value)
 
 
 def test_auto_with_a_depth_means_2_5d():
     """Only 2.5-D has a depth: auto takes it, the other layouts refuse it."""
     assert choose_layout("auto", 8, depth=2) == "2.5d"
-    assert plan("auto", CFG, 8, 8, 1, 2)[1:] == ("2.5d", 8)
+    assert plan(GridSpec(depth=2), CFG, 8, 8)[1:] == ("2.5d", 8)
     for layout, world in (("1d", 4), ("2d", 4), ("3d", 8)):
         with pytest.raises(ConfigError, match="--depth 2 applies to the 2.5d layout only"):
-            plan(layout, CFG, 8, world, 1, 2)
+            plan(GridSpec(layout, depth=2), CFG, 8, world)
 
 
 def test_valid_plans():
     assert plan("auto", CFG, 16, 64)[1] == "3d"
-    assert plan("2.5d", CFG, 8, 8, 1, 2)[2] == 8
-    assert plan("auto", CFG, 8, 16, dp=2)[1:] == ("3d", 8)
+    assert plan(GridSpec("2.5d", depth=2), CFG, 8, 8)[2] == 8
+    assert plan(GridSpec(dp=2), CFG, 8, 16)[1:] == ("3d", 8)
+
+
+def test_gridspec_rank_order_is_dp_pp_cp_tp():
+    """world rank = ((d * pp + p) * cp + c) * tp + t: tp innermost, dp outermost
+    (gridspec.py says why), and every rank has one coordinate tuple."""
+    grid = GridSpec("1d", dp=2, pp=3, cp=2)
+    world = 2 * 3 * 2 * 4
+    seen = set()
+    for rank in range(world):
+        d, p, c, t = grid.coords(rank, world)
+        assert rank == ((d * 3 + p) * 2 + c) * 4 + t
+        seen.add((d, p, c, t))
+    assert len(seen) == world
+    assert GridSpec(dp=2).coords(5, 8) == (1, 0, 0, 1)          # d * tp + t, as before the other axes
+
+
+def test_gridspec_sizes_are_validated():
+    with pytest.raises(ConfigError, match=r"--dp 2 x --pp 3 = 6 must divide the world size 8"):
+        GridSpec(dp=2, pp=3).tp(8)
+    with pytest.raises(ConfigError, match="--cp must be at least 1, got 0"):
+        GridSpec(cp=0).tp(8)
+    assert GridSpec.of("3d") == GridSpec(layout="3d")
+    assert GridSpec(dp=2, pp=2).words() == ", dp 2, pp 2"

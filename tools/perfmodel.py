@@ -21,6 +21,7 @@ from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costmemory import step_memory, step_memory_bytes
 from mpicube.core.errors import ConfigError
 from mpicube.parallel.grid import integer_root, plan
+from mpicube.parallel.gridspec import GridSpec
 
 LAYOUTS = ("1d", "2d", "2.5d", "3d")
 
@@ -63,7 +64,7 @@ def make_problem(layout: str, cfg: ModelConfig, batch: int, tp: int, depth: int 
     """A validated ``Problem`` (world = dp * tp), or the ConfigError message
     that mpicube itself would print for these sizes."""
     try:
-        _, resolved, _ = plan(layout, cfg, batch, tp * dp, dp, depth)
+        _, resolved, _ = plan(GridSpec(layout, dp=dp, depth=depth), cfg, batch, tp * dp)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch, cfg.n_ctx)

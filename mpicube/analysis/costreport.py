@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..core.config import ModelConfig
 from .costmodel import Problem, local_param_sizes, step_flops, step_traffic
 from .costmemory import step_memory, step_memory_bytes
+from ..parallel.gridspec import GridSpec
 from ..parallel.grid import plan
 from ..parallel.layouts.base import RECOMPUTE_MODES
 from ..model.gpt import gpt_params
@@ -41,7 +42,8 @@ def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", reco
     from ..core.errors import ConfigError
 
     try:
-        _, resolved, tp = plan(name, cfg, batch_size, world_size, dp, depth, grad_accum, recompute)
+        _, resolved, tp = plan(GridSpec(name, dp=dp, depth=depth), cfg, batch_size, world_size, grad_accum,
+                               recompute)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,

@@ -86,12 +86,13 @@ def generation_batch(layout: str, cfg, world_size: int, dp: int, depth: int) -> 
     per-replica batch that passes every size check. If none does, the
     check's own error (about something other than the batch) is raised."""
     from ..parallel.grid import plan
+    from ..parallel.gridspec import GridSpec
 
     tp = max(1, world_size // max(dp, 1))
     error = None
     for per_replica in range(1, tp + 1):
         try:
-            plan(layout, cfg, dp * per_replica, world_size, dp, depth)
+            plan(GridSpec(layout, dp=dp, depth=depth), cfg, dp * per_replica, world_size)
             return dp * per_replica
         except ConfigError as e:
             error = e
@@ -186,10 +187,12 @@ class Generator:
 def load_generator(model_file, cfg, layout="auto", dp=1, depth=1, dtype="float32", device="cpu", tf32=False,
                    mpi_world=None) -> Generator:
     """Build the smallest-batch model on this rank and read its blocks."""
+    from ..parallel.gridspec import GridSpec
     from ..training.parts import build_parts
 
     batch = generation_batch(layout, cfg, mpi_world.Get_size(), dp, depth)
-    parts = build_parts(cfg, layout, batch, mpi_world, dp, depth, dtype, device, tf32=tf32)
+    parts = build_parts(cfg, GridSpec(layout, dp=dp, depth=depth), batch, mpi_world, dtype=dtype, device=device,
+                        tf32=tf32)
     formats.load_params(model_file, parts.store)
     return Generator(parts)
 

@@ -62,11 +62,12 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     if layout is not None or world_size is not None:
         from ..analysis.costreport import memory_options, report, summary
         from ..parallel.grid import default_batch
+        from ..parallel.gridspec import GridSpec
 
         echo()
         if batch_size is None:
-            batch_size, why = default_batch(layout or "auto", cfg, world_size or 1, dp, depth, grad_accum,
-                                            recompute=recompute)
+            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, depth=depth), cfg, world_size or 1,
+                                            grad_accum, recompute=recompute)
             echo(why)
         args = (layout or "auto", cfg, batch_size, world_size or 1, dp, depth)
         options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
@@ -115,6 +116,7 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
     from ..core.config import ModelConfig
     from ..files.data import VOCAB_SIZE
     from ..parallel.grid import default_batch
+    from ..parallel.gridspec import GridSpec
     from ..training.parts import recompute_note
     from ..training.parts import build_parts
 
@@ -124,13 +126,12 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
-            layout_depth = depth if name in ("2.5d", "auto") else 1
+            grid = GridSpec(name, dp=dp, depth=depth if name in ("2.5d", "auto") else 1)
             batch = batch_size
             if batch is None:                                  # each layout its own smallest batch
-                batch, why = default_batch(name, cfg, _mpi["world"].Get_size(), dp, layout_depth, grad_accum,
-                                           recompute=recompute)
+                batch, why = default_batch(grid, cfg, _mpi["world"].Get_size(), grad_accum, recompute=recompute)
                 echo(f"bench {name}: {why}")
-            parts = build_parts(cfg, name, batch, _mpi["world"], dp=dp, depth=layout_depth, dtype=dtype,
+            parts = build_parts(cfg, grid, batch, _mpi["world"], dtype=dtype,
                                 device=device, seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute,
                                 zero=zero, seq_len=seq_len)
             note = recompute_note(parts.layout, recompute)

@@ -110,12 +110,13 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
     JSON object with "loss", "step" and "tokens".
     """
+    from ..parallel.gridspec import GridSpec
     from ..training.evaluate import evaluate_checkpoint
     from ..training.state import describe_layout
 
     with watched(collective_timeout, "evaluation"):
-        result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device,
-                                     _mpi["world"], tf32=tf32)
+        result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, GridSpec(layout, dp=dp, depth=depth),
+                                     dtype, device, _mpi["world"], tf32=tf32)
     if result.get("note"):
         echo(result["note"])
     if result.get("batch_note"):

@@ -1,10 +1,8 @@
-"""From the MPI world to a layout: data-parallel x tensor-parallel axes.
-
-world = dp x tp with the tensor-parallel ranks innermost (contiguous), so a
-tensor-parallel group sits on as few nodes as possible: world rank
-``d * tp + t`` is replica d, tensor-parallel rank t. All sizes are validated
-before the first collective, so a bad size gives the same error on every rank
-and no rank waits in a communicator split.
+"""From the MPI world to a layout: a GridSpec's axes (gridspec.py gives
+the rank order, tensor-parallel ranks innermost) become one communicator
+each. All sizes are validated before the first collective, so a bad size
+gives the same error on every rank and no rank waits in a communicator
+split.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..core.intmath import integer_root
 from .layouts import LAYOUTS
+from .gridspec import GridSpec
 from .layouts.base import RECOMPUTE_MODES, Axes, nearest_multiples
 
 LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
@@ -38,11 +37,18 @@ def choose_layout(name: str, tp_size: int, depth: int = 1) -> str:
 
 
 def split_world(world_size: int, dp: int) -> int:
-    """Tensor-parallel size for ``dp`` replicas, or a ConfigError."""
-    if dp < 1 or world_size % dp:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"--dp {dp} must divide the world size {world_size}; choose one of {divisors}")
-    return world_size // dp
+    """Tensor-parallel size for ``dp`` replicas (no other axis), or a ConfigError."""
+    return GridSpec(dp=dp).tp(world_size)
+
+
+NOT_BUILT = {"pp": "pipeline stages (issue 20)", "cp": "context parallelism (issue 22)"}
+
+
+def validate_axes(grid: GridSpec) -> None:
+    """Axes this build cannot run yet, refused with one line."""
+    for name, what in NOT_BUILT.items():
+        if getattr(grid, name) != 1:
+            raise ConfigError(f"--{name} {getattr(grid, name)}: {what} is not built yet; use --{name} 1")
 
 
 def validate_model(cfg: ModelConfig) -> None:
@@ -60,20 +66,22 @@ def validate_model(cfg: ModelConfig) -> None:
                           f"{' or '.join(map(str, sorted(near)))}, or --n-embd {sizes}")
 
 
-def plan(name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1,
-         grad_accum: int = 1, recompute: str = "none"):
+def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: int = 1, recompute: str = "none"):
     """(layout class, resolved name, tp size) after validating every size;
-    pure: no MPI. ``batch_size`` is the step's global batch; with
-    ``grad_accum`` N the layout runs micro-batches of batch_size / N
-    sequences, and the layout's constraints apply to those (and, for
-    ``recompute``, the sizes that mode needs)."""
+    pure: no MPI. ``grid`` is a GridSpec (or a layout name). ``batch_size``
+    is the step's global batch; with ``grad_accum`` N the layout runs
+    micro-batches of batch_size / N sequences, and the layout's constraints
+    apply to those (and, for ``recompute``, the sizes that mode needs)."""
+    grid = GridSpec.of(grid)
     validate_model(cfg)
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
-    tp = split_world(world_size, dp)
-    resolved = choose_layout(name, tp, depth)
+    tp = grid.tp(world_size)
+    validate_axes(grid)
+    dp, depth = grid.dp, grid.depth
+    resolved = choose_layout(grid.layout, tp, depth)
     if resolved not in LAYOUTS:
-        raise ConfigError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+        raise ConfigError(f"unknown layout {grid.layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
     if grad_accum < 1:
         raise ConfigError(f"--grad-accum must be at least 1, got {grad_accum}")
     if batch_size % dp:
@@ -115,31 +123,32 @@ def micro_split(cls, cfg: ModelConfig, tp: int, depth: int, recompute: str = "no
     return tp
 
 
-def batch_multiple(name: str, cfg: ModelConfig, world_size: int, dp: int = 1, depth: int = 1,
-                   grad_accum: int = 1, recompute: str = "none") -> tuple:
+def batch_multiple(grid, cfg: ModelConfig, world_size: int, grad_accum: int = 1, recompute: str = "none") -> tuple:
     """(m, resolved layout, tp): the global batch sizes ``plan`` accepts
-    for this layout, dp and gradient accumulation are the multiples of m."""
-    tp = split_world(world_size, dp)
-    resolved = choose_layout(name, tp, depth)
-    plan(name, cfg, dp * grad_accum * tp, world_size, dp, depth, grad_accum, recompute)   # every non-batch error
-    return dp * grad_accum * micro_split(LAYOUTS[resolved], cfg, tp, depth, recompute), resolved, tp
+    for this grid and gradient accumulation are the multiples of m."""
+    grid = GridSpec.of(grid)
+    tp = grid.tp(world_size)
+    resolved = choose_layout(grid.layout, tp, grid.depth)
+    plan(grid, cfg, grid.dp * grad_accum * tp, world_size, grad_accum, recompute)   # every non-batch error
+    return grid.dp * grad_accum * micro_split(LAYOUTS[resolved], cfg, tp, grid.depth, recompute), resolved, tp
 
 
-def default_batch(name: str, cfg: ModelConfig, world_size: int, dp: int = 1, depth: int = 1,
-                  grad_accum: int = 1, at_least: int = DEFAULT_MIN_BATCH, recompute: str = "none") -> tuple:
+def default_batch(grid, cfg: ModelConfig, world_size: int, grad_accum: int = 1, at_least: int = DEFAULT_MIN_BATCH,
+                  recompute: str = "none") -> tuple:
     """(batch, why): the smallest global batch of at least ``at_least``
     sequences that the layout accepts, and the words that announce it.
     Why: a fixed default of 8 cannot run on 64 ranks in 3-D (q^2 = 16
     sequences per replica at least), so ``mpirun -n 64 mpicube train``
     would stop at once; pure, so every rank picks the same size."""
-    m, resolved, tp = batch_multiple(name, cfg, world_size, dp, depth, grad_accum, recompute)
+    grid = GridSpec.of(grid)
+    m, resolved, tp = batch_multiple(grid, cfg, world_size, grad_accum, recompute)
     batch = -(-at_least // m) * m
-    extra = "".join(f", {k} {v}" for k, v in (("dp", dp), ("depth", depth), ("grad-accum", grad_accum)) if v != 1)
+    extra = grid.words() + (f", grad-accum {grad_accum}" if grad_accum != 1 else "")
     return batch, f"batch {batch} (smallest of at least {at_least} that layout {resolved}, tp {tp}{extra} accepts)"
 
 
-def saved_or_default_batch(saved, name: str, cfg: ModelConfig, world_size: int, dp: int = 1, depth: int = 1,
-                           grad_accum: int = 1, recompute: str = "none") -> tuple:
+def saved_or_default_batch(saved, grid, cfg: ModelConfig, world_size: int, grad_accum: int = 1,
+                           recompute: str = "none") -> tuple:
     """(batch, kept, why) when no --batch-size is given: a model file's own
     training batch ``saved`` (None if it records none) if this layout takes
     it (kept True, why None), else ``default_batch`` and its words. The
@@ -147,26 +156,36 @@ def saved_or_default_batch(saved, name: str, cfg: ModelConfig, world_size: int, 
     keeps its data order wherever it can."""
     if saved:
         try:
-            plan(name, cfg, int(saved), world_size, dp, depth, grad_accum, recompute)
+            plan(grid, cfg, int(saved), world_size, grad_accum, recompute)
             return int(saved), True, None
         except ConfigError:
             pass
-    batch, why = default_batch(name, cfg, world_size, dp, depth, grad_accum, recompute=recompute)
+    batch, why = default_batch(grid, cfg, world_size, grad_accum, recompute=recompute)
     return batch, False, why
 
 
-def build_layout(name: str, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_world,
-                 dp: int = 1, depth: int = 1, counters: Counters = None, grad_accum: int = 1,
-                 recompute: str = "none"):
-    """Validate, then split the world and construct the layout object, for
-    the micro-batch (``batch_size / grad_accum`` global sequences) that
-    one forward pass runs."""
-    cls, resolved, tp = plan(name, cfg, batch_size, mpi_world.Get_size(), dp, depth, grad_accum, recompute)
+def build_layout(grid, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_world,
+                 counters: Counters = None, grad_accum: int = 1, recompute: str = "none"):
+    """Validate, then split the world into one communicator per axis (the
+    order of gridspec.py) and construct the layout object, for the
+    micro-batch (``batch_size / grad_accum`` global sequences) that one
+    forward pass runs. Every axis gets a communicator, of size 1 where the
+    axis is unused, so no code asks whether an axis exists."""
+    grid = GridSpec.of(grid)
+    cls, resolved, tp = plan(grid, cfg, batch_size, mpi_world.Get_size(), grad_accum, recompute)
     counters = counters if counters is not None else Counters()
-    rank = mpi_world.Get_rank()
-    dp_rank, tp_rank = divmod(rank, tp)
-    world = Comm(mpi_world, "world", backend, counters)
-    tp_comm = Comm(mpi_world.Split(color=dp_rank, key=tp_rank), "tp", backend, counters)
-    dp_comm = Comm(mpi_world.Split(color=tp_rank, key=dp_rank), "dp", backend, counters)
-    return cls(cfg, Axes(world=world, dp=dp_comm, tp=tp_comm), batch_size // grad_accum, depth=depth,
-               recompute=recompute)
+    d, p, c, t = grid.coords(mpi_world.Get_rank(), mpi_world.Get_size())
+
+    def split(axis: str, color: tuple, key: int) -> Comm:
+        # color: the coordinates of every other axis, as one integer
+        flat = 0
+        for value, size in zip(color, (grid.dp, grid.pp, grid.cp, tp)):
+            flat = flat * size + value
+        return Comm(mpi_world.Split(color=flat, key=key), axis, backend, counters)
+
+    axes = Axes(world=Comm(mpi_world, "world", backend, counters),
+                dp=split("dp", (0, p, c, t), d),
+                tp=split("tp", (d, p, c, 0), t),
+                pp=split("pp", (d, 0, c, t), p),
+                cp=split("cp", (d, p, 0, t), c))
+    return cls(cfg, axes, batch_size // grad_accum, depth=grid.depth, recompute=recompute)

@@ -34,10 +34,11 @@ def mean_eval_loss(parts: Parts, model, tokens, seq_len: int, n_batches: int) ->
     return total / n_batches
 
 
-def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None, batches=8, layout="auto",
-                        dp=1, depth=1, dtype="float32", device="cpu", mpi_world=None, tf32=False) -> dict:
+def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None, batches=8, grid="auto",
+                        dtype="float32", device="cpu", mpi_world=None, tf32=False) -> dict:
     """Mean cross-entropy of a checkpoint's model over ``batches`` evaluation
-    batches (0 = all) of a token shard, on any layout and world size."""
+    batches (0 = all) of a token shard, on any layout and world size
+    (``grid``: a GridSpec or a layout name)."""
     if mpi_world is None:
         from mpi4py import MPI
 
@@ -45,7 +46,7 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
     with formats.open_everywhere(mpi_world, ckpt_path) as ck:     # any model file
         cfg = ck.config
         saved = saved_state(ck)                                   # the checkpoint's records, checked
-        B, batch_note = eval_batch_size(batch_size, saved.batch_size, layout, cfg, mpi_world.Get_size(), dp, depth)
+        B, batch_note = eval_batch_size(batch_size, saved.batch_size, grid, cfg, mpi_world.Get_size())
         T = int(seq_len or cfg.n_ctx)
         if not 1 <= T <= cfg.n_ctx:
             raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
@@ -53,7 +54,7 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
             raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
         data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, saved.data, B, T, batches)
         on_root(mpi_world, lambda: data.check_vocab(tokens, cfg.vocab_size, data_path))
-        parts = build_parts(cfg, layout, B, mpi_world, dp, depth, dtype, device, tf32=tf32, seq_len=T)
+        parts = build_parts(cfg, grid, B, mpi_world, dtype=dtype, device=device, tf32=tf32, seq_len=T)
         formats.load_params(ck, parts.store)
         step = ck.step
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -63,13 +64,13 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
             **({"note": note} if note else {}), **({"batch_note": batch_note} if batch_note else {})}
 
 
-def eval_batch_size(given, saved, layout, cfg, world_size, dp, depth) -> tuple:
+def eval_batch_size(given, saved, grid, cfg, world_size) -> tuple:
     """(batch size, words announcing it or None): the one given; else the
     checkpoint's training batch if this layout accepts it; else the
     smallest of at least 8 that it accepts (grid.default_batch)."""
     if given is not None:
         return int(given), None
-    batch, kept, why = saved_or_default_batch(saved, layout, cfg, world_size, dp, depth)
+    batch, kept, why = saved_or_default_batch(saved, grid, cfg, world_size)
     if kept or not saved:
         return batch, None if kept else why
     return batch, f"{why}; the checkpoint's batch {saved} does not fit"

@@ -51,8 +51,7 @@ class Launch:
         if not wait_for_file:
             self._choose_batch()
             if o.init_from is None:           # else the model file says what the model is
-                plan(o.layout, self.cfg, o.batch_size, self.world.Get_size(), o.dp, o.depth, o.grad_accum,
-                     o.recompute)                                                           # pure
+                plan(o.grid, self.cfg, o.batch_size, self.world.Get_size(), o.grad_accum, o.recompute)   # pure
             self._plan_data()
 
         if self.keep_files:
@@ -73,11 +72,11 @@ class Launch:
         if self.eval_batches:
             on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
         if self.model_file is not None and o.recompute != "none":   # 1-D row shards split B_dp x --seq-len rows
-            plan(o.layout, replace(self.cfg, n_ctx=o.seq_len), o.batch_size, self.world.Get_size(), o.dp, o.depth,
-                 o.grad_accum, o.recompute)
-        self.parts = build_parts(self.cfg, o.layout, o.batch_size, self.world, o.dp, o.depth, o.dtype, o.device,
-                                 o.seed, o.dropout, o.tf32, grad_accum=o.grad_accum, recompute=o.recompute,
-                                 zero=o.zero, seq_len=o.seq_len)
+            plan(o.grid, replace(self.cfg, n_ctx=o.seq_len), o.batch_size, self.world.Get_size(), o.grad_accum,
+                 o.recompute)
+        self.parts = build_parts(self.cfg, o.grid, o.batch_size, self.world, dtype=o.dtype, device=o.device,
+                                 seed=o.seed, dropout=o.dropout, tf32=o.tf32, grad_accum=o.grad_accum,
+                                 recompute=o.recompute, zero=o.zero, seq_len=o.seq_len)
         note = recompute_note(self.parts.layout, o.recompute)
         if note:
             self.notes.append(note)
@@ -100,8 +99,8 @@ class Launch:
         saved = None
         if getattr(self, "full_state", False) and self.model_file is not None:
             saved = saved_state(self.model_file).batch_size
-        o.batch_size, kept, why = saved_or_default_batch(saved, o.layout, self.cfg, self.world.Get_size(), o.dp,
-                                                         o.depth, o.grad_accum, o.recompute)
+        o.batch_size, kept, why = saved_or_default_batch(saved, o.grid, self.cfg, self.world.Get_size(),
+                                                         o.grad_accum, o.recompute)
         self.batch_note = f"batch {o.batch_size} (the resumed run's)" if kept else why
 
     def _plan_data(self) -> None:

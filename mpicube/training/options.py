@@ -12,7 +12,8 @@ from typing import Optional
 from ..files import data
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
-from ..parallel.grid import validate_model
+from ..parallel.grid import validate_axes, validate_model
+from ..parallel.gridspec import GridSpec
 from .loss_scale import scaler_for
 from ..parallel.zero import validate as validate_zero
 
@@ -23,6 +24,8 @@ class TrainOptions:
 
     layout: str = "auto"
     dp: int = 1
+    pp: int = 1                    # pipeline stages (issue 20)
+    cp: int = 1                    # context-parallel ranks (issue 22)
     depth: int = 1
     n_layer: int = 4
     n_head: int = 12
@@ -63,6 +66,11 @@ class TrainOptions:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def grid(self) -> GridSpec:
+        """The parallel axes, as one value (parallel/gridspec.py)."""
+        return GridSpec(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth)
+
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,
                            n_head=self.n_head, n_embd=self.n_embd)
@@ -74,7 +82,7 @@ class TrainOptions:
 
     def validate(self) -> None:
         """Raise ConfigError for a bad value; pure, so every rank agrees."""
-        positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "steps", "dp", "depth",
+        positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "steps", "dp", "pp", "cp", "depth",
                     "eval_batches", "log_every", "grad_accum")
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -96,6 +104,7 @@ class TrainOptions:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
         validate_zero(self.zero, self.dp)
+        validate_axes(self.grid)
         validate_model(self.model_config())
 
     def loss_scaler(self):

@@ -13,6 +13,7 @@ from ..core import memory
 from ..parallel.comm import Counters, agree_max
 from ..core.config import ModelConfig
 from ..parallel.grid import build_layout, plan
+from ..parallel.gridspec import GridSpec
 from ..model.gpt import GPT, gpt_params
 from ..parallel.params import ParamStore
 from ..parallel.zero import validate as validate_zero
@@ -50,9 +51,10 @@ class Parts:
         return slice(first, first + b)
 
 
-def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="float32", device="cpu",
-                seed=0, dropout=0.0, tf32=False, grad_accum=1, recompute="none", zero=0, seq_len=None) -> Parts:
-    """Backend, layout, parameters, model. Every size is validated first
+def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cpu", seed=0, dropout=0.0,
+                tf32=False, grad_accum=1, recompute="none", zero=0, seq_len=None) -> Parts:
+    """Backend, layout, parameters, model, on the parallel axes ``grid``
+    (a GridSpec, or a layout name for a run with no other axis). Every size is validated first
     (``plan`` is pure), before device selection makes its first collective;
     then every thread pool of the rank gets its share of the node's cores,
     on CPUs and GPUs alike, before the first GEMM. ``batch_size`` is the
@@ -62,14 +64,15 @@ def build_parts(cfg, layout_name, batch_size, mpi_world, dp=1, depth=1, dtype="f
     cannot fit in this rank's memory is refused before anything is
     allocated (``require_room``; ``seq_len``, the sequences the model will
     run, adds their attention scores to the bound)."""
-    _, resolved, tp = plan(layout_name, cfg, batch_size, mpi_world.Get_size(), dp, depth, grad_accum, recompute)
-    validate_zero(zero, dp)
+    grid = GridSpec.of(grid)
+    _, resolved, tp = plan(grid, cfg, batch_size, mpi_world.Get_size(), grad_accum, recompute)
+    validate_zero(zero, grid.dp)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
-    require_room(cfg, backend, mpi_world, resolved, tp, batch_size // (dp * grad_accum), seq_len)
+    require_room(cfg, backend, mpi_world, resolved, tp, batch_size // (grid.dp * grad_accum), seq_len)
     counters = Counters()
-    layout = build_layout(layout_name, cfg, batch_size, backend, mpi_world, dp=dp, depth=depth,
-                          counters=counters, grad_accum=grad_accum, recompute=recompute)
+    layout = build_layout(grid, cfg, batch_size, backend, mpi_world, counters=counters, grad_accum=grad_accum,
+                          recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)

@@ -41,11 +41,14 @@ from ..params import ParamDecl, ParamSpec, ParamStore
 
 @dataclass
 class Axes:
-    """The communicators every layout has."""
+    """The communicators every layout has, one per axis of the GridSpec
+    (grid.build_layout makes them; an unused axis has size 1)."""
 
     world: Comm
-    dp: Comm      # data-parallel replicas of this rank's tensor-parallel position
+    dp: Comm      # data-parallel replicas of this rank's (stage, context, tensor-parallel) position
     tp: Comm      # this rank's tensor-parallel group
+    pp: Comm      # this rank's pipeline: the same position in every stage (size 1 without stages)
+    cp: Comm      # this rank's context-parallel ring (size 1 without context parallelism)
 
 
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
@@ -110,7 +113,9 @@ class Layout:
     # --- shared helpers ---------------------------------------------------
     def describe(self) -> dict:
         """JSON-able description (saved in checkpoints and config.json)."""
-        return {"layout": self.name, "tp": self.axes.tp.size, "dp": self.axes.dp.size}
+        axes = {"layout": self.name, "tp": self.axes.tp.size, "dp": self.axes.dp.size}
+        axes.update({n: getattr(self.axes, n).size for n in ("pp", "cp") if getattr(self.axes, n).size != 1})
+        return axes
 
     @staticmethod
     def pad_to(n: int, multiple: int) -> int:

@@ -1,0 +1,86 @@
+"""The parallel axes of a run as one value: which tensor-parallel layout,
+and how many data-parallel replicas, pipeline stages and context-parallel
+ranks surround it.
+
+Why one object: every entry point (train, eval, generate, bench, info,
+trace, the tools) used to pass ``dp, depth`` and the layout name as loose
+arguments, and each new axis would have added one more to every signature.
+A ``GridSpec`` is pure (no MPI): ``grid.plan`` validates it against a world
+size and a model before any communicator exists.
+
+Rank order, slowest-varying first: dp, pp, cp, tp.
+
+    world rank = ((d * pp + p) * cp + c) * tp + t
+
+* tp innermost: a tensor-parallel group makes the most, smallest and most
+  latency-bound messages of any axis, so it sits on consecutive ranks, which
+  schedulers place on one node (or the fewest nodes).
+* cp next: the ring of K/V blocks is the second-heaviest traffic per layer.
+* pp next: a stage boundary sends one activation shard per micro-batch to
+  the rank with the same (d, c, t) in the neighbouring stage; consecutive
+  stages of one replica are on neighbouring nodes.
+* dp outermost: one model replica (pp x cp x tp ranks) is a contiguous
+  block of ranks, so replicas are whole node blocks that communicate once
+  per step (the gradient reduction, which overlaps backward), the traffic
+  that tolerates the slowest links best. It also keeps the rank order of
+  runs without pp and cp (``d * tp + t``) and so every existing run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """The parallel axes as the user gave them; tp is what is left of the world."""
+
+    layout: str = "auto"   # tensor-parallel layout name (layouts.LAYOUTS) or "auto"
+    dp: int = 1            # data-parallel replicas
+    pp: int = 1            # pipeline stages
+    cp: int = 1            # context-parallel ranks (each holds 2 of 2*cp chunks of every sequence)
+    depth: int = 1         # the 2.5-D layout's depth
+
+    @classmethod
+    def of(cls, value) -> "GridSpec":
+        """A GridSpec from a GridSpec, or from a layout name (the other axes 1)."""
+        if isinstance(value, GridSpec):
+            return value
+        if isinstance(value, str):
+            return cls(layout=value)
+        raise TypeError(f"expected a GridSpec or a layout name, got {value!r}")
+
+    @property
+    def outer(self) -> int:
+        """Ranks per tensor-parallel position: dp x pp x cp."""
+        return self.dp * self.pp * self.cp
+
+    def tp(self, world_size: int) -> int:
+        """Tensor-parallel size for this world, or a ConfigError naming the
+        sizes that would divide it."""
+        for name in ("dp", "pp", "cp", "depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if world_size % self.outer:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            used = [f"--{n} {getattr(self, n)}" for n in ("dp", "pp", "cp") if getattr(self, n) != 1]
+            if len(used) == 1:
+                raise ConfigError(f"{used[0]} must divide the world size {world_size}; choose one of {divisors}")
+            raise ConfigError(f"{' x '.join(used)} = {self.outer} must divide the world size {world_size}; "
+                              f"their product must be one of {divisors}")
+        return world_size // self.outer
+
+    def coords(self, rank: int, world_size: int) -> tuple:
+        """(d, p, c, t): this world rank's replica, stage, context rank and
+        tensor-parallel rank (the order in the module docstring)."""
+        tp = self.tp(world_size)
+        rest, t = divmod(rank, tp)
+        rest, c = divmod(rest, self.cp)
+        d, p = divmod(rest, self.pp)
+        return d, p, c, t
+
+    def words(self) -> str:
+        """The axes other than tp that are not 1, for a layout line: ', dp 2, pp 4'."""
+        return "".join(f", {n} {getattr(self, n)}" for n in ("dp", "pp", "cp", "depth") if getattr(self, n) != 1)
