@@ -61,7 +61,7 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
     """({kind: elements} kept right after forward (``GPT.saved_elements``),
     {kind: elements} of one block's caches after its rerun under
     --recompute blocks (``GPT.recompute_peak_elements``), zero otherwise)."""
-    cfg, T, L, h, mode = p.cfg, p.seq_len, p.cfg.n_layer, p.cfg.n_embd, p.recompute
+    cfg, T, L, h, mode = p.cfg, p.local_seq, p.cfg.n_layer, p.cfg.n_embd, p.recompute   # T: this rank's positions
     if p.layout in ("serial", "1d"):
         q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
         V = -(-cfg.vocab_size // heads) * heads // heads

@@ -52,7 +52,7 @@ master is counted there with --zero 0.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from ..parallel import zero
@@ -162,6 +162,12 @@ class Problem:
     recompute: str = "none"  # none, gathers or blocks (layouts/base.py RECOMPUTE_MODES)
     zero: int = 0            # 1: optimizer state (and a 16-bit run's master) sharded over dp (mpicube.parallel.zero)
     grad_accum: int = 1      # micro-batches per step (mpicube.training.accum)
+    cp: int = 1              # context-parallel ranks: each holds seq_len / cp positions (parallel.context)
+
+    @property
+    def local_seq(self) -> int:
+        """Positions of each sequence on one rank: 2 chunks of seq_len / 2cp."""
+        return self.seq_len // self.cp
 
     @property
     def local_batch(self):
@@ -324,7 +330,10 @@ def step_traffic(p: Problem) -> Traffic:
     and an all-gather of the updated chunk (in the storage format), and the
     norm is summed over the world."""
     t = Traffic()
-    t.add(TRAFFIC[p.layout](p), p.grad_accum)
+    t.add(TRAFFIC[p.layout](replace(p, seq_len=p.local_seq, cp=1)), p.grad_accum)   # on this rank's positions
+    if p.cp > 1:
+        t.add(ring_traffic(p), p.grad_accum)
+        t.sum("cp", p.cp, sum(n for n, _ in local_param_sizes(p).values()), width=p.widths.gsum)   # weights' sum
     sizes = local_param_sizes(p)
     group_sizes = defaultdict(int)
     for n, axis in sizes.values():
@@ -338,11 +347,36 @@ def step_traffic(p: Problem) -> Traffic:
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
-        t.allreduce("world", p.tp * p.dp, 1, width=w.scalar)   # gradient norm
+        t.allreduce("world", p.tp * p.dp * p.cp, 1, width=w.scalar)   # gradient norm
     else:
         t.sum("dp", p.dp, params, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
-    t.allreduce("world", p.tp * p.dp, 1, times=p.grad_accum, width=w.scalar)   # reported loss, per micro-batch
+    t.allreduce("world", p.tp * p.dp * p.cp, 1, times=p.grad_accum, width=w.scalar)   # loss, per micro-batch
+    return t
+
+
+def attention_split(p: Problem) -> tuple:
+    """(sequences, heads) of one rank's attention: the rows and heads of
+    the layout's intermediate activation (between paired linears)."""
+    if p.layout in ("serial", "1d"):
+        return p.local_batch, p.cfg.n_head // (p.tp if p.layout == "1d" else 1)
+    q = round((p.tp // p.depth) ** 0.5) if p.layout in ("2d", "2.5d") else round(p.tp ** (1 / 3))
+    rows = p.depth * q if p.layout in ("2d", "2.5d") else q * q
+    return p.local_batch // rows, p.cfg.n_head // q
+
+
+def ring_traffic(p: Problem) -> Traffic:
+    """One micro-batch of ring attention (parallel.context), per layer: the
+    K/V pair of this rank's chunks (2 x seqs x T/cp x h_local elements)
+    shifted C-1 times in forward (twice under --recompute blocks), and in
+    backward C-1 times more, with the dK/dV pair in the compute format C
+    times. One message per shift."""
+    t, w, C = Traffic(), p.widths, p.cp
+    seqs, heads = attention_split(p)
+    kv = 2 * seqs * p.local_seq * heads * p.cfg.head_dim
+    forwards = 2 if p.recompute == "blocks" else 1
+    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.cfg.n_layer, w.act)
+    t._add("cp", C, kv, 1, C * p.cfg.n_layer, w.stat)
     return t
 
 

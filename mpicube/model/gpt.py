@@ -20,6 +20,7 @@ from ..device import precision
 from ..ops import attention_blocks, rng
 from ..core import memory
 from ..core.config import ModelConfig
+from ..parallel import context
 from ..parallel.layouts.base import Layout, LayerNorm
 from ..parallel.params import ParamDecl, ParamStore
 
@@ -89,6 +90,7 @@ class Dropout:
         step_batch = layout.batch_size * grad_accum               # the layout holds one micro-batch
         self.canonical_shape = (step_batch, cfg.n_ctx, cfg.n_embd)
         self._indices = {}                                        # (kind, T, micro) -> index vectors on the device
+        self.global_positions = None                              # (T_l,) under context parallelism (GPT.forward)
 
     def first_seq(self, micro: int) -> int:
         """Global index of this replica's first sequence in micro-batch
@@ -112,7 +114,7 @@ class Dropout:
         """(B_c, T, C_c) keep mask for an activation in canonical form, or None."""
         if self.p == 0.0:
             return None
-        index = (self.layout.canonical_seqs, np.arange(T), self.layout.canonical_cols)
+        index = (self.layout.canonical_seqs, self.positions(T), self.layout.canonical_cols)
         mask = self._mask(step, site, self.canonical_shape, "canonical", T, index)
         mask *= 1.0 / self.keep
         return mask
@@ -126,18 +128,24 @@ class Dropout:
         index = (self.layout.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
         return self._mask(step, site, shape, "attention", T, index)
 
-    def attention_blocks(self, step, site, T, positions=None):
+    def positions(self, T):
+        """(T,) global positions of the T local rows: 0 .. T-1, or a
+        context-parallel rank's two chunks (``global_positions``)."""
+        pos = self.global_positions
+        return np.arange(T) if pos is None or len(pos) != T else pos
+
+    def attention_blocks(self, step, site, T):
         """A callable (rows, cols) -> (B_m, nh, rows, cols) block of the
         keep mask ``attention`` draws, or None: blockwise attention draws
         each block where it uses it (forward, and again in backward), at
-        the same global indices, so no (T, T) mask is ever held.
-        ``positions`` (T,): the global positions of the T local rows (a
-        context-parallel rank's chunks); default 0 .. T-1."""
+        the same global indices, so no (T, T) mask is ever held. ``rows``
+        and ``cols`` are slices of global positions (a context-parallel
+        rank asks for blocks of its chunks and of chunks it is passed)."""
         if self.p == 0.0:
             return None
         cfg, xp = self.layout.cfg, self.layout.backend.xp
         shape = (self.canonical_shape[0], cfg.n_head, cfg.n_ctx, cfg.n_ctx)
-        pos = np.arange(T) if positions is None else np.asarray(positions)
+        pos = np.arange(cfg.n_ctx)
         key = rng.make_key(self.seed, "dropout", step, site)
         first = self.first_seq(self.micro)
         seqs = xp.asarray(first + np.asarray(self.layout.mid_seqs), dtype=np.uint64)
@@ -173,9 +181,12 @@ class Block:
         self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
         self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
         self.n_local_heads = len(layout.head_ids)
+        cp = layout.axes.cp
         # Blockwise attention (O(T) kept per head) unless MPICUBE_ATTENTION=full asks for the op that
         # holds T x T (the reference; bench compares the two; the memory model counts blockwise only).
         self.attention = ops if os.environ.get("MPICUBE_ATTENTION", "blocks") == "full" else attention_blocks
+        if cp.size > 1:                     # this rank's chunks attend to the whole sequence over the cp ring
+            self.attention = context.RingAttention(cp)
 
     def modules(self) -> list:
         """The block and its layers: everything that holds a cache."""
@@ -280,12 +291,21 @@ class GPT:
         gradients) add up to the step's mean (and its gradient)."""
         xp, layout = self.xp, self.layout
         self.store.refresh_work()                # the 16-bit working copy, after an optimizer step or a load
-        idx = xp.asarray(idx)
         B, T = idx.shape
         self.dropout.micro = micro
         self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
-        x = self.embedding.embed(idx)                                       # (B_c, T, C_c)
-        x = x + self.wpe[:T]
+        cp = layout.axes.cp
+        if cp.size > 1:                     # --cp: this rank's two chunks of every sequence (parallel.context)
+            pos = context.local_positions(T, cp.size, cp.rank)             # (T_l,) global positions
+            idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]
+            self.dropout.global_positions = pos
+            self.pos = xp.asarray(pos)
+        else:
+            self.pos = slice(0, T)
+        idx = xp.asarray(idx)
+        x = self.embedding.embed(idx)                                       # (B_c, T_l, C_c)
+        T = idx.shape[1]
+        x = x + self.wpe[self.pos]
         self.keep_emb = self.dropout.canonical(step, "emb", T)
         if self.keep_emb is not None:
             x *= self.keep_emb
@@ -392,7 +412,7 @@ class GPT:
         if self.keep_emb is not None:
             dx = dx * self.keep_emb
         B, T, C = dx.shape
-        self.dwpe[:T] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
+        self.dwpe[self.pos] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
             dx.reshape(B, T * C)).reshape(T, C)                            # 16-bit dx: summed in float32+
         self.embedding.embed_backward(dx)
         self.embedding.finish_backward()

@@ -356,6 +356,26 @@ class Comm:
 
         return Pending(finish, self, send, "ireduce_scatter")
 
+    def ishift(self, x, dest: int, source: int) -> "Pending":
+        """Start sending ``x`` to rank ``dest`` and receiving an array of the
+        same shape and format from ``source`` (a step around a ring:
+        context parallelism's K/V blocks); ``.wait()`` returns what
+        arrived. One message of x.size elements, in x's own format."""
+        send = self._to_mpi(self._words(x))
+        recv = self._empty(send.shape, send.dtype)
+        t0 = self._start("ishift")
+        requests = [self.mpi.Irecv(recv, source=source, tag=22), self.mpi.Isend(send, dest=dest, tag=22)]
+        self._count(send.size, 1, t0, send.itemsize)
+
+        def finish():
+            for request in requests:
+                complete(request)
+            self._done(send)
+            out = self._from_mpi(recv)
+            return out.view(x.dtype) if precision.is_half(x.dtype) else out
+
+        return Pending(finish, self, send, "ishift")
+
     # --- small host-side helpers (not counted: metadata, not model data) ----
     def barrier(self):
         WAITS.enter("barrier", self.axis)

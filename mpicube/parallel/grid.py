@@ -12,6 +12,7 @@ from .comm import Comm, Counters
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..core.intmath import integer_root
+from . import context
 from .layouts import LAYOUTS
 from .gridspec import GridSpec
 from .layouts.base import RECOMPUTE_MODES, Axes, nearest_multiples
@@ -41,7 +42,7 @@ def split_world(world_size: int, dp: int) -> int:
     return GridSpec(dp=dp).tp(world_size)
 
 
-NOT_BUILT = {"pp": "pipeline stages (issue 20)", "cp": "context parallelism (issue 22)"}
+NOT_BUILT = {"pp": "pipeline stages (issue 20)"}
 
 
 def validate_axes(grid: GridSpec) -> None:
@@ -78,6 +79,7 @@ def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: i
         raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
     tp = grid.tp(world_size)
     validate_axes(grid)
+    context.validate(cfg.n_ctx, grid.cp)
     dp, depth = grid.dp, grid.depth
     resolved = choose_layout(grid.layout, tp, depth)
     if resolved not in LAYOUTS:
