@@ -117,14 +117,14 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
-                      zero=int(store.partition.sharded), grad_accum=parts.grad_accum)
+                      zero=int(store.partition.sharded), grad_accum=parts.grad_accum, cp=layout.axes.cp.size)
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     step_times = np.array(phases["step_s"])
     median = float(np.median(step_times))
     world = layout.axes.world.size
     flops_rank = model_flops(cfg, B, seq_len) / world
     fc = store.grad["h.0.mlp.c_fc.weight"].shape                               # (h_in local, h_out local)
-    gemm_shape = (len(layout.mid_seqs) * seq_len, len(layout.canonical_cols), fc[1])
+    gemm_shape = (len(layout.mid_seqs) * seq_len // layout.axes.cp.size, len(layout.canonical_cols), fc[1])
     rate = gemm_rate(backend, *gemm_shape)
     rate32 = gemm_rate(backend, *gemm_shape, dtype=np.float32) if backend.mixed else rate
     return {

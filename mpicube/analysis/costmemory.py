@@ -89,7 +89,7 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
     # one block: LN xhat (x2), qkv and the scaled copy of q, GELU input and tanh; blockwise
     # attention keeps no probabilities (ops.attention_blocks), only lse and its output
     block = 2 * n * cc + n * 4 * mid_cols + 2 * n * 4 * mid_cols
-    if p.layout == "3d" and not regather:
+    if p.layout == "3d" and not regather and gathered:
         block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
     if p.layout == "3d":
         for h_in, h_out, _ in block_linears(cfg):

@@ -10,7 +10,7 @@ import json
 import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
-                     echo, grad_accum_option, layout_options, model_options, recompute_option, watched,
+                     echo, grad_accum_option, cp_option, layout_options, model_options, recompute_option, watched,
                      zero_option)
 from ..core.errors import UserError
 
@@ -101,8 +101,9 @@ def _mib(nbytes: int) -> str:
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
 @zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
+@cp_option
 @collective_timeout_option
-def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
+def bench(layouts, dp, cp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
           dtype, device, tf32, recompute, zero, as_json, collective_timeout):
     """Time training steps; compare with the cost model and a plain matmul.
 
@@ -126,7 +127,7 @@ def bench(layouts, dp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
-            grid = GridSpec(name, dp=dp, depth=depth if name in ("2.5d", "auto") else 1)
+            grid = GridSpec(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1)
             batch = batch_size
             if batch is None:                                  # each layout its own smallest batch
                 batch, why = default_batch(grid, cfg, _mpi["world"].Get_size(), grad_accum, recompute=recompute)

@@ -10,7 +10,8 @@ import math
 import click
 
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
-                     grad_accum_option, layout_options, model_options, recompute_option, watched, zero_option)
+                     grad_accum_option, layout_options, model_options, recompute_option, watched, zero_option,
+                     cp_option)
 
 
 @cli.command()
@@ -18,6 +19,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
               expose_value=False, help="TOML file of option values (keys as option names); "
                                        "options on the command line override it")
 @layout_options
+@cp_option
 @model_options
 @click.option("--vocab-size", type=int, default=256, show_default=True,
               help="vocabulary (256: byte-level tokens; 50257: GPT-2's BPE); --init-from's model sets its own")
@@ -98,9 +100,10 @@ def train(collective_timeout, **kwargs):
 @click.option("--seq-len", type=int, default=None, help="sequence length  [default: the model's context]")
 @click.option("--batches", type=int, default=8, show_default=True, help="evaluation batches (0 = all)")
 @layout_options
+@cp_option
 @device_options
 @collective_timeout_option
-def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dtype, device, tf32,
+def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, cp, depth, dtype, device, tf32,
                  collective_timeout):
     """Mean cross-entropy of a model on a token shard.
 
@@ -115,7 +118,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, dt
     from ..training.state import describe_layout
 
     with watched(collective_timeout, "evaluation"):
-        result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, GridSpec(layout, dp=dp, depth=depth),
+        result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, GridSpec(layout, dp=dp, cp=cp, depth=depth),
                                      dtype, device, _mpi["world"], tf32=tf32)
     if result.get("note"):
         echo(result["note"])
