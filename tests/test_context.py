@@ -41,6 +41,15 @@ def test_chunks_cover_the_sequence_and_balance_the_work():
     want = [(i, j) for i in range(0, T, block) for j in range(0, i + 1, block)]
     assert sorted(seen) == want and len(want) == ab.computed_pairs(T, block)
     assert len(set(per_rank)) == 1, per_rank
+    for T, C, block in ((48, 3, 4), (60, 3, 4), (40, 1, 16), (7, 1, 3)):      # the closed forms of the cost model
+        c = T // (2 * C)
+        pairs = [(rows, cols) for rk in range(C) for s in range(C)
+                 for rows, cols, _, _ in context._pairs(context.chunks(C, rk), context.chunks(C, (rk - s) % C), c,
+                                                        block)]
+        if C > 1:
+            assert context.ring_scores(T, C, block) == sum((a.stop - a.start) * (b.stop - b.start) for a, b in pairs)
+        assert ab.computed_scores(T, block) == sum(min(block, T - i) * min(block, T - j)
+                                                   for i in range(0, T, block) for j in range(0, i + 1, block))
 
 
 def test_bad_sizes_name_valid_ones():
@@ -114,3 +123,25 @@ def test_train_eval_and_bad_input(mpicube, tiny_shard):
     assert abs(losses[0] - losses[1]) <= 1e-10 * abs(losses[1])
     r = mpicube.run("train", *args, "--cp", "2", "--out", "bad", n=1)
     assert r.returncode == 2 and r.error_lines() == ["error: --cp 2 must divide the world size 1; choose one of [1]"]
+
+
+def test_info_table_and_the_pictures_follow_the_code():
+    """info's cp table: activations per rank fall with cp (1/8 at cp 8 on
+    the 4-layer, n_embd 144 model at T 8192); docs/context-parallelism.md
+    shows what tools/cp_pictures.py draws from the code now."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mpicube.analysis.costcontext import context_table
+    from mpicube.analysis.costmemory import step_memory_bytes
+
+    cfg = ModelConfig(vocab_size=256, n_ctx=8192, n_layer=4, n_head=12, n_embd=144)
+    one, eight = (step_memory_bytes(Problem(cfg, "serial", 1, 1, 1, 1, 8192, "float32", cp=c)) for c in (1, 8))
+    assert eight.activations * 8 == one.activations
+    table = context_table(ModelConfig(vocab_size=256, n_ctx=64, n_layer=2, n_head=4, n_embd=16), 4, 4)
+    assert len([line for line in table.splitlines() if line.split()[:1] in (["1d"], ["2d"], ["3d"], ["2.5d"])]) == 16
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "tools/cp_pictures.py", "--check", "docs/context-parallelism.md"],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

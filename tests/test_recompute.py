@@ -130,15 +130,21 @@ def test_modes_trade_memory_for_traffic_and_flops():
 
 
 def test_step_flops_of_serial_gpt2_small():
-    """The usual count for GPT-2 small (B 8, T 1024): 3 x forward, forward =
-    2 x (12 L h^2 + V h) per token + 4 L T h per token for attention."""
+    """The usual count for GPT-2 small (B 8, T 1024): 3 x the linears'
+    forward 2 x (12 L h^2 + V h) per token; blockwise attention's two
+    products on the 36 of 64 blocks of 128 at or below the diagonal,
+    7 products in all (forward 2, backward 5), 9 under --recompute blocks;
+    cp 4 divides the replica's work by 4 (chunks of 128: the same blocks)."""
     cfg = ModelConfig(vocab_size=50257, n_ctx=1024, n_layer=12, n_head=12, n_embd=768)
     p = Problem(cfg, "serial", 1, 1, 1, 8, 1024)
     N, L, h, T = 8 * 1024, 12, 768, 1024
-    forward = 2 * N * (12 * L * h * h + 50257 * h) + 4 * N * L * T * h
-    assert step_flops(p) == 3 * forward
+    linears = 2 * N * (12 * L * h * h + 50257 * h)
+    product = 2 * 8 * 36 * 128 * 128 * h * L                          # one attention product, every layer
+    assert step_flops(p) == 3 * linears + 7 * product
     blocks = Problem(cfg, "serial", 1, 1, 1, 8, 1024, recompute="blocks")
-    assert step_flops(blocks) == 3 * forward + 2 * N * 12 * L * h * h + 4 * N * L * T * h
+    assert step_flops(blocks) == 3 * linears + 2 * N * 12 * L * h * h + 9 * product
+    # cp 4: chunks of 128, each rank's 2 query chunks against 8 key chunks, 36 chunk pairs in all again
+    assert step_flops(Problem(cfg, "serial", 1, 1, 1, 8, 1024, cp=4)) == step_flops(p) / 4
 
 
 def test_oned_row_shards_need_divisible_rows():

@@ -34,8 +34,9 @@ from ..core.errors import UserError
 @recompute_option
 @click.option("--json", "as_json", is_flag=True,
               help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
+@cp_option
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
-         vocab_size, zero, recompute, as_json):
+         vocab_size, zero, recompute, as_json, cp):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs."""
     from ..core.config import ModelConfig
@@ -66,16 +67,21 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 
         echo()
         if batch_size is None:
-            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, depth=depth), cfg, world_size or 1,
-                                            grad_accum, recompute=recompute)
+            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, cp=cp, depth=depth), cfg,
+                                            world_size or 1, grad_accum, recompute=recompute)
             echo(why)
         args = (layout or "auto", cfg, batch_size, world_size or 1, dp, depth)
         options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
-        echo(report(*args, **options))
+        echo(report(*args, **options, cp=cp))
         echo()
         echo(memory_options(cfg, batch_size, world_size or 1, dp, dtype, grad_accum))
+        if (world_size or 1) % (dp * cp) == 0:
+            from ..analysis.costcontext import context_table
+
+            echo()
+            echo(context_table(cfg, batch_size, (world_size or 1) // (dp * cp), dp, dtype, recompute))
         if as_json:
-            echo(json.dumps(summary(*args, **options)))
+            echo(json.dumps(summary(*args, **options, cp=cp)))
     elif as_json:
         raise UserError("info --json describes a layout: give --layout and/or -n")
 

@@ -52,6 +52,15 @@ def computed_pairs(T: int, block: int = BLOCK) -> int:
     return nb * (nb + 1) // 2
 
 
+def computed_scores(T: int, block: int = BLOCK) -> int:
+    """Score elements one head of one sequence computes (each pair's bq x bk,
+    the masked half of the diagonal blocks included): T^2/2 + T block/2
+    for T a multiple of the block, against T^2 for the full op."""
+    full, rest = divmod(T, block)
+    squares = full * block * block + rest * rest                       # sum of size_i^2 over the blocks
+    return (T * T + squares) // 2                                      # sum over i >= j of size_i size_j
+
+
 def _mask_source(keep_mask):
     """A callable (rows, cols) -> (B, nh, rows, cols) keep mask, or None."""
     if keep_mask is None or callable(keep_mask):

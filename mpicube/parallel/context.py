@@ -82,6 +82,17 @@ def _pairs(q_chunks, k_chunks, c: int, block: int):
                            qi * c + i0, kj * c + j0)
 
 
+def ring_scores(T: int, cp: int, block: int = ab.BLOCK) -> int:
+    """Score elements one head of one sequence computes over all cp ranks
+    and ring steps (blocks aligned at chunk starts; ``ops.attention_blocks
+    .computed_scores`` for cp 1)."""
+    if cp == 1:
+        return ab.computed_scores(T, block)
+    c = T // (2 * cp)
+    n = 2 * cp                                                         # chunks: n (n-1)/2 pairs below, n diagonal
+    return n * (n - 1) // 2 * c * c + n * ab.computed_scores(c, block)
+
+
 def _global(mask, q0, k0, rows, cols):
     """The mask block at global positions for local slices ``rows``, ``cols``."""
     if mask is None:
