@@ -104,20 +104,24 @@ def test_cp_matches_serial(ranks, layout, dp, depth, env):
     assert f"cp={env['MPICUBE_CHECK_CP']} loss=" in proc.stdout
 
 
-def test_train_eval_and_bad_input(mpicube, tiny_shard):
-    """train --cp 2 on 2 ranks logs serial's losses (float64, dropout); its
-    checkpoint evaluates to the same loss with and without --cp; a cp that
-    does not divide the world is one line and exit 2."""
-    args = [*TINY, "--dtype", "float64", "--dropout", "0.1", "--steps", "2", "--data", str(tiny_shard)]
-    runs = {}
-    for name, n, extra in (("cp2", 2, ["--cp", "2"]), ("serial", 1, [])):
-        r = mpicube.run("train", *args, *extra, "--out", name, n=n)
+def test_trace_train_eval_and_bad_input(mpicube, tiny_shard):
+    """trace --cp 2 (1-D on 4 ranks, --recompute blocks, dropout, float64)
+    agrees with a serial trace tensor by tensor (full logical tensors,
+    dropout masks included); train --cp 2 saves a checkpoint that
+    evaluates to the same loss with and without --cp; a cp that does not
+    divide the world is one line and exit 2."""
+    args = [*TINY[2:], "--dtype", "float64", "--dropout", "0.1", "--steps", "2", "--data", str(tiny_shard)]
+    for name, n, extra in (("cp.h5", 4, ["--cp", "2", "--layout", "1d", "--recompute", "blocks"]),
+                           ("serial.h5", 1, ["--layout", "serial"])):
+        r = mpicube.run("trace", *args, *extra, "--out", name, n=n)
         assert r.returncode == 0, r
-        runs[name] = [json.loads(line)["loss"] for line in (mpicube.cwd / name / "metrics.jsonl").open()]
-    assert np.allclose(runs["cp2"], runs["serial"], rtol=1e-10, atol=0)
+    r = mpicube.run("compare", "cp.h5", "serial.h5")
+    assert r.returncode == 0 and "all tensors agree" in r.stdout, r
+    r = mpicube.run("train", *args, "--layout", "serial", "--cp", "2", "--out", "run", n=2)
+    assert r.returncode == 0, r
     losses = []
     for n, extra in ((2, ["--cp", "2"]), (1, [])):
-        r = mpicube.run("eval", "cp2", "--batches", "2", "--dtype", "float64", *extra, n=n)
+        r = mpicube.run("eval", "run", "--batches", "2", "--dtype", "float64", *extra, n=n)
         assert r.returncode == 0, r
         losses.append(json.loads(r.stdout.splitlines()[-1])["loss"])
     assert abs(losses[0] - losses[1]) <= 1e-10 * abs(losses[1])

@@ -156,7 +156,7 @@ def prepare(inputs, out, val_fraction, tokenizer):
         echo(f"wrote {path}: {len(data.read_shard(path)):,} tokens")
 
 
-TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "depth", "n_layer", "n_head", "n_embd", "seq_len", "batch_size",
+TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "n_layer", "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero")
