@@ -35,6 +35,11 @@ Environment:
                               rank owns after the reduce-scatter, parameters
                               after the all-gather, and the memory check
                               measures the sharded moments and master
+  MPICUBE_CHECK_CP=C          the layout under test runs with --cp C (world =
+                              dp x C x tp; each rank holds 2 of 2C chunks of
+                              every sequence): logits are compared at the
+                              rank's global positions, traffic and memory
+                              with the cp terms of the cost model
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -133,7 +138,8 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
     backend = make_backend(device, DTYPE)
     counters = Counters()
     cp = CP if comm is MPI.COMM_WORLD else 1
-    layout = build_layout(GridSpec(layout_name, dp=dp, cp=cp, depth=depth), cfg, batch, backend, comm, counters=counters,
+    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth)
+    layout = build_layout(grid, cfg, batch, backend, comm, counters=counters,
                           grad_accum=grad_accum, recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)

@@ -118,7 +118,8 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, cp, depth
     from ..training.state import describe_layout
 
     with watched(collective_timeout, "evaluation"):
-        result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, GridSpec(layout, dp=dp, cp=cp, depth=depth),
+        grid = GridSpec(layout, dp=dp, cp=cp, depth=depth)
+        result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, grid,
                                      dtype, device, _mpi["world"], tf32=tf32)
     if result.get("note"):
         echo(result["note"])
