@@ -7,6 +7,7 @@ dropout 0.1; measured traffic and memory == the cost model); the command
 line (train, eval, checkpoints, bad input)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,13 +91,15 @@ CASES = [
     (4, "serial", 1, 1, {"MPICUBE_CHECK_CP": "4", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
     (4, "2.5d", 1, 2, {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_RECOMPUTE": "gathers"}),
     (2, "3d", 1, 1, {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_DTYPE": "bfloat16"}),
+    (2, "serial", 1, 1, {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_DEVICE": "gpu",         # the CuPy stand-in: the
+                         "PYTHONPATH": str(Path(__file__).resolve().parent / "fake_gpu")}),   # ring through staging
 ]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("ranks,layout,dp,depth,env", CASES,
-                         ids=[f"{c[1]}-n{c[0]}-" + "-".join(f"{k[14:].lower()}{v}" for k, v in c[4].items())
-                              for c in CASES])
+                         ids=[f"{c[1]}-n{c[0]}-" + "-".join(f"{k[14:].lower()}{v}" for k, v in c[4].items()
+                                                              if k.startswith("MPICUBE_CHECK_")) for c in CASES])
 def test_cp_matches_serial(ranks, layout, dp, depth, env):
     proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, depth, 0.1], timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -135,7 +138,6 @@ def test_info_table_and_the_pictures_follow_the_code():
     shows what tools/cp_pictures.py draws from the code now."""
     import subprocess
     import sys
-    from pathlib import Path
 
     from mpicube.analysis.costcontext import context_table
     from mpicube.analysis.costmemory import step_memory_bytes
