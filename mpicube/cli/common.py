@@ -167,6 +167,31 @@ def zero_option(help_text: str):
                         callback=lambda ctx, param, value: int(value), help=help_text)
 
 
+class StepRange(click.ParamType):
+    """``START:STOP``, 1 <= START <= STOP: the steps START to STOP, both
+    included (one step: ``N`` or ``N:N``)."""
+
+    name = "START:STOP"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            parts = [int(p) for p in str(value).split(":")]
+        except ValueError:
+            parts = []
+        parts = parts * 2 if len(parts) == 1 else parts
+        if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+            self.fail(f"{value!r} is not START:STOP with 1 <= START <= STOP (e.g. 2:4: steps 2 to 4)", param, ctx)
+        return parts[0], parts[1]
+
+
+def profile_option(help_text: str):
+    """``--profile START:STOP`` (train, bench): a per-rank timeline of those steps (analysis.profile)."""
+    return click.option("--profile", type=StepRange(), default=None,
+                        help="record a timeline of compute and communication on every rank for " + help_text)
+
+
 def grad_accum_option(help_text: str):
     """``--grad-accum N`` (train, bench, info; each says what it does there)."""
     return click.option("--grad-accum", type=int, default=1, show_default=True, help=help_text)

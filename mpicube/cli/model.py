@@ -10,8 +10,8 @@ import json
 import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
-                     echo, grad_accum_option, cp_option, layout_options, model_options, recompute_option, watched,
-                     zero_option)
+                     echo, grad_accum_option, cp_option, layout_options, model_options, profile_option,
+                     recompute_option, watched, zero_option)
 from ..core.errors import UserError
 
 
@@ -107,10 +107,14 @@ def _mib(nbytes: int) -> str:
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
 @zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
+@profile_option("steps START to STOP (counted from 1 with the warm-up steps) into RUN_DIR/profile.json, "
+                "timed apart from the others")
+@click.option("--out", type=str, default=None, metavar="RUN_DIR",
+              help="where --profile writes (several layouts: RUN_DIR/<layout>/)  [default: runs/bench-<time>]")
 @cp_option
 @collective_timeout_option
 def bench(layouts, dp, cp, depth, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
-          dtype, device, tf32, recompute, zero, as_json, collective_timeout):
+          dtype, device, tf32, recompute, zero, as_json, profile, out, collective_timeout):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -129,6 +133,10 @@ def bench(layouts, dp, cp, depth, n_layer, n_head, n_embd, seq_len, batch_size, 
 
     if steps < 1 or warmup_steps < 0:
         raise UserError("--steps must be at least 1 and --warmup-steps at least 0")
+    if profile is not None and profile[1] > warmup_steps + steps:
+        raise UserError(f"--profile {profile[0]}:{profile[1]} ends after the last step, "
+                        f"{warmup_steps + steps} (--warmup-steps + --steps)")
+    profile_dir = _profile_dir(out) if profile is not None else None
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
@@ -145,7 +153,12 @@ def bench(layouts, dp, cp, depth, n_layer, n_head, n_embd, seq_len, batch_size, 
             if note and note not in noted:
                 noted.add(note)
                 echo(note)
-            results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
+            session = None
+            if profile is not None:
+                where = profile_dir / name if len(layouts) > 1 else profile_dir
+                meta = {"command": "bench", **parts.layout.describe()}
+                session = _session_factory(parts, profile, where, meta)
+            results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed, session))
     echo(format_table(results, 4 if dtype == "float32" else 8))
     echo(f"threads: {threads.current().describe()}")
     if as_json:
@@ -153,6 +166,36 @@ def bench(layouts, dp, cp, depth, n_layer, n_head, n_embd, seq_len, batch_size, 
         echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
                          "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
                          "results": results}))
+
+
+def _profile_dir(out):
+    """bench --profile's run directory: --out, else runs/bench-<time> (rank 0's time, agreed)."""
+    import time
+    from pathlib import Path
+
+    return Path(out if out is not None else _mpi["world"].bcast(time.strftime("runs/bench-%Y%m%d-%H%M%S"), root=0))
+
+
+def _session_factory(parts, steps, where, meta):
+    from ..analysis.profile import ProfileSession
+
+    return lambda opt: ProfileSession(parts, opt, _mpi["world"], steps, where, echo, meta)
+
+
+@cli.command()
+@click.argument("run_dir")
+@click.option("--out", required=True, metavar="FILE.png", help="the picture to write")
+@click.option("--width", type=float, default=12.0, show_default=True, help="inches across")
+def timeline(run_dir, out, width):
+    """Draw RUN_DIR/profile.json (train or bench --profile) as a picture.
+
+    Ranks down, time across; for each rank a lane of compute and one per
+    communication axis, each in its own colour: calls and waits solid,
+    nonblocking calls in flight pale. RUN_DIR may also be the trace file.
+    """
+    from ..analysis.timeline import draw
+
+    echo(draw(run_dir, out, width))
 
 
 @cli.command()

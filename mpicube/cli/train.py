@@ -9,9 +9,10 @@ import math
 
 import click
 
+from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
-                     grad_accum_option, layout_options, model_options, recompute_option, watched, zero_option,
-                     cp_option)
+                     grad_accum_option, layout_options, model_options, profile_option, recompute_option, watched,
+                     zero_option, cp_option)
 
 
 @cli.command()
@@ -69,8 +70,9 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
 @zero_option("1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
              "replicas; gradients reduce-scattered, parameters all-gathered")
+@profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
-def train(collective_timeout, **kwargs):
+def train(collective_timeout, profile, **kwargs):
     """Train a GPT-2 model.
 
     Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
@@ -80,14 +82,22 @@ def train(collective_timeout, **kwargs):
     """
     from ..training.launch import SHAPE_OPTIONS
     from ..training.options import TrainOptions
-    from ..training.train import train as run_training
+    from ..training.train import Trainer
 
     opts = TrainOptions(**kwargs)
     ctx = click.get_current_context()      # a model file decides the shape options nobody gave
     opts.given_shape = tuple(k for k in SHAPE_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
+    hooks = []
+    if profile is not None and profile[1] > opts.last_step:
+        raise UserError(f"--profile {profile[0]}:{profile[1]} ends after the last step this run trains, "
+                        f"{opts.last_step} (--steps, --stop-after)")
+    if profile is not None:
+        from ..analysis.profile import ProfileHooks
+
+        hooks.append(ProfileHooks(profile, echo))
     with watched(collective_timeout, "setup"):
-        return run_training(opts, _mpi["world"])
+        return Trainer(opts, _mpi["world"], hooks=hooks).run()
 
 
 @cli.command("eval")

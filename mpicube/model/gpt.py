@@ -332,6 +332,20 @@ class GPT:
         local = row_loss.sum(dtype=xp.float64).reshape(1) / emb.row_replicas   # (1,) on the device
         return float(layout.axes.world.allreduce(local)[0]) / self.n_tokens
 
+    def named_modules(self) -> list:
+        """(GPT-2 name, layer or None, module, methods) of every module whose
+        calls a profile times (``mpicube.analysis.profile``): the tied
+        embedding, each block and its layers, ln_f. Listed here, beside the
+        code that calls them, so a profile names what really ran."""
+        out = [("wte", None, self.embedding, ("embed", "logits", "logits_backward", "embed_backward"))]
+        for i, block in enumerate(self.blocks):
+            out.append((block.site, i, block, ("forward", "backward")))
+            for attr, name in (("ln_1", "ln_1"), ("c_attn", "attn.c_attn"), ("c_proj", "attn.c_proj"),
+                               ("ln_2", "ln_2"), ("c_fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")):
+                out.append((f"{block.site}.{name}", i, getattr(block, attr), ("forward", "backward")))
+        out.append(("ln_f", None, self.ln_f, ("forward", "backward")))
+        return out
+
     def new_caches(self) -> list:
         """An empty key/value cache per block for this rank's sequences
         and heads, over the whole context."""

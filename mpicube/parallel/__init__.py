@@ -8,7 +8,8 @@ layout's own) from the world; ``layouts`` holds serial, 1-D, 2-D, 2.5-D
 and 3-D tensor parallelism behind one protocol; ``params`` is each rank's
 flat parameter and gradient buffer; ``gradients`` sums gradients over
 replica groups and dp and takes the norm; ``zero`` partitions the buffer
-over dp for --zero 1.
+over dp for --zero 1; ``profiler`` records the spans of ``--profile``
+(``comm`` hands it every call and wait).
 
 May import: ``core``, ``device``, ``ops``.
 """

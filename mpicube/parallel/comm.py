@@ -48,6 +48,10 @@ Every collective is started nonblocking and completed by
 long for the others does not spin on a core; each call also records in
 ``waiting.WAITS`` what this rank waits in (kind, axis, since when) for the
 watchdog (``mpicube.parallel.watchdog``, ``--collective-timeout``).
+
+Under ``--profile`` (``mpicube.parallel.profiler``) ``_count`` and
+``Pending.wait`` also hand each call and wait to the active recorder; with
+no profile running that is one check of ``profiler.ACTIVE`` per call.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from fractions import Fraction
 import numpy as np
 from mpi4py import MPI
 
-from . import comm_wire
+from . import comm_wire, profiler
 from .waiting import WAITS, complete
 from ..device import precision
 from ..device.backend import Backend, cuda_aware_mpi
@@ -109,10 +113,13 @@ class Counters:
 class Pending:
     """A started collective: ``wait()`` completes it and returns its result
     (the time spent waiting is added to the axis's seconds). Holds the send
-    buffer so it outlives the operation."""
+    buffer so it outlives the operation. Made right after the start call's
+    ``Comm._count``, so ``WAITS.progress`` is then the time that call
+    returned: a profile's flight starts there."""
 
     def __init__(self, finish, comm: "Comm" = None, send=None, kind: str = "wait"):
         self._finish, self._comm, self._send, self._kind = finish, comm, send, kind
+        self._since = WAITS.progress        # when the start call returned (Comm._count), for --profile
 
     def wait(self):
         if self._comm is None:
@@ -121,6 +128,8 @@ class Pending:
         out = self._finish()
         t1 = time.perf_counter()
         self._comm.counters.add(self._comm.axis, 0, 0, t1 - t0)
+        if profiler.ACTIVE is not None:
+            profiler.ACTIVE.wait(self._comm, self._kind, self._since, t0, t1)
         WAITS.leave(t1)
         self._send = None
         return out
@@ -194,6 +203,8 @@ class Comm:
         """Count a call started at ``t0``, which has finished (or, nonblocking, started)."""
         t1 = time.perf_counter()
         self.counters.add(self.axis, elems, msgs, t1 - t0, width)
+        if profiler.ACTIVE is not None:         # --profile: the kind is the one _start named
+            profiler.ACTIVE.comm(self, (WAITS.current or ("call",))[0], t0, t1, Fraction(elems) * width)
         WAITS.leave(t1)
 
     # --- 16-bit formats ----------------------------------------------------
