@@ -159,6 +159,14 @@ def pipeline_options(f):
     return f
 
 
+def cp_option(f):
+    """``--cp C`` (train, eval, bench): context-parallel ranks (parallel/context.py)."""
+    return click.option("--cp", type=int, default=1, show_default=True,
+                        help="context-parallel ranks: each sequence cut into 2C chunks, rank r holding chunks r "
+                             "and 2C-1-r, attention by a ring passing K and V; the world splits into "
+                             "dp x cp x tensor-parallel ranks")(f)
+
+
 def recompute_option(f):
     return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
                         help="trade memory for communication and FLOPs: gathers = gather weight and activation "

@@ -10,15 +10,17 @@ B_m/C_m between paired linears, V_l local vocabulary.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from . import kvcache
 from .. import ops
 from ..device import precision
-from ..ops import rng
+from ..ops import attention_blocks, rng
 from ..core import memory
 from ..core.config import ModelConfig
+from ..parallel import context
 from ..parallel.layouts.base import Layout, LayerNorm
 from ..parallel.params import ParamDecl, ParamStore
 
@@ -88,6 +90,7 @@ class Dropout:
         step_batch = layout.batch_size * grad_accum               # the layout holds one micro-batch
         self.canonical_shape = (step_batch, cfg.n_ctx, cfg.n_embd)
         self._indices = {}                                        # (kind, T, micro) -> index vectors on the device
+        self.global_positions = None                              # (T_l,) under context parallelism (GPT.forward)
 
     def first_seq(self, micro: int) -> int:
         """Global index of this replica's first sequence in micro-batch
@@ -111,7 +114,7 @@ class Dropout:
         """(B_c, T, C_c) keep mask for an activation in canonical form, or None."""
         if self.p == 0.0:
             return None
-        index = (self.layout.canonical_seqs, np.arange(T), self.layout.canonical_cols)
+        index = (self.layout.canonical_seqs, self.positions(T), self.layout.canonical_cols)
         mask = self._mask(step, site, self.canonical_shape, "canonical", T, index)
         mask *= 1.0 / self.keep
         return mask
@@ -124,6 +127,36 @@ class Dropout:
         shape = (self.canonical_shape[0], cfg.n_head, cfg.n_ctx, cfg.n_ctx)
         index = (self.layout.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
         return self._mask(step, site, shape, "attention", T, index)
+
+    def positions(self, T):
+        """(T,) global positions of the T local rows: 0 .. T-1, or a
+        context-parallel rank's two chunks (``global_positions``)."""
+        pos = self.global_positions
+        return np.arange(T) if pos is None or len(pos) != T else pos
+
+    def attention_blocks(self, step, site, T):
+        """A callable (rows, cols) -> (B_m, nh, rows, cols) block of the
+        keep mask ``attention`` draws, or None: blockwise attention draws
+        each block where it uses it (forward, and again in backward), at
+        the same global indices, so no (T, T) mask is ever held. ``rows``
+        and ``cols`` are slices of global positions (a context-parallel
+        rank asks for blocks of its chunks and of chunks it is passed)."""
+        if self.p == 0.0:
+            return None
+        cfg, xp = self.layout.cfg, self.layout.backend.xp
+        shape = (self.canonical_shape[0], cfg.n_head, cfg.n_ctx, cfg.n_ctx)
+        pos = np.arange(cfg.n_ctx)
+        key = rng.make_key(self.seed, "dropout", step, site)
+        first = self.first_seq(self.micro)
+        seqs = xp.asarray(first + np.asarray(self.layout.mid_seqs), dtype=np.uint64)
+        heads = xp.asarray(self.layout.head_ids, dtype=np.uint64)
+        pos_d = xp.asarray(pos, dtype=np.uint64)
+        dtype, p = self.layout.backend.dtype, self.p
+
+        def block(rows, cols):
+            counter = rng.flat_index(shape, (seqs, heads, pos_d[rows], pos_d[cols]), xp)   # (B_m, nh, r, c)
+            return ops.keep_mask(key, counter, p, dtype)
+        return block
 
 
 class Block:
@@ -148,6 +181,12 @@ class Block:
         self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
         self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
         self.n_local_heads = len(layout.head_ids)
+        cp = layout.axes.cp
+        # Blockwise attention (O(T) kept per head) unless MPICUBE_ATTENTION=full asks for the op that
+        # holds T x T (the reference; bench compares the two; the memory model counts blockwise only).
+        self.attention = ops if os.environ.get("MPICUBE_ATTENTION", "blocks") == "full" else attention_blocks
+        if cp.size > 1:                     # this rank's chunks attend to the whole sequence over the cp ring
+            self.attention = context.RingAttention(cp)
 
     def modules(self) -> list:
         """The block and its layers: everything that holds a cache."""
@@ -178,12 +217,16 @@ class Block:
     def _forward(self, x, dropout: Dropout, step: int):
         """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
         T = x.shape[1]
-        self.keep_attn = dropout.attention(step, self.site + ".attn", T)
+        if self.attention is ops:
+            self.keep_attn = dropout.attention(step, self.site + ".attn", T)       # (B_m, nh, T, T)
+        else:
+            self.keep_attn = dropout.attention_blocks(step, self.site + ".attn", T)   # a callable: never (T, T)
         self.keep_resid_attn = dropout.canonical(step, self.site + ".resid_attn", T)
         self.keep_resid_mlp = dropout.canonical(step, self.site + ".resid_mlp", T)
 
         qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, T, 3 C_m)
-        a, self.attn_cache = ops.attention_forward(qkv, self.n_local_heads, self.keep_attn, dropout.keep)
+        a, self.attn_cache = self.attention.attention_forward(qkv, self.n_local_heads, self.keep_attn,
+                                                              dropout.keep)                   # (B_m, T, C_m)
         y = self.c_proj.forward(a)                                             # (B_c, T, C_c)
         if self.keep_resid_attn is not None:
             y *= self.keep_resid_attn
@@ -203,7 +246,7 @@ class Block:
         dx = dx + self.ln_2.backward(self.c_fc.backward(df))
         dy = dx if self.keep_resid_attn is None else dx * self.keep_resid_attn
         da = self.c_proj.backward(dy)
-        dqkv = ops.attention_backward(da, self.attn_cache)
+        dqkv = self.attention.attention_backward(da, self.attn_cache)
         dx = dx + self.ln_1.backward(self.c_attn.backward(dqkv))
         self.attn_cache = self.gelu_cache = None
         self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None   # masks: no longer needed
@@ -270,10 +313,21 @@ class GPT:
         T = idx.shape[1]
         self.dropout.micro = micro
         self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
+        cp = layout.axes.cp
+        if cp.size > 1:                     # --cp: this rank's two chunks of every sequence (parallel.context)
+            # (grid.plan refuses --cp with --pp: this chunk is the whole model, first and last)
+            pos = context.local_positions(T, cp.size, cp.rank)             # (T_l,) global positions
+            idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]
+            self.dropout.global_positions = pos
+            self.pos = xp.asarray(pos)
+        else:
+            self.pos = slice(0, T)
         capture = self.capture
         if self.first:
-            x = self.embedding.embed(xp.asarray(idx))                       # (B_c, T, C_c)
-            x = x + self.wpe[:T]
+            idx = xp.asarray(idx)
+            x = self.embedding.embed(idx)                                   # (B_c, T_l, C_c)
+            T = idx.shape[1]                                                # T_l: this rank's positions
+            x = x + self.wpe[self.pos]
             self.keep_emb = self.dropout.canonical(step, "emb", T)
             if self.keep_emb is not None:
                 x *= self.keep_emb
@@ -423,7 +477,7 @@ class GPT:
             if self.keep_emb is not None:
                 dx = dx * self.keep_emb
             B, T, C = dx.shape
-            self.dwpe[:T] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
+            self.dwpe[self.pos] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
                 dx.reshape(B, T * C)).reshape(T, C)                        # 16-bit dx: summed in float32+
             self.embedding.embed_backward(dx)
             dx = None

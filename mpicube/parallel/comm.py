@@ -380,41 +380,6 @@ class Comm:
 
         return Pending(finish, self, send, "ireduce_scatter")
 
-    # --- point to point (pipeline stages, axis "pp") ---------------------------
-    # Counted on the sender only: one message of ``x.size`` elements per
-    # isend, so a rank's "pp" counters are what it sends (the receiver counts
-    # its wait time, nothing moved). 16-bit arrays travel as raw words.
-    def isend(self, x, dest: int, tag: int) -> "Pending":
-        """Start sending ``x`` to group rank ``dest``; ``.wait()`` completes
-        it (the buffer is held until then)."""
-        send = self._to_mpi(self._words(x))
-        t0 = self._start("isend")
-        request = self.mpi.Isend(send, dest=dest, tag=tag)
-        self._count(send.size, 1, t0, send.itemsize)
-
-        def finish():
-            complete(request)
-            self._done(send)
-
-        return Pending(finish, self, send, "isend")
-
-    def irecv(self, shape, dtype, source: int, tag: int) -> "Pending":
-        """Post a receive of a (shape) array of ``dtype`` from group rank
-        ``source``; ``.wait()`` returns it (on the device)."""
-        dtype = np.dtype(dtype)
-        words = np.dtype(np.uint16) if precision.is_half(dtype) else dtype
-        recv = self._empty(tuple(shape), words)
-        t0 = self._start("irecv")
-        request = self.mpi.Irecv(recv, source=source, tag=tag)
-        self._count(0, 0, t0, recv.itemsize)
-
-        def finish():
-            complete(request)
-            out = self._from_mpi(recv)
-            return out if out.dtype == dtype else out.view(dtype)
-
-        return Pending(finish, self, recv, "irecv")
-
     # --- small host-side helpers (not counted: metadata, not model data) ----
     def barrier(self):
         WAITS.enter("barrier", self.axis)
