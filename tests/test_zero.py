@@ -133,7 +133,18 @@ def test_zero1_follows_zero0_and_saves_the_same_tensors(runs):
     assert any(name.startswith("optimizer/v/") for name in a)
     for name in a:
         assert a[name].shape == b[name].shape, name
-        assert np.abs(a[name] - b[name]).max() <= STEP_RTOL * 10 * np.abs(b[name]).max(), name
+        got, want = a[name], b[name]
+        if name.endswith("attn.c_attn.bias"):
+            # The key bias's gradient is zero in exact arithmetic (a constant added
+            # to a row's scores leaves its softmax unchanged), so what AdamW steps
+            # on is rounding noise, normalised to steps of size lr whatever its
+            # size: the two runs' noise differs (another summation order), and so
+            # may those elements, by up to lr per step. The query and value parts
+            # follow to float32 rounding as every other tensor does.
+            h = got.shape[0] // 3
+            assert np.abs(got[h:2 * h] - want[h:2 * h]).max() <= 2 * 1e-2 * 5, name     # lr x steps
+            got, want = np.concatenate([got[:h], got[2 * h:]]), np.concatenate([want[:h], want[2 * h:]])
+        assert np.abs(got - want).max() <= STEP_RTOL * 10 * np.abs(want).max(), name
     with checkpoint.open_checkpoint(runs.dir / "z1") as ck:
         assert ck.attrs["adam_t"] == 5
 

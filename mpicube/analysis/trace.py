@@ -143,8 +143,8 @@ class Collector:
     def positions(self, T: int) -> np.ndarray:
         """(T_l,) the global positions of this rank's rows of a T-long
         sequence: all of them, or a cp rank's two chunks."""
-        cp = self.layout.axes.cp
-        return context.local_positions(T, cp.size, cp.rank)
+        ring = self.layout.axes.cp
+        return context.local_positions(T, ring.size, ring.rank)
 
     def host(self, a, dtype=None) -> np.ndarray:
         return np.asarray(self.parts.backend.to_host(a)).astype(dtype or self.dtype)

@@ -125,12 +125,12 @@ class Block:
         self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
         self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
         self.n_local_heads = len(layout.head_ids)
-        cp = layout.axes.cp
+        ring = layout.axes.cp
         # Blockwise attention (O(T) kept per head) unless MPICUBE_ATTENTION=full asks for the op that
         # holds T x T (the reference; bench compares the two; the memory model counts blockwise only).
         self.attention = ops if os.environ.get("MPICUBE_ATTENTION", "blocks") == "full" else attention_blocks
-        if cp.size > 1:                     # this rank's chunks attend to the whole sequence over the cp ring
-            self.attention = context.RingAttention(cp)
+        if ring.size > 1:                   # this rank's chunks attend to the whole sequence over the cp ring
+            self.attention = context.RingAttention(ring)
 
     def modules(self) -> list:
         """The block and its layers: everything that holds a cache."""

@@ -126,10 +126,10 @@ class GPT:
         T = idx.shape[1]
         self.dropout.micro = micro
         self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
-        cp = layout.axes.cp
-        if cp.size > 1:                     # --cp: this rank's two chunks of every sequence (parallel.context)
+        ring = layout.axes.cp
+        if ring.size > 1:                   # --cp: this rank's two chunks of every sequence (parallel.context)
             # (grid.plan refuses --cp with --pp: this chunk is the whole model, first and last)
-            pos = context.local_positions(T, cp.size, cp.rank)             # (T_l,) global positions
+            pos = context.local_positions(T, ring.size, ring.rank)         # (T_l,) global positions
             idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]
             self.dropout.global_positions = pos
             self.pos = xp.asarray(pos)

@@ -106,9 +106,9 @@ class RingAttention:
     with the same ``attention_forward`` / ``attention_backward`` calls as
     ``ops.attention_blocks``: the model uses one or the other."""
 
-    def __init__(self, cp: Comm, block: int = ab.BLOCK):
-        self.cp, self.block = cp, block
-        self.C, self.r = cp.size, cp.rank
+    def __init__(self, ring: Comm, block: int = ab.BLOCK):
+        self.cp, self.block = ring, block
+        self.C, self.r = ring.size, ring.rank
         self.next, self.prev = (self.r + 1) % self.C, (self.r - 1) % self.C
 
     def attention_forward(self, qkv, n_head, keep_mask=None, keep_prob=1.0):
@@ -180,9 +180,9 @@ class RingAttention:
         return dqkv.reshape(B, T_l, 3 * nh * hd)
 
 
-def sync_gradients(store, cp: Comm, wire=None) -> None:
+def sync_gradients(store, ring: Comm, wire=None) -> None:
     """Weights are replicated over cp and each cp rank saw other tokens:
-    their gradients are summed over cp (before the dp sum, which then sees
-    the whole replica's gradient)."""
-    if cp.size > 1:
-        store.flat_grad[...] = cp.allreduce(store.flat_grad, wire=wire)
+    their gradients are summed over the ``ring`` (before the dp sum, which
+    then sees the whole replica's gradient)."""
+    if ring.size > 1:
+        store.flat_grad[...] = ring.allreduce(store.flat_grad, wire=wire)

@@ -43,7 +43,7 @@ class ufunc:
 
 
 _UFUNCS = """add subtract multiply divide true_divide floor_divide negative positive power float_power
-remainder mod fmod absolute sign square sqrt cbrt reciprocal exp exp2 expm1 log log2 log10 log1p
+remainder mod fmod absolute sign square sqrt cbrt reciprocal exp exp2 expm1 log log2 log10 log1p logaddexp
 sin cos tan arcsin arccos arctan arctan2 sinh cosh tanh arcsinh arccosh arctanh hypot deg2rad rad2deg
 maximum minimum fmax fmin floor ceil trunc rint isfinite isinf isnan signbit copysign nextafter ldexp
 frexp modf divmod equal not_equal less less_equal greater greater_equal logical_and logical_or
