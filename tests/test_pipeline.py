@@ -49,9 +49,9 @@ def test_small_grids_follow_serial():
 def test_cube_and_tesseract_stages_and_checkpoint_round_trip(tmp_path):
     """16 ranks: 3-D tp 8 x pp 2 under 1F1B, its trained state moved
     through checkpoints pp 2 x 3d -> serial -> pp 4 x 1d -> back, bitwise;
-    2.5-D (q 2, d 2) x pp 2 interleaved under --recompute gathers."""
+    2.5-D (q 2, d 2) x pp 2 under GPipe and --recompute gathers."""
     out = run_cases(16, [f"3d 1 1 2 1f1b 1 2 steps=2 ckpt={tmp_path}",
-                         "2.5d 1 2 2 interleaved 2 2 steps=2 recompute=gathers"], timeout=360)
+                         "2.5d 1 2 2 gpipe 1 2 steps=2 recompute=gathers"], timeout=360)
     assert "checkpoint round trip OK: 156 tensors" in out
 
 
