@@ -120,12 +120,15 @@ class Pipeline:
         p = self.dropout if dropout is None else dropout
         key = (v, micro, p)
         if key not in self.models:
-            _, k, layers = self.chunks[v]
-            model = GPT(self.cfg, self.layout, self.store, dropout=p, seed=self.seed, grad_accum=self.N,
-                        layers=layers, first=k == 0, last=k == self.last_chunk)
-            model.loss_comm = None              # shares summed once per step (``_step_loss``)
-            self.models[key] = model
+            self.models[key] = self._new_chunk(v, p)
         return self.models[key]
+
+    def _new_chunk(self, v: int, dropout: float) -> GPT:
+        _, k, layers = self.chunks[v]
+        model = GPT(self.cfg, self.layout, self.store, dropout=dropout, seed=self.seed, grad_accum=self.N,
+                    layers=layers, first=k == 0, last=k == self.last_chunk)
+        model.loss_comm = None                  # shares summed once per step (``_step_loss``)
+        return model
 
     def _tag(self, a) -> int:
         return message_tag(a, self.stage, self.P, self.V, self.N)
@@ -233,6 +236,7 @@ class Pipeline:
         """The step's mean loss over the global batch x, y (B, T), forward
         only (the chunks of ``dropout``, default none: evaluation's view)."""
         actions = self.forward_actions()
+        views = {v: self._new_chunk(v, dropout) for v in range(self.V)}   # dropped afterwards, caches and all
         posted = self._post_receives(actions, x.shape[1])
         sends, outbox, loss = [], {}, 0.0
         for a in actions:
@@ -242,7 +246,7 @@ class Pipeline:
             elif a.op == "send_act":
                 sends.append(self.pp.isend(outbox.pop((m, v)), a.peer, self._tag(a)))
             else:
-                model, rows = self.chunk_model(v, 0, dropout), parts.micro_rows(m)
+                model, rows = views[v], parts.micro_rows(m)
                 out = model.forward(x[rows] if model.first else inp, y[rows], step=step, micro=m)
                 if model.last:
                     loss += out
