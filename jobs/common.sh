@@ -15,8 +15,11 @@
 #   DATA           token shards (--data); empty: mpicube's built-in corpus
 #   LAYOUT DTYPE DEVICE                                    default 3d float32 gpu
 #   N_LAYER N_HEAD N_EMBD SEQ_LEN BATCH_SIZE STEPS LR WARMUP     the model, the run
-#   DP             data-parallel replicas (--dp): ranks = DP x q^3 for the 3-D
-#                  layout; unset means mpicube's default of 1
+#   DP             data-parallel replicas (--dp): ranks = DP x PP x q^3 for the
+#                  3-D layout; unset means mpicube's default of 1
+#   PP PP_SCHEDULE VIRTUAL_STAGES GRAD_ACCUM   pipeline stages (--pp), their
+#                  schedule (--pp-schedule), chunks per stage (--virtual-stages)
+#                  and micro-batches (--grad-accum); unset: mpicube's defaults
 #   CKPT_EVERY     steps between checkpoints (--ckpt-every)
 #   EXTRA_ARGS     more `mpicube train` options, appended last (so they win)
 #   TIME_LIMIT     seconds for --time-limit; PBS computes it from the walltime
@@ -73,7 +76,8 @@ MPC_EXIT_NO_PROGRESS=76
 # Variables written to RUN_DIR/job-env.sh so that a resubmitted PBS job runs
 # with exactly the settings of the first one.
 MPC_VARS=(REPO_DIR VENV RUN_DIR DATA LAYOUT DTYPE DEVICE N_LAYER N_HEAD N_EMBD
-  SEQ_LEN BATCH_SIZE STEPS LR WARMUP DP CKPT_EVERY EXTRA_ARGS TIME_LIMIT
+  SEQ_LEN BATCH_SIZE STEPS LR WARMUP DP PP PP_SCHEDULE VIRTUAL_STAGES GRAD_ACCUM
+  CKPT_EVERY EXTRA_ARGS TIME_LIMIT
   TIME_MARGIN MAX_RESUBMITS LAUNCHER SRUN_ARGS MPIEXEC_ARGS SKIP_PROBE WALLTIME
   OMP_NUM_THREADS)
 
@@ -280,7 +284,8 @@ mpc_train_args() {
   MPC_ARGS=(train --layout "$LAYOUT" --dtype "$DTYPE" --device "$DEVICE")
   local pair var
   for pair in n-layer:N_LAYER n-head:N_HEAD n-embd:N_EMBD seq-len:SEQ_LEN \
-    batch-size:BATCH_SIZE steps:STEPS lr:LR warmup:WARMUP dp:DP; do
+    batch-size:BATCH_SIZE steps:STEPS lr:LR warmup:WARMUP dp:DP pp:PP pp-schedule:PP_SCHEDULE \
+    virtual-stages:VIRTUAL_STAGES grad-accum:GRAD_ACCUM; do
     var=${pair#*:}
     if [[ -n ${!var:-} ]]; then
       MPC_ARGS+=("--${pair%%:*}" "${!var}")

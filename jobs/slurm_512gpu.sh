@@ -1,7 +1,14 @@
 #!/bin/bash
-# mpicube on Slurm: 3-D tensor parallelism on a 8x8x8 cube = 512 GPUs
-# (128 nodes x 4 GPUs, one MPI rank per GPU), checkpointing and requeueing
-# itself until the run is done.
+# mpicube on Slurm: 512 GPUs as 8 replicas x 8 pipeline stages x a 2x2x2
+# 3-D cube (128 nodes x 4 GPUs, one MPI rank per GPU; dp x pp x tp with tp
+# innermost), checkpointing and requeueing itself until the run is done.
+#
+# Why a pipeline (mpicube info -n 512 --pipelines --ranks-per-node 4 with
+# this model): one 8x8x8 cube holds 6.4 GB per rank (4 micro-batches) but
+# sends 63 GB per rank and step across nodes of 4 GPUs (18 GB on nodes of
+# 8); dp 8 x pp 8 x 2x2x2, interleaved 1F1B with 2 chunks per stage and 8
+# micro-batches, holds 20 GB and sends 7.4 GB (0.97 GB on nodes of 8), for a
+# 30 % bubble. DP=1 PP=1 GRAD_ACCUM=1 runs the 8x8x8 cube.
 #
 # Submit from the repository root (mpicube options after the script are
 # passed to `mpicube train`):
@@ -70,6 +77,7 @@ source "$REPO_DIR/jobs/common.sh"
 : "${N_LAYER:=32}" "${N_HEAD:=64}" "${N_EMBD:=4096}" "${SEQ_LEN:=1024}" "${BATCH_SIZE:=256}"
 : "${STEPS:=20000}" "${LR:=1.5e-4}" "${WARMUP:=2000}" "${CKPT_EVERY:=200}"
 : "${LAYOUT:=3d}" "${DTYPE:=float32}" "${DEVICE:=gpu}"
+: "${DP:=8}" "${PP:=8}" "${PP_SCHEDULE:=interleaved}" "${VIRTUAL_STAGES:=2}" "${GRAD_ACCUM:=8}"
 
 mpc_setup slurm
 mpc_check_world

@@ -1,7 +1,14 @@
 #!/bin/bash
-# mpicube on Slurm: 3-D tensor parallelism on a 4x4x4 cube = 64 GPUs
-# (16 nodes x 4 GPUs, one MPI rank per GPU), checkpointing and requeueing
-# itself until the run is done.
+# mpicube on Slurm: 64 GPUs as 8 pipeline stages x a 2x2x2 3-D cube
+# (16 nodes x 4 GPUs, one MPI rank per GPU; pp x tp with tp innermost),
+# checkpointing and requeueing itself until the run is done.
+#
+# Why a pipeline (mpicube info -n 64 --pipelines --ranks-per-node 4 with
+# this model): one 4x4x4 cube holds 3.6 GB per rank (4 micro-batches) but
+# sends 6.8 GB per rank and step across nodes of 4 GPUs; 8 stages of 2x2x2,
+# interleaved 1F1B with 3 chunks per stage and 16 micro-batches, hold 7.6 GB
+# and send 2.8 GB (0.4 GB on nodes of 8), for a 13 % bubble. PP=1
+# GRAD_ACCUM=1 runs the 4x4x4 cube.
 #
 # Submit from the repository root (mpicube options after the script are
 # passed to `mpicube train`):
@@ -70,6 +77,7 @@ source "$REPO_DIR/jobs/common.sh"
 : "${N_LAYER:=24}" "${N_HEAD:=32}" "${N_EMBD:=2048}" "${SEQ_LEN:=1024}" "${BATCH_SIZE:=64}"
 : "${STEPS:=20000}" "${LR:=3e-4}" "${WARMUP:=1000}" "${CKPT_EVERY:=250}"
 : "${LAYOUT:=3d}" "${DTYPE:=float32}" "${DEVICE:=gpu}"
+: "${PP:=8}" "${PP_SCHEDULE:=interleaved}" "${VIRTUAL_STAGES:=3}" "${GRAD_ACCUM:=16}"
 
 mpc_setup slurm
 mpc_check_world

@@ -7,6 +7,7 @@ compare these functions with measured counters."""
 
 import dataclasses
 import itertools
+import json
 from fractions import Fraction
 
 import pytest
@@ -132,3 +133,67 @@ def test_interleaved_peak_walks_the_chunks():
     assert sum(peak.values()) <= 7 * (max(sum(c.values()) for c in per_chunk) + sum(step.values()))
     b16 = dataclasses.replace(p, dtype="bfloat16")
     assert pipeline_peak_activation_bytes(b16, 0) < pipeline_peak_activation_bytes(p, 0)
+
+
+PAPER = ModelConfig(vocab_size=50304, n_ctx=2048, n_layer=24, n_head=64, n_embd=8192)
+
+
+def test_a_pipeline_beats_every_flat_grid_at_512_ranks():
+    """The paper's model on 512 ranks (batch 512, bfloat16, nodes of 8):
+    3-D tp 8 x pp 8 x dp 8 under 1F1B holds less per rank and sends fewer
+    bytes across nodes than the dp x tp grid without a pipeline that sends
+    the fewest (3-D tp 8 x dp 64), each with its own best --grad-accum."""
+    from mpicube.analysis.costpipereport import combinations, pipeline_problem, worst
+
+    rows = combinations(PAPER, 512, 512, "bfloat16")
+    flat = min((w for p, w in rows if p.pp == 1), key=lambda w: (w["cross_node"], w["memory"]))
+    best_flat = next(p for p, w in rows if w is flat)
+    assert (best_flat.layout, best_flat.tp, best_flat.dp) == ("3d", 8, 64)
+    pipe = worst(pipeline_problem("3d", PAPER, 512, 512, 8, 1, 8, "1f1b", 1, "bfloat16", grad_accum=16))
+    assert pipe["memory"] < flat["memory"] / 1.8 and pipe["cross_node"] < flat["cross_node"] / 5
+    assert pipe["bubble"] == pytest.approx(7 / 23)
+    assert pipe["bytes"]["pp"] > 0 and pipe["bytes"]["tp"] > pipe["bytes"]["dp"] > 0
+
+
+def test_info_pp(mpicube):
+    r = mpicube.run("info", "-n", 8, "--layout", "1d", "--n-layer", 4, "--pp", 2, "--grad-accum", 4,
+                    "--pp-schedule", "interleaved", "--virtual-stages", 2, "--batch-size", 8, "--json")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "world 8 = dp 1 x pp 2 x tp 4" in out and "bubble 11.1% of the step" in out
+    assert "0-1" not in out and "0,2+embed" in out and "1,3+head" in out        # chunks k = v P + p, one layer each
+    assert "dp x pp x tp at world 8" in out and "<- best without pp" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["pp"] == 2 and summary["virtual_stages"] == 2 and [s["in_flight"] for s in summary["stages"]] == [5, 3]
+    bad = mpicube.run("info", "-n", 8, "--n-layer", 4, "--pp", 2, "--virtual-stages", 2)
+    assert bad.returncode == 2 and bad.stdout.count("--virtual-stages 2 applies to --pp-schedule interleaved only") + \
+        bad.stderr.count("--virtual-stages 2 applies to --pp-schedule interleaved only") == 1
+
+
+def _script_defaults(name: str) -> dict:
+    """The ``: "${VAR:=value}"`` defaults of a job script."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "jobs" / name).read_text()
+    return dict(re.findall(r'\$\{(\w+):=([^}]*)\}', text))
+
+
+@pytest.mark.parametrize("script, world", [("slurm_512gpu.sh", 512), ("slurm_64gpu.sh", 64)])
+def test_job_scripts_pipelines_pay(script, world):
+    """The bigger Slurm scripts' default pipelines are valid for their model
+    and send fewer bytes across nodes of 4 GPUs (their #SBATCH layout) than
+    the single cube of the same world, with a bubble under 35 %."""
+    from mpicube.analysis.costpipereport import pipeline_problem, worst
+
+    v = _script_defaults(script)
+    cfg = ModelConfig(vocab_size=256, n_ctx=int(v["SEQ_LEN"]), n_layer=int(v["N_LAYER"]), n_head=int(v["N_HEAD"]),
+                      n_embd=int(v["N_EMBD"]))
+    p = pipeline_problem(v["LAYOUT"], cfg, int(v["BATCH_SIZE"]), world, int(v.get("DP", 1)), 1, int(v["PP"]),
+                         v["PP_SCHEDULE"], int(v["VIRTUAL_STAGES"]), v["DTYPE"], grad_accum=int(v["GRAD_ACCUM"]))
+    assert not isinstance(p, str), p
+    pipe = worst(p, ranks_per_node=4)
+    # the cube with 4 micro-batches, the scripts' comparison
+    flat = worst(pipeline_problem(v["LAYOUT"], cfg, int(v["BATCH_SIZE"]), world, 1, 1, 1, "1f1b", 1, v["DTYPE"],
+                                  grad_accum=4), ranks_per_node=4)
+    assert pipe["cross_node"] < flat["cross_node"] / 2 and pipe["bubble"] < 0.35

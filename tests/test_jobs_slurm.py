@@ -25,7 +25,9 @@ from mpirun import ROOT, job_env, mpiexec
 from slurm_jobs import held, slurm_cluster, submit, wait_for, wait_pending
 
 MODEL = {"N_LAYER": "1", "N_HEAD": "2", "N_EMBD": "16", "SEQ_LEN": "16", "BATCH_SIZE": "4",
-         "LR": "1e-3", "WARMUP": "20", "DTYPE": "float32"}
+         "LR": "1e-3", "WARMUP": "20", "DTYPE": "float32",
+         # the bigger scripts default to a pipeline over replicas; on a few ranks, none
+         "DP": "1", "PP": "1", "PP_SCHEDULE": "1f1b", "VIRTUAL_STAGES": "1", "GRAD_ACCUM": "1"}
 STEPS = 120             # long enough to stop in the middle; a few seconds of training
 # Runs a test stops: the ranks are held once they have trained a few steps
 # past the latest checkpoint, and a 120-step run (or the 15 steps left after

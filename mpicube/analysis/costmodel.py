@@ -170,21 +170,24 @@ def local_param_sizes(p: Problem) -> dict:
     sharding rules of each layout (closed forms, not the layout code);
     under a pipeline only the tensors of this stage (``on_stage``)."""
     cfg, out = p.cfg, {}
+    mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
     for decl in gpt_params(cfg):
-        if on_stage(p, decl.name):
+        if on_stage(p, decl.name, mine):
             out[decl.name] = _local_size(p, decl)
     return out
 
 
-def on_stage(p: Problem, name: str) -> bool:
+def on_stage(p: Problem, name: str, layers: set = None) -> bool:
     """Whether parameter ``name`` lives on this stage: a block's on the stage
-    of its chunk, wpe on the first, ln_f on the last, and wte on both (the
-    LM head is tied to the lookup: each end holds a copy)."""
+    of its chunk (``layers``: this stage's, computed once by the caller),
+    wpe on the first, ln_f on the last, and wte on both (the LM head is
+    tied to the lookup: each end holds a copy)."""
     if p.pp == 1:
         return True
     if name.startswith("h."):
-        layer = int(name.split(".")[1])
-        return any(layer in p.chunk_layers[k] for k in p.stage_chunks)
+        if layers is None:
+            layers = {i for k in p.stage_chunks for i in p.chunk_layers[k]}
+        return int(name.split(".")[1]) in layers
     if name == "wte":
         return p.has_embed or p.has_head
     return p.has_embed if name == "wpe" else p.has_head

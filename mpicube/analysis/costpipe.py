@@ -29,6 +29,7 @@ lists the executor runs, so the model counts what the code sends.
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
 
 from ..parallel.schedules import bubble_fraction, build_schedule, in_flight, simulate
 from .costbase import Problem, Traffic
@@ -40,8 +41,24 @@ def stage_problem(p: Problem, stage: int) -> Problem:
 
 
 def schedule_of(p: Problem) -> list:
-    """Every stage's action list for this run."""
-    return build_schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)
+    """Every stage's action list for this run (built once per shape: info
+    weighs hundreds of runs, each stage asking for the same lists)."""
+    return _schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)
+
+
+@lru_cache(maxsize=256)
+def _schedule(name: str, stages: int, micro_batches: int, virtual: int) -> tuple:
+    return tuple(tuple(acts) for acts in build_schedule(name, stages, micro_batches, virtual))
+
+
+@lru_cache(maxsize=1024)
+def _in_flight(name: str, stages: int, micro_batches: int, virtual: int, stage: int) -> tuple:
+    return tuple(in_flight(list(_schedule(name, stages, micro_batches, virtual)[stage])))
+
+
+def live_pairs(p: Problem, stage: int) -> tuple:
+    """``schedules.in_flight`` of ``stage``'s list: the live (micro, chunk) pairs after each action."""
+    return _in_flight(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages, stage)
 
 
 def boundary_elems(p: Problem) -> int:
@@ -89,7 +106,7 @@ def bubble(p: Problem) -> float:
 def measured_bubble(p: Problem, forward_time: float = 1.0, backward_time: float = 2.0) -> float:
     """The idle share measured by simulating the schedule with unit-time
     chunk forwards (and backwards ``backward_time``), free communication."""
-    return simulate(schedule_of(p), forward_time, backward_time)["bubble"]
+    return simulate([list(acts) for acts in schedule_of(p)], forward_time, backward_time)["bubble"]
 
 
 def peak_over_schedule(p: Problem, stage: int, per_micro: dict, step: dict, rerun: dict, weigh) -> tuple:
@@ -99,26 +116,24 @@ def peak_over_schedule(p: Problem, stage: int, per_micro: dict, step: dict, reru
     ``rerun`` under --recompute blocks (the rerun block's caches sit on top
     of what the micro-batch being taken back still holds). The terms
     themselves are ``costmemory``'s (``pipeline_peak_activations``)."""
-    acts = schedule_of(p)[stage]
-    best, best_terms, before = -1, None, ()
-    for a, after in zip(acts, in_flight(acts)):
-        if a.op in ("forward", "backward"):
-            live, extra = (after, False) if a.op == "forward" else (before, p.recompute == "blocks")
-            terms = dict(step)
-            for _, v in live:
-                for kind in terms:
-                    terms[kind] += per_micro[v][kind]
-            if extra:
-                for kind in terms:
-                    terms[kind] += rerun[kind]
-            value = weigh(terms)
-            if value > best:
-                best, best_terms = value, terms
-        before = after
+    best, best_terms = -1, None
+    live = dict(step)                                   # running sum over the live pairs, plus step
+    for a in schedule_of(p)[stage]:
+        if a.op not in ("forward", "backward"):
+            continue
+        if a.op == "forward":
+            live = {kind: live[kind] + per_micro[a.chunk][kind] for kind in live}
+            terms = live
+        else:
+            terms = {kind: live[kind] + (rerun[kind] if p.recompute == "blocks" else 0) for kind in live}
+            live = {kind: live[kind] - per_micro[a.chunk][kind] for kind in live}
+        value = weigh(terms)
+        if value > best:
+            best, best_terms = value, dict(terms)
     return best, best_terms
 
 
 def peak_in_flight(p: Problem, stage: int = None) -> int:
     """Micro-batch chunks whose activations ``stage`` holds at once at most."""
     stage = p.stage if stage is None else stage
-    return max(len(x) for x in in_flight(schedule_of(p)[stage]))
+    return max(len(x) for x in live_pairs(p, stage))

@@ -10,8 +10,8 @@ import json
 import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
-                     echo, grad_accum_option, layout_options, model_options, pipeline_options, recompute_option, watched,
-                     zero_option)
+                     echo, grad_accum_option, layout_options, model_options, pipeline_options, recompute_option,
+                     watched, zero_option)
 from ..core.errors import UserError
 
 
@@ -32,12 +32,19 @@ from ..core.errors import UserError
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
 @zero_option("the estimate with the optimizer state sharded over --dp (as train --zero 1)")
 @recompute_option
+@pipeline_options
+@click.option("--pipelines", is_flag=True,
+              help="also show every dp x pp x tp combination at this world size (memory, traffic per link class, "
+                   "cross-node bytes, bubble); implied by --pp > 1")
+@click.option("--ranks-per-node", type=int, default=8, show_default=True,
+              help="consecutive ranks that share a node, for the cross-node bytes of --pipelines")
 @click.option("--json", "as_json", is_flag=True,
               help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
-         vocab_size, zero, recompute, as_json):
+         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
-    and every memory option (--recompute, --zero) with what it costs."""
+    and every memory option (--recompute, --zero) with what it costs; with
+    --pp, each pipeline stage and the dp x pp x tp combinations."""
     from ..core.config import ModelConfig
     from ..files.data import VOCAB_SIZE
     from ..parallel.grid import validate_model
@@ -63,19 +70,43 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         from ..analysis.costreport import memory_options, report, summary
         from ..parallel.grid import default_batch
         from ..parallel.gridspec import GridSpec
+        from ..parallel.schedules import check_pipeline, check_pp_world
 
+        world = world_size or 1
+        note = check_pipeline(cfg.n_layer, pp, pp_schedule, virtual_stages, grad_accum)
+        stage_world = check_pp_world(world, pp, dp) * dp        # one stage's dp x tp ranks
         echo()
         if batch_size is None:
-            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, depth=depth), cfg, world_size or 1,
+            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, depth=depth), cfg, stage_world,
                                             grad_accum, recompute=recompute)
             echo(why)
-        args = (layout or "auto", cfg, batch_size, world_size or 1, dp, depth)
-        options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
-        echo(report(*args, **options))
-        echo()
-        echo(memory_options(cfg, batch_size, world_size or 1, dp, dtype, grad_accum))
+        if note:
+            echo(note)
+        if pp > 1:
+            from ..analysis.costpipereport import pipeline_report
+
+            echo(pipeline_report(layout or "auto", cfg, batch_size, world, dp, depth, pp, pp_schedule,
+                                 virtual_stages, dtype, recompute, grad_accum, zero, ranks_per_node))
+        else:
+            args = (layout or "auto", cfg, batch_size, world, dp, depth)
+            options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
+            echo(report(*args, **options))
+            echo()
+            echo(memory_options(cfg, batch_size, world, dp, dtype, grad_accum))
+        if pipelines or pp > 1:
+            from ..analysis.costpipereport import combinations_report
+
+            echo()
+            echo(combinations_report(cfg, batch_size, world, dtype, recompute, zero, ranks_per_node))
         if as_json:
-            echo(json.dumps(summary(*args, **options)))
+            if pp > 1:
+                from ..analysis.costpipereport import pipeline_summary
+
+                echo(json.dumps(pipeline_summary(layout or "auto", cfg, batch_size, world, dp, depth, pp,
+                                                 pp_schedule, virtual_stages, dtype, recompute, grad_accum, zero)))
+            else:
+                echo(json.dumps(summary(layout or "auto", cfg, batch_size, world, dp, depth, dtype=dtype,
+                                        recompute=recompute, grad_accum=grad_accum, zero=zero)))
     elif as_json:
         raise UserError("info --json describes a layout: give --layout and/or -n")
 

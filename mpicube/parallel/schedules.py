@@ -17,8 +17,8 @@ to k+1 (stage k % P to stage (k+1) % P), their gradients back.
 
 A ``recv_*`` sits right before the compute that consumes it and a
 ``send_*`` right after the compute that produced it. The executor posts
-receives early and nonblocking and sends nonblocking (see the contract in
-the module docstring of the executor), so a stage blocks only where a
+receives early and nonblocking and sends nonblocking
+(``mpicube.training.pipeline``), so a stage blocks only where a
 receive it needs has not been sent yet: ``simulate`` models exactly that.
 
 Also here, because the CLI, the planner and the cost model all need them
@@ -253,13 +253,16 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
     peer has sent, compute takes ``forward_time`` / ``backward_time`` per
     chunk and communication is free. Returns {"finish": per-stage end time,
     "busy": per-stage compute time, "time": the step, "bubble": idle share
-    of P x step}; raises Deadlock naming each stuck stage's next action.
+    of P x step, "timeline": per stage the (start, end, Action) of every
+    compute, which tools/pipeline_pictures.py draws}; raises Deadlock
+    naming each stuck stage's next action.
 
     A message is matched by ``message_source`` (kind, micro, sending model
     chunk), as the executor's tags match it; a receive whose peer is not
     the sender's stage never matches."""
     P = len(schedule)
     pos, clock, busy = [0] * P, [0.0] * P, [0.0] * P
+    timeline: list = [[] for _ in range(P)]
     sent: dict = {}           # (kind, micro, chunk, from, to) -> send time
     taken: set = set()
     progress = True
@@ -270,6 +273,7 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
                 a = schedule[p][pos[p]]
                 if a.op in ("forward", "backward"):
                     dt = forward_time if a.op == "forward" else backward_time
+                    timeline[p].append((clock[p], clock[p] + dt, a))
                     clock[p] += dt
                     busy[p] += dt
                 elif a.op.startswith("send"):
@@ -293,4 +297,5 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
         raise Deadlock(f"messages sent and never received: {unmatched[:3]}")
     step = max(clock) if clock else 0.0
     idle = sum(step - b for b in busy)
-    return {"finish": clock, "busy": busy, "time": step, "bubble": idle / (P * step) if step else 0.0}
+    return {"finish": clock, "busy": busy, "time": step, "bubble": idle / (P * step) if step else 0.0,
+            "timeline": timeline}
