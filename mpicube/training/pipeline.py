@@ -107,7 +107,9 @@ class Pipeline:
                                                                            virtual)[self.stage]
         self.tied = tied_pair(layout.axes)      # stages 0 and P-1 (None on the others, or with one stage)
         self.models = {}                        # (v, micro, dropout) -> GPT chunk
-        self.peak_saved = (0, 0)                # (elements, bytes) the most saved at once, when measured
+        # (elements, bytes) the most held for backward at once, when measured: after
+        # every forward, and under --recompute blocks during a backward's rerun
+        self.peak_saved = (0, 0)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
         # Opt-in (mpicube.analysis.trace): the dict each chunk's forward fills
         # (GPT.capture), and ``current``, the chunk whose forward ran last.
@@ -177,10 +179,14 @@ class Pipeline:
             elif a.op == "backward":
                 model = self.chunk_model(v, m)
                 dy = None if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
+                held = self._saved(live) if after_forward is not None else (0, 0)
                 dx = model.backward(loss_scale=loss_scale, dy=dy)
                 live.discard((v, m))
                 self.recompute_peak_elements = max(self.recompute_peak_elements, model.recompute_peak_elements)
                 self.recompute_peak_bytes = max(self.recompute_peak_bytes, model.recompute_peak_bytes)
+                if after_forward is not None and model.recompute_peak_elements:
+                    # --recompute blocks: a rerun block's caches on top of what was held before
+                    self._peak((held[0] + model.recompute_peak_elements, held[1] + model.recompute_peak_bytes))
                 if not model.first:
                     outbox["send_grad", m, v] = dx                               # (B_c, T, C_c)
             else:
@@ -194,12 +200,20 @@ class Pipeline:
         return self._step_loss(loss)
 
     def _measure(self, live) -> None:
+        self._peak(self._saved(live))
+
+    def _saved(self, live) -> tuple:
+        """(elements, bytes) the live (chunk, micro-batch) pairs hold for backward."""
         elems = nbytes = 0
         for v, m in live:
             buffers = self.chunk_model(v, m)._saved_buffers()
             elems += sum(b.size for b in buffers)
             nbytes += sum(b.nbytes for b in buffers)
-        self.peak_saved = max(self.peak_saved, (elems, nbytes))
+        return elems, nbytes
+
+    def _peak(self, held) -> None:
+        """Elements and bytes peak apart (the peak of one need not be the other's)."""
+        self.peak_saved = (max(self.peak_saved[0], held[0]), max(self.peak_saved[1], held[1]))
 
     def _sum_tied(self) -> None:
         """The tied wte's two gradients (lookup on stage 0, head on stage
