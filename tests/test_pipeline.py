@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpirun import mpiexec
+from mpirun import ROOT, mpiexec
 
 CHECK = ["-m", "mpi4py", "tests/pipeline_check.py"]
 
@@ -92,6 +92,10 @@ CLI = ["-m", "mpicube"]
 FLOAT = [*TINY, "--dtype", "float64", "--dropout", "0.1", "--seed", "5"]
 
 
+def metrics(run_dir) -> list:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
 def final_params(run_dir):
     ckpts = sorted((run_dir / "ckpt").glob("step_*"))
     with h5py.File(ckpts[-1] / "checkpoint.h5", "r") as f:
@@ -100,7 +104,8 @@ def final_params(run_dir):
 
 @pytest.mark.timeout(300)
 def test_commands_take_pp(tmp_path):
-    """train --pp 2 stopped and resumed is bitwise the uninterrupted run;
+    """train --pp 2 stopped and resumed is bitwise the uninterrupted run,
+    and on the GPU path (tests/fake_gpu) follows it to 1e-10;
     its checkpoint evaluates and generates the same on serial and on pp 2;
     a trace under pp 2 compares equal with a serial trace; bench --pp."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -112,6 +117,13 @@ def test_commands_take_pp(tmp_path):
     assert proc.returncode == 0 and "resuming from" in proc.stdout, proc.stdout + proc.stderr
     a, b = final_params(whole), final_params(parts)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    # the GPU path (CI's stand-in for CuPy: staged point-to-point buffers) follows the CPU run
+    fake_gpu = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}"}
+    proc = mpiexec(2, CLI + base + ["--out", str(tmp_path / "gpu"), "--device", "gpu"], env=fake_gpu)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for want, got in zip(metrics(whole), metrics(tmp_path / "gpu"), strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - want[key]) <= 1e-10 * abs(want[key]), (key, got, want)
     config = json.loads((whole / "config.json").read_text())
     assert config["train"]["pp"] == 2 and config["train"]["pp_schedule"] == "1f1b"
 
