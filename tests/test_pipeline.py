@@ -57,8 +57,10 @@ def test_cube_and_tesseract_stages_and_checkpoint_round_trip(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_cube_stages_with_replicas():
-    """32 ranks: 3-D tp 8 x pp 2 x dp 2 with --zero 1 (two steps)."""
-    run_cases(32, ["3d 2 1 2 1f1b 1 2 steps=2 zero=1"], timeout=360)
+    """32 ranks: 3-D tp 8 x pp 2 x dp 2 with --zero 1, interleaved (V 2:
+    each stage holds two chunks, stage 1 sends chunk 1's activations back
+    to stage 0's chunk 2), two steps."""
+    run_cases(32, ["3d 2 1 2 interleaved 2 2 steps=2 zero=1"], timeout=360)
 
 
 # --------------------------------------------------------------------------- faults
