@@ -35,6 +35,17 @@ Environment:
                               rank owns after the reduce-scatter, parameters
                               after the all-gather, and the memory check
                               measures the sharded moments and master
+                              (2 and 3: --zero 2 / 3, gradients and weights
+                              sharded per layer, parallel/fsdp.py; memory
+                              is every weight and gradient buffer, slots
+                              included)
+  MPICUBE_CHECK_LAYERS=N      N transformer blocks instead of 2 (--zero 3
+                              with more blocks than its two weight slots)
+  MPICUBE_CHECK_CP=C          the layout under test runs with --cp C (world =
+                              dp x C x tp; each rank holds 2 of 2C chunks of
+                              every sequence): logits are compared at the
+                              rank's global positions, traffic and memory
+                              with the cp terms of the cost model
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -104,11 +115,13 @@ from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory, step_memory_bytes
 from mpicube.parallel.grid import build_layout
+from mpicube.parallel.context import local_positions
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
 from mpicube.model.gpt import GPT, gpt_params
 from mpicube.training.step import make_step
-from mpicube.parallel.params import ParamStore, clipped_index, real_mask
+from mpicube.parallel.fsdp import make_store
+from mpicube.parallel.params import clipped_index, real_mask
 from mpicube.training.parts import Parts
 from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff
 
@@ -120,6 +133,8 @@ HALF = is_half(dtype_of(DTYPE))
 RTOL = 1e-10           # float64; 16-bit runs set it from the layout (wire_tolerance)
 WORST = [0.0]          # the largest relative difference seen, for the report line
 ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
+LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
+CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (each sequence over CP ranks)
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
@@ -130,9 +145,11 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
           zero=0):
     backend = make_backend(device, DTYPE)
     counters = Counters()
-    layout = build_layout(GridSpec(layout_name, dp=dp, depth=depth), cfg, batch, backend, comm, counters=counters,
+    cp = CP if comm is MPI.COMM_WORLD else 1
+    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth)
+    layout = build_layout(grid, cfg, batch, backend, comm, counters=counters,
                           grad_accum=grad_accum, recompute=recompute)
-    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
+    store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
@@ -187,7 +204,7 @@ def close(name, got, want, scale=None):
 def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
     """Measured elements, bytes and messages per axis == the analytic model."""
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO)
+                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP)
     want = step_traffic(problem)
     axes = set(want.elems) | set(counters.elems)
     for axis in axes:
@@ -207,15 +224,21 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, ada
     under --recompute blocks the rerun block's caches (measured in
     backward) come on top, and what forward kept alone is checked too."""
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO)
+                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP)
     want, want_bytes = step_memory(problem, dropout > 0), step_memory_bytes(problem, dropout > 0)
     want_kept = sum(kept_and_rerun_terms(problem, dropout > 0)[0].values())
     if kept[0] != want_kept:
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: forward keeps {kept[0]} elements, model predicts "
                              f"{want_kept}")
     params = [b for b in store.buffers() if b is not store.flat_grad]     # master (or its chunk), working copy
-    got = (store.flat_work.size, store.flat_grad.size, adam.m.size + adam.v.size,
-           kept[0] + model.recompute_peak_elements, sum(b.nbytes for b in params), store.flat_grad.nbytes,
+    grads = [store.flat_grad]
+    if store.streams_gradients:                                           # --zero 2/3: every buffer, slots too
+        params, grads = store.param_buffers(), store.grad_buffers()
+        counted = (sum(b.size for b in params), sum(b.size for b in grads))
+    else:
+        counted = (store.flat_work.size, store.flat_grad.size)
+    got = counted + (adam.m.size + adam.v.size,
+           kept[0] + model.recompute_peak_elements, sum(b.nbytes for b in params), sum(b.nbytes for b in grads),
            adam.m.nbytes + adam.v.nbytes, kept[1] + model.recompute_peak_bytes)
     predicted = (want.params, want.grads, want.optimizer, want.activations,
                  want_bytes.params, want_bytes.grads, want_bytes.optimizer, want_bytes.activations)
@@ -224,24 +247,29 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, ada
                              f"then their bytes) {got}, model predicts {predicted}")
 
 
-def owned(store, spec) -> np.ndarray:
-    """Boolean (local shape) mask: the entries of ``spec``'s block inside the
-    chunk of the buffer this rank's optimizer owns (all of it unless --zero 1),
-    where the gradient is synchronised."""
-    lo, hi = store.offsets[spec.name]
-    own = store.shard
-    mask = np.zeros(spec.size, dtype=bool)
-    mask[max(lo, own.start) - lo:max(lo, min(hi, own.stop)) - lo] = True
-    return mask.reshape(spec.local_shape)
+def synced_gradient(store, host):
+    """((P_pad,) host gradient, (P_pad,) bool mask) in the full buffer's
+    coordinates: where this rank holds the synchronised gradient (all of it
+    under --zero 0, its chunk under --zero 1, its chunk of every layer's
+    segment under --zero 2 and 3) and its values there."""
+    if not store.streams_gradients:
+        mask = np.zeros(store.flat_grad.size, dtype=bool)
+        mask[store.shard] = True
+        return host(store.flat_grad), mask
+    part = store.partition
+    full, mask, chunk = np.zeros(part.padded), np.zeros(part.padded, dtype=bool), host(store.flat_grad)
+    for seg in part.list:
+        full[seg.own], mask[seg.own] = chunk[seg.mine], True
+    return full, mask
 
 
 def main():
     layout_name, dp, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     if os.environ.get("MPICUBE_CHECK_SIZE") == "large":
-        cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=2, n_head=12, n_embd=72)
+        cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=LAYERS, n_head=12, n_embd=72)
     else:
-        cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=12, n_embd=36)
+        cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=LAYERS, n_head=12, n_embd=36)
     T = cfg.n_ctx
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
     rng = np.random.default_rng(3)
@@ -277,7 +305,9 @@ def main():
                 seqs = parts.micro_rows(m).start + emb.logit_seqs   # global sequences of these logits
                 v0, nv = emb.vocab_start, model.logits.shape[-1]
                 real = max(0, min(nv, cfg.vocab_size - v0))
-                close(f"logits of micro-batch {m}", host(model.logits)[..., :real], s_logits[seqs][..., v0:v0 + real])
+                pos = local_positions(T, CP, layout.axes.cp.rank)      # this rank's positions
+                close(f"logits of micro-batch {m}", host(model.logits)[..., :real],
+                      s_logits[seqs][:, pos, v0:v0 + real])
 
         loss = forward_backward(parts, x, y, step, LOSS_SCALE, after_forward=after_forward)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
@@ -289,11 +319,13 @@ def main():
         norm = opt.grad_norm() / LOSS_SCALE
         s_norm = s_opt.grad_norm() / LOSS_SCALE
         close(f"step {step} grad norm", np.array([norm]), np.array([s_norm]))
+        synced, synced_mask = synced_gradient(store, host)
         for spec in store.specs if step == 1 or not HALF else []:
             full = s_store.grad[spec.name]
             want = full[np.ix_(*clipped_index(spec))]
-            mask, mine = real_mask(spec), owned(store, spec)
-            got = host(store.grad[spec.name])
+            lo, hi = store.offsets[spec.name]
+            mask, mine = real_mask(spec), synced_mask[lo:hi].reshape(spec.local_shape)
+            got = synced[lo:hi].reshape(spec.local_shape)
             close(f"step {step} grad {spec.name}", np.where(mask & mine, got, 0), np.where(mask & mine, want, 0),
                   np.abs(full).max())
             if not mask.all():
@@ -310,7 +342,7 @@ def main():
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
-              f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} loss={s_loss:.12f} "
+              f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
               f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})")
 
 

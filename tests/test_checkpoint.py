@@ -353,3 +353,34 @@ def test_metadata_benchmark_runs(capsys):
     weights = 3 * (4 + 1)                    # c_attn, c_proj, c_fc, mlp.c_proj, wte; with m and v
     assert figures["mappings"] >= weights * 8
     assert "rank 0:" in capsys.readouterr().out
+
+
+def test_a_failed_fsync_fails_the_save_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """fsync's EIO means the shard may not be on disk: the save fails,
+    nothing is committed, and the previous checkpoint is still `latest`.
+    EINVAL (a file system with nothing to flush) is not a failure."""
+    import errno
+    import os
+
+    from mpicube.files import atomic
+
+    x = np.arange(12.0).reshape(3, 4)
+    good = [_blk("model/x", x, (3, 4), (np.arange(3), np.arange(4)))]
+    first = C.save(tmp_path, 1, good, {})
+    real_fsync = os.fsync
+
+    def failing(code):
+        def fsync(fd):
+            raise OSError(code, os.strerror(code))
+        return fsync
+
+    monkeypatch.setattr(atomic.os, "fsync", failing(errno.EINVAL))
+    C.save(tmp_path, 2, good, {})
+    monkeypatch.setattr(atomic.os, "fsync", failing(errno.EIO))
+    with pytest.raises(C.CheckpointError, match="Input/output error"):
+        C.save(tmp_path, 3, good, {})
+    monkeypatch.setattr(atomic.os, "fsync", real_fsync)
+    with C.open_checkpoint(tmp_path) as ck:
+        assert ck.step == 2
+        np.testing.assert_array_equal(ck.read("model/x"), x)
+    assert first.exists() and not (tmp_path / "ckpt" / "step_00000003").exists()

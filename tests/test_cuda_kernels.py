@@ -332,14 +332,20 @@ def test_scatter_add_rows_is_add_at_bit_for_bit(dev, dtype, C):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dropout_keep_is_the_hosts_mask(dev, dtype):
+    """The kernel adds the block's per-dimension index terms itself
+    (rng.BlockIndex): its masks equal the host's hash of the materialised
+    indices (rng.flat_index), bit for bit, for 4-, 3- and 1-dimensional
+    blocks, and where the multiply-add wraps."""
     key = rng.make_key(1337, "dropout", 5, "h.0.attn")
     index = (np.arange(1, 3), np.arange(4), np.arange(0, 64, 3), np.arange(64))
-    counter = rng.flat_index((4, 12, 64, 64), index)                  # (2, 4, 22, 64) global indices
     wrap = np.array([0, 1, 2 ** 63, 2 ** 64 - 1], dtype=np.uint64)   # the multiply-add wraps
-    for c in (counter, wrap):
+    blocks = [((4, 12, 64, 64), index), ((4, 64, 48), index[1:]), ((4,), (wrap,))]
+    for shape, ix in blocks:
+        block = rng.block_index(shape, ix)
+        c = rng.flat_index(shape, ix)                                  # e.g. (2, 4, 22, 64) global indices
         for p in (0.1, 0.5, 0.0):
             out = dev.xp.empty(c.shape, dtype=dtype)
-            K.dropout_keep(key, dev.put(c), p, out)
+            K.dropout_keep(key, [dev.put(t) for t in block.terms], p, out)
             assert np.array_equal(dev.get(out), (rng.uniform(key, c) >= p).astype(dtype)), (c.shape, p)
 
 

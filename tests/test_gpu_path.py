@@ -4,7 +4,9 @@ implicit host conversion, as CuPy does, and counts the transfers.
 
 Every layout in float64 with dropout, staged through host buffers and with
 MPI reading device memory directly (MPICUBE_CUDA_AWARE=1), at sizes above
-the CPU's cache-blocking sizes, equals the serial CPU model to 1e-10; the
+the CPU's cache-blocking sizes, equals the serial CPU model to 1e-10; every
+layout x {float64, float16, bfloat16} x {staged, CUDA-aware} at a small
+size equals the serial CPU model of its dtype (one 8-rank launch); the
 command line trains, resumes bit for bit, saves and evaluates on it; a
 serial step copies to the host only a fixed handful of scalars; bad GPU
 options give one line and exit 2.
@@ -57,6 +59,23 @@ def test_gpu_layout_matches_serial_cpu(ranks, layout, dp, depth, cuda_aware):
                    env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"OK {layout} world={ranks} dp={dp} depth={depth} device=gpu" in proc.stdout
+
+
+MATRIX = [(layout, dtype, transport) for dtype in ("float64", "float16", "bfloat16")
+          for layout in ("serial", "1d", "2d", "2.5d", "3d") for transport in ("staged", "cuda-aware")]
+
+
+@pytest.mark.timeout(300)
+def test_every_layout_dtype_and_transport_matches_serial_cpu():
+    """tests/gpu_matrix_check.py: the 30 cases of layout x {float64, float16,
+    bfloat16} x {staged, CUDA-aware} in one 8-rank launch, each against the
+    serial CPU model of its dtype (1e-10 in float64, parallel_check's 16-bit
+    tolerance), with the stand-in's stream-order check on."""
+    proc = mpiexec(8, ["-m", "mpi4py", "tests/gpu_matrix_check.py"], timeout=240,
+                   env={"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}:{ROOT / 'tests'}"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    done = {tuple(line.split()[1:4]) for line in proc.stdout.splitlines() if line.startswith("OK ")}
+    assert done == set(MATRIX), sorted(set(MATRIX) - done)
 
 
 def test_stand_in_is_strict():

@@ -124,10 +124,10 @@ def test_every_layout_traces_the_serial_steps(runner, serial_trace, ranks, layou
 @pytest.mark.timeout(300)
 def test_the_trainers_options_trace_the_serial_steps(runner, serial_trace):
     """The trace observes the trainer's own step, so what the trainer can
-    do traces: 1-D 2 x dp 2 with --zero 1, two micro-batches and block
+    do traces: 1-D 2 x dp 2 with --zero 3, two micro-batches and block
     recomputation follows the serial trace to 1e-10 (the micro-batches'
     activations land in their rows of the step's tensors)."""
-    r = runner.run("trace", "--layout", "1d", "--dp", 2, "--zero", 1, "--grad-accum", 2, "--recompute", "blocks",
+    r = runner.run("trace", "--layout", "1d", "--dp", 2, "--zero", 3, "--grad-accum", 2, "--recompute", "blocks",
                    *MODEL, "--steps", STEPS, "--out", "options.h5", n=4, timeout=240)
     assert r.returncode == 0, r
     r, summary = compare(runner, serial_trace, "options.h5")

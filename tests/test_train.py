@@ -181,14 +181,29 @@ def test_signals_after_a_signal_stop_are_ignored_not_fatal():
     """A scheduler may repeat its warning while a stopped job finalises;
     after a signal-driven stop SIGUSR1/SIGTERM must not fall back to their
     default action (killing the rank), while a run that was not stopped by
-    a signal hands the previous handlers back."""
+    a signal hands the previous handlers back, except that a default
+    SIGUSR1 (which would kill a finished rank on a late scheduler warning)
+    becomes ignored."""
     from mpicube.training.stopping import SIGNAL, EarlyStop
 
     before, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
-    quiet = EarlyStop(world=None)
-    with quiet.signal_handlers():
-        assert signal.getsignal(signal.SIGUSR1) == quiet.on_signal
-    assert signal.getsignal(signal.SIGUSR1) == before
+    mine = []
+    try:
+        signal.signal(signal.SIGUSR1, lambda *_: mine.append(1))
+        own = signal.getsignal(signal.SIGUSR1)
+        quiet = EarlyStop(world=None)
+        with quiet.signal_handlers():
+            assert signal.getsignal(signal.SIGUSR1) == quiet.on_signal
+        assert signal.getsignal(signal.SIGUSR1) == own
+        assert signal.getsignal(signal.SIGTERM) == before_term
+
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        with EarlyStop(world=None).signal_handlers():
+            pass
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+        signal.raise_signal(signal.SIGUSR1)                  # a late warning: would end this process if default
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
     stopped = EarlyStop(world=None)
     try:

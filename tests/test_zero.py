@@ -89,11 +89,13 @@ STEP_RTOL = 1e-5        # one more optimizer step in float32, in another order
 
 
 class Runs:
-    def __init__(self, cube: MpiCube):
-        self.cube, self.dir = cube, cube.cwd
+    """Training runs in one directory (tests/test_zero23.py uses them too, with more blocks)."""
+
+    def __init__(self, cube: MpiCube, model=MODEL):
+        self.cube, self.dir, self.model = cube, cube.cwd, model
 
     def train(self, out, n, *extra):
-        r = self.cube.run("train", *MODEL, *SCHEDULE, "--out", out, *extra, n=n, timeout=240)
+        r = self.cube.run("train", *self.model, *SCHEDULE, "--out", out, *extra, n=n, timeout=240)
         assert r.returncode == 0, r
         return r
 
@@ -167,7 +169,13 @@ def test_zero1_bfloat16_resumes_bit_for_bit(runs):
     """bfloat16 with zero 1 (the float32 master sharded): the master and
     moments gathered for the step-3 save and scattered on resume continue
     the run bit for bit on the same layout."""
-    opts = ["--layout", "serial", "--dp", "2", "--zero", "1", "--dtype", "bfloat16"]
+    resumes_bit_for_bit(runs, ["--layout", "serial", "--dp", "2", "--zero", "1", "--dtype", "bfloat16"])
+
+
+def resumes_bit_for_bit(runs, opts):
+    """A run with ``opts`` (2 ranks) and its resume from the step-3
+    checkpoint with the same options: the same steps 4 and 5 and the same
+    final checkpoint, bit for bit (tests/test_zero23.py uses it too)."""
     runs.train("bf", 2, *opts)
     runs.resume("bf", "bf_cont", 2, *opts)
     got = [s for s in runs.steps("bf_cont") if s["step"] > SAVED_STEP]

@@ -1,40 +1,49 @@
 """The device check: one prepared script for a session that is lent a GPU.
 
-It records what a later session needs to judge mpicube's GPU path, in under
-8 minutes (``--budget-s``, default 450 s), into ``summary.json`` and
-``gpu_check.log`` under ``$OUT`` (or ``--out DIR``), printing as it goes.
-Every step runs in its own process with a time limit, so a failing or
-hanging step is recorded and the next one runs:
+A lease is 15 minutes including the machine's start, so the check fits in
+``--budget`` seconds (default 300) and is ordered by what matters most:
+correctness first, then mpicube's speed, then PyTorch's. ``summary.json``
+and ``gpu_check.log`` under ``$OUT`` (or ``--out DIR``) are rewritten after
+every step, and the timing scripts write their JSON there as each
+configuration finishes, so a run that is killed still leaves every figure
+measured so far. Each step runs in its own process with a time limit; a
+failing or hanging step is recorded and the next one runs.
 
-  env       mpi4py.get_config(), the MPI library, CuPy / CUDA / driver
-            versions, the device, whether MPI is CUDA-aware, mpiexec
-  kernels   pytest -q tests/test_cuda_kernels.py: the CUDA kernels against
-            the array path on the GPU (and emulated on the CPU)
-  serial    float64, one process: the serial GPT on NumPy and on CuPy from
-            the same seed, with dropout; losses, gradients and norms of 2
-            AdamW steps and the parameters after them agree to 1e-10;
-            CUDA kernels off, then on
-  parallel  mpiexec -n 8 python -m mpi4py tests/parallel_check.py for 3d
-            (2x2x2) and 2d (dp 2 x 2x2), the layout on the one GPU and the
-            serial reference on the CPU (MPICUBE_CHECK_DEVICE=gpu), staged
-            and, if this MPI says it is CUDA-aware, with MPICUBE_CUDA_AWARE=1;
-            kernels off and on
-  resume    mpicube train --device gpu --dtype float32 (dropout on): 6
-            steps straight against 3 + --resume 3, losses and gradient
-            norms bit for bit; kernels off and on
-  perf      tools/gpu_perf.py: float32 step time of GPT-2 small and of a
-            1.3B shape, with and without TF32, kernels off and on, beside
-            PyTorch eager with the same weights, as ms, TFLOP/s, ratios and
-            the fraction of a large same-process GEMM
-  mixed     tools/gpu_mixed.py: the 1.3B shape in float16 with loss
-            scaling (and bfloat16 if CuPy has it) beside PyTorch eager
-            autocast, same weights; against the 16-bit GEMM rate
+  env          mpi4py.get_config(), the MPI library, CuPy / CUDA / driver
+               versions, the device, whether MPI is CUDA-aware, mpiexec
+  kernels      pytest tests/test_cuda_kernels.py -k gpu: every CUDA kernel
+               against the array path on the GPU (the emulated half runs in CI)
+  serial       float64, one process: the serial GPT on NumPy and on CuPy
+               from the same seed, with dropout, 2 AdamW steps, to 1e-10;
+               CUDA kernels off, then on
+  parallel     mpiexec -n 8 tests/parallel_check.py 3d (2x2x2) on the one GPU
+               against the serial CPU model, staged and, if this MPI says
+               it is CUDA-aware, with MPICUBE_CUDA_AWARE=1; then 2d x dp 2
+  resume       mpicube train --device gpu (dropout on): 6 steps straight
+               against 3 + --resume 3, bit for bit; kernels off and on
+  half         tests/parallel_check.py serial in float16 and bfloat16 on the
+               GPU against the CPU in the same format (cuBLAS's 16-bit paths)
+  perf         tools/gpu_perf.py --part mpicube: GPT-2 small float32 step
+               time, TF32 off and on, kernels off and on, beside the same
+               process's GEMM rate (random operands)
+  mixed        tools/gpu_mixed.py --part mpicube: the 1.3B shape in float16
+               and bfloat16 beside the 16-bit GEMM rate
+  torch        both scripts with --part torch: PyTorch eager (autocast for
+               16 bits) from the same weights; first losses must agree with
+               mpicube's (relative 1e-4 in float32, 2e-2 in 16 bits) and are
+               part of the verdict; over-PyTorch ratios are added
+The CPU references run with MPICUBE_KERNELS=numpy (the serial step switches
+numba off in-process), so numba never compiles a cache inside the lease.
 
 On the device machine (the repository is copied there, the venv is not;
 its image has CuPy, PyTorch, mpi4py, h5py, click, numba and pytest):
 
-    python tools/gpu_check.py                    # everything, into $OUT
+    python tools/gpu_check.py --budget 300       # everything, into $OUT
     python tools/gpu_check.py --only env,kernels --out /tmp/check
+    python tools/gpu_check.py --dry-run --out /tmp/dry   # here, on CI's stand-in
+
+``--dry-run`` runs every step on tests/fake_gpu (small shapes, no PyTorch,
+GPU-only tests skipped) to check the script itself, in under 5 minutes.
 
 If the image's mpi4py finds no MPI library, or there is no mpiexec, carry
 the MPICH wheel: here ``.venv/bin/pip download --no-deps --only-binary=:all:
@@ -62,10 +71,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-STEPS = ("env", "kernels", "serial", "parallel", "resume", "perf", "mixed")
-# seconds a step may take at most, and the least it needs (kept back while earlier steps run)
-CAPS = {"env": 60, "kernels": 150, "serial": 120, "parallel": 170, "resume": 90, "perf": 400, "mixed": 240}
-NEEDS = {"env": 10, "kernels": 40, "serial": 40, "parallel": 60, "resume": 40, "perf": 150, "mixed": 90}
+STEPS = ("env", "kernels", "serial", "parallel", "resume", "half", "perf", "mixed", "torch")
+CORRECTNESS = ("env", "kernels", "serial", "parallel", "resume", "half")
+# the most seconds a step may take; while correctness steps run, PERF_RESERVE
+# seconds are kept back for the GPT-2-small figure
+CAPS = {"env": 30, "kernels": 60, "serial": 50, "parallel": 70, "resume": 60, "half": 50, "perf": 90,
+        "mixed": 90, "torch": 120}
+PERF_RESERVE = 45
+FIRST_LOSS_RTOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 2e-2}
+DRY = {"on": False}                       # --dry-run: children see CI's CuPy stand-in
 
 
 class Report:
@@ -92,9 +106,12 @@ class Report:
         return self.end - time.time()
 
     def save(self) -> None:
-        steps = self.summary["steps"].values()
+        steps = self.summary["steps"]
         self.summary["elapsed_s"] = round(time.time() - self.start, 1)
-        self.summary["ok"] = bool(steps) and all(s.get("ok") for s in steps)
+        # the verdict: no step failed (a step skipped, ok None, is listed apart), first losses included
+        self.summary["ok"] = bool(steps) and all(s.get("ok") is not False for s in steps.values())
+        self.summary["failed"] = sorted(k for k, s in steps.items() if s.get("ok") is False)
+        self.summary["skipped"] = sorted(k for k, s in steps.items() if s.get("ok") is None)
         tmp = self.out / "summary.json.tmp"
         tmp.write_text(json.dumps(self.summary, indent=2, default=str) + "\n")
         tmp.replace(self.out / "summary.json")
@@ -104,7 +121,8 @@ def env_for(extra: dict | None = None) -> dict:
     """The environment of every child: this repository importable, output
     unbuffered, mpiexec allowed to run as root (Open MPI refuses otherwise)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    first = [str(ROOT / "tests" / "fake_gpu")] if DRY["on"] else []
+    env["PYTHONPATH"] = os.pathsep.join(first + [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.update({"PYTHONUNBUFFERED": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     env.update(extra or {})
     return env
@@ -139,15 +157,20 @@ def run(report: Report, cmd: list, timeout: float, extra_env: dict | None = None
     return status, "\n".join(lines)
 
 
-def worker(report: Report, name: str, timeout: float, args: list | None = None, script: Path = None) -> dict:
+def worker(report: Report, name: str, timeout: float, args: list | None = None, script: Path = None,
+           file: str | None = None) -> dict:
     """Run an in-process step (``--worker NAME`` of this script, or another
-    script) in a child; its JSON result, with ok False if it failed."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(script or Path(__file__))]
-        cmd += ([] if script else ["--worker", name]) + ["--json", str(result_path)] + (args or [])
-        status, output = run(report, cmd, timeout)
+    script) in a child writing ``OUT/NAME.json`` as it goes (so a killed
+    check keeps it); its JSON result, with ok False if it failed."""
+    result_path = report.out / f"{file or name}.json"
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(script or Path(__file__))]
+    cmd += ([] if script else ["--worker", name]) + ["--json", str(result_path)] + (args or [])
+    status, output = run(report, cmd, timeout)
+    try:
         result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    except ValueError:                     # killed while writing
+        result = {}
     if status != 0:
         result.update(ok=False, exit=status, tail=output[-2000:])
     return result
@@ -171,7 +194,10 @@ def step_env(report, args, timeout):
 
 
 def step_kernels(report, args, timeout):
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda_kernels.py"]
+    if DRY["on"]:
+        return {"ok": None, "skipped": "dry run: needs a CUDA device (the emulated kernels run in CI)"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda_kernels.py",
+           "-k", "gpu"]
     status, output = run(report, cmd, timeout)
     skipped_gpu = [line for line in output.splitlines()
                    if line.startswith("SKIPPED") and any(w in line for w in ("cupy", "CUDA device", "stand-in"))]
@@ -183,38 +209,60 @@ def step_kernels(report, args, timeout):
 def step_serial(report, args, timeout):
     results = {}
     for kernels in ("off", "on"):
-        results[f"kernels {kernels}"] = worker(report, "serial", timeout / 2, ["--kernels", kernels])
-    return {"ok": all(r.get("ok") for r in results.values()), **results}
+        results[f"kernels {kernels}"] = worker(report, "serial", timeout / 2, ["--kernels", kernels],
+                                               file=f"serial-kernels-{kernels}")
+    return verdict(results)
+
+
+def verdict(results: dict) -> dict:
+    """ok: every run ok (a run skipped in a dry run, ok None, does not count against it)."""
+    oks = [r.get("ok") for r in results.values()]
+    return {"ok": all(o is not False for o in oks) and any(o for o in oks), **results}
+
+
+def check_run(report, cmd: list, timeout: float, extra: dict) -> dict:
+    """A tests/parallel_check.py run: ok when it prints its OK line."""
+    t0 = time.time()
+    status, output = run(report, cmd, timeout, {"MPICUBE_KERNELS": "numpy", **extra})
+    ok_line = next((line for line in output.splitlines() if line.startswith("OK ")), None)
+    return {"ok": status == 0 and ok_line is not None, "exit": status, "seconds": round(time.time() - t0, 1),
+            "result": ok_line or output[-1500:]}
 
 
 def step_parallel(report, args, timeout, env_result):
     mpiexec = env_result.get("mpiexec") or find_mpiexec(args.mpiexec)
     if mpiexec is None:
         return {"ok": False, "error": "no mpiexec (carry the mpich wheel: see the docstring)"}
-    modes = [("staged", {})]
     aware = env_result.get("mpi_cuda_aware")
-    if aware is True:
-        modes.append(("cuda-aware", {"MPICUBE_CUDA_AWARE": "1"}))
+    cases = [("3d", "1", "staged", {})]
+    if aware is True or DRY["on"]:          # the stand-in's memory is host memory: any MPI reads it
+        cases.append(("3d", "1", "cuda-aware", {"MPICUBE_CUDA_AWARE": "1"}))
     else:
-        report.log(f"CUDA-aware runs skipped: the MPI says {aware!r} (True needed)")
+        report.log(f"CUDA-aware run skipped: the MPI says {aware!r} (True needed)")
+    cases.append(("2d", "2", "staged", {}))
     runs, end = {}, time.time() + timeout
-    for layout, dp, depth in (("3d", "1", "1"), ("2d", "2", "1")):
-        for mode, mode_env in modes:
-            for kernels in ("0", "1"):
-                name = f"{layout} dp={dp} {mode} kernels={'on' if kernels == '1' else 'off'}"
-                left = end - time.time()
-                if left < 20:
-                    runs[name] = {"ok": False, "error": "skipped: out of time"}
-                    continue
-                extra = {"MPICUBE_CHECK_DEVICE": "gpu", "MPICUBE_CUDA_KERNELS": kernels, **mode_env}
-                t0 = time.time()
-                status, output = run(report, [mpiexec, "-n", "8", sys.executable, "-m", "mpi4py",
-                                              "tests/parallel_check.py", layout, dp, depth, "0.1"],
-                                     min(left, 90), extra)
-                ok_line = next((line for line in output.splitlines() if line.startswith("OK ")), None)
-                runs[name] = {"ok": status == 0 and ok_line is not None, "exit": status, "seconds": round(time.time() - t0, 1),
-                              "result": ok_line or output[-1500:]}
-    return {"ok": all(r["ok"] for r in runs.values()), "aware_checked": aware is True, "runs": runs}
+    for layout, dp, mode, mode_env in cases:
+        left = end - time.time()
+        if left < 15:
+            runs[f"{layout} dp={dp} {mode}"] = {"ok": None, "skipped": "out of time"}
+            continue
+        runs[f"{layout} dp={dp} {mode}"] = check_run(
+            report, [mpiexec, "-n", "8", sys.executable, "-m", "mpi4py", "tests/parallel_check.py", layout, dp, "1",
+                     "0.1"], min(left, 60), {"MPICUBE_CHECK_DEVICE": "gpu", **mode_env})
+    return {"aware_checked": aware is True, **verdict(runs)}
+
+
+def step_half(report, args, timeout):
+    runs, end = {}, time.time() + timeout
+    for dtype in ("float16", "bfloat16"):
+        left = end - time.time()
+        if left < 10:
+            runs[dtype] = {"ok": None, "skipped": "out of time"}
+            continue
+        runs[dtype] = check_run(report, [sys.executable, "-m", "mpi4py", "tests/parallel_check.py", "serial", "1",
+                                         "1", "0.1"], min(left, 40),
+                                {"MPICUBE_CHECK_DEVICE": "gpu", "MPICUBE_CHECK_DTYPE": dtype})
+    return verdict(runs)
 
 
 def metrics(path: Path) -> dict:
@@ -233,7 +281,7 @@ def step_resume(report, args, timeout):
             "--dropout", "0.1", "--warmup", "2", "--lr", "1e-3", "--log-every", "1"]
     results, end = {}, time.time() + timeout
     with tempfile.TemporaryDirectory() as tmp:
-        for kernels in ("0", "1"):
+        for kernels in ("0",) if DRY["on"] else ("0", "1"):      # the stand-in runs no CUDA source
             name = f"kernels {'on' if kernels == '1' else 'off'}"
             straight, split = Path(tmp) / f"straight{kernels}", Path(tmp) / f"split{kernels}"
             statuses = []
@@ -242,7 +290,7 @@ def step_resume(report, args, timeout):
                 if left < 10:
                     statuses.append("out of time")
                     break
-                statuses.append(run(report, base + extra, min(left, 60), {"MPICUBE_CUDA_KERNELS": kernels})[0])
+                statuses.append(run(report, base + extra, min(left, 40), {"MPICUBE_CUDA_KERNELS": kernels})[0])
                 if statuses[-1] != 0:
                     break
             if statuses != [0, 0, 0]:
@@ -252,117 +300,80 @@ def step_resume(report, args, timeout):
             equal = sorted(a) == list(range(1, 7)) and a == b
             results[name] = {"ok": equal, "straight": a, "resumed": b}
             report.log(f"resume, {name}: {'bit for bit' if equal else 'DIFFERS'}")
-    return {"ok": all(r["ok"] for r in results.values()), **results}
+    return verdict(results)
 
 
-def step_mixed(report, args, timeout):
-    """tools/gpu_mixed.py: the 1.3B shape in float16 (and bfloat16 where CuPy
-    has it) beside PyTorch autocast, against the 16-bit GEMM rate."""
-    extra = ["--deadline", str(time.time() + timeout - 10)] + (["--quick"] if args.quick else [])
-    result = worker(report, "mixed", timeout, extra, script=HERE / "gpu_mixed.py")
+def timing(report, args, timeout, script: str, part: str, file: str) -> dict:
+    extra = ["--deadline", str(time.time() + timeout - 5), "--part", part]
+    if DRY["on"]:
+        extra.append("--dry")
+    elif args.quick:
+        extra.append("--quick")
+    elif script == "gpu_perf.py":
+        extra += ["--shapes", "gpt2-small"]         # the 1.3B shape in float32 does not fit the lease
+    result = worker(report, file, timeout, extra, script=HERE / script)
     result.setdefault("ok", False)
     return result
 
 
 def step_perf(report, args, timeout):
-    extra = ["--deadline", str(time.time() + timeout - 10)] + (["--quick"] if args.quick else [])
-    result = worker(report, "perf", timeout, extra, script=HERE / "gpu_perf.py")
-    result.setdefault("ok", False)
-    return result
+    return timing(report, args, timeout, "gpu_perf.py", "mpicube", "perf")
 
 
-# --- in-process workers (run in children) -----------------------------------------------
-def worker_env() -> dict:
-    """Versions and capabilities, each found or its error recorded."""
-    info = {}
-
-    def record(key, fn):
-        try:
-            info[key] = fn()
-        except Exception as exc:  # each probe may fail on its own; say how
-            info[key] = f"unavailable: {type(exc).__name__}: {exc}"
-        print(f"{key}: {info[key]}", flush=True)
-
-    import platform
-
-    record("python", lambda: sys.version.split()[0])
-    record("host", platform.node)
-    record("mpi4py_config", lambda: __import__("mpi4py").get_config())
-    record("mpi4py", lambda: __import__("mpi4py").__version__)
-    record("mpi_library", lambda: __import__("mpi4py.MPI", fromlist=["MPI"]).Get_library_version().strip())
-    record("mpi_cuda_aware", lambda: __import__("mpicube.device.backend", fromlist=["backend"]).mpi_cuda_support())
-    record("numpy", lambda: __import__("numpy").__version__)
-    record("cupy", lambda: __import__("cupy").__version__)
-
-    def cuda():
-        import cupy
-
-        rt = cupy.cuda.runtime
-        props = rt.getDeviceProperties(0)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        free, total = cupy.cuda.Device(0).mem_info
-        return {"runtime": rt.runtimeGetVersion(), "driver": rt.driverGetVersion(), "devices": rt.getDeviceCount(),
-                "device": name, "compute_capability": cupy.cuda.Device(0).compute_capability,
-                "memory_gib": round(total / 2 ** 30, 1), "free_gib": round(free / 2 ** 30, 1)}
-
-    record("cuda", cuda)
-    record("cuda_kernels_available", lambda: __import__("mpicube.device.cuda_kernels", fromlist=["x"]).available())
-    record("torch", lambda: (lambda t: f"{t.__version__}, cuda {t.version.cuda}, available {t.cuda.is_available()}")(
-        __import__("torch")))
-    record("gxx", lambda: shutil.which("g++"))
-    info["ok"] = not str(info.get("cuda", "unavailable")).startswith("unavailable")
-    return info
+def step_mixed(report, args, timeout):
+    return timing(report, args, timeout, "gpu_mixed.py", "mpicube", "mixed")
 
 
-def worker_serial(kernels: str) -> dict:
-    """float64 serial GPT, NumPy against CuPy: 2 steps with dropout."""
-    import numpy as np
-    from mpi4py import MPI
+def first_losses(shapes: dict, dtype_of_entry) -> dict:
+    """Per shape (and dtype): mpicube's and PyTorch's first loss and whether they agree."""
+    found = {}
+    for label, entry in shapes.items():
+        for key, r in ([(label, entry)] if "mpicube_first_loss" in entry else
+                       [(f"{label}/{d}", v) for d, v in entry.items() if isinstance(v, dict)]):
+            if "mpicube_first_loss" in r and "torch_first_loss" in r:
+                a, b = r["mpicube_first_loss"], r["torch_first_loss"]
+                tol = FIRST_LOSS_RTOL[dtype_of_entry(key)]
+                found[key] = {"mpicube": a, "torch": b, "agree": abs(a - b) <= tol * abs(b), "rtol": tol}
+    return found
 
-    from mpicube.device import cuda_kernels
-    from mpicube.core.config import ModelConfig
-    from mpicube.training.optim import AdamW
-    from mpicube.parallel.gradients import global_grad_norm
-    from mpicube.training.train import build_parts
 
-    if kernels == "on" and not cuda_kernels.available():
-        return {"ok": False, "error": "CUDA kernels unavailable (cuda_kernels.available() is False)"}
-    # GELU's (B T, 4h) = (512, 512) and the softmax's rows exceed every CPU cache block
-    cfg = ModelConfig(vocab_size=256, n_ctx=64, n_layer=2, n_head=4, n_embd=128)
-    B = 8
-    gen = np.random.default_rng(0)
-    batches = [(gen.integers(0, 256, (B, 64)), gen.integers(0, 256, (B, 64))) for _ in range(2)]
-    runs = {}
-    for device in ("cpu", "gpu"):
-        parts = build_parts(cfg, "serial", B, MPI.COMM_SELF, dtype="float64", device=device, seed=3, dropout=0.1)
-        cuda_kernels.use(kernels == "on")
-        opt, host = AdamW(parts.store), parts.backend.to_host
-        rec = {"loss": [], "norm": [], "grads": []}
-        for step, (x, y) in enumerate(batches, start=1):
-            parts.store.zero_grad()
-            rec["loss"].append(parts.model.forward(x, y, step=step))
-            parts.model.backward()
-            norm = global_grad_norm(parts.store, parts.layout.axes.tp)
-            rec["norm"].append(norm)
-            rec["grads"].append({n: np.array(host(g)) for n, g in parts.store.grad.items()})
-            opt.step(1e-2, min(1.0, 1.0 / (norm + 1e-6)))
-        rec["params"] = {n: np.array(host(d)) for n, d in parts.store.data.items()}
-        runs[device] = rec
-        print(f"{device}: losses {rec['loss']}, grad norms {rec['norm']}", flush=True)
+def merge(mine: dict, theirs: dict, script: str) -> None:
+    """PyTorch's timings into mpicube's records of the same shapes, with the
+    over-PyTorch ratios the scripts would compute in one process."""
+    sys.path.insert(0, str(HERE))
+    module = __import__(script[:-3])
+    for label, entry in theirs.items():
+        target = mine.get(label)
+        if not isinstance(target, dict):
+            continue
+        pairs = [(target, entry)] if script == "gpu_perf.py" else [
+            (target.get(d, {}), v) for d, v in entry.items() if isinstance(v, dict)]
+        for t, e in pairs:
+            for key in ("torch", "torch_autocast", "torch_first_loss"):
+                if key in e:
+                    t[key] = e[key]
+            module.add_ratios(t)
 
-    def rel(a, b):
-        return float(np.abs(a - b).max() / max(float(np.abs(a).max()), 1e-300))
 
-    cpu, gpu = runs["cpu"], runs["gpu"]
-    worst = {
-        "loss": max(rel(np.array(cpu["loss"]), np.array(gpu["loss"])), 0.0),
-        "grad_norm": rel(np.array(cpu["norm"]), np.array(gpu["norm"])),
-        "grads": max(rel(c[n], g[n]) for c, g in zip(cpu["grads"], gpu["grads"]) for n in c),
-        "params_after_2_steps": max(rel(cpu["params"][n], gpu["params"][n]) for n in cpu["params"]),
-    }
-    print(f"largest relative differences (kernels {kernels}): {worst}", flush=True)
-    return {"ok": all(v <= 1e-10 for v in worst.values()), "worst_relative": worst,
-            "kernels": cuda_kernels.describe(), "loss_cpu": cpu["loss"], "loss_gpu": gpu["loss"]}
+def step_torch(report, args, timeout):
+    """PyTorch's side of perf and mixed; merges the ratios into their
+    records and judges the first losses."""
+    if DRY["on"]:
+        return {"ok": None, "skipped": "dry run: no PyTorch on the stand-in"}
+    out, end = {}, time.time() + timeout
+    for script, file, dtype_of_entry in (("gpu_perf.py", "perf", lambda k: "float32"),
+                                         ("gpu_mixed.py", "mixed", lambda k: k.split("/")[-1])):
+        left = end - time.time()
+        if left < 20:
+            out[file] = {"ok": None, "skipped": "out of time"}
+            continue
+        r = timing(report, args, min(left, timeout * 0.6), script, "torch", f"{file}-torch")
+        merge(report.summary["steps"].get(file, {}).get("shapes", {}), r.get("shapes", {}), script)
+        losses = first_losses(r.get("shapes", {}), dtype_of_entry)
+        out[file] = {"ok": bool(losses) and all(v["agree"] for v in losses.values()), "first_losses": losses,
+                     "torch": r.get("torch")}
+        report.log(f"first losses, {file}: {losses}")
+    return verdict(out)
 
 
 # --- main -------------------------------------------------------------------------------
@@ -370,9 +381,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for summary.json and gpu_check.log (default $OUT, else ./gpu_check_out)")
     ap.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps of {','.join(STEPS)}")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting work after this many seconds")
+    ap.add_argument("--budget", "--budget-s", dest="budget", type=float, default=300.0,
+                    help="seconds for the whole check (default 300); no step starts past it")
     ap.add_argument("--mpiexec", help="the launcher for the 8-rank checks (default: beside python, else on PATH)")
     ap.add_argument("--quick", action="store_true", help="small perf shapes (a dry run of the script itself)")
+    ap.add_argument("--dry-run", action="store_true", help="every step on CI's CuPy stand-in (tests/fake_gpu)")
     ap.add_argument("--worker", choices=("env", "serial"), help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--kernels", choices=("off", "on"), default="off", help=argparse.SUPPRESS)
@@ -380,8 +393,11 @@ def main(argv=None) -> int:
 
     if args.worker:
         sys.path.insert(0, str(ROOT))
+        sys.path.insert(0, str(HERE))
         try:
-            result = worker_env() if args.worker == "env" else worker_serial(args.kernels)
+            import gpu_check_workers as w
+
+            result = w.worker_env() if args.worker == "env" else w.worker_serial(args.kernels)
         except Exception as exc:
             traceback.print_exc()
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -392,13 +408,17 @@ def main(argv=None) -> int:
     unknown = sorted(set(only) - set(STEPS))
     if unknown:
         ap.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
+    DRY["on"] = args.dry_run
     out = Path(args.out or os.environ.get("OUT") or "gpu_check_out")
-    report = Report(out, args.budget_s)
-    report.log(f"gpu_check: steps {', '.join(only)}; budget {args.budget_s:.0f} s; writing to {out}")
+    report = Report(out, args.budget)
+    report.summary["dry_run"] = args.dry_run
+    report.log(f"gpu_check: steps {', '.join(only)}; budget {args.budget:.0f} s; writing to {out}"
+               + ("; DRY RUN on CI's CuPy stand-in" if args.dry_run else ""))
     env_result = {}
     chosen = [name for name in STEPS if name in only]
-    for k, name in enumerate(chosen):
-        timeout = min(CAPS[name], report.remaining() - sum(NEEDS[later] for later in chosen[k + 1:]))
+    for name in chosen:
+        reserve = PERF_RESERVE if name in CORRECTNESS and "perf" in chosen else 0
+        timeout = min(CAPS[name], report.remaining() - reserve)
         report.log(f"=== {name} (up to {max(timeout, 0):.0f} s)")
         t0 = time.time()
         if timeout < 5:
@@ -417,8 +437,9 @@ def main(argv=None) -> int:
             env_result = result
         report.summary["steps"][name] = result
         report.save()
-        report.log(f"=== {name}: {'ok' if result.get('ok') else 'FAILED'} in {result['seconds']} s")
-    report.log(f"done in {time.time() - report.start:.0f} s: {'all ok' if report.summary['ok'] else 'some steps failed'}")
+        state = {True: "ok", False: "FAILED", None: "skipped"}[result.get("ok")]
+        report.log(f"=== {name}: {state} in {result['seconds']} s")
+    report.log(f"done in {time.time() - report.start:.0f} s: {'all ok' if report.summary['ok'] else 'NOT all ok'}")
     return 0 if report.summary["ok"] else 1
 
 

@@ -7,7 +7,9 @@ traffic, bubble and in-flight activations from the schedule
 (``costreport`` and ``costpipereport`` print them for ``mpicube info``),
 ``bench`` times steps and checks the counters against the model,
 ``trace`` records a run tensor by tensor by observing the trainer's step,
-and ``compare`` finds the first divergence between two traces.
+``compare`` finds the first divergence between two traces, and
+``profile`` (with ``profile_summary`` and ``timeline``) writes, sums up and
+draws per-rank timelines of compute and communication (``--profile``).
 
 May import: every layer below the command line.
 """

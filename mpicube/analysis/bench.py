@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from ..device import kernels, precision
+from ..ops import rng
 from .costmodel import Problem, step_traffic
 from .costmemory import step_memory, step_memory_bytes
 from ..training.step import make_step
@@ -62,8 +63,11 @@ def gemm_rate(backend, m: int, k: int, n: int, repeats: int = 5, min_seconds: fl
     the model runs them) (median_seconds)."""
     xp = backend.xp
     dtype = backend.dtype if dtype is None else dtype
-    a = xp.ones((m, k), dtype=dtype)
-    b = xp.ones((k, n), dtype=dtype)
+    # uniform operands in [-0.5, 0.5): multipliers fed constants toggle fewer
+    # bits, draw less power and can clock higher than on real data
+    a = (rng.uniform(rng.make_key("gemm", 1), xp.arange(m * k, dtype=np.uint64)) - 0.5).astype(np.float32)
+    b = (rng.uniform(rng.make_key("gemm", 2), xp.arange(k * n, dtype=np.uint64)) - 0.5).astype(np.float32)
+    a, b = a.reshape(m, k).astype(dtype), b.reshape(k, n).astype(dtype)        # (m, k), (k, n)
     out = xp.empty((m, n), dtype=dtype)
 
     def run():
@@ -74,12 +78,18 @@ def gemm_rate(backend, m: int, k: int, n: int, repeats: int = 5, min_seconds: fl
     return 2.0 * m * k * n / median_seconds(run, repeats, min_seconds)
 
 
-def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) -> dict:
+def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, profile=None) -> dict:
     """Time ``steps`` training steps after ``warmup`` ones; figures for this rank
-    (rank 0's are reported)."""
+    (rank 0's are reported). ``profile`` (a function of the optimizer step
+    giving an ``analysis.profile.ProfileSession``) profiles some of the
+    steps, numbered from 1 with the warm-up ones; profiled steps are timed
+    apart (``"profile"``: their median beside the others', the overhead) and
+    left out of the figures when other steps are timed."""
     layout, store, model, counters, backend = parts.layout, parts.store, parts.model, parts.counters, parts.backend
     cfg = parts.cfg
     opt = make_step(store, layout.axes)          # --zero 1: zero.ShardedStep
+    session = profile(opt) if profile is not None else None
+    profiled, cpu = [], []                        # per timed step: whether it was profiled; its CPU seconds
     loss_scale = 1024.0 if backend.dtype == np.float16 else 1.0     # as float16 training scales the loss
     B = parts.batch_size                                                       # the step's, all micro-batches
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, seq_len + 1))
@@ -88,6 +98,9 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
     saved = 0
     for i in range(warmup + steps):
         counters.reset()
+        if session is not None:
+            session.begin(i + 1)
+        cpu0 = time.process_time()
         marks = [time.perf_counter()]
         store.zero_grad()
         fwd = bwd = 0.0
@@ -119,22 +132,36 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
         opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)) / loss_scale)
         backend.synchronize()
         marks.append(time.perf_counter())
+        cpu1 = time.process_time()
+        if session is not None:
+            session.end(i + 1, (marks[0], marks[-1]))
         if i >= warmup:
+            profiled.append(session is not None and session.profiling(i + 1))
+            cpu.append(cpu1 - cpu0)
             for key, t0, t1 in zip(("forward_s", "backward_s", "sync_s", "optimizer_s"), marks, marks[1:]):
                 phases[key].append(t1 - t0)
             phases["step_s"].append(marks[-1] - marks[0])
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
-                      zero=int(store.partition.sharded), grad_accum=parts.grad_accum, **_pipeline_terms(parts))
+                      zero=store.zero, grad_accum=parts.grad_accum, cp=layout.axes.cp.size, **_pipeline_terms(parts))
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
+    mixed = any(profiled) and not all(profiled)
+    if mixed:                                     # the figures from the steps run as without --profile
+        profiled_times = [t for t, p in zip(phases["step_s"], profiled) if p]
+        cpu_ratio = (np.median([c for c, p in zip(cpu, profiled) if p])
+                     / np.median([c for c, p in zip(cpu, profiled) if not p]))
+        phases = {key: [t for t, p in zip(v, profiled) if not p] for key, v in phases.items()}
+    else:
+        profiled_times = phases["step_s"] if any(profiled) else []
     step_times = np.array(phases["step_s"])
     median = float(np.median(step_times))
+    exposed = float(np.median(np.array(phases["comm_s"]) / step_times))   # time in MPI calls and waits
     world = layout.axes.world.size
     flops_rank = model_flops(cfg, B, seq_len) / world
     first_layer = parts.pipeline.chunks[0][2][0] if parts.pipeline is not None else 0     # this stage's first block
     fc = store.grad[f"h.{first_layer}.mlp.c_fc.weight"].shape                  # (h_in local, h_out local)
-    gemm_shape = (len(layout.mid_seqs) * seq_len, len(layout.canonical_cols), fc[1])
+    gemm_shape = (len(layout.mid_seqs) * seq_len // layout.axes.cp.size, len(layout.canonical_cols), fc[1])
     rate = gemm_rate(backend, *gemm_shape)
     rate32 = gemm_rate(backend, *gemm_shape, dtype=np.float32) if backend.mixed else rate
     return {
@@ -157,6 +184,9 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
         "gemm_float32_flops_per_s": rate32,
         "gemm_fraction": flops_rank / median / rate,
         "split": {key: float(np.median(v)) for key, v in phases.items() if key != "step_s"},
+        "exposed_comm_fraction": exposed,
+        **({"profile": profile_figures(session, profiled_times, median if mixed else None,
+                                       cpu_ratio if mixed else None)} if session is not None else {}),
         "comm": {"measured_elems": float(counters.total_elems()), "measured_msgs": counters.total_msgs(),
                  "measured_bytes": float(counters.total_bytes()),
                  "predicted_elems": float(predicted.total_elems()), "predicted_msgs": predicted.total_msgs(),
@@ -165,13 +195,37 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0) ->
                  and counters.total_bytes() == predicted.total_bytes()
                  and counters.total_msgs() == predicted.total_msgs()},
         "memory": {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
-                   "activations": memory.activations, "measured_params": int(store.flat_work.size),
+                   "activations": memory.activations, "measured_params": int(
+                       sum(b.size for b in store.param_buffers()) if store.streams_gradients else store.flat_work.size),
                    "measured_activations": int(saved),
                    "bytes": {"params": memory_bytes.params, "grads": memory_bytes.grads,
                              "optimizer": memory_bytes.optimizer, "activations": memory_bytes.activations,
                              "measured_activations": int(saved_bytes)},
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
     }
+
+
+def profile_figures(session, profiled_times: list, plain_median: float, cpu_ratio: float = None) -> dict:
+    """What ``--profile`` adds to a layout's results: the trace's path, its
+    fractions (rank 0's, over the profiled steps) and the overhead, the
+    median profiled timed step against the median of the others (when
+    both ran), in wall time and in this process's CPU time (which the
+    machine's other load moves much less)."""
+    out = {"steps": [session.first, session.last], "trace": str(session.out_dir / "profile.json")}
+    if profiled_times:
+        median = float(np.median(profiled_times))
+        out["profiled_step_s"] = median
+        if plain_median is not None:
+            out["plain_step_s"] = plain_median
+            out["overhead"] = median / plain_median - 1.0
+            out["overhead_cpu"] = float(cpu_ratio) - 1.0
+    if session.summary is not None:
+        total = session.summary["ranks"][0]["total"]
+        out["trace_fractions"] = {k: total[k + "_fraction"] for k in
+                                  ("compute", "exposed", "idle", "communication", "overlapped", "accounted")}
+        out["max_accounting_error"] = max(r["total"]["max_accounting_error"]
+                                          for r in session.summary["ranks"].values())
+    return out
 
 
 def _pipeline_terms(parts) -> dict:
@@ -187,7 +241,7 @@ def format_table(results: list, dtype_bytes=None) -> str:
     byte counts; ``dtype_bytes`` is not used any more)."""
     head = (f"{'layout':<8} {'world':>5} {'step ms':>9} {'spread ms':>15} {'tok/s':>9} {'GFLOP/s':>8} "
             f"{'gemm%':>6} {'fwd':>6} {'bwd':>6} {'sync':>6} {'opt':>6} {'mpi':>6} "
-            f"{'comm bytes':>11} {'predicted':>11} {'mem MB':>8}")
+            f"{'exposed':>8} {'comm bytes':>11} {'predicted':>11} {'mem MB':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         s, c, m = r["split"], r["comm"], r["memory"]["bytes"]
@@ -197,7 +251,8 @@ def format_table(results: list, dtype_bytes=None) -> str:
             f"{r['layout']:<8} {r['world']:>5} {r['step_time_s'] * 1e3:>9.1f} {spread:>15} "
             f"{r['tokens_per_s']:>9.0f} {r['flops_per_s_per_rank'] / 1e9:>8.2f} {100 * r['gemm_fraction']:>5.1f}% "
             + " ".join(f"{s[k] * 1e3:>6.1f}" for k in ("forward_s", "backward_s", "sync_s", "optimizer_s", "comm_s"))
-            + f" {c['measured_bytes']:>11.4g} {c['predicted_bytes']:>11.4g} {mem:>8.2f}")
+            + f" {100 * r['exposed_comm_fraction']:>7.1f}% {c['measured_bytes']:>11.4g} "
+            f"{c['predicted_bytes']:>11.4g} {mem:>8.2f}")
     if results:
         r = results[0]
         lines.append(f"device {r['device']}, {r['dtype']}{' (TF32 GEMMs)' if r['tf32'] else ''}; "
@@ -208,7 +263,8 @@ def format_table(results: list, dtype_bytes=None) -> str:
                          f"{r['gemm_float32_flops_per_s'] / 1e9:.2f} GFLOP/s")
     lines.append("Times in ms per step (median); "
                  "gemm% = model FLOP/s per rank / same-process matmul FLOP/s; "
-                 "mpi = time inside MPI calls (part of fwd/bwd/sync); memory = params+grads+Adam+saved activations"
+                 "mpi = time inside MPI calls (part of fwd/bwd/sync); exposed = mpi / step: communication nothing "
+                 "overlapped; memory = params+grads+Adam+saved activations"
                  + ("; under --pp, fwd is the whole schedule (forwards and backwards interleave), rank 0 is "
                     "stage 0" if any(r.get("pp", 1) > 1 for r in results) else ""))
     return "\n".join(lines)

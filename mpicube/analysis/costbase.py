@@ -120,6 +120,12 @@ class Problem:
     pp_schedule: str = "1f1b"   # gpipe, 1f1b or interleaved
     virtual_stages: int = 1  # chunks per stage under interleaved
     stage: int = 0           # the stage this rank runs (0..pp-1); every per-rank figure is for it
+    cp: int = 1              # context-parallel ranks: each holds seq_len / cp positions (parallel.context)
+
+    @property
+    def local_seq(self) -> int:
+        """Positions of each sequence on one rank: 2 chunks of seq_len / 2cp."""
+        return self.seq_len // self.cp
 
     @property
     def stage_chunks(self) -> list:
@@ -157,5 +163,10 @@ class Problem:
 
     @property
     def sharded(self) -> bool:
-        """Whether the optimizer state is sharded (--zero 1 with dp > 1)."""
+        """Whether the optimizer state is sharded (--zero 1, 2 or 3 with dp > 1)."""
         return bool(self.zero) and self.dp > 1
+
+    @property
+    def segmented(self) -> bool:
+        """Whether gradients (and under 3 weights) are sharded per layer (--zero 2, 3)."""
+        return self.zero >= 2 and self.dp > 1

@@ -50,7 +50,7 @@ def activation_bytes(p: Problem, dropout: bool = False) -> int:
 def activation_terms(p: Problem, dropout: bool = False) -> dict:
     """{"act", "stat", "grad": elements} kept for backward: LayerNorm
     outputs and statistics, linear inputs (gathered in 3-D), q/k/v,
-    attention probabilities, GELU input and tanh, logits and softmax,
+    attention output and log-sum-exp, GELU input and tanh, logits and softmax,
     gathered embedding panels and their gradients, masks. Under
     --recompute blocks: the block inputs, what lies outside the blocks, and
     one rerun block's working set on top (``kept_and_rerun_terms``)."""
@@ -77,7 +77,7 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     one rerun block under --recompute blocks). A stage that only looks up
     keeps the panel it gathered (the head, which would let it go under
     --recompute gathers, never runs there)."""
-    cfg, T, h, mode = p.cfg, p.seq_len, p.cfg.n_embd, p.recompute
+    cfg, T, h, mode = p.cfg, p.local_seq, p.cfg.n_embd, p.recompute   # T: this rank's positions
     if p.layout in ("serial", "1d"):
         q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
         V = -(-cfg.vocab_size // heads) * heads // heads
@@ -95,15 +95,18 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     seqs = p.local_batch // split_rows
     n = seqs * T                       # token rows per rank, canonical and intermediate alike
     cc = h // split_cols               # canonical width
-    probs = seqs * (cfg.n_head // heads) * T * T
+    lse = n * (cfg.n_head // heads)    # blockwise attention's per-row log-sum-exp, in the compute format
     # 1-D keeps a replicated activation it can gather again as a row shard of 1/p.
     shard = p.tp if p.layout == "1d" else 1
     # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
     gathered = q > 1
     regather = mode == "gathers"
 
-    # one block: LN xhat (x2), qkv and the scaled copy of q, probabilities, GELU input and tanh
-    block = 2 * n * cc + n * 4 * mid_cols + probs + 2 * n * 4 * mid_cols
+    # one block: LN xhat (x2), qkv and the scaled copy of q, GELU input and tanh; blockwise
+    # attention keeps no probabilities (ops.attention_blocks), only lse and its output
+    block = 2 * n * cc + n * 4 * mid_cols + 2 * n * 4 * mid_cols
+    if p.layout == "3d" and not regather and gathered:
+        block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
     if p.layout == "3d":
         for h_in, h_out, _ in block_linears(cfg):
             block += n * h_in // q if regather else q * n * h_in // q         # local or gathered X
@@ -112,7 +115,7 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         first_inputs = 2 * n * cc // shard if regather else 2 * n * cc     # c_attn, c_fc
         block += first_inputs + n * mid_cols + n * 4 * mid_cols            # c_proj, mlp.c_proj
     if dropout:
-        block += 2 * n * cc + 2 * probs
+        block += 2 * n * cc            # residual masks; attention's are drawn block by block, never kept
     # outside the blocks: ln_f xhat, logits and softmax, head input (head); embedding mask (lookup);
     # the wte panel and its gradient (either)
     outside, panel, grad = 0, 0, 0
@@ -131,16 +134,19 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     step = {"act": panel, "stat": 0, "grad": grad}
     if mode == "blocks":
         kept = {"act": L * n * cc // shard + outside, "stat": n * head, "grad": 0}
-        return kept, step, {"act": block if L else 0, "stat": 2 * n if L else 0, "grad": 0}
-    kept = {"act": L * block + outside, "stat": (2 * L + head) * n, "grad": 0}   # rstd of ln_1, ln_2, ln_f
+        return kept, step, {"act": block if L else 0, "stat": 2 * n + lse if L else 0, "grad": 0}
+    kept = {"act": L * block + outside, "stat": (2 * L + head) * n + L * lse, "grad": 0}   # rstd of LNs, lse
     return kept, step, {"act": 0, "stat": 0, "grad": 0}
 
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:
     """Elements per rank. Under --zero 1 the buffers are padded to P_pad (a
-    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp). Under a
-    pipeline: this stage's parameters, and its peak saved activations over
-    the schedule (``costpipe.pipeline_peak_activations``)."""
+    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp); --zero 2
+    and 3: ``segmented_memory``. Under a pipeline: this stage's parameters,
+    and its peak saved activations over the schedule
+    (``pipeline_peak_activations``)."""
+    if p.segmented:
+        return segmented_memory(p, dropout)[0]
     params = sum(n for n, _ in local_param_sizes(p).values())
     acts = _stage_activations(p, dropout, bytes_=False)
     if p.sharded:
@@ -157,11 +163,12 @@ def _stage_activations(p: Problem, dropout: bool, bytes_: bool) -> int:
     return sum(pipeline_peak_activations(p, p.stage, dropout).values())
 
 
-
 def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
     """``step_memory`` in bytes: under mixed precision the parameters are a
     float32 master plus a 16-bit working copy, gradients and Adam moments
     float32, activations mostly 16-bit."""
+    if p.segmented:
+        return segmented_memory(p, dropout)[1]
     w, elems = p.widths, step_memory(p, dropout)
     acts = _stage_activations(p, dropout, bytes_=True)
     if p.sharded:   # the full buffer is the 16-bit working copy, the float32 master only the chunk
@@ -171,6 +178,36 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
     params = elems.params
     working = params * w.act if w.act != w.grad else 0
     return Memory(params * w.grad + working, params * w.grad, 2 * params * w.grad, acts)
+
+
+def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
+    """(elements, bytes) per rank under --zero 2 and 3 (mpicube.parallel.fsdp):
+    the master chunk, summed gradient chunk and moments (C, C, 2 C); the
+    gradient slots (the outside segment's and two blocks', one if the model
+    has one block); --zero 2 the whole P_pad working copy, --zero 3 the
+    parameter slots (the same widths) and, under mixed precision, the
+    master chunk's 16-bit rounding. All are allocated once: this is the
+    peak of weights and gradients, the prefetched block included."""
+    w = p.widths
+    sizes = [(name, n) for name, (n, _) in local_param_sizes(p).items()]
+    segments = zero.segment_sizes(sizes, p.dp, p.zero)
+    chunk = sum(c for _, _, c in segments)
+    padded = {seg: p.dp * c for seg, _, c in segments}
+    blocks = [seg for seg in padded if seg != zero.OUTSIDE]
+    slots = padded.get(zero.OUTSIDE, 0) + min(2, len(blocks)) * max([padded[b] for b in blocks], default=0)
+    mixed = w.act != w.grad
+    grads = chunk + slots
+    if p.zero == 2:
+        whole = sum(padded.values())
+        elems = Memory(whole + chunk, grads, 2 * chunk, _stage_activations(p, dropout, bytes_=False))
+        size = Memory(whole * w.act + chunk * w.grad, grads * w.grad, 2 * chunk * w.grad,
+                      _stage_activations(p, dropout, bytes_=True))
+        return elems, size
+    rounded = chunk if mixed else 0
+    elems = Memory(chunk + rounded + slots, grads, 2 * chunk, _stage_activations(p, dropout, bytes_=False))
+    size = Memory(chunk * w.grad + (rounded + slots) * w.act, grads * w.grad, 2 * chunk * w.grad,
+                  _stage_activations(p, dropout, bytes_=True))
+    return elems, size
 
 
 def _stage_terms(p: Problem, stage: int, dropout: bool) -> tuple:

@@ -51,13 +51,23 @@ gradient (at ``Widths.gsum``) and an all-gather of the updated chunk
 2 C moments. Under mixed precision the float32 master is the chunk only
 and is counted with the parameters (C master + P_pad working copy), as the
 master is counted there with --zero 0.
+
+``Problem.zero`` = 2 or 3 (mpicube.parallel.fsdp): the buffer is cut per layer
+(``zero.segment_sizes``), and every micro-batch sums each layer's replica
+groups and reduce-scatters its padded segment over dp (``segmented_traffic``);
+--zero 3 all-gathers the outside segment once per step and the blocks as
+their two alternating slots need them: L in the step's first forward,
+L - 2 in every later pass (the last two blocks are still in their slots at
+each turn; all L stay when L <= 2); --zero 2 all-gathers the chunk after
+the step as --zero 1 does. Memory: ``costmemory.segmented_memory``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
-from ..parallel import zero
+from ..parallel import fsdp, zero
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
@@ -242,31 +252,90 @@ def step_traffic(p: Problem) -> Traffic:
     stage (axis "tied", at the gsum wire), and the gradient norm all-reduced
     over "pp" after "tp" (one float64 each)."""
     t = Traffic()
-    t.add(TRAFFIC[p.layout](p), p.grad_accum)
+    t.add(TRAFFIC[p.layout](replace(p, seq_len=p.local_seq, cp=1)), p.grad_accum)   # on this rank's positions
     t.add(pipeline_traffic(p))
+    if p.cp > 1:
+        t.add(ring_traffic(p), p.grad_accum)
+        t.sum("cp", p.cp, sum(n for n, _ in local_param_sizes(p).values()), width=p.widths.gsum)   # weights' sum
     sizes = local_param_sizes(p)
     group_sizes = defaultdict(int)
     for n, axis in sizes.values():
         if axis is not None:
             group_sizes[axis] += n
     w = p.widths
-    for axis, n in group_sizes.items():
-        t.sum(axis, _group_size(p, axis), n, width=w.gsum)
     if p.pp > 1 and (p.has_embed or p.has_head):
         t.sum("tied", 2, sizes["wte"][0], width=w.gsum)        # wte's two copies, before the optimizer
     params = sum(n for n, _ in sizes.values())
-    if p.sharded:
+    if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
+        segmented_traffic(p, t, sizes)
+    elif p.sharded:
+        _group_sums(p, t, group_sizes)
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
-        t.allreduce("world", p.tp * p.dp * p.pp, 1, width=w.scalar)   # gradient norm
+        t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)   # gradient norm
     else:
+        _group_sums(p, t, group_sizes)
         t.sum("dp", p.dp, params, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
         t.allreduce("pp", p.pp, 1, width=w.scalar)             # ... and over the stages
     # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
-    t.allreduce("world", p.tp * p.dp * p.pp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
+    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
+
+
+def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
+    """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
+    for axis, n in group_sizes.items():
+        t.sum(axis, _group_size(p, axis), n, width=p.widths.gsum)
+
+
+def attention_split(p: Problem) -> tuple:
+    """(sequences, heads) of one rank's attention: the rows and heads of
+    the layout's intermediate activation (between paired linears)."""
+    if p.layout in ("serial", "1d"):
+        return p.local_batch, p.cfg.n_head // (p.tp if p.layout == "1d" else 1)
+    q = round((p.tp // p.depth) ** 0.5) if p.layout in ("2d", "2.5d") else round(p.tp ** (1 / 3))
+    rows = p.depth * q if p.layout in ("2d", "2.5d") else q * q
+    return p.local_batch // rows, p.cfg.n_head // q
+
+
+def ring_traffic(p: Problem) -> Traffic:
+    """One micro-batch of ring attention (parallel.context), per layer: the
+    K/V pair of this rank's chunks (2 x seqs x T/cp x h_local elements)
+    shifted C-1 times in forward (twice under --recompute blocks), and in
+    backward C-1 times more, with the dK/dV pair in the compute format C
+    times. One message per shift."""
+    t, w, C = Traffic(), p.widths, p.cp
+    seqs, heads = attention_split(p)
+    kv = 2 * seqs * p.local_seq * heads * p.cfg.head_dim
+    forwards = 2 if p.recompute == "blocks" else 1
+    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.cfg.n_layer, w.act)
+    t._add("cp", C, kv, 1, C * p.cfg.n_layer, w.stat)
+    return t
+
+
+def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
+    """--zero 2 and 3 (module docstring): per micro-batch and layer, the
+    replica-group sums and the reduce-scatter; the gathers; the norm."""
+    w = p.widths
+    segments = zero.segment_sizes([(name, n) for name, (n, _) in sizes.items()], p.dp, p.zero)
+    blocks = [c for seg, _, c in segments if seg != zero.OUTSIDE]
+    if p.zero == 3 and blocks:
+        t.allgather("dp", p.dp, blocks[0], times=fsdp.block_gathers(len(blocks), 2 * p.grad_accum), width=w.act)
+    for seg, _, chunk in segments:
+        groups = defaultdict(int)
+        for name, (n, axis) in sizes.items():
+            if axis is not None and zero.segment_of(name) == seg:
+                groups[axis] += n
+        for axis, n in groups.items():
+            t.sum(axis, _group_size(p, axis), n, times=p.grad_accum, width=w.gsum)
+        t.reduce_scatter("dp", p.dp, p.dp * chunk, times=p.grad_accum, width=w.gsum)
+        if p.zero == 3 and seg == zero.OUTSIDE:
+            t.allgather("dp", p.dp, chunk, width=w.act)          # once per step: it stays gathered
+    if p.zero == 2:
+        t.allgather("dp", p.dp, sum(c for _, _, c in segments), width=w.act)   # parameters after the step
+    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)         # gradient norm
 
 
 def _group_size(p: Problem, axis: str) -> int:

@@ -14,6 +14,8 @@ from ..parallel.grid import plan
 from ..parallel.layouts.base import RECOMPUTE_MODES
 from ..model.gpt import gpt_params
 
+SHARDED = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
+
 
 def comparison_depth(tp: int) -> int:
     """A depth for 2.5-D at this size: d = q when tp is a cube (Tesseract's
@@ -38,22 +40,22 @@ def _fmt(n) -> str:
 
 
 def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none", grad_accum=1,
-             zero=0):
+             zero=0, cp=1):
     """A validated Problem, or the ConfigError's message."""
     from ..core.errors import ConfigError
 
     try:
-        _, resolved, tp = plan(GridSpec(name, dp=dp, depth=depth), cfg, batch_size, world_size, grad_accum,
+        _, resolved, tp = plan(GridSpec(name, dp=dp, cp=cp, depth=depth), cfg, batch_size, world_size, grad_accum,
                                recompute)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
-                   recompute=recompute, grad_accum=grad_accum, zero=zero)
+                   recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
            depth: int = 1, dtype: str = "float32", recompute: str = "none", grad_accum: int = 1,
-           zero: int = 0) -> str:
+           zero: int = 0, cp: int = 1) -> str:
     """Sharding plan and per-rank predictions for one layout (with the
     ``recompute`` mode's communication, memory and FLOPs, ``grad_accum``
     micro-batches, and with ``zero=1`` the optimizer state sharded over
@@ -64,14 +66,15 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     from ..parallel.zero import validate
 
     validate(zero, dp)
-    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero)
+    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp)
     if isinstance(chosen, str):
         from ..core.errors import ConfigError
 
         raise ConfigError(chosen)
-    lines = [f"layout {chosen.layout}: world {world_size} = dp {dp} x tp {chosen.tp}"
+    lines = [f"layout {chosen.layout}: world {world_size} = dp {dp}" + (f" x cp {cp}" if cp > 1 else "")
+             + f" x tp {chosen.tp}"
              + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else "")
-             + (", optimizer state sharded over dp (--zero 1)" if chosen.sharded else ""),
+             + (f", {SHARDED[chosen.zero]} sharded over dp (--zero {chosen.zero})" if chosen.sharded else ""),
              f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step"
              + (f", in {grad_accum} micro-batches of {batch_size // grad_accum}" if grad_accum > 1 else "")
              + f", --recompute {recompute}", "",
@@ -118,7 +121,7 @@ def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dty
     base = next((p for n, _, p in rows if n == "3d" and not isinstance(p, str)), None)
     base_t = step_traffic(base).total_bytes() if base else None
     base_m = step_memory_bytes(base).total() if base else None
-    lines = [f"all schemes at world {world_size} (dp {dp}{', zero 1' if zero and dp > 1 else ''}), {dtype}, "
+    lines = [f"all schemes at world {world_size} (dp {dp}{f', zero {zero}' if zero and dp > 1 else ''}), {dtype}, "
              "per rank per step:",
              f"  {'layout':<10} {'comm bytes':>11} {'messages':>9} {'memory':>10} {'comm/3d':>8} {'mem/3d':>7}"]
     for name, depth, p in rows:
@@ -142,7 +145,7 @@ def memory_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int =
     messages moved and extra FLOPs, per rank per step. The question it
     answers is the paper's: which layout fits, and at what price."""
     tp = world_size // dp if world_size % dp == 0 else 0
-    zeros = (0, 1) if dp > 1 else (0,)
+    zeros = (0, 1, 2, 3) if dp > 1 else (0,)
     lines = [f"memory per rank by option, world {world_size} (dp {dp}), {dtype}, batch {batch_size}"
              + (f" in {grad_accum} micro-batches" if grad_accum > 1 else "") + ":",
              f"  {'layout':<10} {'recompute':<9} {'zero':>4} {'memory':>9} {'mem/none':>8} "
@@ -166,17 +169,53 @@ def memory_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int =
                              f"{100 * mem / base_mem:>7.1f}% {_fmt(round(t.total_bytes() - base_t.total_bytes())) + 'B':>11} "
                              f"{t.total_msgs() - base_t.total_msgs():>9} {float((f - base_f) / base_f):>+6.0%}")
     if dp == 1:
-        lines.append("  (--zero 1 shards the optimizer state over data-parallel replicas: with --dp 1 there are none)")
+        lines.append("  (--zero 1-3 shard the optimizer state, gradients and weights over data-parallel replicas: "
+                     "with --dp 1 there are none)")
+    return "\n".join(lines)
+
+
+def zero_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int, dtype: str = "float32",
+                 grad_accum: int = 1, recompute: str = "none") -> str:
+    """Every scheme under --zero 0-3 (dp > 1): per rank, the weights,
+    gradients and optimizer state ZeRO shards (their peak, the gathered
+    and prefetched layers of --zero 3 included), what each step moves, and
+    the yardstick of full sharding: 1/dp of --zero 0's weights + gradients
+    + optimizer state plus one layer's gathered weights."""
+    from ..parallel import zero as zero_mod
+
+    tp = world_size // dp if world_size % dp == 0 else 0
+    lines = [f"weights + gradients + optimizer state per rank by --zero, world {world_size} (dp {dp}), {dtype}:",
+             f"  {'layout':<10} {'zero':>4} {'weights':>9} {'grads':>9} {'optimizer':>9} {'w+g+o':>9} "
+             f"{'of zero 0':>9} {'0/dp+layer':>10} {'comm bytes':>11} {'messages':>9}"]
+    for name in ("1d", "2d", "2.5d", "3d"):
+        depth = comparison_depth(tp) if name == "2.5d" and tp else 1
+        label = f"{name} d={depth}" if name == "2.5d" else name
+        base = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum)
+        if isinstance(base, str):
+            lines.append(f"  {label:<10} n/a: {base}")
+            continue
+        m0 = step_memory_bytes(base)
+        state0 = m0.params + m0.grads + m0.optimizer
+        sizes = [(n, size) for n, (size, _) in local_param_sizes(base).items()]
+        layer = max(dp * c for seg, _, c in zero_mod.segment_sizes(sizes, dp, 3) if seg != zero_mod.OUTSIDE)
+        bar = state0 / dp + layer * base.widths.act
+        for z in (0, 1, 2, 3):
+            p = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, z)
+            m, t = step_memory_bytes(p), step_traffic(p)
+            state = m.params + m.grads + m.optimizer
+            lines.append(f"  {label:<10} {z:>4} {_fmt(m.params) + 'B':>9} {_fmt(m.grads) + 'B':>9} "
+                         f"{_fmt(m.optimizer) + 'B':>9} {_fmt(state) + 'B':>9} {100 * state / state0:>8.1f}% "
+                         f"{_fmt(bar) + 'B':>10} {_fmt(round(t.total_bytes())) + 'B':>11} {t.total_msgs():>9}")
     return "\n".join(lines)
 
 
 def summary(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1,
-            dtype: str = "float32", recompute: str = "none", grad_accum: int = 1, zero: int = 0) -> dict:
+            dtype: str = "float32", recompute: str = "none", grad_accum: int = 1, zero: int = 0, cp: int = 1) -> dict:
     """The chosen layout and options, per rank per step, for ``info --json``:
     what a script sizing a job needs without parsing the report."""
-    p = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero)
+    p = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp)
     t, m = step_traffic(p), step_memory_bytes(p)
-    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "depth": p.depth, "batch_size": p.batch,
+    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "cp": p.cp, "depth": p.depth, "batch_size": p.batch,
             "seq_len": p.seq_len, "dtype": p.dtype, "recompute": p.recompute, "zero": p.zero,
             "grad_accum": p.grad_accum,
             "memory_bytes_per_rank": int(m.total()),

@@ -159,6 +159,14 @@ def pipeline_options(f):
     return f
 
 
+def cp_option(f):
+    """``--cp C`` (train, eval, bench): context-parallel ranks (parallel/context.py)."""
+    return click.option("--cp", type=int, default=1, show_default=True,
+                        help="context-parallel ranks: each sequence cut into 2C chunks, rank r holding chunks r "
+                             "and 2C-1-r, attention by a ring passing K and V; the world splits into "
+                             "dp x cp x tensor-parallel ranks")(f)
+
+
 def recompute_option(f):
     return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
                         help="trade memory for communication and FLOPs: gathers = gather weight and activation "
@@ -167,9 +175,34 @@ def recompute_option(f):
 
 
 def zero_option(help_text: str):
-    """``--zero {0,1}`` as an int (train, bench, info; each says what it does there)."""
-    return click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+    """``--zero {0,1,2,3}`` as an int (train, bench, info; each says what it does there)."""
+    return click.option("--zero", type=click.Choice(["0", "1", "2", "3"]), default="0", show_default=True,
                         callback=lambda ctx, param, value: int(value), help=help_text)
+
+
+class StepRange(click.ParamType):
+    """``START:STOP``, 1 <= START <= STOP: the steps START to STOP, both
+    included (one step: ``N`` or ``N:N``)."""
+
+    name = "START:STOP"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            parts = [int(p) for p in str(value).split(":")]
+        except ValueError:
+            parts = []
+        parts = parts * 2 if len(parts) == 1 else parts
+        if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+            self.fail(f"{value!r} is not START:STOP with 1 <= START <= STOP (e.g. 2:4: steps 2 to 4)", param, ctx)
+        return parts[0], parts[1]
+
+
+def profile_option(help_text: str):
+    """``--profile START:STOP`` (train, bench): a per-rank timeline of those steps (analysis.profile)."""
+    return click.option("--profile", type=StepRange(), default=None,
+                        help="record a timeline of compute and communication on every rank for " + help_text)
 
 
 def grad_accum_option(help_text: str):

@@ -10,8 +10,8 @@ import json
 import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
-                     echo, grad_accum_option, layout_options, model_options, pipeline_options, recompute_option,
-                     watched, zero_option)
+                     echo, grad_accum_option, cp_option, layout_options, model_options, pipeline_options,
+                     profile_option, recompute_option, watched, zero_option)
 from ..core.errors import UserError
 
 
@@ -30,7 +30,8 @@ from ..core.errors import UserError
                    "sums, float32 statistics, master weights, gradients and AdamW moments")
 @click.option("--vocab-size", type=int, default=None,
               help="vocabulary for the estimate  [default: 256, the byte tokenizer's]")
-@zero_option("the estimate with the optimizer state sharded over --dp (as train --zero 1)")
+@zero_option("the estimate with the optimizer state (1), also the gradients (2), also the weights (3) sharded "
+             "over --dp (as train --zero)")
 @recompute_option
 @pipeline_options
 @click.option("--pipelines", is_flag=True,
@@ -40,8 +41,9 @@ from ..core.errors import UserError
               help="consecutive ranks that share a node, for the cross-node bytes of --pipelines")
 @click.option("--json", "as_json", is_flag=True,
               help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
+@cp_option
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
-         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json):
+         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations."""
@@ -67,7 +69,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
          + (f" (float32 master + {dtype} working copy)" if working else "")
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
-        from ..analysis.costreport import memory_options, report, summary
+        from ..analysis.costreport import memory_options, report, summary, zero_options
         from ..parallel.grid import default_batch
         from ..parallel.gridspec import GridSpec
         from ..parallel.schedules import check_pipeline, check_pp_world
@@ -77,7 +79,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         stage_world = check_pp_world(world, pp, dp) * dp        # one stage's dp x tp ranks
         echo()
         if batch_size is None:
-            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, depth=depth), cfg, stage_world,
+            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, cp=cp, depth=depth), cfg, stage_world // cp,
                                             grad_accum, recompute=recompute)
             echo(why)
         if note:
@@ -90,9 +92,17 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         else:
             args = (layout or "auto", cfg, batch_size, world, dp, depth)
             options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
-            echo(report(*args, **options))
+            echo(report(*args, **options, cp=cp))
             echo()
             echo(memory_options(cfg, batch_size, world, dp, dtype, grad_accum))
+            if dp > 1:
+                echo()
+                echo(zero_options(cfg, batch_size, world, dp, dtype, grad_accum, recompute))
+            if world % (dp * cp) == 0:
+                from ..analysis.costcontext import context_table
+
+                echo()
+                echo(context_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute))
         if pipelines or pp > 1:
             from ..analysis.costpipereport import combinations_report
 
@@ -106,7 +116,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                                                  pp_schedule, virtual_stages, dtype, recompute, grad_accum, zero)))
             else:
                 echo(json.dumps(summary(layout or "auto", cfg, batch_size, world, dp, depth, dtype=dtype,
-                                        recompute=recompute, grad_accum=grad_accum, zero=zero)))
+                                        recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp)))
     elif as_json:
         raise UserError("info --json describes a layout: give --layout and/or -n")
 
@@ -132,10 +142,16 @@ def _mib(nbytes: int) -> str:
 @device_options
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
-@zero_option("1: the optimizer state sharded over --dp (as train --zero 1)")
+@zero_option("1: the optimizer state sharded over --dp; 2: and the gradients; 3: and the weights (as train --zero)")
+@profile_option("steps START to STOP (counted from 1 with the warm-up steps) into RUN_DIR/profile.json, "
+                "timed apart from the others")
+@click.option("--out", type=str, default=None, metavar="RUN_DIR",
+              help="where --profile writes (several layouts: RUN_DIR/<layout>/)  [default: runs/bench-<time>]")
+@cp_option
 @collective_timeout_option
-def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size, grad_accum, warmup_steps, steps, seed,
-          dtype, device, tf32, recompute, zero, as_json, collective_timeout):
+def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
+          grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,
+          collective_timeout):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -154,11 +170,15 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
 
     if steps < 1 or warmup_steps < 0:
         raise UserError("--steps must be at least 1 and --warmup-steps at least 0")
+    if profile is not None and profile[1] > warmup_steps + steps:
+        raise UserError(f"--profile {profile[0]}:{profile[1]} ends after the last step, "
+                        f"{warmup_steps + steps} (--warmup-steps + --steps)")
+    profile_dir = _profile_dir(out) if profile is not None else None
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
-            grid = GridSpec(name, dp=dp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
+            grid = GridSpec(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
                             pp_schedule=pp_schedule, virtual_stages=virtual_stages)
             batch = batch_size
             if batch is None:                                  # each layout its own smallest batch
@@ -171,7 +191,12 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
             if note and note not in noted:
                 noted.add(note)
                 echo(note)
-            results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed))
+            session = None
+            if profile is not None:
+                where = profile_dir / name if len(layouts) > 1 else profile_dir
+                meta = {"command": "bench", **parts.layout.describe()}
+                session = _session_factory(parts, profile, where, meta)
+            results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed, session))
     echo(format_table(results, 4 if dtype == "float32" else 8))
     echo(f"threads: {threads.current().describe()}")
     if as_json:
@@ -179,6 +204,36 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
         echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
                          "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
                          "results": results}))
+
+
+def _profile_dir(out):
+    """bench --profile's run directory: --out, else runs/bench-<time> (rank 0's time, agreed)."""
+    import time
+    from pathlib import Path
+
+    return Path(out if out is not None else _mpi["world"].bcast(time.strftime("runs/bench-%Y%m%d-%H%M%S"), root=0))
+
+
+def _session_factory(parts, steps, where, meta):
+    from ..analysis.profile import ProfileSession
+
+    return lambda opt: ProfileSession(parts, opt, _mpi["world"], steps, where, echo, meta)
+
+
+@cli.command()
+@click.argument("run_dir")
+@click.option("--out", required=True, metavar="FILE.png", help="the picture to write")
+@click.option("--width", type=float, default=12.0, show_default=True, help="inches across")
+def timeline(run_dir, out, width):
+    """Draw RUN_DIR/profile.json (train or bench --profile) as a picture.
+
+    Ranks down, time across; for each rank a lane of compute and one per
+    communication axis, each in its own colour: calls and waits solid,
+    nonblocking calls in flight pale. RUN_DIR may also be the trace file.
+    """
+    from ..analysis.timeline import draw
+
+    echo(draw(run_dir, out, width))
 
 
 @cli.command()

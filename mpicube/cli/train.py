@@ -9,9 +9,10 @@ import math
 
 import click
 
+from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
-                     grad_accum_option, layout_options, model_options, pipeline_options, recompute_option, watched,
-                     zero_option)
+                     grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
+                     recompute_option, watched, zero_option, cp_option)
 
 
 @cli.command()
@@ -20,6 +21,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
                                        "options on the command line override it")
 @layout_options
 @pipeline_options
+@cp_option
 @model_options
 @click.option("--vocab-size", type=int, default=256, show_default=True,
               help="vocabulary (256: byte-level tokens; 50257: GPT-2's BPE); --init-from's model sets its own")
@@ -68,9 +70,12 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
 @click.option("--loss-scale-backoff", type=float, default=None,
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
 @zero_option("1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
-             "replicas; gradients reduce-scattered, parameters all-gathered")
+             "replicas; gradients reduce-scattered, parameters all-gathered; 2: also the gradients, "
+             "reduce-scattered per layer during backward; 3: also the weights, all-gathered per layer "
+             "just before it runs")
+@profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
-def train(collective_timeout, **kwargs):
+def train(collective_timeout, profile, **kwargs):
     """Train a GPT-2 model.
 
     Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
@@ -80,14 +85,22 @@ def train(collective_timeout, **kwargs):
     """
     from ..training.launch import SHAPE_OPTIONS
     from ..training.options import TrainOptions
-    from ..training.train import train as run_training
+    from ..training.train import Trainer
 
     opts = TrainOptions(**kwargs)
     ctx = click.get_current_context()      # a model file decides the shape options nobody gave
     opts.given_shape = tuple(k for k in SHAPE_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
+    hooks = []
+    if profile is not None and profile[1] > opts.last_step:
+        raise UserError(f"--profile {profile[0]}:{profile[1]} ends after the last step this run trains, "
+                        f"{opts.last_step} (--steps, --stop-after)")
+    if profile is not None:
+        from ..analysis.profile import ProfileHooks
+
+        hooks.append(ProfileHooks(profile, echo))
     with watched(collective_timeout, "setup"):
-        return run_training(opts, _mpi["world"])
+        return Trainer(opts, _mpi["world"], hooks=hooks).run()
 
 
 @cli.command("eval")
@@ -101,11 +114,12 @@ def train(collective_timeout, **kwargs):
 @click.option("--batches", type=int, default=8, show_default=True, help="evaluation batches (0 = all)")
 @layout_options
 @pipeline_options
+@cp_option
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="micro-batches per batch (the pipeline's; the loss is the same)")
 @device_options
 @collective_timeout_option
-def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp, pp_schedule, virtual_stages,
+def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp, pp_schedule, virtual_stages, cp,
                  grad_accum, dtype, device, tf32, collective_timeout):
     """Mean cross-entropy of a model on a token shard.
 
@@ -120,7 +134,8 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
     from ..training.state import describe_layout
 
     with watched(collective_timeout, "evaluation"):
-        grid = GridSpec(layout, dp=dp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages)
+        grid = GridSpec(layout, dp=dp, cp=cp, depth=depth, pp=pp, pp_schedule=pp_schedule,
+                        virtual_stages=virtual_stages)
         result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, grid, dtype, device, _mpi["world"],
                                      tf32=tf32, grad_accum=grad_accum)
     if result.get("note"):
@@ -159,7 +174,8 @@ def prepare(inputs, out, val_fraction, tokenizer):
         echo(f"wrote {path}: {len(data.read_shard(path)):,} tokens")
 
 
-TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "depth", "pp", "pp_schedule", "virtual_stages", "n_layer", "n_head", "n_embd", "seq_len", "batch_size",
+TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedule", "virtual_stages", "n_layer",
+                       "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero")

@@ -301,11 +301,19 @@ def scatter_add_rows(target, rows, values):
 
 
 # --- dropout ----------------------------------------------------------------------
-def dropout_keep(key, counter, p, out):
+def dropout_keep(key, terms, p, out):
     """out = 1.0 where mpicube.ops.rng.uniform(key, counter) >= p, else 0.0:
-    the host's masks, bit for bit, hashed on the device. counter: integer
-    array of out's size (the global element indices); out float32/float64."""
+    the host's masks, bit for bit, hashed on the device. The counter of
+    out's element (i_0, ..., i_k) is terms[0][i_0] + ... + terms[k][i_k]
+    (mpicube.ops.rng.BlockIndex: per-dimension uint64 vectors, at most 4),
+    summed inside the kernel, so no counter array of out's size is made.
+    out float32/float64, shape (len(terms[0]), ..., len(terms[k]))."""
     xp = _cp()
-    _sizes(counter.size == out.size, "counter and out of one size")
-    counter = xp.ascontiguousarray(counter.reshape(-1).astype(xp.uint64, copy=False))
-    _flat("dropout_keep", out.size, _dtype(out), (counter, out, np.uint64(int(key)), np.float64(p), _i64(out.size)))
+    _sizes(1 <= len(terms) <= 4, "one to four index terms")
+    _sizes(tuple(int(t.size) for t in terms) == tuple(out.shape), "one index term per dimension of out")
+    terms = [xp.ascontiguousarray(t.reshape(-1).astype(xp.uint64, copy=False)) for t in terms]
+    pad = 4 - len(terms)
+    terms = [xp.zeros(1, dtype=xp.uint64)] * pad + terms                   # leading length-1 dimensions
+    n1, n2, n3 = (int(t.size) for t in terms[1:])
+    _flat("dropout_keep", out.size, _dtype(out),
+          (*terms, out, np.uint64(int(key)), np.float64(p), _i64(n1), _i64(n2), _i64(n3), _i64(out.size)))

@@ -305,11 +305,18 @@ extern "C" __global__ void adamw(scalar_t* p, const scalar_t* g, scalar_t* m, sc
 }
 
 // out = 1 where uniform(key, counter) >= p else 0; uniform is mpicube.ops.rng's:
-// the SplitMix64 finaliser of counter * golden + key (wrapping), top 53 bits / 2^53
-extern "C" __global__ void dropout_keep(const unsigned long long* counter, scalar_t* out, unsigned long long key,
-                                        double p, long long n) {
+// the SplitMix64 finaliser of counter * golden + key (wrapping), top 53 bits / 2^53.
+// The counter of element i of the (n0, n1, n2, n3) block is t0[i0] + t1[i1] + t2[i2]
+// + t3[i3] (wrapping), t_d the global index along d times its stride: no counter array.
+extern "C" __global__ void dropout_keep(const unsigned long long* t0, const unsigned long long* t1,
+                                        const unsigned long long* t2, const unsigned long long* t3,
+                                        scalar_t* out, unsigned long long key, double p,
+                                        long long n1, long long n2, long long n3, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        unsigned long long x = counter[i] * 0x9E3779B97F4A7C15ull + key;
+        const long long i3 = i % n3, r3 = i / n3;
+        const long long i2 = r3 % n2, r2 = r3 / n2;
+        const long long i1 = r2 % n1, i0 = r2 / n1;
+        unsigned long long x = (t0[i0] + t1[i1] + t2[i2] + t3[i3]) * 0x9E3779B97F4A7C15ull + key;
         x ^= x >> 30;
         x *= 0xBF58476D1CE4E5B9ull;
         x ^= x >> 27;

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
+
+# fsync answers these where a file system (or file kind) has nothing to
+# flush or cannot flush by this route: nothing was lost, so they are not
+# errors. Anything else (EIO above all, ENOSPC, EDQUOT on NFS) means
+# written data may not be on disk, and saying nothing would let a
+# checkpoint that is not there be counted as saved.
+NOTHING_TO_SYNC = {errno.EINVAL, errno.EROFS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def sync_fd(fd: int) -> None:
+    """fsync ``fd``; raise the OSError unless it only says there is nothing to sync."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in NOTHING_TO_SYNC:
+            raise
 
 
 def atomic_write(path, chunks) -> Path:

@@ -16,11 +16,12 @@ import numpy as np
 from . import kvcache
 from .. import ops
 from ..device import precision
-from ..ops import rng
 from ..core import memory
 from ..core.config import ModelConfig
+from ..parallel import context
 from ..parallel.layouts.base import Layout, LayerNorm
 from ..parallel.params import ParamDecl, ParamStore
+from .block import Block, Dropout
 
 
 LAYER_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
@@ -73,151 +74,6 @@ def gpt_params(cfg: ModelConfig) -> list:
     return decls
 
 
-class Dropout:
-    """Masks that are a pure function of (seed, step, site, global index), so
-    every layout drops the same elements (DESIGN.md section 2). They are
-    drawn where the activations live: on a GPU the hash runs on the device
-    and nothing is copied per step but a few small index vectors, once."""
-
-    def __init__(self, p: float, seed: int, layout: Layout, grad_accum: int = 1):
-        self.p, self.seed, self.layout = p, seed, layout
-        self.keep = 1.0 - p
-        cfg = layout.cfg
-        self.grad_accum = grad_accum
-        self.micro = 0                                            # which micro-batch of the step runs
-        step_batch = layout.batch_size * grad_accum               # the layout holds one micro-batch
-        self.canonical_shape = (step_batch, cfg.n_ctx, cfg.n_embd)
-        self._indices = {}                                        # (kind, T, micro) -> index vectors on the device
-
-    def first_seq(self, micro: int) -> int:
-        """Global index of this replica's first sequence in micro-batch
-        ``micro``: replica r holds rows [r*b, (r+1)*b) of the step's batch
-        (b = B/dp), micro-batch m the rows r*b + m*b/N onwards, so the
-        masks are those of the same step without accumulation."""
-        b_micro = self.layout.local_batch
-        return (self.layout.axes.dp.rank * self.grad_accum + micro) * b_micro
-
-    def _mask(self, step, site, global_shape, kind, T, index):
-        """(block shape) keep mask: 1.0 where kept, 0.0 where dropped."""
-        backend = self.layout.backend
-        if (kind, T, self.micro) not in self._indices:
-            first, seqs = self.first_seq(self.micro), index[0]
-            index = (first + np.asarray(seqs),) + tuple(index[1:])   # global sequence ids
-            self._indices[kind, T, self.micro] = tuple(backend.xp.asarray(ix, dtype=np.uint64) for ix in index)
-        counter = rng.flat_index(global_shape, self._indices[kind, T, self.micro], backend.xp)  # (block) uint64
-        return ops.keep_mask(rng.make_key(self.seed, "dropout", step, site), counter, self.p, backend.dtype)
-
-    def canonical(self, step, site, T):
-        """(B_c, T, C_c) keep mask for an activation in canonical form, or None."""
-        if self.p == 0.0:
-            return None
-        index = (self.layout.canonical_seqs, np.arange(T), self.layout.canonical_cols)
-        mask = self._mask(step, site, self.canonical_shape, "canonical", T, index)
-        mask *= 1.0 / self.keep
-        return mask
-
-    def attention(self, step, site, T):
-        """(B_m, nh, T, T) keep mask on attention probabilities, or None."""
-        if self.p == 0.0:
-            return None
-        cfg = self.layout.cfg
-        shape = (self.canonical_shape[0], cfg.n_head, cfg.n_ctx, cfg.n_ctx)
-        index = (self.layout.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
-        return self._mask(step, site, shape, "attention", T, index)
-
-
-class Block:
-    """Pre-LN transformer block: x += attn(ln_1(x)); x += mlp(ln_2(x)).
-
-    Under ``--recompute blocks`` (``layout.recompute``) forward keeps only
-    the block's input (as ``layout.save_block_input`` stores it) and lets go
-    of every cache and dropout mask; ``rerun`` repeats the forward inside
-    backward with the same step, so the masks come again from the same hash
-    and the caches are the same numbers, before ``backward`` uses them."""
-
-    def __init__(self, layout: Layout, store: ParamStore, i: int):
-        p, h = f"h.{i}.", layout.cfg.n_embd
-        self.site = f"h.{i}"
-        self.layout = layout
-        self.checkpoint = layout.recompute == "blocks"
-        self.replay = None                   # (saved input, dropout, step) under --recompute blocks
-        self.ln_1 = LayerNorm(store, p + "ln_1", h, layout.hidden_comm)
-        self.c_attn = layout.linear(store, p + "attn.c_attn", "first")
-        self.c_proj = layout.linear(store, p + "attn.c_proj", "second")
-        self.ln_2 = LayerNorm(store, p + "ln_2", h, layout.hidden_comm)
-        self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
-        self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
-        self.n_local_heads = len(layout.head_ids)
-
-    def modules(self) -> list:
-        """The block and its layers: everything that holds a cache."""
-        return [self, self.ln_1, self.c_attn, self.c_proj, self.ln_2, self.c_fc, self.mlp_proj]
-
-    def forward(self, x, dropout: Dropout, step: int):
-        """x (B_c, T, C_c) -> (B_c, T, C_c)."""
-        if not self.checkpoint:
-            return self._forward(x, dropout, step)
-        self.replay = (self.layout.save_block_input(x), dropout, step)
-        y = self._forward(x, dropout, step)                                    # (B_c, T, C_c)
-        self._release()
-        return y
-
-    def rerun(self) -> None:
-        """--recompute blocks: rebuild the caches backward needs from the
-        saved input (the same arithmetic as the first forward)."""
-        saved, dropout, step = self.replay
-        self.replay = None
-        self._forward(self.layout.load_block_input(saved), dropout, step)
-
-    def _release(self) -> None:
-        self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None
-        self.attn_cache = self.gelu_cache = None
-        for layer in self.modules()[1:]:
-            layer.release()
-
-    def _forward(self, x, dropout: Dropout, step: int):
-        """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
-        T = x.shape[1]
-        self.keep_attn = dropout.attention(step, self.site + ".attn", T)
-        self.keep_resid_attn = dropout.canonical(step, self.site + ".resid_attn", T)
-        self.keep_resid_mlp = dropout.canonical(step, self.site + ".resid_mlp", T)
-
-        qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, T, 3 C_m)
-        a, self.attn_cache = ops.attention_forward(qkv, self.n_local_heads, self.keep_attn, dropout.keep)
-        y = self.c_proj.forward(a)                                             # (B_c, T, C_c)
-        if self.keep_resid_attn is not None:
-            y *= self.keep_resid_attn
-        x = x + y
-        f = self.c_fc.forward(self.ln_2.forward(x))                           # (B_m, T, 4 C_m)
-        g, self.gelu_cache = ops.gelu_forward(f)
-        y = self.mlp_proj.forward(g)                                           # (B_c, T, C_c)
-        if self.keep_resid_mlp is not None:
-            y *= self.keep_resid_mlp
-        return x + y
-
-    def backward(self, dx):
-        """dx (B_c, T, C_c) -> (B_c, T, C_c)."""
-        dy = dx if self.keep_resid_mlp is None else dx * self.keep_resid_mlp
-        dg = self.mlp_proj.backward(dy)
-        df = ops.gelu_backward(dg, self.gelu_cache)
-        dx = dx + self.ln_2.backward(self.c_fc.backward(df))
-        dy = dx if self.keep_resid_attn is None else dx * self.keep_resid_attn
-        da = self.c_proj.backward(dy)
-        dqkv = ops.attention_backward(da, self.attn_cache)
-        dx = dx + self.ln_1.backward(self.c_attn.backward(dqkv))
-        self.attn_cache = self.gelu_cache = None
-        self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None   # masks: no longer needed
-        return dx
-
-    def decode(self, x, cache, pos: int):
-        """Inference on positions pos .. pos+t-1 with a key/value cache
-        (mpicube.model.kvcache), no dropout: x (B_c, t, C_c) -> (B_c, t, C_c)."""
-        qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, t, 3 C_m)
-        x = x + self.c_proj.forward(kvcache.cached_attention(qkv, self.n_local_heads, cache, pos))
-        g, _ = ops.gelu_forward(self.c_fc.forward(self.ln_2.forward(x)))      # (B_m, t, 4 C_m)
-        return x + self.mlp_proj.forward(g)
-
-
 class GPT:
     """The whole model on one rank's share of the layout, or one pipeline
     chunk of it: the blocks ``layers`` (a contiguous range, default all),
@@ -241,6 +97,7 @@ class GPT:
         if first:
             self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]    # (n_ctx, C_c)
         self.blocks = [Block(layout, store, i) for i in self.layers]
+        self.sites = [block.site for block in self.blocks]
         self.ln_f = LayerNorm(store, "ln_f", cfg.n_embd, layout.hidden_comm) if last else None
         self.dropout = Dropout(dropout, seed, layout, grad_accum)
         # The loss is summed over these ranks; None: each rank returns its own
@@ -264,13 +121,26 @@ class GPT:
         this chunk's output (B_c, T, C_c) and ``targets`` is unused."""
         xp, layout = self.xp, self.layout
         self.store.refresh_work()                # the 16-bit working copy, after an optimizer step or a load
+        # --zero 3 gathers each block's parameters just before it runs (parallel.fsdp); else no-ops
+        layers = self.store.layers("forward", self.sites)
         T = idx.shape[1]
         self.dropout.micro = micro
         self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
+        cp = layout.axes.cp
+        if cp.size > 1:                     # --cp: this rank's two chunks of every sequence (parallel.context)
+            # (grid.plan refuses --cp with --pp: this chunk is the whole model, first and last)
+            pos = context.local_positions(T, cp.size, cp.rank)             # (T_l,) global positions
+            idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]
+            self.dropout.global_positions = pos
+            self.pos = xp.asarray(pos)
+        else:
+            self.pos = slice(0, T)
         capture = self.capture
         if self.first:
-            x = self.embedding.embed(xp.asarray(idx))                       # (B_c, T, C_c)
-            x = x + self.wpe[:T]
+            idx = xp.asarray(idx)
+            x = self.embedding.embed(idx)                                   # (B_c, T_l, C_c)
+            T = idx.shape[1]                                                # T_l: this rank's positions
+            x = x + self.wpe[self.pos]
             self.keep_emb = self.dropout.canonical(step, "emb", T)
             if self.keep_emb is not None:
                 x *= self.keep_emb
@@ -278,8 +148,10 @@ class GPT:
                 capture["emb"] = x.copy()                                   # (B_c, T, C_c)
         else:
             x = idx                                                         # (B_c, T, C_c) received
-        for i, block in zip(self.layers, self.blocks):
+        for k, (i, block) in enumerate(zip(self.layers, self.blocks)):   # k: this chunk's k-th block, layer i
+            layers.enter(k)
             x = block.forward(x, self.dropout, step)
+            layers.leave(k)
             if capture is not None:
                 capture[f"h.{i}"] = x.copy()                                # (B_c, T, C_c)
         if not self.last:
@@ -302,6 +174,20 @@ class GPT:
             return float(layout.backend.to_host(local)[0]) / self.n_tokens
         return float(self.loss_comm.allreduce(local)[0]) / self.n_tokens
 
+    def named_modules(self) -> list:
+        """(GPT-2 name, layer or None, module, methods) of every module whose
+        calls a profile times (``mpicube.analysis.profile``): the tied
+        embedding, each block and its layers, ln_f. Listed here, beside the
+        code that calls them, so a profile names what really ran."""
+        out = [("wte", None, self.embedding, ("embed", "logits", "logits_backward", "embed_backward"))]
+        for i, block in zip(self.layers, self.blocks):
+            out.append((block.site, i, block, ("forward", "backward")))
+            for attr, name in (("ln_1", "ln_1"), ("c_attn", "attn.c_attn"), ("c_proj", "attn.c_proj"),
+                               ("ln_2", "ln_2"), ("c_fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")):
+                out.append((f"{block.site}.{name}", i, getattr(block, attr), ("forward", "backward")))
+        out.append(("ln_f", None, self.ln_f, ("forward", "backward")))
+        return [entry for entry in out if entry[2] is not None]       # a pipeline chunk without the ends
+
     def new_caches(self) -> list:
         """An empty key/value cache per block for this rank's sequences
         and heads, over the whole context."""
@@ -316,13 +202,16 @@ class GPT:
         pipeline chunk, as ``forward``: the previous chunk's output in,
         this chunk's output (B_c, t, C_c) out unless it is ``last``."""
         self.store.refresh_work()
+        layers = self.store.layers("forward", self.sites)
         t = idx.shape[1]
         if self.first:
             x = self.embedding.embed(self.xp.asarray(idx)) + self.wpe[pos:pos + t]   # (B_c, t, C_c)
         else:
             x = idx
-        for block, cache in zip(self.blocks, caches):
+        for k, (block, cache) in enumerate(zip(self.blocks, caches)):
+            layers.enter(k)
             x = block.decode(x, cache, pos)
+            layers.leave(k)
         if not self.last:
             return x
         return self.embedding.logits(self.ln_f.forward(x))                  # (B_l, t, V_l)
@@ -376,6 +265,8 @@ class GPT:
         that is not ``last``, ``dy`` (B_c, T, C_c) is the gradient of its
         output (already scaled); one that is not ``first`` returns the
         gradient of its input (B_c, T, C_c)."""
+        # --zero 2/3: each block's gradients reduce-scattered as its backward ends (parallel.fsdp)
+        layers = self.store.layers("backward", self.sites)
         if self.last:
             dlogits = ops.cross_entropy_backward(loss_scale / self.n_tokens, self.ce_cache)
             dlogits = dlogits.reshape(self.logits.shape)                   # (B_l, T, V_l)
@@ -385,22 +276,26 @@ class GPT:
         else:
             dx = dy
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
-        for block in reversed(self.blocks):
+        for i in reversed(range(len(self.blocks))):
+            block = self.blocks[i]
+            layers.enter(i)                                                # the rerun shares the backward's gather
             if block.replay is not None:                                   # --recompute blocks
                 block.rerun()
                 rebuilt = self._saved_buffers(block.modules())             # this block's caches
                 self.recompute_peak_elements = max(self.recompute_peak_elements, sum(a.size for a in rebuilt))
                 self.recompute_peak_bytes = max(self.recompute_peak_bytes, sum(a.nbytes for a in rebuilt))
             dx = block.backward(dx)
+            layers.leave(i)
         if self.first:
             if self.keep_emb is not None:
                 dx = dx * self.keep_emb
             B, T, C = dx.shape
-            self.dwpe[:T] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
+            self.dwpe[self.pos] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
                 dx.reshape(B, T * C)).reshape(T, C)                        # 16-bit dx: summed in float32+
             self.embedding.embed_backward(dx)
             dx = None
         if self.embedding is not None:
             self.embedding.finish_backward()
+        layers.finish()
         self.store.settle()
         return dx

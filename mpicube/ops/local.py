@@ -328,14 +328,22 @@ def causal_bias(xp, T, dtype):
 
 
 # --- dropout ------------------------------------------------------------------
-def keep_mask(key, counter, p: float, dtype):
-    """1.0 where the counter-based uniform of ``counter`` (uint64, any shape,
-    on the device) is at least ``p``, else 0.0: a dropout keep mask drawn
-    where it is used, bit-identical on every device (mpicube.ops.rng)."""
-    out = array_module(counter).empty(counter.shape, dtype=dtype)             # (counter's shape)
+def keep_mask(key, counter, p: float, dtype, chunk_elems: int = 1 << 22):
+    """1.0 where the counter-based uniform of the global element index is
+    at least ``p``, else 0.0: a dropout keep mask drawn where it is used,
+    bit-identical on every device (mpicube.ops.rng). ``counter`` is an
+    rng.BlockIndex (the block's indices as per-dimension terms: the CUDA
+    kernel adds them per element, the array path builds them
+    ``chunk_elems`` at a time, so no uint64 array of the mask's size
+    exists) or a uint64 array of the indices themselves."""
+    if not isinstance(counter, rng.BlockIndex):                       # indices already built: hash them as a row
+        flat = counter.reshape(-1).astype(np.uint64, copy=False)      # (size,)
+        return keep_mask(key, rng.BlockIndex([flat]), p, dtype, chunk_elems).reshape(counter.shape)
+    xp = array_module(counter.terms[0])
+    out = xp.empty(counter.shape, dtype=dtype)                        # (block shape)
     if cuda_kernels.active(out):
-        cuda_kernels.dropout_keep(int(key), counter, p, out)
+        cuda_kernels.dropout_keep(int(key), counter.terms, p, out)
     else:
-        out[...] = rng.uniform(key, counter) >= p
+        for index, flat in counter.chunks(chunk_elems):
+            out[index] = rng.uniform(key, flat) >= p
     return out
-

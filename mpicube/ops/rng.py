@@ -10,7 +10,9 @@ The mixer is the SplitMix64 finaliser, applied to ``index * golden + key``;
 it is cheap, vectorises in NumPy's wrapping uint64 arithmetic, and passes the
 usual statistical batteries for this use.
 
-``uniform`` and ``flat_index`` work on NumPy or CuPy arrays alike: uint64
+``uniform``, ``flat_index`` and ``BlockIndex`` (a block's flat indices kept
+as one vector per dimension, so that a dropout mask never needs a uint64
+array of its own size) work on NumPy or CuPy arrays alike: uint64
 multiplication, xor and shifts wrap the same way on both, and the float64
 conversion of a 53-bit integer is exact, so dropout masks drawn on a GPU are
 bit-identical to the host's and nothing has to be copied to the device.
@@ -23,6 +25,8 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+
+from ..device.arrays import array_module
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -58,6 +62,64 @@ def normal(key: np.uint64, counter: np.ndarray) -> np.ndarray:
     u1 = uniform(key, counter * np.uint64(2))
     u2 = uniform(key, counter * np.uint64(2) + np.uint64(1))
     return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+
+
+class BlockIndex:
+    """The row-major flat indices of a block of a tensor, kept as one term
+    per dimension instead of one uint64 per element: element (i_0, ..., i_k)
+    of the block has flat index terms[0][i_0] + ... + terms[k][i_k] (uint64,
+    wrapping), terms[d] = global index along d * the tensor's stride of d.
+    A dropout mask of an attention site is B nh T T elements, and its
+    counters as a uint64 array would be twice the float32 mask; the terms
+    are B + nh + 2 T values. Consumers evaluate the sum where they hash it
+    (mpicube.device.cuda_kernels.dropout_keep) or a chunk at a time
+    (``chunks``)."""
+
+    def __init__(self, terms):
+        self.terms = tuple(terms)                                    # per dimension: (block length,) uint64
+        self.shape = tuple(int(t.shape[0]) for t in self.terms)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+
+    def flat(self, lead=(), part=slice(None)):
+        """uint64 flat indices of the sub-block at integer positions ``lead``
+        of the leading dimensions and ``part`` (a slice) of the next one,
+        shape (part's length, the remaining dimensions...)."""
+        xp = array_module(self.terms[0])
+        d = len(lead)
+        rest = (self.terms[d][part],) + self.terms[d + 1:]
+        flat = xp.zeros(tuple(int(t.shape[0]) for t in rest), dtype=np.uint64)
+        for dim, i in enumerate(lead):
+            flat += self.terms[dim][i]                               # a scalar on the device
+        for dim, term in enumerate(rest):
+            axis = [1] * len(rest)
+            axis[dim] = term.shape[0]
+            flat += term.reshape(axis)
+        return flat
+
+    def chunks(self, chunk_elems: int):
+        """(index, uint64 flat indices) pieces covering the block, each at
+        most max(chunk_elems, one row of the last dimension) elements:
+        ``index`` (leading integers, then a slice) selects the piece."""
+        yield from self._chunks((), max(1, chunk_elems))
+
+    def _chunks(self, lead, chunk):
+        d = len(lead)
+        inner = int(np.prod(self.shape[d + 1:], dtype=np.int64))
+        if inner <= chunk or d == len(self.shape) - 1:
+            step = max(1, chunk // max(1, inner))
+            for lo in range(0, self.shape[d], step):
+                part = slice(lo, min(lo + step, self.shape[d]))
+                yield lead + (part,), self.flat(lead, part)
+        else:
+            for i in range(self.shape[d]):
+                yield from self._chunks(lead + (i,), chunk)
+
+
+def block_index(shape, index, xp=np) -> BlockIndex:
+    """The BlockIndex of the block ``index`` (one global index array per
+    dimension) of a tensor of logical ``shape``, its terms on ``xp``."""
+    strides = np.cumprod((1,) + tuple(shape[::-1]))[:-1][::-1]
+    return BlockIndex(xp.asarray(ix, dtype=np.uint64) * np.uint64(stride) for ix, stride in zip(index, strides))
 
 
 def flat_index(shape, index, xp=np):

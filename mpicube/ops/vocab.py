@@ -92,7 +92,8 @@ def scatter_add_rows(target, rows, values):
     other rows are skipped. Repeated rows are summed in a fixed order, never
     with atomics, so that a run repeats bit for bit on any device: NumPy's
     add.at and the fused kernels add them in index order; on a GPU without
-    kernels a one-hot GEMM does it (CuPy's scatter_add uses atomics)."""
+    kernels a sort-based segmented sum does it (CuPy's scatter_add uses
+    atomics, and a one-hot GEMM would cost 2 V n C FLOPs)."""
     xp = array_module(target)
     values = up(values)                                               # (n, C) 16-bit rows added in float32
     k = kernels_for(values, target)
@@ -102,16 +103,44 @@ def scatter_add_rows(target, rows, values):
         keep = (rows >= 0) & (rows < target.shape[0])                 # (n,)
         np.add.at(target, rows[keep], values[keep])
     else:
-        _scatter_add_by_gemm(target, rows, values)
+        scatter_add_sorted(target, rows, values)
 
 
-def _scatter_add_by_gemm(target, rows, values, chunk_elems: int = 1 << 24):
-    """target[lo:hi] += onehot(rows)[lo:hi] @ values, a block of the
-    vocabulary at a time so the one-hot matrix stays under chunk_elems."""
+def scatter_add_sorted(target, rows, values, chunk_elems: int = 1 << 22):
+    """scatter_add_rows by sorting: the rows are ordered by (row, position),
+    each run of one row is summed by a segmented inclusive scan in float64
+    (ceil(log2 n) shifted adds, each confined to its run, so a sum never
+    mixes rows and its rounding error grows with log n, not with the
+    magnitude of earlier rows as a cumulative-sum difference would), and
+    every member of a run writes target[row] + the run's total, so the
+    repeated writes of one row all store the same value and their order
+    does not matter. Work is O(n C log n), independent of V; no boolean
+    selection, so nothing waits for the host. Sorted rows are taken
+    ``chunk_elems // C`` at a time (a run cut by a chunk boundary is added
+    in two parts, always the same two), bounding the float64 scratch."""
     xp = array_module(target)
-    V, n = target.shape[0], rows.shape[0]
-    step = max(1, chunk_elems // max(1, n))
-    for lo in range(0, V, step):
-        hi = min(V, lo + step)
-        onehot = (rows[None, :] == xp.arange(lo, hi)[:, None]).astype(values.dtype)   # (hi - lo, n)
-        target[lo:hi] += onehot @ values
+    V, n, C = target.shape[0], rows.shape[0], target.shape[1]
+    if n == 0:
+        return
+    rows = rows.reshape(-1).astype(xp.int64, copy=False)
+    mine = (rows >= 0) & (rows < V)                                   # (n,)
+    # rows of other ranks join the smallest row of ours with zero values (no
+    # compaction, whose size the host would have to learn)
+    home = xp.minimum(xp.where(mine, rows, V).min(), V - 1)          # () on the device
+    key = xp.where(mine, rows, home)                                  # (n,) all in [0, V)
+    order = xp.argsort(key * n + xp.arange(n, dtype=xp.int64))        # (n,) distinct keys: the order is fixed
+    key = key[order]                                                  # (n,) sorted
+    step = max(1, chunk_elems // max(1, C))
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        pick = order[lo:hi]
+        run = key[lo:hi]                                              # (m,)
+        acc = xp.where(mine[pick][:, None], values[pick], 0).astype(xp.float64)   # (m, C)
+        shift = 1
+        while shift < hi - lo:
+            same = (run[shift:] == run[:-shift])[:, None]             # (m - shift, 1) same row
+            acc[shift:] += xp.where(same, acc[:-shift], 0.0)          # the right side is built first
+            shift *= 2
+        last = xp.searchsorted(run, run, side="right") - 1            # (m,) each run's last member
+        total = acc[last]                                             # (m, C) the run's sum, on every member
+        target[run] = (target[run] + total).astype(target.dtype)      # equal values for equal rows

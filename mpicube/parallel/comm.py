@@ -48,6 +48,10 @@ Every collective is started nonblocking and completed by
 long for the others does not spin on a core; each call also records in
 ``waiting.WAITS`` what this rank waits in (kind, axis, since when) for the
 watchdog (``mpicube.parallel.watchdog``, ``--collective-timeout``).
+
+Under ``--profile`` (``mpicube.parallel.profiler``) ``_count`` and
+``Pending.wait`` also hand each call and wait to the active recorder; with
+no profile running that is one check of ``profiler.ACTIVE`` per call.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from fractions import Fraction
 import numpy as np
 from mpi4py import MPI
 
-from . import comm_wire
+from . import comm_wire, profiler
 from .waiting import WAITS, complete
 from ..device import precision
 from ..device.backend import Backend, cuda_aware_mpi
@@ -109,10 +113,13 @@ class Counters:
 class Pending:
     """A started collective: ``wait()`` completes it and returns its result
     (the time spent waiting is added to the axis's seconds). Holds the send
-    buffer so it outlives the operation."""
+    buffer so it outlives the operation. Made right after the start call's
+    ``Comm._count``, so ``WAITS.progress`` is then the time that call
+    returned: a profile's flight starts there."""
 
     def __init__(self, finish, comm: "Comm" = None, send=None, kind: str = "wait"):
         self._finish, self._comm, self._send, self._kind = finish, comm, send, kind
+        self._since = WAITS.progress        # when the start call returned (Comm._count), for --profile
 
     def wait(self):
         if self._comm is None:
@@ -121,6 +128,8 @@ class Pending:
         out = self._finish()
         t1 = time.perf_counter()
         self._comm.counters.add(self._comm.axis, 0, 0, t1 - t0)
+        if profiler.ACTIVE is not None:
+            profiler.ACTIVE.wait(self._comm, self._kind, self._since, t0, t1)
         WAITS.leave(t1)
         self._send = None
         return out
@@ -194,6 +203,8 @@ class Comm:
         """Count a call started at ``t0``, which has finished (or, nonblocking, started)."""
         t1 = time.perf_counter()
         self.counters.add(self.axis, elems, msgs, t1 - t0, width)
+        if profiler.ACTIVE is not None:         # --profile: the kind is the one _start named
+            profiler.ACTIVE.comm(self, (WAITS.current or ("call",))[0], t0, t1, Fraction(elems) * width)
         WAITS.leave(t1)
 
     # --- 16-bit formats ----------------------------------------------------
@@ -322,11 +333,20 @@ class Comm:
         return precision.narrow(self._from_mpi(recv), x.dtype) if self.rank == root else None
 
     # --- nonblocking variants, to overlap communication with computation ---
-    def iallgather(self, x, axis: int = 0) -> "Pending":
-        """Start ``allgather``; ``.wait()`` returns what it would have."""
+    def iallgather(self, x, axis: int = 0, out=None) -> "Pending":
+        """Start ``allgather``; ``.wait()`` returns what it would have. With
+        ``out`` (contiguous, g x.size elements of x's format; axis 0) the
+        result is written there, received in place unless staged, and
+        ``out`` is returned (--zero 3 gathers a layer into a fixed buffer)."""
         if self.size == 1:
+            if out is not None:
+                out.reshape(-1)[...] = x.reshape(-1)
+                return Pending(lambda: out)
             return Pending(lambda: x)
-        send, recv = self._gather_buffers(x)
+        if out is not None and not self._staged:                 # MPI writes into out itself
+            send, recv = self._to_mpi(self._words(x)), self._words(out).reshape((self.size,) + tuple(x.shape))
+        else:
+            send, recv = self._gather_buffers(x)                 # recv (g, *x.shape)
         t0 = self._start("iallgather")
         request = self.mpi.Iallgather(send, recv)
         self._count((self.size - 1) * send.size, self.size - 1, t0, send.itemsize)
@@ -334,6 +354,10 @@ class Comm:
         def finish():
             complete(request)
             self._done(send)
+            if out is not None:
+                if self._staged:
+                    out.reshape(-1)[...] = self._gathered(recv, x, 0).reshape(-1)
+                return out
             return self._gathered(recv, x, axis)
 
         return Pending(finish, self, send, "iallgather")
@@ -355,41 +379,6 @@ class Comm:
             return precision.narrow(self._from_mpi(recv), x.dtype)
 
         return Pending(finish, self, send, "ireduce_scatter")
-
-    # --- point to point (pipeline stages, axis "pp") ---------------------------
-    # Counted on the sender only: one message of ``x.size`` elements per
-    # isend, so a rank's "pp" counters are what it sends (the receiver counts
-    # its wait time, nothing moved). 16-bit arrays travel as raw words.
-    def isend(self, x, dest: int, tag: int) -> "Pending":
-        """Start sending ``x`` to group rank ``dest``; ``.wait()`` completes
-        it (the buffer is held until then)."""
-        send = self._to_mpi(self._words(x))
-        t0 = self._start("isend")
-        request = self.mpi.Isend(send, dest=dest, tag=tag)
-        self._count(send.size, 1, t0, send.itemsize)
-
-        def finish():
-            complete(request)
-            self._done(send)
-
-        return Pending(finish, self, send, "isend")
-
-    def irecv(self, shape, dtype, source: int, tag: int) -> "Pending":
-        """Post a receive of a (shape) array of ``dtype`` from group rank
-        ``source``; ``.wait()`` returns it (on the device)."""
-        dtype = np.dtype(dtype)
-        words = np.dtype(np.uint16) if precision.is_half(dtype) else dtype
-        recv = self._empty(tuple(shape), words)
-        t0 = self._start("irecv")
-        request = self.mpi.Irecv(recv, source=source, tag=tag)
-        self._count(0, 0, t0, recv.itemsize)
-
-        def finish():
-            complete(request)
-            out = self._from_mpi(recv)
-            return out if out.dtype == dtype else out.view(dtype)
-
-        return Pending(finish, self, recv, "irecv")
 
     # --- small host-side helpers (not counted: metadata, not model data) ----
     def barrier(self):

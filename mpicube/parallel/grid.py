@@ -14,6 +14,7 @@ from .comm import Comm, Counters
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..core.intmath import integer_root
+from . import context
 from .layouts import LAYOUTS
 from .gridspec import GridSpec
 from .schedules import check_pipeline
@@ -44,14 +45,12 @@ def split_world(world_size: int, dp: int) -> int:
     return GridSpec(dp=dp).tp(world_size)
 
 
-NOT_BUILT = {"cp": "context parallelism (issue 22)"}
-
-
 def validate_axes(grid: GridSpec) -> None:
-    """Axes this build cannot run yet, refused with one line."""
-    for name, what in NOT_BUILT.items():
-        if getattr(grid, name) != 1:
-            raise ConfigError(f"--{name} {getattr(grid, name)}: {what} is not built yet; use --{name} 1")
+    """Combinations of axes this build cannot run, refused with one line
+    (pure: TrainOptions.validate calls it before any communicator)."""
+    if grid.pp > 1 and grid.cp > 1:
+        raise ConfigError(f"--pp {grid.pp} with --cp {grid.cp}: pipeline stages and context parallelism do not "
+                          f"compose yet; use one of them (--pp 1 or --cp 1)")
 
 
 def validate_model(cfg: ModelConfig) -> None:
@@ -82,6 +81,7 @@ def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: i
     tp = grid.tp(world_size)
     validate_axes(grid)
     check_pipeline(cfg.n_layer, grid.pp, grid.pp_schedule, grid.virtual_stages, grad_accum)
+    context.validate(cfg.n_ctx, grid.cp)
     dp, depth = grid.dp, grid.depth
     resolved = choose_layout(grid.layout, tp, depth)
     if resolved not in LAYOUTS:

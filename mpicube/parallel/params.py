@@ -102,9 +102,28 @@ def full_index(n: int) -> np.ndarray:
     return np.arange(n)
 
 
+class ResidentLayers:
+    """The stream a model walks over its blocks (``ParamStore.layers``):
+    ``enter(i)`` before block i runs, ``leave(i)`` after it, ``finish()``
+    after a backward pass. Here every parameter and gradient is resident,
+    so there is nothing to do; --zero 2 and 3 gather and send per block
+    (``parallel.fsdp.BlockStream``)."""
+
+    def enter(self, i: int) -> None:
+        pass
+
+    def leave(self, i: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
 class ParamStore:
     """Every local parameter block of a rank in one flat buffer, with the
     gradient and the views the model uses."""
+
+    streams_gradients = False       # --zero 2/3 (parallel.fsdp) reduce gradients during backward
 
     def __init__(self, specs: list, backend: Backend, seed: int, dp: Optional[Comm] = None, zero: int = 0):
         # Parameters that share a gradient communicator sit next to each other,
@@ -121,6 +140,7 @@ class ParamStore:
         self.dp = dp if zero else None
         self.partition = Partition(total, dp.size, dp.rank) if zero and dp is not None else Partition(total)
         self.shard = self.partition.own                  # the slice of the buffer this rank's optimizer updates
+        self.zero = int(self.partition.sharded)          # the --zero setting this store implements (0 or 1)
         padded, mixed = self.partition.padded, backend.dtype != master
         self.flat_grad = xp.zeros(padded, dtype=master)  # (P_pad,) P_pad = P unless sharded
         if self.partition.sharded and mixed:
@@ -241,6 +261,11 @@ class ParamStore:
             if not any(a is b for b in out):
                 out.append(a)
         return out
+
+    def layers(self, direction: str, blocks: list) -> ResidentLayers:
+        """The stream a forward or backward pass over ``blocks`` (their
+        sites, "h.{i}", in the model's order) walks: nothing to fetch here."""
+        return ResidentLayers()
 
     # --- the working copy ---------------------------------------------------
     @property

@@ -1,5 +1,7 @@
 """``--zero 1``: the optimizer state sharded over the data-parallel replicas
-(stage 1 of ZeRO, Rajbhandari et al. 2020).
+(stage 1 of ZeRO, Rajbhandari et al. 2020); the partitions of ``--zero 2``
+and ``--zero 3`` (gradients, then the parameters too, sharded per layer:
+``Segments`` here, the buffers and their streaming in ``parallel.fsdp``).
 
 Why: every data-parallel replica of a tensor-parallel position holds the
 same parameters, computes the same update and, with ``--zero 0``, keeps
@@ -47,17 +49,26 @@ from dataclasses import dataclass
 
 from ..core.errors import ConfigError
 
-CHOICES = (0, 1)
+CHOICES = (0, 1, 2, 3)
+SHARDS = {1: "the optimizer state", 2: "the optimizer state and gradients",
+          3: "the optimizer state, gradients and parameters"}
 
 
-def validate(zero: int, dp: int) -> None:
+def validate(zero: int, dp: int, pp: int = 1, cp: int = 1) -> None:
     """ConfigError for a --zero setting that cannot apply (pure: every rank
-    runs it before any collective)."""
+    runs it before any collective). --zero 2 and 3 reduce-scatter each
+    block's gradients as its backward ends, before a pipeline's tied-wte
+    sum or the context-parallel ring's sum could run: those combinations
+    are refused until they are built and tested."""
     if zero not in CHOICES:
-        raise ConfigError(f"--zero must be 0 or 1, got {zero}")
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     if zero and dp < 2:
-        raise ConfigError(f"--zero {zero} shards the optimizer state over data-parallel replicas and needs "
+        raise ConfigError(f"--zero {zero} shards {SHARDS[zero]} over data-parallel replicas and needs "
                           f"--dp 2 or more (got --dp {dp})")
+    for name, size in (("pp", pp), ("cp", cp)):
+        if zero >= 2 and size > 1:
+            raise ConfigError(f"--zero {zero} with --{name} {size} does not compose yet: use --zero 1 "
+                              f"(optimizer state sharded), or --{name} 1")
 
 
 @dataclass(frozen=True)
@@ -99,8 +110,137 @@ class Partition:
                 out.append(slice(lo - own.start, hi - own.start))
         return out
 
+    def assemble(self, xp, gathered):
+        """(P_pad,) the full buffer from the chunks gathered over dp in rank
+        order: here they already are it (``Segments.assemble`` reorders)."""
+        return gathered
+
+    def take(self, xp, full):
+        """(C,) this replica's chunk of a full (P_pad,) buffer."""
+        return full[self.own]
+
 
 def sizes(size: int, dp: int, zero: int) -> tuple:
-    """(P_pad, C) for a rank's P parameters: what the cost model predicts."""
+    """(P_pad, C) for a rank's P parameters under --zero 0 or 1: what the
+    cost model predicts (2 and 3: ``segment_sizes``)."""
     p = Partition(size, dp if zero else 1)
     return p.padded, p.chunk
+
+
+# --- --zero 2 and 3: one partition per layer ------------------------------------
+#
+# Why per layer: a layer's gradient is reduce-scattered as soon as its
+# backward ends, and under --zero 3 its parameters are all-gathered just
+# before it runs, so each layer's tensors must form one contiguous bucket
+# that a single collective moves. The rank's flat buffer is therefore laid
+# out segment by segment: "outside" (wte, wpe, ln_f: what runs before and
+# after the blocks), then h.0, h.1, ... (a pipeline stage's store holds only
+# its own blocks and gets only their segments). Each segment of S elements
+# is padded to dp C_s and cut into dp chunks of C_s; replica r owns chunk r
+# of every segment, and its optimizer works on their concatenation (C =
+# sum of C_s elements, in segment order).
+
+OUTSIDE = "outside"
+
+
+def segment_of(name: str) -> str:
+    """The layer a parameter belongs to: "h.{i}" for a block's tensors,
+    ``OUTSIDE`` for the embeddings and the final LayerNorm."""
+    if name.startswith("h."):
+        return ".".join(name.split(".")[:2])
+    return OUTSIDE
+
+
+def segment_key(segment: str) -> tuple:
+    """Buffer order of segments: outside first, then the blocks in order."""
+    return (0, 0) if segment == OUTSIDE else (1, int(segment.split(".")[1]))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One layer's bucket of the flat buffer and this replica's chunk of it."""
+
+    name: str
+    lo: int          # first element in the full (padded) buffer
+    size: int        # S: elements its parameters occupy
+    chunk: int       # C_s = ceil(S / dp)
+    at: int          # where this replica's chunk starts in the rank's (C,) chunk buffer
+    parts: int
+    rank: int
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * self.parts
+
+    @property
+    def full(self) -> slice:
+        """The segment in the full buffer (padding included)."""
+        return slice(self.lo, self.lo + self.padded)
+
+    @property
+    def own(self) -> slice:
+        """This replica's chunk of the segment, in the full buffer."""
+        return slice(self.lo + self.rank * self.chunk, self.lo + (self.rank + 1) * self.chunk)
+
+    @property
+    def mine(self) -> slice:
+        """The same chunk in the rank's (C,) chunk buffer."""
+        return slice(self.at, self.at + self.chunk)
+
+
+class Segments:
+    """The partition of --zero 2 and 3: ``Partition``'s questions answered
+    for a buffer cut segment by segment (``sizes``: (segment name, S) in
+    buffer order)."""
+
+    sharded = True
+
+    def __init__(self, sizes, parts: int, rank: int = 0):
+        self.parts, self.rank, self.list = parts, rank, []
+        lo = at = 0
+        for name, size in sizes:
+            chunk = -(-size // parts)
+            self.list.append(Segment(name, lo, size, chunk, at, parts, rank))
+            lo, at = lo + chunk * parts, at + chunk
+        self.by_name = {s.name: s for s in self.list}
+        self.padded, self.chunk = lo, at          # P_pad = sum dp C_s, C = sum C_s
+        self.size = sum(s.size for s in self.list)
+
+    @property
+    def own(self) -> slice:
+        """What the optimizer updates: the whole (C,) chunk buffer."""
+        return slice(0, self.chunk)
+
+    def local(self, slices) -> list:
+        """``slices`` of the full buffer cut to the owned chunks, in the
+        (C,) chunk buffer's coordinates (empty intersections dropped)."""
+        out = []
+        for s in slices:
+            for seg in self.list:
+                own = seg.own
+                lo, hi = max(s.start, own.start), min(s.stop, own.stop)
+                if lo < hi:
+                    out.append(slice(lo - own.start + seg.at, hi - own.start + seg.at))
+        return out
+
+    def assemble(self, xp, gathered):
+        """(P_pad,) the full buffer from the dp chunk buffers gathered in
+        rank order, ``gathered`` (dp C,)."""
+        rows = gathered.reshape(self.parts, self.chunk)                    # (dp, C)
+        return xp.concatenate([rows[:, seg.mine].reshape(-1) for seg in self.list])
+
+    def take(self, xp, full):
+        """(C,) this replica's chunks of a full (P_pad,) buffer."""
+        return xp.concatenate([full[seg.own] for seg in self.list])
+
+
+def segment_sizes(named_sizes, dp: int, zero: int) -> list:
+    """[(segment name, S, C_s)] in buffer order for a rank's parameters
+    ``named_sizes`` ((name, local elements) pairs): what the store builds
+    and the cost model predicts."""
+    totals = {}
+    for name, n in named_sizes:
+        seg = segment_of(name)
+        totals[seg] = totals.get(seg, 0) + n
+    parts = dp if zero >= 2 else 1
+    return [(seg, totals[seg], -(-totals[seg] // parts)) for seg in sorted(totals, key=segment_key)]

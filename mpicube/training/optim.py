@@ -126,7 +126,9 @@ class AdamW:
         store = self.store
         if not store.partition.sharded:
             return self.m, self.v
-        return store.dp.allgather(self.m), store.dp.allgather(self.v)     # (P_pad,) each
+        xp = store.backend.xp
+        return (store.partition.assemble(xp, store.dp.allgather(self.m)),
+                store.partition.assemble(xp, store.dp.allgather(self.v)))    # (P_pad,) each
 
     @contextmanager
     def writing_moments(self):
@@ -139,8 +141,8 @@ class AdamW:
         xp, n = store.backend.xp, store.partition.padded
         m, v = xp.zeros(n, dtype=self.m.dtype), xp.zeros(n, dtype=self.v.dtype)   # (P_pad,) each
         yield m, v
-        self.m[...] = m[store.shard]
-        self.v[...] = v[store.shard]
+        self.m[...] = store.partition.take(xp, m)
+        self.v[...] = store.partition.take(xp, v)
 
     def _update_block(self, p, g, m, v, b1, b2, step, eps, keep, grad_scale) -> None:
         """The NumPy/CuPy update of one cache block, pass by pass."""

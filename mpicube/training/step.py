@@ -1,6 +1,7 @@
 """The optimizer step the trainer runs: gradient sums, norm and AdamW as
 one object, replicated over data-parallel replicas (--zero 0) or sharded
-over them (--zero 1, see ``parallel.zero``).
+over them (--zero 1, see ``parallel.zero``; --zero 2 and 3, whose
+gradients arrive reduce-scattered during backward, ``parallel.fsdp``).
 
 Both objects answer the same three calls, in this order every step:
 ``sync()`` (sum the gradients), ``grad_norm()`` (the global L2 norm, for
@@ -16,6 +17,7 @@ import math
 
 from ..parallel.gradients import (global_grad_norm, gradient_wire, sync_gradients, sync_replica_groups,
                                   weighted_squares)
+from ..parallel import context
 from ..parallel.params import ParamStore
 from .optim import AdamW
 
@@ -32,6 +34,7 @@ class ReplicatedStep:
         self.adam = AdamW(store, weight_decay=weight_decay)
 
     def sync(self) -> None:
+        context.sync_gradients(self.store, self.axes.cp, gradient_wire(self.store))   # --cp: sum over the ring
         sync_gradients(self.store, self.axes.dp)
 
     def grad_norm(self) -> float:
@@ -57,7 +60,7 @@ class ShardedStep:
 
     def __init__(self, store, axes, weight_decay: float = 0.1):
         if not store.partition.sharded or store.dp is not axes.dp:
-            raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero=1)")
+            raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero >= 1)")
         self.store, self.axes = store, axes
         self.adam = AdamW(store, weight_decay=weight_decay)
         # (replicas, slice of the chunk): the gradient norm counts each replicated block once
@@ -69,8 +72,12 @@ class ShardedStep:
         in ``gradients.gradient_wire`` (under bfloat16 the reduce-scatter sends
         16-bit words and keeps their float32 sum)."""
         store = self.store
+        if store.streams_gradients:         # --zero 2/3: reduce-scattered per layer during backward
+            store.wait_gradients()
+            return
         sync_replica_groups(store)
         wire = gradient_wire(store)
+        context.sync_gradients(store, self.axes.cp, wire)                # --cp: sum over the ring first
         store.flat_grad[store.shard] = self.axes.dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
 
     def grad_norm(self) -> float:
@@ -79,7 +86,8 @@ class ShardedStep:
         final number."""
         store = self.store
         local = weighted_squares(store.backend.xp, store.flat_grad[store.shard], self.replica_runs)   # of (C,)
-        return math.sqrt(float(self.axes.world.allreduce(local)[0]))
+        total = float(self.axes.world.allreduce(local)[0]) / self.axes.cp.size   # cp ranks hold the same chunk
+        return math.sqrt(total)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """AdamW on the owned chunk, then the parameters all-gathered over dp

@@ -61,6 +61,13 @@ class EarlyStop:
             # After a signal-driven stop the job is on its way out (requeued);
             # a scheduler that repeats its warning must not kill a rank in
             # MPI_Finalize with SIGUSR1's default action, so such signals are
-            # ignored from here on instead of handed back.
+            # ignored from here on instead of handed back. After a normal
+            # finish SIGTERM goes back to its previous handler (a cancel still
+            # ends the process), but SIGUSR1 is a scheduler's "time is nearly
+            # up" warning: its default action would kill a rank that has
+            # finished and turn a good job into a failed one (status 138), so
+            # a default SIGUSR1 becomes ignored; a caller's own handler is
+            # handed back.
             for sig, handler in previous.items():
-                signal.signal(sig, signal.SIG_IGN if self.signalled else handler)
+                late_warning = sig == signal.SIGUSR1 and handler in (signal.SIG_DFL, None)
+                signal.signal(sig, signal.SIG_IGN if self.signalled or late_warning else handler)

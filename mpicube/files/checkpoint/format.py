@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ...core.errors import UserError
+from ..atomic import sync_fd
 
 FORMAT = "mpicube-checkpoint"
 VERSION = 1
@@ -66,10 +67,7 @@ def _sha256_file(path) -> str:
             if not buf:
                 break
             h.update(buf)
-        try:
-            os.fsync(f.fileno())
-        except OSError:
-            pass
+        sync_fd(f.fileno())
     return h.hexdigest()
 
 
@@ -79,9 +77,7 @@ def _fsync_dir(path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        sync_fd(fd)
     finally:
         os.close(fd)
 

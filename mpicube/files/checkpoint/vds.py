@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import h5py
@@ -28,6 +27,7 @@ import numpy as np
 from h5py import h5d, h5p, h5s, h5t
 
 from . import h5create
+from ..atomic import sync_fd
 from .format import FORMAT, VERSION, CheckpointError, _encode_attr
 
 INDEX_DIR = "index"
@@ -58,10 +58,7 @@ def _virtual_plist(dtype: np.dtype):
 
 def _fsync(path: Path) -> None:
     with open(path, "rb") as fh:
-        try:
-            os.fsync(fh.fileno())
-        except OSError:
-            pass
+        sync_fd(fh.fileno())
 
 
 def write_index(path: Path, tensors: dict) -> None:

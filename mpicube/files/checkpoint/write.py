@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 
 from . import h5create, meta, vds
+from ..atomic import sync_fd
 from .format import (Block, CKPT_DIR, CheckpointError, FORMAT, LATEST, MAIN_FILE, SHARD_DIR, VERSION,
                      _RESERVED, _STEP_RE, _SelfComm, _decode_attr, _encode_attr, _fsync_dir, _sha256_file,
                      _shard_rel, _step_name)
@@ -110,7 +111,7 @@ def _write_latest(ckpt: Path, name: str) -> None:
         with open(tmp, "w") as fh:
             fh.write(name + "\n")
             fh.flush()
-            os.fsync(fh.fileno())
+            sync_fd(fh.fileno())
         os.replace(tmp, ckpt / LATEST)
     finally:
         if tmp.exists():

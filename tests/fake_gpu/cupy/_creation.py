@@ -24,7 +24,7 @@ def _device_leaves(obj):
     return None if any(leaf is None for leaf in leaves) else leaves
 
 
-def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
+def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocking=False):
     if type(obj) is ndarray:
         result = obj.astype(dtype if dtype is not None else obj.dtype, order=order, copy=copy)
         if ndmin > result.ndim:

@@ -97,8 +97,8 @@ def ravel(a, order="C"):
     return _view(np.ravel, a, order)
 
 
-def flip(m, axis=None):
-    return _view(np.flip, m, axis)
+def flip(a, axis=None):
+    return _view(np.flip, a, axis)
 
 
 def atleast_1d(*arys):
@@ -142,9 +142,9 @@ def argsort(a, axis=-1, kind=None):
 
 
 def searchsorted(a, v, side="left", sorter=None):
-    v = v._a if type(v) is ndarray else v
-    if isinstance(v, np.ndarray):
+    if isinstance(v, np.ndarray):              # a host array (CuPy takes device arrays and scalars)
         raise TypeError(f"Unsupported type {type(v)}")
+    v = v._a if type(v) is ndarray else v
     sorter = None if sorter is None else device_array(sorter, "sorter")
     return wrap(np.searchsorted(device_array(a, "a"), v, side, sorter))
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from cupy import _stand_in
-from cupy._convert import from_host, operand, prepare_index, written
-from cupy._core import ndarray
+from cupy._convert import from_host as _from_host, operand as _operand, prepare_index as _prepare_index
+from cupy._convert import written as _written
+from cupy._core import ndarray as _ndarray
 
 
 def empty_pinned(shape, dtype=float, order="C"):
@@ -30,17 +31,17 @@ def _scatter(ufunc, a, slices, value):
     """``a[slices] op= value`` where repeated indices all count. As in CuPy,
     with an advanced index a host value is copied to the device; with basic
     slices the value must be a kernel operand (device array or scalar)."""
-    if type(a) is not ndarray:
+    if type(a) is not _ndarray:
         raise TypeError(f"Argument 'a' has incorrect type (expected cupy.ndarray, got {type(a).__name__})")
-    index, advanced, masks = prepare_index(slices)
+    index, advanced, masks = _prepare_index(slices)
     for _ in range(masks):
         _stand_in.count_d2h(8)
-    written(a)
+    _written(a)
     if not advanced:
         target = a._a[index]
-        ufunc(target, operand(value), out=target)
+        ufunc(target, _operand(value), out=target)
         return
-    source = value._a if type(value) is ndarray else from_host(value, a.dtype)._a
+    source = value._a if type(value) is _ndarray else _from_host(value, a.dtype)._a
     flat = []
     for s in index:  # ufunc.at wants boolean masks as the integer indices they select
         flat += np.nonzero(s) if isinstance(s, np.ndarray) and s.dtype == np.bool_ else [s]

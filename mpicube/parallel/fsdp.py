@@ -1,0 +1,320 @@
+"""``--zero 2`` and ``--zero 3``: gradients, then the parameters too, sharded
+over the data-parallel replicas layer by layer (ZeRO stages 2 and 3; FSDP).
+
+Why: under ``--zero 1`` every replica still holds its tensor-parallel
+shard's whole gradient and weights. Here the buffer is cut per layer
+(``zero.Segments``: "outside" = wte, wpe, ln_f, then one segment per block)
+and replica r keeps chunk r of every segment: the float32 master, the
+summed gradient and the AdamW moments are (C,) chunk buffers, C ~ P / dp.
+
+``--zero 2``: the working weights stay whole (P_pad, all-gathered after each
+step as under --zero 1), but a block's gradient lives in a *gradient slot*
+only while its backward runs: when the block's backward ends its slot is
+summed over the tensor-parallel replica groups and reduce-scattered over
+dp (nonblocking: it travels while the next block's backward computes)
+into the chunk gradient. Two slots alternate between blocks (block k uses
+slot k mod 2), plus one for the outside segment, so no rank holds its
+whole gradient.
+
+``--zero 3``: the weights too exist only as the chunk; a block's weights
+are all-gathered over dp into a *parameter slot* (again two, alternating,
+plus the outside segment's) right before it runs. While block k computes,
+block k+1's gather (k-1's in backward) is already on its way into the
+other slot. The outside segment is gathered once after each optimizer
+step and stays (the embeddings run at both ends of forward and backward).
+A slot that still holds the layer it is asked for is not gathered again:
+at the turn from forward to backward the last two blocks are still there.
+``--recompute blocks`` reruns a block's forward right before its
+backward, inside the same residency, so it costs no extra gather.
+
+Layers never see any of this: each one holds views of its slot
+(``store.work``, ``store.grad``) from construction, and the model brackets
+every block with ``layers(...).enter(i)`` / ``leave(i)`` (a no-op stream
+for --zero 0 and 1). A pipeline stage's store holds only its own blocks'
+segments; the stream walks whatever blocks its model runs.
+
+Memory per rank (elements; the cost model's ``costmemory`` mirrors it):
+master, gradient and moments C each (moments 2 C); --zero 2 adds the P_pad
+working copy and the gradient slots (outside + two blocks'); --zero 3 the
+16-bit rounding of the master chunk (mixed precision only), the parameter
+slots and the gradient slots. Every one is allocated once, so the peak
+is what ``buffers()`` lists. Communication per micro-batch: the replica
+groups' sums and one reduce-scatter per segment; --zero 3 the gathers
+above; per step the norm over the world and, --zero 2, one all-gather of
+the chunk.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from ..device import precision
+from .comm import Comm
+from .params import ParamStore, ResidentLayers
+from .zero import OUTSIDE, Segments, segment_key, segment_of, segment_sizes
+
+
+def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0) -> ParamStore:
+    """The parameter store for a --zero setting: segmented for 2 and 3
+    (needs dp > 1), else the flat ``ParamStore``."""
+    if zero >= 2 and dp is not None and dp.size > 1:
+        return SegmentedStore(specs, backend, seed, dp, zero)
+    return ParamStore(specs, backend, seed, dp=dp, zero=zero)
+
+
+def block_gathers(n_blocks: int, passes_per_step: int) -> int:
+    """Block all-gathers per step under --zero 3 (the cost model's count of
+    what ``SegmentedStore`` does; ``passes_per_step`` = 2 N for N micro-
+    batches): every block in the step's first forward, then L - 2 in each
+    later pass (the two slots still hold the last two blocks of the pass
+    before at each turn); only the first forward's when all fit in two."""
+    L = n_blocks
+    if L <= 2:
+        return L
+    return L + (passes_per_step - 1) * (L - 2)
+
+
+def slot_key(segment: str, blocks: list):
+    """Which slot holds ``segment``: the outside segment its own, block
+    segments alternate between two (by position among this store's blocks)."""
+    return OUTSIDE if segment == OUTSIDE else blocks.index(segment) % 2
+
+
+class SegmentedStore(ParamStore):
+    """The parameter store of --zero 2 and 3 (module docstring); answers
+    every call of ``ParamStore`` with the chunk buffers, plus ``layers``."""
+
+    streams_gradients = True
+
+    def __init__(self, specs: list, backend, seed: int, dp: Comm, zero: int):
+        def group_key(spec):
+            return "" if spec.grad_comm is None else spec.grad_comm.axis
+
+        # segment by segment; inside one, the same order as ParamStore's
+        self.specs = sorted(specs, key=lambda s: (segment_key(segment_of(s.name)), group_key(s), not s.decl.decay))
+        self.by_name = {s.name: s for s in self.specs}
+        self.backend, self.dp, self.zero = backend, dp, zero
+        xp, master = backend.xp, backend.master_dtype
+        sizes = segment_sizes([(s.name, s.size) for s in self.specs], dp.size, zero)
+        self.partition = Segments([(name, n) for name, n, _ in sizes], dp.size, dp.rank)
+        self.shard = self.partition.own                             # the whole chunk buffer
+        C, P_pad = self.partition.chunk, self.partition.padded
+        self._mixed = backend.dtype != master
+        self._flat = None                                           # no full master anywhere
+        self.master = xp.zeros(C, dtype=master)                     # (C,) master chunk
+        self.flat_grad = xp.zeros(C, dtype=master)                  # (C,) summed gradient chunk
+        self.blocks = [seg.name for seg in self.partition.list if seg.name != OUTSIDE]
+        self.slot_of = {seg.name: slot_key(seg.name, self.blocks) for seg in self.partition.list}
+        widths = {}
+        for seg in self.partition.list:
+            key = self.slot_of[seg.name]
+            widths[key] = max(widths.get(key, 0), seg.padded)
+        self.grad_slots = {key: xp.zeros(n, dtype=master) for key, n in widths.items()}   # (S_pad,) each
+        if zero == 2:
+            self.flat_work = xp.zeros(P_pad, dtype=backend.dtype)  # (P_pad,) the whole working copy
+            self.work_chunk, self.param_slots = None, {}
+        else:
+            self.flat_work = None
+            # (C,) what a gather sends: the master itself, or its 16-bit rounding
+            self.work_chunk = xp.zeros(C, dtype=backend.dtype) if self._mixed else self.master
+            self.param_slots = {key: xp.zeros(n, dtype=backend.dtype) for key, n in widths.items()}
+        self.offsets, self.work, self.grad, self._data = {}, {}, {}, {}
+        self.seg_groups = {}                    # segment -> [(comm, slice of its slot)]: replica-group sums
+        at = {seg.name: seg.lo for seg in self.partition.list}
+        for spec in self.specs:
+            seg = self.partition.by_name[segment_of(spec.name)]
+            lo = at[seg.name]
+            at[seg.name] += spec.size
+            self.offsets[spec.name] = (lo, lo + spec.size)
+            key, inner = self.slot_of[seg.name], slice(lo - seg.lo, lo - seg.lo + spec.size)
+            params = self.flat_work[lo:lo + spec.size] if zero == 2 else self.param_slots[key][inner]
+            self.work[spec.name] = params.reshape(spec.local_shape)
+            self.grad[spec.name] = self.grad_slots[key][inner].reshape(spec.local_shape)
+            if spec.grad_comm is not None:
+                groups = self.seg_groups.setdefault(seg.name, [])
+                if groups and groups[-1][0].axis == spec.grad_comm.axis and groups[-1][1].stop == inner.start:
+                    groups[-1] = (groups[-1][0], slice(groups[-1][1].start, inner.stop))
+                else:
+                    groups.append((spec.grad_comm, inner))
+        self.grad_groups = []                   # (ParamStore's, for the flat buffer: none here)
+        self._deferred, self._unwritten, self._eager_runs = set(), set(), None
+        self.decay_slices = self._runs([s for s in self.specs if s.decl.decay])
+        self.replica_runs = [(r, run) for r in sorted({s.replicas for s in self.specs})
+                             for run in self._runs([s for s in self.specs if s.replicas == r])]
+        self._work_stale = False
+        self._resident = {}                     # slot key -> segment whose parameters it holds (--zero 3)
+        self._gathering = {}                    # segment -> Pending gather into its slot
+        self._reducing = {}                     # slot key -> (segment, Pending reduce-scatter of its slot)
+        self.initialize(seed)
+
+    # --- the full master, for code outside the step ---------------------------
+    def full_master(self):
+        """(P_pad,) the full float32 master, all-gathered over dp and put in
+        segment order (collective: every rank of dp calls it)."""
+        return self.partition.assemble(self.backend.xp, self.dp.allgather(self.master))
+
+    @contextmanager
+    def writing_master(self):
+        """Yields a (P_pad,) full master to fill completely; this replica
+        keeps its chunks, --zero 2 rounds the working copy from the full
+        values, --zero 3 its chunk (the slots gather afresh)."""
+        full = self.backend.xp.zeros(self.partition.padded, dtype=self.master.dtype)   # (P_pad,) temporary
+        yield full
+        self.master[...] = self.partition.take(self.backend.xp, full)
+        if self.zero == 2:
+            self.flat_work[...] = full
+        elif self._mixed:
+            self.work_chunk[...] = self.master
+        self._resident.clear()
+        self._work_stale = False
+
+    def buffers(self) -> list:
+        return self.param_buffers() + self.grad_buffers()
+
+    def param_buffers(self) -> list:
+        """The weights this rank holds: master chunk, then the working copy
+        (--zero 2) or the master's 16-bit rounding and the slots (--zero 3)."""
+        out = [self.master]
+        if self.flat_work is not None:
+            out.append(self.flat_work)
+        if self.work_chunk is not None and self.work_chunk is not self.master:
+            out.append(self.work_chunk)
+        return out + list(self.param_slots.values())
+
+    def grad_buffers(self) -> list:
+        """The gradients this rank holds: the summed chunk and the slots."""
+        return [self.flat_grad] + list(self.grad_slots.values())
+
+    @property
+    def mixed(self) -> bool:
+        return self._mixed
+
+    def params_changed(self) -> None:
+        self._work_stale = True
+
+    def refresh_work(self) -> None:
+        """After an optimizer step or a load: --zero 2 all-gathers the
+        updated chunks into the working copy (collective); --zero 3 rounds
+        the chunk and forgets what the slots hold (the next use gathers)."""
+        if not self._work_stale:
+            return
+        xp = self.backend.xp
+        if self.zero == 2:
+            own = self.master.astype(self.backend.dtype) if self._mixed else self.master   # (C,)
+            self.flat_work[...] = self.partition.assemble(xp, self.dp.allgather(own))
+        else:
+            if self._mixed:
+                self.work_chunk[...] = self.master
+            self._resident.clear()
+        self._work_stale = False
+
+    # --- gradients ------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Start a step: the chunk gradient reads zero (each slot is cleared
+        when its layer's backward begins)."""
+        self.wait_gradients()
+        self.flat_grad[...] = 0
+
+    def layers(self, direction: str, blocks: list):
+        """The stream a model's forward or backward walks (``BlockStream``)."""
+        return BlockStream(self, direction, blocks)
+
+    def clear_slot(self, segment: str) -> None:
+        """Before ``segment``'s backward: its gradient slot is free (the
+        reduce-scatter of the block that used it before has landed) and zero."""
+        key = self.slot_of[segment]
+        self._land(key)
+        slot = self.grad_slots[key]
+        slot[...] = 0
+
+    def reduce_slot(self, segment: str) -> None:
+        """After ``segment``'s backward: sum its slot over the replica groups
+        inside the tensor-parallel group, then start its reduce-scatter over
+        dp into this replica's chunk (in ``gradient_wire``)."""
+        key, seg = self.slot_of[segment], self.partition.by_name[segment]
+        slot = self.grad_slots[key]
+        wire = precision.gradient_wire(self.backend.dtype)
+        for comm, run in self.seg_groups.get(segment, []):
+            slot[run] = comm.allreduce(slot[run], wire=wire)
+        self._reducing[key] = (seg, self.dp.ireduce_scatter(slot[:seg.padded], wire=wire))
+
+    def _land(self, key) -> None:
+        if key in self._reducing:
+            seg, pending = self._reducing.pop(key)
+            self.flat_grad[seg.mine] += pending.wait()              # (C_s,) of the segment's sum
+
+    def wait_gradients(self) -> None:
+        """Every started reduce-scatter has landed in the chunk gradient."""
+        for key in list(self._reducing):
+            self._land(key)
+
+    def settle(self) -> None:
+        """The chunk gradient is complete once every reduce-scatter landed."""
+        self.wait_gradients()
+
+    # --- parameters (--zero 3) -------------------------------------------------
+    def prefetch(self, segment: str) -> None:
+        """Start gathering ``segment``'s parameters into its slot unless the
+        slot holds them or they are on their way."""
+        if self.zero != 3 or segment is None or segment in self._gathering:
+            return
+        self.refresh_work()
+        key = self.slot_of[segment]
+        if self._resident.get(key) == segment:
+            return
+        for other in [s for s in self._gathering if self.slot_of[s] == key]:
+            self._gathering.pop(other).wait()                       # never two gathers into one slot
+        seg = self.partition.by_name[segment]
+        self._resident.pop(key, None)
+        out = self.param_slots[key][:seg.padded]                   # (dp C_s,) the gathered segment
+        self._gathering[segment] = self.dp.iallgather(self.work_chunk[seg.mine], out=out)
+
+    def fetch(self, segment: str) -> None:
+        """``segment``'s parameters in its slot, now (waits for a prefetch)."""
+        if self.zero != 3:
+            return
+        self.refresh_work()
+        self.prefetch(segment)
+        pending = self._gathering.pop(segment, None)
+        if pending is not None:
+            pending.wait()
+            self._resident[self.slot_of[segment]] = segment
+
+
+class BlockStream(ResidentLayers):
+    """One forward or backward pass over a model's blocks under --zero 2/3:
+    ``enter(i)`` before block i runs (its parameters gathered, the next
+    block's gather started; in backward its gradient slot cleared),
+    ``leave(i)`` after (in backward its gradients sent on their way),
+    ``finish()`` after backward's last step (the outside segment's
+    gradients, then every reduce-scatter landed). ``blocks`` are the
+    sites ("h.{i}") in the order the model holds them."""
+
+    def __init__(self, store: SegmentedStore, direction: str, blocks: list):
+        self.store, self.backward = store, direction == "backward"
+        self.order = list(reversed(blocks)) if self.backward else list(blocks)
+        self.step = -1 if self.backward else 1
+        self.blocks = blocks
+        if OUTSIDE in store.partition.by_name:
+            store.fetch(OUTSIDE)
+            if self.backward:
+                store.clear_slot(OUTSIDE)
+        if self.order:
+            store.prefetch(self.order[0])
+
+    def enter(self, i: int) -> None:
+        site = self.blocks[i]
+        self.store.fetch(site)
+        nxt = i + self.step
+        self.store.prefetch(self.blocks[nxt] if 0 <= nxt < len(self.blocks) else None)
+        if self.backward:
+            self.store.clear_slot(site)
+
+    def leave(self, i: int) -> None:
+        if self.backward:
+            self.store.reduce_slot(self.blocks[i])
+
+    def finish(self) -> None:
+        if OUTSIDE in self.store.partition.by_name:
+            self.store.reduce_slot(OUTSIDE)
+        self.store.wait_gradients()
