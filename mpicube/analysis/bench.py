@@ -112,8 +112,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
             backend.synchronize()
             fwd = time.perf_counter() - t0
             if i == 0:
-                saved = pipe.peak_saved[0] + pipe.recompute_peak_elements
-                saved_bytes = pipe.peak_saved[1] + pipe.recompute_peak_bytes
+                saved, saved_bytes = pipe.peak_saved              # a rerun block included
         for m in range(parts.grad_accum if pipe is None else 0):   # as accum.forward_backward, timed apart
             rows = parts.micro_rows(m)
             t0 = time.perf_counter()
