@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Comm, Counters
+from mpicube.parallel.comm_start import iallreduce, ibcast
 
 world = MPI.COMM_WORLD
 backend = make_backend("cpu", "float64")
@@ -56,6 +57,21 @@ assert counters.elems["x"] == 2 * (2 * (g - 1) * x.size + Fraction(g - 1, g) * y
 assert counters.msgs["x"] == 6 * (g - 1)
 z = rng.normal(size=(2, 3 * g))
 assert np.array_equal(comm.ireduce_scatter(z, axis=1).wait(), comm.reduce_scatter(z, axis=1))
+
+# comm_start's iallreduce and ibcast too (with two started at once, as SUMMA's double
+# buffering and 1-D's backward post them), each counted as its blocking form
+x = rng.normal(size=(4, 3))
+counters.reset()
+want_sum, want_max = comm.allreduce(x), comm.allreduce(x, "max")
+want_b = [comm.bcast(x, root=root) for root in range(g)]
+blocking = (counters.elems["x"], counters.bytes["x"], counters.msgs["x"])
+counters.reset()
+pending = [iallreduce(comm, x), iallreduce(comm, x, "max")] + [ibcast(comm, x, root=root) for root in range(g)]
+got = [p.wait() for p in pending]
+assert (counters.elems["x"], counters.bytes["x"], counters.msgs["x"]) == blocking
+for a, b in zip(got, [want_sum, want_max] + want_b):
+    assert np.array_equal(a, b) and a.dtype == b.dtype
+assert got[0] is not x, "iallreduce must not reduce into its input"
 
 for root in range(g):
     x, y = rng.normal(size=(5, 2)), rng.normal(size=(5, 2))

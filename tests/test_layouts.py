@@ -43,6 +43,21 @@ def test_cube_without_overlap_matches_serial():
     assert "OK 3d world=8 dp=1 depth=1" in proc.stdout
 
 
+OVERLAP_CASES = [(2, "1d", 1), (4, "2d", 1), (8, "2.5d", 2)]   # 3-D's blocking path: the test above
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks,layout,depth", OVERLAP_CASES, ids=[f"{c[1]}-n{c[0]}" for c in OVERLAP_CASES])
+def test_overlap_is_bit_identical_to_the_blocking_path(ranks, layout, depth):
+    """1-D's nonblocking dX all-reduce and SUMMA's double-buffered panels
+    (2-D, 2.5-D) give the results of MPICUBE_OVERLAP=0 bit for bit, with
+    the same traffic (tests/overlap_check.py): so the blocking path follows
+    serial wherever the cases above show the overlapped one does."""
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/overlap_check.py", layout, depth], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK overlap {layout} world={ranks} depth={depth}: bit-identical" in proc.stdout
+
+
 FUSED_EVERYWHERE = {"MPICUBE_KERNELS": "numba", "MPICUBE_FUSED_MIN_ELEMS": "0", "OMP_NUM_THREADS": "2"}
 
 

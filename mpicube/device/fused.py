@@ -291,7 +291,8 @@ _pool = None           # ThreadPoolExecutor, made on first use
 _blas = None           # threadpoolctl controllers of NumPy's BLAS
 
 
-def _blas_controllers() -> list:
+def blas_controllers() -> list:
+    """threadpoolctl's controllers of NumPy's BLAS (made once; [] without threadpoolctl)."""
     global _blas
     if _blas is None:
         try:
@@ -307,6 +308,9 @@ def _blas_controllers() -> list:
 # 5M, does; the 768-wide one's, 200M, gains 1.2 ms). Scales with
 # PARALLEL_MIN_ELEMS (1 << 26 by default).
 SPLIT_MIN_MACS = 128 * PARALLEL_MIN_ELEMS
+# The same bound for one float32 GEMM: below it, precision.matmul runs it on
+# one BLAS thread instead of OpenBLAS's split over the rank's threads.
+GEMM_SPLIT_MIN_MACS = SPLIT_MIN_MACS
 
 
 def splits_batch(a, b) -> bool:
@@ -314,7 +318,7 @@ def splits_batch(a, b) -> bool:
     (B, nh, n, k) and (B, nh, k, m), this rank has threads, and the product
     is at least SPLIT_MIN_MACS multiply-adds."""
     return (threads() > 1 and isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.ndim == 4
-            and a.shape[0] * a.shape[1] > 1 and a.size * b.shape[3] >= SPLIT_MIN_MACS and bool(_blas_controllers()))
+            and a.shape[0] * a.shape[1] > 1 and a.size * b.shape[3] >= SPLIT_MIN_MACS and bool(blas_controllers()))
 
 
 def batched_matmul(a, b, out=None):

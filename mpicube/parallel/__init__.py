@@ -1,7 +1,8 @@
 """Parallelism: how ranks share the work, and every byte that moves.
 
 ``comm`` holds the only MPI calls (with host staging, counters and the
-16-bit wire of ``comm_wire``), each completed by ``waiting``'s wait, which
+16-bit wire of ``comm_wire``; ``comm_start`` the nonblocking all-reduce
+and broadcast that layouts overlap with GEMMs), each completed by ``waiting``'s wait, which
 polls and then sleeps, and noted there for the ``watchdog`` thread of
 ``--collective-timeout``; ``grid`` builds the named axes (dp, tp and the
 layout's own) from the world; ``layouts`` holds serial, 1-D, 2-D, 2.5-D

@@ -27,6 +27,7 @@ rounded to the activation format (``narrow``), once.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..comm import Comm
+from ..comm_start import iallreduce
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore
@@ -54,6 +56,13 @@ class Axes:
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
 
 
+def overlap_from_env(environ=os.environ) -> bool:
+    """Whether a layout overlaps its collectives with GEMMs: on unless
+    MPICUBE_OVERLAP=0 (read once, when a layout is built; the blocking path
+    stays, to measure what overlap hides and to check it bit for bit)."""
+    return environ.get("MPICUBE_OVERLAP", "1") != "0"
+
+
 class Layout:
     """Base class; subclasses fill in sharding and the linear/embedding maps.
 
@@ -70,6 +79,7 @@ class Layout:
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
         self.recompute = recompute
+        self.overlap = overlap_from_env()
         self.cfg = cfg
         self.axes = axes
         self.backend = axes.tp.backend
@@ -187,10 +197,13 @@ class DenseLinear:
     all-reduce of the output before the bias (row-parallel) and an all-reduce
     of the input gradient (column-parallel). Serial uses neither. With a
     ``RowShard`` (1-D column-parallel under ``--recompute gathers``) the
-    replicated input is kept as a row shard and gathered again in backward."""
+    replicated input is kept as a row shard and gathered again in backward.
+    With ``overlap``, backward starts the all-reduce of dX before the dW
+    GEMM and waits for it after (the same operations, reordered: dX and dW
+    do not depend on each other)."""
 
     def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None,
-                 shard: RowShard = None):
+                 shard: RowShard = None, overlap: bool = False):
         self.w = store.work[prefix + ".weight"]       # (C_in, C_out)
         self.b = store.work[prefix + ".bias"]         # (C_out,)
         self.store, self.w_name = store, prefix + ".weight"
@@ -199,6 +212,7 @@ class DenseLinear:
         self.out_reduce = out_reduce
         self.dx_reduce = dx_reduce
         self.shard = shard
+        self.overlap = overlap and dx_reduce is not None
 
     def forward(self, x):
         """x (B, T, C_in) -> y (B, T, C_out)."""
@@ -214,6 +228,12 @@ class DenseLinear:
         x = self.x if self.shard is None else self.shard.restore(self.x)   # (B, T, C_in)
         x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
+        if self.overlap:                              # dX travels while dW and db are computed
+            pending = iallreduce(self.dx_reduce, matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
+            self.store.add_matmul(self.w_name, x2.T, dy2)
+            self.db += ops.column_sums(dy2)
+            self.x = None
+            return precision.narrow(pending.wait(), dy.dtype)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
         self.db += ops.column_sums(dy2)
         if self.dx_reduce is not None:

@@ -23,7 +23,6 @@ same way.
 from __future__ import annotations
 
 import math
-import os
 
 from ... import ops
 from ...device import precision
@@ -75,8 +74,8 @@ class CubeLayout(Layout):
         self.ik = sub("ik", j, i * q + k)         # plane varying i, k
         self.hidden_comm = self.ck
         # Nonblocking weight gathers and weight-gradient reductions overlap the
-        # activation collectives and GEMMs; MPICUBE_OVERLAP=0 turns it off to measure it.
-        self.overlap = os.environ.get("MPICUBE_OVERLAP", "1") != "0"
+        # activation collectives and GEMMs; MPICUBE_OVERLAP=0 (self.overlap, read
+        # by Layout) turns it off to measure it.
         self.vocab_padded = self.pad_to(cfg.vocab_size, q)
         self.canonical_seqs = split_index(self.local_batch, q * q, i * q + j)
         self.mid_seqs = split_index(self.local_batch, q * q, i * q + k)

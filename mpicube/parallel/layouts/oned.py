@@ -11,6 +11,9 @@ and the cross-entropy reduces its max, sum of exponentials and target logit.
 linears and of the LM head as a 1/p row shard (``RowShard``), all-gathered
 again in backward; ``--recompute blocks`` keeps each block's (replicated)
 input the same way. Both need the B_dp*T token rows to split p ways.
+
+Overlap (on unless MPICUBE_OVERLAP=0): a column-parallel linear's backward
+starts the all-reduce of dX nonblocking and computes dW meanwhile.
 """
 
 from __future__ import annotations
@@ -65,9 +68,9 @@ class OneDLayout(Layout):
 
     def linear(self, store, prefix, position):
         if position == "first" and self.recompute == "gathers":   # its replicated input kept as a row shard
-            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard)
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard, overlap=self.overlap)
         if position == "first":   # column-parallel
-            return DenseLinear(store, prefix, dx_reduce=self.axes.tp)
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, overlap=self.overlap)
         return DenseLinear(store, prefix, out_reduce=self.axes.tp)   # row-parallel
 
     def tied_embedding(self, store):

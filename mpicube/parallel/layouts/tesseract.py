@@ -15,6 +15,11 @@ l, row r, column c. d = 1 is the 2-D scheme.
   the lookup and for the LM head, whose partial logits are reduce-scattered
   along the row (vocabulary split by c).
 
+Overlap (on unless MPICUBE_OVERLAP=0): SUMMA's panels are double-buffered,
+the broadcasts of step s+1 posted (nonblocking) before step s's GEMM runs;
+the products are summed in the same order, so the results are the
+blocking path's bit for bit.
+
 ``--recompute gathers``: SUMMA linears keep only their local X already
 (panels are broadcast again in backward); the tied embedding lets go of
 wte[:, block c] after the LM head's forward GEMM and gathers it again in
@@ -26,6 +31,7 @@ from __future__ import annotations
 from ... import ops
 from ...device import precision
 from ..comm import Comm
+from ..comm_start import ibcast
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 from .base import Layout, acc, matmul_rows
@@ -122,15 +128,31 @@ class SummaLinear:
         self.row, self.col = layout.row, layout.col
         self.q, self.r, self.c = layout.q, layout.r, layout.c
         self.xp = layout.backend.xp
+        self.overlap = layout.overlap
+
+    def panels(self, *sources):
+        """For s = 0 .. q-1, the broadcasts from root s of each (comm, array)
+        in ``sources``, as a list. With overlap, step s+1's broadcasts are
+        posted before step s's panels are handed out, so they travel while
+        the caller multiplies (two panels of each kind alive at a time)."""
+        if not self.overlap:
+            for s in range(self.q):
+                yield [comm.bcast(a, root=s) for comm, a in sources]
+            return
+        posted = [ibcast(comm, a, root=0) for comm, a in sources]
+        for s in range(self.q):
+            ready = [p.wait() for p in posted]
+            if s + 1 < self.q:
+                posted = [ibcast(comm, a, root=s + 1) for comm, a in sources]
+            yield ready
 
     def forward(self, x):
         """x (B_c, T, h_in/q) -> (B_c, T, h_out/q)."""
         B, T, _ = x.shape
         self.x2 = x2 = x.reshape(B * T, -1)                     # (n, h_in/q)
         y = self.xp.zeros((B * T, self.w.shape[1]), dtype=acc(x))   # (n, h_out/q), float32 for 16-bit x
-        for s in range(self.q):
-            x_panel = self.row.bcast(x2, root=s)                # X[r, s] (n, h_in/q)
-            w_panel = self.col.bcast(self.w, root=s)            # W[s, c] (h_in/q, h_out/q)
+        for x_panel, w_panel in self.panels((self.row, x2), (self.col, self.w)):
+            # X[r, s] (n, h_in/q), W[s, c] (h_in/q, h_out/q)
             y += precision.matmul(x_panel, w_panel, dtype=y.dtype)
         y += self.b
         return precision.narrow(y, x.dtype).reshape(B, T, -1)
@@ -140,14 +162,12 @@ class SummaLinear:
         B, T, _ = dy.shape
         dy2 = dy.reshape(B * T, -1)                             # (n, h_out/q)
         dx = None
-        for s in range(self.q):                                 # dX[r, s] = sum_c dY[r, c] W[s, c]^T
-            w_panel = self.col.bcast(self.w, root=s)
+        for s, (w_panel,) in enumerate(self.panels((self.col, self.w))):   # dX[r, s] = sum_c dY[r, c] W[s, c]^T
             part = self.row.reduce(precision.matmul(dy2, w_panel.T, dtype=acc(dy2)), root=s,
                                    wire=dy.dtype)               # (n, h_in/q)
             if self.c == s:                                     # on column s
                 dx = precision.narrow(part, dy.dtype)
-        for s in range(self.q):                                 # dW[s, c] = sum_r X[r, s]^T dY[r, c]
-            x_panel = self.row.bcast(self.x2, root=s)
+        for s, (x_panel,) in enumerate(self.panels((self.row, self.x2))):  # dW[s, c] = sum_r X[r, s]^T dY[r, c]
             part = self.col.reduce(precision.matmul(x_panel.T, dy2, dtype=self.store.flat_grad.dtype),
                                    root=s, wire=self.w.dtype)   # (h_in/q, h_out/q) on row s
             if self.r == s:

@@ -1,0 +1,73 @@
+"""Serial training step with float32's small GEMMs on one BLAS thread
+(mpicube's default) against the same step with every GEMM split over the
+rank's threads, alternating step by step in one process so that both see
+the same machine state. Prints median wall and CPU time per step.
+
+    python tools/gemm_threads.py                          # 4 x 144, T 64, B 8
+    python tools/gemm_threads.py --n-embd 768 --seq-len 256 --batch-size 4
+
+CPU time counts every thread of the process, spinning or waiting in a
+barrier included; on a loaded machine it is the steadier of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from mpicube.device import fused
+import numpy as np
+from mpi4py import MPI
+
+from mpicube.core.config import ModelConfig
+from mpicube.device.threads import configure
+from mpicube.training.optim import AdamW
+from mpicube.training.train import build_parts
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-head", type=int, default=12)
+    ap.add_argument("--n-embd", type=int, default=144)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps of each (after 2 warm-up steps)")
+    args = ap.parse_args()
+    share = configure()
+    cfg = ModelConfig(vocab_size=256, n_ctx=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                      n_embd=args.n_embd)
+    parts = build_parts(cfg, "serial", args.batch_size, MPI.COMM_SELF, seed=0)
+    opt = AdamW(parts.store, weight_decay=0.1)
+    tokens = np.random.default_rng(0).integers(0, 256, (args.batch_size, args.seq_len + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        parts.store.zero_grad()
+        parts.model.forward(x, y, step=1)
+        parts.model.backward()
+        opt.step(1e-4)
+
+    bound = fused.GEMM_SPLIT_MIN_MACS
+    variants = {"small GEMMs on one thread": bound, "every GEMM on all threads": 0}
+    times = {name: ([], []) for name in variants}
+    for rnd in range(args.steps + 2):
+        for name, value in variants.items():
+            fused.GEMM_SPLIT_MIN_MACS = value
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            if rnd >= 2:
+                times[name][0].append(time.perf_counter() - t0)
+                times[name][1].append(time.process_time() - c0)
+    fused.GEMM_SPLIT_MIN_MACS = bound
+    print(f"model: {cfg.n_layer} layers, n_embd {cfg.n_embd}, seq {args.seq_len}, batch {args.batch_size}; "
+          f"{share.describe()}")
+    for name, (wall, cpu) in times.items():
+        print(f"{name:<28} wall {np.median(wall) * 1e3:8.1f} ms ({min(wall) * 1e3:.1f}-{max(wall) * 1e3:.1f})"
+              f"   cpu {np.median(cpu) * 1e3:8.1f} ms")
+    first, second = (np.median(w) for w, _ in times.values())
+    print(f"ratio one-thread / all-threads wall: {first / second:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
