@@ -41,6 +41,14 @@ Environment:
                               included)
   MPICUBE_CHECK_LAYERS=N      N transformer blocks instead of 2 (--zero 3
                               with more blocks than its two weight slots)
+  MPICUBE_CHECK_SEQPAR=1      1-D with --sequence-parallel: canonical
+                              activations sharded along the sequence,
+                              traffic and memory with its cost-model terms
+  MPICUBE_CHECK_CP=C          the layout under test runs with --cp C (world =
+                              dp x C x tp; each rank holds 2 of 2C chunks of
+                              every sequence): logits are compared at the
+                              rank's global positions, traffic and memory
+                              with the cp terms of the cost model
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -110,6 +118,7 @@ from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory, step_memory_bytes
 from mpicube.parallel.grid import build_layout
+from mpicube.parallel.context import local_positions
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
 from mpicube.model.gpt import GPT, gpt_params
@@ -128,6 +137,8 @@ RTOL = 1e-10           # float64; 16-bit runs set it from the layout (wire_toler
 WORST = [0.0]          # the largest relative difference seen, for the report line
 ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
 LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
+SEQPAR = os.environ.get("MPICUBE_CHECK_SEQPAR", "0") == "1"   # 1-D under --sequence-parallel
+CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (each sequence over CP ranks)
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
@@ -138,7 +149,9 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
           zero=0):
     backend = make_backend(device, DTYPE)
     counters = Counters()
-    layout = build_layout(GridSpec(layout_name, dp=dp, depth=depth), cfg, batch, backend, comm, counters=counters,
+    cp = CP if comm is MPI.COMM_WORLD else 1
+    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth, sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD)
+    layout = build_layout(grid, cfg, batch, backend, comm, counters=counters,
                           grad_accum=grad_accum, recompute=recompute)
     store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
     model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
@@ -195,7 +208,8 @@ def close(name, got, want, scale=None):
 def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
     """Measured elements, bytes and messages per axis == the analytic model."""
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO)
+                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP,
+                      sequence_parallel=SEQPAR)
     want = step_traffic(problem)
     axes = set(want.elems) | set(counters.elems)
     for axis in axes:
@@ -215,7 +229,8 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, ada
     under --recompute blocks the rerun block's caches (measured in
     backward) come on top, and what forward kept alone is checked too."""
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO)
+                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP,
+                      sequence_parallel=SEQPAR)
     want, want_bytes = step_memory(problem, dropout > 0), step_memory_bytes(problem, dropout > 0)
     want_kept = sum(kept_and_rerun_terms(problem, dropout > 0)[0].values())
     if kept[0] != want_kept:
@@ -296,7 +311,9 @@ def main():
                 seqs = parts.micro_rows(m).start + emb.logit_seqs   # global sequences of these logits
                 v0, nv = emb.vocab_start, model.logits.shape[-1]
                 real = max(0, min(nv, cfg.vocab_size - v0))
-                close(f"logits of micro-batch {m}", host(model.logits)[..., :real], s_logits[seqs][..., v0:v0 + real])
+                pos = local_positions(T, CP, layout.axes.cp.rank)      # this rank's positions
+                close(f"logits of micro-batch {m}", host(model.logits)[..., :real],
+                      s_logits[seqs][:, pos, v0:v0 + real])
 
         loss = forward_backward(parts, x, y, step, LOSS_SCALE, after_forward=after_forward)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
@@ -331,7 +348,7 @@ def main():
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
-              f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} loss={s_loss:.12f} "
+              f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} seqpar={int(SEQPAR)} loss={s_loss:.12f} "
               f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})")
 
 

@@ -127,7 +127,7 @@ def hostile_value_cases(tmp_path):
         ("seed", ["--seed", "-1"], r"-1 is not in the range 0<=x<=18446744073709551615"),
         ("layers", ["--n-layer", "1000000"], r"n_layer 1,000,000.* needs at least 1.8 TiB of memory per rank"),
         ("width", ["--n-embd", "100000", "--n-head", "10"], r"480,037,400,000 parameters.* needs at least"),
-        ("context", ["--seq-len", "200000"], r"attention scores, but"),
+        ("context", ["--seq-len", "1000000"], r"one layer's activations, but"),
         ("vocabulary", ["--vocab-size", "2000000000"], r"vocab 2,000,000,000.* needs at least"),
     ]
     cases = [(name, train + args, expect) for name, args, expect in config]

@@ -145,7 +145,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
-                      zero=store.zero, grad_accum=parts.grad_accum, **_pipeline_terms(parts))
+                      zero=store.zero, grad_accum=parts.grad_accum, cp=layout.axes.cp.size,
+                      **_pipeline_terms(parts))
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     mixed = any(profiled) and not all(profiled)
     if mixed:                                     # the figures from the steps run as without --profile
@@ -162,7 +163,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
     flops_rank = model_flops(cfg, B, seq_len) / world
     first_layer = parts.pipeline.chunks[0][2][0] if parts.pipeline is not None else 0     # this stage's first block
     fc = store.grad[f"h.{first_layer}.mlp.c_fc.weight"].shape                  # (h_in local, h_out local)
-    gemm_shape = (len(layout.mid_seqs) * seq_len, len(layout.canonical_cols), fc[1])
+    gemm_shape = (len(layout.mid_seqs) * seq_len // layout.axes.cp.size, len(layout.canonical_cols), fc[1])
     rate = gemm_rate(backend, *gemm_shape)
     rate32 = gemm_rate(backend, *gemm_shape, dtype=np.float32) if backend.mixed else rate
     return {

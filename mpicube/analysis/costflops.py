@@ -5,26 +5,31 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from ..parallel.context import ring_scores
 from .costmodel import Problem, block_linears
 
 
 def step_flops(p: Problem) -> Fraction:
     """GEMM and attention FLOPs per rank per step, from the sizes alone (a
     prediction, not measured: nothing counts FLOPs at run time). Forward
-    2 m n k per GEMM (the four linears of every block, the two batched
-    attention products, the LM head over the layout's padded vocabulary),
-    backward twice the forward, and under --recompute blocks every block's
-    forward once more. Every layout splits each of these evenly over its
-    tensor-parallel ranks, so one rank does 1/tp of its replica's work;
-    under a pipeline, of its stage's layers (and the head on the last)."""
+    2 m n k per GEMM (the four linears of every block, the LM head over the
+    layout's padded vocabulary), backward twice the forward, and under
+    --recompute blocks every block's forward once more. Attention is
+    blockwise (ops.attention_blocks): its two products run only on the
+    blocks at or below the diagonal (``ring_scores``: about half of T^2
+    at long T), and backward makes five products of that size (the scores
+    again, dV, dP, dQ, dK). Every layout splits each of these evenly over
+    its tensor-parallel ranks, and context parallelism over its cp ranks,
+    so one rank does 1/(tp cp) of its replica's work; under a pipeline, of
+    its stage's layers (and the head on the last)."""
     cfg, L, h, T = p.cfg, p.layers, p.cfg.n_embd, p.seq_len
     N = p.local_batch * T                                            # tokens per replica and micro-batch
     linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in block_linears(cfg))
-    attention = 2 * 2 * p.local_batch * T * T * h                    # q k^T and probs v, causal mask not discounted
-    block = L * (linears + attention)
+    attention = 2 * 2 * p.local_batch * ring_scores(T, p.cp) * h     # q k^T and probs v on the computed blocks
     head = 2 * N * h * _padded_vocab(p) if p.has_head else 0
     forwards = 2 if p.recompute == "blocks" else 1
-    return Fraction(p.grad_accum * (3 * (block + head) + (forwards - 1) * block), p.tp)   # N micro-batches
+    work = 3 * (L * linears + head) + (forwards - 1) * L * linears + L * Fraction(2 * forwards + 5, 2) * attention
+    return Fraction(p.grad_accum * work, p.tp * p.cp)                 # N micro-batches
 
 
 def _padded_vocab(p: Problem) -> int:

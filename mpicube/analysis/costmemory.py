@@ -50,7 +50,7 @@ def activation_bytes(p: Problem, dropout: bool = False) -> int:
 def activation_terms(p: Problem, dropout: bool = False) -> dict:
     """{"act", "stat", "grad": elements} kept for backward: LayerNorm
     outputs and statistics, linear inputs (gathered in 3-D), q/k/v,
-    attention probabilities, GELU input and tanh, logits and softmax,
+    attention output and log-sum-exp, GELU input and tanh, logits and softmax,
     gathered embedding panels and their gradients, masks. Under
     --recompute blocks: the block inputs, what lies outside the blocks, and
     one rerun block's working set on top (``kept_and_rerun_terms``)."""
@@ -77,7 +77,7 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     one rerun block under --recompute blocks). A stage that only looks up
     keeps the panel it gathered (the head, which would let it go under
     --recompute gathers, never runs there)."""
-    cfg, T, h, mode = p.cfg, p.seq_len, p.cfg.n_embd, p.recompute
+    cfg, T, h, mode = p.cfg, p.local_seq, p.cfg.n_embd, p.recompute   # T: this rank's positions
     if p.layout in ("serial", "1d"):
         q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
         V = -(-cfg.vocab_size // heads) * heads // heads
@@ -95,15 +95,19 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     seqs = p.local_batch // split_rows
     n = seqs * T                       # token rows per rank, canonical and intermediate alike
     cc = h // split_cols               # canonical width
-    probs = seqs * (cfg.n_head // heads) * T * T
+    nc = n // p.tp if p.sequence_parallel else n   # canonical rows: T/tp of each sequence (layouts/seqpar.py)
+    lse = n * (cfg.n_head // heads)    # blockwise attention's per-row log-sum-exp, in the compute format
     # 1-D keeps a replicated activation it can gather again as a row shard of 1/p.
     shard = p.tp if p.layout == "1d" else 1
     # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
     gathered = q > 1
     regather = mode == "gathers"
 
-    # one block: LN xhat (x2), qkv and the scaled copy of q, probabilities, GELU input and tanh
-    block = 2 * n * cc + n * 4 * mid_cols + probs + 2 * n * 4 * mid_cols
+    # one block: LN xhat (x2), qkv and the scaled copy of q, GELU input and tanh; blockwise
+    # attention keeps no probabilities (ops.attention_blocks), only lse and its output
+    block = 2 * nc * cc + n * 4 * mid_cols + 2 * n * 4 * mid_cols
+    if p.layout == "3d" and not regather and gathered:
+        block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
     if p.layout == "3d":
         for h_in, h_out, _ in block_linears(cfg):
             block += n * h_in // q if regather else q * n * h_in // q         # local or gathered X
@@ -112,12 +116,12 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         first_inputs = 2 * n * cc // shard if regather else 2 * n * cc     # c_attn, c_fc
         block += first_inputs + n * mid_cols + n * 4 * mid_cols            # c_proj, mlp.c_proj
     if dropout:
-        block += 2 * n * cc + 2 * probs
+        block += 2 * nc * cc           # residual masks; attention's are drawn block by block, never kept
     # outside the blocks: ln_f xhat, logits and softmax, head input (head); embedding mask (lookup);
     # the wte panel and its gradient (either)
     outside, panel, grad = 0, 0, 0
     if head:
-        outside += n * cc + 2 * n * V
+        outside += nc * cc + 2 * n * V
         if p.layout == "3d":
             outside += n * h // q if regather else q * n * h // q             # head input
         else:
@@ -127,12 +131,12 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         panel = 0 if regather and head else gathered * wte_panel
         grad = wte_panel                                                      # its gradient
     if dropout and embed:
-        outside += n * cc
+        outside += nc * cc
     step = {"act": panel, "stat": 0, "grad": grad}
     if mode == "blocks":
         kept = {"act": L * n * cc // shard + outside, "stat": n * head, "grad": 0}
-        return kept, step, {"act": block if L else 0, "stat": 2 * n if L else 0, "grad": 0}
-    kept = {"act": L * block + outside, "stat": (2 * L + head) * n, "grad": 0}   # rstd of ln_1, ln_2, ln_f
+        return kept, step, {"act": block if L else 0, "stat": 2 * n + lse if L else 0, "grad": 0}
+    kept = {"act": L * block + outside, "stat": (2 * L + head) * nc + L * lse, "grad": 0}   # rstd of LNs, lse
     return kept, step, {"act": 0, "stat": 0, "grad": 0}
 
 

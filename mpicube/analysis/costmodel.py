@@ -66,6 +66,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from dataclasses import replace
+
 from ..parallel import fsdp, zero
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
@@ -97,8 +99,13 @@ def oned_traffic(p: Problem) -> Traffic:
     t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
     L, head = p.layers, int(p.has_head)
-    t.sum("tp", g, act, times=4 * L, width=w.red)         # 2 forward (row-split), 2 backward
-    t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
+    if p.sequence_parallel:                               # each all-reduce as its two halves along T
+        firsts, seconds = 2 * L + head, 2 * L + int(p.has_embed)   # column-parallel (+ head), row (+ lookup)
+        t.allgather("tp", g, act // g, times=firsts + seconds, width=w.act)     # forward inputs, backward dY
+        t.reduce_scatter("tp", g, act, times=seconds + firsts, width=w.red)     # forward outputs, backward dX
+    else:
+        t.sum("tp", g, act, times=4 * L, width=w.red)     # 2 forward (row-split), 2 backward
+        t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
     if head:
         _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
     if p.recompute == "gathers":                          # c_attn, c_fc and LM head inputs from row shards
@@ -215,6 +222,8 @@ def _local_size(p: Problem, decl):
             return -(-cfg.vocab_size // g) * cfg.n_embd, None
         if role in ("w_first", "b_first", "w_second"):
             return numel // g, None
+        if p.sequence_parallel and role in ("wpe", "norm"):
+            return numel, "tp"                 # partial sums from this rank's T/tp positions
         return numel, None
     if p.layout in ("2d", "2.5d"):
         d = p.depth
@@ -251,8 +260,11 @@ def step_traffic(p: Problem) -> Traffic:
     stage (axis "tied", at the gsum wire), and the gradient norm all-reduced
     over "pp" after "tp" (one float64 each)."""
     t = Traffic()
-    t.add(TRAFFIC[p.layout](p), p.grad_accum)
+    t.add(TRAFFIC[p.layout](replace(p, seq_len=p.local_seq, cp=1)), p.grad_accum)   # on this rank's positions
     t.add(pipeline_traffic(p))
+    if p.cp > 1:
+        t.add(ring_traffic(p), p.grad_accum)
+        t.sum("cp", p.cp, sum(n for n, _ in local_param_sizes(p).values()), width=p.widths.gsum)   # weights' sum
     sizes = local_param_sizes(p)
     group_sizes = defaultdict(int)
     for n, axis in sizes.values():
@@ -269,14 +281,14 @@ def step_traffic(p: Problem) -> Traffic:
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
-        t.allreduce("world", p.tp * p.dp * p.pp, 1, width=w.scalar)   # gradient norm
+        t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)   # gradient norm
     else:
         _group_sums(p, t, group_sizes)
         t.sum("dp", p.dp, params, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
         t.allreduce("pp", p.pp, 1, width=w.scalar)             # ... and over the stages
     # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
-    t.allreduce("world", p.tp * p.dp * p.pp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
+    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
 
 
@@ -284,6 +296,32 @@ def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
     """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
     for axis, n in group_sizes.items():
         t.sum(axis, _group_size(p, axis), n, width=p.widths.gsum)
+
+
+def attention_split(p: Problem) -> tuple:
+    """(sequences, heads) of one rank's attention: the rows and heads of
+    the layout's intermediate activation (between paired linears)."""
+    if p.layout in ("serial", "1d"):
+        return p.local_batch, p.cfg.n_head // (p.tp if p.layout == "1d" else 1)
+    q = round((p.tp // p.depth) ** 0.5) if p.layout in ("2d", "2.5d") else round(p.tp ** (1 / 3))
+    rows = p.depth * q if p.layout in ("2d", "2.5d") else q * q
+    return p.local_batch // rows, p.cfg.n_head // q
+
+
+def ring_traffic(p: Problem) -> Traffic:
+    """One micro-batch of ring attention (parallel.context), per layer: the
+    K/V pair of this rank's chunks (2 x seqs x T/cp x h_local elements)
+    shifted C-1 times in forward (twice under --recompute blocks), and in
+    backward C-1 times more, with the dK/dV pair in the compute format C
+    times. One message per shift."""
+    t, w, C = Traffic(), p.widths, p.cp
+    seqs, heads = attention_split(p)
+    kv = 2 * seqs * p.local_seq * heads * p.cfg.head_dim
+    forwards = 2 if p.recompute == "blocks" else 1
+    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.cfg.n_layer, w.act)
+    t._add("cp", C, kv, 1, C * p.cfg.n_layer, w.stat)
+    return t
+
 
 
 def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
@@ -306,10 +344,12 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
             t.allgather("dp", p.dp, chunk, width=w.act)          # once per step: it stays gathered
     if p.zero == 2:
         t.allgather("dp", p.dp, sum(c for _, _, c in segments), width=w.act)   # parameters after the step
-    t.allreduce("world", p.tp * p.dp * p.pp, 1, width=w.scalar)                # gradient norm
+    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)         # gradient norm
 
 
 def _group_size(p: Problem, axis: str) -> int:
+    if axis == "tp":
+        return p.tp
     if axis == "depth":
         return p.depth
     if axis == "col_depth":

@@ -32,6 +32,7 @@ from .. import __version__
 from ..core.errors import ConfigError, UserError
 from ..files import formats
 from ..model.gpt import gpt_params
+from ..parallel import context
 from ..parallel.comm import on_root
 from ..parallel.grid import default_batch
 from ..training.hooks import StepHooks
@@ -121,7 +122,7 @@ class Collector:
         self.cfg = parts.cfg
         self.cols = np.asarray(self.layout.canonical_cols)
         self.heads = np.asarray(self.layout.head_ids)
-        self.param_writer = self.layout.axes.dp.rank == 0
+        self.param_writer = self.layout.axes.dp.rank == 0 and self.layout.axes.cp.rank == 0
         self.at(parts.micro_rows(0).start)
 
     @property
@@ -139,12 +140,18 @@ class Collector:
         self.canonical_seqs = first + np.asarray(layout.canonical_seqs)
         self.mid_seqs = first + np.asarray(layout.mid_seqs)
 
+    def positions(self, T: int) -> np.ndarray:
+        """(T_l,) the global positions of this rank's rows of a T-long
+        sequence: all of them, or a cp rank's two chunks."""
+        cp = self.layout.axes.cp
+        return context.local_positions(T, cp.size, cp.rank)
+
     def host(self, a, dtype=None) -> np.ndarray:
         return np.asarray(self.parts.backend.to_host(a)).astype(dtype or self.dtype)
 
     def canonical(self, name, block, T, dtype=None) -> Piece:
         """(B_c, T, C_c) block -> piece of the (B, T, h) tensor."""
-        return Piece(name, (self.B, T, self.cfg.n_embd), (self.canonical_seqs, np.arange(T), self.cols),
+        return Piece(name, (self.B, T, self.cfg.n_embd), (self.canonical_seqs, self.positions(T), self.cols),
                      self.host(block, dtype))
 
     def activations(self, capture: dict, T: int) -> list:
@@ -160,7 +167,7 @@ class Collector:
         local = model.logits                                   # (B_l, T, V_l)
         vocab = emb.vocab_start + np.arange(local.shape[-1])
         seqs = self.first + np.asarray(emb.logit_seqs)
-        return [Piece("logits", (self.B, T, self.cfg.vocab_size), (seqs, np.arange(T), vocab), self.host(local))]
+        return [Piece("logits", (self.B, T, self.cfg.vocab_size), (seqs, self.positions(T), vocab), self.host(local))]
 
     def masks(self, T: int, step: int) -> list:
         """Keep masks (1 kept, 0 dropped) as uint8, none without dropout.
@@ -174,19 +181,25 @@ class Collector:
         pieces = []
         if model.first:
             pieces.append(Piece("dropout/emb", (self.B, T, self.cfg.n_embd),
-                                (self.canonical_seqs, np.arange(T), self.cols), keep(model.keep_emb)))
+                                (self.canonical_seqs, self.positions(T), self.cols), keep(model.keep_emb)))
         for block in model.blocks:
             drawn = (block.keep_attn, block.keep_resid_attn, block.keep_resid_mlp)
-            if block.keep_attn is None:
-                drop, site = model.dropout, block.site
-                drawn = (drop.attention(step, site + ".attn", T), drop.canonical(step, site + ".resid_attn", T),
-                         drop.canonical(step, site + ".resid_mlp", T))
+            pos = self.positions(T)
+            if block.keep_resid_attn is None:
+                drop, site, t = model.dropout, block.site, len(pos)         # t: this rank's positions
+                drawn = (None, drop.canonical(step, site + ".resid_attn", t),
+                         drop.canonical(step, site + ".resid_mlp", t))
+            if drawn[0] is None or callable(drawn[0]):          # blockwise attention draws its mask by blocks
+                by_blocks = model.dropout.attention_blocks(step, block.site + ".attn", T)
+                c = len(pos) // 2 if len(pos) != T else T      # rows: two contiguous chunks on a cp rank
+                drawn = (np.concatenate([self.host(by_blocks(slice(int(p0), int(p0) + c), slice(0, T)))
+                                         for p0 in pos[::c]], axis=2),) + drawn[1:]
             shape = (self.B, self.cfg.n_head, T, T)
-            index = (self.mid_seqs, self.heads, np.arange(T), np.arange(T))
+            index = (self.mid_seqs, self.heads, pos, np.arange(T))
             pieces.append(Piece(f"dropout/{block.site}.attn", shape, index, keep(drawn[0])))
             for site, mask in (("resid_attn", drawn[1]), ("resid_mlp", drawn[2])):
                 pieces.append(Piece(f"dropout/{block.site}.{site}", (self.B, T, self.cfg.n_embd),
-                                    (self.canonical_seqs, np.arange(T), self.cols), keep(mask)))
+                                    (self.canonical_seqs, pos, self.cols), keep(mask)))
         return pieces
 
     def params(self, prefix: str) -> list:

@@ -159,6 +159,23 @@ def pipeline_options(f):
     return f
 
 
+def sequence_parallel_option(f):
+    """``--sequence-parallel`` (train, bench, info): 1-D's canonical form
+    sharded along the sequence (parallel/layouts/seqpar.py)."""
+    return click.option("--sequence-parallel", is_flag=True, default=False,
+                        help="1d layout: LayerNorm, dropout and residual regions hold T/tp positions of every "
+                             "sequence; each all-reduce becomes an all-gather + reduce-scatter (same bytes, "
+                             "1/tp of those activations)")(f)
+
+
+def cp_option(f):
+    """``--cp C`` (train, eval, bench): context-parallel ranks (parallel/context.py)."""
+    return click.option("--cp", type=int, default=1, show_default=True,
+                        help="context-parallel ranks: each sequence cut into 2C chunks, rank r holding chunks r "
+                             "and 2C-1-r, attention by a ring passing K and V; the world splits into "
+                             "dp x cp x tensor-parallel ranks")(f)
+
+
 def recompute_option(f):
     return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
                         help="trade memory for communication and FLOPs: gathers = gather weight and activation "

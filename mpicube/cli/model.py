@@ -10,9 +10,8 @@ import json
 import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
-                     echo, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
-                     recompute_option,
-                     watched, zero_option)
+                     echo, grad_accum_option, cp_option, layout_options, model_options, pipeline_options,
+                     profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
 from ..core.errors import UserError
 
 
@@ -42,8 +41,10 @@ from ..core.errors import UserError
               help="consecutive ranks that share a node, for the cross-node bytes of --pipelines")
 @click.option("--json", "as_json", is_flag=True,
               help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
+@cp_option
+@sequence_parallel_option
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
-         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json):
+         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp, sequence_parallel):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations."""
@@ -79,7 +80,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         stage_world = check_pp_world(world, pp, dp) * dp        # one stage's dp x tp ranks
         echo()
         if batch_size is None:
-            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, depth=depth), cfg, stage_world,
+            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, cp=cp, depth=depth,
+                                                     sequence_parallel=sequence_parallel), cfg, stage_world,
                                             grad_accum, recompute=recompute)
             echo(why)
         if note:
@@ -92,12 +94,17 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         else:
             args = (layout or "auto", cfg, batch_size, world, dp, depth)
             options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
-            echo(report(*args, **options))
+            echo(report(*args, **options, cp=cp, sequence_parallel=sequence_parallel))
             echo()
             echo(memory_options(cfg, batch_size, world, dp, dtype, grad_accum))
             if dp > 1:
                 echo()
                 echo(zero_options(cfg, batch_size, world, dp, dtype, grad_accum, recompute))
+            if world % (dp * cp) == 0:
+                from ..analysis.costcontext import context_table
+
+                echo()
+                echo(context_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute))
         if pipelines or pp > 1:
             from ..analysis.costpipereport import combinations_report
 
@@ -111,7 +118,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                                                  pp_schedule, virtual_stages, dtype, recompute, grad_accum, zero)))
             else:
                 echo(json.dumps(summary(layout or "auto", cfg, batch_size, world, dp, depth, dtype=dtype,
-                                        recompute=recompute, grad_accum=grad_accum, zero=zero)))
+                                        recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
+                                        sequence_parallel=sequence_parallel)))
     elif as_json:
         raise UserError("info --json describes a layout: give --layout and/or -n")
 
@@ -142,8 +150,10 @@ def _mib(nbytes: int) -> str:
                 "timed apart from the others")
 @click.option("--out", type=str, default=None, metavar="RUN_DIR",
               help="where --profile writes (several layouts: RUN_DIR/<layout>/)  [default: runs/bench-<time>]")
+@cp_option
+@sequence_parallel_option
 @collective_timeout_option
-def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
+def bench(layouts, dp, cp, sequence_parallel, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
           grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out,
           collective_timeout):
     """Time training steps; compare with the cost model and a plain matmul.
@@ -172,7 +182,8 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
-            grid = GridSpec(name, dp=dp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
+            grid = GridSpec(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
+                            sequence_parallel=sequence_parallel,
                             pp_schedule=pp_schedule, virtual_stages=virtual_stages)
             batch = batch_size
             if batch is None:                                  # each layout its own smallest batch

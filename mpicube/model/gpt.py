@@ -10,15 +10,18 @@ B_m/C_m between paired linears, V_l local vocabulary.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from . import kvcache
+from .dropout import Dropout  # noqa: F401 (its home for every caller)
 from .. import ops
 from ..device import precision
-from ..ops import rng
+from ..ops import attention_blocks
 from ..core import memory
 from ..core.config import ModelConfig
+from ..parallel import context
 from ..parallel.layouts.base import Layout, LayerNorm
 from ..parallel.params import ParamDecl, ParamStore
 
@@ -73,59 +76,6 @@ def gpt_params(cfg: ModelConfig) -> list:
     return decls
 
 
-class Dropout:
-    """Masks that are a pure function of (seed, step, site, global index), so
-    every layout drops the same elements (DESIGN.md section 2). They are
-    drawn where the activations live: on a GPU the hash runs on the device
-    and nothing is copied per step but a few small index vectors, once."""
-
-    def __init__(self, p: float, seed: int, layout: Layout, grad_accum: int = 1):
-        self.p, self.seed, self.layout = p, seed, layout
-        self.keep = 1.0 - p
-        cfg = layout.cfg
-        self.grad_accum = grad_accum
-        self.micro = 0                                            # which micro-batch of the step runs
-        step_batch = layout.batch_size * grad_accum               # the layout holds one micro-batch
-        self.canonical_shape = (step_batch, cfg.n_ctx, cfg.n_embd)
-        self._indices = {}                                        # (kind, T, micro) -> index vectors on the device
-
-    def first_seq(self, micro: int) -> int:
-        """Global index of this replica's first sequence in micro-batch
-        ``micro``: replica r holds rows [r*b, (r+1)*b) of the step's batch
-        (b = B/dp), micro-batch m the rows r*b + m*b/N onwards, so the
-        masks are those of the same step without accumulation."""
-        b_micro = self.layout.local_batch
-        return (self.layout.axes.dp.rank * self.grad_accum + micro) * b_micro
-
-    def _mask(self, step, site, global_shape, kind, T, index):
-        """(block shape) keep mask: 1.0 where kept, 0.0 where dropped."""
-        backend = self.layout.backend
-        if (kind, T, self.micro) not in self._indices:
-            first, seqs = self.first_seq(self.micro), index[0]
-            index = (first + np.asarray(seqs),) + tuple(index[1:])   # global sequence ids
-            self._indices[kind, T, self.micro] = tuple(backend.xp.asarray(ix, dtype=np.uint64) for ix in index)
-        counter = rng.block_index(global_shape, self._indices[kind, T, self.micro], backend.xp)   # per-dim terms
-        return ops.keep_mask(rng.make_key(self.seed, "dropout", step, site), counter, self.p, backend.dtype)
-
-    def canonical(self, step, site, T):
-        """(B_c, T, C_c) keep mask for an activation in canonical form, or None."""
-        if self.p == 0.0:
-            return None
-        index = (self.layout.canonical_seqs, np.arange(T), self.layout.canonical_cols)
-        mask = self._mask(step, site, self.canonical_shape, "canonical", T, index)
-        mask *= 1.0 / self.keep
-        return mask
-
-    def attention(self, step, site, T):
-        """(B_m, nh, T, T) keep mask on attention probabilities, or None."""
-        if self.p == 0.0:
-            return None
-        cfg = self.layout.cfg
-        shape = (self.canonical_shape[0], cfg.n_head, cfg.n_ctx, cfg.n_ctx)
-        index = (self.layout.mid_seqs, self.layout.head_ids, np.arange(T), np.arange(T))
-        return self._mask(step, site, shape, "attention", T, index)
-
-
 class Block:
     """Pre-LN transformer block: x += attn(ln_1(x)); x += mlp(ln_2(x)).
 
@@ -148,6 +98,12 @@ class Block:
         self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
         self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
         self.n_local_heads = len(layout.head_ids)
+        cp = layout.axes.cp
+        # Blockwise attention (O(T) kept per head) unless MPICUBE_ATTENTION=full asks for the op that
+        # holds T x T (the reference; bench compares the two; the memory model counts blockwise only).
+        self.attention = ops if os.environ.get("MPICUBE_ATTENTION", "blocks") == "full" else attention_blocks
+        if cp.size > 1:                     # this rank's chunks attend to the whole sequence over the cp ring
+            self.attention = context.RingAttention(cp)
 
     def modules(self) -> list:
         """The block and its layers: everything that holds a cache."""
@@ -177,13 +133,18 @@ class Block:
 
     def _forward(self, x, dropout: Dropout, step: int):
         """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
-        T = x.shape[1]
-        self.keep_attn = dropout.attention(step, self.site + ".attn", T)
+        T = x.shape[1]                      # canonical rows: T/tp under --sequence-parallel
         self.keep_resid_attn = dropout.canonical(step, self.site + ".resid_attn", T)
         self.keep_resid_mlp = dropout.canonical(step, self.site + ".resid_mlp", T)
 
         qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, T, 3 C_m)
-        a, self.attn_cache = ops.attention_forward(qkv, self.n_local_heads, self.keep_attn, dropout.keep)
+        T = qkv.shape[1]                    # the intermediate form holds whole sequences
+        if self.attention is ops:
+            self.keep_attn = dropout.attention(step, self.site + ".attn", T)       # (B_m, nh, T, T)
+        else:
+            self.keep_attn = dropout.attention_blocks(step, self.site + ".attn", T)   # a callable: never (T, T)
+        a, self.attn_cache = self.attention.attention_forward(qkv, self.n_local_heads, self.keep_attn,
+                                                              dropout.keep)                   # (B_m, T, C_m)
         y = self.c_proj.forward(a)                                             # (B_c, T, C_c)
         if self.keep_resid_attn is not None:
             y *= self.keep_resid_attn
@@ -203,7 +164,7 @@ class Block:
         dx = dx + self.ln_2.backward(self.c_fc.backward(df))
         dy = dx if self.keep_resid_attn is None else dx * self.keep_resid_attn
         da = self.c_proj.backward(dy)
-        dqkv = ops.attention_backward(da, self.attn_cache)
+        dqkv = self.attention.attention_backward(da, self.attn_cache)
         dx = dx + self.ln_1.backward(self.c_attn.backward(dqkv))
         self.attn_cache = self.gelu_cache = None
         self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None   # masks: no longer needed
@@ -270,10 +231,24 @@ class GPT:
         T = idx.shape[1]
         self.dropout.micro = micro
         self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
+        cp = layout.axes.cp
+        if cp.size > 1:                     # --cp: this rank's two chunks of every sequence (parallel.context)
+            pos = context.local_positions(T, cp.size, cp.rank)             # (T_l,) global positions
+            idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]   # (grid: no --cp with --pp)
+            self.dropout.global_positions = pos
+            self.pos = xp.asarray(pos)
+            T = len(pos)
+        elif layout.seq_positions(T) is not None:  # --sequence-parallel: canonical rows are a run of T/tp positions
+            pos = layout.seq_positions(T)                                   # (T_c,) global positions
+            self.dropout.global_positions = pos
+            self.pos = xp.asarray(pos)
+            T = len(pos)
+        else:
+            self.pos = slice(0, T)
         capture = self.capture
         if self.first:
-            x = self.embedding.embed(xp.asarray(idx))                       # (B_c, T, C_c)
-            x = x + self.wpe[:T]
+            x = self.embedding.embed(xp.asarray(idx))                       # (B_c, T_l, C_c)
+            x = x + self.wpe[self.pos]
             self.keep_emb = self.dropout.canonical(step, "emb", T)
             if self.keep_emb is not None:
                 x *= self.keep_emb
@@ -423,7 +398,7 @@ class GPT:
             if self.keep_emb is not None:
                 dx = dx * self.keep_emb
             B, T, C = dx.shape
-            self.dwpe[:T] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
+            self.dwpe[self.pos] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
                 dx.reshape(B, T * C)).reshape(T, C)                        # 16-bit dx: summed in float32+
             self.embedding.embed_backward(dx)
             dx = None

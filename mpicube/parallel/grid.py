@@ -14,6 +14,7 @@ from .comm import Comm, Counters
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..core.intmath import integer_root
+from . import context
 from .layouts import LAYOUTS
 from .gridspec import GridSpec
 from .schedules import check_pipeline
@@ -44,7 +45,7 @@ def split_world(world_size: int, dp: int) -> int:
     return GridSpec(dp=dp).tp(world_size)
 
 
-NOT_BUILT = {"cp": "context parallelism (issue 22)"}
+NOT_BUILT: dict = {}      # axis -> what it would be, for axes a build cannot run yet
 
 
 def validate_axes(grid: GridSpec) -> None:
@@ -82,6 +83,10 @@ def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: i
     tp = grid.tp(world_size)
     validate_axes(grid)
     check_pipeline(cfg.n_layer, grid.pp, grid.pp_schedule, grid.virtual_stages, grad_accum)
+    context.validate(cfg.n_ctx, grid.cp)
+    if grid.cp > 1 and grid.pp > 1:
+        raise ConfigError(f"--cp {grid.cp} with --pp {grid.pp}: context parallelism inside pipeline stages "
+                          f"is not built yet; use --cp 1 or --pp 1")
     dp, depth = grid.dp, grid.depth
     resolved = choose_layout(grid.layout, tp, depth)
     if resolved not in LAYOUTS:
@@ -108,7 +113,21 @@ def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: i
                               f"/ --dp {dp} / --grad-accum {grad_accum}) must be divisible by {split}: use "
                               f"--batch-size {nearest_multiples(batch_size, dp * grad_accum * split)}")
     cls.validate(cfg, tp, micro, depth, recompute)
+    if grid.sequence_parallel:
+        check_sequence_parallel(grid, cls, resolved, cfg, tp, recompute)
     return cls, resolved, tp
+
+
+def check_sequence_parallel(grid, cls, resolved: str, cfg: ModelConfig, tp: int, recompute: str) -> None:
+    """--sequence-parallel: the 1-D layout, alone with dp, T divisible by tp."""
+    if resolved != "1d":
+        raise ConfigError(f"--sequence-parallel applies to the 1d layout only (layout {resolved}): "
+                          f"use --layout 1d, or drop --sequence-parallel")
+    for name in ("pp", "cp"):
+        if getattr(grid, name) > 1:
+            raise ConfigError(f"--sequence-parallel with --{name} {getattr(grid, name)} is not built yet; "
+                              f"use --{name} 1")
+    cls.validate_sequence(cfg, tp, cfg.n_ctx, recompute)
 
 
 def micro_split(cls, cfg: ModelConfig, tp: int, depth: int, recompute: str = "none") -> int:
@@ -192,7 +211,8 @@ def build_layout(grid, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_
                 tp=split("tp", (d, p, c, 0), t),
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
-    return cls(cfg, axes, batch_size // grad_accum, depth=grid.depth, recompute=recompute)
+    extra = {"sequence_parallel": True} if grid.sequence_parallel else {}
+    return cls(cfg, axes, batch_size // grad_accum, depth=grid.depth, recompute=recompute, **extra)
 
 
 def tied_pair(axes: Axes):

@@ -44,6 +44,7 @@ class GridSpec:
     depth: int = 1         # the 2.5-D layout's depth
     pp_schedule: str = "1f1b"   # the pipeline's schedule (parallel/schedules.py SCHEDULES)
     virtual_stages: int = 1     # model chunks per stage (interleaved schedule)
+    sequence_parallel: bool = False   # 1-D only: canonical activations sharded along T (layouts/seqpar.py)
 
     @classmethod
     def of(cls, value) -> "GridSpec":

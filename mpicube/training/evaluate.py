@@ -10,7 +10,9 @@ from . import dataplan
 from ..parallel.comm import on_root
 from .accum import forward_loss
 from ..core.errors import ConfigError
+from ..parallel import context
 from ..parallel.grid import saved_or_default_batch
+from ..parallel.gridspec import GridSpec
 from ..model.gpt import GPT
 from .parts import Parts, build_parts
 from .state import saved_state
@@ -55,6 +57,7 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
         T = int(seq_len or cfg.n_ctx)
         if not 1 <= T <= cfg.n_ctx:
             raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
+        context.validate(T, GridSpec.of(grid).cp)                  # --cp: 2C chunks of every sequence
         if batches < 0:
             raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
         data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, saved.data, B, T, batches)

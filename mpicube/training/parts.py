@@ -73,7 +73,8 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
     validate_zero(zero, grid.dp)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
-    require_room(cfg, backend, mpi_world, resolved, tp, batch_size // (grid.dp * grad_accum), seq_len)
+    require_room(cfg, backend, mpi_world, resolved, tp, batch_size // (grid.dp * grad_accum),
+                 seq_len and seq_len // grid.cp)                # a cp rank keeps T/cp positions of each sequence
     counters = Counters()
     layout = build_layout(grid, cfg, batch_size, backend, mpi_world, counters=counters, grad_accum=grad_accum,
                           recompute=recompute)
@@ -91,14 +92,16 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
 def room_needed(cfg: ModelConfig, backend, tp: int, micro_batch: int, seq_len=None) -> int:
     """A lower bound of the bytes a rank allocates for this model: its
     share of the parameters (at least 1/tp of them) in the weights the
-    model computes with and in the gradients, and, given ``seq_len``, one
-    layer's attention scores for its ``micro_batch`` sequences (every
-    layout splits batch x heads over its tp ranks). Python ints: a size
-    of 2**31 layers is a number, not an overflow."""
+    model computes with and in the gradients, and, given ``seq_len``, what
+    one layer keeps for backward of its ``micro_batch`` sequences at the
+    least (q, k, v, the scaled q, the GELU input and tanh: 12 h per token,
+    every layout splits them over its tp ranks; blockwise attention keeps
+    no scores). Python ints: a size of 2**31 layers is a number, not an
+    overflow."""
     share = -(-cfg.n_params() // tp)
     need = share * (backend.master_dtype.itemsize + backend.dtype.itemsize)
     if seq_len:
-        need += micro_batch * cfg.n_head * seq_len * seq_len // tp * backend.master_dtype.itemsize
+        need += micro_batch * seq_len * 12 * cfg.n_embd // tp * backend.dtype.itemsize
     return need
 
 
@@ -121,7 +124,7 @@ def require_room(cfg: ModelConfig, backend, mpi_world, layout: str, tp: int, mic
     memory.require(need, f"the model (n_layer {count(cfg.n_layer)}, n_embd {count(cfg.n_embd)}, n_ctx "
                          f"{count(cfg.n_ctx)}, vocab {count(cfg.vocab_size)}: {count(cfg.n_params())} parameters) "
                          f"on layout {layout} (tp {tp})", room=(room, why),
-                   purpose=" per rank for its weights and gradients" + (" and one layer's attention scores"
+                   purpose=" per rank for its weights and gradients" + (" and one layer's activations"
                                                                         if seq_len else ""))
 
 

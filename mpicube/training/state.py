@@ -16,7 +16,9 @@ MAX_STEP = 99_999_999           # the largest step a checkpoint directory is nam
 
 
 def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
-    """Checkpoint blocks of every parameter and AdamW moment held here.
+    """Checkpoint blocks of every parameter and AdamW moment held here;
+    ``dp_rank`` is 0 on the one replica that writes (under --cp, the sum
+    of the dp and cp ranks: 0 on dp and cp rank 0 only).
     Under --zero 1 the master weights (mixed precision) and the moments are
     gathered over dp first (collective: every rank calls this), so the blocks
     are whole local tensors as with --zero 0."""

@@ -17,6 +17,7 @@ import math
 
 from ..parallel.gradients import (global_grad_norm, gradient_wire, sync_gradients, sync_replica_groups,
                                   weighted_squares)
+from ..parallel import context
 from ..parallel.params import ParamStore
 from .optim import AdamW
 
@@ -33,6 +34,7 @@ class ReplicatedStep:
         self.adam = AdamW(store, weight_decay=weight_decay)
 
     def sync(self) -> None:
+        context.sync_gradients(self.store, self.axes.cp, gradient_wire(self.store))   # --cp: sum over the ring
         sync_gradients(self.store, self.axes.dp)
 
     def grad_norm(self) -> float:
@@ -75,6 +77,7 @@ class ShardedStep:
             return
         sync_replica_groups(store)
         wire = gradient_wire(store)
+        context.sync_gradients(store, self.axes.cp, wire)                # --cp: sum over the ring first
         store.flat_grad[store.shard] = self.axes.dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
 
     def grad_norm(self) -> float:
@@ -83,7 +86,8 @@ class ShardedStep:
         final number."""
         store = self.store
         local = weighted_squares(store.backend.xp, store.flat_grad[store.shard], self.replica_runs)   # of (C,)
-        return math.sqrt(float(self.axes.world.allreduce(local)[0]))
+        total = float(self.axes.world.allreduce(local)[0]) / self.axes.cp.size   # cp ranks hold the same chunk
+        return math.sqrt(total)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """AdamW on the owned chunk, then the parameters all-gathered over dp

@@ -294,7 +294,8 @@ class Trainer(Launch):
                                 "seq_len": o.seq_len, "seed": o.seed}),
             "mpicube_version": __version__,
         }
-        blocks = state_blocks(p.store, self.opt.adam, p.layout.axes.dp.rank)
+        axes = p.layout.axes
+        blocks = state_blocks(p.store, self.opt.adam, axes.dp.rank + axes.cp.rank)   # writers: dp and cp rank 0
         WAITS.in_phase("checkpoint save")       # its agreement is plain mpi4py, unseen by the watchdog
         self._signal_in_save(s)
         try:

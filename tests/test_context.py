@@ -1,0 +1,153 @@
+"""Context parallelism (--cp, mpicube.parallel.context): chunks and ring
+schedule (pure), ring attention on a real ring against serial, and whole
+training steps on every kind of layout with dp, --zero 1, --recompute,
+--grad-accum and 16 bits equal to serial (tests/parallel_check.py: loss,
+logits, gradients, parameters after 3 AdamW steps, float64 1e-10 with
+dropout 0.1; measured traffic and memory == the cost model); the command
+line (train, eval, checkpoints, bad input)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY
+
+from mpirun import mpiexec
+
+from mpicube.analysis.costmodel import Problem, step_traffic
+from mpicube.core.config import ModelConfig
+from mpicube.core.errors import ConfigError
+from mpicube.ops import attention_blocks as ab
+from mpicube.parallel import context
+from mpicube.parallel.gridspec import GridSpec
+
+
+def test_chunks_cover_the_sequence_and_balance_the_work():
+    """Ranks' positions partition 0..T-1 (chunk r and its mirror 2C-1-r);
+    over the ring every block at or below the diagonal is computed exactly
+    once, and every rank computes the same number of blocks."""
+    T, C, block = 48, 3, 4                                   # chunks of 8: two blocks each
+    c = T // (2 * C)
+    assert sorted(np.concatenate([context.local_positions(T, C, r) for r in range(C)])) == list(range(T))
+    assert list(context.local_positions(T, C, 0)[c - 1:c + 1]) == [c - 1, (2 * C - 1) * c]
+    seen, per_rank = [], []
+    for r in range(C):
+        mine, count = context.chunks(C, r), 0
+        for s in range(C):
+            for _, _, q0, k0 in context._pairs(mine, context.chunks(C, (r - s) % C), c, block):
+                seen.append((q0, k0))
+                count += 1
+        per_rank.append(count)
+    want = [(i, j) for i in range(0, T, block) for j in range(0, i + 1, block)]
+    assert sorted(seen) == want and len(want) == ab.computed_pairs(T, block)
+    assert len(set(per_rank)) == 1, per_rank
+    for T, C, block in ((48, 3, 4), (60, 3, 4), (40, 1, 16), (7, 1, 3)):      # the closed forms of the cost model
+        c = T // (2 * C)
+        pairs = [(rows, cols) for rk in range(C) for s in range(C)
+                 for rows, cols, _, _ in context._pairs(context.chunks(C, rk), context.chunks(C, (rk - s) % C), c,
+                                                        block)]
+        if C > 1:
+            assert context.ring_scores(T, C, block) == sum((a.stop - a.start) * (b.stop - b.start) for a, b in pairs)
+        assert ab.computed_scores(T, block) == sum(min(block, T - i) * min(block, T - j)
+                                                   for i in range(0, T, block) for j in range(0, i + 1, block))
+
+
+def test_bad_sizes_name_valid_ones():
+    with pytest.raises(ConfigError, match=r"--seq-len 10 must be divisible by 2 x --cp 2 = 4 .* use --seq-len 8 or "
+                                          r"12, or --cp one of \[1, 5\]"):
+        context.validate(10, 2)
+    with pytest.raises(ConfigError, match=r"--cp 3 must divide the world size 4; choose one of \[1, 2, 4\]"):
+        GridSpec(cp=3).tp(4)
+
+
+def test_ring_traffic_model():
+    """Per layer: K/V shifted C-1 times forward, C-1 + C (dK/dV) backward;
+    --recompute blocks shifts forward's again; the weight gradients summed over cp."""
+    cfg = ModelConfig(vocab_size=61, n_ctx=16, n_layer=2, n_head=4, n_embd=16)
+    p = Problem(cfg, "serial", 1, 1, 1, 4, 16, "float64", cp=4)
+    t = step_traffic(p)
+    kv = 2 * 4 * (16 // 4) * 16
+    params = sum(int(np.prod(d.shape)) for d in __import__("mpicube.model.gpt", fromlist=["x"]).gpt_params(cfg))
+    assert t.msgs["cp"] == 2 * (3 + 3 + 4) + 2 * 3
+    assert t.elems["cp"] == 2 * (3 + 3 + 4) * kv + 2 * params * 3 / 4
+    blocks = step_traffic(Problem(cfg, "serial", 1, 1, 1, 4, 16, "float64", cp=4, recompute="blocks"))
+    assert blocks.msgs["cp"] == t.msgs["cp"] + 2 * 3
+
+
+@pytest.mark.timeout(200)
+def test_ring_attention_equals_serial():
+    proc = mpiexec(4, ["-m", "mpi4py", "tests/context_check.py"], timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK ring attention cp=4 T=64 block=4" in proc.stdout
+
+
+# (ranks, layout, dp, depth, environment): 1-D with a real tp group; the cube's
+# and Tesseract's code on grids of one rank (q = 1, 2.5-D with depth 2); dp with
+# --zero 1 and accumulation; cp 4 with --recompute blocks; bfloat16.
+CASES = [
+    (4, "1d", 1, 1, {"MPICUBE_CHECK_CP": "2"}),
+    (4, "serial", 2, 1, {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_ACCUM": "2"}),
+    (4, "serial", 1, 1, {"MPICUBE_CHECK_CP": "4", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+    (4, "2.5d", 1, 2, {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_RECOMPUTE": "gathers"}),
+    (2, "3d", 1, 1, {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_DTYPE": "bfloat16"}),
+    (2, "serial", 1, 1, {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_DEVICE": "gpu",         # the CuPy stand-in: the
+                         "PYTHONPATH": str(Path(__file__).resolve().parent / "fake_gpu")}),   # ring through staging
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks,layout,dp,depth,env", CASES,
+                         ids=[f"{c[1]}-n{c[0]}-" + "-".join(f"{k[14:].lower()}{v}" for k, v in c[4].items()
+                                                              if k.startswith("MPICUBE_CHECK_")) for c in CASES])
+def test_cp_matches_serial(ranks, layout, dp, depth, env):
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, depth, 0.1], timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK {layout} world={ranks} dp={dp} depth={depth}" in proc.stdout
+    assert f"cp={env['MPICUBE_CHECK_CP']} loss=" in proc.stdout
+
+
+def test_trace_train_eval_and_bad_input(mpicube, tiny_shard):
+    """trace --cp 2 (1-D on 4 ranks, --recompute blocks, dropout, float64)
+    agrees with a serial trace tensor by tensor (full logical tensors,
+    dropout masks included); train --cp 2 saves a checkpoint that
+    evaluates to the same loss with and without --cp; a cp that does not
+    divide the world is one line and exit 2."""
+    args = [*TINY[2:], "--dtype", "float64", "--dropout", "0.1", "--steps", "2", "--data", str(tiny_shard)]
+    for name, n, extra in (("cp.h5", 4, ["--cp", "2", "--layout", "1d", "--recompute", "blocks"]),
+                           ("serial.h5", 1, ["--layout", "serial"])):
+        r = mpicube.run("trace", *args, *extra, "--out", name, n=n)
+        assert r.returncode == 0, r
+    r = mpicube.run("compare", "cp.h5", "serial.h5")
+    assert r.returncode == 0 and "all tensors agree" in r.stdout, r
+    r = mpicube.run("train", *args, "--layout", "serial", "--cp", "2", "--out", "run", n=2)
+    assert r.returncode == 0, r
+    losses = []
+    for n, extra in ((2, ["--cp", "2"]), (1, [])):
+        r = mpicube.run("eval", "run", "--batches", "2", "--dtype", "float64", *extra, n=n)
+        assert r.returncode == 0, r
+        losses.append(json.loads(r.stdout.splitlines()[-1])["loss"])
+    assert abs(losses[0] - losses[1]) <= 1e-10 * abs(losses[1])
+    r = mpicube.run("train", *args, "--cp", "2", "--out", "bad", n=1)
+    assert r.returncode == 2 and r.error_lines() == ["error: --cp 2 must divide the world size 1; choose one of [1]"]
+
+
+def test_info_table_and_the_pictures_follow_the_code():
+    """info's cp table: activations per rank fall with cp (1/8 at cp 8 on
+    the 4-layer, n_embd 144 model at T 8192); docs/context-parallelism.md
+    shows what tools/cp_pictures.py draws from the code now."""
+    import subprocess
+    import sys
+
+    from mpicube.analysis.costcontext import context_table
+    from mpicube.analysis.costmemory import step_memory_bytes
+
+    cfg = ModelConfig(vocab_size=256, n_ctx=8192, n_layer=4, n_head=12, n_embd=144)
+    one, eight = (step_memory_bytes(Problem(cfg, "serial", 1, 1, 1, 1, 8192, "float32", cp=c)) for c in (1, 8))
+    assert eight.activations * 8 == one.activations
+    table = context_table(ModelConfig(vocab_size=256, n_ctx=64, n_layer=2, n_head=4, n_embd=16), 4, 4)
+    assert len([line for line in table.splitlines() if line.split()[:1] in (["1d"], ["2d"], ["3d"], ["2.5d"])]) == 16
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "tools/cp_pictures.py", "--check", "docs/context-parallelism.md"],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
