@@ -13,7 +13,8 @@ dp x cp x tp); the weights per rank stay those of the tp group.
 from __future__ import annotations
 
 from ..core.config import ModelConfig
-from .costmodel import step_flops, step_traffic
+from .costflops import step_flops
+from .costmodel import step_traffic
 from .costmemory import step_memory_bytes
 
 CP_SIZES = (1, 2, 4, 8)

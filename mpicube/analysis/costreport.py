@@ -76,7 +76,9 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     lines = [f"layout {chosen.layout}: world {world_size} = dp {dp}" + (f" x cp {cp}" if cp > 1 else "")
              + f" x tp {chosen.tp}"
              + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else "")
-             + (f", {SHARDED[chosen.zero]} sharded over dp (--zero {chosen.zero})" if chosen.sharded else ""),
+             + (f", {SHARDED[chosen.zero]} sharded over dp (--zero {chosen.zero})" if chosen.sharded else "")
+             + (", sequence parallel (LayerNorm, dropout, residuals: T/tp positions)"
+                if chosen.sequence_parallel else ""),
              f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step"
              + (f", in {grad_accum} micro-batches of {batch_size // grad_accum}" if grad_accum > 1 else "")
              + f", --recompute {recompute}", "",

@@ -1,0 +1,70 @@
+"""--sequence-parallel on the 1-D layout (parallel/layouts/seqpar.py): equal
+to serial in float64 with dropout, measured traffic and memory equal to the
+cost model (tests/parallel_check.py with MPICUBE_CHECK_SEQPAR=1), the same
+bytes as plain 1-D but for the once-per-step LayerNorm/wpe gradient sums,
+1/tp of the canonical-region activations, and bad input refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY
+from mpirun import mpiexec
+
+from mpicube.analysis.costmemory import kept_and_rerun_terms
+from mpicube.analysis.costmodel import Problem, step_traffic
+from mpicube.core.config import ModelConfig
+from mpicube.core.errors import ConfigError
+from mpicube.parallel.grid import plan
+from mpicube.parallel.gridspec import GridSpec
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_matches_serial():
+    """dp 2 x tp 2, two micro-batches, dropout 0.1: loss, logits, every
+    gradient and the parameters after three AdamW steps to 1e-10; traffic
+    and saved activations exactly the cost model's."""
+    env = {"MPICUBE_CHECK_SEQPAR": "1", "MPICUBE_CHECK_ACCUM": "2"}
+    proc = mpiexec(4, ["-m", "mpi4py", "tests/parallel_check.py", "1d", 2, 1, 0.1, 8], timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK 1d world=4 dp=2 depth=1" in proc.stdout and "sequence-parallel" in proc.stdout
+
+
+def test_same_bytes_and_a_tp_th_of_the_canonical_activations():
+    """Each all-reduce is an all-gather plus a reduce-scatter: the bytes
+    differ from plain 1-D by the gradient sums of ln_* and wpe over tp
+    alone; LayerNorm outputs, masks and statistics shrink by tp."""
+    cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=3, n_head=4, n_embd=32)
+    plain, seq = (Problem(cfg, "1d", 4, 1, 1, 8, 64, "float64", sequence_parallel=s) for s in (False, True))
+    sums = (cfg.n_ctx + 2 * 2 * cfg.n_layer + 2) * cfg.n_embd         # wpe, ln_1, ln_2 of every block, ln_f
+    assert step_traffic(seq).total_bytes() - step_traffic(plain).total_bytes() == 8 * sums * 2 * 3 // 4
+    assert step_traffic(seq).msgs["tp"] == step_traffic(plain).msgs["tp"] + 2 * 3
+    n, h = 8 * 64, 32
+    kept = [sum(kept_and_rerun_terms(p, dropout=True)[0].values()) for p in (plain, seq)]
+    canonical = (3 * (2 + 2) + 1 + 1) * n * h + (2 * 3 + 1) * n     # LN xhat, resid masks, ln_f, emb mask; rstd
+    assert kept[0] - kept[1] == canonical * 3 // 4
+
+
+def test_bad_input_names_the_nearest_valid_values():
+    cfg = ModelConfig(vocab_size=61, n_ctx=10, n_layer=1, n_head=4, n_embd=16)
+    with pytest.raises(ConfigError, match="applies to the 1d layout only"):
+        plan(GridSpec("2d", sequence_parallel=True), cfg, 8, 4)
+    with pytest.raises(ConfigError, match=r"sequence length \(--seq-len\) of 8 or 12"):
+        plan(GridSpec("1d", sequence_parallel=True), cfg, 8, 4)
+    with pytest.raises(ConfigError, match="not built yet"):
+        plan(GridSpec("1d", sequence_parallel=True), ModelConfig(vocab_size=61, n_ctx=8, n_layer=1, n_head=4,
+                                                                 n_embd=16), 8, 4, recompute="blocks")
+
+
+def test_cli_train_info_and_refusal(mpicube, tiny_shard):
+    """train --sequence-parallel runs 1-D on 2 ranks; info reports it;
+    on the serial layout it is one line and exit 2."""
+    args = [*TINY[2:], "--dtype", "float64", "--dropout", "0.1", "--steps", "2", "--data", str(tiny_shard)]
+    r = mpicube.run("train", *args, "--layout", "1d", "--sequence-parallel", "--out", "run", n=2)
+    assert r.returncode == 0, r
+    r = mpicube.run("info", "--layout", "1d", "-n", "2", "--sequence-parallel", "--n-layer", "1", "--n-head", "2",
+                    "--n-embd", "16", "--seq-len", "16")
+    assert r.returncode == 0 and "sequence parallel" in r.stdout, r
+    r = mpicube.run("train", *args, "--layout", "serial", "--sequence-parallel", "--out", "bad", n=1)
+    assert r.returncode == 2 and r.error_lines() == [
+        "error: --sequence-parallel applies to the 1d layout only (layout serial): use --layout 1d, "
+        "or drop --sequence-parallel"], r
