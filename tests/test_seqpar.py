@@ -6,6 +6,8 @@ bytes as plain 1-D but for the once-per-step LayerNorm/wpe gradient sums,
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import TINY
 from mpirun import mpiexec
@@ -55,12 +57,33 @@ def test_bad_input_names_the_nearest_valid_values():
                                                                  n_embd=16), 8, 4, recompute="blocks")
 
 
-def test_cli_train_info_and_refusal(mpicube, tiny_shard):
-    """train --sequence-parallel runs 1-D on 2 ranks; info reports it;
-    on the serial layout it is one line and exit 2."""
+def test_cli_trace_train_eval_bench_info_and_refusal(mpicube, tiny_shard):
+    """trace --sequence-parallel (1-D on 2 ranks, dropout, float64) agrees
+    with a serial trace tensor by tensor, masks included; a checkpoint
+    trained with it evaluates to the same loss with and without it; bench
+    measures the cost model's traffic and activations exactly; info names
+    it; on the serial layout it is one line and exit 2."""
     args = [*TINY[2:], "--dtype", "float64", "--dropout", "0.1", "--steps", "2", "--data", str(tiny_shard)]
+    for name, n, extra in (("sp.h5", 2, ["--layout", "1d", "--sequence-parallel"]),
+                           ("serial.h5", 1, ["--layout", "serial"])):
+        r = mpicube.run("trace", *args, *extra, "--out", name, n=n)
+        assert r.returncode == 0, r
+    r = mpicube.run("compare", "sp.h5", "serial.h5")
+    assert r.returncode == 0 and "all tensors agree" in r.stdout, r
     r = mpicube.run("train", *args, "--layout", "1d", "--sequence-parallel", "--out", "run", n=2)
     assert r.returncode == 0, r
+    losses = []
+    for n, extra in ((2, ["--layout", "1d", "--sequence-parallel"]), (1, [])):
+        r = mpicube.run("eval", "run", "--batches", "2", "--dtype", "float64", *extra, n=n)
+        assert r.returncode == 0, r
+        losses.append(json.loads(r.stdout.splitlines()[-1])["loss"])
+    assert abs(losses[0] - losses[1]) <= 1e-10 * abs(losses[1])
+    r = mpicube.run("bench", *TINY[2:], "--layout", "1d", "--sequence-parallel", "--steps", "1", "--warmup-steps",
+                    "0", "--json", n=2)
+    assert r.returncode == 0, r
+    result = json.loads(r.stdout.splitlines()[-1])["results"][0]
+    assert result["sequence_parallel"] and result["comm"]["exact"], result
+    assert result["memory"]["activations"] == result["memory"]["measured_activations"], result
     r = mpicube.run("info", "--layout", "1d", "-n", "2", "--sequence-parallel", "--n-layer", "1", "--n-head", "2",
                     "--n-embd", "16", "--seq-len", "16")
     assert r.returncode == 0 and "sequence parallel" in r.stdout, r

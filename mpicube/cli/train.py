@@ -116,12 +116,13 @@ def train(collective_timeout, profile, **kwargs):
 @layout_options
 @pipeline_options
 @cp_option
+@sequence_parallel_option
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="micro-batches per batch (the pipeline's; the loss is the same)")
 @device_options
 @collective_timeout_option
-def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, cp, depth, pp, pp_schedule, virtual_stages,
-                 grad_accum, dtype, device, tf32, collective_timeout):
+def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, cp, sequence_parallel, depth, pp, pp_schedule,
+                 virtual_stages, grad_accum, dtype, device, tf32, collective_timeout):
     """Mean cross-entropy of a model on a token shard.
 
     CKPT is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
@@ -136,7 +137,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, cp, depth
 
     with watched(collective_timeout, "evaluation"):
         grid = GridSpec(layout, dp=dp, cp=cp, depth=depth, pp=pp, pp_schedule=pp_schedule,
-                        virtual_stages=virtual_stages)
+                        virtual_stages=virtual_stages, sequence_parallel=sequence_parallel)
         result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, grid, dtype, device, _mpi["world"],
                                      tf32=tf32, grad_accum=grad_accum)
     if result.get("note"):
@@ -179,7 +180,7 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
-                       "grad_accum", "recompute", "zero")
+                       "grad_accum", "recompute", "zero", "sequence_parallel")
 
 
 @cli.command("trace")
