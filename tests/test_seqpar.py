@@ -20,15 +20,22 @@ from mpicube.parallel.grid import plan
 from mpicube.parallel.gridspec import GridSpec
 
 
+CASES = [(4, 2, {"MPICUBE_CHECK_ACCUM": "2"}),
+         (2, 1, {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+         (2, 1, {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_DTYPE": "bfloat16"})]
+
+
 @pytest.mark.timeout(300)
-def test_sequence_parallel_matches_serial():
-    """dp 2 x tp 2, two micro-batches, dropout 0.1: loss, logits, every
-    gradient and the parameters after three AdamW steps to 1e-10; traffic
-    and saved activations exactly the cost model's."""
-    env = {"MPICUBE_CHECK_SEQPAR": "1", "MPICUBE_CHECK_ACCUM": "2"}
-    proc = mpiexec(4, ["-m", "mpi4py", "tests/parallel_check.py", "1d", 2, 1, 0.1, 8], timeout=240, env=env)
+@pytest.mark.parametrize("ranks,dp,env", CASES, ids=["dp2-accum2", "blocks", "gathers-bf16"])
+def test_sequence_parallel_matches_serial(ranks, dp, env):
+    """Dropout 0.1: loss, logits, every gradient and the parameters after
+    three AdamW steps equal serial (1e-10 in float64; bfloat16 within
+    parallel_check's bound); traffic and saved activations exactly the
+    cost model's, with --recompute and --grad-accum too."""
+    env = {"MPICUBE_CHECK_SEQPAR": "1", **env}
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", "1d", dp, 1, 0.1, 8], timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK 1d world=4 dp=2 depth=1" in proc.stdout and "sequence-parallel" in proc.stdout
+    assert f"OK 1d world={ranks} dp={dp} depth=1" in proc.stdout and "sequence-parallel" in proc.stdout
 
 
 def test_same_bytes_and_a_tp_th_of_the_canonical_activations():
@@ -52,9 +59,9 @@ def test_bad_input_names_the_nearest_valid_values():
         plan(GridSpec("2d", sequence_parallel=True), cfg, 8, 4)
     with pytest.raises(ConfigError, match=r"sequence length \(--seq-len\) of 8 or 12"):
         plan(GridSpec("1d", sequence_parallel=True), cfg, 8, 4)
-    with pytest.raises(ConfigError, match="not built yet"):
-        plan(GridSpec("1d", sequence_parallel=True), ModelConfig(vocab_size=61, n_ctx=8, n_layer=1, n_head=4,
-                                                                 n_embd=16), 8, 4, recompute="blocks")
+    with pytest.raises(ConfigError, match="--sequence-parallel with --cp 2 is not built yet; use --cp 1"):
+        plan(GridSpec("1d", cp=2, sequence_parallel=True), ModelConfig(vocab_size=61, n_ctx=8, n_layer=1,
+                                                                       n_head=4, n_embd=16), 8, 4)
 
 
 def test_cli_trace_train_eval_bench_info_and_refusal(mpicube, tiny_shard):

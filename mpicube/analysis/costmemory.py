@@ -134,8 +134,8 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         outside += nc * cc
     step = {"act": panel, "stat": 0, "grad": grad}
     if mode == "blocks":
-        kept = {"act": L * n * cc // shard + outside, "stat": n * head, "grad": 0}
-        return kept, step, {"act": block if L else 0, "stat": 2 * n + lse if L else 0, "grad": 0}
+        kept = {"act": L * n * cc // shard + outside, "stat": nc * head, "grad": 0}
+        return kept, step, {"act": block if L else 0, "stat": 2 * nc + lse if L else 0, "grad": 0}
     kept = {"act": L * block + outside, "stat": (2 * L + head) * nc + L * lse, "grad": 0}   # rstd of LNs, lse
     return kept, step, {"act": 0, "stat": 0, "grad": 0}
 

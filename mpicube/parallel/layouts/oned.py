@@ -16,7 +16,9 @@ input the same way. Both need the B_dp*T token rows to split p ways.
 canonical form is a shard along the sequence instead, (B, T/p, C) with
 positions [t T/p, (t+1) T/p) on rank t, and each all-reduce splits into an
 all-gather before the column-parallel linear and a reduce-scatter after the
-row-parallel one (T divisible by p; no --recompute yet).
+row-parallel one (T divisible by p). Under --recompute gathers a
+column-parallel linear and the head keep their T/p shard and gather it
+again in backward; under --recompute blocks a block's input is its shard.
 
 Overlap (on unless MPICUBE_OVERLAP=0): a column-parallel linear's backward
 starts the all-reduce of dX nonblocking and computes dW meanwhile.
@@ -53,9 +55,6 @@ class OneDLayout(Layout):
     @classmethod
     def validate_sequence(cls, cfg, tp, T, recompute="none"):
         """--sequence-parallel: every sequence splits into tp runs of T/tp positions."""
-        if recompute != "none":
-            raise ConfigError(f"--sequence-parallel with --recompute {recompute} is not built yet; "
-                              f"use --recompute none")
         if T % tp:
             raise ConfigError(f"--sequence-parallel splits each sequence of {T} positions over the {tp} "
                               f"tensor-parallel ranks: use a sequence length (--seq-len) of "
@@ -101,7 +100,8 @@ class OneDLayout(Layout):
 
     def linear(self, store, prefix, position):
         if self.sequence_parallel:
-            return SeqLinear(store, prefix, self.axes.tp, position, overlap=self.overlap)
+            return SeqLinear(store, prefix, self.axes.tp, position, overlap=self.overlap,
+                             regather=self.recompute == "gathers")
         if position == "first" and self.recompute == "gathers":   # its replicated input kept as a row shard
             return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard, overlap=self.overlap)
         if position == "first":   # column-parallel
@@ -111,15 +111,20 @@ class OneDLayout(Layout):
     def tied_embedding(self, store):
         if self.sequence_parallel:
             return SeqTiedEmbedding(store, self, vocab_comm=self.axes.tp,
-                                    vocab_start=self.t * self.vocab_padded // self.p)
+                                    vocab_start=self.t * self.vocab_padded // self.p,
+                                    regather=self.recompute == "gathers")
         return DenseTiedEmbedding(store, self, vocab_comm=self.axes.tp,
                                   vocab_start=self.t * self.vocab_padded // self.p,
                                   shard=self.row_shard if self.recompute == "gathers" else None)
 
     def save_block_input(self, x):
+        if self.sequence_parallel:
+            return x                                 # (B, T/p, h): already this rank's share
         return self.row_shard.keep(x)                # (n/p, C) rows and x's shape
 
     def load_block_input(self, saved):
+        if self.sequence_parallel:
+            return saved
         return self.row_shard.restore(saved)         # (B, T, h)
 
     def describe(self):

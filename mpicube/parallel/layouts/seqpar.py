@@ -39,20 +39,21 @@ class SeqLinear:
     while dW is computed). "second" (row-parallel): forward reduce-scatters
     the partial output before the bias; backward all-gathers dY."""
 
-    def __init__(self, store, prefix: str, comm, position: str, overlap: bool = False):
+    def __init__(self, store, prefix: str, comm, position: str, overlap: bool = False, regather: bool = False):
         self.w = store.work[prefix + ".weight"]       # (C_in, C_out/p) or (C_in/p, C_out)
         self.b = store.work[prefix + ".bias"]
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)
         self.db = store.grad[prefix + ".bias"]
         self.comm, self.first, self.overlap = comm, position == "first", overlap
+        self.regather = regather and self.first     # --recompute gathers: keep the shard, gather it again
         self.x = None
 
     def forward(self, x):
         """first: x (B, T/p, C) -> (B, T, C_m); second: x (B, T, C_m) -> (B, T/p, C)."""
         if self.first:
-            x = self.comm.allgather(x, axis=SEQ)      # (B, T, C)
-            self.x = x
+            shard, x = x, self.comm.allgather(x, axis=SEQ)   # (B, T/p, C), (B, T, C)
+            self.x = shard if self.regather else x
             y = matmul_rows(x, self.w, acc(x))        # (B, T, C_m)
             y += self.b
             return precision.narrow(y, x.dtype)
@@ -66,7 +67,8 @@ class SeqLinear:
         """first: dy (B, T, C_m) -> dx (B, T/p, C); second: dy (B, T/p, C) -> dx (B, T, C_m)."""
         if not self.first:
             dy = self.comm.allgather(dy, axis=SEQ)    # (B, T, C)
-        x2 = self.x.reshape(-1, self.x.shape[-1])     # (B*T, C_in)
+        x = self.comm.allgather(self.x, axis=SEQ) if self.regather else self.x   # (B, T, C_in)
+        x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         if self.first and self.overlap:               # dX travels while dW and db are computed
             pending = self.comm.ireduce_scatter(matmul_rows(dy, self.w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
@@ -91,7 +93,12 @@ class SeqLinear:
 class SeqTiedEmbedding(DenseTiedEmbedding):
     """The vocabulary-split lookup and LM head of 1-D with a sequence-shard
     canonical form: the lookup's partial rows are reduce-scattered along T,
-    the head gathers its input along T (and keeps it for dwte)."""
+    the head gathers its input along T (and keeps it for dwte, or under
+    --recompute gathers its T/p shard, gathered again in backward)."""
+
+    def __init__(self, store, layout, vocab_comm, vocab_start, regather: bool = False):
+        super().__init__(store, layout, vocab_comm=vocab_comm, vocab_start=vocab_start)
+        self.regather = regather
 
     def embed(self, ids):
         """ids (B, T) -> x (B, T/p, h)."""
@@ -104,12 +111,14 @@ class SeqTiedEmbedding(DenseTiedEmbedding):
 
     def logits(self, x):
         """x (B, T/p, h) -> logits (B, T, V_l)."""
-        self.x = self.vocab_comm.allgather(x, axis=SEQ)                              # (B, T, h)
-        return matmul_rows(self.x, self.wte.T)
+        gathered = self.vocab_comm.allgather(x, axis=SEQ)                            # (B, T, h)
+        self.x = x if self.regather else gathered
+        return matmul_rows(gathered, self.wte.T)
 
     def logits_backward(self, dlogits):
         """dlogits (B, T, V_l) -> dx (B, T/p, h)."""
-        x2 = self.x.reshape(-1, self.x.shape[-1])                # (B*T, h)
+        x = self.vocab_comm.allgather(self.x, axis=SEQ) if self.regather else self.x   # (B, T, h)
+        x2 = x.reshape(-1, x.shape[-1])                          # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])             # (B*T, V_l)
         self.store.add_matmul("wte", dl2.T, x2)                  # dwte (V_l, h) += dlogits^T x
         dx = self.vocab_comm.reduce_scatter(matmul_rows(dlogits, self.wte, acc(dlogits)), axis=SEQ,
