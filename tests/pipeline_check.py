@@ -236,10 +236,13 @@ def run_case(words: list, options: dict):
         s_loss, s_norm, s_grads = world.bcast(ref, root=0)       # rank 0's serial step
         close(f"step {step} loss", [loss], [s_loss])
         close(f"step {step} grad norm", [norm], [s_norm])
+        synced, synced_mask = pc.synced_gradient(store, host) if s_grads is not None else (None, None)
         for spec in store.specs if s_grads is not None else []:
             full = s_grads[spec.name]
-            mask, mine = real_mask(spec), pc.owned(store, spec)
-            close(f"step {step} grad {spec.name}", np.where(mask & mine, host(store.grad[spec.name]), 0),
+            lo, hi = store.offsets[spec.name]
+            mask, mine = real_mask(spec), synced_mask[lo:hi].reshape(spec.local_shape)
+            got = synced[lo:hi].reshape(spec.local_shape)
+            close(f"step {step} grad {spec.name}", np.where(mask & mine, got, 0),
                   np.where(mask & mine, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
         check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum)   # the step's all-gather too

@@ -65,7 +65,6 @@ the step as --zero 1 does. Memory: ``costmemory.segmented_memory``.
 from __future__ import annotations
 
 from collections import defaultdict
-
 from dataclasses import replace
 
 from ..parallel import fsdp, zero
@@ -334,7 +333,6 @@ def ring_traffic(p: Problem) -> Traffic:
     t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.cfg.n_layer, w.act)
     t._add("cp", C, kv, 1, C * p.cfg.n_layer, w.stat)
     return t
-
 
 
 def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:

@@ -45,8 +45,8 @@ def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", reco
     from ..core.errors import ConfigError
 
     try:
-        _, resolved, tp = plan(GridSpec(name, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel), cfg, batch_size, world_size, grad_accum,
-                               recompute)
+        grid = GridSpec(name, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
+        _, resolved, tp = plan(grid, cfg, batch_size, world_size, grad_accum, recompute)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,

@@ -173,7 +173,8 @@ class Collector:
         local = model.logits                                   # (B_l, T, V_l)
         vocab = emb.vocab_start + np.arange(local.shape[-1])
         seqs = self.first + np.asarray(emb.logit_seqs)
-        return [Piece("logits", (self.B, T, self.cfg.vocab_size), (seqs, self.positions(T), vocab), self.host(local))]
+        return [Piece("logits", (self.B, T, self.cfg.vocab_size), (seqs, self.positions(T), vocab),
+                      self.host(local))]
 
     def masks(self, T: int, step: int) -> list:
         """Keep masks (1 kept, 0 dropped) as uint8, none without dropout.

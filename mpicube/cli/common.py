@@ -160,8 +160,8 @@ def pipeline_options(f):
 
 
 def sequence_parallel_option(f):
-    """``--sequence-parallel`` (train, bench, info): 1-D's canonical form
-    sharded along the sequence (parallel/layouts/seqpar.py)."""
+    """``--sequence-parallel`` (train, eval, bench, trace, info): 1-D's
+    canonical form sharded along the sequence (parallel/layouts/seqpar.py)."""
     return click.option("--sequence-parallel", is_flag=True, default=False,
                         help="1d layout: LayerNorm, dropout and residual regions hold T/tp positions of every "
                              "sequence; each all-reduce becomes an all-gather + reduce-scatter (same bytes, "

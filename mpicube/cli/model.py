@@ -44,7 +44,8 @@ from ..core.errors import UserError
 @cp_option
 @sequence_parallel_option
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
-         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp, sequence_parallel):
+         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
+         sequence_parallel):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations."""
@@ -80,9 +81,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         stage_world = check_pp_world(world, pp, dp) * dp        # one stage's dp x tp ranks
         echo()
         if batch_size is None:
-            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, cp=cp, depth=depth,
-                                                     sequence_parallel=sequence_parallel), cfg, stage_world,
-                                            grad_accum, recompute=recompute)
+            grid = GridSpec(layout or "auto", dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
+            batch_size, why = default_batch(grid, cfg, stage_world // cp, grad_accum, recompute=recompute)
             echo(why)
         if note:
             echo(note)
@@ -153,9 +153,9 @@ def _mib(nbytes: int) -> str:
 @cp_option
 @sequence_parallel_option
 @collective_timeout_option
-def bench(layouts, dp, cp, sequence_parallel, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
-          grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out,
-          collective_timeout):
+def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
+          grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,
+          collective_timeout, sequence_parallel):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -183,8 +183,8 @@ def bench(layouts, dp, cp, sequence_parallel, depth, pp, pp_schedule, virtual_st
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
             grid = GridSpec(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
-                            sequence_parallel=sequence_parallel,
-                            pp_schedule=pp_schedule, virtual_stages=virtual_stages)
+                            pp_schedule=pp_schedule, virtual_stages=virtual_stages,
+                            sequence_parallel=sequence_parallel)
             batch = batch_size
             if batch is None:                                  # each layout its own smallest batch
                 batch, why = default_batch(grid, cfg, _mpi["world"].Get_size(), grad_accum, recompute=recompute)

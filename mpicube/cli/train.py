@@ -121,8 +121,8 @@ def train(collective_timeout, profile, **kwargs):
               help="micro-batches per batch (the pipeline's; the loss is the same)")
 @device_options
 @collective_timeout_option
-def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, cp, sequence_parallel, depth, pp, pp_schedule,
-                 virtual_stages, grad_accum, dtype, device, tf32, collective_timeout):
+def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp, pp_schedule, virtual_stages, cp,
+                 grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel):
     """Mean cross-entropy of a model on a token shard.
 
     CKPT is a mpicube checkpoint, a Hugging Face GPT-2 directory or an

@@ -10,20 +10,18 @@ B_m/C_m between paired linears, V_l local vocabulary.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 from . import kvcache
-from .dropout import Dropout  # noqa: F401 (its home for every caller)
 from .. import ops
 from ..device import precision
-from ..ops import attention_blocks
 from ..core import memory
 from ..core.config import ModelConfig
 from ..parallel import context
 from ..parallel.layouts.base import Layout, LayerNorm
 from ..parallel.params import ParamDecl, ParamStore
+from .block import Block, Dropout
 
 
 LAYER_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
@@ -74,109 +72,6 @@ def gpt_params(cfg: ModelConfig) -> list:
         ]
     decls += [ParamDecl("ln_f.weight", (h,), "norm", "ones"), ParamDecl("ln_f.bias", (h,), "norm", "zeros")]
     return decls
-
-
-class Block:
-    """Pre-LN transformer block: x += attn(ln_1(x)); x += mlp(ln_2(x)).
-
-    Under ``--recompute blocks`` (``layout.recompute``) forward keeps only
-    the block's input (as ``layout.save_block_input`` stores it) and lets go
-    of every cache and dropout mask; ``rerun`` repeats the forward inside
-    backward with the same step, so the masks come again from the same hash
-    and the caches are the same numbers, before ``backward`` uses them."""
-
-    def __init__(self, layout: Layout, store: ParamStore, i: int):
-        p, h = f"h.{i}.", layout.cfg.n_embd
-        self.site = f"h.{i}"
-        self.layout = layout
-        self.checkpoint = layout.recompute == "blocks"
-        self.replay = None                   # (saved input, dropout, step) under --recompute blocks
-        self.ln_1 = LayerNorm(store, p + "ln_1", h, layout.hidden_comm)
-        self.c_attn = layout.linear(store, p + "attn.c_attn", "first")
-        self.c_proj = layout.linear(store, p + "attn.c_proj", "second")
-        self.ln_2 = LayerNorm(store, p + "ln_2", h, layout.hidden_comm)
-        self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
-        self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
-        self.n_local_heads = len(layout.head_ids)
-        cp = layout.axes.cp
-        # Blockwise attention (O(T) kept per head) unless MPICUBE_ATTENTION=full asks for the op that
-        # holds T x T (the reference; bench compares the two; the memory model counts blockwise only).
-        self.attention = ops if os.environ.get("MPICUBE_ATTENTION", "blocks") == "full" else attention_blocks
-        if cp.size > 1:                     # this rank's chunks attend to the whole sequence over the cp ring
-            self.attention = context.RingAttention(cp)
-
-    def modules(self) -> list:
-        """The block and its layers: everything that holds a cache."""
-        return [self, self.ln_1, self.c_attn, self.c_proj, self.ln_2, self.c_fc, self.mlp_proj]
-
-    def forward(self, x, dropout: Dropout, step: int):
-        """x (B_c, T, C_c) -> (B_c, T, C_c)."""
-        if not self.checkpoint:
-            return self._forward(x, dropout, step)
-        self.replay = (self.layout.save_block_input(x), dropout, step)
-        y = self._forward(x, dropout, step)                                    # (B_c, T, C_c)
-        self._release()
-        return y
-
-    def rerun(self) -> None:
-        """--recompute blocks: rebuild the caches backward needs from the
-        saved input (the same arithmetic as the first forward)."""
-        saved, dropout, step = self.replay
-        self.replay = None
-        self._forward(self.layout.load_block_input(saved), dropout, step)
-
-    def _release(self) -> None:
-        self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None
-        self.attn_cache = self.gelu_cache = None
-        for layer in self.modules()[1:]:
-            layer.release()
-
-    def _forward(self, x, dropout: Dropout, step: int):
-        """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
-        T = x.shape[1]                      # canonical rows: T/tp under --sequence-parallel
-        self.keep_resid_attn = dropout.canonical(step, self.site + ".resid_attn", T)
-        self.keep_resid_mlp = dropout.canonical(step, self.site + ".resid_mlp", T)
-
-        qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, T, 3 C_m)
-        T = qkv.shape[1]                    # the intermediate form holds whole sequences
-        if self.attention is ops:
-            self.keep_attn = dropout.attention(step, self.site + ".attn", T)       # (B_m, nh, T, T)
-        else:
-            self.keep_attn = dropout.attention_blocks(step, self.site + ".attn", T)   # a callable: never (T, T)
-        a, self.attn_cache = self.attention.attention_forward(qkv, self.n_local_heads, self.keep_attn,
-                                                              dropout.keep)                   # (B_m, T, C_m)
-        y = self.c_proj.forward(a)                                             # (B_c, T, C_c)
-        if self.keep_resid_attn is not None:
-            y *= self.keep_resid_attn
-        x = x + y
-        f = self.c_fc.forward(self.ln_2.forward(x))                           # (B_m, T, 4 C_m)
-        g, self.gelu_cache = ops.gelu_forward(f)
-        y = self.mlp_proj.forward(g)                                           # (B_c, T, C_c)
-        if self.keep_resid_mlp is not None:
-            y *= self.keep_resid_mlp
-        return x + y
-
-    def backward(self, dx):
-        """dx (B_c, T, C_c) -> (B_c, T, C_c)."""
-        dy = dx if self.keep_resid_mlp is None else dx * self.keep_resid_mlp
-        dg = self.mlp_proj.backward(dy)
-        df = ops.gelu_backward(dg, self.gelu_cache)
-        dx = dx + self.ln_2.backward(self.c_fc.backward(df))
-        dy = dx if self.keep_resid_attn is None else dx * self.keep_resid_attn
-        da = self.c_proj.backward(dy)
-        dqkv = self.attention.attention_backward(da, self.attn_cache)
-        dx = dx + self.ln_1.backward(self.c_attn.backward(dqkv))
-        self.attn_cache = self.gelu_cache = None
-        self.keep_attn = self.keep_resid_attn = self.keep_resid_mlp = None   # masks: no longer needed
-        return dx
-
-    def decode(self, x, cache, pos: int):
-        """Inference on positions pos .. pos+t-1 with a key/value cache
-        (mpicube.model.kvcache), no dropout: x (B_c, t, C_c) -> (B_c, t, C_c)."""
-        qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, t, 3 C_m)
-        x = x + self.c_proj.forward(kvcache.cached_attention(qkv, self.n_local_heads, cache, pos))
-        g, _ = ops.gelu_forward(self.c_fc.forward(self.ln_2.forward(x)))      # (B_m, t, 4 C_m)
-        return x + self.mlp_proj.forward(g)
 
 
 class GPT:
@@ -233,21 +128,22 @@ class GPT:
         self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
         cp = layout.axes.cp
         if cp.size > 1:                     # --cp: this rank's two chunks of every sequence (parallel.context)
+            # (grid.plan refuses --cp with --pp: this chunk is the whole model, first and last)
             pos = context.local_positions(T, cp.size, cp.rank)             # (T_l,) global positions
-            idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]   # (grid: no --cp with --pp)
+            idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]
             self.dropout.global_positions = pos
             self.pos = xp.asarray(pos)
-            T = len(pos)
-        elif layout.seq_positions(T) is not None:  # --sequence-parallel: canonical rows are a run of T/tp positions
+        elif layout.seq_positions(T) is not None:   # --sequence-parallel: canonical rows a run of T/tp positions
             pos = layout.seq_positions(T)                                   # (T_c,) global positions
             self.dropout.global_positions = pos
             self.pos = xp.asarray(pos)
-            T = len(pos)
         else:
             self.pos = slice(0, T)
         capture = self.capture
         if self.first:
-            x = self.embedding.embed(xp.asarray(idx))                       # (B_c, T_l, C_c)
+            idx = xp.asarray(idx)
+            x = self.embedding.embed(idx)                                   # (B_c, T_l, C_c)
+            T = x.shape[1]                                                  # T_l: this rank's canonical positions
             x = x + self.wpe[self.pos]
             self.keep_emb = self.dropout.canonical(step, "emb", T)
             if self.keep_emb is not None:

@@ -25,7 +25,7 @@ results of separate chunks merge with ``merge`` by their log-sum-exps.
 Dropout: ``keep_mask`` is None, a full (B, nh, T, T) array (tests: the same
 mask the reference op takes), or a callable ``mask(rows, cols)`` that
 draws the (B, nh, rows, cols) block of the mask at its global indices
-(``model.gpt.Dropout.attention_blocks``): the same elements as the full
+(``model.block.Dropout.attention_blocks``): the same elements as the full
 mask, drawn block by block in forward and again in backward, never held.
 """
 

@@ -57,13 +57,13 @@ no profile running that is one check of ``profiler.ACTIVE`` per call.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from fractions import Fraction
 
 import numpy as np
 from mpi4py import MPI
 
 from . import comm_wire, profiler
-from .comm_counters import Counters, Pending  # noqa: F401 (their home for every caller)
 from .waiting import WAITS, complete
 from ..device import precision
 from ..device.backend import Backend, cuda_aware_mpi
@@ -76,6 +76,63 @@ _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 def _on_wire(wire) -> bool:
     """True when a sum is to travel in a 16-bit wire format."""
     return wire is not None and precision.is_half(wire)
+
+
+class Counters:
+    """Elements, bytes, messages and seconds of communication, per axis name."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.elems = defaultdict(Fraction)   # axis -> elements moved by this rank
+        self.bytes = defaultdict(Fraction)   # axis -> bytes moved by this rank
+        self.msgs = defaultdict(int)         # axis -> messages (ring steps)
+        self.seconds = defaultdict(float)    # axis -> wall time inside MPI calls
+
+    def add(self, axis: str, elems, msgs: int, seconds: float, width: int = 0):
+        """Count ``elems`` elements of ``width`` bytes each."""
+        self.elems[axis] += Fraction(elems)
+        self.bytes[axis] += Fraction(elems) * width
+        self.msgs[axis] += msgs
+        self.seconds[axis] += seconds
+
+    def total_elems(self) -> Fraction:
+        return sum(self.elems.values(), Fraction(0))
+
+    def total_bytes(self) -> Fraction:
+        return sum(self.bytes.values(), Fraction(0))
+
+    def total_msgs(self) -> int:
+        return sum(self.msgs.values())
+
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+class Pending:
+    """A started collective: ``wait()`` completes it and returns its result
+    (the time spent waiting is added to the axis's seconds). Holds the send
+    buffer so it outlives the operation. Made right after the start call's
+    ``Comm._count``, so ``WAITS.progress`` is then the time that call
+    returned: a profile's flight starts there."""
+
+    def __init__(self, finish, comm: "Comm" = None, send=None, kind: str = "wait"):
+        self._finish, self._comm, self._send, self._kind = finish, comm, send, kind
+        self._since = WAITS.progress        # when the start call returned (Comm._count), for --profile
+
+    def wait(self):
+        if self._comm is None:
+            return self._finish()
+        t0 = WAITS.enter(self._kind, self._comm.axis)
+        out = self._finish()
+        t1 = time.perf_counter()
+        self._comm.counters.add(self._comm.axis, 0, 0, t1 - t0)
+        if profiler.ACTIVE is not None:
+            profiler.ACTIVE.wait(self._comm, self._kind, self._since, t0, t1)
+        WAITS.leave(t1)
+        self._send = None
+        return out
 
 
 class Comm:
@@ -322,61 +379,6 @@ class Comm:
             return precision.narrow(self._from_mpi(recv), x.dtype)
 
         return Pending(finish, self, send, "ireduce_scatter")
-
-    # --- point to point (pipeline stages, axis "pp") ---------------------------
-    # Counted on the sender only: one message of ``x.size`` elements per
-    # isend, so a rank's "pp" counters are what it sends (the receiver counts
-    # its wait time, nothing moved). 16-bit arrays travel as raw words.
-    def isend(self, x, dest: int, tag: int) -> "Pending":
-        """Start sending ``x`` to group rank ``dest``; ``.wait()`` completes
-        it (the buffer is held until then)."""
-        send = self._to_mpi(self._words(x))
-        t0 = self._start("isend")
-        request = self.mpi.Isend(send, dest=dest, tag=tag)
-        self._count(send.size, 1, t0, send.itemsize)
-
-        def finish():
-            complete(request)
-            self._done(send)
-
-        return Pending(finish, self, send, "isend")
-
-    def irecv(self, shape, dtype, source: int, tag: int) -> "Pending":
-        """Post a receive of a (shape) array of ``dtype`` from group rank
-        ``source``; ``.wait()`` returns it (on the device)."""
-        dtype = np.dtype(dtype)
-        words = np.dtype(np.uint16) if precision.is_half(dtype) else dtype
-        recv = self._empty(tuple(shape), words)
-        t0 = self._start("irecv")
-        request = self.mpi.Irecv(recv, source=source, tag=tag)
-        self._count(0, 0, t0, recv.itemsize)
-
-        def finish():
-            complete(request)
-            out = self._from_mpi(recv)
-            return out if out.dtype == dtype else out.view(dtype)
-
-        return Pending(finish, self, recv, "irecv")
-
-    def ishift(self, x, dest: int, source: int) -> "Pending":
-        """Start sending ``x`` to rank ``dest`` and receiving an array of the
-        same shape and format from ``source`` (a step around a ring:
-        context parallelism's K/V blocks); ``.wait()`` returns what
-        arrived. One message of x.size elements, in x's own format."""
-        send = self._to_mpi(self._words(x))
-        recv = self._empty(send.shape, send.dtype)
-        t0 = self._start("ishift")
-        requests = [self.mpi.Irecv(recv, source=source, tag=22), self.mpi.Isend(send, dest=dest, tag=22)]
-        self._count(send.size, 1, t0, send.itemsize)
-
-        def finish():
-            for request in requests:
-                complete(request)
-            self._done(send)
-            out = self._from_mpi(recv)
-            return out.view(x.dtype) if precision.is_half(x.dtype) else out
-
-        return Pending(finish, self, send, "ishift")
 
     # --- small host-side helpers (not counted: metadata, not model data) ----
     def barrier(self):

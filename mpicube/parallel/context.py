@@ -39,6 +39,7 @@ from ..device.arrays import array_module
 from ..device.precision import compute_dtype, narrow, up
 from ..ops import attention_blocks as ab
 from .comm import Comm
+from .comm_p2p import ishift
 
 
 def validate(T: int, cp: int) -> None:
@@ -126,7 +127,7 @@ class RingAttention:
         acc = xp.zeros((B, n_head, T_l, hd), dtype=cd)                 # running output
         mine = chunks(self.C, self.r)
         for s in range(self.C):
-            pending = self.cp.ishift(kv, self.next, self.prev) if s < self.C - 1 else None
+            pending = ishift(self.cp, kv, self.next, self.prev) if s < self.C - 1 else None
             held = chunks(self.C, (self.r - s) % self.C)
             for rows, cols, q0, k0 in _pairs(mine, held, c, self.block):
                 state = [m[:, :, rows], l[:, :, rows], acc[:, :, rows]]
@@ -159,7 +160,7 @@ class RingAttention:
         dq = xp.zeros((B, nh, T_l, hd), dtype=cd)
         mine = chunks(self.C, self.r)
         for s in range(self.C):
-            pending = self.cp.ishift(kv, self.next, self.prev) if s < self.C - 1 else None
+            pending = ishift(self.cp, kv, self.next, self.prev) if s < self.C - 1 else None
             held = chunks(self.C, (self.r - s) % self.C)
             for rows, cols, q0, k0 in _pairs(mine, held, c, self.block):
                 g_q, g_k, g_v = ab.pair_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
@@ -169,7 +170,7 @@ class RingAttention:
                 dkv[0][:, :, cols] += g_k
                 dkv[1][:, :, cols] += g_v
             if self.C > 1:
-                dkv = self.cp.ishift(dkv, self.next, self.prev).wait()  # to the rank that holds this kv next
+                dkv = ishift(self.cp, dkv, self.next, self.prev).wait()  # to the rank that holds this kv next
             if pending is not None:
                 kv = pending.wait()
         dq *= scale

@@ -45,14 +45,12 @@ def split_world(world_size: int, dp: int) -> int:
     return GridSpec(dp=dp).tp(world_size)
 
 
-NOT_BUILT: dict = {}      # axis -> what it would be, for axes a build cannot run yet
-
-
 def validate_axes(grid: GridSpec) -> None:
-    """Axes this build cannot run yet, refused with one line."""
-    for name, what in NOT_BUILT.items():
-        if getattr(grid, name) != 1:
-            raise ConfigError(f"--{name} {getattr(grid, name)}: {what} is not built yet; use --{name} 1")
+    """Combinations of axes this build cannot run, refused with one line
+    (pure: TrainOptions.validate calls it before any communicator)."""
+    if grid.pp > 1 and grid.cp > 1:
+        raise ConfigError(f"--pp {grid.pp} with --cp {grid.cp}: pipeline stages and context parallelism do not "
+                          f"compose yet; use one of them (--pp 1 or --cp 1)")
 
 
 def validate_model(cfg: ModelConfig) -> None:
@@ -84,9 +82,6 @@ def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: i
     validate_axes(grid)
     check_pipeline(cfg.n_layer, grid.pp, grid.pp_schedule, grid.virtual_stages, grad_accum)
     context.validate(cfg.n_ctx, grid.cp)
-    if grid.cp > 1 and grid.pp > 1:
-        raise ConfigError(f"--cp {grid.cp} with --pp {grid.pp}: context parallelism inside pipeline stages "
-                          f"is not built yet; use --cp 1 or --pp 1")
     dp, depth = grid.dp, grid.depth
     resolved = choose_layout(grid.layout, tp, depth)
     if resolved not in LAYOUTS:

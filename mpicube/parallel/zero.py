@@ -54,14 +54,21 @@ SHARDS = {1: "the optimizer state", 2: "the optimizer state and gradients",
           3: "the optimizer state, gradients and parameters"}
 
 
-def validate(zero: int, dp: int) -> None:
+def validate(zero: int, dp: int, pp: int = 1, cp: int = 1) -> None:
     """ConfigError for a --zero setting that cannot apply (pure: every rank
-    runs it before any collective)."""
+    runs it before any collective). --zero 2 and 3 reduce-scatter each
+    block's gradients as its backward ends, before a pipeline's tied-wte
+    sum or the context-parallel ring's sum could run: those combinations
+    are refused until they are built and tested."""
     if zero not in CHOICES:
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     if zero and dp < 2:
         raise ConfigError(f"--zero {zero} shards {SHARDS[zero]} over data-parallel replicas and needs "
                           f"--dp 2 or more (got --dp {dp})")
+    for name, size in (("pp", pp), ("cp", cp)):
+        if zero >= 2 and size > 1:
+            raise ConfigError(f"--zero {zero} with --{name} {size} does not compose yet: use --zero 1 "
+                              f"(optimizer state sharded), or --{name} 1")
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ class TrainOptions:
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
-        validate_zero(self.zero, self.dp)
+        validate_zero(self.zero, self.dp, self.pp, self.cp)
         validate_axes(self.grid)
         validate_model(self.model_config())
 

@@ -70,7 +70,7 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
     ``Pipeline`` of ``grid.pp_schedule`` over ``grid.virtual_stages`` chunks per stage."""
     grid = GridSpec.of(grid)
     _, resolved, tp = plan(grid, cfg, batch_size, mpi_world.Get_size(), grad_accum, recompute)
-    validate_zero(zero, grid.dp)
+    validate_zero(zero, grid.dp, grid.pp, grid.cp)
     threads.configure(mpi_world)
     backend = make_backend(device, dtype, mpi_world, tf32=tf32)
     require_room(cfg, backend, mpi_world, resolved, tp, batch_size // (grid.dp * grad_accum),

@@ -44,6 +44,7 @@ import dataclasses
 import numpy as np
 
 from ..model.gpt import GPT, gpt_params
+from ..parallel.comm_p2p import irecv, isend
 from ..parallel.gradients import gradient_wire
 from ..parallel.grid import tied_pair
 from ..parallel.schedules import Action, build_schedule, layer_split, message_tag
@@ -136,7 +137,7 @@ class Pipeline:
 
     def _post_receives(self, actions, T: int) -> dict:
         shape, dtype = self._block_shape(T), self.layout.backend.dtype
-        return {(a.op, a.micro, a.chunk): self.pp.irecv(shape, dtype, a.peer, self._tag(a))
+        return {(a.op, a.micro, a.chunk): irecv(self.pp, shape, dtype, a.peer, self._tag(a))
                 for a in actions if a.op.startswith("recv")}
 
     # --- one step -----------------------------------------------------------
@@ -156,7 +157,7 @@ class Pipeline:
             if a.op.startswith("recv"):
                 inbox[a.op, m, v] = posted.pop((a.op, m, v)).wait()             # (B_c, T, C_c)
             elif a.op.startswith("send"):
-                sends.append(self.pp.isend(outbox.pop((a.op, m, v)), a.peer, self._tag(a)))
+                sends.append(isend(self.pp, outbox.pop((a.op, m, v)), a.peer, self._tag(a)))
             elif a.op == "forward":
                 model, rows = self.chunk_model(v, m), parts.micro_rows(m)
                 inp = x[rows] if model.first else inbox.pop(("recv_act", m, v))
@@ -240,7 +241,7 @@ class Pipeline:
             if a.op == "recv_act":
                 inp = posted.pop((a.op, m, v)).wait()
             elif a.op == "send_act":
-                sends.append(self.pp.isend(outbox.pop((m, v)), a.peer, self._tag(a)))
+                sends.append(isend(self.pp, outbox.pop((m, v)), a.peer, self._tag(a)))
             else:
                 model, rows = self.chunk_model(v, 0, dropout), parts.micro_rows(m)
                 out = model.forward(x[rows] if model.first else inp, y[rows], step=step, micro=m)
@@ -287,12 +288,12 @@ class Pipeline:
                 x = idx
             else:
                 a = Action("recv_act", 0, v, (k - 1) % self.P)
-                x = self.pp.irecv(self._block_shape(idx.shape[1]), self.layout.backend.dtype, a.peer,
+                x = irecv(self.pp, self._block_shape(idx.shape[1]), self.layout.backend.dtype, a.peer,
                                   self._tag(a)).wait()                     # (B_c, t, C_c)
             out = fn(model, v, x)
             if k < self.last_chunk:
                 a = Action("send_act", 0, v, (k + 1) % self.P)
-                sends.append(self.pp.isend(out, a.peer, self._tag(a)))
+                sends.append(isend(self.pp, out, a.peer, self._tag(a)))
             else:
                 result = out
         for pending in sends:
