@@ -85,6 +85,10 @@ def test_cli_trace_train_eval_bench_info_and_refusal(mpicube, tiny_shard):
         assert r.returncode == 0, r
         losses.append(json.loads(r.stdout.splitlines()[-1])["loss"])
     assert abs(losses[0] - losses[1]) <= 1e-10 * abs(losses[1])
+    r = mpicube.run("eval", "run", "--seq-len", "15", "--layout", "1d", "--sequence-parallel", n=2)
+    assert r.returncode == 2 and r.error_lines() == [
+        "error: --sequence-parallel: --seq-len 15 must be divisible by the tensor-parallel size 2: "
+        "use --seq-len 14 or 16"], r
     r = mpicube.run("bench", *TINY[2:], "--layout", "1d", "--sequence-parallel", "--steps", "1", "--warmup-steps",
                     "0", "--json", n=2)
     assert r.returncode == 0, r

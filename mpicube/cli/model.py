@@ -78,6 +78,10 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 
         world = world_size or 1
         note = check_pipeline(cfg.n_layer, pp, pp_schedule, virtual_stages, grad_accum)
+        if sequence_parallel and pp > 1:        # (train and bench refuse it in grid.plan)
+            from ..core.errors import ConfigError
+
+            raise ConfigError(f"--sequence-parallel with --pp {pp} is not built yet; use --pp 1")
         stage_world = check_pp_world(world, pp, dp) * dp        # one stage's dp x tp ranks
         echo()
         if batch_size is None:
