@@ -24,6 +24,13 @@ Rank order, slowest-varying first: dp, pp, cp, tp.
   per step (the gradient reduction, which overlaps backward), the traffic
   that tolerates the slowest links best. It also keeps the rank order of
   runs without pp and cp (``d * tp + t``) and so every existing run.
+
+``sequence_parallel`` is no axis (no ranks of its own): it changes how the
+1-D layout's tp group holds its activations (``layouts/seqpar.py``). It
+lives here, not in a layout option, because it is chosen with the axes on
+every entry point and ``grid.plan`` must validate it against them (1-D
+only, T divisible by tp, not with cp or pp yet) before any communicator
+exists; ``build_layout`` hands it to ``OneDLayout``.
 """
 
 from __future__ import annotations
