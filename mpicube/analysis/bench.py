@@ -144,7 +144,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
-                      zero=store.zero, grad_accum=parts.grad_accum, cp=layout.axes.cp.size, **_pipeline_terms(parts))
+                      zero=store.zero, grad_accum=parts.grad_accum, cp=layout.axes.cp.size,
+                      sequence_parallel=getattr(layout, "sequence_parallel", False), **_pipeline_terms(parts))
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     mixed = any(profiled) and not all(profiled)
     if mixed:                                     # the figures from the steps run as without --profile
