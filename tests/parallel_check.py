@@ -41,6 +41,9 @@ Environment:
                               included)
   MPICUBE_CHECK_LAYERS=N      N transformer blocks instead of 2 (--zero 3
                               with more blocks than its two weight slots)
+  MPICUBE_CHECK_SEQPAR=1      1-D with --sequence-parallel: canonical
+                              activations sharded along the sequence,
+                              traffic and memory with its cost-model terms
   MPICUBE_CHECK_CP=C          the layout under test runs with --cp C (world =
                               dp x C x tp; each rank holds 2 of 2C chunks of
                               every sequence): logits are compared at the
@@ -134,6 +137,7 @@ RTOL = 1e-10           # float64; 16-bit runs set it from the layout (wire_toler
 WORST = [0.0]          # the largest relative difference seen, for the report line
 ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
 LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
+SEQPAR = os.environ.get("MPICUBE_CHECK_SEQPAR", "0") == "1"   # 1-D under --sequence-parallel
 CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (each sequence over CP ranks)
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
@@ -146,7 +150,7 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
     backend = make_backend(device, DTYPE)
     counters = Counters()
     cp = CP if comm is MPI.COMM_WORLD else 1
-    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth)
+    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth, sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD)
     layout = build_layout(grid, cfg, batch, backend, comm, counters=counters,
                           grad_accum=grad_accum, recompute=recompute)
     store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
@@ -204,7 +208,8 @@ def close(name, got, want, scale=None):
 def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
     """Measured elements, bytes and messages per axis == the analytic model."""
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP)
+                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP,
+                      sequence_parallel=SEQPAR)
     want = step_traffic(problem)
     axes = set(want.elems) | set(counters.elems)
     for axis in axes:
@@ -224,7 +229,8 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, ada
     under --recompute blocks the rerun block's caches (measured in
     backward) come on top, and what forward kept alone is checked too."""
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP)
+                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP,
+                      sequence_parallel=SEQPAR)
     want, want_bytes = step_memory(problem, dropout > 0), step_memory_bytes(problem, dropout > 0)
     want_kept = sum(kept_and_rerun_terms(problem, dropout > 0)[0].values())
     if kept[0] != want_kept:
@@ -343,7 +349,7 @@ def main():
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
-              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})")
+              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else ""))
 
 
 if __name__ == "__main__":

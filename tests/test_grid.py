@@ -72,4 +72,5 @@ def test_gridspec_sizes_are_validated():
     with pytest.raises(ConfigError, match="--cp must be at least 1, got 0"):
         GridSpec(cp=0).tp(8)
     assert GridSpec.of("3d") == GridSpec(layout="3d")
-    assert GridSpec(dp=2, pp=2).words() == ", dp 2, pp 2 (1f1b)"
+    assert GridSpec(dp=2, pp=2).words() == ", dp 2, pp 2 (1f1b)"       # a pipeline names its schedule
+    assert GridSpec(pp=2, pp_schedule="interleaved", virtual_stages=2).words() == ", pp 2 (interleaved, V 2)"

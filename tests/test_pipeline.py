@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpirun import mpiexec
+from mpirun import ROOT, mpiexec
 
 CHECK = ["-m", "mpi4py", "tests/pipeline_check.py"]
 
@@ -49,16 +49,18 @@ def test_small_grids_follow_serial():
 def test_cube_and_tesseract_stages_and_checkpoint_round_trip(tmp_path):
     """16 ranks: 3-D tp 8 x pp 2 under 1F1B, its trained state moved
     through checkpoints pp 2 x 3d -> serial -> pp 4 x 1d -> back, bitwise;
-    2.5-D (q 2, d 2) x pp 2 interleaved under --recompute gathers."""
+    2.5-D (q 2, d 2) x pp 2 under GPipe and --recompute gathers."""
     out = run_cases(16, [f"3d 1 1 2 1f1b 1 2 steps=2 ckpt={tmp_path}",
-                         "2.5d 1 2 2 interleaved 2 2 steps=2 recompute=gathers"], timeout=360)
+                         "2.5d 1 2 2 gpipe 1 2 steps=2 recompute=gathers"], timeout=360)
     assert "checkpoint round trip OK: 156 tensors" in out
 
 
 @pytest.mark.timeout(400)
 def test_cube_stages_with_replicas():
-    """32 ranks: 3-D tp 8 x pp 2 x dp 2 with --zero 1 (two steps)."""
-    run_cases(32, ["3d 2 1 2 1f1b 1 2 steps=2 zero=1"], timeout=360)
+    """32 ranks: 3-D tp 8 x pp 2 x dp 2 with --zero 1, interleaved (V 2:
+    each stage holds two chunks, stage 1 sends chunk 1's activations back
+    to stage 0's chunk 2), two steps."""
+    run_cases(32, ["3d 2 1 2 interleaved 2 2 steps=2 zero=1"], timeout=360)
 
 
 # --------------------------------------------------------------------------- faults
@@ -92,6 +94,10 @@ CLI = ["-m", "mpicube"]
 FLOAT = [*TINY, "--dtype", "float64", "--dropout", "0.1", "--seed", "5"]
 
 
+def metrics(run_dir) -> list:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
 def final_params(run_dir):
     ckpts = sorted((run_dir / "ckpt").glob("step_*"))
     with h5py.File(ckpts[-1] / "checkpoint.h5", "r") as f:
@@ -100,7 +106,8 @@ def final_params(run_dir):
 
 @pytest.mark.timeout(300)
 def test_commands_take_pp(tmp_path):
-    """train --pp 2 stopped and resumed is bitwise the uninterrupted run;
+    """train --pp 2 stopped and resumed is bitwise the uninterrupted run,
+    and on the GPU path (tests/fake_gpu) follows it to 1e-10;
     its checkpoint evaluates and generates the same on serial and on pp 2;
     a trace under pp 2 compares equal with a serial trace; bench --pp."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -112,6 +119,13 @@ def test_commands_take_pp(tmp_path):
     assert proc.returncode == 0 and "resuming from" in proc.stdout, proc.stdout + proc.stderr
     a, b = final_params(whole), final_params(parts)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    # the GPU path (CI's stand-in for CuPy: staged point-to-point buffers) follows the CPU run
+    fake_gpu = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}"}
+    proc = mpiexec(2, CLI + base + ["--out", str(tmp_path / "gpu"), "--device", "gpu"], env=fake_gpu)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for want, got in zip(metrics(whole), metrics(tmp_path / "gpu"), strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - want[key]) <= 1e-10 * abs(want[key]), (key, got, want)
     config = json.loads((whole / "config.json").read_text())
     assert config["train"]["pp"] == 2 and config["train"]["pp_schedule"] == "1f1b"
 

@@ -112,8 +112,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
             backend.synchronize()
             fwd = time.perf_counter() - t0
             if i == 0:
-                saved = pipe.peak_saved[0] + pipe.recompute_peak_elements
-                saved_bytes = pipe.peak_saved[1] + pipe.recompute_peak_bytes
+                saved, saved_bytes = pipe.peak_saved              # a rerun block included
         for m in range(parts.grad_accum if pipe is None else 0):   # as accum.forward_backward, timed apart
             rows = parts.micro_rows(m)
             t0 = time.perf_counter()
@@ -145,7 +144,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
             phases["comm_s"].append(counters.total_seconds())
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
-                      zero=store.zero, grad_accum=parts.grad_accum, cp=layout.axes.cp.size, **_pipeline_terms(parts))
+                      zero=store.zero, grad_accum=parts.grad_accum, cp=layout.axes.cp.size,
+                      sequence_parallel=getattr(layout, "sequence_parallel", False), **_pipeline_terms(parts))
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     mixed = any(profiled) and not all(profiled)
     if mixed:                                     # the figures from the steps run as without --profile

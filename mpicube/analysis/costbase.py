@@ -120,6 +120,7 @@ class Problem:
     pp_schedule: str = "1f1b"   # gpipe, 1f1b or interleaved
     virtual_stages: int = 1  # chunks per stage under interleaved
     stage: int = 0           # the stage this rank runs (0..pp-1); every per-rank figure is for it
+    sequence_parallel: bool = False   # 1-D: canonical activations a T/tp shard (parallel/layouts/seqpar.py)
     cp: int = 1              # context-parallel ranks: each holds seq_len / cp positions (parallel.context)
 
     @property

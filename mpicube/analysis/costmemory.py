@@ -95,6 +95,7 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     seqs = p.local_batch // split_rows
     n = seqs * T                       # token rows per rank, canonical and intermediate alike
     cc = h // split_cols               # canonical width
+    nc = n // p.tp if p.sequence_parallel else n   # canonical rows: T/tp of each sequence (layouts/seqpar.py)
     lse = n * (cfg.n_head // heads)    # blockwise attention's per-row log-sum-exp, in the compute format
     # 1-D keeps a replicated activation it can gather again as a row shard of 1/p.
     shard = p.tp if p.layout == "1d" else 1
@@ -104,7 +105,7 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
 
     # one block: LN xhat (x2), qkv and the scaled copy of q, GELU input and tanh; blockwise
     # attention keeps no probabilities (ops.attention_blocks), only lse and its output
-    block = 2 * n * cc + n * 4 * mid_cols + 2 * n * 4 * mid_cols
+    block = 2 * nc * cc + n * 4 * mid_cols + 2 * n * 4 * mid_cols
     if p.layout == "3d" and not regather and gathered:
         block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
     if p.layout == "3d":
@@ -115,12 +116,12 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         first_inputs = 2 * n * cc // shard if regather else 2 * n * cc     # c_attn, c_fc
         block += first_inputs + n * mid_cols + n * 4 * mid_cols            # c_proj, mlp.c_proj
     if dropout:
-        block += 2 * n * cc            # residual masks; attention's are drawn block by block, never kept
+        block += 2 * nc * cc           # residual masks; attention's are drawn block by block, never kept
     # outside the blocks: ln_f xhat, logits and softmax, head input (head); embedding mask (lookup);
     # the wte panel and its gradient (either)
     outside, panel, grad = 0, 0, 0
     if head:
-        outside += n * cc + 2 * n * V
+        outside += nc * cc + 2 * n * V
         if p.layout == "3d":
             outside += n * h // q if regather else q * n * h // q             # head input
         else:
@@ -130,12 +131,12 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         panel = 0 if regather and head else gathered * wte_panel
         grad = wte_panel                                                      # its gradient
     if dropout and embed:
-        outside += n * cc
+        outside += nc * cc
     step = {"act": panel, "stat": 0, "grad": grad}
     if mode == "blocks":
-        kept = {"act": L * n * cc // shard + outside, "stat": n * head, "grad": 0}
-        return kept, step, {"act": block if L else 0, "stat": 2 * n + lse if L else 0, "grad": 0}
-    kept = {"act": L * block + outside, "stat": (2 * L + head) * n + L * lse, "grad": 0}   # rstd of LNs, lse
+        kept = {"act": L * n * cc // shard + outside, "stat": nc * head, "grad": 0}
+        return kept, step, {"act": block if L else 0, "stat": 2 * nc + lse if L else 0, "grad": 0}
+    kept = {"act": L * block + outside, "stat": (2 * L + head) * nc + L * lse, "grad": 0}   # rstd of LNs, lse
     return kept, step, {"act": 0, "stat": 0, "grad": 0}
 
 

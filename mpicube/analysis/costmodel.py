@@ -98,15 +98,33 @@ def oned_traffic(p: Problem) -> Traffic:
     t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
     L, head = p.layers, int(p.has_head)
-    t.sum("tp", g, act, times=4 * L, width=w.red)         # 2 forward (row-split), 2 backward
-    t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
     if head:
         _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
+    if p.sequence_parallel:
+        t.add(oned_sequence_traffic(p, act))
+        return t
+    t.sum("tp", g, act, times=4 * L, width=w.red)         # 2 forward (row-split), 2 backward
+    t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
     if p.recompute == "gathers":                          # c_attn, c_fc and LM head inputs from row shards
         t.allgather("tp", g, act // g, times=2 * L + head, width=w.act)
     if p.recompute == "blocks":                           # block inputs from row shards, forwards again
         t.allgather("tp", g, act // g, times=L, width=w.act)
         t.sum("tp", g, act, times=2 * L, width=w.red)
+    return t
+
+
+def oned_sequence_traffic(p: Problem, act: int) -> Traffic:
+    """1-D under --sequence-parallel (layouts/seqpar.py): every all-reduce
+    of ``act`` as its two halves along T, an all-gather of the T/tp shard
+    and a reduce-scatter; --recompute gathers gathers the column-parallel
+    and head inputs again, --recompute blocks reruns each block's forward
+    (its input is already a shard: nothing to restore)."""
+    t, g, w = Traffic(), p.tp, p.widths
+    L, head = p.layers, int(p.has_head)
+    firsts, seconds = 2 * L + head, 2 * L + int(p.has_embed)   # column-parallel (+ head), row (+ lookup)
+    again = {"gathers": (2 * L + head, 0), "blocks": (2 * L, 2 * L)}.get(p.recompute, (0, 0))
+    t.allgather("tp", g, act // g, times=firsts + seconds + again[0], width=w.act)   # inputs, backward dY
+    t.reduce_scatter("tp", g, act, times=seconds + firsts + again[1], width=w.red)   # outputs, backward dX
     return t
 
 
@@ -216,6 +234,8 @@ def _local_size(p: Problem, decl):
             return -(-cfg.vocab_size // g) * cfg.n_embd, None
         if role in ("w_first", "b_first", "w_second"):
             return numel // g, None
+        if p.sequence_parallel and role in ("wpe", "norm"):
+            return numel, "tp"                 # partial sums from this rank's T/tp positions
         return numel, None
     if p.layout in ("2d", "2.5d"):
         d = p.depth
@@ -339,6 +359,8 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
 
 
 def _group_size(p: Problem, axis: str) -> int:
+    if axis == "tp":
+        return p.tp
     if axis == "depth":
         return p.depth
     if axis == "col_depth":

@@ -40,22 +40,23 @@ def _fmt(n) -> str:
 
 
 def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none", grad_accum=1,
-             zero=0, cp=1):
+             zero=0, cp=1, sequence_parallel=False):
     """A validated Problem, or the ConfigError's message."""
     from ..core.errors import ConfigError
 
     try:
-        _, resolved, tp = plan(GridSpec(name, dp=dp, cp=cp, depth=depth), cfg, batch_size, world_size, grad_accum,
-                               recompute)
+        grid = GridSpec(name, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
+        _, resolved, tp = plan(grid, cfg, batch_size, world_size, grad_accum, recompute)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
-                   recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp)
+                   recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
+                   sequence_parallel=sequence_parallel)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
            depth: int = 1, dtype: str = "float32", recompute: str = "none", grad_accum: int = 1,
-           zero: int = 0, cp: int = 1) -> str:
+           zero: int = 0, cp: int = 1, sequence_parallel: bool = False) -> str:
     """Sharding plan and per-rank predictions for one layout (with the
     ``recompute`` mode's communication, memory and FLOPs, ``grad_accum``
     micro-batches, and with ``zero=1`` the optimizer state sharded over
@@ -66,7 +67,8 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     from ..parallel.zero import validate
 
     validate(zero, dp)
-    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp)
+    chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp,
+                      sequence_parallel)
     if isinstance(chosen, str):
         from ..core.errors import ConfigError
 
@@ -74,7 +76,9 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     lines = [f"layout {chosen.layout}: world {world_size} = dp {dp}" + (f" x cp {cp}" if cp > 1 else "")
              + f" x tp {chosen.tp}"
              + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else "")
-             + (f", {SHARDED[chosen.zero]} sharded over dp (--zero {chosen.zero})" if chosen.sharded else ""),
+             + (f", {SHARDED[chosen.zero]} sharded over dp (--zero {chosen.zero})" if chosen.sharded else "")
+             + (", sequence parallel (LayerNorm, dropout, residuals: T/tp positions)"
+                if chosen.sequence_parallel else ""),
              f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step"
              + (f", in {grad_accum} micro-batches of {batch_size // grad_accum}" if grad_accum > 1 else "")
              + f", --recompute {recompute}", "",
@@ -210,12 +214,15 @@ def zero_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int, dt
 
 
 def summary(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1,
-            dtype: str = "float32", recompute: str = "none", grad_accum: int = 1, zero: int = 0, cp: int = 1) -> dict:
+            dtype: str = "float32", recompute: str = "none", grad_accum: int = 1, zero: int = 0, cp: int = 1,
+            sequence_parallel: bool = False) -> dict:
     """The chosen layout and options, per rank per step, for ``info --json``:
     what a script sizing a job needs without parsing the report."""
-    p = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp)
+    p = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp,
+                 sequence_parallel)
     t, m = step_traffic(p), step_memory_bytes(p)
-    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "cp": p.cp, "depth": p.depth, "batch_size": p.batch,
+    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "cp": p.cp, "sequence_parallel": p.sequence_parallel,
+            "depth": p.depth, "batch_size": p.batch,
             "seq_len": p.seq_len, "dtype": p.dtype, "recompute": p.recompute, "zero": p.zero,
             "grad_accum": p.grad_accum,
             "memory_bytes_per_rank": int(m.total()),

@@ -146,13 +146,19 @@ class Collector:
         ring = self.layout.axes.cp
         return context.local_positions(T, ring.size, ring.rank)
 
+    def canonical_positions(self, T: int) -> np.ndarray:
+        """(T_c,) the global positions of this rank's canonical rows: a
+        run of T/tp under --sequence-parallel, else ``positions``."""
+        pos = self.layout.seq_positions(T)
+        return self.positions(T) if pos is None else pos
+
     def host(self, a, dtype=None) -> np.ndarray:
         return np.asarray(self.parts.backend.to_host(a)).astype(dtype or self.dtype)
 
     def canonical(self, name, block, T, dtype=None) -> Piece:
         """(B_c, T, C_c) block -> piece of the (B, T, h) tensor."""
-        return Piece(name, (self.B, T, self.cfg.n_embd), (self.canonical_seqs, self.positions(T), self.cols),
-                     self.host(block, dtype))
+        return Piece(name, (self.B, T, self.cfg.n_embd), (self.canonical_seqs, self.canonical_positions(T),
+                                                             self.cols), self.host(block, dtype))
 
     def activations(self, capture: dict, T: int) -> list:
         return [self.canonical(f"act/{key}", block, T) for key, block in capture.items()]
@@ -182,12 +188,13 @@ class Collector:
         pieces = []
         if model.first:
             pieces.append(Piece("dropout/emb", (self.B, T, self.cfg.n_embd),
-                                (self.canonical_seqs, self.positions(T), self.cols), keep(model.keep_emb)))
+                                (self.canonical_seqs, self.canonical_positions(T), self.cols),
+                                keep(model.keep_emb)))
         for block in model.blocks:
             drawn = (block.keep_attn, block.keep_resid_attn, block.keep_resid_mlp)
-            pos = self.positions(T)
+            pos, rows = self.positions(T), self.canonical_positions(T)      # attention rows, canonical rows
             if block.keep_resid_attn is None:
-                drop, site, t = model.dropout, block.site, len(pos)         # t: this rank's positions
+                drop, site, t = model.dropout, block.site, len(rows)        # t: this rank's canonical positions
                 drawn = (None, drop.canonical(step, site + ".resid_attn", t),
                          drop.canonical(step, site + ".resid_mlp", t))
             if drawn[0] is None or callable(drawn[0]):          # blockwise attention draws its mask by blocks
@@ -200,7 +207,7 @@ class Collector:
             pieces.append(Piece(f"dropout/{block.site}.attn", shape, index, keep(drawn[0])))
             for site, mask in (("resid_attn", drawn[1]), ("resid_mlp", drawn[2])):
                 pieces.append(Piece(f"dropout/{block.site}.{site}", (self.B, T, self.cfg.n_embd),
-                                    (self.canonical_seqs, pos, self.cols), keep(mask)))
+                                    (self.canonical_seqs, rows, self.cols), keep(mask)))
         return pieces
 
     def params(self, prefix: str) -> list:

@@ -159,6 +159,15 @@ def pipeline_options(f):
     return f
 
 
+def sequence_parallel_option(f):
+    """``--sequence-parallel`` (train, eval, bench, trace, info): 1-D's
+    canonical form sharded along the sequence (parallel/layouts/seqpar.py)."""
+    return click.option("--sequence-parallel", is_flag=True, default=False,
+                        help="1d layout: LayerNorm, dropout and residual regions hold T/tp positions of every "
+                             "sequence; each all-reduce becomes an all-gather + reduce-scatter (same bytes, "
+                             "1/tp of those activations)")(f)
+
+
 def cp_option(f):
     """``--cp C`` (train, eval, bench): context-parallel ranks (parallel/context.py)."""
     return click.option("--cp", type=int, default=1, show_default=True,

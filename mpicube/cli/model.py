@@ -11,7 +11,7 @@ import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
                      echo, grad_accum_option, cp_option, layout_options, model_options, pipeline_options,
-                     profile_option, recompute_option, watched, zero_option)
+                     profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
 from ..core.errors import UserError
 
 
@@ -42,8 +42,10 @@ from ..core.errors import UserError
 @click.option("--json", "as_json", is_flag=True,
               help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
 @cp_option
+@sequence_parallel_option
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
-         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp):
+         vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
+         sequence_parallel):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations."""
@@ -76,11 +78,15 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 
         world = world_size or 1
         note = check_pipeline(cfg.n_layer, pp, pp_schedule, virtual_stages, grad_accum)
+        if sequence_parallel and pp > 1:        # (train and bench refuse it in grid.plan)
+            from ..core.errors import ConfigError
+
+            raise ConfigError(f"--sequence-parallel with --pp {pp} is not built yet; use --pp 1")
         stage_world = check_pp_world(world, pp, dp) * dp        # one stage's dp x tp ranks
         echo()
         if batch_size is None:
-            batch_size, why = default_batch(GridSpec(layout or "auto", dp=dp, cp=cp, depth=depth), cfg, stage_world // cp,
-                                            grad_accum, recompute=recompute)
+            grid = GridSpec(layout or "auto", dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
+            batch_size, why = default_batch(grid, cfg, stage_world // cp, grad_accum, recompute=recompute)
             echo(why)
         if note:
             echo(note)
@@ -92,7 +98,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         else:
             args = (layout or "auto", cfg, batch_size, world, dp, depth)
             options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
-            echo(report(*args, **options, cp=cp))
+            echo(report(*args, **options, cp=cp, sequence_parallel=sequence_parallel))
             echo()
             echo(memory_options(cfg, batch_size, world, dp, dtype, grad_accum))
             if dp > 1:
@@ -116,7 +122,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                                                  pp_schedule, virtual_stages, dtype, recompute, grad_accum, zero)))
             else:
                 echo(json.dumps(summary(layout or "auto", cfg, batch_size, world, dp, depth, dtype=dtype,
-                                        recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp)))
+                                        recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
+                                        sequence_parallel=sequence_parallel)))
     elif as_json:
         raise UserError("info --json describes a layout: give --layout and/or -n")
 
@@ -148,10 +155,11 @@ def _mib(nbytes: int) -> str:
 @click.option("--out", type=str, default=None, metavar="RUN_DIR",
               help="where --profile writes (several layouts: RUN_DIR/<layout>/)  [default: runs/bench-<time>]")
 @cp_option
+@sequence_parallel_option
 @collective_timeout_option
 def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
           grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,
-          collective_timeout):
+          collective_timeout, sequence_parallel):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -179,7 +187,8 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
             grid = GridSpec(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
-                            pp_schedule=pp_schedule, virtual_stages=virtual_stages)
+                            pp_schedule=pp_schedule, virtual_stages=virtual_stages,
+                            sequence_parallel=sequence_parallel)
             batch = batch_size
             if batch is None:                                  # each layout its own smallest batch
                 batch, why = default_batch(grid, cfg, _mpi["world"].Get_size(), grad_accum, recompute=recompute)

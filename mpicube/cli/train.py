@@ -12,7 +12,7 @@ import click
 from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
                      grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
-                     recompute_option, watched, zero_option, cp_option)
+                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
 
 
 @cli.command()
@@ -22,6 +22,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
 @layout_options
 @pipeline_options
 @cp_option
+@sequence_parallel_option
 @model_options
 @click.option("--vocab-size", type=int, default=256, show_default=True,
               help="vocabulary (256: byte-level tokens; 50257: GPT-2's BPE); --init-from's model sets its own")
@@ -115,12 +116,13 @@ def train(collective_timeout, profile, **kwargs):
 @layout_options
 @pipeline_options
 @cp_option
+@sequence_parallel_option
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="micro-batches per batch (the pipeline's; the loss is the same)")
 @device_options
 @collective_timeout_option
 def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp, pp_schedule, virtual_stages, cp,
-                 grad_accum, dtype, device, tf32, collective_timeout):
+                 grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel):
     """Mean cross-entropy of a model on a token shard.
 
     CKPT is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
@@ -135,7 +137,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
 
     with watched(collective_timeout, "evaluation"):
         grid = GridSpec(layout, dp=dp, cp=cp, depth=depth, pp=pp, pp_schedule=pp_schedule,
-                        virtual_stages=virtual_stages)
+                        virtual_stages=virtual_stages, sequence_parallel=sequence_parallel)
         result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, grid, dtype, device, _mpi["world"],
                                      tf32=tf32, grad_accum=grad_accum)
     if result.get("note"):
@@ -178,7 +180,7 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
-                       "grad_accum", "recompute", "zero")
+                       "grad_accum", "recompute", "zero", "sequence_parallel")
 
 
 @cli.command("trace")

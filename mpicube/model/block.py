@@ -160,15 +160,16 @@ class Block:
 
     def _forward(self, x, dropout: Dropout, step: int):
         """x (B_c, T, C_c) -> (B_c, T, C_c), keeping what backward needs."""
-        T = x.shape[1]
-        if self.attention is ops:
-            self.keep_attn = dropout.attention(step, self.site + ".attn", T)       # (B_m, nh, T, T)
-        else:
-            self.keep_attn = dropout.attention_blocks(step, self.site + ".attn", T)   # a callable: never (T, T)
+        T = x.shape[1]                      # canonical rows: T/tp under --sequence-parallel
         self.keep_resid_attn = dropout.canonical(step, self.site + ".resid_attn", T)
         self.keep_resid_mlp = dropout.canonical(step, self.site + ".resid_mlp", T)
 
         qkv = self.c_attn.forward(self.ln_1.forward(x))                       # (B_m, T, 3 C_m)
+        T = qkv.shape[1]                    # the intermediate form holds whole sequences
+        if self.attention is ops:
+            self.keep_attn = dropout.attention(step, self.site + ".attn", T)       # (B_m, nh, T, T)
+        else:
+            self.keep_attn = dropout.attention_blocks(step, self.site + ".attn", T)   # a callable: never (T, T)
         a, self.attn_cache = self.attention.attention_forward(qkv, self.n_local_heads, self.keep_attn,
                                                               dropout.keep)                   # (B_m, T, C_m)
         y = self.c_proj.forward(a)                                             # (B_c, T, C_c)

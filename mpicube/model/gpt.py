@@ -133,13 +133,17 @@ class GPT:
             idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]
             self.dropout.global_positions = pos
             self.pos = xp.asarray(pos)
+        elif layout.seq_positions(T) is not None:   # --sequence-parallel: canonical rows a run of T/tp positions
+            pos = layout.seq_positions(T)                                   # (T_c,) global positions
+            self.dropout.global_positions = pos
+            self.pos = xp.asarray(pos)
         else:
             self.pos = slice(0, T)
         capture = self.capture
         if self.first:
             idx = xp.asarray(idx)
             x = self.embedding.embed(idx)                                   # (B_c, T_l, C_c)
-            T = idx.shape[1]                                                # T_l: this rank's positions
+            T = x.shape[1]                                                  # T_l: this rank's canonical positions
             x = x + self.wpe[self.pos]
             self.keep_emb = self.dropout.canonical(step, "emb", T)
             if self.keep_emb is not None:

@@ -108,7 +108,21 @@ def plan(grid, cfg: ModelConfig, batch_size: int, world_size: int, grad_accum: i
                               f"/ --dp {dp} / --grad-accum {grad_accum}) must be divisible by {split}: use "
                               f"--batch-size {nearest_multiples(batch_size, dp * grad_accum * split)}")
     cls.validate(cfg, tp, micro, depth, recompute)
+    if grid.sequence_parallel:
+        check_sequence_parallel(grid, cls, resolved, cfg, tp, recompute)
     return cls, resolved, tp
+
+
+def check_sequence_parallel(grid, cls, resolved: str, cfg: ModelConfig, tp: int, recompute: str) -> None:
+    """--sequence-parallel: the 1-D layout, alone with dp, T divisible by tp."""
+    if resolved != "1d":
+        raise ConfigError(f"--sequence-parallel applies to the 1d layout only (layout {resolved}): "
+                          f"use --layout 1d, or drop --sequence-parallel")
+    for name in ("pp", "cp"):
+        if getattr(grid, name) > 1:
+            raise ConfigError(f"--sequence-parallel with --{name} {getattr(grid, name)} is not built yet; "
+                              f"use --{name} 1")
+    cls.validate_sequence(cfg, tp, cfg.n_ctx, recompute)
 
 
 def micro_split(cls, cfg: ModelConfig, tp: int, depth: int, recompute: str = "none") -> int:
@@ -192,7 +206,8 @@ def build_layout(grid, cfg: ModelConfig, batch_size: int, backend: Backend, mpi_
                 tp=split("tp", (d, p, c, 0), t),
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
-    return cls(cfg, axes, batch_size // grad_accum, depth=grid.depth, recompute=recompute)
+    extra = {"sequence_parallel": True} if grid.sequence_parallel else {}
+    return cls(cfg, axes, batch_size // grad_accum, depth=grid.depth, recompute=recompute, **extra)
 
 
 def tied_pair(axes: Axes):

@@ -24,6 +24,13 @@ Rank order, slowest-varying first: dp, pp, cp, tp.
   per step (the gradient reduction, which overlaps backward), the traffic
   that tolerates the slowest links best. It also keeps the rank order of
   runs without pp and cp (``d * tp + t``) and so every existing run.
+
+``sequence_parallel`` is no axis (no ranks of its own): it changes how the
+1-D layout's tp group holds its activations (``layouts/seqpar.py``). It
+lives here, not in a layout option, because it is chosen with the axes on
+every entry point and ``grid.plan`` must validate it against them (1-D
+only, T divisible by tp, not with cp or pp yet) before any communicator
+exists; ``build_layout`` hands it to ``OneDLayout``.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class GridSpec:
     depth: int = 1         # the 2.5-D layout's depth
     pp_schedule: str = "1f1b"   # the pipeline's schedule (parallel/schedules.py SCHEDULES)
     virtual_stages: int = 1     # model chunks per stage (interleaved schedule)
+    sequence_parallel: bool = False   # 1-D only: canonical activations sharded along T (layouts/seqpar.py)
 
     @classmethod
     def of(cls, value) -> "GridSpec":

@@ -3,7 +3,7 @@
 ``train`` is the trainer (the only training step, observed through its
 hooks), ``options`` its validated settings, ``parts`` builds the backend,
 grid, layout, store and model; ``accum`` runs the micro-batches of one
-step, ``step`` and ``optim`` the gradient sums, norm and AdamW,
+step (``pipeline`` runs them through pipeline stages by a schedule), ``step`` and ``optim`` the gradient sums, norm and AdamW,
 ``loss_scale`` float16's dynamic scaling; ``stopping`` agrees on early
 stops, ``rundir`` owns the run directory and its lock, ``dataplan`` which
 rows each rank reads, ``state`` what a checkpoint holds, ``evaluate`` the

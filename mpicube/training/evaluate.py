@@ -12,6 +12,7 @@ from .accum import forward_loss
 from ..core.errors import ConfigError
 from ..parallel import context
 from ..parallel.grid import saved_or_default_batch
+from ..parallel.layouts.base import nearest_multiples
 from ..parallel.gridspec import GridSpec
 from ..model.gpt import GPT
 from .parts import Parts, build_parts
@@ -58,6 +59,11 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
         if not 1 <= T <= cfg.n_ctx:
             raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
         context.validate(T, GridSpec.of(grid).cp)                  # --cp: 2C chunks of every sequence
+        spec = GridSpec.of(grid)
+        if spec.sequence_parallel and T % spec.tp(mpi_world.Get_size()):   # --sequence-parallel: T/tp positions
+            tp = spec.tp(mpi_world.Get_size())
+            raise ConfigError(f"--sequence-parallel: --seq-len {T} must be divisible by the tensor-parallel "
+                              f"size {tp}: use --seq-len {nearest_multiples(T, tp)}")
         if batches < 0:
             raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
         data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, saved.data, B, T, batches)

@@ -28,6 +28,7 @@ class TrainOptions:
     pp_schedule: str = "1f1b"      # gpipe, 1f1b or interleaved (micro-batches: grad_accum)
     virtual_stages: int = 1        # model chunks per stage under interleaved
     cp: int = 1                    # context-parallel ranks (issue 22)
+    sequence_parallel: bool = False   # 1-D: LayerNorm/dropout/residual regions sharded along T (issue 22)
     depth: int = 1
     n_layer: int = 4
     n_head: int = 12
@@ -72,7 +73,8 @@ class TrainOptions:
     def grid(self) -> GridSpec:
         """The parallel axes, as one value (parallel/gridspec.py)."""
         return GridSpec(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth,
-                        pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages)
+                        pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
+                        sequence_parallel=self.sequence_parallel)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,

@@ -108,7 +108,9 @@ class Pipeline:
                                                                            virtual)[self.stage]
         self.tied = tied_pair(layout.axes)      # stages 0 and P-1 (None on the others, or with one stage)
         self.models = {}                        # (v, micro, dropout) -> GPT chunk
-        self.peak_saved = (0, 0)                # (elements, bytes) the most saved at once, when measured
+        # (elements, bytes) the most held for backward at once, when measured: after
+        # every forward, and under --recompute blocks during a backward's rerun
+        self.peak_saved = (0, 0)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
         # Opt-in (mpicube.analysis.trace): the dict each chunk's forward fills
         # (GPT.capture), and ``current``, the chunk whose forward ran last.
@@ -121,12 +123,15 @@ class Pipeline:
         p = self.dropout if dropout is None else dropout
         key = (v, micro, p)
         if key not in self.models:
-            _, k, layers = self.chunks[v]
-            model = GPT(self.cfg, self.layout, self.store, dropout=p, seed=self.seed, grad_accum=self.N,
-                        layers=layers, first=k == 0, last=k == self.last_chunk)
-            model.loss_comm = None              # shares summed once per step (``_step_loss``)
-            self.models[key] = model
+            self.models[key] = self._new_chunk(v, p)
         return self.models[key]
+
+    def _new_chunk(self, v: int, dropout: float) -> GPT:
+        _, k, layers = self.chunks[v]
+        model = GPT(self.cfg, self.layout, self.store, dropout=dropout, seed=self.seed, grad_accum=self.N,
+                    layers=layers, first=k == 0, last=k == self.last_chunk)
+        model.loss_comm = None                  # shares summed once per step (``_step_loss``)
+        return model
 
     def _tag(self, a) -> int:
         return message_tag(a, self.stage, self.P, self.V, self.N)
@@ -175,10 +180,14 @@ class Pipeline:
             elif a.op == "backward":
                 model = self.chunk_model(v, m)
                 dy = None if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
+                held = self._saved(live) if after_forward is not None else (0, 0)
                 dx = model.backward(loss_scale=loss_scale, dy=dy)
                 live.discard((v, m))
                 self.recompute_peak_elements = max(self.recompute_peak_elements, model.recompute_peak_elements)
                 self.recompute_peak_bytes = max(self.recompute_peak_bytes, model.recompute_peak_bytes)
+                if after_forward is not None and model.recompute_peak_elements:
+                    # --recompute blocks: a rerun block's caches on top of what was held before
+                    self._peak((held[0] + model.recompute_peak_elements, held[1] + model.recompute_peak_bytes))
                 if not model.first:
                     outbox["send_grad", m, v] = dx                               # (B_c, T, C_c)
             else:
@@ -192,12 +201,20 @@ class Pipeline:
         return self._step_loss(loss)
 
     def _measure(self, live) -> None:
+        self._peak(self._saved(live))
+
+    def _saved(self, live) -> tuple:
+        """(elements, bytes) the live (chunk, micro-batch) pairs hold for backward."""
         elems = nbytes = 0
         for v, m in live:
             buffers = self.chunk_model(v, m)._saved_buffers()
             elems += sum(b.size for b in buffers)
             nbytes += sum(b.nbytes for b in buffers)
-        self.peak_saved = max(self.peak_saved, (elems, nbytes))
+        return elems, nbytes
+
+    def _peak(self, held) -> None:
+        """Elements and bytes peak apart (the peak of one need not be the other's)."""
+        self.peak_saved = (max(self.peak_saved[0], held[0]), max(self.peak_saved[1], held[1]))
 
     def _sum_tied(self) -> None:
         """The tied wte's two gradients (lookup on stage 0, head on stage
@@ -234,6 +251,7 @@ class Pipeline:
         """The step's mean loss over the global batch x, y (B, T), forward
         only (the chunks of ``dropout``, default none: evaluation's view)."""
         actions = self.forward_actions()
+        views = {v: self._new_chunk(v, dropout) for v in range(self.V)}   # dropped afterwards, caches and all
         posted = self._post_receives(actions, x.shape[1])
         sends, outbox, loss = [], {}, 0.0
         for a in actions:
@@ -243,7 +261,7 @@ class Pipeline:
             elif a.op == "send_act":
                 sends.append(isend(self.pp, outbox.pop((m, v)), a.peer, self._tag(a)))
             else:
-                model, rows = self.chunk_model(v, 0, dropout), parts.micro_rows(m)
+                model, rows = views[v], parts.micro_rows(m)
                 out = model.forward(x[rows] if model.first else inp, y[rows], step=step, micro=m)
                 if model.last:
                     loss += out

@@ -121,6 +121,12 @@ class Layout:
         return saved
 
     # --- shared helpers ---------------------------------------------------
+    def seq_positions(self, T: int):
+        """(T_c,) global positions of the canonical rows of a T-long
+        sequence, or None when the canonical form holds all T (every layout
+        but 1-D under --sequence-parallel, ``layouts/seqpar.py``)."""
+        return None
+
     def describe(self) -> dict:
         """JSON-able description (saved in checkpoints and config.json)."""
         axes = {"layout": self.name, "tp": self.axes.tp.size, "dp": self.axes.dp.size}

@@ -12,6 +12,14 @@ linears and of the LM head as a 1/p row shard (``RowShard``), all-gathered
 again in backward; ``--recompute blocks`` keeps each block's (replicated)
 input the same way. Both need the B_dp*T token rows to split p ways.
 
+``--sequence-parallel`` (``sequence_parallel=True``, ``seqpar.py``): the
+canonical form is a shard along the sequence instead, (B, T/p, C) with
+positions [t T/p, (t+1) T/p) on rank t, and each all-reduce splits into an
+all-gather before the column-parallel linear and a reduce-scatter after the
+row-parallel one (T divisible by p). Under --recompute gathers a
+column-parallel linear and the head keep their T/p shard and gather it
+again in backward; under --recompute blocks a block's input is its shard.
+
 Overlap (on unless MPICUBE_OVERLAP=0): a column-parallel linear's backward
 starts the all-reduce of dX nonblocking and computes dW meanwhile.
 """
@@ -20,10 +28,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 import math
 
 from .base import DenseLinear, Layout, RowShard, nearest_multiples
+from .seqpar import SeqLinear, SeqTiedEmbedding
 from .serial import DenseTiedEmbedding
 
 
@@ -42,10 +52,19 @@ class OneDLayout(Layout):
                         f"per replica, which must be divisible by {tp}: use a batch size per replica of "
                         f"{nearest_multiples(local_batch, step)}")
 
-    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
+    @classmethod
+    def validate_sequence(cls, cfg, tp, T, recompute="none"):
+        """--sequence-parallel: every sequence splits into tp runs of T/tp positions."""
+        if T % tp:
+            raise ConfigError(f"--sequence-parallel splits each sequence of {T} positions over the {tp} "
+                              f"tensor-parallel ranks: use a sequence length (--seq-len) of "
+                              f"{nearest_multiples(T, tp)}, or a tensor-parallel size dividing {T}")
+
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", sequence_parallel=False):
         super().__init__(cfg, axes, batch_size, recompute=recompute)
         p, t = axes.tp.size, axes.tp.rank
         self.p, self.t = p, t
+        self.sequence_parallel = sequence_parallel and p > 1
         self.row_shard = RowShard(axes.tp)
         self.vocab_padded = self.pad_to(cfg.vocab_size, p)
         self.canonical_seqs = np.arange(self.local_batch)
@@ -63,10 +82,26 @@ class OneDLayout(Layout):
             return ParamSpec(decl, (split_index(shape[0], p, t, decl.groups),))
         if decl.role == "w_second":
             return ParamSpec(decl, (split_index(shape[0], p, t), full_index(shape[1])))
+        full = tuple(full_index(n) for n in shape)
+        if self.sequence_parallel and decl.role in ("wpe", "norm"):   # partial sums from this rank's positions
+            return ParamSpec(decl, full, grad_comm=self.axes.tp, replicas=p, writer=(t == 0))
         # wpe, norm, b_second: replicated, and every rank computes the whole gradient
-        return ParamSpec(decl, tuple(full_index(n) for n in shape), replicas=p, writer=(t == 0))
+        return ParamSpec(decl, full, replicas=p, writer=(t == 0))
+
+    def seq_positions(self, T: int):
+        """(T/p,) the global positions of this rank's canonical rows, or None (all T)."""
+        if not self.sequence_parallel:
+            return None
+        if T % self.p:
+            raise ConfigError(f"--sequence-parallel: sequence length {T} must be divisible by the "
+                              f"tensor-parallel size {self.p}: use {nearest_multiples(T, self.p)}")
+        n = T // self.p
+        return np.arange(self.t * n, (self.t + 1) * n)
 
     def linear(self, store, prefix, position):
+        if self.sequence_parallel:
+            return SeqLinear(store, prefix, self.axes.tp, position, overlap=self.overlap,
+                             regather=self.recompute == "gathers")
         if position == "first" and self.recompute == "gathers":   # its replicated input kept as a row shard
             return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard, overlap=self.overlap)
         if position == "first":   # column-parallel
@@ -74,15 +109,24 @@ class OneDLayout(Layout):
         return DenseLinear(store, prefix, out_reduce=self.axes.tp)   # row-parallel
 
     def tied_embedding(self, store):
+        if self.sequence_parallel:
+            return SeqTiedEmbedding(store, self, vocab_comm=self.axes.tp,
+                                    vocab_start=self.t * self.vocab_padded // self.p,
+                                    regather=self.recompute == "gathers")
         return DenseTiedEmbedding(store, self, vocab_comm=self.axes.tp,
                                   vocab_start=self.t * self.vocab_padded // self.p,
                                   shard=self.row_shard if self.recompute == "gathers" else None)
 
     def save_block_input(self, x):
+        if self.sequence_parallel:
+            return x                                 # (B, T/p, h): already this rank's share
         return self.row_shard.keep(x)                # (n/p, C) rows and x's shape
 
     def load_block_input(self, saved):
+        if self.sequence_parallel:
+            return saved
         return self.row_shard.restore(saved)         # (B, T, h)
 
     def describe(self):
-        return {**super().describe(), "p": self.p}
+        return {**super().describe(), "p": self.p,
+                **({"sequence_parallel": True} if self.sequence_parallel else {})}

@@ -1,0 +1,127 @@
+"""Sequence parallelism for the 1-D layout (``--sequence-parallel``).
+
+The canonical form becomes a shard along the sequence: tp rank t holds the
+positions [t T/p, (t+1) T/p) of every sequence of its replica, all C
+columns, (B, T/p, C). LayerNorms, dropout and residual adds run on that
+shard, so what they keep is 1/p of the plain 1-D layout's. The Megatron
+all-reduces split into their halves along T:
+
+* the replicated input of a column-parallel linear is all-gathered
+  (B, T/p, C) -> (B, T, C); in backward its partial dX is reduce-scattered;
+* the partial output of a row-parallel linear is reduce-scattered
+  (B, T, C) -> (B, T/p, C); in backward its dY is all-gathered;
+* the vocabulary-split lookup is reduce-scattered instead of all-reduced
+  (its dX all-gathered in backward), and the LM head all-gathers its input
+  (its dX reduce-scattered).
+
+An all-gather plus a reduce-scatter of n elements move what one all-reduce
+of n moves (ring counts: (g-1)/g n each), so the bytes are the plain
+layout's. A row-parallel bias gradient is summed from the gathered dY (so
+it is complete on every rank, as before); LayerNorm weights and wpe get
+partial gradients from their rows and are summed over tp once per step
+(``ParamSpec.grad_comm``).
+"""
+
+from __future__ import annotations
+
+from ... import ops
+from ...device import precision
+from .base import acc, matmul_rows
+from .serial import DenseTiedEmbedding
+
+SEQ = 1                    # the axis of (B, T, C) the shards split
+
+
+class SeqLinear:
+    """A 1-D linear under sequence parallelism. ``position`` "first"
+    (column-parallel): forward all-gathers x along T and keeps the gathered
+    x for dW; backward reduce-scatters dX (nonblocking with ``overlap``,
+    while dW is computed). "second" (row-parallel): forward reduce-scatters
+    the partial output before the bias; backward all-gathers dY."""
+
+    def __init__(self, store, prefix: str, comm, position: str, overlap: bool = False, regather: bool = False):
+        self.w = store.work[prefix + ".weight"]       # (C_in, C_out/p) or (C_in/p, C_out)
+        self.b = store.work[prefix + ".bias"]
+        self.store, self.w_name = store, prefix + ".weight"
+        store.defer_zero(self.w_name)
+        self.db = store.grad[prefix + ".bias"]
+        self.comm, self.first, self.overlap = comm, position == "first", overlap
+        self.regather = regather and self.first     # --recompute gathers: keep the shard, gather it again
+        self.x = None
+
+    def forward(self, x):
+        """first: x (B, T/p, C) -> (B, T, C_m); second: x (B, T, C_m) -> (B, T/p, C)."""
+        if self.first:
+            shard, x = x, self.comm.allgather(x, axis=SEQ)   # (B, T/p, C), (B, T, C)
+            self.x = shard if self.regather else x
+            y = matmul_rows(x, self.w, acc(x))        # (B, T, C_m)
+            y += self.b
+            return precision.narrow(y, x.dtype)
+        self.x = x
+        y = self.comm.reduce_scatter(matmul_rows(x, self.w, acc(x)), axis=SEQ, wire=x.dtype)   # (B, T/p, C)
+        y = y.astype(acc(x), copy=False)
+        y += self.b
+        return precision.narrow(y, x.dtype)
+
+    def backward(self, dy):
+        """first: dy (B, T, C_m) -> dx (B, T/p, C); second: dy (B, T/p, C) -> dx (B, T, C_m)."""
+        if not self.first:
+            dy = self.comm.allgather(dy, axis=SEQ)    # (B, T, C)
+        x = self.comm.allgather(self.x, axis=SEQ) if self.regather else self.x   # (B, T, C_in)
+        x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
+        dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
+        if self.first and self.overlap:               # dX travels while dW and db are computed
+            pending = self.comm.ireduce_scatter(matmul_rows(dy, self.w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
+            self.store.add_matmul(self.w_name, x2.T, dy2)
+            self.db += ops.column_sums(dy2)
+            self.x = None
+            return precision.narrow(pending.wait(), dy.dtype)
+        self.store.add_matmul(self.w_name, x2.T, dy2)  # dW += x^T dy
+        self.db += ops.column_sums(dy2)               # complete: from all T rows
+        if self.first:
+            dx = self.comm.reduce_scatter(matmul_rows(dy, self.w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
+            dx = precision.narrow(dx, dy.dtype)       # (B, T/p, C)
+        else:
+            dx = matmul_rows(dy, self.w.T)            # (B, T, C_m)
+        self.x = None
+        return dx
+
+    def release(self):
+        self.x = None
+
+
+class SeqTiedEmbedding(DenseTiedEmbedding):
+    """The vocabulary-split lookup and LM head of 1-D with a sequence-shard
+    canonical form: the lookup's partial rows are reduce-scattered along T,
+    the head gathers its input along T (and keeps it for dwte, or under
+    --recompute gathers its T/p shard, gathered again in backward)."""
+
+    def __init__(self, store, layout, vocab_comm, vocab_start, regather: bool = False):
+        super().__init__(store, layout, vocab_comm=vocab_comm, vocab_start=vocab_start)
+        self.regather = regather
+
+    def embed(self, ids):
+        """ids (B, T) -> x (B, T/p, h)."""
+        x, self.embed_cache = ops.embedding_forward(ids, self.wte, self.vocab_start)   # (B, T, h) partial
+        return self.vocab_comm.reduce_scatter(x, axis=SEQ, wire=x.dtype)
+
+    def embed_backward(self, dx):
+        """dx (B, T/p, h): gathered to every position of the replica's ids."""
+        super().embed_backward(self.vocab_comm.allgather(dx, axis=SEQ))             # (B, T, h)
+
+    def logits(self, x):
+        """x (B, T/p, h) -> logits (B, T, V_l)."""
+        gathered = self.vocab_comm.allgather(x, axis=SEQ)                            # (B, T, h)
+        self.x = x if self.regather else gathered
+        return matmul_rows(gathered, self.wte.T)
+
+    def logits_backward(self, dlogits):
+        """dlogits (B, T, V_l) -> dx (B, T/p, h)."""
+        x = self.vocab_comm.allgather(self.x, axis=SEQ) if self.regather else self.x   # (B, T, h)
+        x2 = x.reshape(-1, x.shape[-1])                          # (B*T, h)
+        dl2 = dlogits.reshape(-1, dlogits.shape[-1])             # (B*T, V_l)
+        self.store.add_matmul("wte", dl2.T, x2)                  # dwte (V_l, h) += dlogits^T x
+        dx = self.vocab_comm.reduce_scatter(matmul_rows(dlogits, self.wte, acc(dlogits)), axis=SEQ,
+                                            wire=dlogits.dtype)  # (B, T/p, h)
+        self.x = None
+        return precision.narrow(dx, dlogits.dtype)
