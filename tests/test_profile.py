@@ -109,6 +109,26 @@ def test_train_profile_and_a_range_outside_the_run(mpicube):
     assert r.returncode == 2 and "START:STOP" in r.error_lines()[0], r
 
 
+def test_bench_overlap_both_times_each_setting(mpicube):
+    """--overlap-both: each layout with its collectives blocking, then
+    overlapped, in one run: the same bytes (the cost model's) and each
+    setting's exposed fraction, so what overlap hides can be read off."""
+    model = ["--n-layer", "1", "--n-head", "4", "--n-embd", "16", "--seq-len", "16"]
+    r = mpicube.run("bench", "--layout", "1d", "--layout", "2d", *model, "--warmup-steps", "0", "--steps", "1",
+                    "--overlap-both", "--json", n=4)
+    assert r.returncode == 0, r
+    results = last_json(r.stdout)["results"]
+    assert [(x["layout"], x["overlap"]) for x in results] == [("1d", False), ("1d", True), ("2d", False),
+                                                               ("2d", True)]
+    for off, on in (results[:2], results[2:]):
+        assert off["comm"]["measured_bytes"] == on["comm"]["measured_bytes"] == on["comm"]["predicted_bytes"]
+        assert 0 < off["exposed_comm_fraction"] <= 1 and 0 < on["exposed_comm_fraction"] <= 1
+    assert "1d/off" in r.stdout and "2d/off" in r.stdout
+    r = mpicube.run("bench", *MODEL, "--overlap-both", "--profile", "1:2")
+    assert r.returncode == 2 and r.error_lines() == ["error: --profile records one setting: drop --overlap-both, "
+                                                     "or profile each setting in its own run"], r
+
+
 def test_profile_in_process_leaves_nothing_behind(tmp_path):
     """Serial on one rank: a profiled step among plain ones; afterwards no
     module or optimizer method is wrapped and no recorder is active."""

@@ -167,6 +167,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
     rate32 = gemm_rate(backend, *gemm_shape, dtype=np.float32) if backend.mixed else rate
     return {
         **layout.describe(),
+        "overlap": layout.overlap,      # collectives overlapped with GEMMs (MPICUBE_OVERLAP)
         "world": world,
         "depth": layout.describe().get("depth", 1),
         "step_time_s": median,
@@ -249,7 +250,7 @@ def format_table(results: list, dtype_bytes=None) -> str:
         mem = (m["params"] + m["grads"] + m["optimizer"] + m["activations"]) / 1e6
         spread = f"{r['step_time_spread_s'][0] * 1e3:.1f}-{r['step_time_spread_s'][1] * 1e3:.1f}"
         lines.append(
-            f"{r['layout']:<8} {r['world']:>5} {r['step_time_s'] * 1e3:>9.1f} {spread:>15} "
+            f"{r['layout'] + ('' if r.get('overlap', True) else '/off'):<8} {r['world']:>5} {r['step_time_s'] * 1e3:>9.1f} {spread:>15} "
             f"{r['tokens_per_s']:>9.0f} {r['flops_per_s_per_rank'] / 1e9:>8.2f} {100 * r['gemm_fraction']:>5.1f}% "
             + " ".join(f"{s[k] * 1e3:>6.1f}" for k in ("forward_s", "backward_s", "sync_s", "optimizer_s", "comm_s"))
             + f" {100 * r['exposed_comm_fraction']:>7.1f}% {c['measured_bytes']:>11.4g} "
@@ -265,7 +266,8 @@ def format_table(results: list, dtype_bytes=None) -> str:
     lines.append("Times in ms per step (median); "
                  "gemm% = model FLOP/s per rank / same-process matmul FLOP/s; "
                  "mpi = time inside MPI calls (part of fwd/bwd/sync); exposed = mpi / step: communication nothing "
-                 "overlapped; memory = params+grads+Adam+saved activations"
+                 "overlapped (a layout/off row: its collectives blocking, MPICUBE_OVERLAP=0); "
+                 "memory = params+grads+Adam+saved activations"
                  + ("; under --pp, fwd is the whole schedule (forwards and backwards interleave), rank 0 is "
                     "stage 0" if any(r.get("pp", 1) > 1 for r in results) else ""))
     return "\n".join(lines)

@@ -6,6 +6,8 @@ share."""
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 
 import click
 
@@ -156,10 +158,13 @@ def _mib(nbytes: int) -> str:
               help="where --profile writes (several layouts: RUN_DIR/<layout>/)  [default: runs/bench-<time>]")
 @cp_option
 @sequence_parallel_option
+@click.option("--overlap-both", is_flag=True,
+              help="time each layout twice, its collectives blocking (MPICUBE_OVERLAP=0) and overlapped, to show the "
+                   "exposed communication each leaves")
 @collective_timeout_option
 def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
           grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,
-          collective_timeout, sequence_parallel):
+          overlap_both, collective_timeout, sequence_parallel):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -181,6 +186,8 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     if profile is not None and profile[1] > warmup_steps + steps:
         raise UserError(f"--profile {profile[0]}:{profile[1]} ends after the last step, "
                         f"{warmup_steps + steps} (--warmup-steps + --steps)")
+    if profile is not None and overlap_both:
+        raise UserError("--profile records one setting: drop --overlap-both, or profile each setting in its own run")
     profile_dir = _profile_dir(out) if profile is not None else None
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     results, noted = [], set()
@@ -193,19 +200,21 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
             if batch is None:                                  # each layout its own smallest batch
                 batch, why = default_batch(grid, cfg, _mpi["world"].Get_size(), grad_accum, recompute=recompute)
                 echo(f"bench {name}: {why}")
-            parts = build_parts(cfg, grid, batch, _mpi["world"], dtype=dtype,
-                                device=device, seed=seed, tf32=tf32, grad_accum=grad_accum, recompute=recompute,
-                                zero=zero, seq_len=seq_len)
-            note = recompute_note(parts.layout, recompute)
-            if note and note not in noted:
-                noted.add(note)
-                echo(note)
-            session = None
-            if profile is not None:
-                where = profile_dir / name if len(layouts) > 1 else profile_dir
-                meta = {"command": "bench", **parts.layout.describe()}
-                session = _session_factory(parts, profile, where, meta)
-            results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed, session))
+            for overlap in ("0", "1") if overlap_both else (None,):
+                with _overlap_setting(overlap):                # a layout reads it once, when it is built
+                    parts = build_parts(cfg, grid, batch, _mpi["world"], dtype=dtype, device=device, seed=seed,
+                                        tf32=tf32, grad_accum=grad_accum, recompute=recompute, zero=zero,
+                                        seq_len=seq_len)
+                note = recompute_note(parts.layout, recompute)
+                if note and note not in noted:
+                    noted.add(note)
+                    echo(note)
+                session = None
+                if profile is not None:
+                    where = profile_dir / name if len(layouts) > 1 else profile_dir
+                    meta = {"command": "bench", **parts.layout.describe()}
+                    session = _session_factory(parts, profile, where, meta)
+                results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed, session))
     echo(format_table(results, 4 if dtype == "float32" else 8))
     echo(f"threads: {threads.current().describe()}")
     if as_json:
@@ -213,6 +222,23 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
         echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
                          "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
                          "results": results}))
+
+
+@contextmanager
+def _overlap_setting(value):
+    """MPICUBE_OVERLAP set to ``value`` (None: left as it is) while a layout is built."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get("MPICUBE_OVERLAP")
+    os.environ["MPICUBE_OVERLAP"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MPICUBE_OVERLAP"]
+        else:
+            os.environ["MPICUBE_OVERLAP"] = saved
 
 
 def _profile_dir(out):
