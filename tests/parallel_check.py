@@ -210,15 +210,18 @@ def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
                       recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP,
                       sequence_parallel=SEQPAR)
-    want = step_traffic(problem)
-    axes = set(want.elems) | set(counters.elems)
-    for axis in axes:
+    assert_traffic(step_traffic(problem), counters, f"rank {MPI.COMM_WORLD.rank}")
+
+
+def assert_traffic(want, counters, where: str) -> None:
+    """Every axis's measured elements, bytes and messages (``counters``)
+    equal the cost model's ``want`` (a Traffic); ``where`` names the rank."""
+    for axis in set(want.elems) | set(counters.elems):
         got = counters.elems.get(axis, 0), counters.bytes.get(axis, 0), counters.msgs.get(axis, 0)
         model = want.elems.get(axis, 0), want.bytes.get(axis, 0), want.msgs.get(axis, 0)
         if got != model:
-            raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: axis {axis}: measured {got[0]} elements / "
-                                 f"{got[1]} bytes / {got[2]} messages, model predicts {model[0]} / {model[1]} / "
-                                 f"{model[2]}")
+            raise AssertionError(f"{where}: axis {axis}: measured {got[0]} elements / {got[1]} bytes / "
+                                 f"{got[2]} messages, model predicts {model[0]} / {model[1]} / {model[2]}")
 
 
 def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, adam):

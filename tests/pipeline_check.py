@@ -24,7 +24,6 @@ checkpoints' tensors bitwise equal too.
 """
 
 import json
-import os
 import sys
 
 import numpy as np
@@ -81,14 +80,7 @@ def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum):
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
                       recompute=pc.RECOMPUTE, zero=pc.ZERO, grad_accum=accum, pp=pp, pp_schedule=schedule,
                       virtual_stages=virtual, stage=layout.axes.pp.rank)
-    want = step_traffic(problem)
-    for axis in set(want.elems) | set(c.elems):
-        got = c.elems.get(axis, 0), c.bytes.get(axis, 0), c.msgs.get(axis, 0)
-        model = want.elems.get(axis, 0), want.bytes.get(axis, 0), want.msgs.get(axis, 0)
-        if got != model:
-            raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): axis {axis}: measured "
-                                 f"{got[0]} elements / {got[1]} bytes / {got[2]} messages, model {model[0]} / "
-                                 f"{model[1]} / {model[2]}")
+    pc.assert_traffic(step_traffic(problem), c, f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage})")
     peak = sum(pipeline_peak_activations(problem, dropout=True).values())
     peak_bytes = pipeline_peak_activation_bytes(problem, dropout=True)
     got = pipe.peak_saved
