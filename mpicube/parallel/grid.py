@@ -40,11 +40,6 @@ def choose_layout(name: str, tp_size: int, depth: int = 1) -> str:
     return "1d"
 
 
-def split_world(world_size: int, dp: int) -> int:
-    """Tensor-parallel size for ``dp`` replicas (no other axis), or a ConfigError."""
-    return GridSpec(dp=dp).tp(world_size)
-
-
 def validate_axes(grid: GridSpec) -> None:
     """Combinations of axes this build cannot run, refused with one line
     (pure: TrainOptions.validate calls it before any communicator)."""
