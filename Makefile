@@ -34,7 +34,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install --upgrade pip
 	if [ -f $(SITE_MPI) ]; then extras=test,fast; else extras=mpich,test,fast; fi; \
 	$(BIN)/python -m pip install -e ".[$$extras]"
-	$(BIN)/python -m mpicube.device.fused
+	$(BIN)/python -m mpicube.device.fused_attention
 	touch $@
 
 install-site-mpi:
@@ -45,7 +45,7 @@ install-site-mpi:
 	echo "building mpi4py against $$mpicc"; \
 	MPICC="$$mpicc" $(BIN)/python -m pip install --no-cache-dir --no-binary mpi4py mpi4py
 	$(BIN)/python -m pip install -e ".[test,fast]"
-	$(BIN)/python -m mpicube.device.fused
+	$(BIN)/python -m mpicube.device.fused_attention
 	touch $(SITE_MPI) $(STAMP)
 
 train: install

@@ -9,6 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from mpicube import ops
+from mpicube.device import fused
 from mpicube.core.config import ModelConfig
 from mpicube.ops import attention_blocks as ab
 from mpicube.training.parts import build_parts
@@ -24,9 +25,18 @@ def rel(a, b):
 SHAPES = [(2, 37, 3, 4, 8), (1, 64, 2, 8, 16), (2, 20, 2, 4, 64), (1, 1, 1, 4, 8), (2, 300, 2, 4, ab.BLOCK)]
 
 
+@pytest.fixture(params=["kernels", "numpy"])
+def path(request):
+    """Both ways of running the softmax steps: device.fused_attention's
+    kernels (the CPU default) and the array code (GPUs, MPICUBE_KERNELS=numpy)."""
+    previous = fused.use(request.param == "kernels")
+    yield request.param
+    fused.use(previous)
+
+
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("B,T,nh,hd,block", SHAPES)
-def test_equals_full_attention(B, T, nh, hd, block, dropout):
+def test_equals_full_attention(B, T, nh, hd, block, dropout, path):
     """y, the probabilities exp(s - lse) and dqkv equal the full op's (1e-12)."""
     qkv = rng.standard_normal((B, T, 3 * nh * hd))                     # (B, T, 3 C)
     dy = rng.standard_normal((B, T, nh * hd))                          # (B, T, C)
@@ -53,7 +63,7 @@ def test_keeps_no_scores():
     assert cache[4].shape == (B, nh, T)
 
 
-def test_blocks_above_the_diagonal_are_skipped():
+def test_blocks_above_the_diagonal_are_skipped(path):
     """Forward: NaN keys and values from the second block on leave the
     first query block's output finite. Backward: NaN queries in the first
     block leave the key and value gradients of later blocks finite. So no

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpicube.device import fused
+from mpicube.device import fused, gemm_threads
 from mpicube import ops
 from mpicube.device.backend import make_backend
 from mpicube.core.config import ModelConfig
@@ -28,28 +28,32 @@ rng = np.random.default_rng(0)
 
 
 @contextmanager
-def kernels(on: bool, check: bool = True):
+def kernels(on: bool, check: bool = True, variant: str | None = None):
     """fused.use(on) inside the block, the previous setting after it. On, the
     kernels (and the batch split of attention's GEMMs) apply at every size
     (no minimum work, at least 2 threads) and, if
     ``check``, every fused.active call inside must say True (else the
-    comparison would be NumPy against NumPy); off, every one False."""
+    comparison would be NumPy against NumPy); off, every one False.
+    ``variant`` ("threaded" or "one_thread") forces that compilation of
+    every kernel (fused._Kernel), which otherwise the size decides."""
     numba, real_active, answers = fused.numba, fused.active, []
     if on and numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("the fused kernels need at least 2 numba threads")
-    threads, min_elems, min_macs = numba.get_num_threads(), fused.PARALLEL_MIN_ELEMS, fused.SPLIT_MIN_MACS
+    threads, min_elems, min_macs = numba.get_num_threads(), fused.PARALLEL_MIN_ELEMS, gemm_threads.SPLIT_MIN_MACS
     previous = fused.use(on)
     fused.active = lambda *arrays: answers.append(real_active(*arrays)) or answers[-1]
     if on:
         numba.set_num_threads(max(2, threads))
-        fused.PARALLEL_MIN_ELEMS = fused.SPLIT_MIN_MACS = 0
+        fused.PARALLEL_MIN_ELEMS = gemm_threads.SPLIT_MIN_MACS = 0
+        fused._Kernel.forced = variant
     try:
         yield
     finally:
+        fused._Kernel.forced = None
         fused.active = real_active
         fused.use(previous)
         numba.set_num_threads(threads)
-        fused.PARALLEL_MIN_ELEMS, fused.SPLIT_MIN_MACS = min_elems, min_macs
+        fused.PARALLEL_MIN_ELEMS, gemm_threads.SPLIT_MIN_MACS = min_elems, min_macs
     if check:                                     # on: fused everywhere; off: nowhere
         assert (answers and all(answers)) if on else not any(answers), f"active() said {answers}"
 
@@ -301,14 +305,17 @@ def test_deferred_grad_rules(on):
     np.testing.assert_allclose(a, 2 * (u @ w), rtol=1e-14)
 
 
-def test_training_step_fused_vs_numpy():
+@pytest.mark.parametrize("variant", ["threaded", "one_thread"])
+def test_training_step_fused_vs_numpy(variant):
     """Two serial training steps with dropout: loss, every gradient, and the
-    params and moments after each AdamW step agree between the two paths."""
+    params and moments after each AdamW step agree between the two paths,
+    with every kernel threaded and with every kernel on the calling thread
+    (blockwise attention's kernels included)."""
     batches, runs = rng.integers(0, CFG.vocab_size, (2, 2, 3, CFG.n_ctx)), {}
     for on in (True, False):
         parts = tiny_parts(dropout=0.1)
         opt, record = AdamW(parts.store, weight_decay=0.1), []
-        with kernels(on):
+        with kernels(on, variant=variant if on else None):
             for s, (x, y) in enumerate(batches, start=1):
                 parts.store.zero_grad()
                 record.append(([step_grads(parts, x, y, step=s)], parts.store.flat_grad.copy()))
@@ -373,7 +380,7 @@ def test_batched_matmul_split(B, nh):
     q, k = qkv[0], qkv[1]
     before = [lib["num_threads"] for lib in threadpool_info()]
     with kernels(True, check=False):
-        assert fused.splits_batch(q, k.swapaxes(-1, -2)) == (B * nh > 1)
+        assert gemm_threads.splits_batch(q, k.swapaxes(-1, -2)) == (B * nh > 1)
         got = ops.batched_matmul(q, k.swapaxes(-1, -2))                       # (B, nh, T, T)
         out = np.full((B, nh, 7, 6), np.nan)
         ops.batched_matmul(got, k, out=out)

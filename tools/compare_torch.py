@@ -2,7 +2,11 @@
 
 Both run the same GPT-2 (tied head, pre-LN, tanh GELU) from the same initial
 weights on the same batch, with AdamW, in one process, alternating so that
-both see the same machine state. Prints the median step times, their ratio,
+both see the same machine state, each starting after a pause (``--pause``)
+in which the other library's idle worker threads stop spinning: OpenBLAS's
+and PyTorch's OpenMP workers both spin for milliseconds after their last
+call, and on a 2-core machine a step that starts while the other pool
+spins runs on one core. Prints the median step times, their ratio,
 each one's fraction of its own library's matmul rate, and the first-step
 losses (which must agree: the comparison is of the same computation).
 
@@ -79,6 +83,8 @@ def main():
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10, help="timed steps of each (after 2 warm-up steps)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads [default: torch's]")
+    ap.add_argument("--pause", type=float, default=0.05,
+                    help="seconds of idle before each timed step, for the other pool's spinning to end [0.05]")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,13 +130,14 @@ def main():
     # figure of a fraction comes from the same stretch of the machine's time.
     t_ours, t_theirs, r_np, r_torch = [], [], [], []
     for _ in range(args.steps):
+        time.sleep(args.pause)
         t0 = time.perf_counter()
         ours()
-        t1 = time.perf_counter()
+        t_ours.append(time.perf_counter() - t0)
+        time.sleep(args.pause)
+        t0 = time.perf_counter()
         theirs()
-        t2 = time.perf_counter()
-        t_ours.append(t1 - t0)
-        t_theirs.append(t2 - t1)
+        t_theirs.append(time.perf_counter() - t0)
         r_np.append(matmul_rate(np.matmul, a32, b32, min_repeats=3, min_seconds=0.05))
         r_torch.append(matmul_rate(torch.matmul, ta, tb, min_repeats=3, min_seconds=0.05))
     m_ours, m_theirs = float(np.median(t_ours)), float(np.median(t_theirs))

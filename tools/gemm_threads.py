@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from mpicube.device import fused
+from mpicube.device import gemm_threads
 import numpy as np
 from mpi4py import MPI
 
@@ -48,18 +48,18 @@ def main():
         parts.model.backward()
         opt.step(1e-4)
 
-    bound = fused.GEMM_SPLIT_MIN_MACS
+    bound = gemm_threads.GEMM_SPLIT_MIN_MACS
     variants = {"small GEMMs on one thread": bound, "every GEMM on all threads": 0}
     times = {name: ([], []) for name in variants}
     for rnd in range(args.steps + 2):
         for name, value in variants.items():
-            fused.GEMM_SPLIT_MIN_MACS = value
+            gemm_threads.GEMM_SPLIT_MIN_MACS = value
             t0, c0 = time.perf_counter(), time.process_time()
             step()
             if rnd >= 2:
                 times[name][0].append(time.perf_counter() - t0)
                 times[name][1].append(time.process_time() - c0)
-    fused.GEMM_SPLIT_MIN_MACS = bound
+    gemm_threads.GEMM_SPLIT_MIN_MACS = bound
     print(f"model: {cfg.n_layer} layers, n_embd {cfg.n_embd}, seq {args.seq_len}, batch {args.batch_size}; "
           f"{share.describe()}")
     for name, (wall, cpu) in times.items():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 
 import numpy as np
 
@@ -66,13 +67,16 @@ def use(enabled: bool) -> bool:
     return previous
 
 
+def enabled() -> bool:
+    """Whether the fused kernels are on (numba there, MPICUBE_KERNELS not numpy)."""
+    return _enabled
+
+
 def describe() -> str:
     """Which kernels run, for benchmark reports."""
     if not _enabled:
         return "numpy"
-    if numba.get_num_threads() < 2:
-        return "numpy (one thread per rank: the fused kernels need two)"
-    return f"numba fused, {numba.get_num_threads()} threads per rank"
+    return f"numba fused, {numba.get_num_threads()} thread(s) per rank"
 
 
 def configure_threads(comm=None) -> None:
@@ -89,33 +93,70 @@ def threads() -> int:
     return numba.get_num_threads() if _enabled else 1
 
 
+class _Kernel:
+    """One kernel compiled twice: threaded over its outer ``prange`` for
+    work of at least PARALLEL_MIN_ELEMS elements (the first argument's
+    size) on a rank with threads, and on the calling thread otherwise, so
+    that small work does not pay to wake the pool (numba's workqueue layer
+    takes about 0.1 ms per launch here) and still makes one pass instead of
+    NumPy's several."""
+
+    def __init__(self, threaded, one_thread):
+        self.threaded, self.one_thread = threaded, one_thread
+
+    forced = None          # "threaded" or "one_thread": ``warm`` compiles each in turn
+
+    def __call__(self, *args):
+        if self.forced is not None:
+            return getattr(self, self.forced)(*args)
+        if args[0].size >= PARALLEL_MIN_ELEMS and numba.get_num_threads() > 1:
+            return self.threaded(*args)
+        return self.one_thread(*args)
+
+
+def _renamed(f, suffix: str):
+    """A copy of function f under another qualified name, so that numba's
+    on-disk cache keeps its compilation apart from f's."""
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__ + suffix, f.__defaults__, f.__closure__)
+    g.__qualname__ = f.__qualname__ + suffix
+    g.__doc__ = f.__doc__
+    return g
+
+
 def _jit(sums: bool = False, parallel: bool = True):
     """numba.njit with an on-disk cache (compiled once per install, see
     ``warm``); the identity without numba, so this module always imports.
+    ``parallel``: compile a threaded and a one-thread variant (``_Kernel``).
     ``sums``: the kernel's float sums may be reassociated, which lets them
     run in SIMD lanes (as NumPy's pairwise sums do); nothing else is relaxed,
     so NaN and inf still propagate."""
     if numba is None:
         return lambda f: f
-    return numba.njit(parallel=parallel, cache=True, fastmath={"reassoc"} if sums else False)
+    options = dict(cache=True, fastmath={"reassoc"} if sums else False)
+
+    def compile_both(f):
+        one_thread = numba.njit(parallel=False, nogil=True, **options)(_renamed(f, "_one_thread"))
+        return _Kernel(numba.njit(parallel=True, **options)(f), one_thread) if parallel else one_thread
+
+    return compile_both
 
 
-# Waking the worker threads costs 0.1-0.25 ms on this project's 2-core VMs
-# (tens of microseconds on bare metal), about what NumPy needs for a few
-# passes over this many elements: smaller work stays on the NumPy path.
-# MPICUBE_FUSED_MIN_ELEMS overrides it (0: fused at every size).
+# Below this many elements a kernel runs on the calling thread (_Kernel):
+# waking numba's workers costs about what a pass over this many takes.
+# MPICUBE_FUSED_MIN_ELEMS overrides it (0: threaded at every size).
 _MIN_ELEMS_SET = os.environ.get("MPICUBE_FUSED_MIN_ELEMS", "").strip()    # checked in check_choice
 PARALLEL_MIN_ELEMS = int(_MIN_ELEMS_SET) if _MIN_ELEMS_SET.isdigit() else 1 << 19
 
 
 def active(*arrays) -> bool:
-    """True if the fused kernels are on, run on more than one thread, and
-    apply to these arrays: C-contiguous NumPy arrays, the first holding at
-    least PARALLEL_MIN_ELEMS elements (the work). Otherwise the caller takes
-    its array-module path (always so for CuPy arrays, strided views and the
-    16-bit formats, which the kernels do not take: ops upcast those first)."""
-    return (threads() > 1 and arrays[0].size >= PARALLEL_MIN_ELEMS
-            and all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype in _FLOATS for a in arrays))
+    """True if the fused kernels are on and apply to these arrays:
+    C-contiguous float32 or float64 NumPy arrays, of any size and on any
+    number of threads (``_Kernel`` decides whether to thread). Otherwise
+    the caller takes its array-module path (always so for CuPy arrays,
+    strided views and the 16-bit formats, which the kernels do not take:
+    ops upcast those first)."""
+    return _enabled and all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype in _FLOATS
+                            for a in arrays)
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -256,6 +297,31 @@ def layernorm_grad_input(dy, gamma, xhat, rstd, means, dx):
             dx[r, c] = (dy[r, c] * gamma[c] - m0 - xhat[r, c] * m1) * rs
 
 
+# --- parameter gradients of biases and LayerNorm: sums over the rows ---------------
+@_jit(sums=True, parallel=False)
+def column_sums(a, out):
+    """out (C,) float64 = the sums over the rows of a (n, C), added row by
+    row in float64 (SIMD across the columns): four times NumPy's
+    sum(0, dtype=float64), which casts through a buffer."""
+    for c in range(a.shape[1]):
+        out[c] = 0.0
+    for r in range(a.shape[0]):
+        row = a[r]
+        for c in range(a.shape[1]):
+            out[c] += row[c]
+
+
+@_jit(sums=True, parallel=False)
+def column_dots(a, b, out):
+    """out (C,) float64 = the sums over the rows of a * b, a and b (n, C)."""
+    for c in range(a.shape[1]):
+        out[c] = 0.0
+    for r in range(a.shape[0]):
+        ra, rb = a[r], b[r]
+        for c in range(a.shape[1]):
+            out[c] += ra[c] * rb[c]
+
+
 # --- AdamW ------------------------------------------------------------------------
 @_jit()
 def adamw(p, g, m, v, b1, b2, step, eps, keep, grad_scale):
@@ -278,77 +344,6 @@ def fill_zero(a):
         a[i] = 0
 
 
-# --- batched small GEMMs (attention) ---------------------------------------------------
-# Attention multiplies B*nh small matrices (T x hd by hd x T, ...). NumPy
-# hands them to OpenBLAS one by one, and OpenBLAS splits each small GEMM
-# over its threads for almost nothing: 48 GEMMs of 256 x 64 x 256 take
-# 2.8 ms on two BLAS threads and 3.0 ms on one. Splitting the *batch*
-# instead, each thread running whole GEMMs on a one-thread BLAS, takes
-# 1.7 ms. threadpoolctl switches the BLAS to one thread around the call.
-# The pool's threads run only NumPy: numba's workqueue layer must never be
-# entered from two threads at once.
-_pool = None           # ThreadPoolExecutor, made on first use
-_blas = None           # threadpoolctl controllers of NumPy's BLAS
-
-
-def blas_controllers() -> list:
-    """threadpoolctl's controllers of NumPy's BLAS (made once; [] without threadpoolctl)."""
-    global _blas
-    if _blas is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-            _blas = ThreadpoolController().select(user_api="blas").lib_controllers
-        except ImportError:  # pragma: no cover - part of the fast extra
-            _blas = []
-    return _blas
-
-
-# Handing half a batch to another Python thread costs about 0.2 ms here;
-# below this many multiply-adds the split loses (the 144-wide model's QK^T,
-# 5M, does; the 768-wide one's, 200M, gains 1.2 ms). Scales with
-# PARALLEL_MIN_ELEMS (1 << 26 by default).
-SPLIT_MIN_MACS = 128 * PARALLEL_MIN_ELEMS
-# The same bound for one float32 GEMM: below it, precision.matmul runs it on
-# one BLAS thread instead of OpenBLAS's split over the rank's threads.
-GEMM_SPLIT_MIN_MACS = SPLIT_MIN_MACS
-
-
-def splits_batch(a, b) -> bool:
-    """Whether batched_matmul should split a @ b: NumPy operands of shape
-    (B, nh, n, k) and (B, nh, k, m), this rank has threads, and the product
-    is at least SPLIT_MIN_MACS multiply-adds."""
-    return (threads() > 1 and isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.ndim == 4
-            and a.shape[0] * a.shape[1] > 1 and a.size * b.shape[3] >= SPLIT_MIN_MACS and bool(blas_controllers()))
-
-
-def batched_matmul(a, b, out=None):
-    """a (B, nh, n, k) @ b (B, nh, k, m) -> (B, nh, n, m), the batch split
-    over this rank's threads (along B, or along nh when B is 1), each
-    running whole GEMMs on a one-thread BLAS."""
-    n = threads()
-    axis = 0 if a.shape[0] > 1 else 1
-    global _pool
-    if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="mpicube-bmm")
-    if out is None:
-        out = np.empty(a.shape[:-1] + b.shape[-1:], dtype=np.result_type(a, b))
-    cut = np.linspace(0, a.shape[axis], min(n, a.shape[axis]) + 1).astype(int)
-    parts = [(slice(None),) * axis + (slice(lo, hi),) for lo, hi in zip(cut, cut[1:])]
-    saved = [c.num_threads for c in _blas]
-    for c in _blas:
-        c.set_num_threads(1)
-    try:
-        futures = [_pool.submit(np.matmul, a[p], b[p], out=out[p]) for p in parts[1:]]
-        np.matmul(a[parts[0]], b[parts[0]], out=out[parts[0]])       # this thread takes the first share
-        for f in futures:
-            f.result()
-    finally:
-        for c, k in zip(_blas, saved):
-            c.set_num_threads(k)
-    return out
-
-
 # --- embedding gradient -------------------------------------------------------------
 @_jit(parallel=False)
 def scatter_add_rows(target, rows, values):
@@ -366,8 +361,19 @@ def scatter_add_rows(target, rows, values):
 
 
 def warm() -> None:
-    """Compile every kernel for float32 and float64 into numba's cache, so
-    that the ranks of a job load them instead of each compiling them."""
+    """Compile every kernel, both variants, for float32 and float64 into
+    numba's cache, so that the ranks of a job load them instead of each
+    compiling them (``python -m mpicube.device.fused_attention`` warms
+    both modules' kernels; make install runs it)."""
+    for variant in ("threaded", "one_thread"):
+        _Kernel.forced = variant
+        try:
+            _warm_each()
+        finally:
+            _Kernel.forced = None
+
+
+def _warm_each() -> None:
     for dtype in (np.float32, np.float64):
         v, n = np.ones(4, dtype), np.ones(2, dtype)
         x, two = np.ones((2, 4), dtype), np.ones((2, 2), dtype)
@@ -384,12 +390,6 @@ def warm() -> None:
         layernorm_grad_input(x, v, x, n, two, x.copy())
         adamw(v.copy(), v.copy(), v.copy(), v.copy(), 0.9, 0.95, 1e-3, 1e-8, 1.0, 1.0)
         fill_zero(v.copy())
+        column_sums(x, np.empty(4))
+        column_dots(x, x, np.empty(4))
         scatter_add_rows(x.copy(), np.zeros(2, np.int64), x)
-
-
-if __name__ == "__main__":  # python -m mpicube.device.fused: fill the compile cache (make install does)
-    if numba is None:
-        print("numba is not installed: mpicube uses its NumPy kernels")
-    else:
-        warm()
-        print(f"fused kernels compiled and cached ({describe()})")

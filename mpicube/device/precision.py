@@ -121,38 +121,16 @@ def matmul(a, b, out=None, dtype=None):
     if not (is_half(a.dtype) or is_half(b.dtype)):
         if out is not None and out.dtype != dtype:
             raise ValueError("matmul: out has the wrong dtype")
-        r = _one_thread_if_small(a, b, out) if a.dtype == b.dtype == np.float32 else xp.matmul(a, b, out=out)
+        r = _float32_gemm(a, b, out) if a.dtype == b.dtype == np.float32 else xp.matmul(a, b, out=out)
         return r if r.dtype == dtype else r.astype(dtype)
     return _matmul_blocks(a, b, out, dtype)
 
 
-def _one_thread_if_small(a, b, out):
-    """a @ b for float32 NumPy operands, on one BLAS thread when the product
-    is smaller than ``fused.GEMM_SPLIT_MIN_MACS`` multiply-adds (the 144-wide
-    model's 512 x 144 x 576 linears are 42M, the 768-wide one's 2.4G).
+def _float32_gemm(a, b, out):
+    """A float32 NumPy GEMM, on one BLAS thread if it is small (``gemm_threads``)."""
+    from . import gemm_threads
 
-    Why: OpenBLAS splits such a GEMM over the rank's threads for a few
-    hundred microseconds of work each, and both halves wait for the slower
-    one; on the shared 2-vCPU machines a descheduled or spinning thread
-    makes the pair slower than one thread (the small model's step ran at
-    2x its one-thread CPU time with two). The split of a GEMM changes how
-    its float32 sums round, not float64's: float64 keeps the rank's share
-    (its runs verify layouts bit for bit against a fixed thread count)."""
-    from . import fused
-
-    if a.ndim != 2 or a.shape[0] * a.shape[1] * b.shape[1] >= fused.GEMM_SPLIT_MIN_MACS:
-        return np.matmul(a, b, out=out)
-    blas = fused.blas_controllers()
-    saved = [c.num_threads for c in blas]
-    if not any(k > 1 for k in saved):
-        return np.matmul(a, b, out=out)
-    for c in blas:
-        c.set_num_threads(1)
-    try:
-        return np.matmul(a, b, out=out)
-    finally:
-        for c, k in zip(blas, saved):
-            c.set_num_threads(k)
+    return gemm_threads.one_thread_if_small(a, b, out)
 
 
 _TF32 = {"on": False}        # --tf32: float32 GEMMs may run on tensor cores (backend.set_tf32)

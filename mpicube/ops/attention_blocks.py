@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import math
 
+from ..device import fused_attention
 from ..device.arrays import array_module
-from ..device.precision import compute_dtype, is_half, narrow, up
+from ..device.precision import compute_dtype, narrow, up
 from .local import batched_matmul
 
 BLOCK = 128   # positions per query and key block (fastest of 64..256 on CPU at T = 256 and 2048)
@@ -95,20 +96,27 @@ def pair_forward(state, qb, kb, vb, q0, k0, mask, keep_prob, store_dtype):
     hd)] of query block qb at q0 (all in the compute format; m starts at
     -inf, l and acc at 0). ``mask`` (B, nh, bq, bk) or None."""
     xp = array_module(qb)
-    s = _scores(qb, kb, q0, k0)                                         # (B, nh, bq, bk)
     m, l, acc = state
-    m_new = xp.maximum(m, s.max(-1, keepdims=True))                     # (B, nh, bq, 1)
-    alpha = xp.exp(m - m_new)                                           # (B, nh, bq, 1)
-    s -= m_new
-    p = xp.exp(s, out=s)                                                # (B, nh, bq, bk) unnormalised
-    l *= alpha
-    l += p.sum(-1, keepdims=True)
+    if fused_attention.takes(qb, kb, m):                                # one pass each, NumPy's SIMD exp between
+        s = batched_matmul(qb, kb.swapaxes(-1, -2))                     # (B, nh, bq, bk) scores
+        alpha = xp.empty_like(m)                                        # (B, nh, bq, 1)
+        fused_attention.online_max(s, m, alpha, q0, k0)                 # m grows in place; s -= m, -inf if unseen
+        p = xp.exp(s, out=s)                                            # (B, nh, bq, bk) unnormalised
+        fused_attention.fold_row_sums(p, l, alpha)                      # l = l alpha + rowsum(p)
+    else:
+        s = _scores(qb, kb, q0, k0)                                     # (B, nh, bq, bk)
+        m_new = xp.maximum(m, s.max(-1, keepdims=True))                 # (B, nh, bq, 1)
+        alpha = xp.exp(m - m_new)                                       # (B, nh, bq, 1)
+        s -= m_new
+        p = xp.exp(s, out=s)                                            # (B, nh, bq, bk) unnormalised
+        l *= alpha
+        l += p.sum(-1, keepdims=True)
+        state[0] = m_new
     if mask is not None:
         p *= mask
         p *= 1.0 / keep_prob
     acc *= alpha
     acc += batched_matmul(narrow(p, store_dtype), vb)                   # (B, nh, bq, hd)
-    state[0] = m_new
 
 
 def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0, block=BLOCK):
@@ -147,8 +155,12 @@ def pair_backward(qb, kb, vb, dyb, lse_b, d_b, q0, k0, mask, keep_prob, store_dt
     probabilities: -> (dq_b (B, nh, bq, hd) unscaled, dk_b, dv_b (B, nh,
     bk, hd)), all in the compute format. lse_b, d_b (B, nh, bq, 1)."""
     xp = array_module(qb)
-    s = _scores(qb, kb, q0, k0)                                         # (B, nh, bq, bk)
-    s -= lse_b
+    if fused_attention.takes(qb, kb, lse_b):
+        s = batched_matmul(qb, kb.swapaxes(-1, -2))                     # (B, nh, bq, bk) scores
+        fused_attention.shift_visible(s, lse_b, q0, k0)                 # s - lse, -inf where unseen
+    else:
+        s = _scores(qb, kb, q0, k0)                                     # (B, nh, bq, bk)
+        s -= lse_b
     p = xp.exp(s, out=s)                                                # (B, nh, bq, bk) probabilities
     dp = batched_matmul(dyb, vb.swapaxes(-1, -2))                       # (B, nh, bq, bk)
     if mask is not None:
@@ -159,8 +171,11 @@ def pair_backward(qb, kb, vb, dyb, lse_b, d_b, q0, k0, mask, keep_prob, store_dt
     else:
         used = p
     dv = batched_matmul(narrow(used, store_dtype).swapaxes(-1, -2), dyb)   # (B, nh, bk, hd)
-    dp -= d_b
-    dp *= p                                                             # ds = p (dp - D)
+    if fused_attention.takes(dp, p, d_b):
+        fused_attention.scores_grad(dp, p, d_b)                         # ds = p (dp - D)
+    else:
+        dp -= d_b
+        dp *= p
     ds = narrow(dp, store_dtype)
     return batched_matmul(ds, kb), batched_matmul(ds.swapaxes(-1, -2), qb), dv
 
@@ -173,7 +188,12 @@ def attention_backward(dy, cache):
     cd = compute_dtype(dy.dtype)
     dy4 = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)                # (B, nh, T, hd)
     y4 = y.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)                  # (B, nh, T, hd)
-    d = (up(dy4) * up(y4)).sum(-1, keepdims=True)                       # (B, nh, T, 1) = rowsum(dp * p)
+    fused = fused_attention.takes(dy4, y4, q)
+    if fused:
+        d = xp.empty((B, nh, T, 1), dtype=cd)                           # (B, nh, T, 1) = rowsum(dp * p)
+        fused_attention.row_dots(dy4, y4, d)
+    else:
+        d = (up(dy4) * up(y4)).sum(-1, keepdims=True)                   # (B, nh, T, 1) = rowsum(dp * p)
     lse4 = lse[..., None]                                               # (B, nh, T, 1)
     grads = xp.zeros((3, B, nh, T, hd), dtype=cd)                       # dq, dk, dv in the compute format
     for i0 in range(0, T, block):
@@ -188,9 +208,12 @@ def attention_backward(dy, cache):
             grads[0, :, :, rows] += dq
             grads[1, :, :, cols] += dk
             grads[2, :, :, cols] += dv
-    grads[0] *= scale
     dqkv5 = xp.empty((B, T, 3, nh, hd), dtype=dy.dtype)                 # the layout of qkv's columns
-    dqkv5[...] = narrow(grads.transpose(1, 3, 0, 2, 4), dy.dtype)
+    if fused:
+        fused_attention.interleave_grads(grads, cd.type(scale), dqkv5)
+    else:
+        grads[0] *= scale
+        dqkv5[...] = narrow(grads.transpose(1, 3, 0, 2, 4), dy.dtype)
     return dqkv5.reshape(B, T, 3 * nh * hd)
 
 

@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from ..device import cuda_kernels, fused, precision
+from ..device import cuda_kernels, fused, gemm_threads, precision
 from ..device.arrays import array_module, identity  # noqa: F401 (identity: part of the ops API)
 from . import rng
 from ..device.kernels import kernels_for
@@ -63,6 +63,10 @@ def column_sums(a):
     loses about 4% where float64 loses nothing visible."""
     if a.dtype.itemsize >= 8:
         return a.sum(0)
+    if fused.active(a):
+        sums = np.empty(a.shape[1])                                      # (C,) float64
+        fused.column_sums(a, sums)
+        return sums.astype(a.dtype)
     return a.sum(0, dtype=np.float64).astype(compute_dtype(a.dtype))
 
 
@@ -71,6 +75,10 @@ def column_dots(a, b):
     xp = array_module(a)
     if a.dtype.itemsize >= 8:
         return xp.einsum("ij,ij->j", a, b)          # one pass, no temporary
+    if fused.active(a, b):
+        sums = np.empty(a.shape[1])                                      # (C,) float64
+        fused.column_dots(a, b, sums)
+        return sums.astype(a.dtype)
     return (up(a) * up(b)).sum(0, dtype=np.float64).astype(compute_dtype(a.dtype))
 
 
@@ -271,13 +279,13 @@ def attention_backward(dy, cache):
 
 def batched_matmul(a, b, out=None):
     """a (B, nh, n, k) @ b (B, nh, k, m) -> (B, nh, n, m): attention's many
-    small GEMMs, split over threads where fused.splits_batch says so. With
+    small GEMMs, split over threads where gemm_threads.splits_batch says so. With
     a 16-bit operand: accumulated in float32, returned in float32 or
     rounded into ``out``."""
     if is_half(a.dtype) or is_half(b.dtype):
         return precision.matmul(a, b, out=out, dtype=None if out is not None else np.float32)
-    if fused.splits_batch(a, b):
-        return fused.batched_matmul(a, b, out)
+    if gemm_threads.splits_batch(a, b):
+        return gemm_threads.batched_matmul(a, b, out)
     xp = array_module(a)
     if xp.__name__ == "numpy":
         return xp.matmul(a, b, out=out)
