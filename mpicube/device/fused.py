@@ -133,9 +133,12 @@ def _jit(sums: bool = False, parallel: bool = True):
     if numba is None:
         return lambda f: f
     options = dict(cache=True, fastmath={"reassoc"} if sums else False)
+    # error_model "numpy" (x / 0 is inf, as in the threaded build's parfors and in NumPy)
+    # lets LLVM vectorise a loop with a division: AdamW's one-thread build ran 6.5x faster.
+    one_thread_options = dict(options, nogil=True, error_model="numpy")
 
     def compile_both(f):
-        one_thread = numba.njit(parallel=False, nogil=True, **options)(_renamed(f, "_one_thread"))
+        one_thread = numba.njit(parallel=False, **one_thread_options)(_renamed(f, "_one_thread"))
         return _Kernel(numba.njit(parallel=True, **options)(f), one_thread) if parallel else one_thread
 
     return compile_both

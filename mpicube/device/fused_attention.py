@@ -39,7 +39,7 @@ if fused.numba is not None:
     # The running maximum only steadies the exponentials (any value near the
     # true one gives the same softmax), so its loop may drop IEEE semantics
     # and run as SIMD max: a NaN score still reaches the row through s - m.
-    @fused.numba.njit(cache=True, nogil=True, fastmath={"reassoc", "nnan", "ninf", "nsz"})
+    @fused.numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nnan", "ninf", "nsz"})
     def _row_max(row, n, start):
         """max(start, row[0], ..., row[n-1])."""
         top = start
