@@ -36,6 +36,8 @@ def takes(*arrays) -> bool:
 
 
 if fused.numba is not None:
+    _helper = fused.numba.njit(cache=True, nogil=True, error_model="numpy")
+
     # The running maximum only steadies the exponentials (any value near the
     # true one gives the same softmax), so its loop may drop IEEE semantics
     # and run as SIMD max: a NaN score still reaches the row through s - m.
@@ -46,8 +48,20 @@ if fused.numba is not None:
         for j in range(n):
             top = max(top, row[j])
         return top
-else:  # pragma: no cover - without numba ``takes`` is False and nothing calls it
-    _row_max = None
+
+    @_helper
+    def _visible(q0, i, k0, bk):
+        """How many of a block's bk keys, from global position k0 on, query
+        q0 + i sees (causal: key <= query)."""
+        return min(bk, max(0, q0 + i - k0 + 1))
+
+    @_helper
+    def _shift_visible_row(row, shift, visible):
+        """row (bk,) <- row - shift for its first ``visible`` keys, -inf after."""
+        for j in range(row.size):
+            row[j] = row[j] - shift if j < visible else -np.inf
+else:  # pragma: no cover - without numba ``takes`` is False and nothing calls these
+    _row_max = _visible = _shift_visible_row = None
 
 
 # The rows are short (one block, 64 or 128 keys), so each loop runs over the
@@ -61,29 +75,30 @@ def online_max(s, m, alpha, q0, k0):
     alpha (B, nh, bq, 1) gets exp(m_old - m_new), the rescale of what was
     summed before, and s becomes s - m_new there and -inf after them."""
     B, nh, bq, bk = s.shape
-    for r in prange(B * nh * bq):
-        b, h, i = r // (nh * bq), (r // bq) % nh, r % bq
-        row = s[b, h, i]                                      # (bk,)
-        visible = min(bk, max(0, q0 + i - k0 + 1))
-        old = m[b, h, i, 0]
-        top = _row_max(row, visible, old)
-        alpha[b, h, i, 0] = 1.0 if top == -np.inf else np.exp(old - top)
-        m[b, h, i, 0] = top
-        for j in range(bk):
-            row[j] = row[j] - top if j < visible else -np.inf
+    for bh in prange(B * nh):
+        b, h = bh // nh, bh % nh
+        for i in range(bq):
+            row = s[b, h, i]                                  # (bk,)
+            visible = _visible(q0, i, k0, bk)
+            old = m[b, h, i, 0]
+            top = _row_max(row, visible, old)
+            alpha[b, h, i, 0] = 1.0 if top == -np.inf else np.exp(old - top)
+            m[b, h, i, 0] = top
+            _shift_visible_row(row, top, visible)
 
 
 @_jit(sums=True)
 def fold_row_sums(p, l, alpha):
     """l (B, nh, bq, 1) <- l alpha + the row sums of p (B, nh, bq, bk)."""
     B, nh, bq, bk = p.shape
-    for r in prange(B * nh * bq):
-        b, h, i = r // (nh * bq), (r // bq) % nh, r % bq
-        row = p[b, h, i]                                      # (bk,)
-        total = 0.0
-        for j in range(bk):
-            total += row[j]
-        l[b, h, i, 0] = l[b, h, i, 0] * alpha[b, h, i, 0] + total
+    for bh in prange(B * nh):
+        b, h = bh // nh, bh % nh
+        for i in range(bq):
+            row = p[b, h, i]                                  # (bk,)
+            total = 0.0
+            for j in range(bk):
+                total += row[j]
+            l[b, h, i, 0] = l[b, h, i, 0] * alpha[b, h, i, 0] + total
 
 
 @_jit()
@@ -92,13 +107,10 @@ def shift_visible(s, lse, q0, k0):
     to the query (as in ``online_max``), -inf after: exp of it is the
     probabilities backward recomputes."""
     B, nh, bq, bk = s.shape
-    for r in prange(B * nh * bq):
-        b, h, i = r // (nh * bq), (r // bq) % nh, r % bq
-        row = s[b, h, i]                                      # (bk,)
-        visible = min(bk, max(0, q0 + i - k0 + 1))
-        shift = lse[b, h, i, 0]
-        for j in range(bk):
-            row[j] = row[j] - shift if j < visible else -np.inf
+    for bh in prange(B * nh):
+        b, h = bh // nh, bh % nh
+        for i in range(bq):
+            _shift_visible_row(s[b, h, i], lse[b, h, i, 0], _visible(q0, i, k0, bk))
 
 
 @_jit()
@@ -106,11 +118,12 @@ def scores_grad(dp, p, d):
     """dp (B, nh, bq, bk) <- p (dp - d): the gradient of the scores from
     that of the probabilities p, d (B, nh, bq, 1) = rowdot(dy, y)."""
     B, nh, bq, bk = dp.shape
-    for r in prange(B * nh * bq):
-        b, h, i = r // (nh * bq), (r // bq) % nh, r % bq
-        drow, prow, di = dp[b, h, i], p[b, h, i], d[b, h, i, 0]   # (bk,), (bk,), scalar
-        for j in range(bk):
-            drow[j] = prow[j] * (drow[j] - di)
+    for bh in prange(B * nh):
+        b, h = bh // nh, bh % nh
+        for i in range(bq):
+            drow, prow, di = dp[b, h, i], p[b, h, i], d[b, h, i, 0]   # (bk,), (bk,), scalar
+            for j in range(bk):
+                drow[j] = prow[j] * (drow[j] - di)
 
 
 @_jit(sums=True)
@@ -118,12 +131,13 @@ def row_dots(a, b, out):
     """out (B, nh, T, 1) = the row sums of a * b, a and b (B, nh, T, hd)
     (backward's D = rowdot(dy, y), whose views are strided)."""
     B, nh, T, hd = a.shape
-    for r in prange(B * nh * T):
-        n, h, t = r // (nh * T), (r // T) % nh, r % T
-        total = 0.0
-        for c in range(hd):
-            total += a[n, h, t, c] * b[n, h, t, c]
-        out[n, h, t, 0] = total
+    for bh in prange(B * nh):
+        n, h = bh // nh, bh % nh
+        for t in range(T):
+            total = 0.0
+            for c in range(hd):
+                total += a[n, h, t, c] * b[n, h, t, c]
+            out[n, h, t, 0] = total
 
 
 @_jit()
@@ -131,14 +145,14 @@ def interleave_grads(grads, scale, dqkv5):
     """dqkv5 (B, T, 3, nh, hd) <- grads (3, B, nh, T, hd), dq scaled by
     ``scale``: the gradients back in qkv's column layout in one pass."""
     _, B, nh, T, hd = grads.shape
-    for r in prange(B * T):
-        n, t = r // T, r % T
-        for h in range(nh):
-            for c in range(hd):
-                dqkv5[n, t, 0, h, c] = grads[0, n, h, t, c] * scale
-            for part in range(1, 3):
+    for n in prange(B):
+        for t in range(T):
+            for h in range(nh):
+                dq, dk, dv = dqkv5[n, t, 0, h], dqkv5[n, t, 1, h], dqkv5[n, t, 2, h]   # (hd,) each
                 for c in range(hd):
-                    dqkv5[n, t, part, h, c] = grads[part, n, h, t, c]
+                    dq[c] = grads[0, n, h, t, c] * scale
+                    dk[c] = grads[1, n, h, t, c]
+                    dv[c] = grads[2, n, h, t, c]
 
 
 def warm() -> None:
