@@ -45,11 +45,10 @@ def kernels(on: bool, check: bool = True, variant: str | None = None):
     if on:
         numba.set_num_threads(max(2, threads))
         fused.PARALLEL_MIN_ELEMS = gemm_threads.SPLIT_MIN_MACS = 0
-        fused._Kernel.forced = variant
     try:
-        yield
+        with fused.forced_build(variant if on else None):
+            yield
     finally:
-        fused._Kernel.forced = None
         fused.active = real_active
         fused.use(previous)
         numba.set_num_threads(threads)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import types
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -104,7 +105,7 @@ class _Kernel:
     def __init__(self, threaded, one_thread):
         self.threaded, self.one_thread = threaded, one_thread
 
-    forced = None          # "threaded" or "one_thread": ``warm`` compiles each in turn
+    forced = None          # "threaded" or "one_thread" under ``forced_build``
 
     def __call__(self, *args):
         if self.forced is not None:
@@ -112,6 +113,18 @@ class _Kernel:
         if args[0].size >= PARALLEL_MIN_ELEMS and numba.get_num_threads() > 1:
             return self.threaded(*args)
         return self.one_thread(*args)
+
+
+@contextmanager
+def forced_build(variant: str | None):
+    """Every kernel runs its ``variant`` build ("threaded" or "one_thread";
+    None: the size decides) inside the block: for ``warm``, which compiles
+    both, and for tests that compare them."""
+    previous, _Kernel.forced = _Kernel.forced, variant
+    try:
+        yield
+    finally:
+        _Kernel.forced = previous
 
 
 def _renamed(f, suffix: str):
@@ -369,11 +382,8 @@ def warm() -> None:
     compiling them (``python -m mpicube.device.fused_attention`` warms
     both modules' kernels; make install runs it)."""
     for variant in ("threaded", "one_thread"):
-        _Kernel.forced = variant
-        try:
+        with forced_build(variant):
             _warm_each()
-        finally:
-            _Kernel.forced = None
 
 
 def _warm_each() -> None:

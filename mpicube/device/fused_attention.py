@@ -23,9 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fused
-from .fused import _jit, prange
-
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+from .fused import _FLOATS, _jit, prange
 
 
 def takes(*arrays) -> bool:
@@ -160,8 +158,7 @@ def warm() -> None:
     the argument layouts ``attention_blocks`` passes: whole blocks, and the
     strided views of a sequence of several blocks (``fused.warm``)."""
     for variant in ("threaded", "one_thread"):
-        fused._Kernel.forced = variant
-        try:
+        with fused.forced_build(variant):
             for dt in _FLOATS:
                 s = np.zeros((2, 2, 2, 2), dt)                        # (B, nh, bq, bk) scores
                 whole = np.zeros((2, 2, 2, 1), dt)                    # (B, nh, bq, 1) row statistics
@@ -174,8 +171,6 @@ def warm() -> None:
                     scores_grad(s.copy(), s, rows)
                     row_dots(view, view, whole.copy())
                 interleave_grads(np.zeros((3, 2, 2, 2, 2), dt), dt.type(0.5), np.empty((2, 2, 3, 2, 2), dt))
-        finally:
-            fused._Kernel.forced = None
 
 
 if __name__ == "__main__":  # python -m mpicube.device.fused_attention: fill the compile cache (make install does)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.errors import UserError
+from . import gemm_threads
 from .arrays import array_module
 
 FORMATS = ("float32", "float64", "float16", "bfloat16")
@@ -121,16 +122,10 @@ def matmul(a, b, out=None, dtype=None):
     if not (is_half(a.dtype) or is_half(b.dtype)):
         if out is not None and out.dtype != dtype:
             raise ValueError("matmul: out has the wrong dtype")
-        r = _float32_gemm(a, b, out) if a.dtype == b.dtype == np.float32 else xp.matmul(a, b, out=out)
+        r = (gemm_threads.one_thread_if_small(a, b, out) if a.dtype == b.dtype == np.float32
+             else xp.matmul(a, b, out=out))
         return r if r.dtype == dtype else r.astype(dtype)
     return _matmul_blocks(a, b, out, dtype)
-
-
-def _float32_gemm(a, b, out):
-    """A float32 NumPy GEMM, on one BLAS thread if it is small (``gemm_threads``)."""
-    from . import gemm_threads
-
-    return gemm_threads.one_thread_if_small(a, b, out)
 
 
 _TF32 = {"on": False}        # --tf32: float32 GEMMs may run on tensor cores (backend.set_tf32)

@@ -76,18 +76,16 @@ def _split(qkv, n_head):
     return qkv5[0], qkv5[1], qkv5[2], hd
 
 
-def _scores(qb, kb, q0, k0):
-    """qb (B, nh, bq, hd) scaled queries at global positions q0.., kb (B,
-    nh, bk, hd) keys at k0.. -> (B, nh, bq, bk) scores in the compute
-    format, -inf where a key lies after its query."""
-    s = batched_matmul(qb, kb.swapaxes(-1, -2))                         # (B, nh, bq, bk)
+def _hide_unseen(s, q0, k0):
+    """s (B, nh, bq, bk) scores of queries at global positions q0.. and keys
+    at k0.. <- -inf where a key lies after its query (the array path; the
+    fused kernels skip those keys instead)."""
     bq, bk = s.shape[-2:]
     if k0 + bk - 1 > q0:                                                # the block crosses the diagonal
         xp = array_module(s)
         rows = xp.arange(q0, q0 + bq).reshape(-1, 1)
         cols = xp.arange(k0, k0 + bk).reshape(1, -1)
         s += xp.where(cols > rows, -xp.inf, 0.0).astype(s.dtype)       # (bq, bk)
-    return s
 
 
 def pair_forward(state, qb, kb, vb, q0, k0, mask, keep_prob, store_dtype):
@@ -97,14 +95,14 @@ def pair_forward(state, qb, kb, vb, q0, k0, mask, keep_prob, store_dtype):
     -inf, l and acc at 0). ``mask`` (B, nh, bq, bk) or None."""
     xp = array_module(qb)
     m, l, acc = state
+    s = batched_matmul(qb, kb.swapaxes(-1, -2))                         # (B, nh, bq, bk) scores, in the compute format
     if fused_attention.takes(qb, kb, m):                                # one pass each, NumPy's SIMD exp between
-        s = batched_matmul(qb, kb.swapaxes(-1, -2))                     # (B, nh, bq, bk) scores
         alpha = xp.empty_like(m)                                        # (B, nh, bq, 1)
         fused_attention.online_max(s, m, alpha, q0, k0)                 # m grows in place; s -= m, -inf if unseen
         p = xp.exp(s, out=s)                                            # (B, nh, bq, bk) unnormalised
         fused_attention.fold_row_sums(p, l, alpha)                      # l = l alpha + rowsum(p)
     else:
-        s = _scores(qb, kb, q0, k0)                                     # (B, nh, bq, bk)
+        _hide_unseen(s, q0, k0)
         m_new = xp.maximum(m, s.max(-1, keepdims=True))                 # (B, nh, bq, 1)
         alpha = xp.exp(m - m_new)                                       # (B, nh, bq, 1)
         s -= m_new
@@ -155,11 +153,11 @@ def pair_backward(qb, kb, vb, dyb, lse_b, d_b, q0, k0, mask, keep_prob, store_dt
     probabilities: -> (dq_b (B, nh, bq, hd) unscaled, dk_b, dv_b (B, nh,
     bk, hd)), all in the compute format. lse_b, d_b (B, nh, bq, 1)."""
     xp = array_module(qb)
+    s = batched_matmul(qb, kb.swapaxes(-1, -2))                         # (B, nh, bq, bk) scores
     if fused_attention.takes(qb, kb, lse_b):
-        s = batched_matmul(qb, kb.swapaxes(-1, -2))                     # (B, nh, bq, bk) scores
         fused_attention.shift_visible(s, lse_b, q0, k0)                 # s - lse, -inf where unseen
     else:
-        s = _scores(qb, kb, q0, k0)                                     # (B, nh, bq, bk)
+        _hide_unseen(s, q0, k0)
         s -= lse_b
     p = xp.exp(s, out=s)                                                # (B, nh, bq, bk) probabilities
     dp = batched_matmul(dyb, vb.swapaxes(-1, -2))                       # (B, nh, bq, bk)
