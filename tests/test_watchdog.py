@@ -128,9 +128,12 @@ class _Request:
         return self.n <= 0
 
 
-def test_complete_polls_then_sleeps_a_tenth_of_the_wait():
+def test_complete_yields_while_young_then_sleeps_a_tenth_of_the_wait():
+    """A young wait tests and yields the core (never sleeps: a sleeping rank
+    stalls every round of a collective on a shared core); past YIELD_S it
+    sleeps a tenth of the time waited, at most NAP_MAX_S."""
     clock = [0.0]
-    naps = []
+    naps, yields = [], []
 
     def tick():
         clock[0] += 1e-4                  # each poll takes 0.1 ms
@@ -140,13 +143,42 @@ def test_complete_polls_then_sleeps_a_tenth_of_the_wait():
         naps.append(seconds)
         clock[0] += seconds
 
-    waiting.complete(_Request(1), tick, sleep)
-    assert naps == []                                          # done at once: no clock read, no sleep
-    waiting.complete(_Request(200), tick, sleep)
-    polls_before_sleeping = 199 - len(naps)
-    assert 9 <= polls_before_sleeping <= 11                    # SPIN_S = 1 ms of polling
-    assert naps[0] == pytest.approx(waiting.NAP_FRACTION * 1e-3, rel=0.2)
+    def yield_core():
+        yields.append(clock[0])
+
+    waiting.complete(_Request(1), tick, sleep, yield_core)
+    assert naps == [] and yields == []                         # done at once: no clock read, no yield
+    waiting.complete(_Request(500), tick, sleep, yield_core)
+    assert naps == [] and len(yields) == 498                   # 50 ms: young, every poll yields
+    yields.clear()
+    young_polls = int(waiting.YIELD_S / 1e-4)
+    waiting.complete(_Request(young_polls + 200), tick, sleep, yield_core)
+    assert abs(len(yields) - young_polls) <= 2, len(yields)
+    assert naps[0] == pytest.approx(waiting.NAP_FRACTION * waiting.YIELD_S, rel=0.01) or \
+        naps[0] == waiting.NAP_MAX_S
     assert all(b >= a for a, b in zip(naps, naps[1:])) and max(naps) == waiting.NAP_MAX_S
+
+
+def test_complete_block_mode_calls_mpi_wait():
+    """MPICUBE_WAIT=block (the benchmark's baseline) hands the wait to MPI."""
+    class Blocking:
+        waited = False
+
+        def Test(self):
+            return False
+
+        def Wait(self):
+            self.waited = True
+
+    request = Blocking()
+    waiting.set_mode("block")
+    try:
+        waiting.complete(request, sleep=pytest.fail, yield_core=pytest.fail)
+    finally:
+        waiting.set_mode("yield")
+    assert request.waited
+    with pytest.raises(ValueError, match="unknown wait mode 'spin'"):
+        waiting.set_mode("spin")
 
 
 def test_collective_timeout_option():

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..device import kernels, precision
 from ..ops import rng
+from ..parallel import waiting
 from .costmodel import Problem, step_traffic
 from .costmemory import step_memory, step_memory_bytes
 from ..training.step import make_step
@@ -98,6 +99,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
     saved = 0
     for i in range(warmup + steps):
         counters.reset()
+        if i == warmup:
+            waiting.STATS.reset()                 # the timed steps' waits only
         if session is not None:
             session.begin(i + 1)
         cpu0 = time.process_time()
@@ -187,6 +190,10 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
         "gemm_fraction": flops_rank / median / rate,
         "split": {key: float(np.median(v)) for key, v in phases.items() if key != "step_s"},
         "exposed_comm_fraction": exposed,
+        # How this rank's collectives waited over the timed steps (parallel/waiting.py): how many
+        # did not finish at their first test, how many outlived the young window and slept.
+        "waits": {"mode": waiting.MODE, "per_step": waiting.STATS.waited / steps,
+                  "slept_per_step": waiting.STATS.slept / steps, "seconds_per_step": waiting.STATS.seconds / steps},
         **({"profile": profile_figures(session, profiled_times, median if mixed else None,
                                        cpu_ratio if mixed else None)} if session is not None else {}),
         "comm": {"measured_elems": float(counters.total_elems()), "measured_msgs": counters.total_msgs(),
@@ -263,6 +270,11 @@ def format_table(results: list, dtype_bytes=None) -> str:
             lines.append(f"{r['dtype']} GEMM (float32 accumulation, conversions included) "
                          f"{r['gemm_flops_per_s'] / 1e9:.2f} GFLOP/s, float32 GEMM of the same shape "
                          f"{r['gemm_float32_flops_per_s'] / 1e9:.2f} GFLOP/s")
+    if results:
+        w = results[0]["waits"]
+        lines.append(f"waits (rank 0, wait {w['mode']}): {w['per_step']:.1f} collectives per step waited "
+                     f"{w['seconds_per_step'] * 1e3:.1f} ms in all, {w['slept_per_step']:.2f} past the young "
+                     f"window (slept)")
     lines.append("Times in ms per step (median); "
                  "gemm% = model FLOP/s per rank / same-process matmul FLOP/s; "
                  "mpi = time inside MPI calls (part of fwd/bwd/sync); exposed = mpi / step: communication nothing "

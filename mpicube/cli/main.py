@@ -72,6 +72,14 @@ def _init_mpi() -> None:
     # instead of spinning, unless the user chose (mpicube.parallel.waiting).
     os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     from mpi4py import MPI
+    from ..parallel import waiting
+
+    # How a collective's wait passes the time: "yield" (default), or "block"
+    # (MPI's own Wait: the baseline tools/wait_bench.py measures against).
+    try:
+        waiting.set_mode(os.environ.get("MPICUBE_WAIT", "yield"))
+    except ValueError as exc:
+        raise UserError(f"MPICUBE_WAIT: {exc}") from None
 
     world = MPI.COMM_WORLD
     _mpi["world"] = world

@@ -1,27 +1,41 @@
 """How a rank waits for the others, and the record of what it waits in
 (part of the comm layer: ``comm`` and ``watchdog`` use it).
 
-Waiting without eating the node. A blocking MPICH call spins on its core
-until the others arrive: with one rank stopped (SIGSTOP) the other seven of
-an 8-rank job kept a core and a half busy for as long as it stayed stopped,
-and on an oversubscribed node the spinning ranks take the core from the
-rank that has work. So every collective of ``Comm`` is started nonblocking
-and completed by ``complete``: ``Test`` in a loop, as MPI's own wait does,
-for the first ``SPIN_S`` seconds (a balanced step's collectives finish
-within that and pay nothing), then between tests a sleep of a tenth of the
-time waited so far, at most ``NAP_MAX_S``, so that a long wait costs
-almost no CPU. The price is latency after a wait beyond ``SPIN_S``: each
-round of the collective's algorithm may find its partner asleep, for up to
-a tenth of what that partner had waited (and at most ``NAP_MAX_S``).
-Measured on this project's 2-core (and busy) test machine, a 4-rank 1-D
-``mpicube train`` with rank 2 stopped: the 3 waiting ranks used 0.44 cores
-in MPICH's blocking wait, 0.26 with ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``, and
-0.016 in ``complete`` (tests/test_watchdog.py prints the figure). MPICH's own
-settings cannot do as well: its yield (``MPIR_CVAR_ENABLE_HEAVY_YIELD``, a
-nanosleep every ``MPIR_CVAR_POLLS_BEFORE_YIELD`` polls) and progress throttle
-(``MPIR_CVAR_CH4_PROGRESS_THROTTLE``) still poll thousands of times a
-second; the command line sets the first when the user has not (it helps the
-few blocking calls left: the checkpoint's agreement, setup).
+Waiting without eating the node, and without stalling the others.
+A blocking MPICH call spins on its core until the others arrive: with one
+rank stopped (SIGSTOP) the other seven of an 8-rank job kept a core and a
+half busy for as long as it stayed stopped. So every collective of
+``Comm`` is started nonblocking and completed by ``complete``, in two
+phases:
+
+* *young* (the first ``YIELD_S`` seconds): ``Test``, then
+  ``os.sched_yield()``, in a loop. On a core of its own the yield returns at
+  once and this is MPI's own spinning wait. On a core shared with other
+  ranks (8 ranks on a 2-core laptop, CI's tests, any oversubscribed node)
+  the yield hands the core to a rank that has work, and this rank is back
+  as soon as that rank yields or its time slice ends. It never sleeps, so
+  each round of the collective's algorithm (which MPICH progresses only
+  inside an MPI call of every member) finds it awake.
+* *old* (beyond ``YIELD_S``): between tests a sleep of a tenth of the time
+  waited so far, at most ``NAP_MAX_S``: a rank stopped or gone costs its
+  peers almost no CPU, and the watchdog's thread gets the GIL.
+
+Why not sleep while young, as this module did from 35159ec on (``Test``
+for 1 ms, then naps): with more ranks than cores nearly every wait outlasts
+1 ms (the partner is descheduled, not late), so nearly every collective
+slept, and every round of its algorithm waited for a sleeper to wake:
+``mpiexec -n 8 mpicube train`` on 2 cores fell from about 2,500 to 800
+tok/s. Why not MPI's blocking wait: MPICH spins (or, with
+``MPIR_CVAR_ENABLE_HEAVY_YIELD``, polls thousands of times a second) for as
+long as the wait lasts, 0.44 (0.26) cores for 3 ranks waiting on a
+stopped one, and it holds the main thread where the watchdog cannot see
+the wait begin. ``tools/wait_bench.py`` times the three (``--wait``) on 8
+ranks beside the serial run; ``tests/test_watchdog.py`` prints the stopped
+case's cores.
+
+``MODE`` is "yield" (the above) or "block" (MPI's own ``Wait``: the
+baseline the benchmark compares against); the command line sets it once
+(``set_mode``) from ``MPICUBE_WAIT``.
 
 What a rank waits in. ``Waits`` is written by the rank's main thread (a
 tuple and two attribute writes per collective: see tools/comm_overhead.py
@@ -33,11 +47,14 @@ step and phase of the run, for the watchdog's message.
 
 from __future__ import annotations
 
+import os
 import time
 
-SPIN_S = 0.001          # seconds of pure Test polling before the first sleep
-NAP_FRACTION = 0.1      # each sleep is this fraction of the time waited so far ...
+YIELD_S = 1.0           # seconds of Test + sched_yield before the first sleep (a "young" wait)
+NAP_FRACTION = 0.1      # each later sleep is this fraction of the time waited so far ...
 NAP_MAX_S = 0.01        # ... and at most this long
+WAIT_MODES = ("yield", "block")
+MODE = "yield"
 
 
 class Waits:
@@ -87,12 +104,51 @@ class Waits:
 WAITS = Waits()
 
 
-def complete(request, clock=time.perf_counter, sleep=time.sleep) -> None:
-    """Wait for an MPI request: poll, then sleep between polls (module docstring)."""
+class WaitStats:
+    """How this process's waits went, for ``bench``: the completions that
+    did not finish at their first test (``waited``), the ones that outlived
+    ``YIELD_S`` and slept (``slept``), and the seconds spent in both."""
+
+    __slots__ = ("waited", "slept", "seconds")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.waited = self.slept = 0
+        self.seconds = 0.0
+
+
+STATS = WaitStats()
+
+
+def set_mode(mode: str) -> None:
+    """Choose how ``complete`` waits for this process: "yield" (the module
+    docstring) or "block" (MPI's blocking ``Wait``, for comparison)."""
+    global MODE
+    if mode not in WAIT_MODES:
+        raise ValueError(f"unknown wait mode {mode!r}; choose one of {', '.join(WAIT_MODES)}")
+    MODE = mode
+
+
+def complete(request, clock=time.perf_counter, sleep=time.sleep, yield_core=os.sched_yield) -> None:
+    """Wait for an MPI request: test and yield while the wait is young,
+    then test and sleep (module docstring)."""
     if request.Test():
         return
     t0 = clock()
+    STATS.waited += 1
+    if MODE == "block":
+        request.Wait()
+        STATS.seconds += clock() - t0
+        return
+    waited, slept = 0.0, False
     while not request.Test():
         waited = clock() - t0
-        if waited > SPIN_S:
+        if waited < YIELD_S:
+            yield_core()
+        else:
+            slept = True
             sleep(min(NAP_MAX_S, NAP_FRACTION * waited))
+    STATS.slept += slept
+    STATS.seconds += waited
