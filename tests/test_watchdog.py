@@ -128,6 +128,11 @@ class _Request:
         return self.n <= 0
 
 
+def _polls(n_yields: int) -> int:
+    """Tests of a young wait that yields ``n_yields`` times: each round is one test, a burst and a yield."""
+    return 1 + n_yields * (1 + waiting.BURST)
+
+
 def test_complete_yields_while_young_then_sleeps_a_tenth_of_the_wait():
     """A young wait tests and yields the core (never sleeps: a sleeping rank
     stalls every round of a collective on a shared core); past YIELD_S it
@@ -136,7 +141,7 @@ def test_complete_yields_while_young_then_sleeps_a_tenth_of_the_wait():
     naps, yields = [], []
 
     def tick():
-        clock[0] += 1e-4                  # each poll takes 0.1 ms
+        clock[0] += 1e-4                  # each round (a test, a burst, a yield) takes 0.1 ms
         return clock[0]
 
     def sleep(seconds):
@@ -148,12 +153,12 @@ def test_complete_yields_while_young_then_sleeps_a_tenth_of_the_wait():
 
     waiting.complete(_Request(1), tick, sleep, yield_core)
     assert naps == [] and yields == []                         # done at once: no clock read, no yield
-    waiting.complete(_Request(500), tick, sleep, yield_core)
-    assert naps == [] and len(yields) == 498                   # 50 ms: young, every poll yields
+    waiting.complete(_Request(1 + _polls(498)), tick, sleep, yield_core)
+    assert naps == [] and len(yields) == 498                   # 50 ms: young, every round yields
     yields.clear()
-    young_polls = int(waiting.YIELD_S / 1e-4)
-    waiting.complete(_Request(young_polls + 200), tick, sleep, yield_core)
-    assert abs(len(yields) - young_polls) <= 2, len(yields)
+    young_rounds = int(waiting.YIELD_S / 1e-4)
+    waiting.complete(_Request(_polls(young_rounds) + 200), tick, sleep, yield_core)
+    assert abs(len(yields) - young_rounds) <= 2, len(yields)
     assert naps[0] == pytest.approx(waiting.NAP_FRACTION * waiting.YIELD_S, rel=0.01) or \
         naps[0] == waiting.NAP_MAX_S
     assert all(b >= a for a, b in zip(naps, naps[1:])) and max(naps) == waiting.NAP_MAX_S
