@@ -142,6 +142,18 @@ def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def paired(a, b) -> zip:
+    """``zip(a, b)`` for comparing two runs' records (or cases with their
+    results), after asserting both hold the same, non-zero number of items.
+
+    A bare ``zip`` stops at the shorter list, so a comparison loop passes
+    when the run under test logged nothing or stopped early; this fails
+    instead, naming both lengths."""
+    a, b = list(a), list(b)
+    assert len(a) == len(b) and len(a) > 0, f"cannot compare {len(a)} items with {len(b)}"
+    return zip(a, b)
+
+
 def relerr(a, b) -> float:
     return abs(a - b) / abs(b)
 

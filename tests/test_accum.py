@@ -12,7 +12,7 @@ command picks the smallest batch of at least 8 that its layout accepts, so
 import json
 
 import pytest
-from conftest import TINY, read_metrics
+from conftest import TINY, paired, read_metrics
 from mpirun import ROOT, mpiexec
 
 from mpicube.core.config import ModelConfig
@@ -140,7 +140,7 @@ def test_train_with_grad_accum_follows_the_same_trajectory(mpicube, tmp_path, ti
     assert "batch 4 in 2 micro-batches of 2" in r.stdout
     (steps1, evals1), (steps2, evals2) = runs[1], runs[2]
     assert [s["step"] for s in steps2] == [1, 2, 3] and len(evals2) == 1
-    for a, b in zip(steps1, steps2):
+    for a, b in paired(steps1, steps2):
         assert abs(a["loss"] - b["loss"]) <= 1e-10 * abs(a["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-10 * a["grad_norm"]
     assert abs(evals1[0]["val_loss"] - evals2[0]["val_loss"]) <= 1e-10 * evals1[0]["val_loss"]

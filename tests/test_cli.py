@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import PYTHON, TINY, last_json, read_metrics, sample_text_files
+from conftest import PYTHON, TINY, last_json, paired, read_metrics, sample_text_files
 
 from mpicube.files import checkpoint, data
 from mpicube.core.config import ModelConfig
@@ -154,7 +154,7 @@ def test_hostile_values_and_sizes_are_one_line_each(tmp_path, corpus_cache):
                           env=job_env({"MPICUBE_CACHE": str(corpus_cache)}), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for (name, _, expect), res in zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])):
+    for (name, _, expect), res in paired(cases, json.loads(proc.stdout.strip().splitlines()[-1])):
         lines = res["out"] + res["err"]
         errors = [line for line in lines if line.startswith("error:")]
         assert res["status"] == 2 and len(errors) == 1, (name, res)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PYTHON, TINY, last_json
+from conftest import PYTHON, TINY, last_json, paired
 from gpt2_files import (bf16_round, random_gpt2, reference_greedy, reference_logits, reference_loss, write_hf,
                         write_llmc)
 from mpirun import job_env
@@ -264,7 +264,7 @@ def refusal_cases(root: Path):
 def test_each_refusal_and_malformed_file_is_one_line_and_exit_2(tmp_path):
     cases = refusal_cases(tmp_path)
     results = run_cases(tmp_path, [argv for _, argv, _ in cases])
-    for (name, _, expect), res in zip(cases, results):
+    for (name, _, expect), res in paired(cases, results):
         lines = res["out"] + res["err"]
         errors = [line for line in lines if line.startswith("error:")]
         assert res["status"] == 2 and len(errors) == 1, (name, res)

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import paired
+
 from mpicube.device import fused, gemm_threads
 from mpicube import ops
 from mpicube.device.backend import make_backend
@@ -322,7 +324,7 @@ def test_training_step_fused_vs_numpy(variant):
                 record.append((parts.store.flat.copy(), opt.m.copy(), opt.v.copy()))
         runs[on] = (parts.store, record)
     store = runs[True][0]
-    for got, want in zip(runs[True][1], runs[False][1]):
+    for got, want in paired(runs[True][1], runs[False][1]):
         for g, w in zip(got, want):                 # atol: some gradients are rounding noise (the key bias's)
             for spec in store.specs if len(w) == store.flat.size else [None]:          # every parameter
                 lo, hi = store.offsets[spec.name] if spec else (0, len(w))

@@ -23,7 +23,7 @@ import json
 import pytest
 
 import cuda_emu
-from conftest import TINY, last_json, read_metrics
+from conftest import TINY, last_json, paired, read_metrics
 from mpicube.device import cuda_source
 from mpirun import ROOT, mpiexec
 
@@ -115,7 +115,7 @@ def test_gpu_training_follows_cpu_in_float64(mpicube, tiny_shard):
     cpu = mpicube.run("train", *common, "--out", "cpu")
     gpu = mpicube.run("train", *common, "--out", "gpu", "--device", "gpu", env=FAKE_GPU)
     assert cpu.returncode == 0 and gpu.returncode == 0, (cpu, gpu)
-    for want, got in zip(read_metrics(mpicube.cwd / "cpu")[0], read_metrics(mpicube.cwd / "gpu")[0]):
+    for want, got in paired(read_metrics(mpicube.cwd / "cpu")[0], read_metrics(mpicube.cwd / "gpu")[0]):
         assert abs(got["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"])
         assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-10 * abs(want["grad_norm"])
 
@@ -127,7 +127,7 @@ def test_device_to_host_transfers_per_step_do_not_grow_with_depth(tmp_path, corp
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["2"] == counts["6"], counts
-    assert max(counts["2"]) <= 8, counts
+    assert max(counts["2"]) <= 2, counts          # the README's promise: the loss and the gradient norm
 
 
 @pytest.mark.timeout(120)

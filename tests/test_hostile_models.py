@@ -27,7 +27,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import PYTHON, MpiCube
+from conftest import PYTHON, MpiCube, paired
 from gpt2_files import hf_config, random_gpt2, write_llmc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -88,7 +88,7 @@ def test_every_hostile_model_is_one_line_through_every_command(hostile, tmp_path
             names.append((case, command))
     report = run_limited(tmp_path, argvs, corpus_cache)
     results = report["results"]
-    for (case, command), result in zip(names, results):
+    for (case, command), result in paired(names, results):
         if case is good:            # a normal small run fits under the limit, through every command
             assert result["status"] == 0, (command, result)
         else:
@@ -173,7 +173,8 @@ def test_checkpoint_attributes_of_the_wrong_type_are_one_line(tmp_path, corpus_c
     lying = [converted_checkpoint(tmp_path, f"inspect-{n}", config=json.dumps({**TINY.to_dict(), "n_layer": n}))
              for n in (2 ** 31 - 1, 100_000)]
     results = run_limited(tmp_path, argvs + [["inspect", run] for run in lying], corpus_cache)["results"]
-    for (name, expect), result in zip(expects, results):
+    assert len(results) == len(argvs) + len(lying), results
+    for (name, expect), result in paired(expects, results[:len(expects)]):
         assert_one_line(name, result, expect)
     for result in results[len(expects):]:
         assert result["status"] == 1 and result["seconds"] < SECONDS, result

@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import paired
 from mpirun import ROOT, mpiexec
 
 CHECK = ["-m", "mpi4py", "tests/pipeline_check.py"]
@@ -123,7 +124,7 @@ def test_commands_take_pp(tmp_path):
     fake_gpu = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}"}
     proc = mpiexec(2, CLI + base + ["--out", str(tmp_path / "gpu"), "--device", "gpu"], env=fake_gpu)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for want, got in zip(metrics(whole), metrics(tmp_path / "gpu"), strict=True):
+    for want, got in paired(metrics(whole), metrics(tmp_path / "gpu")):
         for key in ("loss", "grad_norm"):
             assert abs(got[key] - want[key]) <= 1e-10 * abs(want[key]), (key, got, want)
     config = json.loads((whole / "config.json").read_text())

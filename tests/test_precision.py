@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import TINY, MpiCube, last_json, read_metrics
+from conftest import TINY, MpiCube, last_json, paired, read_metrics
 from mpirun import ROOT, mpiexec
 
 # The Makefile's TRAIN_DEFAULTS, but 300 steps and no evaluation.
@@ -186,7 +186,7 @@ def test_gpu_training_in_float16_follows_the_cpu(mpicube, tiny_shard):
     cpu = mpicube.run("train", *common, "--out", "cpu")
     gpu = mpicube.run("train", *common, "--out", "gpu", "--device", "gpu", env=FAKE_GPU)
     assert cpu.returncode == 0 and gpu.returncode == 0, (cpu, gpu)
-    for want, got in zip(read_metrics(mpicube.cwd / "cpu")[0], read_metrics(mpicube.cwd / "gpu")[0]):
+    for want, got in paired(read_metrics(mpicube.cwd / "cpu")[0], read_metrics(mpicube.cwd / "gpu")[0]):
         assert got["loss_scale"] == want["loss_scale"] and not got["skipped"]
         assert abs(got["loss"] - want["loss"]) <= 8 * 2.0 ** -11 * want["loss"], (got, want)
 

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 from mpirun import rank_pid
-from conftest import TINY, read_metrics, wait_for_steps
+from conftest import TINY, paired, read_metrics, wait_for_steps
 
 from mpicube.files import checkpoint
 
@@ -137,7 +137,7 @@ def test_init_from_on_another_world_size(mpicube, tmp_path):
     assert "resuming from" in r.stdout
     resumed, whole = losses(tmp_path / "second"), losses(tmp_path / "whole")
     assert [s for s, *_ in resumed] == [1, 2, 3, 4, 5, 6]
-    for got, want in zip(resumed, whole):
+    for got, want in paired(resumed, whole):
         assert got[0] == want[0] and got[2] == want[2]
         assert np.allclose(got[1:], want[1:], rtol=1e-10, atol=0)   # up to data-parallel rounding
 

@@ -21,7 +21,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import MpiCube, checkpoint_tensors, read_metrics, relerr
+from conftest import MpiCube, checkpoint_tensors, paired, read_metrics, relerr
 
 from mpicube.files import checkpoint
 from mpirun import ROOT, mpiexec
@@ -126,7 +126,7 @@ def test_zero1_follows_zero0_and_saves_the_same_tensors(runs):
     """In training, zero 1 follows zero 0 to float32 rounding, and its
     checkpoints hold the same full logical tensors: parameters and the
     moments gathered from the shards."""
-    for a, b in zip(runs.steps("z1"), runs.steps("z0")):
+    for a, b in paired(runs.steps("z1"), runs.steps("z0")):
         assert relerr(a["loss"], b["loss"]) < STEP_RTOL, (a, b)
     a, b = checkpoint_tensors(runs.dir / "z1"), checkpoint_tensors(runs.dir / "z0")
     assert sorted(a) == sorted(b)

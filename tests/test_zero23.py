@@ -18,7 +18,7 @@ data-parallel replicas layer by layer (mpicube/parallel/fsdp.py).
 
 import numpy as np
 import pytest
-from conftest import MpiCube, checkpoint_tensors, relerr
+from conftest import MpiCube, checkpoint_tensors, paired, relerr
 from test_zero import EVAL_RTOL, SAVED_STEP, STEP_RTOL, Runs, resumes_bit_for_bit
 
 from mpirun import ROOT, mpiexec
@@ -94,7 +94,7 @@ def test_zero3_follows_zero0_and_saves_the_same_tensors(runs):
     """zero 3 follows zero 0 to float32 rounding; its checkpoint holds the
     same full logical tensors (weights and moments gathered from the
     per-layer chunks)."""
-    for a, b in zip(runs.steps("z3"), runs.steps("z0")):
+    for a, b in paired(runs.steps("z3"), runs.steps("z0")):
         assert relerr(a["loss"], b["loss"]) < STEP_RTOL, (a, b)
     a, b = checkpoint_tensors(runs.dir / "z3"), checkpoint_tensors(runs.dir / "z0")
     assert any(name.startswith("optimizer/m/h.2.") for name in a)

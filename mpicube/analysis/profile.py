@@ -178,8 +178,14 @@ class ProfileHooks(StepHooks):
     def run_started(self, trainer) -> None:
         first, last = self.steps
         start, stop = trainer.start_step, trainer.opts.last_step
-        if last > stop or last < start:
+        if last > stop:
             raise ConfigError(f"--profile {first}:{last} is outside the steps this run trains ({start} to {stop})")
+        if last < start:
+            # Resumed past the range: the same command with --resume (what a
+            # stopped run's hint and a requeued job script run) must go on.
+            self.say(f"--profile {first}:{last}: those steps were trained before step {start}, where this run "
+                     f"resumes; not profiled again")
+            return
         steps = (max(first, start), last)
         meta = {"command": "train", **trainer.parts.layout.describe()}
         self.session = ProfileSession(trainer.parts, trainer.opt, trainer.world, steps, trainer.run_dir,
@@ -187,7 +193,9 @@ class ProfileHooks(StepHooks):
         self.session.align()                 # before the steps, so no step's time holds it
 
     def step_started(self, trainer, s, x, y) -> None:
-        self.session.begin(s)
+        if self.session is not None:
+            self.session.begin(s)
 
     def step_done(self, trainer, s, rec) -> None:
-        self.session.end(s)                  # the span is the step (its own step_time_s leaves out the log)
+        if self.session is not None:
+            self.session.end(s)                  # the span is the step (its own step_time_s leaves out the log)

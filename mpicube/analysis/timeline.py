@@ -39,6 +39,15 @@ def load(run_dir) -> dict:
         raise UserError(f"{path} is not a JSON trace: {exc}") from None
 
 
+def default_out(run_dir) -> Path:
+    """Where the picture goes without ``--out``: beside the trace, so the
+    hint ``--profile`` prints (`mpicube timeline RUN_DIR`) works as it
+    stands. RUN_DIR/timeline.png for a run directory, TRACE.png for a trace
+    file given directly."""
+    path = Path(run_dir)
+    return path / "timeline.png" if path.is_dir() else path.with_suffix(".png")
+
+
 def draw(run_dir, out, width: float = 12.0) -> str:
     """Write the picture of RUN_DIR's trace to ``out``; a line saying what was drawn."""
     try:

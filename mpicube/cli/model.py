@@ -257,7 +257,8 @@ def _session_factory(parts, steps, where, meta):
 
 @cli.command()
 @click.argument("run_dir")
-@click.option("--out", required=True, metavar="FILE.png", help="the picture to write")
+@click.option("--out", metavar="FILE.png",
+              help="the picture to write  [default: RUN_DIR/timeline.png, or TRACE.png beside a trace file]")
 @click.option("--width", type=float, default=12.0, show_default=True, help="inches across")
 def timeline(run_dir, out, width):
     """Draw RUN_DIR/profile.json (train or bench --profile) as a picture.
@@ -266,9 +267,9 @@ def timeline(run_dir, out, width):
     communication axis, each in its own colour: calls and waits solid,
     nonblocking calls in flight pale. RUN_DIR may also be the trace file.
     """
-    from ..analysis.timeline import draw
+    from ..analysis.timeline import default_out, draw
 
-    echo(draw(run_dir, out, width))
+    echo(draw(run_dir, out if out is not None else default_out(run_dir), width))
 
 
 @cli.command()

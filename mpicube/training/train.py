@@ -185,7 +185,8 @@ class Trainer(Launch):
                 say(f"stopped by {why} after step {s}{then} (exit status {EXIT_PREEMPTED})")
                 return EXIT_PREEMPTED
         if last < o.steps:
-            say(f"stopped after step {last} (--stop-after); continue with --resume")
+            say(f"stopped after step {last} (--stop-after); continue with the same command plus --resume, "
+                f"less --stop-after (or with a later one)")
         else:
             say(f"done: {last} steps")
         return 0
