@@ -121,11 +121,12 @@ from mpicube.parallel.grid import build_layout
 from mpicube.parallel.context import local_positions
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
-from mpicube.model.gpt import GPT, gpt_params
+from mpicube.model.gpt import gpt_params
+from mpicube.training.driver import make_runner
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
 from mpicube.parallel.params import clipped_index, real_mask
-from mpicube.training.parts import Parts
+from mpicube.training.parts import Parts, attention_kind
 from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff
 
 DEVICE = os.environ.get("MPICUBE_CHECK_DEVICE", "cpu")
@@ -154,7 +155,8 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
     layout = build_layout(grid, cfg, batch, backend, comm, counters=counters,
                           grad_accum=grad_accum, recompute=recompute)
     store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
-    model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
+    model = make_runner(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum,
+                        attention=attention_kind())
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
 

@@ -20,7 +20,8 @@ from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.parallel.grid import build_layout
 from mpicube.parallel.gridspec import GridSpec
-from mpicube.model.gpt import GPT, gpt_params
+from mpicube.model.gpt import gpt_params
+from mpicube.training.driver import make_runner
 from mpicube.training.optim import AdamW
 from mpicube.parallel.gradients import global_grad_norm, sync_gradients
 from mpicube.parallel.params import ParamStore
@@ -37,7 +38,7 @@ def run(layout_name, depth, recompute, steps):
     layout = build_layout(GridSpec(layout_name, depth=depth), CFG, BATCH, backend, MPI.COMM_WORLD, counters=counters,
                           recompute=recompute)
     store = ParamStore([layout.shard(d) for d in gpt_params(CFG)], backend, 11)
-    model = GPT(CFG, layout, store, dropout=0.1, seed=11)
+    model = make_runner(CFG, layout, store, dropout=0.1, seed=11)
     opt = AdamW(store, weight_decay=0.1)
     out = {"loss": [], "norm": [], "grads": None, "kept": 0, "peak": 0, "elems": 0}
     for step, (x, y) in enumerate(steps, start=1):

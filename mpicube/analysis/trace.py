@@ -126,13 +126,15 @@ class Collector:
         self.at(parts.micro_rows(0).start)
 
     @property
-    def model(self):
-        """The GPT whose forward ran last: the model, or under pipeline
-        stages the chunk (training.pipeline.Pipeline.current); each chunk
-        gives the pieces of the tensors it computes, so rank 0 assembles
-        the same names as without stages."""
+    def current(self):
+        """(GPT, tape) of the forward that ran last: the model's, or under
+        pipeline stages the chunk's (training.pipeline.Pipeline.current);
+        each chunk gives the pieces of the tensors it computes, so rank 0
+        assembles the same names as without stages."""
         pipe = self.parts.pipeline
-        return pipe.current if pipe is not None else self.parts.model
+        if pipe is not None:
+            return pipe.current
+        return self.parts.model.model, self.parts.model.tape
 
     def at(self, first: int) -> None:
         layout = self.layout
@@ -166,11 +168,11 @@ class Collector:
     def logits(self, T: int) -> list:
         """(B_l, T, V_l) -> piece of (B, T, V); padded vocabulary dropped
         (none from a pipeline chunk without the head)."""
-        model = self.model
+        model, tape = self.current
         if not model.last:
             return []
         emb = model.embedding
-        local = model.logits                                   # (B_l, T, V_l)
+        local = tape.back[0][1][0]                             # (B_l, T, V_l): the loss head's saved logits
         vocab = emb.vocab_start + np.arange(local.shape[-1])
         seqs = self.first + np.asarray(emb.logit_seqs)
         return [Piece("logits", (self.B, T, self.cfg.vocab_size), (seqs, self.positions(T), vocab),
@@ -178,35 +180,32 @@ class Collector:
 
     def masks(self, T: int, step: int) -> list:
         """Keep masks (1 kept, 0 dropped) as uint8, none without dropout.
-        A block that let go of its masks after forward (--recompute blocks)
-        has them drawn again: they are a function of (seed, step, site,
-        global index), so the second draw is the first."""
-        model = self.model
-        if model.dropout.p == 0.0:
+        Drawn again from the micro-batch's context: they are a function of
+        (seed, step, site, global index), so the second draw is the one
+        forward applied (and a block that let go of its masks, under
+        --recompute blocks, needs no special case)."""
+        model, tape = self.current
+        drop, ctx = model.dropout, tape.ctx
+        if not drop.on(ctx):
             return []
         keep = lambda m: self.host(m != 0, np.uint8)           # noqa: E731 - scaled masks to 0/1
         pieces = []
+        pos, rows = self.positions(T), self.canonical_positions(T)          # attention rows, canonical rows
         if model.first:
             pieces.append(Piece("dropout/emb", (self.B, T, self.cfg.n_embd),
-                                (self.canonical_seqs, self.canonical_positions(T), self.cols),
-                                keep(model.keep_emb)))
+                                (self.canonical_seqs, rows, self.cols), keep(drop.canonical(ctx, "emb", len(rows)))))
         for block in model.blocks:
-            drawn = (block.keep_attn, block.keep_resid_attn, block.keep_resid_mlp)
-            pos, rows = self.positions(T), self.canonical_positions(T)      # attention rows, canonical rows
-            if block.keep_resid_attn is None:
-                drop, site, t = model.dropout, block.site, len(rows)        # t: this rank's canonical positions
-                drawn = (None, drop.canonical(step, site + ".resid_attn", t),
-                         drop.canonical(step, site + ".resid_mlp", t))
-            if drawn[0] is None or callable(drawn[0]):          # blockwise attention draws its mask by blocks
-                by_blocks = model.dropout.attention_blocks(step, block.site + ".attn", T)
-                c = len(pos) // 2 if len(pos) != T else T      # rows: two contiguous chunks on a cp rank
-                drawn = (np.concatenate([self.host(by_blocks(slice(int(p0), int(p0) + c), slice(0, T)))
-                                         for p0 in pos[::c]], axis=2),) + drawn[1:]
+            site = block.site
+            by_blocks = drop.attention_blocks(ctx, site + ".attn", T)
+            c = len(pos) // 2 if len(pos) != T else T          # rows: two contiguous chunks on a cp rank
+            attn = np.concatenate([self.host(by_blocks(slice(int(p0), int(p0) + c), slice(0, T)))
+                                   for p0 in pos[::c]], axis=2)
             shape = (self.B, self.cfg.n_head, T, T)
             index = (self.mid_seqs, self.heads, pos, np.arange(T))
-            pieces.append(Piece(f"dropout/{block.site}.attn", shape, index, keep(drawn[0])))
-            for site, mask in (("resid_attn", drawn[1]), ("resid_mlp", drawn[2])):
-                pieces.append(Piece(f"dropout/{block.site}.{site}", (self.B, T, self.cfg.n_embd),
+            pieces.append(Piece(f"dropout/{site}.attn", shape, index, keep(attn)))
+            for name in ("resid_attn", "resid_mlp"):
+                mask = drop.canonical(ctx, f"{site}.{name}", len(rows))
+                pieces.append(Piece(f"dropout/{site}.{name}", (self.B, T, self.cfg.n_embd),
                                     (self.canonical_seqs, rows, self.cols), keep(mask)))
         return pieces
 
@@ -296,6 +295,33 @@ def optimizer_attr(opts, schedule: Schedule, steps: int, decayed: list) -> dict:
     }
 
 
+class Observed:
+    """A model piece whose output is copied into ``sink[name]`` after each
+    forward: how a trace sees the activations between blocks without the
+    model knowing it is watched. Everything else passes to the piece."""
+
+    def __init__(self, inner, name: str, sink: dict):
+        self.inner, self.name, self.sink = inner, name, sink
+
+    def forward(self, x, *args):
+        y, saved = self.inner.forward(x, *args)
+        self.sink[self.name] = y.copy()                     # (B_c, T_c, C_c)
+        return y, saved
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+def record_outputs(model, sink: dict) -> None:
+    """Wrap ``model``'s embeddings, blocks and final norm in ``Observed``:
+    their outputs land in ``sink`` as "emb", "h.{i}" and "ln_f", in the
+    order computed."""
+    model.front = [Observed(piece, "emb", sink) for piece in model.front]
+    model.blocks = [Observed(block, block.site, sink) for block in model.blocks]
+    for head in model.back:
+        head.ln_f = Observed(head.ln_f, "ln_f", sink)
+
+
 class Recorder(StepHooks):
     """The trainer's observer that writes the trace: the initial
     parameters when the run starts; per step the batch, each micro-batch's
@@ -309,23 +335,26 @@ class Recorder(StepHooks):
 
     def run_started(self, trainer) -> None:
         self.collect = Collector(trainer.parts, self.store_dtype, trainer.opts.batch_size)
+        self.sink = {}                   # each micro-batch's outputs of the embeddings, blocks and ln_f
+        pipe = trainer.parts.pipeline
+        for model in [pipe.chunk_model(v) for v in range(pipe.V)] if pipe is not None else [trainer.parts.model.model]:
+            record_outputs(model, self.sink)
         self.T = trainer.opts.seq_len
         _write(self.writer, gather_pieces(self.world, self.collect.params("init")))
 
     def step_started(self, trainer, s, x, y) -> None:
         self.tokens.append(np.concatenate([x, y[:, -1:]], axis=1).astype(np.int32))   # (B, T+1)
         self.forward = []
-        trainer.parts.model.capture = {}
+        self.sink.clear()
 
     def forward_done(self, trainer, s, micro) -> None:
         parts, collect = trainer.parts, self.collect
         collect.at(parts.micro_rows(micro).start)
-        self.forward += collect.activations(parts.model.capture, self.T) + collect.logits(self.T)
+        self.forward += collect.activations(self.sink, self.T) + collect.logits(self.T)
         self.forward += collect.masks(self.T, s)
-        parts.model.capture = {}                              # the next micro-batch's
+        self.sink.clear()                                     # the next micro-batch's
 
     def gradients_ready(self, trainer, s, loss, norm, loss_scale, skipped) -> None:
-        trainer.parts.model.capture = None
         if skipped:
             raise DivergedError(f"trace: step {s}: float16 gradients overflowed at loss scale {loss_scale:g} "
                                 "and a trace cannot skip a step: pass a smaller --loss-scale; nothing written")

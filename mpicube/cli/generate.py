@@ -184,10 +184,7 @@ class Generator:
             idx = np.tile(np.asarray(seq[pos:], dtype=np.int64), (self.rows, 1))       # (B_dp, t)
             return model.decode(idx, pos, caches)
         idx = np.tile(np.asarray(seq, dtype=np.int64), (self.rows, 1))                 # (B_dp, T)
-        if self.parts.pipeline is not None:
-            return model.full_logits(idx)
-        model.forward(idx, np.zeros_like(idx))
-        return model.logits
+        return model.full_logits(idx)
 
 
 def load_generator(model_file, cfg, layout="auto", dp=1, depth=1, dtype="float32", device="cpu", tf32=False,

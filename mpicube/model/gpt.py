@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
 from . import kvcache
 from .. import ops
-from ..device import precision
 from ..core import memory
 from ..core.config import ModelConfig
-from ..parallel import context
-from ..parallel.layouts.base import Layout, LayerNorm
+from ..parallel.layouts.base import Layout, LayerNorm, Panel
 from ..parallel.params import ParamDecl, ParamStore
-from .block import Block, Dropout
+from .block import Block, Dropout, positions
+from .tape import Micro, Tape
 
 
 LAYER_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
@@ -74,109 +72,137 @@ def gpt_params(cfg: ModelConfig) -> list:
     return decls
 
 
+class Embeddings:
+    """The front of the model: token lookup (the layout's tied embedding),
+    plus the position table read at each row's global position, then
+    dropout. ``forward`` takes token ids (B_dp, T_l), already cut by the
+    step driver to this rank's positions."""
+
+    def __init__(self, layout: Layout, store: ParamStore, embedding, dropout: Dropout):
+        self.embedding, self.dropout, self.xp = embedding, dropout, layout.backend.xp
+        self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]          # (n_ctx, C_c)
+
+    def forward(self, idx, tape: Tape):
+        """idx (B_dp, T_l) -> (x (B_c, T_c, C_c), saved)."""
+        x, s_lookup = self.embedding.embed(self.xp.asarray(idx), tape.panel)   # (B_c, T_c, C_c)
+        T = x.shape[1]                                                      # this rank's canonical positions
+        pos = slice(0, T) if tape.ctx.positions is None else self.xp.asarray(positions(tape.ctx, T))
+        x = x + self.wpe[pos]
+        keep = self.dropout.canonical(tape.ctx, "emb", T)
+        if keep is not None:
+            x *= keep
+        return x, (s_lookup, pos, keep)
+
+    def backward(self, dx, saved, tape: Tape):
+        """dx (B_c, T_c, C_c): into dwpe and dwte; nothing below it."""
+        s_lookup, pos, keep = saved
+        if keep is not None:
+            dx = dx * keep
+        B, T, C = dx.shape
+        self.dwpe[pos] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
+            dx.reshape(B, T * C)).reshape(T, C)                             # 16-bit dx: summed in float32+
+        self.embedding.embed_backward(dx, s_lookup, tape.panel)
+
+
+class Head:
+    """The back of the model: the final LayerNorm, then the layout's LM
+    head and cross-entropy (``Layout.loss_head``). ``forward`` returns this
+    rank's share of the loss."""
+
+    def __init__(self, layout: Layout, store: ParamStore, embedding):
+        self.ln_f = LayerNorm(store, "ln_f", layout.cfg.n_embd, layout.hidden_comm)
+        self.loss = layout.loss_head(embedding)
+
+    def forward(self, x, tape: Tape):
+        """x (B_c, T_c, C_c) -> (loss share (1,), saved)."""
+        h, s_ln = self.ln_f.forward(x)                                      # (B_c, T_c, C_c)
+        share, s_loss = self.loss.forward(h, tape.targets, tape.panel, tape.ctx.n_tokens)
+        return share, (s_ln, s_loss)
+
+    def backward(self, loss_scale: float, saved, tape: Tape):
+        """The gradient of loss_scale x (mean loss) -> dx (B_c, T_c, C_c)."""
+        s_ln, s_loss = saved
+        return self.ln_f.backward(self.loss.backward(loss_scale, s_loss, tape.panel), s_ln)
+
+
 class GPT:
     """The whole model on one rank's share of the layout, or one pipeline
     chunk of it: the blocks ``layers`` (a contiguous range, default all),
-    with the embeddings when ``first`` and the final LayerNorm and LM head
-    when ``last``. A chunk is the same code as the whole model with the ends
-    left out (mpicube.parallel.pipeline runs chunks), so a pipeline cannot
-    drift from the serial model. Only the chunk's parameters are touched:
-    the store needs to hold nothing else."""
+    with the embeddings in ``front`` when ``first`` and the final norm and
+    loss head in ``back`` when ``last``. A chunk is the same code as the
+    whole model with the ends left out, so a pipeline cannot drift from the
+    serial model. Modules hold parameter views only; activations go to the
+    micro-batch's ``Tape``. Only the chunk's parameters are touched: the
+    store needs to hold nothing else.
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, store: ParamStore, dropout: float = 0.0, seed: int = 0,
-                 grad_accum: int = 1, layers: range = None, first: bool = True, last: bool = True):
-        self.cfg, self.layout, self.store = cfg, layout, store
-        # The layout runs one micro-batch; a step is ``grad_accum`` of them
-        # (mpicube.training.accum), and the loss is the mean over the whole step.
-        self.grad_accum = grad_accum
-        self.xp = layout.backend.xp
+    ``blocks`` may be wrapped from outside (``Recomputed``, an observer's
+    recorder): anything with ``forward(x, ctx) -> (y, saved)`` and
+    ``backward(dy, saved) -> dx``."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, store: ParamStore, attention, dropout: Dropout,
+                 layers: range = None, first: bool = True, last: bool = True):
+        self.cfg, self.layout, self.store, self.xp = cfg, layout, store, layout.backend.xp
+        self.dropout = dropout                   # the masks' rule, for an observer that draws them again
         self.layers = range(cfg.n_layer) if layers is None else layers
         self.first, self.last = first, last
         # the tied wte serves the lookup (first chunk) and the head (last chunk)
         self.embedding = layout.tied_embedding(store) if first or last else None
-        if first:
-            self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]    # (n_ctx, C_c)
-        self.blocks = [Block(layout, store, i) for i in self.layers]
-        self.sites = [block.site for block in self.blocks]
-        self.ln_f = LayerNorm(store, "ln_f", cfg.n_embd, layout.hidden_comm) if last else None
-        self.dropout = Dropout(dropout, seed, layout, grad_accum)
-        # The loss is summed over these ranks; None: each rank returns its own
-        # share (a pipeline sums the shares of its last stage once per step).
-        self.loss_comm = layout.axes.world
-        # --recompute blocks: the largest set of one block's caches right after
-        # its rerun in the last backward (elements, bytes); 0 otherwise.
-        self.recompute_peak_elements = self.recompute_peak_bytes = 0
-        # Opt-in (mpicube.analysis.trace): a dict that forward fills with this rank's
-        # canonical blocks of "emb", "h.{i}" and "ln_f"; None costs nothing.
-        self.capture = None
+        self.front = [Embeddings(layout, store, self.embedding, dropout)] if first else []
+        self.blocks = [Block(layout, store, i, attention, dropout) for i in self.layers]
+        self.back = [Head(layout, store, self.embedding)] if last else []
+        self.tied = [self.embedding] if self.embedding is not None else []
+        self.sites = [f"h.{i}" for i in self.layers]
 
-    def forward(self, idx, targets, step: int = 0, micro: int = 0):
-        """idx, targets (B_dp, T): this data-parallel replica's rows of
-        micro-batch ``micro`` of the step (the whole step's rows when it has
-        one). Returns this micro-batch's cross-entropy summed and divided by
-        the whole step's token count, so the micro-batches' returns (and
-        gradients) add up to the step's mean (and its gradient).
-        On a chunk that is not ``first``, ``idx`` is the previous chunk's
-        output (B_c, T, C_c); on one that is not ``last`` the return is
-        this chunk's output (B_c, T, C_c) and ``targets`` is unused."""
-        xp, layout = self.xp, self.layout
-        self.store.refresh_work()                # the 16-bit working copy, after an optimizer step or a load
-        # --zero 3 gathers each block's parameters just before it runs (parallel.fsdp); else no-ops
-        layers = self.store.layers("forward", self.sites)
-        T = idx.shape[1]
-        self.dropout.micro = micro
-        self.n_tokens = layout.batch_size * self.grad_accum * T            # N, global, of the whole step
-        ring = layout.axes.cp
-        if ring.size > 1:                   # --cp: this rank's two chunks of every sequence (parallel.context)
-            # (grid.plan refuses --cp with --pp: this chunk is the whole model, first and last)
-            pos = context.local_positions(T, ring.size, ring.rank)         # (T_l,) global positions
-            idx, targets = np.asarray(idx)[:, pos], np.asarray(targets)[:, pos]
-            self.dropout.global_positions = pos
-            self.pos = xp.asarray(pos)
-        elif layout.seq_positions(T) is not None:   # --sequence-parallel: canonical rows a run of T/tp positions
-            pos = layout.seq_positions(T)                                   # (T_c,) global positions
-            self.dropout.global_positions = pos
-            self.pos = xp.asarray(pos)
-        else:
-            self.pos = slice(0, T)
-        capture = self.capture
-        if self.first:
-            idx = xp.asarray(idx)
-            x = self.embedding.embed(idx)                                   # (B_c, T_l, C_c)
-            T = x.shape[1]                                                  # T_l: this rank's canonical positions
-            x = x + self.wpe[self.pos]
-            self.keep_emb = self.dropout.canonical(step, "emb", T)
-            if self.keep_emb is not None:
-                x *= self.keep_emb
-            if capture is not None:
-                capture["emb"] = x.copy()                                   # (B_c, T, C_c)
-        else:
-            x = idx                                                         # (B_c, T, C_c) received
-        for k, (i, block) in enumerate(zip(self.layers, self.blocks)):   # k: this chunk's k-th block, layer i
-            layers.enter(k)
-            x = block.forward(x, self.dropout, step)
-            layers.leave(k)
-            if capture is not None:
-                capture[f"h.{i}"] = x.copy()                                # (B_c, T, C_c)
-        if not self.last:
-            return x
-        x = self.ln_f.forward(x)
-        if capture is not None:
-            capture["ln_f"] = x.copy()                                      # (B_c, T, C_c)
-        logits = self.embedding.logits(x)                                   # (B_l, T, V_l)
-        self.logits = logits
-        emb = self.embedding
-        rows = xp.asarray(emb.logit_seqs)
-        tgt = xp.asarray(targets)[rows].reshape(-1)                         # (B_l*T,)
-        comm = emb.vocab_comm
-        allmax = (lambda a: comm.allreduce(a, "max")) if comm is not None else ops.identity
-        allsum = comm.allreduce if comm is not None else ops.identity
-        row_loss, self.ce_cache = ops.cross_entropy_forward(
-            logits.reshape(-1, logits.shape[-1]), tgt, emb.vocab_start, self.cfg.vocab_size, allmax, allsum)
-        local = row_loss.sum(dtype=xp.float64).reshape(1) / emb.row_replicas   # (1,) on the device
-        if self.loss_comm is None:
-            return float(layout.backend.to_host(local)[0]) / self.n_tokens
-        return float(self.loss_comm.allreduce(local)[0]) / self.n_tokens
+    def forward(self, inputs, targets, ctx: Micro):
+        """inputs: token ids (B_dp, T_l) on a chunk with the embeddings, else
+        the previous chunk's output (B_c, T_c, C_c); targets (B_dp, T_l) or
+        None. Returns (out, tape): on a chunk with the head, this rank's
+        share of the loss summed over its rows ((1,), on the device), else
+        the chunk's output (B_c, T_c, C_c)."""
+        self.store.refresh_work()            # the 16-bit working copy, after an optimizer step or a load
+        resident = self.store.layers("forward", self.sites)    # the store brings each block's parameters in
+        tape, x = Tape(ctx, targets), inputs
+        for piece in self.front:
+            x, saved = piece.forward(x, tape)
+            tape.front.append(saved)
+        for k, block in enumerate(self.blocks):
+            resident.enter(k)
+            x, saved = block.forward(x, ctx)                    # (B_c, T_c, C_c)
+            resident.leave(k)
+            tape.blocks.append(saved)
+        for piece in self.back:
+            x, saved = piece.forward(x, tape)
+            tape.back.append(saved)
+        return x, tape
+
+    def backward(self, dout, tape: Tape):
+        """Adds the gradient of every parameter into the store's gradient
+        buffer (before any gradient synchronisation). ``dout`` is the loss
+        scale (a float) on a chunk with the head (float16 gradients of
+        activations would underflow at their true size: the trainer divides
+        the float32 parameter gradients back), else the gradient of the
+        chunk's output (B_c, T_c, C_c). Returns the gradient of the chunk's
+        input (B_c, T_c, C_c), or None on a chunk with the embeddings."""
+        resident = self.store.layers("backward", self.sites)   # the store sends each block's gradients on
+        dx = dout
+        for piece in reversed(self.back):
+            dx = piece.backward(dx, tape.back.pop(), tape)
+        for k in reversed(range(len(self.blocks))):
+            resident.enter(k)                                   # a rerun shares the backward's gather
+            dx = self.blocks[k].backward(dx, tape.blocks.pop())
+            resident.leave(k)
+        for piece in reversed(self.front):
+            dx = piece.backward(dx, tape.front.pop(), tape)
+        for embedding in self.tied:
+            embedding.finish_backward(tape.panel)
+        resident.finish()
+        self.store.settle()
+        return dx
+
+    @property
+    def ln_f(self):
+        """The final LayerNorm (None on a chunk without the head)."""
+        return self.back[0].ln_f if self.back else None
 
     def named_modules(self) -> list:
         """(GPT-2 name, layer or None, module, methods) of every module whose
@@ -185,10 +211,11 @@ class GPT:
         code that calls them, so a profile names what really ran."""
         out = [("wte", None, self.embedding, ("embed", "logits", "logits_backward", "embed_backward"))]
         for i, block in zip(self.layers, self.blocks):
-            out.append((block.site, i, block, ("forward", "backward")))
+            inner = getattr(block, "block", block)                  # under a wrapper, the block itself
+            out.append((inner.site, i, block, ("forward", "backward")))
             for attr, name in (("ln_1", "ln_1"), ("c_attn", "attn.c_attn"), ("c_proj", "attn.c_proj"),
                                ("ln_2", "ln_2"), ("c_fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")):
-                out.append((f"{block.site}.{name}", i, getattr(block, attr), ("forward", "backward")))
+                out.append((f"{inner.site}.{name}", i, getattr(inner, attr), ("forward", "backward")))
         out.append(("ln_f", None, self.ln_f, ("forward", "backward")))
         return [entry for entry in out if entry[2] is not None]       # a pipeline chunk without the ends
 
@@ -206,100 +233,17 @@ class GPT:
         pipeline chunk, as ``forward``: the previous chunk's output in,
         this chunk's output (B_c, t, C_c) out unless it is ``last``."""
         self.store.refresh_work()
-        layers = self.store.layers("forward", self.sites)
+        resident = self.store.layers("forward", self.sites)
         t = idx.shape[1]
+        panel = Panel()
         if self.first:
-            x = self.embedding.embed(self.xp.asarray(idx)) + self.wpe[pos:pos + t]   # (B_c, t, C_c)
+            x = self.embedding.embed(self.xp.asarray(idx), panel)[0] + self.front[0].wpe[pos:pos + t]  # (B_c, t, C_c)
         else:
             x = idx
         for k, (block, cache) in enumerate(zip(self.blocks, caches)):
-            layers.enter(k)
+            resident.enter(k)
             x = block.decode(x, cache, pos)
-            layers.leave(k)
+            resident.leave(k)
         if not self.last:
             return x
-        return self.embedding.logits(self.ln_f.forward(x))                  # (B_l, t, V_l)
-
-    def saved_elements(self) -> int:
-        """Floating-point elements this rank holds for backward right after
-        forward: activations, gathered weight panels, dropout masks. Counted
-        by walking every module's caches (each buffer once, parameters
-        excluded), to check the analytic memory model against what the code
-        really keeps. Under --recompute blocks, backward holds one rerun
-        block's caches on top: ``recompute_peak_elements``."""
-        return sum(a.size for a in self._saved_buffers())
-
-    def saved_bytes(self) -> int:
-        """The bytes of ``saved_elements`` (16-bit activations, float32
-        statistics and gradient panels under mixed precision)."""
-        return sum(a.nbytes for a in self._saved_buffers())
-
-    def _saved_buffers(self, modules=None) -> list:
-        """The distinct floating-point buffers behind every module's caches
-        (of ``modules``, default the whole model's)."""
-        params = self.store.buffers()
-        seen = {}
-
-        def visit(value):
-            if isinstance(value, (tuple, list)):
-                for item in value:
-                    visit(item)
-            elif hasattr(value, "dtype") and hasattr(value, "base") and precision.is_float(value.dtype):
-                owner = value
-                while owner.base is not None:
-                    owner = owner.base
-                if not any(owner is p for p in params):
-                    seen[id(owner)] = owner
-
-        if modules is None:
-            modules = [m for m in (self, self.embedding, self.ln_f) if m is not None]
-            for block in self.blocks:
-                modules += block.modules()
-        for module in modules:
-            for value in vars(module).values():
-                visit(value)
-        return list(seen.values())
-
-    def backward(self, loss_scale: float = 1.0, dy=None):
-        """Adds d(mean loss)/d(parameter) into the store's gradient buffer
-        (before any gradient synchronisation), times ``loss_scale``: float16
-        gradients of activations would underflow at their true size, so
-        dynamic loss scaling (mpicube.training.loss_scale) raises them and divides
-        the float32 parameter gradients back afterwards. On a pipeline chunk
-        that is not ``last``, ``dy`` (B_c, T, C_c) is the gradient of its
-        output (already scaled); one that is not ``first`` returns the
-        gradient of its input (B_c, T, C_c)."""
-        # --zero 2/3: each block's gradients reduce-scattered as its backward ends (parallel.fsdp)
-        layers = self.store.layers("backward", self.sites)
-        if self.last:
-            dlogits = ops.cross_entropy_backward(loss_scale / self.n_tokens, self.ce_cache)
-            dlogits = dlogits.reshape(self.logits.shape)                   # (B_l, T, V_l)
-            dx = self.embedding.logits_backward(dlogits)                   # (B_c, T, C_c)
-            dx = self.ln_f.backward(dx)
-            self.ce_cache = self.logits = None
-        else:
-            dx = dy
-        self.recompute_peak_elements = self.recompute_peak_bytes = 0
-        for i in reversed(range(len(self.blocks))):
-            block = self.blocks[i]
-            layers.enter(i)                                                # the rerun shares the backward's gather
-            if block.replay is not None:                                   # --recompute blocks
-                block.rerun()
-                rebuilt = self._saved_buffers(block.modules())             # this block's caches
-                self.recompute_peak_elements = max(self.recompute_peak_elements, sum(a.size for a in rebuilt))
-                self.recompute_peak_bytes = max(self.recompute_peak_bytes, sum(a.nbytes for a in rebuilt))
-            dx = block.backward(dx)
-            layers.leave(i)
-        if self.first:
-            if self.keep_emb is not None:
-                dx = dx * self.keep_emb
-            B, T, C = dx.shape
-            self.dwpe[self.pos] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
-                dx.reshape(B, T * C)).reshape(T, C)                        # 16-bit dx: summed in float32+
-            self.embedding.embed_backward(dx)
-            dx = None
-        if self.embedding is not None:
-            self.embedding.finish_backward()
-        layers.finish()
-        self.store.settle()
-        return dx
+        return self.embedding.logits(self.ln_f.forward(x)[0], panel)[0]   # (B_l, t, V_l)

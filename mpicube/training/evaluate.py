@@ -14,18 +14,16 @@ from ..parallel import context
 from ..parallel.grid import saved_or_default_batch
 from ..parallel.layouts.base import nearest_multiples
 from ..parallel.gridspec import GridSpec
-from ..model.gpt import GPT
 from .parts import Parts, build_parts
 from .state import saved_state
 
 
 def eval_model(parts: Parts):
-    """A GPT view of the same parameters with dropout off (GPT objects are
-    cheap: the parameters live in the store). Under pipeline stages the
+    """The same model run with dropout off. Under pipeline stages the
     Pipeline, whose forward-only pass runs chunks without dropout."""
     if parts.pipeline is not None:
         return parts.pipeline
-    return GPT(parts.cfg, parts.layout, parts.store, dropout=0.0, seed=0, grad_accum=parts.grad_accum)
+    return parts.model.evaluation()
 
 
 def mean_eval_loss(parts: Parts, model, tokens, seq_len: int, n_batches: int) -> float:

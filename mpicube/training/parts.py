@@ -5,6 +5,7 @@ their models here."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..device import threads
@@ -14,7 +15,8 @@ from ..parallel.comm import Counters, agree_max
 from ..core.config import ModelConfig
 from ..parallel.grid import build_layout, plan
 from ..parallel.gridspec import GridSpec
-from ..model.gpt import GPT, gpt_params
+from ..model.gpt import gpt_params
+from .driver import Runner, build_gpt
 from ..parallel.fsdp import make_store
 from .pipeline import Pipeline, stage_specs
 from ..parallel.zero import validate as validate_zero
@@ -85,8 +87,15 @@ def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cp
                         seed=seed, grad_accum=grad_accum)
         return Parts(cfg, backend, counters, layout, store, pipe, grad_accum, pipeline=pipe)
     store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
-    model = GPT(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
+    model = Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum,
+                             attention=attention_kind()), layout, grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
+
+
+def attention_kind() -> str:
+    """The attention the blocks use: blockwise, unless MPICUBE_ATTENTION=full
+    asks for the op that holds T x T (the reference; bench compares the two)."""
+    return os.environ.get("MPICUBE_ATTENTION", "blocks")
 
 
 def room_needed(cfg: ModelConfig, backend, tp: int, micro_batch: int, seq_len=None) -> int:

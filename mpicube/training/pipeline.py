@@ -20,10 +20,9 @@ the step. Message tags encode (kind, micro, sending chunk), so order between
 two peers cannot mismatch; a list whose order cannot complete hangs in a
 receive, which the watchdog (``--collective-timeout``) names and ends.
 
-Each (chunk, micro-batch) gets its own ``GPT`` object sharing the store:
-the modules keep their caches as attributes, and under 1F1B up to P
-micro-batches of a chunk are in flight on one stage at once. The objects
-hold no arrays but those caches.
+Each chunk is one ``GPT``; each (chunk, micro-batch) in flight has its own
+tape (``self.tapes``): under 1F1B up to P micro-batches of a chunk are
+between their forward and their backward on one stage at once.
 
 The numerics are those of the same step without a pipeline: micro-batch m
 is ``Parts.micro_rows(m)`` of the step's batch, dropout masks are drawn at
@@ -43,7 +42,10 @@ import dataclasses
 
 import numpy as np
 
+from ..model.block import Recomputed
 from ..model.gpt import GPT, gpt_params
+from ..model.tape import saved_buffers
+from .driver import build_gpt, last_logits, micro_context
 from ..parallel.comm_p2p import irecv, isend
 from ..parallel.gradients import gradient_wire
 from ..parallel.grid import tied_pair
@@ -107,31 +109,46 @@ class Pipeline:
         self.actions = actions if actions is not None else build_schedule(schedule, self.P, grad_accum,
                                                                            virtual)[self.stage]
         self.tied = tied_pair(layout.axes)      # stages 0 and P-1 (None on the others, or with one stage)
-        self.models = {}                        # (v, micro, dropout) -> GPT chunk
+        self.models = {}                        # v -> the GPT of local chunk v (one for every micro-batch)
+        self.tapes = {}                         # (v, micro) -> the tape of a forward whose backward has not run
         # (elements, bytes) the most held for backward at once, when measured: after
         # every forward, and under --recompute blocks during a backward's rerun
         self.peak_saved = (0, 0)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
-        # Opt-in (mpicube.analysis.trace): the dict each chunk's forward fills
-        # (GPT.capture), and ``current``, the chunk whose forward ran last.
-        self.capture = None
-        self.current = None
+        self._rerun = (0, 0)                    # the most one rerun block held in the backward running now
+        self.current = None                     # (chunk, tape) of the last forward
 
     # --- chunks -------------------------------------------------------------
-    def chunk_model(self, v: int, micro: int, dropout: float = None) -> GPT:
-        """The GPT of local chunk ``v`` for micro-batch ``micro`` (made once)."""
-        p = self.dropout if dropout is None else dropout
-        key = (v, micro, p)
-        if key not in self.models:
-            self.models[key] = self._new_chunk(v, p)
-        return self.models[key]
+    def chunk_model(self, v: int, micro: int = 0, dropout: float = None) -> GPT:
+        """The GPT of local chunk ``v`` (made once; every micro-batch runs it
+        with its own tape, training or evaluation alike)."""
+        if v not in self.models:
+            _, k, layers = self.chunks[v]
+            model = build_gpt(self.cfg, self.layout, self.store, dropout=self.dropout, seed=self.seed,
+                              grad_accum=self.N, layers=layers, first=k == 0, last=k == self.last_chunk)
+            for block in model.blocks:
+                if isinstance(block, Recomputed):
+                    block.probe = self._rebuilt
+            self.models[v] = model
+        return self.models[v]
 
-    def _new_chunk(self, v: int, dropout: float) -> GPT:
-        _, k, layers = self.chunks[v]
-        model = GPT(self.cfg, self.layout, self.store, dropout=dropout, seed=self.seed, grad_accum=self.N,
-                    layers=layers, first=k == 0, last=k == self.last_chunk)
-        model.loss_comm = None                  # shares summed once per step (``_step_loss``)
-        return model
+    def _rebuilt(self, saved) -> None:
+        buffers = saved_buffers(saved, self.store.buffers())
+        self._rerun = (max(self._rerun[0], sum(b.size for b in buffers)),
+                       max(self._rerun[1], sum(b.nbytes for b in buffers)))
+
+    def _run_forward(self, model, v, m, parts, x, y, step, inbox, train=True):
+        """Chunk ``v``'s forward of micro-batch m: (out, Micro). ``inbox``
+        holds the previous chunk's output when this chunk has no embeddings."""
+        rows = parts.micro_rows(m)
+        ids, tgt, ctx = micro_context(self.layout, x[rows], y[rows], step, m, self.N, train)
+        out, tape = model.forward(ids if model.first else inbox, tgt, ctx)
+        self.current = (model, tape)            # for an observer (a trace) after the forward
+        return out, tape, ctx
+
+    def _share(self, out, ctx) -> float:
+        """A last chunk's loss share on this rank as a float, divided by the step's tokens."""
+        return float(self.layout.backend.to_host(out)[0]) / ctx.n_tokens
 
     def _tag(self, a) -> int:
         return message_tag(a, self.stage, self.P, self.V, self.N)
@@ -164,13 +181,11 @@ class Pipeline:
             elif a.op.startswith("send"):
                 sends.append(isend(self.pp, outbox.pop((a.op, m, v)), a.peer, self._tag(a)))
             elif a.op == "forward":
-                model, rows = self.chunk_model(v, m), parts.micro_rows(m)
-                inp = x[rows] if model.first else inbox.pop(("recv_act", m, v))
-                model.capture, self.current = self.capture, model        # a trace's dict, and who filled it
-                out = model.forward(inp, y[rows], step=step, micro=m)
-                model.capture = None
+                model = self.chunk_model(v)
+                inp = None if model.first else inbox.pop(("recv_act", m, v))
+                out, self.tapes[v, m], ctx = self._run_forward(model, v, m, parts, x, y, step, inp)
                 if model.last:
-                    loss += out
+                    loss += self._share(out, ctx)
                 else:
                     outbox["send_act", m, v] = out                               # (B_c, T, C_c)
                 live.add((v, m))
@@ -178,16 +193,17 @@ class Pipeline:
                     after_forward(m, v)
                     self._measure(live)
             elif a.op == "backward":
-                model = self.chunk_model(v, m)
-                dy = None if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
+                model = self.chunk_model(v)
+                dout = loss_scale if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
                 held = self._saved(live) if after_forward is not None else (0, 0)
-                dx = model.backward(loss_scale=loss_scale, dy=dy)
+                self._rerun = (0, 0)
+                dx = model.backward(dout, self.tapes.pop((v, m)))
                 live.discard((v, m))
-                self.recompute_peak_elements = max(self.recompute_peak_elements, model.recompute_peak_elements)
-                self.recompute_peak_bytes = max(self.recompute_peak_bytes, model.recompute_peak_bytes)
-                if after_forward is not None and model.recompute_peak_elements:
+                self.recompute_peak_elements = max(self.recompute_peak_elements, self._rerun[0])
+                self.recompute_peak_bytes = max(self.recompute_peak_bytes, self._rerun[1])
+                if after_forward is not None and self._rerun[0]:
                     # --recompute blocks: a rerun block's caches on top of what was held before
-                    self._peak((held[0] + model.recompute_peak_elements, held[1] + model.recompute_peak_bytes))
+                    self._peak((held[0] + self._rerun[0], held[1] + self._rerun[1]))
                 if not model.first:
                     outbox["send_grad", m, v] = dx                               # (B_c, T, C_c)
             else:
@@ -207,7 +223,7 @@ class Pipeline:
         """(elements, bytes) the live (chunk, micro-batch) pairs hold for backward."""
         elems = nbytes = 0
         for v, m in live:
-            buffers = self.chunk_model(v, m)._saved_buffers()
+            buffers = saved_buffers(self.tapes[v, m], self.store.buffers())
             elems += sum(b.size for b in buffers)
             nbytes += sum(b.nbytes for b in buffers)
         return elems, nbytes
@@ -247,11 +263,10 @@ class Pipeline:
                     out.append(Action("send_act", m, v, (k + 1) % P))
         return out
 
-    def forward_loss(self, parts, x, y, step: int = 0, dropout: float = 0.0) -> float:
+    def forward_loss(self, parts, x, y, step: int = 0) -> float:
         """The step's mean loss over the global batch x, y (B, T), forward
-        only (the chunks of ``dropout``, default none: evaluation's view)."""
+        only and without dropout (evaluation's view)."""
         actions = self.forward_actions()
-        views = {v: self._new_chunk(v, dropout) for v in range(self.V)}   # dropped afterwards, caches and all
         posted = self._post_receives(actions, x.shape[1])
         sends, outbox, loss = [], {}, 0.0
         for a in actions:
@@ -261,10 +276,11 @@ class Pipeline:
             elif a.op == "send_act":
                 sends.append(isend(self.pp, outbox.pop((m, v)), a.peer, self._tag(a)))
             else:
-                model, rows = views[v], parts.micro_rows(m)
-                out = model.forward(x[rows] if model.first else inp, y[rows], step=step, micro=m)
+                model = self.chunk_model(v)
+                out, _, ctx = self._run_forward(model, v, m, parts, x, y, step, None if model.first else inp,
+                                                train=False)
                 if model.last:
-                    loss += out
+                    loss += self._share(out, ctx)
                 else:
                     outbox[m, v] = out
         for pending in sends:
@@ -276,12 +292,12 @@ class Pipeline:
     def embedding(self):
         """The LM head's tied embedding on the last stage (its logits'
         rows and vocabulary block), None on the others."""
-        model = self.chunk_model(self.V - 1, 0, 0.0)
+        model = self.chunk_model(self.V - 1)
         return model.embedding if model.last else None
 
     def new_caches(self) -> dict:
         """{local chunk: its blocks' key/value caches}."""
-        return {v: self.chunk_model(v, 0, 0.0).new_caches() for v in range(self.V)}
+        return {v: self.chunk_model(v).new_caches() for v in range(self.V)}
 
     def decode(self, idx, pos: int, caches: dict):
         """``GPT.decode`` through every stage in turn: logits (B_l, t, V_l)
@@ -292,8 +308,11 @@ class Pipeline:
         """The training forward's logits of idx (B_dp, T) on the last
         stage (None on the others): the reference for ``decode``."""
         def run(model, v, x):
-            out = model.forward(x, np.zeros(idx.shape, dtype=np.int64))
-            return model.logits if model.last else out
+            ids, targets, ctx = micro_context(self.layout, idx, np.zeros(idx.shape, dtype=np.int64), 0, 0, 1,
+                                              train=False)
+            if model.last:
+                return last_logits(model, ids if model.first else x, targets, ctx)
+            return model.forward(ids if model.first else x, targets, ctx)[0]
         return self._in_turn(idx, run)
 
     def _in_turn(self, idx, fn):
@@ -301,7 +320,7 @@ class Pipeline:
         before it (one micro-batch: nothing to overlap)."""
         result, sends = None, []
         for v, k, _ in self.chunks:
-            model = self.chunk_model(v, 0, 0.0)
+            model = self.chunk_model(v)
             if k == 0:
                 x = idx
             else:

@@ -39,6 +39,7 @@ from ..comm_start import iallreduce
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore
+from .head import LossHead
 
 
 @dataclass
@@ -109,6 +110,11 @@ class Layout:
 
     def tied_embedding(self, store: ParamStore):
         raise NotImplementedError
+
+    def loss_head(self, embedding):
+        """The LM head over ``embedding`` (this layout's tied embedding) and
+        the vocabulary-parallel cross-entropy (layouts/head.py)."""
+        return LossHead(embedding, self.cfg.vocab_size, self.backend.xp)
 
     def save_block_input(self, x):
         """What a block keeps of its input x (B_c, T, C_c) under
@@ -221,24 +227,23 @@ class DenseLinear:
         self.overlap = overlap and dx_reduce is not None
 
     def forward(self, x):
-        """x (B, T, C_in) -> y (B, T, C_out)."""
-        self.x = x if self.shard is None else self.shard.keep(x)
+        """x (B, T, C_in) -> (y (B, T, C_out), saved: x, or its row shard)."""
+        saved = x if self.shard is None else self.shard.keep(x)
         y = matmul_rows(x, self.w, acc(x))            # (B, T, C_out)
         if self.out_reduce is not None:
             y = self.out_reduce.allreduce(y, wire=x.dtype)
         y += self.b
-        return precision.narrow(y, x.dtype)
+        return precision.narrow(y, x.dtype), saved
 
-    def backward(self, dy):
+    def backward(self, dy, saved):
         """dy (B, T, C_out) -> dx (B, T, C_in)."""
-        x = self.x if self.shard is None else self.shard.restore(self.x)   # (B, T, C_in)
+        x = saved if self.shard is None else self.shard.restore(saved)   # (B, T, C_in)
         x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         if self.overlap:                              # dX travels while dW and db are computed
             pending = iallreduce(self.dx_reduce, matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
             self.store.add_matmul(self.w_name, x2.T, dy2)
             self.db += ops.column_sums(dy2)
-            self.x = None
             return precision.narrow(pending.wait(), dy.dtype)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
         self.db += ops.column_sums(dy2)
@@ -247,12 +252,22 @@ class DenseLinear:
             dx = precision.narrow(dx, dy.dtype)
         else:
             dx = matmul_rows(dy, self.w.T)            # (B, T, C_in)
-        self.x = None
         return dx
 
-    def release(self):
-        """Forget what forward kept (--recompute blocks reruns forward)."""
-        self.x = None
+
+class Panel:
+    """One micro-batch's gathered embedding weight ``w`` and the float32+
+    accumulator ``dw`` of its gradient, shared by the lookup and the LM
+    head of the layouts that gather wte (2-D, 2.5-D, 3-D: one gather per
+    micro-batch serves both); empty until the first of the two gathers, and
+    reduced into the store by ``finish_backward``. It lives in the
+    micro-batch's tape, never on the module, so micro-batches of a pipeline
+    in flight at once each have their own."""
+
+    __slots__ = ("w", "dw")
+
+    def __init__(self):
+        self.w = self.dw = None
 
 
 class LayerNorm:
@@ -267,16 +282,10 @@ class LayerNorm:
         self.allsum = comm.allreduce if comm is not None else ops.identity
 
     def forward(self, x):
-        """x (B, T, C_c) -> (B, T, C_c)."""
-        y, self.cache = ops.layernorm_forward(x, self.gamma, self.beta, self.n_hidden, allsum=self.allsum)
-        return y
+        """x (B, T, C_c) -> (y (B, T, C_c), saved: the normalised rows and their statistics)."""
+        return ops.layernorm_forward(x, self.gamma, self.beta, self.n_hidden, allsum=self.allsum)
 
-    def backward(self, dy):
-        dx = ops.layernorm_backward(dy, self.cache, self.gamma, self.dgamma, self.dbeta, self.n_hidden,
-                                    allsum=self.allsum)
-        self.cache = None
-        return dx
-
-    def release(self):
-        """Forget what forward kept (--recompute blocks reruns forward)."""
-        self.cache = None
+    def backward(self, dy, saved):
+        """dy (B, T, C_c) -> dx (B, T, C_c); adds into the weight and bias gradients."""
+        return ops.layernorm_backward(dy, saved, self.gamma, self.dgamma, self.dbeta, self.n_hidden,
+                                      allsum=self.allsum)

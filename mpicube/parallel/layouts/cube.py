@@ -114,14 +114,14 @@ class CubeLayout(Layout):
 class CubeLinear:
     """Input rows sub-block ``a``, columns block ``b``; output rows sub-block
     ``b``, columns block ``a``. First linears use (a, b) = (j, k), second
-    linears (k, j). With ``regather`` (--recompute gathers) forward keeps
-    only the local X and backward gathers X and W again."""
+    linears (k, j). Forward saves the gathered X and W for backward; with
+    ``regather`` (--recompute gathers) only the local X, and backward
+    gathers X and W again."""
 
     def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True,
                  regather: bool = False):
         self.overlap = overlap
         self.regather = regather
-        self.x = self.xg = self.wg = None
         self.w = store.work[prefix + ".weight"]      # (h_in/q^2, h_out/q)
         self.bias = store.work[prefix + ".bias"]     # (h_out/q,)
         self.store, self.w_name = store, prefix + ".weight"
@@ -130,50 +130,46 @@ class CubeLinear:
         self.a, self.b, self.wc = a, b, weight_comm
 
     def forward(self, x):
-        """x (B/q^2, T, h_in/q) -> (B/q^2, T, h_out/q)."""
+        """x (B/q^2, T, h_in/q) -> (y (B/q^2, T, h_out/q), saved (x, X gathered, W gathered))."""
         if self.overlap:                             # W travels while X is gathered
             w_pending = self.wc.iallgather(self.w, axis=0)
-            self.xg = self.a.allgather(x, axis=0)    # (B/q, T, h_in/q)
-            self.wg = w_pending.wait()               # (h_in/q, h_out/q)
+            xg = self.a.allgather(x, axis=0)         # (B/q, T, h_in/q)
+            wg = w_pending.wait()                    # (h_in/q, h_out/q)
         else:
-            self.xg = self.a.allgather(x, axis=0)
-            self.wg = self.wc.allgather(self.w, axis=0)
-        y = self.b.reduce_scatter(matmul_rows(self.xg, self.wg, acc(x)), axis=0, wire=x.dtype)  # (B/q^2, T, h_out/q)
-        if self.regather:                            # keep the local X only
-            self.x, self.xg, self.wg = x, None, None
+            xg = self.a.allgather(x, axis=0)
+            wg = self.wc.allgather(self.w, axis=0)
+        y = self.b.reduce_scatter(matmul_rows(xg, wg, acc(x)), axis=0, wire=x.dtype)  # (B/q^2, T, h_out/q)
+        saved = (x, None, None) if self.regather else (None, xg, wg)    # --recompute gathers: the local X only
         y += self.bias
-        return precision.narrow(y, x.dtype)
+        return precision.narrow(y, x.dtype), saved
 
-    def backward(self, dy):
+    def backward(self, dy, saved):
         """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
-        if self.xg is None:                          # --recompute gathers: gather them again (blocking)
-            self.xg = self.a.allgather(self.x, axis=0)              # (B/q, T, h_in/q)
-            self.wg = self.wc.allgather(self.w, axis=0)             # (h_in/q, h_out/q)
+        x, xg, wg = saved
+        if xg is None:                               # --recompute gathers: gather them again (blocking)
+            xg = self.a.allgather(x, axis=0)                   # (B/q, T, h_in/q)
+            wg = self.wc.allgather(self.w, axis=0)             # (h_in/q, h_out/q)
         dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
-        xg2 = self.xg.reshape(-1, self.xg.shape[-1])           # (N/q, h_in/q)
+        xg2 = xg.reshape(-1, xg.shape[-1])                     # (N/q, h_in/q)
         dy2 = dyg.reshape(-1, dyg.shape[-1])                   # (N/q, h_out/q)
         dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
         if self.overlap:                             # dW travels while dX is computed and reduced
             dw_pending = self.wc.ireduce_scatter(dwg, axis=0, wire=self.w.dtype)
-            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0, wire=dy.dtype)  # (B/q^2,T,h_in/q)
+            dx = self.a.reduce_scatter(matmul_rows(dyg, wg.T, acc(dy)), axis=0, wire=dy.dtype)  # (B/q^2,T,h_in/q)
             self.store.add_grad(self.w_name, dw_pending.wait())
         else:
-            dx = self.a.reduce_scatter(matmul_rows(dyg, self.wg.T, acc(dy)), axis=0, wire=dy.dtype)
+            dx = self.a.reduce_scatter(matmul_rows(dyg, wg.T, acc(dy)), axis=0, wire=dy.dtype)
             self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0, wire=self.w.dtype))
         dx = precision.narrow(dx, dy.dtype)
         self.dbias += ops.column_sums(dy.reshape(-1, dy.shape[-1]))
-        self.x = self.xg = self.wg = None
         return dx
-
-    def release(self):
-        """Forget what forward kept (--recompute blocks reruns forward)."""
-        self.x = self.xg = self.wg = None
 
 
 class CubeTiedEmbedding:
     """wte (V, h) is held like the LM head's W = wte^T of a first linear:
     rank (i, j, k) has vocabulary block j, hidden block k, sub-block i.
-    One all-gather over i per step serves both the lookup and the head."""
+    One all-gather over i per micro-batch serves both the lookup and the
+    head (the tape's ``Panel``)."""
 
     def __init__(self, store, layout: CubeLayout):
         self.wte = store.work["wte"]                 # (V/q, h/q^2)
@@ -188,50 +184,48 @@ class CubeTiedEmbedding:
         self.row_replicas = q
         self.xp = layout.backend.xp
         self.regather = layout.recompute == "gathers"
-        self.x = self.xg = self.wg = self.dwg = None
 
-    def _gather(self):
-        """The step's wte panel and its gradient accumulator: one all-gather
-        over i serves the lookup and the head."""
-        self.wg = self.ci.allgather(self.wte, axis=1)             # (V/q, h/q)
-        self.dwg = self.xp.zeros(self.wg.shape, dtype=self.store.flat_grad.dtype)   # (V/q, h/q) float32+
+    def _gather(self, panel):
+        """The micro-batch's wte panel and its gradient accumulator: one
+        all-gather over i serves the lookup and the head."""
+        panel.w = self.ci.allgather(self.wte, axis=1)             # (V/q, h/q)
+        panel.dw = self.xp.zeros(panel.w.shape, dtype=self.store.flat_grad.dtype)   # (V/q, h/q) float32+
 
-    def embed(self, ids):
-        """ids (B_dp, T) -> x (B/q^2, T, h/q) canonical."""
-        self._gather()
+    def embed(self, ids, panel):
+        """ids (B_dp, T) -> (x (B/q^2, T, h/q) canonical, saved)."""
+        self._gather(panel)
         ids_i = ids[self.xp.asarray(self.row_block)]              # (B/q, T)
-        part, self.embed_cache = ops.embedding_forward(ids_i, self.wg, self.vocab_start)  # (B/q, T, h/q)
-        return self.cj.reduce_scatter(part, axis=0, wire=part.dtype)
+        part, saved = ops.embedding_forward(ids_i, panel.w, self.vocab_start)  # (B/q, T, h/q)
+        return self.cj.reduce_scatter(part, axis=0, wire=part.dtype), saved
 
-    def embed_backward(self, dx):
+    def embed_backward(self, dx, saved, panel):
         dxg = self.cj.allgather(dx, axis=0)                       # (B/q, T, h/q)
-        ops.embedding_backward(dxg, self.embed_cache, self.dwg)
-        self.embed_cache = None
+        ops.embedding_backward(dxg, saved, panel.dw)
 
-    def logits(self, x):
-        """x (B/q^2, T, h/q) -> logits (B/q^2, T, V/q): rows block i,
-        sub-block k; vocabulary block j."""
-        if self.dwg is None:              # a pipeline's last stage: the head without the lookup
-            self._gather()
-        self.xg = self.cj.allgather(x, axis=0)                    # (B/q, T, h/q)
-        logits = self.ck.reduce_scatter(matmul_rows(self.xg, self.wg.T, acc(x)), axis=0, wire=x.dtype)
+    def logits(self, x, panel):
+        """x (B/q^2, T, h/q) -> (logits (B/q^2, T, V/q), saved): rows block
+        i, sub-block k; vocabulary block j."""
+        if panel.dw is None:              # a pipeline's last stage: the head without the lookup
+            self._gather(panel)
+        xg = self.cj.allgather(x, axis=0)                         # (B/q, T, h/q)
+        logits = self.ck.reduce_scatter(matmul_rows(xg, panel.w.T, acc(x)), axis=0, wire=x.dtype)
         if self.regather:                 # --recompute gathers: both gathered again in logits_backward
-            self.x, self.xg, self.wg = x, None, None
-        return precision.narrow(logits, x.dtype)
+            panel.w = None
+            return precision.narrow(logits, x.dtype), (x, None)
+        return precision.narrow(logits, x.dtype), (None, xg)
 
-    def logits_backward(self, dlogits):
-        if self.xg is None:
-            self.wg = self.ci.allgather(self.wte, axis=1)         # (V/q, h/q)
-            self.xg = self.cj.allgather(self.x, axis=0)           # (B/q, T, h/q)
-            self.x = None
+    def logits_backward(self, dlogits, saved, panel):
+        x, xg = saved
+        if xg is None:
+            panel.w = self.ci.allgather(self.wte, axis=1)         # (V/q, h/q)
+            xg = self.cj.allgather(x, axis=0)                     # (B/q, T, h/q)
         dlg = self.ck.allgather(dlogits, axis=0)                  # (B/q, T, V/q)
-        self.dwg += precision.matmul(dlg.reshape(-1, dlg.shape[-1]).T, self.xg.reshape(-1, self.xg.shape[-1]),
-                                     dtype=self.dwg.dtype)
-        self.xg = None
-        dx = self.cj.reduce_scatter(matmul_rows(dlg, self.wg, acc(dlogits)), axis=0,
+        panel.dw += precision.matmul(dlg.reshape(-1, dlg.shape[-1]).T, xg.reshape(-1, xg.shape[-1]),
+                                     dtype=panel.dw.dtype)
+        dx = self.cj.reduce_scatter(matmul_rows(dlg, panel.w, acc(dlogits)), axis=0,
                                    wire=dlogits.dtype)                          # (B/q^2, T, h/q)
         return precision.narrow(dx, dlogits.dtype)
 
-    def finish_backward(self):
-        self.store.add_grad("wte", self.ci.reduce_scatter(self.dwg, axis=1, wire=self.wte.dtype))
-        self.wg = self.dwg = None
+    def finish_backward(self, panel):
+        self.store.add_grad("wte", self.ci.reduce_scatter(panel.dw, axis=1, wire=self.wte.dtype))
+        panel.w = panel.dw = None

@@ -47,34 +47,31 @@ class SeqLinear:
         self.db = store.grad[prefix + ".bias"]
         self.comm, self.first, self.overlap = comm, position == "first", overlap
         self.regather = regather and self.first     # --recompute gathers: keep the shard, gather it again
-        self.x = None
 
     def forward(self, x):
-        """first: x (B, T/p, C) -> (B, T, C_m); second: x (B, T, C_m) -> (B, T/p, C)."""
+        """first: x (B, T/p, C) -> (B, T, C_m); second: x (B, T, C_m) -> (B, T/p, C).
+        Returns (y, saved): the input x for dW (its T/p shard under regather)."""
         if self.first:
             shard, x = x, self.comm.allgather(x, axis=SEQ)   # (B, T/p, C), (B, T, C)
-            self.x = shard if self.regather else x
             y = matmul_rows(x, self.w, acc(x))        # (B, T, C_m)
             y += self.b
-            return precision.narrow(y, x.dtype)
-        self.x = x
+            return precision.narrow(y, x.dtype), (shard if self.regather else x)
         y = self.comm.reduce_scatter(matmul_rows(x, self.w, acc(x)), axis=SEQ, wire=x.dtype)   # (B, T/p, C)
         y = y.astype(acc(x), copy=False)
         y += self.b
-        return precision.narrow(y, x.dtype)
+        return precision.narrow(y, x.dtype), x
 
-    def backward(self, dy):
+    def backward(self, dy, saved):
         """first: dy (B, T, C_m) -> dx (B, T/p, C); second: dy (B, T/p, C) -> dx (B, T, C_m)."""
         if not self.first:
             dy = self.comm.allgather(dy, axis=SEQ)    # (B, T, C)
-        x = self.comm.allgather(self.x, axis=SEQ) if self.regather else self.x   # (B, T, C_in)
+        x = self.comm.allgather(saved, axis=SEQ) if self.regather else saved   # (B, T, C_in)
         x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
         if self.first and self.overlap:               # dX travels while dW and db are computed
             pending = self.comm.ireduce_scatter(matmul_rows(dy, self.w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
             self.store.add_matmul(self.w_name, x2.T, dy2)
             self.db += ops.column_sums(dy2)
-            self.x = None
             return precision.narrow(pending.wait(), dy.dtype)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW += x^T dy
         self.db += ops.column_sums(dy2)               # complete: from all T rows
@@ -83,11 +80,7 @@ class SeqLinear:
             dx = precision.narrow(dx, dy.dtype)       # (B, T/p, C)
         else:
             dx = matmul_rows(dy, self.w.T)            # (B, T, C_m)
-        self.x = None
         return dx
-
-    def release(self):
-        self.x = None
 
 
 class SeqTiedEmbedding(DenseTiedEmbedding):
@@ -100,28 +93,26 @@ class SeqTiedEmbedding(DenseTiedEmbedding):
         super().__init__(store, layout, vocab_comm=vocab_comm, vocab_start=vocab_start)
         self.regather = regather
 
-    def embed(self, ids):
-        """ids (B, T) -> x (B, T/p, h)."""
-        x, self.embed_cache = ops.embedding_forward(ids, self.wte, self.vocab_start)   # (B, T, h) partial
-        return self.vocab_comm.reduce_scatter(x, axis=SEQ, wire=x.dtype)
+    def embed(self, ids, panel):
+        """ids (B, T) -> (x (B, T/p, h), saved)."""
+        x, saved = ops.embedding_forward(ids, self.wte, self.vocab_start)   # (B, T, h) partial
+        return self.vocab_comm.reduce_scatter(x, axis=SEQ, wire=x.dtype), saved
 
-    def embed_backward(self, dx):
+    def embed_backward(self, dx, saved, panel):
         """dx (B, T/p, h): gathered to every position of the replica's ids."""
-        super().embed_backward(self.vocab_comm.allgather(dx, axis=SEQ))             # (B, T, h)
+        super().embed_backward(self.vocab_comm.allgather(dx, axis=SEQ), saved, panel)   # (B, T, h)
 
-    def logits(self, x):
-        """x (B, T/p, h) -> logits (B, T, V_l)."""
+    def logits(self, x, panel):
+        """x (B, T/p, h) -> (logits (B, T, V_l), saved: the gathered x, or its shard under regather)."""
         gathered = self.vocab_comm.allgather(x, axis=SEQ)                            # (B, T, h)
-        self.x = x if self.regather else gathered
-        return matmul_rows(gathered, self.wte.T)
+        return matmul_rows(gathered, self.wte.T), (x if self.regather else gathered)
 
-    def logits_backward(self, dlogits):
+    def logits_backward(self, dlogits, saved, panel):
         """dlogits (B, T, V_l) -> dx (B, T/p, h)."""
-        x = self.vocab_comm.allgather(self.x, axis=SEQ) if self.regather else self.x   # (B, T, h)
+        x = self.vocab_comm.allgather(saved, axis=SEQ) if self.regather else saved   # (B, T, h)
         x2 = x.reshape(-1, x.shape[-1])                          # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])             # (B*T, V_l)
         self.store.add_matmul("wte", dl2.T, x2)                  # dwte (V_l, h) += dlogits^T x
         dx = self.vocab_comm.reduce_scatter(matmul_rows(dlogits, self.wte, acc(dlogits)), axis=SEQ,
                                             wire=dlogits.dtype)  # (B, T/p, h)
-        self.x = None
         return precision.narrow(dx, dlogits.dtype)

@@ -51,35 +51,32 @@ class DenseTiedEmbedding:
         self.logit_seqs = layout.canonical_seqs
         self.row_replicas = layout.axes.tp.size
 
-    def embed(self, ids):
-        """ids (B, T) -> x (B, T, h)."""
-        x, self.embed_cache = ops.embedding_forward(ids, self.wte, self.vocab_start)
+    def embed(self, ids, panel):
+        """ids (B, T) -> (x (B, T, h), saved). Dense layouts gather nothing: ``panel`` stays empty."""
+        x, saved = ops.embedding_forward(ids, self.wte, self.vocab_start)
         if self.vocab_comm is not None:
             x = self.vocab_comm.allreduce(x, wire=x.dtype)
-        return x
+        return x, saved
 
-    def embed_backward(self, dx):
-        ops.embedding_backward(dx, self.embed_cache, self.store.grad_for_add("wte"))
-        self.embed_cache = None
+    def embed_backward(self, dx, saved, panel):
+        ops.embedding_backward(dx, saved, self.store.grad_for_add("wte"))
 
-    def logits(self, x):
-        """x (B, T, h) -> logits (B, T, V_l)."""
-        self.x = x if self.shard is None else self.shard.keep(x)
-        return matmul_rows(x, self.wte.T)
+    def logits(self, x, panel):
+        """x (B, T, h) -> (logits (B, T, V_l), saved: x or its row shard)."""
+        saved = x if self.shard is None else self.shard.keep(x)
+        return matmul_rows(x, self.wte.T), saved
 
-    def logits_backward(self, dlogits):
+    def logits_backward(self, dlogits, saved, panel):
         """dlogits (B, T, V_l) -> dx (B, T, h)."""
-        x = self.x if self.shard is None else self.shard.restore(self.x)   # (B, T, h)
+        x = saved if self.shard is None else self.shard.restore(saved)   # (B, T, h)
         x2 = x.reshape(-1, x.shape[-1])                         # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])            # (B*T, V_l)
         self.store.add_matmul("wte", dl2.T, x2)                 # dwte (V_l, h) += dlogits^T x
         if self.vocab_comm is None:
-            dx = matmul_rows(dlogits, self.wte)                  # (B, T, h)
-        else:                                                    # partial sums over the vocabulary split
-            dx = self.vocab_comm.allreduce(matmul_rows(dlogits, self.wte, acc(dlogits)), wire=dlogits.dtype)
-            dx = precision.narrow(dx, dlogits.dtype)
-        self.x = None
-        return dx
+            return matmul_rows(dlogits, self.wte)                # (B, T, h)
+        # partial sums over the vocabulary split
+        dx = self.vocab_comm.allreduce(matmul_rows(dlogits, self.wte, acc(dlogits)), wire=dlogits.dtype)
+        return precision.narrow(dx, dlogits.dtype)
 
-    def finish_backward(self):
+    def finish_backward(self, panel):
         """Nothing gathered, nothing to reduce."""

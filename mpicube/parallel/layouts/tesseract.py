@@ -147,17 +147,17 @@ class SummaLinear:
             yield ready
 
     def forward(self, x):
-        """x (B_c, T, h_in/q) -> (B_c, T, h_out/q)."""
+        """x (B_c, T, h_in/q) -> (y (B_c, T, h_out/q), saved: x as rows (n, h_in/q))."""
         B, T, _ = x.shape
-        self.x2 = x2 = x.reshape(B * T, -1)                     # (n, h_in/q)
+        x2 = x.reshape(B * T, -1)                               # (n, h_in/q)
         y = self.xp.zeros((B * T, self.w.shape[1]), dtype=acc(x))   # (n, h_out/q), float32 for 16-bit x
         for x_panel, w_panel in self.panels((self.row, x2), (self.col, self.w)):
             # X[r, s] (n, h_in/q), W[s, c] (h_in/q, h_out/q)
             y += precision.matmul(x_panel, w_panel, dtype=y.dtype)
         y += self.b
-        return precision.narrow(y, x.dtype).reshape(B, T, -1)
+        return precision.narrow(y, x.dtype).reshape(B, T, -1), x2
 
-    def backward(self, dy):
+    def backward(self, dy, x2):
         """dy (B_c, T, h_out/q) -> dx (B_c, T, h_in/q)."""
         B, T, _ = dy.shape
         dy2 = dy.reshape(B * T, -1)                             # (n, h_out/q)
@@ -167,22 +167,18 @@ class SummaLinear:
                                    wire=dy.dtype)               # (n, h_in/q)
             if self.c == s:                                     # on column s
                 dx = precision.narrow(part, dy.dtype)
-        for s, (x_panel,) in enumerate(self.panels((self.row, self.x2))):  # dW[s, c] = sum_r X[r, s]^T dY[r, c]
+        for s, (x_panel,) in enumerate(self.panels((self.row, x2))):  # dW[s, c] = sum_r X[r, s]^T dY[r, c]
             part = self.col.reduce(precision.matmul(x_panel.T, dy2, dtype=self.store.flat_grad.dtype),
                                    root=s, wire=self.w.dtype)   # (h_in/q, h_out/q) on row s
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
         self.db += ops.column_sums(dy2)
-        self.x2 = None
         return dx.reshape(B, T, -1)
-
-    def release(self):
-        """Forget what forward kept (--recompute blocks reruns forward)."""
-        self.x2 = None
 
 
 class TesseractTiedEmbedding:
-    """Lookup and LM head over wte[:, hidden block c], gathered once per step."""
+    """Lookup and LM head over wte[:, hidden block c], gathered once per
+    micro-batch into the tape's ``Panel``."""
 
     def __init__(self, store, layout: TesseractLayout):
         self.wte = store.work["wte"]                 # (V/q, h/q): vocab block r, hidden block c
@@ -196,44 +192,39 @@ class TesseractTiedEmbedding:
         self.row_replicas = layout.q
         self.xp = layout.backend.xp
         self.regather = layout.recompute == "gathers"
-        self.w_full = self.dw_full = None
 
-    def _gather(self):
-        """The step's wte columns and their gradient accumulator: gathered
-        once, for the lookup and the head."""
-        self.w_full = self.col.allgather(self.wte, axis=0)      # (V, h/q)
-        self.dw_full = self.xp.zeros(self.w_full.shape, dtype=self.store.flat_grad.dtype)  # (V, h/q) float32+
+    def _gather(self, panel):
+        """The micro-batch's wte columns and their gradient accumulator:
+        gathered once, for the lookup and the head."""
+        panel.w = self.col.allgather(self.wte, axis=0)          # (V, h/q)
+        panel.dw = self.xp.zeros(panel.w.shape, dtype=self.store.flat_grad.dtype)  # (V, h/q) float32+
 
-    def embed(self, ids):
-        """ids (B_dp, T) -> x (B_c, T, h/q)."""
-        self._gather()
-        x, self.embed_cache = ops.embedding_forward(ids[self.xp.asarray(self.seqs)], self.w_full, 0)
-        return x
+    def embed(self, ids, panel):
+        """ids (B_dp, T) -> (x (B_c, T, h/q), saved)."""
+        self._gather(panel)
+        return ops.embedding_forward(ids[self.xp.asarray(self.seqs)], panel.w, 0)
 
-    def embed_backward(self, dx):
-        ops.embedding_backward(dx, self.embed_cache, self.dw_full)
-        self.embed_cache = None
+    def embed_backward(self, dx, saved, panel):
+        ops.embedding_backward(dx, saved, panel.dw)
 
-    def logits(self, x):
-        """x (B_c, T, h/q) -> logits (B_c, T, V/q), vocabulary block c."""
-        if self.dw_full is None:          # a pipeline's last stage: the head without the lookup
-            self._gather()
-        self.x = x
-        partial = matmul_rows(x, self.w_full.T, acc(x))         # (B_c, T, V) partial over c
+    def logits(self, x, panel):
+        """x (B_c, T, h/q) -> (logits (B_c, T, V/q), vocabulary block c; saved: x)."""
+        if panel.dw is None:              # a pipeline's last stage: the head without the lookup
+            self._gather(panel)
+        partial = matmul_rows(x, panel.w.T, acc(x))             # (B_c, T, V) partial over c
         if self.regather:                                       # gathered again in logits_backward
-            self.w_full = None
-        return precision.narrow(self.row.reduce_scatter(partial, axis=-1, wire=x.dtype), x.dtype)
+            panel.w = None
+        return precision.narrow(self.row.reduce_scatter(partial, axis=-1, wire=x.dtype), x.dtype), x
 
-    def logits_backward(self, dlogits):
+    def logits_backward(self, dlogits, x, panel):
         """dlogits (B_c, T, V/q) -> dx (B_c, T, h/q)."""
         dfull = self.row.allgather(dlogits, axis=-1)            # (B_c, T, V)
         d2 = dfull.reshape(-1, dfull.shape[-1])
-        self.dw_full += precision.matmul(d2.T, self.x.reshape(-1, self.x.shape[-1]), dtype=self.dw_full.dtype)
-        self.x = None
-        if self.w_full is None:                                 # --recompute gathers
-            self.w_full = self.col.allgather(self.wte, axis=0)  # (V, h/q)
-        return matmul_rows(dfull, self.w_full)                  # (B_c, T, h/q)
+        panel.dw += precision.matmul(d2.T, x.reshape(-1, x.shape[-1]), dtype=panel.dw.dtype)
+        if panel.w is None:                                     # --recompute gathers
+            panel.w = self.col.allgather(self.wte, axis=0)      # (V, h/q)
+        return matmul_rows(dfull, panel.w)                      # (B_c, T, h/q)
 
-    def finish_backward(self):
-        self.store.add_grad("wte", self.col.reduce_scatter(self.dw_full, axis=0, wire=self.wte.dtype))
-        self.w_full = self.dw_full = None
+    def finish_backward(self, panel):
+        self.store.add_grad("wte", self.col.reduce_scatter(panel.dw, axis=0, wire=self.wte.dtype))
+        panel.w = panel.dw = None

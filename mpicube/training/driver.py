@@ -1,0 +1,160 @@
+"""The seam between the model and the axes: build a GPT for a layout, cut
+each micro-batch to this rank's positions, run it, reduce its loss.
+
+The model (``mpicube.model``) knows the layout protocol and nothing of the
+axes around it. What the axes need happens here, once, for every entry
+point (training, evaluation, benchmarks, traces, tests):
+
+* ``build_gpt`` asks the layout for the linears, the tied embedding and the
+  loss head (inside ``GPT``), chooses the attention (blockwise, the T x T
+  reference, or a ring over the context-parallel ranks) and wraps blocks
+  for ``--recompute blocks``;
+* ``micro_context`` cuts a micro-batch's tokens and targets to the
+  positions this rank holds (a context-parallel rank's two chunks; under
+  ``--sequence-parallel`` the ids stay whole and the positions are the
+  canonical rows') and makes the ``Micro`` the model is given;
+* ``Runner`` runs a whole model one micro-batch at a time and holds the
+  micro-batch's tape between its forward and backward; the loss shares of
+  every rank are summed over the world (a pipeline sums its last stage's
+  once per step instead: ``training.pipeline``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops
+from ..ops import attention_blocks
+from ..model.block import Dropout, Recomputed
+from ..model.gpt import GPT
+from ..model.tape import Micro, saved_buffers
+from ..parallel import context
+
+ATTENTION_KINDS = ("blocks", "full")
+
+
+def attention_for(layout, kind: str = "blocks"):
+    """The attention op pair a block calls: a ring over the cp ranks when
+    the sequence is split, else blockwise (O(T) kept per head) or, with
+    ``kind`` "full", the op that holds T x T (the reference; the memory
+    model counts blockwise only)."""
+    if layout.axes.cp.size > 1:
+        return context.RingAttention(layout.axes.cp)
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention kind {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}")
+    return ops if kind == "full" else attention_blocks
+
+
+def build_gpt(cfg, layout, store, *, dropout: float = 0.0, seed: int = 0, grad_accum: int = 1,
+              attention: str = "blocks", layers: range = None, first: bool = True, last: bool = True) -> GPT:
+    """The GPT (or pipeline chunk ``layers``, with its ends when ``first``
+    and ``last``) on ``layout``, its blocks wrapped for ``--recompute
+    blocks`` when the layout asks."""
+    model = GPT(cfg, layout, store, attention_for(layout, attention), Dropout(dropout, seed, layout, grad_accum),
+                layers=layers, first=first, last=last)
+    if layout.recompute == "blocks":
+        model.blocks = [Recomputed(block, layout) for block in model.blocks]
+    return model
+
+
+def make_runner(cfg, layout, store, *, dropout: float = 0.0, seed: int = 0, grad_accum: int = 1,
+                attention: str = "blocks") -> "Runner":
+    """``build_gpt``'s whole model, run by a ``Runner``."""
+    return Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum,
+                            attention=attention), layout, grad_accum)
+
+
+def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, train: bool = True):
+    """idx, targets (B_dp, T): this replica's rows of micro-batch ``micro``.
+    Returns (idx, targets, Micro): the ids and targets cut to this rank's
+    positions (B_dp, T_l) and the micro-batch's context."""
+    T = idx.shape[1]
+    n_tokens = layout.batch_size * grad_accum * T                  # N, global, of the whole step
+    ring = layout.axes.cp
+    if ring.size > 1:                       # this rank's two chunks of every sequence (parallel.context)
+        pos = context.local_positions(T, ring.size, ring.rank)     # (T_l,) global positions
+        idx = np.asarray(idx)[:, pos]
+        targets = None if targets is None else np.asarray(targets)[:, pos]
+    else:
+        pos = layout.seq_positions(T)       # --sequence-parallel: the canonical rows' run; else None
+    return idx, targets, Micro(step=step, micro=micro, positions=pos, n_tokens=n_tokens, train=train)
+
+
+class Runner:
+    """A whole model on this rank, one micro-batch at a time: ``forward``
+    returns the micro-batch's share of the step's mean loss (the same on
+    every rank), ``backward`` adds its gradients. Holds the tape between
+    the two; ``train`` False runs without dropout (evaluation)."""
+
+    def __init__(self, model: GPT, layout, grad_accum: int = 1, train: bool = True):
+        self.model, self.layout, self.grad_accum, self.train = model, layout, grad_accum, train
+        self.tape = None
+        self.logits = None                   # the last forward's logits (B_l, T, V_l), until its backward
+        # --recompute blocks: the most one rerun block held during the last backward (elements, bytes)
+        self.recompute_peak_elements = self.recompute_peak_bytes = 0
+        for block in model.blocks:
+            if isinstance(block, Recomputed):
+                block.probe = self._rebuilt
+
+    def evaluation(self) -> "Runner":
+        """The same model without dropout."""
+        return Runner(self.model, self.layout, self.grad_accum, train=False)
+
+    def forward(self, idx, targets, step: int = 0, micro: int = 0) -> float:
+        idx, targets, ctx = micro_context(self.layout, idx, targets, step, micro, self.grad_accum, self.train)
+        share, self.tape = self.model.forward(idx, targets, ctx)
+        self.logits = self.tape.back[0][1][0]
+        return float(self.layout.axes.world.allreduce(share)[0]) / ctx.n_tokens
+
+    def backward(self, loss_scale: float = 1.0) -> None:
+        self.recompute_peak_elements = self.recompute_peak_bytes = 0
+        tape, self.tape, self.logits = self.tape, None, None
+        self.model.backward(loss_scale, tape)
+
+    def _rebuilt(self, saved) -> None:
+        buffers = saved_buffers(saved, self.model.store.buffers())
+        self.recompute_peak_elements = max(self.recompute_peak_elements, sum(b.size for b in buffers))
+        self.recompute_peak_bytes = max(self.recompute_peak_bytes, sum(b.nbytes for b in buffers))
+
+    # --- what the held tape keeps (the memory the cost model predicts) -------------------
+    def saved_elements(self) -> int:
+        """Floating-point elements this rank holds for backward right after
+        forward: activations, gathered weight panels, dropout masks, read
+        off the tape (each buffer once, parameters excluded). Under
+        --recompute blocks, backward holds one rerun block's on top:
+        ``recompute_peak_elements``."""
+        return sum(b.size for b in saved_buffers(self.tape, self.model.store.buffers()))
+
+    def saved_bytes(self) -> int:
+        return sum(b.nbytes for b in saved_buffers(self.tape, self.model.store.buffers()))
+
+    # --- the model's own views ---------------------------------------------------------
+    @property
+    def embedding(self):
+        return self.model.embedding
+
+    @property
+    def blocks(self):
+        return self.model.blocks
+
+    def named_modules(self) -> list:
+        return self.model.named_modules()
+
+    def new_caches(self) -> list:
+        return self.model.new_caches()
+
+    def decode(self, idx, pos: int, caches: list):
+        return self.model.decode(idx, pos, caches)
+
+    def full_logits(self, idx):
+        """The training forward's logits (B_l, T, V_l) of idx (B_dp, T), no dropout."""
+        return last_logits(self.model, *micro_context(self.layout, idx, np.zeros(idx.shape, dtype=np.int64),
+                                                      0, 0, 1, train=False))
+
+
+def last_logits(model: GPT, inputs, targets, ctx: Micro):
+    """Forward ``model`` (a chunk with the head) and return the logits its
+    head computed (B_l, T, V_l), read off the tape."""
+    _, tape = model.forward(inputs, targets, ctx)
+    s_ln, s_loss = tape.back[0]
+    return s_loss[0]
