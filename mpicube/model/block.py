@@ -7,8 +7,6 @@ drops the same elements as the serial model.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import kvcache
@@ -126,9 +124,9 @@ class Block:
         self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
         self.n_local_heads = len(layout.head_ids)
         ring = layout.axes.cp
-        # Blockwise attention (O(T) kept per head) unless MPICUBE_ATTENTION=full asks for the op that
+        # Blockwise attention (O(T) kept per head) unless the plan's attention is "full", the op that
         # holds T x T (the reference; bench compares the two; the memory model counts blockwise only).
-        self.attention = ops if os.environ.get("MPICUBE_ATTENTION", "blocks") == "full" else attention_blocks
+        self.attention = ops if layout.attention_kind == "full" else attention_blocks
         if ring.size > 1:                   # this rank's chunks attend to the whole sequence over the cp ring
             self.attention = context.RingAttention(ring)
 
