@@ -157,8 +157,8 @@ def _mib(nbytes: int) -> str:
 @cp_option
 @sequence_parallel_option
 @click.option("--overlap-both", is_flag=True,
-              help="time each layout twice, its collectives blocking (as under MPICUBE_OVERLAP=0) and overlapped, to show the "
-                   "exposed communication each leaves")
+              help="time each layout twice, its collectives blocking (as under MPICUBE_OVERLAP=0) and overlapped, "
+                   "to show the exposed communication each leaves")
 @collective_timeout_option
 def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
           grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,

@@ -98,7 +98,8 @@ class Launch:
         self.run = resolve(o.plan, self.cfg, o.batch_size, self.world.Get_size(), seq_len=o.seq_len, saved=saved)
         if o.batch_size is None:
             o.batch_size = self.run.batch_size
-            self.batch_note = f"batch {o.batch_size} (the resumed run's)" if self.run.batch_kept else self.run.batch_note
+            kept = f"batch {o.batch_size} (the resumed run's)"
+            self.batch_note = kept if self.run.batch_kept else self.run.batch_note
 
     def _plan_data(self) -> None:
         """The data plan (rank 0 decides, every rank checks) and the loader."""
