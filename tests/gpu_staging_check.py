@@ -20,6 +20,8 @@ from mpi4py import MPI
 from mpicube.core.config import ModelConfig
 from mpicube.training.optim import AdamW
 from mpicube.parallel.gradients import global_grad_norm, sync_gradients
+from mpicube.parallel.planning import resolve
+from mpicube.training.parts import Numerics
 from mpicube.training.train import build_parts
 
 calls = [0]
@@ -36,7 +38,8 @@ cupyx.empty_pinned = counting_empty_pinned
 
 def main(layout_name: str, dtype: str = "float32") -> None:
     cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=4, n_embd=16)
-    parts = build_parts(cfg, layout_name, 4, MPI.COMM_WORLD, dtype=dtype, device="gpu", seed=1, dropout=0.1)
+    parts = build_parts(resolve(layout_name, cfg, 4, MPI.COMM_WORLD.Get_size()), MPI.COMM_WORLD, Numerics(dtype, "gpu"),
+                        seed=1, dropout=0.1)
     opt = AdamW(parts.store)
     tokens = np.random.default_rng(0).integers(0, 61, (4, 9))
     x, y = tokens[parts.rows, :-1], tokens[parts.rows, 1:]                 # (B_dp, T)

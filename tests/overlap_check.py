@@ -13,7 +13,6 @@ blocking path.
 Usage: python -m mpi4py tests/overlap_check.py LAYOUT DEPTH
 """
 
-import os
 import sys
 
 import numpy as np
@@ -26,8 +25,7 @@ from mpicube.training.step import make_step
 
 
 def built(overlap: str, layout_name, cfg, batch, depth):
-    os.environ["MPICUBE_OVERLAP"] = overlap
-    parts = build(layout_name, MPI.COMM_WORLD, cfg, batch, 1, depth, 0.1)
+    parts = build(layout_name, MPI.COMM_WORLD, cfg, batch, 1, depth, 0.1, settings={"overlap": overlap != "0"})
     assert parts.layout.overlap == (overlap != "0")
     return parts, make_step(parts.store, parts.layout.axes, weight_decay=0.1)
 

@@ -117,7 +117,9 @@ from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory, step_memory_bytes
+from mpicube.cli.common import env_settings
 from mpicube.parallel.grid import build_layout
+from mpicube.parallel.planning import resolve
 from mpicube.parallel.context import local_positions
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
@@ -126,7 +128,7 @@ from mpicube.training.driver import make_runner
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
 from mpicube.parallel.params import clipped_index, real_mask
-from mpicube.training.parts import Parts, attention_kind
+from mpicube.training.parts import Parts
 from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff
 
 DEVICE = os.environ.get("MPICUBE_CHECK_DEVICE", "cpu")
@@ -147,16 +149,17 @@ LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
 
 
 def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu", grad_accum=1, recompute="none",
-          zero=0):
+          zero=0, settings=None):
+    """``settings``: the plan's overlap and attention (None: as the command
+    line reads them from MPICUBE_OVERLAP and MPICUBE_ATTENTION)."""
     backend = make_backend(device, DTYPE)
     counters = Counters()
     cp = CP if comm is MPI.COMM_WORLD else 1
-    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth, sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD)
-    layout = build_layout(grid, cfg, batch, backend, comm, counters=counters,
-                          grad_accum=grad_accum, recompute=recompute)
+    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth, sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD,
+                    grad_accum=grad_accum, recompute=recompute, **(env_settings() if settings is None else settings))
+    layout = build_layout(resolve(grid, cfg, batch, comm.Get_size()), backend, comm, counters=counters)
     store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
-    model = make_runner(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum,
-                        attention=attention_kind())
+    model = make_runner(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
 
@@ -324,7 +327,7 @@ def main():
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
         s_model.backward(loss_scale=LOSS_SCALE)
         assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-        if os.environ.get("MPICUBE_ATTENTION", "blocks") != "full":     # the memory model is blockwise attention's
+        if parts.layout.attention_kind != "full":     # the memory model is blockwise attention's
             check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept[0], opt.adam)
         opt.sync()
         s_opt.sync()

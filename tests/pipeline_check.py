@@ -34,6 +34,7 @@ from mpicube.device.backend import make_backend
 from mpicube.device.precision import dtype_of, is_half
 from mpicube.parallel.comm import Counters
 from mpicube.parallel.grid import build_layout
+from mpicube.parallel.planning import resolve
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.parallel.params import ParamStore, clipped_index, real_mask
 from mpicube.training.accum import forward_backward
@@ -51,9 +52,9 @@ RTOL = 1e-10
 def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout, recompute, zero):
     backend = make_backend("cpu", DTYPE)
     counters = Counters()
-    grid = GridSpec(layout_name, dp=dp, pp=pp, depth=depth)
-    layout = build_layout(grid, cfg, batch, backend, MPI.COMM_WORLD, counters=counters, grad_accum=accum,
-                          recompute=recompute)
+    grid = GridSpec(layout_name, dp=dp, pp=pp, depth=depth, grad_accum=accum, recompute=recompute)
+    layout = build_layout(resolve(grid, cfg, batch, MPI.COMM_WORLD.Get_size()), backend, MPI.COMM_WORLD,
+                          counters=counters)
     store = ParamStore(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero)
     pipe = Pipeline(cfg, layout, store, schedule=schedule, virtual=virtual, dropout=dropout, seed=7,
                     grad_accum=accum)
@@ -113,7 +114,7 @@ def state_of(parts, opt) -> list:
 
 def roundtrip(parts, opt, root, batch):
     """pp x layout -> serial -> pp 4 x 1d -> back (module docstring)."""
-    from mpicube.training.parts import build_parts
+    from mpicube.training.parts import Numerics, build_parts
 
     world = MPI.COMM_WORLD
     before = state_of(parts, opt)
@@ -122,7 +123,7 @@ def roundtrip(parts, opt, root, batch):
     for ranks, grid in ((1, GridSpec("serial")), (8, GridSpec("1d", pp=4))):
         sub = world.Split(color=0 if world.rank < ranks else MPI.UNDEFINED, key=world.rank)
         if sub != MPI.COMM_NULL:
-            other = build_parts(parts.cfg, grid, batch, sub, dtype=DTYPE, seed=99)
+            other = build_parts(resolve(grid, parts.cfg, batch, ranks), sub, Numerics(DTYPE), seed=99)
             other_opt = make_step(other.store, other.layout.axes, weight_decay=0.1)
             load(other, other_opt, paths[-1], sub)
             save(other, other_opt, f"{root}/{grid.layout}", sub)

@@ -19,6 +19,7 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.parallel.grid import build_layout
+from mpicube.parallel.planning import resolve
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.model.gpt import gpt_params
 from mpicube.training.driver import make_runner
@@ -35,8 +36,8 @@ def run(layout_name, depth, recompute, steps):
     """Three steps on this rank; returns what is compared and measured."""
     backend = make_backend("cpu", "float64")
     counters = Counters()
-    layout = build_layout(GridSpec(layout_name, depth=depth), CFG, BATCH, backend, MPI.COMM_WORLD, counters=counters,
-                          recompute=recompute)
+    run = resolve(GridSpec(layout_name, depth=depth, recompute=recompute), CFG, BATCH, MPI.COMM_WORLD.Get_size())
+    layout = build_layout(run, backend, MPI.COMM_WORLD, counters=counters)
     store = ParamStore([layout.shard(d) for d in gpt_params(CFG)], backend, 11)
     model = make_runner(CFG, layout, store, dropout=0.1, seed=11)
     opt = AdamW(store, weight_decay=0.1)

@@ -12,7 +12,8 @@ from mpicube import ops
 from mpicube.device import fused
 from mpicube.core.config import ModelConfig
 from mpicube.ops import attention_blocks as ab
-from mpicube.training.parts import build_parts
+from mpicube.parallel.planning import resolve
+from mpicube.training.parts import Numerics, build_parts
 
 rng = np.random.default_rng(22)
 
@@ -120,7 +121,7 @@ def test_model_masks_by_blocks_equal_the_full_mask():
     """Dropout.attention_blocks draws, block by block, the elements of the
     (B, nh, T, T) mask Dropout.attention draws (the same global indices)."""
     cfg = ModelConfig(vocab_size=11, n_ctx=12, n_layer=1, n_head=2, n_embd=8)
-    parts = build_parts(cfg, "serial", 3, MPI.COMM_SELF, dtype="float64", seed=5, dropout=0.3)
+    parts = build_parts(resolve("serial", cfg, 3, 1), MPI.COMM_SELF, Numerics("float64"), seed=5, dropout=0.3)
     drop = parts.model.dropout
     full = drop.attention(4, "h.0.attn", 10)                          # (B, nh, T, T)
     blocks = drop.attention_blocks(4, "h.0.attn", 10)

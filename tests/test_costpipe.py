@@ -170,6 +170,19 @@ def test_info_pp(mpicube):
         bad.stderr.count("--virtual-stages 2 applies to --pp-schedule interleaved only") == 1
 
 
+def test_info_validates_the_axes_as_train_does(mpicube):
+    """info resolves the same plan train does, once: --pp with --cp is
+    refused as train refuses it (it used to print "tp 1, cp 2" and then a
+    world without cp, or blame the world size 1 of one stage)."""
+    refusal = ("error: --pp 2 with --cp 2: pipeline stages and context parallelism do not compose yet; "
+               "use one of them (--pp 1 or --cp 1)")
+    for n in (8, 4):
+        r = mpicube.run("info", "--pp", 2, "--cp", 2, "-n", n, "--layout", "1d")
+        assert r.returncode == 2 and r.error_lines() == [refusal], r
+    r = mpicube.run("train", "--pp", 2, "--cp", 2, "--layout", "1d", "--steps", 1)
+    assert r.returncode == 2 and r.error_lines() == [refusal], r
+
+
 def _script_defaults(name: str) -> dict:
     """The ``: "${VAR:=value}"`` defaults of a job script."""
     import re

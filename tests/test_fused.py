@@ -19,6 +19,8 @@ from mpicube.core.errors import UserError
 from mpicube.model.gpt import gpt_params
 from mpicube.training.optim import AdamW
 from mpicube.parallel.params import ParamStore
+from mpicube.parallel.planning import resolve
+from mpicube.training.parts import Numerics
 from mpicube.training.train import build_parts
 
 pytest.importorskip("numba")        # mpicube.device.fused imports without it, but then has nothing to test
@@ -199,7 +201,7 @@ def test_embedding_backward(B, T, V, C, start, dtype):
 
 
 def tiny_parts(dropout=0.0):
-    return build_parts(CFG, "serial", 3, MPI.COMM_SELF, dtype="float64", seed=5, dropout=dropout)
+    return build_parts(resolve("serial", CFG, 3, 1), MPI.COMM_SELF, Numerics("float64"), seed=5, dropout=dropout)
 
 
 def step_grads(parts, x, y, step=1):
@@ -396,8 +398,8 @@ def test_readers_of_the_whole_buffer_settle_deferred_gradients():
     from mpicube.parallel.comm import Comm, Counters
     from mpicube.parallel.gradients import global_grad_norm, sync_gradients
 
-    parts = build_parts(ModelConfig(vocab_size=11, n_ctx=4, n_layer=1, n_head=2, n_embd=8), "serial", 2,
-                        MPI.COMM_SELF, dtype="float64")
+    parts = build_parts(resolve("serial", ModelConfig(vocab_size=11, n_ctx=4, n_layer=1, n_head=2, n_embd=8), 2, 1),
+                        MPI.COMM_SELF, Numerics("float64"))
     store = parts.store
     store.flat_grad[...] = 1.0                      # stale values, as if from a previous step
     store.zero_grad()

@@ -74,3 +74,62 @@ def test_gridspec_sizes_are_validated():
     assert GridSpec.of("3d") == GridSpec(layout="3d")
     assert GridSpec(dp=2, pp=2).words() == ", dp 2, pp 2 (1f1b)"       # a pipeline names its schedule
     assert GridSpec(pp=2, pp_schedule="interleaved", virtual_stages=2).words() == ", pp 2 (interleaved, V 2)"
+
+
+def test_a_launch_resolves_its_plan_once(monkeypatch, tmp_path):
+    """A run's plan is validated once (``planning.resolve``), with or
+    without a default batch to choose: the builders (``build_parts``,
+    ``build_layout``) consume the resolved plan and check nothing again.
+    Every resolution starts with the model's sizes, so counting
+    ``validate_model`` counts resolutions."""
+    from mpi4py import MPI
+
+    from mpicube.parallel import planning
+    from mpicube.training.options import TrainOptions
+    from mpicube.training.train import Trainer
+
+    calls = []
+    real = planning.validate_model
+    monkeypatch.setattr(planning, "validate_model", lambda cfg: (calls.append(cfg), real(cfg)))
+    monkeypatch.chdir(tmp_path)
+    for batch in (None, 4):
+        calls.clear()
+        opts = TrainOptions(layout="serial", n_layer=1, n_head=2, n_embd=16, seq_len=8, batch_size=batch, steps=1,
+                            grad_accum=2, recompute="blocks")
+        Trainer(opts, MPI.COMM_SELF, keep_files=False).setup()
+        assert len(calls) == 1, (batch, len(calls))
+
+
+def test_two_plans_with_different_settings_live_in_one_process():
+    """Overlap and the attention kind are plan fields (the command line
+    reads MPICUBE_OVERLAP and MPICUBE_ATTENTION, nothing below it does):
+    two layouts built side by side keep their own settings."""
+    from mpi4py import MPI
+
+    from mpicube.parallel.gridspec import Plan
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.parts import Numerics, build_parts
+
+    cfg = ModelConfig(vocab_size=11, n_ctx=4, n_layer=1, n_head=2, n_embd=8)
+    a = build_parts(resolve(Plan("serial", overlap=False, attention="full"), cfg, 2, 1), MPI.COMM_SELF,
+                    Numerics("float64"))
+    b = build_parts(resolve(Plan("serial"), cfg, 2, 1), MPI.COMM_SELF, Numerics("float64"))
+    assert (a.layout.overlap, a.layout.attention_kind) == (False, "full")
+    assert (b.layout.overlap, b.layout.attention_kind) == (True, "blocks")
+    with pytest.raises(ConfigError, match="unknown attention 'sparse'; choose one of blocks, full"):
+        resolve(Plan("serial", attention="sparse"), cfg, 2, 1)
+
+
+def test_env_is_read_by_the_command_line_only():
+    """The environment switches become plan fields in one place."""
+    from pathlib import Path
+
+    from mpicube.cli.common import env_settings
+
+    assert env_settings({}) == {"overlap": True, "attention": "blocks"}
+    assert env_settings({"MPICUBE_OVERLAP": "0", "MPICUBE_ATTENTION": "full"}) == {"overlap": False,
+                                                                                    "attention": "full"}
+    root = Path(__file__).resolve().parents[1] / "mpicube"
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if any(k in p.read_text() for k in ('"MPICUBE_OVERLAP"', '"MPICUBE_ATTENTION"')))
+    assert readers == ["cli/common.py"], readers

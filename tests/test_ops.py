@@ -143,13 +143,14 @@ def test_whole_model_gradient():
     from mpicube.device.backend import make_backend
     from mpicube.core.config import ModelConfig
     from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.planning import resolve
     from mpicube.model.gpt import gpt_params
     from mpicube.parallel.params import ParamStore
     from mpicube.training.driver import make_runner
 
     cfg = ModelConfig(vocab_size=11, n_ctx=5, n_layer=2, n_head=2, n_embd=8)
     backend = make_backend("cpu", "float64")
-    layout = build_layout("serial", cfg, 3, backend, MPI.COMM_SELF)
+    layout = build_layout(resolve("serial", cfg, 3, 1), backend, MPI.COMM_SELF)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed=1)
     store.flat[:] += rng.normal(0, 0.1, store.flat.shape)   # generic LN params and biases
     model = make_runner(cfg, layout, store, dropout=0.1, seed=3)

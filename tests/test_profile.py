@@ -138,10 +138,11 @@ def test_profile_in_process_leaves_nothing_behind(tmp_path):
     from mpicube.analysis.profile import ProfileSession
     from mpicube.core.config import ModelConfig
     from mpicube.parallel import profiler
+    from mpicube.parallel.planning import resolve
     from mpicube.training.parts import build_parts
 
     cfg = ModelConfig(vocab_size=256, n_ctx=16, n_layer=1, n_head=2, n_embd=16)
-    parts = build_parts(cfg, "serial", 4, MPI.COMM_WORLD, seq_len=16)
+    parts = build_parts(resolve("serial", cfg, 4, MPI.COMM_WORLD.Get_size(), seq_len=16), MPI.COMM_WORLD)
     sessions = []
 
     def session(opt):

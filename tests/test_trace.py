@@ -59,6 +59,8 @@ def test_serial_trace_holds_the_steps_it_ran(serial_trace, corpus_cache):
     from mpi4py import MPI
 
     from mpicube.core.config import ModelConfig
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.parts import Numerics
     from mpicube.training.train import build_parts
 
     with h5py.File(serial_trace, "r") as f:
@@ -85,7 +87,7 @@ def test_serial_trace_holds_the_steps_it_ran(serial_trace, corpus_cache):
         assert 0.85 < masks.mean() < 0.95                                # keep probability 0.9
 
         cfg = ModelConfig(**CFG)
-        parts = build_parts(cfg, "serial", 8, MPI.COMM_SELF, dtype="float64", seed=5, dropout=0.1)
+        parts = build_parts(resolve("serial", cfg, 8, 1), MPI.COMM_SELF, Numerics("float64"), seed=5, dropout=0.1)
         for name, block in parts.store.data.items():
             assert np.array_equal(f[f"init/{name}"][()], block), name
         parts.store.zero_grad()

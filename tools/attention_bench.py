@@ -13,7 +13,6 @@ activations of each. A figure, not a test.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,13 +24,15 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from mpicube.core.config import ModelConfig  # noqa: E402
-from mpicube.training.parts import build_parts  # noqa: E402
+from mpicube.parallel.gridspec import Plan  # noqa: E402
+from mpicube.parallel.planning import resolve  # noqa: E402
+from mpicube.training.parts import Numerics, build_parts  # noqa: E402
 from mpicube.training.step import make_step  # noqa: E402
 
 
 def build(kind: str, cfg, batch: int, dtype: str):
-    os.environ["MPICUBE_ATTENTION"] = kind           # read when the blocks are built
-    parts = build_parts(cfg, "serial", batch, MPI.COMM_SELF, dtype=dtype, seed=1)
+    run = resolve(Plan("serial", attention=kind), cfg, batch, 1)       # the kind is a plan field
+    parts = build_parts(run, MPI.COMM_SELF, Numerics(dtype), seed=1)
     return parts, make_step(parts.store, parts.layout.axes)
 
 

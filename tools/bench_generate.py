@@ -38,13 +38,15 @@ def main() -> None:
 
     from mpicube.core.config import ModelConfig
     from mpicube.cli.generate import Generator, Sampler, generation_batch
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.parts import Numerics
     from mpicube.training.train import build_parts
 
     world = MPI.COMM_WORLD
     cfg = ModelConfig(vocab_size=args.vocab_size, n_ctx=args.n_ctx, n_layer=args.n_layer, n_head=args.n_head,
                       n_embd=args.n_embd)
     batch = generation_batch(args.layout, cfg, world.Get_size(), 1, 1)
-    parts = build_parts(cfg, args.layout, batch, world, dtype=args.dtype, seed=0)
+    parts = build_parts(resolve(args.layout, cfg, batch, world.Get_size()), world, Numerics(args.dtype), seed=0)
     gen = Generator(parts)
     rng = np.random.default_rng(0)
     rows = []

@@ -30,6 +30,7 @@ from mpicube.files import checkpoint  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.training.optim import AdamW  # noqa: E402
 from mpicube.training.state import load_state, state_blocks  # noqa: E402
+from mpicube.parallel.planning import resolve  # noqa: E402
 from mpicube.training.train import build_parts  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def main(argv=None) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     q = round(size ** (1 / 3))
     cfg = ModelConfig(vocab_size=256, n_ctx=64, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    parts = build_parts(cfg, "3d", q * q, comm)
+    parts = build_parts(resolve("3d", cfg, q * q, size), comm)
     opt = AdamW(parts.store)
     base = comm.bcast(args.dir or (tempfile.mkdtemp(prefix="ckpt-io-") if rank == 0 else None))
     rounds = []

@@ -31,6 +31,7 @@ from mpi4py import MPI
 from mpicube.analysis.bench import median_seconds, model_flops
 from mpicube.core.config import ModelConfig
 from mpicube.training.optim import AdamW
+from mpicube.parallel.planning import resolve
 from mpicube.training.train import build_parts
 
 
@@ -91,7 +92,7 @@ def main():
 
     cfg = ModelConfig(vocab_size=256, n_ctx=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                       n_embd=args.n_embd)
-    parts = build_parts(cfg, "serial", args.batch_size, MPI.COMM_SELF, seed=0)
+    parts = build_parts(resolve("serial", cfg, args.batch_size, 1), MPI.COMM_SELF, seed=0)
     opt = AdamW(parts.store, weight_decay=0.1)
     weights = {name: parts.store.data[name].copy() for name in parts.store.data}
     tmodel = TorchGPT(cfg, weights)

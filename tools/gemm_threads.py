@@ -22,6 +22,7 @@ from mpi4py import MPI
 from mpicube.core.config import ModelConfig
 from mpicube.device.threads import configure
 from mpicube.training.optim import AdamW
+from mpicube.parallel.planning import resolve
 from mpicube.training.train import build_parts
 
 
@@ -37,7 +38,7 @@ def main():
     share = configure()
     cfg = ModelConfig(vocab_size=256, n_ctx=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                       n_embd=args.n_embd)
-    parts = build_parts(cfg, "serial", args.batch_size, MPI.COMM_SELF, seed=0)
+    parts = build_parts(resolve("serial", cfg, args.batch_size, 1), MPI.COMM_SELF, seed=0)
     opt = AdamW(parts.store, weight_decay=0.1)
     tokens = np.random.default_rng(0).integers(0, 256, (args.batch_size, args.seq_len + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]

@@ -60,6 +60,8 @@ def worker_serial(kernels: str) -> dict:
     from mpicube.core.config import ModelConfig
     from mpicube.training.optim import AdamW
     from mpicube.parallel.gradients import global_grad_norm
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.parts import Numerics
     from mpicube.training.train import build_parts
 
     from mpicube.device import fused
@@ -76,7 +78,8 @@ def worker_serial(kernels: str) -> dict:
     batches = [(gen.integers(0, 256, (B, 64)), gen.integers(0, 256, (B, 64))) for _ in range(2)]
     runs = {}
     for device in ("cpu", "gpu"):
-        parts = build_parts(cfg, "serial", B, MPI.COMM_SELF, dtype="float64", device=device, seed=3, dropout=0.1)
+        parts = build_parts(resolve("serial", cfg, B, 1), MPI.COMM_SELF, Numerics("float64", device), seed=3,
+                            dropout=0.1)
         cuda_kernels.use(kernels == "on")
         opt, host = AdamW(parts.store), parts.backend.to_host
         rec = {"loss": [], "norm": [], "grads": []}

@@ -45,6 +45,7 @@ def build(cfg, batch: int, dtype: str):
     from mpicube.device.backend import make_backend
     from mpicube.parallel.comm import Counters
     from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.planning import resolve
     from mpicube.model.gpt import GPT, gpt_params
     from mpicube.parallel.params import ParamStore, real_mask
 
@@ -64,7 +65,7 @@ def build(cfg, batch: int, dtype: str):
             self.params_changed()
 
     backend = make_backend("gpu", dtype, MPI.COMM_SELF)
-    layout = build_layout("serial", cfg, batch, backend, MPI.COMM_SELF, counters=Counters())
+    layout = build_layout(resolve("serial", cfg, batch, 1), backend, MPI.COMM_SELF, counters=Counters())
     store = DeviceInitStore([layout.shard(d) for d in gpt_params(cfg)], backend, 0)
     return backend, layout, store, GPT(cfg, layout, store, dropout=0.0, seed=0)
 

@@ -71,7 +71,9 @@ def build_mpicube(cfg, batch: int, seed: int = 0):
     from mpicube.device.backend import make_backend
     from mpicube.parallel.comm import Counters
     from mpicube.parallel.grid import build_layout
-    from mpicube.model.gpt import GPT, gpt_params
+    from mpicube.parallel.planning import resolve
+    from mpicube.model.gpt import gpt_params
+    from mpicube.training.driver import make_runner
     from mpicube.parallel.params import ParamStore, real_mask
 
     class DeviceInitStore(ParamStore):
@@ -93,9 +95,9 @@ def build_mpicube(cfg, batch: int, seed: int = 0):
                     block[...] = 1.0 if spec.decl.init == "ones" else 0.0
 
     backend = make_backend("gpu", "float32", MPI.COMM_SELF)
-    layout = build_layout("serial", cfg, batch, backend, MPI.COMM_SELF, counters=Counters())
+    layout = build_layout(resolve("serial", cfg, batch, 1), backend, MPI.COMM_SELF, counters=Counters())
     store = DeviceInitStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed)
-    return backend, layout, store, GPT(cfg, layout, store, dropout=0.0, seed=seed)
+    return backend, layout, store, make_runner(cfg, layout, store, dropout=0.0, seed=seed)
 
 
 def time_steps(step, sync, deadline: float) -> dict:

@@ -41,11 +41,13 @@ def report_groups(layout: str, dp: int, depth: int) -> None:
 
     from mpicube.device.backend import make_backend
     from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.planning import resolve
     from mpicube.parallel.gridspec import GridSpec
 
     world = MPI.COMM_WORLD
     cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=1, n_head=12, n_embd=36)
-    lay = build_layout(GridSpec(layout, dp=dp, depth=depth), cfg, 36 * dp, make_backend("cpu", "float64"), world)
+    run = resolve(GridSpec(layout, dp=dp, depth=depth), cfg, 36 * dp, world.Get_size())
+    lay = build_layout(run, make_backend("cpu", "float64"), world)
     comms = [lay.axes.tp, lay.axes.dp, lay.axes.world]
     comms += [v for v in vars(lay).values() if hasattr(v, "axis") and hasattr(v, "mpi")]
     mine = {}

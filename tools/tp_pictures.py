@@ -44,12 +44,14 @@ def collect(layout_name: str, depth: int, out: str) -> None:
     from mpicube.device.backend import make_backend
     from mpicube.core.config import ModelConfig
     from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.planning import resolve
     from mpicube.parallel.gridspec import GridSpec
     from mpicube.parallel.params import ParamDecl
 
     world = MPI.COMM_WORLD
     cfg = ModelConfig(vocab_size=16, n_ctx=1, n_layer=1, n_head=4, n_embd=H)
-    layout = build_layout(GridSpec(layout_name, depth=depth), cfg, B, make_backend("cpu", "float64"), world)
+    layout = build_layout(resolve(GridSpec(layout_name, depth=depth), cfg, B, world.Get_size()),
+                          make_backend("cpu", "float64"), world)
     coords = {name: int(getattr(layout, name)) for name in ("t", "l", "r", "c", "i", "j", "k") if hasattr(layout, name)}
     if layout_name == "2d":
         coords.pop("l", None)

@@ -388,8 +388,7 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
         with formats.open_everywhere(mpi_world, opts.init_from) as model_file:
             cfg = model_file.config
     if opts.batch_size is None:                 # train's default: the smallest of at least 8 that fits
-        opts.batch_size = default_batch(opts.grid, cfg, mpi_world.Get_size(), opts.grad_accum,
-                                        recompute=opts.recompute)[0]
+        opts.batch_size = default_batch(opts.plan, cfg, mpi_world.Get_size())[0]
     B, T, N = opts.batch_size, opts.seq_len, opts.steps
     store_dtype = np.float64 if opts.dtype == "float64" else np.float32
     size = trace_bytes(cfg, B, T, N, opts.dropout, np.dtype(store_dtype).itemsize)

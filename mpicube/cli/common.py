@@ -35,6 +35,21 @@ _mpi = {"world": None, "errors": None}   # COMM_WORLD and a private duplicate fo
 # --------------------------------------------------------------------------- small helpers
 
 
+def env_settings(environ=os.environ) -> dict:
+    """The plan's choices that the environment makes, read here and only
+    here (every command passes them into its Plan, so nothing below the
+    command line reads the environment and two plans with different
+    settings can live in one process):
+
+    * ``overlap``: collectives overlapped with GEMMs unless MPICUBE_OVERLAP=0
+      (the blocking path stays, to measure what overlap hides and to check
+      it bit for bit);
+    * ``attention``: "full" (the op that holds the (T, T) scores) under
+      MPICUBE_ATTENTION=full, else "blocks" (blockwise attention)."""
+    return {"overlap": environ.get("MPICUBE_OVERLAP", "1") != "0",
+            "attention": "full" if environ.get("MPICUBE_ATTENTION", "blocks") == "full" else "blocks"}
+
+
 def _rank() -> int:
     world = _mpi["world"]
     return 0 if world is None else world.Get_rank()

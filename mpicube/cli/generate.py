@@ -85,21 +85,13 @@ class Sampler:
 
 
 def generation_batch(layout: str, cfg, world_size: int, dp: int, depth: int, pp: int = 1) -> int:
-    """The smallest global batch the layout accepts: dp times the first
+    """The smallest global batch the layout accepts: dp times the smallest
     per-replica batch that passes every size check. If none does, the
     check's own error (about something other than the batch) is raised."""
-    from ..parallel.grid import plan
-    from ..parallel.gridspec import GridSpec
+    from ..parallel.gridspec import Plan
+    from ..parallel.planning import resolve
 
-    tp = max(1, world_size // max(dp * pp, 1))
-    error = None
-    for per_replica in range(1, tp + 1):
-        try:
-            plan(GridSpec(layout, dp=dp, depth=depth, pp=pp), cfg, dp * per_replica, world_size)
-            return dp * per_replica
-        except ConfigError as e:
-            error = e
-    raise error
+    return resolve(Plan(layout, dp=dp, depth=depth, pp=pp), cfg, None, world_size, at_least=1).batch_size
 
 
 def prompt_ids(opts: GenerateOptions, vocab_size: int, tokenizer_name):
@@ -190,12 +182,15 @@ class Generator:
 def load_generator(model_file, cfg, layout="auto", dp=1, depth=1, dtype="float32", device="cpu", tf32=False,
                    mpi_world=None, pp=1, pp_schedule="1f1b", virtual_stages=1) -> Generator:
     """Build the smallest-batch model on this rank and read its blocks."""
-    from ..parallel.gridspec import GridSpec
-    from ..training.parts import build_parts
+    from ..parallel.gridspec import Plan
+    from ..parallel.planning import resolve
+    from ..training.parts import Numerics, build_parts
+    from .common import env_settings
 
-    grid = GridSpec(layout, dp=dp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages)
-    batch = generation_batch(layout, cfg, mpi_world.Get_size(), dp, depth, pp)
-    parts = build_parts(cfg, grid, batch, mpi_world, dtype=dtype, device=device, tf32=tf32)
+    plan = Plan(layout, dp=dp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages,
+                **env_settings())
+    run = resolve(plan, cfg, None, mpi_world.Get_size(), at_least=1)     # the smallest batch the plan takes
+    parts = build_parts(run, mpi_world, Numerics(dtype, device, tf32))
     formats.load_params(model_file, parts.store)
     return Generator(parts)
 

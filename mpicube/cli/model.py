@@ -6,13 +6,12 @@ share."""
 from __future__ import annotations
 
 import json
-import os
-from contextlib import contextmanager
+from dataclasses import replace
 
 import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
-                     echo, grad_accum_option, cp_option, layout_options, model_options, pipeline_options,
+                     echo, env_settings, grad_accum_option, cp_option, layout_options, model_options, pipeline_options,
                      profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
 from ..core.errors import UserError
 
@@ -74,22 +73,21 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
         from ..analysis.costreport import memory_options, report, summary, zero_options
-        from ..parallel.grid import default_batch
-        from ..parallel.gridspec import GridSpec
-        from ..parallel.schedules import check_pipeline, check_pp_world
+        from ..parallel.gridspec import Plan
+        from ..parallel.planning import resolve
 
         world = world_size or 1
-        note = check_pipeline(cfg.n_layer, pp, pp_schedule, virtual_stages, grad_accum)
-        if sequence_parallel and pp > 1:        # (train and bench refuse it in grid.plan)
-            from ..core.errors import ConfigError
-
-            raise ConfigError(f"--sequence-parallel with --pp {pp} is not built yet; use --pp 1")
-        stage_world = check_pp_world(world, pp, dp) * dp        # one stage's dp x tp ranks
+        # The plan validated as train validates it (one plan, once): every
+        # axis against the world, the pipeline, zero and their combinations.
+        plan = Plan(layout or "auto", dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=pp_schedule,
+                    virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
+                    recompute=recompute, grad_accum=grad_accum)
+        run = resolve(plan, cfg, batch_size, world)
+        note = run.pipeline_note
         echo()
         if batch_size is None:
-            grid = GridSpec(layout or "auto", dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
-            batch_size, why = default_batch(grid, cfg, stage_world // cp, grad_accum, recompute=recompute)
-            echo(why)
+            batch_size = run.batch_size
+            echo(run.batch_note)
         if note:
             echo(note)
         if pp > 1:
@@ -159,8 +157,8 @@ def _mib(nbytes: int) -> str:
 @cp_option
 @sequence_parallel_option
 @click.option("--overlap-both", is_flag=True,
-              help="time each layout twice, its collectives blocking (MPICUBE_OVERLAP=0) and overlapped, to show the "
-                   "exposed communication each leaves")
+              help="time each layout twice, its collectives blocking (as under MPICUBE_OVERLAP=0) and overlapped, "
+                   "to show the exposed communication each leaves")
 @collective_timeout_option
 def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
           grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,
@@ -176,10 +174,9 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     from ..analysis.bench import bench_layout, format_table
     from ..core.config import ModelConfig
     from ..files.data import VOCAB_SIZE
-    from ..parallel.grid import default_batch
-    from ..parallel.gridspec import GridSpec
-    from ..training.parts import recompute_note
-    from ..training.parts import build_parts
+    from ..parallel.gridspec import Plan
+    from ..parallel.planning import resolve
+    from ..training.parts import Numerics, build_parts, recompute_note
 
     if steps < 1 or warmup_steps < 0:
         raise UserError("--steps must be at least 1 and --warmup-steps at least 0")
@@ -193,18 +190,16 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
-            grid = GridSpec(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
-                            pp_schedule=pp_schedule, virtual_stages=virtual_stages,
-                            sequence_parallel=sequence_parallel)
-            batch = batch_size
-            if batch is None:                                  # each layout its own smallest batch
-                batch, why = default_batch(grid, cfg, _mpi["world"].Get_size(), grad_accum, recompute=recompute)
-                echo(f"bench {name}: {why}")
-            for overlap in ("0", "1") if overlap_both else (None,):
-                with _overlap_setting(overlap):                # a layout reads it once, when it is built
-                    parts = build_parts(cfg, grid, batch, _mpi["world"], dtype=dtype, device=device, seed=seed,
-                                        tf32=tf32, grad_accum=grad_accum, recompute=recompute, zero=zero,
-                                        seq_len=seq_len)
+            plan = Plan(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
+                        pp_schedule=pp_schedule, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
+                        zero=zero, recompute=recompute, grad_accum=grad_accum, **env_settings())
+            run = resolve(plan, cfg, batch_size, _mpi["world"].Get_size(), seq_len=seq_len)
+            if batch_size is None:                             # each layout its own smallest batch
+                echo(f"bench {name}: {run.batch_note}")
+            for overlap in (False, True) if overlap_both else (plan.overlap,):
+                # two settings, two plans: nothing in the process's environment changes
+                setting = run if overlap == plan.overlap else replace(run, plan=plan.but(overlap=overlap))
+                parts = build_parts(setting, _mpi["world"], Numerics(dtype, device, tf32), seed)
                 note = recompute_note(parts.layout, recompute)
                 if note and note not in noted:
                     noted.add(note)
@@ -222,23 +217,6 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
         echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
                          "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
                          "results": results}))
-
-
-@contextmanager
-def _overlap_setting(value):
-    """MPICUBE_OVERLAP set to ``value`` (None: left as it is) while a layout is built."""
-    if value is None:
-        yield
-        return
-    saved = os.environ.get("MPICUBE_OVERLAP")
-    os.environ["MPICUBE_OVERLAP"] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["MPICUBE_OVERLAP"]
-        else:
-            os.environ["MPICUBE_OVERLAP"] = saved
 
 
 def _profile_dir(out):

@@ -11,6 +11,7 @@ import click
 
 from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
+                     env_settings,
                      grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
                      recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
 
@@ -88,7 +89,7 @@ def train(collective_timeout, profile, **kwargs):
     from ..training.options import TrainOptions
     from ..training.train import Trainer
 
-    opts = TrainOptions(**kwargs)
+    opts = TrainOptions(**kwargs, **env_settings())
     ctx = click.get_current_context()      # a model file decides the shape options nobody gave
     opts.given_shape = tuple(k for k in SHAPE_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
@@ -131,15 +132,16 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
     JSON object with "loss", "step" and "tokens".
     """
-    from ..parallel.gridspec import GridSpec
-    from ..training.evaluate import evaluate_checkpoint
+    from ..parallel.gridspec import Plan
+    from ..training.evaluate import EvalData, evaluate_checkpoint
+    from ..training.parts import Numerics
     from ..training.state import describe_layout
 
     with watched(collective_timeout, "evaluation"):
-        grid = GridSpec(layout, dp=dp, cp=cp, depth=depth, pp=pp, pp_schedule=pp_schedule,
-                        virtual_stages=virtual_stages, sequence_parallel=sequence_parallel)
-        result = evaluate_checkpoint(ckpt, data, batch_size, seq_len, batches, grid, dtype, device, _mpi["world"],
-                                     tf32=tf32, grad_accum=grad_accum)
+        plan = Plan(layout, dp=dp, cp=cp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages,
+                    sequence_parallel=sequence_parallel, grad_accum=grad_accum, **env_settings())
+        result = evaluate_checkpoint(ckpt, plan, Numerics(dtype, device, tf32), _mpi["world"],
+                                     EvalData(data, batch_size, seq_len, batches))
     if result.get("note"):
         echo(result["note"])
     if result.get("batch_note"):
@@ -200,7 +202,7 @@ def trace_command(**kwargs):
     """
     from ..analysis.trace import run_trace
 
-    run_trace(kwargs, _mpi["world"], say=echo)
+    run_trace({**kwargs, **env_settings()}, _mpi["world"], say=echo)
 
 
 trace_command.params[:0] = [p for p in train.params if p.name in TRACE_TRAIN_OPTIONS]

@@ -6,9 +6,9 @@ and broadcast that layouts overlap with GEMMs; ``comm_p2p`` the
 point-to-point sends, receives and ring shifts of pipeline stages and
 context parallelism), each completed by ``waiting``'s wait, which polls
 and then sleeps, and noted there for the ``watchdog`` thread of
-``--collective-timeout``; ``gridspec`` is the parallel axes as one value
-and ``grid`` builds one communicator per axis (dp, pp, cp, tp) from the
-world; ``context`` is context parallelism's chunks and ring attention; ``layouts`` holds serial, 1-D, 2-D, 2.5-D
+``--collective-timeout``; ``gridspec`` is the run's plan as one value
+(every axis and mode), ``planning`` validates it once, purely, and ``grid``
+builds one communicator per axis (dp, pp, cp, tp) from the world; ``context`` is context parallelism's chunks and ring attention; ``layouts`` holds serial, 1-D, 2-D, 2.5-D
 and 3-D tensor parallelism behind one protocol; ``params`` is each rank's
 flat parameter and gradient buffer; ``gradients`` sums gradients over
 replica groups and dp and takes the norm; ``zero`` partitions the buffer

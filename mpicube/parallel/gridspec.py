@@ -1,12 +1,20 @@
-"""The parallel axes of a run as one value: which tensor-parallel layout,
-and how many data-parallel replicas, pipeline stages and context-parallel
-ranks surround it.
+"""Every choice that shapes a run as one frozen value, the ``Plan``: which
+tensor-parallel layout, how many data-parallel replicas, pipeline stages
+and context-parallel ranks surround it, and the modes the builders follow
+(ZeRO stage, recompute, gradient accumulation, overlap, attention kind).
 
 Why one object: every entry point (train, eval, generate, bench, info,
-trace, the tools) used to pass ``dp, depth`` and the layout name as loose
-arguments, and each new axis would have added one more to every signature.
-A ``GridSpec`` is pure (no MPI): ``grid.plan`` validates it against a world
-size and a model before any communicator exists.
+trace, the tools) used to pass ``dp, depth``, the layout name, zero,
+recompute and grad-accum as loose arguments, and read two switches
+(``MPICUBE_OVERLAP``, ``MPICUBE_ATTENTION``) from the environment deep
+inside the layouts and the model. Now the command line reads the
+environment once (``cli/common.py`` ``env_settings``) into plan fields, so
+two layouts with different settings can live in one process (``bench
+--overlap-both``). A ``Plan`` is pure (no MPI): ``grid.resolve`` validates
+it, once, against a world size, a model and a batch before any
+communicator exists, and every builder takes the resolved plan it returns
+without validating again. ``GridSpec`` is its former name, kept as an
+alias.
 
 Rank order, slowest-varying first: dp, pp, cp, tp.
 
@@ -28,21 +36,24 @@ Rank order, slowest-varying first: dp, pp, cp, tp.
 ``sequence_parallel`` is no axis (no ranks of its own): it changes how the
 1-D layout's tp group holds its activations (``layouts/seqpar.py``). It
 lives here, not in a layout option, because it is chosen with the axes on
-every entry point and ``grid.plan`` must validate it against them (1-D
+every entry point and ``grid.resolve`` must validate it against them (1-D
 only, T divisible by tp, not with cp or pp yet) before any communicator
 exists; ``build_layout`` hands it to ``OneDLayout``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.errors import ConfigError
 
 
+ATTENTION_KINDS = ("blocks", "full")   # blockwise (O(T) kept per head) or the whole (T, T) scores
+
+
 @dataclass(frozen=True)
-class GridSpec:
-    """The parallel axes as the user gave them; tp is what is left of the world."""
+class Plan:
+    """Every choice of a run as the user gave it; tp is what is left of the world."""
 
     layout: str = "auto"   # tensor-parallel layout name (layouts.LAYOUTS) or "auto"
     dp: int = 1            # data-parallel replicas
@@ -52,15 +63,24 @@ class GridSpec:
     pp_schedule: str = "1f1b"   # the pipeline's schedule (parallel/schedules.py SCHEDULES)
     virtual_stages: int = 1     # model chunks per stage (interleaved schedule)
     sequence_parallel: bool = False   # 1-D only: canonical activations sharded along T (layouts/seqpar.py)
+    zero: int = 0               # 1: optimizer state, 2: and gradients, 3: and weights sharded over dp
+    recompute: str = "none"     # layouts/base.py RECOMPUTE_MODES: memory for communication and FLOPs
+    grad_accum: int = 1         # micro-batches per step; the layout is built for one of them
+    overlap: bool = True        # collectives overlapped with GEMMs (False: the blocking path, to compare)
+    attention: str = "blocks"   # ATTENTION_KINDS: blockwise attention, or "full" (the (T, T) op)
 
     @classmethod
-    def of(cls, value) -> "GridSpec":
-        """A GridSpec from a GridSpec, or from a layout name (the other axes 1)."""
-        if isinstance(value, GridSpec):
+    def of(cls, value) -> "Plan":
+        """A Plan from a Plan, or from a layout name (every other choice its default)."""
+        if isinstance(value, Plan):
             return value
         if isinstance(value, str):
             return cls(layout=value)
-        raise TypeError(f"expected a GridSpec or a layout name, got {value!r}")
+        raise TypeError(f"expected a Plan or a layout name, got {value!r}")
+
+    def but(self, **changes) -> "Plan":
+        """This plan with some choices changed (the value itself is frozen)."""
+        return replace(self, **changes)
 
     @property
     def outer(self) -> int:
@@ -101,3 +121,6 @@ class GridSpec:
                     v = f", V {self.virtual_stages}" if self.virtual_stages != 1 else ""
                     out += f" ({self.pp_schedule}{v})"
         return out
+
+
+GridSpec = Plan   # the former name (when the value held the axes only)

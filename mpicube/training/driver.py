@@ -30,38 +30,32 @@ from ..model.gpt import GPT
 from ..model.tape import Micro, saved_buffers
 from ..parallel import context
 
-ATTENTION_KINDS = ("blocks", "full")
-
-
-def attention_for(layout, kind: str = "blocks"):
+def attention_for(layout):
     """The attention op pair a block calls: a ring over the cp ranks when
-    the sequence is split, else blockwise (O(T) kept per head) or, with
-    ``kind`` "full", the op that holds T x T (the reference; the memory
-    model counts blockwise only)."""
+    the sequence is split, else blockwise (O(T) kept per head) or, when
+    the plan's attention is "full", the op that holds T x T (the
+    reference; the memory model counts blockwise only)."""
     if layout.axes.cp.size > 1:
         return context.RingAttention(layout.axes.cp)
-    if kind not in ATTENTION_KINDS:
-        raise ValueError(f"unknown attention kind {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}")
-    return ops if kind == "full" else attention_blocks
+    return ops if layout.attention_kind == "full" else attention_blocks
 
 
 def build_gpt(cfg, layout, store, *, dropout: float = 0.0, seed: int = 0, grad_accum: int = 1,
-              attention: str = "blocks", layers: range = None, first: bool = True, last: bool = True) -> GPT:
+              layers: range = None, first: bool = True, last: bool = True) -> GPT:
     """The GPT (or pipeline chunk ``layers``, with its ends when ``first``
     and ``last``) on ``layout``, its blocks wrapped for ``--recompute
     blocks`` when the layout asks."""
-    model = GPT(cfg, layout, store, attention_for(layout, attention), Dropout(dropout, seed, layout, grad_accum),
+    model = GPT(cfg, layout, store, attention_for(layout), Dropout(dropout, seed, layout, grad_accum),
                 layers=layers, first=first, last=last)
     if layout.recompute == "blocks":
         model.blocks = [Recomputed(block, layout) for block in model.blocks]
     return model
 
 
-def make_runner(cfg, layout, store, *, dropout: float = 0.0, seed: int = 0, grad_accum: int = 1,
-                attention: str = "blocks") -> "Runner":
+def make_runner(cfg, layout, store, *, dropout: float = 0.0, seed: int = 0, grad_accum: int = 1) -> "Runner":
     """``build_gpt``'s whole model, run by a ``Runner``."""
-    return Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum,
-                            attention=attention), layout, grad_accum)
+    return Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum), layout,
+                  grad_accum)
 
 
 def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, train: bool = True):

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 
 from ..files import data, formats
@@ -10,11 +13,10 @@ from . import dataplan
 from ..parallel.comm import on_root
 from .accum import forward_loss
 from ..core.errors import ConfigError
-from ..parallel import context
-from ..parallel.grid import saved_or_default_batch
+from ..parallel.gridspec import Plan
 from ..parallel.layouts.base import nearest_multiples
-from ..parallel.gridspec import GridSpec
-from .parts import Parts, build_parts
+from ..parallel.planning import resolve
+from .parts import Numerics, Parts, build_parts
 from .state import saved_state
 
 
@@ -38,36 +40,39 @@ def mean_eval_loss(parts: Parts, model, tokens, seq_len: int, n_batches: int) ->
     return total / n_batches
 
 
-def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None, batches=8, grid="auto",
-                        dtype="float32", device="cpu", mpi_world=None, tf32=False, grad_accum=1) -> dict:
-    """Mean cross-entropy of a checkpoint's model over ``batches`` evaluation
-    batches (0 = all) of a token shard, on any layout and world size
-    (``grid``: a GridSpec or a layout name; ``grad_accum`` micro-batches
-    per batch, which a pipeline runs through its stages)."""
+def evaluate_checkpoint(ckpt_path, plan="auto", numerics: Numerics = Numerics(), mpi_world=None,
+                        want: "EvalData" = None) -> dict:
+    """Mean cross-entropy of a checkpoint's model (any model file) over
+    evaluation batches of a token shard, on any plan and world size
+    (``plan``: a Plan or a layout name; its ``grad_accum`` micro-batches
+    per batch, which a pipeline runs through its stages). ``want``: the
+    shard, batch size, sequence length and batch count (``EvalData``)."""
+    want = want if want is not None else EvalData()
     if mpi_world is None:
         from mpi4py import MPI
 
         mpi_world = MPI.COMM_WORLD
+    plan = Plan.of(plan)
     with formats.open_everywhere(mpi_world, ckpt_path) as ck:     # any model file
         cfg = ck.config
         saved = saved_state(ck)                                   # the checkpoint's records, checked
-        B, batch_note = eval_batch_size(batch_size, saved.batch_size, grid, cfg, mpi_world.Get_size(),
-                                        grad_accum)
-        T = int(seq_len or cfg.n_ctx)
+        T = int(want.seq_len or cfg.n_ctx)
         if not 1 <= T <= cfg.n_ctx:
             raise ConfigError(f"--seq-len {T} must be between 1 and the model's context {cfg.n_ctx}")
-        context.validate(T, GridSpec.of(grid).cp)                  # --cp: 2C chunks of every sequence
-        spec = GridSpec.of(grid)
-        if spec.sequence_parallel and T % spec.tp(mpi_world.Get_size()):   # --sequence-parallel: T/tp positions
-            tp = spec.tp(mpi_world.Get_size())
+        if plan.sequence_parallel and T % plan.tp(mpi_world.Get_size()):   # --sequence-parallel: T/tp positions
+            tp = plan.tp(mpi_world.Get_size())
             raise ConfigError(f"--sequence-parallel: --seq-len {T} must be divisible by the tensor-parallel "
                               f"size {tp}: use --seq-len {nearest_multiples(T, tp)}")
-        if batches < 0:
-            raise ConfigError(f"--batches must be 0 (all) or more, got {batches}")
-        data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, data_path, saved.data, B, T, batches)
+        if want.batches < 0:
+            raise ConfigError(f"--batches must be 0 (all) or more, got {want.batches}")
+        run = resolve(plan, cfg, want.batch_size, mpi_world.Get_size(), seq_len=T, saved=saved.batch_size)
+        B, batch_note = run.batch_size, run.batch_note
+        if batch_note and saved.batch_size:
+            batch_note = f"{batch_note}; the checkpoint's batch {saved.batch_size} does not fit"
+        data_path, tokens, n, note = dataplan.plan_eval_data(mpi_world, want.data_path, saved.data, B, T,
+                                                             want.batches)
         on_root(mpi_world, lambda: data.check_vocab(tokens, cfg.vocab_size, data_path))
-        parts = build_parts(cfg, grid, B, mpi_world, dtype=dtype, device=device, tf32=tf32, seq_len=T,
-                            grad_accum=grad_accum)
+        parts = build_parts(run, mpi_world, numerics)
         formats.load_params(ck, parts.store)
         step = ck.step
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -77,13 +82,14 @@ def evaluate_checkpoint(ckpt_path, data_path=None, batch_size=None, seq_len=None
             **({"note": note} if note else {}), **({"batch_note": batch_note} if batch_note else {})}
 
 
-def eval_batch_size(given, saved, grid, cfg, world_size, grad_accum=1) -> tuple:
-    """(batch size, words announcing it or None): the one given; else the
-    checkpoint's training batch if this layout accepts it; else the
-    smallest of at least 8 that it accepts (grid.default_batch)."""
-    if given is not None:
-        return int(given), None
-    batch, kept, why = saved_or_default_batch(saved, grid, cfg, world_size, grad_accum)
-    if kept or not saved:
-        return batch, None if kept else why
-    return batch, f"{why}; the checkpoint's batch {saved} does not fit"
+@dataclass(frozen=True)
+class EvalData:
+    """What ``evaluate_checkpoint`` reads: the shard (None: the one the
+    checkpoint was trained on), the batch (None: the checkpoint's if the
+    plan takes it, else the smallest of at least 8 it accepts), the
+    sequence length (None: the model's context) and the batches (0: all)."""
+
+    data_path: Optional[str] = None
+    batch_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    batches: int = 8

@@ -20,8 +20,7 @@ from ..core.errors import ConfigError, RunDirError, UserError, io_reason
 from ..device import threads
 from ..files import checkpoint, data, formats
 from ..parallel.comm import on_root
-from ..parallel.grid import plan, saved_or_default_batch
-from ..parallel.schedules import check_pipeline
+from ..parallel.planning import resolve
 from . import dataplan, rundir
 from .options import _dash
 from .optim import Schedule
@@ -46,13 +45,13 @@ class Launch:
         o.validate()
         self.cfg = o.model_config()
         self.batch_note = None                # how a default batch size was chosen, for the console
-        # A default batch fits the model, which a model file may decide: then
-        # it (and the data plan, which needs it) waits until the file is open.
-        wait_for_file = o.batch_size is None and (o.init_from is not None or o.resume)
-        if not wait_for_file:
-            self._choose_batch()
-            if o.init_from is None:           # else the model file says what the model is
-                plan(o.grid, self.cfg, o.batch_size, self.world.Get_size(), o.grad_accum, o.recompute)   # pure
+        self.run = None                       # the resolved plan (parallel/planning.py), once the model is known
+        # The plan is resolved once, against the model the run builds: the
+        # options' own, now (every size checked before any file or
+        # directory is touched), or a model file's, once it is open.
+        if o.init_from is None and not o.resume:
+            self._resolve()
+        if o.batch_size is not None:
             self._plan_data()
 
         if self.keep_files:
@@ -66,20 +65,16 @@ class Launch:
         if self.source is not None:           # the model's shape and vocabulary come from the file
             self.model_file = formats.open_everywhere(self.world, self.source)
             self.cfg = self._file_config(self.model_file)
-        if wait_for_file:
-            self._choose_batch()
-            self._plan_data()
+        if self.run is None:
+            planned = o.batch_size is not None
+            self._resolve()
+            if not planned:
+                self._plan_data()
         on_root(self.world, lambda: data.check_vocab(self.train_tokens, self.cfg.vocab_size, self.train_path))
         if self.eval_batches:
             on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
-        if self.model_file is not None and o.recompute != "none":   # 1-D row shards split B_dp x --seq-len rows
-            plan(o.grid, replace(self.cfg, n_ctx=o.seq_len), o.batch_size, self.world.Get_size(), o.grad_accum,
-                 o.recompute)
-        self.parts = build_parts(self.cfg, o.grid, o.batch_size, self.world, dtype=o.dtype, device=o.device,
-                                 seed=o.seed, dropout=o.dropout, tf32=o.tf32, grad_accum=o.grad_accum,
-                                 recompute=o.recompute, zero=o.zero, seq_len=o.seq_len)
-        for note in (recompute_note(self.parts.layout, o.recompute),
-                     check_pipeline(self.cfg.n_layer, o.pp, o.pp_schedule, o.virtual_stages, o.grad_accum)):
+        self.parts = build_parts(self.run, self.world, o.numerics, o.seed, o.dropout)
+        for note in (recompute_note(self.parts.layout, o.recompute), self.run.pipeline_note):
             if note:                                   # e.g. fewer micro-batches than stages: a large bubble
                 self.notes.append(note)
         self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay)
@@ -91,19 +86,20 @@ class Launch:
             self.notes += on_root(self.world, self._write_run_files)
         self.world.Barrier()
 
-    def _choose_batch(self) -> None:
-        """Without --batch-size: a resumed run's own batch if this layout
-        takes it, else the smallest of at least 8 that the layout accepts
-        for this model (grid.default_batch); pure, so every rank agrees."""
+    def _resolve(self) -> None:
+        """The plan validated, once, for this model on --seq-len positions
+        (pure, so every rank agrees). Without --batch-size: a resumed run's
+        own batch if the plan takes it, else the smallest of at least 8 that
+        it accepts for this model."""
         o = self.opts
-        if o.batch_size is not None:
-            return
         saved = None
-        if getattr(self, "full_state", False) and self.model_file is not None:
+        if o.batch_size is None and getattr(self, "full_state", False) and self.model_file is not None:
             saved = saved_state(self.model_file).batch_size
-        o.batch_size, kept, why = saved_or_default_batch(saved, o.grid, self.cfg, self.world.Get_size(),
-                                                         o.grad_accum, o.recompute)
-        self.batch_note = f"batch {o.batch_size} (the resumed run's)" if kept else why
+        self.run = resolve(o.plan, self.cfg, o.batch_size, self.world.Get_size(), seq_len=o.seq_len, saved=saved)
+        if o.batch_size is None:
+            o.batch_size = self.run.batch_size
+            kept = f"batch {o.batch_size} (the resumed run's)"
+            self.batch_note = kept if self.run.batch_kept else self.run.batch_note
 
     def _plan_data(self) -> None:
         """The data plan (rank 0 decides, every rank checks) and the loader."""

@@ -12,10 +12,9 @@ from typing import Optional
 from ..files import data
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
-from ..parallel.grid import validate_axes, validate_model
-from ..parallel.gridspec import GridSpec
+from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
-from ..parallel.zero import validate as validate_zero
+from .parts import Numerics
 
 
 @dataclass
@@ -65,16 +64,27 @@ class TrainOptions:
     stop_after: Optional[int] = None
     time_limit: Optional[float] = None
     zero: int = 0                  # 1: AdamW state (and 16-bit runs' master weights) sharded over dp
+    overlap: bool = True           # collectives overlapped with GEMMs (the CLI: off under MPICUBE_OVERLAP=0)
+    attention: str = "blocks"      # blockwise attention, or "full" (the CLI: MPICUBE_ATTENTION=full)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @property
-    def grid(self) -> GridSpec:
-        """The parallel axes, as one value (parallel/gridspec.py)."""
-        return GridSpec(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth,
-                        pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
-                        sequence_parallel=self.sequence_parallel)
+    def plan(self) -> Plan:
+        """Every choice that shapes the run, as one value (parallel/gridspec.py);
+        ``parallel.planning.resolve`` validates it, once per launch."""
+        return Plan(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth,
+                    pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
+                    sequence_parallel=self.sequence_parallel, zero=self.zero, recompute=self.recompute,
+                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention)
+
+    grid = plan     # the former name
+
+    @property
+    def numerics(self) -> Numerics:
+        """Where and in which format the model computes."""
+        return Numerics(self.dtype, self.device, self.tf32)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,
@@ -86,7 +96,10 @@ class TrainOptions:
         return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
 
     def validate(self) -> None:
-        """Raise ConfigError for a bad value; pure, so every rank agrees."""
+        """Raise ConfigError for a bad value of an option outside the plan;
+        pure, so every rank agrees. The plan's choices (axes, zero,
+        recompute, their combinations) and the model's sizes are validated
+        once, by ``parallel.planning.resolve``, when the model is known."""
         positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "steps", "dp", "pp", "cp", "depth",
                     "eval_batches", "log_every", "grad_accum")
         for name in positive:
@@ -108,9 +121,6 @@ class TrainOptions:
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
-        validate_zero(self.zero, self.dp, self.pp, self.cp)
-        validate_axes(self.grid)
-        validate_model(self.model_config())
 
     def loss_scaler(self):
         """A fresh LossScaler for --dtype float16, else None (ConfigError for

@@ -1,11 +1,10 @@
-"""A model on this rank, built for a layout: backend, communicators,
-parameter store and GPT, with every size validated before the first
-collective. Training, evaluation, generation, benchmarks and tests build
+"""A model on this rank, built for a resolved plan (every size validated
+before the first collective, by ``parallel.planning.resolve``): backend,
+communicators, parameter store and GPT. Training, evaluation, generation, benchmarks and tests build
 their models here."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ..device import threads
@@ -13,13 +12,12 @@ from ..device.backend import make_backend
 from ..core import memory
 from ..parallel.comm import Counters, agree_max
 from ..core.config import ModelConfig
-from ..parallel.grid import build_layout, plan
-from ..parallel.gridspec import GridSpec
+from ..parallel.grid import build_layout
+from ..parallel.planning import Resolved
 from ..model.gpt import gpt_params
 from .driver import Runner, build_gpt
 from ..parallel.fsdp import make_store
 from .pipeline import Pipeline, stage_specs
-from ..parallel.zero import validate as validate_zero
 
 
 @dataclass
@@ -55,47 +53,47 @@ class Parts:
         return slice(first, first + b)
 
 
-def build_parts(cfg, grid, batch_size, mpi_world, *, dtype="float32", device="cpu", seed=0, dropout=0.0,
-                tf32=False, grad_accum=1, recompute="none", zero=0, seq_len=None) -> Parts:
-    """Backend, layout, parameters, model, on the parallel axes ``grid``
-    (a GridSpec, or a layout name for a run with no other axis). Every size is validated first
-    (``plan`` is pure), before device selection makes its first collective;
-    then every thread pool of the rank gets its share of the node's cores,
-    on CPUs and GPUs alike, before the first GEMM. ``batch_size`` is the
-    step's; with ``grad_accum`` N the layout and its buffers are sized for
-    micro-batches of batch_size / N sequences. ``recompute`` is the
-    layout's memory mode (layouts/base.py RECOMPUTE_MODES). A model that
-    cannot fit in this rank's memory is refused before anything is
-    allocated (``require_room``; ``seq_len``, the sequences the model will
-    run, adds their attention scores to the bound). With ``grid.pp`` > 1
-    the rank holds its stage's parameters only and ``model`` is the
-    ``Pipeline`` of ``grid.pp_schedule`` over ``grid.virtual_stages`` chunks per stage."""
-    grid = GridSpec.of(grid)
-    _, resolved, tp = plan(grid, cfg, batch_size, mpi_world.Get_size(), grad_accum, recompute)
-    validate_zero(zero, grid.dp, grid.pp, grid.cp)
+@dataclass(frozen=True)
+class Numerics:
+    """Where and in which format a model computes: the backend's choices
+    (``device.backend.make_backend``), apart from the plan's, which say how
+    the work is split."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    tf32: bool = False        # GPU float32 GEMMs on tensor cores
+
+
+def build_parts(run: Resolved, mpi_world, numerics: Numerics = Numerics(), seed: int = 0,
+                dropout: float = 0.0) -> Parts:
+    """Backend, layout, parameters, model, for the resolved plan ``run``
+    (``parallel.planning.resolve``: every size is validated there, purely,
+    before device selection makes its first collective; nothing is checked
+    again here). Every thread pool of the rank gets its share of the
+    node's cores, on CPUs and GPUs alike, before the first GEMM. With
+    ``run.plan.grad_accum`` N the layout and its buffers are sized for
+    micro-batches of batch_size / N sequences. A model that cannot fit in
+    this rank's memory is refused before anything is allocated
+    (``require_room``; ``run.seq_len``, the sequences the model will run,
+    adds their attention scores to the bound). With pp > 1 the rank holds
+    its stage's parameters only and ``model`` is the ``Pipeline`` of the
+    plan's schedule over its virtual stages per stage."""
+    cfg, grid, accum = run.cfg, run.plan, run.plan.grad_accum
     threads.configure(mpi_world)
-    backend = make_backend(device, dtype, mpi_world, tf32=tf32)
-    require_room(cfg, backend, mpi_world, resolved, tp, batch_size // (grid.dp * grad_accum),
-                 seq_len and seq_len // grid.cp)                # a cp rank keeps T/cp positions of each sequence
+    backend = make_backend(numerics.device, numerics.dtype, mpi_world, tf32=numerics.tf32)
+    require_room(cfg, backend, mpi_world, run.layout, run.tp, run.batch_size // (grid.dp * accum),
+                 run.seq_len and run.seq_len // grid.cp)         # a cp rank keeps T/cp positions of each sequence
     counters = Counters()
-    layout = build_layout(grid, cfg, batch_size, backend, mpi_world, counters=counters, grad_accum=grad_accum,
-                          recompute=recompute)
+    layout = build_layout(run, backend, mpi_world, counters=counters)
     if grid.pp > 1:
         virtual = grid.virtual_stages
-        store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=zero)
+        store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=grid.zero)
         pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=virtual, dropout=dropout,
-                        seed=seed, grad_accum=grad_accum)
-        return Parts(cfg, backend, counters, layout, store, pipe, grad_accum, pipeline=pipe)
-    store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
-    model = Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum,
-                             attention=attention_kind()), layout, grad_accum)
-    return Parts(cfg, backend, counters, layout, store, model, grad_accum)
-
-
-def attention_kind() -> str:
-    """The attention the blocks use: blockwise, unless MPICUBE_ATTENTION=full
-    asks for the op that holds T x T (the reference; bench compares the two)."""
-    return os.environ.get("MPICUBE_ATTENTION", "blocks")
+                        seed=seed, grad_accum=accum)
+        return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
+    store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=grid.zero)
+    model = Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=accum), layout, accum)
+    return Parts(cfg, backend, counters, layout, store, model, accum)
 
 
 def room_needed(cfg: ModelConfig, backend, tp: int, micro_batch: int, seq_len=None) -> int:

@@ -27,7 +27,6 @@ rounded to the activation format (``narrow``), once.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,13 +56,6 @@ class Axes:
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
 
 
-def overlap_from_env(environ=os.environ) -> bool:
-    """Whether a layout overlaps its collectives with GEMMs: on unless
-    MPICUBE_OVERLAP=0 (read once, when a layout is built; the blocking path
-    stays, to measure what overlap hides and to check it bit for bit)."""
-    return environ.get("MPICUBE_OVERLAP", "1") != "0"
-
-
 class Layout:
     """Base class; subclasses fill in sharding and the linear/embedding maps.
 
@@ -72,15 +64,22 @@ class Layout:
     panels they gathered or broadcast (or, in 1-D, of most of a replicated
     input) after the forward GEMM and gather them again in backward;
     "blocks" makes the model keep only each block's input (through
-    ``save_block_input``) and rerun the block's forward inside backward."""
+    ``save_block_input``) and rerun the block's forward inside backward.
+
+    ``overlap`` (the plan's; the command line reads MPICUBE_OVERLAP=0 into
+    it) overlaps collectives with GEMMs; the blocking path stays, to
+    measure what overlap hides and to check it bit for bit. ``attention``
+    is the plan's attention kind, which the model's blocks read here."""
 
     name = "base"
 
-    def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none",
+                 overlap: bool = True, attention: str = "blocks"):
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
         self.recompute = recompute
-        self.overlap = overlap_from_env()
+        self.overlap = overlap
+        self.attention_kind = attention               # "blocks" or "full" (gridspec.ATTENTION_KINDS)
         self.cfg = cfg
         self.axes = axes
         self.backend = axes.tp.backend

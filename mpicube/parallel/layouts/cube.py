@@ -56,8 +56,8 @@ class CubeLayout(Layout):
                              math.lcm(q * q, cfg.n_head))
         cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
 
-    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
-        super().__init__(cfg, axes, batch_size, recompute=recompute)
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", **settings):
+        super().__init__(cfg, axes, batch_size, recompute=recompute, **settings)
         self.q = q = self.cube_side(axes.tp.size)
         self.i, rest = divmod(axes.tp.rank, q * q)
         self.j, self.k = divmod(rest, q)
@@ -74,7 +74,7 @@ class CubeLayout(Layout):
         self.ik = sub("ik", j, i * q + k)         # plane varying i, k
         self.hidden_comm = self.ck
         # Nonblocking weight gathers and weight-gradient reductions overlap the
-        # activation collectives and GEMMs; MPICUBE_OVERLAP=0 (self.overlap, read
+        # activation collectives and GEMMs; the plan's overlap off (self.overlap, set
         # by Layout) turns it off to measure it.
         self.vocab_padded = self.pad_to(cfg.vocab_size, q)
         self.canonical_seqs = split_index(self.local_batch, q * q, i * q + j)

@@ -20,7 +20,7 @@ row-parallel one (T divisible by p). Under --recompute gathers a
 column-parallel linear and the head keep their T/p shard and gather it
 again in backward; under --recompute blocks a block's input is its shard.
 
-Overlap (on unless MPICUBE_OVERLAP=0): a column-parallel linear's backward
+Overlap (on unless the plan's ``overlap`` is off): a column-parallel linear's backward
 starts the all-reduce of dX nonblocking and computes dW meanwhile.
 """
 
@@ -60,8 +60,8 @@ class OneDLayout(Layout):
                               f"tensor-parallel ranks: use a sequence length (--seq-len) of "
                               f"{nearest_multiples(T, tp)}, or a tensor-parallel size dividing {T}")
 
-    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", sequence_parallel=False):
-        super().__init__(cfg, axes, batch_size, recompute=recompute)
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", sequence_parallel=False, **settings):
+        super().__init__(cfg, axes, batch_size, recompute=recompute, **settings)
         p, t = axes.tp.size, axes.tp.rank
         self.p, self.t = p, t
         self.sequence_parallel = sequence_parallel and p > 1

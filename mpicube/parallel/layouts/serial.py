@@ -18,8 +18,8 @@ class SerialLayout(Layout):
         cls.require(tp == 1, f"runs on one rank per data-parallel replica, not {tp}; "
                              "use --dp to replicate it or choose a parallel layout")
 
-    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
-        super().__init__(cfg, axes, batch_size, recompute=recompute)
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", **settings):
+        super().__init__(cfg, axes, batch_size, recompute=recompute, **settings)
         self.canonical_seqs = np.arange(self.local_batch)
         self.mid_seqs = self.canonical_seqs
         self.canonical_cols = np.arange(cfg.n_embd)

@@ -15,7 +15,7 @@ l, row r, column c. d = 1 is the 2-D scheme.
   the lookup and for the LM head, whose partial logits are reduce-scattered
   along the row (vocabulary split by c).
 
-Overlap (on unless MPICUBE_OVERLAP=0): SUMMA's panels are double-buffered,
+Overlap (on unless the plan's ``overlap`` is off): SUMMA's panels are double-buffered,
 the broadcasts of step s+1 posted (nonblocking) before step s's GEMM runs;
 the products are summed in the same order, so the results are the
 blocking path's bit for bit.
@@ -61,8 +61,8 @@ class TesseractLayout(Layout):
         cls.require_multiple("batch size per replica", local_batch, split, f"d*q = {split}")
         cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
 
-    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none"):
-        super().__init__(cfg, axes, batch_size, recompute=recompute)
+    def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", **settings):
+        super().__init__(cfg, axes, batch_size, recompute=recompute, **settings)
         self.d = depth
         self.q = q = self.grid_side(axes.tp.size, depth)
         self.l, rest = divmod(axes.tp.rank, q * q)

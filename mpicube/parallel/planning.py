@@ -1,0 +1,208 @@
+"""A ``Plan`` (gridspec.py) checked against a model, a world size and a
+batch, once: ``resolve`` returns the ``Resolved`` plan that every builder
+(``grid.build_layout``, ``training.parts.build_parts``) consumes without
+validating again.
+
+Why one function: the checks used to be spread over the options, the
+layout factory, the parts builder, ZeRO and the batch chooser, and a
+launch ran them up to five times, in orders that differed between
+commands (``info`` named one error, ``train`` another). Here they run in
+one order for every command, pure (no MPI call), so every rank reaches
+the same verdict before the first collective and names the nearest valid
+values the same way. The composition refusals (``validate_axes``,
+``check_sequence_parallel``, ``zero.validate``) live here too, so lifting
+one is a change in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..core.config import ModelConfig
+from ..core.errors import ConfigError
+from ..core.intmath import integer_root
+from . import context
+from .gridspec import ATTENTION_KINDS, Plan
+from .layouts import LAYOUTS
+from .layouts.base import RECOMPUTE_MODES, nearest_multiples
+from .schedules import check_pipeline
+from .zero import validate as validate_zero
+
+LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
+DEFAULT_MIN_BATCH = 8      # a default batch is the smallest valid one of at least this many sequences
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A plan after ``resolve``: every size checked, ``auto`` and the
+    default batch decided. Builders read it and check nothing again."""
+
+    plan: Plan
+    cfg: ModelConfig            # the model as built (its n_ctx sizes the position table)
+    world_size: int
+    tp: int                     # tensor-parallel ranks: what dp x pp x cp leaves of the world
+    layout: str                 # the resolved layout name (never "auto")
+    batch_size: int             # global sequences per step (all micro-batches)
+    seq_len: Optional[int] = None        # positions each sequence runs (None: not known, cfg.n_ctx at most)
+    batch_note: Optional[str] = None     # how a default batch was chosen (None: given or kept)
+    batch_kept: bool = False             # the saved batch (a resumed run's, a checkpoint's) was kept
+    pipeline_note: Optional[str] = None  # a large bubble, said to the user (schedules.check_pipeline)
+
+    @property
+    def cls(self):
+        """The layout class."""
+        return LAYOUTS[self.layout]
+
+    @property
+    def micro_batch(self) -> int:
+        """Global sequences of one micro-batch (what the layout is built for)."""
+        return self.batch_size // self.plan.grad_accum
+
+
+def choose_layout(name: str, tp_size: int, depth: int = 1) -> str:
+    """Resolve ``auto``: 2.5-D when a depth is given (only 2.5-D has one),
+    else 3-D on a cube, 2-D on a square, 1-D otherwise."""
+    if name != "auto":
+        return name
+    if depth > 1:
+        return "2.5d"
+    if tp_size == 1:
+        return "serial"
+    if integer_root(tp_size, 3):
+        return "3d"
+    if integer_root(tp_size, 2):
+        return "2d"
+    return "1d"
+
+
+def validate_axes(grid: Plan) -> None:
+    """Combinations of axes this build cannot run, refused with one line."""
+    if grid.pp > 1 and grid.cp > 1:
+        raise ConfigError(f"--pp {grid.pp} with --cp {grid.cp}: pipeline stages and context parallelism do not "
+                          f"compose yet; use one of them (--pp 1 or --cp 1)")
+
+
+def validate_model(cfg: ModelConfig) -> None:
+    """Sizes that no layout can run."""
+    for name in ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.n_embd % cfg.n_head:
+        heads = [d for d in range(1, cfg.n_embd + 1) if cfg.n_embd % d == 0]
+        near = sorted(heads, key=lambda d: (abs(d - cfg.n_head), d))[:2]
+        below = cfg.n_embd // cfg.n_head * cfg.n_head
+        sizes = " or ".join(str(v) for v in (below, below + cfg.n_head) if v > 0)
+        raise ConfigError(f"n_embd {cfg.n_embd} must be divisible by n_head {cfg.n_head} "
+                          f"(each head gets n_embd/n_head columns): use --n-head "
+                          f"{' or '.join(map(str, sorted(near)))}, or --n-embd {sizes}")
+
+
+def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,
+            saved: Optional[int] = None, at_least: int = DEFAULT_MIN_BATCH) -> Resolved:
+    """The single validation of a run: ``plan`` (a Plan or a layout name)
+    against the model ``cfg`` run on sequences of ``seq_len`` positions
+    (None: cfg.n_ctx), ``world_size`` ranks and the global ``batch_size``.
+    Without a batch: the ``saved`` one (a resumed run's, a checkpoint's)
+    if the plan takes it, else the smallest of at least ``at_least`` that
+    it takes. Pure: no MPI. Raises ConfigError, one line naming the
+    nearest valid values."""
+    plan = Plan.of(plan)
+    validate_zero(plan.zero, plan.dp, plan.pp, plan.cp)
+    validate_axes(plan)
+    validate_model(cfg)
+    run_cfg = cfg if seq_len is None else replace(cfg, n_ctx=seq_len)    # what the T-dependent sizes see
+    cls, name, tp, note = _check_choices(plan, run_cfg, world_size)
+    kept, why = False, None
+    if batch_size is None:
+        batch_size, kept, why = _choose_batch(plan, cls, name, run_cfg, tp, saved, at_least)
+    _check_batch(plan, cls, name, run_cfg, tp, batch_size)
+    if plan.sequence_parallel:
+        check_sequence_parallel(plan, cls, name, run_cfg, tp)
+    return Resolved(plan, cfg, world_size, tp, name, batch_size, seq_len, why, kept, note)
+
+
+def _check_choices(plan: Plan, cfg: ModelConfig, world_size: int) -> tuple:
+    """(layout class, name, tp, pipeline note): every check but the batch's."""
+    if plan.recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"unknown recompute mode {plan.recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    if plan.attention not in ATTENTION_KINDS:
+        raise ConfigError(f"unknown attention {plan.attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
+    tp = plan.tp(world_size)
+    note = check_pipeline(cfg.n_layer, plan.pp, plan.pp_schedule, plan.virtual_stages, plan.grad_accum)
+    context.validate(cfg.n_ctx, plan.cp)
+    name = choose_layout(plan.layout, tp, plan.depth)
+    if name not in LAYOUTS:
+        raise ConfigError(f"unknown layout {plan.layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+    if plan.grad_accum < 1:
+        raise ConfigError(f"--grad-accum must be at least 1, got {plan.grad_accum}")
+    if plan.depth != 1 and name != "2.5d":
+        raise ConfigError(f"--depth {plan.depth} applies to the 2.5d layout only (layout {name}): "
+                          f"drop --depth, or use --layout 2.5d")
+    return LAYOUTS[name], name, tp, note
+
+
+def _check_batch(plan: Plan, cls, name: str, cfg: ModelConfig, tp: int, batch_size: int) -> None:
+    """The global batch against dp, the micro-batches and the layout."""
+    dp, accum, depth = plan.dp, plan.grad_accum, plan.depth
+    if batch_size % dp:
+        raise ConfigError(f"--batch-size {batch_size} must be divisible by --dp {dp}")
+    per_replica = batch_size // dp
+    if per_replica % accum:
+        divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+        raise ConfigError(f"--grad-accum {accum} must divide the batch per replica {per_replica} "
+                          f"(--batch-size {batch_size} / --dp {dp}): use --batch-size "
+                          f"{nearest_multiples(batch_size, dp * accum)}, or --grad-accum one of {divisors}")
+    micro = per_replica // accum
+    if accum > 1:
+        split = micro_split(cls, cfg, tp, depth, plan.recompute)
+        if micro % split:
+            raise ConfigError(f"layout {name}: the micro-batch per replica {micro} (--batch-size {batch_size} "
+                              f"/ --dp {dp} / --grad-accum {accum}) must be divisible by {split}: use "
+                              f"--batch-size {nearest_multiples(batch_size, dp * accum * split)}")
+    cls.validate(cfg, tp, micro, depth, plan.recompute)
+
+
+def _choose_batch(plan: Plan, cls, name: str, cfg: ModelConfig, tp: int, saved, at_least: int) -> tuple:
+    """(batch, kept, why) when none is given: ``saved`` if the plan takes
+    it, else the smallest multiple of the accepted step of at least
+    ``at_least``. Why: a fixed default of 8 cannot run on 64 ranks in 3-D
+    (q^2 = 16 sequences per replica at least)."""
+    if saved:
+        try:
+            _check_batch(plan, cls, name, cfg, tp, int(saved))
+            return int(saved), True, None
+        except ConfigError:
+            pass
+    m = plan.dp * plan.grad_accum * micro_split(cls, cfg, tp, plan.depth, plan.recompute)
+    batch = -(-at_least // m) * m
+    extra = plan.words() + (f", grad-accum {plan.grad_accum}" if plan.grad_accum != 1 else "")
+    return batch, False, f"batch {batch} (smallest of at least {at_least} that layout {name}, tp {tp}{extra} accepts)"
+
+
+def check_sequence_parallel(grid: Plan, cls, resolved: str, cfg: ModelConfig, tp: int) -> None:
+    """--sequence-parallel: the 1-D layout, alone with dp, T divisible by tp."""
+    if resolved != "1d":
+        raise ConfigError(f"--sequence-parallel applies to the 1d layout only (layout {resolved}): "
+                          f"use --layout 1d, or drop --sequence-parallel")
+    for name in ("pp", "cp"):
+        if getattr(grid, name) > 1:
+            raise ConfigError(f"--sequence-parallel with --{name} {getattr(grid, name)} is not built yet; "
+                              f"use --{name} 1")
+    cls.validate_sequence(cfg, tp, cfg.n_ctx, grid.recompute)
+
+
+def micro_split(cls, cfg: ModelConfig, tp: int, depth: int, recompute: str = "none") -> int:
+    """The smallest batch per replica (per micro-batch) that layout ``cls``
+    accepts for this model; the accepted ones are its multiples (every
+    layout's batch constraint is a divisibility: 1, d*q or q^2, all dividing
+    tp). Raises the layout's ConfigError for what no batch can fix."""
+    cls.validate(cfg, tp, tp, depth, recompute)    # a multiple of every split: only the model can fail
+    for split in range(1, tp + 1):
+        if tp % split == 0:
+            try:
+                cls.validate(cfg, tp, split, depth, recompute)
+                return split
+            except ConfigError:
+                continue
+    return tp
