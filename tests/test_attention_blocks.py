@@ -11,6 +11,7 @@ from mpi4py import MPI
 from mpicube import ops
 from mpicube.device import fused
 from mpicube.core.config import ModelConfig
+from mpicube.model.tape import Micro
 from mpicube.ops import attention_blocks as ab
 from mpicube.parallel.planning import resolve
 from mpicube.training.parts import Numerics, build_parts
@@ -122,9 +123,9 @@ def test_model_masks_by_blocks_equal_the_full_mask():
     (B, nh, T, T) mask Dropout.attention draws (the same global indices)."""
     cfg = ModelConfig(vocab_size=11, n_ctx=12, n_layer=1, n_head=2, n_embd=8)
     parts = build_parts(resolve("serial", cfg, 3, 1), MPI.COMM_SELF, Numerics("float64"), seed=5, dropout=0.3)
-    drop = parts.model.dropout
-    full = drop.attention(4, "h.0.attn", 10)                          # (B, nh, T, T)
-    blocks = drop.attention_blocks(4, "h.0.attn", 10)
+    drop, ctx = parts.model.model.dropout, Micro(step=4)
+    full = drop.attention(ctx, "h.0.attn", 10)                        # (B, nh, T, T)
+    blocks = drop.attention_blocks(ctx, "h.0.attn", 10)
     got = np.concatenate([np.concatenate([blocks(slice(i, min(i + 4, 10)), slice(j, min(j + 4, 10)))
                                           for j in (0, 4, 8)], -1) for i in (0, 4, 8)], -2)   # global slices
     np.testing.assert_array_equal(got, full)
