@@ -130,3 +130,23 @@ def test_model_masks_by_blocks_equal_the_full_mask():
                                           for j in (0, 4, 8)], -1) for i in (0, 4, 8)], -2)   # global slices
     np.testing.assert_array_equal(got, full)
     assert 0 < (full == 0).mean() < 0.6
+
+
+def test_blockwise_masks_count_by_terms_not_per_element(monkeypatch):
+    """Each block of the model's blockwise attention mask reaches keep_mask
+    as an rng.BlockIndex (B + nh + rows + cols terms), never a uint64
+    counter per element: with the CUDA kernels on, the kernel adds the
+    terms per element and no array the mask's size of counters exists."""
+    from mpicube.model import block as block_module
+    from mpicube.ops import rng
+
+    cfg = ModelConfig(vocab_size=11, n_ctx=12, n_layer=1, n_head=2, n_embd=8)
+    parts = build_parts(resolve("serial", cfg, 3, 1), MPI.COMM_SELF, Numerics("float64"), seed=5, dropout=0.3)
+    seen = []
+    real = block_module.ops.keep_mask
+    monkeypatch.setattr(block_module.ops, "keep_mask",
+                        lambda key, counter, *a, **k: seen.append(counter) or real(key, counter, *a, **k))
+    blocks = parts.model.model.dropout.attention_blocks(Micro(step=4), "h.0.attn", 10)
+    mask = blocks(slice(0, 8), slice(0, 4))                           # (B, nh, 8, 4)
+    assert len(seen) == 1 and isinstance(seen[0], rng.BlockIndex), seen
+    assert seen[0].shape == mask.shape and sum(int(t.shape[0]) for t in seen[0].terms) == 3 + 2 + 8 + 4
