@@ -191,3 +191,34 @@ def test_a_module_outside_the_table_fails(tmp_path):
 def test_imports_are_resolved(tmp_path, source, expected):
     package = plant(tmp_path, {"low/a.py": "", "low/b.py": source})
     assert read_imports(package)["pkg.low.b"] == expected
+
+
+def _definitions(path: Path) -> set:
+    """Qualified names defined in a module: functions and classes, and
+    ``Class.method`` for their methods (nested once)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names.update(f"{node.name}.{item.name}" for item in node.body
+                         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+    return names
+
+
+def test_adding_an_axis_cites_code_that_exists():
+    """docs/adding-an-axis.md ties each step of an axis to `path` ·
+    `function` (or `Class.method`); a refactor that renames or moves one
+    must update the page. Every other file path it names must exist too."""
+    import re
+
+    text = (ROOT / "docs" / "adding-an-axis.md").read_text()
+    cites = re.findall(r"`([\w/.-]+\.py)`\s*·\s*`([\w.]+)`", text)
+    assert len(cites) >= 30, len(cites)
+    for path, name in cites:
+        assert (ROOT / path).is_file(), path
+        assert name in _definitions(ROOT / path), (path, name)
+    for path in re.findall(r"`((?:mpicube|tests|tools|docs)/[\w/.-]+)`", text):
+        assert (ROOT / path).exists(), path
+    for page in re.findall(r"\]\(([\w.-]+\.md)\)", text):
+        assert (ROOT / "docs" / page).is_file(), page

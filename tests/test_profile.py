@@ -135,14 +135,17 @@ def test_profile_in_process_leaves_nothing_behind(tmp_path):
     from mpi4py import MPI
 
     from mpicube.analysis.bench import bench_layout
-    from mpicube.analysis.profile import ProfileSession
+    from mpicube.analysis.profile import ProfileSession, profiled_modules
     from mpicube.core.config import ModelConfig
     from mpicube.parallel import profiler
     from mpicube.parallel.planning import resolve
     from mpicube.training.parts import build_parts
 
     cfg = ModelConfig(vocab_size=256, n_ctx=16, n_layer=1, n_head=2, n_embd=16)
-    parts = build_parts(resolve("serial", cfg, 4, MPI.COMM_WORLD.Get_size(), seq_len=16), MPI.COMM_WORLD)
+    recorder = profiler.Recorder()
+    parts = build_parts(resolve("serial", cfg, 4, MPI.COMM_WORLD.Get_size(), seq_len=16), MPI.COMM_WORLD,
+                        recorder=recorder)
+    assert parts.layout.axes.world.recorder is recorder and parts.layout.axes.dp.recorder is recorder
     sessions = []
 
     def session(opt):
@@ -150,8 +153,11 @@ def test_profile_in_process_leaves_nothing_behind(tmp_path):
         return sessions[0]
 
     result = bench_layout(parts, 16, 1, 3, profile=session)
-    assert profiler.ACTIVE is None
-    assert not any(m in vars(mod) for _, _, mod, methods in parts.model.named_modules() for m in methods)
+    assert not recorder.on and not hasattr(profiler, "ACTIVE")       # off again; no process-wide switch
+    modules = profiled_modules(parts.model)
+    assert {name for name, *_ in modules} == {"wte", "h.0", "h.0.ln_1", "h.0.attn.c_attn", "h.0.attn.c_proj",
+                                              "h.0.ln_2", "h.0.mlp.c_fc", "h.0.mlp.c_proj", "ln_f"}
+    assert not any(m in vars(mod) for _, _, mod, methods in modules for m in methods)
     assert "forward" not in vars(parts.model) and "step" not in vars(sessions[0].opt)
     assert set(result["profile"]) >= {"profiled_step_s", "plain_step_s", "overhead", "overhead_cpu",
                                        "trace_fractions"}

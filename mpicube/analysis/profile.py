@@ -21,8 +21,12 @@ step's wall time as the trainer or bench measured it. Perfetto and
 chrome://tracing open it as it is; ``mpicube timeline`` draws it.
 
 The trace observes the step through ``hooks.StepHooks`` (train) or bench's
-own loop; outside the profiled steps nothing is wrapped and
-``profiler.ACTIVE`` is None.
+own loop. The communicators record into the ``profiler.Recorder`` they were
+built with (``build_parts(..., recorder=)``: ``ProfileHooks.recorder`` for
+train, bench's own); a session switches that recorder on for the profiled
+steps only, and outside them nothing is wrapped and the recorder is off.
+Which modules are timed is read off the model from outside
+(``profiled_modules``): the model itself knows nothing of profiling.
 """
 
 from __future__ import annotations
@@ -43,18 +47,80 @@ TRACE_FILE = "profile.json"
 SUMMARY_FILE = "profile-summary.json"
 
 
+# (attribute, GPT-2 name) of a block's layers, in the order a forward calls them
+BLOCK_LAYERS = (("ln_1", "ln_1"), ("c_attn", "attn.c_attn"), ("c_proj", "attn.c_proj"),
+                ("ln_2", "ln_2"), ("c_fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj"))
+EMBEDDING_CALLS = ("embed", "logits", "logits_backward", "embed_backward")   # the tied wte's, lookup and head
+LAYER_CALLS = ("forward", "backward")
+
+
+def chunk_models(model) -> list:
+    """The ``model.gpt.GPT`` objects a step of ``model`` runs: a
+    ``training.driver.Runner``'s one, or each local chunk of a
+    ``training.pipeline.Pipeline`` (made now if no step has made it yet)."""
+    if hasattr(model, "chunk_model"):                            # a pipeline stage: one GPT per local chunk
+        return [model.chunk_model(v) for v in range(len(model.chunks))]
+    return [getattr(model, "model", model)]
+
+
+def profiled_modules(model) -> list:
+    """(GPT-2 name, layer or None, module, methods) of every module whose
+    calls a profile times, walked from outside: for each chunk of ``model``
+    (``chunk_models``) the tied embedding of its ``front`` (the lookup) or
+    its ``back`` (the LM head), each of its ``blocks`` (under a wrapper
+    such as ``Recomputed``, the wrapper, and the layers of the block it
+    wraps) and the final LayerNorm of its ``back``. Each module once."""
+    out, seen = [], set()
+
+    def add(name, layer, module, methods):
+        if module is not None and id(module) not in seen:
+            seen.add(id(module))
+            out.append((name, layer, module, methods))
+
+    for gpt in chunk_models(model):
+        for piece in gpt.front:
+            add("wte", None, piece.embedding, EMBEDDING_CALLS)
+        for piece in gpt.back:                                   # a last chunk without the lookup: the head's wte
+            add("wte", None, piece.loss.embedding, EMBEDDING_CALLS)
+        for i, block in zip(gpt.layers, gpt.blocks):
+            inner = getattr(block, "block", block)                  # under a wrapper, the block itself
+            add(inner.site, i, block, LAYER_CALLS)
+            for attr, name in BLOCK_LAYERS:
+                add(f"{inner.site}.{name}", i, getattr(inner, attr), LAYER_CALLS)
+        for piece in gpt.back:
+            add("ln_f", None, piece.ln_f, LAYER_CALLS)
+    return out
+
+
+def phase_calls(model, opt) -> list:
+    """(object, method, phase name) of a step's phases: the model's forward
+    and backward (a pipeline's: each chunk's), the gradient sync, the
+    gradient norm and the optimizer step."""
+    runs = chunk_models(model) if hasattr(model, "chunk_model") else [model]
+    calls = [(m, method, method) for method in ("forward", "backward") for m in runs]
+    return calls + [(opt, "sync", "gradient sync"), (opt, "grad_norm", "gradient norm"),
+                    (opt, "step", "optimizer step")]
+
+
 class ProfileSession:
     """Profiles steps ``first..last`` of one run on this rank, then writes
     the trace (rank 0) into ``out_dir``. Call ``begin(s)`` at the start of
     every step and ``end(s, timed)`` at its end, on every rank (both
-    make world collectives at the first and last profiled step)."""
+    make world collectives at the first and last profiled step). ``parts``
+    must have been built with a ``profiler.Recorder``
+    (``build_parts(..., recorder=)``): the session records into it."""
 
     def __init__(self, parts, opt, mpi_world, steps: tuple, out_dir, say=print, meta: dict = None):
         self.parts, self.opt, self.world = parts, opt, mpi_world
         self.first, self.last = steps
         self.out_dir, self.say = Path(out_dir), say
         self.meta = dict(meta or {})
-        self.recorder = profiler.Recorder(parts.backend.synchronize if parts.backend.is_gpu else None, mpi_world)
+        self.recorder = parts.layout.axes.world.recorder
+        if self.recorder is None:
+            raise ValueError("a profile needs communicators built with a recorder: "
+                             "build_parts(..., recorder=profiler.Recorder())")
+        self.recorder.sync = parts.backend.synchronize if parts.backend.is_gpu else None
+        self.recorder.world = mpi_world
         self.clock = None                    # (offset, origin) of align_clocks
         self.walls = {}                      # step -> wall seconds as the caller measured it
         self.wrapped = []
@@ -74,7 +140,7 @@ class ProfileSession:
             return
         self.align()
         self._wrap()
-        profiler.ACTIVE = self.recorder
+        self.recorder.start()
         self.parts.backend.synchronize()
         self.t0 = time.perf_counter()
 
@@ -90,22 +156,20 @@ class ProfileSession:
         self.recorder.span(COMPUTE, f"step {s}", t0, t1, {"step": s})
         self.walls[s] = t1 - t0 if timed is not None else None
         self.t0 = None
-        profiler.ACTIVE = None
-        for w in self.wrapped:
+        self.recorder.stop()
+        for w in reversed(self.wrapped):
             w.restore()
         self.wrapped = []
         if s == self.last:
             self.write()
 
     def _wrap(self) -> None:
-        rec, model, opt = self.recorder, self.parts.model, self.opt
-        for name, layer, module, methods in model.named_modules():
+        rec, model = self.recorder, self.parts.model
+        for name, layer, module, methods in profiled_modules(model):
             for method in methods:
                 self.wrapped.append(profiler.timed(rec, module, method, f"{name} {method}",
                                                    {"module": name, "layer": layer, "call": method}))
-        for obj, method, name in ((model, "forward", "forward"), (model, "backward", "backward"),
-                                  (opt, "sync", "gradient sync"), (opt, "grad_norm", "gradient norm"),
-                                  (opt, "step", "optimizer step")):
+        for obj, method, name in phase_calls(model, self.opt):
             self.wrapped.append(profiler.timed(rec, obj, method, name, {"phase": name}))
 
     # --- writing --------------------------------------------------------------
@@ -124,7 +188,7 @@ class ProfileSession:
         """Gather every rank's events on rank 0 (an uncounted object gather)
         and write the trace and its summary there."""
         gathered = self.world.gather(self._local_events(), root=0)
-        self.recorder = profiler.Recorder(self.recorder.sync, self.world)
+        self.recorder.clear()
         if gathered is None:
             return
         doc = trace_document(gathered, {**self.meta, "steps": [self.first, self.last], "mpicube": __version__})
@@ -170,10 +234,13 @@ def trace_document(per_rank: list, meta: dict) -> dict:
 class ProfileHooks(StepHooks):
     """``train --profile``: a ``ProfileSession`` around the trainer's steps
     (the step span runs from ``step_started``, after the batch is read, to
-    ``step_done``, after the metrics line: its wall time)."""
+    ``step_done``, after the metrics line: its wall time). ``recorder``
+    is to be handed to the communicators the trainer builds
+    (``Trainer(recorder=)``); it stays off outside the profiled steps."""
 
     def __init__(self, steps: tuple, say=print):
         self.steps, self.say, self.session = steps, say, None
+        self.recorder = profiler.Recorder()
 
     def run_started(self, trainer) -> None:
         first, last = self.steps

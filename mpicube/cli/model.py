@@ -199,7 +199,8 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
             for overlap in (False, True) if overlap_both else (plan.overlap,):
                 # two settings, two plans: nothing in the process's environment changes
                 setting = run if overlap == plan.overlap else replace(run, plan=plan.but(overlap=overlap))
-                parts = build_parts(setting, _mpi["world"], Numerics(dtype, device, tf32), seed)
+                recorder = _recorder() if profile is not None else None    # the profile's, handed to the Comms
+                parts = build_parts(setting, _mpi["world"], Numerics(dtype, device, tf32), seed, recorder=recorder)
                 note = recompute_note(parts.layout, recompute)
                 if note and note not in noted:
                     noted.add(note)
@@ -225,6 +226,12 @@ def _profile_dir(out):
     from pathlib import Path
 
     return Path(out if out is not None else _mpi["world"].bcast(time.strftime("runs/bench-%Y%m%d-%H%M%S"), root=0))
+
+
+def _recorder():
+    from ..parallel.profiler import Recorder
+
+    return Recorder()
 
 
 def _session_factory(parts, steps, where, meta):

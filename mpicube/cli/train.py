@@ -85,6 +85,7 @@ def train(collective_timeout, profile, **kwargs):
     (or --time-limit) writes a checkpoint and exits with status 75;
     `--resume` continues exactly where it stopped.
     """
+    from ..training.hooks import Faults
     from ..training.launch import SHAPE_OPTIONS
     from ..training.options import TrainOptions
     from ..training.train import Trainer
@@ -93,16 +94,20 @@ def train(collective_timeout, profile, **kwargs):
     ctx = click.get_current_context()      # a model file decides the shape options nobody gave
     opts.given_shape = tuple(k for k in SHAPE_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
-    hooks = []
+    faults = Faults.from_environment()           # the test suite's, read here with the rest of the environment
+    hooks = [faults] if faults is not None else []
+    recorder = None
     if profile is not None and profile[1] > opts.last_step:
         raise UserError(f"--profile {profile[0]}:{profile[1]} ends after the last step this run trains, "
                         f"{opts.last_step} (--steps, --stop-after)")
     if profile is not None:
         from ..analysis.profile import ProfileHooks
 
-        hooks.append(ProfileHooks(profile, echo))
+        profiling = ProfileHooks(profile, echo)
+        hooks.append(profiling)
+        recorder = profiling.recorder            # handed to the communicators as they are built
     with watched(collective_timeout, "setup"):
-        return Trainer(opts, _mpi["world"], hooks=hooks).run()
+        return Trainer(opts, _mpi["world"], hooks=hooks, recorder=recorder).run()
 
 
 @cli.command("eval")

@@ -204,21 +204,6 @@ class GPT:
         """The final LayerNorm (None on a chunk without the head)."""
         return self.back[0].ln_f if self.back else None
 
-    def named_modules(self) -> list:
-        """(GPT-2 name, layer or None, module, methods) of every module whose
-        calls a profile times (``mpicube.analysis.profile``): the tied
-        embedding, each block and its layers, ln_f. Listed here, beside the
-        code that calls them, so a profile names what really ran."""
-        out = [("wte", None, self.embedding, ("embed", "logits", "logits_backward", "embed_backward"))]
-        for i, block in zip(self.layers, self.blocks):
-            inner = getattr(block, "block", block)                  # under a wrapper, the block itself
-            out.append((inner.site, i, block, ("forward", "backward")))
-            for attr, name in (("ln_1", "ln_1"), ("c_attn", "attn.c_attn"), ("c_proj", "attn.c_proj"),
-                               ("ln_2", "ln_2"), ("c_fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")):
-                out.append((f"{inner.site}.{name}", i, getattr(inner, attr), ("forward", "backward")))
-        out.append(("ln_f", None, self.ln_f, ("forward", "backward")))
-        return [entry for entry in out if entry[2] is not None]       # a pipeline chunk without the ends
-
     def new_caches(self) -> list:
         """An empty key/value cache per block for this rank's sequences
         and heads, over the whole context."""

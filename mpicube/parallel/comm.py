@@ -49,9 +49,12 @@ long for the others does not spin on a core; each call also records in
 ``waiting.WAITS`` what this rank waits in (kind, axis, since when) for the
 watchdog (``mpicube.parallel.watchdog``, ``--collective-timeout``).
 
-Under ``--profile`` (``mpicube.parallel.profiler``) ``_count`` and
-``Pending.wait`` also hand each call and wait to the active recorder; with
-no profile running that is one check of ``profiler.ACTIVE`` per call.
+Under ``--profile`` (``mpicube.parallel.profiler``) a ``Comm`` is built
+with a recorder (``Comm(..., recorder=)``), which every communicator split
+from it (``split``, ``derive``) inherits; ``_count`` and ``Pending.wait``
+hand each call and wait to it while it is on (``Recorder.start``/``stop``,
+the profiled steps). A ``Comm`` without one (the default) pays one ``is
+None`` check per call; there is no process-wide profiling state.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from fractions import Fraction
 import numpy as np
 from mpi4py import MPI
 
-from . import comm_wire, profiler
+from . import comm_wire
 from .waiting import WAITS, complete
 from ..device import precision
 from ..device.backend import Backend, cuda_aware_mpi
@@ -128,8 +131,9 @@ class Pending:
         out = self._finish()
         t1 = time.perf_counter()
         self._comm.counters.add(self._comm.axis, 0, 0, t1 - t0)
-        if profiler.ACTIVE is not None:
-            profiler.ACTIVE.wait(self._comm, self._kind, self._since, t0, t1)
+        rec = self._comm.recorder
+        if rec is not None and rec.on:
+            rec.wait(self._comm, self._kind, self._since, t0, t1)
         WAITS.leave(t1)
         self._send = None
         return out
@@ -137,19 +141,32 @@ class Pending:
 
 class Comm:
     """One axis of the processor grid: an mpi4py communicator, its role name,
-    the array backend and the shared counters."""
+    the array backend, the shared counters and, under ``--profile``, the
+    span recorder (``profiler.Recorder``; None: nothing is recorded)."""
 
-    def __init__(self, mpi_comm, axis: str, backend: Backend, counters: Counters, staging: Staging = None):
+    def __init__(self, mpi_comm, axis: str, backend: Backend, counters: Counters, staging: Staging = None,
+                 recorder=None):
         self.mpi = mpi_comm
         self.axis = axis
         self.backend = backend
         self.counters = counters
         self.staging = staging if staging is not None else backend.staging
+        self.recorder = recorder
         self.size = mpi_comm.Get_size()
         self.rank = mpi_comm.Get_rank()
 
     def __repr__(self):
         return f"Comm({self.axis!r}, rank {self.rank} of {self.size})"
+
+    def derive(self, mpi_comm, axis: str) -> "Comm":
+        """A Comm on ``mpi_comm`` (a subgroup of this one's) playing role
+        ``axis``, sharing this one's backend, counters, staging and recorder."""
+        return Comm(mpi_comm, axis, self.backend, self.counters, self.staging, self.recorder)
+
+    def split(self, axis: str, color: int, key: int) -> "Comm":
+        """``MPI_Comm_split`` of this communicator as a derived Comm
+        (``derive``): collective over this one's ranks."""
+        return self.derive(self.mpi.Split(color=color, key=key), axis)
 
     # --- staging between the backend and MPI -------------------------------
     @property
@@ -203,8 +220,9 @@ class Comm:
         """Count a call started at ``t0``, which has finished (or, nonblocking, started)."""
         t1 = time.perf_counter()
         self.counters.add(self.axis, elems, msgs, t1 - t0, width)
-        if profiler.ACTIVE is not None:         # --profile: the kind is the one _start named
-            profiler.ACTIVE.comm(self, (WAITS.current or ("call",))[0], t0, t1, Fraction(elems) * width)
+        rec = self.recorder
+        if rec is not None and rec.on:          # --profile: the kind is the one _start named
+            rec.comm(self, (WAITS.current or ("call",))[0], t0, t1, Fraction(elems) * width)
         WAITS.leave(t1)
 
     # --- 16-bit formats ----------------------------------------------------

@@ -53,25 +53,29 @@ def saved_or_default_batch(saved, grid, cfg: ModelConfig, world_size: int, grad_
     return run.batch_size, run.batch_kept, run.batch_note
 
 
-def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None):
+def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, recorder=None):
     """Split the world into one communicator per axis (the order of
     gridspec.py) and construct the layout object of the resolved plan
     ``run``, for the micro-batch (``batch_size / grad_accum`` global
     sequences) that one forward pass runs. Every axis gets a
     communicator, of size 1 where the axis is unused, so no code asks
-    whether an axis exists."""
+    whether an axis exists. ``recorder`` (``profiler.Recorder``, under
+    ``--profile``) goes to the world Comm, and every axis split from it
+    inherits it (``Comm.split``)."""
     grid, tp = run.plan, run.tp
     counters = counters if counters is not None else Counters()
     d, p, c, t = grid.coords(mpi_world.Get_rank(), mpi_world.Get_size())
+
+    world = Comm(mpi_world, "world", backend, counters, recorder=recorder)
 
     def split(axis: str, color: tuple, key: int) -> Comm:
         # color: the coordinates of every other axis, as one integer
         flat = 0
         for value, size in zip(color, (grid.dp, grid.pp, grid.cp, tp)):
             flat = flat * size + value
-        return Comm(mpi_world.Split(color=flat, key=key), axis, backend, counters)
+        return world.split(axis, flat, key)
 
-    axes = Axes(world=Comm(mpi_world, "world", backend, counters),
+    axes = Axes(world=world,
                 dp=split("dp", (0, p, c, t), d),
                 tp=split("tp", (d, p, c, 0), t),
                 pp=split("pp", (d, 0, c, t), p),
@@ -91,4 +95,4 @@ def tied_pair(axes: Axes):
         return None
     inside = pp.rank in (0, pp.size - 1)
     sub = pp.mpi.Split(color=0 if inside else MPI.UNDEFINED, key=pp.rank)
-    return Comm(sub, "tied", pp.backend, pp.counters) if inside else None
+    return pp.derive(sub, "tied") if inside else None

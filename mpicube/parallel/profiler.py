@@ -3,15 +3,22 @@
 
 Why a recorder here and not a sampling profiler: the question is *when*
 each rank computes, talks over which axis, and waits, on one clock for all
-ranks, which only the code that makes the calls knows. ``comm.Comm`` hands
-every counted call to ``ACTIVE`` (its kind, axis, bytes and the world ranks
-of its group) and ``Pending.wait`` every wait on a nonblocking one; the
-trainer's and bench's profile sessions (``mpicube.analysis.profile``) wrap
-the model's modules and the optimizer step in ``timed`` for the profiled
-steps only.
+ranks, which only the code that makes the calls knows. A ``Recorder`` is
+handed to the world ``comm.Comm`` when the communicators are built
+(``grid.build_layout(recorder=)``, ``training.parts.build_parts``), and
+every communicator split from it inherits it; while it is on (``start``
+to ``stop``: the profiled steps) ``Comm._count`` hands it every counted
+call (its kind, axis, bytes and the world ranks of its group) and
+``Pending.wait`` every wait on a nonblocking one. The trainer's and
+bench's profile sessions (``mpicube.analysis.profile``) switch it on and
+wrap the model's modules and the optimizer step in ``timed`` for the
+profiled steps only.
 
-Off costs nothing per operation: ``ACTIVE`` is None outside profiled
-steps, and a Comm call checks it once; nothing is wrapped.
+Off costs nothing per operation: a run without ``--profile`` builds its
+Comms with no recorder (one ``is None`` check per call), and outside the
+profiled steps the recorder is off; nothing is wrapped. There is no
+process-wide state: two models in one process profile (or not)
+independently.
 
 A span is (thread, name, t0, t1, args) in this process's
 ``time.perf_counter`` seconds. Threads: ``COMPUTE`` for the main thread's
@@ -38,7 +45,6 @@ import time
 from .waiting import WAITS, complete
 
 COMPUTE = "compute"
-ACTIVE = None            # the Recorder of a profiled step; None (the default) records nothing
 PING_ROUNDS = 5          # ping-pongs per rank in align_clocks; the shortest round trip wins
 _TAG = 7525              # the message tag of align_clocks's ping-pongs
 
@@ -57,14 +63,27 @@ class Recorder:
     backend's synchronize) runs before each compute span closes, so that on
     a GPU a module's span ends when its kernels have, not when they were
     queued. Peers are named by their rank in ``world`` (default
-    MPI.COMM_WORLD)."""
+    MPI.COMM_WORLD). Off when made: the Comms that hold it record
+    nothing until ``start``."""
 
     def __init__(self, sync=None, world=None):
         self.sync, self.world = sync, world       # world: the communicator whose ranks name peers
+        self.on = False          # recording (the Comms that hold this recorder check it per call)
+        self._peers = {}         # id(mpi communicator) -> world ranks of its group
+        self.clear()
+
+    def start(self) -> None:
+        """Record the Comms' calls from now on."""
+        self.on = True
+
+    def stop(self) -> None:
+        self.on = False
+
+    def clear(self) -> None:
+        """Forget every span and flight (what was written)."""
         self.spans = []          # (thread, name, t0, t1, args)
         self.flights = []        # (thread, name, t0, t1, args): nonblocking calls from start to end of wait
         self._started = {}       # (axis, end of the start call) -> bytes, until its wait
-        self._peers = {}         # id(mpi communicator) -> world ranks of its group
 
     def span(self, thread: str, name: str, t0: float, t1: float, args: dict = None) -> None:
         self.spans.append((thread, name, t0, t1, args))

@@ -37,8 +37,9 @@ class Launch:
     ``opt`` (the optimizer step), ``scaler``, ``schedule``, ``loader``,
     ``start_step``, the data plan and, when the run keeps files, ``run_dir``
     with its lock, ``config.json`` and ``metrics.jsonl`` open. The subclass
-    sets ``opts``, ``world``, ``rank``, ``notes``, ``keep_files`` and
-    ``lock`` / ``metrics`` / ``owner`` / ``last_ckpt`` before calling it."""
+    sets ``opts``, ``world``, ``rank``, ``notes``, ``keep_files``,
+    ``recorder`` (the profiler's, or None) and ``lock`` / ``metrics`` /
+    ``owner`` / ``last_ckpt`` before calling it."""
 
     def setup(self) -> None:
         o = self.opts
@@ -73,7 +74,8 @@ class Launch:
         on_root(self.world, lambda: data.check_vocab(self.train_tokens, self.cfg.vocab_size, self.train_path))
         if self.eval_batches:
             on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
-        self.parts = build_parts(self.run, self.world, o.numerics, o.seed, o.dropout)
+        self.parts = build_parts(self.run, self.world, o.numerics, o.seed, o.dropout,
+                                 recorder=self.recorder)
         for note in (recompute_note(self.parts.layout, o.recompute), self.run.pipeline_note):
             if note:                                   # e.g. fewer micro-batches than stages: a large bubble
                 self.notes.append(note)

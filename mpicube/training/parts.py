@@ -65,7 +65,7 @@ class Numerics:
 
 
 def build_parts(run: Resolved, mpi_world, numerics: Numerics = Numerics(), seed: int = 0,
-                dropout: float = 0.0) -> Parts:
+                dropout: float = 0.0, *, recorder=None) -> Parts:
     """Backend, layout, parameters, model, for the resolved plan ``run``
     (``parallel.planning.resolve``: every size is validated there, purely,
     before device selection makes its first collective; nothing is checked
@@ -77,14 +77,16 @@ def build_parts(run: Resolved, mpi_world, numerics: Numerics = Numerics(), seed:
     (``require_room``; ``run.seq_len``, the sequences the model will run,
     adds their attention scores to the bound). With pp > 1 the rank holds
     its stage's parameters only and ``model`` is the ``Pipeline`` of the
-    plan's schedule over its virtual stages per stage."""
+    plan's schedule over its virtual stages per stage. ``recorder`` (a
+    ``parallel.profiler.Recorder``, under ``--profile``) is handed to the
+    communicators as they are built; None (the default): nothing records."""
     cfg, grid, accum = run.cfg, run.plan, run.plan.grad_accum
     threads.configure(mpi_world)
     backend = make_backend(numerics.device, numerics.dtype, mpi_world, tf32=numerics.tf32)
     require_room(cfg, backend, mpi_world, run.layout, run.tp, run.batch_size // (grid.dp * accum),
                  run.seq_len and run.seq_len // grid.cp)         # a cp rank keeps T/cp positions of each sequence
     counters = Counters()
-    layout = build_layout(run, backend, mpi_world, counters=counters)
+    layout = build_layout(run, backend, mpi_world, counters=counters, recorder=recorder)
     if grid.pp > 1:
         virtual = grid.virtual_stages
         store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=grid.zero)

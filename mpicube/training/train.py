@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -66,22 +64,6 @@ from .state import describe_layout, state_blocks
 EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal or --time-limit, resume me
 EXIT_DIVERGED = 3        # non-finite loss or gradient norm
 
-# Test hook (for tests/test_precision.py): at the step this variable names,
-# the last world rank puts an inf into its gradient after the gradient
-# synchronisation, as a float16 overflow on one rank would; the step must be
-# skipped on every rank alike.
-OVERFLOW_HOOK = "MPICUBE_TEST_OVERFLOW_STEP"
-
-# Test hook (for tests/test_train.py, tests/test_ckpt_faults.py): "RANK:STEP:SIGNAL"
-# makes that world rank send itself the signal as it starts saving that step.
-SIGNAL_HOOK = "MPICUBE_TEST_SIGNAL_IN_SAVE"
-
-# Test hook (for tests/test_cli.py): the world rank named by this
-# variable raises an unexpected exception at step 2, to check that an
-# exception on one rank ends the whole job instead of leaving it hanging.
-CRASH_HOOK = "MPICUBE_TEST_CRASH_RANK"
-
-
 class DivergedError(UserError):
     """The loss or gradient norm stopped being finite."""
 
@@ -95,9 +77,11 @@ class Trainer(Launch):
     """Set up once (``Launch.setup``), then ``run()``; returns the process
     exit status. ``hooks`` observe every step (``hooks.StepHooks``); a run
     with ``keep_files=False`` has no run directory: no lock, config,
-    metrics or checkpoints (what ``mpicube trace`` runs)."""
+    metrics or checkpoints (what ``mpicube trace`` runs). ``recorder`` (a
+    ``parallel.profiler.Recorder``, ``--profile``'s) is handed to the
+    communicators when they are built; None: they record nothing."""
 
-    def __init__(self, opts: TrainOptions, mpi_world=None, hooks=(), keep_files: bool = True):
+    def __init__(self, opts: TrainOptions, mpi_world=None, hooks=(), keep_files: bool = True, recorder=None):
         if mpi_world is None:
             from mpi4py import MPI
 
@@ -105,6 +89,7 @@ class Trainer(Launch):
         self.opts = opts
         self.hooks = list(hooks)
         self.keep_files = keep_files
+        self.recorder = recorder
         self.run_dir = None
         self.world = mpi_world
         self.rank = mpi_world.Get_rank()
@@ -157,11 +142,8 @@ class Trainer(Launch):
             say(f"nothing to do: the run is at step {first - 1}, "
                 f"{'--stop-after' if last < o.steps else '--steps'} is {last}")
             return 0
-        crash_rank = os.environ.get(CRASH_HOOK)
         self._notify("run_started")
         for s in range(first, last + 1):
-            if crash_rank is not None and s >= 2 and int(crash_rank) == self.rank:
-                raise RuntimeError(f"{CRASH_HOOK}={crash_rank}: deliberate failure at step {s} (test hook)")
             t0 = time.monotonic()
             WAITS.at_step(s)                    # progress, for the watchdog (--collective-timeout)
             rec = self.train_step(s)
@@ -218,7 +200,7 @@ class Trainer(Launch):
             p.store.zero_grad()
             loss = forward_backward(p, x, y, s, loss_scale, after_forward)   # N micro-batches, gradients added up
             self.opt.sync()
-            self._inject_overflow(s)
+            self._notify("gradients_synced", s)
             norm = self.opt.grad_norm() / loss_scale
             # 2: the loss is not finite (diverged); 1: only the gradient is (an
             # overflow: skip the step when loss scaling, else diverged). Agreed
@@ -259,13 +241,6 @@ class Trainer(Launch):
         for hook in self.hooks:
             getattr(hook, point)(self, *args)
 
-    def _inject_overflow(self, s: int) -> None:
-        """The OVERFLOW_HOOK test hook: an inf in the last rank's gradient at one step."""
-        hook = os.environ.get(OVERFLOW_HOOK)
-        if hook is not None and int(hook) == s and self.rank == self.world.Get_size() - 1:
-            store = self.parts.store
-            store.flat_grad[store.shard.start] = math.inf        # in the part this rank's norm reads
-
     def _diverged_message(self, s, loss, norm) -> str:
         what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
         last = f"the last checkpoint, {self.last_ckpt}, is intact" if self.last_ckpt else "no checkpoint was written"
@@ -298,7 +273,7 @@ class Trainer(Launch):
         axes = p.layout.axes
         blocks = state_blocks(p.store, self.opt.adam, axes.dp.rank + axes.cp.rank)   # writers: dp and cp rank 0
         WAITS.in_phase("checkpoint save")       # its agreement is plain mpi4py, unseen by the watchdog
-        self._signal_in_save(s)
+        self._notify("save_started", s)
         try:
             path = checkpoint.save(self.run_dir, s, blocks, attrs, comm=self.world, keep=o.keep or None,
                                    owner=self.owner)
@@ -311,17 +286,6 @@ class Trainer(Launch):
         self.stop.ckpt_seconds = time.monotonic() - t0
         self.console.say(f"checkpoint {path}")
         return path
-
-    def _signal_in_save(self, s: int) -> None:
-        """The SIGNAL_HOOK test hook ("RANK:STEP:SIGNAL"): that rank sends
-        itself the signal as it starts saving that step (SIGUSR1: a
-        scheduler's warning landing mid-save; SIGSTOP: a rank frozen with
-        the save half done, for a test to kill)."""
-        hook = os.environ.get(SIGNAL_HOOK)
-        if hook:
-            rank, step, name = hook.split(":")
-            if int(rank) == self.rank and int(step) == s:
-                os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
 def train(opts: TrainOptions, mpi_world=None) -> int:

@@ -62,10 +62,8 @@ class CubeLayout(Layout):
         self.i, rest = divmod(axes.tp.rank, q * q)
         self.j, self.k = divmod(rest, q)
         i, j, k = self.i, self.j, self.k
-        tp, be, ct = axes.tp.mpi, axes.tp.backend, axes.tp.counters
-
         def sub(name, color, key):
-            return Comm(tp.Split(color=color, key=key), name, be, ct)
+            return axes.tp.split(name, color, key)      # same backend, counters and recorder as tp
 
         self.ci = sub("i", j * q + k, i)          # varies i
         self.cj = sub("j", i * q + k, j)          # varies j

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from ... import ops
 from ...device import precision
-from ..comm import Comm
 from ..comm_start import ibcast
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
@@ -68,11 +67,11 @@ class TesseractLayout(Layout):
         self.l, rest = divmod(axes.tp.rank, q * q)
         self.r, self.c = divmod(rest, q)
         l, r, c = self.l, self.r, self.c
-        tp, be, ct = axes.tp.mpi, axes.tp.backend, axes.tp.counters
-        self.row = Comm(tp.Split(color=l * q + r, key=c), "row", be, ct)        # varies c
-        self.col = Comm(tp.Split(color=l * q + c, key=r), "col", be, ct)        # varies r
-        self.depth = Comm(tp.Split(color=r * q + c, key=l), "depth", be, ct)    # varies l
-        self.col_depth = Comm(tp.Split(color=c, key=l * q + r), "col_depth", be, ct)  # varies r, l
+        tp = axes.tp                                    # splits share its backend, counters and recorder
+        self.row = tp.split("row", l * q + r, c)                # varies c
+        self.col = tp.split("col", l * q + c, r)                # varies r
+        self.depth = tp.split("depth", r * q + c, l)            # varies l
+        self.col_depth = tp.split("col_depth", c, l * q + r)    # varies r, l
         self.hidden_comm = self.row
         self.vocab_padded = self.pad_to(cfg.vocab_size, q)
         self.canonical_seqs = split_index(self.local_batch, depth * q, l * q + r)
