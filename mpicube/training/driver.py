@@ -131,9 +131,6 @@ class Runner:
     def blocks(self):
         return self.model.blocks
 
-    def named_modules(self) -> list:
-        return self.model.named_modules()
-
     def new_caches(self) -> list:
         return self.model.new_caches()
 
