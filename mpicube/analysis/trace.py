@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..check.names import FORMAT, VERSION
 from ..core.errors import ConfigError, UserError
 from ..files import formats
 from ..model.gpt import gpt_params
@@ -40,8 +41,6 @@ from ..training.optim import Schedule
 from ..training.options import TrainOptions
 from ..training.train import DivergedError, Trainer
 
-FORMAT = "mpicube-trace"
-VERSION = 1
 DEFAULT_MAX_BYTES = 2 * 10 ** 9
 CLIP_EPS = 1e-6          # clipping scale min(1, max_norm / (norm + CLIP_EPS)), as train does
 
