@@ -25,10 +25,12 @@ A caveat the margin makes visible instead of hiding: AdamW divides each
 gradient by its own running size, so an element whose gradient is pure
 rounding noise (the ``k`` part of ``c_attn.bias`` has a gradient of exactly
 zero in exact arithmetic) moves by a full learning rate in a direction set
-by that noise. In float32 the updated parameters of correct
-implementations therefore exceed the depth bound (margins down to 0.13 on
-``c_attn.bias`` in that measurement), which is why the budget stays the
-default verdict; compare gradients (before the optimizer) to see past it.
+by that noise. The updated ``c_attn.bias`` of correct implementations
+therefore exceeds the depth bound: margins down to 0.13 between float32
+and float64 in that measurement, and 0.16 between mpicube and PyTorch in
+float64 (relative 1e-13) while every activation, logit, loss and gradient
+keeps a margin above 10. That is why the budget stays the default
+verdict; the gradients (before the optimizer) are where the bound is sharp.
 """
 
 from __future__ import annotations
