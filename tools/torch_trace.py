@@ -5,7 +5,8 @@ the two tensor by tensor.
 It reads a reference trace's model config, optimizer, initial parameters,
 batches and (with dropout) keep masks, trains a nanoGPT-style GPT-2 made of
 ordinary torch modules - nn.Embedding, nn.LayerNorm, nn.Linear, nn.GELU -
-with autograd, ``torch.optim.AdamW`` over two parameter groups and
+with autograd, ``torch.optim.AdamW`` over two parameter groups (or
+``torch.optim.SGD`` for a trace of ``--optimizer sgd``) and
 ``clip_grad_norm_``, and records the same steps. The model is torch's
 alone; the recorder and the nanoGPT name map (transposing nn.Linear's
 (out, in) weights) are the only part of mpicube it uses, and they need
@@ -150,7 +151,10 @@ def main(argv=None) -> int:
     params = dict(model.named_parameters())
     groups = [{"params": [t for n, t in params.items() if n in decayed], "weight_decay": opt_cfg["weight_decay"]},
               {"params": [t for n, t in params.items() if n not in decayed], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=0.0, betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"])
+    if opt_cfg["name"] == "SGD":                                      # mpicube trace --optimizer sgd
+        opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.0)
+    else:
+        opt = torch.optim.AdamW(groups, lr=0.0, betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"])
     max_norm = opt_cfg["grad_clip"]["max_norm"]
     steps = min(args.steps or ref.steps, ref.steps)
 

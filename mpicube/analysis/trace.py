@@ -276,22 +276,28 @@ def _check_out(path: Path) -> str:
 
 
 def optimizer_attr(opts, schedule: Schedule, steps: int, decayed: list) -> dict:
-    """What another implementation needs to take the same optimizer steps."""
+    """What another implementation needs to take the same optimizer steps
+    (AdamW, or under --optimizer sgd plain SGD: no moments, no decay)."""
+    lr = {"schedule": "linear warmup to peak over warmup steps, then cosine decay to min_lr at steps "
+                      "(step s is 1-based)",
+          "peak": schedule.lr, "warmup": schedule.warmup, "steps": schedule.steps,
+          "min_lr": schedule.lr * schedule.min_lr_ratio,
+          "values": [schedule(s) for s in range(1, steps + 1)]}
+    clip = {"max_norm": opts.grad_clip, "eps": CLIP_EPS,
+            "rule": "every gradient scaled by min(1, max_norm / (norm + eps)), norm the global L2 "
+                    "norm of all gradients; max_norm 0 = no clipping"}
+    if opts.optimizer == "sgd":
+        return {"name": "SGD", "lr": lr, "momentum": 0.0, "weight_decay": 0.0, "decay": [],
+                "rule": "p -= lr * g, g the clipped gradient", "grad_clip": clip}
     return {
         "name": "AdamW",
-        "lr": {"schedule": "linear warmup to peak over warmup steps, then cosine decay to min_lr at steps "
-                           "(step s is 1-based)",
-               "peak": schedule.lr, "warmup": schedule.warmup, "steps": schedule.steps,
-               "min_lr": schedule.lr * schedule.min_lr_ratio,
-               "values": [schedule(s) for s in range(1, steps + 1)]},
+        "lr": lr,
         "betas": [0.9, 0.95],
         "eps": 1e-8,
         "weight_decay": opts.weight_decay,
         "decay": decayed,
         "decay_rule": "decoupled (p -= lr * weight_decay * p) on the tensors in 'decay' only",
-        "grad_clip": {"max_norm": opts.grad_clip, "eps": CLIP_EPS,
-                      "rule": "every gradient scaled by min(1, max_norm / (norm + eps)), norm the global L2 "
-                              "norm of all gradients; max_norm 0 = no clipping"},
+        "grad_clip": clip,
     }
 
 
