@@ -31,8 +31,8 @@ import numpy as np
 from ..core.errors import UserError
 from . import tolerance as tol
 from .names import depth, ordered, step_of
-from .tracefile import (DTYPES, REQUIRED_ATTRS, datasets, describe, expected_dtype, open_trace, read,
-                        read_config, steps_present, text, trace_dtype)
+from .tracefile import (DTYPES, REQUIRED_ATTRS, datasets, describe, expected_dtype, open_trace, read_config,
+                        read_tensor, steps_present, trace_dtype)
 
 
 @dataclass
@@ -212,7 +212,10 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
 
 
 def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) -> Row:
-    a, b = read(sets["A"][name], paths["A"]), read(sets["B"][name], paths["B"])
+    (a, shards_a), (b, shards_b) = (read_tensor(sets[s][name], paths[s], rtol, atol) for s in "AB")
+    if shards_a or shards_b:                            # a sharded trace's replicas part, or elements are missing
+        note = "; ".join(f"{s}: {p}" for s, p in (("A", shards_a), ("B", shards_b)) if p)
+        return Row(name, np.shape(a), math.inf, math.inf, False, note, math.inf, math.nan)
     wrong = [f"{side} stores {arr.dtype}, the format {want}" for side, arr, dt in (("A", a, dtypes[0]),
                                                                                    ("B", b, dtypes[1]))
              if (want := expected_dtype(name, dt)) is not None and arr.dtype != want]

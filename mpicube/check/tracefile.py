@@ -18,6 +18,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from .names import CONFIG_KEYS, FORMAT, SCALARS, VERSION, step_of
+from .shards import assemble, is_sharded
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 REQUIRED_ATTRS = ("dtype", "steps", "optimizer")        # besides format, version and config (bad input)
@@ -99,17 +100,37 @@ def describe(f) -> str:
 
 
 def datasets(f) -> dict:
-    """{path: dataset} of every dataset in the file, opened once (h5py's
-    lookup by path costs more than reading a small tensor)."""
-    found = {}
-    f.visititems(lambda name, obj: found.__setitem__(name, obj) if hasattr(obj, "shape") else None)
+    """{path: dataset or sharded group} of every tensor in the file, opened
+    once (h5py's lookup by path costs more than reading a small tensor); a
+    sharded tensor (shards.py) is its group, not the datasets inside it."""
+    found, sharded = {}, []
+
+    def visit(name, obj):
+        if hasattr(obj, "shape"):
+            found[name] = obj
+        elif is_sharded(obj):
+            sharded.append(name)
+    f.visititems(visit)
+    inside = tuple(name + "/" for name in sharded)
+    found = {n: d for n, d in found.items() if not n.startswith(inside)} if inside else found
+    found.update((name, f[name]) for name in sharded)
     return found
 
 
 def read(dataset, path) -> np.ndarray:
     """A dataset's values; one that cannot be read is bad input naming it."""
+    return read_tensor(dataset, path, 0.0, 0.0)[0]
+
+
+def read_tensor(dataset, path, rtol: float, atol: float) -> tuple:
+    """(values, problem): a dataset's values, or a sharded tensor put
+    together with what is wrong with its shards ("" when nothing is;
+    replicas must agree to ``atol + rtol * scale``). A dataset that cannot
+    be read is bad input naming it."""
     try:
-        return dataset[()]
+        if is_sharded(dataset):
+            return assemble(dataset, path, rtol, atol)
+        return dataset[()], ""
     except (OSError, ValueError, KeyError) as exc:
         reason = str(exc).split("(")[0].strip() or type(exc).__name__
         raise UserError(f"{path}: dataset {dataset.name.lstrip('/')} cannot be read "
@@ -130,7 +151,7 @@ def trace_dtype(f, sets: dict) -> tuple:
     if declared is not None:
         return declared, "attribute"
     found = {str(d.dtype) for n, d in sets.items()
-             if d.dtype.kind == "f" and n.rsplit("/", 1)[-1] not in SCALARS}
+             if hasattr(d, "dtype") and d.dtype.kind == "f" and n.rsplit("/", 1)[-1] not in SCALARS}
     finest = next((d for d in DTYPES if d in found), "float32")
     return finest, "data"
 

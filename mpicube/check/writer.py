@@ -8,6 +8,11 @@ a temporary name that is renamed into place only when complete, so a run
 that fails never leaves a trace that looks whole. A name map that misses
 or misnames a parameter is found here, before the trace is compared,
 as bad input naming the item (exit 2 where a command reports it).
+
+Any tensor may be given as ``shards.Sharded(shape, [Shard(rank, index,
+block), ...])`` instead of an array: each rank's block with its global
+index, so a replicated tensor's copies are all kept and ``compare`` can
+check that they agree (shards.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import UserError
+from . import shards
 from .names import CONFIG_KEYS, FORMAT, MASK_SITES, VERSION, param_shapes
+from .shards import Sharded
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
@@ -71,16 +78,16 @@ class TraceWriter:
             raise UserError(f"{self.path}: step {s} written after step {self.steps}; steps go 1, 2, ... in order")
         g = f"step_{s}/"
         for key, value in (("loss", loss), ("lr", lr), ("grad_norm", grad_norm)):
-            self.f.create_dataset(g + key, data=np.asarray(float(value), dtype=np.float64))
+            self.put(g + key, value if isinstance(value, Sharded) else float(value), np.float64)
         for key, value in (acts or {}).items():
-            self.f.create_dataset(g + "act/" + key, data=np.asarray(value, dtype=self.store))
+            self.put(g + "act/" + key, value, self.store)
         if logits is not None:
-            self.f.create_dataset(g + "logits", data=np.asarray(logits, dtype=self.store))
+            self.put(g + "logits", logits, self.store)
         for key, value in (masks or {}).items():
             site = key.rsplit(".", 1)[-1]
             if key != "emb" and site not in MASK_SITES:
                 raise UserError(f"{self.path}: dropout site {key!r} is not one of emb, h.{{i}}.{{{','.join(MASK_SITES)}}}")
-            self.f.create_dataset(g + "dropout/" + key, data=(np.asarray(value) != 0).astype(np.uint8))
+            self.put(g + "dropout/" + key, value, np.uint8)
         self._params(g + "grad", grads)
         self._params(g + "param", params)
         if tokens is not None:
@@ -95,11 +102,24 @@ class TraceWriter:
             what = f"unknown parameter {unknown[0]!r}" if unknown else f"no {missing[0]!r}"
             raise UserError(f"{self.path}: {group}: {what} (a name map that misses or misnames a parameter)")
         for name, shape in self.shapes.items():
-            value = np.asarray(tensors[name], dtype=self.store)
-            if value.shape != shape:
-                raise UserError(f"{self.path}: {group}/{name} has shape {value.shape}, the format {shape} "
+            value = tensors[name]
+            got = tuple(value.shape) if isinstance(value, Sharded) else np.shape(value)
+            if got != shape:
+                raise UserError(f"{self.path}: {group}/{name} has shape {got}, the format {shape} "
                                 f"(weights are (in, out): transpose an nn.Linear's)")
-            self.f.create_dataset(f"{group}/{name}", data=value)
+            self.put(f"{group}/{name}", value, self.store)
+
+    def put(self, name: str, value, dtype) -> None:
+        """One tensor: an array, or a ``Sharded`` one written as its shards
+        (each rank's block with its global index, shards.py); masks as 0/1."""
+        if dtype == np.uint8:
+            value = (Sharded(value.shape, [shards.Shard(s.rank, s.index, np.asarray(s.data) != 0)
+                                           for s in value.shards])
+                     if isinstance(value, Sharded) else np.asarray(value) != 0)
+        if isinstance(value, Sharded):
+            shards.write(self.f, name, value, dtype)
+        else:
+            self.f.create_dataset(name, data=np.asarray(value, dtype=dtype))
 
     # ---- the file
 
