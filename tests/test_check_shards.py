@@ -98,3 +98,29 @@ def test_the_writer_refuses_an_index_of_the_wrong_length(tmp_path):
 
     with h5py.File(tmp_path / "x.h5", "w") as f, pytest.raises(UserError, match="index 0 has 3 entries for a block 2"):
         shards.write(f, "t", Sharded((4,), [Shard(0, (np.array([0, 1, 2]),), np.zeros(2))]), np.float64)
+
+
+def test_mpicube_sharded_trace_matches_serial_and_keeps_every_replica(tmp_path, corpus_cache):
+    """`trace --sharded` on 1-D x 2: each rank's blocks with their global
+    indices, the replicated LayerNorm copies both kept; compare puts them
+    together and agrees with the serial trace, and a drifted copy in one
+    rank's block is then named with both ranks."""
+    from conftest import MpiCube
+
+    runner = MpiCube(tmp_path, corpus_cache)
+    model = ["--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--seq-len", "8", "--batch-size", "2",
+             "--dtype", "float64", "--dropout", "0.1", "--steps", "1"]
+    assert runner.run("trace", "--layout", "serial", *model, "--out", "serial.h5").returncode == 0
+    r = runner.run("trace", "--layout", "1d", "--sharded", *model, "--out", "sharded.h5", n=2)
+    assert r.returncode == 0, r
+    r = runner.run("compare", "serial.h5", "sharded.h5")
+    assert r.returncode == 0 and "all tensors agree" in r.stdout, r
+    with h5py.File(tmp_path / "sharded.h5", "r+") as f:
+        ln = f["step_1/grad/h.0.ln_2.bias"]
+        assert set(ln) == {"rank0", "rank1"} and ln.attrs["sharded"] == 1        # replicated over tp
+        assert not np.array_equal(f["init/h.0.attn.c_attn.weight/rank0/index_1"][()],
+                                  f["init/h.0.attn.c_attn.weight/rank1/index_1"][()])   # split over tp
+        ln["rank1/data"][0] *= 1.01
+    r = runner.run("compare", "serial.h5", "sharded.h5")
+    assert r.returncode == 1 and "first divergence: step_1/grad/h.0.ln_2.bias" in r.stdout, r
+    assert "replicas part: ranks 0 and 1" in r.stdout

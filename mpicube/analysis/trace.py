@@ -14,8 +14,10 @@ by the embedding's rows and vocabulary block, dropout masks by the indices
 the masks were drawn at. Rank 0 gathers the blocks (a plain object gather
 outside the counted communicators: a trace never changes the traffic it
 would measure) and assembles each tensor, checking that every element
-arrived. Traces are for small models; ``--max-bytes`` refuses big ones
-before anything runs.
+arrived - or, with ``--sharded``, writes every rank's block as it is, with
+its global index, replicas included (check.shards), so that ``compare``
+checks the replicas too. Traces are for small models; ``--max-bytes``
+refuses big ones before anything runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..check import shards
 from ..check.names import FORMAT, VERSION
 from ..core.errors import ConfigError, UserError
 from ..files import formats
@@ -86,13 +89,18 @@ class Piece:
     local: np.ndarray     # host array
 
 
-def gather_pieces(mpi_world, pieces: list):
+def gather_pieces(mpi_world, pieces: list, sharded: bool = False):
     """Rank 0: {name: full tensor} assembled from every rank's pieces; other
     ranks: None. Replicated blocks simply arrive more than once; an element
-    no rank sent is a bug in a layout's bookkeeping, and raises."""
+    no rank sent is a bug in a layout's bookkeeping, and raises. With
+    ``sharded`` (--sharded) each rank's block is kept as it is, with its
+    global index (check.shards), for compare to put together and to check
+    the replicas of."""
     received = mpi_world.gather(pieces, root=0)
     if received is None:
         return None
+    if sharded:
+        return _as_shards(received)
     full, seen = {}, {}
     for piece in (p for rank_pieces in received for p in rank_pieces):
         if piece.name not in full:
@@ -108,13 +116,27 @@ def gather_pieces(mpi_world, pieces: list):
     return full
 
 
+def _as_shards(received: list) -> dict:
+    """{name: Sharded} from every rank's pieces, vocabulary padding dropped."""
+    out = {}
+    for rank, rank_pieces in enumerate(received):
+        for piece in rank_pieces:
+            real = [np.flatnonzero(np.asarray(ix) < n) for ix, n in zip(piece.index, piece.shape)]
+            index = tuple(np.asarray(ix)[r] for ix, r in zip(piece.index, real))
+            block = piece.local[np.ix_(*real)] if real else piece.local
+            out.setdefault(piece.name, shards.Sharded(piece.shape, [])).shards.append(
+                shards.Shard(rank, index, block))
+    return out
+
+
 class Collector:
     """Turns one rank's model state into pieces: global indices of its
     activation, logit, mask and parameter blocks. ``at(first)`` points it
     at a micro-batch whose first sequence is global sequence ``first``."""
 
-    def __init__(self, parts, store_dtype, batch_size: int):
+    def __init__(self, parts, store_dtype, batch_size: int, sharded: bool = False):
         self.parts = parts
+        self.sharded = sharded                               # every replica's copy, not one
         self.layout, self.store = parts.layout, parts.store
         self.dtype = np.dtype(store_dtype)
         self.B = batch_size                                  # global sequences per step
@@ -231,7 +253,7 @@ class Collector:
 
     def _pieces(self, prefix: str, views: dict) -> list:
         return [Piece(f"{prefix}/{spec.name}", tuple(spec.decl.shape), spec.index, self.host(views[spec.name]))
-                for spec in self.store.specs if spec.writer and self.param_writer]
+                for spec in self.store.specs if self.sharded or (spec.writer and self.param_writer)]
 
 
 # --------------------------------------------------------------------------- the file
@@ -251,7 +273,10 @@ class TraceFile:
             self.f.attrs[key] = value
 
     def write(self, name: str, value) -> None:
-        self.f.create_dataset(name, data=value)
+        if isinstance(value, shards.Sharded):
+            shards.write(self.f, name, value, value.shards[0].data.dtype)
+        else:
+            self.f.create_dataset(name, data=value)
 
     def commit(self) -> None:
         self.f.close()
@@ -308,14 +333,15 @@ class Recorder(StepHooks):
     gradients before the update and the updated parameters after it.
     Rank 0 assembles and writes; every rank takes part in the gathers."""
 
-    def __init__(self, mpi_world, writer, store_dtype, say):
+    def __init__(self, mpi_world, writer, store_dtype, say, sharded: bool = False):
         self.world, self.writer, self.store_dtype, self.say = mpi_world, writer, store_dtype, say
+        self.sharded = sharded
         self.tokens = []                 # rank 0: (B, T+1) int32 per step
 
     def run_started(self, trainer) -> None:
-        self.collect = Collector(trainer.parts, self.store_dtype, trainer.opts.batch_size)
+        self.collect = Collector(trainer.parts, self.store_dtype, trainer.opts.batch_size, self.sharded)
         self.T = trainer.opts.seq_len
-        _write(self.writer, gather_pieces(self.world, self.collect.params("init")))
+        _write(self.writer, gather_pieces(self.world, self.collect.params("init"), self.sharded))
 
     def step_started(self, trainer, s, x, y) -> None:
         self.tokens.append(np.concatenate([x, y[:, -1:]], axis=1).astype(np.int32))   # (B, T+1)
@@ -338,7 +364,7 @@ class Recorder(StepHooks):
         self.norm = norm
 
     def step_done(self, trainer, s, rec) -> None:
-        tensors = gather_pieces(self.world, self.forward + self.grads + self.collect.params("param"))
+        tensors = gather_pieces(self.world, self.forward + self.grads + self.collect.params("param"), self.sharded)
         if self.writer is not None:
             group = f"step_{s}"
             self.writer.write(f"{group}/loss", np.asarray(rec["loss"], dtype=np.float64))
@@ -390,7 +416,7 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
             "seed": opts.seed,
         }
         writer = TraceFile(out, attrs)
-    recorder = Recorder(mpi_world, writer, store_dtype, say)
+    recorder = Recorder(mpi_world, writer, store_dtype, say, sharded=bool(options.get("sharded")))
     trainer = Trainer(opts, mpi_world, hooks=[recorder], keep_files=False)
     try:
         status = trainer.run()

@@ -192,6 +192,9 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
 @click.option("--out", required=True, metavar="FILE.h5", help="the trace file to write")
 @click.option("--max-bytes", default="2GB", show_default=True,
               help="refuse a trace larger than this (bytes, or a number with K, M or G)")
+@click.option("--sharded", is_flag=True, default=False,
+              help="write each rank's block of every tensor with its global index, replicas included, instead of "
+                   "the assembled tensors; compare puts them together and checks that replicas agree")
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 
