@@ -50,7 +50,8 @@ def test_linear_weights_are_transposed_and_q_k_v_split_by_columns():
     split = namemaps.split_qkv(CFG).from_trace(trace)
     for k, part in enumerate("qkv"):
         cols = slice(k * H, (k + 1) * H)
-        assert np.array_equal(split[f"transformer.h.0.attn.{part}_proj.weight"], trace["h.0.attn.c_attn.weight"][:, cols].T)
+        assert np.array_equal(split[f"transformer.h.0.attn.{part}_proj.weight"],
+                              trace["h.0.attn.c_attn.weight"][:, cols].T)
         assert np.array_equal(split[f"transformer.h.0.attn.{part}_proj.bias"], trace["h.0.attn.c_attn.bias"][cols])
 
 
@@ -59,7 +60,8 @@ def test_megatron_fused_qkv_rows_go_per_head():
     (head j, part p of q/k/v, element d), written out element by element."""
     trace = trace_params()
     meg = namemaps.megatron_gpt2(CFG).from_trace(trace)
-    w, b = meg["decoder.layers.1.self_attention.linear_qkv.weight"], meg["decoder.layers.1.self_attention.linear_qkv.bias"]
+    fused = "decoder.layers.1.self_attention.linear_qkv."
+    w, b = meg[fused + "weight"], meg[fused + "bias"]
     assert w.shape == (3 * H, H)
     for j in range(NH):
         for p in range(3):

@@ -30,7 +30,8 @@ def reshard(name, make):
 
 def column_split(w):                                      # two ranks, each half of the columns
     n = w.shape[1] // 2
-    return Sharded(w.shape, [Shard(0, (slice(None), slice(0, n)), w[:, :n]), Shard(1, (slice(None), slice(n, None)), w[:, n:])])
+    return Sharded(w.shape, [Shard(0, (slice(None), slice(0, n)), w[:, :n]),
+                             Shard(1, (slice(None), slice(n, None)), w[:, n:])])
 
 
 def chunks(a):                                            # (B, T, h): rank 0 positions {0, 3}, rank 1 {1, 2}

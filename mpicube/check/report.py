@@ -59,7 +59,7 @@ def format_report(result: Result) -> str:
         lines.append("all tensors agree")
     else:
         row = bad[0]
-        why = row.note if (not row.compared or row.note) else f"max abs {_num(row.max_abs)}, max rel {_num(row.max_rel)}"
+        why = row.note or f"max abs {_num(row.max_abs)}, max rel {_num(row.max_rel)}"
         lines.append(f"first divergence: {row.name} ({why})")
     return "\n".join(lines)
 

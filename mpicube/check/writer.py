@@ -86,7 +86,8 @@ class TraceWriter:
         for key, value in (masks or {}).items():
             site = key.rsplit(".", 1)[-1]
             if key != "emb" and site not in MASK_SITES:
-                raise UserError(f"{self.path}: dropout site {key!r} is not one of emb, h.{{i}}.{{{','.join(MASK_SITES)}}}")
+                raise UserError(f"{self.path}: dropout site {key!r} is not one of emb, "
+                                f"h.{{i}}.{{{','.join(MASK_SITES)}}}")
             self.put(g + "dropout/" + key, value, np.uint8)
         self._params(g + "grad", grads)
         self._params(g + "param", params)

@@ -181,7 +181,8 @@ def prepare(inputs, out, val_fraction, tokenizer):
 
 TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedule", "virtual_stages", "n_layer",
                        "n_head", "n_embd", "seq_len", "batch_size",
-                       "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype", "tf32",
+                       "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
+                       "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel")
 
