@@ -140,3 +140,27 @@ def test_recorder_refuses_a_model_the_map_does_not_cover(tmp_path):
         model.extra = torch.nn.Parameter(torch.zeros(3))
         with pytest.raises(UserError, match="'extra' maps to no trace tensor"):
             Recorder(model, namemaps.nanogpt(ref.config), tmp_path / "x.h5", ref)
+
+
+@pytest.mark.parametrize("make", list(namemaps.MAPS.values()), ids=list(namemaps.MAPS))
+def test_shards_map_to_the_trace_blocks_the_whole_tensor_maps_to(make):
+    """Every framework tensor split in two along its first dimension (rows
+    of a fused q/k/v, columns of a transposed weight) and the halves mapped
+    on their own put together into exactly what the whole maps to."""
+    from mpicube.check.shards import Shard
+
+    m = make(CFG)
+    trace = trace_params()
+    theirs = m.from_trace(trace)
+    split = {}
+    for name, value in theirs.items():
+        cut = value.shape[0] // 2
+        rows = [np.arange(cut), np.arange(cut, value.shape[0])]
+        split[name] = [Shard(r, (ix, *[np.arange(n) for n in value.shape[1:]]), value[ix]) for r, ix in enumerate(rows)]
+    mapped = m.shards_to_trace(split, {n: v.shape for n, v in theirs.items()})
+    for name, tensor in mapped.items():
+        assert tensor.shape == trace[name].shape, name
+        full = np.full(tensor.shape, np.nan)
+        for s in tensor.shards:
+            full[np.ix_(*s.index)] = s.data
+        assert np.array_equal(full, trace[name]), (m.name, name)

@@ -130,6 +130,64 @@ class GPT(nn.Module):
             block.mlp.dropout.mask = get(f"h.{i}.resid_mlp")
 
 
+def optimizer_for(model, ref, name_map):
+    """torch's AdamW over the trace's two groups (decayed or not), or SGD
+    when the reference was traced with --optimizer sgd."""
+    opt_cfg = ref.optimizer
+    if opt_cfg["name"] == "SGD":
+        return torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.0, foreach=False)
+    decayed = name_map.sources(ref.decay)
+    params = dict(model.named_parameters())
+    groups = [{"params": [t for n, t in params.items() if n in decayed], "weight_decay": opt_cfg["weight_decay"]},
+              {"params": [t for n, t in params.items() if n not in decayed], "weight_decay": 0.0}]
+    # foreach=False: one tensor at a time, so DTensor shards and plain replicas mix (tools/check_dtensor.py)
+    return torch.optim.AdamW(groups, lr=0.0, betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"], foreach=False)
+
+
+def clip(model, max_norm: float):
+    """``clip_grad_norm_``'s rule, min(1, max_norm / (norm + 1e-6)), written
+    out because torch's own cannot take DTensor and plain gradients in one
+    list; returns the norm before clipping."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g) for g in grads]))
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def train_and_record(model, ref, out, steps, device, layout, after_backward=None, say=print) -> None:
+    """The reference's steps on ``model``, recorded to ``out`` under the
+    nanoGPT name map; ``after_backward(model)`` may change the gradients
+    (a planted bug). Every rank calls it under torch.distributed."""
+    dtype = next(model.parameters()).dtype
+    name_map = nanogpt(ref.config)
+    opt = optimizer_for(model, ref, name_map)
+    max_norm = ref.optimizer["grad_clip"]["max_norm"]
+    with Recorder(model, name_map, out, ref, layout=layout) as rec:
+        rec.load_init()
+        for s in range(1, steps + 1):
+            x, y = (torch.as_tensor(t, device=device) for t in ref.batch(s))        # (B, T) each
+            masks = ref.masks(s)
+            if masks:
+                model.set_masks(masks, device, dtype)
+            for group in opt.param_groups:
+                group["lr"] = ref.lr(s)
+            opt.zero_grad(set_to_none=True)
+            logits, loss = model(x, y)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            rec.gradients()                                           # before clipping
+            norm = clip(model, max_norm)
+            opt.step()
+            rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits, masks=masks,
+                     tokens=ref.tokens[s - 1])
+            say(f"step {s}/{steps}: loss {loss.item():.6f}, lr {ref.lr(s):.3e}, grad_norm {float(norm):.6f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("reference", help="trace to take config, optimizer, initial parameters, batches and masks from")
@@ -143,43 +201,11 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     dtype, device = (torch.float64 if ref.dtype == "float64" else torch.float32), torch.device(args.device)
-    torch.set_default_dtype(dtype)
-    model = GPT(ref.config, ref.dropout).to(device)
-    name_map = nanogpt(ref.config)
-    opt_cfg = ref.optimizer
-    decayed = name_map.sources(ref.decay)
-    params = dict(model.named_parameters())
-    groups = [{"params": [t for n, t in params.items() if n in decayed], "weight_decay": opt_cfg["weight_decay"]},
-              {"params": [t for n, t in params.items() if n not in decayed], "weight_decay": 0.0}]
-    if opt_cfg["name"] == "SGD":                                      # mpicube trace --optimizer sgd
-        opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.0)
-    else:
-        opt = torch.optim.AdamW(groups, lr=0.0, betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"])
-    max_norm = opt_cfg["grad_clip"]["max_norm"]
+    model = GPT(ref.config, ref.dropout).to(device=device, dtype=dtype)
     steps = min(args.steps or ref.steps, ref.steps)
-
-    with ref, Recorder(model, name_map, args.out, ref, layout={"framework": "torch", "torch": torch.__version__,
-                                                               "device": str(device)}) as rec:
-        rec.load_init()
-        for s in range(1, steps + 1):
-            x, y = (torch.as_tensor(t, device=device) for t in ref.batch(s))        # (B, T) each
-            masks = ref.masks(s)
-            if masks:
-                model.set_masks(masks, device, dtype)
-            for group in opt.param_groups:
-                group["lr"] = ref.lr(s)
-            opt.zero_grad(set_to_none=True)
-            logits, loss = model(x, y)
-            loss.backward()
-            rec.gradients()                                           # before clipping
-            if max_norm > 0:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            else:
-                norm = torch.sqrt(sum((t.grad.double() ** 2).sum() for t in model.parameters()))
-            opt.step()
-            rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits, masks=masks,
-                     tokens=ref.tokens[s - 1])
-            print(f"step {s}/{steps}: loss {loss.item():.6f}, lr {ref.lr(s):.3e}, grad_norm {float(norm):.6f}")
+    with ref:
+        train_and_record(model, ref, args.out, steps, device,
+                         {"framework": "torch", "torch": torch.__version__, "device": str(device)})
     print(f"wrote {args.out}: {steps} steps of torch {torch.__version__}")
     return 0
 

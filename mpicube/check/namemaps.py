@@ -24,6 +24,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from .names import BLOCK_PARAMS, forward_param_order
+from .shards import Shard, Sharded
 
 
 @dataclass
@@ -49,6 +50,26 @@ class Rule:
             rows = w.shape[0]
             regrouped = w.reshape(self.n_head, 3, rows // (3 * self.n_head), *w.shape[1:]).swapaxes(0, 1)
             return regrouped.reshape(w.shape).T
+        raise ValueError(self.kind)
+
+    def shard_to_trace(self, k: int, index: tuple, block: np.ndarray, shape: tuple) -> tuple:
+        """(trace index, trace block) of a block of source ``k`` (logical
+        ``shape``) held at global ``index`` (one integer array per
+        dimension): the same conversion as ``to_trace``, done on the
+        indices, so a rank's shard maps without the whole tensor."""
+        index = tuple(np.asarray(ix, dtype=np.int64) for ix in index)
+        if self.kind == "same":
+            return index, block
+        if self.kind == "transpose":
+            return index[::-1], block.T
+        if self.kind == "concat":                           # part k's outputs start at k * its width
+            out = index[0] + k * shape[0]
+            return ((index[1], out) if block.ndim == 2 else (out,)), block.T
+        if self.kind == "heads":                            # row (j*3 + p)*hd + d -> column p*h + j*hd + d
+            hd = shape[0] // (3 * self.n_head)
+            r = index[0]
+            col = (r // hd) % 3 * (self.n_head * hd) + r // (3 * hd) * hd + r % hd
+            return ((index[1], col) if block.ndim == 2 else (col,)), block.T
         raise ValueError(self.kind)
 
     def from_trace(self, value: np.ndarray) -> list:
@@ -97,6 +118,22 @@ class NameMap:
         self.check_names(tensors, what)
         return {name: rule.to_trace([np.asarray(tensors[s]) for s in rule.sources])
                 for name, rule in self.rules.items()}
+
+    def shards_to_trace(self, shards: dict, shapes: dict, what: str = "model") -> dict:
+        """{framework name: [Shard]} with their logical ``shapes`` -> {trace
+        name: Sharded}: each rank's blocks under the trace's names and
+        indices, for compare to put together (shards.py)."""
+        self.check_names(shards, what)
+        out = {}
+        for name, rule in self.rules.items():
+            pieces = []
+            for k, source in enumerate(rule.sources):
+                for s in shards[source]:
+                    index, block = rule.shard_to_trace(k, s.index, np.asarray(s.data), tuple(shapes[source]))
+                    pieces.append(Shard(s.rank, index, block))
+            full = [np.asarray(shapes[s]) for s in rule.sources]
+            out[name] = Sharded(tuple(rule.to_trace([np.empty(tuple(f)) for f in full]).shape), pieces)
+        return out
 
     def from_trace(self, tensors: dict) -> dict:
         """{trace name: array} -> {framework name: array} (to load initial parameters)."""
