@@ -287,3 +287,11 @@ def test_check_imports_without_mpi_cupy_or_torch():
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_step_the_steps_attribute_declares_but_no_file_holds_is_missing(variant, capsys):
+    a = variant(lambda f: f.attrs.__setitem__("steps", 3))
+    status, out, _, summary = run(capsys, a, a)
+    assert status == 1 and summary["first_divergence"] == "step_3"
+    assert "step 3 declared by A's steps attribute, in neither file" in out
+    assert run(capsys, a, a, "--allow-missing", "step_3/*")[0] == 0

@@ -1,6 +1,6 @@
 """Two traces, tensor by tensor, and the first place where they part;
-failing closed (``mpicube compare``, or ``python -m mpicube.check.compare``
-where there is no MPI).
+failing closed (``mpicube compare``, or ``python -m mpicube.check`` where
+there is no MPI).
 
 A checker that passes what it did not check is worse than none, so
 everything that is not a positive agreement is a divergence (exit 1),
@@ -8,9 +8,12 @@ named in the order the computation happens (names.py):
 
 - a NaN or infinity on either side, unless both hold the same non-finite
   value at the same place (then the row says so and the rest is compared);
-- a tensor or a whole step present in one trace only, unless a
+- a tensor or a whole step present in one trace only, or a step that the
+  ``steps`` attribute declares but neither file holds, unless an
   ``--allow-missing`` pattern covers it (a trace written before the format
   gained a tensor, a framework that cannot produce one);
+- a sharded tensor (shards.py) whose replicas part, or with elements no
+  rank holds;
 - a shape mismatch, a tensor stored in another dtype than the format's;
 - a missing required root attribute (``@dtype``, ``@steps``, ``@optimizer``;
   patterns allow them too). Without ``dtype`` the tolerance follows the
@@ -192,7 +195,7 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
         result = Result(str(path_a), str(path_b), rtol, atol, dtypes, labels, verdict)
 
         attr_rows = []
-        for side, other in (("A", "B"), ("B", "A")):
+        for side in "AB":
             for key in REQUIRED_ATTRS:
                 if key not in files[side].attrs:
                     name = f"@{key}"
@@ -200,6 +203,15 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
                                          f"attribute {key} missing in {side}", compared=False))
         names_a, names_b = set(sets["A"]), set(sets["B"])
         rows = {}
+        for side in "AB":                               # declared by `steps`, held by neither file
+            held = steps_present(names_a | names_b)
+            for s in range(1, _declared_steps(files[side]) + 1):
+                if s not in held and f"step_{s}" not in rows:
+                    rows[f"step_{s}"] = Row(f"step_{s}", (), math.inf, math.inf,
+                                            allowed_by(f"step_{s}", allow_missing)
+                                            or allowed_by(f"step_{s}/loss", allow_missing),
+                                            f"step {s} declared by {side}'s steps attribute, in neither file",
+                                            compared=False)
         for side, other, mine, theirs in (("A", "B", names_a - names_b, names_b),
                                           ("B", "A", names_b - names_a, names_a)):
             for row in missing_rows(side, other, mine, theirs, allow_missing):
@@ -209,6 +221,15 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
         result.rows = attr_rows + [rows[n] for n in ordered(rows, cfg_a)]
         result.allowed = [r.name for r in result.rows if not r.compared and r.ok]
     return result
+
+
+def _declared_steps(f) -> int:
+    """The ``steps`` attribute as a count (0 when absent or unreadable: its
+    absence is reported as a missing attribute)."""
+    try:
+        return max(0, int(f.attrs.get("steps", 0)))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) -> Row:
