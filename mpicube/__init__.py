@@ -9,8 +9,9 @@ imports only the layers below it (tests/test_architecture.py keeps it so):
     parallel  comm (all MPI), grid and axes, layouts, parameter store, ZeRO
     model     the GPT written once, the KV cache
     files     checkpoints, model formats, token data, tokenizers
+    check     the trace format, compare, recording another framework (numpy, h5py)
     training  the trainer and its step, options, optimizer, run directory
-    analysis  cost model, bench, trace, compare
+    analysis  cost model, bench, trace
     cli       the commands, generation
 
 This file itself imports nothing of mpicube, so any layer may read

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom first. A module may import its own layer and the layers below it.
-LAYERS = ["core", "device", "ops", "parallel", "model", "files", "training", "analysis", "cli"]
+LAYERS = ["core", "device", "ops", "parallel", "model", "files", "check", "training", "analysis", "cli"]
 MAX_TOP_LEVEL = 10          # entries of mpicube/ besides __init__.py and __main__.py
 MAX_LINES = 450
 

@@ -1,38 +1,41 @@
 """The same training steps in PyTorch, written as a framework user would,
-traced in mpicube's trace format (docs/trace-format.md) so that
-``mpicube compare`` can check the two tensor by tensor.
+recorded with ``mpicube.check.torch`` so that ``mpicube compare`` can check
+the two tensor by tensor.
 
 It reads a reference trace's model config, optimizer, initial parameters,
-batches and (with dropout) keep masks, trains a GPT-2 made of ordinary torch
-modules - nn.Embedding, nn.LayerNorm, nn.Linear, nn.GELU - with autograd,
-``torch.optim.AdamW`` over two parameter groups and ``clip_grad_norm_``,
-and writes a trace of the same steps. Nothing here imports mpicube: this
-is the "other framework" side of the comparison.
+batches and (with dropout) keep masks, trains a nanoGPT-style GPT-2 made of
+ordinary torch modules - nn.Embedding, nn.LayerNorm, nn.Linear, nn.GELU -
+with autograd, ``torch.optim.AdamW`` over two parameter groups (or
+``torch.optim.SGD`` for a trace of ``--optimizer sgd``) and
+``clip_grad_norm_``, and records the same steps. The model is torch's
+alone; the recorder and the nanoGPT name map (transposing nn.Linear's
+(out, in) weights) are the only part of mpicube it uses, and they need
+numpy and h5py, not MPI.
 
     mpicube trace --dtype float64 --steps 3 --out ref.h5
     python tools/torch_trace.py ref.h5 --out torch.h5
     mpicube compare ref.h5 torch.h5
 
-torch is needed only here and is not a dependency of mpicube: install it
-into the environment that runs this tool (``pip install torch`` gives the
-CPU build or a CUDA one; a distribution's python3-torch works too). The
-tool itself needs torch, numpy and h5py.
+torch is not a dependency of mpicube: install it into the environment that
+runs this tool (``pip install torch``; the CPU build is enough).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
+from pathlib import Path
 
-import h5py
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-FORMAT, VERSION = "mpicube-trace", 1
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))       # run from a checkout without installing
+from mpicube.check.namemaps import nanogpt                          # noqa: E402
+from mpicube.check.reference import Reference                       # noqa: E402
+from mpicube.check.torch import Recorder                            # noqa: E402
+from mpicube.core.errors import UserError                           # noqa: E402
 
 
 class ReplayDropout(nn.Module):
@@ -98,81 +101,91 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 with the LM head tied to the token embedding. Module names
-    follow GPT-2's, so parameter names match the trace's."""
+    """GPT-2 with nanoGPT's module names and the LM head tied to the token embedding."""
 
     def __init__(self, cfg: dict, p: float):
         super().__init__()
-        self.wte = nn.Embedding(cfg["vocab_size"], cfg["n_embd"])
-        self.wpe = nn.Embedding(cfg["n_ctx"], cfg["n_embd"])
-        self.drop = ReplayDropout(p)
-        self.h = nn.ModuleList(Block(cfg, p) for _ in range(cfg["n_layer"]))
-        self.ln_f = nn.LayerNorm(cfg["n_embd"], eps=1e-5)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg["vocab_size"], cfg["n_embd"]), wpe=nn.Embedding(cfg["n_ctx"], cfg["n_embd"]),
+            drop=ReplayDropout(p), h=nn.ModuleList(Block(cfg, p) for _ in range(cfg["n_layer"])),
+            ln_f=nn.LayerNorm(cfg["n_embd"], eps=1e-5)))
         self.lm_head = nn.Linear(cfg["n_embd"], cfg["vocab_size"], bias=False)
-        self.lm_head.weight = self.wte.weight
+        self.lm_head.weight = self.transformer.wte.weight
 
     def forward(self, idx, targets):
-        T = idx.shape[1]
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
-        for block in self.h:
+        t = self.transformer
+        x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        for block in t.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))                          # (B, T, V)
+        logits = self.lm_head(t.ln_f(x))                              # (B, T, V)
         return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-
-# --------------------------------------------------------------------------- trace names <-> torch
-
-
-def torch_name(name: str) -> str:
-    """Trace (GPT-2) name -> torch parameter name."""
-    return name + ".weight" if name in ("wte", "wpe") else name
-
-
-def is_linear_weight(model: GPT, name: str) -> bool:
-    """nn.Linear stores (out, in); GPT-2 and the trace store (in, out)."""
-    module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
-    return isinstance(module, nn.Linear) and name.endswith(".weight")
+    def set_masks(self, masks: dict, device, dtype) -> None:
+        """Point every dropout site at the reference trace's keep mask of this step."""
+        get = lambda site: torch.as_tensor(masks[site], device=device).to(dtype)     # noqa: E731
+        self.transformer.drop.mask = get("emb")
+        for i, block in enumerate(self.transformer.h):
+            block.attn.attn_dropout.mask = get(f"h.{i}.attn")
+            block.attn.resid_dropout.mask = get(f"h.{i}.resid_attn")
+            block.mlp.dropout.mask = get(f"h.{i}.resid_mlp")
 
 
-def to_trace(model: GPT, name: str, tensor) -> np.ndarray:
-    t = tensor.detach()
-    return (t.T if is_linear_weight(model, name) else t).cpu().numpy()
-
-
-def load_init(model: GPT, init: h5py.Group, device) -> None:
+def optimizer_for(model, ref, name_map):
+    """torch's AdamW over the trace's two groups (decayed or not), or SGD
+    when the reference was traced with --optimizer sgd."""
+    opt_cfg = ref.optimizer
+    if opt_cfg["name"] == "SGD":
+        return torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.0, foreach=False)
+    decayed = name_map.sources(ref.decay)
     params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in init:
-            value = torch.as_tensor(init[name][()], device=device)
-            params[torch_name(name)].copy_(value.T if is_linear_weight(model, torch_name(name)) else value)
+    groups = [{"params": [t for n, t in params.items() if n in decayed], "weight_decay": opt_cfg["weight_decay"]},
+              {"params": [t for n, t in params.items() if n not in decayed], "weight_decay": 0.0}]
+    # foreach=False: one tensor at a time, so DTensor shards and plain replicas mix (tools/check_dtensor.py)
+    return torch.optim.AdamW(groups, lr=0.0, betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"], foreach=False)
 
 
-def trace_names(model: GPT) -> list:
-    return [n[: -len(".weight")] if n in ("wte.weight", "wpe.weight") else n for n, _ in model.named_parameters()]
+def clip(model, max_norm: float):
+    """``clip_grad_norm_``'s rule, min(1, max_norm / (norm + 1e-6)), written
+    out because torch's own cannot take DTensor and plain gradients in one
+    list; returns the norm before clipping."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g) for g in grads]))
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
-# --------------------------------------------------------------------------- the run
-
-
-def lr_at(sched: dict, step: int) -> float:
-    """Linear warm-up, then cosine decay to min_lr (step is 1-based)."""
-    peak, warmup, steps, floor = sched["peak"], sched["warmup"], sched["steps"], sched["min_lr"]
-    if warmup > 0 and step <= warmup:
-        return peak * step / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-def set_masks(model: GPT, masks, device, dtype) -> None:
-    """Point every dropout site at the reference trace's keep mask of this step."""
-    def get(name):
-        return torch.as_tensor(masks[name][()], device=device).to(dtype)
-
-    model.drop.mask = get("emb")
-    for i, block in enumerate(model.h):
-        block.attn.attn_dropout.mask = get(f"h.{i}.attn")
-        block.attn.resid_dropout.mask = get(f"h.{i}.resid_attn")
-        block.mlp.dropout.mask = get(f"h.{i}.resid_mlp")
+def train_and_record(model, ref, out, steps, device, layout, after_backward=None, say=print) -> None:
+    """The reference's steps on ``model``, recorded to ``out`` under the
+    nanoGPT name map; ``after_backward(model)`` may change the gradients
+    (a planted bug). Every rank calls it under torch.distributed."""
+    dtype = next(model.parameters()).dtype
+    name_map = nanogpt(ref.config)
+    opt = optimizer_for(model, ref, name_map)
+    max_norm = ref.optimizer["grad_clip"]["max_norm"]
+    with Recorder(model, name_map, out, ref, layout=layout) as rec:
+        rec.load_init()
+        for s in range(1, steps + 1):
+            x, y = (torch.as_tensor(t, device=device) for t in ref.batch(s))        # (B, T) each
+            masks = ref.masks(s)
+            if masks:
+                model.set_masks(masks, device, dtype)
+            for group in opt.param_groups:
+                group["lr"] = ref.lr(s)
+            opt.zero_grad(set_to_none=True)
+            logits, loss = model(x, y)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            rec.gradients()                                           # before clipping
+            norm = clip(model, max_norm)
+            opt.step()
+            rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits, masks=masks,
+                     tokens=ref.tokens[s - 1])
+            say(f"step {s}/{steps}: loss {loss.item():.6f}, lr {ref.lr(s):.3e}, grad_norm {float(norm):.6f}")
 
 
 def main(argv=None) -> int:
@@ -182,78 +195,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps to run (default: all the reference's)")
     ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     args = ap.parse_args(argv)
-
-    ref = h5py.File(args.reference, "r")
-    if ref.attrs.get("format") != FORMAT or int(ref.attrs.get("version", 0)) != VERSION:
-        print(f"error: {args.reference}: not a {FORMAT} v{VERSION} file", file=sys.stderr)
+    try:
+        ref = Reference(args.reference)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    cfg = json.loads(ref.attrs["config"])
-    optim = json.loads(ref.attrs["optimizer"])
-    dtype = torch.float64 if ref.attrs["dtype"] == "float64" else torch.float32
-    p = float(ref.attrs.get("dropout", 0.0))
-    tokens = ref["tokens"][()]                                        # (N, B, T+1) int32
-    steps = min(args.steps or len(tokens), len(tokens))
-    device = torch.device(args.device)
-
-    torch.set_default_dtype(dtype)
-    model = GPT(cfg, p).to(device)
-    load_init(model, ref["init"], device)
-    names = dict(zip(trace_names(model), model.parameters()))
-    decay = set(optim["decay"])
-    groups = [{"params": [t for n, t in names.items() if n in decay], "weight_decay": optim["weight_decay"]},
-              {"params": [t for n, t in names.items() if n not in decay], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=0.0, betas=tuple(optim["betas"]), eps=optim["eps"])
-    max_norm = optim["grad_clip"]["max_norm"]
-
-    captured = {}
-    def keep(key):
-        return lambda module, inputs, output: captured.__setitem__(key, output.detach())
-    model.drop.register_forward_hook(keep("emb"))
-    for i, block in enumerate(model.h):
-        block.register_forward_hook(keep(f"h.{i}"))
-    model.ln_f.register_forward_hook(keep("ln_f"))
-
-    out = h5py.File(args.out, "w")
-    for key in ("config", "optimizer", "dtype", "dropout", "seed"):
-        if key in ref.attrs:
-            out.attrs[key] = ref.attrs[key]
-    out.attrs.update({"format": FORMAT, "version": VERSION, "steps": steps,
-                      "layout": json.dumps({"framework": "torch", "torch": torch.__version__, "device": str(device)})})
-    out["tokens"] = tokens[:steps]
-    for name, t in names.items():
-        out[f"init/{name}"] = to_trace(model, torch_name(name), t)
-
-    for s in range(1, steps + 1):
-        g = f"step_{s}/"
-        batch = torch.as_tensor(tokens[s - 1].astype(np.int64), device=device)
-        x, y = batch[:, :-1], batch[:, 1:]                            # (B, T) each
-        if p > 0:
-            set_masks(model, ref[g + "dropout"], device, dtype)
-            for name in ref[g + "dropout"]:
-                out[g + "dropout/" + name] = ref[g + "dropout/" + name][()]
-        lr = lr_at(optim["lr"], s)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        logits, loss = model(x, y)
-        loss.backward()
-        for name, t in names.items():                                 # before clipping
-            out[g + "grad/" + name] = to_trace(model, torch_name(name), t.grad)
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        else:
-            norm = torch.sqrt(sum((t.grad.double() ** 2).sum() for t in model.parameters()))
-        opt.step()
-        for key, value in captured.items():
-            out[g + "act/" + key] = value.cpu().numpy()
-        out[g + "logits"] = logits.detach().cpu().numpy()
-        out[g + "loss"] = float(loss)
-        out[g + "lr"] = lr
-        out[g + "grad_norm"] = float(norm)
-        for name, t in names.items():
-            out[g + "param/" + name] = to_trace(model, torch_name(name), t)
-        print(f"step {s}/{steps}: loss {float(loss):.6f}, lr {lr:.3e}, grad_norm {float(norm):.6f}")
-    out.close()
+    dtype, device = (torch.float64 if ref.dtype == "float64" else torch.float32), torch.device(args.device)
+    model = GPT(ref.config, ref.dropout).to(device=device, dtype=dtype)
+    steps = min(args.steps or ref.steps, ref.steps)
+    with ref:
+        train_and_record(model, ref, args.out, steps, device,
+                         {"framework": "torch", "torch": torch.__version__, "device": str(device)})
     print(f"wrote {args.out}: {steps} steps of torch {torch.__version__}")
     return 0
 

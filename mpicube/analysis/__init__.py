@@ -6,8 +6,8 @@ sequence, ``costmemory`` its memory and ``costflops`` its FLOPs over the
 traffic, bubble and in-flight activations from the schedule
 (``costreport`` and ``costpipereport`` print them for ``mpicube info``),
 ``bench`` times steps and checks the counters against the model,
-``trace`` records a run tensor by tensor by observing the trainer's step,
-``compare`` finds the first divergence between two traces, and
+``trace`` records a run tensor by tensor by observing the trainer's step
+(in the format of ``check``, which also compares two traces), and
 ``profile`` (with ``profile_summary`` and ``timeline``) writes, sums up and
 draws per-rank timelines of compute and communication (``--profile``).
 

@@ -14,8 +14,10 @@ by the embedding's rows and vocabulary block, dropout masks by the indices
 the masks were drawn at. Rank 0 gathers the blocks (a plain object gather
 outside the counted communicators: a trace never changes the traffic it
 would measure) and assembles each tensor, checking that every element
-arrived. Traces are for small models; ``--max-bytes`` refuses big ones
-before anything runs.
+arrived - or, with ``--sharded``, writes every rank's block as it is, with
+its global index, replicas included (check.shards), so that ``compare``
+checks the replicas too. Traces are for small models; ``--max-bytes``
+refuses big ones before anything runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..check import shards
+from ..check.names import FORMAT, VERSION
 from ..core.errors import ConfigError, UserError
 from ..files import formats
 from ..model.gpt import gpt_params
@@ -40,8 +44,6 @@ from ..training.optim import Schedule
 from ..training.options import TrainOptions
 from ..training.train import DivergedError, Trainer
 
-FORMAT = "mpicube-trace"
-VERSION = 1
 DEFAULT_MAX_BYTES = 2 * 10 ** 9
 CLIP_EPS = 1e-6          # clipping scale min(1, max_norm / (norm + CLIP_EPS)), as train does
 
@@ -87,13 +89,18 @@ class Piece:
     local: np.ndarray     # host array
 
 
-def gather_pieces(mpi_world, pieces: list):
+def gather_pieces(mpi_world, pieces: list, sharded: bool = False):
     """Rank 0: {name: full tensor} assembled from every rank's pieces; other
     ranks: None. Replicated blocks simply arrive more than once; an element
-    no rank sent is a bug in a layout's bookkeeping, and raises."""
+    no rank sent is a bug in a layout's bookkeeping, and raises. With
+    ``sharded`` (--sharded) each rank's block is kept as it is, with its
+    global index (check.shards), for compare to put together and to check
+    the replicas of."""
     received = mpi_world.gather(pieces, root=0)
     if received is None:
         return None
+    if sharded:
+        return _as_shards(received)
     full, seen = {}, {}
     for piece in (p for rank_pieces in received for p in rank_pieces):
         if piece.name not in full:
@@ -109,13 +116,27 @@ def gather_pieces(mpi_world, pieces: list):
     return full
 
 
+def _as_shards(received: list) -> dict:
+    """{name: Sharded} from every rank's pieces, vocabulary padding dropped."""
+    out = {}
+    for rank, rank_pieces in enumerate(received):
+        for piece in rank_pieces:
+            real = [np.flatnonzero(np.asarray(ix) < n) for ix, n in zip(piece.index, piece.shape)]
+            index = tuple(np.asarray(ix)[r] for ix, r in zip(piece.index, real))
+            block = piece.local[np.ix_(*real)] if real else piece.local
+            out.setdefault(piece.name, shards.Sharded(piece.shape, [])).shards.append(
+                shards.Shard(rank, index, block))
+    return out
+
+
 class Collector:
     """Turns one rank's model state into pieces: global indices of its
     activation, logit, mask and parameter blocks. ``at(first)`` points it
     at a micro-batch whose first sequence is global sequence ``first``."""
 
-    def __init__(self, parts, store_dtype, batch_size: int):
+    def __init__(self, parts, store_dtype, batch_size: int, sharded: bool = False):
         self.parts = parts
+        self.sharded = sharded                               # every replica's copy, not one
         self.layout, self.store = parts.layout, parts.store
         self.dtype = np.dtype(store_dtype)
         self.B = batch_size                                  # global sequences per step
@@ -231,7 +252,7 @@ class Collector:
 
     def _pieces(self, prefix: str, views: dict) -> list:
         return [Piece(f"{prefix}/{spec.name}", tuple(spec.decl.shape), spec.index, self.host(views[spec.name]))
-                for spec in self.store.specs if spec.writer and self.param_writer]
+                for spec in self.store.specs if self.sharded or (spec.writer and self.param_writer)]
 
 
 # --------------------------------------------------------------------------- the file
@@ -251,7 +272,10 @@ class TraceFile:
             self.f.attrs[key] = value
 
     def write(self, name: str, value) -> None:
-        self.f.create_dataset(name, data=value)
+        if isinstance(value, shards.Sharded):
+            shards.write(self.f, name, value, value.shards[0].data.dtype)
+        else:
+            self.f.create_dataset(name, data=value)
 
     def commit(self) -> None:
         self.f.close()
@@ -276,22 +300,28 @@ def _check_out(path: Path) -> str:
 
 
 def optimizer_attr(opts, schedule: Schedule, steps: int, decayed: list) -> dict:
-    """What another implementation needs to take the same optimizer steps."""
+    """What another implementation needs to take the same optimizer steps
+    (AdamW, or under --optimizer sgd plain SGD: no moments, no decay)."""
+    lr = {"schedule": "linear warmup to peak over warmup steps, then cosine decay to min_lr at steps "
+                      "(step s is 1-based)",
+          "peak": schedule.lr, "warmup": schedule.warmup, "steps": schedule.steps,
+          "min_lr": schedule.lr * schedule.min_lr_ratio,
+          "values": [schedule(s) for s in range(1, steps + 1)]}
+    clip = {"max_norm": opts.grad_clip, "eps": CLIP_EPS,
+            "rule": "every gradient scaled by min(1, max_norm / (norm + eps)), norm the global L2 "
+                    "norm of all gradients; max_norm 0 = no clipping"}
+    if opts.optimizer == "sgd":
+        return {"name": "SGD", "lr": lr, "momentum": 0.0, "weight_decay": 0.0, "decay": [],
+                "rule": "p -= lr * g, g the clipped gradient", "grad_clip": clip}
     return {
         "name": "AdamW",
-        "lr": {"schedule": "linear warmup to peak over warmup steps, then cosine decay to min_lr at steps "
-                           "(step s is 1-based)",
-               "peak": schedule.lr, "warmup": schedule.warmup, "steps": schedule.steps,
-               "min_lr": schedule.lr * schedule.min_lr_ratio,
-               "values": [schedule(s) for s in range(1, steps + 1)]},
+        "lr": lr,
         "betas": [0.9, 0.95],
         "eps": 1e-8,
         "weight_decay": opts.weight_decay,
         "decay": decayed,
         "decay_rule": "decoupled (p -= lr * weight_decay * p) on the tensors in 'decay' only",
-        "grad_clip": {"max_norm": opts.grad_clip, "eps": CLIP_EPS,
-                      "rule": "every gradient scaled by min(1, max_norm / (norm + eps)), norm the global L2 "
-                              "norm of all gradients; max_norm 0 = no clipping"},
+        "grad_clip": clip,
     }
 
 
@@ -329,18 +359,19 @@ class Recorder(StepHooks):
     gradients before the update and the updated parameters after it.
     Rank 0 assembles and writes; every rank takes part in the gathers."""
 
-    def __init__(self, mpi_world, writer, store_dtype, say):
+    def __init__(self, mpi_world, writer, store_dtype, say, sharded: bool = False):
         self.world, self.writer, self.store_dtype, self.say = mpi_world, writer, store_dtype, say
+        self.sharded = sharded
         self.tokens = []                 # rank 0: (B, T+1) int32 per step
 
     def run_started(self, trainer) -> None:
-        self.collect = Collector(trainer.parts, self.store_dtype, trainer.opts.batch_size)
+        self.collect = Collector(trainer.parts, self.store_dtype, trainer.opts.batch_size, self.sharded)
         self.sink = {}                   # each micro-batch's outputs of the embeddings, blocks and ln_f
         pipe = trainer.parts.pipeline
         for model in [pipe.chunk_model(v) for v in range(pipe.V)] if pipe is not None else [trainer.parts.model.model]:
             record_outputs(model, self.sink)
         self.T = trainer.opts.seq_len
-        _write(self.writer, gather_pieces(self.world, self.collect.params("init")))
+        _write(self.writer, gather_pieces(self.world, self.collect.params("init"), self.sharded))
 
     def step_started(self, trainer, s, x, y) -> None:
         self.tokens.append(np.concatenate([x, y[:, -1:]], axis=1).astype(np.int32))   # (B, T+1)
@@ -362,7 +393,7 @@ class Recorder(StepHooks):
         self.norm = norm
 
     def step_done(self, trainer, s, rec) -> None:
-        tensors = gather_pieces(self.world, self.forward + self.grads + self.collect.params("param"))
+        tensors = gather_pieces(self.world, self.forward + self.grads + self.collect.params("param"), self.sharded)
         if self.writer is not None:
             group = f"step_{s}"
             self.writer.write(f"{group}/loss", np.asarray(rec["loss"], dtype=np.float64))
@@ -413,7 +444,7 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
             "seed": opts.seed,
         }
         writer = TraceFile(out, attrs)
-    recorder = Recorder(mpi_world, writer, store_dtype, say)
+    recorder = Recorder(mpi_world, writer, store_dtype, say, sharded=bool(options.get("sharded")))
     trainer = Trainer(opts, mpi_world, hooks=[recorder], keep_files=False)
     try:
         status = trainer.run()

@@ -361,9 +361,15 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
                    "[default: 1e-10 float64, 1e-3 float32, 5e-2 float16/bfloat16]")
 @click.option("--atol", type=float, default=None,
               help="absolute tolerance  [default: 1e-13 float64, 1e-6 float32, 1e-3 float16/bfloat16]")
+@click.option("--allow-missing", "allow_missing", multiple=True, metavar="GLOB",
+              help="dataset paths that may be absent from one trace (shell pattern, e.g. 'step_*/act/h.*.attn'; "
+                   "'@dtype' for a root attribute); repeatable")
+@click.option("--tolerance", "verdict", type=click.Choice(["budget", "depth"]), default="budget", show_default=True,
+              help="what decides: the per-dtype budget (--rtol/--atol) or the depth-aware bound "
+                   "(relative Frobenius error <= 16 u depth); both are printed")
 @click.option("--json", "as_json", is_flag=True,
               help='end stdout with {"first_divergence": NAME or null, "max_rel": ..., "tensors": N}')
-def compare(trace_a, trace_b, rtol, atol, as_json):
+def compare(trace_a, trace_b, rtol, atol, allow_missing, verdict, as_json):
     """Compare two traces tensor by tensor; name the first divergence.
 
     A tensor agrees when max |a - b| <= atol + rtol * max(max |a|, max |b|);
@@ -371,14 +377,19 @@ def compare(trace_a, trace_b, rtol, atol, as_json):
     divergence is named in the order the computation happens: the batches,
     the initial parameters, then per step the forward (emb, h.0, ...,
     ln_f, logits, loss), the gradients as backward produces them, the
-    gradient norm and learning rate, the updated parameters. Exit status 0
-    when all agree, 1 when something diverges, 2 when a file is not a trace
-    or the two model configs differ.
+    gradient norm and learning rate, the updated parameters. It fails
+    closed: NaN or inf against anything but the same value, a tensor or
+    step in one trace only, a shape or dtype the format does not give, a
+    missing dtype/steps/optimizer attribute are divergences. Exit status 0
+    when all agree, 1 when something diverges, 2 when a file is not a
+    trace, cannot be read, or the two model configs differ. Without MPI:
+    python -m mpicube.check A.h5 B.h5.
     """
+    from ..check.compare import compare_traces
+    from ..check.report import format_report
     from ..parallel.comm import on_root
-    from ..analysis.compare import compare_traces, format_report
 
-    result = on_root(_mpi["world"], lambda: compare_traces(trace_a, trace_b, rtol, atol))
+    result = on_root(_mpi["world"], lambda: compare_traces(trace_a, trace_b, rtol, atol, allow_missing, verdict))
     echo(format_report(result))
     if as_json:
         echo(json.dumps(result.summary()))

@@ -35,6 +35,9 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
 @click.option("--warmup", type=int, default=20, show_default=True, help="linear warmup steps, then cosine decay")
 @click.option("--weight-decay", type=float, default=0.1, show_default=True)
 @click.option("--grad-clip", type=float, default=1.0, show_default=True, help="global norm clip (0 = off)")
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
+              help="sgd: plain SGD (p -= lr g, no momentum, no weight decay), a reference mode in which a wrongly "
+                   "scaled gradient moves the parameters by that scale (AdamW divides it out)")
 @click.option("--dropout", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=SEED, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options
@@ -185,7 +188,8 @@ def prepare(inputs, out, val_fraction, tokenizer):
 
 TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedule", "virtual_stages", "n_layer",
                        "n_head", "n_embd", "seq_len", "batch_size",
-                       "lr", "warmup", "weight_decay", "grad_clip", "dropout", "seed", "device", "dtype", "tf32",
+                       "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
+                       "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel")
 
@@ -196,6 +200,9 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
 @click.option("--out", required=True, metavar="FILE.h5", help="the trace file to write")
 @click.option("--max-bytes", default="2GB", show_default=True,
               help="refuse a trace larger than this (bytes, or a number with K, M or G)")
+@click.option("--sharded", is_flag=True, default=False,
+              help="write each rank's block of every tensor with its global index, replicas included, instead of "
+                   "the assembled tensors; compare puts them together and checks that replicas agree")
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 

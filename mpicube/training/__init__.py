@@ -9,5 +9,5 @@ stops, ``rundir`` owns the run directory and its lock, ``dataplan`` which
 rows each rank reads, ``state`` what a checkpoint holds, ``evaluate`` the
 validation loss.
 
-May import: ``core``, ``device``, ``ops``, ``parallel``, ``model``, ``files``.
+May import: ``core``, ``device``, ``ops``, ``parallel``, ``model``, ``files``, ``check``.
 """

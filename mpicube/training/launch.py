@@ -79,7 +79,8 @@ class Launch:
         for note in (recompute_note(self.parts.layout, o.recompute), self.run.pipeline_note):
             if note:                                   # e.g. fewer micro-batches than stages: a large bubble
                 self.notes.append(note)
-        self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay)
+        self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay,
+                             optimizer=o.optimizer)
         self.scaler = o.loss_scaler()                  # float16 only
         self.schedule = Schedule(o.lr, o.warmup, o.steps)
         self.start_step = self._restore() + 1
@@ -218,7 +219,7 @@ class Launch:
     def _changed_options(self, saved: dict) -> list:
         """Options that change the trajectory and differ from a resumed run's."""
         relevant = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "lr", "warmup",
-                    "weight_decay", "grad_clip", "dropout", "seed", "dtype", "data")
+                    "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "dtype", "data")
         now = self.opts.to_dict()
         return [f"--{_dash(k)} {saved[k]} -> {now[k]}" for k in relevant if k in saved and saved[k] != now[k]]
 

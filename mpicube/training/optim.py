@@ -1,4 +1,5 @@
-"""AdamW on the flat parameter buffer, and the learning-rate schedule.
+"""AdamW (and plain SGD, a reference mode) on the flat parameter buffer,
+and the learning-rate schedule.
 
 Everything works on ``ParamStore.master``/``flat_grad``: the optimizer is a
 handful of in-place vector operations whatever the model size. The
@@ -164,3 +165,35 @@ class AdamW:
         xp.divide(m, w, out=w)
         w *= step
         p -= w
+
+
+class SGD(AdamW):
+    """Plain SGD, ``p <- p - lr g`` (g after clipping): no momentum, no
+    weight decay, no bias correction (``--optimizer sgd``).
+
+    Why a trainer that has AdamW needs it: AdamW divides each gradient by
+    its own running magnitude, so a gradient scaled by a parallel size (a
+    loss averaged over the wrong group, a norm counting replicas twice)
+    moves the parameters hardly at all - it hides the bugs a checker looks
+    for. Under SGD an update is proportional to the gradient, and a trace
+    shows every such scale in the parameters. It keeps AdamW's buffers
+    (zero moments, the step count), so checkpoints, --zero 1 and resuming
+    treat both alike.
+    """
+
+    def __init__(self, store: ParamStore, weight_decay: float = 0.0, **_):
+        super().__init__(store, weight_decay=0.0)
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One update on this rank's buffer (its chunk under --zero 1)."""
+        self.store.settle()
+        self.t += 1
+        flat, flat_grad = self.store.master, self.store.flat_grad[self.store.shard]    # (C,) each
+        rate = lr * grad_scale
+        for lo in range(0, flat.size, self.block):
+            block = slice(lo, min(flat.size, lo + self.block))
+            flat[block] -= rate * flat_grad[block]
+        self.store.params_changed()
+
+
+OPTIMIZERS = {"adamw": AdamW, "sgd": SGD}

@@ -41,6 +41,7 @@ class TrainOptions:
     warmup: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    optimizer: str = "adamw"       # adamw, or sgd: plain SGD, a reference mode (training.optim.SGD)
     dropout: float = 0.0
     seed: int = 1337
     dtype: str = "float32"
@@ -114,6 +115,8 @@ class TrainOptions:
                 raise ConfigError(f"--{_dash(name)} must be a finite number >= 0, got {value}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
             raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.stop_after is not None and self.stop_after < 1:

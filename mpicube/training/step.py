@@ -6,7 +6,7 @@ gradients arrive reduce-scattered during backward, ``parallel.fsdp``).
 Both objects answer the same three calls, in this order every step:
 ``sync()`` (sum the gradients), ``grad_norm()`` (the global L2 norm, for
 clipping and the log) and ``step(lr, grad_scale)``; ``adam`` holds the
-moments and the step count. The trainer, ``bench`` and
+moments and the step count (of AdamW, or of plain SGD: ``--optimizer sgd``). The trainer, ``bench`` and
 tests/parallel_check.py all build theirs with ``make_step``, so the check
 tests the trainer's own code.
 """
@@ -19,7 +19,7 @@ from ..parallel.gradients import (global_grad_norm, gradient_wire, sync_gradient
                                   weighted_squares)
 from ..parallel import context
 from ..parallel.params import ParamStore
-from .optim import AdamW
+from .optim import OPTIMIZERS
 
 
 class ReplicatedStep:
@@ -29,9 +29,9 @@ class ReplicatedStep:
     same calls as ``ShardedStep``; ``adam`` holds the moments and the
     step count."""
 
-    def __init__(self, store: ParamStore, axes, weight_decay: float = 0.1):
+    def __init__(self, store: ParamStore, axes, weight_decay: float = 0.1, optimizer: str = "adamw"):
         self.store, self.axes = store, axes
-        self.adam = AdamW(store, weight_decay=weight_decay)
+        self.adam = OPTIMIZERS[optimizer](store, weight_decay=weight_decay)     # AdamW, or SGD
 
     def sync(self) -> None:
         context.sync_gradients(self.store, self.axes.cp, gradient_wire(self.store))   # --cp: sum over the ring
@@ -44,12 +44,12 @@ class ReplicatedStep:
         self.adam.step(lr, grad_scale)
 
 
-def make_step(store: ParamStore, axes, weight_decay: float = 0.1):
+def make_step(store: ParamStore, axes, weight_decay: float = 0.1, optimizer: str = "adamw"):
     """The optimizer step for ``store``: sharded over dp if the store is
-    (``zero=1``), else replicated."""
+    (``zero=1``), else replicated; ``optimizer`` "adamw" or "sgd"."""
     if store.partition.sharded:
-        return ShardedStep(store, axes, weight_decay)
-    return ReplicatedStep(store, axes, weight_decay)
+        return ShardedStep(store, axes, weight_decay, optimizer)
+    return ReplicatedStep(store, axes, weight_decay, optimizer)
 
 
 class ShardedStep:
@@ -58,11 +58,11 @@ class ShardedStep:
     ``step``). ``adam`` holds the moments of the owned chunk and the step
     count."""
 
-    def __init__(self, store, axes, weight_decay: float = 0.1):
+    def __init__(self, store, axes, weight_decay: float = 0.1, optimizer: str = "adamw"):
         if not store.partition.sharded or store.dp is not axes.dp:
             raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero >= 1)")
         self.store, self.axes = store, axes
-        self.adam = AdamW(store, weight_decay=weight_decay)
+        self.adam = OPTIMIZERS[optimizer](store, weight_decay=weight_decay)     # AdamW, or SGD
         # (replicas, slice of the chunk): the gradient norm counts each replicated block once
         self.replica_runs = [(r, run) for r, whole in store.replica_runs for run in store.partition.local([whole])]
 

@@ -1,0 +1,157 @@
+"""The tensors of a trace: their names, the order the computation makes
+them in, and how deep in the computation each one lies.
+
+The order is what makes "the first divergence" mean something: a wrong
+activation in block 1 of step 2 spoils every later activation, the loss,
+every gradient and every parameter, so only the earliest disagreeing
+tensor points at the bug. The depth is what the tolerance grows with: a
+tensor produced after k dependent operations carries the rounding of all
+k of them (tolerance.py).
+"""
+
+from __future__ import annotations
+
+FORMAT = "mpicube-trace"
+VERSION = 1
+CONFIG_KEYS = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")
+SCALARS = ("loss", "lr", "grad_norm")                  # float64 (), whatever the trace's dtype
+BLOCK_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+                "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")
+MASK_SITES = ("attn", "resid_attn", "resid_mlp")
+
+
+def forward_param_order(cfg: dict) -> list:
+    """Parameter names in the model's declaration order (as checkpoints list them)."""
+    names = ["wte", "wpe"]
+    for i in range(cfg["n_layer"]):
+        names += [f"h.{i}.{s}" for s in BLOCK_PARAMS]
+    return names + ["ln_f.weight", "ln_f.bias"]
+
+
+def backward_param_order(cfg: dict) -> list:
+    """Parameter names in the order backward completes their gradients:
+    ln_f, the blocks from last to first (each from mlp.c_proj back to
+    ln_1, weight before bias), then wpe, and wte last (the LM head and the
+    lookup both add to it)."""
+    names = ["ln_f.weight", "ln_f.bias"]
+    pairs = [BLOCK_PARAMS[k:k + 2] for k in range(0, len(BLOCK_PARAMS), 2)]
+    for i in reversed(range(cfg["n_layer"])):
+        names += [f"h.{i}.{s}" for pair in reversed(pairs) for s in pair]
+    return names + ["wpe", "wte"]
+
+
+def step_names(cfg: dict, s: int) -> list:
+    """Every name step ``s`` of a full trace holds, in computation order.
+    A dropout mask comes just before the activation it is applied in."""
+    g = f"step_{s}/"
+    order = [g + "dropout/emb", g + "act/emb"]
+    for i in range(cfg["n_layer"]):
+        order += [g + f"dropout/h.{i}.{site}" for site in MASK_SITES]
+        order.append(g + f"act/h.{i}")
+    order += [g + "act/ln_f", g + "logits", g + "loss"]
+    order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
+    order += [g + "grad_norm", g + "lr"]
+    return order + [g + f"param/{n}" for n in forward_param_order(cfg)]
+
+
+def computation_order(cfg: dict, steps: int) -> list:
+    """Every name a trace of ``steps`` steps may hold, in the order the computation makes it."""
+    order = ["tokens"] + [f"init/{n}" for n in forward_param_order(cfg)]
+    for s in range(1, steps + 1):
+        order += step_names(cfg, s)
+    return order
+
+
+def step_of(name: str) -> int:
+    """The step of ``step_3/act/h.0`` (3); 0 for what belongs to no step."""
+    head = name.split("/", 1)[0]
+    return int(head[5:]) if head.startswith("step_") and head[5:].isdigit() else 0
+
+
+def ordered(names, cfg: dict) -> list:
+    """``names`` in computation order; names the format does not define go
+    after everything else of their step (or at the end), alphabetically; a
+    bare ``step_%d`` (a whole step) goes where its step begins."""
+    names = list(names)
+    steps = max([step_of(n) for n in names] + [0])
+    rank = {n: i for i, n in enumerate(computation_order(cfg, steps))}
+    first_of_step, last_of_step = {}, {}
+    for n, i in rank.items():
+        first_of_step.setdefault(step_of(n), i)
+        last_of_step[step_of(n)] = i
+
+    def key(n):
+        if n in rank:
+            return (rank[n], "")
+        s = step_of(n)
+        if s and n == f"step_{s}":                      # a whole step (missing): where the step starts
+            return (first_of_step[s] - 0.5, n)
+        return (last_of_step.get(s, len(rank)) + 0.5 if s else len(rank), n)
+    return sorted(names, key=key)
+
+
+# --------------------------------------------------------------------------- depth
+
+
+def step_depth(cfg: dict) -> int:
+    """Depth units one training step adds: the embedding, L blocks, ln_f,
+    the head, the loss; backward back through them; the norm; the update."""
+    return 2 * cfg["n_layer"] + 9
+
+
+def depth(name: str, cfg: dict) -> int:
+    """How many dependent stages of the computation lie between the trace's
+    inputs (tokens, initial parameters, masks: depth 0) and ``name``.
+
+    One unit per stage a tensor must pass through, counted as a block, not
+    as a GEMM: within a block the chain is fixed, so what separates an
+    early tensor from a late one is the number of blocks (and of steps)
+    behind it. Forward: ``act/emb`` 1, ``act/h.i`` i+2, ``act/ln_f`` L+2,
+    ``logits`` L+3, ``loss`` L+4. Backward mirrors it: the gradient of
+    ``ln_f`` L+5, of block i L+5+(L-i), ``wpe`` 2L+6, ``wte`` 2L+7;
+    ``grad_norm`` 2L+8; the updated parameters 2L+9 = one step. Step s
+    adds (s-1) steps. ``lr`` is a formula of s (depth 1); names outside
+    the format count as the end of their step."""
+    L = cfg["n_layer"]
+    s = step_of(name)
+    if s == 0:
+        return 0
+    rest = name.split("/", 1)[1] if "/" in name else ""
+    base = (s - 1) * step_depth(cfg)
+    kind, _, what = rest.partition("/")
+    if kind == "dropout":
+        return 0
+    if rest == "lr":
+        return 1
+    local = {"act/emb": 1, "act/ln_f": L + 2, "logits": L + 3, "loss": L + 4, "grad_norm": 2 * L + 8}.get(rest)
+    if local is None and kind == "act" and what.startswith("h."):
+        local = _block(what) + 2
+    elif local is None and kind == "grad":
+        if what.startswith("h."):
+            local = L + 5 + (L - _block(what))
+        else:
+            local = {"ln_f.weight": L + 5, "ln_f.bias": L + 5, "wpe": 2 * L + 6, "wte": 2 * L + 7}.get(what)
+    elif local is None and kind == "param":
+        local = step_depth(cfg)
+    return base + (local if local is not None else step_depth(cfg))
+
+
+def _block(what: str) -> int:
+    """The block number of ``h.3.attn.c_attn.weight`` or ``h.3`` (3), 0 if unreadable."""
+    part = what.split(".")[1] if what.count(".") >= 1 else ""
+    return int(part) if part.isdigit() else 0
+
+
+def param_shapes(cfg: dict) -> dict:
+    """{name: shape} of every parameter, in declaration order, weights
+    (in, out) as GPT-2's Conv1D holds them."""
+    V, C, h = cfg["vocab_size"], cfg["n_ctx"], cfg["n_embd"]
+    block = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
+             "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+             "mlp.c_fc.weight": (h, 4 * h), "mlp.c_fc.bias": (4 * h,), "mlp.c_proj.weight": (4 * h, h),
+             "mlp.c_proj.bias": (h,)}
+    shapes = {"wte": (V, h), "wpe": (C, h)}
+    for i in range(cfg["n_layer"]):
+        shapes.update({f"h.{i}.{k}": v for k, v in block.items()})
+    return {**shapes, "ln_f.weight": (h,), "ln_f.bias": (h,)}

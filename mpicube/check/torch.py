@@ -1,0 +1,201 @@
+"""Recording a PyTorch model's training steps as a trace.
+
+    from mpicube.check.reference import Reference
+    from mpicube.check.namemaps import nanogpt
+    from mpicube.check.torch import Recorder
+
+    ref = Reference("ref.h5")
+    with Recorder(model, nanogpt(ref.config), "mine.h5", ref) as rec:
+        rec.load_init()                            # the reference's initial parameters, mapped
+        for s in ref.step_numbers():
+            x, y = (torch.as_tensor(t) for t in ref.batch(s))
+            logits, loss = model(x, y)
+            loss.backward()
+            rec.gradients()                        # before clipping and the optimizer
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); opt.zero_grad()
+            rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits, tokens=ref.tokens[s - 1])
+
+Under ``torch.distributed`` (more than one process) every rank makes the
+same calls: each records its own blocks - a DTensor's local shard at the
+global index its placements give, a plain tensor as a full replica - and
+rank 0 gathers them and writes one sharded trace (shards.py), so that
+``compare`` checks the replicas against each other as well as the
+logical tensors against the reference.
+
+torch is imported here only, when a recorder is made: mpicube never
+needs it, and ``import mpicube.check.torch`` works without it. Everything
+crosses to numpy at once, so the name map, the writer and the comparison
+are the numpy code of this package.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.errors import UserError
+from .namemaps import NameMap
+from .shards import Shard, Sharded
+from .writer import TraceWriter
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise UserError("mpicube.check.torch needs torch (an optional extra: pip install torch)") from None
+    return torch
+
+
+def to_numpy(t) -> np.ndarray:
+    """A copy: on the CPU ``.numpy()`` shares the tensor's memory, and a
+    gradient taken before clipping must not be clipped with it afterwards."""
+    return np.array(t.detach().cpu().numpy(), copy=True) if hasattr(t, "detach") else np.asarray(t)
+
+
+def block(t) -> tuple:
+    """(local block, global index per dimension, logical shape) of a tensor:
+    a DTensor's local shard where its placements put it (``Shard(d)``
+    splits dimension d as ``torch.chunk`` does, mesh dimension by mesh
+    dimension; ``Replicate`` keeps it whole), any other tensor whole."""
+    shape = tuple(t.shape)
+    if not hasattr(t, "placements"):
+        return to_numpy(t), tuple(np.arange(n) for n in shape), shape
+    start, length = [0] * len(shape), list(shape)
+    for mesh_dim, placement in enumerate(t.placements):
+        if placement.is_shard():
+            d, size = placement.dim, t.device_mesh.size(mesh_dim)
+            chunk = -(-length[d] // size)                  # ceil
+            lo = min(t.device_mesh.get_local_rank(mesh_dim) * chunk, length[d])
+            start[d], length[d] = start[d] + lo, min(chunk, length[d] - lo)
+    return to_numpy(t.to_local()), tuple(np.arange(s, s + n) for s, n in zip(start, length)), shape
+
+
+class Recorder:
+    """Hooks ``model`` and writes its steps to ``path`` in the trace format,
+    under ``name_map``'s names; ``reference`` (a ``Reference``) gives the
+    config, optimizer, dtype and dropout the trace declares. The modules
+    named in ``name_map.acts`` (or ``acts``) give the activations: their
+    outputs in the last forward (the first element of a tuple output)."""
+
+    def __init__(self, model, name_map: NameMap, path, reference, layout: dict = None, acts: dict = None):
+        torch = _torch()
+        self.model, self.map, self.ref = model, name_map, reference
+        self.params = dict(model.named_parameters())            # a tied head appears once
+        name_map.check_names(self.params)
+        dist = torch.distributed
+        self.dist = dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+        self.rank = self.dist.get_rank() if self.dist else 0
+        layout = layout or {"framework": "torch", "torch": torch.__version__, "map": name_map.name,
+                            "world_size": self.dist.get_world_size() if self.dist else 1}
+        self.writer = None
+        if self.rank == 0:
+            self.writer = TraceWriter(path, reference.config, reference.optimizer, reference.dtype, layout,
+                                      reference.dropout, reference.seed)
+        self.captured, self.grads = {}, None
+        self.hooks = []
+        for key, module in (acts or name_map.acts).items():
+            try:
+                target = model.get_submodule(module)
+            except AttributeError:
+                raise UserError(f"name map {name_map.name}: the model has no module {module!r} "
+                                f"for activation {key!r}") from None
+            self.hooks.append(target.register_forward_hook(self._keep(key)))
+
+    def _keep(self, key):
+        def hook(module, inputs, output):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            self.captured[key] = block(out)
+        return hook
+
+    def _gather(self, mine):
+        """Every rank's ``mine`` on rank 0 (a list, by rank); [mine] alone."""
+        if not self.dist:
+            return [mine]
+        everyone = [None] * self.dist.get_world_size() if self.rank == 0 else None
+        self.dist.gather_object(mine, everyone, dst=0)
+        return everyone
+
+    def _sharded(self, blocks: dict) -> dict:
+        """{name: (block, index, shape)} of every rank -> rank 0's {name: Sharded}, others {}."""
+        out = {}
+        for rank, theirs in enumerate(self._gather(blocks) or []):
+            for name, (data, index, shape) in theirs.items():
+                out.setdefault(name, Sharded(shape, [])).shards.append(Shard(rank, index, data))
+        return out
+
+    def _mapped(self, tensors: dict, what: str) -> dict:
+        """{framework name: tensor} -> {trace name: array, or Sharded under torch.distributed}."""
+        if not self.dist:
+            return self.map.to_trace({n: to_numpy(t) for n, t in tensors.items()}, what)
+        gathered = self._sharded({n: block(t) for n, t in tensors.items()})
+        if self.rank != 0:
+            return {}
+        return self.map.shards_to_trace({n: s.shards for n, s in gathered.items()},
+                                        {n: s.shape for n, s in gathered.items()}, what)
+
+    def load_init(self) -> None:
+        """Copy the reference's initial parameters into the model (each
+        rank its own block of them) and record them."""
+        torch = _torch()
+        values = self.map.from_trace(self.ref.init())
+        with torch.no_grad():
+            for name, value in values.items():
+                p = self.params[name]
+                if tuple(p.shape) != value.shape:
+                    raise UserError(f"name map {self.map.name}: {name} is {tuple(p.shape)} in the model, "
+                                    f"{value.shape} from the trace")
+                _, index, _ = block(p)
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.copy_(torch.as_tensor(value[np.ix_(*index)] if index else value, dtype=p.dtype))
+        mapped = self._mapped(self.params, "model")
+        if self.writer is not None:
+            self.writer.init(mapped)
+
+    def gradients(self) -> None:
+        """Take the gradients now: after backward, before clipping and the
+        optimizer (a parameter backward did not reach has a zero gradient)."""
+        torch = _torch()
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
+        self.grads = self._mapped(grads, "gradients")
+
+    def step(self, s: int, *, loss, lr, grad_norm, logits=None, masks: dict = None, tokens=None) -> None:
+        """Write step s: the scalars, the gradients taken by ``gradients``,
+        the parameters now (after the update), the activations and
+        ``logits`` of the last forward, the keep ``masks`` applied. Under
+        torch.distributed the loss, the norm, the activations and the
+        logits are every rank's, so replicas that part are found too."""
+        if self.grads is None:
+            raise UserError(f"step {s}: call gradients() after backward, before the optimizer step")
+        params = self._mapped(self.params, "model")
+        scalar = lambda v: np.asarray(float(to_numpy(v)), dtype=np.float64)       # noqa: E731 - tensor or number
+        forward = {"act/" + k: v for k, v in self.captured.items()}
+        forward.update({"loss": (scalar(loss), (), ()), "grad_norm": (scalar(grad_norm), (), ())})
+        if logits is not None:
+            forward["logits"] = block(logits)
+        if self.dist:
+            forward = self._sharded(forward)
+        else:
+            forward = {k: v[0] for k, v in forward.items()}
+        if self.writer is not None:
+            self.writer.step(s, loss=forward.pop("loss"), lr=float(to_numpy(lr)),
+                             grad_norm=forward.pop("grad_norm"), grads=self.grads, params=params,
+                             logits=forward.pop("logits", None),
+                             acts={k[len("act/"):]: v for k, v in forward.items()},
+                             masks={k: to_numpy(v) for k, v in (masks or {}).items()}, tokens=tokens)
+        self.grads, self.captured = None, {}
+
+    def close(self) -> None:
+        self.__exit__(None, None, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        if self.writer is not None:
+            self.writer.close() if kind is None else self.writer.discard()
+            self.writer = None
+        return False

@@ -1,0 +1,173 @@
+"""Opening a trace, and saying in one line what is wrong with a file that
+is not one.
+
+Bad input is exit status 2 with the file and the item named
+(``UserError``): a file that is not HDF5, not a trace, of an unknown
+version, with a config that is not the model's, or a dataset that cannot
+be read (a truncated or damaged file). What a well-formed trace may lack
+or get wrong - a tensor, a step, a dtype, an attribute - is a divergence
+for ``compare`` to report (exit 1), not bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..core.errors import UserError
+from .names import CONFIG_KEYS, FORMAT, SCALARS, VERSION, step_of
+from .shards import assemble, is_sharded
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+REQUIRED_ATTRS = ("dtype", "steps", "optimizer")        # besides format, version and config (bad input)
+
+
+def text(value):
+    """An HDF5 string attribute as str (h5py gives bytes for some writers)."""
+    return value.decode() if isinstance(value, bytes) else (None if value is None else str(value))
+
+
+def open_trace(path):
+    """The h5py File of a trace, or a UserError saying why it is not one."""
+    import h5py
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
+    try:
+        f = h5py.File(p, "r")
+    except OSError as exc:
+        why = "truncated or damaged HDF5 file" if "truncated" in str(exc) else "not an HDF5 file, so not a trace"
+        raise UserError(f"{p}: {why} (format {FORMAT})") from None
+    try:
+        fmt = text(f.attrs.get("format"))
+        if fmt != FORMAT:
+            what = f"format {fmt!r}" if fmt else "no 'format' attribute"
+            raise UserError(f"{p}: not a trace ({what}; expected {FORMAT!r})")
+        version = f.attrs.get("version")
+        try:
+            known = version is not None and int(version) == VERSION
+        except (TypeError, ValueError):
+            known = False
+        if not known:
+            raise UserError(f"{p}: trace version {text(version) if version is not None else 'missing'}, "
+                            f"this mpicube reads version {VERSION}")
+    except UserError:
+        f.close()
+        raise
+    return f
+
+
+def read_config(f, path) -> dict:
+    """The model config of a trace: its five sizes as integers."""
+    try:
+        cfg = json.loads(text(f.attrs.get("config")) or "")
+    except ValueError:
+        raise UserError(f"{path}: the 'config' attribute is not JSON") from None
+    if not isinstance(cfg, dict) or any(k not in cfg for k in CONFIG_KEYS):
+        raise UserError(f"{path}: the 'config' attribute lacks one of {', '.join(CONFIG_KEYS)}")
+    try:
+        return {k: int(cfg[k]) for k in CONFIG_KEYS}
+    except (TypeError, ValueError):
+        raise UserError(f"{path}: the 'config' attribute holds a size that is not an integer") from None
+
+
+def read_json_attr(f, path, key):
+    """A JSON attribute, None when absent; bad JSON is bad input."""
+    raw = f.attrs.get(key)
+    if raw is None:
+        return None
+    try:
+        return json.loads(text(raw))
+    except ValueError:
+        raise UserError(f"{path}: the '{key}' attribute is not JSON") from None
+
+
+def describe(f) -> str:
+    """``float64, 3d tp 8 dp 1 q 2, dropout 0.1``: what produced a trace."""
+    try:
+        layout = json.loads(text(f.attrs.get("layout")) or "{}")
+    except ValueError:
+        layout = {}
+    if isinstance(layout, dict):
+        layout = " ".join(f"{k} {v}" if k != "layout" else str(v) for k, v in layout.items())
+    parts = [text(f.attrs.get("dtype")) or "dtype unknown", str(layout or "layout unknown")]
+    if "dropout" in f.attrs:
+        parts.append(f"dropout {float(f.attrs['dropout']):g}")
+    return ", ".join(parts)
+
+
+def datasets(f) -> dict:
+    """{path: dataset or sharded group} of every tensor in the file, opened
+    once (h5py's lookup by path costs more than reading a small tensor); a
+    sharded tensor (shards.py) is its group, not the datasets inside it."""
+    found, sharded = {}, []
+
+    def visit(name, obj):
+        if hasattr(obj, "shape"):
+            found[name] = obj
+        elif is_sharded(obj):
+            sharded.append(name)
+    f.visititems(visit)
+    inside = tuple(name + "/" for name in sharded)
+    found = {n: d for n, d in found.items() if not n.startswith(inside)} if inside else found
+    found.update((name, f[name]) for name in sharded)
+    return found
+
+
+def read(dataset, path) -> np.ndarray:
+    """A dataset's values; one that cannot be read is bad input naming it."""
+    return read_tensor(dataset, path, 0.0, 0.0)[0]
+
+
+def read_tensor(dataset, path, rtol: float, atol: float) -> tuple:
+    """(values, problem): a dataset's values, or a sharded tensor put
+    together with what is wrong with its shards ("" when nothing is;
+    replicas must agree to ``atol + rtol * scale``). A dataset that cannot
+    be read is bad input naming it."""
+    try:
+        if is_sharded(dataset):
+            return assemble(dataset, path, rtol, atol)
+        return dataset[()], ""
+    except (OSError, ValueError, KeyError) as exc:
+        reason = str(exc).split("(")[0].strip() or type(exc).__name__
+        raise UserError(f"{path}: dataset {dataset.name.lstrip('/')} cannot be read "
+                        f"(truncated or damaged file: {reason})") from None
+
+
+def steps_present(names) -> set:
+    """The step numbers that have a ``step_%d`` group with data."""
+    return {step_of(n) for n in names} - {0}
+
+
+def trace_dtype(f, sets: dict) -> tuple:
+    """(dtype, where it came from). The ``dtype`` attribute when present;
+    otherwise the finest floating dtype of the tensors themselves, so a
+    float64 trace that lost its attribute is still held to float64's
+    tolerance: the data can only tighten it, never loosen it."""
+    declared = text(f.attrs.get("dtype"))
+    if declared is not None:
+        return declared, "attribute"
+    found = {str(d.dtype) for n, d in sets.items()
+             if hasattr(d, "dtype") and d.dtype.kind == "f" and n.rsplit("/", 1)[-1] not in SCALARS}
+    finest = next((d for d in DTYPES if d in found), "float32")
+    return finest, "data"
+
+
+def expected_dtype(name: str, trace_dtype: str):
+    """The numpy dtype the format stores ``name`` in, None when the format
+    does not say (a writer's own datasets): tokens int32, masks uint8, the
+    scalars float64, every other tensor float64 in a float64 trace and
+    float32 otherwise (float16 and bfloat16 runs are stored as float32)."""
+    if name == "tokens":
+        return np.dtype(np.int32)
+    kind = name.split("/")[1] if step_of(name) else name.split("/")[0]
+    if kind == "dropout":
+        return np.dtype(np.uint8)
+    if step_of(name) and name.split("/", 1)[1] in SCALARS:
+        return np.dtype(np.float64)
+    if kind in ("init", "act", "logits", "grad", "param"):
+        return np.dtype(np.float64 if trace_dtype == "float64" else np.float32)
+    return None

@@ -1,0 +1,149 @@
+"""A trace from plain numpy arrays, in the documented format.
+
+What a framework's recorder (``check.torch``, or one of your own) hands
+over are dicts of arrays by trace name; ``TraceWriter`` checks them against
+the model config - every parameter present, under its name, in its (in,
+out) shape - casts them to the format's dtypes, and writes the file under
+a temporary name that is renamed into place only when complete, so a run
+that fails never leaves a trace that looks whole. A name map that misses
+or misnames a parameter is found here, before the trace is compared,
+as bad input naming the item (exit 2 where a command reports it).
+
+Any tensor may be given as ``shards.Sharded(shape, [Shard(rank, index,
+block), ...])`` instead of an array: each rank's block with its global
+index, so a replicated tensor's copies are all kept and ``compare`` can
+check that they agree (shards.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..core.errors import UserError
+from . import shards
+from .names import CONFIG_KEYS, FORMAT, MASK_SITES, VERSION, param_shapes
+from .shards import Sharded
+
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+class TraceWriter:
+    """Write one trace: ``init`` once, ``step`` for steps 1, 2, ... in
+    order, then ``close`` (or use it as a context manager, which discards
+    the file when the block raises)."""
+
+    def __init__(self, path, config: dict, optimizer: dict, dtype: str, layout: dict,
+                 dropout: float = 0.0, seed=None):
+        import h5py
+
+        if dtype not in FLOAT_DTYPES:
+            raise UserError(f"{path}: dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
+        missing = [k for k in CONFIG_KEYS if k not in config]
+        if missing:
+            raise UserError(f"{path}: config lacks {', '.join(missing)}")
+        self.path = Path(path)
+        self.cfg = {k: int(config[k]) for k in CONFIG_KEYS}
+        self.shapes = param_shapes(self.cfg)
+        self.store = np.float64 if dtype == "float64" else np.float32
+        self.dropout = float(dropout)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self.f = h5py.File(self.tmp, "w")
+        attrs = {"format": FORMAT, "version": VERSION, "config": json.dumps(self.cfg),
+                 "optimizer": json.dumps(optimizer), "dtype": dtype, "layout": json.dumps(layout),
+                 "dropout": self.dropout, "steps": 0}
+        if seed is not None:
+            attrs["seed"] = int(seed)
+        self.f.attrs.update(attrs)
+        self.steps = 0
+        self.tokens = []
+
+    # ---- what a step holds
+
+    def init(self, params: dict) -> None:
+        """The parameters before step 1, {trace name: array}."""
+        self._params("init", params)
+
+    def step(self, s: int, *, loss, lr, grad_norm, grads: dict, params: dict, acts: dict = None,
+             logits=None, masks: dict = None, tokens=None) -> None:
+        """Step ``s`` (1-based, in order): the scalars, the gradients before
+        clipping and the parameters after the update; ``acts`` under their
+        ``act/`` names (``emb``, ``h.0``, ..., ``ln_f``), ``masks`` the keep
+        masks applied (``emb``, ``h.{i}.attn``, ...; 0/1), ``tokens`` the
+        (B, T+1) batch."""
+        if s != self.steps + 1:
+            raise UserError(f"{self.path}: step {s} written after step {self.steps}; steps go 1, 2, ... in order")
+        g = f"step_{s}/"
+        for key, value in (("loss", loss), ("lr", lr), ("grad_norm", grad_norm)):
+            self.put(g + key, value if isinstance(value, Sharded) else float(value), np.float64)
+        for key, value in (acts or {}).items():
+            self.put(g + "act/" + key, value, self.store)
+        if logits is not None:
+            self.put(g + "logits", logits, self.store)
+        for key, value in (masks or {}).items():
+            site = key.rsplit(".", 1)[-1]
+            if key != "emb" and site not in MASK_SITES:
+                raise UserError(f"{self.path}: dropout site {key!r} is not one of emb, "
+                                f"h.{{i}}.{{{','.join(MASK_SITES)}}}")
+            self.put(g + "dropout/" + key, value, np.uint8)
+        self._params(g + "grad", grads)
+        self._params(g + "param", params)
+        if tokens is not None:
+            self.tokens.append(np.asarray(tokens, dtype=np.int32))
+        self.steps = s
+
+    def _params(self, group: str, tensors: dict) -> None:
+        """Every parameter, by name and shape, or bad input naming the first that is not."""
+        missing = [n for n in self.shapes if n not in tensors]
+        unknown = [n for n in tensors if n not in self.shapes]
+        if unknown or missing:
+            what = f"unknown parameter {unknown[0]!r}" if unknown else f"no {missing[0]!r}"
+            raise UserError(f"{self.path}: {group}: {what} (a name map that misses or misnames a parameter)")
+        for name, shape in self.shapes.items():
+            value = tensors[name]
+            got = tuple(value.shape) if isinstance(value, Sharded) else np.shape(value)
+            if got != shape:
+                raise UserError(f"{self.path}: {group}/{name} has shape {got}, the format {shape} "
+                                f"(weights are (in, out): transpose an nn.Linear's)")
+            self.put(f"{group}/{name}", value, self.store)
+
+    def put(self, name: str, value, dtype) -> None:
+        """One tensor: an array, or a ``Sharded`` one written as its shards
+        (each rank's block with its global index, shards.py); masks as 0/1."""
+        if dtype == np.uint8:
+            value = (Sharded(value.shape, [shards.Shard(s.rank, s.index, np.asarray(s.data) != 0)
+                                           for s in value.shards])
+                     if isinstance(value, Sharded) else np.asarray(value) != 0)
+        if isinstance(value, Sharded):
+            shards.write(self.f, name, value, dtype)
+        else:
+            self.f.create_dataset(name, data=np.asarray(value, dtype=dtype))
+
+    # ---- the file
+
+    def close(self) -> None:
+        """Write ``tokens`` and ``steps``, then rename the file into place."""
+        if self.tokens:
+            self.f.create_dataset("tokens", data=np.stack(self.tokens))        # (N, B, T+1)
+        self.f.attrs["steps"] = self.steps
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        try:
+            self.f.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is None:
+            self.close()
+        else:
+            self.discard()
+        return False

@@ -1,0 +1,58 @@
+"""tools/check_dtensor.py: a DTensor tensor-parallel GPT-2 on two gloo
+ranks, recorded shard by shard by mpicube.check.torch, agrees with the
+same model on one process, and a planted gradient scale is named.
+
+Needs a Python with torch (this one, or MPICUBE_TORCH_PYTHON); skipped
+otherwise. The reference is a small synthetic trace (tests/test_check.py),
+so no mpicube run is needed: both torch runs start from its parameters
+and batches and must agree with each other.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+from test_check import write_good
+
+from mpicube.check.compare import compare_traces
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torch_python():
+    if importlib.util.find_spec("torch") is not None:
+        return sys.executable
+    return os.environ.get("MPICUBE_TORCH_PYTHON")
+
+
+def launch(args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_dtensor_shards_agree_with_one_process_and_a_planted_scale_is_named(tmp_path):
+    python = torch_python()
+    if python is None:
+        pytest.skip("torch is not installed (optional: pip install torch, or set MPICUBE_TORCH_PYTHON)")
+    ref = write_good(tmp_path / "ref.h5")
+    launch([python, str(REPO / "tools" / "torch_trace.py"), str(ref), "--out", "one.h5"], tmp_path)
+    run2 = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(REPO / "tools" / "check_dtensor.py"), "--ref", str(ref)]
+    launch(run2 + ["--out", "tp.h5"], tmp_path)
+    with h5py.File(tmp_path / "tp.h5", "r") as f:
+        w = f["step_1/grad/h.0.mlp.c_fc.weight"]
+        assert set(w) == {"rank0", "rank1"} and w["rank0/data"].shape == (8, 16)      # column halves
+        assert set(f["step_1/grad/h.0.ln_1.weight"]) == {"rank0", "rank1"}             # replicas
+    result = compare_traces(tmp_path / "one.h5", tmp_path / "tp.h5")
+    assert result.first_divergence is None and result.max_rel < 1e-10
+    launch(run2 + ["--out", "bad.h5", "--plant", "grad-scale"], tmp_path)
+    result = compare_traces(tmp_path / "one.h5", tmp_path / "bad.h5")
+    assert result.first_divergence == "step_1/grad/h.1.mlp.c_fc.weight"
+    rows = {r.name: r for r in result.rows}
+    assert rows["step_1/loss"].ok and rows["step_1/grad/h.1.mlp.c_proj.weight"].ok     # the loss agrees

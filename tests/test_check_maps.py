@@ -1,0 +1,166 @@
+"""Name maps and the PyTorch recorder of mpicube.check.
+
+The maps are numpy both ways, so they are tested without torch: a round
+trip through each shipped map is the identity, and each conversion puts
+elements where the format says (a transpose, q/k/v side by side, Megatron's
+rows per head). The recorder's tests need torch and skip without it
+(tests/test_trace.py compares the recorder's trace of tools/torch_trace.py
+with mpicube's own, where torch is installed).
+"""
+
+import importlib.util
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from test_check import CFG, write_good
+
+from mpicube.check import namemaps, names
+from mpicube.core.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+H, NH = CFG["n_embd"], CFG["n_head"]
+HD = H // NH
+
+
+def trace_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(shape) for n, shape in names.param_shapes(CFG).items()}
+
+
+@pytest.mark.parametrize("make", list(namemaps.MAPS.values()), ids=list(namemaps.MAPS))
+def test_every_map_round_trips_exactly(make):
+    m = make(CFG)
+    trace = trace_params()
+    theirs = m.from_trace(trace)
+    assert set(theirs) == m.sources()
+    back = m.to_trace(theirs)
+    assert list(back) == names.forward_param_order(CFG)
+    assert all(np.array_equal(back[n], trace[n]) for n in trace)
+
+
+def test_linear_weights_are_transposed_and_q_k_v_split_by_columns():
+    trace = trace_params()
+    nano = namemaps.nanogpt(CFG).from_trace(trace)
+    assert np.array_equal(nano["transformer.h.1.mlp.c_fc.weight"], trace["h.1.mlp.c_fc.weight"].T)   # (4h, h)
+    assert np.array_equal(nano["transformer.h.1.ln_2.bias"], trace["h.1.ln_2.bias"])
+    hf = namemaps.hf_gpt2(CFG).from_trace(trace)                  # Conv1D: already (in, out)
+    assert np.array_equal(hf["transformer.h.0.attn.c_attn.weight"], trace["h.0.attn.c_attn.weight"])
+    split = namemaps.split_qkv(CFG).from_trace(trace)
+    for k, part in enumerate("qkv"):
+        cols = slice(k * H, (k + 1) * H)
+        assert np.array_equal(split[f"transformer.h.0.attn.{part}_proj.weight"],
+                              trace["h.0.attn.c_attn.weight"][:, cols].T)
+        assert np.array_equal(split[f"transformer.h.0.attn.{part}_proj.bias"], trace["h.0.attn.c_attn.bias"][cols])
+
+
+def test_megatron_fused_qkv_rows_go_per_head():
+    """Row (j*3 + p)*hd + d of linear_qkv is column p*h + j*hd + d of c_attn
+    (head j, part p of q/k/v, element d), written out element by element."""
+    trace = trace_params()
+    meg = namemaps.megatron_gpt2(CFG).from_trace(trace)
+    fused = "decoder.layers.1.self_attention.linear_qkv."
+    w, b = meg[fused + "weight"], meg[fused + "bias"]
+    assert w.shape == (3 * H, H)
+    for j in range(NH):
+        for p in range(3):
+            for d in range(HD):
+                assert np.array_equal(w[(j * 3 + p) * HD + d], trace["h.1.attn.c_attn.weight"][:, p * H + j * HD + d])
+                assert b[(j * 3 + p) * HD + d] == trace["h.1.attn.c_attn.bias"][p * H + j * HD + d]
+    assert np.array_equal(meg["decoder.layers.0.mlp.linear_fc2.weight"], trace["h.0.mlp.c_proj.weight"].T)
+
+
+def test_a_map_that_misses_or_misnames_a_parameter_is_named():
+    m = namemaps.nanogpt(CFG)
+    theirs = m.from_trace(trace_params())
+    del theirs["transformer.h.1.ln_1.bias"]
+    with pytest.raises(UserError, match=r"name map nanogpt: the model has no 'transformer.h.1.ln_1.bias'"):
+        m.to_trace(theirs)
+    theirs = m.from_trace(trace_params())
+    theirs["transformer.h.0.mlp.fc.weight"] = theirs.pop("transformer.h.0.mlp.c_fc.weight")
+    with pytest.raises(UserError, match=r"has no 'transformer.h.0.mlp.c_fc.weight'"):
+        m.to_trace(theirs)
+    theirs = m.from_trace(trace_params())
+    theirs["transformer.extra"] = np.zeros(1)
+    with pytest.raises(UserError, match=r"the model's 'transformer.extra' maps to no trace tensor"):
+        m.to_trace(theirs)
+    theirs = m.from_trace(trace_params())
+    theirs["lm_head.weight"] = theirs["transformer.wte.weight"]      # a tied head is an alias, not an extra
+    assert m.to_trace(theirs).keys() == trace_params().keys()
+
+
+# --------------------------------------------------------------------------- the recorder (torch)
+
+
+def torch_tool():
+    spec = importlib.util.spec_from_file_location("torch_trace", REPO / "tools" / "torch_trace.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recorder_takes_gradients_before_clipping_and_loads_the_reference(tmp_path):
+    torch = pytest.importorskip("torch")
+    from mpicube.check.reference import Reference
+    from mpicube.check.torch import Recorder
+
+    ref_path = write_good(tmp_path / "ref.h5")
+    tool = torch_tool()
+    with Reference(ref_path) as ref:
+        model = tool.GPT(ref.config, ref.dropout).double()
+        name_map = namemaps.nanogpt(ref.config)
+        with Recorder(model, name_map, tmp_path / "rec.h5", ref) as rec:
+            rec.load_init()
+            x, y = (torch.as_tensor(t) for t in ref.batch(1))
+            model.set_masks(ref.masks(1), "cpu", torch.float64)
+            logits, loss = model(x, y)
+            loss.backward()
+            rec.gradients()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)           # clips for sure
+            rec.step(1, loss=loss, lr=ref.lr(1), grad_norm=norm, logits=logits, masks=ref.masks(1),
+                     tokens=ref.tokens[0])
+        init = ref.init()
+    with h5py.File(tmp_path / "rec.h5", "r") as f:
+        assert all(np.array_equal(f[f"init/{n}"][()], init[n]) for n in init)
+        grads = [f[f"step_1/grad/{n}"][()] for n in init]
+        assert np.sqrt(sum((g ** 2).sum() for g in grads)) == pytest.approx(f["step_1/grad_norm"][()], rel=1e-12)
+        assert f["step_1/grad_norm"][()] > 1e-2                      # the unclipped norm
+        assert set(f["step_1/act"]) == {"emb", "h.0", "h.1", "ln_f"} and f["step_1/logits"].shape == (2, 4, 16)
+
+
+def test_recorder_refuses_a_model_the_map_does_not_cover(tmp_path):
+    torch = pytest.importorskip("torch")
+    from mpicube.check.reference import Reference
+    from mpicube.check.torch import Recorder
+
+    ref_path = write_good(tmp_path / "ref.h5")
+    with Reference(ref_path) as ref:
+        model = torch_tool().GPT(ref.config, 0.0)
+        model.extra = torch.nn.Parameter(torch.zeros(3))
+        with pytest.raises(UserError, match="'extra' maps to no trace tensor"):
+            Recorder(model, namemaps.nanogpt(ref.config), tmp_path / "x.h5", ref)
+
+
+@pytest.mark.parametrize("make", list(namemaps.MAPS.values()), ids=list(namemaps.MAPS))
+def test_shards_map_to_the_trace_blocks_the_whole_tensor_maps_to(make):
+    """Every framework tensor split in two along its first dimension (rows
+    of a fused q/k/v, columns of a transposed weight) and the halves mapped
+    on their own put together into exactly what the whole maps to."""
+    from mpicube.check.shards import Shard
+
+    m = make(CFG)
+    trace = trace_params()
+    theirs = m.from_trace(trace)
+    split = {}
+    for name, value in theirs.items():
+        cut = value.shape[0] // 2
+        rows = [np.arange(cut), np.arange(cut, value.shape[0])]
+        split[name] = [Shard(r, (ix, *[np.arange(n) for n in value.shape[1:]]), value[ix]) for r, ix in enumerate(rows)]
+    mapped = m.shards_to_trace(split, {n: v.shape for n, v in theirs.items()})
+    for name, tensor in mapped.items():
+        assert tensor.shape == trace[name].shape, name
+        full = np.full(tensor.shape, np.nan)
+        for s in tensor.shards:
+            full[np.ix_(*s.index)] = s.data
+        assert np.array_equal(full, trace[name]), (m.name, name)
