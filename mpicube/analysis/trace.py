@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -36,13 +36,13 @@ from ..check.names import FORMAT, VERSION
 from ..core.errors import ConfigError, UserError
 from ..files import formats
 from ..model.gpt import gpt_params
-from ..parallel import context
 from ..parallel.comm import on_root
 from ..parallel.grid import default_batch
 from ..training.hooks import StepHooks
 from ..training.optim import Schedule
 from ..training.options import TrainOptions
 from ..training.train import DivergedError, Trainer
+from .trace_collect import Collector, gather_pieces, record_outputs
 
 DEFAULT_MAX_BYTES = 2 * 10 ** 9
 CLIP_EPS = 1e-6          # clipping scale min(1, max_norm / (norm + CLIP_EPS)), as train does
@@ -72,187 +72,6 @@ def trace_bytes(cfg, batch: int, seq_len: int, steps: int, dropout: float, items
     if dropout > 0:                                       # uint8 keep masks
         per_step += (2 * L + 1) * B * T * h + L * B * cfg.n_head * T * T
     return steps * B * (T + 1) * 4 + params * itemsize + steps * per_step
-
-
-# --------------------------------------------------------------------------- gathering blocks
-
-
-@dataclass
-class Piece:
-    """One rank's block of a logical tensor: ``local[i0, i1, ...]`` is the
-    element at ``(index[0][i0], index[1][i1], ...)``; indices at or past
-    ``shape`` (vocabulary padding) are dropped."""
-
-    name: str             # dataset path in the trace, e.g. "act/h.1"
-    shape: tuple          # global logical shape
-    index: tuple          # per dimension: global indices of the local block
-    local: np.ndarray     # host array
-
-
-def gather_pieces(mpi_world, pieces: list, sharded: bool = False):
-    """Rank 0: {name: full tensor} assembled from every rank's pieces; other
-    ranks: None. Replicated blocks simply arrive more than once; an element
-    no rank sent is a bug in a layout's bookkeeping, and raises. With
-    ``sharded`` (--sharded) each rank's block is kept as it is, with its
-    global index (check.shards), for compare to put together and to check
-    the replicas of."""
-    received = mpi_world.gather(pieces, root=0)
-    if received is None:
-        return None
-    if sharded:
-        return _as_shards(received)
-    full, seen = {}, {}
-    for piece in (p for rank_pieces in received for p in rank_pieces):
-        if piece.name not in full:
-            full[piece.name] = np.zeros(piece.shape, dtype=piece.local.dtype)
-            seen[piece.name] = np.zeros(piece.shape, dtype=bool)
-        real = [np.flatnonzero(ix < n) for ix, n in zip(piece.index, piece.shape)]
-        target = np.ix_(*[np.asarray(ix)[r] for ix, r in zip(piece.index, real)])
-        full[piece.name][target] = piece.local[np.ix_(*real)]
-        seen[piece.name][target] = True
-    for name, mask in seen.items():
-        if not mask.all():
-            raise RuntimeError(f"trace: {int((~mask).sum())} elements of {name} were held by no rank")
-    return full
-
-
-def _as_shards(received: list) -> dict:
-    """{name: Sharded} from every rank's pieces, vocabulary padding dropped."""
-    out = {}
-    for rank, rank_pieces in enumerate(received):
-        for piece in rank_pieces:
-            real = [np.flatnonzero(np.asarray(ix) < n) for ix, n in zip(piece.index, piece.shape)]
-            index = tuple(np.asarray(ix)[r] for ix, r in zip(piece.index, real))
-            block = piece.local[np.ix_(*real)] if real else piece.local
-            out.setdefault(piece.name, shards.Sharded(piece.shape, [])).shards.append(
-                shards.Shard(rank, index, block))
-    return out
-
-
-class Collector:
-    """Turns one rank's model state into pieces: global indices of its
-    activation, logit, mask and parameter blocks. ``at(first)`` points it
-    at a micro-batch whose first sequence is global sequence ``first``."""
-
-    def __init__(self, parts, store_dtype, batch_size: int, sharded: bool = False):
-        self.parts = parts
-        self.sharded = sharded                               # every replica's copy, not one
-        self.layout, self.store = parts.layout, parts.store
-        self.dtype = np.dtype(store_dtype)
-        self.B = batch_size                                  # global sequences per step
-        self.cfg = parts.cfg
-        self.cols = np.asarray(self.layout.canonical_cols)
-        self.heads = np.asarray(self.layout.head_ids)
-        self.param_writer = self.layout.axes.dp.rank == 0 and self.layout.axes.cp.rank == 0
-        self.at(parts.micro_rows(0).start)
-
-    @property
-    def current(self):
-        """(GPT, tape) of the forward that ran last: the model's, or under
-        pipeline stages the chunk's (training.pipeline.Pipeline.current);
-        each chunk gives the pieces of the tensors it computes, so rank 0
-        assembles the same names as without stages."""
-        pipe = self.parts.pipeline
-        if pipe is not None:
-            return pipe.current
-        return self.parts.model.model, self.parts.model.tape
-
-    def at(self, first: int) -> None:
-        layout = self.layout
-        self.first = first
-        self.canonical_seqs = first + np.asarray(layout.canonical_seqs)
-        self.mid_seqs = first + np.asarray(layout.mid_seqs)
-
-    def positions(self, T: int) -> np.ndarray:
-        """(T_l,) the global positions of this rank's rows of a T-long
-        sequence: all of them, or a cp rank's two chunks."""
-        ring = self.layout.axes.cp
-        return context.local_positions(T, ring.size, ring.rank)
-
-    def canonical_positions(self, T: int) -> np.ndarray:
-        """(T_c,) the global positions of this rank's canonical rows: a
-        run of T/tp under --sequence-parallel, else ``positions``."""
-        pos = self.layout.seq_positions(T)
-        return self.positions(T) if pos is None else pos
-
-    def host(self, a, dtype=None) -> np.ndarray:
-        return np.asarray(self.parts.backend.to_host(a)).astype(dtype or self.dtype)
-
-    def canonical(self, name, block, T, dtype=None) -> Piece:
-        """(B_c, T, C_c) block -> piece of the (B, T, h) tensor."""
-        return Piece(name, (self.B, T, self.cfg.n_embd), (self.canonical_seqs, self.canonical_positions(T),
-                                                             self.cols), self.host(block, dtype))
-
-    def activations(self, capture: dict, T: int) -> list:
-        return [self.canonical(f"act/{key}", block, T) for key, block in capture.items()]
-
-    def logits(self, T: int) -> list:
-        """(B_l, T, V_l) -> piece of (B, T, V); padded vocabulary dropped
-        (none from a pipeline chunk without the head)."""
-        model, tape = self.current
-        if not model.last:
-            return []
-        emb = model.embedding
-        local = tape.back[0][1][0]                             # (B_l, T, V_l): the loss head's saved logits
-        vocab = emb.vocab_start + np.arange(local.shape[-1])
-        seqs = self.first + np.asarray(emb.logit_seqs)
-        return [Piece("logits", (self.B, T, self.cfg.vocab_size), (seqs, self.positions(T), vocab),
-                      self.host(local))]
-
-    def masks(self, T: int, step: int) -> list:
-        """Keep masks (1 kept, 0 dropped) as uint8, none without dropout.
-        Drawn again from the micro-batch's context: they are a function of
-        (seed, step, site, global index), so the second draw is the one
-        forward applied (and a block that let go of its masks, under
-        --recompute blocks, needs no special case)."""
-        model, tape = self.current
-        drop, ctx = model.dropout, tape.ctx
-        if not drop.on(ctx):
-            return []
-        keep = lambda m: self.host(m != 0, np.uint8)           # noqa: E731 - scaled masks to 0/1
-        pieces = []
-        pos, rows = self.positions(T), self.canonical_positions(T)          # attention rows, canonical rows
-        if model.first:
-            pieces.append(Piece("dropout/emb", (self.B, T, self.cfg.n_embd),
-                                (self.canonical_seqs, rows, self.cols), keep(drop.canonical(ctx, "emb", len(rows)))))
-        for block in model.blocks:
-            site = block.site
-            by_blocks = drop.attention_blocks(ctx, site + ".attn", T)
-            c = len(pos) // 2 if len(pos) != T else T          # rows: two contiguous chunks on a cp rank
-            attn = np.concatenate([self.host(by_blocks(slice(int(p0), int(p0) + c), slice(0, T)))
-                                   for p0 in pos[::c]], axis=2)
-            shape = (self.B, self.cfg.n_head, T, T)
-            index = (self.mid_seqs, self.heads, pos, np.arange(T))
-            pieces.append(Piece(f"dropout/{site}.attn", shape, index, keep(attn)))
-            for name in ("resid_attn", "resid_mlp"):
-                mask = drop.canonical(ctx, f"{site}.{name}", len(rows))
-                pieces.append(Piece(f"dropout/{site}.{name}", (self.B, T, self.cfg.n_embd),
-                                    (self.canonical_seqs, rows, self.cols), keep(mask)))
-        return pieces
-
-    def params(self, prefix: str) -> list:
-        """One copy of every parameter. ``full_master`` serves every mode
-        (under a sharded 16-bit master it all-gathers over dp, so every
-        rank calls this)."""
-        return self._pieces(prefix, self.store.views(self.store.full_master()))
-
-    def grads(self, divide: float = 1.0) -> list:
-        """One copy of every summed gradient, ``divide`` = the loss scale it
-        carries. Under --zero 1 a rank holds only its chunk of the sum, so
-        the chunks are put together here with an uncounted object
-        all-gather over dp (every rank calls this)."""
-        store = self.store
-        flat = self.host(store.flat_grad)                                    # (P_pad,)
-        if store.partition.sharded:
-            chunks = self.layout.axes.dp.mpi.allgather(flat[store.shard])   # dp x (C,)
-            flat = store.partition.assemble(np, np.concatenate(chunks))     # (P_pad,) in buffer order
-        if divide != 1.0:
-            flat = flat / divide
-        return self._pieces("grad", store.views(flat))
-
-    def _pieces(self, prefix: str, views: dict) -> list:
-        return [Piece(f"{prefix}/{spec.name}", tuple(spec.decl.shape), spec.index, self.host(views[spec.name]))
-                for spec in self.store.specs if self.sharded or (spec.writer and self.param_writer)]
 
 
 # --------------------------------------------------------------------------- the file
@@ -323,33 +142,6 @@ def optimizer_attr(opts, schedule: Schedule, steps: int, decayed: list) -> dict:
         "decay_rule": "decoupled (p -= lr * weight_decay * p) on the tensors in 'decay' only",
         "grad_clip": clip,
     }
-
-
-class Observed:
-    """A model piece whose output is copied into ``sink[name]`` after each
-    forward: how a trace sees the activations between blocks without the
-    model knowing it is watched. Everything else passes to the piece."""
-
-    def __init__(self, inner, name: str, sink: dict):
-        self.inner, self.name, self.sink = inner, name, sink
-
-    def forward(self, x, *args):
-        y, saved = self.inner.forward(x, *args)
-        self.sink[self.name] = y.copy()                     # (B_c, T_c, C_c)
-        return y, saved
-
-    def __getattr__(self, attr):
-        return getattr(self.inner, attr)
-
-
-def record_outputs(model, sink: dict) -> None:
-    """Wrap ``model``'s embeddings, blocks and final norm in ``Observed``:
-    their outputs land in ``sink`` as "emb", "h.{i}" and "ln_f", in the
-    order computed."""
-    model.front = [Observed(piece, "emb", sink) for piece in model.front]
-    model.blocks = [Observed(block, block.site, sink) for block in model.blocks]
-    for head in model.back:
-        head.ln_f = Observed(head.ln_f, "ln_f", sink)
 
 
 class Recorder(StepHooks):
