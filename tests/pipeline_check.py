@@ -36,7 +36,8 @@ from mpicube.parallel.comm import Counters
 from mpicube.parallel.grid import build_layout
 from mpicube.parallel.planning import resolve
 from mpicube.parallel.gridspec import GridSpec
-from mpicube.parallel.params import ParamStore, clipped_index, real_mask
+from mpicube.parallel.fsdp import make_store
+from mpicube.parallel.params import clipped_index, real_mask
 from mpicube.training.accum import forward_backward
 from mpicube.training.parts import Parts
 from mpicube.training.pipeline import Pipeline, stage_specs
@@ -55,7 +56,7 @@ def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, ac
     grid = GridSpec(layout_name, dp=dp, pp=pp, depth=depth, grad_accum=accum, recompute=recompute)
     layout = build_layout(resolve(grid, cfg, batch, MPI.COMM_WORLD.Get_size()), backend, MPI.COMM_WORLD,
                           counters=counters)
-    store = ParamStore(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero)
+    store = make_store(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero, stages=pp)
     pipe = Pipeline(cfg, layout, store, schedule=schedule, virtual=virtual, dropout=dropout, seed=7,
                     grad_accum=accum)
     return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
