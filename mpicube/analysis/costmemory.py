@@ -185,10 +185,11 @@ def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
     """(elements, bytes) per rank under --zero 2 and 3 (mpicube.parallel.fsdp):
     the master chunk, summed gradient chunk and moments (C, C, 2 C); the
     gradient slots (the end segments' and two blocks', one if the store
-    has one block; the ends: outside, and under a pipeline the tied wte); --zero 2 the whole P_pad working copy, --zero 3 the
-    parameter slots (the same widths) and, under mixed precision, the
-    master chunk's 16-bit rounding. All are allocated once: this is the
-    peak of weights and gradients, the prefetched block included."""
+    has one block; the ends: outside, and under a pipeline the tied wte);
+    --zero 2 the whole P_pad working copy, --zero 3 the parameter slots
+    (the same widths) and, under mixed precision, the master chunk's 16-bit
+    rounding. All are allocated once: this is the peak of weights and
+    gradients, the prefetched block included."""
     w = p.widths
     sizes = [(name, n) for name, (n, _) in local_param_sizes(p).items()]
     segments = zero.segment_sizes(sizes, p.dp, p.zero, p.pp > 1)

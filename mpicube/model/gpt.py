@@ -161,7 +161,7 @@ class GPT:
         share of the loss summed over its rows ((1,), on the device), else
         the chunk's output (B_c, T_c, C_c)."""
         self.store.refresh_work()            # the 16-bit working copy, after an optimizer step or a load
-        resident = self.store.layers("forward", self.sites, self.has_ends)    # the store brings each block's parameters in
+        resident = self.store.layers("forward", self.sites, self.has_ends)   # the store brings each block's weights in
         tape, x = Tape(ctx, targets), inputs
         for piece in self.front:
             x, saved = piece.forward(x, tape)
@@ -184,7 +184,7 @@ class GPT:
         the float32 parameter gradients back), else the gradient of the
         chunk's output (B_c, T_c, C_c). Returns the gradient of the chunk's
         input (B_c, T_c, C_c), or None on a chunk with the embeddings."""
-        resident = self.store.layers("backward", self.sites, self.has_ends)   # the store sends each block's gradients on
+        resident = self.store.layers("backward", self.sites, self.has_ends)  # the store sends each block's gradients
         dx = dout
         for piece in reversed(self.back):
             dx = piece.backward(dx, tape.back.pop(), tape)
