@@ -31,7 +31,14 @@ Layers never see any of this: each one holds views of its slot
 (``store.work``, ``store.grad``) from construction, and the model brackets
 every block with ``layers(...).enter(i)`` / ``leave(i)`` (a no-op stream
 for --zero 0 and 1). A pipeline stage's store holds only its own blocks'
-segments; the stream walks whatever blocks its model runs.
+segments; the stream walks whatever blocks its model runs, and the end
+segments (outside, and on a pipeline's stages 0 and P-1 the tied wte as a
+segment of its own) only for a chunk that runs the embeddings or the head.
+Each backward of a block adds its reduce-scatter into the chunk gradient,
+so micro-batches accumulate there in any order (interleaved schedules run
+chunks' backwards out of order). What the other axes add, the sums over
+the cp ring and over the tied pair, runs on the chunk once per step
+(``gradients.GradientSync``).
 
 Memory per rank (elements; the cost model's ``costmemory`` mirrors it):
 master, gradient and moments C each (moments 2 C); --zero 2 adds the P_pad
