@@ -12,7 +12,7 @@ activations a stage holds equal the cost model's.
 
 Usage: python -m mpi4py tests/pipeline_check.py CASE [-- CASE ...]
   CASE = LAYOUT DP DEPTH PP SCHEDULE V ACCUM [dropout=0.1] [batch=B] [steps=3] [dtype=float64]
-         [recompute=none] [zero=0] [ckpt=DIR]
+         [recompute=none] [zero=0] [layers=4] [ckpt=DIR]
 
 zero, recompute and dtype as MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE
 and MPICUBE_CHECK_DTYPE in tests/parallel_check.py. ckpt=DIR then moves
@@ -36,7 +36,8 @@ from mpicube.parallel.comm import Counters
 from mpicube.parallel.grid import build_layout
 from mpicube.parallel.planning import resolve
 from mpicube.parallel.gridspec import GridSpec
-from mpicube.parallel.params import ParamStore, clipped_index, real_mask
+from mpicube.parallel.fsdp import make_store
+from mpicube.parallel.params import clipped_index, real_mask
 from mpicube.training.accum import forward_backward
 from mpicube.training.parts import Parts
 from mpicube.training.pipeline import Pipeline, stage_specs
@@ -55,7 +56,7 @@ def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, ac
     grid = GridSpec(layout_name, dp=dp, pp=pp, depth=depth, grad_accum=accum, recompute=recompute)
     layout = build_layout(resolve(grid, cfg, batch, MPI.COMM_WORLD.Get_size()), backend, MPI.COMM_WORLD,
                           counters=counters)
-    store = ParamStore(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero)
+    store = make_store(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero, stages=pp)
     pipe = Pipeline(cfg, layout, store, schedule=schedule, virtual=virtual, dropout=dropout, seed=7,
                     grad_accum=accum)
     return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
@@ -70,11 +71,14 @@ def close(name, got, want, scale=None):
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
 
 
-def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum):
+def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, adam):
     """Measured elements/bytes/messages on every axis (point-to-point "pp"
-    included) and the peak saved activations of this stage == the cost
-    model (analysis.costmodel.step_traffic, costmemory's pipeline peak)."""
-    from mpicube.analysis.costmemory import pipeline_peak_activation_bytes, pipeline_peak_activations
+    included), the peak saved activations of this stage and the weights,
+    gradients and AdamW moments it holds (every buffer, the slots of --zero
+    2/3 included) == the cost model (analysis.costmodel.step_traffic,
+    costmemory's pipeline peak and step_memory)."""
+    from mpicube.analysis.costmemory import (pipeline_peak_activation_bytes, pipeline_peak_activations,
+                                             step_memory, step_memory_bytes)
     from mpicube.analysis.costmodel import Problem, step_traffic
 
     layout, pipe, c = parts.layout, parts.pipeline, parts.counters
@@ -88,6 +92,20 @@ def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum):
     if got != (peak, peak_bytes):
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): peak saved activations "
                              f"{got} (elements, bytes), model {(peak, peak_bytes)}")
+    store = parts.store
+    if store.streams_gradients:
+        params, grads = store.param_buffers(), store.grad_buffers()
+        counted = (sum(b.size for b in params), sum(b.size for b in grads))
+    else:
+        params, grads = [b for b in store.buffers() if b is not store.flat_grad], [store.flat_grad]
+        counted = (store.flat_work.size, store.flat_grad.size)
+    got = counted + (adam.m.size + adam.v.size, sum(b.nbytes for b in params), sum(b.nbytes for b in grads),
+                     adam.m.nbytes + adam.v.nbytes)
+    want, want_bytes = step_memory(problem, dropout=True), step_memory_bytes(problem, dropout=True)
+    model = (want.params, want.grads, want.optimizer, want_bytes.params, want_bytes.grads, want_bytes.optimizer)
+    if got != model:
+        raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): measured (params, grads, "
+                             f"optimizer, then their bytes) {got}, model predicts {model}")
 
 
 def save(parts, opt, path, comm):
@@ -181,7 +199,7 @@ def configure(options: dict) -> None:
 
 def main():
     """Cases separated by "--", each LAYOUT DP DEPTH PP SCHEDULE V ACCUM and
-    any of dropout=, batch=, dtype=, recompute=, zero=, ckpt=DIR: one
+    any of dropout=, batch=, dtype=, recompute=, zero=, layers=, ckpt=DIR: one
     launch runs several on the same ranks (MPI start-up paid once)."""
     cases, case = [], []
     for arg in sys.argv[1:] + ["--"]:
@@ -204,7 +222,7 @@ def run_case(words: list, options: dict):
     schedule, virtual, accum = words[4], int(words[5]), int(words[6])
     dropout = float(options.get("dropout", 0.1))
     batch = int(options.get("batch", 8 * dp * accum))
-    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=4, n_head=4, n_embd=16)
+    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=int(options.get("layers", 4)), n_head=4, n_embd=16)
     T = cfg.n_ctx
     rng = np.random.default_rng(3)
     steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T)))
@@ -238,7 +256,7 @@ def run_case(words: list, options: dict):
             close(f"step {step} grad {spec.name}", np.where(mask & mine, got, 0),
                   np.where(mask & mine, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
-        check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum)   # the step's all-gather too
+        check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, opt.adam)   # the step's gather too
     params = store.views(store.full_master())
     s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
     for spec in store.specs if not HALF else []:

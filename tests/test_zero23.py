@@ -14,6 +14,12 @@ data-parallel replicas layer by layer (mpicube/parallel/fsdp.py).
    and world sizes; a bfloat16 --zero 3 run resumes bit for bit.
 3. --zero 2/3 with dp 1: one line, exit 2; `info` shows every --zero on
    every layout, and the cost model's figures at the paper's scale.
+4. Composition (issue 32): --zero 2/3 with context parallelism (the chunk
+   summed over the ring once per step) and with pipeline stages (each
+   stage's store holds its chunks' blocks; wte a segment of its own whose
+   chunk is summed over the tied pair; interleaved chunks' backwards out of
+   order across micro-batches): serial in float64 with dropout to 1e-10,
+   every rank's traffic and buffers equal to the cost model.
 """
 
 import numpy as np
@@ -33,6 +39,9 @@ CASES = [
     (8, "2d", 2, 1, 2, {}),
     (16, "3d", 2, 1, 3, {}),       # the (i, k) and (i, j) planes per layer; padded segments
     (4, "1d", 2, 1, 3, {"MPICUBE_CHECK_DTYPE": "bfloat16"}),
+    # context parallelism: dp 2 x cp 2; 1-D tp 2 x dp 2 x cp 2 with two micro-batches
+    (4, "serial", 2, 1, 2, {"MPICUBE_CHECK_CP": "2"}),
+    (8, "1d", 2, 1, 3, {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ACCUM": "2"}),
 ]
 
 
@@ -50,8 +59,25 @@ def test_zero23_matches_serial(ranks, layout, dp, depth, zero, env):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     dtype = env.get("MPICUBE_CHECK_DTYPE", "float64")
     recompute, accum = env.get("MPICUBE_CHECK_RECOMPUTE", "none"), env.get("MPICUBE_CHECK_ACCUM", "1")
+    cp = env.get("MPICUBE_CHECK_CP", "1")
     assert (f"OK {layout} world={ranks} dp={dp} depth={depth} device=cpu dtype={dtype} recompute={recompute} "
-            f"accum={accum} zero={zero}") in proc.stdout
+            f"accum={accum} zero={zero} cp={cp} ") in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_zero23_with_pipeline_stages():
+    """serial dp 2 x pp 2 (4 ranks), tests/pipeline_check.py in one launch:
+    --zero 3 under interleaved (V 2, two blocks per chunk, four micro-
+    batches, --recompute blocks: the chunks' backwards interleave across
+    micro-batches, the block gathers follow the schedule's passes), and
+    --zero 2 under 1F1B with three blocks per stage."""
+    cases = ["serial 2 1 2 interleaved 2 4 zero=3 layers=8 recompute=blocks", "serial 2 1 2 1f1b 1 2 zero=2 layers=6"]
+    args = [w for case in cases for w in case.split() + ["--"]][:-1]
+    proc = mpiexec(4, ["-m", "mpi4py", "tests/pipeline_check.py", *args], timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for want in ("schedule=interleaved V=2 accum=4 dtype=float64 recompute=blocks zero=3",
+                 "schedule=1f1b V=1 accum=2 dtype=float64 recompute=none zero=2"):
+        assert f"OK pp serial world=4 dp=2 depth=1 pp=2 {want} " in proc.stdout, proc.stdout
 
 
 FAKE_GPU = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}", "MPICUBE_CHECK_DEVICE": "gpu"}

@@ -184,18 +184,20 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
 def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
     """(elements, bytes) per rank under --zero 2 and 3 (mpicube.parallel.fsdp):
     the master chunk, summed gradient chunk and moments (C, C, 2 C); the
-    gradient slots (the outside segment's and two blocks', one if the model
-    has one block); --zero 2 the whole P_pad working copy, --zero 3 the
-    parameter slots (the same widths) and, under mixed precision, the
-    master chunk's 16-bit rounding. All are allocated once: this is the
-    peak of weights and gradients, the prefetched block included."""
+    gradient slots (the end segments' and two blocks', one if the store
+    has one block; the ends: outside, and under a pipeline the tied wte);
+    --zero 2 the whole P_pad working copy, --zero 3 the parameter slots
+    (the same widths) and, under mixed precision, the master chunk's 16-bit
+    rounding. All are allocated once: this is the peak of weights and
+    gradients, the prefetched block included."""
     w = p.widths
     sizes = [(name, n) for name, (n, _) in local_param_sizes(p).items()]
-    segments = zero.segment_sizes(sizes, p.dp, p.zero)
+    segments = zero.segment_sizes(sizes, p.dp, p.zero, p.pp > 1)
     chunk = sum(c for _, _, c in segments)
     padded = {seg: p.dp * c for seg, _, c in segments}
-    blocks = [seg for seg in padded if seg != zero.OUTSIDE]
-    slots = padded.get(zero.OUTSIDE, 0) + min(2, len(blocks)) * max([padded[b] for b in blocks], default=0)
+    blocks = [seg for seg in padded if not zero.is_end(seg)]
+    ends = sum(n for seg, n in padded.items() if zero.is_end(seg))      # outside (and the tied wte's own)
+    slots = ends + min(2, len(blocks)) * max([padded[b] for b in blocks], default=0)
     mixed = w.act != w.grad
     grads = chunk + slots
     if p.zero == 2:

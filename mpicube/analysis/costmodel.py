@@ -58,8 +58,12 @@ groups and reduce-scatters its padded segment over dp (``segmented_traffic``);
 --zero 3 all-gathers the outside segment once per step and the blocks as
 their two alternating slots need them: L in the step's first forward,
 L - 2 in every later pass (the last two blocks are still in their slots at
-each turn; all L stay when L <= 2); --zero 2 all-gathers the chunk after
-the step as --zero 1 does. Memory: ``costmemory.segmented_memory``.
+each turn; all L stay when L <= 2; a pipeline stage's passes walk one
+chunk each, in its schedule's order, and are replayed: ``block_gathers``);
+--zero 2 all-gathers the chunk after the step as --zero 1 does. With
+--cp the chunk (C) is all-reduced over the ring once per step, and with
+stages the tied wte (a segment of its own there) its chunk over the pair.
+Memory: ``costmemory.segmented_memory``.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 from ..parallel import fsdp, zero
+from ..parallel.schedules import build_schedule
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
@@ -270,22 +275,27 @@ def step_traffic(p: Problem) -> Traffic:
     collectives, its point-to-point traffic (``costpipe.pipeline_traffic``,
     axis "pp"), the sum of the tied wte's gradient over the first and last
     stage (axis "tied", at the gsum wire), and the gradient norm all-reduced
-    over "pp" after "tp" (one float64 each)."""
+    over "pp" after "tp" (one float64 each). Under --zero 2 and 3 the ring's
+    and the pair's sums move the owned chunks (C, C_wte) instead."""
     t = Traffic()
     t.add(TRAFFIC[p.layout](replace(p, seq_len=p.local_seq, cp=1)), p.grad_accum)   # on this rank's positions
     t.add(pipeline_traffic(p))
+    sizes = local_param_sizes(p)
+    params = sum(n for n, _ in sizes.values())
+    w = p.widths
+    # --zero 2/3 sum the cp ring and the tied pair on the owned chunks (parallel.gradients.GradientSync)
+    segments = segments_of(p, sizes) if p.segmented else None
     if p.cp > 1:
         t.add(ring_traffic(p), p.grad_accum)
-        t.sum("cp", p.cp, sum(n for n, _ in local_param_sizes(p).values()), width=p.widths.gsum)   # weights' sum
-    sizes = local_param_sizes(p)
+        summed = sum(c for _, _, c in segments) if segments else params
+        t.sum("cp", p.cp, summed, width=w.gsum)                # the weights' gradients over the ring
     group_sizes = defaultdict(int)
     for n, axis in sizes.values():
         if axis is not None:
             group_sizes[axis] += n
-    w = p.widths
-    if p.pp > 1 and (p.has_embed or p.has_head):
-        t.sum("tied", 2, sizes["wte"][0], width=w.gsum)        # wte's two copies, before the optimizer
-    params = sum(n for n, _ in sizes.values())
+    if p.pp > 1 and (p.has_embed or p.has_head):               # wte's two copies, before the optimizer
+        tied = next(c for seg, _, c in segments if seg == zero.TIED) if segments else sizes["wte"][0]
+        t.sum("tied", 2, tied, width=w.gsum)
     if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
         segmented_traffic(p, t, sizes)
     elif p.sharded:
@@ -339,23 +349,46 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     """--zero 2 and 3 (module docstring): per micro-batch and layer, the
     replica-group sums and the reduce-scatter; the gathers; the norm."""
     w = p.widths
-    segments = zero.segment_sizes([(name, n) for name, (n, _) in sizes.items()], p.dp, p.zero)
-    blocks = [c for seg, _, c in segments if seg != zero.OUTSIDE]
+    segments = segments_of(p, sizes)
+    blocks = [c for seg, _, c in segments if not zero.is_end(seg)]
     if p.zero == 3 and blocks:
-        t.allgather("dp", p.dp, blocks[0], times=fsdp.block_gathers(len(blocks), 2 * p.grad_accum), width=w.act)
+        t.allgather("dp", p.dp, blocks[0], times=block_gathers(p, [seg for seg, _, _ in segments
+                                                                  if not zero.is_end(seg)]), width=w.act)
     for seg, _, chunk in segments:
         groups = defaultdict(int)
         for name, (n, axis) in sizes.items():
-            if axis is not None and zero.segment_of(name) == seg:
+            if axis is not None and zero.segment_of(name, p.pp > 1) == seg:
                 groups[axis] += n
         for axis, n in groups.items():
             t.sum(axis, _group_size(p, axis), n, times=p.grad_accum, width=w.gsum)
         t.reduce_scatter("dp", p.dp, p.dp * chunk, times=p.grad_accum, width=w.gsum)
-        if p.zero == 3 and seg == zero.OUTSIDE:
+        if p.zero == 3 and zero.is_end(seg):
             t.allgather("dp", p.dp, chunk, width=w.act)          # once per step: it stays gathered
     if p.zero == 2:
         t.allgather("dp", p.dp, sum(c for _, _, c in segments), width=w.act)   # parameters after the step
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)         # gradient norm
+
+
+def segments_of(p: Problem, sizes: dict) -> list:
+    """[(segment, S, C_s)] of this rank's (stage's) store under --zero 2/3
+    (``zero.segment_sizes``; with stages the tied wte is a segment of its own)."""
+    return zero.segment_sizes([(name, n) for name, (n, _) in sizes.items()], p.dp, p.zero, p.pp > 1)
+
+
+def block_gathers(p: Problem, blocks: list) -> int:
+    """Block all-gathers per step under --zero 3 on this rank's store of
+    ``blocks`` (segment names): without stages every pass walks all of them
+    (``fsdp.block_gathers``); a pipeline stage walks one chunk per forward
+    or backward in its schedule's order, replayed by ``fsdp.pass_gathers``."""
+    if p.pp == 1:
+        return fsdp.block_gathers(len(blocks), 2 * p.grad_accum)
+    split = p.chunk_layers
+    passes = []
+    for a in build_schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)[p.stage]:
+        if a.op in ("forward", "backward"):
+            walk = [f"h.{i}" for i in split[a.chunk * p.pp + p.stage]]
+            passes.append(walk if a.op == "forward" else walk[::-1])
+    return fsdp.pass_gathers(passes, blocks)
 
 
 def _group_size(p: Problem, axis: str) -> int:

@@ -26,6 +26,7 @@ from ..parallel.schedules import check_pipeline, check_pp_world
 from .costmemory import step_memory_bytes
 from .costmodel import Problem, step_traffic
 from .costpipe import bubble, peak_in_flight, stage_problem
+from .costreport import SHARDED
 
 CLASSES = ("tp", "pp", "dp", "world")
 RANKS_PER_NODE = 8
@@ -162,7 +163,7 @@ def combinations_report(cfg: ModelConfig, batch_size: int, world_size: int, dtyp
     flat = [(p, w) for p, w in rows if p.pp == 1]
     best = min(flat, key=lambda r: (r[1]["cross_node"], r[1]["memory"]), default=None)
     lines = [f"dp x pp x tp at world {world_size}, batch {batch_size}, {dtype}, --recompute {recompute}"
-             + (", --zero 1 where dp > 1" if zero else "") + f"; nodes of {ranks_per_node} ranks; per rank per step:",
+             + (f", --zero {zero} where dp > 1" if zero else "") + f"; nodes of {ranks_per_node} ranks; per rank per step:",
              f"  {'layout':<6} {'tp':>3} {'pp':>3} {'dp':>4} {'schedule':<14} {'N':>3} {'memory':>9} "
              f"{'tp bytes':>9} {'pp bytes':>9} {'dp bytes':>9} {'cross-node':>10} {'bubble':>7}"]
     if not rows:
@@ -204,7 +205,7 @@ def pipeline_report(layout: str, cfg: ModelConfig, batch_size: int, world_size: 
                 grad_accum, zero)
     head = (f"layout {p.layout}: world {world_size} = dp {dp} x pp {pp} x tp {p.tp}"
             + (f", depth {p.depth}" if p.layout == "2.5d" else "")
-            + (", optimizer state sharded over dp (--zero 1)" if p.sharded else ""))
+            + (f", {SHARDED[p.zero]} sharded over dp (--zero {p.zero})" if p.sharded else ""))
     body = (f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step in {grad_accum} micro-batches of "
             f"{batch_size // grad_accum}, --recompute {recompute}, {dtype}; per rank per step "
             f"(bytes; cross-node: nodes of {ranks_per_node} ranks)")

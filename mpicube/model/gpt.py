@@ -152,6 +152,7 @@ class GPT:
         self.back = [Head(layout, store, self.embedding)] if last else []
         self.tied = [self.embedding] if self.embedding is not None else []
         self.sites = [f"h.{i}" for i in self.layers]
+        self.has_ends = first or last            # the store streams the ends' parameters only for such a chunk
 
     def forward(self, inputs, targets, ctx: Micro):
         """inputs: token ids (B_dp, T_l) on a chunk with the embeddings, else
@@ -160,7 +161,7 @@ class GPT:
         share of the loss summed over its rows ((1,), on the device), else
         the chunk's output (B_c, T_c, C_c)."""
         self.store.refresh_work()            # the 16-bit working copy, after an optimizer step or a load
-        resident = self.store.layers("forward", self.sites)    # the store brings each block's parameters in
+        resident = self.store.layers("forward", self.sites, self.has_ends)   # the store brings each block's weights in
         tape, x = Tape(ctx, targets), inputs
         for piece in self.front:
             x, saved = piece.forward(x, tape)
@@ -183,7 +184,7 @@ class GPT:
         the float32 parameter gradients back), else the gradient of the
         chunk's output (B_c, T_c, C_c). Returns the gradient of the chunk's
         input (B_c, T_c, C_c), or None on a chunk with the embeddings."""
-        resident = self.store.layers("backward", self.sites)   # the store sends each block's gradients on
+        resident = self.store.layers("backward", self.sites, self.has_ends)  # the store sends each block's gradients
         dx = dout
         for piece in reversed(self.back):
             dx = piece.backward(dx, tape.back.pop(), tape)
@@ -218,7 +219,7 @@ class GPT:
         pipeline chunk, as ``forward``: the previous chunk's output in,
         this chunk's output (B_c, t, C_c) out unless it is ``last``."""
         self.store.refresh_work()
-        resident = self.store.layers("forward", self.sites)
+        resident = self.store.layers("forward", self.sites, self.has_ends)
         t = idx.shape[1]
         panel = Panel()
         if self.first:

@@ -179,10 +179,3 @@ class RingAttention:
         dqkv[:, :, 1:] = narrow(dkv, dy.dtype).transpose(1, 3, 0, 2, 4)
         return dqkv.reshape(B, T_l, 3 * nh * hd)
 
-
-def sync_gradients(store, ring: Comm, wire=None) -> None:
-    """Weights are replicated over cp and each cp rank saw other tokens:
-    their gradients are summed over the ``ring`` (before the dp sum, which
-    then sees the whole replica's gradient)."""
-    if ring.size > 1:
-        store.flat_grad[...] = ring.allreduce(store.flat_grad, wire=wire)

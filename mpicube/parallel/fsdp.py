@@ -31,7 +31,14 @@ Layers never see any of this: each one holds views of its slot
 (``store.work``, ``store.grad``) from construction, and the model brackets
 every block with ``layers(...).enter(i)`` / ``leave(i)`` (a no-op stream
 for --zero 0 and 1). A pipeline stage's store holds only its own blocks'
-segments; the stream walks whatever blocks its model runs.
+segments; the stream walks whatever blocks its model runs, and the end
+segments (outside, and on a pipeline's stages 0 and P-1 the tied wte as a
+segment of its own) only for a chunk that runs the embeddings or the head.
+Each backward of a block adds its reduce-scatter into the chunk gradient,
+so micro-batches accumulate there in any order (interleaved schedules run
+chunks' backwards out of order). What the other axes add, the sums over
+the cp ring and over the tied pair, runs on the chunk once per step
+(``gradients.GradientSync``).
 
 Memory per rank (elements; the cost model's ``costmemory`` mirrors it):
 master, gradient and moments C each (moments 2 C); --zero 2 adds the P_pad
@@ -51,14 +58,16 @@ from contextlib import contextmanager
 from ..device import precision
 from .comm import Comm
 from .params import ParamStore, ResidentLayers
-from .zero import OUTSIDE, Segments, segment_key, segment_of, segment_sizes
+from .zero import TIED, Segments, is_end, segment_key, segment_of, segment_sizes
 
 
-def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0) -> ParamStore:
+def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0, stages: int = 1) -> ParamStore:
     """The parameter store for a --zero setting: segmented for 2 and 3
-    (needs dp > 1), else the flat ``ParamStore``."""
+    (needs dp > 1), else the flat ``ParamStore``. ``stages``: the pipeline's
+    (with more than one, the tied wte is a segment of its own,
+    ``zero.segment_of``)."""
     if zero >= 2 and dp is not None and dp.size > 1:
-        return SegmentedStore(specs, backend, seed, dp, zero)
+        return SegmentedStore(specs, backend, seed, dp, zero, split_tied=stages > 1)
     return ParamStore(specs, backend, seed, dp=dp, zero=zero)
 
 
@@ -74,10 +83,28 @@ def block_gathers(n_blocks: int, passes_per_step: int) -> int:
     return L + (passes_per_step - 1) * (L - 2)
 
 
+def pass_gathers(passes, blocks: list) -> int:
+    """Block all-gathers of one step under --zero 3 whose passes walk
+    ``passes`` (each the block segments of one forward or backward, in the
+    order it runs them; a pipeline stage's schedule walks its chunks one
+    at a time, in any order) over a store holding ``blocks``: a block is
+    gathered unless its slot (``slot_key``) still holds it. This is what
+    ``SegmentedStore.fetch`` does, replayed without arrays (the cost model's
+    count; ``block_gathers`` is its closed form for one chunk)."""
+    held, count = {}, 0
+    for walk in passes:
+        for segment in walk:
+            key = slot_key(segment, blocks)
+            if held.get(key) != segment:
+                held[key], count = segment, count + 1
+    return count
+
+
 def slot_key(segment: str, blocks: list):
-    """Which slot holds ``segment``: the outside segment its own, block
-    segments alternate between two (by position among this store's blocks)."""
-    return OUTSIDE if segment == OUTSIDE else blocks.index(segment) % 2
+    """Which slot holds ``segment``: each end segment (outside, the tied wte)
+    its own, block segments alternate between two (by position among this
+    store's blocks)."""
+    return segment if is_end(segment) else blocks.index(segment) % 2
 
 
 class SegmentedStore(ParamStore):
@@ -86,16 +113,19 @@ class SegmentedStore(ParamStore):
 
     streams_gradients = True
 
-    def __init__(self, specs: list, backend, seed: int, dp: Comm, zero: int):
+    def __init__(self, specs: list, backend, seed: int, dp: Comm, zero: int, split_tied: bool = False):
         def group_key(spec):
             return "" if spec.grad_comm is None else spec.grad_comm.axis
 
+        def seg_of(name):
+            return segment_of(name, split_tied)
+
         # segment by segment; inside one, the same order as ParamStore's
-        self.specs = sorted(specs, key=lambda s: (segment_key(segment_of(s.name)), group_key(s), not s.decl.decay))
+        self.specs = sorted(specs, key=lambda s: (segment_key(seg_of(s.name)), group_key(s), not s.decl.decay))
         self.by_name = {s.name: s for s in self.specs}
         self.backend, self.dp, self.zero = backend, dp, zero
         xp, master = backend.xp, backend.master_dtype
-        sizes = segment_sizes([(s.name, s.size) for s in self.specs], dp.size, zero)
+        sizes = segment_sizes([(s.name, s.size) for s in self.specs], dp.size, zero, split_tied)
         self.partition = Segments([(name, n) for name, n, _ in sizes], dp.size, dp.rank)
         self.shard = self.partition.own                             # the whole chunk buffer
         C, P_pad = self.partition.chunk, self.partition.padded
@@ -103,7 +133,8 @@ class SegmentedStore(ParamStore):
         self._flat = None                                           # no full master anywhere
         self.master = xp.zeros(C, dtype=master)                     # (C,) master chunk
         self.flat_grad = xp.zeros(C, dtype=master)                  # (C,) summed gradient chunk
-        self.blocks = [seg.name for seg in self.partition.list if seg.name != OUTSIDE]
+        self.blocks = [seg.name for seg in self.partition.list if not is_end(seg.name)]
+        self.ends = [seg.name for seg in self.partition.list if is_end(seg.name)]
         self.slot_of = {seg.name: slot_key(seg.name, self.blocks) for seg in self.partition.list}
         widths = {}
         for seg in self.partition.list:
@@ -122,7 +153,7 @@ class SegmentedStore(ParamStore):
         self.seg_groups = {}                    # segment -> [(comm, slice of its slot)]: replica-group sums
         at = {seg.name: seg.lo for seg in self.partition.list}
         for spec in self.specs:
-            seg = self.partition.by_name[segment_of(spec.name)]
+            seg = self.partition.by_name[seg_of(spec.name)]
             lo = at[seg.name]
             at[seg.name] += spec.size
             self.offsets[spec.name] = (lo, lo + spec.size)
@@ -215,9 +246,18 @@ class SegmentedStore(ParamStore):
         self.wait_gradients()
         self.flat_grad[...] = 0
 
-    def layers(self, direction: str, blocks: list):
-        """The stream a model's forward or backward walks (``BlockStream``)."""
-        return BlockStream(self, direction, blocks)
+    def layers(self, direction: str, blocks: list, ends: bool = True):
+        """The stream a model's forward or backward walks (``BlockStream``);
+        ``ends``: whether the model runs the embeddings or the head (a
+        pipeline chunk between them does not, and leaves their segments)."""
+        return BlockStream(self, direction, blocks, self.ends if ends else [])
+
+    def tied_chunk(self):
+        """(C_wte,) this replica's chunk of the tied wte's gradient when wte
+        is a segment of its own (pipeline stages 0 and P-1), else None: the
+        pair's sum runs on it (``gradients.GradientSync``)."""
+        seg = self.partition.by_name.get(TIED)
+        return None if seg is None else self.flat_grad[seg.mine]
 
     def clear_slot(self, segment: str) -> None:
         """Before ``segment``'s backward: its gradient slot is free (the
@@ -286,19 +326,21 @@ class BlockStream(ResidentLayers):
     ``enter(i)`` before block i runs (its parameters gathered, the next
     block's gather started; in backward its gradient slot cleared),
     ``leave(i)`` after (in backward its gradients sent on their way),
-    ``finish()`` after backward's last step (the outside segment's
-    gradients, then every reduce-scatter landed). ``blocks`` are the
-    sites ("h.{i}") in the order the model holds them."""
+    ``finish()`` after backward's last step (the end segments' gradients,
+    then every reduce-scatter landed). ``blocks`` are the sites ("h.{i}")
+    in the order the model holds them; ``ends`` the end segments (outside,
+    the tied wte) the model runs: none for a pipeline chunk between the
+    embeddings and the head, so its passes neither clear nor send them."""
 
-    def __init__(self, store: SegmentedStore, direction: str, blocks: list):
+    def __init__(self, store: SegmentedStore, direction: str, blocks: list, ends: list = ()):
         self.store, self.backward = store, direction == "backward"
         self.order = list(reversed(blocks)) if self.backward else list(blocks)
         self.step = -1 if self.backward else 1
-        self.blocks = blocks
-        if OUTSIDE in store.partition.by_name:
-            store.fetch(OUTSIDE)
+        self.blocks, self.ends = blocks, list(ends)
+        for segment in self.ends:
+            store.fetch(segment)
             if self.backward:
-                store.clear_slot(OUTSIDE)
+                store.clear_slot(segment)
         if self.order:
             store.prefetch(self.order[0])
 
@@ -315,6 +357,6 @@ class BlockStream(ResidentLayers):
             self.store.reduce_slot(self.blocks[i])
 
     def finish(self) -> None:
-        if OUTSIDE in self.store.partition.by_name:
-            self.store.reduce_slot(OUTSIDE)
+        for segment in self.ends:
+            self.store.reduce_slot(segment)
         self.store.wait_gradients()

@@ -1,11 +1,15 @@
 """Gradient sums and the gradient norm over the parameter store.
 
-Every step sums each rank's partial gradients twice: inside the tensor-
-parallel group, over the ranks that replicate a block (a bias replicated
-over the 3-D cube's (i, k) plane, every 1-D LayerNorm), and over the data-
-parallel replicas. The norm counts each logical element once however many
-ranks hold it. These are collectives over a ``ParamStore``, so they live in
-the parallel layer; the step objects of ``training.step`` call them.
+Every step sums each rank's partial gradients over every axis that splits
+the work but not the parameters: inside the tensor-parallel group over the
+ranks that replicate a block (a bias replicated over the 3-D cube's (i, k)
+plane, every 1-D LayerNorm), over the context-parallel ring (each cp rank
+saw other positions), over the tied wte's pair of pipeline stages (the
+lookup on stage 0, the head on stage P-1) and over the data-parallel
+replicas. ``GradientSync`` is that one synchronisation, built once from
+the store and the axes. The norm counts each logical element once however
+many ranks hold it. These are collectives over a ``ParamStore``, so they
+live in the parallel layer; the step objects of ``training.step`` call them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import math
 
 from ..device import precision
 from .comm import Comm
+from .grid import tied_pair
 from .params import ParamStore
 
 
@@ -43,6 +48,61 @@ def sync_gradients(store: ParamStore, dp: Comm) -> None:
     sync_replica_groups(store)
     if dp.size > 1:
         store.flat_grad[...] = dp.allreduce(store.flat_grad, wire=gradient_wire(store))
+
+
+class GradientSync:
+    """The step's one gradient synchronisation: every sum the plan's axes
+    need, in one place, whatever the --zero setting (``__call__``, once per
+    step after the last backward). All are sums of linear contributions, so
+    their order is free; each runs where it moves the fewest elements:
+
+    ===============  =================================  ==================================
+    sum over         --zero 0 / 1 (whole gradient)      --zero 2 / 3 (per-layer chunks)
+    ===============  =================================  ==================================
+    replica groups   all-reduce of each group's run     per layer and micro-batch, in
+                                                        backward (``fsdp.reduce_slot``)
+    tied wte pair    all-reduce of grad["wte"]          all-reduce of the wte chunk (C_wte)
+    cp ring          all-reduce of the buffer (P)       all-reduce of the chunk (C)
+    dp               all-reduce (0), reduce-scatter     per layer and micro-batch, in
+                     into the owned chunk (1)           backward (reduce-scatter)
+    ===============  =================================  ==================================
+
+    Why the cp and pair sums come after the reduce-scatters under --zero 2
+    and 3: the cp ranks of one dp replica own the same chunk of every
+    segment, and so do the two stages of the pair (wte is a segment of its
+    own there, ``zero.segment_of``), so summing the chunk once per step
+    moves C elements where summing each slot before its reduce-scatter
+    would move dp C per layer and micro-batch; the pair's two copies are
+    also complete at different points of the schedule, so only the step's
+    end sees both. Collective over ``axes.pp`` when built (the pair's
+    communicator); every rank calls it."""
+
+    def __init__(self, store: ParamStore, axes):
+        self.store, self.axes = store, axes
+        self.tied = tied_pair(axes)      # stages 0 and P-1 (None on the others and without stages)
+        self.wire = gradient_wire(store)
+
+    def __call__(self) -> None:
+        store, wire, cp, dp = self.store, self.wire, self.axes.cp, self.axes.dp
+        if store.streams_gradients:      # replica groups and dp: done per layer during backward
+            store.wait_gradients()
+            tied = store.tied_chunk()    # (C_wte,) when this stage holds a copy of wte
+            if self.tied is not None and tied is not None:
+                tied[...] = self.tied.allreduce(tied, wire=wire)
+            if cp.size > 1:
+                store.flat_grad[...] = cp.allreduce(store.flat_grad, wire=wire)       # (C,)
+            return
+        sync_replica_groups(store)
+        if self.tied is not None:
+            store.grad["wte"][...] = self.tied.allreduce(store.grad["wte"], wire=wire)
+        if cp.size > 1:
+            store.flat_grad[...] = cp.allreduce(store.flat_grad, wire=wire)           # (P_pad,)
+        if dp.size == 1:
+            return
+        if store.partition.sharded:      # --zero 1: the owned chunk of the summed buffer
+            store.flat_grad[store.shard] = dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
+        else:
+            store.flat_grad[...] = dp.allreduce(store.flat_grad, wire=wire)
 
 
 def global_grad_norm(store: ParamStore, tp: Comm, stages: Comm = None) -> float:

@@ -262,10 +262,16 @@ class ParamStore:
                 out.append(a)
         return out
 
-    def layers(self, direction: str, blocks: list) -> ResidentLayers:
+    def layers(self, direction: str, blocks: list, ends: bool = True) -> ResidentLayers:
         """The stream a forward or backward pass over ``blocks`` (their
-        sites, "h.{i}", in the model's order) walks: nothing to fetch here."""
+        sites, "h.{i}", in the model's order; ``ends``: whether the pass
+        runs the embeddings or the head too) walks: nothing to fetch here."""
         return ResidentLayers()
+
+    def tied_chunk(self):
+        """The tied wte's gradient chunk when it is a segment of its own
+        (``fsdp.SegmentedStore``); here the whole ``grad["wte"]`` is summed."""
+        return None
 
     # --- the working copy ---------------------------------------------------
     @property

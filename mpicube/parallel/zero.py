@@ -56,19 +56,16 @@ SHARDS = {1: "the optimizer state", 2: "the optimizer state and gradients",
 
 def validate(zero: int, dp: int, pp: int = 1, cp: int = 1) -> None:
     """ConfigError for a --zero setting that cannot apply (pure: every rank
-    runs it before any collective). --zero 2 and 3 reduce-scatter each
-    block's gradients as its backward ends, before a pipeline's tied-wte
-    sum or the context-parallel ring's sum could run: those combinations
-    are refused until they are built and tested."""
+    runs it before any collective): sharding needs data-parallel replicas.
+    Every --zero composes with --pp and --cp (``pp``, ``cp``: kept so the
+    plan's call names every axis; the gradient synchronisation,
+    ``parallel.gradients.GradientSync``, adds the ring's and the tied
+    pair's sums to the per-layer reduce-scatters)."""
     if zero not in CHOICES:
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     if zero and dp < 2:
         raise ConfigError(f"--zero {zero} shards {SHARDS[zero]} over data-parallel replicas and needs "
                           f"--dp 2 or more (got --dp {dp})")
-    for name, size in (("pp", pp), ("cp", cp)):
-        if zero >= 2 and size > 1:
-            raise ConfigError(f"--zero {zero} with --{name} {size} does not compose yet: use --zero 1 "
-                              f"(optimizer state sharded), or --{name} 1")
 
 
 @dataclass(frozen=True)
@@ -135,25 +132,44 @@ def sizes(size: int, dp: int, zero: int) -> tuple:
 # that a single collective moves. The rank's flat buffer is therefore laid
 # out segment by segment: "outside" (wte, wpe, ln_f: what runs before and
 # after the blocks), then h.0, h.1, ... (a pipeline stage's store holds only
-# its own blocks and gets only their segments). Each segment of S elements
+# its own blocks and ends and gets only their segments; there wte is a
+# segment of its own, "wte", see ``segment_of``). Each segment of S elements
 # is padded to dp C_s and cut into dp chunks of C_s; replica r owns chunk r
 # of every segment, and its optimizer works on their concatenation (C =
 # sum of C_s elements, in segment order).
 
 OUTSIDE = "outside"
+TIED = "wte"
 
 
-def segment_of(name: str) -> str:
+def segment_of(name: str, split_tied: bool = False) -> str:
     """The layer a parameter belongs to: "h.{i}" for a block's tensors,
-    ``OUTSIDE`` for the embeddings and the final LayerNorm."""
+    ``OUTSIDE`` for the embeddings and the final LayerNorm. With
+    ``split_tied`` (pipeline stages: stage 0 and stage P-1 each hold a copy
+    of the tied wte) wte is a segment of its own, ``TIED``: the two copies
+    are then cut into the same dp chunks on both stages, so the pair's sum
+    is one all-reduce of the chunk (C_wte elements), after the
+    reduce-scatters, instead of a sum of the whole wte gradient (which the
+    two stages finish at different times of the schedule)."""
     if name.startswith("h."):
         return ".".join(name.split(".")[:2])
+    if split_tied and name == "wte":
+        return TIED
     return OUTSIDE
 
 
 def segment_key(segment: str) -> tuple:
-    """Buffer order of segments: outside first, then the blocks in order."""
-    return (0, 0) if segment == OUTSIDE else (1, int(segment.split(".")[1]))
+    """Buffer order of segments: outside first, the tied wte (if split),
+    then the blocks in order."""
+    if segment in (OUTSIDE, TIED):
+        return (0, int(segment == TIED))
+    return (1, int(segment.split(".")[1]))
+
+
+def is_end(segment: str) -> bool:
+    """Whether ``segment`` is run by a model's ends (embeddings, head), not
+    by a block: gathered once per step and kept, each in a slot of its own."""
+    return segment in (OUTSIDE, TIED)
 
 
 @dataclass(frozen=True)
@@ -234,13 +250,13 @@ class Segments:
         return xp.concatenate([full[seg.own] for seg in self.list])
 
 
-def segment_sizes(named_sizes, dp: int, zero: int) -> list:
+def segment_sizes(named_sizes, dp: int, zero: int, split_tied: bool = False) -> list:
     """[(segment name, S, C_s)] in buffer order for a rank's parameters
     ``named_sizes`` ((name, local elements) pairs): what the store builds
-    and the cost model predicts."""
+    and the cost model predicts (``split_tied``: as ``segment_of``)."""
     totals = {}
     for name, n in named_sizes:
-        seg = segment_of(name)
+        seg = segment_of(name, split_tied)
         totals[seg] = totals.get(seg, 0) + n
     parts = dp if zero >= 2 else 1
     return [(seg, totals[seg], -(-totals[seg] // parts)) for seg in sorted(totals, key=segment_key)]

@@ -89,7 +89,8 @@ def build_parts(run: Resolved, mpi_world, numerics: Numerics = Numerics(), seed:
     layout = build_layout(run, backend, mpi_world, counters=counters, recorder=recorder)
     if grid.pp > 1:
         virtual = grid.virtual_stages
-        store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=grid.zero)
+        store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=grid.zero,
+                           stages=grid.pp)
         pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=virtual, dropout=dropout,
                         seed=seed, grad_accum=accum)
         return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)

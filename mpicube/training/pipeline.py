@@ -29,10 +29,10 @@ is ``Parts.micro_rows(m)`` of the step's batch, dropout masks are drawn at
 global sequence indices (``Dropout.first_seq``), every micro-batch's loss is
 divided by the step's token count, and backward adds into the gradient
 buffers. The tied ``wte``: stage 0 (lookup) and stage P-1 (head) each hold a
-copy in the layout's sharding; after the step's last backward their
-gradients are summed over the pair (axis "tied"), so both copies take the
-same optimizer step. The gradient norm counts the tensor once: both copies
-declare twice the layout's replica count (so each counts half), and only
+copy in the layout's sharding; the step's gradient synchronisation
+(``parallel.gradients.GradientSync``) sums their gradients over the pair
+(axis "tied"), so both copies take the same optimizer step. The gradient
+norm counts the tensor once: both copies declare twice the layout's replica count (so each counts half), and only
 stage 0's copy is written to a checkpoint.
 """
 
@@ -47,8 +47,6 @@ from ..model.gpt import GPT, gpt_params  # noqa: F401 (GPT: tests plant faults o
 from ..model.tape import saved_buffers
 from .driver import build_gpt, last_logits, micro_context
 from ..parallel.comm_p2p import irecv, isend
-from ..parallel.gradients import gradient_wire
-from ..parallel.grid import tied_pair
 from ..parallel.schedules import Action, build_schedule, layer_split, message_tag
 
 
@@ -108,7 +106,6 @@ class Pipeline:
         # the action list: the schedule's, or one a test plants
         self.actions = actions if actions is not None else build_schedule(schedule, self.P, grad_accum,
                                                                            virtual)[self.stage]
-        self.tied = tied_pair(layout.axes)      # stages 0 and P-1 (None on the others, or with one stage)
         self.models = {}                        # v -> the GPT of local chunk v (one for every micro-batch)
         self.tapes = {}                         # (v, micro) -> the tape of a forward whose backward has not run
         # (elements, bytes) the most held for backward at once, when measured: after
@@ -213,7 +210,6 @@ class Pipeline:
         if posted or inbox or outbox:
             raise RuntimeError(f"stage {self.stage}: the action list left messages unused: "
                                f"{sorted(set(posted) | set(inbox) | set(outbox))[:3]}")
-        self._sum_tied()
         return self._step_loss(loss)
 
     def _measure(self, live) -> None:
@@ -231,15 +227,6 @@ class Pipeline:
     def _peak(self, held) -> None:
         """Elements and bytes peak apart (the peak of one need not be the other's)."""
         self.peak_saved = (max(self.peak_saved[0], held[0]), max(self.peak_saved[1], held[1]))
-
-    def _sum_tied(self) -> None:
-        """The tied wte's two gradients (lookup on stage 0, head on stage
-        P-1) summed over the pair, before the step's gradient sums."""
-        if self.tied is None:
-            return
-        store = self.store
-        store.settle()
-        store.grad["wte"][...] = self.tied.allreduce(store.grad["wte"], wire=gradient_wire(store))
 
     def _step_loss(self, share: float) -> float:
         """The last stage's loss shares summed over every rank (the other

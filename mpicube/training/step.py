@@ -2,6 +2,10 @@
 one object, replicated over data-parallel replicas (--zero 0) or sharded
 over them (--zero 1, see ``parallel.zero``; --zero 2 and 3, whose
 gradients arrive reduce-scattered during backward, ``parallel.fsdp``).
+Both sum gradients with the same ``parallel.gradients.GradientSync``,
+built from the store and the axes (tp replica groups, cp ring, the tied
+wte pair of a pipeline, dp); they differ in the norm (whole buffer or
+owned chunks) and in what follows AdamW (nothing, or the gather).
 
 Both objects answer the same three calls, in this order every step:
 ``sync()`` (sum the gradients), ``grad_norm()`` (the global L2 norm, for
@@ -15,9 +19,7 @@ from __future__ import annotations
 
 import math
 
-from ..parallel.gradients import (global_grad_norm, gradient_wire, sync_gradients, sync_replica_groups,
-                                  weighted_squares)
-from ..parallel import context
+from ..parallel.gradients import GradientSync, global_grad_norm, weighted_squares
 from ..parallel.params import ParamStore
 from .optim import OPTIMIZERS
 
@@ -32,10 +34,7 @@ class ReplicatedStep:
     def __init__(self, store: ParamStore, axes, weight_decay: float = 0.1, optimizer: str = "adamw"):
         self.store, self.axes = store, axes
         self.adam = OPTIMIZERS[optimizer](store, weight_decay=weight_decay)     # AdamW, or SGD
-
-    def sync(self) -> None:
-        context.sync_gradients(self.store, self.axes.cp, gradient_wire(self.store))   # --cp: sum over the ring
-        sync_gradients(self.store, self.axes.dp)
+        self.sync = GradientSync(store, axes)     # sync(): every axis's sum, the dp all-reduce last
 
     def grad_norm(self) -> float:
         return global_grad_norm(self.store, self.axes.tp, self.axes.pp)     # pp: the sum over stages
@@ -63,22 +62,11 @@ class ShardedStep:
             raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero >= 1)")
         self.store, self.axes = store, axes
         self.adam = OPTIMIZERS[optimizer](store, weight_decay=weight_decay)     # AdamW, or SGD
+        # sync(): every axis's sum; the owned chunk of flat_grad then holds the summed gradient
+        # (--zero 1: reduce-scattered over dp here; --zero 2/3: per layer during backward)
+        self.sync = GradientSync(store, axes)
         # (replicas, slice of the chunk): the gradient norm counts each replicated block once
         self.replica_runs = [(r, run) for r, whole in store.replica_runs for run in store.partition.local([whole])]
-
-    def sync(self) -> None:
-        """Gradients summed inside the tensor-parallel replica groups, then
-        reduce-scattered over dp into the owned chunk of ``flat_grad``, both
-        in ``gradients.gradient_wire`` (under bfloat16 the reduce-scatter sends
-        16-bit words and keeps their float32 sum)."""
-        store = self.store
-        if store.streams_gradients:         # --zero 2/3: reduce-scattered per layer during backward
-            store.wait_gradients()
-            return
-        sync_replica_groups(store)
-        wire = gradient_wire(store)
-        context.sync_gradients(store, self.axes.cp, wire)                # --cp: sum over the ring first
-        store.flat_grad[store.shard] = self.axes.dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
 
     def grad_norm(self) -> float:
         """L2 norm of the logical gradient from the owned chunks: one
