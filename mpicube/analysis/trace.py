@@ -35,6 +35,7 @@ from ..model.gpt import gpt_params
 from ..parallel import context
 from ..parallel.comm import on_root
 from ..parallel.grid import default_batch
+from ..training.driver import rank_positions
 from ..training.hooks import StepHooks
 from ..training.optim import Schedule
 from ..training.options import TrainOptions
@@ -149,10 +150,12 @@ class Collector:
         return context.local_positions(T, ring.size, ring.rank)
 
     def canonical_positions(self, T: int) -> np.ndarray:
-        """(T_c,) the global positions of this rank's canonical rows: a
-        run of T/tp under --sequence-parallel, else ``positions``."""
-        pos = self.layout.seq_positions(T)
-        return self.positions(T) if pos is None else pos
+        """(T_c,) the global positions of this rank's canonical rows: the
+        step driver's (``driver.rank_positions``: a run of T/tp under
+        --sequence-parallel, of the cp rank's positions under --cp too),
+        else ``positions``."""
+        pos = rank_positions(self.layout, T)
+        return np.arange(T) if pos is None else pos
 
     def host(self, a, dtype=None) -> np.ndarray:
         return np.asarray(self.parts.backend.to_host(a)).astype(dtype or self.dtype)
