@@ -257,7 +257,8 @@ def run_case(words: list, options: dict):
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "
               f"schedule={schedule} V={virtual} accum={accum} dtype={DTYPE} recompute={pc.RECOMPUTE} "
-              f"zero={pc.ZERO} cp={cp} sp={int(sp)} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} (rtol {RTOL:.1e})", flush=True)
+              f"zero={pc.ZERO} cp={cp} sp={int(sp)} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} "
+              f"(rtol {RTOL:.1e})", flush=True)
 
 
 if __name__ == "__main__":

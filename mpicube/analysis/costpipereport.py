@@ -235,8 +235,8 @@ def pipeline_summary(layout: str, cfg: ModelConfig, batch_size: int, world_size:
                "memory_bytes_per_rank": int(f["memory"]), "cross_node_bytes_per_rank": float(f["cross_node"]),
                "comm_bytes_by_class": {c: float(b) for c, b in f["bytes"].items()}}
               for f in stage_figures(p, ranks_per_node)]
-    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "pp": p.pp, "cp": p.cp, "sequence_parallel": p.sequence_parallel,
-            "depth": p.depth, "pp_schedule": p.pp_schedule,
+    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "pp": p.pp, "cp": p.cp,
+            "sequence_parallel": p.sequence_parallel, "depth": p.depth, "pp_schedule": p.pp_schedule,
             "virtual_stages": p.virtual_stages, "batch_size": p.batch, "seq_len": p.seq_len, "dtype": p.dtype,
             "recompute": p.recompute, "zero": p.zero, "grad_accum": p.grad_accum, "bubble": w["bubble"],
             "memory_bytes_per_rank": int(w["memory"]), "cross_node_bytes_per_rank": float(w["cross_node"]),
