@@ -12,10 +12,12 @@ activations a stage holds equal the cost model's.
 
 Usage: python -m mpi4py tests/pipeline_check.py CASE [-- CASE ...]
   CASE = LAYOUT DP DEPTH PP SCHEDULE V ACCUM [dropout=0.1] [batch=B] [steps=3] [dtype=float64]
-         [recompute=none] [zero=0] [layers=4] [ckpt=DIR]
+         [recompute=none] [zero=0] [layers=4] [cp=1] [sp=0] [ckpt=DIR]
 
 zero, recompute and dtype as MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE
-and MPICUBE_CHECK_DTYPE in tests/parallel_check.py. ckpt=DIR then moves
+and MPICUBE_CHECK_DTYPE in tests/parallel_check.py; cp=C runs the stages
+with context parallelism (each sequence over C ranks), sp=1 under
+--sequence-parallel (1-D). ckpt=DIR then moves
 the trained state through checkpoints: saved from this grid,
 loaded and saved again on the serial layout (rank 0 alone), then on pp 4 x
 1d (tp 2, the first 8 ranks), then loaded back here: every parameter and
@@ -50,10 +52,12 @@ HALF = is_half(dtype_of(DTYPE))
 RTOL = 1e-10
 
 
-def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout, recompute, zero):
+def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout, recompute, zero,
+                   cp=1, sp=False):
     backend = make_backend("cpu", DTYPE)
     counters = Counters()
-    grid = GridSpec(layout_name, dp=dp, pp=pp, depth=depth, grad_accum=accum, recompute=recompute)
+    grid = GridSpec(layout_name, dp=dp, pp=pp, cp=cp, depth=depth, grad_accum=accum, recompute=recompute,
+                    sequence_parallel=sp, pp_schedule=schedule, virtual_stages=virtual)
     layout = build_layout(resolve(grid, cfg, batch, MPI.COMM_WORLD.Get_size()), backend, MPI.COMM_WORLD,
                           counters=counters)
     store = make_store(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero, stages=pp)
@@ -71,7 +75,7 @@ def close(name, got, want, scale=None):
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
 
 
-def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, adam):
+def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, adam, cp=1, sp=False):
     """Measured elements/bytes/messages on every axis (point-to-point "pp"
     included), the peak saved activations of this stage and the weights,
     gradients and AdamW moments it holds (every buffer, the slots of --zero
@@ -84,7 +88,7 @@ def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, adam
     layout, pipe, c = parts.layout, parts.pipeline, parts.counters
     problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
                       recompute=pc.RECOMPUTE, zero=pc.ZERO, grad_accum=accum, pp=pp, pp_schedule=schedule,
-                      virtual_stages=virtual, stage=layout.axes.pp.rank)
+                      virtual_stages=virtual, stage=layout.axes.pp.rank, cp=cp, sequence_parallel=sp)
     pc.assert_traffic(step_traffic(problem), c, f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage})")
     peak = sum(pipeline_peak_activations(problem, dropout=True).values())
     peak_bytes = pipeline_peak_activation_bytes(problem, dropout=True)
@@ -228,8 +232,9 @@ def run_case(words: list, options: dict):
     steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T)))
              for _ in range(int(options.get("steps", 3)))]
 
+    cp, sp = int(options.get("cp", 1)), options.get("sp", "0") == "1"
     parts = build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout,
-                           pc.RECOMPUTE, pc.ZERO)
+                           pc.RECOMPUTE, pc.ZERO, cp, sp)
     layout, store, counters = parts.layout, parts.store, parts.counters
     if HALF:
         RTOL = pc.wire_tolerance(layout, store) + 2 * pc.unit_roundoff(dtype_of(DTYPE))   # + the stage sum
@@ -256,7 +261,7 @@ def run_case(words: list, options: dict):
             close(f"step {step} grad {spec.name}", np.where(mask & mine, got, 0),
                   np.where(mask & mine, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
-        check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, opt.adam)   # the step's gather too
+        check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, opt.adam, cp, sp)   # the step's gather too
     params = store.views(store.full_master())
     s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
     for spec in store.specs if not HALF else []:
@@ -270,7 +275,8 @@ def run_case(words: list, options: dict):
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "
               f"schedule={schedule} V={virtual} accum={accum} dtype={DTYPE} recompute={pc.RECOMPUTE} "
-              f"zero={pc.ZERO} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} (rtol {RTOL:.1e})", flush=True)
+              f"zero={pc.ZERO} cp={cp} sp={int(sp)} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} "
+              f"(rtol {RTOL:.1e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -171,16 +171,18 @@ def test_info_pp(mpicube):
 
 
 def test_info_validates_the_axes_as_train_does(mpicube):
-    """info resolves the same plan train does, once: --pp with --cp is
-    refused as train refuses it (it used to print "tp 1, cp 2" and then a
-    world without cp, or blame the world size 1 of one stage)."""
-    refusal = ("error: --pp 2 with --cp 2: pipeline stages and context parallelism do not compose yet; "
-               "use one of them (--pp 1 or --cp 1)")
-    for n in (8, 4):
-        r = mpicube.run("info", "--pp", 2, "--cp", 2, "-n", n, "--layout", "1d")
-        assert r.returncode == 2 and r.error_lines() == [refusal], r
+    """info resolves the same plan train does, once: --pp with --cp, which
+    composes now, names every axis of the world (it used to print "tp 1,
+    cp 2" and then a world without cp, or blame the world size 1 of one
+    stage), and a world they do not divide is refused as train refuses it."""
+    r = mpicube.run("info", "--pp", 2, "--cp", 2, "-n", 8, "--layout", "1d")
+    assert r.returncode == 0, r
+    assert "world 8 = dp 1 x pp 2 x cp 2 x tp 2" in r.stdout and "cp bytes" in r.stdout, r
+    refusal = "error: --pp 2 x --cp 2 = 4 must divide the world size {}; their product must be one of {}"
+    r = mpicube.run("info", "--pp", 2, "--cp", 2, "-n", 6, "--layout", "1d")
+    assert r.returncode == 2 and r.error_lines() == [refusal.format(6, [1, 2, 3, 6])], r
     r = mpicube.run("train", "--pp", 2, "--cp", 2, "--layout", "1d", "--steps", 1)
-    assert r.returncode == 2 and r.error_lines() == [refusal], r
+    assert r.returncode == 2 and r.error_lines() == [refusal.format(1, [1])], r
 
 
 def _script_defaults(name: str) -> dict:

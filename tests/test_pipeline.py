@@ -46,6 +46,16 @@ def test_small_grids_follow_serial():
                   "1d 2 1 2 gpipe 1 2 dtype=float16 zero=1"])
 
 
+@pytest.mark.timeout(200)
+def test_stages_compose_with_cp_and_sequence_parallel():
+    """4 ranks: pp 2 x cp 2 on the serial layout (each stage's ring over
+    its own cp pair; stage boundaries send T/cp of each sequence) and 1-D
+    tp 2 x pp 2 under --sequence-parallel (T/tp): equal to serial with
+    dropout, traffic and each stage's peak saved activations the cost
+    model's. (The two used to be refused by the plan's validation.)"""
+    run_cases(4, ["serial 1 1 2 1f1b 1 2 cp=2", "1d 1 1 2 1f1b 1 2 sp=1"])
+
+
 @pytest.mark.timeout(400)
 def test_cube_and_tesseract_stages_and_checkpoint_round_trip(tmp_path):
     """16 ranks: 3-D tp 8 x pp 2 under 1F1B, its trained state moved

@@ -22,16 +22,17 @@ from mpicube.parallel.gridspec import GridSpec
 
 CASES = [(4, 2, {"MPICUBE_CHECK_ACCUM": "2"}),
          (2, 1, {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-         (2, 1, {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_DTYPE": "bfloat16"})]
+         (2, 1, {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_DTYPE": "bfloat16"}),
+         (4, 1, {"MPICUBE_CHECK_CP": "2"})]     # tp 2 x cp 2: tp rank t holds run t of its cp rank's chunks
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks,dp,env", CASES, ids=["dp2-accum2", "blocks", "gathers-bf16"])
+@pytest.mark.parametrize("ranks,dp,env", CASES, ids=["dp2-accum2", "blocks", "gathers-bf16", "cp2"])
 def test_sequence_parallel_matches_serial(ranks, dp, env):
     """Dropout 0.1: loss, logits, every gradient and the parameters after
     three AdamW steps equal serial (1e-10 in float64; bfloat16 within
     parallel_check's bound); traffic and saved activations exactly the
-    cost model's, with --recompute and --grad-accum too."""
+    cost model's, with --recompute, --grad-accum and --cp too."""
     env = {"MPICUBE_CHECK_SEQPAR": "1", **env}
     proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", "1d", dp, 1, 0.1, 8], timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -59,9 +60,11 @@ def test_bad_input_names_the_nearest_valid_values():
         plan(GridSpec("2d", sequence_parallel=True), cfg, 8, 4)
     with pytest.raises(ConfigError, match=r"sequence length \(--seq-len\) of 8 or 12"):
         plan(GridSpec("1d", sequence_parallel=True), cfg, 8, 4)
-    with pytest.raises(ConfigError, match="--sequence-parallel with --cp 2 is not built yet; use --cp 1"):
-        plan(GridSpec("1d", cp=2, sequence_parallel=True), ModelConfig(vocab_size=61, n_ctx=8, n_layer=1,
-                                                                       n_head=4, n_embd=16), 8, 4)
+    with pytest.raises(ConfigError, match=r"--sequence-parallel with --cp 2 splits the 6 positions of a context-"
+                                          r"parallel rank over the 4 tensor-parallel ranks: use a sequence length "
+                                          r"\(--seq-len\) of 8 or 16"):
+        plan(GridSpec("1d", cp=2, sequence_parallel=True), ModelConfig(vocab_size=61, n_ctx=12, n_layer=1,
+                                                                       n_head=4, n_embd=16), 8, 8)
 
 
 def test_cli_trace_train_eval_bench_info_and_refusal(mpicube, tiny_shard):

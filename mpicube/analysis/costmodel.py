@@ -335,13 +335,16 @@ def ring_traffic(p: Problem) -> Traffic:
     K/V pair of this rank's chunks (2 x seqs x T/cp x h_local elements)
     shifted C-1 times in forward (twice under --recompute blocks), and in
     backward C-1 times more, with the dK/dV pair in the compute format C
-    times. One message per shift."""
+    times. One message per shift. Per layer this stage runs (``p.layers``:
+    all of them without a pipeline). The K/V rows are the cp rank's T/cp
+    positions also under --sequence-parallel (qkv holds the tp group's
+    gathered rows)."""
     t, w, C = Traffic(), p.widths, p.cp
     seqs, heads = attention_split(p)
     kv = 2 * seqs * p.local_seq * heads * p.cfg.head_dim
     forwards = 2 if p.recompute == "blocks" else 1
-    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.cfg.n_layer, w.act)
-    t._add("cp", C, kv, 1, C * p.cfg.n_layer, w.stat)
+    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.layers, w.act)
+    t._add("cp", C, kv, 1, C * p.layers, w.stat)
     return t
 
 

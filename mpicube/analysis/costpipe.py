@@ -12,7 +12,8 @@ lists the executor runs, so the model counts what the code sends.
   its gradient back, each in the working (storage) format: 2-byte words
   under 16-bit. A stage boundary needs no re-layout because every stage
   runs the same tensor-parallel layout: tp rank t of stage p sends to tp
-  rank t of stage p+1. Interleaved runs V chunks per stage, so V times the
+  rank t of stage p+1 (at the same cp rank: a shard of T/cp positions,
+  of T/tp under --sequence-parallel). Interleaved runs V chunks per stage, so V times the
   boundaries (all but the model's two ends).
 * Bubble: idle share of the step with equal work per layer and free
   communication, (P-1)/(N+P-1) for GPipe and 1F1B, (P-1)/(V N + P-1) under
@@ -65,10 +66,12 @@ def boundary_elems(p: Problem) -> int:
     """Elements of one activation shard at a stage boundary, per rank and
     micro-batch: the canonical block output (B, T, h) as this layout keeps
     it, replicated in 1-D (each tp rank sends the whole), (B/(dq), T, h/q)
-    in 2-D/2.5-D, (B/q^2, T, h/q) in 3-D."""
-    h, T, B = p.cfg.n_embd, p.seq_len, p.local_batch
+    in 2-D/2.5-D, (B/q^2, T, h/q) in 3-D; T is this rank's positions, so
+    --cp sends T/cp of each sequence and 1-D --sequence-parallel T/tp (both:
+    T/(cp tp)), the rows the step driver cut for the rank."""
+    h, T, B = p.cfg.n_embd, p.local_seq, p.local_batch
     if p.layout in ("serial", "1d"):
-        return B * T * h
+        return B * (T // p.tp if p.sequence_parallel else T) * h
     if p.layout in ("2d", "2.5d"):
         q = round((p.tp // p.depth) ** 0.5)
         return B // (p.depth * q) * T * (h // q)

@@ -5,14 +5,16 @@ over the cost model; nothing here runs a model.
 
 Link classes follow the rank order of ``parallel.gridspec`` (dp, pp, cp,
 tp; tp innermost): "tp" is the tensor-parallel layout's own axes (one
-node when tp fits in one), "pp" the stage boundaries and the tied wte's
+node when tp fits in one), "cp" the context-parallel ring and its weight
+gradient sum (ranks tp apart), "pp" the stage boundaries and the tied wte's
 gradient sum between the first and the last stage (ranks tp apart and
-(pp-1) tp apart), "dp" the replicas' gradient sums (ranks pp tp apart),
+(pp-1) tp apart, times cp), "dp" the replicas' gradient sums (ranks pp cp
+tp apart),
 "world" the step's few scalars (loss, norm under --zero 1). A byte is
 cross-node when the group it moves in spans more than one node of
 ``ranks_per_node`` consecutive ranks (``axis_span``: 3-D's k axis spans q
-ranks, j q^2, i and the planes q^3; 2-D's row q, col q^2; pp and the tied
-pair pp tp, dp and world the world), exact for node sizes and grids that
+ranks, j q^2, i and the planes q^3; 2-D's row q, col q^2; cp cp tp; pp
+and the tied pair pp cp tp, dp and world the world), exact for node sizes and grids that
 are powers of two.
 """
 
@@ -28,7 +30,7 @@ from .costmodel import Problem, step_traffic
 from .costpipe import bubble, peak_in_flight, stage_problem
 from .costreport import SHARDED
 
-CLASSES = ("tp", "pp", "dp", "world")
+CLASSES = ("tp", "cp", "pp", "dp", "world")
 RANKS_PER_NODE = 8
 
 
@@ -36,17 +38,19 @@ def link_class(axis: str) -> str:
     """The link class of a traffic axis."""
     if axis in ("pp", "tied"):
         return "pp"
-    if axis in ("dp", "world"):
+    if axis in ("cp", "dp", "world"):
         return axis
     return "tp"
 
 
 def axis_span(p: Problem, axis: str) -> int:
     """Consecutive ranks one group of ``axis`` spans (tp innermost)."""
+    if axis == "cp":
+        return p.tp * p.cp
     if axis in ("pp", "tied"):
-        return p.tp * p.pp
+        return p.tp * p.cp * p.pp
     if axis in ("dp", "world"):
-        return p.tp * p.pp * p.dp
+        return p.tp * p.cp * p.pp * p.dp
     if p.layout == "3d":
         q = round(p.tp ** (1 / 3))
         return {"k": q, "j": q * q}.get(axis, p.tp)
@@ -58,20 +62,23 @@ def axis_span(p: Problem, axis: str) -> int:
 
 def pipeline_problem(layout: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
                      depth: int = 1, pp: int = 1, schedule: str = "1f1b", virtual: int = 1,
-                     dtype: str = "float32", recompute: str = "none", grad_accum: int = 1, zero: int = 0):
-    """A validated Problem (stage 0) for dp x pp x tp, or the ConfigError's
-    message. The layout is validated as the tensor-parallel group of one
-    stage (world / (dp pp) ranks), the pipeline by ``check_pipeline``."""
+                     dtype: str = "float32", recompute: str = "none", grad_accum: int = 1, zero: int = 0,
+                     cp: int = 1, sequence_parallel: bool = False):
+    """A validated Problem (stage 0) for dp x pp x cp x tp, or the
+    ConfigError's message. The layout is validated as the tensor-parallel
+    group of one stage with its cp ring (world / (dp pp) ranks, cp and
+    --sequence-parallel included), the pipeline by ``check_pipeline``."""
     try:
-        tp = check_pp_world(world_size, pp, dp)
+        GridSpec(layout, dp=dp, pp=pp, cp=cp).tp(world_size)
+        tp = check_pp_world(world_size // cp, pp, dp)
         check_pipeline(cfg.n_layer, pp, schedule, virtual, grad_accum)
-        _, resolved, tp = plan(GridSpec(layout, dp=dp, depth=depth), cfg, batch_size, tp * dp, grad_accum,
-                               recompute)
+        grid = GridSpec(layout, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
+        _, resolved, tp = plan(grid, cfg, batch_size, tp * dp * cp, grad_accum, recompute)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
                    recompute=recompute, zero=zero, grad_accum=grad_accum, pp=pp, pp_schedule=schedule,
-                   virtual_stages=virtual)
+                   virtual_stages=virtual, cp=cp, sequence_parallel=sequence_parallel)
 
 
 def stage_figures(p: Problem, ranks_per_node: int = RANKS_PER_NODE) -> list:
@@ -105,12 +112,14 @@ def _fmt(n) -> str:
 
 
 def stages_report(p: Problem, ranks_per_node: int = RANKS_PER_NODE) -> str:
-    """One line per stage of the chosen run."""
+    """One line per stage of the chosen run (a cp bytes column under --cp)."""
     name = p.pp_schedule + (f", {p.virtual_stages} virtual stages" if p.virtual_stages > 1 else "")
+    ring = p.cp > 1
+    order = "dp, pp, cp, tp" if ring else "dp, pp, tp"
     lines = [f"pipeline: {p.pp} stages, {name}, {p.grad_accum} micro-batches; bubble {bubble(p):.1%} of the step "
-             f"(idle share, equal work per layer); rank order dp, pp, tp with tp innermost",
-             f"  {'stage':<6} {'layers':<14} {'in flight':>9} {'memory':>9} {'tp bytes':>9} {'pp bytes':>9} "
-             f"{'dp bytes':>9} {'cross-node':>10}"]
+             f"(idle share, equal work per layer); rank order {order} with tp innermost",
+             f"  {'stage':<6} {'layers':<14} {'in flight':>9} {'memory':>9} {'tp bytes':>9} "
+             + (f"{'cp bytes':>9} " if ring else "") + f"{'pp bytes':>9} {'dp bytes':>9} {'cross-node':>10}"]
     split = p.chunk_layers
     for f in stage_figures(p, ranks_per_node):
         chunks = [split[v * p.pp + f["stage"]] for v in range(p.virtual_stages)]
@@ -118,8 +127,8 @@ def stages_report(p: Problem, ranks_per_node: int = RANKS_PER_NODE) -> str:
         extra = ("+embed" if f["stage"] == 0 else "") + ("+head" if f["stage"] == p.pp - 1 else "")
         b = f["bytes"]
         lines.append(f"  {f['stage']:<6} {layers + extra:<14} {f['in_flight']:>9} {_fmt(f['memory']) + 'B':>9} "
-                     f"{_fmt(b['tp']) + 'B':>9} {_fmt(b['pp']) + 'B':>9} {_fmt(b['dp']) + 'B':>9} "
-                     f"{_fmt(f['cross_node']) + 'B':>10}")
+                     f"{_fmt(b['tp']) + 'B':>9} " + (f"{_fmt(b['cp']) + 'B':>9} " if ring else "")
+                     + f"{_fmt(b['pp']) + 'B':>9} {_fmt(b['dp']) + 'B':>9} {_fmt(f['cross_node']) + 'B':>10}")
     return "\n".join(lines)
 
 
@@ -185,12 +194,12 @@ def combinations_report(cfg: ModelConfig, batch_size: int, world_size: int, dtyp
 
 
 def _chosen(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtual, dtype, recompute, grad_accum,
-            zero) -> Problem:
+            zero, cp=1, sequence_parallel=False) -> Problem:
     from ..parallel.zero import validate
 
     validate(zero, dp)
     p = pipeline_problem(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtual, dtype, recompute,
-                         grad_accum, zero)
+                         grad_accum, zero, cp, sequence_parallel)
     if isinstance(p, str):
         raise ConfigError(p)
     return p
@@ -198,13 +207,15 @@ def _chosen(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtua
 
 def pipeline_report(layout: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int, depth: int, pp: int,
                     schedule: str, virtual: int, dtype: str = "float32", recompute: str = "none",
-                    grad_accum: int = 1, zero: int = 0, ranks_per_node: int = RANKS_PER_NODE) -> str:
+                    grad_accum: int = 1, zero: int = 0, ranks_per_node: int = RANKS_PER_NODE,
+                    cp: int = 1, sequence_parallel: bool = False) -> str:
     """``info --pp``: the grid, every stage's layers, in-flight micro-batch
     chunks, memory and traffic per link class, and the bubble."""
     p = _chosen(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtual, dtype, recompute,
-                grad_accum, zero)
-    head = (f"layout {p.layout}: world {world_size} = dp {dp} x pp {pp} x tp {p.tp}"
-            + (f", depth {p.depth}" if p.layout == "2.5d" else "")
+                grad_accum, zero, cp, sequence_parallel)
+    head = (f"layout {p.layout}: world {world_size} = dp {dp} x pp {pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
+            + f" x tp {p.tp}" + (f", depth {p.depth}" if p.layout == "2.5d" else "")
+            + (", sequence parallel (LayerNorm, dropout, residuals: T/tp positions)" if p.sequence_parallel else "")
             + (f", {SHARDED[p.zero]} sharded over dp (--zero {p.zero})" if p.sharded else ""))
     body = (f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step in {grad_accum} micro-batches of "
             f"{batch_size // grad_accum}, --recompute {recompute}, {dtype}; per rank per step "
@@ -214,17 +225,19 @@ def pipeline_report(layout: str, cfg: ModelConfig, batch_size: int, world_size: 
 
 def pipeline_summary(layout: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int, depth: int, pp: int,
                      schedule: str, virtual: int, dtype: str = "float32", recompute: str = "none",
-                     grad_accum: int = 1, zero: int = 0, ranks_per_node: int = RANKS_PER_NODE) -> dict:
+                     grad_accum: int = 1, zero: int = 0, ranks_per_node: int = RANKS_PER_NODE,
+                     cp: int = 1, sequence_parallel: bool = False) -> dict:
     """``info --pp --json``: the run and the rank with the most of each
     figure over the stages, and every stage's."""
     p = _chosen(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtual, dtype, recompute,
-                grad_accum, zero)
+                grad_accum, zero, cp, sequence_parallel)
     w = worst(p, ranks_per_node)
     stages = [{"stage": f["stage"], "layers": f["layers"], "in_flight": f["in_flight"],
                "memory_bytes_per_rank": int(f["memory"]), "cross_node_bytes_per_rank": float(f["cross_node"]),
                "comm_bytes_by_class": {c: float(b) for c, b in f["bytes"].items()}}
               for f in stage_figures(p, ranks_per_node)]
-    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "pp": p.pp, "depth": p.depth, "pp_schedule": p.pp_schedule,
+    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "pp": p.pp, "cp": p.cp,
+            "sequence_parallel": p.sequence_parallel, "depth": p.depth, "pp_schedule": p.pp_schedule,
             "virtual_stages": p.virtual_stages, "batch_size": p.batch, "seq_len": p.seq_len, "dtype": p.dtype,
             "recompute": p.recompute, "zero": p.zero, "grad_accum": p.grad_accum, "bubble": w["bubble"],
             "memory_bytes_per_rank": int(w["memory"]), "cross_node_bytes_per_rank": float(w["cross_node"]),

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..check import shards
 from ..parallel import context
+from ..training.driver import rank_positions
 
 
 # --------------------------------------------------------------------------- gathering blocks
@@ -111,10 +112,12 @@ class Collector:
         return context.local_positions(T, ring.size, ring.rank)
 
     def canonical_positions(self, T: int) -> np.ndarray:
-        """(T_c,) the global positions of this rank's canonical rows: a
-        run of T/tp under --sequence-parallel, else ``positions``."""
-        pos = self.layout.seq_positions(T)
-        return self.positions(T) if pos is None else pos
+        """(T_c,) the global positions of this rank's canonical rows: the
+        step driver's (``driver.rank_positions``: a run of T/tp under
+        --sequence-parallel, of the cp rank's positions under --cp too),
+        else ``positions``."""
+        pos = rank_positions(self.layout, T)
+        return np.arange(T) if pos is None else pos
 
     def host(self, a, dtype=None) -> np.ndarray:
         return np.asarray(self.parts.backend.to_host(a)).astype(dtype or self.dtype)

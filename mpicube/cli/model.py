@@ -94,7 +94,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
             from ..analysis.costpipereport import pipeline_report
 
             echo(pipeline_report(layout or "auto", cfg, batch_size, world, dp, depth, pp, pp_schedule,
-                                 virtual_stages, dtype, recompute, grad_accum, zero, ranks_per_node))
+                                 virtual_stages, dtype, recompute, grad_accum, zero, ranks_per_node, cp=cp,
+                                 sequence_parallel=sequence_parallel))
         else:
             args = (layout or "auto", cfg, batch_size, world, dp, depth)
             options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
@@ -119,7 +120,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                 from ..analysis.costpipereport import pipeline_summary
 
                 echo(json.dumps(pipeline_summary(layout or "auto", cfg, batch_size, world, dp, depth, pp,
-                                                 pp_schedule, virtual_stages, dtype, recompute, grad_accum, zero)))
+                                                 pp_schedule, virtual_stages, dtype, recompute, grad_accum, zero,
+                                                 cp=cp, sequence_parallel=sequence_parallel)))
             else:
                 echo(json.dumps(summary(layout or "auto", cfg, batch_size, world, dp, depth, dtype=dtype,
                                         recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,

@@ -37,7 +37,7 @@ Rank order, slowest-varying first: dp, pp, cp, tp.
 1-D layout's tp group holds its activations (``layouts/seqpar.py``). It
 lives here, not in a layout option, because it is chosen with the axes on
 every entry point and ``grid.resolve`` must validate it against them (1-D
-only, T divisible by tp, not with cp or pp yet) before any communicator
+only, T/cp divisible by tp) before any communicator
 exists; ``build_layout`` hands it to ``OneDLayout``.
 """
 

@@ -16,6 +16,7 @@ one is a change in one place.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -77,10 +78,13 @@ def choose_layout(name: str, tp_size: int, depth: int = 1) -> str:
 
 
 def validate_axes(grid: Plan) -> None:
-    """Combinations of axes this build cannot run, refused with one line."""
-    if grid.pp > 1 and grid.cp > 1:
-        raise ConfigError(f"--pp {grid.pp} with --cp {grid.cp}: pipeline stages and context parallelism do not "
-                          f"compose yet; use one of them (--pp 1 or --cp 1)")
+    """Combinations of axes this build cannot run, refused with one line.
+    Every pairing of dp, pp, cp and sequence parallelism composes now (the
+    step driver cuts each micro-batch to this rank's positions whatever
+    the pipeline does with it); what is left refused is --zero 2/3 with
+    pp or cp (``zero.validate``) and sequence parallelism on a layout
+    other than 1-D (``check_sequence_parallel``). Kept as the one place a
+    future refusal of a pairing goes."""
 
 
 def validate_model(cfg: ModelConfig) -> None:
@@ -181,14 +185,18 @@ def _choose_batch(plan: Plan, cls, name: str, cfg: ModelConfig, tp: int, saved, 
 
 
 def check_sequence_parallel(grid: Plan, cls, resolved: str, cfg: ModelConfig, tp: int) -> None:
-    """--sequence-parallel: the 1-D layout, alone with dp, T divisible by tp."""
+    """--sequence-parallel: the 1-D layout, T/cp (the positions a context-
+    parallel rank holds, T without cp) divisible by tp. Under --cp the tp
+    ranks split the cp rank's two chunks into tp runs, so the 2C chunks
+    need not divide by tp one by one."""
     if resolved != "1d":
         raise ConfigError(f"--sequence-parallel applies to the 1d layout only (layout {resolved}): "
                           f"use --layout 1d, or drop --sequence-parallel")
-    for name in ("pp", "cp"):
-        if getattr(grid, name) > 1:
-            raise ConfigError(f"--sequence-parallel with --{name} {getattr(grid, name)} is not built yet; "
-                              f"use --{name} 1")
+    if grid.cp > 1 and (cfg.n_ctx // grid.cp) % tp:
+        step = 2 * grid.cp * tp // math.gcd(2, tp)      # T must be a multiple of 2C and of C x tp
+        raise ConfigError(f"--sequence-parallel with --cp {grid.cp} splits the {cfg.n_ctx // grid.cp} positions "
+                          f"of a context-parallel rank over the {tp} tensor-parallel ranks: use a sequence "
+                          f"length (--seq-len) of {nearest_multiples(cfg.n_ctx, step)}")
     cls.validate_sequence(cfg, tp, cfg.n_ctx, grid.recompute)
 
 

@@ -11,8 +11,9 @@ point (training, evaluation, benchmarks, traces, tests):
   for ``--recompute blocks``;
 * ``micro_context`` cuts a micro-batch's tokens and targets to the
   positions this rank holds (a context-parallel rank's two chunks; under
-  ``--sequence-parallel`` the ids stay whole and the positions are the
-  canonical rows') and makes the ``Micro`` the model is given;
+  ``--sequence-parallel`` the ids stay those of the tp group and the
+  positions are the canonical rows', a run of them: ``rank_positions``)
+  and makes the ``Micro`` the model is given;
 * ``Runner`` runs a whole model one micro-batch at a time and holds the
   micro-batch's tape between its forward and backward; the loss shares of
   every rank are summed over the world (a pipeline sums its last stage's
@@ -58,19 +59,48 @@ def make_runner(cfg, layout, store, *, dropout: float = 0.0, seed: int = 0, grad
                   grad_accum)
 
 
+def rank_positions(layout, T: int):
+    """(T_c,) the global positions of the canonical rows this rank holds of
+    a T-long sequence, or None when it holds all T in order.
+
+    Context parallelism gives the cp rank two chunks of every sequence
+    (``context.local_positions``: T/cp positions, chunk r then chunk
+    2C-1-r); sequence parallelism then gives each tp rank one run of
+    whatever its replica's tp group holds (``layout.seq_positions`` of
+    that length: run t of T_cp/tp). Composed, tp rank t holds run t of
+    its cp rank's positions, so an all-gather along T over tp (what the
+    sequence-parallel linears do) restores exactly the cp rank's rows, in
+    the order the ring attention expects."""
+    ring = layout.axes.cp
+    pos = context.local_positions(T, ring.size, ring.rank) if ring.size > 1 else None   # (T/cp,) or all T
+    run = layout.seq_positions(T if pos is None else len(pos))     # (T_cp/tp,) indices into those, or None
+    if run is None:
+        return pos
+    return run if pos is None else pos[run]
+
+
+def canonical_length(layout, T: int) -> int:
+    """Rows of a T-long sequence in this rank's canonical activation (what
+    a pipeline stage sends and receives): T / (cp x tp) under both axes."""
+    pos = rank_positions(layout, T)
+    return T if pos is None else len(pos)
+
+
 def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, train: bool = True):
     """idx, targets (B_dp, T): this replica's rows of micro-batch ``micro``.
-    Returns (idx, targets, Micro): the ids and targets cut to this rank's
-    positions (B_dp, T_l) and the micro-batch's context."""
+    Returns (idx, targets, Micro): the ids and targets cut to the positions
+    of this rank's cp rank (B_dp, T/cp; all T without cp: under
+    --sequence-parallel the lookup and the head gather their own rows
+    over tp) and the micro-batch's context, whose positions are the
+    canonical rows' (``rank_positions``)."""
     T = idx.shape[1]
     n_tokens = layout.batch_size * grad_accum * T                  # N, global, of the whole step
     ring = layout.axes.cp
     if ring.size > 1:                       # this rank's two chunks of every sequence (parallel.context)
-        pos = context.local_positions(T, ring.size, ring.rank)     # (T_l,) global positions
-        idx = np.asarray(idx)[:, pos]
-        targets = None if targets is None else np.asarray(targets)[:, pos]
-    else:
-        pos = layout.seq_positions(T)       # --sequence-parallel: the canonical rows' run; else None
+        cut = context.local_positions(T, ring.size, ring.rank)     # (T/cp,) global positions
+        idx = np.asarray(idx)[:, cut]
+        targets = None if targets is None else np.asarray(targets)[:, cut]
+    pos = rank_positions(layout, T)
     return idx, targets, Micro(step=step, micro=micro, positions=pos, n_tokens=n_tokens, train=train)
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from ..model.block import Recomputed
 from ..model.gpt import GPT, gpt_params  # noqa: F401 (GPT: tests plant faults on it)
 from ..model.tape import saved_buffers
-from .driver import build_gpt, last_logits, micro_context
+from .driver import build_gpt, canonical_length, last_logits, micro_context
 from ..parallel.comm_p2p import irecv, isend
 from ..parallel.schedules import Action, build_schedule, layer_split, message_tag
 
@@ -151,8 +151,11 @@ class Pipeline:
         return message_tag(a, self.stage, self.P, self.V, self.N)
 
     def _block_shape(self, T: int) -> tuple:
-        """(B_c, T, C_c): one micro-batch's canonical activation block on this rank."""
-        return len(self.layout.canonical_seqs), T, len(self.layout.canonical_cols)
+        """(B_c, T_c, C_c): one micro-batch's canonical activation block on
+        this rank for sequences of T positions; T_c is this rank's share of
+        them (T/cp under --cp, T/tp under --sequence-parallel, both
+        divide), the rows the step driver cut for it."""
+        return len(self.layout.canonical_seqs), canonical_length(self.layout, T), len(self.layout.canonical_cols)
 
     def _post_receives(self, actions, T: int) -> dict:
         shape, dtype = self._block_shape(T), self.layout.backend.dtype
@@ -289,7 +292,7 @@ class Pipeline:
     def decode(self, idx, pos: int, caches: dict):
         """``GPT.decode`` through every stage in turn: logits (B_l, t, V_l)
         on the last stage, None on the others."""
-        return self._in_turn(idx, lambda model, v, x: model.decode(x, pos, caches[v]))
+        return self._in_turn(idx, lambda model, v, x: model.decode(x, pos, caches[v]), idx.shape[1])
 
     def full_logits(self, idx):
         """The training forward's logits of idx (B_dp, T) on the last
@@ -300,11 +303,13 @@ class Pipeline:
             if model.last:
                 return last_logits(model, ids if model.first else x, targets, ctx)
             return model.forward(ids if model.first else x, targets, ctx)[0]
-        return self._in_turn(idx, run)
+        return self._in_turn(idx, run, canonical_length(self.layout, idx.shape[1]))
 
-    def _in_turn(self, idx, fn):
+    def _in_turn(self, idx, fn, rows: int):
         """Chunks 0..PV-1 one after another, each stage waiting for the one
-        before it (one micro-batch: nothing to overlap)."""
+        before it (one micro-batch: nothing to overlap). ``rows``: the
+        positions of the activation a chunk passes on (decode's t new
+        ones, or a training forward's canonical rows)."""
         result, sends = None, []
         for v, k, _ in self.chunks:
             model = self.chunk_model(v)
@@ -312,8 +317,8 @@ class Pipeline:
                 x = idx
             else:
                 a = Action("recv_act", 0, v, (k - 1) % self.P)
-                x = irecv(self.pp, self._block_shape(idx.shape[1]), self.layout.backend.dtype, a.peer,
-                                  self._tag(a)).wait()                     # (B_c, t, C_c)
+                shape = (len(self.layout.canonical_seqs), rows, len(self.layout.canonical_cols))
+                x = irecv(self.pp, shape, self.layout.backend.dtype, a.peer, self._tag(a)).wait()   # (B_c, t, C_c)
             out = fn(model, v, x)
             if k < self.last_chunk:
                 a = Action("send_act", 0, v, (k + 1) % self.P)
