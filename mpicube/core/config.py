@@ -9,6 +9,25 @@ ARCHS = ("gpt2", "llama")
 SIZES = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")   # every architecture's, always stored
 
 
+def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None, rms_eps=None,
+                  tie_embeddings=False) -> dict:
+    """ModelConfig's keyword arguments for the command line's family options
+    (None: not given), or a ConfigError (exit 2) naming an option that does
+    not apply to the family or is not positive."""
+    from .errors import ConfigError
+
+    given = dict(n_kv_head=n_kv_head, ffn_hidden=ffn_hidden, rope_theta=rope_theta, rms_eps=rms_eps)
+    if arch != "llama":
+        stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
+        if stray:
+            raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch llama only")
+        return {}
+    for key, value in given.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {value}")
+    return {"arch": "llama", "tie_embeddings": bool(tie_embeddings), **{k: v for k, v in given.items() if v is not None}}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model's hyper-parameters (DESIGN.md section 2): GPT-2's five
