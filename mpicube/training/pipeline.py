@@ -67,7 +67,7 @@ def stage_names(cfg, stages: int, stage: int, virtual: int = 1) -> set:
         if k == 0:
             names.update(("wte", "wpe"))
         if k == last:
-            names.update(("wte", "ln_f."))
+            names.update(("wte" if cfg.tied else "lm_head", "ln_f."))   # an untied head (Llama): its own
     return names
 
 
@@ -84,7 +84,7 @@ def stage_specs(layout, cfg, virtual: int = 1) -> list:
         if not any(name == k or (k.endswith(".") and name.startswith(k)) for k in keep):
             continue
         spec = layout.shard(decl)
-        if name == "wte" and pp.size > 1:
+        if name == "wte" and pp.size > 1 and cfg.tied:
             spec = dataclasses.replace(spec, replicas=2 * spec.replicas, writer=spec.writer and pp.rank == 0)
         specs.append(spec)
     return specs
@@ -108,7 +108,7 @@ class Pipeline:
         # the action list: the schedule's, or one a test plants
         self.actions = actions if actions is not None else build_schedule(schedule, self.P, grad_accum,
                                                                            virtual)[self.stage]
-        self.tied = tied_pair(layout.axes)      # stages 0 and P-1 (None on the others, or with one stage)
+        self.tied = tied_pair(layout.axes) if cfg.tied else None   # stages 0 and P-1 (None: others, one stage, untied)
         self.models = {}                        # v -> the GPT of local chunk v (one for every micro-batch)
         self.tapes = {}                         # (v, micro) -> the tape of a forward whose backward has not run
         # (elements, bytes) the most held for backward at once, when measured: after
