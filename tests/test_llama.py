@@ -112,20 +112,23 @@ def test_head_split_finer_than_kv_heads_is_refused():
         RotaryAttention(small_llama(), ops, head_ids=np.arange(1))          # 4 heads, 2 kv heads, split 4 ways
 
 
-LAYOUT_CASES = [(2, "1d"), (4, "2d"), (8, "3d")]     # one launch each: GQA's kv heads split with their queries
+# one launch each: GQA's kv heads split with their queries; under cp 2 each rank's
+# rows are two chunks of every sequence, rotated at their global positions
+LAYOUT_CASES = [(2, "1d", 1), (4, "2d", 1), (8, "3d", 1), (4, "1d", 2)]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks,layout", LAYOUT_CASES, ids=[f"{c[1]}-n{c[0]}" for c in LAYOUT_CASES])
-def test_llama_layout_matches_serial(ranks, layout):
+@pytest.mark.parametrize("ranks,layout,cp", LAYOUT_CASES, ids=[f"{c[1]}-n{c[0]}-cp{c[2]}" for c in LAYOUT_CASES])
+def test_llama_layout_matches_serial(ranks, layout, cp):
     """Llama training (dropout on, batch 8) follows serial to 1e-10 in float64 on
     the layout: loss, logits, every gradient, the parameters after three steps."""
     from mpirun import mpiexec
 
     proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, 1, 1, 0.1, 8], timeout=180,
-                   env={"MPICUBE_CHECK_ARCH": "llama"})
+                   env={"MPICUBE_CHECK_ARCH": "llama", "MPICUBE_CHECK_CP": str(cp)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"OK {layout} world={ranks} dp=1 depth=1" in proc.stdout and "arch=llama" in proc.stdout
+    assert f"OK {layout} world={ranks} dp=1 depth=1" in proc.stdout and f"cp={cp}" in proc.stdout
+    assert "arch=llama" in proc.stdout
 
 
 def test_cached_decode_equals_the_full_forward():
