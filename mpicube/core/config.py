@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .errors import ConfigError
 
 ARCHS = ("gpt2", "llama")
 SIZES = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")   # every architecture's, always stored
@@ -14,8 +17,6 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
     """ModelConfig's keyword arguments for the command line's family options
     (None: not given), or a ConfigError (exit 2) naming an option that does
     not apply to the family or is not positive."""
-    from .errors import ConfigError
-
     given = dict(n_kv_head=n_kv_head, ffn_hidden=ffn_hidden, rope_theta=rope_theta, rms_eps=rms_eps)
     if arch != "llama":
         stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
@@ -49,7 +50,7 @@ class ModelConfig:
     ffn_hidden: int = 0
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
-    tie_embeddings: bool = None
+    tie_embeddings: Optional[bool] = None
 
     @property
     def head_dim(self) -> int:
