@@ -49,6 +49,10 @@ Environment:
                               every sequence): logits are compared at the
                               rank's global positions, traffic and memory
                               with the cp terms of the cost model
+  MPICUBE_CHECK_ARCH=llama    a Llama model (grouped-query attention, 6
+                              heads over 2 kv heads, untied head, no biases)
+                              instead of GPT-2; its traffic and memory are
+                              not compared (the cost model is GPT-2's)
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -142,6 +146,8 @@ ACCUM = int(os.environ.get("MPICUBE_CHECK_ACCUM", "1"))
 LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
 SEQPAR = os.environ.get("MPICUBE_CHECK_SEQPAR", "0") == "1"   # 1-D under --sequence-parallel
 CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (each sequence over CP ranks)
+ARCH = os.environ.get("MPICUBE_CHECK_ARCH", "gpt2")
+LLAMA = dict(n_head=6, n_embd=24, arch="llama", n_kv_head=2, ffn_hidden=20, rope_theta=100.0, rms_eps=1e-5)
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
@@ -284,6 +290,8 @@ def main():
         cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=LAYERS, n_head=12, n_embd=72)
     else:
         cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=LAYERS, n_head=12, n_embd=36)
+    if ARCH == "llama":
+        cfg = ModelConfig(vocab_size=61, n_ctx=cfg.n_ctx, n_layer=LAYERS, **LLAMA)
     T = cfg.n_ctx
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
     rng = np.random.default_rng(3)
@@ -327,7 +335,7 @@ def main():
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
         s_model.backward(loss_scale=LOSS_SCALE)
         assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-        if parts.layout.attention_kind != "full":     # the memory model is blockwise attention's
+        if parts.layout.attention_kind != "full" and ARCH == "gpt2":   # the memory model: blockwise, GPT-2
             check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept[0], opt.adam)
         opt.sync()
         s_opt.sync()
@@ -347,7 +355,8 @@ def main():
                 assert np.all(got[~mask & mine] == 0), f"padding gradient of {spec.name} is not zero"
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / LOSS_SCALE)
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
-        check_traffic(layout_name, cfg, layout, batch, dp, depth, counters)   # the step's all-gather (zero 1) too
+        if ARCH == "gpt2":
+            check_traffic(layout_name, cfg, layout, batch, dp, depth, counters)   # the step's all-gather (zero 1) too
     params = store.views(store.full_master())           # (collective under a sharded master)
     for spec in store.specs if not HALF else []:
         full = s_store.data[spec.name]
@@ -358,7 +367,7 @@ def main():
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
-              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else ""))
+              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}")
 
 
 if __name__ == "__main__":

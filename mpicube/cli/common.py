@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import click
 
 from .. import __version__
+from ..core.config import family_fields  # noqa: F401 (the family options' meaning, for the commands)
 
 try:                                    # Python >= 3.11
     import tomllib
@@ -150,6 +151,28 @@ def model_options(f):
     f = click.option("--n-head", type=int, default=12, show_default=True, help="attention heads")(f)
     f = click.option("--n-layer", type=int, default=4, show_default=True, help="transformer blocks")(f)
     return f
+
+
+def arch_options(f):
+    """The model family and Llama's settings (train, bench, trace): each
+    Llama option is refused under --arch gpt2 (``core.config.family_fields``)."""
+    f = click.option("--tie-embeddings", is_flag=True, default=False,
+                     help="llama: the LM head is the token embedding (GPT-2's always is)")(f)
+    f = click.option("--rms-eps", type=float, default=None, help="llama: RMSNorm epsilon  [default: 1e-6]")(f)
+    f = click.option("--rope-theta", type=float, default=None,
+                     help="llama: rotary embedding base  [default: 10000]")(f)
+    f = click.option("--ffn-hidden", type=int, default=None,
+                     help="llama: SwiGLU hidden width  [default: 8h/3 rounded up to a multiple of 256]")(f)
+    f = click.option("--n-kv-head", type=int, default=None,
+                     help="llama: key/value heads, dividing --n-head (grouped-query attention)  "
+                          "[default: --n-head]")(f)
+    f = click.option("--arch", type=click.Choice(("gpt2", "llama")), default="gpt2", show_default=True,
+                     help="model family: GPT-2, or Llama (RMSNorm, rotary positions, SwiGLU, "
+                          "grouped-query attention, untied head, no biases)")(f)
+    return f
+
+
+ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings")
 
 
 def layout_options(f):

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import click
 
-from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, cli, collective_timeout_option, device_options,
-                     echo, env_settings, grad_accum_option, cp_option, layout_options, model_options, pipeline_options,
-                     profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
+from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
+                     device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
+                     model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
 from ..core.errors import UserError
 
 
@@ -142,6 +142,7 @@ def _mib(nbytes: int) -> str:
 @click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")
 @pipeline_options
 @model_options
+@arch_options
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that each layout accepts]")
 @grad_accum_option("micro-batches per step: forward+backward on batch/N sequences at a time, one update")
@@ -164,7 +165,7 @@ def _mib(nbytes: int) -> str:
 @collective_timeout_option
 def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
           grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,
-          overlap_both, collective_timeout, sequence_parallel):
+          overlap_both, collective_timeout, sequence_parallel, **family):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -188,7 +189,8 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     if profile is not None and overlap_both:
         raise UserError("--profile records one setting: drop --overlap-both, or profile each setting in its own run")
     profile_dir = _profile_dir(out) if profile is not None else None
-    cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                      **family_fields(**family))
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):

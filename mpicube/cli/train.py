@@ -12,7 +12,7 @@ import click
 from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
                      env_settings,
-                     grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
+                     arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
                      recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
 
 
@@ -25,6 +25,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
 @cp_option
 @sequence_parallel_option
 @model_options
+@arch_options
 @click.option("--vocab-size", type=int, default=256, show_default=True,
               help="vocabulary (256: byte-level tokens; 50257: GPT-2's BPE); --init-from's model sets its own")
 @click.option("--batch-size", type=int, default=None,
@@ -81,7 +82,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
 @profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
 def train(collective_timeout, profile, **kwargs):
-    """Train a GPT-2 model.
+    """Train a GPT-2 (or, with --arch llama, a Llama) model.
 
     Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
     step) and checkpoints in RUN_DIR/ckpt/. SIGTERM or SIGUSR1 on any rank

@@ -2,25 +2,93 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .errors import ConfigError
+
+ARCHS = ("gpt2", "llama")
+SIZES = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")   # every architecture's, always stored
+
+
+def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None, rms_eps=None,
+                  tie_embeddings=False) -> dict:
+    """ModelConfig's keyword arguments for the command line's family options
+    (None: not given), or a ConfigError (exit 2) naming an option that does
+    not apply to the family or is not positive."""
+    given = dict(n_kv_head=n_kv_head, ffn_hidden=ffn_hidden, rope_theta=rope_theta, rms_eps=rms_eps)
+    if arch != "llama":
+        stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
+        if stray:
+            raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch llama only")
+        return {}
+    for key, value in given.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {value}")
+    return {"arch": "llama", "tie_embeddings": bool(tie_embeddings), **{k: v for k, v in given.items() if v is not None}}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT-2 hyper-parameters (DESIGN.md section 2)."""
+    """The model's hyper-parameters (DESIGN.md section 2): GPT-2's five
+    sizes, and the settings of the Llama family (``arch`` "llama"). Their
+    defaults are GPT-2's, so a GPT-2 configuration reads, prints and stores
+    exactly as before the Llama fields existed (``to_dict`` leaves them out).
+
+    ``n_kv_head`` 0 means as many key/value heads as query heads;
+    ``ffn_hidden`` 0 means the architecture's rule (``ffn``);
+    ``tie_embeddings`` None means the architecture's default (``tied``)."""
 
     vocab_size: int = 256
     n_ctx: int = 64
     n_layer: int = 4
     n_head: int = 12
     n_embd: int = 144
+    arch: str = "gpt2"
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: Optional[bool] = None
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention when fewer than n_head)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width: GPT-2's 4h, or Llama's rule (two thirds of
+        4h, rounded up to a multiple of 256, as Meta's reference code) unless
+        ``ffn_hidden`` says otherwise."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if not self.llama:
+            return 4 * self.n_embd
+        return 256 * math.ceil(int(8 * self.n_embd / 3) / 256)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head is the token embedding (GPT-2: always; Llama: only with --tie-embeddings)."""
+        return (not self.llama) if self.tie_embeddings is None else bool(self.tie_embeddings)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """GPT-2: its five sizes only (as every stored configuration before
+        Llama); Llama: every field, the architecture's defaults resolved."""
+        d = asdict(self)
+        if not self.llama:
+            return {k: d[k] for k in SIZES}
+        d.update(n_kv_head=self.kv_heads, ffn_hidden=self.ffn, tie_embeddings=self.tied)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -28,19 +96,37 @@ class ModelConfig:
         attribute), each an integer of at least 1; a ValueError names the
         first that is not. Nothing is converted: 32.7, "32" or true as a
         width is a damaged file, not 32 or 1."""
-        names = [f.name for f in fields(cls)]
         values = {}
-        for name in names:
+        for name in SIZES:
             if name not in d:
                 raise ValueError(f"{name} is missing")
             value = d[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
             values[name] = value
+        arch = d.get("arch", "gpt2")
+        if arch not in ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+        if arch == "llama":
+            for name, kind in (("n_kv_head", int), ("ffn_hidden", int), ("rope_theta", float), ("rms_eps", float),
+                               ("tie_embeddings", bool)):
+                value = d.get(name)
+                ok = isinstance(value, bool) if kind is bool else (
+                    not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+                    and value > 0)
+                if not ok:
+                    raise ValueError(f"{name} must be {'true or false' if kind is bool else 'a positive number'}, "
+                                     f"got {value!r}")
+                values[name] = value
+            values["arch"] = arch
         return cls(**values)
 
     def n_params(self) -> int:
         """Logical parameter count (tied head counted once)."""
         h, L = self.n_embd, self.n_layer
+        if self.llama:     # no biases, no position table; two RMSNorm weights per layer, three MLP matrices
+            kv = self.kv_heads * self.head_dim
+            per_layer = 2 * h + h * (h + 2 * kv) + h * h + 3 * h * self.ffn
+            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + h
         per_layer = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
         return self.vocab_size * h + self.n_ctx * h + L * per_layer + 2 * h

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kvcache
+from . import kvcache, llama
 from .. import ops
 from ..ops import rng
-from ..parallel.layouts.base import Layout, LayerNorm
+from ..parallel.layouts.base import Layout, make_norm
 from ..parallel.params import ParamStore
 from .tape import Micro
 
@@ -107,8 +107,38 @@ def positions(ctx: Micro, T: int):
     return np.arange(T) if pos is None or len(pos) != T else pos
 
 
+class PlainAttention:
+    """GPT-2's attention core: the op pair as it is (no positions in it)."""
+
+    def __init__(self, attention, n_local_heads: int):
+        self.attention, self.n_local_heads = attention, n_local_heads
+
+    def attention_forward(self, qkv, positions, mask, keep_prob):
+        """qkv (B_m, T, 3 C_m) -> (y (B_m, T, C_m), saved)."""
+        return self.attention.attention_forward(qkv, self.n_local_heads, mask, keep_prob)
+
+    def attention_backward(self, dy, saved):
+        return self.attention.attention_backward(dy, saved)
+
+    def pack(self, qkv, positions):
+        """qkv as the op takes it (the KV cache's decode)."""
+        return qkv
+
+
+class Gelu:
+    """GPT-2's MLP activation between c_fc and c_proj."""
+
+    forward = staticmethod(ops.gelu_forward)         # (B_m, T, 4 C_m) -> (B_m, T, 4 C_m)
+    backward = staticmethod(ops.gelu_backward)
+
+
 class Block:
-    """Pre-LN transformer block: x += attn(ln_1(x)); x += mlp(ln_2(x)).
+    """Pre-norm transformer block: x += attn(norm_1(x)); x += mlp(norm_2(x)),
+    one skeleton for both families, whose differences are pieces chosen
+    from the configuration's ``arch``: the norm (LayerNorm or RMSNorm), the
+    attention core (``PlainAttention``, or ``llama.RotaryAttention`` with
+    rotary embeddings and grouped-query heads), the MLP's activation
+    (``Gelu`` or ``llama.SwiGLU``) and whether the linears have biases.
 
     ``attention`` is the op pair the build chose (``ops`` for the one that
     holds T x T, ``ops.attention_blocks``, or a ring over the sequence's
@@ -116,15 +146,19 @@ class Block:
     backward takes."""
 
     def __init__(self, layout: Layout, store: ParamStore, i: int, attention, dropout: Dropout):
-        p, h = f"h.{i}.", layout.cfg.n_embd
+        p, cfg = f"h.{i}.", layout.cfg
+        bias = not cfg.llama
         self.site = f"h.{i}"
-        self.ln_1 = LayerNorm(store, p + "ln_1", h, layout.hidden_comm)
-        self.c_attn = layout.linear(store, p + "attn.c_attn", "first")
-        self.c_proj = layout.linear(store, p + "attn.c_proj", "second")
-        self.ln_2 = LayerNorm(store, p + "ln_2", h, layout.hidden_comm)
-        self.c_fc = layout.linear(store, p + "mlp.c_fc", "first")
-        self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second")
+        self.ln_1 = make_norm(store, p + "ln_1", cfg, layout.hidden_comm)
+        self.c_attn = layout.linear(store, p + "attn.c_attn", "first", bias=bias)
+        self.c_proj = layout.linear(store, p + "attn.c_proj", "second", bias=bias)
+        self.ln_2 = make_norm(store, p + "ln_2", cfg, layout.hidden_comm)
+        self.c_fc = layout.linear(store, p + "mlp.c_fc", "first", bias=bias)
+        self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second", bias=bias)
         self.n_local_heads = len(layout.head_ids)
+        self.core = (llama.RotaryAttention(cfg, attention, layout.head_ids) if cfg.llama
+                     else PlainAttention(attention, self.n_local_heads))
+        self.act = llama.SwiGLU if cfg.llama else Gelu
         self.attention, self.dropout = attention, dropout
         self.full_masks = attention is ops                  # the T x T op takes whole masks, the others blocks
 
@@ -139,15 +173,15 @@ class Block:
         qkv, s_attn = self.c_attn.forward(h)                                  # (B_m, T, 3 C_m)
         T = qkv.shape[1]                    # the intermediate form holds whole sequences
         masks = drop.attention if self.full_masks else drop.attention_blocks  # (B_m, nh, T, T), or blocks of it
-        a, s_core = self.attention.attention_forward(qkv, self.n_local_heads, masks(ctx, self.site + ".attn", T),
-                                                     drop.keep)                                   # (B_m, T, C_m)
+        a, s_core = self.core.attention_forward(qkv, positions(ctx, T), masks(ctx, self.site + ".attn", T),
+                                                drop.keep)                                        # (B_m, T, C_m)
         y, s_proj = self.c_proj.forward(a)                                    # (B_c, T, C_c)
         if keep_resid_attn is not None:
             y *= keep_resid_attn
         x = x + y
         h, s_ln2 = self.ln_2.forward(x)                                       # (B_c, T, C_c)
-        f, s_fc = self.c_fc.forward(h)                                        # (B_m, T, 4 C_m)
-        g, s_gelu = ops.gelu_forward(f)
+        f, s_fc = self.c_fc.forward(h)                                        # (B_m, T, 4 C_m) or 2 F_m
+        g, s_gelu = self.act.forward(f)                                       # (B_m, T, 4 C_m) or F_m
         y, s_mlp = self.mlp_proj.forward(g)                                   # (B_c, T, C_c)
         if keep_resid_mlp is not None:
             y *= keep_resid_mlp
@@ -159,19 +193,20 @@ class Block:
         s_ln1, s_attn, s_core, s_proj, keep_resid_attn, s_ln2, s_fc, s_gelu, s_mlp, keep_resid_mlp = saved
         dy = dx if keep_resid_mlp is None else dx * keep_resid_mlp
         dg = self.mlp_proj.backward(dy, s_mlp)
-        df = ops.gelu_backward(dg, s_gelu)
+        df = self.act.backward(dg, s_gelu)
         dx = dx + self.ln_2.backward(self.c_fc.backward(df, s_fc), s_ln2)
         dy = dx if keep_resid_attn is None else dx * keep_resid_attn
         da = self.c_proj.backward(dy, s_proj)
-        dqkv = self.attention.attention_backward(da, s_core)
+        dqkv = self.core.attention_backward(da, s_core)
         return dx + self.ln_1.backward(self.c_attn.backward(dqkv, s_attn), s_ln1)
 
     def decode(self, x, cache, pos: int):
         """Inference on positions pos .. pos+t-1 with a key/value cache
         (mpicube.model.kvcache), no dropout: x (B_c, t, C_c) -> (B_c, t, C_c)."""
         qkv, _ = self.c_attn.forward(self.ln_1.forward(x)[0])                 # (B_m, t, 3 C_m)
+        qkv = self.core.pack(qkv, np.arange(pos, pos + qkv.shape[1]))         # rotated, kv heads repeated
         x = x + self.c_proj.forward(kvcache.cached_attention(qkv, self.n_local_heads, cache, pos))[0]
-        g, _ = ops.gelu_forward(self.c_fc.forward(self.ln_2.forward(x)[0])[0])   # (B_m, t, 4 C_m)
+        g, _ = self.act.forward(self.c_fc.forward(self.ln_2.forward(x)[0])[0])   # (B_m, t, 4 C_m)
         return x + self.mlp_proj.forward(g)[0]
 
 

@@ -1,4 +1,4 @@
-"""GPT-2, written once against the layout protocol (layouts/base.py).
+"""GPT-2 and Llama, written once against the layout protocol (layouts/base.py).
 
 Nothing here knows which layout it runs on: the layout supplies the linears,
 the tied embedding / LM head and the communicator of the hidden split; the
@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 
 
-from . import kvcache
+from . import kvcache, llama
 from .. import ops
 from ..core import memory
 from ..core.config import ModelConfig
-from ..parallel.layouts.base import Layout, LayerNorm, Panel
+from ..parallel.layouts.base import Layout, Panel, make_norm
 from ..parallel.params import ParamDecl, ParamStore
 from .block import Block, Dropout, positions
 from .tape import Micro, Tape
@@ -31,6 +31,9 @@ def param_names(cfg: ModelConfig):
     """The GPT-2 names of ``gpt_params(cfg)``, in order, one at a time: a
     file reader walks them to find the first one a file lacks without
     building a list as long as its header claims."""
+    if cfg.llama:
+        yield from llama.param_names(cfg)
+        return
     yield "wte"
     yield "wpe"
     for i in range(cfg.n_layer):
@@ -46,6 +49,8 @@ def gpt_params(cfg: ModelConfig) -> list:
     whose tensor list alone cannot fit in memory is refused (one line),
     instead of minutes of building and a MemoryError."""
     memory.require_tensors(cfg.n_layer)
+    if cfg.llama:
+        return llama.llama_params(cfg)
     h, std = cfg.n_embd, 0.02
     resid_std = std / math.sqrt(2 * cfg.n_layer)   # residual projections
     decls = [
@@ -74,20 +79,24 @@ def gpt_params(cfg: ModelConfig) -> list:
 
 class Embeddings:
     """The front of the model: token lookup (the layout's tied embedding),
-    plus the position table read at each row's global position, then
-    dropout. ``forward`` takes token ids (B_dp, T_l), already cut by the
-    step driver to this rank's positions."""
+    plus GPT-2's position table read at each row's global position (Llama
+    has none: its positions are rotary, in attention), then dropout.
+    ``forward`` takes token ids (B_dp, T_l), already cut by the step driver
+    to this rank's positions."""
 
     def __init__(self, layout: Layout, store: ParamStore, embedding, dropout: Dropout):
         self.embedding, self.dropout, self.xp = embedding, dropout, layout.backend.xp
-        self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]          # (n_ctx, C_c)
+        self.wpe = self.dwpe = None
+        if not layout.cfg.llama:
+            self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]      # (n_ctx, C_c)
 
     def forward(self, idx, tape: Tape):
         """idx (B_dp, T_l) -> (x (B_c, T_c, C_c), saved)."""
         x, s_lookup = self.embedding.embed(self.xp.asarray(idx), tape.panel)   # (B_c, T_c, C_c)
         T = x.shape[1]                                                      # this rank's canonical positions
         pos = slice(0, T) if tape.ctx.positions is None else self.xp.asarray(positions(tape.ctx, T))
-        x = x + self.wpe[pos]
+        if self.wpe is not None:
+            x = x + self.wpe[pos]
         keep = self.dropout.canonical(tape.ctx, "emb", T)
         if keep is not None:
             x *= keep
@@ -99,30 +108,36 @@ class Embeddings:
         if keep is not None:
             dx = dx * keep
         B, T, C = dx.shape
-        self.dwpe[pos] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
-            dx.reshape(B, T * C)).reshape(T, C)                             # 16-bit dx: summed in float32+
+        if self.dwpe is not None:
+            self.dwpe[pos] += dx.sum(0) if dx.dtype == self.dwpe.dtype else ops.column_sums(
+                dx.reshape(B, T * C)).reshape(T, C)                         # 16-bit dx: summed in float32+
         self.embedding.embed_backward(dx, s_lookup, tape.panel)
 
 
 class Head:
-    """The back of the model: the final LayerNorm, then the layout's LM
-    head and cross-entropy (``Layout.loss_head``). ``forward`` returns this
-    rank's share of the loss."""
+    """The back of the model: the final norm, then the layout's LM head and
+    cross-entropy (``Layout.loss_head``) over ``embedding``: the tied wte,
+    or an untied model's ``lm_head`` (whose gathered panel is the tape's
+    ``head_panel``). ``forward`` returns this rank's share of the loss."""
 
     def __init__(self, layout: Layout, store: ParamStore, embedding):
-        self.ln_f = LayerNorm(store, "ln_f", layout.cfg.n_embd, layout.hidden_comm)
+        self.ln_f = make_norm(store, "ln_f", layout.cfg, layout.hidden_comm)
         self.loss = layout.loss_head(embedding)
+        self.tied = layout.cfg.tied
+
+    def panel(self, tape: Tape) -> Panel:
+        return tape.panel if self.tied else tape.head_panel
 
     def forward(self, x, tape: Tape):
         """x (B_c, T_c, C_c) -> (loss share (1,), saved)."""
         h, s_ln = self.ln_f.forward(x)                                      # (B_c, T_c, C_c)
-        share, s_loss = self.loss.forward(h, tape.targets, tape.panel, tape.ctx.n_tokens)
+        share, s_loss = self.loss.forward(h, tape.targets, self.panel(tape), tape.ctx.n_tokens)
         return share, (s_ln, s_loss)
 
     def backward(self, loss_scale: float, saved, tape: Tape):
         """The gradient of loss_scale x (mean loss) -> dx (B_c, T_c, C_c)."""
         s_ln, s_loss = saved
-        return self.ln_f.backward(self.loss.backward(loss_scale, s_loss, tape.panel), s_ln)
+        return self.ln_f.backward(self.loss.backward(loss_scale, s_loss, self.panel(tape)), s_ln)
 
 
 class GPT:
@@ -145,12 +160,17 @@ class GPT:
         self.dropout = dropout                   # the masks' rule, for an observer that draws them again
         self.layers = range(cfg.n_layer) if layers is None else layers
         self.first, self.last = first, last
-        # the tied wte serves the lookup (first chunk) and the head (last chunk)
-        self.embedding = layout.tied_embedding(store) if first or last else None
+        # the tied wte serves the lookup (first chunk) and the head (last chunk);
+        # an untied model's head is a second embedding over lm_head, used only as a head
+        self.embedding = layout.tied_embedding(store) if first or (last and cfg.tied) else None
+        self.head_embedding = None
+        if last:
+            self.head_embedding = self.embedding if cfg.tied else layout.tied_embedding(store, "lm_head")
         self.front = [Embeddings(layout, store, self.embedding, dropout)] if first else []
         self.blocks = [Block(layout, store, i, attention, dropout) for i in self.layers]
-        self.back = [Head(layout, store, self.embedding)] if last else []
-        self.tied = [self.embedding] if self.embedding is not None else []
+        self.back = [Head(layout, store, self.head_embedding)] if last else []
+        untied_head = None if cfg.tied else self.head_embedding
+        self.tied = [e for e in (self.embedding, untied_head) if e is not None]   # each finishes its backward
         self.sites = [f"h.{i}" for i in self.layers]
         self.has_ends = first or last            # the store streams the ends' parameters only for such a chunk
 
@@ -195,7 +215,7 @@ class GPT:
         for piece in reversed(self.front):
             dx = piece.backward(dx, tape.front.pop(), tape)
         for embedding in self.tied:
-            embedding.finish_backward(tape.panel)
+            embedding.finish_backward(tape.panel if embedding is self.embedding else tape.head_panel)
         resident.finish()
         self.store.settle()
         return dx
@@ -223,7 +243,9 @@ class GPT:
         t = idx.shape[1]
         panel = Panel()
         if self.first:
-            x = self.embedding.embed(self.xp.asarray(idx), panel)[0] + self.front[0].wpe[pos:pos + t]  # (B_c, t, C_c)
+            x = self.embedding.embed(self.xp.asarray(idx), panel)[0]          # (B_c, t, C_c)
+            if self.front[0].wpe is not None:
+                x = x + self.front[0].wpe[pos:pos + t]
         else:
             x = idx
         for k, (block, cache) in enumerate(zip(self.blocks, caches)):
@@ -232,4 +254,5 @@ class GPT:
             resident.leave(k)
         if not self.last:
             return x
-        return self.embedding.logits(self.ln_f.forward(x)[0], panel)[0]   # (B_l, t, V_l)
+        head_panel = panel if self.cfg.tied else Panel()
+        return self.head_embedding.logits(self.ln_f.forward(x)[0], head_panel)[0]   # (B_l, t, V_l)

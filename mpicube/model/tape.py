@@ -43,14 +43,15 @@ class Tape:
     """One micro-batch's activations, in the order the model computed them:
     ``front`` (the embeddings'), ``blocks`` (one entry per block), ``back``
     (the final norm and loss head's), and ``panel``, the embedding weight a
-    layout gathered once for both the lookup and the head. Backward reads
-    it in reverse and lets each entry go as it is used."""
+    layout gathered once for both the lookup and the head (``head_panel``:
+    an untied model's LM head's own). Backward reads it in reverse and lets
+    each entry go as it is used."""
 
-    __slots__ = ("ctx", "targets", "panel", "front", "blocks", "back")
+    __slots__ = ("ctx", "targets", "panel", "head_panel", "front", "blocks", "back")
 
     def __init__(self, ctx: Micro, targets=None):
         self.ctx, self.targets = ctx, targets        # targets (B_dp, T_l) on a chunk with the head
-        self.panel = Panel()
+        self.panel, self.head_panel = Panel(), Panel()
         self.front, self.blocks, self.back = [], [], []
 
 

@@ -1,7 +1,8 @@
 """Local ops: the transformer's arithmetic on one rank's blocks, with no
 communication of its own.
 
-Forward/backward pairs for LayerNorm, GELU, causal attention, softmax
+Forward/backward pairs for LayerNorm, GELU, Llama's RMSNorm, rotary
+embeddings and SwiGLU (``llama``), causal attention, softmax
 cross-entropy over a (possibly split) vocabulary and the token embedding
 (``local``, ``vocab``), and the counter-based generator behind initial
 values and dropout masks (``rng``). A sum over a dimension that a layout
@@ -18,5 +19,7 @@ from .local import (_GELU_S, CACHE_ELEMS, attention_backward, attention_forward,
                     block_rows, causal_bias, causal_softmax, causal_softmax_backward, column_dots, column_sums,
                     gelu_backward, gelu_forward, identity, keep_mask, layernorm_backward, layernorm_forward,
                     row_blocks, rowdot)
+from .llama import (rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward,  # noqa: F401
+                    rope_tables, swiglu_backward, swiglu_forward)
 from .vocab import (cross_entropy_backward, cross_entropy_forward, embedding_backward,  # noqa: F401
                     embedding_forward, scatter_add_rows)

@@ -79,7 +79,8 @@ class GradientSync:
 
     def __init__(self, store: ParamStore, axes):
         self.store, self.axes = store, axes
-        self.tied = tied_pair(axes)      # stages 0 and P-1 (None on the others and without stages)
+        # stages 0 and P-1 when both hold the tied wte (None on the others, without stages, or untied)
+        self.tied = tied_pair(axes) if any(spec.tied_pair for spec in store.specs) else None
         self.wire = gradient_wire(store)
 
     def __call__(self) -> None:

@@ -45,7 +45,9 @@ class ParamDecl:
     ``w_first``/``b_first`` (first linear of a pair, e.g. c_attn, c_fc),
     ``w_second``/``b_second`` (second linear, e.g. c_proj).
     ``groups`` > 1 means the output columns are ``groups`` stacked tensors
-    (c_attn's [q | k | v]) that must each be split the same way.
+    (c_attn's [q | k | v], SwiGLU's [gate | up]) that must each be split
+    the same way; a tuple gives their sizes when they differ (grouped-query
+    attention's q, k and v).
     """
 
     name: str
@@ -54,7 +56,7 @@ class ParamDecl:
     init: str              # "normal", "ones" or "zeros"
     std: float = 0.0
     decay: bool = False
-    groups: int = 1
+    groups: object = 1          # int, or a tuple of sizes
 
 
 @dataclass
@@ -74,6 +76,7 @@ class ParamSpec:
     grad_comm: Optional[Comm] = None
     replicas: int = 1
     writer: bool = True
+    tied_pair: bool = False     # a copy also sits on another pipeline stage (the tied wte): summed over the pair
 
     @property
     def name(self) -> str:
@@ -88,14 +91,16 @@ class ParamSpec:
         return int(np.prod(self.local_shape))
 
 
-def split_index(n: int, parts: int, block: int, groups: int = 1) -> np.ndarray:
+def split_index(n: int, parts: int, block: int, groups=1) -> np.ndarray:
     """Global indices of block ``block`` of ``parts`` along a dimension of
     length ``n``; with ``groups`` > 1, the dimension is ``groups`` stacked
-    tensors of n/groups each and the block takes its share of every one."""
-    per_group = n // groups
-    width = per_group // parts
-    start = block * width
-    return np.concatenate([g * per_group + np.arange(start, start + width) for g in range(groups)])
+    tensors of n/groups each and the block takes its share of every one.
+    ``groups`` may also be a tuple of the stacked tensors' sizes (summing
+    to n), when they differ: grouped-query attention's [q | k | v]."""
+    sizes = (n // groups,) * groups if isinstance(groups, int) else tuple(groups)
+    starts = np.cumsum((0,) + sizes[:-1])
+    return np.concatenate([s0 + np.arange(block * (m // parts), (block + 1) * (m // parts))
+                           for s0, m in zip(starts, sizes)])
 
 
 def full_index(n: int) -> np.ndarray:

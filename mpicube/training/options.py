@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..files import data
-from ..core.config import ModelConfig
+from ..core.config import ModelConfig, family_fields
 from ..core.errors import ConfigError
 from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
@@ -32,6 +32,12 @@ class TrainOptions:
     n_layer: int = 4
     n_head: int = 12
     n_embd: int = 144
+    arch: str = "gpt2"             # gpt2 or llama (the rest of this group: llama's, None = its default)
+    n_kv_head: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    rope_theta: Optional[float] = None
+    rms_eps: Optional[float] = None
+    tie_embeddings: bool = False
     seq_len: int = 64
     vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
     batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits
@@ -69,7 +75,13 @@ class TrainOptions:
     attention: str = "blocks"      # blockwise attention, or "full" (the CLI: MPICUBE_ATTENTION=full)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every option; a GPT-2 run leaves out the Llama family's (all at their
+        defaults), so its config.json and checkpoints read as before they existed."""
+        d = asdict(self)
+        if self.arch == "gpt2":
+            for key in ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings"):
+                d.pop(key)
+        return d
 
     @property
     def plan(self) -> Plan:
@@ -89,7 +101,9 @@ class TrainOptions:
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,
-                           n_head=self.n_head, n_embd=self.n_embd)
+                           n_head=self.n_head, n_embd=self.n_embd,
+                           **family_fields(self.arch, self.n_kv_head, self.ffn_hidden, self.rope_theta,
+                                           self.rms_eps, self.tie_embeddings))
 
     @property
     def last_step(self) -> int:
@@ -124,6 +138,7 @@ class TrainOptions:
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
+        family_fields(self.arch, self.n_kv_head, self.ffn_hidden, self.rope_theta, self.rms_eps, self.tie_embeddings)
 
     def loss_scaler(self):
         """A fresh LossScaler for --dtype float16, else None (ConfigError for

@@ -65,7 +65,7 @@ def stage_names(cfg, stages: int, stage: int, virtual: int = 1) -> set:
         if k == 0:
             names.update(("wte", "wpe"))
         if k == last:
-            names.update(("wte", "ln_f."))
+            names.update(("wte" if cfg.tied else "lm_head", "ln_f."))   # an untied head (Llama): its own
     return names
 
 
@@ -82,8 +82,9 @@ def stage_specs(layout, cfg, virtual: int = 1) -> list:
         if not any(name == k or (k.endswith(".") and name.startswith(k)) for k in keep):
             continue
         spec = layout.shard(decl)
-        if name == "wte" and pp.size > 1:
-            spec = dataclasses.replace(spec, replicas=2 * spec.replicas, writer=spec.writer and pp.rank == 0)
+        if name == "wte" and pp.size > 1 and cfg.tied:
+            spec = dataclasses.replace(spec, replicas=2 * spec.replicas, writer=spec.writer and pp.rank == 0,
+                                       tied_pair=True)
         specs.append(spec)
     return specs
 

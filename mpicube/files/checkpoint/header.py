@@ -93,11 +93,14 @@ def parse_root(raw: dict, file) -> Header:
     return Header(step=step, names=names, shard_sha256=shards, attrs=attrs)
 
 
+FAMILY_KEYS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings")
+
+
 def model_config(value, file) -> dict:
     """The ``config`` attribute (decoded, or its JSON text) as {key: int}
     for the five keys of CONFIG_KEYS, each a positive integer of at most
-    MAX_DIM, n_head dividing n_embd; else a CheckpointError. Other keys
-    are left out."""
+    MAX_DIM, n_head dividing n_embd; else a CheckpointError. A Llama
+    model's family keys (FAMILY_KEYS) are kept; other keys are left out."""
     if isinstance(value, (str, bytes)):
         value = _decode_attr(value)
     if not isinstance(value, dict):
@@ -112,4 +115,7 @@ def model_config(value, file) -> dict:
     if value["n_embd"] % value["n_head"]:
         raise CheckpointError(f"{file}: attribute 'config': n_embd {value['n_embd']} is not a multiple of "
                               f"n_head {value['n_head']}")
-    return {k: value[k] for k in CONFIG_KEYS}
+    out = {k: value[k] for k in CONFIG_KEYS}
+    if "arch" in value:        # the model family's settings (Llama), checked by ModelConfig.from_dict
+        out.update({k: value[k] for k in FAMILY_KEYS if k in value})
+    return out

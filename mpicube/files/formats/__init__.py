@@ -70,12 +70,15 @@ def open_model(path, verify: bool = True) -> ModelFile:
     read data (checkpoint checksums, an HF head tied to wte); one rank
     does them, the others open with ``verify=False``."""
     from .. import checkpoint
-    from . import hf, llmc, native
+    from . import hf, hf_llama, llmc, native
 
     kind = detect(path)
     if kind == "hf":
         p = Path(path)
-        return hf.HFModel(p if p.is_dir() else p.parent, check_head=verify)
+        p = p if p.is_dir() else p.parent
+        if hf_llama.is_llama_dir(p):              # config.json's model_type says which reader
+            return hf_llama.LlamaHFModel(p, check_head=verify)
+        return hf.HFModel(p, check_head=verify)
     if kind == "llmc":
         return llmc.LlmcModel(path)
     return native.NativeModel(checkpoint.open_checkpoint(path, verify=verify))

@@ -37,6 +37,9 @@ def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
     notes = []
     with open_model(src, verify=True) as model:
         cfg = model.config
+        if cfg.llama and to != "mpicube":        # hf.write and llmc.write know GPT-2's names and config only
+            raise FormatError(f"{src}: a Llama model converts to a mpicube checkpoint only, not to {to} "
+                              "(writing Llama in other formats is not implemented yet)")
         model.require_memory(whole=True)         # every tensor is held at once
         tensors = model.read_all()
         source = model.describe()

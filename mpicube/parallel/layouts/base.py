@@ -102,12 +102,16 @@ class Layout:
     def shard(self, decl: ParamDecl) -> ParamSpec:
         raise NotImplementedError
 
-    def linear(self, store: ParamStore, prefix: str, position: str):
+    def linear(self, store: ParamStore, prefix: str, position: str, bias: bool = True):
         """Module for ``prefix.weight``/``prefix.bias``; position "first" maps
-        canonical -> intermediate, "second" intermediate -> canonical."""
+        canonical -> intermediate, "second" intermediate -> canonical;
+        ``bias`` False: the linear has no bias (``prefix.bias`` is not declared)."""
         raise NotImplementedError
 
-    def tied_embedding(self, store: ParamStore):
+    def tied_embedding(self, store: ParamStore, name: str = "wte"):
+        """The vocabulary-parallel embedding over parameter ``name`` (role
+        "wte"): the token lookup and the LM head. An untied model (Llama)
+        makes a second one over its ``lm_head`` and uses only its head."""
         raise NotImplementedError
 
     def loss_head(self, embedding):
@@ -177,6 +181,28 @@ def acc(a):
     return precision.compute_dtype(a.dtype)
 
 
+def bias_views(store: ParamStore, prefix: str, bias: bool):
+    """(b, db): the working bias and its gradient of linear ``prefix``, or
+    (None, None) for a linear without one (Llama's): no zero bias stands
+    in, so parameter counts match the model's own."""
+    if not bias:
+        return None, None
+    return store.work[prefix + ".bias"], store.grad[prefix + ".bias"]
+
+
+def add_bias(y, b):
+    """y (..., C) += b (C,) when the linear has a bias; returns y."""
+    if b is not None:
+        y += b
+    return y
+
+
+def add_bias_grad(db, dy2):
+    """db (C,) += the column sums of dy2 (n, C) when the linear has a bias."""
+    if db is not None:
+        db += ops.column_sums(dy2)
+
+
 class RowShard:
     """A replicated activation kept as this rank's 1/p of its rows and
     all-gathered over ``comm`` when backward needs it again (1-D's
@@ -214,12 +240,11 @@ class DenseLinear:
     do not depend on each other)."""
 
     def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None,
-                 shard: RowShard = None, overlap: bool = False):
+                 shard: RowShard = None, overlap: bool = False, bias: bool = True):
         self.w = store.work[prefix + ".weight"]       # (C_in, C_out)
-        self.b = store.work[prefix + ".bias"]         # (C_out,)
+        self.b, self.db = bias_views(store, prefix, bias)   # (C_out,) or None
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)                 # dW is written by add_matmul
-        self.db = store.grad[prefix + ".bias"]
         self.out_reduce = out_reduce
         self.dx_reduce = dx_reduce
         self.shard = shard
@@ -231,7 +256,7 @@ class DenseLinear:
         y = matmul_rows(x, self.w, acc(x))            # (B, T, C_out)
         if self.out_reduce is not None:
             y = self.out_reduce.allreduce(y, wire=x.dtype)
-        y += self.b
+        add_bias(y, self.b)
         return precision.narrow(y, x.dtype), saved
 
     def backward(self, dy, saved):
@@ -242,10 +267,10 @@ class DenseLinear:
         if self.overlap:                              # dX travels while dW and db are computed
             pending = iallreduce(self.dx_reduce, matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
             self.store.add_matmul(self.w_name, x2.T, dy2)
-            self.db += ops.column_sums(dy2)
+            add_bias_grad(self.db, dy2)
             return precision.narrow(pending.wait(), dy.dtype)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
-        self.db += ops.column_sums(dy2)
+        add_bias_grad(self.db, dy2)
         if self.dx_reduce is not None:
             dx = self.dx_reduce.allreduce(matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)   # (B, T, C_in)
             dx = precision.narrow(dx, dy.dtype)
@@ -288,3 +313,30 @@ class LayerNorm:
         """dy (B, T, C_c) -> dx (B, T, C_c); adds into the weight and bias gradients."""
         return ops.layernorm_backward(dy, saved, self.gamma, self.dgamma, self.dbeta, self.n_hidden,
                                       allsum=self.allsum)
+
+
+class RMSNorm:
+    """Llama's RMSNorm over a hidden size that may be split across ``comm``
+    (the mean square all-summed, as LayerNorm's statistics are): a weight,
+    no bias, ``eps`` from the model's configuration."""
+
+    def __init__(self, store: ParamStore, prefix: str, n_hidden: int, comm: Comm = None, eps: float = 1e-6):
+        self.gamma = store.work[prefix + ".weight"]   # (C_c,)
+        self.dgamma = store.grad[prefix + ".weight"]
+        self.n_hidden, self.eps = n_hidden, eps
+        self.allsum = comm.allreduce if comm is not None else ops.identity
+
+    def forward(self, x):
+        """x (B, T, C_c) -> (y (B, T, C_c), saved: the normalised rows and 1/rms)."""
+        return ops.rmsnorm_forward(x, self.gamma, self.n_hidden, self.eps, allsum=self.allsum)
+
+    def backward(self, dy, saved):
+        """dy (B, T, C_c) -> dx (B, T, C_c); adds into the weight's gradient."""
+        return ops.rmsnorm_backward(dy, saved, self.gamma, self.dgamma, self.n_hidden, allsum=self.allsum)
+
+
+def make_norm(store: ParamStore, prefix: str, cfg: ModelConfig, comm: Comm = None):
+    """The block's normalisation for the model family: GPT-2's LayerNorm or Llama's RMSNorm."""
+    if cfg.llama:
+        return RMSNorm(store, prefix, cfg.n_embd, comm, cfg.rms_eps)
+    return LayerNorm(store, prefix, cfg.n_embd, comm)

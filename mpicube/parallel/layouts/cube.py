@@ -29,7 +29,7 @@ from ...device import precision
 from ..comm import Comm
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, acc, matmul_rows
+from .base import Layout, acc, add_bias, add_bias_grad, bias_views, matmul_rows
 
 
 class CubeLayout(Layout):
@@ -97,13 +97,13 @@ class CubeLayout(Layout):
         # norm, b_second: hidden block k
         return ParamSpec(decl, (split_index(shape[0], q, k),), **on_ij)
 
-    def linear(self, store, prefix, position):
+    def linear(self, store, prefix, position, bias=True):
         a, b = (self.cj, self.ck) if position == "first" else (self.ck, self.cj)
         return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap,
-                          regather=self.recompute == "gathers")
+                          regather=self.recompute == "gathers", bias=bias)
 
-    def tied_embedding(self, store):
-        return CubeTiedEmbedding(store, self)
+    def tied_embedding(self, store, name="wte"):
+        return CubeTiedEmbedding(store, self, name)
 
     def describe(self):
         return {**super().describe(), "q": self.q}
@@ -117,14 +117,13 @@ class CubeLinear:
     gathers X and W again."""
 
     def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True,
-                 regather: bool = False):
+                 regather: bool = False, bias: bool = True):
         self.overlap = overlap
         self.regather = regather
         self.w = store.work[prefix + ".weight"]      # (h_in/q^2, h_out/q)
-        self.bias = store.work[prefix + ".bias"]     # (h_out/q,)
+        self.bias, self.dbias = bias_views(store, prefix, bias)   # (h_out/q,) or None
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)                # dW arrives whole from a reduce-scatter: add_grad
-        self.dbias = store.grad[prefix + ".bias"]
         self.a, self.b, self.wc = a, b, weight_comm
 
     def forward(self, x):
@@ -138,7 +137,7 @@ class CubeLinear:
             wg = self.wc.allgather(self.w, axis=0)
         y = self.b.reduce_scatter(matmul_rows(xg, wg, acc(x)), axis=0, wire=x.dtype)  # (B/q^2, T, h_out/q)
         saved = (x, None, None) if self.regather else (None, xg, wg)    # --recompute gathers: the local X only
-        y += self.bias
+        add_bias(y, self.bias)
         return precision.narrow(y, x.dtype), saved
 
     def backward(self, dy, saved):
@@ -159,7 +158,7 @@ class CubeLinear:
             dx = self.a.reduce_scatter(matmul_rows(dyg, wg.T, acc(dy)), axis=0, wire=dy.dtype)
             self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0, wire=self.w.dtype))
         dx = precision.narrow(dx, dy.dtype)
-        self.dbias += ops.column_sums(dy.reshape(-1, dy.shape[-1]))
+        add_bias_grad(self.dbias, dy.reshape(-1, dy.shape[-1]))
         return dx
 
 
@@ -169,10 +168,11 @@ class CubeTiedEmbedding:
     One all-gather over i per micro-batch serves both the lookup and the
     head (the tape's ``Panel``)."""
 
-    def __init__(self, store, layout: CubeLayout):
-        self.wte = store.work["wte"]                 # (V/q, h/q^2)
+    def __init__(self, store, layout: CubeLayout, name: str = "wte"):
+        self.name = name                             # "wte", or an untied model's "lm_head"
+        self.wte = store.work[name]                 # (V/q, h/q^2)
         self.store = store
-        store.defer_zero("wte")                      # written once, in finish_backward
+        store.defer_zero(name)                      # written once, in finish_backward
         self.ci, self.cj, self.ck = layout.ci, layout.cj, layout.ck
         q, i = layout.q, layout.i
         self.row_block = split_index(layout.local_batch, q, i)    # sequences of rows block i
@@ -225,5 +225,5 @@ class CubeTiedEmbedding:
         return precision.narrow(dx, dlogits.dtype)
 
     def finish_backward(self, panel):
-        self.store.add_grad("wte", self.ci.reduce_scatter(panel.dw, axis=1, wire=self.wte.dtype))
+        self.store.add_grad(self.name, self.ci.reduce_scatter(panel.dw, axis=1, wire=self.wte.dtype))
         panel.w = panel.dw = None

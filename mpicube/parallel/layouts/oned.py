@@ -98,24 +98,25 @@ class OneDLayout(Layout):
         n = T // self.p
         return np.arange(self.t * n, (self.t + 1) * n)
 
-    def linear(self, store, prefix, position):
+    def linear(self, store, prefix, position, bias=True):
         if self.sequence_parallel:
             return SeqLinear(store, prefix, self.axes.tp, position, overlap=self.overlap,
-                             regather=self.recompute == "gathers")
+                             regather=self.recompute == "gathers", bias=bias)
         if position == "first" and self.recompute == "gathers":   # its replicated input kept as a row shard
-            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard, overlap=self.overlap)
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard, overlap=self.overlap,
+                               bias=bias)
         if position == "first":   # column-parallel
-            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, overlap=self.overlap)
-        return DenseLinear(store, prefix, out_reduce=self.axes.tp)   # row-parallel
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, overlap=self.overlap, bias=bias)
+        return DenseLinear(store, prefix, out_reduce=self.axes.tp, bias=bias)   # row-parallel
 
-    def tied_embedding(self, store):
+    def tied_embedding(self, store, name="wte"):
         if self.sequence_parallel:
             return SeqTiedEmbedding(store, self, vocab_comm=self.axes.tp,
                                     vocab_start=self.t * self.vocab_padded // self.p,
-                                    regather=self.recompute == "gathers")
+                                    regather=self.recompute == "gathers", name=name)
         return DenseTiedEmbedding(store, self, vocab_comm=self.axes.tp,
                                   vocab_start=self.t * self.vocab_padded // self.p,
-                                  shard=self.row_shard if self.recompute == "gathers" else None)
+                                  shard=self.row_shard if self.recompute == "gathers" else None, name=name)
 
     def save_block_input(self, x):
         if self.sequence_parallel:

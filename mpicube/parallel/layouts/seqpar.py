@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ... import ops
 from ...device import precision
-from .base import acc, matmul_rows
+from .base import acc, add_bias, add_bias_grad, bias_views, matmul_rows
 from .serial import DenseTiedEmbedding
 
 SEQ = 1                    # the axis of (B, T, C) the shards split
@@ -39,12 +39,12 @@ class SeqLinear:
     while dW is computed). "second" (row-parallel): forward reduce-scatters
     the partial output before the bias; backward all-gathers dY."""
 
-    def __init__(self, store, prefix: str, comm, position: str, overlap: bool = False, regather: bool = False):
+    def __init__(self, store, prefix: str, comm, position: str, overlap: bool = False, regather: bool = False,
+                 bias: bool = True):
         self.w = store.work[prefix + ".weight"]       # (C_in, C_out/p) or (C_in/p, C_out)
-        self.b = store.work[prefix + ".bias"]
+        self.b, self.db = bias_views(store, prefix, bias)
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)
-        self.db = store.grad[prefix + ".bias"]
         self.comm, self.first, self.overlap = comm, position == "first", overlap
         self.regather = regather and self.first     # --recompute gathers: keep the shard, gather it again
 
@@ -54,11 +54,11 @@ class SeqLinear:
         if self.first:
             shard, x = x, self.comm.allgather(x, axis=SEQ)   # (B, T/p, C), (B, T, C)
             y = matmul_rows(x, self.w, acc(x))        # (B, T, C_m)
-            y += self.b
+            add_bias(y, self.b)
             return precision.narrow(y, x.dtype), (shard if self.regather else x)
         y = self.comm.reduce_scatter(matmul_rows(x, self.w, acc(x)), axis=SEQ, wire=x.dtype)   # (B, T/p, C)
         y = y.astype(acc(x), copy=False)
-        y += self.b
+        add_bias(y, self.b)
         return precision.narrow(y, x.dtype), x
 
     def backward(self, dy, saved):
@@ -71,10 +71,10 @@ class SeqLinear:
         if self.first and self.overlap:               # dX travels while dW and db are computed
             pending = self.comm.ireduce_scatter(matmul_rows(dy, self.w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
             self.store.add_matmul(self.w_name, x2.T, dy2)
-            self.db += ops.column_sums(dy2)
+            add_bias_grad(self.db, dy2)
             return precision.narrow(pending.wait(), dy.dtype)
         self.store.add_matmul(self.w_name, x2.T, dy2)  # dW += x^T dy
-        self.db += ops.column_sums(dy2)               # complete: from all T rows
+        add_bias_grad(self.db, dy2)                   # complete: from all T rows
         if self.first:
             dx = self.comm.reduce_scatter(matmul_rows(dy, self.w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
             dx = precision.narrow(dx, dy.dtype)       # (B, T/p, C)
@@ -89,8 +89,8 @@ class SeqTiedEmbedding(DenseTiedEmbedding):
     the head gathers its input along T (and keeps it for dwte, or under
     --recompute gathers its T/p shard, gathered again in backward)."""
 
-    def __init__(self, store, layout, vocab_comm, vocab_start, regather: bool = False):
-        super().__init__(store, layout, vocab_comm=vocab_comm, vocab_start=vocab_start)
+    def __init__(self, store, layout, vocab_comm, vocab_start, regather: bool = False, name="wte"):
+        super().__init__(store, layout, vocab_comm=vocab_comm, vocab_start=vocab_start, name=name)
         self.regather = regather
 
     def embed(self, ids, panel):
@@ -112,7 +112,7 @@ class SeqTiedEmbedding(DenseTiedEmbedding):
         x = self.vocab_comm.allgather(saved, axis=SEQ) if self.regather else saved   # (B, T, h)
         x2 = x.reshape(-1, x.shape[-1])                          # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])             # (B*T, V_l)
-        self.store.add_matmul("wte", dl2.T, x2)                  # dwte (V_l, h) += dlogits^T x
+        self.store.add_matmul(self.name, dl2.T, x2)                # dwte (V_l, h) += dlogits^T x
         dx = self.vocab_comm.reduce_scatter(matmul_rows(dlogits, self.wte, acc(dlogits)), axis=SEQ,
                                             wire=dlogits.dtype)  # (B, T/p, h)
         return precision.narrow(dx, dlogits.dtype)

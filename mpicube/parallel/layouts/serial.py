@@ -28,11 +28,11 @@ class SerialLayout(Layout):
     def shard(self, decl: ParamDecl) -> ParamSpec:
         return ParamSpec(decl, tuple(full_index(n) for n in decl.shape))
 
-    def linear(self, store, prefix, position):
-        return DenseLinear(store, prefix)
+    def linear(self, store, prefix, position, bias=True):
+        return DenseLinear(store, prefix, bias=bias)
 
-    def tied_embedding(self, store):
-        return DenseTiedEmbedding(store, self)
+    def tied_embedding(self, store, name="wte"):
+        return DenseTiedEmbedding(store, self, name=name)
 
 
 class DenseTiedEmbedding:
@@ -41,10 +41,11 @@ class DenseTiedEmbedding:
     (1-D, --recompute gathers) the head keeps a row shard of its replicated
     input and gathers it again in backward."""
 
-    def __init__(self, store, layout, vocab_comm=None, vocab_start=0, shard=None):
-        self.wte = store.work["wte"]        # (V_l, h)
+    def __init__(self, store, layout, vocab_comm=None, vocab_start=0, shard=None, name="wte"):
+        self.name = name                    # "wte", or an untied model's "lm_head"
+        self.wte = store.work[name]         # (V_l, h)
         self.store = store
-        store.defer_zero("wte")             # the head's GEMM writes it first (backward runs head -> lookup)
+        store.defer_zero(name)             # the head's GEMM writes it first (backward runs head -> lookup)
         self.vocab_comm = vocab_comm
         self.vocab_start = vocab_start
         self.shard = shard
@@ -59,7 +60,7 @@ class DenseTiedEmbedding:
         return x, saved
 
     def embed_backward(self, dx, saved, panel):
-        ops.embedding_backward(dx, saved, self.store.grad_for_add("wte"))
+        ops.embedding_backward(dx, saved, self.store.grad_for_add(self.name))
 
     def logits(self, x, panel):
         """x (B, T, h) -> (logits (B, T, V_l), saved: x or its row shard)."""
@@ -71,7 +72,7 @@ class DenseTiedEmbedding:
         x = saved if self.shard is None else self.shard.restore(saved)   # (B, T, h)
         x2 = x.reshape(-1, x.shape[-1])                         # (B*T, h)
         dl2 = dlogits.reshape(-1, dlogits.shape[-1])            # (B*T, V_l)
-        self.store.add_matmul("wte", dl2.T, x2)                 # dwte (V_l, h) += dlogits^T x
+        self.store.add_matmul(self.name, dl2.T, x2)                # dwte (V_l, h) += dlogits^T x
         if self.vocab_comm is None:
             return matmul_rows(dlogits, self.wte)                # (B, T, h)
         # partial sums over the vocabulary split

@@ -33,7 +33,7 @@ from ...device import precision
 from ..comm_start import ibcast
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, acc, matmul_rows
+from .base import Layout, acc, add_bias, add_bias_grad, bias_views, matmul_rows
 
 
 class TesseractLayout(Layout):
@@ -93,11 +93,11 @@ class TesseractLayout(Layout):
         # norm, b_first, b_second: hidden block c, partial gradients over rows
         return ParamSpec(decl, (split_index(shape[0], q, c, decl.groups),), **on_plane)
 
-    def linear(self, store, prefix, position):
-        return SummaLinear(store, prefix, self)
+    def linear(self, store, prefix, position, bias=True):
+        return SummaLinear(store, prefix, self, bias=bias)
 
-    def tied_embedding(self, store):
-        return TesseractTiedEmbedding(store, self)
+    def tied_embedding(self, store, name="wte"):
+        return TesseractTiedEmbedding(store, self, name)
 
     def describe(self):
         return {**super().describe(), "q": self.q, "depth": self.d}
@@ -118,12 +118,11 @@ class TwoDLayout(TesseractLayout):
 class SummaLinear:
     """Y[r, c] = sum_s X[r, s] W[s, c] (+ b[c]) on a q x q grid."""
 
-    def __init__(self, store, prefix, layout: TesseractLayout):
+    def __init__(self, store, prefix, layout: TesseractLayout, bias: bool = True):
         self.w = store.work[prefix + ".weight"]      # (h_in/q, h_out/q)
-        self.b = store.work[prefix + ".bias"]        # (h_out/q,)
+        self.b, self.db = bias_views(store, prefix, bias)   # (h_out/q,) or None
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)                # dW arrives whole from a reduce: add_grad
-        self.db = store.grad[prefix + ".bias"]
         self.row, self.col = layout.row, layout.col
         self.q, self.r, self.c = layout.q, layout.r, layout.c
         self.xp = layout.backend.xp
@@ -153,7 +152,7 @@ class SummaLinear:
         for x_panel, w_panel in self.panels((self.row, x2), (self.col, self.w)):
             # X[r, s] (n, h_in/q), W[s, c] (h_in/q, h_out/q)
             y += precision.matmul(x_panel, w_panel, dtype=y.dtype)
-        y += self.b
+        add_bias(y, self.b)
         return precision.narrow(y, x.dtype).reshape(B, T, -1), x2
 
     def backward(self, dy, x2):
@@ -171,7 +170,7 @@ class SummaLinear:
                                    root=s, wire=self.w.dtype)   # (h_in/q, h_out/q) on row s
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
-        self.db += ops.column_sums(dy2)
+        add_bias_grad(self.db, dy2)
         return dx.reshape(B, T, -1)
 
 
@@ -179,10 +178,11 @@ class TesseractTiedEmbedding:
     """Lookup and LM head over wte[:, hidden block c], gathered once per
     micro-batch into the tape's ``Panel``."""
 
-    def __init__(self, store, layout: TesseractLayout):
-        self.wte = store.work["wte"]                 # (V/q, h/q): vocab block r, hidden block c
+    def __init__(self, store, layout: TesseractLayout, name: str = "wte"):
+        self.name = name                             # "wte", or an untied model's "lm_head"
+        self.wte = store.work[name]                 # (V/q, h/q): vocab block r, hidden block c
         self.store = store
-        store.defer_zero("wte")                      # written once, in finish_backward
+        store.defer_zero(name)                      # written once, in finish_backward
         self.row, self.col = layout.row, layout.col
         self.seqs = layout.canonical_seqs
         self.logit_seqs = layout.canonical_seqs
@@ -225,5 +225,5 @@ class TesseractTiedEmbedding:
         return matmul_rows(dfull, panel.w)                      # (B_c, T, h/q)
 
     def finish_backward(self, panel):
-        self.store.add_grad("wte", self.col.reduce_scatter(panel.dw, axis=0, wire=self.wte.dtype))
+        self.store.add_grad(self.name, self.col.reduce_scatter(panel.dw, axis=0, wire=self.wte.dtype))
         panel.w = panel.dw = None

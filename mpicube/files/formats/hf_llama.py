@@ -1,0 +1,195 @@
+"""Hugging Face Llama directories (``LlamaForCausalLM``): ``config.json``
+and safetensors files, read through the ``safetensors`` package's NumPy
+API (no torch) on any layout, each rank reading only its blocks.
+
+How transformers' tensors map to mpicube's (``llama.llama_params``):
+
+* ``nn.Linear`` stores (out, in); mpicube's linears are x @ W, (in, out),
+  so every projection is read transposed;
+* ``h.{i}.attn.c_attn.weight`` (h, (n_head + 2 n_kv) hd) is the columns
+  [q_proj^T | k_proj^T | v_proj^T]; ``h.{i}.mlp.c_fc.weight`` (h, 2 F) is
+  [gate_proj^T | up_proj^T]; o_proj and down_proj are c_proj;
+* the norms (input_layernorm, post_attention_layernorm, model.norm) are
+  ln_1, ln_2 and ln_f; embed_tokens is wte; ``lm_head.weight`` is
+  ``lm_head`` (absent when tied).
+
+No permutation of q or k: transformers' Llama rotates with ``rotate_half``
+over the two halves of each head (its conversion script permuted Meta's
+interleaved weights into that order once), and mpicube rotates the same
+way (``ops.llama``), so head columns are taken as stored.
+
+A configuration mpicube does not compute is refused by the field's name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ...core.config import ModelConfig
+from .base import FormatError, ModelFile, check_shapes, first_missing
+from .hf import CONFIG, READABLE, HFModel, _shown, read_json
+
+MODEL = "model."
+
+
+def is_llama_dir(path: Path) -> bool:
+    """Whether the Hugging Face directory's config.json names a Llama model."""
+    try:
+        doc = read_json(path / CONFIG, "a model configuration")
+    except FormatError:
+        return False                  # the GPT-2 reader says what is wrong with it
+    return isinstance(doc, dict) and doc.get("model_type") == "llama"
+
+
+def _rope(doc: dict) -> tuple:
+    """(rope type, theta) from ``rope_parameters`` (transformers 5) or
+    ``rope_scaling`` and ``rope_theta`` (earlier versions)."""
+    params = doc.get("rope_parameters") or {}
+    scaling = doc.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        return "?", None
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    return kind, params.get("rope_theta", doc.get("rope_theta", 10000.0))
+
+
+def parse_config(path: Path, doc) -> ModelConfig:
+    """The ModelConfig of a Llama ``config.json``, or a FormatError naming
+    the field mpicube's Llama does not compute."""
+    where = path / CONFIG
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: not a JSON object")
+    sizes = {"vocab_size": "vocab_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+             "n_embd": "hidden_size", "ffn_hidden": "intermediate_size", "n_ctx": "max_position_embeddings"}
+    values = {}
+    for ours, theirs in sizes.items():
+        value = doc.get(theirs)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FormatError(f"{where}: {theirs} = {_shown(value)} is not a positive integer")
+        values[ours] = value
+    kv = doc.get("num_key_value_heads", values["n_head"])
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or values["n_head"] % kv:
+        raise FormatError(f"{where}: num_key_value_heads = {_shown(kv)} must divide num_attention_heads "
+                          f"{values['n_head']}")
+    if values["n_embd"] % values["n_head"]:
+        raise FormatError(f"{where}: hidden_size {values['n_embd']} is not divisible by num_attention_heads "
+                          f"{values['n_head']}")
+    kind, theta = _rope(doc)
+    eps = doc.get("rms_norm_eps", 1e-6)
+    refusals = [
+        ("head_dim", doc.get("head_dim") not in (None, values["n_embd"] // values["n_head"]),
+         "mpicube's head size is hidden_size / num_attention_heads"),
+        ("attention_bias", bool(doc.get("attention_bias", False)), "mpicube's Llama attention has no biases"),
+        ("mlp_bias", bool(doc.get("mlp_bias", False)), "mpicube's Llama MLP has no biases"),
+        ("hidden_act", doc.get("hidden_act", "silu") != "silu", "mpicube's SwiGLU gates with SiLU"),
+        ("rope_parameters", kind != "default", "mpicube implements the default rotary embedding only"),
+        ("rope_theta", isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0,
+         "it must be a positive number"),
+        ("rms_norm_eps", isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0,
+         "it must be a positive number"),
+        ("sliding_window", doc.get("sliding_window") is not None, "mpicube's attention is full causal"),
+        ("tie_word_embeddings", not isinstance(doc.get("tie_word_embeddings", False), bool),
+         "it must be true or false"),
+    ]
+    for key, refused, why in refusals:
+        if refused:
+            raise FormatError(f"{where}: {key} = {_shown(doc.get(key))} is not supported: {why}")
+    return ModelConfig(arch="llama", n_kv_head=kv, rope_theta=float(theta), rms_eps=float(eps),
+                       tie_embeddings=doc.get("tie_word_embeddings", False), **values)
+
+
+def sources(cfg: ModelConfig, name: str) -> tuple:
+    """(parts, transposed) for mpicube's ``name``: the HF tensors whose
+    columns (in mpicube's orientation) are concatenated into it, each as
+    (HF name, width), and whether they are stored (out, in)."""
+    if name == "wte":
+        return [(MODEL + "embed_tokens.weight", cfg.n_embd)], False
+    if name == "lm_head":
+        return [("lm_head.weight", cfg.n_embd)], False
+    if name == "ln_f.weight":
+        return [(MODEL + "norm.weight", None)], False
+    layer, suffix = name[2:].split(".", 1)                    # "h.{i}.<suffix>"
+    p = f"{MODEL}layers.{layer}."
+    q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    table = {
+        "ln_1.weight": ([(p + "input_layernorm.weight", None)], False),
+        "ln_2.weight": ([(p + "post_attention_layernorm.weight", None)], False),
+        "attn.c_attn.weight": ([(p + "self_attn.q_proj.weight", q), (p + "self_attn.k_proj.weight", kv),
+                                (p + "self_attn.v_proj.weight", kv)], True),
+        "attn.c_proj.weight": ([(p + "self_attn.o_proj.weight", cfg.n_embd)], True),
+        "mlp.c_fc.weight": ([(p + "mlp.gate_proj.weight", cfg.ffn), (p + "mlp.up_proj.weight", cfg.ffn)], True),
+        "mlp.c_proj.weight": ([(p + "mlp.down_proj.weight", cfg.n_embd)], True),
+    }
+    return table[suffix]
+
+
+class LlamaHFModel(HFModel):
+    """A ``LlamaForCausalLM`` directory as a ModelFile: blocks of mpicube's
+    tensors assembled from slices of transformers' (the file handling is
+    the GPT-2 reader's)."""
+
+    def __init__(self, path, check_head: bool = True):
+        path = Path(path)
+        cfg = parse_config(path, read_json(path / CONFIG, "a model configuration"))
+        self.path, self._files = path, {}
+        try:
+            self._map = self._weight_map()
+            missing = first_missing(cfg, lambda n: all(f in self._map for f, _ in sources(cfg, n)[0]))
+            if missing is not None:
+                absent = next(f for f, _ in sources(cfg, missing)[0] if f not in self._map)
+                raise FormatError(f"{self.path}: missing tensor {absent!r} (mpicube's {missing})")
+            ModelFile.__init__(self, path, cfg)
+            self._locate_llama()
+        except BaseException:
+            self.close()
+            raise
+
+    def _locate_llama(self) -> None:
+        """Check every tensor's dtype and shape, and refuse strays (a stored
+        lm_head in a tied model among them)."""
+        cfg, found, self._dtypes = self.config, {}, {}
+        for name, shape in self.shapes.items():
+            parts, transposed = sources(cfg, name)
+            for fname, width in parts:
+                sl = self._open(self._map[fname]).get_slice(fname)
+                code = sl.get_dtype()
+                if code not in READABLE:
+                    raise FormatError(f"{self._where(fname)}: tensor {fname!r} has dtype {code}; mpicube reads "
+                                      f"{', '.join(READABLE)} (save the model in float32)")
+                self._dtypes[name] = np.dtype(READABLE[code])
+                want = (shape[0],) if width is None else (width, shape[0]) if transposed else (shape[0], width)
+                found[fname] = tuple(sl.get_shape())
+                check_shapes(self.path, {fname: found[fname]}, {fname: want})
+        for fname in self._map:
+            if fname not in found:
+                why = "the model ties lm_head to embed_tokens (tie_word_embeddings)" if fname == "lm_head.weight" \
+                    else "mpicube's Llama has no such parameter"
+                raise FormatError(f"{self._where(fname)}: unexpected tensor {fname!r}: {why}")
+
+    def read_box(self, name: str, box: tuple) -> np.ndarray:
+        """Block ``box`` (slices, mpicube's orientation) of ``name``, from the
+        column ranges of the HF tensors it is made of."""
+        parts, transposed = sources(self.config, name)
+        if len(box) == 1:                                        # a norm weight
+            return self._slice(parts[0][0], box)
+        rows, cols = box
+        pieces, start = [], 0
+        for fname, width in parts:
+            lo, hi = max(cols.start, start), min(cols.stop, start + width)
+            if lo < hi:
+                local = slice(lo - start, hi - start)
+                pieces.append(self._slice(fname, (local, rows)).T if transposed else self._slice(fname, (rows, local)))
+            start += width
+        return np.concatenate(pieces, axis=1)
+
+    def _slice(self, fname: str, box: tuple) -> np.ndarray:
+        try:
+            return self._open(self._map[fname]).get_slice(fname)[box]
+        except Exception as e:  # noqa: BLE001 - a damaged shard
+            raise FormatError(f"{self._where(fname)}: cannot read tensor {fname!r}: {e}") from None
+
+    def describe(self) -> str:
+        n = len(set(self._map.values()))
+        files = f"{n} safetensors shards" if n > 1 else "model.safetensors"
+        return f"Hugging Face Llama directory {self.path} ({files})"
