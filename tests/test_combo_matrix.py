@@ -226,3 +226,7 @@ def test_refused_pairings_are_still_refused():
         with pytest.raises(ConfigError):
             resolved_words(combo)
         print(f"{a} x {b}: refused")
+
+
+if __name__ == "__main__":      # python tests/test_combo_matrix.py: the launches and their cases
+    print(describe())
