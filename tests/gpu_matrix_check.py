@@ -29,7 +29,6 @@ from mpi4py import MPI
 import parallel_check as pc
 from mpicube.core.config import ModelConfig
 from mpicube.device.precision import dtype_of, is_half
-from mpicube.parallel.params import clipped_index, real_mask
 from mpicube.training.accum import forward_backward
 from mpicube.training.step import make_step
 
@@ -63,11 +62,7 @@ def run_case(layout_name, dp, depth, want, x, y) -> None:
     store.zero_grad()
 
     def after_forward(m):
-        emb = model.embedding
-        seqs = parts.micro_rows(m).start + emb.logit_seqs                   # global sequences of these logits
-        v0, nv = emb.vocab_start, model.logits.shape[-1]
-        real = max(0, min(nv, CFG.vocab_size - v0))
-        pc.close("logits", host(model.logits)[..., :real], logits_w[seqs][..., v0:v0 + real])
+        pc.check_logits(parts, m, logits_w, "logits")
 
     loss = forward_backward(parts, x, y, 1, pc.LOSS_SCALE, after_forward=after_forward)
     pc.close("loss", np.array([loss]), np.array([loss_w]))
@@ -75,22 +70,10 @@ def run_case(layout_name, dp, depth, want, x, y) -> None:
     opt.sync()
     norm = opt.grad_norm() / pc.LOSS_SCALE
     pc.close("grad norm", np.array([norm]), np.array([norm_w]))
-    synced, synced_mask = pc.synced_gradient(store, host)                  # (P_pad,) each
-    for spec in store.specs:
-        full = grads_w[spec.name]
-        lo, hi = store.offsets[spec.name]
-        mask = real_mask(spec) & synced_mask[lo:hi].reshape(spec.local_shape)
-        got = synced[lo:hi].reshape(spec.local_shape)
-        pc.close(f"grad {spec.name}", np.where(mask, got, 0), np.where(mask, full[np.ix_(*clipped_index(spec))], 0),
-                 np.abs(full).max())
+    pc.check_gradients(store, host, grads_w, "step 1")
     opt.step(LR, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
-    if pc.HALF:                 # after an AdamW step 16-bit parameters are not comparable (parallel_check)
-        return
-    params = store.views(store.full_master())
-    for spec in store.specs:
-        full, mask = params_w[spec.name], real_mask(spec)
-        pc.close(f"param {spec.name} after a step", np.where(mask, host(params[spec.name]), 0),
-                 np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+    if not pc.HALF:             # after an AdamW step 16-bit parameters are not comparable (parallel_check)
+        pc.check_params(store, host, params_w, "after a step")
 
 
 def main(dtypes):

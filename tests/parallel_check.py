@@ -120,7 +120,8 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
-from mpicube.analysis.costmemory import kept_and_rerun_terms, step_memory, step_memory_bytes
+from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
+                                         pipeline_peak_activations, step_memory, step_memory_bytes)
 from mpicube.cli.common import env_settings
 from mpicube.parallel.grid import build_layout
 from mpicube.parallel.planning import resolve
@@ -169,14 +170,17 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
 
-def wire_tolerance(layout, store) -> float:
+def wire_tolerance(layout, store, dtype=None) -> float:
     """RTOL in 16 bits, 8u + R u (module docstring): R the most 16-bit
     roundings that reach one entry, over the layout's sums of activations
-    and every gradient's chain of sums."""
-    u = unit_roundoff(dtype_of(DTYPE))
+    and every gradient's chain of sums. Pipeline stages add the tied wte's
+    sum over stages 0 and P-1 (one more 16-bit sum: 2u, as the rounding of
+    its two inputs and of the sum)."""
+    dtype = DTYPE if dtype is None else dtype
+    u = unit_roundoff(dtype_of(dtype))
     g = getattr(layout, "q", getattr(layout, "p", 1))
     most = g + 1 if g > 1 else 0                       # one sum over the layout's group
-    half_sums = is_half(gradient_wire(dtype_of(DTYPE)))
+    half_sums = is_half(gradient_wire(dtype_of(dtype)))
     for spec in store.specs:
         # 2-D, 2.5-D and 3-D sum weight-gradient partials over q (SUMMA's reduce,
         # the cube's reduce-scatter over i); 1-D's weight gradients are local
@@ -184,7 +188,8 @@ def wire_tolerance(layout, store) -> float:
         chain.append((spec.grad_comm.size if spec.grad_comm is not None else 1, half_sums))   # replica group
         chain.append((layout.axes.dp.size, half_sums))                                         # data parallelism
         most = max(most, roundings(chain))
-    return 8 * u + most * u
+    stages = 2 * u if layout.axes.pp.size > 1 else 0.0
+    return 8 * u + most * u + stages
 
 
 def roundings(chain) -> int:
@@ -216,12 +221,21 @@ def close(name, got, want, scale=None):
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
 
 
-def check_traffic(layout_name, cfg, layout, batch, dp, depth, counters):
+def problem_of(cfg, layout, plan, batch: int, dtype: str = None) -> Problem:
+    """The cost model's description of this rank's share of a run: the
+    resolved ``plan`` (a gridspec.Plan) on ``layout`` with ``batch``
+    sequences of cfg.n_ctx positions in ``dtype``, at this rank's pipeline
+    stage. Every check of traffic and memory (here, pipeline_check,
+    combo_matrix_check) starts from it, so they price the same run."""
+    return Problem(cfg, layout.name, layout.axes.tp.size, plan.dp, plan.depth, batch, cfg.n_ctx,
+                   DTYPE if dtype is None else dtype, recompute=plan.recompute, grad_accum=plan.grad_accum,
+                   zero=plan.zero, cp=plan.cp, sequence_parallel=plan.sequence_parallel, pp=plan.pp,
+                   pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages, stage=layout.axes.pp.rank)
+
+
+def check_traffic(problem, counters, where: str = None) -> None:
     """Measured elements, bytes and messages per axis == the analytic model."""
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP,
-                      sequence_parallel=SEQPAR)
-    assert_traffic(step_traffic(problem), counters, f"rank {MPI.COMM_WORLD.rank}")
+    assert_traffic(step_traffic(problem), counters, where or f"rank {MPI.COMM_WORLD.rank}")
 
 
 def assert_traffic(want, counters, where: str) -> None:
@@ -235,21 +249,18 @@ def assert_traffic(want, counters, where: str) -> None:
                                  f"{got[2]} messages, model predicts {model[0]} / {model[1]} / {model[2]}")
 
 
-def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, adam):
+def check_memory(problem, dropout: bool, store, model, kept, adam, where: str = None) -> None:
     """Parameters (master and working copy), gradients, AdamW moments and
     saved activations == the analytic memory model, in elements and in
     bytes (under --zero 1 the padded buffers and the sharded moments and
     master). ``kept`` is (elements, bytes) measured right after forward;
     under --recompute blocks the rerun block's caches (measured in
     backward) come on top, and what forward kept alone is checked too."""
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=RECOMPUTE, grad_accum=ACCUM, zero=ZERO, cp=CP,
-                      sequence_parallel=SEQPAR)
-    want, want_bytes = step_memory(problem, dropout > 0), step_memory_bytes(problem, dropout > 0)
-    want_kept = sum(kept_and_rerun_terms(problem, dropout > 0)[0].values())
+    where = where or f"rank {MPI.COMM_WORLD.rank}"
+    want, want_bytes = step_memory(problem, dropout), step_memory_bytes(problem, dropout)
+    want_kept = sum(kept_and_rerun_terms(problem, dropout)[0].values())
     if kept[0] != want_kept:
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: forward keeps {kept[0]} elements, model predicts "
-                             f"{want_kept}")
+        raise AssertionError(f"{where}: forward keeps {kept[0]} elements, model predicts {want_kept}")
     params = [b for b in store.buffers() if b is not store.flat_grad]     # master (or its chunk), working copy
     grads = [store.flat_grad]
     if store.streams_gradients:                                           # --zero 2/3: every buffer, slots too
@@ -263,8 +274,19 @@ def check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept, ada
     predicted = (want.params, want.grads, want.optimizer, want.activations,
                  want_bytes.params, want_bytes.grads, want_bytes.optimizer, want_bytes.activations)
     if got != predicted:
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: measured (params, grads, optimizer, activations, "
+        raise AssertionError(f"{where}: measured (params, grads, optimizer, activations, "
                              f"then their bytes) {got}, model predicts {predicted}")
+
+
+def check_pipeline_memory(problem, pipe, where: str = None) -> None:
+    """The most saved activations this stage held at once (``pipe.peak_saved``,
+    measured when forward_backward is given ``after_forward``) == the cost
+    model's pipeline peak, in elements and bytes (dropout on)."""
+    peak = sum(pipeline_peak_activations(problem, dropout=True).values())
+    peak_bytes = pipeline_peak_activation_bytes(problem, dropout=True)
+    if pipe.peak_saved != (peak, peak_bytes):
+        raise AssertionError(f"{where or f'rank {MPI.COMM_WORLD.rank}'} (stage {problem.stage}): peak saved "
+                             f"activations {pipe.peak_saved} (elements, bytes), model {(peak, peak_bytes)}")
 
 
 def synced_gradient(store, host):
@@ -281,6 +303,52 @@ def synced_gradient(store, host):
     for seg in part.list:
         full[seg.own], mask[seg.own] = chunk[seg.mine], True
     return full, mask
+
+
+def check_gradients(store, host, serial_grads: dict, label: str) -> None:
+    """Every gradient block this rank holds after the step's sums (all of
+    it, or its ZeRO chunk) equals the matching block of the serial model's
+    ``serial_grads`` ({name: full array}); padding gradients are zero."""
+    synced, synced_mask = synced_gradient(store, host)                    # (P_pad,) each
+    for spec in store.specs:
+        full = serial_grads[spec.name]
+        want = full[np.ix_(*clipped_index(spec))]
+        lo, hi = store.offsets[spec.name]
+        mask, mine = real_mask(spec), synced_mask[lo:hi].reshape(spec.local_shape)
+        got = synced[lo:hi].reshape(spec.local_shape)
+        close(f"{label} grad {spec.name}", np.where(mask & mine, got, 0), np.where(mask & mine, want, 0),
+              np.abs(full).max())
+        if not mask.all():
+            assert np.all(got[~mask & mine] == 0), f"padding gradient of {spec.name} is not zero"
+
+
+def check_params(store, host, serial_params: dict, label: str) -> None:
+    """Every parameter block of this rank (the master, gathered if sharded:
+    a collective) equals the matching block of ``serial_params``."""
+    params = store.views(store.full_master())
+    for spec in store.specs:
+        full, mask = serial_params[spec.name], real_mask(spec)
+        close(f"param {spec.name} {label}", np.where(mask, host(params[spec.name]), 0),
+              np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+
+
+def check_logits(parts, m: int, serial_logits, label: str) -> None:
+    """Micro-batch ``m``'s logits on this rank (its sequences, its context-
+    parallel positions, its vocabulary columns) == the same entries of the
+    serial model's (B, T, V) ``serial_logits``."""
+    model, cfg = parts.model, parts.cfg
+    emb = model.embedding
+    seqs = parts.micro_rows(m).start + emb.logit_seqs           # global sequences of these logits
+    v0, nv = emb.vocab_start, model.logits.shape[-1]
+    real = max(0, min(nv, cfg.vocab_size - v0))
+    pos = local_positions(cfg.n_ctx, parts.layout.axes.cp.size, parts.layout.axes.cp.rank)   # this rank's positions
+    close(label, parts.layout.backend.to_host(model.logits)[..., :real], serial_logits[seqs][:, pos, v0:v0 + real])
+
+
+def grid_of(layout_name: str, dp: int, depth: int) -> GridSpec:
+    """The plan this module's environment switches describe (world rank's view)."""
+    return GridSpec(layout_name, dp=dp, cp=CP, depth=depth, sequence_parallel=SEQPAR, grad_accum=ACCUM,
+                    recompute=RECOMPUTE, zero=ZERO)
 
 
 def main():
@@ -310,6 +378,7 @@ def main():
     opt, s_opt = make_step(store, layout.axes, weight_decay=0.1), make_step(s_store, s_layout.axes, weight_decay=0.1)
     assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
 
+    problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):
             st.zero_grad()
@@ -323,46 +392,27 @@ def main():
             """Between micro-batch m's forward and its backward."""
             kept.append((model.saved_elements(), model.saved_bytes()))
             if step == 1:
-                emb = model.embedding
-                seqs = parts.micro_rows(m).start + emb.logit_seqs   # global sequences of these logits
-                v0, nv = emb.vocab_start, model.logits.shape[-1]
-                real = max(0, min(nv, cfg.vocab_size - v0))
-                pos = local_positions(T, CP, layout.axes.cp.rank)      # this rank's positions
-                close(f"logits of micro-batch {m}", host(model.logits)[..., :real],
-                      s_logits[seqs][:, pos, v0:v0 + real])
+                check_logits(parts, m, s_logits, f"logits of micro-batch {m}")
 
         loss = forward_backward(parts, x, y, step, LOSS_SCALE, after_forward=after_forward)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
         s_model.backward(loss_scale=LOSS_SCALE)
         assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
         if parts.layout.attention_kind != "full" and ARCH == "gpt2":   # the memory model: blockwise, GPT-2
-            check_memory(cfg, layout, batch, dp, depth, dropout, store, model, kept[0], opt.adam)
+            check_memory(problem, dropout > 0, store, model, kept[0], opt.adam)
         opt.sync()
         s_opt.sync()
         norm = opt.grad_norm() / LOSS_SCALE
         s_norm = s_opt.grad_norm() / LOSS_SCALE
         close(f"step {step} grad norm", np.array([norm]), np.array([s_norm]))
-        synced, synced_mask = synced_gradient(store, host)
-        for spec in store.specs if step == 1 or not HALF else []:
-            full = s_store.grad[spec.name]
-            want = full[np.ix_(*clipped_index(spec))]
-            lo, hi = store.offsets[spec.name]
-            mask, mine = real_mask(spec), synced_mask[lo:hi].reshape(spec.local_shape)
-            got = synced[lo:hi].reshape(spec.local_shape)
-            close(f"step {step} grad {spec.name}", np.where(mask & mine, got, 0), np.where(mask & mine, want, 0),
-                  np.abs(full).max())
-            if not mask.all():
-                assert np.all(got[~mask & mine] == 0), f"padding gradient of {spec.name} is not zero"
+        if step == 1 or not HALF:
+            check_gradients(store, host, s_store.grad, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / LOSS_SCALE)
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
-        if ARCH == "gpt2":
-            check_traffic(layout_name, cfg, layout, batch, dp, depth, counters)   # the step's all-gather (zero 1) too
-    params = store.views(store.full_master())           # (collective under a sharded master)
-    for spec in store.specs if not HALF else []:
-        full = s_store.data[spec.name]
-        mask = real_mask(spec)
-        close(f"param {spec.name} after 3 steps", np.where(mask, host(params[spec.name]), 0),
-              np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+        if ARCH == "gpt2":                                # the cost model is GPT-2's
+            check_traffic(problem, counters)              # the step's all-gather (zero 1) too
+    if not HALF:
+        check_params(store, host, s_store.data, "after 3 steps")
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "

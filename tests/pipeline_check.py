@@ -15,9 +15,7 @@ Usage: python -m mpi4py tests/pipeline_check.py CASE [-- CASE ...]
          [recompute=none] [zero=0] [layers=4] [cp=1] [sp=0] [ckpt=DIR]
 
 zero, recompute and dtype as MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE
-and MPICUBE_CHECK_DTYPE in tests/parallel_check.py; cp=C runs the stages
-with context parallelism (each sequence over C ranks), sp=1 under
---sequence-parallel (1-D). ckpt=DIR then moves
+and MPICUBE_CHECK_DTYPE in tests/parallel_check.py. ckpt=DIR then moves
 the trained state through checkpoints: saved from this grid,
 loaded and saved again on the serial layout (rank 0 alone), then on pp 4 x
 1d (tp 2, the first 8 ranks), then loaded back here: every parameter and
@@ -39,7 +37,6 @@ from mpicube.parallel.grid import build_layout
 from mpicube.parallel.planning import resolve
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.parallel.fsdp import make_store
-from mpicube.parallel.params import clipped_index, real_mask
 from mpicube.training.accum import forward_backward
 from mpicube.training.parts import Parts
 from mpicube.training.pipeline import Pipeline, stage_specs
@@ -49,53 +46,32 @@ import parallel_check as pc
 
 DTYPE = pc.DTYPE
 HALF = is_half(dtype_of(DTYPE))
-RTOL = 1e-10
 
 
-def build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout, recompute, zero,
-                   cp=1, sp=False):
+def build_pipeline(grid, cfg, batch, dropout):
     backend = make_backend("cpu", DTYPE)
     counters = Counters()
-    grid = GridSpec(layout_name, dp=dp, pp=pp, cp=cp, depth=depth, grad_accum=accum, recompute=recompute,
-                    sequence_parallel=sp, pp_schedule=schedule, virtual_stages=virtual)
     layout = build_layout(resolve(grid, cfg, batch, MPI.COMM_WORLD.Get_size()), backend, MPI.COMM_WORLD,
                           counters=counters)
-    store = make_store(stage_specs(layout, cfg, virtual), backend, 7, dp=layout.axes.dp, zero=zero, stages=pp)
-    pipe = Pipeline(cfg, layout, store, schedule=schedule, virtual=virtual, dropout=dropout, seed=7,
-                    grad_accum=accum)
-    return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
+    store = make_store(stage_specs(layout, cfg, grid.virtual_stages), backend, 7, dp=layout.axes.dp, zero=grid.zero,
+                       stages=grid.pp)
+    pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=grid.virtual_stages, dropout=dropout,
+                    seed=7, grad_accum=grid.grad_accum)
+    return Parts(cfg, backend, counters, layout, store, pipe, grid.grad_accum, pipeline=pipe)
 
 
-def close(name, got, want, scale=None):
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    scale = np.abs(want).max() if scale is None else scale
-    err = np.abs(got - want).max() / max(scale, 1e-300) if got.size else 0.0
-    pc.WORST[0] = max(pc.WORST[0], err)
-    if not err <= RTOL:
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")
-
-
-def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, adam, cp=1, sp=False):
+def check_costs(parts, cfg, batch, grid, adam):
     """Measured elements/bytes/messages on every axis (point-to-point "pp"
-    included), the peak saved activations of this stage and the weights,
+    included), the peak saved activations of this stage, and the weights,
     gradients and AdamW moments it holds (every buffer, the slots of --zero
-    2/3 included) == the cost model (analysis.costmodel.step_traffic,
-    costmemory's pipeline peak and step_memory)."""
-    from mpicube.analysis.costmemory import (pipeline_peak_activation_bytes, pipeline_peak_activations,
-                                             step_memory, step_memory_bytes)
-    from mpicube.analysis.costmodel import Problem, step_traffic
+    2/3 included) == the cost model (parallel_check's checks, on the
+    problem of this stage)."""
+    from mpicube.analysis.costmemory import step_memory, step_memory_bytes
 
-    layout, pipe, c = parts.layout, parts.pipeline, parts.counters
-    problem = Problem(cfg, layout.name, layout.axes.tp.size, dp, depth, batch, cfg.n_ctx, DTYPE,
-                      recompute=pc.RECOMPUTE, zero=pc.ZERO, grad_accum=accum, pp=pp, pp_schedule=schedule,
-                      virtual_stages=virtual, stage=layout.axes.pp.rank, cp=cp, sequence_parallel=sp)
-    pc.assert_traffic(step_traffic(problem), c, f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage})")
-    peak = sum(pipeline_peak_activations(problem, dropout=True).values())
-    peak_bytes = pipeline_peak_activation_bytes(problem, dropout=True)
-    got = pipe.peak_saved
-    if got != (peak, peak_bytes):
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): peak saved activations "
-                             f"{got} (elements, bytes), model {(peak, peak_bytes)}")
+    problem = pc.problem_of(cfg, parts.layout, grid, batch, DTYPE)
+    where = f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage})"
+    pc.check_traffic(problem, parts.counters, where)
+    pc.check_pipeline_memory(problem, parts.pipeline, where)
     store = parts.store
     if store.streams_gradients:
         params, grads = store.param_buffers(), store.grad_buffers()
@@ -108,8 +84,8 @@ def check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, adam
     want, want_bytes = step_memory(problem, dropout=True), step_memory_bytes(problem, dropout=True)
     model = (want.params, want.grads, want.optimizer, want_bytes.params, want_bytes.grads, want_bytes.optimizer)
     if got != model:
-        raise AssertionError(f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage}): measured (params, grads, "
-                             f"optimizer, then their bytes) {got}, model predicts {model}")
+        raise AssertionError(f"{where}: measured (params, grads, optimizer, then their bytes) {got}, "
+                             f"model predicts {model}")
 
 
 def save(parts, opt, path, comm):
@@ -193,17 +169,17 @@ class SerialReference:
 def configure(options: dict) -> None:
     """One case's settings, into this module's and parallel_check's globals
     (the functions shared with parallel_check read them)."""
-    global DTYPE, HALF, RTOL
+    global DTYPE, HALF
     DTYPE = pc.DTYPE = options.get("dtype", "float64")
-    HALF = is_half(dtype_of(DTYPE))
+    HALF = pc.HALF = is_half(dtype_of(DTYPE))
     pc.RECOMPUTE, pc.ZERO = options.get("recompute", "none"), int(options.get("zero", 0))
     pc.LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
-    pc.WORST[0], RTOL = 0.0, 1e-10
+    pc.WORST[0], pc.RTOL = 0.0, 1e-10
 
 
 def main():
     """Cases separated by "--", each LAYOUT DP DEPTH PP SCHEDULE V ACCUM and
-    any of dropout=, batch=, dtype=, recompute=, zero=, layers=, ckpt=DIR: one
+    any of dropout=, batch=, dtype=, recompute=, zero=, ckpt=DIR: one
     launch runs several on the same ranks (MPI start-up paid once)."""
     cases, case = [], []
     for arg in sys.argv[1:] + ["--"]:
@@ -221,9 +197,11 @@ def main():
 
 
 def run_case(words: list, options: dict):
-    global RTOL
     layout_name, dp, depth, pp = words[0], int(words[1]), int(words[2]), int(words[3])
     schedule, virtual, accum = words[4], int(words[5]), int(words[6])
+    cp, sp = int(options.get("cp", 1)), options.get("sp", "0") == "1"
+    grid = GridSpec(layout_name, dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=schedule, virtual_stages=virtual,
+                    grad_accum=accum, recompute=pc.RECOMPUTE, zero=pc.ZERO, sequence_parallel=sp)
     dropout = float(options.get("dropout", 0.1))
     batch = int(options.get("batch", 8 * dp * accum))
     cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=int(options.get("layers", 4)), n_head=4, n_embd=16)
@@ -232,12 +210,10 @@ def run_case(words: list, options: dict):
     steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T)))
              for _ in range(int(options.get("steps", 3)))]
 
-    cp, sp = int(options.get("cp", 1)), options.get("sp", "0") == "1"
-    parts = build_pipeline(layout_name, cfg, batch, dp, depth, pp, schedule, virtual, accum, dropout,
-                           pc.RECOMPUTE, pc.ZERO, cp, sp)
+    parts = build_pipeline(grid, cfg, batch, dropout)
     layout, store, counters = parts.layout, parts.store, parts.counters
     if HALF:
-        RTOL = pc.wire_tolerance(layout, store) + 2 * pc.unit_roundoff(dtype_of(DTYPE))   # + the stage sum
+        pc.RTOL = pc.wire_tolerance(layout, store, DTYPE)            # the stage sum included
     world = MPI.COMM_WORLD
     serial = SerialReference(cfg, batch, dropout) if world.rank == 0 else None
     opt = make_step(store, layout.axes, weight_decay=0.1)
@@ -250,33 +226,22 @@ def run_case(words: list, options: dict):
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
         s_loss, s_norm, s_grads = world.bcast(ref, root=0)       # rank 0's serial step
-        close(f"step {step} loss", [loss], [s_loss])
-        close(f"step {step} grad norm", [norm], [s_norm])
-        synced, synced_mask = pc.synced_gradient(store, host) if s_grads is not None else (None, None)
-        for spec in store.specs if s_grads is not None else []:
-            full = s_grads[spec.name]
-            lo, hi = store.offsets[spec.name]
-            mask, mine = real_mask(spec), synced_mask[lo:hi].reshape(spec.local_shape)
-            got = synced[lo:hi].reshape(spec.local_shape)
-            close(f"step {step} grad {spec.name}", np.where(mask & mine, got, 0),
-                  np.where(mask & mine, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+        pc.close(f"step {step} loss", [loss], [s_loss])
+        pc.close(f"step {step} grad norm", [norm], [s_norm])
+        if s_grads is not None:
+            pc.check_gradients(store, host, s_grads, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
-        check_costs(parts, cfg, batch, dp, depth, pp, schedule, virtual, accum, opt.adam, cp, sp)   # the step's gather too
-    params = store.views(store.full_master())
+        check_costs(parts, cfg, batch, grid, opt.adam)           # the step's all-gather too
     s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
-    for spec in store.specs if not HALF else []:
-        full = s_params[spec.name]
-        mask = real_mask(spec)
-        close(f"param {spec.name} after {len(steps)} steps", np.where(mask, host(params[spec.name]), 0),
-              np.where(mask, full[np.ix_(*clipped_index(spec))], 0), np.abs(full).max())
+    if not HALF:
+        pc.check_params(store, host, s_params, f"after {len(steps)} steps")
     if "ckpt" in options:
         roundtrip(parts, opt, options["ckpt"], batch)
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "
               f"schedule={schedule} V={virtual} accum={accum} dtype={DTYPE} recompute={pc.RECOMPUTE} "
-              f"zero={pc.ZERO} cp={cp} sp={int(sp)} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} "
-              f"(rtol {RTOL:.1e})", flush=True)
+              f"zero={pc.ZERO} cp={cp} sp={int(sp)} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} (rtol {pc.RTOL:.1e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -90,33 +90,18 @@ def test_cost_model_scales_with_the_micro_batch():
 # --------------------------------------------------------------------------- every layout vs serial
 
 
-# Accumulation on 1-D, 2-D, 2.5-D and 3-D runs with --recompute in
-# tests/test_recompute.py (the same check, both options at once); here the
-# layouts with data parallelism, where micro-batches sit inside each
-# replica's rows.
-CASES = [(2, "serial", 2), (4, "1d", 2)]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks,layout,dp", CASES, ids=[f"{c[1]}-n{c[0]}-dp{c[2]}" for c in CASES])
-def test_accumulating_layout_matches_serial(ranks, layout, dp):
-    """Two micro-batches per step on the layout, the whole batch at once on
-    serial: loss, logits, gradients, parameters after three AdamW steps
-    (dropout 0.1, float64, 1e-10), traffic and memory == the cost model."""
-    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, 1, 0.1], timeout=240,
-                   env={"MPICUBE_CHECK_ACCUM": "2"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"OK {layout} world={ranks} dp={dp} depth=1 device=cpu dtype=float64 recompute=none accum=2" in proc.stdout
+# Accumulation on every layout, with dp, every pipeline schedule, cp,
+# sequence parallelism, every zero and recompute mode and 16 bits, equal
+# to serial on the whole batch, runs in tests/test_combo_matrix.py; here
+# the device path.
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("env,words", [
     ({"PYTHONPATH": f"{ROOT / 'tests' / 'fake_gpu'}:{ROOT}", "MPICUBE_CHECK_DEVICE": "gpu"}, "device=gpu dtype=float64"),
-    ({"MPICUBE_CHECK_DTYPE": "bfloat16"}, "device=cpu dtype=bfloat16"),
-], ids=["gpu-stand-in", "bfloat16"])
-def test_accumulating_2d_on_the_gpu_path_and_in_16_bits(env, words):
-    """Dropout indices per micro-batch on the device (CI's CuPy stand-in);
-    mixed precision with loss scaling, against serial in the same format."""
+], ids=["gpu-stand-in"])
+def test_accumulating_2d_on_the_gpu_path(env, words):
+    """Dropout indices per micro-batch on the device (CI's CuPy stand-in)."""
     proc = mpiexec(4, ["-m", "mpi4py", "tests/parallel_check.py", "2d", 1, 1, 0.1], timeout=240,
                    env={**env, "MPICUBE_CHECK_ACCUM": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr

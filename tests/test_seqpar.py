@@ -1,6 +1,6 @@
 """--sequence-parallel on the 1-D layout (parallel/layouts/seqpar.py): equal
 to serial in float64 with dropout, measured traffic and memory equal to the
-cost model (tests/parallel_check.py with MPICUBE_CHECK_SEQPAR=1), the same
+cost model (in tests/test_combo_matrix.py's cases), the same
 bytes as plain 1-D but for the once-per-step LayerNorm/wpe gradient sums,
 1/tp of the canonical-region activations, and bad input refused in one line."""
 
@@ -10,7 +10,6 @@ import json
 
 import pytest
 from conftest import TINY
-from mpirun import mpiexec
 
 from mpicube.analysis.costmemory import kept_and_rerun_terms
 from mpicube.analysis.costmodel import Problem, step_traffic
@@ -20,23 +19,10 @@ from mpicube.parallel.grid import plan
 from mpicube.parallel.gridspec import GridSpec
 
 
-CASES = [(4, 2, {"MPICUBE_CHECK_ACCUM": "2"}),
-         (2, 1, {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-         (2, 1, {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_DTYPE": "bfloat16"}),
-         (4, 1, {"MPICUBE_CHECK_CP": "2"})]     # tp 2 x cp 2: tp rank t holds run t of its cp rank's chunks
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks,dp,env", CASES, ids=["dp2-accum2", "blocks", "gathers-bf16", "cp2"])
-def test_sequence_parallel_matches_serial(ranks, dp, env):
-    """Dropout 0.1: loss, logits, every gradient and the parameters after
-    three AdamW steps equal serial (1e-10 in float64; bfloat16 within
-    parallel_check's bound); traffic and saved activations exactly the
-    cost model's, with --recompute, --grad-accum and --cp too."""
-    env = {"MPICUBE_CHECK_SEQPAR": "1", **env}
-    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", "1d", dp, 1, 0.1, 8], timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"OK 1d world={ranks} dp={dp} depth=1" in proc.stdout and "sequence-parallel" in proc.stdout
+# Equality with serial (float64 1e-10 with dropout; 16 bits at parallel_check's
+# bound) with traffic and saved activations equal to the cost model, with dp,
+# every zero, --recompute, --grad-accum and both 16-bit formats, runs in
+# tests/test_combo_matrix.py.
 
 
 def test_same_bytes_and_a_tp_th_of_the_canonical_activations():

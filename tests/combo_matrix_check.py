@@ -1,0 +1,231 @@
+"""Run under mpiexec: many combinations of the axes in one launch, each
+against the serial model (tests/test_combo_matrix.py picks the cases and
+groups them by world size).
+
+A case is one whole plan: layout (with its tensor-parallel size) x dp x pp
+(schedule) x cp x sequence parallelism x zero x recompute x grad-accum x
+dtype. Every rank builds every case of the launch in turn on
+MPI.COMM_WORLD through the trainer's own builder
+(training.parts.build_parts on the plan planning.resolve returns), as
+tests/gpu_matrix_check.py runs its layouts, and computes the serial
+reference itself on MPI.COMM_SELF (once per model, dtype and batch, not
+per case), comparing its own blocks with the matching blocks of the serial
+tensors: no gather, no rank 0 bottleneck.
+
+Checked for each case over STEPS AdamW steps with dropout 0.1: the loss
+and gradient norm of every step, the logits of step 1 (at the rank's
+context-parallel positions; not under pp, whose logits live on the last
+stage's micro-batches only), every gradient block after the step's sums
+(the ZeRO chunk under zero 1-3), the parameters after the last step; each
+rank's measured elements, bytes and messages per axis equal to the cost
+model, and its saved activations (the pipeline's peak under pp) and
+parameter, gradient and optimizer buffers equal to the memory model.
+Tolerance: 1e-10 in float64; in 16 bits parallel_check.wire_tolerance
+(its module docstring derives it), losses only after step 1. The checks
+are parallel_check's functions, so this and the per-layout checks test
+the same things the same way.
+
+Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
+  CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
+         zero= recompute= accum= dtype= layers= batch=
+  (every case's tp x dp x pp x cp must be W)
+Prints one "OK case <words> worst=... (rtol ...) <seconds>s" line per case from rank 0.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
+from mpicube.core.config import ModelConfig  # noqa: E402
+from mpicube.device.precision import dtype_of, is_half  # noqa: E402
+from mpicube.parallel.gridspec import Plan  # noqa: E402
+from mpicube.parallel.planning import resolve  # noqa: E402
+from mpicube.training.accum import forward_backward  # noqa: E402
+from mpicube.training.parts import Numerics, build_parts  # noqa: E402
+from mpicube.training.step import make_step  # noqa: E402
+
+SEED, DROPOUT, LR, STEPS = 7, 0.1, 1e-2, 2
+VOCAB, SEQ, HEADS, EMBD = 61, 16, 4, 16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One combination, as the words on the command line say it."""
+
+    layout: str
+    tp: int
+    depth: int = 1
+    dp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    cp: int = 1
+    sp: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    accum: int = 1
+    dtype: str = "float64"
+    layers: int = 2
+    batch: int = 8
+
+    INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch")
+
+    @classmethod
+    def parse(cls, words: list) -> "Case":
+        kw = dict(w.split("=", 1) for w in words)
+        for k in cls.INTS:
+            if k in kw:
+                kw[k] = int(kw[k])
+        if "sp" in kw:
+            kw["sp"] = kw["sp"] == "1"
+        return cls(**kw)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp * self.cp
+
+    def plan(self) -> Plan:
+        return Plan(self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth, pp_schedule=self.schedule,
+                    virtual_stages=self.virtual, sequence_parallel=self.sp, zero=self.zero,
+                    recompute=self.recompute, grad_accum=self.accum)
+
+    def cfg(self) -> ModelConfig:
+        return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=HEADS, n_embd=EMBD)
+
+    def words(self) -> str:
+        return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in vars(self).items())
+
+
+def configure(dtype: str) -> None:
+    """parallel_check's globals for a case in ``dtype`` (its helpers read them)."""
+    pc.DTYPE, pc.HALF = dtype, is_half(dtype_of(dtype))
+    pc.LOSS_SCALE = 1024.0 if dtype == "float16" else 1.0
+    pc.RTOL, pc.WORST[0] = 1e-10, 0.0
+
+
+class References:
+    """The serial model's figures for every (model, dtype, batch) the launch
+    needs, computed once on MPI.COMM_SELF by every rank (same seed, same
+    data, same dropout masks, the whole batch at once)."""
+
+    def __init__(self):
+        self.done = {}
+
+    def get(self, case: Case, steps: list) -> dict:
+        key = (case.layers, case.dtype, case.batch)
+        if key not in self.done:
+            self.done[key] = self._run(case, steps)
+        return self.done[key]
+
+    @staticmethod
+    def _run(case: Case, steps: list) -> dict:
+        serial = build_parts(resolve(Plan("serial"), case.cfg(), case.batch, 1), MPI.COMM_SELF,
+                             Numerics(case.dtype), seed=SEED, dropout=DROPOUT)
+        opt = make_step(serial.store, serial.layout.axes, weight_decay=0.1)
+        out = {"loss": [], "norm": [], "grads": []}
+        for step, (x, y) in enumerate(steps, start=1):
+            serial.store.zero_grad()
+            out["loss"].append(serial.model.forward(x, y, step=step))
+            if step == 1:
+                out["logits"] = serial.model.logits.copy()                 # (B, T, V)
+            serial.model.backward(loss_scale=pc.LOSS_SCALE)
+            opt.sync()
+            norm = opt.grad_norm() / pc.LOSS_SCALE
+            out["norm"].append(norm)
+            out["grads"].append({n: g.copy() for n, g in serial.store.grad.items()})
+            opt.step(LR, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        out["params"] = {n: d.copy() for n, d in serial.store.data.items()}
+        return out
+
+
+def batches(case: Case) -> list:
+    """STEPS (x, y) global batches of the case's size (the same on every rank)."""
+    rng = np.random.default_rng(3)
+    return [(rng.integers(0, VOCAB, (case.batch, SEQ)), rng.integers(0, VOCAB, (case.batch, SEQ)))
+            for _ in range(STEPS)]
+
+
+def run_case(case: Case, refs: References) -> None:
+    world = MPI.COMM_WORLD
+    assert case.world == world.size, f"{case.words()}: needs {case.world} ranks, launched on {world.size}"
+    configure(case.dtype)
+    steps = batches(case)
+    want = refs.get(case, steps)
+    plan, cfg = case.plan(), case.cfg()
+    parts = build_parts(resolve(plan, cfg, case.batch, world.size), world, Numerics(case.dtype), seed=SEED,
+                        dropout=DROPOUT)
+    layout, store, model, counters = parts.layout, parts.store, parts.model, parts.counters
+    host = layout.backend.to_host
+    if pc.HALF:
+        pc.RTOL = pc.wire_tolerance(layout, store, case.dtype)
+    problem = pc.problem_of(cfg, layout, plan, case.batch, case.dtype)
+    where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
+    opt = make_step(store, layout.axes, weight_decay=0.1)
+    for step, (x, y) in enumerate(steps, start=1):
+        store.zero_grad()
+        counters.reset()
+        kept = []                                                    # (elements, bytes) per micro-batch
+
+        def after_forward(m):
+            """Between micro-batch m's forward and its backward (under pp the
+            pipeline measures its own peak when this is given)."""
+            if parts.pipeline is None:
+                kept.append((model.saved_elements(), model.saved_bytes()))
+                if step == 1:
+                    pc.check_logits(parts, m, want["logits"], f"logits of micro-batch {m}")
+
+        loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=after_forward)
+        pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
+        if parts.pipeline is None:
+            assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
+            pc.check_memory(problem, True, store, model, kept[0], opt.adam, where)
+        opt.sync()
+        norm = opt.grad_norm() / pc.LOSS_SCALE
+        pc.close(f"step {step} grad norm", [norm], [want["norm"][step - 1]])
+        if step == 1 or not pc.HALF:        # after an AdamW step 16-bit gradients are not comparable
+            pc.check_gradients(store, host, want["grads"][step - 1], f"step {step}")
+        opt.step(LR, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        pc.check_traffic(problem, counters, where)                   # the step's all-gathers too
+        if parts.pipeline is not None:
+            pc.check_pipeline_memory(problem, parts.pipeline, where)
+    if not pc.HALF:
+        pc.check_params(store, host, want["params"], f"after {STEPS} steps")
+
+
+def main(argv: list) -> None:
+    cases, words = [], []
+    for arg in argv + ["--"]:
+        if arg == "--":
+            if words:
+                cases.append(Case.parse(words))
+            words = []
+        else:
+            words.append(arg)
+    refs = References()
+    world = MPI.COMM_WORLD
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            run_case(case, refs)
+        except Exception as exc:
+            raise AssertionError(f"case {case.words()}: {exc}") from exc
+        worst = world.allreduce(pc.WORST[0], op=MPI.MAX)
+        gc.collect()
+        world.Barrier()
+        if world.rank == 0:
+            print(f"OK case {case.words()} worst={worst:.2e} (rtol {pc.RTOL:.1e}) "
+                  f"{time.perf_counter() - t0:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
