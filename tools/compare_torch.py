@@ -148,9 +148,9 @@ def _profile(step, args) -> None:
     stats.sort_stats("tottime").print_stats(25)
 
 
-def run_worker(cmd: list) -> dict:
+def run_worker(cmd: list, env: dict | None = None) -> dict:
     """Run one worker to its end; its last stdout line is its JSON report."""
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
