@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -101,13 +102,18 @@ def mpicube_worker(args) -> None:
         return
     times, first = [], None
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        time.sleep(args.pause)
         t0 = time.perf_counter()
         loss = step()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         first = loss if first is None else first
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
     print(json.dumps({
         "library": f"mpicube {mpicube.__version__}", "first_loss": first, "step_s": times,
+        "page_faults_per_step": faults,
         "matmul_flops": _numpy_matmul_rate(args.batch_size * args.seq_len, args.n_embd),
         "threads": f"{threads.current().describe()}; kernels: {fused.describe()}; "
                    f"OPENBLAS_THREAD_TIMEOUT={os.environ.get('OPENBLAS_THREAD_TIMEOUT', '(unset)')}",
@@ -208,6 +214,8 @@ def main():
     ap.add_argument("--write-weights", metavar="NPZ", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--weights", help=argparse.SUPPRESS)
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds of sleep before each of mpicube's steps (for finding where time goes) [0]")
     ap.add_argument("--profile", action="store_true",
                     help="profile mpicube's step in its own process with cProfile instead of comparing")
     args = ap.parse_args()
