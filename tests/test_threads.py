@@ -109,7 +109,7 @@ def test_busy_ticks_counts_the_rank_cpus_only():
     assert core_load.busy_ticks(text, [0, 2]) is None             # a CPU without a line: no figure
 
 
-@pytest.mark.parametrize("cores, others, share, want", [(2, 0.0, 2, 2), (2, 0.3, 2, 2), (2, 0.67, 2, 1),
+@pytest.mark.parametrize("cores, others, share, want", [(2, 0.0, 2, 2), (2, 0.3, 2, 2), (2, 0.45, 2, 1), (2, 0.67, 2, 1),
                                                        (2, 1.0, 2, 1), (2, 3.0, 2, 1), (8, 2.2, 8, 6),
                                                        (8, 0.0, 4, 4)])
 def test_free_cores(cores, others, share, want):
@@ -124,19 +124,41 @@ def test_adapts_only_an_undecided_share():
     assert not adapts(decide(2, 2, 2, {}), {})                     # one thread: nothing to give back
 
 
-def test_load_watch_shrinks_and_grows_the_pools(tmp_path, monkeypatch):
-    stat, calls = tmp_path / "stat", []
-    stat.write_text(STAT.format(u0=0, s0=0, i0=0, u1=0, s1=0, i1=0))
+def test_load_watch_gives_up_a_thread_only_when_it_waits(tmp_path, monkeypatch):
+    stat, tasks, calls = tmp_path / "stat", tmp_path / "task", []
+    (tasks / "7").mkdir(parents=True)
+
+    def machine(busy0, busy1, idle, waited_s):
+        stat.write_text(STAT.format(u0=busy0, s0=0, i0=idle, u1=busy1, s1=0, i1=idle))
+        (tasks / "7" / "schedstat").write_text(f"123 {int(waited_s * 1e9)} 4\n")
+
+    machine(0, 0, 0, 0)
     clock = iter(range(0, 1000, 10))             # each clock read 10 s on: looks at the load 20 s apart
     monkeypatch.setattr(core_load.time, "monotonic", lambda: float(next(clock)))
-    watch = core_load.LoadWatch([0, 1], 2, calls.append, stat_path=str(stat), period=1.0)
+    monkeypatch.setattr(core_load, "PROBE_S", 1e9)              # no probing for the whole share here
+    watch = core_load.LoadWatch([0, 1], 2, calls.append, stat_path=str(stat), task_dir=str(tasks), period=1.0)
     hz = watch.hz
-    stat.write_text(STAT.format(u0=20 * hz, s0=0, i0=0, u1=0, s1=0, i1=20 * hz))   # another process: a whole core
+    machine(20 * hz, 0, 20 * hz, 0)              # another process busy a whole core, but it yields: no wait
     watch.tick()
-    assert calls == [1] and watch.threads == 1
-    stat.write_text(STAT.format(u0=20 * hz, s0=0, i0=20 * hz, u1=0, s1=0, i1=40 * hz))   # idle again
+    assert calls == [] and watch.threads == 2
+    machine(40 * hz, 0, 40 * hz, 10)             # a spinner: our threads waited half a core
+    watch.tick()
+    assert calls == [1]
+    machine(60 * hz, 0, 60 * hz, 10)             # still there: stay on one thread
+    watch.tick()
+    assert calls == [1]
+    machine(60 * hz, 0, 100 * hz, 10)            # gone: the whole share again
     watch.tick()
     assert calls == [1, 2]
+
+
+def test_waited_ns_sums_the_threads(tmp_path):
+    for tid, wait in (("1", 5), ("2", 7)):
+        (tmp_path / tid).mkdir()
+        (tmp_path / tid / "schedstat").write_text(f"100 {wait} 3\n")
+    (tmp_path / "3").mkdir()                     # a thread that ended: no file
+    assert core_load.waited_ns(str(tmp_path)) == 12
+    assert core_load.waited_ns(str(tmp_path / "none")) is None
 
 
 def test_thread_count_does_not_change_a_float32_gemm():

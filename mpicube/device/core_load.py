@@ -10,13 +10,25 @@ default two threads ran 2 to 35 times slower than ``OMP_NUM_THREADS=1``
 (issue 36), because OpenBLAS's and numba's workers then share that core
 with the other process at the scheduler's time slices.
 
-So ``LoadWatch`` looks, every ``PERIOD_S`` seconds of the run, at how much
-CPU time the rank's cores spent busy (``/proc/stat``, per CPU) less the
-time this process used (its own threads, spinning included): the other
-processes' load in cores. The rank then runs on as many threads as there
-are cores left free (rounded; at least one, at most its share), and back
-on its whole share once they are free again. The check is a clock read per
-GEMM and a read of ``/proc/stat`` a few times a second.
+So ``LoadWatch`` looks, every ``PERIOD_S`` seconds of the run, at two
+figures:
+
+* how long this process's threads waited, runnable, for a core
+  (``/proc/self/task/*/schedstat``): a taken core shows here. Another
+  process's CPU time alone does not say so: MPI ranks that yield the core
+  while they wait (other jobs' tests on a CI runner, say) use a good part
+  of a core yet give it up at once, and dropping a thread for them halved
+  the speed of a run beside them;
+* the other processes' load: how much CPU time the rank's cores spent
+  busy (``/proc/stat``, per CPU) less the time this process used.
+
+When the threads waited for ``DELAYED`` of a core or more, the rank drops to
+the cores the others leave free (at least one, one fewer than before at
+most). It goes back to its whole share when the others' load frees the
+cores, and otherwise tries it again every ``PROBE_S`` seconds for one period
+(a spinning neighbour costs the probe a few percent; a polite one lets it
+stay). The check is a clock read per GEMM, and a few reads of /proc a
+few times a second.
 
 Changing the thread count does not change the numbers a step computes:
 OpenBLAS splits a GEMM's rows and columns between threads, never its sums
@@ -33,6 +45,8 @@ import os
 import time
 
 PERIOD_S = 0.25                # seconds between two looks at the load (the first one after configure)
+DELAYED = 0.2                  # cores' worth of waiting for a core (per second) that makes the rank give one up
+PROBE_S = 5.0                  # seconds on fewer threads before trying the whole share again
 CGROUP_V2 = "/sys/fs/cgroup/cpu.max"
 CGROUP_V1 = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
 
@@ -80,24 +94,51 @@ def busy_ticks(stat_text: str, cpus) -> int | None:
     return busy if seen == len(want) else None
 
 
+# A core counts as taken once other processes use more than this much of it.
+# Below half a core on purpose: beside two threads of ours a spinning process
+# gets only half to two thirds of its core, and a GEMM split onto a core that
+# another process uses a third of the time already waits for its slices.
+TAKEN = 0.35
+
+
 def free_cores(cores: int, others_load: float, share: int) -> int:
-    """Threads to run: the cores not used by other processes, rounded to the
-    nearest whole core, between 1 and ``share``."""
-    return max(1, min(share, int(math.floor(cores - others_load + 0.5))))
+    """Threads to run: the cores not taken by other processes (``TAKEN``),
+    between 1 and ``share``."""
+    return max(1, min(share, int(math.floor(cores - others_load + TAKEN))))
+
+
+def waited_ns(task_dir: str = "/proc/self/task") -> int | None:
+    """Nanoseconds this process's threads have spent runnable but waiting
+    for a CPU (the second field of each thread's schedstat); None where the
+    kernel does not keep it."""
+    total = 0
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"{task_dir}/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue                     # a thread that ended between the listing and the read
+    return total
 
 
 class LoadWatch:
-    """Every PERIOD_S seconds, sets this rank's pools to the cores other
-    processes leave free (``threads.set_pool_threads``); ``tick`` is called
-    before each float32 GEMM. ``cpus``: the CPUs the rank may run on;
-    ``share``: its thread budget, never exceeded."""
+    """Every ``period`` seconds, sets this rank's pools (``set_threads``) to
+    what the cores allow (module docstring); ``tick`` is called before each
+    float32 GEMM. ``cpus``: the CPUs the rank may run on; ``share``: its
+    thread budget, never exceeded."""
 
-    def __init__(self, cpus, share: int, set_threads, stat_path: str = "/proc/stat", period: float = PERIOD_S):
+    def __init__(self, cpus, share: int, set_threads, stat_path: str = "/proc/stat",
+                 task_dir: str = "/proc/self/task", period: float = PERIOD_S):
         self.cpus, self.share, self.set_threads = sorted(cpus), share, set_threads
-        self.stat_path, self.period = stat_path, period
+        self.stat_path, self.task_dir, self.period = stat_path, task_dir, period
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.threads = share
         self.next = time.monotonic() + period
+        self.changed = time.monotonic()
         self.last = self._sample()
 
     def _sample(self):
@@ -107,7 +148,7 @@ class LoadWatch:
         except OSError:
             busy = None
         t = os.times()
-        return time.monotonic(), busy, t.user + t.system
+        return time.monotonic(), busy, t.user + t.system, waited_ns(self.task_dir)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -115,12 +156,18 @@ class LoadWatch:
             return
         self.next = now + self.period
         sample = self._sample()
-        (t0, busy0, own0), (t1, busy1, own1) = self.last, sample
+        (t0, busy0, own0, wait0), (t1, busy1, own1, wait1) = self.last, sample
         self.last = sample
-        if busy0 is None or busy1 is None or t1 <= t0:
+        if busy0 is None or busy1 is None or wait0 is None or wait1 is None or t1 <= t0:
             return
         others = max(0.0, (busy1 - busy0) / self.hz - (own1 - own0)) / (t1 - t0)    # in cores
-        want = free_cores(len(self.cpus), others, self.share)
+        waited = max(0, wait1 - wait0) / 1e9 / (t1 - t0)                            # in cores
+        free = free_cores(len(self.cpus), others, self.share)
+        want = self.threads
+        if waited >= DELAYED and self.threads > 1:
+            want = min(self.threads - 1, free)
+        elif self.threads < self.share and (free > self.threads or t1 - self.changed >= PROBE_S):
+            want = self.share
         if want != self.threads:
-            self.threads = want
+            self.threads, self.changed = want, t1
             self.set_threads(want)
