@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..core.errors import UserError
+from . import threads as _share
 
 CHOICES = ("auto", "numba", "numpy")
 
@@ -97,7 +98,10 @@ def threads() -> int:
 class _Kernel:
     """One kernel compiled twice: threaded over its outer ``prange`` for
     work of at least PARALLEL_MIN_ELEMS elements (the first argument's
-    size) on a rank with threads, and on the calling thread otherwise, so
+    size) on a rank with a share of threads (``threads.budget``: the
+    share, not the threads the load watch leaves it now, so that the
+    choice, and the rounding of a kernel's sums, never depends on the
+    machine's load), and on the calling thread otherwise, so
     that small work does not pay to wake the pool (numba's workqueue layer
     takes about 0.1 ms per launch here) and still makes one pass instead of
     NumPy's several."""
@@ -110,7 +114,7 @@ class _Kernel:
     def __call__(self, *args):
         if self.forced is not None:
             return getattr(self, self.forced)(*args)
-        if args[0].size >= PARALLEL_MIN_ELEMS and numba.get_num_threads() > 1:
+        if args[0].size >= PARALLEL_MIN_ELEMS and (_share.budget() or numba.get_num_threads()) > 1:
             return self.threaded(*args)
         return self.one_thread(*args)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.errors import UserError
-from . import gemm_threads
+from . import gemm_threads, threads
 from .arrays import array_module
 
 FORMATS = ("float32", "float64", "float16", "bfloat16")
@@ -122,8 +122,11 @@ def matmul(a, b, out=None, dtype=None):
     if not (is_half(a.dtype) or is_half(b.dtype)):
         if out is not None and out.dtype != dtype:
             raise ValueError("matmul: out has the wrong dtype")
-        r = (gemm_threads.one_thread_if_small(a, b, out) if a.dtype == b.dtype == np.float32
-             else xp.matmul(a, b, out=out))
+        if a.dtype == b.dtype == np.float32:
+            threads.tick()                   # the pools follow the free cores (device/core_load.py)
+            r = gemm_threads.one_thread_if_small(a, b, out)
+        else:
+            r = xp.matmul(a, b, out=out)
         return r if r.dtype == dtype else r.astype(dtype)
     return _matmul_blocks(a, b, out, dtype)
 

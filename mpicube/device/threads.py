@@ -21,6 +21,14 @@ The pools: NumPy's BLAS and any OpenMP runtime through threadpoolctl (a
 library loaded later is limited when it first shows up: see ``limit_new``),
 numba's workers, and the batched-matmul pool of ``fused`` (sized from
 numba's count). CuPy's host side runs on the same BLAS and OpenMP.
+
+The node's cores are also capped by the cgroup's CPU quota (a container's
+``--cpus``). And a share of more than one thread is watched while the run
+goes (``core_load.LoadWatch``, started by ``configure``): when other
+processes take some of the rank's cores, the pools shrink to the cores
+left free, and grow back when those are free again. It never exceeds the
+share, and is off with ``OMP_NUM_THREADS`` or ``MPICUBE_NODE_CORES`` set
+(someone decided) or ``MPICUBE_ADAPT_THREADS=0``.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ import socket
 from dataclasses import asdict, dataclass, field
 
 from ..core.errors import UserError
+from . import core_load
 
 NODE_CORES_VAR = "MPICUBE_NODE_CORES"
+ADAPT_VAR = "MPICUBE_ADAPT_THREADS"
 
 
 @dataclass
@@ -44,6 +54,7 @@ class Share:
     node_cores: int                # cores of the node that were shared
     ranks_on_node: int
     rank_cpus: int                 # CPUs this rank may run on (its affinity mask)
+    cgroup_cores: int | None = None  # the cgroup's CPU quota in cores (None: no limit)
     host: str = ""
     pools: dict = field(default_factory=dict)    # what each pool was set to: {"blas": 1, "numba": 1, ...}
 
@@ -75,18 +86,29 @@ def node_cores_override(environ=os.environ) -> int | None:
     return int(value)
 
 
-def decide(ranks_on_node: int, node_cpus: int, rank_cpus: int, environ=os.environ) -> Share:
+def decide(ranks_on_node: int, node_cpus: int, rank_cpus: int, environ=os.environ,
+           cgroup_cores: int | None = None) -> Share:
     """The share of one rank (pure: the inputs are what the node looks like).
 
     ``node_cpus``: distinct CPUs in the affinity masks of the node's ranks;
-    ``rank_cpus``: CPUs in this rank's own mask."""
+    ``rank_cpus``: CPUs in this rank's own mask; ``cgroup_cores``: the CPU
+    quota of the cgroup the ranks run in (None: none), which caps both."""
     omp = _omp_num_threads(environ)
     override = node_cores_override(environ)
     node = override if override is not None else node_cpus
+    if cgroup_cores is not None and override is None:
+        node, rank_cpus = min(node, cgroup_cores), min(rank_cpus, cgroup_cores)
     if omp is not None:
-        return Share(omp, "OMP_NUM_THREADS", node, ranks_on_node, rank_cpus)
+        return Share(omp, "OMP_NUM_THREADS", node, ranks_on_node, rank_cpus, cgroup_cores)
     n = max(1, min(rank_cpus, node // max(1, ranks_on_node)))
-    return Share(n, "node cores", node, ranks_on_node, rank_cpus)
+    return Share(n, "node cores", node, ranks_on_node, rank_cpus, cgroup_cores)
+
+
+def adapts(share: Share, environ=os.environ) -> bool:
+    """Whether the rank's pools follow the free cores (``core_load``): a
+    share of several threads that nobody fixed by hand."""
+    return (share.threads > 1 and share.source == "node cores" and node_cores_override(environ) is None
+            and environ.get(ADAPT_VAR, "1").strip() != "0")
 
 
 def _affinity() -> set:
@@ -97,13 +119,15 @@ def _affinity() -> set:
 
 _current: Share | None = None
 _configured_for = None             # the communicator _current was decided on
+_watch = None                      # core_load.LoadWatch while the pools adapt to the free cores
+_blas = []                         # threadpoolctl's controllers of every pool it found, for set_pool_threads
 
 
 def configure(comm=None) -> Share:
     """Decide this rank's share and apply it to every pool. Collective over
     ``comm`` (an mpi4py communicator; None: a single process); calling it
     again with the same communicator only re-applies the limits."""
-    global _current, _configured_for
+    global _current, _configured_for, _watch
     if _current is not None and _configured_for is comm:
         apply(_current)
         return _current
@@ -118,22 +142,51 @@ def configure(comm=None) -> Share:
             cpus = local.allgather(sorted(mine))
         finally:
             local.Free()
-    share = decide(len(cpus), len(set().union(*map(set, cpus))), len(mine))
+    share = decide(len(cpus), len(set().union(*map(set, cpus))), len(mine), cgroup_cores=core_load.cgroup_cores())
     share.host = socket.gethostname()
     apply(share)
     _current, _configured_for = share, comm
+    _watch = core_load.LoadWatch(mine, share.threads, set_pool_threads) if adapts(share) else None
     return share
+
+
+def tick() -> None:
+    """Called before each float32 GEMM: lets the load watch look at the
+    free cores when its period has passed (a clock read otherwise)."""
+    if _watch is not None:
+        _watch.tick()
+
+
+def budget() -> int | None:
+    """The rank's share of threads (None before ``configure``): what the
+    fused kernels choose their build by, so that the numbers a step computes
+    never depend on how many cores were free at the time."""
+    return _current.threads if _current is not None else None
+
+
+def set_pool_threads(n: int) -> None:
+    """Set the pools ``apply`` found (BLAS, OpenMP, numba) to n threads,
+    without looking for new libraries (the load watch calls it mid-run)."""
+    for lib in _blas:
+        lib.set_num_threads(n)
+    try:
+        import numba
+    except ImportError:
+        return
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
 
 
 def apply(share: Share) -> None:
     """Set every pool this process has loaded to ``share.threads``."""
+    global _blas
     pools = {}
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:   # pragma: no cover - a core dependency; only a broken install lacks it
         ThreadpoolController = None
     if ThreadpoolController is not None:
-        for lib in ThreadpoolController().lib_controllers:
+        _blas = ThreadpoolController().lib_controllers
+        for lib in _blas:
             lib.set_num_threads(share.threads)
             pools[lib.internal_api] = lib.num_threads
     try:
