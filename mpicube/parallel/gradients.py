@@ -84,20 +84,20 @@ class GradientSync:
         self.wire = gradient_wire(store)
 
     def __call__(self) -> None:
-        store, wire, cp, dp = self.store, self.wire, self.axes.cp, self.axes.dp
+        store, wire, ring, dp = self.store, self.wire, self.axes.cp, self.axes.dp   # ring: not `cp` (CuPy's name)
         if store.streams_gradients:      # replica groups and dp: done per layer during backward
             store.wait_gradients()
             tied = store.tied_chunk()    # (C_wte,) when this stage holds a copy of wte
             if self.tied is not None and tied is not None:
                 tied[...] = self.tied.allreduce(tied, wire=wire)
-            if cp.size > 1:
-                store.flat_grad[...] = cp.allreduce(store.flat_grad, wire=wire)       # (C,)
+            if ring.size > 1:
+                store.flat_grad[...] = ring.allreduce(store.flat_grad, wire=wire)       # (C,)
             return
         sync_replica_groups(store)
         if self.tied is not None:
             store.grad["wte"][...] = self.tied.allreduce(store.grad["wte"], wire=wire)
-        if cp.size > 1:
-            store.flat_grad[...] = cp.allreduce(store.flat_grad, wire=wire)           # (P_pad,)
+        if ring.size > 1:
+            store.flat_grad[...] = ring.allreduce(store.flat_grad, wire=wire)           # (P_pad,)
         if dp.size == 1:
             return
         if store.partition.sharded:      # --zero 1: the owned chunk of the summed buffer
