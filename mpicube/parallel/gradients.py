@@ -79,8 +79,10 @@ class GradientSync:
 
     def __init__(self, store: ParamStore, axes):
         self.store, self.axes = store, axes
-        # stages 0 and P-1 when both hold the tied wte (None on the others, without stages, or untied)
-        self.tied = tied_pair(axes) if any(spec.tied_pair for spec in store.specs) else None
+        # stages 0 and P-1 when both hold the tied wte (None on the others, without stages, or untied);
+        # tied_pair splits axes.pp, so every rank calls it, holder of wte or not
+        pair = tied_pair(axes)
+        self.tied = pair if any(spec.tied_pair for spec in store.specs) else None
         self.wire = gradient_wire(store)
 
     def __call__(self) -> None:
