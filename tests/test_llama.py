@@ -7,7 +7,7 @@ import pytest
 
 from mpicube import ops
 from mpicube.core.config import ModelConfig
-from test_ops import assert_close, numeric_grad
+from test_ops import assert_close, check_whole_model_gradient, numeric_grad
 
 rng = np.random.default_rng(5)
 
@@ -67,32 +67,8 @@ def test_config_defaults_keep_gpt2_and_count_llama():
 
 def test_whole_llama_gradient():
     """d loss / d every parameter of the serial Llama (GQA, untied head, dropout on)."""
-    from mpi4py import MPI
-
-    from mpicube.device.backend import make_backend
-    from mpicube.model.gpt import gpt_params
-    from mpicube.parallel.grid import build_layout
-    from mpicube.parallel.params import ParamStore
-    from mpicube.parallel.planning import resolve
-    from mpicube.training.driver import make_runner
-
     cfg = small_llama()
-    backend = make_backend("cpu", "float64")
-    layout = build_layout(resolve("serial", cfg, 3, 1), backend, MPI.COMM_SELF)
-    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed=1)
-    assert store.flat.size == cfg.n_params()              # no biases, no position table
-    store.flat[:] += rng.normal(0, 0.1, store.flat.shape)   # generic norm weights
-    model = make_runner(cfg, layout, store, dropout=0.1, seed=3)
-    idx, tgt = rng.integers(0, 11, (3, 5)), rng.integers(0, 11, (3, 5))
-    store.zero_grad()
-    model.forward(idx, tgt, step=2)
-    model.backward()
-    analytic = store.flat_grad.copy()
-    numeric = numeric_grad(lambda: model.forward(idx, tgt, step=2), store.flat)
-    for spec in store.specs:
-        lo, hi = store.offsets[spec.name]
-        err = np.abs(analytic[lo:hi] - numeric[lo:hi]).max() / np.abs(numeric).max()
-        assert err < 1e-6, f"{spec.name}: relative error {err:.2e}"
+    assert check_whole_model_gradient(cfg) == cfg.n_params()      # no biases, no position table
 
 
 def test_kv_heads_must_divide_heads():

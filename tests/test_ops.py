@@ -136,25 +136,26 @@ def test_dense_linear():
     assert_close(store.grad["l.bias"], numeric_grad(loss, store.data["l.bias"]))
 
 
-def test_whole_model_gradient():
-    """d loss / d every parameter of the serial GPT, with dropout on."""
+def check_whole_model_gradient(cfg):
+    """d loss / d every parameter of the serial model ``cfg`` describes,
+    dropout on, against central differences; returns the store (callers
+    check its size). Every model family runs through this one check."""
     from mpi4py import MPI
 
     from mpicube.device.backend import make_backend
-    from mpicube.core.config import ModelConfig
     from mpicube.parallel.grid import build_layout
     from mpicube.parallel.planning import resolve
     from mpicube.model.gpt import gpt_params
     from mpicube.parallel.params import ParamStore
     from mpicube.training.driver import make_runner
 
-    cfg = ModelConfig(vocab_size=11, n_ctx=5, n_layer=2, n_head=2, n_embd=8)
     backend = make_backend("cpu", "float64")
     layout = build_layout(resolve("serial", cfg, 3, 1), backend, MPI.COMM_SELF)
     store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], backend, seed=1)
-    store.flat[:] += rng.normal(0, 0.1, store.flat.shape)   # generic LN params and biases
+    size = store.flat.size
+    store.flat[:] += rng.normal(0, 0.1, store.flat.shape)   # generic norm weights and biases
     model = make_runner(cfg, layout, store, dropout=0.1, seed=3)
-    idx, tgt = rng.integers(0, 11, (3, 5)), rng.integers(0, 11, (3, 5))
+    idx, tgt = rng.integers(0, cfg.vocab_size, (3, 5)), rng.integers(0, cfg.vocab_size, (3, 5))
     store.zero_grad()
     model.forward(idx, tgt, step=2)
     model.backward()
@@ -164,6 +165,14 @@ def test_whole_model_gradient():
         lo, hi = store.offsets[spec.name]
         err = np.abs(analytic[lo:hi] - numeric[lo:hi]).max() / np.abs(numeric).max()
         assert err < RTOL, f"{spec.name}: relative error {err:.2e}"
+    return size
+
+
+def test_whole_model_gradient():
+    """d loss / d every parameter of the serial GPT, with dropout on."""
+    from mpicube.core.config import ModelConfig
+
+    check_whole_model_gradient(ModelConfig(vocab_size=11, n_ctx=5, n_layer=2, n_head=2, n_embd=8))
 
 
 def test_row_reductions_are_accurate_in_float32():
