@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..check import shards
+from ..model.gpt import Head
 from ..parallel import context
 from ..training.driver import rank_positions
 
@@ -137,7 +138,7 @@ class Collector:
         if not model.last:
             return []
         emb = model.embedding
-        local = tape.back[0][1][0]                             # (B_l, T, V_l): the loss head's saved logits
+        local = Head.logits(tape)                              # (B_l, T, V_l)
         vocab = emb.vocab_start + np.arange(local.shape[-1])
         seqs = self.first + np.asarray(emb.logit_seqs)
         return [Piece("logits", (self.B, T, self.cfg.vocab_size), (seqs, self.positions(T), vocab),

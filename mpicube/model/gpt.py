@@ -134,6 +134,13 @@ class Head:
         share, s_loss = self.loss.forward(h, tape.targets, self.panel(tape), tape.ctx.n_tokens)
         return share, (s_ln, s_loss)
 
+    @staticmethod
+    def logits(tape: Tape):
+        """The logits (B_l, T, V_l) the head saved in ``tape`` (its entry is
+        (norm's, (logits, ...)): ``LossHead.forward``), for an observer."""
+        s_ln, s_loss = tape.back[0]
+        return s_loss[0]
+
     def backward(self, loss_scale: float, saved, tape: Tape):
         """The gradient of loss_scale x (mean loss) -> dx (B_c, T_c, C_c)."""
         s_ln, s_loss = saved

@@ -27,7 +27,7 @@ import numpy as np
 from .. import ops
 from ..ops import attention_blocks
 from ..model.block import Dropout, Recomputed
-from ..model.gpt import GPT
+from ..model.gpt import GPT, Head
 from ..model.tape import Micro, saved_buffers
 from ..parallel import context
 
@@ -127,7 +127,7 @@ class Runner:
     def forward(self, idx, targets, step: int = 0, micro: int = 0) -> float:
         idx, targets, ctx = micro_context(self.layout, idx, targets, step, micro, self.grad_accum, self.train)
         share, self.tape = self.model.forward(idx, targets, ctx)
-        self.logits = self.tape.back[0][1][0]
+        self.logits = Head.logits(self.tape)
         return float(self.layout.axes.world.allreduce(share)[0]) / ctx.n_tokens
 
     def backward(self, loss_scale: float = 1.0) -> None:
@@ -176,6 +176,4 @@ class Runner:
 def last_logits(model: GPT, inputs, targets, ctx: Micro):
     """Forward ``model`` (a chunk with the head) and return the logits its
     head computed (B_l, T, V_l), read off the tape."""
-    _, tape = model.forward(inputs, targets, ctx)
-    s_ln, s_loss = tape.back[0]
-    return s_loss[0]
+    return Head.logits(model.forward(inputs, targets, ctx)[1])
