@@ -116,12 +116,13 @@ class Runner:
         self.logits = None                   # the last forward's logits (B_l, T, V_l), until its backward
         # --recompute blocks: the most one rerun block held during the last backward (elements, bytes)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
-        for block in model.blocks:
+        for block in model.blocks if train else []:     # an evaluation runs no backward: no rerun to watch
             if isinstance(block, Recomputed):
                 block.probe = self._rebuilt
 
     def evaluation(self) -> "Runner":
-        """The same model without dropout."""
+        """The same model without dropout (the blocks' rerun probe stays with
+        this, the training runner)."""
         return Runner(self.model, self.layout, self.grad_accum, train=False)
 
     def forward(self, idx, targets, step: int = 0, micro: int = 0) -> float:
