@@ -194,3 +194,11 @@ def test_collective_timeout_option():
     result = runner.invoke(cli, ["bench", "--collective-timeout", "-5"])
     assert result.exit_code == 2 and "0 (off) or a number of seconds" in result.output, result.output
 
+
+
+def test_a_bad_wait_mode_is_one_line_and_exit_2(mpicube):
+    """MPICUBE_WAIT is read before any command runs: a value that is not a
+    mode is one line from rank 0 and exit status 2 on every rank."""
+    r = mpicube.run("info", "--layout", "1d", "-n", "2", n=2, env={"MPICUBE_WAIT": "spin"})
+    assert r.returncode == 2, r
+    assert r.error_lines() == ["error: MPICUBE_WAIT: unknown wait mode 'spin'; choose one of yield, block"], r

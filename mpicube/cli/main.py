@@ -51,6 +51,7 @@ def main(argv=None) -> None:
     """Console entry point: run a command, turn errors into exit statuses."""
     _init_mpi()
     try:
+        _choose_wait()
         status = cli.main(args=argv, prog_name="mpicube", standalone_mode=False)
     except (KeyboardInterrupt, click.exceptions.Abort):
         _fail("interrupted", EXIT_INTERRUPTED, agree=False)
@@ -67,19 +68,23 @@ def main(argv=None) -> None:
     sys.exit(status if isinstance(status, int) else 0)
 
 
+def _choose_wait() -> None:
+    """How a collective's wait passes the time: "yield" (default), or "block"
+    (MPI's own Wait: the baseline tools/wait_bench.py measures against).
+    Inside main's error handling, so a bad value is one line and exit 2."""
+    from ..parallel import waiting
+
+    try:
+        waiting.set_mode(os.environ.get("MPICUBE_WAIT", "yield"))
+    except ValueError as exc:
+        raise UserError(f"MPICUBE_WAIT: {exc}") from None
+
+
 def _init_mpi() -> None:
     # Before MPI_Init: MPICH's blocking calls yield the core with a nanosleep
     # instead of spinning, unless the user chose (mpicube.parallel.waiting).
     os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     from mpi4py import MPI
-    from ..parallel import waiting
-
-    # How a collective's wait passes the time: "yield" (default), or "block"
-    # (MPI's own Wait: the baseline tools/wait_bench.py measures against).
-    try:
-        waiting.set_mode(os.environ.get("MPICUBE_WAIT", "yield"))
-    except ValueError as exc:
-        raise UserError(f"MPICUBE_WAIT: {exc}") from None
 
     world = MPI.COMM_WORLD
     _mpi["world"] = world
