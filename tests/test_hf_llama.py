@@ -14,6 +14,7 @@ torch or transformers is not installed; mpicube itself never imports them
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,19 +25,52 @@ VOCAB, T, B, BATCHES = 61, 16, 4, 2
 LAYOUTS = [(1, "serial", 1), (2, "1d", 1), (4, "2d", 1), (8, "3d", 1), (8, "2.5d", 2)]
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}     # head size 4, theta 500: one frequency blended, one stretched
+
+
+class Float64Torch:
+    """torch, except that ``torch.float`` is float64: transformers' rope
+    functions build their frequencies with dtype=torch.float, so with this
+    in their module's place they run their own formula in float64."""
+
+    def __init__(self, torch):
+        self._torch, self.float = torch, torch.float64
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def hf_inv_freq(torch, transformers, config, wide=True):
+    """transformers' own inverse frequencies for ``config`` (float64 when ``wide``)."""
+    from transformers import modeling_rope_utils as rope_utils
+
+    kind = config.rope_parameters["rope_type"]
+    init = (transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters
+            if kind == "default" else rope_utils.ROPE_INIT_FUNCTIONS[kind])
+    saved = rope_utils.torch
+    rope_utils.torch = Float64Torch(torch) if wide else torch
+    try:
+        if kind == "default":       # its arange is dtype=torch.float in modeling_llama: the test's float64 instead
+            dim = config.hidden_size // config.num_attention_heads
+            theta = config.rope_parameters["rope_theta"]
+            return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim) if wide else init(config)[0]
+        return init(config)[0]
+    finally:
+        rope_utils.torch = saved
+
+
 def float64_reference(torch, modeling):
-    """Patch transformers' Llama RMSNorm and rotary embedding to compute in float64."""
+    """Patch transformers' Llama RMSNorm and rotary embedding to compute in
+    float64 (the rotary one from the module's ``inv_freq``, which
+    ``make_model`` sets to transformers' frequencies computed in float64)."""
 
     def rms_forward(self, x):
         variance = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
     def rope_forward(self, x, position_ids):
-        cfg = self.config
-        dim = cfg.hidden_size // cfg.num_attention_heads
-        theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angles = position_ids[..., None].double() * inv_freq
+        angles = position_ids[..., None].double() * self.inv_freq.double()
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
@@ -44,16 +78,19 @@ def float64_reference(torch, modeling):
     modeling.LlamaRotaryEmbedding.forward = rope_forward
 
 
-def make_model(tmp_path, torch, transformers):
-    """A random float64 LlamaForCausalLM saved under tmp_path/llama, its reference loss and a token shard."""
+def make_model(tmp_path, torch, transformers, rope=None):
+    """A random float64 LlamaForCausalLM saved under tmp_path/llama (with
+    the rope type ``rope``'s scaling if given), its reference loss and a token shard."""
     from mpicube.files import data
 
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=T,
-                                      rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=False,
-                                      initializer_range=0.2, attn_implementation="sdpa")   # logits far from uniform
+                                      rms_norm_eps=1e-5, rope_parameters={"rope_theta": 500.0, **(rope or {})},
+                                      tie_word_embeddings=False, initializer_range=0.2,
+                                      attn_implementation="sdpa")   # logits far from uniform
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).double().eval()
+    model.model.rotary_emb.inv_freq = hf_inv_freq(torch, transformers, config)      # (hd/2,) float64
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):                 # norms away from 1: their weight must be applied
@@ -84,7 +121,55 @@ def test_llama_directory_evaluates_like_transformers(tmp_path):
         assert abs(got - want) <= 1e-9 * abs(want), f"{layout}: {got!r} vs transformers {want!r}"
 
 
-@pytest.mark.parametrize("field,value", [("attention_bias", True), ("rope_parameters", {"rope_type": "llama3"}),
+def test_llama3_rope_scaling_like_transformers(tmp_path):
+    """Llama 3's scaled frequencies are transformers' own (its formula run in
+    float64, and its float32 buffer to float32's rounding), and a model with
+    them evaluates to 1e-9 of transformers' float64 loss (serial and 1-D)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
+    from mpicube import ops
+    from mpicube.files.formats import open_model
+
+    wide = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=24, num_hidden_layers=1, num_attention_heads=8)
+    for rope in ({"rope_type": "default"}, LLAMA3, {**LLAMA3, "original_max_position_embeddings": 2048}):
+        config = transformers.LlamaConfig(**wide, rope_parameters={"rope_theta": 10000.0, **rope})
+        scaling = None if rope["rope_type"] == "default" else (8.0, 1.0, 4.0, rope["original_max_position_embeddings"])
+        ours = ops.rope_inv_freq(64, 10000.0, scaling)                              # (32,)
+        assert np.allclose(ours, hf_inv_freq(torch, transformers, config).numpy(), rtol=1e-15, atol=0)
+        assert np.allclose(ours, hf_inv_freq(torch, transformers, config, wide=False).numpy(), rtol=2e-7, atol=0)
+        assert scaling is None or not np.allclose(ours, ops.rope_inv_freq(64, 10000.0))   # the scaling did something
+    want = make_model(tmp_path, torch, transformers, rope=LLAMA3)
+    with open_model(tmp_path / "llama") as m:
+        assert m.config.rope_scaling.as_tuple() == (8.0, 1.0, 4.0, 16)
+    for ranks, layout, depth in LAYOUTS[:2]:
+        proc = mpiexec(ranks, ["-m", "mpicube", "eval", tmp_path / "llama", "--data", tmp_path / "tokens.bin",
+                               "--batch-size", B, "--seq-len", T, "--batches", BATCHES, "--dtype", "float64",
+                               "--layout", layout, "--depth", depth], timeout=180, env={"PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
+        assert abs(got - want) <= 1e-9 * abs(want), f"{layout}: {got!r} vs transformers {want!r}"
+
+
+def test_rope_fields_of_either_transformers_generation():
+    """transformers 5's ``rope_parameters`` and the earlier top-level
+    ``rope_theta`` with ``rope_scaling`` (rope_type once spelled ``type``)
+    read the same."""
+    from mpicube.files.formats import hf_llama
+
+    doc = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 24,
+           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": T}
+    tmp = Path(".")
+    new = hf_llama.parse_config(tmp, {**doc, "rope_parameters": {"rope_theta": 500.0, **LLAMA3}})
+    old_scaling = {("type" if k == "rope_type" else k): v for k, v in LLAMA3.items()}
+    old = hf_llama.parse_config(tmp, {**doc, "rope_theta": 500.0, "rope_scaling": old_scaling})
+    assert new == old and new.rope_theta == 500.0 and new.rope_scaling.factor == 8.0
+    plain = hf_llama.parse_config(tmp, {**doc, "rope_theta": 500.0, "rope_scaling": None})
+    assert plain.rope_scaling is None and plain.rope_theta == 500.0
+
+
+@pytest.mark.parametrize("field,value", [("attention_bias", True), ("rope_parameters", {"rope_type": "yarn"}),
+                                         ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}),
+                                         ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
                                          ("head_dim", 8), ("num_key_value_heads", 3)])
 def test_unsupported_llama_config_is_refused_by_name(tmp_path, field, value):
     from mpicube.files.formats import hf_llama

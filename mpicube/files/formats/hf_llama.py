@@ -23,15 +23,17 @@ A configuration mpicube does not compute is refused by the field's name.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
-from ...core.config import ModelConfig
+from ...core.config import ModelConfig, RopeScaling
 from .base import FormatError, ModelFile, check_shapes, first_missing
 from .hf import CONFIG, READABLE, HFModel, _shown, read_json
 
 MODEL = "model."
+ROPE_TYPES = ("default", "llama3")
 
 
 def is_llama_dir(path: Path) -> bool:
@@ -43,15 +45,35 @@ def is_llama_dir(path: Path) -> bool:
     return isinstance(doc, dict) and doc.get("model_type") == "llama"
 
 
-def _rope(doc: dict) -> tuple:
-    """(rope type, theta) from ``rope_parameters`` (transformers 5) or
-    ``rope_scaling`` and ``rope_theta`` (earlier versions)."""
-    params = doc.get("rope_parameters") or {}
-    scaling = doc.get("rope_scaling") or {}
-    if not isinstance(params, dict) or not isinstance(scaling, dict):
-        return "?", None
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    return kind, params.get("rope_theta", doc.get("rope_theta", 10000.0))
+def _rope(where: Path, doc: dict) -> tuple:
+    """(theta, RopeScaling or None) from
+    ``rope_parameters`` (transformers 5: rope_type, rope_theta and the
+    scaling's keys in one object) or ``rope_theta`` and ``rope_scaling``
+    (earlier versions; rope_type once spelled ``type``). Rope types other
+    than "default" and "llama3" are refused naming the field."""
+    field = "rope_parameters" if doc.get("rope_parameters") is not None else "rope_scaling"
+    params = doc.get(field) or {}
+    if not isinstance(params, dict):
+        raise FormatError(f"{where}: {field} = {_shown(params)} is not a JSON object")
+    theta = params.get("rope_theta", doc.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        name = f"{field}.rope_theta" if "rope_theta" in params else "rope_theta"
+        raise FormatError(f"{where}: {name} = {_shown(theta)} is not supported: it must be a positive number")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise FormatError(f"{where}: {field}.rope_type = {_shown(kind)} is not supported: mpicube implements the "
+                          f"rope types {' and '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", doc.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise FormatError(f"{where}: partial_rotary_factor = {_shown(partial)} is not supported: mpicube rotates "
+                          "every column of a head")
+    scaling = None
+    if kind == "llama3":
+        try:
+            scaling = RopeScaling.from_dict(params, field)
+        except ValueError as e:
+            raise FormatError(f"{where}: {e}") from None
+    return theta, scaling
 
 
 def parse_config(path: Path, doc) -> ModelConfig:
@@ -75,7 +97,7 @@ def parse_config(path: Path, doc) -> ModelConfig:
     if values["n_embd"] % values["n_head"]:
         raise FormatError(f"{where}: hidden_size {values['n_embd']} is not divisible by num_attention_heads "
                           f"{values['n_head']}")
-    kind, theta = _rope(doc)
+    theta, scaling = _rope(where, doc)
     eps = doc.get("rms_norm_eps", 1e-6)
     refusals = [
         ("head_dim", doc.get("head_dim") not in (None, values["n_embd"] // values["n_head"]),
@@ -83,9 +105,6 @@ def parse_config(path: Path, doc) -> ModelConfig:
         ("attention_bias", bool(doc.get("attention_bias", False)), "mpicube's Llama attention has no biases"),
         ("mlp_bias", bool(doc.get("mlp_bias", False)), "mpicube's Llama MLP has no biases"),
         ("hidden_act", doc.get("hidden_act", "silu") != "silu", "mpicube's SwiGLU gates with SiLU"),
-        ("rope_parameters", kind != "default", "mpicube implements the default rotary embedding only"),
-        ("rope_theta", isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0,
-         "it must be a positive number"),
         ("rms_norm_eps", isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0,
          "it must be a positive number"),
         ("sliding_window", doc.get("sliding_window") is not None, "mpicube's attention is full causal"),
@@ -96,7 +115,7 @@ def parse_config(path: Path, doc) -> ModelConfig:
         if refused:
             raise FormatError(f"{where}: {key} = {_shown(doc.get(key))} is not supported: {why}")
     return ModelConfig(arch="llama", n_kv_head=kv, rope_theta=float(theta), rms_eps=float(eps),
-                       tie_embeddings=doc.get("tie_word_embeddings", False), **values)
+                       tie_embeddings=doc.get("tie_word_embeddings", False), rope_scaling=scaling, **values)
 
 
 def sources(cfg: ModelConfig, name: str) -> tuple:
