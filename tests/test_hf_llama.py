@@ -96,6 +96,7 @@ def make_model(tmp_path, torch, transformers, rope=None):
             if name.endswith("norm.weight"):                 # norms away from 1: their weight must be applied
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
     model.save_pretrained(str(tmp_path / "llama"), safe_serialization=True)
+    model.save_pretrained(str(tmp_path / "sharded"), safe_serialization=True, max_shard_size="40KB")
     tokens = np.random.default_rng(1).integers(0, VOCAB, BATCHES * B * T + 1)
     data.write_shard(tmp_path / "tokens.bin", tokens)
     float64_reference(torch, transformers.models.llama.modeling_llama)
@@ -109,16 +110,25 @@ def make_model(tmp_path, torch, transformers, rope=None):
 
 
 def test_llama_directory_evaluates_like_transformers(tmp_path):
+    """Every layout; the 2-D and 2.5-D runs read the same model split by
+    transformers over several safetensors files (model.safetensors.index.json)."""
+    from mpicube.files.formats import open_model
+
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
     want = make_model(tmp_path, torch, transformers)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) >= 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file(), shards
+    with open_model(tmp_path / "sharded") as m:
+        assert m.describe().endswith(f"({len(shards)} safetensors shards)")
     for ranks, layout, depth in LAYOUTS:
-        proc = mpiexec(ranks, ["-m", "mpicube", "eval", tmp_path / "llama", "--data", tmp_path / "tokens.bin",
+        model = tmp_path / ("sharded" if layout in ("2d", "2.5d") else "llama")
+        proc = mpiexec(ranks, ["-m", "mpicube", "eval", model, "--data", tmp_path / "tokens.bin",
                                "--batch-size", B, "--seq-len", T, "--batches", BATCHES, "--dtype", "float64",
                                "--layout", layout, "--depth", depth], timeout=180, env={"PYTHONPATH": str(ROOT)})
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
-        assert abs(got - want) <= 1e-9 * abs(want), f"{layout}: {got!r} vs transformers {want!r}"
+        assert abs(got - want) <= 1e-9 * abs(want), f"{layout} ({model.name}): {got!r} vs transformers {want!r}"
 
 
 def test_llama3_rope_scaling_like_transformers(tmp_path):
