@@ -22,6 +22,7 @@ import pytest
 from mpirun import ROOT, mpiexec
 
 VOCAB, T, B, BATCHES = 61, 16, 4, 2
+TOKENS = np.random.default_rng(1).integers(0, VOCAB, BATCHES * B * T + 1)
 LAYOUTS = [(1, "serial", 1), (2, "1d", 1), (4, "2d", 1), (8, "3d", 1), (8, "2.5d", 2)]
 
 
@@ -97,9 +98,14 @@ def make_model(tmp_path, torch, transformers, rope=None):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
     model.save_pretrained(str(tmp_path / "llama"), safe_serialization=True)
     model.save_pretrained(str(tmp_path / "sharded"), safe_serialization=True, max_shard_size="40KB")
-    tokens = np.random.default_rng(1).integers(0, VOCAB, BATCHES * B * T + 1)
-    data.write_shard(tmp_path / "tokens.bin", tokens)
+    data.write_shard(tmp_path / "tokens.bin", TOKENS)
     float64_reference(torch, transformers.models.llama.modeling_llama)
+    return reference_loss(torch, model)
+
+
+def reference_loss(torch, model, tokens=None):
+    """transformers' float64 mean cross-entropy of ``model`` over the eval's batches of ``tokens``."""
+    tokens = TOKENS if tokens is None else tokens
     starts = np.arange(BATCHES * B) * T                      # batch k, row r: token (k B + r) T
     x = torch.tensor(np.stack([tokens[s:s + T] for s in starts]))
     y = torch.tensor(np.stack([tokens[s + 1:s + T + 1] for s in starts]))
@@ -190,3 +196,90 @@ def test_unsupported_llama_config_is_refused_by_name(tmp_path, field, value):
            "max_position_embeddings": T, field: value}
     with pytest.raises(FormatError, match=field):
         hf_llama.parse_config(tmp_path, doc)
+
+
+def random_llama(cfg, seed=3) -> dict:
+    """{mpicube name: float64 tensor} of a random Llama, norm weights away from 1."""
+    from mpicube.model.gpt import gpt_params
+
+    rng = np.random.default_rng(seed)
+    return {d.name: (1.0 + 0.2 * rng.standard_normal(d.shape)) if d.role == "norm" else 0.3 * rng.standard_normal(d.shape)
+            for d in gpt_params(cfg)}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama_converts_to_hf_and_back_bitwise(tmp_path, tied):
+    """A mpicube Llama (8 heads over 2 kv heads, vocabulary 61, Llama 3
+    rope scaling) -> Hugging Face directory in shards -> mpicube: every
+    tensor's bits and the configuration come back. The HF files hold
+    transformers' names in its (out, in) orientation, split back from
+    mpicube's fused c_attn ([q | k | v]) and c_fc ([gate | up]); a tied
+    model stores no lm_head."""
+    from safetensors.numpy import load_file
+
+    from mpicube.core.config import ModelConfig, RopeScaling
+    from mpicube.files.formats import open_model
+    from mpicube.files.formats.convert import convert, write_mpicube
+
+    cfg = ModelConfig(vocab_size=VOCAB, n_ctx=T, n_layer=2, n_head=8, n_embd=32, arch="llama", n_kv_head=2,
+                      ffn_hidden=24, rope_theta=500.0, rms_eps=1e-5, tie_embeddings=tied,
+                      rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))
+    tensors = random_llama(cfg)
+    write_mpicube(tmp_path / "run", tensors, cfg, 0, {"format": "test"})
+    summary = convert(tmp_path / "run", tmp_path / "hf", "hf", max_shard_bytes=20_000)
+    assert len(summary["files"]) >= 4                                         # >= 2 shards, the index, config.json
+    doc = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert doc["architectures"] == ["LlamaForCausalLM"] and doc["num_key_value_heads"] == 2
+    assert doc["head_dim"] == 4 and doc["intermediate_size"] == 24 and doc["tie_word_embeddings"] is tied
+    assert doc["rope_parameters"] == {**cfg.rope_scaling.to_dict(), "rope_theta": 500.0}
+    assert doc["rope_scaling"]["rope_type"] == "llama3" and doc["rope_theta"] == 500.0
+    hf = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        hf.update(load_file(str(shard)))
+    assert ("lm_head.weight" in hf) is not tied and len(hf) == 2 * 9 + 2 + (not tied)
+    attn, fc = tensors["h.1.attn.c_attn.weight"], tensors["h.1.mlp.c_fc.weight"]                # (32, 48), (32, 48)
+    p = "model.layers.1."
+    assert np.array_equal(hf[p + "self_attn.q_proj.weight"], attn[:, :32].T)                   # (32, 32)
+    assert np.array_equal(hf[p + "self_attn.k_proj.weight"], attn[:, 32:40].T)                 # (8, 32)
+    assert np.array_equal(hf[p + "self_attn.v_proj.weight"], attn[:, 40:].T)
+    assert np.array_equal(hf[p + "mlp.gate_proj.weight"], fc[:, :24].T)                        # (24, 32)
+    assert np.array_equal(hf[p + "mlp.up_proj.weight"], fc[:, 24:].T)
+    assert np.array_equal(hf[p + "mlp.down_proj.weight"], tensors["h.1.mlp.c_proj.weight"].T)  # (32, 24)
+    convert(tmp_path / "hf", tmp_path / "back", "mpicube")
+    with open_model(tmp_path / "back") as m:
+        assert m.config == cfg
+        back = m.read_all()
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and np.array_equal(back[name], t), name
+
+
+def test_exported_llama_loads_in_transformers(tmp_path):
+    """transformers' LlamaForCausalLM (GQA, vocabulary 61, Llama 3 scaling)
+    -> mpicube checkpoint -> ``convert --to hf``: the same tensors, bit for
+    bit, under the same names; transformers loads the export, and its
+    float64 loss equals mpicube's on the checkpoint to 1e-9."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
+    from safetensors.numpy import load_file
+
+    want = make_model(tmp_path, torch, transformers, rope=LLAMA3)
+    for args in (["llama", "run", "--to", "mpicube"], ["run", "export", "--to", "hf"]):
+        proc = mpiexec(1, ["-m", "mpicube", "convert", *[tmp_path / a if i < 2 else a for i, a in enumerate(args)]],
+                       env={"PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    original, exported = load_file(str(tmp_path / "llama" / "model.safetensors")), \
+        load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert original.keys() == exported.keys()
+    for name, t in original.items():
+        assert exported[name].dtype == t.dtype and np.array_equal(exported[name], t), name
+    model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float64,
+                                                          attn_implementation="sdpa").eval()
+    assert model.config.rope_parameters["rope_type"] == "llama3" and model.config.num_key_value_heads == 2
+    model.model.rotary_emb.inv_freq = hf_inv_freq(torch, transformers, model.config)
+    loaded = reference_loss(torch, model)
+    proc = mpiexec(1, ["-m", "mpicube", "eval", tmp_path / "run", "--data", tmp_path / "tokens.bin", "--batch-size", B,
+                       "--seq-len", T, "--batches", BATCHES, "--dtype", "float64"], env={"PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
+    assert abs(got - loaded) <= 1e-9 * abs(loaded) and abs(loaded - want) <= 1e-12 * abs(want), (got, loaded, want)

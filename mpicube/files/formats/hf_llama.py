@@ -1,6 +1,8 @@
 """Hugging Face Llama directories (``LlamaForCausalLM``): ``config.json``
 and safetensors files, read through the ``safetensors`` package's NumPy
-API (no torch) on any layout, each rank reading only its blocks.
+API (no torch) on any layout, each rank reading only its blocks, and
+written (``write``, for ``convert --to hf``) by the same table run
+backwards.
 
 How transformers' tensors map to mpicube's (``llama.llama_params``):
 
@@ -29,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ...core.config import ModelConfig, RopeScaling
-from .base import FormatError, ModelFile, check_shapes, first_missing
-from .hf import CONFIG, READABLE, HFModel, _shown, read_json
+from .base import FormatError, ModelFile, check_shapes, first_missing, gpt2_shapes
+from .hf import CONFIG, READABLE, HFModel, _shown, read_json, write_files
 
 MODEL = "model."
 ROPE_TYPES = ("default", "llama3")
@@ -212,3 +214,66 @@ class LlamaHFModel(HFModel):
         n = len(set(self._map.values()))
         files = f"{n} safetensors shards" if n > 1 else "model.safetensors"
         return f"Hugging Face Llama directory {self.path} ({files})"
+
+
+def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """A config.json that transformers loads as ``LlamaForCausalLM`` and
+    ``parse_config`` reads back as ``cfg``. The rotary settings are
+    written both ways: ``rope_parameters`` (transformers 5) and
+    ``rope_theta`` with ``rope_scaling`` (earlier versions). mpicube knows
+    no tokenizer's special tokens, so bos/eos are left unset."""
+    rope = {"rope_type": "default"} if cfg.rope_scaling is None else cfg.rope_scaling.to_dict()
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.ffn,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.n_ctx,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.to_dict(),
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tied,
+        "initializer_range": 0.02,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "dtype": dtype,
+    }
+
+
+def hf_tensors(cfg: ModelConfig, tensors: dict) -> list:
+    """[(HF name, array)] of mpicube's whole ``tensors``, by the table the
+    reader uses (``sources``) run backwards: each HF tensor is its column
+    range of the mpicube tensor, transposed back to (out, in) where
+    transformers' ``nn.Linear`` stores it so. No other permutation."""
+    named = []
+    for name in gpt2_shapes(cfg):
+        parts, transposed = sources(cfg, name)
+        start = 0
+        for fname, width in parts:
+            t = tensors[name]
+            if width is not None:                                 # (in, out) columns [start, start + width)
+                t = t[:, start:start + width]
+                t = t.T if transposed else t
+                start += width
+            named.append((fname, t))
+    return named
+
+
+def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = None) -> list:
+    """Write a Hugging Face ``LlamaForCausalLM`` directory ``dst`` from
+    {mpicube name: whole tensor} (one file or shards, ``hf.write_files``).
+    Returns the files written."""
+    dst = Path(dst)
+    check_shapes(dst, {n: t.shape for n, t in tensors.items()}, gpt2_shapes(cfg))
+    dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    return write_files(dst, hf_tensors(cfg, tensors), config_json(cfg, dtypes[-1]), max_shard_bytes)
