@@ -159,7 +159,8 @@ def test_llama_layout_matches_serial(ranks, layout, cp):
 
 def test_cached_decode_equals_the_full_forward():
     """Token-by-token decoding with the KV cache rotates each new row at its
-    position: its logits are the training forward's (float64, serial)."""
+    position and keeps the 2 kv heads only (not the 4 query heads' repeats):
+    its logits are the training forward's (float64, serial)."""
     from mpi4py import MPI
 
     from mpicube.device.backend import make_backend
@@ -178,5 +179,6 @@ def test_cached_decode_equals_the_full_forward():
     idx = rng.integers(0, 11, (2, 6))
     full = model.full_logits(idx)                                        # (2, 6, V)
     caches = model.new_caches()
+    assert caches[0].k.shape == (2, 2, 6, 2)                             # (B, n_kv, n_ctx, hd): kv heads only
     steps = [model.decode(idx[:, :2], 0, caches)] + [model.decode(idx[:, t:t + 1], t, caches) for t in range(2, 6)]
     assert np.allclose(np.concatenate(steps, axis=1), full, rtol=1e-12, atol=1e-12)

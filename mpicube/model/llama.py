@@ -112,19 +112,31 @@ class RotaryAttention:
                                       for t in ops.rope_tables(positions, self.hd, self.theta, self.scaling))
         return self._tables[key]
 
-    def pack(self, qkv, positions):
-        """qkv (B, T, (nh + 2 nkv) hd) -> (B, T, 3 nh hd): q and k rotated, k and v repeated."""
+    def rotate(self, qkv, positions):
+        """qkv (B, T, (nh + 2 nkv) hd) -> the same columns with q and k rotated
+        (kv heads not repeated: what the KV cache stores)."""
         xp = array_module(qkv)
         B, T, _ = qkv.shape
         nh, nkv, hd = self.n_local_heads, self.n_local_kv, self.hd
         q = qkv[..., :nh * hd].reshape(B, T, nh, hd)                        # (B, T, nh, hd)
         k = qkv[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd)        # (B, T, nkv, hd)
-        v = qkv[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)               # (B, T, nkv, hd)
         cos, sin = self.tables(positions, qkv)                              # (T, hd) each
         q, k = ops.rope_forward(q, cos, sin), ops.rope_forward(k, cos, sin)
+        return xp.concatenate([q.reshape(B, T, nh * hd), k.reshape(B, T, nkv * hd), qkv[..., (nh + nkv) * hd:]],
+                              axis=-1)
+
+    def pack(self, qkv, positions):
+        """qkv (B, T, (nh + 2 nkv) hd) -> (B, T, 3 nh hd): q and k rotated, k and v repeated."""
+        xp = array_module(qkv)
+        B, T, _ = qkv.shape
+        nh, nkv, hd = self.n_local_heads, self.n_local_kv, self.hd
+        rotated = self.rotate(qkv, positions)
+        q = rotated[..., :nh * hd]                                          # (B, T, nh hd)
+        k = rotated[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd)    # (B, T, nkv, hd)
+        v = rotated[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)           # (B, T, nkv, hd)
         rep = nh // nkv
         k, v = xp.repeat(k, rep, axis=2), xp.repeat(v, rep, axis=2)         # (B, T, nh, hd): head i reads i // rep
-        return xp.concatenate([t.reshape(B, T, nh * hd) for t in (q, k, v)], axis=-1)
+        return xp.concatenate([q, k.reshape(B, T, nh * hd), v.reshape(B, T, nh * hd)], axis=-1)
 
     def unpack_backward(self, dpacked, positions):
         """dpacked (B, T, 3 nh hd) -> dqkv (B, T, (nh + 2 nkv) hd)."""
