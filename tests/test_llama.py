@@ -44,6 +44,56 @@ def test_rope_is_hf_half_split_rotation():
     assert_close(ops.rope_backward(w, cos, sin), numeric_grad(lambda: (ops.rope_forward(x, cos, sin) * w).sum(), x))
 
 
+def llama3_reference(f, factor, low, high, context):
+    """Llama 3's scaled frequency of one inverse frequency f, band by band, as Meta's release states it."""
+    wavelen = 2 * np.pi / f
+    if wavelen < context / high:                 # fast: kept
+        return f
+    if wavelen > context / low:                  # slow: stretched factor times
+        return f / factor
+    s = (context / wavelen - low) / (high - low)
+    return (1 - s) * f / factor + s * f
+
+
+def test_llama3_rope_scaling_in_each_band_and_at_its_edges():
+    """Each of 32 frequencies (over all three bands) as the band rule says; a
+    wavelength exactly at a band's edge takes the blend's end value, which is
+    its neighbour's (f / factor at the slow edge, f at the fast one), and just
+    beside an edge the value moves by no more than rounding."""
+    scaling = (8.0, 1.0, 4.0, 256)
+    got = ops.rope_inv_freq(64, 10000.0, scaling)                               # (32,)
+    base = ops.rope_inv_freq(64, 10000.0)
+    assert np.array_equal(base, 1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64))
+    want = np.array([llama3_reference(f, *scaling) for f in base])
+    fast, slow = (2 * np.pi / base < 256 / 4).sum(), (2 * np.pi / base > 256).sum()
+    assert min(fast, slow, 32 - fast - slow) >= 3, (fast, slow)                  # every band is met
+    assert np.allclose(got, want, rtol=1e-15, atol=0)
+    # head size 2: the one frequency is 1.0, wavelength 2 pi, placed exactly on each edge
+    for low, high, context, edge_value in ((1.0, 4.0, 2 * np.pi, 1.0 / 8.0), (1.0, 2.0, 4 * np.pi, 1.0)):
+        assert ops.rope_inv_freq(2, 50.0, (8.0, low, high, context))[0] == edge_value
+        for beside in (np.nextafter(context, 0), np.nextafter(context, 10 * context)):
+            assert abs(ops.rope_inv_freq(2, 50.0, (8.0, low, high, beside))[0] - edge_value) < 1e-14
+    cos, sin = ops.rope_tables(np.array([0, 5, 9]), 64, 10000.0, scaling)        # (3, 64): angles pos * f
+    assert np.allclose(np.arctan2(sin[2, :32], cos[2, :32]), np.angle(np.exp(1j * 9 * want)), rtol=1e-12)
+    assert np.array_equal(cos[:, :32], cos[:, 32:])
+
+
+def test_rope_scaling_is_stored_and_checked():
+    from mpicube.core.config import ModelConfig, RopeScaling
+
+    cfg = small_llama(rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))
+    stored = cfg.to_dict()["rope_scaling"]
+    assert stored == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}
+    assert ModelConfig.from_dict(cfg.to_dict()).rope_scaling == cfg.rope_scaling
+    assert "rope_scaling" not in small_llama().to_dict()                         # unscaled: stored as before
+    for bad, field in (({**stored, "factor": 0.5}, "factor"), ({**stored, "high_freq_factor": 1.0}, "low_freq_factor"),
+                       ({k: v for k, v in stored.items() if k != "original_max_position_embeddings"},
+                        "original_max_position_embeddings")):
+        with pytest.raises(ValueError, match=f"rope_scaling.{field}"):
+            ModelConfig.from_dict({**cfg.to_dict(), "rope_scaling": bad})
+
+
 def test_swiglu():
     f, w = rng.normal(size=(3, 2, 8)), rng.normal(size=(3, 2, 4))
     y, saved = ops.swiglu_forward(f)

@@ -100,6 +100,7 @@ class RotaryAttention:
         self.attention, self.n_local_heads = attention, nh
         self.n_local_kv = cfg.kv_heads // split
         self.hd, self.theta = cfg.head_dim, cfg.rope_theta
+        self.scaling = None if cfg.rope_scaling is None else cfg.rope_scaling.as_tuple()   # Llama 3's
         self._tables = {}                                 # positions -> (cos, sin) on the device
 
     def tables(self, positions, like):
@@ -108,7 +109,7 @@ class RotaryAttention:
         if key not in self._tables:
             xp = array_module(like)
             self._tables[key] = tuple(xp.asarray(t, dtype=like.dtype)
-                                      for t in ops.rope_tables(positions, self.hd, self.theta))
+                                      for t in ops.rope_tables(positions, self.hd, self.theta, self.scaling))
         return self._tables[key]
 
     def pack(self, qkv, positions):

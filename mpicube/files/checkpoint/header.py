@@ -93,7 +93,7 @@ def parse_root(raw: dict, file) -> Header:
     return Header(step=step, names=names, shard_sha256=shards, attrs=attrs)
 
 
-FAMILY_KEYS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings")
+FAMILY_KEYS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "rope_scaling")
 
 
 def model_config(value, file) -> dict:
