@@ -126,7 +126,9 @@ def test_recorder_takes_gradients_before_clipping_and_loads_the_reference(tmp_pa
         grads = [f[f"step_1/grad/{n}"][()] for n in init]
         assert np.sqrt(sum((g ** 2).sum() for g in grads)) == pytest.approx(f["step_1/grad_norm"][()], rel=1e-12)
         assert f["step_1/grad_norm"][()] > 1e-2                      # the unclipped norm
-        assert set(f["step_1/act"]) == {"emb", "h.0", "h.1", "ln_f"} and f["step_1/logits"].shape == (2, 4, 16)
+        assert set(f["step_1/act"]) == set(names.act_names(CFG)) and f["step_1/logits"].shape == (2, 4, 16)
+        a = f["step_1/act"]                         # the branches are what the residual stream adds
+        assert np.allclose(a["h.0"][()], a["emb"][()] + a["h.0.attn"][()] + a["h.0.mlp"][()], rtol=0, atol=1e-12)
 
 
 def test_recorder_refuses_a_model_the_map_does_not_cover(tmp_path):

@@ -65,7 +65,7 @@ def test_serial_trace_holds_the_steps_it_ran(serial_trace, corpus_cache):
     from mpicube.training.train import build_parts
 
     with h5py.File(serial_trace, "r") as f:
-        assert f.attrs["format"] == "mpicube-trace" and f.attrs["version"] == 1 and f.attrs["steps"] == STEPS
+        assert f.attrs["format"] == "mpicube-trace" and f.attrs["version"] == 2 and f.attrs["steps"] == STEPS
         assert json.loads(f.attrs["config"]) == CFG and f.attrs["dtype"] == "float64"
         assert json.loads(f.attrs["layout"])["layout"] == "serial"
         opt = json.loads(f.attrs["optimizer"])
@@ -155,8 +155,9 @@ def test_an_altered_element_is_the_first_divergence(runner, serial_trace):
 @pytest.mark.timeout(300)
 def test_a_wrong_cube_axis_is_caught_at_the_first_activation_it_touches(runner, serial_trace):
     """tests/planted_bug.py makes block 1's c_fc reduce-scatter its output
-    over j instead of k: same shapes, wrong sums. Everything before block 1
-    agrees; block 1's output is the first divergence."""
+    over j instead of k: same shapes, wrong sums. Everything before block 1's
+    MLP agrees, its norm included; the MLP branch's output is the first
+    divergence (inside the block, not just the block's output)."""
     cmd = runner.command("trace", "--layout", "3d", *MODEL, "--steps", 1, "--out", "wrong.h5", n=8)
     at = cmd.index("-m")
     cmd[at:at + 2] = [str(REPO / "tests" / "planted_bug.py"), "h.1.mlp.c_fc"]
@@ -164,9 +165,10 @@ def test_a_wrong_cube_axis_is_caught_at_the_first_activation_it_touches(runner, 
     assert r.returncode == 0, r
     r, summary = compare(runner, serial_trace, "wrong.h5")
     assert r.returncode == 1, r
-    assert summary["first_divergence"] == "step_1/act/h.1"
+    assert summary["first_divergence"] == "step_1/act/h.1.mlp"
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("step_1/")}
-    assert rows["step_1/act/h.0"].endswith("yes") and rows["step_1/act/h.1"].endswith("NO")
+    assert rows["step_1/act/h.1.ln_2"].endswith("yes") and rows["step_1/act/h.1.mlp"].endswith("NO")
+    assert rows["step_1/act/h.1.attn"].endswith("yes") and rows["step_1/act/h.1"].endswith("NO")
     assert "only in A" in r.stdout                                      # steps 2 and 3
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import UserError
-from .names import BLOCK_PARAMS, forward_param_order
+from .names import BLOCK_ACTS, BLOCK_PARAMS, forward_param_order
 from .shards import Shard, Sharded
 
 
@@ -158,8 +158,15 @@ def _gpt2(cfg: dict, name: str, prefix: str, block: str, kinds: dict, aliases=()
 
 
 def _gpt2_acts(cfg, prefix):
-    return {"emb": prefix + "drop", **{f"h.{i}": f"{prefix}h.{i}" for i in range(cfg["n_layer"])},
-            "ln_f": prefix + "ln_f"}
+    """The modules whose outputs are the trace's activations (names.act_names):
+    the embedding dropout, each block's norms, its attention and MLP modules
+    (whose outputs include the residual dropout, as nanoGPT's and HF's do),
+    the block itself, and ln_f."""
+    acts = {"emb": prefix + "drop"}
+    for i in range(cfg["n_layer"]):
+        acts.update({f"h.{i}.{a}": f"{prefix}h.{i}.{a}" for a in BLOCK_ACTS})
+        acts[f"h.{i}"] = f"{prefix}h.{i}"
+    return {**acts, "ln_f": prefix + "ln_f"}
 
 
 LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

@@ -12,13 +12,18 @@ k of them (tolerance.py).
 from __future__ import annotations
 
 FORMAT = "mpicube-trace"
-VERSION = 1
+VERSION = 2                  # 2: the activations inside each block (BLOCK_ACTS)
+READS = (1, 2)               # versions compare reads; a version 1 trace lacks only what 2 added
 CONFIG_KEYS = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")
 SCALARS = ("loss", "lr", "grad_norm")                  # float64 (), whatever the trace's dtype
 BLOCK_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
                 "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
                 "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")
 MASK_SITES = ("attn", "resid_attn", "resid_mlp")
+# inside block i, in the order computed: act/h.{i}.ln_1 (ln_1's output), act/h.{i}.attn (the attention
+# branch after its residual dropout, before the residual add), act/h.{i}.ln_2, act/h.{i}.mlp (likewise)
+BLOCK_ACTS = ("ln_1", "attn", "ln_2", "mlp")
+NEW_IN = {2: tuple(f"step_*/act/h.*.{a}" for a in BLOCK_ACTS)}     # patterns of what each version added
 
 
 def forward_param_order(cfg: dict) -> list:
@@ -41,14 +46,25 @@ def backward_param_order(cfg: dict) -> list:
     return names + ["wpe", "wte"]
 
 
+def act_names(cfg: dict) -> list:
+    """The ``act/`` names of a step, in computation order: ``emb``, then per
+    block i ``h.{i}.ln_1``, ``h.{i}.attn``, ``h.{i}.ln_2``, ``h.{i}.mlp`` and
+    ``h.{i}`` (the residual stream after the block), then ``ln_f``."""
+    names = ["emb"]
+    for i in range(cfg["n_layer"]):
+        names += [f"h.{i}.{a}" for a in BLOCK_ACTS] + [f"h.{i}"]
+    return names + ["ln_f"]
+
+
 def step_names(cfg: dict, s: int) -> list:
     """Every name step ``s`` of a full trace holds, in computation order.
     A dropout mask comes just before the activation it is applied in."""
     g = f"step_{s}/"
     order = [g + "dropout/emb", g + "act/emb"]
     for i in range(cfg["n_layer"]):
-        order += [g + f"dropout/h.{i}.{site}" for site in MASK_SITES]
-        order.append(g + f"act/h.{i}")
+        b = f"h.{i}"
+        order += [g + f"act/{b}.ln_1", g + f"dropout/{b}.attn", g + f"dropout/{b}.resid_attn", g + f"act/{b}.attn",
+                  g + f"act/{b}.ln_2", g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
     order += [g + "act/ln_f", g + "logits", g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"]
@@ -61,6 +77,13 @@ def computation_order(cfg: dict, steps: int) -> list:
     for s in range(1, steps + 1):
         order += step_names(cfg, s)
     return order
+
+
+def missing_by_version(version: int) -> tuple:
+    """Patterns of the names a trace of ``version`` cannot hold because a
+    later version of the format added them (compare allows them missing
+    from that trace only)."""
+    return tuple(p for v, patterns in NEW_IN.items() if v > version for p in patterns)
 
 
 def step_of(name: str) -> int:

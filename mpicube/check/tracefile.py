@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import UserError
-from .names import CONFIG_KEYS, FORMAT, SCALARS, VERSION, step_of
+from .names import CONFIG_KEYS, FORMAT, READS, SCALARS, VERSION, step_of
 from .shards import assemble, is_sharded
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -48,16 +48,21 @@ def open_trace(path):
             raise UserError(f"{p}: not a trace ({what}; expected {FORMAT!r})")
         version = f.attrs.get("version")
         try:
-            known = version is not None and int(version) == VERSION
+            known = version is not None and int(version) in READS
         except (TypeError, ValueError):
             known = False
         if not known:
             raise UserError(f"{p}: trace version {text(version) if version is not None else 'missing'}, "
-                            f"this mpicube reads version {VERSION}")
+                            f"this mpicube reads versions {', '.join(map(str, READS))} (writes {VERSION})")
     except UserError:
         f.close()
         raise
     return f
+
+
+def version(f) -> int:
+    """The format version of a trace ``open_trace`` accepted."""
+    return int(f.attrs["version"])
 
 
 def read_config(f, path) -> dict:
