@@ -139,6 +139,23 @@ def test_strided_pieces_cover_exactly_the_shared_columns_of_a_window():
             assert sorted(got) == sorted(want), (s, e)
 
 
+def test_head_placement_is_drawn_from_the_layouts():
+    """``info --heads``' table (analysis/heads.py): 1-D tp 8 over 2 kv heads
+    gives ranks 0-3 kv head 0 and 4-7 kv head 1, one query head each; the
+    3-D cube over 1 kv head shares it between j = 0 and 1 of each (i, k);
+    2 kv heads on the cube are held whole (nothing summed)."""
+    from mpicube.analysis.heads import head_placement
+
+    cfg = small_llama(n_head=8, n_embd=16, n_kv_head=2)
+    one_d = head_placement("1d", cfg, 8)
+    assert [(r.q, r.kv, r.sharers) for r in one_d[:5]] == [([t], [0], [0, 1, 2, 3]) for t in range(4)] + [
+        ([4], [1], [4, 5, 6, 7])]
+    cube = head_placement("3d", small_llama(n_head=8, n_embd=16, n_kv_head=1), 8)
+    assert [r.sharers for r in cube] == [[0, 2], [1, 3], [0, 2], [1, 3], [4, 6], [5, 7], [4, 6], [5, 7]]
+    assert [r.q for r in cube[:4]] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert all(len(r.sharers) == 1 for r in head_placement("3d", cfg, 8))
+
+
 # Llama on every layout against serial: tests/test_combo_matrix.py's LLAMA_CASES
 # (in the matrix's launches; the separate launches that stood here are retired).
 
