@@ -150,6 +150,8 @@ def resolved_words(combo: dict) -> str:
 # Llama (issue 33): each joins its world size's launch. 8 heads over kv= kv heads;
 # a head split finer than kv (1-D tp 4 and 8 over 2, 2-D/2.5-D/3-D q 2 over 1)
 # replicates kv heads over the ranks that share them, the others hold whole ones.
+# Each is checked like every case: against serial, and its traffic and memory
+# against the cost model's Llama terms.
 LLAMA = "arch=llama heads=8"
 LLAMA_CASES = [
     (4, f"layout=1d tp=4 kv=2 recompute=blocks accum=2 {LLAMA}"),              # replicated (2 ranks a kv head)
@@ -164,6 +166,7 @@ LLAMA_CASES = [
     (8, f"layout=1d tp=4 sp=1 dp=2 zero=2 kv=2 {LLAMA}"),                      # sequence parallel, zero 2
     (8, f"layout=1d tp=4 dp=2 zero=1 kv=1 {LLAMA}"),                           # zero 1's chunked norm
     (8, f"layout=1d tp=2 cp=2 dp=2 kv=2 {LLAMA}"),                             # whole kv heads, cp with dp
+    (8, f"layout=3d tp=8 kv=1 dtype=bfloat16 {LLAMA}"),                        # the kv sums on the 16-bit wire
 ]
 
 

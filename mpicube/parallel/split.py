@@ -61,24 +61,33 @@ def split_decl(decl, parts: int, block: int) -> np.ndarray:
     return split_index(decl.shape[-1], parts, block, decl.groups, decl.heads)
 
 
-def shared_columns(decl, parts: int, block: int, comm) -> Optional[SharedColumns]:
-    """The ``SharedColumns`` of block ``block`` of ``parts`` of ``decl``'s
-    last dimension when some of its groups have fewer heads than ``parts``
-    (the replicated kv heads, which follow the split groups), else None.
-    ``comm`` is the sub-group of ranks sharing this block's head, derived
-    once by the layout (``Layout.kv_comm``)."""
+def shared_width(decl, parts: int) -> tuple:
+    """(width, share): how many of a block's last-dimension positions are
+    shared when ``decl`` is split ``parts`` ways (its groups with fewer
+    heads than ``parts``, the replicated kv heads, which follow the split
+    groups), and over how many blocks each is shared; (0, 1) when none."""
     if not decl.heads or all(parts <= nh for nh in decl.heads):
-        return None
-    widths = [m // parts if parts <= nh else m // nh for m, nh in zip(decl.groups, decl.heads)]
+        return 0, 1
     shared = [parts > nh for nh in decl.heads]
     first = shared.index(True)
     if not all(shared[first:]) or len(set(decl.heads[first:])) != 1:
         raise ValueError(f"{decl.name}: the replicated groups must follow the split ones, with equal head counts")
-    share = parts // decl.heads[first]
+    return sum(m // nh for m, nh in zip(decl.groups[first:], decl.heads[first:])), parts // decl.heads[first]
+
+
+def shared_columns(decl, parts: int, block: int, comm) -> Optional[SharedColumns]:
+    """The ``SharedColumns`` of block ``block`` of ``parts`` of ``decl``'s
+    last dimension when some of its groups have fewer heads than ``parts``
+    (``shared_width``), else None. ``comm`` is the sub-group of ranks
+    sharing this block's head, derived once by the layout (``Layout.kv_comm``)."""
+    width, share = shared_width(decl, parts)
+    if not width:
+        return None
     if comm is None or comm.size != share:
         raise ValueError(f"{decl.name}: {share} ranks share each head, but the layout's kv group has "
                          f"{None if comm is None else comm.size}")
-    return SharedColumns(slice(sum(widths[:first]), sum(widths)), comm, writer=block % share == 0)
+    total = len(split_index(decl.shape[-1], parts, block, decl.groups, decl.heads))
+    return SharedColumns(slice(total - width, total), comm, writer=block % share == 0)
 
 
 def full_index(n: int) -> np.ndarray:
