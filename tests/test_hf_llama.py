@@ -23,7 +23,7 @@ from mpirun import ROOT, mpiexec
 
 VOCAB, T, B, BATCHES = 61, 16, 4, 2
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, BATCHES * B * T + 1)
-LAYOUTS = [(1, "serial", 1), (2, "1d", 1), (4, "2d", 1), (8, "3d", 1), (8, "2.5d", 2)]
+LAYOUTS = [(1, "serial", 1), (2, "1d", 1), (4, "1d", 1), (8, "1d", 1), (4, "2d", 1), (8, "3d", 1), (8, "2.5d", 2)]
 
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
