@@ -154,7 +154,8 @@ def llama_generations(tmp_path_factory):
 
 def test_llama_generates_alike_on_every_layout(llama_generations):
     """Greedy tokens with the KV cache (kv heads only) equal the uncached
-    training forward's, on serial, 1-D tp 2 and tp 8 (kv heads copied on 4 ranks each) and 3-D on 8 ranks."""
+    training forward's, on serial, 1-D tp 2 and tp 8 (kv heads copied on 4
+    ranks each) and 3-D on 8 ranks."""
     _, tokens = llama_generations
     want = tokens["serial, no cache"]
     assert len(want) == LLAMA_NEW and len(set(want)) > 3, want      # not one token over and over
