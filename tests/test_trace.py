@@ -160,7 +160,7 @@ def test_a_wrong_cube_axis_is_caught_at_the_first_activation_it_touches(runner, 
     divergence (inside the block, not just the block's output)."""
     cmd = runner.command("trace", "--layout", "3d", *MODEL, "--steps", 1, "--out", "wrong.h5", n=8)
     at = cmd.index("-m")
-    cmd[at:at + 2] = [str(REPO / "tests" / "planted_bug.py"), "h.1.mlp.c_fc"]
+    cmd[at:at + 2] = [str(REPO / "tests" / "planted_bug.py"), "cube-axis=h.1.mlp.c_fc"]
     r = runner.run(cmd=cmd, timeout=240)
     assert r.returncode == 0, r
     r, summary = compare(runner, serial_trace, "wrong.h5")

@@ -192,7 +192,7 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
                        "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
-                       "grad_accum", "recompute", "zero", "sequence_parallel", "arch", "n_kv_head", "ffn_hidden",
+                       "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
                        "rope_theta", "rms_eps", "tie_embeddings")
 
 
