@@ -292,10 +292,13 @@ def clip(model, max_norm: float):
 
 
 def train_and_record(model, ref, out, steps, device, layout, after_backward=None, say=print,
-                     name_map=None) -> None:
+                     name_map=None, clip_fn=clip, applied=None) -> None:
     """The reference's steps on ``model``, recorded to ``out`` under
     ``name_map`` (default nanoGPT's); ``after_backward(model)`` may change
-    the gradients (a planted bug). Every rank calls it under torch.distributed."""
+    the gradients (a planted bug), ``clip_fn(model, max_norm)`` clips and
+    returns the norm, ``applied(model, masks)`` says which masks (or blocks
+    of them) this rank applied (default: the reference's, whole). Every
+    rank calls it under torch.distributed."""
     dtype = next(model.parameters()).dtype
     name_map = name_map or nanogpt(ref.config)
     opt = optimizer_for(model, ref, name_map)
@@ -315,10 +318,10 @@ def train_and_record(model, ref, out, steps, device, layout, after_backward=None
             if after_backward is not None:
                 after_backward(model)
             rec.gradients()                                           # before clipping
-            norm = clip(model, max_norm)
+            norm = clip_fn(model, max_norm)
             opt.step()
-            rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits, masks=masks,
-                     tokens=ref.tokens[s - 1])
+            rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits,
+                     masks=applied(model, masks) if applied and masks else masks, tokens=ref.tokens[s - 1])
             say(f"step {s}/{steps}: loss {loss.item():.6f}, lr {ref.lr(s):.3e}, grad_norm {float(norm):.6f}")
 
 
