@@ -53,6 +53,10 @@ Environment:
                               heads over 2 kv heads, untied head, no biases)
                               instead of GPT-2; its traffic and memory are
                               not compared (the cost model is GPT-2's)
+  MPICUBE_CHECK_ARCH=mixtral  that Llama with a mixture of 4 experts, top 2,
+                              the load-balancing and z-losses on (the loss
+                              compared includes them); MPICUBE_CHECK_CAPACITY=F
+                              dispatches with capacity factor F
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -149,6 +153,9 @@ SEQPAR = os.environ.get("MPICUBE_CHECK_SEQPAR", "0") == "1"   # 1-D under --sequ
 CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (each sequence over CP ranks)
 ARCH = os.environ.get("MPICUBE_CHECK_ARCH", "gpt2")
 LLAMA = dict(n_head=6, n_embd=24, arch="llama", n_kv_head=2, ffn_hidden=20, rope_theta=100.0, rms_eps=1e-5)
+CAPACITY = float(os.environ.get("MPICUBE_CHECK_CAPACITY", "0"))
+MIXTRAL = dict(LLAMA, n_experts=4, top_k=2, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
+               capacity_factor=CAPACITY)
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
@@ -358,8 +365,8 @@ def main():
         cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=LAYERS, n_head=12, n_embd=72)
     else:
         cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=LAYERS, n_head=12, n_embd=36)
-    if ARCH == "llama":
-        cfg = ModelConfig(vocab_size=61, n_ctx=cfg.n_ctx, n_layer=LAYERS, **LLAMA)
+    if ARCH in ("llama", "mixtral"):
+        cfg = ModelConfig(vocab_size=61, n_ctx=cfg.n_ctx, n_layer=LAYERS, **(LLAMA if ARCH == "llama" else MIXTRAL))
     T = cfg.n_ctx
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
     rng = np.random.default_rng(3)
@@ -417,7 +424,8 @@ def main():
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
-              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}")
+              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}"
+              + (f" capacity={CAPACITY}" if ARCH == "mixtral" else ""))
 
 
 if __name__ == "__main__":
