@@ -9,7 +9,10 @@ n_head, n_kv_head and n_kv_head heads of head_dim columns, declared with
 those three group sizes (``ParamDecl.groups``), so every layout's split of
 the columns gives each rank the same share of each: whole query heads and
 the kv heads they read (query head i reads kv head i // (n_head /
-n_kv_head)). A split finer than the kv heads is refused for now.
+n_kv_head)). A split finer than the kv heads (``heads`` on the decl)
+gives each rank its whole query heads and a copy of the one kv head they
+read, shared with the other ranks whose queries read it: the layout sums
+those columns' gradients over exactly those ranks (``params.SharedColumns``).
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from .. import ops
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..device.arrays import array_module
+from ..parallel.layouts.base import check_head_split
 from ..parallel.params import ParamDecl
+from .moe import expert_names, moe_params
 
 LAYER_PARAMS = ("ln_1.weight", "attn.c_attn.weight", "attn.c_proj.weight", "ln_2.weight", "mlp.c_fc.weight",
                 "mlp.c_proj.weight")         # each block's, in llama_params' order
+MLP_PARAMS = LAYER_PARAMS[-2:]               # a mixture of experts has moe.expert_names instead
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -42,7 +48,9 @@ def param_names(cfg: ModelConfig):
     """The names of ``llama_params(cfg)``, in order, one at a time."""
     yield "wte"
     for i in range(cfg.n_layer):
-        for suffix in LAYER_PARAMS:
+        for suffix in LAYER_PARAMS[:-2]:
+            yield f"h.{i}.{suffix}"
+        for suffix in (expert_names(cfg, i) if cfg.moe else MLP_PARAMS):
             yield f"h.{i}.{suffix}"
     yield "ln_f.weight"
     if not cfg.tied:
@@ -62,9 +70,15 @@ def llama_params(cfg: ModelConfig) -> list:
         p = f"h.{i}."
         decls += [
             ParamDecl(p + "ln_1.weight", (h,), "norm", "ones"),
-            ParamDecl(p + "attn.c_attn.weight", (h, sum(qkv)), "w_first", "normal", std, decay=True, groups=qkv),
+            ParamDecl(p + "attn.c_attn.weight", (h, sum(qkv)), "w_first", "normal", std, decay=True, groups=qkv,
+                      heads=(cfg.n_head, cfg.kv_heads, cfg.kv_heads)),
             ParamDecl(p + "attn.c_proj.weight", (h, h), "w_second", "normal", resid_std, decay=True),
             ParamDecl(p + "ln_2.weight", (h,), "norm", "ones"),
+        ]
+        if cfg.moe:                           # a router and n_experts SwiGLU MLPs (model/moe.py)
+            decls += moe_params(cfg, i, std, resid_std)
+            continue
+        decls += [
             ParamDecl(p + "mlp.c_fc.weight", (h, 2 * F), "w_first", "normal", std, decay=True, groups=2),  # [gate|up]
             ParamDecl(p + "mlp.c_proj.weight", (F, h), "w_second", "normal", resid_std, decay=True),
         ]
@@ -94,11 +108,9 @@ class RotaryAttention:
     def __init__(self, cfg: ModelConfig, attention, head_ids):
         nh = len(head_ids)
         split = cfg.n_head // nh
-        if cfg.kv_heads % split:
-            raise ConfigError(f"--n-kv-head {cfg.kv_heads}: the layout splits the heads {split} ways, which must "
-                              f"divide the key/value heads (replicating kv heads is not implemented yet)")
+        check_head_split(cfg, split)
         self.attention, self.n_local_heads = attention, nh
-        self.n_local_kv = cfg.kv_heads // split
+        self.n_local_kv = max(1, cfg.kv_heads // split)   # one shared kv head when the split exceeds them
         self.hd, self.theta = cfg.head_dim, cfg.rope_theta
         self.scaling = None if cfg.rope_scaling is None else cfg.rope_scaling.as_tuple()   # Llama 3's
         self._tables = {}                                 # positions -> (cos, sin) on the device
