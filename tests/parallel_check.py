@@ -53,6 +53,11 @@ Environment:
                               heads over 2 kv heads, untied head, no biases)
                               instead of GPT-2; traffic and memory compared
                               with the cost model's Llama terms too
+  MPICUBE_CHECK_ARCH=mixtral  that Llama with a mixture of 4 experts, top 2,
+                              the load-balancing and z-losses on (the loss
+                              compared includes them); MPICUBE_CHECK_CAPACITY=F
+                              dispatches with capacity factor F; its traffic
+                              and memory are not compared (no MoE cost terms)
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -148,7 +153,11 @@ LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
 SEQPAR = os.environ.get("MPICUBE_CHECK_SEQPAR", "0") == "1"   # 1-D under --sequence-parallel
 CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (each sequence over CP ranks)
 ARCH = os.environ.get("MPICUBE_CHECK_ARCH", "gpt2")
+COSTED = ARCH != "mixtral"          # the cost model has no mixture-of-experts terms yet
 LLAMA = dict(n_head=6, n_embd=24, arch="llama", n_kv_head=2, ffn_hidden=20, rope_theta=100.0, rms_eps=1e-5)
+CAPACITY = float(os.environ.get("MPICUBE_CHECK_CAPACITY", "0"))
+MIXTRAL = dict(LLAMA, n_experts=4, top_k=2, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
+               capacity_factor=CAPACITY)
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
@@ -358,8 +367,8 @@ def main():
         cfg = ModelConfig(vocab_size=61, n_ctx=64, n_layer=LAYERS, n_head=12, n_embd=72)
     else:
         cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=LAYERS, n_head=12, n_embd=36)
-    if ARCH == "llama":
-        cfg = ModelConfig(vocab_size=61, n_ctx=cfg.n_ctx, n_layer=LAYERS, **LLAMA)
+    if ARCH in ("llama", "mixtral"):
+        cfg = ModelConfig(vocab_size=61, n_ctx=cfg.n_ctx, n_layer=LAYERS, **(LLAMA if ARCH == "llama" else MIXTRAL))
     T = cfg.n_ctx
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
     rng = np.random.default_rng(3)
@@ -398,7 +407,7 @@ def main():
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
         s_model.backward(loss_scale=LOSS_SCALE)
         assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-        if parts.layout.attention_kind != "full":                  # the memory model: blockwise attention
+        if parts.layout.attention_kind != "full" and COSTED:       # the memory model: blockwise attention
             check_memory(problem, dropout > 0, store, model, kept[0], opt.adam)
         opt.sync()
         s_opt.sync()
@@ -409,14 +418,16 @@ def main():
             check_gradients(store, host, s_store.grad, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / LOSS_SCALE)
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
-        check_traffic(problem, counters)                  # the step's all-gather (zero 1) too
+        if COSTED:
+            check_traffic(problem, counters)              # the step's all-gather (zero 1) too
     if not HALF:
         check_params(store, host, s_store.data, "after 3 steps")
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
-              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}")
+              f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}"
+              + (f" capacity={CAPACITY}" if ARCH == "mixtral" else ""))
 
 
 if __name__ == "__main__":

@@ -203,8 +203,8 @@ def random_llama(cfg, seed=3) -> dict:
     from mpicube.model.gpt import gpt_params
 
     rng = np.random.default_rng(seed)
-    return {d.name: (1.0 + 0.2 * rng.standard_normal(d.shape)) if d.role == "norm" else 0.3 * rng.standard_normal(d.shape)
-            for d in gpt_params(cfg)}
+    return {d.name: 1.0 + 0.2 * rng.standard_normal(d.shape) if d.role == "norm" else
+            0.3 * rng.standard_normal(d.shape) for d in gpt_params(cfg)}
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import UserError
-from .names import CONFIG_KEYS, FORMAT, READS, SCALARS, VERSION, step_of
+from .names import FORMAT, READS, SCALARS, VERSION, config_of, step_of
 from .shards import assemble, is_sharded
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -66,17 +66,16 @@ def version(f) -> int:
 
 
 def read_config(f, path) -> dict:
-    """The model config of a trace: its five sizes as integers."""
+    """The model config of a trace: its five sizes as integers, and a
+    Llama's settings (names.config_of)."""
     try:
         cfg = json.loads(text(f.attrs.get("config")) or "")
     except ValueError:
         raise UserError(f"{path}: the 'config' attribute is not JSON") from None
-    if not isinstance(cfg, dict) or any(k not in cfg for k in CONFIG_KEYS):
-        raise UserError(f"{path}: the 'config' attribute lacks one of {', '.join(CONFIG_KEYS)}")
     try:
-        return {k: int(cfg[k]) for k in CONFIG_KEYS}
-    except (TypeError, ValueError):
-        raise UserError(f"{path}: the 'config' attribute holds a size that is not an integer") from None
+        return config_of(cfg)
+    except ValueError as exc:
+        raise UserError(f"{path}: the 'config' attribute {exc}") from None
 
 
 def read_json_attr(f, path, key):

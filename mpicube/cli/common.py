@@ -156,6 +156,7 @@ def model_options(f):
 def arch_options(f):
     """The model family and Llama's settings (train, bench, trace): each
     Llama option is refused under --arch gpt2 (``core.config.family_fields``)."""
+    f = moe_options(f)
     f = click.option("--tie-embeddings", is_flag=True, default=False,
                      help="llama: the LM head is the token embedding (GPT-2's always is)")(f)
     f = click.option("--rms-eps", type=float, default=None, help="llama: RMSNorm epsilon  [default: 1e-6]")(f)
@@ -166,13 +167,33 @@ def arch_options(f):
     f = click.option("--n-kv-head", type=int, default=None,
                      help="llama: key/value heads, dividing --n-head (grouped-query attention)  "
                           "[default: --n-head]")(f)
-    f = click.option("--arch", type=click.Choice(("gpt2", "llama")), default="gpt2", show_default=True,
+    f = click.option("--arch", type=click.Choice(("gpt2", "llama", "mixtral")), default="gpt2", show_default=True,
                      help="model family: GPT-2, or Llama (RMSNorm, rotary positions, SwiGLU, "
-                          "grouped-query attention, untied head, no biases)")(f)
+                          "grouped-query attention, untied head, no biases); mixtral: Llama with a mixture of "
+                          "experts (--n-experts 8 --top-k 2 unless given)")(f)
     return f
 
 
-ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings")
+def moe_options(f):
+    """A mixture of experts in Llama's MLP place (docs/moe.md)."""
+    f = click.option("--router-z-loss-coef", type=float, default=None,
+                     help="moe: weight of the router z-loss  [default: 0]")(f)
+    f = click.option("--router-aux-loss-coef", type=float, default=None,
+                     help="moe: weight of the load-balancing loss  [default: 0.02, Mixtral's]")(f)
+    f = click.option("--capacity-factor", type=float, default=None,
+                     help="moe: at most ceil(F K N / E) tokens per expert, later ones dropped  "
+                          "[default: dropless]")(f)
+    f = click.option("--no-norm-topk", is_flag=True, default=False,
+                     help="moe: weight experts by their probabilities as they are (Mixtral renormalises the top k)")(f)
+    f = click.option("--top-k", type=int, default=None, help="moe: experts per token  [default: 2]")(f)
+    f = click.option("--n-experts", type=int, default=None,
+                     help="llama: a mixture of this many SwiGLU experts in each block's MLP place  "
+                          "[default: none; 8 under --arch mixtral]")(f)
+    return f
+
+
+MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings") + MOE_OPTIONS
 
 
 def layout_options(f):

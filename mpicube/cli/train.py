@@ -58,7 +58,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
 @click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
 @click.option("--init-from", type=str, default=None, metavar="MODEL",
               help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
-                   "run dir, saved on any layout), a Hugging Face GPT-2 directory or an llm.c model file; "
+                   "run dir, saved on any layout), a Hugging Face GPT-2 or Llama directory or an llm.c model file; "
                    "this run starts its own schedule and AdamW moments (with --resume: unless the run "
                    "directory has a checkpoint of its own, which is continued instead)")
 @click.option("--resume", is_flag=True, default=False,
@@ -135,7 +135,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
                  grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel):
     """Mean cross-entropy of a model on a token shard.
 
-    CKPT is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
+    CKPT is a mpicube checkpoint, a Hugging Face GPT-2 or Llama directory or an
     llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
@@ -192,7 +192,8 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
                        "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
-                       "grad_accum", "recompute", "zero", "sequence_parallel")
+                       "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
+                       "rope_theta", "rms_eps", "tie_embeddings")
 
 
 @cli.command("trace")
@@ -207,10 +208,11 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 
-    Any layout and world size; rank 0 writes full logical tensors: the
-    batches, the initial parameters and, per step, the activations after
-    each block, logits, loss, gradients, updated parameters and dropout
-    masks (format mpicube-trace v1, docs/trace-format.md). Check it against
+    Any layout and world size, GPT-2 or Llama; rank 0 writes full logical
+    tensors: the batches, the initial parameters and, per step, the
+    activations inside and after each block, logits, loss, gradients,
+    updated parameters and dropout masks (format mpicube-trace v2,
+    docs/trace-format.md). Check it against
     another trace with `mpicube compare`.
     """
     from ..analysis.trace import run_trace

@@ -12,21 +12,65 @@ ARCHS = ("gpt2", "llama")
 SIZES = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")   # every architecture's, always stored
 
 
+MOE_FIELDS = ("n_experts", "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+MIXTRAL = {"n_experts": 8, "top_k": 2}         # --arch mixtral: Llama with Mixtral's MoE defaults
+
+
 def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None, rms_eps=None,
-                  tie_embeddings=False) -> dict:
+                  tie_embeddings=False, **moe) -> dict:
     """ModelConfig's keyword arguments for the command line's family options
     (None: not given), or a ConfigError (exit 2) naming an option that does
-    not apply to the family or is not positive."""
+    not apply to the family or is not positive. ``moe``: the mixture of
+    experts' options (``MOE_FIELDS``; ``--arch mixtral`` is llama with
+    ``MIXTRAL``'s defaults), checked by ``moe_fields``."""
     given = dict(n_kv_head=n_kv_head, ffn_hidden=ffn_hidden, rope_theta=rope_theta, rms_eps=rms_eps)
-    if arch != "llama":
+    if arch not in ("llama", "mixtral"):
         stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
+        stray += [k for k, v in moe.items() if v not in (None, False)]
         if stray:
             raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch llama only")
         return {}
     for key, value in given.items():
         if value is not None and not value > 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {value}")
-    return {"arch": "llama", "tie_embeddings": bool(tie_embeddings), **{k: v for k, v in given.items() if v is not None}}
+    return {"arch": "llama", "tie_embeddings": bool(tie_embeddings), **{k: v for k, v in given.items() if v is not None},
+            **moe_fields(arch == "mixtral", **moe)}
+
+
+def moe_fields(mixtral=False, n_experts=None, top_k=None, no_norm_topk=False, capacity_factor=None,
+               router_aux_loss_coef=None, router_z_loss_coef=None) -> dict:
+    """ModelConfig's mixture-of-experts fields from the command line's
+    options (None: not given), or a ConfigError naming the option: top-k
+    in 1..E, a positive capacity factor, coefficients >= 0. Without
+    --n-experts (and not mixtral) every other MoE option is refused."""
+    n = n_experts if n_experts is not None else (MIXTRAL["n_experts"] if mixtral else 0)
+    if not n:
+        stray = [k for k, v in (("top_k", top_k), ("no_norm_topk", no_norm_topk or None),
+                                ("capacity_factor", capacity_factor), ("router_aux_loss_coef", router_aux_loss_coef),
+                                ("router_z_loss_coef", router_z_loss_coef)) if v is not None]
+        if n_experts is not None:
+            raise ConfigError(f"--n-experts must be at least 1, got {n_experts}")
+        if stray:
+            raise ConfigError(f"--{stray[0].replace('_', '-')} needs --n-experts (a mixture of experts)")
+        return {}
+    k = top_k if top_k is not None else MIXTRAL["top_k"]
+    if n < 1:
+        raise ConfigError(f"--n-experts must be at least 1, got {n}")
+    if not 1 <= k <= n:
+        raise ConfigError(f"--top-k {k} must be from 1 to --n-experts {n}")
+    if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ConfigError(f"--capacity-factor must be positive (omit it for dropless dispatch), got {capacity_factor}")
+    for name, value in (("router_aux_loss_coef", router_aux_loss_coef), ("router_z_loss_coef", router_z_loss_coef)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    out = {"n_experts": n, "top_k": k, "norm_topk": not no_norm_topk}
+    if capacity_factor is not None:
+        out["capacity_factor"] = float(capacity_factor)
+    if router_aux_loss_coef is not None:
+        out["router_aux_loss_coef"] = float(router_aux_loss_coef)
+    if router_z_loss_coef is not None:
+        out["router_z_loss_coef"] = float(router_z_loss_coef)
+    return out
 
 
 @dataclass(frozen=True)
@@ -101,6 +145,17 @@ class ModelConfig:
     rms_eps: float = 1e-6
     tie_embeddings: Optional[bool] = None
     rope_scaling: Optional[RopeScaling] = None
+    n_experts: int = 0                  # 0: a dense SwiGLU MLP; else a mixture of experts (docs/moe.md)
+    top_k: int = 2                      # experts per token
+    norm_topk: bool = True              # Mixtral: the top-k probabilities renormalised to sum to 1
+    capacity_factor: float = 0.0        # 0: dropless; else at most ceil(F K N / E) tokens per expert
+    router_aux_loss_coef: float = 0.02  # the load-balancing loss's weight (HF Mixtral's default)
+    router_z_loss_coef: float = 0.0     # the router z-loss's weight
+
+    @property
+    def moe(self) -> bool:
+        """Whether each block's MLP is a mixture of experts."""
+        return self.n_experts > 0
 
     @property
     def head_dim(self) -> int:
@@ -142,6 +197,9 @@ class ModelConfig:
             del d["rope_scaling"]
         else:
             d["rope_scaling"] = self.rope_scaling.to_dict()
+        if not self.moe:                 # a dense Llama stores as before the MoE fields existed
+            for key in MOE_FIELDS:
+                d.pop(key)
         return d
 
     @classmethod
@@ -175,6 +233,8 @@ class ModelConfig:
             if d.get("rope_scaling") is not None:
                 values["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
             values["arch"] = arch
+            if d.get("n_experts"):
+                values.update(_moe_from_dict(d))
         return cls(**values)
 
     def n_params(self) -> int:
@@ -182,7 +242,24 @@ class ModelConfig:
         h, L = self.n_embd, self.n_layer
         if self.llama:     # no biases, no position table; two RMSNorm weights per layer, three MLP matrices
             kv = self.kv_heads * self.head_dim
-            per_layer = 2 * h + h * (h + 2 * kv) + h * h + 3 * h * self.ffn
+            mlp = 3 * h * self.ffn * max(1, self.n_experts) + h * self.n_experts    # experts and the router
+            per_layer = 2 * h + h * (h + 2 * kv) + h * h + mlp
             return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + h
         per_layer = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
         return self.vocab_size * h + self.n_ctx * h + L * per_layer + 2 * h
+
+
+def _moe_from_dict(d: dict) -> dict:
+    """The MoE fields of a stored configuration, each checked (ValueError naming the first bad one)."""
+    out = {}
+    for name, ok in (("n_experts", lambda v: isinstance(v, int) and v >= 1),
+                     ("top_k", lambda v: isinstance(v, int) and 1 <= v <= d.get("n_experts", 0)),
+                     ("norm_topk", lambda v: v is True or v is False),
+                     ("capacity_factor", lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0),
+                     ("router_aux_loss_coef", lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0),
+                     ("router_z_loss_coef", lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)):
+        value = d.get(name)
+        if (isinstance(value, bool) and name != "norm_topk") or not ok(value):
+            raise ValueError(f"{name} is {value!r}, not a valid mixture-of-experts setting")
+        out[name] = value
+    return out

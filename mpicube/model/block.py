@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kvcache, llama
+from .moe import MoE
 from .. import ops
 from ..ops import rng
 from ..parallel.layouts.base import Layout, make_norm
@@ -154,8 +155,10 @@ class Block:
         self.c_attn = layout.linear(store, p + "attn.c_attn", "first", bias=bias)
         self.c_proj = layout.linear(store, p + "attn.c_proj", "second", bias=bias)
         self.ln_2 = make_norm(store, p + "ln_2", cfg, layout.hidden_comm)
-        self.c_fc = layout.linear(store, p + "mlp.c_fc", "first", bias=bias)
-        self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second", bias=bias)
+        self.moe = MoE(layout, store, i) if cfg.moe else None     # a mixture of experts in the MLP's place
+        if self.moe is None:
+            self.c_fc = layout.linear(store, p + "mlp.c_fc", "first", bias=bias)
+            self.mlp_proj = layout.linear(store, p + "mlp.c_proj", "second", bias=bias)
         self.n_local_heads = len(layout.head_ids)
         self.core = (llama.RotaryAttention(cfg, attention, layout.head_ids) if cfg.llama
                      else PlainAttention(attention, self.n_local_heads))
@@ -182,21 +185,34 @@ class Block:
             y *= keep_resid_attn
         x = x + y
         h, s_ln2 = self.ln_2.forward(x)                                       # (B_c, T, C_c)
+        y, s_mlp = self.mlp_forward(h, ctx)                                   # (B_c, T, C_c)
+        if keep_resid_mlp is not None:
+            y *= keep_resid_mlp
+        saved = (s_ln1, s_attn, s_core, s_proj, keep_resid_attn, s_ln2, s_mlp, keep_resid_mlp)
+        return x + y, saved
+
+    def mlp_forward(self, h, ctx: Micro):
+        """The MLP, or the mixture of experts: h (B_c, T, C_c) -> (y (B_c, T, C_c), saved)."""
+        if self.moe is not None:
+            return self.moe.forward(h, ctx)
         f, s_fc = self.c_fc.forward(h)                                        # (B_m, T, 4 C_m) or 2 F_m
         g, s_gelu = self.act.forward(f)                                       # (B_m, T, 4 C_m) or F_m
         y, s_mlp = self.mlp_proj.forward(g)                                   # (B_c, T, C_c)
-        if keep_resid_mlp is not None:
-            y *= keep_resid_mlp
-        saved = (s_ln1, s_attn, s_core, s_proj, keep_resid_attn, s_ln2, s_fc, s_gelu, s_mlp, keep_resid_mlp)
-        return x + y, saved
+        return y, (s_fc, s_gelu, s_mlp)
+
+    def mlp_backward(self, dy, saved):
+        """dy (B_c, T, C_c) -> dh (B_c, T, C_c)."""
+        if self.moe is not None:
+            return self.moe.backward(dy, saved)
+        s_fc, s_gelu, s_mlp = saved
+        dg = self.mlp_proj.backward(dy, s_mlp)
+        return self.c_fc.backward(self.act.backward(dg, s_gelu), s_fc)
 
     def backward(self, dx, saved):
         """dx (B_c, T, C_c) -> (B_c, T, C_c)."""
-        s_ln1, s_attn, s_core, s_proj, keep_resid_attn, s_ln2, s_fc, s_gelu, s_mlp, keep_resid_mlp = saved
+        s_ln1, s_attn, s_core, s_proj, keep_resid_attn, s_ln2, s_mlp, keep_resid_mlp = saved
         dy = dx if keep_resid_mlp is None else dx * keep_resid_mlp
-        dg = self.mlp_proj.backward(dy, s_mlp)
-        df = self.act.backward(dg, s_gelu)
-        dx = dx + self.ln_2.backward(self.c_fc.backward(df, s_fc), s_ln2)
+        dx = dx + self.ln_2.backward(self.mlp_backward(dy, s_mlp), s_ln2)
         dy = dx if keep_resid_attn is None else dx * keep_resid_attn
         da = self.c_proj.backward(dy, s_proj)
         dqkv = self.core.attention_backward(da, s_core)
@@ -209,8 +225,7 @@ class Block:
         qkv = self.core.rotate(qkv, np.arange(pos, pos + qkv.shape[1]))       # q and k rotated; kv heads once
         a = kvcache.cached_attention(qkv, self.n_local_heads, cache, pos, self.core.n_local_kv)   # (B_m, t, C_m)
         x = x + self.c_proj.forward(a)[0]
-        g, _ = self.act.forward(self.c_fc.forward(self.ln_2.forward(x)[0])[0])   # (B_m, t, 4 C_m)
-        return x + self.mlp_proj.forward(g)[0]
+        return x + self.mlp_forward(self.ln_2.forward(x)[0], None)[0]
 
 
 class Recomputed:

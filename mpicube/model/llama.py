@@ -27,9 +27,11 @@ from ..core.errors import ConfigError
 from ..device.arrays import array_module
 from ..parallel.layouts.base import check_head_split
 from ..parallel.params import ParamDecl
+from .moe import expert_names, moe_params
 
 LAYER_PARAMS = ("ln_1.weight", "attn.c_attn.weight", "attn.c_proj.weight", "ln_2.weight", "mlp.c_fc.weight",
                 "mlp.c_proj.weight")         # each block's, in llama_params' order
+MLP_PARAMS = LAYER_PARAMS[-2:]               # a mixture of experts has moe.expert_names instead
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -46,7 +48,9 @@ def param_names(cfg: ModelConfig):
     """The names of ``llama_params(cfg)``, in order, one at a time."""
     yield "wte"
     for i in range(cfg.n_layer):
-        for suffix in LAYER_PARAMS:
+        for suffix in LAYER_PARAMS[:-2]:
+            yield f"h.{i}.{suffix}"
+        for suffix in (expert_names(cfg, i) if cfg.moe else MLP_PARAMS):
             yield f"h.{i}.{suffix}"
     yield "ln_f.weight"
     if not cfg.tied:
@@ -70,6 +74,11 @@ def llama_params(cfg: ModelConfig) -> list:
                       heads=(cfg.n_head, cfg.kv_heads, cfg.kv_heads)),
             ParamDecl(p + "attn.c_proj.weight", (h, h), "w_second", "normal", resid_std, decay=True),
             ParamDecl(p + "ln_2.weight", (h,), "norm", "ones"),
+        ]
+        if cfg.moe:                           # a router and n_experts SwiGLU MLPs (model/moe.py)
+            decls += moe_params(cfg, i, std, resid_std)
+            continue
+        decls += [
             ParamDecl(p + "mlp.c_fc.weight", (h, 2 * F), "w_first", "normal", std, decay=True, groups=2),  # [gate|up]
             ParamDecl(p + "mlp.c_proj.weight", (F, h), "w_second", "normal", resid_std, decay=True),
         ]

@@ -37,6 +37,7 @@ class Micro:
     positions: np.ndarray = None       # (T_l,) global positions of the canonical rows, or None: 0 .. T-1
     n_tokens: int = 1                  # N of the whole step
     train: bool = True                 # dropout on (training) or off (evaluation, generation)
+    router: object = None              # a mixture of experts' moe.RouterLedger for this micro-batch, or None
 
 
 class Tape:

@@ -102,6 +102,17 @@ def validate_model(cfg: ModelConfig) -> None:
                           f"{' or '.join(map(str, sorted(near)))}, or --n-embd {sizes}")
 
 
+def check_moe(plan: Plan, cfg: ModelConfig, tp: int) -> None:
+    """The axes a mixture of experts runs on so far: data parallelism over
+    the serial layout (docs/moe.md says what is still to come)."""
+    if not cfg.moe:
+        return
+    for value, what in ((tp, "a tensor-parallel layout (tp > 1)"), (plan.pp, "--pp"), (plan.cp, "--cp")):
+        if value != 1:
+            raise ConfigError(f"--n-experts: a mixture of experts runs on the serial layout with --dp so far, "
+                              f"not with {what} {value}")
+
+
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,
             saved: Optional[int] = None, at_least: int = DEFAULT_MIN_BATCH) -> Resolved:
     """The single validation of a run: ``plan`` (a Plan or a layout name)
@@ -117,6 +128,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     validate_model(cfg)
     run_cfg = cfg if seq_len is None else replace(cfg, n_ctx=seq_len)    # what the T-dependent sizes see
     cls, name, tp, note = _check_choices(plan, run_cfg, world_size)
+    check_moe(plan, cfg, tp)
     kept, why = False, None
     if batch_size is None:
         batch_size, kept, why = _choose_batch(plan, cls, name, run_cfg, tp, saved, at_least)

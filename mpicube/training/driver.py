@@ -28,6 +28,7 @@ from .. import ops
 from ..ops import attention_blocks
 from ..model.block import Dropout, Recomputed
 from ..model.gpt import GPT, Head
+from ..model.moe import RouterLedger
 from ..model.tape import Micro, saved_buffers
 from ..parallel import context
 
@@ -101,7 +102,9 @@ def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, 
         idx = np.asarray(idx)[:, cut]
         targets = None if targets is None else np.asarray(targets)[:, cut]
     pos = rank_positions(layout, T)
-    return idx, targets, Micro(step=step, micro=micro, positions=pos, n_tokens=n_tokens, train=train)
+    # a mixture of experts' router losses and capacity count the micro-batch's tokens over the dp replicas
+    ledger = RouterLedger(layout.cfg, layout.axes.dp, layout.batch_size * T, grad_accum) if layout.cfg.moe else None
+    return idx, targets, Micro(step=step, micro=micro, positions=pos, n_tokens=n_tokens, train=train, router=ledger)
 
 
 class Runner:
@@ -114,6 +117,7 @@ class Runner:
         self.model, self.layout, self.grad_accum, self.train = model, layout, grad_accum, train
         self.tape = None
         self.logits = None                   # the last forward's logits (B_l, T, V_l), until its backward
+        self.router_log = RouterLog(layout.backend.to_host)   # a mixture of experts' statistics since the last take()
         # --recompute blocks: the most one rerun block held during the last backward (elements, bytes)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
         for block in model.blocks if train else []:     # an evaluation runs no backward: no rerun to watch
@@ -129,11 +133,19 @@ class Runner:
         idx, targets, ctx = micro_context(self.layout, idx, targets, step, micro, self.grad_accum, self.train)
         share, self.tape = self.model.forward(idx, targets, ctx)
         self.logits = Head.logits(self.tape)
-        return float(self.layout.axes.world.allreduce(share)[0]) / ctx.n_tokens
+        loss = float(self.layout.axes.world.allreduce(share)[0]) / ctx.n_tokens
+        if ctx.router is not None:           # the router losses, summed over the replicas before any backward
+            router_loss = ctx.router.finish()
+            if self.train:
+                self.router_log.add(ctx.router)
+                loss += router_loss
+        return loss
 
     def backward(self, loss_scale: float = 1.0) -> None:
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
         tape, self.tape, self.logits = self.tape, None, None
+        if tape.ctx.router is not None:
+            tape.ctx.router.scale = loss_scale
         self.model.backward(loss_scale, tape)
 
     def _rebuilt(self, saved) -> None:
@@ -178,3 +190,28 @@ def last_logits(model: GPT, inputs, targets, ctx: Micro):
     """Forward ``model`` (a chunk with the head) and return the logits its
     head computed (B_l, T, V_l), read off the tape."""
     return Head.logits(model.forward(inputs, targets, ctx)[1])
+
+
+class RouterLog:
+    """A mixture of experts' per-step record for metrics.jsonl: the
+    load-balancing and z-losses (means over the step's micro-batches),
+    tokens per expert per layer and dropped choices, summed over the
+    step's micro-batches; ``take`` returns it and starts afresh."""
+
+    def __init__(self, to_host):
+        self.ledgers, self.to_host = [], to_host
+
+    def add(self, ledger) -> None:
+        self.ledgers.append(ledger)
+
+    def take(self) -> dict:
+        ledgers, self.ledgers = self.ledgers, []
+        if not ledgers:
+            return {}
+        n = len(ledgers)
+        counts = sum(self.to_host(led.counts()).astype(np.float64) for led in ledgers)      # (L_here, E)
+        dropped = sum(self.to_host(led.dropped()).astype(np.float64) for led in ledgers)    # (L_here,)
+        return {"router_aux_loss": sum(led.aux_loss() for led in ledgers) / n,
+                "router_z_loss": sum(led.z_loss() for led in ledgers) / n,
+                "expert_tokens": [[int(round(c)) for c in row] for row in counts.tolist()],
+                "expert_dropped": [int(round(d)) for d in dropped.tolist()]}

@@ -17,6 +17,8 @@ from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
 
+MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+
 
 @dataclass
 class TrainOptions:
@@ -39,6 +41,12 @@ class TrainOptions:
     rope_theta: Optional[float] = None
     rms_eps: Optional[float] = None
     tie_embeddings: bool = False
+    n_experts: Optional[int] = None          # a mixture of experts (llama, mixtral; docs/moe.md); None = none
+    top_k: Optional[int] = None
+    no_norm_topk: bool = False
+    capacity_factor: Optional[float] = None  # None = dropless
+    router_aux_loss_coef: Optional[float] = None
+    router_z_loss_coef: Optional[float] = None
     seq_len: int = 64
     vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
     batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits
@@ -82,7 +90,16 @@ class TrainOptions:
         if self.arch == "gpt2":
             for key in ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings"):
                 d.pop(key)
+        if self.arch == "gpt2" or not self.model_config().moe:      # stored as before the MoE options existed
+            for key in MOE_OPTIONS:
+                d.pop(key)
         return d
+
+    def family(self) -> dict:
+        """``family_fields``' keyword arguments from these options."""
+        return dict(arch=self.arch, n_kv_head=self.n_kv_head, ffn_hidden=self.ffn_hidden, rope_theta=self.rope_theta,
+                    rms_eps=self.rms_eps, tie_embeddings=self.tie_embeddings,
+                    **{k: getattr(self, k) for k in MOE_OPTIONS})
 
     @property
     def plan(self) -> Plan:
@@ -103,8 +120,7 @@ class TrainOptions:
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=self.vocab_size, n_ctx=self.seq_len, n_layer=self.n_layer,
                            n_head=self.n_head, n_embd=self.n_embd,
-                           **family_fields(self.arch, self.n_kv_head, self.ffn_hidden, self.rope_theta,
-                                           self.rms_eps, self.tie_embeddings))
+                           **family_fields(**self.family()))
 
     @property
     def last_step(self) -> int:
@@ -139,8 +155,8 @@ class TrainOptions:
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
-        family_fields(self.arch, self.n_kv_head, self.ffn_hidden, self.rope_theta, self.rms_eps, self.tie_embeddings)
-        if self.arch == "llama":          # --n-kv-head dividing --n-head, an even head size: before any file is written
+        family_fields(**self.family())
+        if self.arch in ("llama", "mixtral"):   # --n-kv-head dividing --n-head, an even head size: before any file
             llama.check_config(self.model_config())
 
     def loss_scaler(self):

@@ -229,6 +229,8 @@ class Trainer(Launch):
             "comm_bytes": float(p.counters.total_bytes()),
             "comm_msgs": int(p.counters.total_msgs()),
         }
+        if hasattr(p.model, "router_log"):                   # a mixture of experts: router losses, tokens per expert
+            rec.update(p.model.router_log.take())
         if self.scaler is not None:
             rec.update(loss_scale=loss_scale, skipped=skipped)
             if skipped:

@@ -49,7 +49,7 @@ def detect(path) -> str:
             raise FormatError(f"{p}: has {hf.CONFIG} but no {hf.SINGLE} or {hf.INDEX} "
                               f"(mpicube reads safetensors only; found {', '.join(found) or 'no weights'})")
         raise FormatError(f"{p}: not a model directory (expected a mpicube run or checkpoint directory, "
-                          f"or a Hugging Face GPT-2 directory with {hf.CONFIG} and {hf.SINGLE})")
+                          f"or a Hugging Face GPT-2 or Llama directory with {hf.CONFIG} and {hf.SINGLE})")
     if p.name == hf.CONFIG or p.suffix == ".safetensors" or p.name == hf.INDEX:
         if hf.is_hf_dir(p.parent):
             return "hf"
@@ -70,12 +70,14 @@ def open_model(path, verify: bool = True) -> ModelFile:
     read data (checkpoint checksums, an HF head tied to wte); one rank
     does them, the others open with ``verify=False``."""
     from .. import checkpoint
-    from . import hf, hf_llama, llmc, native
+    from . import hf, hf_llama, hf_mixtral, llmc, native
 
     kind = detect(path)
     if kind == "hf":
         p = Path(path)
         p = p if p.is_dir() else p.parent
+        if hf_mixtral.is_mixtral_dir(p):
+            return hf_mixtral.MixtralHFModel(p, check_head=verify)
         if hf_llama.is_llama_dir(p):              # config.json's model_type says which reader
             return hf_llama.LlamaHFModel(p, check_head=verify)
         return hf.HFModel(p, check_head=verify)

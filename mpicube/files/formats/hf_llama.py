@@ -148,17 +148,21 @@ def sources(cfg: ModelConfig, name: str) -> tuple:
 class LlamaHFModel(HFModel):
     """A ``LlamaForCausalLM`` directory as a ModelFile: blocks of mpicube's
     tensors assembled from slices of transformers' (the file handling is
-    the GPT-2 reader's)."""
+    the GPT-2 reader's). A family built on Llama's (``hf_mixtral``) gives
+    its own ``parse`` and ``table``."""
+
+    parse = staticmethod(parse_config)          # config.json -> ModelConfig
+    table = staticmethod(sources)               # mpicube's name -> transformers' tensors
 
     def __init__(self, path, check_head: bool = True):
         path = Path(path)
-        cfg = parse_config(path, read_json(path / CONFIG, "a model configuration"))
+        cfg = self.parse(path, read_json(path / CONFIG, "a model configuration"))
         self.path, self._files = path, {}
         try:
             self._map = self._weight_map()
-            missing = first_missing(cfg, lambda n: all(f in self._map for f, _ in sources(cfg, n)[0]))
+            missing = first_missing(cfg, lambda n: all(f in self._map for f, _ in self.table(cfg, n)[0]))
             if missing is not None:
-                absent = next(f for f, _ in sources(cfg, missing)[0] if f not in self._map)
+                absent = next(f for f, _ in self.table(cfg, missing)[0] if f not in self._map)
                 raise FormatError(f"{self.path}: missing tensor {absent!r} (mpicube's {missing})")
             ModelFile.__init__(self, path, cfg)
             self._locate_llama()
@@ -171,7 +175,7 @@ class LlamaHFModel(HFModel):
         lm_head in a tied model among them)."""
         cfg, found, self._dtypes = self.config, {}, {}
         for name, shape in self.shapes.items():
-            parts, transposed = sources(cfg, name)
+            parts, transposed = self.table(cfg, name)
             for fname, width in parts:
                 sl = self._open(self._map[fname]).get_slice(fname)
                 code = sl.get_dtype()
@@ -191,7 +195,7 @@ class LlamaHFModel(HFModel):
     def read_box(self, name: str, box: tuple) -> np.ndarray:
         """Block ``box`` (slices, mpicube's orientation) of ``name``, from the
         column ranges of the HF tensors it is made of."""
-        parts, transposed = sources(self.config, name)
+        parts, transposed = self.table(self.config, name)
         if len(box) == 1:                                        # a norm weight
             return self._slice(parts[0][0], box)
         rows, cols = box

@@ -1,0 +1,235 @@
+"""The mixture of experts that replaces a Llama block's MLP when
+``cfg.n_experts`` > 0 (``--n-experts``, ``--arch mixtral``): a router
+linear (hidden -> E, no bias, in float32 or wider), top-k routing with
+Mixtral's weights, E SwiGLU experts, and the two router losses (the
+load-balancing loss and the z-loss) whose gradients the block's backward
+adds by hand. docs/moe.md has the formulas, the tie-break and the drop rule.
+
+Parameters, one tensor per expert so that a file's per-expert tensors and
+an expert-parallel rank's experts map one to one:
+
+    h.{i}.moe.router.weight              (h, E)     x @ W, like every mpicube linear
+    h.{i}.moe.experts.{e}.c_fc.weight    (h, 2 F)   columns [gate | up] (HF's w1 | w3, transposed)
+    h.{i}.moe.experts.{e}.c_proj.weight  (F, h)     HF's w2, transposed
+
+The router losses couple every token of a micro-batch and every layer
+(transformers' ``load_balancing_loss_func`` concatenates all layers'
+logits), so a micro-batch carries a ``RouterLedger`` (``Micro.router``):
+each MoE layer records its counts and sums there in forward, the step
+driver sums them over the replicas that hold other tokens (``finish``)
+before any backward, and each layer's backward reads the totals.
+"""
+
+from __future__ import annotations
+
+from .. import ops
+from ..core.config import ModelConfig
+from ..device import precision
+from ..device.arrays import array_module
+from ..ops import moe as router_ops
+from ..parallel.layouts.base import Layout
+from ..parallel.params import ParamDecl, ParamStore
+
+
+def expert_names(cfg: ModelConfig, i: int):
+    """Layer i's MoE parameter suffixes in declaration order (after ``h.{i}.``)."""
+    yield "moe.router.weight"
+    for e in range(cfg.n_experts):
+        yield f"moe.experts.{e}.c_fc.weight"
+        yield f"moe.experts.{e}.c_proj.weight"
+
+
+def moe_params(cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
+    """Layer i's router and experts, with the MLP's init rule."""
+    h, F, p = cfg.n_embd, cfg.ffn, f"h.{i}.moe."
+    decls = [ParamDecl(p + "router.weight", (h, cfg.n_experts), "router", "normal", std, decay=True)]
+    for e in range(cfg.n_experts):
+        decls += [ParamDecl(f"{p}experts.{e}.c_fc.weight", (h, 2 * F), "w_first", "normal", std, decay=True,
+                            groups=2),
+                  ParamDecl(f"{p}experts.{e}.c_proj.weight", (F, h), "w_second", "normal", resid_std, decay=True)]
+    return decls
+
+
+class RouterLedger:
+    """One micro-batch's routing statistics, layer by layer, and the router
+    losses they define. ``group`` is the communicator of the replicas that
+    hold the micro-batch's other tokens (dp), in global token order.
+
+    The load-balancing loss, as transformers computes it over all L layers'
+    N tokens at once: aux = E sum_e c_e S_e / (L N)^2, c_e the times expert
+    e is among a token's top-k (no gradient), S_e the sum of its router
+    probabilities. The z-loss: z = sum over layers and tokens of
+    logsumexp(logits)^2 / (L N). Under --grad-accum A each micro-batch's
+    aux counts its own tokens and the step's is their mean; z is a mean
+    over the step's tokens either way."""
+
+    def __init__(self, cfg: ModelConfig, group, micro_tokens: int, grad_accum: int):
+        self.cfg, self.group = cfg, group
+        self.micro_tokens, self.grad_accum = micro_tokens, grad_accum    # N of one micro-batch, all replicas
+        self.stats = {}                 # layer -> (2 E + 2,) this rank's [counts | prob sums | z sum | dropped]
+        self.totals = None              # after finish: (L_here, 2 E + 2) summed over the group
+        self.scale = 1.0                # the loss scale backward runs under (float16)
+
+    # --- forward -------------------------------------------------------------------
+    def offsets(self, counts):
+        """(E,) choosers of each expert on the ranks before this one (the
+        capacity's global token order), or None alone."""
+        if self.group is None or self.group.size == 1:
+            return None
+        every = self.group.allgather(counts[None].astype("float64"), axis=0)     # (dp, E), exact integers
+        return every[:self.group.rank].sum(axis=0).astype(counts.dtype)          # (E,)
+
+    def record(self, layer: int, counts, probs, lse, dropped) -> None:
+        """Layer ``layer``'s local statistics (a rerun overwrites them with the same values)."""
+        xp = array_module(probs)
+        self.stats[layer] = xp.concatenate([counts.astype(probs.dtype), probs.sum(axis=0),
+                                            (lse * lse).sum()[None], xp.asarray([dropped], dtype=probs.dtype)])
+
+    def finish(self) -> float:
+        """Sum the statistics over the group (one all-reduce) and return
+        the micro-batch's router loss terms, ready to add to its share of
+        the step's mean loss: coef_aux aux / A + coef_z z_share."""
+        xp = array_module(next(iter(self.stats.values())))
+        local = xp.stack([self.stats[k] for k in sorted(self.stats)])            # (L_here, 2 E + 2)
+        self.totals = local if self.group is None or self.group.size == 1 else self.group.allreduce(local)
+        return self.aux_term() + self.z_term()
+
+    def _sums(self):
+        E = self.cfg.n_experts
+        t = self.totals.sum(axis=0)                                              # (2 E + 2,)
+        return t[:E], t[E:2 * E], t[2 * E]
+
+    def aux_loss(self) -> float:
+        """This micro-batch's load-balancing loss (before its coefficient)."""
+        c, S, _ = self._sums()
+        LN = self.cfg.n_layer * self.micro_tokens
+        return float(self.cfg.n_experts * (c * S).sum() / (LN * LN))
+
+    def aux_term(self) -> float:
+        return self.cfg.router_aux_loss_coef * self.aux_loss() / self.grad_accum
+
+    def z_loss(self) -> float:
+        """This micro-batch's z-loss: its rows' mean logsumexp^2 over every layer."""
+        _, _, z = self._sums()
+        return float(z) / (self.cfg.n_layer * self.micro_tokens)
+
+    def z_term(self) -> float:
+        """coef_z x this micro-batch's share of the step's z-loss."""
+        return self.cfg.router_z_loss_coef * self.z_loss() / self.grad_accum
+
+    def counts(self):
+        """(L_here, E) how many tokens chose each expert, per layer (all replicas)."""
+        return self.totals[:, :self.cfg.n_experts]
+
+    def dropped(self):
+        """(L_here,) chosen (token, expert) pairs a capacity dropped, per layer."""
+        return self.totals[:, -1]
+
+    # --- backward ------------------------------------------------------------------
+    def dprobs(self):
+        """(E,) the aux loss's gradient on every router probability of every
+        layer and token: coef E c_e / (A (L N)^2), times the loss scale; None without it."""
+        coef = self.cfg.router_aux_loss_coef
+        if not coef:
+            return None
+        c, _, _ = self._sums()
+        LN = self.cfg.n_layer * self.micro_tokens
+        return c * (self.scale * coef * self.cfg.n_experts / (self.grad_accum * LN * LN))
+
+    def dlse(self, lse):
+        """(n,) the z-loss's gradient on each row's log-sum-exp, or None."""
+        coef = self.cfg.router_z_loss_coef
+        if not coef:
+            return None
+        return lse * (self.scale * coef * 2.0 / (self.cfg.n_layer * self.micro_tokens * self.grad_accum))
+
+
+class MoE:
+    """Layer ``i``'s mixture of experts on canonical activations (serial
+    layout: every hidden column, every expert). Forward: router logits in
+    float32 or wider, top-k, each expert's SwiGLU on its tokens gathered
+    in token order, outputs weighted and summed per token in expert order.
+    Backward runs the same in reverse and adds the router losses'
+    gradients from the micro-batch's ledger."""
+
+    def __init__(self, layout: Layout, store: ParamStore, i: int):
+        cfg = layout.cfg
+        p = f"h.{i}.moe."
+        self.cfg, self.layer, self.store = cfg, i, store
+        self.router_name = p + "router.weight"
+        self.w_router = store.work[self.router_name]                              # (h, E)
+        store.defer_zero(self.router_name)
+        self.experts = [(layout.linear(store, f"{p}experts.{e}.c_fc", "first", bias=False),
+                         layout.linear(store, f"{p}experts.{e}.c_proj", "second", bias=False))
+                        for e in range(cfg.n_experts)]
+
+    def forward(self, x, ctx):
+        """x (B, T, h) -> (y (B, T, h), saved)."""
+        cfg, E, K = self.cfg, self.cfg.n_experts, self.cfg.top_k
+        xp = array_module(x)
+        B, T, h = x.shape
+        n = B * T
+        x2 = x.reshape(n, h)                                                      # (n, h)
+        wide = precision.compute_dtype(x.dtype)
+        logits = precision.matmul(x2, self.w_router, dtype=wide)                  # (n, E) float32+
+        probs, chosen, weights, lse, s_route = router_ops.route(logits, K, cfg.norm_topk)
+        ledger = getattr(ctx, "router", None)
+        cap = offset = None
+        if cfg.capacity_factor:
+            counts = xp.bincount(chosen.reshape(-1), minlength=E)                 # (E,)
+            micro_tokens = n if ledger is None else ledger.micro_tokens
+            cap = router_ops.capacity(cfg.capacity_factor, K, micro_tokens, E)
+            offset = None if ledger is None else ledger.offsets(counts)
+        order, expert, counts = router_ops.dispatch(chosen, E, cap, offset)       # (m,), (m,), (E,)
+        if ledger is not None:
+            ledger.record(self.layer, counts, probs, lse, n * K - order.shape[0])
+        bounds = [0] + [int(b) for b in xp.cumsum(xp.bincount(expert, minlength=E))]   # E + 1 host ints
+        out = xp.zeros((n, h), dtype=wide)                                        # (n, h)
+        flat_w = weights.reshape(-1)                                              # (n K,)
+        runs = []
+        for e, (c_fc, c_proj) in enumerate(self.experts):
+            sel = order[bounds[e]:bounds[e + 1]]                                  # (m_e,) entries into (n, K)
+            if sel.shape[0] == 0:
+                runs.append(None)
+                continue
+            tok = sel // K                                                        # (m_e,) distinct tokens
+            f, s_fc = c_fc.forward(x2[tok])                                       # (m_e, 2 F)
+            g, s_act = ops.swiglu_forward(f)                                      # (m_e, F)
+            y, s_proj = c_proj.forward(g)                                         # (m_e, h)
+            out[tok] += flat_w[sel][:, None] * y
+            runs.append((sel, tok, s_fc, s_act, s_proj, y))
+        saved = (x2, s_route, runs, ledger, x.shape)
+        return precision.narrow(out, x.dtype).reshape(B, T, h), saved
+
+    def backward(self, dy, saved):
+        """dy (B, T, h) -> dx (B, T, h); adds every expert's and the router's gradients."""
+        x2, s_route, runs, ledger, shape = saved
+        xp = array_module(dy)
+        K = self.cfg.top_k
+        n, h = x2.shape
+        dy2 = dy.reshape(n, h)                                                    # (n, h)
+        wide = precision.compute_dtype(dy.dtype)
+        dx = xp.zeros((n, h), dtype=wide)                                         # (n, h)
+        dweights = xp.zeros(n * K, dtype=s_route[0].dtype)                        # (n K,)
+        flat_w = s_route[2].reshape(-1)                                           # (n K,)
+        for (c_fc, c_proj), run in zip(self.experts, runs):
+            if run is None:
+                continue
+            sel, tok, s_fc, s_act, s_proj, y = run
+            dyt = dy2[tok]                                                        # (m_e, h)
+            dweights[sel] = ops.rowdot(precision.up(dyt), precision.up(y))
+            dg = c_proj.backward(precision.narrow(dyt * flat_w[sel][:, None], dy.dtype), s_proj)   # (m_e, F)
+            dx[tok] += c_fc.backward(ops.swiglu_backward(dg, s_act), s_fc)      # (m_e, h)
+        lse = s_route[4]
+        dprobs = dlse = None
+        if ledger is not None:
+            dprobs, dlse = ledger.dprobs(), ledger.dlse(lse)
+        dlogits = router_ops.route_backward(dweights.reshape(n, K), s_route, dprobs, dlse)   # (n, E)
+        self.store.add_matmul(self.router_name, x2.T, precision.narrow(dlogits, x2.dtype))
+        dx += precision.matmul(dlogits, self.w_router.T.astype(dlogits.dtype), dtype=wide)
+        return precision.narrow(dx, dy.dtype).reshape(shape)
+
+    def decode(self, x):
+        """Inference without a ledger (generation): x (B, t, h) -> (B, t, h)."""
+        return self.forward(x, None)[0]
+

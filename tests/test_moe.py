@@ -1,0 +1,145 @@
+"""The mixture of experts (model/moe.py, ops/moe.py, docs/moe.md): the
+router's tie-break, weights and drop rule, the whole model's gradient with
+each router loss and dispatch mode against finite differences, data
+parallelism against serial, metrics, and the one-line refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpicube.core.config import ModelConfig
+from mpicube.ops import moe as router_ops
+
+rng = np.random.default_rng(34)
+ENV = dict(os.environ, PYTHONPATH=os.getcwd())
+
+
+def small_moe(**kw) -> ModelConfig:
+    base = dict(vocab_size=11, n_ctx=5, n_layer=2, n_head=2, n_embd=8, arch="llama", n_kv_head=1, ffn_hidden=6,
+                n_experts=4, top_k=2)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_top_k_ties_go_to_the_lower_expert():
+    logits = np.array([[1.0, 3.0, 3.0, 3.0], [0.0, 0.0, 0.0, 0.0]])
+    probs, chosen, weights, lse, _ = router_ops.route(logits, 2, True)
+    assert chosen.tolist() == [[1, 2], [0, 1]]
+    assert np.allclose(weights, 0.5)                        # renormalised over the two chosen
+    _, _, raw, _, _ = router_ops.route(logits, 2, False)
+    assert np.allclose(raw, probs[np.arange(2)[:, None], chosen])
+    assert np.allclose(lse, np.log(np.exp(logits).sum(1)))
+
+
+def test_capacity_keeps_each_experts_first_choosers_in_token_order():
+    chosen = np.array([[0, 1], [0, 2], [1, 0], [0, 3]])     # expert 0 chosen by tokens 0, 1, 2, 3
+    assert router_ops.capacity(0.5, 2, 4, 4) == 1          # ceil(0.5 * 2 * 4 / 4)
+    order, expert, counts = router_ops.dispatch(chosen, 4, cap=2)
+    assert counts.tolist() == [4, 2, 1, 1]
+    kept = sorted((int(e), int(i) // 2) for e, i in zip(expert, order))
+    assert kept == [(0, 0), (0, 1), (1, 0), (1, 2), (2, 1), (3, 3)]   # expert 0 drops tokens 2 and 3
+    # two ranks before this one already sent expert 0 one chooser: it keeps one more here
+    order, expert, _ = router_ops.dispatch(chosen, 4, cap=2, offset=np.array([1, 0, 0, 0]))
+    assert sorted(int(i) // 2 for e, i in zip(expert, order) if e == 0) == [0]
+
+
+def test_route_backward_matches_finite_differences():
+    logits = rng.normal(size=(5, 4))
+    dw, dall, dlse = rng.normal(size=(5, 2)), rng.normal(size=4), rng.normal(size=5)
+    for norm in (True, False):
+        def f(z):
+            probs, chosen, w, lse, _ = router_ops.route(z, 2, norm)
+            return (w * dw).sum() + (probs * dall).sum() + (lse * dlse).sum()
+        got = router_ops.route_backward(dw, router_ops.route(logits, 2, norm)[4], dall, dlse)
+        want = np.zeros_like(logits)
+        for idx in np.ndindex(*logits.shape):
+            e = np.zeros_like(logits)
+            e[idx] = 1e-6
+            want[idx] = (f(logits + e) - f(logits - e)) / 2e-6
+        assert np.abs(got - want).max() < 1e-8
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(norm_topk=False, router_z_loss_coef=0.05),
+                                dict(capacity_factor=0.7, router_aux_loss_coef=0.3), dict(top_k=1)],
+                         ids=["mixtral", "no-norm-z", "capacity", "top1"])
+def test_whole_moe_gradient(kw):
+    """Every parameter's gradient (router, experts, attention below them),
+    dropout and the router losses on, against central differences."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_ops import check_whole_model_gradient
+
+    cfg = small_moe(**kw)
+    assert check_whole_model_gradient(cfg) == cfg.n_params()
+
+
+def test_moe_config_stores_and_counts():
+    cfg = small_moe(capacity_factor=1.5)
+    d = cfg.to_dict()
+    assert d["n_experts"] == 4 and d["capacity_factor"] == 1.5
+    assert ModelConfig.from_dict(d).to_dict() == d
+    assert "n_experts" not in small_moe(n_experts=0).to_dict()        # a dense Llama stores as before
+    from mpicube.model.gpt import gpt_params, param_names
+    decls = gpt_params(cfg)
+    assert [d.name for d in decls] == list(param_names(cfg))
+    assert sum(int(np.prod(d.shape)) for d in decls) == cfg.n_params()
+    assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
+
+
+# one launch each: serial with dp 2 in both dispatch modes (capacity: with --zero 1 and --recompute blocks)
+DP_CASES = [("0", {}), ("0.8", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"})]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("capacity,extra", DP_CASES, ids=["dropless", "capacity-zero1-recompute"])
+def test_moe_data_parallel_matches_serial(capacity, extra):
+    """Two replicas (dropout on) follow serial to 1e-10 in float64: loss with
+    the router losses, logits, every gradient, parameters after 3 steps."""
+    from mpirun import mpiexec
+
+    proc = mpiexec(2, ["-m", "mpi4py", "tests/parallel_check.py", "serial", 2, 1, 0.1, 8], timeout=180,
+                   env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, **extra})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK serial world=2 dp=2" in proc.stdout and f"arch=mixtral capacity={float(capacity)}" in proc.stdout
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "mpicube", *args], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+
+
+def test_train_logs_router_losses_and_expert_tokens(tmp_path):
+    out = tmp_path / "run"
+    proc = cli("train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
+               "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "2", "--steps", "2",
+               "--capacity-factor", "1.0", "--router-z-loss-coef", "0.001", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    tokens = np.array(rec["expert_tokens"])                           # (layers, experts)
+    assert tokens.shape == (2, 4) and (tokens.sum(1) == 2 * 8 * 2).all()   # N K choices per layer
+    assert rec["router_aux_loss"] > 0 and rec["router_z_loss"] > 0 and len(rec["expert_dropped"]) == 2
+    model = json.loads((out / "config.json").read_text())["model"]
+    assert (model["n_experts"], model["top_k"], model["capacity_factor"]) == (4, 2, 1.0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--arch", "llama", "--n-experts", "4", "--top-k", "5"], "--top-k 5 must be from 1 to --n-experts 4"),
+    (["--arch", "mixtral", "--capacity-factor", "0"], "--capacity-factor must be positive"),
+    (["--arch", "llama", "--top-k", "2"], "--top-k needs --n-experts"),
+    (["--n-experts", "4"], "--n-experts applies to --arch llama only"),
+])
+def test_bad_moe_options_are_one_line(args, message, tmp_path):
+    proc = cli("train", "--steps", "1", "--out", str(tmp_path / "r"), *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_tensor_parallel_moe_is_refused_before_any_collective():
+    from mpicube.core.errors import ConfigError
+    from mpicube.parallel.planning import resolve
+
+    with pytest.raises(ConfigError, match="runs on the serial layout with --dp so far, not with a tensor-parallel"):
+        resolve("1d", small_moe(n_head=2, n_kv_head=2), 4, 2)
