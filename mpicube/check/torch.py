@@ -76,9 +76,14 @@ class Recorder:
     under ``name_map``'s names; ``reference`` (a ``Reference``) gives the
     config, optimizer, dtype and dropout the trace declares. The modules
     named in ``name_map.acts`` (or ``acts``) give the activations: their
-    outputs in the last forward (the first element of a tuple output)."""
+    outputs in the last forward (the first element of a tuple output).
+    ``act_index(key, output)``, when given, says where a plain tensor that
+    is one rank's block of an activation lies, as ``(global index per
+    dimension, logical shape)``, or None for a whole one: a sequence-parallel
+    rank's rows (a DTensor output says it itself)."""
 
-    def __init__(self, model, name_map: NameMap, path, reference, layout: dict = None, acts: dict = None):
+    def __init__(self, model, name_map: NameMap, path, reference, layout: dict = None, acts: dict = None,
+                 act_index=None):
         torch = _torch()
         self.model, self.map, self.ref = model, name_map, reference
         self.params = dict(model.named_parameters())            # a tied head appears once
@@ -92,7 +97,7 @@ class Recorder:
         if self.rank == 0:
             self.writer = TraceWriter(path, reference.config, reference.optimizer, reference.dtype, layout,
                                       reference.dropout, reference.seed)
-        self.captured, self.grads = {}, None
+        self.captured, self.grads, self.act_index = {}, None, act_index
         self.hooks = []
         for key, module in (acts or name_map.acts).items():
             try:
@@ -105,7 +110,8 @@ class Recorder:
     def _keep(self, key):
         def hook(module, inputs, output):
             out = output[0] if isinstance(output, (tuple, list)) else output
-            self.captured[key] = block(out)
+            where = self.act_index(key, out) if self.act_index and not hasattr(out, "placements") else None
+            self.captured[key] = block(out) if where is None else (to_numpy(out), where[0], tuple(where[1]))
         return hook
 
     def _gather(self, mine):
