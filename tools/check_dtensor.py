@@ -40,7 +40,8 @@ and ``ln_f`` each rank holds its T/tp rows of the residual stream, and the
 recorder is told where they lie (``act_index``).
 
 ``--plant all`` writes OUT (no bug) and one OUT-BUG.h5 per bug from one
-launch (the test suite's; with ``--sp`` sp-grad too).
+launch (the test suite's; with ``--sp`` sp-grad too, and OUT-tp.h5: tensor
+parallelism without sequence parallelism, no bug).
 """
 
 from __future__ import annotations
@@ -223,9 +224,11 @@ def main(argv=None) -> int:
             run(ref, args.out, args.plant, mesh, args.sp)
         else:
             out = Path(args.out)
+            named = lambda tag: str(out.with_name(f"{out.stem}-{tag}{out.suffix}"))       # noqa: E731
+            if args.sp:                                     # tensor parallelism alone too, no bug
+                run(ref, named("tp"), None, mesh, False)
             for plant in (None,) + PLANTS + (SP_PLANTS if args.sp else ()):
-                run(ref, str(out if plant is None else out.with_name(f"{out.stem}-{plant}{out.suffix}")), plant,
-                    mesh, args.sp)
+                run(ref, args.out if plant is None else named(plant), plant, mesh, args.sp)
     dist.destroy_process_group()
     return 0
 

@@ -168,7 +168,8 @@ class Recorder:
     def step(self, s: int, *, loss, lr, grad_norm, logits=None, masks: dict = None, tokens=None) -> None:
         """Write step s: the scalars, the gradients taken by ``gradients``,
         the parameters now (after the update), the activations and
-        ``logits`` of the last forward, the keep ``masks`` applied, by site
+        ``logits`` of the last forward (or this rank's block of them, as a
+        mask's below: a data-parallel rank's rows), the keep ``masks`` applied, by site
         (``emb``, ``h.{i}.attn``, ...): a whole mask, or the block this rank
         applied as ``(block, global index per dimension, logical shape)``
         (a rank's heads of an attention mask), so that a rank that applied
@@ -183,7 +184,7 @@ class Recorder:
         forward.update({"loss": (scalar(loss), (), ()), "grad_norm": (scalar(grad_norm), (), ())})
         forward.update({"mask/" + k: (v if isinstance(v, tuple) else block(v)) for k, v in (masks or {}).items()})
         if logits is not None:
-            forward["logits"] = block(logits)
+            forward["logits"] = logits if isinstance(logits, tuple) else block(logits)
         if self.dist:
             forward = self._sharded(forward)
         else:
