@@ -56,7 +56,9 @@ Environment:
   MPICUBE_CHECK_ARCH=mixtral  that Llama with a mixture of 4 experts, top 2,
                               the load-balancing and z-losses on (the loss
                               compared includes them); MPICUBE_CHECK_CAPACITY=F
-                              dispatches with capacity factor F
+                              dispatches with capacity factor F, and
+                              MPICUBE_CHECK_EP=E splits the experts over E of
+                              the dp replicas (--ep E)
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -124,6 +126,7 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
+from mpicube.parallel.experts import model_specs
 from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
                                          pipeline_peak_activations, step_memory, step_memory_bytes)
 from mpicube.cli.common import env_settings
@@ -154,6 +157,7 @@ CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (ea
 ARCH = os.environ.get("MPICUBE_CHECK_ARCH", "gpt2")
 LLAMA = dict(n_head=6, n_embd=24, arch="llama", n_kv_head=2, ffn_hidden=20, rope_theta=100.0, rms_eps=1e-5)
 CAPACITY = float(os.environ.get("MPICUBE_CHECK_CAPACITY", "0"))
+EP = int(os.environ.get("MPICUBE_CHECK_EP", "1"))
 MIXTRAL = dict(LLAMA, n_experts=4, top_k=2, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
                capacity_factor=CAPACITY)
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
@@ -169,10 +173,11 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
     backend = make_backend(device, DTYPE)
     counters = Counters()
     cp = CP if comm is MPI.COMM_WORLD else 1
-    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth, sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD,
+    grid = GridSpec(layout_name, dp=dp, cp=cp, ep=EP if comm is MPI.COMM_WORLD else 1, depth=depth,
+                    sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD,
                     grad_accum=grad_accum, recompute=recompute, **(env_settings() if settings is None else settings))
     layout = build_layout(resolve(grid, cfg, batch, comm.Get_size()), backend, comm, counters=counters)
-    store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
+    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=layout.axes.dp, zero=zero)
     model = make_runner(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
@@ -425,7 +430,7 @@ def main():
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
               f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}"
-              + (f" capacity={CAPACITY}" if ARCH == "mixtral" else ""))
+              + (f" capacity={CAPACITY} ep={EP}" if ARCH == "mixtral" else ""))
 
 
 if __name__ == "__main__":

@@ -88,21 +88,52 @@ def test_moe_config_stores_and_counts():
     assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
 
 
-# one launch each: serial with dp 2 in both dispatch modes (capacity: with --zero 1 and --recompute blocks)
-DP_CASES = [("0", {}), ("0.8", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"})]
+# one launch each: dp 2 in both dispatch modes (dropless with --ep 2; capacity with --zero 1 and
+# --recompute blocks), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
+# each held by two replicas). Passing all of them, gradients are equal whatever the ep size.
+DP_CASES = [(2, "0", "2", {}), (2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+            (4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}), (4, "0", "2", {})]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("capacity,extra", DP_CASES, ids=["dropless", "capacity-zero1-recompute"])
-def test_moe_data_parallel_matches_serial(capacity, extra):
-    """Two replicas (dropout on) follow serial to 1e-10 in float64: loss with
-    the router losses, logits, every gradient, parameters after 3 steps."""
+@pytest.mark.parametrize("ranks,capacity,ep,extra", DP_CASES,
+                         ids=["dp2-ep2-dropless", "dp2-capacity-zero1-recompute", "dp4-ep4-capacity-recompute",
+                              "dp4-ep2-dropless"])
+def test_moe_data_and_expert_parallel_match_serial(ranks, capacity, ep, extra):
+    """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
+    the router losses, logits, every gradient (each rank's experts), the
+    gradient norm, parameters after 3 steps."""
     from mpirun import mpiexec
 
-    proc = mpiexec(2, ["-m", "mpi4py", "tests/parallel_check.py", "serial", 2, 1, 0.1, 8], timeout=180,
-                   env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, **extra})
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", "serial", ranks, 1, 0.1, 8], timeout=200,
+                   env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, "MPICUBE_CHECK_EP": ep,
+                        **extra})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK serial world=2 dp=2" in proc.stdout and f"arch=mixtral capacity={float(capacity)}" in proc.stdout
+    assert f"OK serial world={ranks} dp={ranks}" in proc.stdout
+    assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
+    """train --dp 2 --ep 2 writes each expert once (the ranks of the
+    expert-data group's rank 0); the checkpoint evaluates, serially and
+    on --ep 2, to the serial run's checkpoint's loss."""
+    from mpirun import mpiexec
+
+    args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
+            "--n-kv-head", "2", "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "4",
+            "--steps", "2", "--dtype", "float64", "--capacity-factor", "1.0"]
+    for ranks, extra in ((1, []), (2, ["--dp", "2", "--ep", "2"])):
+        proc = mpiexec(ranks, args + ["--out", tmp_path / f"r{ranks}"] + extra, timeout=200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = []
+    evals = ((1, "r1", []), (1, "r2", []), (2, "r2", ["--dp", "2", "--ep", "2", "--layout", "serial"]))
+    for ranks, run, extra in evals:
+        proc = mpiexec(ranks, ["-m", "mpicube", "eval", tmp_path / run / "ckpt" / "step_00000002", "--batches", "2",
+                               "--batch-size", "4", "--dtype", "float64"] + extra, timeout=200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses.append(json.loads(proc.stdout.strip().splitlines()[-1])["loss"])
+    assert abs(losses[1] - losses[0]) <= 1e-10 * losses[0] and abs(losses[2] - losses[0]) <= 1e-10 * losses[0]
 
 
 def cli(*args):
@@ -129,6 +160,7 @@ def test_train_logs_router_losses_and_expert_tokens(tmp_path):
     (["--arch", "mixtral", "--capacity-factor", "0"], "--capacity-factor must be positive"),
     (["--arch", "llama", "--top-k", "2"], "--top-k needs --n-experts"),
     (["--n-experts", "4"], "--n-experts applies to --arch llama only"),
+    (["--arch", "llama", "--ep", "2"], "--ep 2 needs a mixture of experts"),
 ])
 def test_bad_moe_options_are_one_line(args, message, tmp_path):
     proc = cli("train", "--steps", "1", "--out", str(tmp_path / "r"), *args)
@@ -143,3 +175,17 @@ def test_tensor_parallel_moe_is_refused_before_any_collective():
 
     with pytest.raises(ConfigError, match="runs on the serial layout with --dp so far, not with a tensor-parallel"):
         resolve("1d", small_moe(n_head=2, n_kv_head=2), 4, 2)
+
+
+@pytest.mark.parametrize("plan,message", [
+    (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
+    (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
+    (dict(dp=2, ep=2, zero=1), "--zero 1 with --ep 2 is not implemented yet"),
+])
+def test_bad_expert_parallel_plans_are_refused(plan, message):
+    from mpicube.core.errors import ConfigError
+    from mpicube.parallel.gridspec import Plan
+    from mpicube.parallel.planning import resolve
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        resolve(Plan("serial", **plan), small_moe(), 12, plan["dp"])

@@ -106,11 +106,26 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int) -> None:
     """The axes a mixture of experts runs on so far: data parallelism over
     the serial layout (docs/moe.md says what is still to come)."""
     if not cfg.moe:
+        if plan.ep != 1:
+            raise ConfigError(f"--ep {plan.ep} needs a mixture of experts (--n-experts, --arch mixtral)")
         return
     for value, what in ((tp, "a tensor-parallel layout (tp > 1)"), (plan.pp, "--pp"), (plan.cp, "--cp")):
         if value != 1:
             raise ConfigError(f"--n-experts: a mixture of experts runs on the serial layout with --dp so far, "
                               f"not with {what} {value}")
+    ep, E = plan.ep, cfg.n_experts
+    if ep < 1:
+        raise ConfigError(f"--ep must be at least 1, got {ep}")
+    if E % ep:
+        raise ConfigError(f"--ep {ep} must divide --n-experts {E}: use --ep "
+                          f"{' or '.join(str(d) for d in range(1, E + 1) if E % d == 0 and plan.dp % d == 0)}")
+    if plan.dp % ep:
+        fits = (d for d in range(1, plan.dp + 1) if plan.dp % d == 0 and E % d == 0)
+        raise ConfigError(f"--ep {ep} must divide --dp {plan.dp} (the expert-parallel ranks are data-parallel "
+                          f"replicas): use --ep {' or '.join(map(str, fits))}")
+    if ep > 1 and plan.zero:
+        raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (expert state would shard over "
+                          f"the expert-data group); use --zero 0")
 
 
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,

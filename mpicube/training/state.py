@@ -32,7 +32,8 @@ def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
         for prefix, flat in buffers:
             local = store.backend.to_host(flat[lo:hi]).reshape(spec.local_shape)
             blocks.append(checkpoint.Block(name=f"{prefix}/{spec.name}", local=local, shape=spec.decl.shape,
-                                           index=spec.index, writer=bool(spec.writer and dp_rank == 0)))
+                                           index=spec.index,
+                                           writer=bool(spec.writer and (dp_rank == 0 or spec.expert))))
     return blocks
 
 
