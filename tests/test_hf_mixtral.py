@@ -1,7 +1,8 @@
 """A random ``MixtralForCausalLM`` (4 experts, top 2, grouped-query
 attention: 4 heads over 2 kv heads), saved by transformers in the hub's
 per-expert form, evaluates to 1e-9 of transformers' own float64 loss on
-the serial layout and with two data-parallel replicas; its training loss
+the serial layout, with --ep 2 and 4 over the data-parallel replicas, on
+1-D and on 1-D x --ep 2; its training loss
 (cross-entropy plus the load-balancing loss) equals transformers'
 ``loss`` with ``output_router_logits``; and a mixture this build does not
 compute is refused by the field's name.
@@ -96,11 +97,12 @@ def mixtral(tmp_path_factory):
                 ce_first=float(ce_first), aux_first=aux_float64(torch, first.router_logits), hf_aux=float(hf_aux))
 
 
-@pytest.mark.parametrize("ranks,dp", [(1, 1), (2, 2)])
-def test_mixtral_directory_evaluates_like_transformers(mixtral, ranks, dp):
+@pytest.mark.parametrize("ranks,layout,dp,ep", [(1, "serial", 1, 1), (2, "serial", 2, 2), (4, "serial", 4, 4),
+                                                (2, "1d", 1, 1), (4, "1d", 2, 2)])
+def test_mixtral_directory_evaluates_like_transformers(mixtral, ranks, layout, dp, ep):
     proc = mpiexec(ranks, ["-m", "mpicube", "eval", mixtral["dir"], "--data", mixtral["tokens"], "--batch-size", B,
-                           "--seq-len", T, "--batches", BATCHES, "--dtype", "float64", "--layout", "serial",
-                           "--dp", dp], timeout=180, env={"PYTHONPATH": str(ROOT)})
+                           "--seq-len", T, "--batches", BATCHES, "--dtype", "float64", "--layout", layout,
+                           "--dp", dp, "--ep", ep], timeout=180, env={"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
     assert abs(got - mixtral["ce"]) <= 1e-9 * abs(mixtral["ce"]), f"{got!r} vs transformers {mixtral['ce']!r}"

@@ -90,26 +90,29 @@ def test_moe_config_stores_and_counts():
 
 # one launch each: dp 2 in both dispatch modes (dropless with --ep 2; capacity with --zero 1 and
 # --recompute blocks), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
-# each held by two replicas). Passing all of them, gradients are equal whatever the ep size.
-DP_CASES = [(2, "0", "2", {}), (2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-            (4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}), (4, "0", "2", {})]
+# each held by two replicas), 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute). Passing all of
+# them, gradients are equal whatever the ep size.
+DP_CASES = [(2, "serial", 2, "0", "2", {}),
+            (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}), (4, "serial", 4, "0", "2", {}),
+            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks"})]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks,capacity,ep,extra", DP_CASES,
+@pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
                          ids=["dp2-ep2-dropless", "dp2-capacity-zero1-recompute", "dp4-ep4-capacity-recompute",
-                              "dp4-ep2-dropless"])
-def test_moe_data_and_expert_parallel_match_serial(ranks, capacity, ep, extra):
+                              "dp4-ep2-dropless", "1d-dp2-ep2-capacity-recompute"])
+def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
     the router losses, logits, every gradient (each rank's experts), the
     gradient norm, parameters after 3 steps."""
     from mpirun import mpiexec
 
-    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", "serial", ranks, 1, 0.1, 8], timeout=200,
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, 1, 0.1, 8], timeout=200,
                    env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, "MPICUBE_CHECK_EP": ep,
                         **extra})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"OK serial world={ranks} dp={ranks}" in proc.stdout
+    assert f"OK {layout} world={ranks} dp={dp}" in proc.stdout
     assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
 
 
@@ -169,18 +172,12 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_tensor_parallel_moe_is_refused_before_any_collective():
-    from mpicube.core.errors import ConfigError
-    from mpicube.parallel.planning import resolve
-
-    with pytest.raises(ConfigError, match="runs on the serial layout with --dp so far, not with a tensor-parallel"):
-        resolve("1d", small_moe(n_head=2, n_kv_head=2), 4, 2)
-
-
 @pytest.mark.parametrize("plan,message", [
     (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
     (dict(dp=2, ep=2, zero=1), "--zero 1 with --ep 2 is not implemented yet"),
+    (dict(layout="2d", dp=1), "not with the 2d layout"),
+    (dict(layout="1d", dp=1, sequence_parallel=True), "not with --sequence-parallel"),
 ])
 def test_bad_expert_parallel_plans_are_refused(plan, message):
     from mpicube.core.errors import ConfigError
@@ -188,4 +185,5 @@ def test_bad_expert_parallel_plans_are_refused(plan, message):
     from mpicube.parallel.planning import resolve
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        resolve(Plan("serial", **plan), small_moe(), 12, plan["dp"])
+        resolve(Plan(**{"layout": "serial", **plan}), small_moe(n_head=4, n_embd=16, n_kv_head=4), 12,
+                plan["dp"] * (4 if plan.get("layout") == "2d" else 2 if plan.get("layout") == "1d" else 1))
