@@ -2,7 +2,8 @@
 attention: 4 heads over 2 kv heads), saved by transformers in the hub's
 per-expert form, evaluates to 1e-9 of transformers' own float64 loss on
 the serial layout, with --ep 2 and 4 over the data-parallel replicas, on
-1-D and on 1-D x --ep 2; its training loss
+1-D and on 1-D x --ep 2; its greedy tokens are transformers' (serial and
+1-D, key/value cache); its training loss
 (cross-entropy plus the load-balancing loss) equals transformers'
 ``loss`` with ``output_router_logits``; and a mixture this build does not
 compute is refused by the field's name.
@@ -93,7 +94,9 @@ def mixtral(tmp_path_factory):
         first = model(x[:B], output_router_logits=True)          # the first batch alone, for the training loss
         ce_first = torch.nn.functional.cross_entropy(first.logits.reshape(-1, VOCAB), y[:B].reshape(-1))
         hf_aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(first.router_logits, E, K)
-    return dict(dir=tmp / "mixtral", tokens=tmp / "tokens.bin", ce=float(ce), x=x.numpy(), y=y.numpy(),
+        model.generation_config.eos_token_id = None                # no stop token: four greedy tokens
+        greedy = model.generate(x[:1, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)[0, 3:]
+    return dict(greedy=[int(t) for t in greedy], dir=tmp / "mixtral", tokens=tmp / "tokens.bin", ce=float(ce), x=x.numpy(), y=y.numpy(),
                 ce_first=float(ce_first), aux_first=aux_float64(torch, first.router_logits), hf_aux=float(hf_aux))
 
 
@@ -106,6 +109,17 @@ def test_mixtral_directory_evaluates_like_transformers(mixtral, ranks, layout, d
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
     assert abs(got - mixtral["ce"]) <= 1e-9 * abs(mixtral["ce"]), f"{got!r} vs transformers {mixtral['ce']!r}"
+
+
+@pytest.mark.parametrize("ranks,extra", [(1, []), (2, ["--layout", "1d"])])
+def test_mixtral_greedy_tokens_equal_transformers(mixtral, ranks, extra):
+    prompt = ",".join(str(int(t)) for t in mixtral["x"][0, :3])
+    proc = mpiexec(ranks, ["-m", "mpicube", "generate", mixtral["dir"], "--prompt-tokens", prompt, "--max-new-tokens",
+                           4, "--temperature", 0, "--dtype", "float64", "--json"] + extra, timeout=180,
+                   env={"PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
+    assert tokens[-4:] == mixtral["greedy"], (tokens, mixtral["greedy"])
 
 
 def test_mixtral_training_loss_includes_transformers_aux_loss(mixtral):
