@@ -67,11 +67,12 @@ REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 # shellcheck source=jobs/common.sh
 source "$REPO_DIR/jobs/common.sh"
 
-# ---- the run: an 8x8x8 cube, one rank per GPU ---------------------------------------
-# 3-D layout divisibility: BATCH_SIZE by q^2=64, N_EMBD by q^2=64, N_HEAD by q=8.
+# ---- the run: dp 8 x pp 8 x a 2x2x2 cube, one rank per GPU --------------------------------
+# 3-D layout divisibility on the 2x2x2 cube: BATCH_SIZE / (DP x GRAD_ACCUM) by q^2=4, N_EMBD by
+# q^2=4, N_HEAD by q=2 (DP=1 PP=1 GRAD_ACCUM=1, the 8x8x8 cube, needs 64, 64 and 8).
+# Memory and traffic per rank: the header's figures; `mpicube info -n 512 --pipelines
+# --ranks-per-node 4` with the same sizes prints them for every arrangement.
 # Every value can be overridden from the environment.
-# About 24 GB per GPU (mostly activations); `mpicube info --layout 3d -n 512` with
-# the same sizes prints the sharding plan, traffic and memory per rank.
 : "${RUN_DIR:=runs/3d-512gpu}"
 : "${DATA:=}"  # token shards from `mpicube prepare`; empty: the built-in corpus
 : "${N_LAYER:=32}" "${N_HEAD:=64}" "${N_EMBD:=4096}" "${SEQ_LEN:=1024}" "${BATCH_SIZE:=256}"

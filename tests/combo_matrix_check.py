@@ -25,9 +25,15 @@ Tolerance: 1e-10 in float64; in 16 bits parallel_check.wire_tolerance
 are parallel_check's functions, so this and the per-layout checks test
 the same things the same way.
 
+Llama cases (arch=llama heads= kv=; test_combo_matrix.LLAMA_CASES) run the
+Llama block (RMSNorm, rotary, SwiGLU, grouped-query attention, untied
+head) the same way; where the head split exceeds kv= the layout
+replicates kv heads (params.SharedColumns), and ckpt=1 also saves a
+checkpoint that a serial reader must see as the serial model.
+
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
-         zero= recompute= accum= dtype= layers= batch=
+         zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [ckpt=1]
   (every case's tp x dp x pp x cp must be W)
 Prints one "OK case <words> worst=... (rtol ...) <seconds>s" line per case from rank 0.
 """
@@ -56,6 +62,7 @@ from mpicube.training.step import make_step  # noqa: E402
 
 SEED, DROPOUT, LR, STEPS = 7, 0.1, 1e-2, 2
 VOCAB, SEQ, HEADS, EMBD = 61, 16, 4, 16
+LLAMA = dict(arch="llama", ffn_hidden=24, rope_theta=100.0, rms_eps=1e-5)   # arch=llama: heads= and kv= say the rest
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,12 @@ class Case:
     dtype: str = "float64"
     layers: int = 2
     batch: int = 8
+    arch: str = "gpt2"
+    heads: int = HEADS
+    kv: int = 0           # Llama's kv heads (0: as many as heads)
+    ckpt: int = 0         # 1: save a checkpoint after the last step and read it as serial (check_checkpoint)
 
-    INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch")
+    INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -100,10 +111,18 @@ class Case:
                     recompute=self.recompute, grad_accum=self.accum)
 
     def cfg(self) -> ModelConfig:
-        return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=HEADS, n_embd=EMBD)
+        if self.arch == "llama":
+            return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,
+                               **LLAMA, n_kv_head=self.kv or self.heads)
+        return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD)
 
     def words(self) -> str:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in vars(self).items())
+
+
+def COSTED(case: Case) -> bool:
+    """Whether the cost model prices the case: every one (Llama too)."""
+    return True
 
 
 def configure(dtype: str) -> None:
@@ -122,7 +141,7 @@ class References:
         self.done = {}
 
     def get(self, case: Case, steps: list) -> dict:
-        key = (case.layers, case.dtype, case.batch)
+        key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv)
         if key not in self.done:
             self.done[key] = self._run(case, steps)
         return self.done[key]
@@ -188,18 +207,48 @@ def run_case(case: Case, refs: References) -> None:
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
         if parts.pipeline is None:
             assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-            pc.check_memory(problem, True, store, model, kept[0], opt.adam, where)
+            if COSTED(case):
+                pc.check_memory(problem, True, store, model, kept[0], opt.adam, where)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
         pc.close(f"step {step} grad norm", [norm], [want["norm"][step - 1]])
         if step == 1 or not pc.HALF:        # after an AdamW step 16-bit gradients are not comparable
             pc.check_gradients(store, host, want["grads"][step - 1], f"step {step}")
         opt.step(LR, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
-        pc.check_traffic(problem, counters, where)                   # the step's all-gathers too
-        if parts.pipeline is not None:
+        if COSTED(case):
+            pc.check_traffic(problem, counters, where)               # the step's all-gathers too
+        if parts.pipeline is not None and COSTED(case):
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {STEPS} steps")
+    if case.ckpt:
+        assert any(spec.shared is not None for spec in store.specs), "ckpt=1 is for a layout replicating kv heads"
+        check_checkpoint(parts, opt, want["params"])
+
+
+def check_checkpoint(parts, opt, params: dict) -> None:
+    """A layout with replicated kv heads saves a checkpoint that holds every
+    element once (the writer refuses a doubly written one) and that a
+    serial reader sees as the serial model's tensors."""
+    import shutil
+    import tempfile
+
+    from mpicube.files import checkpoint
+    from mpicube.training.state import state_blocks
+
+    world = MPI.COMM_WORLD
+    root = world.bcast(tempfile.mkdtemp(prefix="kvrep") if world.rank == 0 else None, root=0)
+    try:
+        axes = parts.layout.axes
+        checkpoint.save(root, 1, state_blocks(parts.store, opt.adam, axes.dp.rank + axes.cp.rank), {}, comm=world)
+        if world.rank == 0:
+            with checkpoint.open_checkpoint(checkpoint.latest(root)) as ck:
+                for name, want in params.items():
+                    pc.close(f"checkpoint {name}", ck.read(f"model/{name}"), want)
+    finally:
+        world.Barrier()
+        if world.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: list) -> None:

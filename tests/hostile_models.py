@@ -29,6 +29,8 @@ from gpt2_files import hf_config, random_gpt2, write_hf, write_llmc
 from mpicube.core.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=256, n_ctx=16, n_layer=1, n_head=2, n_embd=16)
+LLAMA_TINY = ModelConfig(vocab_size=256, n_ctx=16, n_layer=1, n_head=2, n_embd=16, arch="llama", n_kv_head=1,
+                         ffn_hidden=24)
 I32_MAX = 2 ** 31 - 1
 MAGIC, FLOAT32 = 20240326, 3
 
@@ -147,7 +149,58 @@ def make_cases(root: Path) -> list:
     (fifo / "config.json").unlink()
     os.mkfifo(fifo / "config.json")
     cases.append(Case("hf-fifo-config", fifo, r"not a model directory"))
-    return cases
+    return cases + llama_cases(root)
+
+
+def llama_dir(root: Path, name: str, tensors: dict, edit=None) -> Path:
+    """The tiny Llama as a Hugging Face directory (mpicube's own writer),
+    its config.json then changed by ``edit(doc)``."""
+    from mpicube.files.formats import hf_llama
+
+    path = root / name
+    hf_llama.write(path, tensors, LLAMA_TINY)
+    if edit is not None:
+        doc = json.loads((path / "config.json").read_text())
+        edit(doc)
+        (path / "config.json").write_text(json.dumps(doc))
+    return path
+
+
+def llama_cases(root: Path) -> list:
+    """Llama configurations mpicube does not compute (issue 33), each
+    refused naming the field: a sliding window, biases, a rope type other
+    than default and llama3 (either generation's field), a llama3 scaling
+    without its factor, tied embeddings beside a stored lm_head, a head
+    size other than hidden/heads, kv heads not dividing the heads. The
+    first case, "llama-good", is the unchanged model."""
+    from mpicube.model.gpt import gpt_params
+
+    rng = np.random.default_rng(5)
+    t = {d.name: (1.0 + 0.1 * rng.standard_normal(d.shape) if d.role == "norm" else
+                  0.1 * rng.standard_normal(d.shape)).astype(np.float32) for d in gpt_params(LLAMA_TINY)}
+
+    def old_rope(doc):
+        del doc["rope_parameters"]
+        doc["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+
+    edits = [
+        ("llama-good", None, ""),
+        ("llama-sliding-window", lambda d: d.update(sliding_window=8), r"sliding_window = 8 is not supported"),
+        ("llama-attention-bias", lambda d: d.update(attention_bias=True), r"attention_bias = true is not supported"),
+        ("llama-mlp-bias", lambda d: d.update(mlp_bias=True), r"mlp_bias = true is not supported"),
+        ("llama-rope-yarn", lambda d: d.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+         r'rope_parameters.rope_type = "yarn" is not supported'),
+        ("llama-rope-scaling-dynamic", old_rope, r'rope_scaling.rope_type = "dynamic" is not supported'),
+        ("llama-llama3-no-factor", lambda d: d.update(rope_parameters={
+            "rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}), r"rope_parameters.factor must be a positive number"),
+        ("llama-tied-with-lm-head", lambda d: d.update(tie_word_embeddings=True),
+         r"unexpected tensor 'lm_head.weight'.*tie_word_embeddings"),
+        ("llama-head-dim", lambda d: d.update(head_dim=4), r"head_dim = 4 is not supported"),
+        ("llama-kv-heads", lambda d: d.update(num_key_value_heads=3),
+         r"num_key_value_heads = 3 must divide num_attention_heads 2"),
+    ]
+    return [Case(name, llama_dir(root, name, t, edit), expect) for name, edit, expect in edits]
 
 
 def entry_points(case: Case, out: Path) -> dict:

@@ -1,26 +1,137 @@
 """The mpicube command line with one bug planted from outside the package
-(tests/test_trace.py): a trace must name the first tensor it corrupts.
+(tests/test_trace.py, tests/test_planted_bugs.py): a trace must name the
+first tensor it corrupts.
 
-    mpiexec -n 8 python tests/planted_bug.py h.1.mlp.c_fc trace --layout 3d ...
+    mpiexec -n 8 python tests/planted_bug.py BUG trace --layout 3d ...
 
-The named 3-D linear reduce-scatters its output over the input's row axis
-(``b = a``) instead of the other one: the shapes still fit, the sums are
-wrong. The package itself carries no test hook for this.
+The package carries no test hook for any of these: each is a patch of one
+function or class of mpicube's own code path, made here before the command
+line is imported, so the bug runs exactly where a real one would. BUG is
+one of the catalogue of issue 35 (one per real class of parallel bug):
+
+- ``cube-axis=PREFIX``: the named 3-D linear (e.g. ``h.1.mlp.c_fc``)
+  reduce-scatters its output over the input's row axis instead of the
+  other one: the shapes still fit, the sums are wrong.
+- ``sp-grad``: the replicated parameters' partial gradients are not summed
+  over the tensor-parallel group (under --sequence-parallel every rank's
+  LayerNorm and row-parallel bias gradient then holds its own rows' share).
+- ``scale=AXIS`` (dp or cp): every gradient comes out multiplied by that
+  axis's size (a loss normalised per replica, or per ring rank, instead of
+  by the global token count).
+- ``norm-replicas``: the gradient norm counts a replicated block once per
+  rank that holds it instead of once.
+- ``tied-order``: under a pipeline the tied wte pair is summed in the
+  wrong order against the update: the first stage keeps its own half (the
+  lookup's) and steps on it, only the last stage receives the sum.
+- ``qkv-split``: the fused q/k/v is split over the tensor-parallel ranks
+  as one block of columns instead of each of q, k and v in turn, so a
+  rank's "q heads" are q and k columns.
+- ``dropout-rank``: dropout masks drawn at the replica's local sequence
+  index instead of the global one, so every data-parallel replica drops
+  the same places of different sequences.
+- ``vocab-pad``: the padding columns of a vocabulary padded to a multiple
+  of the tensor-parallel size are left in the softmax instead of masked.
 """
 
+import dataclasses
 import sys
 
-from mpicube.parallel.layouts import cube
-
-WRONG = sys.argv.pop(1)          # the linear's parameter prefix, e.g. h.1.mlp.c_fc
-_init = cube.CubeLinear.__init__
+BUG = sys.argv.pop(1)
+NAME, _, ARG = BUG.partition("=")
 
 
-def _planted(self, store, prefix, a, b, **kwargs):
-    _init(self, store, prefix, a=a, b=a if prefix == WRONG else b, **kwargs)
+def cube_axis(prefix):
+    from mpicube.parallel.layouts import cube
+
+    init = cube.CubeLinear.__init__
+
+    def planted(self, store, name, a, b, **kwargs):
+        init(self, store, name, a=a, b=a if name == prefix else b, **kwargs)
+    cube.CubeLinear.__init__ = planted
 
 
-cube.CubeLinear.__init__ = _planted
+def sp_grad(_):
+    from mpicube.parallel import gradients
+
+    gradients.sync_replica_groups = lambda store: store.settle()
+
+
+def scale(axis):
+    from mpicube.parallel import gradients
+
+    call = gradients.GradientSync.__call__
+
+    def planted(self):
+        call(self)
+        self.store.flat_grad[...] *= getattr(self.axes, axis).size
+    gradients.GradientSync.__call__ = planted
+
+
+def norm_replicas(_):
+    from mpicube.parallel import gradients
+    from mpicube.training import step
+
+    squares = gradients.weighted_squares
+
+    def planted(xp, grad, replica_runs):
+        return squares(xp, grad, [(1, run) for _, run in replica_runs])
+    gradients.weighted_squares = step.weighted_squares = planted
+
+
+def tied_order(_):
+    from mpicube.parallel import gradients
+
+    init = gradients.GradientSync.__init__
+
+    class FirstKeepsItsOwn:
+        """The pair's communicator, except that stage 0 keeps its own half."""
+
+        def __init__(self, comm, pp_rank):
+            self.comm, self.first = comm, pp_rank == 0
+
+        def allreduce(self, a, **kwargs):
+            total = self.comm.allreduce(a, **kwargs)
+            return a.copy() if self.first else total
+
+    def planted(self, store, axes):
+        init(self, store, axes)
+        if self.tied is not None:
+            self.tied = FirstKeepsItsOwn(self.tied, axes.pp.rank)
+    gradients.GradientSync.__init__ = planted
+
+
+def qkv_split(_):
+    from mpicube.model import gpt
+
+    params = gpt.gpt_params
+
+    def planted(cfg):
+        return [dataclasses.replace(d, groups=1) if ".attn.c_attn." in d.name else d for d in params(cfg)]
+    gpt.gpt_params = planted
+
+
+def dropout_rank(_):
+    from mpicube.model import block
+
+    def planted(self, micro):
+        return micro * self.layout.local_batch              # the replica's own index, not the global one
+    block.Dropout.first_seq = planted
+
+
+def vocab_pad(_):
+    from mpicube import ops
+    from mpicube.parallel.layouts import head
+
+    cross_entropy = ops.cross_entropy_forward
+
+    def planted(logits, targets, vocab_start, vocab_size, *args):
+        return cross_entropy(logits, targets, vocab_start, 1 << 40, *args)     # no column is padding
+    head.ops.cross_entropy_forward = planted
+
+
+PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
+          "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad}
+PLANTS[NAME](ARG)
 
 if __name__ == "__main__":
     from mpicube.cli.main import main

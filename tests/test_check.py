@@ -48,7 +48,7 @@ def write_good(path, dtype="float64", seed=0):
                 masks.update({f"h.{i}.attn": rng.random((B, nh, T, T)) > P,
                               f"h.{i}.resid_attn": rng.random((B, T, h)) > P,
                               f"h.{i}.resid_mlp": rng.random((B, T, h)) > P})
-            acts = {k: rng.standard_normal((B, T, h)) for k in ["emb", *[f"h.{i}" for i in range(L)], "ln_f"]}
+            acts = {k: rng.standard_normal((B, T, h)) for k in names.act_names(CFG)}
             w.step(s, loss=2.5 + s, lr=OPTIMIZER["lr"]["values"][s - 1], grad_norm=1.5, grads=tensors(rng),
                    params=tensors(rng), acts=acts, logits=rng.standard_normal((B, T, CFG["vocab_size"])),
                    masks=masks, tokens=rng.integers(0, CFG["vocab_size"], (B, T + 1)))
@@ -128,6 +128,37 @@ def test_a_missing_tensor_fails_unless_allowed(variant, good, capsys):
     assert status == 0 and "1 missing but allowed" in out
     status, _, _, _ = run(capsys, b, good, "--allow-missing", "step_*/act/emb")    # another pattern: still fails
     assert status == 1
+
+
+def test_the_activations_inside_a_block_are_named_and_a_version_1_trace_lacks_them(variant, good, capsys):
+    """Version 2 added each block's norm outputs and branch outputs, in
+    computation order between the block's masks (a wrong head split is
+    named at the attention, not at the block). A version 2 trace without
+    them fails; a version 1 trace, which cannot hold them, is compared on
+    everything else, the rows saying why they are allowed."""
+    with h5py.File(good, "r") as f:
+        kept = [n for n in names.computation_order(CFG, STEPS) if n.startswith("step_1/")][:12]
+        assert kept[2:11] == ["step_1/act/h.0.ln_1", "step_1/dropout/h.0.attn", "step_1/dropout/h.0.resid_attn",
+                              "step_1/act/h.0.attn", "step_1/act/h.0.ln_2", "step_1/dropout/h.0.resid_mlp",
+                              "step_1/act/h.0.mlp", "step_1/act/h.0", "step_1/act/h.1.ln_1"]
+        assert all(n in f for n in kept)
+
+    def drop_inside(version):
+        def edit(f):
+            f.attrs["version"] = version
+            for s in range(1, STEPS + 1):
+                for n in names.act_names(CFG):
+                    if n.count(".") == 2:
+                        del f[f"step_{s}/act/{n}"]
+        return edit
+    status, out, _, summary = run(capsys, good, variant(drop_inside(2)))
+    assert status == 1 and summary["first_divergence"] == "step_1/act/h.0.ln_1" and "only in A" in out
+    status, out, _, summary = run(capsys, good, variant(drop_inside(1)))
+    assert status == 0 and summary["first_divergence"] is None, out
+    assert "16 missing but allowed" in out and "(a version 1 trace does not hold it)" in out
+    spoiled = variant(lambda f: (drop_inside(1)(f), f["step_1/act/h.1"].__setitem__((0, 0, 0), 7.0)))
+    status, _, _, summary = run(capsys, good, spoiled)
+    assert status == 1 and summary["first_divergence"] == "step_1/act/h.1"     # the rest is still compared
 
 
 def test_a_misnamed_tensor_is_named_where_the_real_one_is_missing(variant, good, capsys):
@@ -227,8 +258,8 @@ def test_bad_files_are_named_in_one_line(tmp_path, good, variant, capsys):
     with h5py.File(other, "w") as f:
         f.attrs["format"] = "mpicube-checkpoint"
     assert "other.h5: not a trace (format 'mpicube-checkpoint'" in one_line_error(capsys, other, good)
-    v2 = variant(lambda f: f.attrs.__setitem__("version", 2))
-    assert "variant.h5: trace version 2, this mpicube reads version 1" in one_line_error(capsys, good, v2)
+    v3 = variant(lambda f: f.attrs.__setitem__("version", 3))
+    assert "variant.h5: trace version 3, this mpicube reads versions 1, 2 (writes 2)" in one_line_error(capsys, good, v3)
     cut = tmp_path / "cut.h5"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     assert "cut.h5: truncated or damaged HDF5 file" in one_line_error(capsys, good, cut)

@@ -35,24 +35,35 @@ def launch(args, cwd):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
+# planted bug -> the first divergence it must be named at (tools/check_dtensor.py's catalogue)
+NAMED = {"grad-scale": "step_1/grad/h.1.mlp.c_fc.weight", "norm-replicas": "step_1/grad_norm",
+         "qkv-split": "step_1/act/h.0.attn", "dropout-rank": "step_1/dropout/h.0.attn"}
+
+
 @pytest.mark.timeout(300)
-def test_dtensor_shards_agree_with_one_process_and_a_planted_scale_is_named(tmp_path):
+def test_dtensor_shards_agree_with_one_process_and_every_planted_bug_is_named(tmp_path):
+    """One launch: the clean run and one run per planted bug. The clean
+    trace (attention and MLP split by heads and columns, masks recorded per
+    rank) agrees with the single process to 1e-10; each bug is named at its
+    tensor, the loss still agreeing where the bug is in backward."""
     python = torch_python()
     if python is None:
         pytest.skip("torch is not installed (optional: pip install torch, or set MPICUBE_TORCH_PYTHON)")
     ref = write_good(tmp_path / "ref.h5")
     launch([python, str(REPO / "tools" / "torch_trace.py"), str(ref), "--out", "one.h5"], tmp_path)
-    run2 = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(REPO / "tools" / "check_dtensor.py"), "--ref", str(ref)]
-    launch(run2 + ["--out", "tp.h5"], tmp_path)
+    launch([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(REPO / "tools" / "check_dtensor.py"), "--ref", str(ref), "--out", "tp.h5", "--plant", "all"], tmp_path)
     with h5py.File(tmp_path / "tp.h5", "r") as f:
         w = f["step_1/grad/h.0.mlp.c_fc.weight"]
         assert set(w) == {"rank0", "rank1"} and w["rank0/data"].shape == (8, 16)      # column halves
+        assert f["step_1/grad/h.0.attn.c_attn.weight/rank1/data"].shape == (8, 12)     # heads 1: [q k v] of head 1
+        assert f["step_1/dropout/h.0.attn/rank1/data"].shape == (2, 1, 4, 4)           # the head rank 1 applied
         assert set(f["step_1/grad/h.0.ln_1.weight"]) == {"rank0", "rank1"}             # replicas
     result = compare_traces(tmp_path / "one.h5", tmp_path / "tp.h5")
     assert result.first_divergence is None and result.max_rel < 1e-10
-    launch(run2 + ["--out", "bad.h5", "--plant", "grad-scale"], tmp_path)
-    result = compare_traces(tmp_path / "one.h5", tmp_path / "bad.h5")
-    assert result.first_divergence == "step_1/grad/h.1.mlp.c_fc.weight"
-    rows = {r.name: r for r in result.rows}
-    assert rows["step_1/loss"].ok and rows["step_1/grad/h.1.mlp.c_proj.weight"].ok     # the loss agrees
+    for bug, first in NAMED.items():
+        result = compare_traces(tmp_path / "one.h5", tmp_path / f"tp-{bug}.h5")
+        assert result.first_divergence == first, bug
+        rows = {r.name: r for r in result.rows}
+        if "grad" in first:
+            assert rows["step_1/loss"].ok and rows["step_1/act/h.1"].ok, bug                 # the loss agrees

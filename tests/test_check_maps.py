@@ -24,19 +24,28 @@ H, NH = CFG["n_embd"], CFG["n_head"]
 HD = H // NH
 
 
-def trace_params(seed=0):
+# a Llama with grouped-query attention (4 heads reading 2 kv heads) and an FFN width not a multiple of h
+LLAMA_CFG = {**CFG, "n_head": 4, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 12, "rope_theta": 10000.0,
+             "rms_eps": 1e-6, "tie_embeddings": False}
+
+
+def cfg_of(make):
+    return LLAMA_CFG if make is namemaps.hf_llama else CFG
+
+
+def trace_params(seed=0, cfg=CFG):
     rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(shape) for n, shape in names.param_shapes(CFG).items()}
+    return {n: rng.standard_normal(shape) for n, shape in names.param_shapes(cfg).items()}
 
 
 @pytest.mark.parametrize("make", list(namemaps.MAPS.values()), ids=list(namemaps.MAPS))
 def test_every_map_round_trips_exactly(make):
-    m = make(CFG)
-    trace = trace_params()
+    m = make(cfg_of(make))
+    trace = trace_params(cfg=cfg_of(make))
     theirs = m.from_trace(trace)
     assert set(theirs) == m.sources()
     back = m.to_trace(theirs)
-    assert list(back) == names.forward_param_order(CFG)
+    assert list(back) == names.forward_param_order(cfg_of(make))
     assert all(np.array_equal(back[n], trace[n]) for n in trace)
 
 
@@ -53,6 +62,26 @@ def test_linear_weights_are_transposed_and_q_k_v_split_by_columns():
         assert np.array_equal(split[f"transformer.h.0.attn.{part}_proj.weight"],
                               trace["h.0.attn.c_attn.weight"][:, cols].T)
         assert np.array_equal(split[f"transformer.h.0.attn.{part}_proj.bias"], trace["h.0.attn.c_attn.bias"][cols])
+
+
+def test_hf_llama_splits_gqa_q_k_v_and_gate_up_by_their_widths():
+    """c_attn's columns are q (4 heads), k and v (2 kv heads each) of head
+    size 2, c_fc's gate then up (12 each); every HF linear is (out, in);
+    the untied lm_head is (V, h) on both sides."""
+    trace = trace_params(cfg=LLAMA_CFG)
+    hf = namemaps.hf_llama(LLAMA_CFG).from_trace(trace)
+    p, hd = "model.layers.1.", 2
+    w = trace["h.1.attn.c_attn.weight"]                                  # (8, (4 + 2 + 2) * 2)
+    assert w.shape == (8, 16)
+    assert np.array_equal(hf[p + "self_attn.q_proj.weight"], w[:, :4 * hd].T)
+    assert np.array_equal(hf[p + "self_attn.k_proj.weight"], w[:, 4 * hd:6 * hd].T)
+    assert np.array_equal(hf[p + "self_attn.v_proj.weight"], w[:, 6 * hd:].T)
+    assert np.array_equal(hf[p + "mlp.gate_proj.weight"], trace["h.1.mlp.c_fc.weight"][:, :12].T)
+    assert np.array_equal(hf[p + "mlp.up_proj.weight"], trace["h.1.mlp.c_fc.weight"][:, 12:].T)
+    assert np.array_equal(hf[p + "mlp.down_proj.weight"], trace["h.1.mlp.c_proj.weight"].T)
+    assert np.array_equal(hf["lm_head.weight"], trace["lm_head"]) and "model.norm.weight" in hf
+    with pytest.raises(UserError, match="not a Llama"):
+        namemaps.hf_llama(CFG)
 
 
 def test_megatron_fused_qkv_rows_go_per_head():
@@ -126,7 +155,9 @@ def test_recorder_takes_gradients_before_clipping_and_loads_the_reference(tmp_pa
         grads = [f[f"step_1/grad/{n}"][()] for n in init]
         assert np.sqrt(sum((g ** 2).sum() for g in grads)) == pytest.approx(f["step_1/grad_norm"][()], rel=1e-12)
         assert f["step_1/grad_norm"][()] > 1e-2                      # the unclipped norm
-        assert set(f["step_1/act"]) == {"emb", "h.0", "h.1", "ln_f"} and f["step_1/logits"].shape == (2, 4, 16)
+        assert set(f["step_1/act"]) == set(names.act_names(CFG)) and f["step_1/logits"].shape == (2, 4, 16)
+        a = f["step_1/act"]                         # the branches are what the residual stream adds
+        assert np.allclose(a["h.0"][()], a["emb"][()] + a["h.0.attn"][()] + a["h.0.mlp"][()], rtol=0, atol=1e-12)
 
 
 def test_recorder_refuses_a_model_the_map_does_not_cover(tmp_path):
@@ -149,8 +180,8 @@ def test_shards_map_to_the_trace_blocks_the_whole_tensor_maps_to(make):
     on their own put together into exactly what the whole maps to."""
     from mpicube.check.shards import Shard
 
-    m = make(CFG)
-    trace = trace_params()
+    m = make(cfg_of(make))
+    trace = trace_params(cfg=cfg_of(make))
     theirs = m.from_trace(trace)
     split = {}
     for name, value in theirs.items():
@@ -164,3 +195,34 @@ def test_shards_map_to_the_trace_blocks_the_whole_tensor_maps_to(make):
         for s in tensor.shards:
             full[np.ix_(*s.index)] = s.data
         assert np.array_equal(full, trace[name]), (m.name, name)
+
+
+def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_same():
+    """The hf_llama map's names are those of transformers' LlamaForCausalLM
+    (every parameter used, every activation module present), and
+    tools/torch_trace.py's plain-torch Llama loaded through the same map
+    gives transformers' logits (to float32 rounding: transformers computes
+    RMSNorm and the rotary angles in float32 even in a float64 model).
+    Skipped without torch and transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = LLAMA_CFG
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["n_embd"], intermediate_size=cfg["ffn_hidden"],
+        num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"], num_key_value_heads=cfg["n_kv_head"],
+        max_position_embeddings=cfg["n_ctx"], rms_norm_eps=cfg["rms_eps"], rope_theta=cfg["rope_theta"],
+        tie_word_embeddings=False, attn_implementation="eager")).double().eval()
+    m = namemaps.hf_llama(cfg)
+    m.check_names(dict(hf.named_parameters()))
+    assert all(hf.get_submodule(path) is not None for path in m.acts.values())
+    ours = torch_tool().Llama(cfg, 0.0).double().eval()
+    values = m.from_trace({n: 0.3 * v for n, v in trace_params(3, cfg).items()})
+    with torch.no_grad():
+        for model in (hf, ours):
+            params = dict(model.named_parameters())
+            for name, value in values.items():
+                params[name].copy_(torch.as_tensor(value))
+        idx = torch.as_tensor(np.random.default_rng(4).integers(0, cfg["vocab_size"], (2, cfg["n_ctx"])))
+        want = hf(idx).logits                                                   # (2, T, V)
+        got, _ = ours(idx, idx)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())

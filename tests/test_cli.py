@@ -131,10 +131,15 @@ def hostile_value_cases(tmp_path):
         ("vocabulary", ["--vocab-size", "2000000000"], r"vocab 2,000,000,000.* needs at least"),
     ]
     cases = [(name, train + args, expect) for name, args, expect in config]
+    cases.append(("llama kv heads", ["train", "--steps", "1", "--out", tmp_path / "llama-run", "--arch", "llama",
+                                     "--n-head", "4", "--n-embd", "16", "--n-kv-head", "3"],
+                  r"--n-kv-head 3 must divide --n-head 4"))
     cases += [("generate seed", ["generate", "x", "--seed", "-1"], r"-1 is not in the range"),
               ("bench seed", ["bench", "--seed", "-1"], r"-1 is not in the range"),
               ("bench layers", ["bench", "--n-layer", "1000000", "--batch-size", "4"],
-               r"n_layer 1,000,000.* needs at least")]
+               r"n_layer 1,000,000.* needs at least"),
+              ("bench llama kv heads", ["bench", "--arch", "llama", "--n-head", "4", "--n-embd", "16",
+                                        "--n-kv-head", "3"], r"^error: --n-kv-head 3 must divide --n-head 4")]
     return cases
 
 
@@ -160,6 +165,9 @@ def test_hostile_values_and_sizes_are_one_line_each(tmp_path, corpus_cache):
         assert res["status"] == 2 and len(errors) == 1, (name, res)
         assert re.search(expect, errors[0]), (name, errors[0])
         assert not any("Traceback" in line for line in lines), (name, res)
+        if name == "bench llama kv heads":               # refused before any layout's note
+            assert lines == errors, (name, res)
+    assert not (tmp_path / "llama-run").exists()         # refused before its run directory was made
 
 
 @pytest.mark.parametrize("model", [(4, 12, 144, 64), (1, 2, 16, 16), (3, 4, 64, 128)])

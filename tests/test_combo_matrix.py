@@ -147,12 +147,37 @@ def resolved_words(combo: dict) -> str:
             f"batch={batch}")
 
 
+# Llama (issue 33): each joins its world size's launch. 8 heads over kv= kv heads;
+# a head split finer than kv (1-D tp 4 and 8 over 2, 2-D/2.5-D/3-D q 2 over 1)
+# replicates kv heads over the ranks that share them, the others hold whole ones.
+# Each is checked like every case: against serial, and its traffic and memory
+# against the cost model's Llama terms.
+LLAMA = "arch=llama heads=8"
+LLAMA_CASES = [
+    (4, f"layout=1d tp=4 kv=2 recompute=blocks accum=2 {LLAMA}"),              # replicated (2 ranks a kv head)
+    (4, f"layout=2d tp=4 kv=2 {LLAMA}"),                                       # whole kv heads on the grid
+    (8, f"layout=1d tp=8 kv=2 recompute=gathers ckpt=1 {LLAMA}"),              # replicated (4 ranks a kv head)
+    (8, f"layout=3d tp=8 kv=1 ckpt=1 {LLAMA}"),                                # replicated over j
+    (8, f"layout=3d tp=8 kv=2 {LLAMA}"),                                       # whole kv heads on the cube
+    (8, f"layout=2d tp=4 dp=2 zero=3 kv=1 {LLAMA}"),                           # replicated over columns, zero 3
+    (8, f"layout=2.5d tp=8 depth=2 kv=1 {LLAMA}"),                             # replicated, summed over depth too
+    (8, f"layout=1d tp=4 cp=2 kv=2 {LLAMA}"),                                  # rotary at ring positions
+    (8, f"layout=1d tp=4 pp=2 accum=2 kv=2 {LLAMA}"),                          # untied head on the last stage
+    (8, f"layout=1d tp=4 sp=1 dp=2 zero=2 kv=2 {LLAMA}"),                      # sequence parallel, zero 2
+    (8, f"layout=1d tp=4 dp=2 zero=1 kv=1 {LLAMA}"),                           # zero 1's chunked norm
+    (8, f"layout=1d tp=2 cp=2 dp=2 kv=2 {LLAMA}"),                             # whole kv heads, cp with dp
+    (8, f"layout=3d tp=8 kv=1 dtype=bfloat16 {LLAMA}"),                        # the kv sums on the 16-bit wire
+]
+
+
 def launches() -> dict:
     """{world size: [case words]}: the covering set grouped by world size,
-    with the 4-axis case once no pairing of it is refused."""
+    with the 4-axis case once no pairing of it is refused, and the Llama cases."""
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
+    for ranks, words in LLAMA_CASES:
+        groups[ranks].append(words)
     return dict(sorted(groups.items()))
 
 
@@ -180,8 +205,36 @@ def test_every_pair_of_runnable_settings_is_covered():
     assert all(runnable(c) for c in chosen)
     assert covering_set() == chosen                                    # deterministic
     assert len(chosen) < 40, len(chosen)
-    for words in (w for ws in launches().values() for w in ws):
+    for words in (w for ws in launches().values() for w in ws if "arch=" not in w):
         assert re.search(r"batch=\d+$", words), words
+
+
+def test_llama_cases_cover_the_issue_targets():
+    """Issue 33's training targets each have a Llama case, in a launch of
+    its world size: kv heads replicated on 1-D (tp 4 and 8 over 2 kv
+    heads), 2-D, 2.5-D and 3-D, and Llama with pp, cp, zero 1-3, sequence
+    parallelism, recompute with accumulation; a checkpoint on two layouts."""
+    from mpicube.core.config import ModelConfig
+
+    def split(kw):
+        tp, depth = int(kw["tp"]), int(kw.get("depth", 1))
+        return {"1d": tp, "2d": round(tp ** 0.5), "2.5d": round((tp // depth) ** 0.5), "3d": round(tp ** (1 / 3))}[kw["layout"]]
+
+    seen = set()
+    for ranks, words in LLAMA_CASES:
+        kw = dict(w.split("=", 1) for w in words.split())
+        assert ranks == int(kw["tp"]) * int(kw.get("dp", 1)) * int(kw.get("pp", 1)) * int(kw.get("cp", 1)), words
+        assert words in LAUNCHES[ranks]
+        ModelConfig(vocab_size=61, n_ctx=16, n_layer=2, n_head=int(kw["heads"]), n_embd=16, arch="llama",
+                    n_kv_head=int(kw["kv"]))
+        if split(kw) > int(kw["kv"]):
+            seen.add(f"replicated {kw['layout']}" + (f" tp {kw['tp']}" if kw["layout"] == "1d" else ""))
+            seen |= {"checkpoint"} if kw.get("ckpt") == "1" else set()
+        seen |= {f"{axis} {kw[axis]}" for axis in ("pp", "cp", "zero", "sp") if axis in kw}
+        seen |= {"recompute+accum"} if "recompute" in kw and "accum" in kw else set()
+    want = {"replicated 1d tp 4", "replicated 1d tp 8", "replicated 2d", "replicated 2.5d", "replicated 3d",
+            "pp 2", "cp 2", "zero 1", "zero 2", "zero 3", "sp 1", "recompute+accum", "checkpoint"}
+    assert want <= seen, want - seen
 
 
 # --- the launches ----------------------------------------------------------------------

@@ -28,6 +28,25 @@ def test_cached_attention_equals_training_attention():
     assert np.allclose(np.concatenate(got, axis=1), want, rtol=1e-12, atol=1e-12)
 
 
+def test_cached_attention_keeps_kv_heads_only():
+    """Grouped-query attention (6 query heads over 2 kv heads): the cache
+    holds 2 heads, and a prefill of 3 then 4 single positions give the
+    training attention over the kv heads repeated for their query heads."""
+    rng = np.random.default_rng(1)
+    B, T, nh, nkv, hd = 2, 7, 6, 2, 4
+    q = rng.standard_normal((B, T, nh * hd))                             # (B, T, nh hd)
+    k, v = rng.standard_normal((2, B, T, nkv, hd))                       # (B, T, nkv, hd) each
+    repeated = [np.repeat(t, nh // nkv, axis=2).reshape(B, T, nh * hd) for t in (k, v)]   # head i reads i // 3
+    want, _ = ops.attention_forward(np.concatenate([q] + repeated, axis=-1), nh)        # (B, T, nh hd)
+    qkv = np.concatenate([q, k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)        # (B, T, (nh + 2 nkv) hd)
+    cache = kvcache.KVCache(np, B, nkv, 8, hd, np.float64)
+    assert cache.k.shape == (B, nkv, 8, hd)
+    got = [kvcache.cached_attention(qkv[:, :3], nh, cache, 0, nkv)]
+    got += [kvcache.cached_attention(qkv[:, t:t + 1], nh, cache, t, nkv) for t in range(3, T)]
+    assert np.allclose(np.concatenate(got, axis=1), want, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(cache.k[:, :, :T], k.transpose(0, 2, 1, 3))
+
+
 def test_sampler():
     logits = np.array([0.0, 3.0, 1.0, 2.9, -1.0])
     assert Sampler(0.0, 0, 1)(logits) == 1                               # greedy
@@ -94,3 +113,70 @@ def test_gpt2_text_without_tiktoken_is_one_clear_error(mpicube, tmp_path):
     r = mpicube.run("generate", path, "--prompt-tokens", "50256", "--max-new-tokens", "3", "--json")
     assert r.returncode == 0, r
     assert last_json(r.stdout)["text"] is None and len(last_json(r.stdout)["tokens"]) == 3
+
+
+# --------------------------------------------------------------------------- Llama
+
+
+LLAMA_PROMPT, LLAMA_NEW = [5, 17, 60, 0], 12
+LLAMA_RUNS = {"serial, no cache": (1, ["--no-cache"]), "serial": (1, []), "1d tp 2": (2, ["--layout", "1d"]),
+              "3d 2x2x2": (8, ["--layout", "3d"])}
+
+
+@pytest.fixture(scope="module")
+def llama_generations(tmp_path_factory):
+    """A random Llama (8 heads over 2 kv heads, vocabulary 61, Llama 3 rope
+    scaling) as a Hugging Face directory, and its greedy continuation by
+    ``mpicube generate`` (float64) in each of LLAMA_RUNS: {run: tokens}."""
+    from mpirun import mpiexec
+
+    from mpicube.core.config import RopeScaling
+    from mpicube.files.formats import hf_llama
+    from mpicube.model.gpt import gpt_params
+
+    cfg = ModelConfig(vocab_size=61, n_ctx=24, n_layer=2, n_head=8, n_embd=32, arch="llama", n_kv_head=2,
+                      ffn_hidden=24, rope_theta=500.0, rms_eps=1e-5, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))
+    rng = np.random.default_rng(4)
+    tensors = {d.name: 1.0 + 0.2 * rng.standard_normal(d.shape) if d.role == "norm" else
+               0.4 * rng.standard_normal(d.shape) for d in gpt_params(cfg)}
+    path = tmp_path_factory.mktemp("llama") / "hf"
+    hf_llama.write(path, tensors, cfg)
+    tokens = {}
+    for name, (n, extra) in LLAMA_RUNS.items():
+        proc = mpiexec(n, ["-m", "mpicube", "generate", path, "--prompt-tokens", ",".join(map(str, LLAMA_PROMPT)),
+                           "--max-new-tokens", LLAMA_NEW, "--temperature", "0", "--dtype", "float64", "--json",
+                           *extra], timeout=180)
+        assert proc.returncode == 0, (name, proc.stdout + proc.stderr)
+        tokens[name] = last_json(proc.stdout)["tokens"]
+    return path, tokens
+
+
+def test_llama_generates_alike_on_every_layout(llama_generations):
+    """Greedy tokens with the KV cache (kv heads only) equal the uncached
+    training forward's, on serial, 1-D tp 2 and 3-D on 8 ranks."""
+    _, tokens = llama_generations
+    want = tokens["serial, no cache"]
+    assert len(want) == LLAMA_NEW and len(set(want)) > 3, want      # not one token over and over
+    for name, got in tokens.items():
+        assert got == want, (name, got, want)
+
+
+def test_llama_greedy_tokens_are_transformers(llama_generations):
+    """transformers' ``generate(do_sample=False)`` (float64 norms and rotary
+    angles, its frequencies computed in float64) continues the prompt with
+    mpicube's tokens."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
+    from test_hf_llama import float64_reference, hf_inv_freq
+
+    path, tokens = llama_generations
+    float64_reference(torch, transformers.models.llama.modeling_llama)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float64,
+                                                          attn_implementation="sdpa").eval()
+    model.model.rotary_emb.inv_freq = hf_inv_freq(torch, transformers, model.config)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    prompt = torch.tensor([LLAMA_PROMPT])                                # (1, 4); token 0 is a token, not padding
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                             max_new_tokens=LLAMA_NEW, pad_token_id=-1)
+    assert out[0, len(LLAMA_PROMPT):].tolist() == tokens["serial"]

@@ -65,7 +65,7 @@ def test_serial_trace_holds_the_steps_it_ran(serial_trace, corpus_cache):
     from mpicube.training.train import build_parts
 
     with h5py.File(serial_trace, "r") as f:
-        assert f.attrs["format"] == "mpicube-trace" and f.attrs["version"] == 1 and f.attrs["steps"] == STEPS
+        assert f.attrs["format"] == "mpicube-trace" and f.attrs["version"] == 2 and f.attrs["steps"] == STEPS
         assert json.loads(f.attrs["config"]) == CFG and f.attrs["dtype"] == "float64"
         assert json.loads(f.attrs["layout"])["layout"] == "serial"
         opt = json.loads(f.attrs["optimizer"])
@@ -155,18 +155,20 @@ def test_an_altered_element_is_the_first_divergence(runner, serial_trace):
 @pytest.mark.timeout(300)
 def test_a_wrong_cube_axis_is_caught_at_the_first_activation_it_touches(runner, serial_trace):
     """tests/planted_bug.py makes block 1's c_fc reduce-scatter its output
-    over j instead of k: same shapes, wrong sums. Everything before block 1
-    agrees; block 1's output is the first divergence."""
+    over j instead of k: same shapes, wrong sums. Everything before block 1's
+    MLP agrees, its norm included; the MLP branch's output is the first
+    divergence (inside the block, not just the block's output)."""
     cmd = runner.command("trace", "--layout", "3d", *MODEL, "--steps", 1, "--out", "wrong.h5", n=8)
     at = cmd.index("-m")
-    cmd[at:at + 2] = [str(REPO / "tests" / "planted_bug.py"), "h.1.mlp.c_fc"]
+    cmd[at:at + 2] = [str(REPO / "tests" / "planted_bug.py"), "cube-axis=h.1.mlp.c_fc"]
     r = runner.run(cmd=cmd, timeout=240)
     assert r.returncode == 0, r
     r, summary = compare(runner, serial_trace, "wrong.h5")
     assert r.returncode == 1, r
-    assert summary["first_divergence"] == "step_1/act/h.1"
+    assert summary["first_divergence"] == "step_1/act/h.1.mlp"
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("step_1/")}
-    assert rows["step_1/act/h.0"].endswith("yes") and rows["step_1/act/h.1"].endswith("NO")
+    assert rows["step_1/act/h.1.ln_2"].endswith("yes") and rows["step_1/act/h.1.mlp"].endswith("NO")
+    assert rows["step_1/act/h.1.attn"].endswith("yes") and rows["step_1/act/h.1"].endswith("NO")
     assert "only in A" in r.stdout                                      # steps 2 and 3
 
 
@@ -262,6 +264,46 @@ def test_torch_trace_agrees_with_mpicube(runner, serial_trace):
     r = runner.run("compare", serial_trace, out, "--tolerance", "depth")
     beyond = [line.split()[0] for line in r.stdout.splitlines() if line.endswith(" NO")]
     assert all("/param/" in name for name in beyond), r.stdout      # AdamW's rounding-noise caveat only
+
+
+LLAMA = ["--arch", "llama", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "16",
+         "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "4", "--dtype", "float64", "--dropout", "0.1",
+         "--seed", "5", "--warmup", "2", "--steps", "2"]
+LLAMA_CFG = {"vocab_size": 256, "n_ctx": 8, "n_layer": 2, "n_head": 4, "n_embd": 16, "arch": "llama",
+             "n_kv_head": 2, "ffn_hidden": 24, "rope_theta": 10000.0, "rms_eps": 1e-6, "tie_embeddings": False}
+
+
+@pytest.mark.timeout(300)
+def test_llama_traces_under_llama_names_and_torch_agrees(runner):
+    """A Llama trace (grouped-query attention 4 heads on 2 kv heads, an
+    untied lm_head, no biases, dropout) holds every Llama tensor in
+    computation order, 1-D tp 2 with sequence parallelism traces the same
+    steps, and tools/torch_trace.py's plain-torch Llama (rotate_half,
+    repeated kv heads, SwiGLU, RMSNorm) recorded through the hf_llama map
+    agrees with it to float64 rounding (skipped without torch)."""
+    r = runner.run("trace", "--layout", "serial", *LLAMA, "--out", "llama.h5")
+    assert r.returncode == 0, r
+    with h5py.File(runner.cwd / "llama.h5", "r") as f:
+        assert json.loads(f.attrs["config"]) == LLAMA_CFG
+        names = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+        assert sorted(names) == sorted(computation_order(LLAMA_CFG, 2))
+        assert f["init/h.0.attn.c_attn.weight"].shape == (16, 32) and f["init/lm_head"].shape == (256, 16)
+        assert "init/wpe" not in f and "init/h.0.ln_1.bias" not in f
+    r = runner.run("trace", "--layout", "1d", "--sequence-parallel", *LLAMA, "--out", "llama-tp.h5", n=2)
+    assert r.returncode == 0, r
+    r, summary = compare(runner, "llama.h5", "llama-tp.h5")
+    assert r.returncode == 0 and summary["tensors"] == len(computation_order(LLAMA_CFG, 2)), r
+    python = torch_python()
+    if python is None:
+        pytest.skip("torch is not installed (optional: pip install torch, or set MPICUBE_TORCH_PYTHON)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([python, str(REPO / "tools" / "torch_trace.py"), "llama.h5", "--out", "torch-llama.h5"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=runner.cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r, summary = compare(runner, "llama.h5", "torch-llama.h5")
+    assert r.returncode == 0, r
+    assert summary["tensors"] == len(computation_order(LLAMA_CFG, 2)) and summary["max_rel"] <= 1e-12
 
 
 @pytest.mark.timeout(600)

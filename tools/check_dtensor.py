@@ -1,22 +1,39 @@
 """A DTensor tensor-parallel GPT-2 checked against mpicube, on any number
-of gloo ranks:
+of gloo ranks that divides the heads:
 
     mpicube trace --dtype float64 --steps 3 --out ref.h5
-    torchrun --nproc-per-node 2 tools/check_dtensor.py --ref ref.h5 --out tp.h5 [--plant grad-scale]
+    torchrun --nproc-per-node 2 tools/check_dtensor.py --ref ref.h5 --out tp.h5 [--plant BUG]
     mpicube compare ref.h5 tp.h5
 
-The model is tools/torch_trace.py's nanoGPT-style GPT-2 with each block's
-MLP made Megatron-style tensor parallel by ``parallelize_module``
-(``c_fc`` column-parallel, ``c_proj`` row-parallel); attention stays
-replicated (nanoGPT's fused ``c_attn`` cannot be split by columns without
-regrouping its heads). Every rank records: the MLP weights as the DTensor
-shards their placements give, everything else as replicas, so ``compare``
-puts the shards together and checks that every replica agrees.
+The model is tools/torch_trace.py's nanoGPT-style GPT-2 made Megatron-style
+tensor parallel by ``parallelize_module``: in every block ``attn.c_attn``
+and ``mlp.c_fc`` column-parallel, ``attn.c_proj`` and ``mlp.c_proj``
+row-parallel, each rank computing its own heads. So that a rank's block of
+``c_attn`` rows is whole heads, the fused q/k/v holds its rows per head
+(``[q k v]`` of head 0, then of head 1, ..., as Megatron's ``linear_qkv``),
+which the name map regroups into the trace's ``[q | k | v]`` (rule
+"heads"). Every rank records: the split weights as the DTensor shards
+their placements give, the attention dropout masks as the heads it applied,
+everything else as replicas, so ``compare`` puts the shards together and
+checks that every replica agrees.
 
-``--plant grad-scale`` multiplies the last block's ``c_fc`` weight
-gradient by the number of ranks after backward - a gradient scaled by a
-parallel size, the bug class AdamW hides - and ``compare`` names that
-gradient as the first divergence.
+``--plant BUG`` plants one of the catalogue of issue 35 (the same bugs
+tests/planted_bug.py plants in mpicube), each named by ``compare`` at the
+first tensor it spoils:
+
+- ``grad-scale``: the last block's ``c_fc`` weight gradient multiplied by
+  the number of ranks (a gradient scaled by a parallel size);
+- ``norm-replicas``: the clipping norm sums every rank's squares, so the
+  replicated gradients count once per rank (``grad_norm``);
+- ``qkv-split``: the fused q/k/v kept in nanoGPT's ``[q | k | v]`` row
+  order and split by ``ColwiseParallel`` as it is, so rank 0's "heads" are
+  all of q and half of k (``act/h.0.attn``);
+- ``dropout-rank``: every rank applies the attention dropout mask of rank
+  0's heads, as ranks that share one random stream do
+  (``dropout/h.0.attn``, with a reference traced with --dropout).
+
+``--plant all`` writes OUT (no bug) and one OUT-BUG.h5 per bug from one
+launch (the test suite's).
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,31 +53,109 @@ HERE = Path(__file__).resolve().parent
 spec = importlib.util.spec_from_file_location("torch_trace", HERE / "torch_trace.py")
 torch_trace = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(torch_trace)                 # the model, the loop, and mpicube.check on the path
+from mpicube.check.namemaps import Rule, nanogpt    # noqa: E402
 from mpicube.check.reference import Reference       # noqa: E402
+
+PLANTS = ("grad-scale", "norm-replicas", "qkv-split", "dropout-rank")
+
+
+class HeadsAttention(torch.nn.Module):
+    """Causal attention over this rank's heads: ``c_attn`` (made
+    column-parallel) gives (B, T, 3 C/tp) whose columns are [q k v] per
+    local head, ``c_proj`` (row-parallel) sums the heads' outputs."""
+
+    def __init__(self, cfg: dict, p: float, tp: int, rank: int, plant):
+        super().__init__()
+        C, self.n_head = cfg["n_embd"], cfg["n_head"]
+        self.c_attn, self.c_proj = torch.nn.Linear(C, 3 * C), torch.nn.Linear(C, C)
+        self.attn_dropout, self.resid_dropout = torch_trace.ReplayDropout(p), torch_trace.ReplayDropout(p)
+        self.nh, self.p, self.plant = self.n_head // tp, p, plant
+        self.heads = np.arange(rank * self.nh, (rank + 1) * self.nh)                 # this rank's heads
+        self.drawn = np.arange(self.nh) if plant == "dropout-rank" else self.heads    # the mask it applies
+        self.applied = None
+
+    def forward(self, x):
+        B, T, C = x.shape
+        qkv, hd = self.c_attn(x), C // self.n_head                                   # (B, T, 3 nh hd)
+        q, k, v = qkv.view(B, T, self.nh, 3, hd).unbind(3)                           # (B, T, nh, hd) each
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                              # (B, nh, T, hd)
+        att = (q @ k.transpose(-2, -1)) / hd ** 0.5                                   # (B, nh, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        if self.p > 0:
+            keep = self.attn_dropout.mask[:, self.drawn]                              # (B, nh, T, T)
+            att = att * keep / (1.0 - self.p)
+            full = tuple(self.attn_dropout.mask.shape)
+            self.applied = (keep.numpy(), (np.arange(B), self.heads, np.arange(T), np.arange(T)), full)
+        y = (att @ v).transpose(1, 2).reshape(B, T, self.nh * hd)                     # (B, T, C/tp)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def per_head_qkv(cfg: dict):
+    """nanoGPT's map with ``c_attn``'s rows per head (Megatron's layout)."""
+    m = nanogpt(cfg)
+    for i in range(cfg["n_layer"]):
+        for kind in ("weight", "bias"):
+            m.rules[f"h.{i}.attn.c_attn.{kind}"] = Rule((f"transformer.h.{i}.attn.c_attn.{kind}",), "heads",
+                                                        cfg["n_head"])
+    return m
+
+
+def applied(model, masks: dict) -> dict:
+    """The masks as this rank applied them: its heads of each attention mask."""
+    return {**masks, **{f"h.{i}.attn": b.attn.applied for i, b in enumerate(model.transformer.h)}}
+
+
+def clip_counting_replicas(model, max_norm: float):
+    """The planted norm: every rank's squares summed, replicas included."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    total = torch.stack([(t * t).sum() for t in local]).sum()
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    coef = min(1.0, max_norm / (float(norm) + 1e-6)) if max_norm > 0 else 1.0
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
+def run(ref, out: str, plant, mesh) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = torch_trace.GPT(ref.config, ref.dropout)
+    for block in model.transformer.h:
+        block.attn = HeadsAttention(ref.config, ref.dropout, world, rank, plant)
+        parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                         "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+    model = model.to(torch.float64 if ref.dtype == "float64" else torch.float32)
+
+    def grad_scale(m):
+        m.transformer.h[-1].mlp.c_fc.weight.grad.mul_(world)
+
+    layout = {"framework": "torch", "torch": torch.__version__, "tp": world, "parallel": "DTensor tp",
+              "plant": plant or "none"}
+    name_map = nanogpt(ref.config) if plant == "qkv-split" else per_head_qkv(ref.config)
+    torch_trace.train_and_record(model, ref, out, ref.steps, "cpu", layout, name_map=name_map,
+                                 after_backward=grad_scale if plant == "grad-scale" else None,
+                                 clip_fn=clip_counting_replicas if plant == "norm-replicas" else torch_trace.clip,
+                                 applied=applied, say=print if rank == 0 else (lambda *_: None))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ref", required=True, help="mpicube trace to take the model, optimizer and batches from")
     ap.add_argument("--out", required=True, help="trace file to write (rank 0)")
-    ap.add_argument("--plant", choices=["grad-scale"], default=None, help="plant a bug to see it named")
+    ap.add_argument("--plant", choices=PLANTS + ("all",), default=None, help="plant a bug to see it named")
     args = ap.parse_args(argv)
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    ref = Reference(args.ref)
-    model = torch_trace.GPT(ref.config, ref.dropout).to(torch.float64 if ref.dtype == "float64" else torch.float32)
-    for block in model.transformer.h:
-        parallelize_module(block.mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
-
-    def grad_scale(m):
-        m.transformer.h[-1].mlp.c_fc.weight.grad.mul_(world)
-
-    layout = {"framework": "torch", "torch": torch.__version__, "tp": world, "parallel": "DTensor MLP tp"}
-    with ref:
-        torch_trace.train_and_record(model, ref, args.out, ref.steps, "cpu", layout,
-                                     after_backward=grad_scale if args.plant else None,
-                                     say=print if dist.get_rank() == 0 else (lambda *_: None))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with Reference(args.ref) as ref:
+        if args.plant != "all":
+            run(ref, args.out, args.plant, mesh)
+        else:
+            out = Path(args.out)
+            for plant in (None,) + PLANTS:
+                run(ref, str(out if plant is None else out.with_name(f"{out.stem}-{plant}{out.suffix}")), plant, mesh)
     dist.destroy_process_group()
     return 0
 

@@ -46,7 +46,9 @@ def cube_blocks(cfg: ModelConfig, q: int, rank: int) -> list:
     (parameters, m and v), from the 3-D layout's own ``shard``."""
     i, rest = divmod(rank, q * q)
     j, k = divmod(rest, q)
-    cell = SimpleNamespace(q=q, i=i, j=j, k=k, vocab_padded=CubeLayout.pad_to(cfg.vocab_size, q), ij=None, ik=None)
+    cell = SimpleNamespace(q=q, i=i, j=j, k=k, vocab_padded=CubeLayout.pad_to(cfg.vocab_size, q), ij=None, ik=None,
+                           head_split=CubeLayout.head_coords(q ** 3, 1, rank)[:2], kv_comm=None)
+    cell.first_columns = lambda decl: CubeLayout.first_columns(cell, decl)    # heads over j, as the layout
     zero = np.zeros((), np.float32)
     blocks = []
     for decl in gpt_params(cfg):

@@ -5,11 +5,15 @@ the two tensor by tensor.
 It reads a reference trace's model config, optimizer, initial parameters,
 batches and (with dropout) keep masks, trains a nanoGPT-style GPT-2 made of
 ordinary torch modules - nn.Embedding, nn.LayerNorm, nn.Linear, nn.GELU -
-with autograd, ``torch.optim.AdamW`` over two parameter groups (or
+or, for a trace of ``--arch llama``, a Llama under Hugging Face's module
+names (RMSNorm, rotary embeddings with ``rotate_half``, grouped-query
+attention, SwiGLU, an untied ``lm_head``) written here in plain torch, with
+autograd, ``torch.optim.AdamW`` over two parameter groups (or
 ``torch.optim.SGD`` for a trace of ``--optimizer sgd``) and
 ``clip_grad_norm_``, and records the same steps. The model is torch's
-alone; the recorder and the nanoGPT name map (transposing nn.Linear's
-(out, in) weights) are the only part of mpicube it uses, and they need
+alone; the recorder and the nanoGPT or hf_llama name map (transposing
+nn.Linear's (out, in) weights, splitting ``c_attn`` and ``c_fc``) are the
+only part of mpicube it uses, and they need
 numpy and h5py, not MPI.
 
     mpicube trace --dtype float64 --steps 3 --out ref.h5
@@ -32,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))       # run from a checkout without installing
-from mpicube.check.namemaps import nanogpt                          # noqa: E402
+from mpicube.check.namemaps import hf_llama, nanogpt                # noqa: E402
 from mpicube.check.reference import Reference                       # noqa: E402
 from mpicube.check.torch import Recorder                            # noqa: E402
 from mpicube.core.errors import UserError                           # noqa: E402
@@ -130,6 +134,135 @@ class GPT(nn.Module):
             block.mlp.dropout.mask = get(f"h.{i}.resid_mlp")
 
 
+# --------------------------------------------------------------------------- Llama
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the statistics in float32 or wider (as HF's)."""
+
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
+
+    def forward(self, x):
+        wide = x if x.dtype == torch.float64 else x.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * wide.to(x.dtype)
+
+
+def rotate_half(x):
+    """(..., hd) -> (..., hd): the halves [a | b] become [-b | a]."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def rotary(T: int, hd: int, theta: float, dtype):
+    """(cos, sin), each (T, hd): angle p / theta^(2j/hd) for the pair j, in
+    float64 and then cast, the two halves sharing each angle."""
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)      # (hd/2,)
+    angles = torch.outer(torch.arange(T, dtype=torch.float64), inv)             # (T, hd/2)
+    both = torch.cat((angles, angles), dim=-1)                                  # (T, hd)
+    return both.cos().to(dtype), both.sin().to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query causal attention: query head i reads kv head
+    i // (n_head / n_kv_head); rotary on q and k; no biases."""
+
+    def __init__(self, cfg: dict, p: float):
+        super().__init__()
+        h, self.nh, self.nkv = cfg["n_embd"], cfg["n_head"], cfg["n_kv_head"]
+        self.hd, self.theta = h // self.nh, cfg["rope_theta"]
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(h, h, bias=False)
+        self.attn_dropout, self.resid_dropout = ReplayDropout(p), ReplayDropout(p)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)       # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)      # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = rotary(T, self.hd, self.theta, x.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        group = self.nh // self.nkv
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # (B, nh, T, hd)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)                   # (B, nh, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        att = self.attn_dropout(att.masked_fill(~causal, float("-inf")).softmax(dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)                       # (B, T, C)
+        return self.resid_dropout(self.o_proj(y))
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, h: int, F: int, p: float):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(h, F, bias=False), nn.Linear(h, F, bias=False)
+        self.down_proj = nn.Linear(F, h, bias=False)
+        self.dropout = ReplayDropout(p)
+
+    def forward(self, x):
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: dict, p: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg["n_embd"], cfg["rms_eps"])
+        self.self_attn = LlamaAttention(cfg, p)
+        self.post_attention_layernorm = RMSNorm(cfg["n_embd"], cfg["rms_eps"])
+        self.mlp = LlamaMLP(cfg["n_embd"], cfg["ffn_hidden"], p)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """A Llama under Hugging Face ``LlamaForCausalLM``'s parameter names, so
+    the hf_llama map serves it; ``model.drop`` is the embedding dropout
+    (HF's Llama has none), whose output is the trace's ``act/emb``."""
+
+    def __init__(self, cfg: dict, p: float):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["n_embd"])
+        self.model.drop = ReplayDropout(p)
+        self.model.layers = nn.ModuleList(LlamaLayer(cfg, p) for _ in range(cfg["n_layer"]))
+        self.model.norm = RMSNorm(cfg["n_embd"], cfg["rms_eps"])
+        self.lm_head = nn.Linear(cfg["n_embd"], cfg["vocab_size"], bias=False)
+        if cfg["tie_embeddings"]:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, idx, targets):
+        m = self.model
+        x = m.drop(m.embed_tokens(idx))
+        for layer in m.layers:
+            x = layer(x)
+        logits = self.lm_head(m.norm(x))                                       # (B, T, V)
+        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def set_masks(self, masks: dict, device, dtype) -> None:
+        get = lambda site: torch.as_tensor(masks[site], device=device).to(dtype)     # noqa: E731
+        self.model.drop.mask = get("emb")
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn_dropout.mask = get(f"h.{i}.attn")
+            layer.self_attn.resid_dropout.mask = get(f"h.{i}.resid_attn")
+            layer.mlp.dropout.mask = get(f"h.{i}.resid_mlp")
+
+
+def model_for(cfg: dict, p: float):
+    """The torch model of a trace's config, and the name map it records under."""
+    if cfg.get("arch") == "llama":
+        name_map = hf_llama(cfg)
+        name_map.acts["emb"] = "model.drop"                # after the embedding dropout, as the format says
+        return Llama(cfg, p), name_map
+    return GPT(cfg, p), nanogpt(cfg)
+
+
 def optimizer_for(model, ref, name_map):
     """torch's AdamW over the trace's two groups (decayed or not), or SGD
     when the reference was traced with --optimizer sgd."""
@@ -158,12 +291,16 @@ def clip(model, max_norm: float):
     return norm
 
 
-def train_and_record(model, ref, out, steps, device, layout, after_backward=None, say=print) -> None:
-    """The reference's steps on ``model``, recorded to ``out`` under the
-    nanoGPT name map; ``after_backward(model)`` may change the gradients
-    (a planted bug). Every rank calls it under torch.distributed."""
+def train_and_record(model, ref, out, steps, device, layout, after_backward=None, say=print,
+                     name_map=None, clip_fn=clip, applied=None) -> None:
+    """The reference's steps on ``model``, recorded to ``out`` under
+    ``name_map`` (default nanoGPT's); ``after_backward(model)`` may change
+    the gradients (a planted bug), ``clip_fn(model, max_norm)`` clips and
+    returns the norm, ``applied(model, masks)`` says which masks (or blocks
+    of them) this rank applied (default: the reference's, whole). Every
+    rank calls it under torch.distributed."""
     dtype = next(model.parameters()).dtype
-    name_map = nanogpt(ref.config)
+    name_map = name_map or nanogpt(ref.config)
     opt = optimizer_for(model, ref, name_map)
     max_norm = ref.optimizer["grad_clip"]["max_norm"]
     with Recorder(model, name_map, out, ref, layout=layout) as rec:
@@ -181,10 +318,10 @@ def train_and_record(model, ref, out, steps, device, layout, after_backward=None
             if after_backward is not None:
                 after_backward(model)
             rec.gradients()                                           # before clipping
-            norm = clip(model, max_norm)
+            norm = clip_fn(model, max_norm)
             opt.step()
-            rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits, masks=masks,
-                     tokens=ref.tokens[s - 1])
+            rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits,
+                     masks=applied(model, masks) if applied and masks else masks, tokens=ref.tokens[s - 1])
             say(f"step {s}/{steps}: loss {loss.item():.6f}, lr {ref.lr(s):.3e}, grad_norm {float(norm):.6f}")
 
 
@@ -201,11 +338,12 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     dtype, device = (torch.float64 if ref.dtype == "float64" else torch.float32), torch.device(args.device)
-    model = GPT(ref.config, ref.dropout).to(device=device, dtype=dtype)
+    model, name_map = model_for(ref.config, ref.dropout)
+    model = model.to(device=device, dtype=dtype)
     steps = min(args.steps or ref.steps, ref.steps)
     with ref:
         train_and_record(model, ref, args.out, steps, device,
-                         {"framework": "torch", "torch": torch.__version__, "device": str(device)})
+                         {"framework": "torch", "torch": torch.__version__, "device": str(device)}, name_map=name_map)
     print(f"wrote {args.out}: {steps} steps of torch {torch.__version__}")
     return 0
 

@@ -1,7 +1,7 @@
 """Analysis: what a run costs and what it computed, measured and predicted.
 
 ``costmodel`` derives each layout's communication from its collective
-sequence, ``costmemory`` its memory and ``costflops`` its FLOPs over the
+sequence (over what ``costparams`` says each rank holds), ``costmemory`` its memory and ``costflops`` its FLOPs over the
 ``Problem`` of ``costbase``, ``costpipe`` a pipeline's point-to-point
 traffic, bubble and in-flight activations from the schedule
 (``costreport`` and ``costpipereport`` print them for ``mpicube info``),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..parallel.context import ring_scores
-from .costmodel import Problem, block_linears
+from .costmodel import Problem, block_linears, head_split
 
 
 def step_flops(p: Problem) -> Fraction:
@@ -24,7 +24,7 @@ def step_flops(p: Problem) -> Fraction:
     its stage's layers (and the head on the last)."""
     cfg, L, h, T = p.cfg, p.layers, p.cfg.n_embd, p.seq_len
     N = p.local_batch * T                                            # tokens per replica and micro-batch
-    linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in block_linears(cfg))
+    linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in block_linears(cfg, head_split(p)))   # kv copies too
     attention = 2 * 2 * p.local_batch * ring_scores(T, p.cp) * h     # q k^T and probs v on the computed blocks
     head = 2 * N * h * _padded_vocab(p) if p.has_head else 0
     forwards = 2 if p.recompute == "blocks" else 1

@@ -104,17 +104,24 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     regather = mode == "gathers"
 
     # one block: LN xhat (x2), qkv and the scaled copy of q, GELU input and tanh; blockwise
-    # attention keeps no probabilities (ops.attention_blocks), only lse and its output
-    block = 2 * nc * cc + n * 4 * mid_cols + 2 * n * 4 * mid_cols
+    # attention keeps no probabilities (ops.attention_blocks), only lse and its output.
+    # Llama: RMSNorm's xhat (x2); the rotated and repeated [q | k | v] the attention op sees
+    # (n_head heads each, whatever the kv heads) and its scaled q; SwiGLU's [gate | up], sigmoid
+    # and silu (4 F_m) and mlp.c_proj's input (F_m) instead of GELU's 4 h_m pair and input.
+    if cfg.llama:
+        act_kept, mlp_in = 4 * (cfg.ffn // heads), cfg.ffn // heads
+    else:
+        act_kept, mlp_in = 2 * 4 * mid_cols, 4 * mid_cols
+    block = 2 * nc * cc + n * 4 * mid_cols + n * act_kept
     if p.layout == "3d" and not regather and gathered:
         block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
     if p.layout == "3d":
-        for h_in, h_out, _ in block_linears(cfg):
+        for h_in, h_out, _ in block_linears(cfg, q):
             block += n * h_in // q if regather else q * n * h_in // q         # local or gathered X
             block += 0 if regather else gathered * (h_in // q) * (h_out // q)   # gathered W
     else:
         first_inputs = 2 * n * cc // shard if regather else 2 * n * cc     # c_attn, c_fc
-        block += first_inputs + n * mid_cols + n * 4 * mid_cols            # c_proj, mlp.c_proj
+        block += first_inputs + n * mid_cols + n * mlp_in                  # c_proj, mlp.c_proj
     if dropout:
         block += 2 * nc * cc           # residual masks; attention's are drawn block by block, never kept
     # outside the blocks: ln_f xhat, logits and softmax, head input (head); embedding mask (lookup);
@@ -128,8 +135,12 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
             outside += n * cc // shard if regather else n * cc               # head input
     if p.layout in ("2d", "2.5d", "3d") and (embed or head):
         wte_panel = V * (h // q) if p.layout == "3d" else (V * q) * (h // q)  # 3-D's over i; wte[:, block c]
-        panel = 0 if regather and head else gathered * wte_panel
-        grad = wte_panel                                                      # its gradient
+        if cfg.tied:                   # one panel for the lookup and the head
+            panel = 0 if regather and head else gathered * wte_panel
+            grad = wte_panel                                                  # its gradient
+        else:                          # the lookup's wte panel, the head's lm_head panel (let go under gathers)
+            panel = gathered * wte_panel * (int(embed) + (0 if regather else int(head)))
+            grad = wte_panel * (int(embed) + int(head))
     if dropout and embed:
         outside += nc * cc
     step = {"act": panel, "stat": 0, "grad": grad}

@@ -74,21 +74,35 @@ from dataclasses import replace
 from ..parallel import fsdp, zero
 from ..parallel.schedules import build_schedule
 from ..core.config import ModelConfig
-from ..model.gpt import gpt_params
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
 from .costpipe import pipeline_traffic
+from .costparams import (_group_size, block_linears, head_split, kv_param_sizes,  # noqa: F401 (re-exported)
+                         local_param_sizes, on_stage)
 
 
-def block_linears(cfg: ModelConfig):
-    """(h_in, h_out, position) of every linear of one block."""
-    h = cfg.n_embd
-    return [(h, 3 * h, "first"), (h, h, "second"), (h, 4 * h, "first"), (4 * h, h, "second")]
-
-
-def _layernorm(t: Traffic, axis, g, rows, count, width):  # statistics: width is Widths.stat
-    """Forward: mean and variance all-reduces; backward: one of two sums."""
+def _layernorm(t: Traffic, axis, g, rows, count, width, rms: bool = False):  # statistics: width is Widths.stat
+    """Forward: mean and variance all-reduces; backward: one of two sums.
+    RMSNorm (``rms``): the mean square forward, one sum backward."""
+    if rms:
+        t.allreduce(axis, g, rows, times=2 * count, width=width)
+        return
     t.allreduce(axis, g, rows, times=2 * count, width=width)
     t.allreduce(axis, g, 2 * rows, times=count, width=width)
+
+
+def _norm_stats_again(cfg: ModelConfig) -> int:
+    """All-reduces of per-row statistics one rerun block's two norms make
+    (--recompute blocks): two each for LayerNorm, one for RMSNorm."""
+    return 2 if cfg.llama else 2 * 2
+
+
+def _embedding_uses(p: Problem) -> tuple:
+    """(gathers, gradient reductions) of the embedding panels a stage
+    holds: the tied wte serves the lookup and the head with one panel;
+    an untied model's lookup (wte) and head (lm_head) have one each."""
+    embed, head = int(p.has_embed), int(p.has_head)
+    n = int(embed or head) if p.cfg.tied else embed + head
+    return n, n
 
 
 def _cross_entropy(t: Traffic, axis, g, rows, width):
@@ -139,22 +153,24 @@ def tesseract_traffic(p: Problem) -> Traffic:
     n = p.local_batch * p.seq_len // (d * q)              # activation rows per rank
     V = -(-cfg.vocab_size // q) * q
     forwards = 2 if p.recompute == "blocks" else 1            # blocks: each block's forward again
-    L, head, wte = p.layers, int(p.has_head), int(p.has_embed or p.has_head)
-    for h_in, h_out, _ in block_linears(cfg) * L:
+    L, head = p.layers, int(p.has_head)
+    for h_in, h_out, _ in block_linears(cfg, q) * L:
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
         t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
         t.reduce_onto("row", q, x_panel, times=q, width=w.red)  # dX
         t.bcast("col", q, w_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dX
         t.reduce_onto("col", q, w_panel, times=q, width=w.red)  # dW
-    _layernorm(t, "row", q, n, 2 * L + head, w.stat)
+    _layernorm(t, "row", q, n, 2 * L + head, w.stat, rms=cfg.llama)
     if forwards == 2:
-        t.allreduce("row", q, n, times=2 * 2 * L, width=w.stat)   # ln_1, ln_2 statistics again
-    # A stage holding wte gathers it at its first use; gathers: again for the head backward.
-    gathers = wte + (head if p.recompute == "gathers" else 0)
+        t.allreduce("row", q, n, times=_norm_stats_again(cfg) * L, width=w.stat)   # ln_1, ln_2 statistics again
+    # A stage holding wte gathers it at its first use (an untied head its lm_head too);
+    # gathers: the head's again for its backward.
+    panels, grads = _embedding_uses(p)
+    gathers = panels + (head if p.recompute == "gathers" else 0)
     t.allgather("col", q, (V // q) * (cfg.n_embd // q), times=gathers, width=w.act)   # wte[:, block c]
     t.reduce_scatter("row", q, n * V, times=head, width=w.red)    # LM head forward
     t.allgather("row", q, n * V // q, times=head, width=w.act)    # LM head backward
-    t.reduce_scatter("col", q, V * (cfg.n_embd // q), times=wte, width=w.red)    # wte gradient
+    t.reduce_scatter("col", q, V * (cfg.n_embd // q), times=grads, width=w.red)    # wte (lm_head) gradient
     if head:
         _cross_entropy(t, "row", q, n, w.stat)
     return t
@@ -169,7 +185,7 @@ def cube_traffic(p: Problem) -> Traffic:
     gathers = 2 if p.recompute == "gathers" else 1     # gathers: X and W again in backward
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
     L, embed, head = p.layers, int(p.has_embed), int(p.has_head)
-    for h_in, h_out, position in block_linears(cfg) * L:
+    for h_in, h_out, position in block_linears(cfg, q) * L:
         a, b = ("j", "k") if position == "first" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
         t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=forwards * gathers, width=w.act)   # W over i
@@ -177,10 +193,10 @@ def cube_traffic(p: Problem) -> Traffic:
         t.allgather(b, q, n * h_out // q, width=w.act)                        # dY over b
         t.reduce_scatter(a, q, n * q * h_in // q, width=w.red)                # dX over a
         t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.red)     # dW over i
-    _layernorm(t, "k", q, n, 2 * L + head, w.stat)
+    _layernorm(t, "k", q, n, 2 * L + head, w.stat, rms=cfg.llama)
     if forwards == 2:
-        t.allreduce("k", q, n, times=2 * 2 * L, width=w.stat)      # ln_1, ln_2 statistics again
-    wte = int(embed or head)                           # a stage holding wte gathers it at its first use
+        t.allreduce("k", q, n, times=_norm_stats_again(cfg) * L, width=w.stat)      # ln_1, ln_2 statistics again
+    wte, grads = _embedding_uses(p)                    # a stage gathers each panel at its first use
     t.allgather("i", q, (V // q) * (h // (q * q)), times=wte + head * (gathers - 1), width=w.act)   # wte over i
     t.reduce_scatter("j", q, n * q * h // q, times=embed, width=w.red)         # lookup
     t.allgather("j", q, n * h // q, times=head * gathers, width=w.act)   # head: X over j
@@ -188,7 +204,7 @@ def cube_traffic(p: Problem) -> Traffic:
     t.allgather("k", q, n * V // q, times=head, width=w.act)                  # head backward: dlogits
     t.reduce_scatter("j", q, n * q * h // q, times=head, width=w.red)         # head backward: dX
     t.allgather("j", q, n * h // q, times=embed, width=w.act)                  # lookup backward: dX
-    t.reduce_scatter("i", q, (V // q) * (h // q), times=wte, width=w.red)    # wte gradient
+    t.reduce_scatter("i", q, (V // q) * (h // q), times=grads, width=w.red)    # wte (lm_head) gradient
     if head:
         _cross_entropy(t, "j", q, n, w.stat)
     return t
@@ -196,69 +212,6 @@ def cube_traffic(p: Problem) -> Traffic:
 
 TRAFFIC = {"serial": serial_traffic, "1d": oned_traffic, "2d": tesseract_traffic,
            "2.5d": tesseract_traffic, "3d": cube_traffic}
-
-
-def local_param_sizes(p: Problem) -> dict:
-    """{name: (local elements, gradient axis or None)} for one rank, from the
-    sharding rules of each layout (closed forms, not the layout code);
-    under a pipeline only the tensors of this stage (``on_stage``)."""
-    cfg, out = p.cfg, {}
-    mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
-    for decl in gpt_params(cfg):
-        if on_stage(p, decl.name, mine):
-            out[decl.name] = _local_size(p, decl)
-    return out
-
-
-def on_stage(p: Problem, name: str, layers: set = None) -> bool:
-    """Whether parameter ``name`` lives on this stage: a block's on the stage
-    of its chunk (``layers``: this stage's, computed once by the caller),
-    wpe on the first, ln_f on the last, and wte on both (the LM head is
-    tied to the lookup: each end holds a copy)."""
-    if p.pp == 1:
-        return True
-    if name.startswith("h."):
-        if layers is None:
-            layers = {i for k in p.stage_chunks for i in p.chunk_layers[k]}
-        return int(name.split(".")[1]) in layers
-    if name == "wte":
-        return p.has_embed or p.has_head
-    return p.has_embed if name == "wpe" else p.has_head
-
-
-def _local_size(p: Problem, decl):
-    role, shape, cfg = decl.role, decl.shape, p.cfg
-    numel = 1
-    for n in shape:
-        numel *= n
-    if p.layout == "serial":
-        return numel, None
-    if p.layout == "1d":
-        g = p.tp
-        if role == "wte":
-            return -(-cfg.vocab_size // g) * cfg.n_embd, None
-        if role in ("w_first", "b_first", "w_second"):
-            return numel // g, None
-        if p.sequence_parallel and role in ("wpe", "norm"):
-            return numel, "tp"                 # partial sums from this rank's T/tp positions
-        return numel, None
-    if p.layout in ("2d", "2.5d"):
-        d = p.depth
-        q = round((p.tp // d) ** 0.5)
-        on_depth = "depth" if d > 1 else None
-        if role == "wte":
-            return -(-cfg.vocab_size // q) * cfg.n_embd // q, on_depth
-        if role in ("w_first", "w_second"):
-            return numel // (q * q), on_depth
-        return numel // q, "col_depth"     # wpe, norm, biases: hidden block c
-    q = round(p.tp ** (1 / 3))
-    if role == "wte":
-        return -(-cfg.vocab_size // q) * cfg.n_embd // (q * q), None
-    if role in ("w_first", "w_second"):
-        return numel // (q ** 3), None
-    if role == "b_first":
-        return numel // q, "ik"
-    return numel // q, "ij"                # wpe, norm, b_second
 
 
 def step_traffic(p: Problem) -> Traffic:
@@ -293,19 +246,21 @@ def step_traffic(p: Problem) -> Traffic:
     for n, axis in sizes.values():
         if axis is not None:
             group_sizes[axis] += n
-    if p.pp > 1 and (p.has_embed or p.has_head):               # wte's two copies, before the optimizer
+    if p.pp > 1 and (p.has_embed or p.has_head) and p.cfg.tied:   # wte's two copies, before the optimizer
         tied = next(c for seg, _, c in segments if seg == zero.TIED) if segments else sizes["wte"][0]
         t.sum("tied", 2, tied, width=w.gsum)
     if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
         segmented_traffic(p, t, sizes)
     elif p.sharded:
         _group_sums(p, t, group_sizes)
+        _kv_sums(p, t, kv_param_sizes(p))
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
         t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
         t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)   # gradient norm
     else:
         _group_sums(p, t, group_sizes)
+        _kv_sums(p, t, kv_param_sizes(p))
         t.sum("dp", p.dp, params, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
         t.allreduce("pp", p.pp, 1, width=w.scalar)             # ... and over the stages
@@ -318,6 +273,14 @@ def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
     """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
     for axis, n in group_sizes.items():
         t.sum(axis, _group_size(p, axis), n, width=p.widths.gsum)
+
+
+def _kv_sums(p: Problem, t: Traffic, kv_sizes: dict, times: int = 1) -> None:
+    """The shared kv columns of ``kv_sizes`` summed over their sharers, all
+    of them in one all-reduce (``gradients.sync_shared``)."""
+    if kv_sizes:
+        share = next(iter(kv_sizes.values()))[1]
+        t.sum("kv", share, sum(n for n, _ in kv_sizes.values()), times=times, width=p.widths.gsum)
 
 
 def attention_split(p: Problem) -> tuple:
@@ -364,6 +327,8 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
                 groups[axis] += n
         for axis, n in groups.items():
             t.sum(axis, _group_size(p, axis), n, times=p.grad_accum, width=w.gsum)
+        _kv_sums(p, t, {name: v for name, v in kv_param_sizes(p).items()
+                        if zero.segment_of(name, p.pp > 1) == seg}, times=p.grad_accum)
         t.reduce_scatter("dp", p.dp, p.dp * chunk, times=p.grad_accum, width=w.gsum)
         if p.zero == 3 and zero.is_end(seg):
             t.allgather("dp", p.dp, chunk, width=w.act)          # once per step: it stays gathered
@@ -392,14 +357,3 @@ def block_gathers(p: Problem, blocks: list) -> int:
             walk = [f"h.{i}" for i in split[a.chunk * p.pp + p.stage]]
             passes.append(walk if a.op == "forward" else walk[::-1])
     return fsdp.pass_gathers(passes, blocks)
-
-
-def _group_size(p: Problem, axis: str) -> int:
-    if axis == "tp":
-        return p.tp
-    if axis == "depth":
-        return p.depth
-    if axis == "col_depth":
-        return p.tp // round((p.tp // p.depth) ** 0.5)
-    q = round(p.tp ** (1 / 3))
-    return q * q                               # ij, ik planes of the cube

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..core.config import ModelConfig
 from .costflops import step_flops
-from .costmodel import Problem, local_param_sizes, step_traffic
+from .costmodel import Problem, kv_param_sizes, local_param_sizes, step_traffic
 from .costmemory import step_memory, step_memory_bytes
 from ..parallel.gridspec import GridSpec
 from ..parallel.grid import plan
@@ -84,7 +84,7 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
              + f", --recompute {recompute}", "",
              "sharding plan (per rank):",
              f"  {'tensor':<28} {'global shape':>16} {'local elems':>12}  gradient summed over"]
-    sizes = local_param_sizes(chosen)
+    sizes, kv = local_param_sizes(chosen), kv_param_sizes(chosen)
     shown = {}
     for decl in gpt_params(cfg):
         key = decl.name.split(".", 2)[-1] if decl.name.startswith("h.") else decl.name
@@ -93,7 +93,10 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
         shown[key] = True
         n, axis = sizes[decl.name]
         label = ("h.*." + key) if decl.name.startswith("h.") else key
-        lines.append(f"  {label:<28} {str(decl.shape):>16} {n:>12}  {axis or '-'}")
+        summed = axis or "-"
+        if decl.name in kv:          # replicated kv heads: their k/v columns summed over the sharers
+            summed = (f"{axis}, " if axis else "") + f"kv ({kv[decl.name][0]} k/v elements, {kv[decl.name][1]} ranks)"
+        lines.append(f"  {label:<28} {str(decl.shape):>16} {n:>12}  {summed}")
     traffic, memory, nbytes = step_traffic(chosen), step_memory(chosen), step_memory_bytes(chosen)
     lines += ["", f"communication per rank per step ({dtype}: elements, bytes, messages):"]
     for axis in sorted(traffic.elems):

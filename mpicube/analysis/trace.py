@@ -68,7 +68,7 @@ def trace_bytes(cfg, batch: int, seq_len: int, steps: int, dropout: float, items
     """Bytes of tensor data a trace of these sizes holds (HDF5 adds a little)."""
     B, T, h, L = batch, seq_len, cfg.n_embd, cfg.n_layer
     params = cfg.n_params()
-    per_step = (2 * params + (L + 2) * B * T * h + B * T * cfg.vocab_size + 3) * itemsize
+    per_step = (2 * params + (5 * L + 2) * B * T * h + B * T * cfg.vocab_size + 3) * itemsize
     if dropout > 0:                                       # uint8 keep masks
         per_step += (2 * L + 1) * B * T * h + L * B * cfg.n_head * T * T
     return steps * B * (T + 1) * 4 + params * itemsize + steps * per_step

@@ -129,7 +129,18 @@ class Collector:
                                                              self.cols), self.host(block, dtype))
 
     def activations(self, capture: dict, T: int) -> list:
-        return [self.canonical(f"act/{key}", block, T) for key, block in capture.items()]
+        """Pieces of the captured activations; a branch output inside a
+        block ("h.{i}.attn", "h.{i}.mlp") gets its residual dropout here,
+        the same multiplication by the same mask the block applies."""
+        model, tape = self.current
+        drop, ctx = model.dropout, tape.ctx
+        pieces = []
+        for key, block in capture.items():
+            site, _, part = key.rpartition(".")
+            if part in RESIDUAL_MASK and site.startswith("h.") and drop.on(ctx):
+                block = block * drop.canonical(ctx, f"{site}.{RESIDUAL_MASK[part]}", block.shape[1])
+            pieces.append(self.canonical(f"act/{key}", block, T))
+        return pieces
 
     def logits(self, T: int) -> list:
         """(B_l, T, V_l) -> piece of (B, T, V); padded vocabulary dropped
@@ -203,25 +214,52 @@ class Collector:
 class Observed:
     """A model piece whose output is copied into ``sink[name]`` after each
     forward: how a trace sees the activations between blocks without the
-    model knowing it is watched. Everything else passes to the piece."""
+    model knowing it is watched. Everything else passes to the piece.
+    ``gate``, when given, is a list whose first item says whether to copy
+    (a piece inside a block copies during the block's observed forward
+    only, not in a --recompute blocks rerun during backward, which would
+    overwrite another micro-batch's); a block's own observer opens the
+    gate of the pieces inside it for the length of its forward."""
 
-    def __init__(self, inner, name: str, sink: dict):
+    def __init__(self, inner, name: str, sink: dict, gate: list = None, opens: list = None):
         self.inner, self.name, self.sink = inner, name, sink
+        self.gate, self.opens = gate, opens
 
     def forward(self, x, *args):
-        y, saved = self.inner.forward(x, *args)
-        self.sink[self.name] = y.copy()                     # (B_c, T_c, C_c)
+        if self.opens is not None:
+            self.opens[0] = True
+        try:
+            y, saved = self.inner.forward(x, *args)
+        finally:
+            if self.opens is not None:
+                self.opens[0] = False
+        if self.gate is None or self.gate[0]:
+            self.sink[self.name] = y.copy()                 # (B_c, T_c, C_c)
         return y, saved
 
     def __getattr__(self, attr):
         return getattr(self.inner, attr)
 
 
+# the pieces inside a block whose outputs a trace records (names.BLOCK_ACTS), by the block's attribute;
+# the branches' (c_proj, mlp_proj) are recorded before their residual dropout, which Collector applies
+INSIDE = {"ln_1": "ln_1", "c_proj": "attn", "ln_2": "ln_2", "mlp_proj": "mlp"}
+RESIDUAL_MASK = {"attn": "resid_attn", "mlp": "resid_mlp"}
+
+
 def record_outputs(model, sink: dict) -> None:
     """Wrap ``model``'s embeddings, blocks and final norm in ``Observed``:
-    their outputs land in ``sink`` as "emb", "h.{i}" and "ln_f", in the
-    order computed."""
+    their outputs land in ``sink`` as "emb", "h.{i}" and "ln_f", and inside
+    block i the norms' and the branches' as "h.{i}.ln_1", "h.{i}.attn",
+    "h.{i}.ln_2", "h.{i}.mlp", in the order computed."""
     model.front = [Observed(piece, "emb", sink) for piece in model.front]
-    model.blocks = [Observed(block, block.site, sink) for block in model.blocks]
+    blocks = []
+    for block in model.blocks:
+        inner = getattr(block, "block", block)               # a Recomputed block's Block
+        gate = [False]
+        for attr, name in INSIDE.items():
+            setattr(inner, attr, Observed(getattr(inner, attr), f"{block.site}.{name}", sink, gate=gate))
+        blocks.append(Observed(block, block.site, sink, opens=gate))
+    model.blocks = blocks
     for head in model.back:
         head.ln_f = Observed(head.ln_f, "ln_f", sink)

@@ -10,8 +10,10 @@ named in the order the computation happens (names.py):
   value at the same place (then the row says so and the rest is compared);
 - a tensor or a whole step present in one trace only, or a step that the
   ``steps`` attribute declares but neither file holds, unless an
-  ``--allow-missing`` pattern covers it (a trace written before the format
-  gained a tensor, a framework that cannot produce one);
+  ``--allow-missing`` pattern covers it (a framework that cannot produce a
+  tensor) or the trace lacking it is of a format version older than the
+  tensor (names.NEW_IN: a version 1 trace has no activations inside the
+  blocks, and is still compared on everything else);
 - a sharded tensor (shards.py) whose replicas part, or with elements no
   rank holds;
 - a shape mismatch, a tensor stored in another dtype than the format's;
@@ -33,9 +35,9 @@ import numpy as np
 
 from ..core.errors import UserError
 from . import tolerance as tol
-from .names import depth, ordered, step_of
+from .names import depth, missing_by_version, ordered, step_of
 from .tracefile import (DTYPES, REQUIRED_ATTRS, datasets, describe, expected_dtype, open_trace, read_config,
-                        read_tensor, steps_present, trace_dtype)
+                        read_tensor, steps_present, trace_dtype, version)
 
 
 @dataclass
@@ -214,7 +216,10 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
                                             compared=False)
         for side, other, mine, theirs in (("A", "B", names_a - names_b, names_b),
                                           ("B", "A", names_b - names_a, names_a)):
-            for row in missing_rows(side, other, mine, theirs, allow_missing):
+            older = missing_by_version(version(files[other]))    # what the other's format version lacks
+            for row in missing_rows(side, other, mine, theirs, tuple(allow_missing) + older):
+                if older and row.ok and not allowed_by(row.name, allow_missing):
+                    row.note += f" (a version {version(files[other])} trace does not hold it)"
                 rows[row.name] = row
         for name in names_a & names_b:
             rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict)

@@ -11,8 +11,10 @@ serves parameters and their gradients.
 
 Shipped maps: ``nanogpt`` (Karpathy's nanoGPT ``GPT``), ``hf_gpt2``
 (transformers' ``GPT2LMHeadModel``), ``split_qkv`` (nanoGPT with
-``q_proj``/``k_proj``/``v_proj`` linears) and ``megatron_gpt2``
-(megatron-core ``GPTModel`` names, fused ``linear_qkv``). A map that misses
+``q_proj``/``k_proj``/``v_proj`` linears), ``megatron_gpt2``
+(megatron-core ``GPTModel`` names, fused ``linear_qkv``) and ``hf_llama``
+(transformers' ``LlamaForCausalLM``: q/k/v_proj into ``c_attn`` with
+grouped-query widths, gate/up_proj into ``c_fc``, every linear transposed). A map that misses
 a parameter, or a framework tensor no rule uses, is bad input naming it.
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import UserError
-from .names import BLOCK_PARAMS, forward_param_order
+from .names import BLOCK_ACTS, BLOCK_PARAMS, forward_param_order, llama, tied
 from .shards import Shard, Sharded
 
 
@@ -37,6 +39,11 @@ class Rule:
     sources: tuple
     kind: str = "same"
     n_head: int = 0
+    widths: tuple = ()            # "concat": each source's output width, when they differ (GQA's q, k, v)
+
+    def offset(self, k: int, width: int) -> int:
+        """Where source k's outputs start among the concatenated columns."""
+        return sum(self.widths[:k]) if self.widths else k * width
 
     def to_trace(self, parts: list) -> np.ndarray:
         if self.kind == "same":
@@ -62,8 +69,8 @@ class Rule:
             return index, block
         if self.kind == "transpose":
             return index[::-1], block.T
-        if self.kind == "concat":                           # part k's outputs start at k * its width
-            out = index[0] + k * shape[0]
+        if self.kind == "concat":                           # part k's outputs start after the parts before it
+            out = index[0] + self.offset(k, shape[0])
             return ((index[1], out) if block.ndim == 2 else (out,)), block.T
         if self.kind == "heads":                            # row (j*3 + p)*hd + d -> column p*h + j*hd + d
             hd = shape[0] // (3 * self.n_head)
@@ -78,7 +85,8 @@ class Rule:
         if self.kind == "transpose":
             return [value.T]
         if self.kind == "concat":
-            return [p.T for p in np.split(value, len(self.sources), axis=-1)]
+            cuts = np.cumsum(self.widths)[:-1] if self.widths else len(self.sources)
+            return [p.T for p in np.split(value, cuts, axis=-1)]
         if self.kind == "heads":
             w = value.T                                     # (3*nh*hd, ...) trace order
             rows = w.shape[0]
@@ -158,8 +166,15 @@ def _gpt2(cfg: dict, name: str, prefix: str, block: str, kinds: dict, aliases=()
 
 
 def _gpt2_acts(cfg, prefix):
-    return {"emb": prefix + "drop", **{f"h.{i}": f"{prefix}h.{i}" for i in range(cfg["n_layer"])},
-            "ln_f": prefix + "ln_f"}
+    """The modules whose outputs are the trace's activations (names.act_names):
+    the embedding dropout, each block's norms, its attention and MLP modules
+    (whose outputs include the residual dropout, as nanoGPT's and HF's do),
+    the block itself, and ln_f."""
+    acts = {"emb": prefix + "drop"}
+    for i in range(cfg["n_layer"]):
+        acts.update({f"h.{i}.{a}": f"{prefix}h.{i}.{a}" for a in BLOCK_ACTS})
+        acts[f"h.{i}"] = f"{prefix}h.{i}"
+    return {**acts, "ln_f": prefix + "ln_f"}
 
 
 LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -211,4 +226,39 @@ def megatron_gpt2(cfg: dict) -> NameMap:
     return NameMap("megatron_gpt2", rules, ("output_layer.weight",))
 
 
-MAPS = {"nanogpt": nanogpt, "hf_gpt2": hf_gpt2, "split_qkv": split_qkv, "megatron_gpt2": megatron_gpt2}
+def hf_llama(cfg: dict) -> NameMap:
+    """transformers' ``LlamaForCausalLM`` (and tools/torch_trace.py's Llama,
+    which uses its names): nn.Linear weights (out, in) transposed; ``c_attn``
+    is [q_proj | k_proj | v_proj] with n_head, n_kv_head and n_kv_head heads
+    of head_dim columns, ``c_fc`` [gate_proj | up_proj] (docs/llama.md); no
+    biases; ``lm_head`` its own unless tied. No q/k permutation: both rotate
+    the two halves of each head (``rotate_half``)."""
+    if not llama(cfg):
+        raise UserError("name map hf_llama: the trace's model is not a Llama (its config has no arch llama)")
+    hd, F = cfg["n_embd"] // cfg["n_head"], cfg["ffn_hidden"]
+    rules = {"wte": Rule(("model.embed_tokens.weight",))}
+    acts = {"emb": "model.embed_tokens"}
+    for i in range(cfg["n_layer"]):
+        p = f"model.layers.{i}."
+        rules.update({
+            f"h.{i}.ln_1.weight": Rule((p + "input_layernorm.weight",)),
+            f"h.{i}.attn.c_attn.weight": Rule(tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), "concat",
+                                              widths=(cfg["n_head"] * hd, cfg["n_kv_head"] * hd,
+                                                      cfg["n_kv_head"] * hd)),
+            f"h.{i}.attn.c_proj.weight": Rule((p + "self_attn.o_proj.weight",), "transpose"),
+            f"h.{i}.ln_2.weight": Rule((p + "post_attention_layernorm.weight",)),
+            f"h.{i}.mlp.c_fc.weight": Rule((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "concat",
+                                           widths=(F, F)),
+            f"h.{i}.mlp.c_proj.weight": Rule((p + "mlp.down_proj.weight",), "transpose")})
+        acts.update({f"h.{i}.ln_1": p + "input_layernorm", f"h.{i}.attn": p + "self_attn",
+                     f"h.{i}.ln_2": p + "post_attention_layernorm", f"h.{i}.mlp": p + "mlp", f"h.{i}": p[:-1]})
+    rules["ln_f.weight"] = Rule(("model.norm.weight",))
+    acts["ln_f"] = "model.norm"
+    if not tied(cfg):
+        rules["lm_head"] = Rule(("lm_head.weight",))
+    assert list(rules) == forward_param_order(cfg)
+    return NameMap("hf_llama", rules, () if not tied(cfg) else ("lm_head.weight",), acts)
+
+
+MAPS = {"nanogpt": nanogpt, "hf_gpt2": hf_gpt2, "split_qkv": split_qkv, "megatron_gpt2": megatron_gpt2,
+        "hf_llama": hf_llama}

@@ -12,33 +12,101 @@ k of them (tolerance.py).
 from __future__ import annotations
 
 FORMAT = "mpicube-trace"
-VERSION = 1
+VERSION = 2                  # 2: the activations inside each block (BLOCK_ACTS)
+READS = (1, 2)               # versions compare reads; a version 1 trace lacks only what 2 added
 CONFIG_KEYS = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")
+# a Llama trace's config adds these (mpicube's ModelConfig.to_dict, docs/llama.md); a GPT-2 one has none
+LLAMA_KEYS = {"arch": str, "n_kv_head": int, "ffn_hidden": int, "rope_theta": float, "rms_eps": float,
+              "tie_embeddings": bool}
 SCALARS = ("loss", "lr", "grad_norm")                  # float64 (), whatever the trace's dtype
 BLOCK_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
                 "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
                 "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")
+LLAMA_BLOCK_PARAMS = ("ln_1.weight", "attn.c_attn.weight", "attn.c_proj.weight", "ln_2.weight", "mlp.c_fc.weight",
+                      "mlp.c_proj.weight")      # no biases; c_attn [q | k | v] (GQA), c_fc [gate | up]
 MASK_SITES = ("attn", "resid_attn", "resid_mlp")
+# inside block i, in the order computed: act/h.{i}.ln_1 (ln_1's output), act/h.{i}.attn (the attention
+# branch after its residual dropout, before the residual add), act/h.{i}.ln_2, act/h.{i}.mlp (likewise)
+BLOCK_ACTS = ("ln_1", "attn", "ln_2", "mlp")
+NEW_IN = {2: tuple(f"step_*/act/h.*.{a}" for a in BLOCK_ACTS)}     # patterns of what each version added
+
+
+def config_of(raw: dict) -> dict:
+    """A trace's model config, checked: the five sizes as integers, and for
+    a Llama (``arch`` "llama") its six settings (LLAMA_KEYS) typed; a
+    ValueError names the first item that is missing or not of its type."""
+    if not isinstance(raw, dict) or any(k not in raw for k in CONFIG_KEYS):
+        raise ValueError(f"lacks one of {', '.join(CONFIG_KEYS)}")
+    cfg = {}
+    for k in CONFIG_KEYS:
+        if isinstance(raw[k], bool) or not isinstance(raw[k], (int, float)) or int(raw[k]) != raw[k]:
+            raise ValueError(f"holds a size that is not an integer ({k})")
+        cfg[k] = int(raw[k])
+    arch = raw.get("arch", "gpt2")
+    if arch == "gpt2":
+        return cfg
+    if arch != "llama":
+        raise ValueError(f"has arch {arch!r}, not gpt2 or llama")
+    for k, kind in LLAMA_KEYS.items():
+        value = raw.get(k)
+        good = isinstance(value, kind) if kind in (str, bool) else (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and kind(value) == value)
+        if not good:
+            raise ValueError(f"lacks {k} or holds it not as {kind.__name__} (a Llama config)")
+        cfg[k] = kind(value)
+    return cfg
+
+
+def llama(cfg: dict) -> bool:
+    return cfg.get("arch", "gpt2") == "llama"
+
+
+def tied(cfg: dict) -> bool:
+    """Whether the LM head is ``wte`` (GPT-2 always; Llama with tie_embeddings)."""
+    return cfg.get("tie_embeddings", True) if llama(cfg) else True
+
+
+def block_params(cfg: dict) -> tuple:
+    return LLAMA_BLOCK_PARAMS if llama(cfg) else BLOCK_PARAMS
 
 
 def forward_param_order(cfg: dict) -> list:
-    """Parameter names in the model's declaration order (as checkpoints list them)."""
-    names = ["wte", "wpe"]
+    """Parameter names in the model's declaration order (as checkpoints list
+    them): GPT-2's, or Llama's (``wte``, the blocks, ``ln_f.weight``, and
+    ``lm_head`` when the head is not tied)."""
+    names = ["wte"] if llama(cfg) else ["wte", "wpe"]
     for i in range(cfg["n_layer"]):
-        names += [f"h.{i}.{s}" for s in BLOCK_PARAMS]
+        names += [f"h.{i}.{s}" for s in block_params(cfg)]
+    if llama(cfg):
+        return names + ["ln_f.weight"] + ([] if tied(cfg) else ["lm_head"])
     return names + ["ln_f.weight", "ln_f.bias"]
 
 
 def backward_param_order(cfg: dict) -> list:
     """Parameter names in the order backward completes their gradients:
-    ln_f, the blocks from last to first (each from mlp.c_proj back to
-    ln_1, weight before bias), then wpe, and wte last (the LM head and the
-    lookup both add to it)."""
+    an untied ``lm_head``, ln_f, the blocks from last to first (each from
+    mlp.c_proj back to ln_1, weight before bias), then wpe, and wte last
+    (the LM head, when tied, and the lookup both add to it)."""
+    if llama(cfg):
+        names = ([] if tied(cfg) else ["lm_head"]) + ["ln_f.weight"]
+        for i in reversed(range(cfg["n_layer"])):
+            names += [f"h.{i}.{s}" for s in reversed(LLAMA_BLOCK_PARAMS)]
+        return names + ["wte"]
     names = ["ln_f.weight", "ln_f.bias"]
     pairs = [BLOCK_PARAMS[k:k + 2] for k in range(0, len(BLOCK_PARAMS), 2)]
     for i in reversed(range(cfg["n_layer"])):
         names += [f"h.{i}.{s}" for pair in reversed(pairs) for s in pair]
     return names + ["wpe", "wte"]
+
+
+def act_names(cfg: dict) -> list:
+    """The ``act/`` names of a step, in computation order: ``emb``, then per
+    block i ``h.{i}.ln_1``, ``h.{i}.attn``, ``h.{i}.ln_2``, ``h.{i}.mlp`` and
+    ``h.{i}`` (the residual stream after the block), then ``ln_f``."""
+    names = ["emb"]
+    for i in range(cfg["n_layer"]):
+        names += [f"h.{i}.{a}" for a in BLOCK_ACTS] + [f"h.{i}"]
+    return names + ["ln_f"]
 
 
 def step_names(cfg: dict, s: int) -> list:
@@ -47,8 +115,9 @@ def step_names(cfg: dict, s: int) -> list:
     g = f"step_{s}/"
     order = [g + "dropout/emb", g + "act/emb"]
     for i in range(cfg["n_layer"]):
-        order += [g + f"dropout/h.{i}.{site}" for site in MASK_SITES]
-        order.append(g + f"act/h.{i}")
+        b = f"h.{i}"
+        order += [g + f"act/{b}.ln_1", g + f"dropout/{b}.attn", g + f"dropout/{b}.resid_attn", g + f"act/{b}.attn",
+                  g + f"act/{b}.ln_2", g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
     order += [g + "act/ln_f", g + "logits", g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"]
@@ -61,6 +130,13 @@ def computation_order(cfg: dict, steps: int) -> list:
     for s in range(1, steps + 1):
         order += step_names(cfg, s)
     return order
+
+
+def missing_by_version(version: int) -> tuple:
+    """Patterns of the names a trace of ``version`` cannot hold because a
+    later version of the format added them (compare allows them missing
+    from that trace only)."""
+    return tuple(p for v, patterns in NEW_IN.items() if v > version for p in patterns)
 
 
 def step_of(name: str) -> int:
@@ -131,7 +207,8 @@ def depth(name: str, cfg: dict) -> int:
         if what.startswith("h."):
             local = L + 5 + (L - _block(what))
         else:
-            local = {"ln_f.weight": L + 5, "ln_f.bias": L + 5, "wpe": 2 * L + 6, "wte": 2 * L + 7}.get(what)
+            local = {"lm_head": L + 5, "ln_f.weight": L + 5, "ln_f.bias": L + 5, "wpe": 2 * L + 6,
+                     "wte": 2 * L + 7}.get(what)
     elif local is None and kind == "param":
         local = step_depth(cfg)
     return base + (local if local is not None else step_depth(cfg))
@@ -145,8 +222,18 @@ def _block(what: str) -> int:
 
 def param_shapes(cfg: dict) -> dict:
     """{name: shape} of every parameter, in declaration order, weights
-    (in, out) as GPT-2's Conv1D holds them."""
+    (in, out) as GPT-2's Conv1D holds them (Llama's too: c_attn (h, (n_head
+    + 2 n_kv_head) hd), c_fc (h, 2 F), lm_head (V, h) as wte)."""
     V, C, h = cfg["vocab_size"], cfg["n_ctx"], cfg["n_embd"]
+    if llama(cfg):
+        hd, F = h // cfg["n_head"], cfg["ffn_hidden"]
+        qkv = (cfg["n_head"] + 2 * cfg["n_kv_head"]) * hd
+        block = {"ln_1.weight": (h,), "attn.c_attn.weight": (h, qkv), "attn.c_proj.weight": (h, h),
+                 "ln_2.weight": (h,), "mlp.c_fc.weight": (h, 2 * F), "mlp.c_proj.weight": (F, h)}
+        shapes = {"wte": (V, h)}
+        for i in range(cfg["n_layer"]):
+            shapes.update({f"h.{i}.{k}": v for k, v in block.items()})
+        return {**shapes, "ln_f.weight": (h,), **({} if tied(cfg) else {"lm_head": (V, h)})}
     block = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
              "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
              "mlp.c_fc.weight": (h, 4 * h), "mlp.c_fc.bias": (4 * h,), "mlp.c_proj.weight": (4 * h, h),

@@ -162,15 +162,20 @@ class Recorder:
     def step(self, s: int, *, loss, lr, grad_norm, logits=None, masks: dict = None, tokens=None) -> None:
         """Write step s: the scalars, the gradients taken by ``gradients``,
         the parameters now (after the update), the activations and
-        ``logits`` of the last forward, the keep ``masks`` applied. Under
-        torch.distributed the loss, the norm, the activations and the
-        logits are every rank's, so replicas that part are found too."""
+        ``logits`` of the last forward, the keep ``masks`` applied, by site
+        (``emb``, ``h.{i}.attn``, ...): a whole mask, or the block this rank
+        applied as ``(block, global index per dimension, logical shape)``
+        (a rank's heads of an attention mask), so that a rank that applied
+        another rank's mask is named at the mask. Under torch.distributed
+        the loss, the norm, the activations, the logits and the masks are
+        every rank's, so replicas that part are found too."""
         if self.grads is None:
             raise UserError(f"step {s}: call gradients() after backward, before the optimizer step")
         params = self._mapped(self.params, "model")
         scalar = lambda v: np.asarray(float(to_numpy(v)), dtype=np.float64)       # noqa: E731 - tensor or number
         forward = {"act/" + k: v for k, v in self.captured.items()}
         forward.update({"loss": (scalar(loss), (), ()), "grad_norm": (scalar(grad_norm), (), ())})
+        forward.update({"mask/" + k: (v if isinstance(v, tuple) else block(v)) for k, v in (masks or {}).items()})
         if logits is not None:
             forward["logits"] = block(logits)
         if self.dist:
@@ -178,11 +183,11 @@ class Recorder:
         else:
             forward = {k: v[0] for k, v in forward.items()}
         if self.writer is not None:
+            part = lambda kind: {k[len(kind):]: v for k, v in forward.items() if k.startswith(kind)}  # noqa: E731
             self.writer.step(s, loss=forward.pop("loss"), lr=float(to_numpy(lr)),
                              grad_norm=forward.pop("grad_norm"), grads=self.grads, params=params,
-                             logits=forward.pop("logits", None),
-                             acts={k[len("act/"):]: v for k, v in forward.items()},
-                             masks={k: to_numpy(v) for k, v in (masks or {}).items()}, tokens=tokens)
+                             logits=forward.pop("logits", None), acts=part("act/"), masks=part("mask/"),
+                             tokens=tokens)
         self.grads, self.captured = None, {}
 
     def close(self) -> None:

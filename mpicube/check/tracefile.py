@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import UserError
-from .names import CONFIG_KEYS, FORMAT, SCALARS, VERSION, step_of
+from .names import FORMAT, READS, SCALARS, VERSION, config_of, step_of
 from .shards import assemble, is_sharded
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -48,30 +48,34 @@ def open_trace(path):
             raise UserError(f"{p}: not a trace ({what}; expected {FORMAT!r})")
         version = f.attrs.get("version")
         try:
-            known = version is not None and int(version) == VERSION
+            known = version is not None and int(version) in READS
         except (TypeError, ValueError):
             known = False
         if not known:
             raise UserError(f"{p}: trace version {text(version) if version is not None else 'missing'}, "
-                            f"this mpicube reads version {VERSION}")
+                            f"this mpicube reads versions {', '.join(map(str, READS))} (writes {VERSION})")
     except UserError:
         f.close()
         raise
     return f
 
 
+def version(f) -> int:
+    """The format version of a trace ``open_trace`` accepted."""
+    return int(f.attrs["version"])
+
+
 def read_config(f, path) -> dict:
-    """The model config of a trace: its five sizes as integers."""
+    """The model config of a trace: its five sizes as integers, and a
+    Llama's settings (names.config_of)."""
     try:
         cfg = json.loads(text(f.attrs.get("config")) or "")
     except ValueError:
         raise UserError(f"{path}: the 'config' attribute is not JSON") from None
-    if not isinstance(cfg, dict) or any(k not in cfg for k in CONFIG_KEYS):
-        raise UserError(f"{path}: the 'config' attribute lacks one of {', '.join(CONFIG_KEYS)}")
     try:
-        return {k: int(cfg[k]) for k in CONFIG_KEYS}
-    except (TypeError, ValueError):
-        raise UserError(f"{path}: the 'config' attribute holds a size that is not an integer") from None
+        return config_of(cfg)
+    except ValueError as exc:
+        raise UserError(f"{path}: the 'config' attribute {exc}") from None
 
 
 def read_json_attr(f, path, key):

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from . import shards
-from .names import CONFIG_KEYS, FORMAT, MASK_SITES, VERSION, param_shapes
+from .names import FORMAT, MASK_SITES, VERSION, config_of, param_shapes
 from .shards import Sharded
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -42,11 +42,11 @@ class TraceWriter:
 
         if dtype not in FLOAT_DTYPES:
             raise UserError(f"{path}: dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
-        missing = [k for k in CONFIG_KEYS if k not in config]
-        if missing:
-            raise UserError(f"{path}: config lacks {', '.join(missing)}")
+        try:
+            self.cfg = config_of(config)
+        except ValueError as exc:
+            raise UserError(f"{path}: config {exc}") from None
         self.path = Path(path)
-        self.cfg = {k: int(config[k]) for k in CONFIG_KEYS}
         self.shapes = param_shapes(self.cfg)
         self.store = np.float64 if dtype == "float64" else np.float32
         self.dropout = float(dropout)

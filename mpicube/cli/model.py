@@ -44,29 +44,40 @@ from ..core.errors import UserError
               help="end stdout with one JSON line of the chosen layout's and options' figures per rank per step")
 @cp_option
 @sequence_parallel_option
+@arch_options
+@click.option("--heads", "show_heads", is_flag=True,
+              help="also show which query and kv heads each tensor-parallel rank holds, and which ranks share "
+                   "a replicated kv head (needs --layout and/or -n)")
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
          vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
-         sequence_parallel):
+         sequence_parallel, show_heads, **family):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
-    --pp, each pipeline stage and the dp x pp x tp combinations."""
-    from ..core.config import ModelConfig
+    --pp, each pipeline stage and the dp x pp x tp combinations; with
+    --heads, each rank's query and kv heads."""
+    from ..core.config import ModelConfig, family_fields
     from ..files.data import VOCAB_SIZE
+    from ..model.gpt import gpt_params
     from ..parallel.grid import validate_model
 
     cfg = ModelConfig(vocab_size=vocab_size or VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head,
-                      n_embd=n_embd)
+                      n_embd=n_embd, **family_fields(**family))
     validate_model(cfg)
     n = cfg.n_params()
     h = cfg.n_embd
-    embed = (cfg.vocab_size + cfg.n_ctx) * h
-    per_layer = (n - embed - 2 * h) // cfg.n_layer
+    sizes = {d.name: d.shape[0] * (d.shape[1] if len(d.shape) > 1 else 1) for d in gpt_params(cfg)}
+    embed = sum(v for k, v in sizes.items() if k in ("wte", "wpe", "lm_head"))
+    final = sum(v for k, v in sizes.items() if k.startswith("ln_f"))
+    per_layer = (n - embed - final) // cfg.n_layer
     from ..analysis.costmodel import Widths
 
     w = Widths.of(dtype)
-    echo(f"model: GPT-2, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
+    family_line = (f"Llama ({cfg.kv_heads} kv heads, SwiGLU {cfg.ffn}, {'tied' if cfg.tied else 'untied'} head)"
+                   if cfg.llama else "GPT-2")
+    echo(f"model: {family_line}, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
          f"vocab {cfg.vocab_size}")
-    echo(f"parameters: {n:,} (embeddings {embed:,}, {cfg.n_layer} layers x {per_layer:,}, ln_f {2 * h:,})")
+    echo(f"parameters: {n:,} ({'embeddings and head' if cfg.llama and not cfg.tied else 'embeddings'} {embed:,}, "
+         f"{cfg.n_layer} layers x {per_layer:,}, {'norm' if cfg.llama else 'ln_f'} {final:,})")
     working = n * w.act if w.act != w.grad else 0           # mixed precision: a 16-bit working copy too
     echo(f"memory: {_mib(n * w.grad + working)} of parameters in {dtype}"
          + (f" (float32 master + {dtype} working copy)" if working else "")
@@ -84,6 +95,11 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                     recompute=recompute, grad_accum=grad_accum)
         run = resolve(plan, cfg, batch_size, world)
         note = run.pipeline_note
+        if show_heads:
+            from ..analysis.heads import heads_table
+
+            echo()
+            echo(heads_table(run.layout, cfg, run.tp, depth if run.layout == "2.5d" else 1))
         echo()
         if batch_size is None:
             batch_size = run.batch_size
@@ -126,8 +142,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                 echo(json.dumps(summary(layout or "auto", cfg, batch_size, world, dp, depth, dtype=dtype,
                                         recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
                                         sequence_parallel=sequence_parallel)))
-    elif as_json:
-        raise UserError("info --json describes a layout: give --layout and/or -n")
+    elif as_json or show_heads:
+        raise UserError(f"info {'--json' if as_json else '--heads'} describes a layout: give --layout and/or -n")
 
 
 def _mib(nbytes: int) -> str:
@@ -177,6 +193,7 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     from ..analysis.bench import bench_layout, format_table
     from ..core.config import ModelConfig
     from ..files.data import VOCAB_SIZE
+    from ..model.llama import check_config as check_llama
     from ..parallel.gridspec import Plan
     from ..parallel.planning import resolve
     from ..training.parts import Numerics, build_parts, recompute_note
@@ -191,6 +208,8 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     profile_dir = _profile_dir(out) if profile is not None else None
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                       **family_fields(**family))
+    if cfg.llama:                           # --n-kv-head dividing --n-head: before any layout says a word
+        check_llama(cfg)
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
@@ -287,15 +306,16 @@ def inspect(ckpt):
 @click.argument("src")
 @click.argument("dst")
 @click.option("--to", "to", type=click.Choice(["mpicube", "hf", "llmc"]), required=True,
-              help="format to write: a mpicube run directory, a Hugging Face GPT-2 directory or an llm.c file")
+              help="format to write: a mpicube run directory, a Hugging Face directory (GPT2LMHeadModel or "
+                   "LlamaForCausalLM, as the model is) or an llm.c file (GPT-2 only)")
 @click.option("--max-shard-size", type=str, default=None, metavar="SIZE",
               help="hf: split the weights into safetensors files of at most SIZE (e.g. 2GB, 500MB)")
 def convert(src, dst, to, max_shard_size):
     """Convert a model between mpicube, Hugging Face and llm.c formats.
 
     SRC's format is detected: a mpicube checkpoint (run dir, step dir or
-    checkpoint.h5), a Hugging Face GPT-2 directory (config.json and
-    safetensors) or an llm.c model file. Tensors are copied exactly.
+    checkpoint.h5), a Hugging Face GPT-2 or Llama directory (config.json
+    and safetensors) or an llm.c model file. Tensors are copied exactly.
     """
     from ..parallel.comm import on_root
     from ..files.formats.convert import convert as run_convert, parse_size

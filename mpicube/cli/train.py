@@ -195,7 +195,8 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
                        "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
-                       "grad_accum", "recompute", "zero", "sequence_parallel")
+                       "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
+                       "rope_theta", "rms_eps", "tie_embeddings")
 
 
 @cli.command("trace")
@@ -210,10 +211,11 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 
-    Any layout and world size; rank 0 writes full logical tensors: the
-    batches, the initial parameters and, per step, the activations after
-    each block, logits, loss, gradients, updated parameters and dropout
-    masks (format mpicube-trace v1, docs/trace-format.md). Check it against
+    Any layout and world size, GPT-2 or Llama; rank 0 writes full logical
+    tensors: the batches, the initial parameters and, per step, the
+    activations inside and after each block, logits, loss, gradients,
+    updated parameters and dropout masks (format mpicube-trace v2,
+    docs/trace-format.md). Check it against
     another trace with `mpicube compare`.
     """
     from ..analysis.trace import run_trace

@@ -74,6 +74,53 @@ def moe_fields(mixtral=False, n_experts=None, top_k=None, no_norm_topk=False, ca
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling (Hugging Face's ``rope_type``
+    "llama3"): wavelengths longer than ``original_max_position_embeddings``
+    / ``low_freq_factor`` are stretched ``factor`` times, those shorter than
+    it / ``high_freq_factor`` are kept, and the band between is blended
+    smoothly (``ops.llama.rope_inv_freq``). Held as a value so that a
+    configuration stays hashable and prints by name."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+    @classmethod
+    def from_dict(cls, d, where: str = "rope_scaling") -> "RopeScaling":
+        """The scaling of a JSON object holding the four KEYS (and perhaps
+        rope_type "llama3", rope_theta), or a ValueError naming the field
+        ``where.key`` that is missing or out of range."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} must be a JSON object, got {d!r}")
+        values = {}
+        for key in cls.KEYS:
+            value = d.get(key)
+            kind = int if key == "original_max_position_embeddings" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind) or not (math.isfinite(value) and value > 0):
+                what = "a positive integer" if kind is int else "a positive number"
+                raise ValueError(f"{where}.{key} must be {what}, got {value!r}")
+            values[key] = value if kind is int else float(value)
+        if values["factor"] < 1:
+            raise ValueError(f"{where}.factor must be at least 1 (it stretches wavelengths), got {values['factor']!r}")
+        if not values["low_freq_factor"] < values["high_freq_factor"]:
+            raise ValueError(f"{where}.low_freq_factor {values['low_freq_factor']!r} must be less than "
+                             f"high_freq_factor {values['high_freq_factor']!r}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        """As Hugging Face writes it (``rope_type`` first)."""
+        return {"rope_type": "llama3", **{k: getattr(self, k) for k in self.KEYS}}
+
+    def as_tuple(self) -> tuple:
+        """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), for ``ops``."""
+        return tuple(getattr(self, k) for k in self.KEYS)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model's hyper-parameters (DESIGN.md section 2): GPT-2's five
     sizes, and the settings of the Llama family (``arch`` "llama"). Their
@@ -82,7 +129,9 @@ class ModelConfig:
 
     ``n_kv_head`` 0 means as many key/value heads as query heads;
     ``ffn_hidden`` 0 means the architecture's rule (``ffn``);
-    ``tie_embeddings`` None means the architecture's default (``tied``)."""
+    ``tie_embeddings`` None means the architecture's default (``tied``);
+    ``rope_scaling`` None means plain rotary frequencies (Llama 3's scaling
+    comes from a Hugging Face config.json only)."""
 
     vocab_size: int = 256
     n_ctx: int = 64
@@ -95,6 +144,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     tie_embeddings: Optional[bool] = None
+    rope_scaling: Optional[RopeScaling] = None
     n_experts: int = 0                  # 0: a dense SwiGLU MLP; else a mixture of experts (docs/moe.md)
     top_k: int = 2                      # experts per token
     norm_topk: bool = True              # Mixtral: the top-k probabilities renormalised to sum to 1
@@ -143,6 +193,10 @@ class ModelConfig:
         if not self.llama:
             return {k: d[k] for k in SIZES}
         d.update(n_kv_head=self.kv_heads, ffn_hidden=self.ffn, tie_embeddings=self.tied)
+        if self.rope_scaling is None:    # left out, so that unscaled models store as they always did
+            del d["rope_scaling"]
+        else:
+            d["rope_scaling"] = self.rope_scaling.to_dict()
         if not self.moe:                 # a dense Llama stores as before the MoE fields existed
             for key in MOE_FIELDS:
                 d.pop(key)
@@ -176,6 +230,8 @@ class ModelConfig:
                     raise ValueError(f"{name} must be {'true or false' if kind is bool else 'a positive number'}, "
                                      f"got {value!r}")
                 values[name] = value
+            if d.get("rope_scaling") is not None:
+                values["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
             values["arch"] = arch
             if d.get("n_experts"):
                 values.update(_moe_from_dict(d))

@@ -113,6 +113,7 @@ class PlainAttention:
 
     def __init__(self, attention, n_local_heads: int):
         self.attention, self.n_local_heads = attention, n_local_heads
+        self.n_local_kv = n_local_heads                  # every head its own keys and values
 
     def attention_forward(self, qkv, positions, mask, keep_prob):
         """qkv (B_m, T, 3 C_m) -> (y (B_m, T, C_m), saved)."""
@@ -121,8 +122,8 @@ class PlainAttention:
     def attention_backward(self, dy, saved):
         return self.attention.attention_backward(dy, saved)
 
-    def pack(self, qkv, positions):
-        """qkv as the op takes it (the KV cache's decode)."""
+    def rotate(self, qkv, positions):
+        """qkv as the KV cache's decode takes it: as it is."""
         return qkv
 
 
@@ -162,6 +163,7 @@ class Block:
         self.core = (llama.RotaryAttention(cfg, attention, layout.head_ids) if cfg.llama
                      else PlainAttention(attention, self.n_local_heads))
         self.act = llama.SwiGLU if cfg.llama else Gelu
+        self.n_local_kv = self.core.n_local_kv              # the kv heads a KV cache holds (GQA: fewer)
         self.attention, self.dropout = attention, dropout
         self.full_masks = attention is ops                  # the T x T op takes whole masks, the others blocks
 
@@ -219,9 +221,10 @@ class Block:
     def decode(self, x, cache, pos: int):
         """Inference on positions pos .. pos+t-1 with a key/value cache
         (mpicube.model.kvcache), no dropout: x (B_c, t, C_c) -> (B_c, t, C_c)."""
-        qkv, _ = self.c_attn.forward(self.ln_1.forward(x)[0])                 # (B_m, t, 3 C_m)
-        qkv = self.core.pack(qkv, np.arange(pos, pos + qkv.shape[1]))         # rotated, kv heads repeated
-        x = x + self.c_proj.forward(kvcache.cached_attention(qkv, self.n_local_heads, cache, pos))[0]
+        qkv, _ = self.c_attn.forward(self.ln_1.forward(x)[0])                 # (B_m, t, (nh + 2 nkv) hd)
+        qkv = self.core.rotate(qkv, np.arange(pos, pos + qkv.shape[1]))       # q and k rotated; kv heads once
+        a = kvcache.cached_attention(qkv, self.n_local_heads, cache, pos, self.core.n_local_kv)   # (B_m, t, C_m)
+        x = x + self.c_proj.forward(a)[0]
         return x + self.mlp_forward(self.ln_2.forward(x)[0], None)[0]
 
 
@@ -235,7 +238,7 @@ class Recomputed:
 
     def __init__(self, block: Block, layout: Layout):
         self.block, self.layout = block, layout
-        self.site = block.site
+        self.site, self.n_local_kv = block.site, block.n_local_kv
         self.probe = None
 
     def forward(self, x, ctx: Micro):

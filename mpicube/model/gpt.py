@@ -234,10 +234,11 @@ class GPT:
 
     def new_caches(self) -> list:
         """An empty key/value cache per block for this rank's sequences
-        and heads, over the whole context."""
+        and kv heads (``Block.n_local_kv``: under grouped-query attention
+        fewer than its query heads), over the whole context."""
         cfg, layout = self.cfg, self.layout
-        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), len(layout.head_ids), cfg.n_ctx, cfg.head_dim,
-                                self.layout.backend.dtype) for _ in self.blocks]
+        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), block.n_local_kv, cfg.n_ctx, cfg.head_dim,
+                                self.layout.backend.dtype) for block in self.blocks]
 
     def decode(self, idx, pos: int, caches: list):
         """Logits of positions pos .. pos+t-1 given their tokens idx (B_dp, t)

@@ -9,7 +9,10 @@ n_head, n_kv_head and n_kv_head heads of head_dim columns, declared with
 those three group sizes (``ParamDecl.groups``), so every layout's split of
 the columns gives each rank the same share of each: whole query heads and
 the kv heads they read (query head i reads kv head i // (n_head /
-n_kv_head)). A split finer than the kv heads is refused for now.
+n_kv_head)). A split finer than the kv heads (``heads`` on the decl)
+gives each rank its whole query heads and a copy of the one kv head they
+read, shared with the other ranks whose queries read it: the layout sums
+those columns' gradients over exactly those ranks (``params.SharedColumns``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .. import ops
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..device.arrays import array_module
+from ..parallel.layouts.base import check_head_split
 from ..parallel.params import ParamDecl
 from .moe import expert_names, moe_params
 
@@ -66,7 +70,8 @@ def llama_params(cfg: ModelConfig) -> list:
         p = f"h.{i}."
         decls += [
             ParamDecl(p + "ln_1.weight", (h,), "norm", "ones"),
-            ParamDecl(p + "attn.c_attn.weight", (h, sum(qkv)), "w_first", "normal", std, decay=True, groups=qkv),
+            ParamDecl(p + "attn.c_attn.weight", (h, sum(qkv)), "w_first", "normal", std, decay=True, groups=qkv,
+                      heads=(cfg.n_head, cfg.kv_heads, cfg.kv_heads)),
             ParamDecl(p + "attn.c_proj.weight", (h, h), "w_second", "normal", resid_std, decay=True),
             ParamDecl(p + "ln_2.weight", (h,), "norm", "ones"),
         ]
@@ -103,12 +108,11 @@ class RotaryAttention:
     def __init__(self, cfg: ModelConfig, attention, head_ids):
         nh = len(head_ids)
         split = cfg.n_head // nh
-        if cfg.kv_heads % split:
-            raise ConfigError(f"--n-kv-head {cfg.kv_heads}: the layout splits the heads {split} ways, which must "
-                              f"divide the key/value heads (replicating kv heads is not implemented yet)")
+        check_head_split(cfg, split)
         self.attention, self.n_local_heads = attention, nh
-        self.n_local_kv = cfg.kv_heads // split
+        self.n_local_kv = max(1, cfg.kv_heads // split)   # one shared kv head when the split exceeds them
         self.hd, self.theta = cfg.head_dim, cfg.rope_theta
+        self.scaling = None if cfg.rope_scaling is None else cfg.rope_scaling.as_tuple()   # Llama 3's
         self._tables = {}                                 # positions -> (cos, sin) on the device
 
     def tables(self, positions, like):
@@ -117,22 +121,34 @@ class RotaryAttention:
         if key not in self._tables:
             xp = array_module(like)
             self._tables[key] = tuple(xp.asarray(t, dtype=like.dtype)
-                                      for t in ops.rope_tables(positions, self.hd, self.theta))
+                                      for t in ops.rope_tables(positions, self.hd, self.theta, self.scaling))
         return self._tables[key]
+
+    def rotate(self, qkv, positions):
+        """qkv (B, T, (nh + 2 nkv) hd) -> the same columns with q and k rotated
+        (kv heads not repeated: what the KV cache stores)."""
+        xp = array_module(qkv)
+        B, T, _ = qkv.shape
+        nh, nkv, hd = self.n_local_heads, self.n_local_kv, self.hd
+        q = qkv[..., :nh * hd].reshape(B, T, nh, hd)                        # (B, T, nh, hd)
+        k = qkv[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd)        # (B, T, nkv, hd)
+        cos, sin = self.tables(positions, qkv)                              # (T, hd) each
+        q, k = ops.rope_forward(q, cos, sin), ops.rope_forward(k, cos, sin)
+        return xp.concatenate([q.reshape(B, T, nh * hd), k.reshape(B, T, nkv * hd), qkv[..., (nh + nkv) * hd:]],
+                              axis=-1)
 
     def pack(self, qkv, positions):
         """qkv (B, T, (nh + 2 nkv) hd) -> (B, T, 3 nh hd): q and k rotated, k and v repeated."""
         xp = array_module(qkv)
         B, T, _ = qkv.shape
         nh, nkv, hd = self.n_local_heads, self.n_local_kv, self.hd
-        q = qkv[..., :nh * hd].reshape(B, T, nh, hd)                        # (B, T, nh, hd)
-        k = qkv[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd)        # (B, T, nkv, hd)
-        v = qkv[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)               # (B, T, nkv, hd)
-        cos, sin = self.tables(positions, qkv)                              # (T, hd) each
-        q, k = ops.rope_forward(q, cos, sin), ops.rope_forward(k, cos, sin)
+        rotated = self.rotate(qkv, positions)
+        q = rotated[..., :nh * hd]                                          # (B, T, nh hd)
+        k = rotated[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd)    # (B, T, nkv, hd)
+        v = rotated[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)           # (B, T, nkv, hd)
         rep = nh // nkv
         k, v = xp.repeat(k, rep, axis=2), xp.repeat(v, rep, axis=2)         # (B, T, nh, hd): head i reads i // rep
-        return xp.concatenate([t.reshape(B, T, nh * hd) for t in (q, k, v)], axis=-1)
+        return xp.concatenate([q, k.reshape(B, T, nh * hd), v.reshape(B, T, nh * hd)], axis=-1)
 
     def unpack_backward(self, dpacked, positions):
         """dpacked (B, T, 3 nh hd) -> dqkv (B, T, (nh + 2 nkv) hd)."""

@@ -20,6 +20,6 @@ from .local import (_GELU_S, CACHE_ELEMS, attention_backward, attention_forward,
                     gelu_backward, gelu_forward, identity, keep_mask, layernorm_backward, layernorm_forward,
                     row_blocks, rowdot)
 from .llama import (rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward,  # noqa: F401
-                    rope_tables, swiglu_backward, swiglu_forward)
+                    rope_inv_freq, rope_tables, swiglu_backward, swiglu_forward)
 from .vocab import (cross_entropy_backward, cross_entropy_forward, embedding_backward,  # noqa: F401
                     embedding_forward, scatter_add_rows)

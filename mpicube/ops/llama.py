@@ -10,7 +10,8 @@ own (DESIGN.md section 2 is their numerics contract).
   [x1 | x2] rotate as (x1 cos - x2 sin, x2 cos + x1 sin), i.e.
   ``x cos + rotate_half(x) sin`` with ``rotate_half(x) = [-x2 | x1]``. The
   angles are computed on the host in float64 from each row's global
-  position, so every layout and split of the sequence rotates a row alike.
+  position, so every layout and split of the sequence rotates a row alike;
+  Llama 3's frequency scaling is applied to the inverse frequencies there.
 * SwiGLU: silu(gate) * up on the two halves of one linear's output.
 
 Shapes: B rows, T positions, C local hidden width, nh local heads, hd head size.
@@ -54,11 +55,30 @@ def rmsnorm_backward(dy, cache, gamma, dgamma, n_hidden: int, allsum=identity):
 
 
 # --- rotary position embeddings ------------------------------------------------
-def rope_tables(positions, head_dim: int, theta: float):
-    """(cos, sin), each (T, hd) float64 on the host, for the global
-    ``positions`` (T,): angle[t, m] = pos[t] * theta^(-2m/hd) for m < hd/2,
-    repeated over both halves (Hugging Face's layout)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling=None):
+    """(hd/2,) float64 inverse frequencies theta^(-2m/hd), m < hd/2, on the
+    host; with ``scaling`` = (factor, low_freq_factor, high_freq_factor,
+    original context L), Llama 3's rule on each frequency's wavelength
+    w = 2 pi / f: w < L / high_freq_factor (fast): f; w > L /
+    low_freq_factor (slow): f / factor; between: (1 - s) f / factor + s f,
+    s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor),
+    which meets the other two at the band's ends (s = 0 and s = 1)."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # (hd/2,)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, context = scaling
+    wavelen = 2 * np.pi / inv_freq                                                     # (hd/2,)
+    s = (context / wavelen - low) / (high - low)                                      # (hd/2,) 1 fast, 0 slow
+    blended = (1.0 - s) * inv_freq / factor + s * inv_freq
+    slow = inv_freq / factor
+    return np.where(wavelen < context / high, inv_freq, np.where(wavelen > context / low, slow, blended))
+
+
+def rope_tables(positions, head_dim: int, theta: float, scaling=None):
+    """(cos, sin), each (T, hd) float64 on the host, for the global
+    ``positions`` (T,): angle[t, m] = pos[t] * inv_freq[m] for m < hd/2
+    (``rope_inv_freq``), repeated over both halves (Hugging Face's layout)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)                                  # (hd/2,)
     angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]      # (T, hd/2)
     angles = np.concatenate([angles, angles], axis=1)                                   # (T, hd)
     return np.cos(angles), np.sin(angles)

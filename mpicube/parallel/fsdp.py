@@ -57,6 +57,7 @@ from contextlib import contextmanager
 
 from ..device import precision
 from .comm import Comm
+from .gradients import sync_shared
 from .params import ParamStore, ResidentLayers
 from .zero import TIED, Segments, is_end, segment_key, segment_of, segment_sizes
 
@@ -151,6 +152,7 @@ class SegmentedStore(ParamStore):
             self.param_slots = {key: xp.zeros(n, dtype=backend.dtype) for key, n in widths.items()}
         self.offsets, self.work, self.grad, self._data = {}, {}, {}, {}
         self.seg_groups = {}                    # segment -> [(comm, slice of its slot)]: replica-group sums
+        self.seg_shared = {}                    # segment -> [spec with shared columns]: their sharers' sums
         at = {seg.name: seg.lo for seg in self.partition.list}
         for spec in self.specs:
             seg = self.partition.by_name[seg_of(spec.name)]
@@ -161,6 +163,8 @@ class SegmentedStore(ParamStore):
             params = self.flat_work[lo:lo + spec.size] if zero == 2 else self.param_slots[key][inner]
             self.work[spec.name] = params.reshape(spec.local_shape)
             self.grad[spec.name] = self.grad_slots[key][inner].reshape(spec.local_shape)
+            if spec.shared is not None:
+                self.seg_shared.setdefault(seg.name, []).append(spec)
             if spec.grad_comm is not None:
                 groups = self.seg_groups.setdefault(seg.name, [])
                 if groups and groups[-1][0].axis == spec.grad_comm.axis and groups[-1][1].stop == inner.start:
@@ -269,13 +273,15 @@ class SegmentedStore(ParamStore):
 
     def reduce_slot(self, segment: str) -> None:
         """After ``segment``'s backward: sum its slot over the replica groups
-        inside the tensor-parallel group, then start its reduce-scatter over
+        inside the tensor-parallel group (and its shared kv columns over
+        their sharers), then start its reduce-scatter over
         dp into this replica's chunk (in ``gradient_wire``)."""
         key, seg = self.slot_of[segment], self.partition.by_name[segment]
         slot = self.grad_slots[key]
         wire = precision.gradient_wire(self.backend.dtype)
         for comm, run in self.seg_groups.get(segment, []):
             slot[run] = comm.allreduce(slot[run], wire=wire)
+        sync_shared(self, self.seg_shared.get(segment, []), wire)       # replicated kv heads' columns
         self._reducing[key] = (seg, self.dp.ireduce_scatter(slot[:seg.padded], wire=wire))
 
     def _land(self, key) -> None:

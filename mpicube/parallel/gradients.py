@@ -3,7 +3,9 @@
 Every step sums each rank's partial gradients over every axis that splits
 the work but not the parameters: inside the tensor-parallel group over the
 ranks that replicate a block (a bias replicated over the 3-D cube's (i, k)
-plane, every 1-D LayerNorm), over the context-parallel ring (each cp rank
+plane, every 1-D LayerNorm), over the ranks that share a replicated kv head
+(grouped-query attention's k and v columns when the head split exceeds the
+kv heads, ``params.SharedColumns``), over the context-parallel ring (each cp rank
 saw other positions), over the tied wte's pair of pipeline stages (the
 lookup on stage 0, the head on stage P-1) and over the data-parallel
 replicas. ``GradientSync`` is that one synchronisation, built once from
@@ -38,6 +40,26 @@ def sync_replica_groups(store: ParamStore) -> None:
     wire = gradient_wire(store)
     for comm, flat_slice in store.grad_groups:
         store.flat_grad[flat_slice] = comm.allreduce(store.flat_grad[flat_slice], wire=wire)
+    sync_shared(store, [s for s in store.specs if s.shared is not None], wire)
+
+
+def sync_shared(store: ParamStore, specs: list, wire) -> None:
+    """Sum the shared columns (``params.SharedColumns``) of ``specs``'
+    gradients over the ranks that share them: all of them packed into one
+    buffer and summed by one all-reduce per communicator (every layer's
+    k and v columns at once; --zero 2/3 call it per layer). The columns are
+    a strided view of each block, hence the copy in and out."""
+    by_comm = {}
+    for spec in specs:
+        by_comm.setdefault(id(spec.shared.comm), (spec.shared.comm, []))[1].append(
+            store.grad[spec.name][..., spec.shared.cols])                       # (rows, w) strided views
+    xp = store.backend.xp
+    for comm, views in by_comm.values():
+        packed = comm.allreduce(xp.concatenate([v.reshape(-1) for v in views]), wire=wire)  # (sum rows w,)
+        at = 0
+        for v in views:
+            v[...] = packed[at:at + v.size].reshape(v.shape)
+            at += v.size
 
 
 def sync_gradients(store: ParamStore, dp: Comm) -> None:
@@ -122,11 +144,12 @@ def global_grad_norm(store: ParamStore, tp: Comm, stages: Comm = None, ep: Comm 
     communicator) each stage holds its own layers, so the sums are added
     over the stages too (the tied wte counts half on each of its two)."""
     store.settle()
-    local = weighted_squares(store.backend.xp, store.flat_grad, store.replica_runs)     # (1,)
+    xp = store.backend.xp
+    local = weighted_squares(xp, store.flat_grad, store.replica_runs) + SharedSquares(store)(xp, store.flat_grad)
     if ep is not None and ep.size > 1 and store.expert_run is not None:
         # --ep: the ep group's ranks hold different experts; each expert counted once
         g = store.flat_grad[store.expert_run]
-        mine = store.backend.xp.dot(g, g).astype(store.backend.xp.float64).reshape(1)
+        mine = xp.dot(g, g).astype(xp.float64).reshape(1)
         local = local - mine + ep.allreduce(mine)
     total = tp.allreduce(local)
     if stages is not None and stages.size > 1:
@@ -144,3 +167,60 @@ def weighted_squares(xp, grad, replica_runs):
         g = grad[run]                                    # (n,)
         local += xp.dot(g, g).astype(xp.float64) / replicas
     return local
+
+
+class SharedSquares:
+    """The norm's correction for shared columns (``params.SharedColumns``):
+    ``weighted_squares`` counts a block's elements with 1/replicas, but its
+    shared columns are held by ``share`` times as many ranks, so this adds
+    (1/share - 1)/replicas |g|^2 over them. Built from the store's offsets
+    and, for a sharded store, the chunks this rank owns (``windows``:
+    (start, stop, shift) ranges of the whole buffer and what to subtract
+    to address the chunk buffer); a block's columns inside a window are at
+    most one 2-D strided view and two contiguous pieces."""
+
+    def __init__(self, store: ParamStore, windows=None):
+        self.pieces = []                     # (weight, start, stop, rows or 0, width, cols) in buffer coordinates
+        for spec in store.specs:
+            if spec.shared is None:
+                continue
+            lo, hi = store.offsets[spec.name]
+            width = spec.local_shape[-1]
+            weight = (1.0 / spec.shared.share - 1.0) / spec.replicas
+            for start, stop, shift in (windows if windows is not None else [(lo, hi, 0)]):
+                s, e = max(start, lo), min(stop, hi)
+                if s < e:
+                    self.pieces += [(weight, *p) for p in strided_pieces(lo, width, spec.shared.cols, s, e, shift)]
+
+    def __call__(self, xp, grad):
+        """(1,) float64 on the device: the correction, from ``grad``."""
+        total = xp.zeros(1, dtype=xp.float64)                # (1,)
+        for weight, a, b, rows, width, cols in self.pieces:
+            g = grad[a:b] if not rows else grad[a:b].reshape(rows, width)[:, cols]
+            total += weight * xp.sum(g.astype(xp.float64) ** 2)
+        return total
+
+
+def strided_pieces(lo: int, width: int, cols: slice, s: int, e: int, shift: int) -> list:
+    """The positions lo + r width + c (c in ``cols``, any row r) that lie
+    in [s, e), as (start, stop, rows, width, cols) pieces of a buffer
+    addressed at position - ``shift``: rows > 0 a (rows, width) grid's
+    columns, rows 0 the contiguous [start, stop)."""
+    out = []
+
+    def partial(row, a, b):                  # the row's columns inside [a, b)
+        c0, c1 = max(a, lo + row * width + cols.start), min(b, lo + row * width + cols.stop)
+        if c0 < c1:
+            out.append((c0 - shift, c1 - shift, 0, width, cols))
+
+    r0, r1 = -(-(s - lo) // width), (e - lo) // width     # full rows [r0, r1)
+    if r0 > r1:                                           # [s, e) inside one row
+        partial(r1, s, e)
+        return out
+    if s < lo + r0 * width:
+        partial(r0 - 1, s, lo + r0 * width)
+    if r1 > r0:
+        out.append((lo + r0 * width - shift, lo + r1 * width - shift, r1 - r0, width, cols))
+    if e > lo + r1 * width:
+        partial(r1, lo + r1 * width, e)
+    return out

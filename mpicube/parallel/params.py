@@ -34,6 +34,7 @@ from ..device import fused, precision
 from ..ops import rng
 from ..device.backend import Backend
 from .comm import Comm
+from .split import SharedColumns, full_index, shared_columns, split_decl, split_index  # noqa: F401 (re-exported)
 from .zero import Partition
 
 
@@ -47,7 +48,10 @@ class ParamDecl:
     ``groups`` > 1 means the output columns are ``groups`` stacked tensors
     (c_attn's [q | k | v], SwiGLU's [gate | up]) that must each be split
     the same way; a tuple gives their sizes when they differ (grouped-query
-    attention's q, k and v).
+    attention's q, k and v). ``heads`` (with a tuple ``groups``) gives each
+    group's number of heads: a split finer than a group's heads gives each
+    block one whole head of that group, shared by parts / heads blocks
+    (grouped-query attention's kv heads when the head split exceeds them).
     """
 
     name: str
@@ -57,6 +61,7 @@ class ParamDecl:
     std: float = 0.0
     decay: bool = False
     groups: object = 1          # int, or a tuple of sizes
+    heads: tuple = ()           # heads per group (with a tuple ``groups``), or () for no head structure
 
 
 @dataclass
@@ -78,6 +83,7 @@ class ParamSpec:
     writer: bool = True
     tied_pair: bool = False     # a copy also sits on another pipeline stage (the tied wte): summed over the pair
     expert: bool = False        # an expert's (--ep): summed over the expert-data group, not all of dp (experts.py)
+    shared: Optional[SharedColumns] = None   # columns more ranks hold (replicated kv heads), or None
 
     @property
     def name(self) -> str:
@@ -90,22 +96,6 @@ class ParamSpec:
     @property
     def size(self) -> int:
         return int(np.prod(self.local_shape))
-
-
-def split_index(n: int, parts: int, block: int, groups=1) -> np.ndarray:
-    """Global indices of block ``block`` of ``parts`` along a dimension of
-    length ``n``; with ``groups`` > 1, the dimension is ``groups`` stacked
-    tensors of n/groups each and the block takes its share of every one.
-    ``groups`` may also be a tuple of the stacked tensors' sizes (summing
-    to n), when they differ: grouped-query attention's [q | k | v]."""
-    sizes = (n // groups,) * groups if isinstance(groups, int) else tuple(groups)
-    starts = np.cumsum((0,) + sizes[:-1])
-    return np.concatenate([s0 + np.arange(block * (m // parts), (block + 1) * (m // parts))
-                           for s0, m in zip(starts, sizes)])
-
-
-def full_index(n: int) -> np.ndarray:
-    return np.arange(n)
 
 
 class ResidentLayers:

@@ -107,6 +107,12 @@ class Partition:
                 out.append(slice(lo - own.start, hi - own.start))
         return out
 
+    def windows(self) -> list:
+        """[(start, stop, shift)]: the owned range of the whole buffer, and
+        what to subtract from a position in it to address the chunk."""
+        own = self.own
+        return [(own.start, own.stop, own.start)]
+
     def assemble(self, xp, gathered):
         """(P_pad,) the full buffer from the chunks gathered over dp in rank
         order: here they already are it (``Segments.assemble`` reorders)."""
@@ -238,6 +244,11 @@ class Segments:
                 if lo < hi:
                     out.append(slice(lo - own.start + seg.at, hi - own.start + seg.at))
         return out
+
+    def windows(self) -> list:
+        """[(start, stop, shift)] per segment: the owned chunk's range of the
+        whole buffer, and what to subtract to address the (C,) chunk buffer."""
+        return [(seg.own.start, seg.own.stop, seg.own.start - seg.at) for seg in self.list]
 
     def assemble(self, xp, gathered):
         """(P_pad,) the full buffer from the dp chunk buffers gathered in

@@ -55,6 +55,8 @@ class Launch:
         if o.batch_size is not None:
             self._plan_data()
 
+        if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
+            on_root(self.world, lambda: formats.open_model(o.init_from, verify=False).close())
         if self.keep_files:
             run_dir, self.owner, said = on_root(self.world, self._prepare_run_dir)
             self.run_dir = Path(run_dir)

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from ..files import checkpoint
 from ..files.checkpoint import CheckpointError
 
@@ -31,10 +33,24 @@ def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
         lo, hi = store.offsets[spec.name]
         for prefix, flat in buffers:
             local = store.backend.to_host(flat[lo:hi]).reshape(spec.local_shape)
-            blocks.append(checkpoint.Block(name=f"{prefix}/{spec.name}", local=local, shape=spec.decl.shape,
-                                           index=spec.index,
-                                           writer=bool(spec.writer and (dp_rank == 0 or spec.expert))))
+            for index, part, writer in spec_pieces(spec, local):
+                blocks.append(checkpoint.Block(name=f"{prefix}/{spec.name}", local=part, shape=spec.decl.shape,
+                                               index=index, writer=bool(writer and (dp_rank == 0 or spec.expert))))
     return blocks
+
+
+def spec_pieces(spec, local) -> list:
+    """[(index, local part, writer)]: the block whole, or, with shared
+    columns (replicated kv heads), the columns only this rank holds and
+    the shared ones apart, each written by one rank: the checkpoint stays
+    layout-independent (every element written once)."""
+    if spec.shared is None:
+        return [(spec.index, local, spec.writer)]
+    cols = spec.shared.cols
+    mine = np.r_[0:cols.start, cols.stop:spec.local_shape[-1]]                # (w_own,) local positions
+    *rows, last = spec.index
+    pieces = [((*rows, last[cols]), local[..., cols], spec.writer and spec.shared.writer)]
+    return ([((*rows, last[mine]), local[..., mine], spec.writer)] if mine.size else []) + pieces
 
 
 def load_state(ck, store, opt=None, comm=None) -> None:

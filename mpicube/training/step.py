@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from ..parallel.gradients import GradientSync, global_grad_norm, weighted_squares
+from ..parallel.gradients import GradientSync, SharedSquares, global_grad_norm, weighted_squares
 from ..parallel.params import ParamStore
 from .optim import OPTIMIZERS
 
@@ -67,13 +67,15 @@ class ShardedStep:
         self.sync = GradientSync(store, axes)
         # (replicas, slice of the chunk): the gradient norm counts each replicated block once
         self.replica_runs = [(r, run) for r, whole in store.replica_runs for run in store.partition.local([whole])]
+        self.shared = SharedSquares(store, store.partition.windows())    # replicated kv columns counted once
 
     def grad_norm(self) -> float:
         """L2 norm of the logical gradient from the owned chunks: one
         float64 all-reduce over the world; the only copy to the host is the
         final number."""
         store = self.store
-        local = weighted_squares(store.backend.xp, store.flat_grad[store.shard], self.replica_runs)   # of (C,)
+        chunk = store.flat_grad[store.shard]                                                  # (C,)
+        local = weighted_squares(store.backend.xp, chunk, self.replica_runs) + self.shared(store.backend.xp, chunk)
         total = float(self.axes.world.allreduce(local)[0]) / self.axes.cp.size   # cp ranks hold the same chunk
         return math.sqrt(total)
 

@@ -93,8 +93,8 @@ def parse_root(raw: dict, file) -> Header:
     return Header(step=step, names=names, shard_sha256=shards, attrs=attrs)
 
 
-FAMILY_KEYS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k",
-               "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+FAMILY_KEYS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "rope_scaling", "n_experts",
+               "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
 def model_config(value, file) -> dict:

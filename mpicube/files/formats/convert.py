@@ -3,7 +3,9 @@
 Tensors are copied as they are (same dtype, same values), so mpicube ->
 hf -> mpicube gives back the same bits, and so does mpicube -> llmc ->
 mpicube for float32 models; llm.c files hold float32, so a float64 model
-is rounded on the way there (and the command says so)."""
+is rounded on the way there (and the command says so). A Llama model
+writes a mpicube checkpoint or a ``LlamaForCausalLM`` directory
+(``hf_llama.write``); llm.c's file has no place for it."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def _check_destination(dst: Path, to: str) -> None:
 def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
     """Convert ``src`` (any format) to ``dst`` in format ``to``; returns a
     summary: source description, what was written, notes."""
-    from . import hf, llmc
+    from . import hf, hf_llama, llmc
 
     dst = Path(dst)
     if to not in ("mpicube", "hf", "llmc"):
@@ -37,9 +39,9 @@ def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
     notes = []
     with open_model(src, verify=True) as model:
         cfg = model.config
-        if cfg.llama and to != "mpicube":        # hf.write and llmc.write know GPT-2's names and config only
-            raise FormatError(f"{src}: a Llama model converts to a mpicube checkpoint only, not to {to} "
-                              "(writing Llama in other formats is not implemented yet)")
+        if cfg.llama and to == "llmc":           # llm.c's file format holds GPT-2's tensors only
+            raise FormatError(f"{src}: a Llama model converts to a mpicube checkpoint or a Hugging Face directory, "
+                              "not to llmc (llm.c's GPT-2 file has no place for Llama's tensors)")
         model.require_memory(whole=True)         # every tensor is held at once
         tensors = model.read_all()
         source = model.describe()
@@ -49,7 +51,8 @@ def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
     if to == "llmc" and any(t.dtype != np.float32 for t in tensors.values()):
         notes.append(f"note: llm.c files hold float32; the {', '.join(dtypes)} tensors were rounded to float32")
     if to == "hf":
-        written = hf.write(dst, tensors, cfg, max_shard_bytes=max_shard_bytes)
+        writer = hf_llama.write if cfg.llama else hf.write
+        written = writer(dst, tensors, cfg, max_shard_bytes=max_shard_bytes)
     elif to == "llmc":
         written = [llmc.write(dst, tensors, cfg)]
     else:

@@ -288,14 +288,21 @@ def config_json(cfg: ModelConfig) -> dict:
 
 def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = None) -> list:
     """Write a Hugging Face GPT-2 directory ``dst`` from {mpicube name:
-    whole tensor}; one ``model.safetensors``, or shards of at most
-    ``max_shard_bytes`` with ``model.safetensors.index.json``. The
-    directory appears complete or not at all. Returns the files written."""
-    from safetensors.numpy import save_file
-
+    whole tensor} (``write_files``). Returns the files written."""
     dst = Path(dst)
     check_shapes(dst, {n: t.shape for n, t in tensors.items()}, gpt2_shapes(cfg))
-    named = [(PREFIX + file_name(n), np.ascontiguousarray(tensors[n])) for n in gpt2_shapes(cfg)]
+    named = [(PREFIX + file_name(n), tensors[n]) for n in gpt2_shapes(cfg)]
+    return write_files(dst, named, config_json(cfg), max_shard_bytes)
+
+
+def write_files(dst: Path, named: list, config: dict, max_shard_bytes: int | None = None) -> list:
+    """Write the tensors ``named`` [(file name, array)] and ``config`` as
+    config.json into a new directory ``dst``: one ``model.safetensors``, or
+    shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``.
+    The directory appears complete or not at all. Returns the files written."""
+    from safetensors.numpy import save_file
+
+    named = [(fname, np.ascontiguousarray(array)) for fname, array in named]
     groups = [[]]
     size = 0
     for fname, array in named:
@@ -320,7 +327,7 @@ def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = No
             index = {"metadata": {"total_size": sum(a.nbytes for _, a in named)}, "weight_map": weight_map}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             files.append(INDEX)
-        (tmp / CONFIG).write_text(json.dumps(config_json(cfg), indent=2) + "\n")
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         files.append(CONFIG)
         os.replace(tmp, dst)                 # dst does not exist or is an empty directory
     except BaseException:

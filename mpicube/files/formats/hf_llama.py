@@ -1,6 +1,8 @@
 """Hugging Face Llama directories (``LlamaForCausalLM``): ``config.json``
 and safetensors files, read through the ``safetensors`` package's NumPy
-API (no torch) on any layout, each rank reading only its blocks.
+API (no torch) on any layout, each rank reading only its blocks, and
+written (``write``, for ``convert --to hf``) by the same table run
+backwards.
 
 How transformers' tensors map to mpicube's (``llama.llama_params``):
 
@@ -23,15 +25,17 @@ A configuration mpicube does not compute is refused by the field's name.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
-from ...core.config import ModelConfig
-from .base import FormatError, ModelFile, check_shapes, first_missing
-from .hf import CONFIG, READABLE, HFModel, _shown, read_json
+from ...core.config import ModelConfig, RopeScaling
+from .base import FormatError, ModelFile, check_shapes, first_missing, gpt2_shapes
+from .hf import CONFIG, READABLE, HFModel, _shown, read_json, write_files
 
 MODEL = "model."
+ROPE_TYPES = ("default", "llama3")
 
 
 def is_llama_dir(path: Path) -> bool:
@@ -43,15 +47,35 @@ def is_llama_dir(path: Path) -> bool:
     return isinstance(doc, dict) and doc.get("model_type") == "llama"
 
 
-def _rope(doc: dict) -> tuple:
-    """(rope type, theta) from ``rope_parameters`` (transformers 5) or
-    ``rope_scaling`` and ``rope_theta`` (earlier versions)."""
-    params = doc.get("rope_parameters") or {}
-    scaling = doc.get("rope_scaling") or {}
-    if not isinstance(params, dict) or not isinstance(scaling, dict):
-        return "?", None
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    return kind, params.get("rope_theta", doc.get("rope_theta", 10000.0))
+def _rope(where: Path, doc: dict) -> tuple:
+    """(theta, RopeScaling or None) from
+    ``rope_parameters`` (transformers 5: rope_type, rope_theta and the
+    scaling's keys in one object) or ``rope_theta`` and ``rope_scaling``
+    (earlier versions; rope_type once spelled ``type``). Rope types other
+    than "default" and "llama3" are refused naming the field."""
+    field = "rope_parameters" if doc.get("rope_parameters") is not None else "rope_scaling"
+    params = doc.get(field) or {}
+    if not isinstance(params, dict):
+        raise FormatError(f"{where}: {field} = {_shown(params)} is not a JSON object")
+    theta = params.get("rope_theta", doc.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        name = f"{field}.rope_theta" if "rope_theta" in params else "rope_theta"
+        raise FormatError(f"{where}: {name} = {_shown(theta)} is not supported: it must be a positive number")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise FormatError(f"{where}: {field}.rope_type = {_shown(kind)} is not supported: mpicube implements the "
+                          f"rope types {' and '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", doc.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise FormatError(f"{where}: partial_rotary_factor = {_shown(partial)} is not supported: mpicube rotates "
+                          "every column of a head")
+    scaling = None
+    if kind == "llama3":
+        try:
+            scaling = RopeScaling.from_dict(params, field)
+        except ValueError as e:
+            raise FormatError(f"{where}: {e}") from None
+    return theta, scaling
 
 
 def parse_config(path: Path, doc) -> ModelConfig:
@@ -75,7 +99,7 @@ def parse_config(path: Path, doc) -> ModelConfig:
     if values["n_embd"] % values["n_head"]:
         raise FormatError(f"{where}: hidden_size {values['n_embd']} is not divisible by num_attention_heads "
                           f"{values['n_head']}")
-    kind, theta = _rope(doc)
+    theta, scaling = _rope(where, doc)
     eps = doc.get("rms_norm_eps", 1e-6)
     refusals = [
         ("head_dim", doc.get("head_dim") not in (None, values["n_embd"] // values["n_head"]),
@@ -83,9 +107,6 @@ def parse_config(path: Path, doc) -> ModelConfig:
         ("attention_bias", bool(doc.get("attention_bias", False)), "mpicube's Llama attention has no biases"),
         ("mlp_bias", bool(doc.get("mlp_bias", False)), "mpicube's Llama MLP has no biases"),
         ("hidden_act", doc.get("hidden_act", "silu") != "silu", "mpicube's SwiGLU gates with SiLU"),
-        ("rope_parameters", kind != "default", "mpicube implements the default rotary embedding only"),
-        ("rope_theta", isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0,
-         "it must be a positive number"),
         ("rms_norm_eps", isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0,
          "it must be a positive number"),
         ("sliding_window", doc.get("sliding_window") is not None, "mpicube's attention is full causal"),
@@ -96,7 +117,7 @@ def parse_config(path: Path, doc) -> ModelConfig:
         if refused:
             raise FormatError(f"{where}: {key} = {_shown(doc.get(key))} is not supported: {why}")
     return ModelConfig(arch="llama", n_kv_head=kv, rope_theta=float(theta), rms_eps=float(eps),
-                       tie_embeddings=doc.get("tie_word_embeddings", False), **values)
+                       tie_embeddings=doc.get("tie_word_embeddings", False), rope_scaling=scaling, **values)
 
 
 def sources(cfg: ModelConfig, name: str) -> tuple:
@@ -197,3 +218,66 @@ class LlamaHFModel(HFModel):
         n = len(set(self._map.values()))
         files = f"{n} safetensors shards" if n > 1 else "model.safetensors"
         return f"Hugging Face Llama directory {self.path} ({files})"
+
+
+def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """A config.json that transformers loads as ``LlamaForCausalLM`` and
+    ``parse_config`` reads back as ``cfg``. The rotary settings are
+    written both ways: ``rope_parameters`` (transformers 5) and
+    ``rope_theta`` with ``rope_scaling`` (earlier versions). mpicube knows
+    no tokenizer's special tokens, so bos/eos are left unset."""
+    rope = {"rope_type": "default"} if cfg.rope_scaling is None else cfg.rope_scaling.to_dict()
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.ffn,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.n_ctx,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.to_dict(),
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tied,
+        "initializer_range": 0.02,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "dtype": dtype,
+    }
+
+
+def hf_tensors(cfg: ModelConfig, tensors: dict) -> list:
+    """[(HF name, array)] of mpicube's whole ``tensors``, by the table the
+    reader uses (``sources``) run backwards: each HF tensor is its column
+    range of the mpicube tensor, transposed back to (out, in) where
+    transformers' ``nn.Linear`` stores it so. No other permutation."""
+    named = []
+    for name in gpt2_shapes(cfg):
+        parts, transposed = sources(cfg, name)
+        start = 0
+        for fname, width in parts:
+            t = tensors[name]
+            if width is not None:                                 # (in, out) columns [start, start + width)
+                t = t[:, start:start + width]
+                t = t.T if transposed else t
+                start += width
+            named.append((fname, t))
+    return named
+
+
+def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = None) -> list:
+    """Write a Hugging Face ``LlamaForCausalLM`` directory ``dst`` from
+    {mpicube name: whole tensor} (one file or shards, ``hf.write_files``).
+    Returns the files written."""
+    dst = Path(dst)
+    check_shapes(dst, {n: t.shape for n, t in tensors.items()}, gpt2_shapes(cfg))
+    dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    return write_files(dst, hf_tensors(cfg, tensors), config_json(cfg, dtypes[-1]), max_shard_bytes)

@@ -37,7 +37,7 @@ from ..comm import Comm
 from ..comm_start import iallreduce
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
-from ..params import ParamDecl, ParamSpec, ParamStore
+from ..params import ParamDecl, ParamSpec, ParamStore, shared_columns, split_decl, split_index
 from .head import LossHead
 
 
@@ -95,6 +95,18 @@ class Layout:
     mid_seqs: np.ndarray            # (B_m,) sequences held between paired linears
     head_ids: np.ndarray            # (nh,) global attention heads held
     hidden_comm = None              # Comm splitting the canonical hidden size, or None
+    kv_comm = None                  # Comm of the ranks sharing this rank's kv head (split > n_kv), or None
+
+    @classmethod
+    def head_coords(cls, tp: int, depth: int, rank: int) -> tuple:
+        """(split, block, line) of tensor-parallel rank ``rank``: the heads
+        are split ``split`` ways and this rank holds block ``block``; the
+        ranks of one ``line`` hold the same rows of every first linear's
+        weight and differ in their head block (so those of them that read
+        the same kv head hold the same kv columns). Pure: ``__init__``
+        builds ``head_ids`` and ``kv_comm`` from it, and
+        ``analysis.heads`` draws the placement from it without MPI."""
+        return 1, 0, 0
 
     @classmethod
     def validate(cls, cfg: ModelConfig, tp: int, local_batch: int, depth: int, recompute: str = "none") -> None:
@@ -132,6 +144,31 @@ class Layout:
         return saved
 
     # --- shared helpers ---------------------------------------------------
+    def place_heads(self, depth: int) -> tuple:
+        """(split, block) of this rank's heads (``head_coords``); sets
+        ``head_ids`` and, under grouped-query attention with a head split
+        finer than the kv heads, ``kv_comm``: the ranks of this rank's line
+        whose query heads read its kv head (split / n_kv consecutive
+        blocks), derived once here from the tensor-parallel group
+        (collective over it: every rank builds its layout). The layouts'
+        ``shard`` hands it to ``first_columns``."""
+        tp = self.axes.tp
+        split, block, line = self.head_coords(tp.size, depth, tp.rank)
+        self.head_ids = split_index(self.cfg.n_head, split, block)
+        self.head_split = (split, block)
+        nkv = self.cfg.kv_heads
+        if self.cfg.llama and split > nkv:
+            share = split // nkv
+            self.kv_comm = tp.split("kv", line * nkv + block // share, block)
+        return split, block
+
+    def first_columns(self, decl: ParamDecl) -> tuple:
+        """(global indices, ``SharedColumns`` or None) of this rank's head
+        block of ``decl``'s last dimension (a first linear's columns, a
+        bias): whole query heads with their kv heads (params.split_decl)."""
+        split, block = self.head_split
+        return split_decl(decl, split, block), shared_columns(decl, split, block, self.kv_comm)
+
     def seq_positions(self, T: int):
         """(T_c,) global positions of the canonical rows of a T-long
         sequence, or None when the canonical form holds all T (every layout
@@ -160,6 +197,17 @@ class Layout:
         nearest multiples of ``suggest_step`` (default: of ``divisor``)."""
         cls.require(value % divisor == 0, f"{what} {value} must be divisible by {why}: "
                                           f"use {nearest_multiples(value, suggest_step or divisor)}")
+
+
+def check_head_split(cfg: ModelConfig, split: int) -> None:
+    """ConfigError unless a head split ``split`` ways gives every rank
+    whole kv groups: ``split`` divides the kv heads (each rank holds whole
+    kv heads and their queries) or the kv heads divide ``split`` (each kv
+    head shared by split / n_kv ranks whose queries all read it)."""
+    nkv = cfg.kv_heads
+    if nkv % split and split % nkv:
+        raise ConfigError(f"--n-kv-head {nkv}: the layout splits the heads {split} ways, which must divide the "
+                          f"{nkv} kv heads or be a multiple of them (a rank's query heads must read whole kv heads)")
 
 
 def nearest_multiples(value: int, multiple: int) -> str:

@@ -29,7 +29,7 @@ from ...device import precision
 from ..comm import Comm
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, acc, add_bias, add_bias_grad, bias_views, matmul_rows
+from .base import Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
 
 
 class CubeLayout(Layout):
@@ -48,6 +48,13 @@ class CubeLayout(Layout):
         return q
 
     @classmethod
+    def head_coords(cls, tp, depth, rank):
+        q = cls.cube_side(tp)
+        i, rest = divmod(rank, q * q)
+        j, k = divmod(rest, q)
+        return q, j, i * q + k                          # heads over j; weight rows block (k, i)
+
+    @classmethod
     def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
         q = cls.cube_side(tp)
         cls.require(depth == 1, "--depth applies to 2.5d only")
@@ -55,6 +62,7 @@ class CubeLayout(Layout):
         cls.require_multiple("n_embd", cfg.n_embd, q * q, f"q^2 = {q * q} (weights split q^2 ways)",
                              math.lcm(q * q, cfg.n_head))
         cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
+        check_head_split(cfg, q)
 
     def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", **settings):
         super().__init__(cfg, axes, batch_size, recompute=recompute, **settings)
@@ -78,7 +86,7 @@ class CubeLayout(Layout):
         self.canonical_seqs = split_index(self.local_batch, q * q, i * q + j)
         self.mid_seqs = split_index(self.local_batch, q * q, i * q + k)
         self.canonical_cols = split_index(cfg.n_embd, q, k)
-        self.head_ids = split_index(cfg.n_head, q, j)
+        self.place_heads(depth)                          # heads split over j
 
     def shard(self, decl: ParamDecl) -> ParamSpec:
         q, i, j, k, shape = self.q, self.i, self.j, self.k, decl.shape
@@ -86,12 +94,14 @@ class CubeLayout(Layout):
         if decl.role == "wte":     # the LM head's W = wte^T as a first linear
             return ParamSpec(decl, (split_index(self.vocab_padded, q, j), split_index(shape[1], q * q, k * q + i)))
         if decl.role == "w_first":
-            return ParamSpec(decl, (split_index(shape[0], q * q, k * q + i), split_index(shape[1], q, j, decl.groups)))
+            cols, shared = self.first_columns(decl)
+            return ParamSpec(decl, (split_index(shape[0], q * q, k * q + i), cols), shared=shared)
         if decl.role == "w_second":
             return ParamSpec(decl, (split_index(shape[0], q * q, j * q + i), split_index(shape[1], q, k)))
         if decl.role == "b_first":
-            return ParamSpec(decl, (split_index(shape[0], q, j, decl.groups),),
-                             grad_comm=self.ik, replicas=q * q, writer=(i == 0 and k == 0))
+            cols, shared = self.first_columns(decl)
+            return ParamSpec(decl, (cols,), grad_comm=self.ik, replicas=q * q, writer=(i == 0 and k == 0),
+                             shared=shared)
         if decl.role == "wpe":
             return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, k)), **on_ij)
         # norm, b_second: hidden block k

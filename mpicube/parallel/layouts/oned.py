@@ -32,7 +32,7 @@ from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 import math
 
-from .base import DenseLinear, Layout, RowShard, nearest_multiples
+from .base import DenseLinear, Layout, RowShard, check_head_split, nearest_multiples
 from .seqpar import SeqLinear, SeqTiedEmbedding
 from .serial import DenseTiedEmbedding
 
@@ -45,12 +45,17 @@ class OneDLayout(Layout):
         cls.require(cfg.n_head % tp == 0,
                     f"n_head {cfg.n_head} must be divisible by the tensor-parallel size {tp} "
                     f"(heads are split {tp} ways): use n_head {nearest_multiples(cfg.n_head, tp)}")
+        check_head_split(cfg, tp)
         if recompute != "none":       # replicated activations are kept as row shards
             step = tp // math.gcd(tp, cfg.n_ctx)      # sequences per replica must be a multiple of this
             cls.require(local_batch * cfg.n_ctx % tp == 0,
                         f"--recompute {recompute} keeps 1/{tp} of the {local_batch} x {cfg.n_ctx} token rows "
                         f"per replica, which must be divisible by {tp}: use a batch size per replica of "
                         f"{nearest_multiples(local_batch, step)}")
+
+    @classmethod
+    def head_coords(cls, tp, depth, rank):
+        return tp, rank, 0                              # heads split over all p ranks
 
     @classmethod
     def validate_sequence(cls, cfg, tp, T, recompute="none"):
@@ -70,16 +75,18 @@ class OneDLayout(Layout):
         self.canonical_seqs = np.arange(self.local_batch)
         self.mid_seqs = self.canonical_seqs
         self.canonical_cols = np.arange(cfg.n_embd)
-        self.head_ids = split_index(cfg.n_head, p, t)
+        self.place_heads(depth)
 
     def shard(self, decl: ParamDecl) -> ParamSpec:
         p, t, shape = self.p, self.t, decl.shape
         if decl.role == "wte":
             return ParamSpec(decl, (split_index(self.vocab_padded, p, t), full_index(shape[1])))
         if decl.role == "w_first":
-            return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], p, t, decl.groups)))
+            cols, shared = self.first_columns(decl)
+            return ParamSpec(decl, (full_index(shape[0]), cols), shared=shared)
         if decl.role == "b_first":
-            return ParamSpec(decl, (split_index(shape[0], p, t, decl.groups),))
+            cols, shared = self.first_columns(decl)
+            return ParamSpec(decl, (cols,), shared=shared)
         if decl.role == "w_second":
             return ParamSpec(decl, (split_index(shape[0], p, t), full_index(shape[1])))
         full = tuple(full_index(n) for n in shape)

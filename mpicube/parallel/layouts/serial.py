@@ -23,7 +23,7 @@ class SerialLayout(Layout):
         self.canonical_seqs = np.arange(self.local_batch)
         self.mid_seqs = self.canonical_seqs
         self.canonical_cols = np.arange(cfg.n_embd)
-        self.head_ids = np.arange(cfg.n_head)
+        self.place_heads(depth)                          # all heads (split 1)
 
     def shard(self, decl: ParamDecl) -> ParamSpec:
         return ParamSpec(decl, tuple(full_index(n) for n in decl.shape))

@@ -33,7 +33,7 @@ from ...device import precision
 from ..comm_start import ibcast
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, acc, add_bias, add_bias_grad, bias_views, matmul_rows
+from .base import Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
 
 
 class TesseractLayout(Layout):
@@ -54,11 +54,19 @@ class TesseractLayout(Layout):
         return q
 
     @classmethod
+    def head_coords(cls, tp, depth, rank):
+        q = cls.grid_side(tp, depth)
+        l, rest = divmod(rank, q * q)
+        r, c = divmod(rest, q)
+        return q, c, l * q + r                          # heads over c; weight rows block r, on depth slice l
+
+    @classmethod
     def validate(cls, cfg, tp, local_batch, depth, recompute="none"):
         q = cls.grid_side(tp, depth)
         split = depth * q
         cls.require_multiple("batch size per replica", local_batch, split, f"d*q = {split}")
         cls.require_multiple("n_head", cfg.n_head, q, f"q = {q}")
+        check_head_split(cfg, q)
 
     def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", **settings):
         super().__init__(cfg, axes, batch_size, recompute=recompute, **settings)
@@ -77,7 +85,7 @@ class TesseractLayout(Layout):
         self.canonical_seqs = split_index(self.local_batch, depth * q, l * q + r)
         self.mid_seqs = self.canonical_seqs
         self.canonical_cols = split_index(cfg.n_embd, q, c)
-        self.head_ids = split_index(cfg.n_head, q, c)
+        self.place_heads(depth)                         # heads split over the grid's columns c
 
     def shard(self, decl: ParamDecl) -> ParamSpec:
         q, r, c, shape = self.q, self.r, self.c, decl.shape
@@ -86,12 +94,13 @@ class TesseractLayout(Layout):
         if decl.role == "wte":
             return ParamSpec(decl, (split_index(self.vocab_padded, q, r), split_index(shape[1], q, c)), **on_depth)
         if decl.role in ("w_first", "w_second"):
-            return ParamSpec(decl, (split_index(shape[0], q, r), split_index(shape[1], q, c, decl.groups)),
-                             **on_depth)
+            cols, shared = self.first_columns(decl)
+            return ParamSpec(decl, (split_index(shape[0], q, r), cols), **on_depth, shared=shared)
         if decl.role == "wpe":
             return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, c)), **on_plane)
         # norm, b_first, b_second: hidden block c, partial gradients over rows
-        return ParamSpec(decl, (split_index(shape[0], q, c, decl.groups),), **on_plane)
+        cols, shared = self.first_columns(decl)
+        return ParamSpec(decl, (cols,), **on_plane, shared=shared)
 
     def linear(self, store, prefix, position, bias=True):
         return SummaLinear(store, prefix, self, bias=bias)

@@ -1,0 +1,128 @@
+"""What one rank holds of the model, as the cost model counts it: each
+block's linears (``block_linears``: GPT-2's, or Llama's GQA, SwiGLU and
+replicated kv heads), the layout's head split, every parameter's local
+elements and the replica group its gradient is summed over
+(``local_param_sizes``, from each layout's sharding rules in closed form,
+not the layout code), and the shared kv columns (``kv_param_sizes``).
+``costmodel`` re-exports them."""
+
+from __future__ import annotations
+
+from ..core.config import ModelConfig
+from ..model.gpt import gpt_params
+from ..parallel.split import shared_width, split_decl
+from .costbase import Problem
+
+
+def block_linears(cfg: ModelConfig, split: int = 1):
+    """(h_in, h_out, position) of every linear of one block, h_out as the
+    head split of ``split`` ways holds it in all (``split`` times one
+    block's columns): Llama's c_attn [q | k | v] has n_kv kv heads, or one
+    copy per block of them when the split exceeds them (kv replication,
+    ``params.SharedColumns``); its c_fc is SwiGLU's [gate | up] (2 F) and
+    its mlp.c_proj F x h."""
+    h = cfg.n_embd
+    if cfg.llama:
+        qkv = cfg.n_head * cfg.head_dim + 2 * cfg.head_dim * max(cfg.kv_heads, split)
+        return [(h, qkv, "first"), (h, h, "second"), (h, 2 * cfg.ffn, "first"), (cfg.ffn, h, "second")]
+    return [(h, 3 * h, "first"), (h, h, "second"), (h, 4 * h, "first"), (4 * h, h, "second")]
+
+
+def head_split(p: Problem) -> int:
+    """The ways the layout splits the heads (each layout's ``head_coords``)."""
+    if p.layout == "1d":
+        return p.tp
+    if p.layout in ("2d", "2.5d"):
+        return round((p.tp // p.depth) ** 0.5)
+    return round(p.tp ** (1 / 3)) if p.layout == "3d" else 1
+
+
+def local_param_sizes(p: Problem) -> dict:
+    """{name: (local elements, gradient axis or None)} for one rank, from the
+    sharding rules of each layout (closed forms, not the layout code);
+    under a pipeline only the tensors of this stage (``on_stage``)."""
+    cfg, out = p.cfg, {}
+    mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
+    for decl in gpt_params(cfg):
+        if on_stage(p, decl.name, mine):
+            out[decl.name] = _local_size(p, decl)
+    return out
+
+
+def on_stage(p: Problem, name: str, layers: set = None) -> bool:
+    """Whether parameter ``name`` lives on this stage: a block's on the stage
+    of its chunk (``layers``: this stage's, computed once by the caller),
+    wpe on the first, ln_f on the last, and wte on both (the LM head is
+    tied to the lookup: each end holds a copy)."""
+    if p.pp == 1:
+        return True
+    if name.startswith("h."):
+        if layers is None:
+            layers = {i for k in p.stage_chunks for i in p.chunk_layers[k]}
+        return int(name.split(".")[1]) in layers
+    if name == "wte":
+        return p.has_embed or p.has_head
+    return p.has_embed if name == "wpe" else p.has_head
+
+
+def kv_param_sizes(p: Problem) -> dict:
+    """{name: (elements, share)} of the shared kv columns this rank holds
+    (``params.SharedColumns``: c_attn's k and v columns when the head split
+    exceeds the kv heads), summed over the ``share`` ranks of axis "kv"."""
+    split, out = head_split(p), {}
+    mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
+    for decl in gpt_params(p.cfg):
+        width, share = shared_width(decl, split)
+        if width and on_stage(p, decl.name, mine):
+            n, _ = _local_size(p, decl)
+            out[decl.name] = (n // len(split_decl(decl, split, 0)) * width, share)
+    return out
+
+
+def _local_size(p: Problem, decl):
+    role, shape, cfg = decl.role, decl.shape, p.cfg
+    numel = 1
+    for n in shape:
+        numel *= n
+    if p.layout == "serial":
+        return numel, None
+    if role in ("w_first", "b_first"):     # the head split's share of the columns (whole kv heads, or a copy)
+        cols = len(split_decl(decl, head_split(p), 0))
+        numel = numel // shape[-1] * cols * head_split(p)
+    if p.layout == "1d":
+        g = p.tp
+        if role == "wte":
+            return -(-cfg.vocab_size // g) * cfg.n_embd, None
+        if role in ("w_first", "b_first", "w_second"):
+            return numel // g, None
+        if p.sequence_parallel and role in ("wpe", "norm"):
+            return numel, "tp"                 # partial sums from this rank's T/tp positions
+        return numel, None
+    if p.layout in ("2d", "2.5d"):
+        d = p.depth
+        q = round((p.tp // d) ** 0.5)
+        on_depth = "depth" if d > 1 else None
+        if role == "wte":
+            return -(-cfg.vocab_size // q) * cfg.n_embd // q, on_depth
+        if role in ("w_first", "w_second"):
+            return numel // (q * q), on_depth
+        return numel // q, "col_depth"     # wpe, norm, biases: hidden block c
+    q = round(p.tp ** (1 / 3))
+    if role == "wte":
+        return -(-cfg.vocab_size // q) * cfg.n_embd // (q * q), None
+    if role in ("w_first", "w_second"):
+        return numel // (q ** 3), None
+    if role == "b_first":
+        return numel // q, "ik"
+    return numel // q, "ij"                # wpe, norm, b_second
+
+
+def _group_size(p: Problem, axis: str) -> int:
+    if axis == "tp":
+        return p.tp
+    if axis == "depth":
+        return p.depth
+    if axis == "col_depth":
+        return p.tp // round((p.tp // p.depth) ** 0.5)
+    q = round(p.tp ** (1 / 3))
+    return q * q                               # ij, ik planes of the cube
