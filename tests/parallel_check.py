@@ -127,6 +127,7 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
+from mpicube.analysis.costmoe import ep_traffic
 from mpicube.parallel.experts import model_specs
 from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
                                          pipeline_peak_activations, step_memory, step_memory_bytes)
@@ -303,6 +304,21 @@ def check_pipeline_memory(problem, pipe, where: str = None) -> None:
                              f"activations {pipe.peak_saved} (elements, bytes), model {(peak, peak_bytes)}")
 
 
+def check_ep_traffic(cfg, layout, model, counters) -> None:
+    """The ep axis's measured elements, bytes and messages == the model
+    (analysis/costmoe.py) for the routing each MoE layer recorded this step."""
+    ledgers = model.router_log.take_ledgers()
+    routes = [led.routes[k] for led in ledgers for k in sorted(led.routes)]
+    ep = layout.axes.ep
+    want = ep_traffic(routes, ep.size, ep.rank, cfg.n_experts, cfg.n_embd, np.dtype(layout.backend.dtype).itemsize,
+                      forwards=2 if RECOMPUTE == "blocks" else 1)
+    got = (counters.elems["ep"], counters.bytes["ep"], counters.msgs["ep"])
+    assert got == (want.elems["ep"], want.bytes["ep"], want.msgs["ep"]), \
+        f"rank {MPI.COMM_WORLD.rank}: ep traffic {got} != model {want.elems['ep'], want.bytes['ep'], want.msgs['ep']}"
+    if ep.size > 1:
+        assert want.elems["ep"] > 0
+
+
 def synced_gradient(store, host):
     """((P_pad,) host gradient, (P_pad,) bool mask) in the full buffer's
     coordinates: where this rank holds the synchronised gradient (all of it
@@ -425,6 +441,8 @@ def main():
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
         if COSTED:
             check_traffic(problem, counters)              # the step's all-gather (zero 1) too
+        else:                                             # a mixture: the all-to-all's from this step's routing
+            check_ep_traffic(cfg, layout, model, counters)
     if not HALF:
         check_params(store, host, s_store.data, "after 3 steps")
     MPI.COMM_WORLD.Barrier()

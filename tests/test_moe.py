@@ -129,6 +129,9 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
     for ranks, extra in ((1, []), (2, ["--dp", "2", "--ep", "2"])):
         proc = mpiexec(ranks, args + ["--out", tmp_path / f"r{ranks}"] + extra, timeout=200)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = json.loads((tmp_path / "r2" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["ep_bytes"] > 0 and "ep_bytes" not in json.loads((tmp_path / "r1" / "metrics.jsonl").read_text()
+                                                                 .splitlines()[-1])
     losses = []
     evals = ((1, "r1", []), (1, "r2", []), (2, "r2", ["--dp", "2", "--ep", "2", "--layout", "serial"]))
     for ranks, run, extra in evals:

@@ -70,6 +70,7 @@ class RouterLedger:
         self.cfg, self.group = cfg, group
         self.micro_tokens, self.grad_accum = micro_tokens, grad_accum    # N of one micro-batch, all replicas
         self.stats = {}                 # layer -> (2 E + 2,) this rank's [counts | prob sums | z sum | dropped]
+        self.routes = {}                # layer -> (rows sent to, rows received from, each ep rank) (g,) each
         self.totals = None              # after finish: (L_here, 2 E + 2) summed over the group
         self.scale = 1.0                # the loss scale backward runs under (float16)
 
@@ -192,6 +193,8 @@ class MoE:
             ledger.record(self.layer, counts, probs, lse, n * K - order.shape[0])
         kept = np.asarray(self.store.backend.to_host(xp.bincount(expert, minlength=E)), dtype=np.int64)  # (E,)
         route = Dispatch(self.ep, kept, E)
+        if ledger is not None:
+            ledger.routes[self.layer] = (route.send_counts, route.recv_counts)
         rows = route.send(x2[order // K])                                         # (r, h) rows of this rank's experts
         y_rows = xp.zeros_like(rows)                                              # (r, h)
         runs = []
