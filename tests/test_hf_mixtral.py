@@ -153,6 +153,24 @@ def test_mixtral_training_loss_includes_transformers_aux_loss(mixtral):
     assert abs(loss - want) <= 1e-9 * want, f"{loss!r} vs {want!r}"
 
 
+def test_mixtral_round_trip_loads_in_transformers(mixtral, tmp_path):
+    """HF -> mpicube checkpoint -> HF: transformers loads the export with
+    every tensor equal to the original's."""
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+
+    for src, dst, to in ((mixtral["dir"], tmp_path / "run", "mpicube"), (tmp_path / "run", tmp_path / "hf", "hf")):
+        proc = subprocess.run([sys.executable, "-m", "mpicube", "convert", str(src), str(dst), "--to", to],
+                              capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""}, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    a = transformers.MixtralForCausalLM.from_pretrained(str(mixtral["dir"]), dtype=torch.float64).state_dict()
+    b = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float64).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("field,value", [("shared_expert_intermediate_size", 64), ("scoring_func", "sigmoid"),
                                          ("router_jitter_noise", 0.1), ("num_experts_per_tok", 5),
                                          ("model_type", "qwen2_moe")])

@@ -141,6 +141,18 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
         losses.append(json.loads(proc.stdout.strip().splitlines()[-1])["loss"])
     assert abs(losses[1] - losses[0]) <= 1e-10 * losses[0] and abs(losses[2] - losses[0]) <= 1e-10 * losses[0]
 
+    # convert --to hf writes a MixtralForCausalLM directory holding the same tensors (capacity noted)
+    proc = cli("convert", str(tmp_path / "r2" / "ckpt" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert "capacity factor 1 is not in config.json" in proc.stdout
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    from mpicube.files.formats import open_model
+
+    with open_model(tmp_path / "r2" / "ckpt" / "step_00000002") as a, open_model(tmp_path / "hf") as b:
+        want, got = a.read_all(), b.read_all()
+        assert b.config.n_experts == 4 and b.config.top_k == 2
+    assert sorted(want) == sorted(got) and all(np.array_equal(want[n], got[n]) for n in want)
+
 
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "mpicube", *args], capture_output=True, text=True, env=ENV,
