@@ -56,8 +56,10 @@ Environment:
   MPICUBE_CHECK_ARCH=mixtral  that Llama with a mixture of 4 experts, top 2,
                               the load-balancing and z-losses on (the loss
                               compared includes them); MPICUBE_CHECK_CAPACITY=F
-                              dispatches with capacity factor F; its traffic
-                              and memory are not compared (no MoE cost terms)
+                              dispatches with capacity factor F, and
+                              MPICUBE_CHECK_EP=E splits the experts over E of
+                              the dp replicas (--ep E); its traffic and memory
+                              are not compared (no MoE cost terms)
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -125,6 +127,8 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
+from mpicube.analysis.costmoe import ep_traffic
+from mpicube.parallel.experts import model_specs
 from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
                                          pipeline_peak_activations, step_memory, step_memory_bytes)
 from mpicube.cli.common import env_settings
@@ -156,6 +160,7 @@ ARCH = os.environ.get("MPICUBE_CHECK_ARCH", "gpt2")
 COSTED = ARCH != "mixtral"          # the cost model has no mixture-of-experts terms yet
 LLAMA = dict(n_head=6, n_embd=24, arch="llama", n_kv_head=2, ffn_hidden=20, rope_theta=100.0, rms_eps=1e-5)
 CAPACITY = float(os.environ.get("MPICUBE_CHECK_CAPACITY", "0"))
+EP = int(os.environ.get("MPICUBE_CHECK_EP", "1"))
 MIXTRAL = dict(LLAMA, n_experts=4, top_k=2, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
                capacity_factor=CAPACITY)
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
@@ -171,10 +176,11 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
     backend = make_backend(device, DTYPE)
     counters = Counters()
     cp = CP if comm is MPI.COMM_WORLD else 1
-    grid = GridSpec(layout_name, dp=dp, cp=cp, depth=depth, sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD,
+    grid = GridSpec(layout_name, dp=dp, cp=cp, ep=EP if comm is MPI.COMM_WORLD else 1, depth=depth,
+                    sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD,
                     grad_accum=grad_accum, recompute=recompute, **(env_settings() if settings is None else settings))
     layout = build_layout(resolve(grid, cfg, batch, comm.Get_size()), backend, comm, counters=counters)
-    store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=zero)
+    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=layout.axes.dp, zero=zero)
     model = make_runner(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
@@ -296,6 +302,21 @@ def check_pipeline_memory(problem, pipe, where: str = None) -> None:
     if pipe.peak_saved != (peak, peak_bytes):
         raise AssertionError(f"{where or f'rank {MPI.COMM_WORLD.rank}'} (stage {problem.stage}): peak saved "
                              f"activations {pipe.peak_saved} (elements, bytes), model {(peak, peak_bytes)}")
+
+
+def check_ep_traffic(cfg, layout, model, counters) -> None:
+    """The ep axis's measured elements, bytes and messages == the model
+    (analysis/costmoe.py) for the routing each MoE layer recorded this step."""
+    ledgers = model.router_log.take_ledgers()
+    routes = [led.routes[k] for led in ledgers for k in sorted(led.routes)]
+    ep = layout.axes.ep
+    want = ep_traffic(routes, ep.size, ep.rank, cfg.n_experts, cfg.n_embd, np.dtype(layout.backend.dtype).itemsize,
+                      forwards=2 if RECOMPUTE == "blocks" else 1)
+    got = (counters.elems["ep"], counters.bytes["ep"], counters.msgs["ep"])
+    assert got == (want.elems["ep"], want.bytes["ep"], want.msgs["ep"]), \
+        f"rank {MPI.COMM_WORLD.rank}: ep traffic {got} != model {want.elems['ep'], want.bytes['ep'], want.msgs['ep']}"
+    if ep.size > 1:
+        assert want.elems["ep"] > 0
 
 
 def synced_gradient(store, host):
@@ -420,6 +441,8 @@ def main():
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
         if COSTED:
             check_traffic(problem, counters)              # the step's all-gather (zero 1) too
+        else:                                             # a mixture: the all-to-all's from this step's routing
+            check_ep_traffic(cfg, layout, model, counters)
     if not HALF:
         check_params(store, host, s_store.data, "after 3 steps")
     MPI.COMM_WORLD.Barrier()
@@ -427,7 +450,7 @@ def main():
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
               f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}"
-              + (f" capacity={CAPACITY}" if ARCH == "mixtral" else ""))
+              + (f" capacity={CAPACITY} ep={EP}" if ARCH == "mixtral" else ""))
 
 
 if __name__ == "__main__":

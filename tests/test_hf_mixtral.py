@@ -1,7 +1,9 @@
 """A random ``MixtralForCausalLM`` (4 experts, top 2, grouped-query
 attention: 4 heads over 2 kv heads), saved by transformers in the hub's
 per-expert form, evaluates to 1e-9 of transformers' own float64 loss on
-the serial layout and with two data-parallel replicas; its training loss
+the serial layout, with --ep 2 and 4 over the data-parallel replicas, on
+1-D and on 1-D x --ep 2; its greedy tokens are transformers' (serial and
+1-D, key/value cache); its training loss
 (cross-entropy plus the load-balancing loss) equals transformers'
 ``loss`` with ``output_router_logits``; and a mixture this build does not
 compute is refused by the field's name.
@@ -92,18 +94,32 @@ def mixtral(tmp_path_factory):
         first = model(x[:B], output_router_logits=True)          # the first batch alone, for the training loss
         ce_first = torch.nn.functional.cross_entropy(first.logits.reshape(-1, VOCAB), y[:B].reshape(-1))
         hf_aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(first.router_logits, E, K)
-    return dict(dir=tmp / "mixtral", tokens=tmp / "tokens.bin", ce=float(ce), x=x.numpy(), y=y.numpy(),
+        model.generation_config.eos_token_id = None                # no stop token: four greedy tokens
+        greedy = model.generate(x[:1, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)[0, 3:]
+    return dict(greedy=[int(t) for t in greedy], dir=tmp / "mixtral", tokens=tmp / "tokens.bin", ce=float(ce), x=x.numpy(), y=y.numpy(),
                 ce_first=float(ce_first), aux_first=aux_float64(torch, first.router_logits), hf_aux=float(hf_aux))
 
 
-@pytest.mark.parametrize("ranks,dp", [(1, 1), (2, 2)])
-def test_mixtral_directory_evaluates_like_transformers(mixtral, ranks, dp):
+@pytest.mark.parametrize("ranks,layout,dp,ep", [(1, "serial", 1, 1), (2, "serial", 2, 2), (4, "serial", 4, 4),
+                                                (2, "1d", 1, 1), (4, "1d", 2, 2)])
+def test_mixtral_directory_evaluates_like_transformers(mixtral, ranks, layout, dp, ep):
     proc = mpiexec(ranks, ["-m", "mpicube", "eval", mixtral["dir"], "--data", mixtral["tokens"], "--batch-size", B,
-                           "--seq-len", T, "--batches", BATCHES, "--dtype", "float64", "--layout", "serial",
-                           "--dp", dp], timeout=180, env={"PYTHONPATH": str(ROOT)})
+                           "--seq-len", T, "--batches", BATCHES, "--dtype", "float64", "--layout", layout,
+                           "--dp", dp, "--ep", ep], timeout=180, env={"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
     assert abs(got - mixtral["ce"]) <= 1e-9 * abs(mixtral["ce"]), f"{got!r} vs transformers {mixtral['ce']!r}"
+
+
+@pytest.mark.parametrize("ranks,extra", [(1, []), (2, ["--layout", "1d"])])
+def test_mixtral_greedy_tokens_equal_transformers(mixtral, ranks, extra):
+    prompt = ",".join(str(int(t)) for t in mixtral["x"][0, :3])
+    proc = mpiexec(ranks, ["-m", "mpicube", "generate", mixtral["dir"], "--prompt-tokens", prompt, "--max-new-tokens",
+                           4, "--temperature", 0, "--dtype", "float64", "--json"] + extra, timeout=180,
+                   env={"PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
+    assert tokens[-4:] == mixtral["greedy"], (tokens, mixtral["greedy"])
 
 
 def test_mixtral_training_loss_includes_transformers_aux_loss(mixtral):
@@ -135,6 +151,24 @@ def test_mixtral_training_loss_includes_transformers_aux_loss(mixtral):
     assert abs(aux - mixtral["hf_aux"]) <= 1e-6 * aux                  # transformers' own, summed in float32
     want = mixtral["ce_first"] + 0.02 * mixtral["aux_first"]
     assert abs(loss - want) <= 1e-9 * want, f"{loss!r} vs {want!r}"
+
+
+def test_mixtral_round_trip_loads_in_transformers(mixtral, tmp_path):
+    """HF -> mpicube checkpoint -> HF: transformers loads the export with
+    every tensor equal to the original's."""
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+
+    for src, dst, to in ((mixtral["dir"], tmp_path / "run", "mpicube"), (tmp_path / "run", tmp_path / "hf", "hf")):
+        proc = subprocess.run([sys.executable, "-m", "mpicube", "convert", str(src), str(dst), "--to", to],
+                              capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""}, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    a = transformers.MixtralForCausalLM.from_pretrained(str(mixtral["dir"]), dtype=torch.float64).state_dict()
+    b = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float64).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("field,value", [("shared_expert_intermediate_size", 64), ("scoring_func", "sigmoid"),

@@ -88,21 +88,70 @@ def test_moe_config_stores_and_counts():
     assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
 
 
-# one launch each: serial with dp 2 in both dispatch modes (capacity: with --zero 1 and --recompute blocks)
-DP_CASES = [("0", {}), ("0.8", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"})]
+# one launch each: dp 2 in both dispatch modes (dropless with --ep 2; capacity with --zero 1 and
+# --recompute blocks), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
+# each held by two replicas), 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute). Passing all of
+# them, gradients are equal whatever the ep size.
+DP_CASES = [(2, "serial", 2, "0", "2", {}),
+            (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}), (4, "serial", 4, "0", "2", {}),
+            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks"})]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("capacity,extra", DP_CASES, ids=["dropless", "capacity-zero1-recompute"])
-def test_moe_data_parallel_matches_serial(capacity, extra):
-    """Two replicas (dropout on) follow serial to 1e-10 in float64: loss with
-    the router losses, logits, every gradient, parameters after 3 steps."""
+@pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
+                         ids=["dp2-ep2-dropless", "dp2-capacity-zero1-recompute", "dp4-ep4-capacity-recompute",
+                              "dp4-ep2-dropless", "1d-dp2-ep2-capacity-recompute"])
+def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
+    """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
+    the router losses, logits, every gradient (each rank's experts), the
+    gradient norm, parameters after 3 steps."""
     from mpirun import mpiexec
 
-    proc = mpiexec(2, ["-m", "mpi4py", "tests/parallel_check.py", "serial", 2, 1, 0.1, 8], timeout=180,
-                   env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, **extra})
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, 1, 0.1, 8], timeout=200,
+                   env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, "MPICUBE_CHECK_EP": ep,
+                        **extra})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK serial world=2 dp=2" in proc.stdout and f"arch=mixtral capacity={float(capacity)}" in proc.stdout
+    assert f"OK {layout} world={ranks} dp={dp}" in proc.stdout
+    assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
+    """train --dp 2 --ep 2 writes each expert once (the ranks of the
+    expert-data group's rank 0); the checkpoint evaluates, serially and
+    on --ep 2, to the serial run's checkpoint's loss."""
+    from mpirun import mpiexec
+
+    args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
+            "--n-kv-head", "2", "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "4",
+            "--steps", "2", "--dtype", "float64", "--capacity-factor", "1.0"]
+    for ranks, extra in ((1, []), (2, ["--dp", "2", "--ep", "2"])):
+        proc = mpiexec(ranks, args + ["--out", tmp_path / f"r{ranks}"] + extra, timeout=200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = json.loads((tmp_path / "r2" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["ep_bytes"] > 0 and "ep_bytes" not in json.loads((tmp_path / "r1" / "metrics.jsonl").read_text()
+                                                                 .splitlines()[-1])
+    losses = []
+    evals = ((1, "r1", []), (1, "r2", []), (2, "r2", ["--dp", "2", "--ep", "2", "--layout", "serial"]))
+    for ranks, run, extra in evals:
+        proc = mpiexec(ranks, ["-m", "mpicube", "eval", tmp_path / run / "ckpt" / "step_00000002", "--batches", "2",
+                               "--batch-size", "4", "--dtype", "float64"] + extra, timeout=200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses.append(json.loads(proc.stdout.strip().splitlines()[-1])["loss"])
+    assert abs(losses[1] - losses[0]) <= 1e-10 * losses[0] and abs(losses[2] - losses[0]) <= 1e-10 * losses[0]
+
+    # convert --to hf writes a MixtralForCausalLM directory holding the same tensors (capacity noted)
+    proc = cli("convert", str(tmp_path / "r2" / "ckpt" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert "capacity factor 1 is not in config.json" in proc.stdout
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    from mpicube.files.formats import open_model
+
+    with open_model(tmp_path / "r2" / "ckpt" / "step_00000002") as a, open_model(tmp_path / "hf") as b:
+        want, got = a.read_all(), b.read_all()
+        assert b.config.n_experts == 4 and b.config.top_k == 2
+    assert sorted(want) == sorted(got) and all(np.array_equal(want[n], got[n]) for n in want)
 
 
 def cli(*args):
@@ -129,6 +178,7 @@ def test_train_logs_router_losses_and_expert_tokens(tmp_path):
     (["--arch", "mixtral", "--capacity-factor", "0"], "--capacity-factor must be positive"),
     (["--arch", "llama", "--top-k", "2"], "--top-k needs --n-experts"),
     (["--n-experts", "4"], "--n-experts applies to --arch llama only"),
+    (["--arch", "llama", "--ep", "2"], "--ep 2 needs a mixture of experts"),
 ])
 def test_bad_moe_options_are_one_line(args, message, tmp_path):
     proc = cli("train", "--steps", "1", "--out", str(tmp_path / "r"), *args)
@@ -137,9 +187,18 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_tensor_parallel_moe_is_refused_before_any_collective():
+@pytest.mark.parametrize("plan,message", [
+    (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
+    (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
+    (dict(dp=2, ep=2, zero=1), "--zero 1 with --ep 2 is not implemented yet"),
+    (dict(layout="2d", dp=1), "not with the 2d layout"),
+    (dict(layout="1d", dp=1, sequence_parallel=True), "not with --sequence-parallel"),
+])
+def test_bad_expert_parallel_plans_are_refused(plan, message):
     from mpicube.core.errors import ConfigError
+    from mpicube.parallel.gridspec import Plan
     from mpicube.parallel.planning import resolve
 
-    with pytest.raises(ConfigError, match="runs on the serial layout with --dp so far, not with a tensor-parallel"):
-        resolve("1d", small_moe(n_head=2, n_kv_head=2), 4, 2)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        resolve(Plan(**{"layout": "serial", **plan}), small_moe(n_head=4, n_embd=16, n_kv_head=4), 12,
+                plan["dp"] * (4 if plan.get("layout") == "2d" else 2 if plan.get("layout") == "1d" else 1))

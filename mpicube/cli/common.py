@@ -206,6 +206,12 @@ def layout_options(f):
     return f
 
 
+def ep_option(f):
+    """``--ep`` (train, eval): a mixture of experts' expert-parallel ranks, taken from --dp (docs/moe.md)."""
+    return click.option("--ep", type=int, default=1, show_default=True,
+                        help="moe: expert-parallel ranks taken from the --dp replicas; each holds E/ep experts")(f)
+
+
 def pipeline_options(f):
     """``--pp``, ``--pp-schedule`` and ``--virtual-stages`` (train, eval,
     bench, trace, generate): pipeline stages around the tensor-parallel layout."""

@@ -14,6 +14,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
                      env_settings,
                      arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
                      recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
+from .common import ep_option
 
 
 @cli.command()
@@ -21,6 +22,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
               expose_value=False, help="TOML file of option values (keys as option names); "
                                        "options on the command line override it")
 @layout_options
+@ep_option
 @pipeline_options
 @cp_option
 @sequence_parallel_option
@@ -124,6 +126,7 @@ def train(collective_timeout, profile, **kwargs):
 @click.option("--seq-len", type=int, default=None, help="sequence length  [default: the model's context]")
 @click.option("--batches", type=int, default=8, show_default=True, help="evaluation batches (0 = all)")
 @layout_options
+@ep_option
 @pipeline_options
 @cp_option
 @sequence_parallel_option
@@ -132,7 +135,7 @@ def train(collective_timeout, profile, **kwargs):
 @device_options
 @collective_timeout_option
 def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp, pp_schedule, virtual_stages, cp,
-                 grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel):
+                 grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
     CKPT is a mpicube checkpoint, a Hugging Face GPT-2 or Llama directory or an
@@ -148,7 +151,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
 
     with watched(collective_timeout, "evaluation"):
         plan = Plan(layout, dp=dp, cp=cp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages,
-                    sequence_parallel=sequence_parallel, grad_accum=grad_accum, **env_settings())
+                    sequence_parallel=sequence_parallel, grad_accum=grad_accum, ep=ep, **env_settings())
         result = evaluate_checkpoint(ckpt, plan, Numerics(dtype, device, tf32), _mpi["world"],
                                      EvalData(data, batch_size, seq_len, batches))
     if result.get("note"):

@@ -22,11 +22,14 @@ before any backward, and each layer's backward reads the totals.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import ops
 from ..core.config import ModelConfig
 from ..device import precision
 from ..device.arrays import array_module
 from ..ops import moe as router_ops
+from ..parallel.experts import Dispatch, local_experts
 from ..parallel.layouts.base import Layout
 from ..parallel.params import ParamDecl, ParamStore
 
@@ -67,6 +70,7 @@ class RouterLedger:
         self.cfg, self.group = cfg, group
         self.micro_tokens, self.grad_accum = micro_tokens, grad_accum    # N of one micro-batch, all replicas
         self.stats = {}                 # layer -> (2 E + 2,) this rank's [counts | prob sums | z sum | dropped]
+        self.routes = {}                # layer -> (rows sent to, rows received from, each ep rank) (g,) each
         self.totals = None              # after finish: (L_here, 2 E + 2) summed over the group
         self.scale = 1.0                # the loss scale backward runs under (float16)
 
@@ -146,9 +150,11 @@ class RouterLedger:
 
 class MoE:
     """Layer ``i``'s mixture of experts on canonical activations (serial
-    layout: every hidden column, every expert). Forward: router logits in
-    float32 or wider, top-k, each expert's SwiGLU on its tokens gathered
-    in token order, outputs weighted and summed per token in expert order.
+    layout: every hidden column). Forward: router logits in float32 or
+    wider, top-k, the kept (token, expert) rows sent to the ranks holding
+    their experts (``parallel.experts.Dispatch``; the identity without
+    --ep), each local expert's SwiGLU on its rows in global token order,
+    the outputs sent back, weighted and summed per token in expert order.
     Backward runs the same in reverse and adds the router losses'
     gradients from the micro-batch's ledger."""
 
@@ -159,9 +165,11 @@ class MoE:
         self.router_name = p + "router.weight"
         self.w_router = store.work[self.router_name]                              # (h, E)
         store.defer_zero(self.router_name)
+        self.ep = layout.axes.ep if layout.axes.ep is not None else SELF
+        self.local = local_experts(cfg.n_experts, self.ep)                        # this rank's experts
         self.experts = [(layout.linear(store, f"{p}experts.{e}.c_fc", "first", bias=False),
                          layout.linear(store, f"{p}experts.{e}.c_proj", "second", bias=False))
-                        for e in range(cfg.n_experts)]
+                        for e in self.local]
 
     def forward(self, x, ctx):
         """x (B, T, h) -> (y (B, T, h), saved)."""
@@ -183,47 +191,60 @@ class MoE:
         order, expert, counts = router_ops.dispatch(chosen, E, cap, offset)       # (m,), (m,), (E,)
         if ledger is not None:
             ledger.record(self.layer, counts, probs, lse, n * K - order.shape[0])
-        bounds = [0] + [int(b) for b in xp.cumsum(xp.bincount(expert, minlength=E))]   # E + 1 host ints
-        out = xp.zeros((n, h), dtype=wide)                                        # (n, h)
-        flat_w = weights.reshape(-1)                                              # (n K,)
+        kept = np.asarray(self.store.backend.to_host(xp.bincount(expert, minlength=E)), dtype=np.int64)  # (E,)
+        route = Dispatch(self.ep, kept, E)
+        if ledger is not None:
+            ledger.routes[self.layer] = (route.send_counts, route.recv_counts)
+        rows = route.send(x2[order // K])                                         # (r, h) rows of this rank's experts
+        y_rows = xp.zeros_like(rows)                                              # (r, h)
         runs = []
-        for e, (c_fc, c_proj) in enumerate(self.experts):
-            sel = order[bounds[e]:bounds[e + 1]]                                  # (m_e,) entries into (n, K)
-            if sel.shape[0] == 0:
+        for k, (c_fc, c_proj) in enumerate(self.experts):
+            mine = xp.asarray(route.expert_rows(k))                               # (m_e,) into rows
+            if mine.shape[0] == 0:
                 runs.append(None)
                 continue
-            tok = sel // K                                                        # (m_e,) distinct tokens
-            f, s_fc = c_fc.forward(x2[tok])                                       # (m_e, 2 F)
+            f, s_fc = c_fc.forward(rows[mine])                                    # (m_e, 2 F)
             g, s_act = ops.swiglu_forward(f)                                      # (m_e, F)
             y, s_proj = c_proj.forward(g)                                         # (m_e, h)
-            out[tok] += flat_w[sel][:, None] * y
-            runs.append((sel, tok, s_fc, s_act, s_proj, y))
-        saved = (x2, s_route, runs, ledger, x.shape)
+            y_rows[mine] = y
+            runs.append((mine, s_fc, s_act, s_proj))
+        y_back = route.back(y_rows)                                               # (m, h) in ``order``'s order
+        out = xp.zeros((n, h), dtype=wide)                                        # (n, h)
+        w_kept = weights.reshape(-1)[order]                                       # (m,)
+        bounds = np.concatenate([[0], np.cumsum(kept)])                           # (E + 1,)
+        for e in range(E):                                                        # each token's sum in expert order
+            seg = slice(int(bounds[e]), int(bounds[e + 1]))
+            out[order[seg] // K] += w_kept[seg, None] * y_back[seg]
+        saved = (x2, s_route, order, bounds, route, runs, y_back, ledger, x.shape)
         return precision.narrow(out, x.dtype).reshape(B, T, h), saved
 
     def backward(self, dy, saved):
-        """dy (B, T, h) -> dx (B, T, h); adds every expert's and the router's gradients."""
-        x2, s_route, runs, ledger, shape = saved
+        """dy (B, T, h) -> dx (B, T, h); adds every local expert's and the router's gradients."""
+        x2, s_route, order, bounds, route, runs, y_back, ledger, shape = saved
         xp = array_module(dy)
-        K = self.cfg.top_k
+        K, E = self.cfg.top_k, self.cfg.n_experts
         n, h = x2.shape
-        dy2 = dy.reshape(n, h)                                                    # (n, h)
         wide = precision.compute_dtype(dy.dtype)
-        dx = xp.zeros((n, h), dtype=wide)                                         # (n, h)
+        dyt = dy.reshape(n, h)[order // K]                                        # (m, h)
+        w_kept = s_route[2].reshape(-1)[order]                                    # (m,)
         dweights = xp.zeros(n * K, dtype=s_route[0].dtype)                        # (n K,)
-        flat_w = s_route[2].reshape(-1)                                           # (n K,)
+        dweights[order] = ops.rowdot(precision.up(dyt), precision.up(y_back))
+        d_rows = route.send(precision.narrow(dyt * w_kept[:, None], dy.dtype))   # (r, h)
+        dx_rows = xp.zeros(d_rows.shape, dtype=dy.dtype)                          # (r, h)
         for (c_fc, c_proj), run in zip(self.experts, runs):
             if run is None:
                 continue
-            sel, tok, s_fc, s_act, s_proj, y = run
-            dyt = dy2[tok]                                                        # (m_e, h)
-            dweights[sel] = ops.rowdot(precision.up(dyt), precision.up(y))
-            dg = c_proj.backward(precision.narrow(dyt * flat_w[sel][:, None], dy.dtype), s_proj)   # (m_e, F)
-            dx[tok] += c_fc.backward(ops.swiglu_backward(dg, s_act), s_fc)      # (m_e, h)
-        lse = s_route[4]
+            mine, s_fc, s_act, s_proj = run
+            dg = c_proj.backward(d_rows[mine], s_proj)                            # (m_e, F)
+            dx_rows[mine] = c_fc.backward(ops.swiglu_backward(dg, s_act), s_fc)  # (m_e, h)
+        dx_back = route.back(dx_rows)                                             # (m, h)
+        dx = xp.zeros((n, h), dtype=wide)                                         # (n, h)
+        for e in range(E):
+            seg = slice(int(bounds[e]), int(bounds[e + 1]))
+            dx[order[seg] // K] += dx_back[seg]
         dprobs = dlse = None
         if ledger is not None:
-            dprobs, dlse = ledger.dprobs(), ledger.dlse(lse)
+            dprobs, dlse = ledger.dprobs(), ledger.dlse(s_route[4])
         dlogits = router_ops.route_backward(dweights.reshape(n, K), s_route, dprobs, dlse)   # (n, E)
         self.store.add_matmul(self.router_name, x2.T, precision.narrow(dlogits, x2.dtype))
         dx += precision.matmul(dlogits, self.w_router.T.astype(dlogits.dtype), dtype=wide)
@@ -233,3 +254,11 @@ class MoE:
         """Inference without a ledger (generation): x (B, t, h) -> (B, t, h)."""
         return self.forward(x, None)[0]
 
+
+class _Alone:
+    """A group of one rank (no --ep): the dispatch's exchanges are the identity."""
+
+    size, rank, axis = 1, 0, "ep"
+
+
+SELF = _Alone()

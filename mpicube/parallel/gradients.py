@@ -126,11 +126,16 @@ class GradientSync:
             return
         if store.partition.sharded:      # --zero 1: the owned chunk of the summed buffer
             store.flat_grad[store.shard] = dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
+        elif store.expert_run is not None and self.axes.ep is not None and self.axes.ep.size > 1:
+            experts = store.expert_run  # --ep: experts over their dp/ep holders, everything else over dp
+            dense = slice(0, experts.start)
+            store.flat_grad[dense] = dp.allreduce(store.flat_grad[dense], wire=wire)
+            store.flat_grad[experts] = self.axes.edp.allreduce(store.flat_grad[experts], wire=wire)
         else:
             store.flat_grad[...] = dp.allreduce(store.flat_grad, wire=wire)
 
 
-def global_grad_norm(store: ParamStore, tp: Comm, stages: Comm = None) -> float:
+def global_grad_norm(store: ParamStore, tp: Comm, stages: Comm = None, ep: Comm = None) -> float:
     """L2 norm of the logical gradient: each block counted once however many
     tensor-parallel ranks replicate it (gradients are identical across dp
     after sync_gradients). One dot product per run of the flat buffer that
@@ -141,6 +146,11 @@ def global_grad_norm(store: ParamStore, tp: Comm, stages: Comm = None) -> float:
     store.settle()
     xp = store.backend.xp
     local = weighted_squares(xp, store.flat_grad, store.replica_runs) + SharedSquares(store)(xp, store.flat_grad)
+    if ep is not None and ep.size > 1 and store.expert_run is not None:
+        # --ep: the ep group's ranks hold different experts; each expert counted once
+        g = store.flat_grad[store.expert_run]
+        mine = xp.dot(g, g).astype(xp.float64).reshape(1)
+        local = local - mine + ep.allreduce(mine)
     total = tp.allreduce(local)
     if stages is not None and stages.size > 1:
         total = stages.allreduce(total)

@@ -80,6 +80,9 @@ def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, r
                 tp=split("tp", (d, p, c, 0), t),
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
+    ep = grid.ep                         # --ep: groups of ep consecutive replicas (parallel/experts.py)
+    axes.ep = axes.dp.split("ep", d // ep, d % ep)
+    axes.edp = axes.dp.split("edp", d % ep, d // ep)
     extra = {"sequence_parallel": True} if grid.sequence_parallel else {}
     return run.cls(run.cfg, axes, run.micro_batch, depth=grid.depth, recompute=grid.recompute,
                    overlap=grid.overlap, attention=grid.attention, **extra)

@@ -68,6 +68,7 @@ class Plan:
     grad_accum: int = 1         # micro-batches per step; the layout is built for one of them
     overlap: bool = True        # collectives overlapped with GEMMs (False: the blocking path, to compare)
     attention: str = "blocks"   # ATTENTION_KINDS: blockwise attention, or "full" (the (T, T) op)
+    ep: int = 1                 # expert-parallel ranks, taken from dp (a mixture of experts; parallel/experts.py)
 
     @classmethod
     def of(cls, value) -> "Plan":

@@ -82,6 +82,7 @@ class ParamSpec:
     replicas: int = 1
     writer: bool = True
     tied_pair: bool = False     # a copy also sits on another pipeline stage (the tied wte): summed over the pair
+    expert: bool = False        # an expert's (--ep): summed over the expert-data group, not all of dp (experts.py)
     shared: Optional[SharedColumns] = None   # columns more ranks hold (replicated kv heads), or None
 
     @property
@@ -126,7 +127,8 @@ class ParamStore:
         def group_key(spec):
             return "" if spec.grad_comm is None else spec.grad_comm.axis
 
-        self.specs = sorted(specs, key=lambda s: (group_key(s), not s.decl.decay))
+        # experts last, so that their gradients (summed over the expert-data group under --ep) are one run
+        self.specs = sorted(specs, key=lambda s: (s.expert, group_key(s), not s.decl.decay))
         self.by_name = {s.name: s for s in self.specs}
         self.backend = backend
         xp, master = backend.xp, backend.master_dtype
@@ -161,6 +163,8 @@ class ParamStore:
             self.work[spec.name] = self.flat_work[offset:offset + spec.size].reshape(spec.local_shape)
             offset += spec.size
         self.grad_groups = self._contiguous_groups()
+        experts = self._runs([s for s in self.specs if s.expert])
+        self.expert_run = experts[0] if experts else None    # the experts' slice of the buffer (--ep), or None
         self._deferred, self._unwritten = set(), set()    # see defer_zero
         self._eager_runs = None
         self.decay_slices = self._runs([s for s in self.specs if s.decl.decay])

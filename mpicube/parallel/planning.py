@@ -102,15 +102,35 @@ def validate_model(cfg: ModelConfig) -> None:
                           f"{' or '.join(map(str, sorted(near)))}, or --n-embd {sizes}")
 
 
-def check_moe(plan: Plan, cfg: ModelConfig, tp: int) -> None:
-    """The axes a mixture of experts runs on so far: data parallelism over
-    the serial layout (docs/moe.md says what is still to come)."""
+def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> None:
+    """The axes a mixture of experts runs on so far: the serial and 1-D
+    layouts with data and expert parallelism (docs/moe.md says what is
+    still to come)."""
     if not cfg.moe:
+        if plan.ep != 1:
+            raise ConfigError(f"--ep {plan.ep} needs a mixture of experts (--n-experts, --arch mixtral)")
         return
-    for value, what in ((tp, "a tensor-parallel layout (tp > 1)"), (plan.pp, "--pp"), (plan.cp, "--cp")):
-        if value != 1:
-            raise ConfigError(f"--n-experts: a mixture of experts runs on the serial layout with --dp so far, "
-                              f"not with {what} {value}")
+    refusals = ((name not in ("serial", "1d"), f"the {name} layout (tp {tp}); use --layout 1d"),
+                (plan.pp != 1, f"--pp {plan.pp}"), (plan.cp != 1, f"--cp {plan.cp}"),
+                (tp > 1 and plan.sequence_parallel, "--sequence-parallel"),
+                (tp > 1 and plan.recompute == "gathers", "--recompute gathers on 1-D (use blocks)"))
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(f"--n-experts: a mixture of experts runs on the serial and 1-D layouts with --dp "
+                              f"and --ep so far, not with {what}")
+    ep, E = plan.ep, cfg.n_experts
+    if ep < 1:
+        raise ConfigError(f"--ep must be at least 1, got {ep}")
+    if E % ep:
+        raise ConfigError(f"--ep {ep} must divide --n-experts {E}: use --ep "
+                          f"{' or '.join(str(d) for d in range(1, E + 1) if E % d == 0 and plan.dp % d == 0)}")
+    if plan.dp % ep:
+        fits = (d for d in range(1, plan.dp + 1) if plan.dp % d == 0 and E % d == 0)
+        raise ConfigError(f"--ep {ep} must divide --dp {plan.dp} (the expert-parallel ranks are data-parallel "
+                          f"replicas): use --ep {' or '.join(map(str, fits))}")
+    if ep > 1 and plan.zero:
+        raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (expert state would shard over "
+                          f"the expert-data group); use --zero 0")
 
 
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,
@@ -128,7 +148,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     validate_model(cfg)
     run_cfg = cfg if seq_len is None else replace(cfg, n_ctx=seq_len)    # what the T-dependent sizes see
     cls, name, tp, note = _check_choices(plan, run_cfg, world_size)
-    check_moe(plan, cfg, tp)
+    check_moe(plan, cfg, tp, name)
     kept, why = False, None
     if batch_size is None:
         batch_size, kept, why = _choose_batch(plan, cls, name, run_cfg, tp, saved, at_least)

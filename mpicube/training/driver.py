@@ -204,8 +204,13 @@ class RouterLog:
     def add(self, ledger) -> None:
         self.ledgers.append(ledger)
 
-    def take(self) -> dict:
+    def take_ledgers(self) -> list:
+        """The ledgers of the micro-batches since the last take (and forget them)."""
         ledgers, self.ledgers = self.ledgers, []
+        return ledgers
+
+    def take(self) -> dict:
+        ledgers = self.take_ledgers()
         if not ledgers:
             return {}
         n = len(ledgers)

@@ -26,6 +26,7 @@ class TrainOptions:
 
     layout: str = "auto"
     dp: int = 1
+    ep: int = 1                    # expert-parallel ranks taken from dp (a mixture of experts)
     pp: int = 1                    # pipeline stages
     pp_schedule: str = "1f1b"      # gpipe, 1f1b or interleaved (micro-batches: grad_accum)
     virtual_stages: int = 1        # model chunks per stage under interleaved
@@ -91,7 +92,7 @@ class TrainOptions:
             for key in ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings"):
                 d.pop(key)
         if self.arch == "gpt2" or not self.model_config().moe:      # stored as before the MoE options existed
-            for key in MOE_OPTIONS:
+            for key in MOE_OPTIONS + ("ep",):
                 d.pop(key)
         return d
 
@@ -108,7 +109,7 @@ class TrainOptions:
         return Plan(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth,
                     pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
                     sequence_parallel=self.sequence_parallel, zero=self.zero, recompute=self.recompute,
-                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention)
+                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep)
 
     grid = plan     # the former name
 

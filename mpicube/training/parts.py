@@ -15,6 +15,7 @@ from ..core.config import ModelConfig
 from ..parallel.grid import build_layout
 from ..parallel.planning import Resolved
 from ..model.gpt import gpt_params
+from ..parallel.experts import model_specs
 from .driver import Runner, build_gpt
 from ..parallel.fsdp import make_store
 from .pipeline import Pipeline, stage_specs
@@ -94,7 +95,7 @@ def build_parts(run: Resolved, mpi_world, numerics: Numerics = Numerics(), seed:
         pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=virtual, dropout=dropout,
                         seed=seed, grad_accum=accum)
         return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
-    store = make_store([layout.shard(d) for d in gpt_params(cfg)], backend, seed, dp=layout.axes.dp, zero=grid.zero)
+    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=layout.axes.dp, zero=grid.zero)
     model = Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=accum), layout, accum)
     return Parts(cfg, backend, counters, layout, store, model, accum)
 

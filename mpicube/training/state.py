@@ -35,7 +35,7 @@ def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
             local = store.backend.to_host(flat[lo:hi]).reshape(spec.local_shape)
             for index, part, writer in spec_pieces(spec, local):
                 blocks.append(checkpoint.Block(name=f"{prefix}/{spec.name}", local=part, shape=spec.decl.shape,
-                                               index=index, writer=bool(writer and dp_rank == 0)))
+                                               index=index, writer=bool(writer and (dp_rank == 0 or spec.expert))))
     return blocks
 
 

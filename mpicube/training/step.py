@@ -37,7 +37,7 @@ class ReplicatedStep:
         self.sync = GradientSync(store, axes)     # sync(): every axis's sum, the dp all-reduce last
 
     def grad_norm(self) -> float:
-        return global_grad_norm(self.store, self.axes.tp, self.axes.pp)     # pp: the sum over stages
+        return global_grad_norm(self.store, self.axes.tp, self.axes.pp, self.axes.ep)   # pp: the sum over stages
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         self.adam.step(lr, grad_scale)

@@ -231,6 +231,8 @@ class Trainer(Launch):
         }
         if hasattr(p.model, "router_log"):                   # a mixture of experts: router losses, tokens per expert
             rec.update(p.model.router_log.take())
+            if p.counters.bytes.get("ep"):                  # --ep: the all-to-all's bytes (analysis/costmoe.py)
+                rec["ep_bytes"] = float(p.counters.bytes["ep"])
         if self.scaler is not None:
             rec.update(loss_scale=loss_scale, skipped=skipped)
             if skipped:

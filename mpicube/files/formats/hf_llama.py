@@ -254,14 +254,15 @@ def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
     }
 
 
-def hf_tensors(cfg: ModelConfig, tensors: dict) -> list:
+def hf_tensors(cfg: ModelConfig, tensors: dict, table=sources) -> list:
     """[(HF name, array)] of mpicube's whole ``tensors``, by the table the
     reader uses (``sources``) run backwards: each HF tensor is its column
     range of the mpicube tensor, transposed back to (out, in) where
-    transformers' ``nn.Linear`` stores it so. No other permutation."""
+    transformers' ``nn.Linear`` stores it so. No other permutation.
+    ``table``: a family built on Llama's gives its own (``hf_mixtral``)."""
     named = []
     for name in gpt2_shapes(cfg):
-        parts, transposed = sources(cfg, name)
+        parts, transposed = table(cfg, name)
         start = 0
         for fname, width in parts:
             t = tensors[name]

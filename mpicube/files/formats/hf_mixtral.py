@@ -23,9 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...core.config import ModelConfig
-from .base import FormatError
-from .hf import CONFIG, _shown, read_json
-from .hf_llama import MODEL, LlamaHFModel
+from .base import FormatError, check_shapes, gpt2_shapes
+from .hf import CONFIG, _shown, read_json, write_files
+from .hf_llama import MODEL, LlamaHFModel, hf_tensors
+from .hf_llama import config_json as llama_json
 from .hf_llama import parse_config as llama_config
 from .hf_llama import sources as llama_sources
 
@@ -90,6 +91,33 @@ def sources(cfg: ModelConfig, name: str) -> tuple:
     if linear == "c_fc":
         return [(pe + "w1.weight", cfg.ffn), (pe + "w3.weight", cfg.ffn)], True
     return [(pe + "w2.weight", cfg.n_embd)], True
+
+
+def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """Llama's config.json with Mixtral's name and mixture, which
+    transformers loads as ``MixtralForCausalLM`` and ``parse_config`` reads
+    back as ``cfg``. Mixtral's router always renormalises and never drops:
+    a model with --no-norm-topk is refused (a FormatError), and a capacity
+    factor, which no Mixtral config holds, is left behind (``write``'s
+    caller notes it)."""
+    if not cfg.norm_topk:
+        raise FormatError("a model with --no-norm-topk has no MixtralForCausalLM form (Mixtral renormalises "
+                          "the top-k weights)")
+    doc = {k: v for k, v in llama_json(cfg, dtype).items() if k not in ("mlp_bias",)}
+    doc.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=cfg.n_experts,
+               num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.router_aux_loss_coef,
+               output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
+    return doc
+
+
+def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = None) -> list:
+    """Write a Hugging Face ``MixtralForCausalLM`` directory ``dst`` (hub
+    per-expert tensors) from {mpicube name: whole tensor}: the reader's
+    table run backwards, as ``hf_llama.write``. Returns the files written."""
+    dst = Path(dst)
+    check_shapes(dst, {n: t.shape for n, t in tensors.items()}, gpt2_shapes(cfg))
+    dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    return write_files(dst, hf_tensors(cfg, tensors, sources), config_json(cfg, dtypes[-1]), max_shard_bytes)
 
 
 class MixtralHFModel(LlamaHFModel):

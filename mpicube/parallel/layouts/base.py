@@ -51,6 +51,8 @@ class Axes:
     tp: Comm      # this rank's tensor-parallel group
     pp: Comm      # this rank's pipeline: the same position in every stage (size 1 without stages)
     cp: Comm      # this rank's context-parallel ring (size 1 without context parallelism)
+    ep: Comm = None    # this replica's expert-parallel group, taken from dp (--ep; parallel/experts.py)
+    edp: Comm = None   # the replicas that hold the same experts (dp / ep of them)
 
 
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
@@ -176,7 +178,8 @@ class Layout:
     def describe(self) -> dict:
         """JSON-able description (saved in checkpoints and config.json)."""
         axes = {"layout": self.name, "tp": self.axes.tp.size, "dp": self.axes.dp.size}
-        axes.update({n: getattr(self.axes, n).size for n in ("pp", "cp") if getattr(self.axes, n).size != 1})
+        axes.update({n: getattr(self.axes, n).size for n in ("pp", "cp", "ep")
+                     if getattr(self.axes, n) is not None and getattr(self.axes, n).size != 1})
         return axes
 
     @staticmethod
