@@ -6,7 +6,8 @@ first tensor it corrupts.
 
 The package carries no test hook for any of these: each is a patch of one
 function or class of mpicube's own code path, made here before the command
-line is imported, so the bug runs exactly where a real one would. BUG is
+runs (``plant`` returns its undo, so tests/planted_check.py runs the whole
+catalogue in one launch), so the bug runs exactly where a real one would. BUG is
 one of the catalogue of issue 35 (one per real class of parallel bug):
 
 - ``cube-axis=PREFIX``: the named 3-D linear (e.g. ``h.1.mlp.c_fc``)
@@ -36,8 +37,22 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
 import dataclasses
 import sys
 
-BUG = sys.argv.pop(1)
-NAME, _, ARG = BUG.partition("=")
+
+def _swap(owner, attr: str, new):
+    """Set ``owner.attr`` to ``new``; the undo puts the old one back."""
+    old = getattr(owner, attr)
+    setattr(owner, attr, new)
+    return lambda: setattr(owner, attr, old)
+
+
+def _swap_everywhere(module, attr: str, new):
+    """``module.attr`` replaced in every loaded module that imported it by
+    name too (``from ..model.gpt import gpt_params``); one undo for all."""
+    old = getattr(module, attr)
+    holders = [m for m in list(sys.modules.values()) if m is not None and getattr(m, attr, None) is old]
+    for m in holders:
+        setattr(m, attr, new)
+    return lambda: [setattr(m, attr, old) for m in holders]
 
 
 def cube_axis(prefix):
@@ -47,13 +62,13 @@ def cube_axis(prefix):
 
     def planted(self, store, name, a, b, **kwargs):
         init(self, store, name, a=a, b=a if name == prefix else b, **kwargs)
-    cube.CubeLinear.__init__ = planted
+    return _swap(cube.CubeLinear, "__init__", planted)
 
 
 def sp_grad(_):
     from mpicube.parallel import gradients
 
-    gradients.sync_replica_groups = lambda store: store.settle()
+    return _swap(gradients, "sync_replica_groups", lambda store: store.settle())
 
 
 def scale(axis):
@@ -64,18 +79,17 @@ def scale(axis):
     def planted(self):
         call(self)
         self.store.flat_grad[...] *= getattr(self.axes, axis).size
-    gradients.GradientSync.__call__ = planted
+    return _swap(gradients.GradientSync, "__call__", planted)
 
 
 def norm_replicas(_):
     from mpicube.parallel import gradients
-    from mpicube.training import step
 
     squares = gradients.weighted_squares
 
     def planted(xp, grad, replica_runs):
         return squares(xp, grad, [(1, run) for _, run in replica_runs])
-    gradients.weighted_squares = step.weighted_squares = planted
+    return _swap_everywhere(gradients, "weighted_squares", planted)
 
 
 def tied_order(_):
@@ -97,7 +111,7 @@ def tied_order(_):
         init(self, store, axes)
         if self.tied is not None:
             self.tied = FirstKeepsItsOwn(self.tied, axes.pp.rank)
-    gradients.GradientSync.__init__ = planted
+    return _swap(gradients.GradientSync, "__init__", planted)
 
 
 def qkv_split(_):
@@ -107,7 +121,7 @@ def qkv_split(_):
 
     def planted(cfg):
         return [dataclasses.replace(d, groups=1) if ".attn.c_attn." in d.name else d for d in params(cfg)]
-    gpt.gpt_params = planted
+    return _swap_everywhere(gpt, "gpt_params", planted)
 
 
 def dropout_rank(_):
@@ -115,25 +129,31 @@ def dropout_rank(_):
 
     def planted(self, micro):
         return micro * self.layout.local_batch              # the replica's own index, not the global one
-    block.Dropout.first_seq = planted
+    return _swap(block.Dropout, "first_seq", planted)
 
 
 def vocab_pad(_):
     from mpicube import ops
-    from mpicube.parallel.layouts import head
 
     cross_entropy = ops.cross_entropy_forward
 
     def planted(logits, targets, vocab_start, vocab_size, *args):
         return cross_entropy(logits, targets, vocab_start, 1 << 40, *args)     # no column is padding
-    head.ops.cross_entropy_forward = planted
+    return _swap(ops, "cross_entropy_forward", planted)
 
 
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
           "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad}
-PLANTS[NAME](ARG)
+
+
+def plant(bug: str):
+    """Plant ``BUG`` or ``BUG=ARG``; returns the undo."""
+    name, _, arg = bug.partition("=")
+    return PLANTS[name](arg)
+
 
 if __name__ == "__main__":
+    plant(sys.argv.pop(1))
     from mpicube.cli.main import main
 
     main(sys.argv[1:])

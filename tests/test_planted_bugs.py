@@ -5,16 +5,20 @@ trace at the first tensor it makes wrong - also where the loss still
 agrees, and with the ranks whose replicas part where the bug leaves
 replicated copies different.
 
-One 2-rank launch of one traced step per bug (a bug changes the process,
-so each needs its own), on a tiny model; the references are two serial
-traces. The same bugs planted in a PyTorch DTensor model are in
+All the bugs' traces come from one 2-rank launch (tests/planted_check.py
+plants each bug, traces one step of a tiny model, and takes it out again);
+the references are two serial traces. The same bugs planted in a PyTorch DTensor model are in
 tests/test_check_dtensor.py.
 """
 
+import json
+
 import pytest
-from conftest import MpiCube, last_json
+from conftest import MpiCube
 
 from test_trace import REPO
+
+from mpicube.check.compare import compare_traces
 
 MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", "--batch-size", "8",
          "--dtype", "float64", "--dropout", "0.1", "--seed", "5", "--warmup", "2", "--steps", "1"]
@@ -38,28 +42,27 @@ CATALOGUE = [
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory, corpus_cache) -> MpiCube:
+    """The two serial references, then every bug's trace from one 2-rank
+    launch (tests/planted_check.py)."""
     runner = MpiCube(tmp_path_factory.mktemp("planted"), corpus_cache)
-    runner.env["MPIEXEC_TIMEOUT"] = "120"
+    runner.env["MPIEXEC_TIMEOUT"] = "240"
     for out, extra in (("ref.h5", []), ("ref257.h5", ["--vocab-size", "257"])):
         r = runner.run("trace", "--layout", "serial", *MODEL, *extra, "--out", out)
         assert r.returncode == 0, r
+    cases = json.dumps([[bug, [*MODEL, *options, "--sharded"]] for bug, _, options, *_ in CATALOGUE])
+    cmd = runner.command("trace", n=2)
+    at = cmd.index("-m")
+    cmd[at:] = [str(REPO / "tests" / "planted_check.py"), str(runner.cwd), cases]
+    r = runner.run(cmd=cmd, timeout=280)
+    assert r.returncode == 0, r
     return runner
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("bug,ref,options,first,agree,note", CATALOGUE, ids=[c[0] for c in CATALOGUE])
 def test_a_planted_bug_is_named_at_the_first_tensor_it_spoils(runner, bug, ref, options, first, agree, note):
-    out = bug.replace("=", "-") + ".h5"
-    cmd = runner.command("trace", *MODEL, *options, "--sharded", "--out", out, n=2)
-    at = cmd.index("-m")
-    cmd[at:at + 2] = [str(REPO / "tests" / "planted_bug.py"), bug]
-    r = runner.run(cmd=cmd, timeout=150)
-    assert r.returncode == 0, r
-    r = runner.run("compare", ref, out)
-    assert r.returncode == 1, r
-    assert r.stdout.strip().splitlines()[-1].startswith(f"first divergence: {first} ("), r.stdout
-    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(("step_1/", "init/", "tokens"))}
-    assert all(rows[name].endswith(" yes") for name in agree), [rows[n] for n in agree]
-    assert note in rows[first], rows[first]
-    r = runner.run("compare", ref, out, "--json")
-    assert last_json(r.stdout)["first_divergence"] == first
+    result = compare_traces(runner.cwd / ref, runner.cwd / (bug.replace("=", "-") + ".h5"))
+    assert result.first_divergence == first, [(r.name, r.note) for r in result.rows if not r.ok][:3]
+    rows = {r.name: r for r in result.rows}
+    assert all(rows[name].ok for name in agree), [(n, rows[n].max_rel) for n in agree]
+    assert note in rows[first].note, rows[first].note
