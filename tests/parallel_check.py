@@ -127,8 +127,8 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
-from mpicube.analysis.costmoe import ep_traffic
-from mpicube.parallel.experts import model_specs
+from mpicube.analysis.costmoe import ep_traffic, placement_table
+from mpicube.parallel.experts import expert_of, model_specs
 from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
                                          pipeline_peak_activations, step_memory, step_memory_bytes)
 from mpicube.cli.common import env_settings
@@ -319,6 +319,22 @@ def check_ep_traffic(cfg, layout, model, counters) -> None:
         assert want.elems["ep"] > 0
 
 
+def check_placement(cfg, layout_name, dp, store) -> None:
+    """``info --experts``' row for this rank (analysis/costmoe.placement_table)
+    names exactly the experts, and the gate/up columns and down rows of
+    each, that this rank's store holds."""
+    world, rank = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+    row = placement_table(cfg, world, dp, EP, layout_name).splitlines()[2 + rank].split()
+    first, last = map(int, row[4].split(".."))
+    held = sorted({expert_of(s.name) for s in store.specs if s.expert})
+    assert held == list(range(first, last + 1)), f"rank {rank}: holds experts {held}, the table says {row[4]}"
+    for e in held:
+        cols = store.by_name[f"h.0.moe.experts.{e}.c_fc.weight"].index[1]
+        rows = store.by_name[f"h.0.moe.experts.{e}.c_proj.weight"].index[0]
+        gate, up = cols[:len(cols) // 2], cols[len(cols) // 2:]
+        assert (f"{gate[0]}..{gate[-1]}", f"{up[0]}..{up[-1]}", f"{rows[0]}..{rows[-1]}") == (row[5], row[7], row[8])
+
+
 def synced_gradient(store, host):
     """((P_pad,) host gradient, (P_pad,) bool mask) in the full buffer's
     coordinates: where this rank holds the synchronised gradient (all of it
@@ -409,6 +425,8 @@ def main():
     assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
+    if ARCH == "mixtral":
+        check_placement(cfg, layout_name, dp, store)
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):
             st.zero_grad()

@@ -47,12 +47,14 @@ from ..core.errors import UserError
 @sequence_parallel_option
 @arch_options
 @ep_option
+@click.option("--experts", "show_experts", is_flag=True,
+              help="moe: also show which experts, and which shard of each, every rank holds (needs -n)")
 @click.option("--heads", "show_heads", is_flag=True,
               help="also show which query and kv heads each tensor-parallel rank holds, and which ranks share "
                    "a replicated kv head (needs --layout and/or -n)")
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
          vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
-         sequence_parallel, show_heads, ep, **family):
+         sequence_parallel, show_heads, ep, show_experts, **family):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations; with
@@ -115,6 +117,11 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
             from ..analysis.costmoe import moe_report
 
             echo(moe_report(cfg, batch_size, world, dp, ep, run.tp, _W.of(dtype).act, recompute, grad_accum))
+            if show_experts:
+                from ..analysis.costmoe import placement_table
+
+                echo()
+                echo(placement_table(cfg, world, dp, ep, run.layout))
             return
         if pp > 1:
             from ..analysis.costpipereport import pipeline_report
