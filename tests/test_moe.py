@@ -88,11 +88,13 @@ def test_moe_config_stores_and_counts():
     assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
 
 
-# one launch each: dp 2 in both dispatch modes (dropless with --ep 2; capacity with --zero 1 and
+# one launch each: dp 2 in both dispatch modes (dropless with --ep 2 on CI's stand-in GPU, tests/fake_gpu,
+# against the CPU's serial model; capacity with --zero 1 and
 # --recompute blocks), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
 # each held by two replicas), 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute). Passing all of
 # them, gradients are equal whatever the ep size.
-DP_CASES = [(2, "serial", 2, "0", "2", {}),
+GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
+DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
             (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}), (4, "serial", 4, "0", "2", {}),
             (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks"})]
@@ -100,7 +102,7 @@ DP_CASES = [(2, "serial", 2, "0", "2", {}),
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
-                         ids=["dp2-ep2-dropless", "dp2-capacity-zero1-recompute", "dp4-ep4-capacity-recompute",
+                         ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp4-ep4-capacity-recompute",
                               "dp4-ep2-dropless", "1d-dp2-ep2-capacity-recompute"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
@@ -113,6 +115,7 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
                         **extra})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"OK {layout} world={ranks} dp={dp}" in proc.stdout
+    assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
 
 
