@@ -420,6 +420,18 @@ def main():
         RTOL = wire_tolerance(layout, store)
     serial = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
     s_layout, s_store, s_model = serial.layout, serial.store, serial.model
+    # A mixture's router losses (and capacity) count one micro-batch of every replica together: under
+    # --grad-accum the reference is the serial model accumulating those same groups (the rows permuted
+    # so that its micro-batch m is every replica's micro-batch m; dropout off, as its masks follow
+    # row positions); the whole-batch serial model above still gives the logits (dropless only)
+    grouped = ARCH == "mixtral" and ACCUM > 1
+    if grouped:
+        assert dropout == 0.0, "a mixture under --grad-accum is checked without dropout"
+        ref = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout, grad_accum=ACCUM)
+        s_layout, s_store = ref.layout, ref.store
+        b_m = batch // (dp * ACCUM)
+        perm = np.concatenate([np.arange((r * ACCUM + m) * b_m, (r * ACCUM + m + 1) * b_m)
+                               for m in range(ACCUM) for r in range(dp)])      # (B,) rows in the groups' order
     # the optimizer step the trainer runs (zero.ShardedStep under MPICUBE_CHECK_ZERO=1)
     opt, s_opt = make_step(store, layout.axes, weight_decay=0.1), make_step(s_store, s_layout.axes, weight_decay=0.1)
     assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
@@ -431,21 +443,33 @@ def main():
         for st in (store, s_store):
             st.zero_grad()
         counters.reset()
-        s_loss = s_model.forward(x, y, step=step)
-        s_logits = s_model.logits                                   # (B, T, V) the whole batch
+        if grouped:
+            s_store.zero_grad()
+            s_loss = forward_backward(ref, x[perm], y[perm], step, LOSS_SCALE)
+            s_logits = None
+            if not CAPACITY:
+                serial.store.flat[...] = s_store.flat
+                serial.store.params_changed()
+                s_model.forward(x, y, step=step)
+                s_logits = s_model.logits                           # (B, T, V) the whole batch
+                s_model.router_log.take()
+        else:
+            s_loss = s_model.forward(x, y, step=step)
+            s_logits = s_model.logits                               # (B, T, V) the whole batch
 
         kept = []                                                   # (elements, bytes) per micro-batch
 
         def after_forward(m):
             """Between micro-batch m's forward and its backward."""
             kept.append((model.saved_elements(), model.saved_bytes()))
-            if step == 1:
+            if step == 1 and s_logits is not None:
                 check_logits(parts, m, s_logits, f"logits of micro-batch {m}")
 
         loss = forward_backward(parts, x, y, step, LOSS_SCALE, after_forward=after_forward)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
-        s_model.backward(loss_scale=LOSS_SCALE)
-        assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
+        if not grouped:
+            s_model.backward(loss_scale=LOSS_SCALE)
+        assert len(set(kept)) == 1 or ARCH == "mixtral", f"micro-batches kept different amounts: {kept}"   # routing
         if parts.layout.attention_kind != "full" and COSTED:       # the memory model: blockwise attention
             check_memory(problem, dropout > 0, store, model, kept[0], opt.adam)
         opt.sync()
