@@ -90,13 +90,14 @@ def test_moe_config_stores_and_counts():
 
 # one launch each: dp 2 in both dispatch modes (dropless with --ep 2 on CI's stand-in GPU, tests/fake_gpu,
 # against the CPU's serial model; capacity with --zero 1 and
-# --recompute blocks), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
+# --recompute blocks; dropless with --zero 3), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
 # each held by two replicas; with --grad-accum 2, checked without dropout against the serial model
 # accumulating the same micro-batch groups), 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute).
 # Passing all of them, gradients are equal whatever the ep size.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
 DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+            (2, "serial", 2, "0", "1", {"MPICUBE_CHECK_ZERO": "3"}),
             (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
             (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2"}),
             (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks"})]
@@ -104,7 +105,7 @@ DP_CASES = [(2, "serial", 2, "0", "2", GPU),
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
-                         ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp4-ep4-capacity-recompute",
+                         ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless", "dp4-ep4-capacity-recompute",
                               "dp4-ep2-accum2-capacity", "1d-dp2-ep2-capacity-recompute"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
