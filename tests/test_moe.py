@@ -124,6 +124,25 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
 
 
 @pytest.mark.timeout(240)
+def test_moe_pipelines_match_serial():
+    """One launch, two cases: pp 2 x dp 2 x ep 2 under the interleaved
+    schedule (2 chunks per stage), 2 micro-batches, capacity 0.8,
+    --recompute blocks; pp 2 x dp 2 under 1F1B with --zero 3, dropless.
+    Each stage's chunks share a micro-batch's router ledger, summed over
+    the world between its last forward and first backward; against the
+    serial model accumulating the same micro-batch groups, to 1e-10."""
+    from mpirun import mpiexec
+
+    proc = mpiexec(4, ["-m", "mpi4py", "tests/pipeline_check.py",
+                       "serial", 2, 1, 2, "interleaved", 2, 2, "dropout=0.0", "moe=0.8", "ep=2", "recompute=blocks",
+                       "--", "serial", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0", "zero=3"], timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "schedule=interleaved V=2 accum=2" in proc.stdout and "recompute=blocks zero=0 cp=1 sp=0 moe=0.8 ep=2" \
+        in proc.stdout
+    assert "schedule=1f1b V=1 accum=2" in proc.stdout and "zero=3 cp=1 sp=0 moe=0 ep=1" in proc.stdout
+
+
+@pytest.mark.timeout(240)
 def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
     """train --dp 2 --ep 2 writes each expert once (the ranks of the
     expert-data group's rank 0); the checkpoint evaluates, serially and
