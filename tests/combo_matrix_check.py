@@ -19,7 +19,9 @@ stage's micro-batches only), every gradient block after the step's sums
 (the ZeRO chunk under zero 1-3), the parameters after the last step; each
 rank's measured elements, bytes and messages per axis equal to the cost
 model, and its saved activations (the pipeline's peak under pp) and
-parameter, gradient and optimizer buffers equal to the memory model.
+parameter, gradient and optimizer buffers equal to the memory model, and
+(without pp) generation's key/value cache (``GPT.new_caches``) equal to
+``costmemory.kv_cache_elems``.
 Tolerance: 1e-10 in float64; in 16 bits parallel_check.wire_tolerance
 (its module docstring derives it), losses only after step 1. The checks
 are parallel_check's functions, so this and the per-layout checks test
@@ -52,6 +54,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
+from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
 from mpicube.parallel.gridspec import Plan  # noqa: E402
@@ -221,6 +224,9 @@ def run_case(case: Case, refs: References) -> None:
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {STEPS} steps")
+    if parts.pipeline is None:      # generation's key/value cache (kv heads only under GQA) == the model
+        caches = sum(c.k.size + c.v.size for c in model.new_caches())
+        assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"
     if case.ckpt:
         assert any(spec.shared is not None for spec in store.specs), "ckpt=1 is for a layout replicating kv heads"
         check_checkpoint(parts, opt, want["params"])

@@ -218,7 +218,9 @@ def test_llama_cases_cover_the_issue_targets():
 
     def split(kw):
         tp, depth = int(kw["tp"]), int(kw.get("depth", 1))
-        return {"1d": tp, "2d": round(tp ** 0.5), "2.5d": round((tp // depth) ** 0.5), "3d": round(tp ** (1 / 3))}[kw["layout"]]
+        from mpicube.parallel.layouts import LAYOUTS        # the layouts' own head split
+
+        return LAYOUTS[kw["layout"]].head_coords(tp, depth, 0)[0]
 
     seen = set()
     for ranks, words in LLAMA_CASES:

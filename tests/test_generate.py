@@ -120,7 +120,7 @@ def test_gpt2_text_without_tiktoken_is_one_clear_error(mpicube, tmp_path):
 
 LLAMA_PROMPT, LLAMA_NEW = [5, 17, 60, 0], 12
 LLAMA_RUNS = {"serial, no cache": (1, ["--no-cache"]), "serial": (1, []), "1d tp 2": (2, ["--layout", "1d"]),
-              "3d 2x2x2": (8, ["--layout", "3d"])}
+              "1d tp 4": (4, ["--layout", "1d"]), "3d 2x2x2": (8, ["--layout", "3d"])}   # tp 4: a kv head on 2 ranks
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,8 @@ def llama_generations(tmp_path_factory):
 
 def test_llama_generates_alike_on_every_layout(llama_generations):
     """Greedy tokens with the KV cache (kv heads only) equal the uncached
-    training forward's, on serial, 1-D tp 2 and 3-D on 8 ranks."""
+    training forward's, on serial, 1-D tp 2, 1-D tp 4 (each kv head
+    replicated on the 2 ranks of its query heads) and 3-D on 8 ranks."""
     _, tokens = llama_generations
     want = tokens["serial, no cache"]
     assert len(want) == LLAMA_NEW and len(set(want)) > 3, want      # not one token over and over

@@ -23,7 +23,7 @@ from mpirun import ROOT, mpiexec
 
 VOCAB, T, B, BATCHES = 61, 16, 4, 2
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, BATCHES * B * T + 1)
-LAYOUTS = [(1, "serial", 1), (2, "1d", 1), (4, "2d", 1), (8, "3d", 1), (8, "2.5d", 2)]
+LAYOUTS = [(1, "serial", 1), (2, "1d", 1), (4, "1d", 1), (8, "1d", 1), (4, "2d", 1), (8, "3d", 1), (8, "2.5d", 2)]
 
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -203,8 +203,8 @@ def random_llama(cfg, seed=3) -> dict:
     from mpicube.model.gpt import gpt_params
 
     rng = np.random.default_rng(seed)
-    return {d.name: (1.0 + 0.2 * rng.standard_normal(d.shape)) if d.role == "norm" else 0.3 * rng.standard_normal(d.shape)
-            for d in gpt_params(cfg)}
+    return {d.name: 1.0 + 0.2 * rng.standard_normal(d.shape) if d.role == "norm" else
+            0.3 * rng.standard_normal(d.shape) for d in gpt_params(cfg)}
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

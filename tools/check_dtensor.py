@@ -30,10 +30,18 @@ first tensor it spoils:
   all of q and half of k (``act/h.0.attn``);
 - ``dropout-rank``: every rank applies the attention dropout mask of rank
   0's heads, as ranks that share one random stream do
-  (``dropout/h.0.attn``, with a reference traced with --dropout).
+  (``dropout/h.0.attn``, with a reference traced with --dropout);
+- ``sp-grad`` (with ``--sp``): the norms' gradients, replicated weights
+  whose rows are split, left unsummed over the ranks (the last block's
+  ``ln_2`` gradient, its replicas parting between the ranks).
+
+``--sp`` adds Megatron-style sequence parallelism: between the embedding
+and ``ln_f`` each rank holds its T/tp rows of the residual stream, and the
+recorder is told where they lie (``act_index``).
 
 ``--plant all`` writes OUT (no bug) and one OUT-BUG.h5 per bug from one
-launch (the test suite's).
+launch (the test suite's; with ``--sp`` sp-grad too, and OUT-tp.h5: tensor
+parallelism without sequence parallelism, no bug).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 HERE = Path(__file__).resolve().parent
@@ -57,6 +66,7 @@ from mpicube.check.namemaps import Rule, nanogpt    # noqa: E402
 from mpicube.check.reference import Reference       # noqa: E402
 
 PLANTS = ("grad-scale", "norm-replicas", "qkv-split", "dropout-rank")
+SP_PLANTS = ("sp-grad",)
 
 
 class HeadsAttention(torch.nn.Module):
@@ -75,8 +85,9 @@ class HeadsAttention(torch.nn.Module):
         self.applied = None
 
     def forward(self, x):
-        B, T, C = x.shape
+        C = x.shape[-1]
         qkv, hd = self.c_attn(x), C // self.n_head                                   # (B, T, 3 nh hd)
+        B, T = qkv.shape[:2]                         # whole sequences (x: a rank's rows under --sp)
         q, k, v = qkv.view(B, T, self.nh, 3, hd).unbind(3)                           # (B, T, nh, hd) each
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))                              # (B, nh, T, hd)
         att = (q @ k.transpose(-2, -1)) / hd ** 0.5                                   # (B, nh, T, T)
@@ -89,6 +100,55 @@ class HeadsAttention(torch.nn.Module):
             self.applied = (keep.numpy(), (np.arange(B), self.heads, np.arange(T), np.arange(T)), full)
         y = (att @ v).transpose(1, 2).reshape(B, T, self.nh * hd)                     # (B, T, C/tp)
         return self.resid_dropout(self.c_proj(y))
+
+
+class SequenceParallelGPT(torch_trace.GPT):
+    """``--sp``: between the embedding and ``ln_f`` each rank holds T/tp rows
+    of the residual stream (Megatron's sequence parallelism): the norms and
+    the residual dropouts work on those rows, the column-parallel linears
+    gather the rows (``input_layouts=Shard(1)``), the row-parallel ones
+    reduce-scatter onto them (``output_layouts=Shard(1)``). The norms'
+    weights are replicated but each rank's gradient covers its rows only,
+    so they are summed over the ranks after backward (``sum_norm_grads``)."""
+
+    def __init__(self, cfg: dict, p: float, mesh):
+        super().__init__(cfg, p)
+        self.mesh, self.tp, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+
+    def rows(self, T: int) -> slice:
+        n = T // self.tp
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def forward(self, idx, targets):
+        t, T = self.transformer, idx.shape[1]
+        x = t.drop(t.wte(idx) + t.wpe(torch.arange(T)))                             # (B, T, C) on every rank
+        x = DTensor.from_local(x, self.mesh, [Replicate()]).redistribute(self.mesh, [Shard(1)]).to_local()
+        for block in t.h:                                                            # (B, T/tp, C) rows
+            x = block(x)
+        x = DTensor.from_local(x, self.mesh, [Shard(1)]).full_tensor()              # (B, T, C) gathered
+        logits = self.lm_head(t.ln_f(x))
+        return logits, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def set_masks(self, masks: dict, device, dtype) -> None:
+        super().set_masks(masks, device, dtype)
+        for block in self.transformer.h:                                             # the residual masks' rows
+            rows = self.rows(block.attn.resid_dropout.mask.shape[1])
+            block.attn.resid_dropout.mask = block.attn.resid_dropout.mask[:, rows]
+            block.mlp.dropout.mask = block.mlp.dropout.mask[:, rows]
+
+    def act_index(self, key: str, out):
+        """A block's activations are this rank's rows; the others are whole."""
+        if not key.startswith("h."):
+            return None
+        B, n, C = out.shape
+        return (np.arange(B), np.arange(self.rank * n, (self.rank + 1) * n), np.arange(C)), (B, n * self.tp, C)
+
+
+def sum_norm_grads(model) -> None:
+    """The sequence-parallel norms' gradients summed over the ranks."""
+    for block in model.transformer.h:
+        for p in (*block.ln_1.parameters(), *block.ln_2.parameters()):
+            dist.all_reduce(p.grad)
 
 
 def per_head_qkv(cfg: dict):
@@ -119,43 +179,56 @@ def clip_counting_replicas(model, max_norm: float):
     return norm
 
 
-def run(ref, out: str, plant, mesh) -> None:
+def run(ref, out: str, plant, mesh, sp: bool = False) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    model = torch_trace.GPT(ref.config, ref.dropout)
+    model = SequenceParallelGPT(ref.config, ref.dropout, mesh) if sp else torch_trace.GPT(ref.config, ref.dropout)
+    rows = Shard(1) if sp else Replicate()                  # what the block's residual stream is
     for block in model.transformer.h:
         block.attn = HeadsAttention(ref.config, ref.dropout, world, rank, plant)
-        parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-                                         "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+        parallelize_module(block, mesh, {
+            "attn.c_attn": ColwiseParallel(input_layouts=rows), "attn.c_proj": RowwiseParallel(output_layouts=rows),
+            "mlp.c_fc": ColwiseParallel(input_layouts=rows), "mlp.c_proj": RowwiseParallel(output_layouts=rows)})
     model = model.to(torch.float64 if ref.dtype == "float64" else torch.float32)
 
-    def grad_scale(m):
-        m.transformer.h[-1].mlp.c_fc.weight.grad.mul_(world)
+    def after_backward(m):
+        if sp and plant != "sp-grad":                      # the planted bug: the sum left out
+            sum_norm_grads(m)
+        if plant == "grad-scale":
+            m.transformer.h[-1].mlp.c_fc.weight.grad.mul_(world)
 
-    layout = {"framework": "torch", "torch": torch.__version__, "tp": world, "parallel": "DTensor tp",
-              "plant": plant or "none"}
+    layout = {"framework": "torch", "torch": torch.__version__, "tp": world, "sequence_parallel": sp,
+              "parallel": "DTensor tp", "plant": plant or "none"}
     name_map = nanogpt(ref.config) if plant == "qkv-split" else per_head_qkv(ref.config)
     torch_trace.train_and_record(model, ref, out, ref.steps, "cpu", layout, name_map=name_map,
-                                 after_backward=grad_scale if plant == "grad-scale" else None,
+                                 after_backward=after_backward,
                                  clip_fn=clip_counting_replicas if plant == "norm-replicas" else torch_trace.clip,
-                                 applied=applied, say=print if rank == 0 else (lambda *_: None))
+                                 applied=applied, act_index=model.act_index if sp else None,
+                                 say=print if rank == 0 else (lambda *_: None))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ref", required=True, help="mpicube trace to take the model, optimizer and batches from")
     ap.add_argument("--out", required=True, help="trace file to write (rank 0)")
-    ap.add_argument("--plant", choices=PLANTS + ("all",), default=None, help="plant a bug to see it named")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism between the embedding and ln_f")
+    ap.add_argument("--plant", choices=PLANTS + SP_PLANTS + ("all",), default=None,
+                    help="plant a bug to see it named (sp-grad needs --sp)")
     args = ap.parse_args(argv)
+    if args.plant in SP_PLANTS and not args.sp:
+        ap.error(f"--plant {args.plant} is a bug of sequence parallelism: add --sp")
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     with Reference(args.ref) as ref:
         if args.plant != "all":
-            run(ref, args.out, args.plant, mesh)
+            run(ref, args.out, args.plant, mesh, args.sp)
         else:
             out = Path(args.out)
-            for plant in (None,) + PLANTS:
-                run(ref, str(out if plant is None else out.with_name(f"{out.stem}-{plant}{out.suffix}")), plant, mesh)
+            named = lambda tag: str(out.with_name(f"{out.stem}-{tag}{out.suffix}"))       # noqa: E731
+            if args.sp:                                     # tensor parallelism alone too, no bug
+                run(ref, named("tp"), None, mesh, False)
+            for plant in (None,) + PLANTS + (SP_PLANTS if args.sp else ()):
+                run(ref, args.out if plant is None else named(plant), plant, mesh, args.sp)
     dist.destroy_process_group()
     return 0
 

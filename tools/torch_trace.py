@@ -292,18 +292,19 @@ def clip(model, max_norm: float):
 
 
 def train_and_record(model, ref, out, steps, device, layout, after_backward=None, say=print,
-                     name_map=None, clip_fn=clip, applied=None) -> None:
+                     name_map=None, clip_fn=clip, applied=None, act_index=None) -> None:
     """The reference's steps on ``model``, recorded to ``out`` under
     ``name_map`` (default nanoGPT's); ``after_backward(model)`` may change
     the gradients (a planted bug), ``clip_fn(model, max_norm)`` clips and
     returns the norm, ``applied(model, masks)`` says which masks (or blocks
-    of them) this rank applied (default: the reference's, whole). Every
-    rank calls it under torch.distributed."""
+    of them) this rank applied (default: the reference's, whole),
+    ``act_index`` goes to the Recorder. Every rank calls it under
+    torch.distributed."""
     dtype = next(model.parameters()).dtype
     name_map = name_map or nanogpt(ref.config)
     opt = optimizer_for(model, ref, name_map)
     max_norm = ref.optimizer["grad_clip"]["max_norm"]
-    with Recorder(model, name_map, out, ref, layout=layout) as rec:
+    with Recorder(model, name_map, out, ref, layout=layout, act_index=act_index) as rec:
         rec.load_init()
         for s in range(1, steps + 1):
             x, y = (torch.as_tensor(t, device=device) for t in ref.batch(s))        # (B, T) each

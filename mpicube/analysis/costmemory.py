@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..parallel import zero
-from .costmodel import Problem, block_linears, local_param_sizes
+from .costmodel import Problem, attention_split, block_linears, local_param_sizes
 from .costpipe import peak_over_schedule
 
 
@@ -149,6 +149,18 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         return kept, step, {"act": block if L else 0, "stat": 2 * nc + lse if L else 0, "grad": 0}
     kept = {"act": L * block + outside, "stat": (2 * L + head) * nc + L * lse, "grad": 0}   # rstd of LNs, lse
     return kept, step, {"act": 0, "stat": 0, "grad": 0}
+
+
+def kv_cache_elems(p: Problem) -> int:
+    """Elements of the key/value cache generation keeps on one rank
+    (``GPT.new_caches``: per block of the stage, keys and values of its
+    intermediate sequences, its kv heads and all n_ctx positions): under
+    grouped-query attention the rank's n_kv / split kv heads, or one copy
+    of the kv head its queries read when the head split exceeds them."""
+    seqs, heads = attention_split(p)
+    cfg = p.cfg
+    kv = max(1, cfg.kv_heads * heads // cfg.n_head) if cfg.llama else heads
+    return p.layers * 2 * seqs * kv * cfg.n_ctx * cfg.head_dim
 
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:

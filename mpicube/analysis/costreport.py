@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from ..core.config import ModelConfig
 from .costflops import step_flops
-from .costmodel import Problem, kv_param_sizes, local_param_sizes, step_traffic
-from .costmemory import step_memory, step_memory_bytes
+from .costmodel import Problem, attention_split, kv_param_sizes, local_param_sizes, step_traffic
+from .costmemory import kv_cache_elems, step_memory, step_memory_bytes
 from ..parallel.gridspec import GridSpec
 from ..parallel.grid import plan
 from ..parallel.layouts.base import RECOMPUTE_MODES
@@ -111,6 +111,11 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     lines.append(f"  {'total':<12} {_fmt(memory.total()):>10}  {_fmt(nbytes.total())}B")
     tflops = float(step_flops(chosen)) / 1e12
     lines += ["", f"GEMM and attention FLOPs per rank per step (predicted, not measured): {tflops:.4g} T"]
+    cache = kv_cache_elems(chosen)
+    lines.append(f"generation's key/value cache per rank ({attention_split(chosen)[0]} of the {batch_size} "
+                 f"sequences x {cfg.n_ctx} positions"
+                 + (f", {cfg.kv_heads} kv heads" if cfg.llama else "") + f"): {_fmt(cache)} elements, "
+                 f"{_fmt(cache * chosen.widths.act)}B")
     lines += ["", compare(cfg, batch_size, world_size, dp, dtype, grad_accum, zero)]
     return "\n".join(lines)
 

@@ -76,9 +76,14 @@ class Recorder:
     under ``name_map``'s names; ``reference`` (a ``Reference``) gives the
     config, optimizer, dtype and dropout the trace declares. The modules
     named in ``name_map.acts`` (or ``acts``) give the activations: their
-    outputs in the last forward (the first element of a tuple output)."""
+    outputs in the last forward (the first element of a tuple output).
+    ``act_index(key, output)``, when given, says where a plain tensor that
+    is one rank's block of an activation lies, as ``(global index per
+    dimension, logical shape)``, or None for a whole one: a sequence-parallel
+    rank's rows (a DTensor output says it itself)."""
 
-    def __init__(self, model, name_map: NameMap, path, reference, layout: dict = None, acts: dict = None):
+    def __init__(self, model, name_map: NameMap, path, reference, layout: dict = None, acts: dict = None,
+                 act_index=None):
         torch = _torch()
         self.model, self.map, self.ref = model, name_map, reference
         self.params = dict(model.named_parameters())            # a tied head appears once
@@ -92,7 +97,7 @@ class Recorder:
         if self.rank == 0:
             self.writer = TraceWriter(path, reference.config, reference.optimizer, reference.dtype, layout,
                                       reference.dropout, reference.seed)
-        self.captured, self.grads = {}, None
+        self.captured, self.grads, self.act_index = {}, None, act_index
         self.hooks = []
         for key, module in (acts or name_map.acts).items():
             try:
@@ -105,7 +110,8 @@ class Recorder:
     def _keep(self, key):
         def hook(module, inputs, output):
             out = output[0] if isinstance(output, (tuple, list)) else output
-            self.captured[key] = block(out)
+            where = self.act_index(key, out) if self.act_index and not hasattr(out, "placements") else None
+            self.captured[key] = block(out) if where is None else (to_numpy(out), where[0], tuple(where[1]))
         return hook
 
     def _gather(self, mine):
@@ -162,7 +168,8 @@ class Recorder:
     def step(self, s: int, *, loss, lr, grad_norm, logits=None, masks: dict = None, tokens=None) -> None:
         """Write step s: the scalars, the gradients taken by ``gradients``,
         the parameters now (after the update), the activations and
-        ``logits`` of the last forward, the keep ``masks`` applied, by site
+        ``logits`` of the last forward (or this rank's block of them, as a
+        mask's below: a data-parallel rank's rows), the keep ``masks`` applied, by site
         (``emb``, ``h.{i}.attn``, ...): a whole mask, or the block this rank
         applied as ``(block, global index per dimension, logical shape)``
         (a rank's heads of an attention mask), so that a rank that applied
@@ -177,7 +184,7 @@ class Recorder:
         forward.update({"loss": (scalar(loss), (), ()), "grad_norm": (scalar(grad_norm), (), ())})
         forward.update({"mask/" + k: (v if isinstance(v, tuple) else block(v)) for k, v in (masks or {}).items()})
         if logits is not None:
-            forward["logits"] = block(logits)
+            forward["logits"] = logits if isinstance(logits, tuple) else block(logits)
         if self.dist:
             forward = self._sharded(forward)
         else:

@@ -60,7 +60,7 @@ from .common import ep_option
 @click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
 @click.option("--init-from", type=str, default=None, metavar="MODEL",
               help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
-                   "run dir, saved on any layout), a Hugging Face GPT-2 directory or an llm.c model file; "
+                   "run dir, saved on any layout), a Hugging Face GPT-2 or Llama directory or an llm.c model file; "
                    "this run starts its own schedule and AdamW moments (with --resume: unless the run "
                    "directory has a checkpoint of its own, which is continued instead)")
 @click.option("--resume", is_flag=True, default=False,
@@ -138,7 +138,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
                  grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
-    CKPT is a mpicube checkpoint, a Hugging Face GPT-2 directory or an
+    CKPT is a mpicube checkpoint, a Hugging Face GPT-2 or Llama directory or an
     llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
