@@ -111,13 +111,13 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
             raise ConfigError(f"--ep {plan.ep} needs a mixture of experts (--n-experts, --arch mixtral)")
         return
     refusals = ((name not in ("serial", "1d"), f"the {name} layout (tp {tp}); use --layout 1d"),
-                (plan.pp != 1, f"--pp {plan.pp}"), (plan.cp != 1, f"--cp {plan.cp}"),
+                (plan.cp != 1, f"--cp {plan.cp}"),
                 (tp > 1 and plan.sequence_parallel, "--sequence-parallel"),
                 (tp > 1 and plan.recompute == "gathers", "--recompute gathers on 1-D (use blocks)"))
     for refused, what in refusals:
         if refused:
-            raise ConfigError(f"--n-experts: a mixture of experts runs on the serial and 1-D layouts with --dp "
-                              f"and --ep so far, not with {what}")
+            raise ConfigError(f"--n-experts: a mixture of experts runs on the serial and 1-D layouts with --dp, "
+                              f"--ep and --pp so far, not with {what}")
     ep, E = plan.ep, cfg.n_experts
     if ep < 1:
         raise ConfigError(f"--ep must be at least 1, got {ep}")
