@@ -127,8 +127,8 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
-from mpicube.analysis.costmoe import ep_traffic
-from mpicube.parallel.experts import model_specs
+from mpicube.analysis.costmoe import ep_traffic, placement_table
+from mpicube.parallel.experts import expert_of, model_specs
 from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
                                          pipeline_peak_activations, step_memory, step_memory_bytes)
 from mpicube.cli.common import env_settings
@@ -323,6 +323,22 @@ def check_ep_traffic(cfg, layout, model, counters) -> int:
     return sum(n for led in ledgers for n in led.padded.values())
 
 
+def check_placement(cfg, layout_name, dp, store) -> None:
+    """``info --experts``' row for this rank (analysis/costmoe.placement_table)
+    names exactly the experts, and the gate/up columns and down rows of
+    each, that this rank's store holds."""
+    world, rank = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+    row = placement_table(cfg, world, dp, EP, layout_name).splitlines()[2 + rank].split()
+    first, last = map(int, row[4].split(".."))
+    held = sorted({expert_of(s.name) for s in store.specs if s.expert})
+    assert held == list(range(first, last + 1)), f"rank {rank}: holds experts {held}, the table says {row[4]}"
+    for e in held:
+        cols = store.by_name[f"h.0.moe.experts.{e}.c_fc.weight"].index[1]
+        rows = store.by_name[f"h.0.moe.experts.{e}.c_proj.weight"].index[0]
+        gate, up = cols[:len(cols) // 2], cols[len(cols) // 2:]
+        assert (f"{gate[0]}..{gate[-1]}", f"{up[0]}..{up[-1]}", f"{rows[0]}..{rows[-1]}") == (row[5], row[7], row[8])
+
+
 def synced_gradient(store, host):
     """((P_pad,) host gradient, (P_pad,) bool mask) in the full buffer's
     coordinates: where this rank holds the synchronised gradient (all of it
@@ -408,30 +424,56 @@ def main():
         RTOL = wire_tolerance(layout, store)
     serial = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
     s_layout, s_store, s_model = serial.layout, serial.store, serial.model
+    # A mixture's router losses (and capacity) count one micro-batch of every replica together: under
+    # --grad-accum the reference is the serial model accumulating those same groups (the rows permuted
+    # so that its micro-batch m is every replica's micro-batch m; dropout off, as its masks follow
+    # row positions); the whole-batch serial model above still gives the logits (dropless only)
+    grouped = ARCH == "mixtral" and ACCUM > 1
+    if grouped:
+        assert dropout == 0.0, "a mixture under --grad-accum is checked without dropout"
+        ref = build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout, grad_accum=ACCUM)
+        s_layout, s_store = ref.layout, ref.store
+        b_m = batch // (dp * ACCUM)
+        perm = np.concatenate([np.arange((r * ACCUM + m) * b_m, (r * ACCUM + m + 1) * b_m)
+                               for m in range(ACCUM) for r in range(dp)])      # (B,) rows in the groups' order
     # the optimizer step the trainer runs (zero.ShardedStep under MPICUBE_CHECK_ZERO=1)
     opt, s_opt = make_step(store, layout.axes, weight_decay=0.1), make_step(s_store, s_layout.axes, weight_decay=0.1)
     assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
+    if ARCH == "mixtral":
+        check_placement(cfg, layout_name, dp, store)
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):
             st.zero_grad()
         counters.reset()
-        s_loss = s_model.forward(x, y, step=step)
-        s_logits = s_model.logits                                   # (B, T, V) the whole batch
+        if grouped:
+            s_store.zero_grad()
+            s_loss = forward_backward(ref, x[perm], y[perm], step, LOSS_SCALE)
+            s_logits = None
+            if not CAPACITY:
+                serial.store.flat[...] = s_store.flat
+                serial.store.params_changed()
+                s_model.forward(x, y, step=step)
+                s_logits = s_model.logits                           # (B, T, V) the whole batch
+                s_model.router_log.take()
+        else:
+            s_loss = s_model.forward(x, y, step=step)
+            s_logits = s_model.logits                               # (B, T, V) the whole batch
 
         kept = []                                                   # (elements, bytes) per micro-batch
 
         def after_forward(m):
             """Between micro-batch m's forward and its backward."""
             kept.append((model.saved_elements(), model.saved_bytes()))
-            if step == 1:
+            if step == 1 and s_logits is not None:
                 check_logits(parts, m, s_logits, f"logits of micro-batch {m}")
 
         loss = forward_backward(parts, x, y, step, LOSS_SCALE, after_forward=after_forward)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
-        s_model.backward(loss_scale=LOSS_SCALE)
-        assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
+        if not grouped:
+            s_model.backward(loss_scale=LOSS_SCALE)
+        assert len(set(kept)) == 1 or ARCH == "mixtral", f"micro-batches kept different amounts: {kept}"   # routing
         if parts.layout.attention_kind != "full" and COSTED:       # the memory model: blockwise attention
             check_memory(problem, dropout > 0, store, model, kept[0], opt.adam)
         opt.sync()

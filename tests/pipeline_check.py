@@ -12,7 +12,13 @@ activations a stage holds equal the cost model's.
 
 Usage: python -m mpi4py tests/pipeline_check.py CASE [-- CASE ...]
   CASE = LAYOUT DP DEPTH PP SCHEDULE V ACCUM [dropout=0.1] [batch=B] [steps=3] [dtype=float64]
-         [recompute=none] [zero=0] [layers=4] [cp=1] [sp=0] [ckpt=DIR]
+         [recompute=none] [zero=0] [layers=4] [cp=1] [sp=0] [ckpt=DIR] [moe=CAPACITY] [ep=1]
+
+moe=F: a mixture of 4 experts, top 2 (F the capacity factor, 0 dropless),
+with --ep; its router losses count one micro-batch of every replica, so
+the reference is the serial model accumulating those same groups (rows
+permuted; dropout=0.0 needed, as the serial masks follow row positions),
+and the costs are not compared (no MoE cost terms).
 
 zero, recompute and dtype as MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE
 and MPICUBE_CHECK_DTYPE in tests/parallel_check.py. ckpt=DIR then moves
@@ -149,16 +155,26 @@ class SerialReference:
     """The serial model of the same seed, batch and dropout, on rank 0 only
     (the others receive its figures: one serial model per job, not per rank)."""
 
-    def __init__(self, cfg, batch, dropout):
-        self.parts = pc.build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout)
+    def __init__(self, cfg, batch, dropout, groups=None):
+        accum = 1 if groups is None else groups[1]
+        self.parts = pc.build("serial", MPI.COMM_SELF, cfg, batch, 1, 1, dropout, grad_accum=accum)
         self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=0.1)
+        self.perm = None
+        if groups is not None:                  # a mixture: micro-batch m = every replica's micro-batch m
+            dp, accum = groups
+            b = batch // (dp * accum)
+            self.perm = np.concatenate([np.arange((r * accum + m) * b, (r * accum + m + 1) * b)
+                                        for m in range(accum) for r in range(dp)])
 
     def step(self, x, y, step: int, grads: bool) -> tuple:
         """(loss, gradient norm, {name: summed gradient} or None) of one step, then its update."""
         store, model = self.parts.store, self.parts.model
         store.zero_grad()
-        loss = model.forward(x, y, step=step)
-        model.backward(loss_scale=pc.LOSS_SCALE)
+        if self.perm is not None:
+            loss = forward_backward(self.parts, x[self.perm], y[self.perm], step, pc.LOSS_SCALE)
+        else:
+            loss = model.forward(x, y, step=step)
+            model.backward(loss_scale=pc.LOSS_SCALE)
         self.opt.sync()
         norm = self.opt.grad_norm() / pc.LOSS_SCALE
         out = (loss, norm, {n: g.copy() for n, g in store.grad.items()} if grads else None)
@@ -200,11 +216,18 @@ def run_case(words: list, options: dict):
     layout_name, dp, depth, pp = words[0], int(words[1]), int(words[2]), int(words[3])
     schedule, virtual, accum = words[4], int(words[5]), int(words[6])
     cp, sp = int(options.get("cp", 1)), options.get("sp", "0") == "1"
+    moe = "moe" in options
     grid = GridSpec(layout_name, dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=schedule, virtual_stages=virtual,
-                    grad_accum=accum, recompute=pc.RECOMPUTE, zero=pc.ZERO, sequence_parallel=sp)
+                    grad_accum=accum, recompute=pc.RECOMPUTE, zero=pc.ZERO, sequence_parallel=sp,
+                    ep=int(options.get("ep", 1)))
     dropout = float(options.get("dropout", 0.1))
     batch = int(options.get("batch", 8 * dp * accum))
     cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=int(options.get("layers", 4)), n_head=4, n_embd=16)
+    if moe:
+        cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=cfg.n_layer, n_head=4, n_embd=16, arch="llama",
+                          n_kv_head=2, ffn_hidden=12, n_experts=4, top_k=2, router_aux_loss_coef=0.05,
+                          router_z_loss_coef=0.01, capacity_factor=float(options["moe"]))
+        assert dropout == 0.0, "moe=: dropout=0.0 (the grouped serial reference's masks follow row positions)"
     T = cfg.n_ctx
     rng = np.random.default_rng(3)
     steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T)))
@@ -215,7 +238,7 @@ def run_case(words: list, options: dict):
     if HALF:
         pc.RTOL = pc.wire_tolerance(layout, store, DTYPE)            # the stage sum included
     world = MPI.COMM_WORLD
-    serial = SerialReference(cfg, batch, dropout) if world.rank == 0 else None
+    serial = SerialReference(cfg, batch, dropout, (dp, accum) if moe else None) if world.rank == 0 else None
     opt = make_step(store, layout.axes, weight_decay=0.1)
     host = layout.backend.to_host
     for step, (x, y) in enumerate(steps, start=1):
@@ -231,17 +254,19 @@ def run_case(words: list, options: dict):
         if s_grads is not None:
             pc.check_gradients(store, host, s_grads, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
-        check_costs(parts, cfg, batch, grid, opt.adam)           # the step's all-gather too
+        if not moe:
+            check_costs(parts, cfg, batch, grid, opt.adam)       # the step's all-gather too
     s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
     if not HALF:
         pc.check_params(store, host, s_params, f"after {len(steps)} steps")
     if "ckpt" in options:
         roundtrip(parts, opt, options["ckpt"], batch)
     MPI.COMM_WORLD.Barrier()
+    moe_note = f" moe={options['moe']} ep={grid.ep}" if moe else ""
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "
               f"schedule={schedule} V={virtual} accum={accum} dtype={DTYPE} recompute={pc.RECOMPUTE} "
-              f"zero={pc.ZERO} cp={cp} sp={int(sp)} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} (rtol {pc.RTOL:.1e})", flush=True)
+              f"zero={pc.ZERO} cp={cp} sp={int(sp)}{moe_note} loss={s_loss:.12f} worst={pc.WORST[0]:.2e} (rtol {pc.RTOL:.1e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -326,3 +326,46 @@ def test_a_step_the_steps_attribute_declares_but_no_file_holds_is_missing(varian
     assert status == 1 and summary["first_divergence"] == "step_3"
     assert "step 3 declared by A's steps attribute, in neither file" in out
     assert run(capsys, a, a, "--allow-missing", "step_3/*")[0] == 0
+
+
+LLAMA = {**CFG, "arch": "llama", "n_kv_head": 1, "ffn_hidden": 12, "rope_theta": 10000.0, "rms_eps": 1e-6,
+         "tie_embeddings": False}
+
+
+def test_a_llama_trace_is_written_read_and_compared_under_llama_names(tmp_path, capsys):
+    """A Llama config carries its six settings; the writer wants Llama's
+    parameters (no biases, no wpe, lm_head last), the reader gives them in
+    declaration order, a Llama config without one of its settings is bad
+    input naming it, and two Llama traces that part are named at a Llama
+    gradient in backward order (lm_head first)."""
+    shapes = names.param_shapes(LLAMA)
+    assert list(shapes)[:3] == ["wte", "h.0.ln_1.weight", "h.0.attn.c_attn.weight"]
+    assert shapes["h.0.attn.c_attn.weight"] == (8, 16) and shapes["h.0.mlp.c_fc.weight"] == (8, 24)
+    assert list(shapes)[-2:] == ["ln_f.weight", "lm_head"] and "wpe" not in shapes
+    assert names.backward_param_order(LLAMA)[:3] == ["lm_head", "ln_f.weight", "h.1.mlp.c_proj.weight"]
+    rng = np.random.default_rng(0)
+    params = lambda: {n: rng.standard_normal(s) for n, s in shapes.items()}     # noqa: E731
+
+    def write(path, bump=0.0):
+        with TraceWriter(path, LLAMA, OPTIMIZER, "float64", {"framework": "test"}) as w:
+            w.init(params())
+            grads = params()
+            grads["lm_head"][0, 0] += bump
+            w.step(1, loss=2.5, lr=1e-3, grad_norm=1.5, grads=grads, params=params(),
+                   acts={k: np.zeros((B, T, CFG["n_embd"])) for k in names.act_names(LLAMA)},
+                   tokens=np.zeros((B, T + 1)))
+        return path
+    a = write(tmp_path / "a.h5")
+    rng = np.random.default_rng(0)
+    b = write(tmp_path / "b.h5", bump=1.0)
+    with Reference(a) as ref:
+        assert ref.config == LLAMA and list(ref.init()) == names.forward_param_order(LLAMA)
+    status, _, _, summary = run(capsys, a, b)
+    assert status == 1 and summary["first_divergence"] == "step_1/grad/lm_head"
+    with pytest.raises(UserError, match="unknown parameter 'wpe'"):          # GPT-2's names refused
+        with TraceWriter(tmp_path / "c.h5", LLAMA, OPTIMIZER, "float64", {}) as w:
+            w.init(tensors(rng))
+    assert not (tmp_path / "c.h5").exists() and not list(tmp_path.glob(".c.h5*"))      # nothing left behind
+    with h5py.File(b, "r+") as f:
+        f.attrs["config"] = json.dumps({k: v for k, v in LLAMA.items() if k != "n_kv_head"})
+    assert "the 'config' attribute lacks n_kv_head" in one_line_error(capsys, a, b)

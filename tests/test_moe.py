@@ -88,31 +88,38 @@ def test_moe_config_stores_and_counts():
     assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
 
 
-# one launch each: dp 2 in both dispatch modes (dropless with --ep 2; capacity with --zero 1 and
-# --recompute blocks), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
-# each held by two replicas), 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute). Passing all of
-# them, gradients are equal whatever the ep size.
-DP_CASES = [(2, "serial", 2, "0", "2", {}),
+# one launch each: dp 2 in both dispatch modes (dropless with --ep 2 on CI's stand-in GPU, tests/fake_gpu,
+# against the CPU's serial model; capacity with --zero 1 and
+# --recompute blocks; dropless with --zero 3), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
+# each held by two replicas; with --grad-accum 2, checked without dropout against the serial model
+# accumulating the same micro-batch groups), 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute).
+# Passing all of them, gradients are equal whatever the ep size.
+GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
+DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}), (4, "serial", 4, "0", "2", {}),
+            (2, "serial", 2, "0", "1", {"MPICUBE_CHECK_ZERO": "3"}),
+            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+            (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2"}),
             (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks"})]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
-                         ids=["dp2-ep2-dropless", "dp2-capacity-zero1-recompute", "dp4-ep4-capacity-recompute",
-                              "dp4-ep2-dropless", "1d-dp2-ep2-capacity-recompute"])
+                         ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless", "dp4-ep4-capacity-recompute",
+                              "dp4-ep2-accum2-capacity", "1d-dp2-ep2-capacity-recompute"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
     the router losses, logits, every gradient (each rank's experts), the
     gradient norm, parameters after 3 steps."""
     from mpirun import mpiexec
 
-    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, 1, 0.1, 8], timeout=200,
+    dropout = 0.0 if "MPICUBE_CHECK_ACCUM" in extra else 0.1
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, 1, dropout, 8], timeout=200,
                    env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, "MPICUBE_CHECK_EP": ep,
                         **extra})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"OK {layout} world={ranks} dp={dp}" in proc.stdout
+    assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
 
 
@@ -144,6 +151,39 @@ def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, 
     padded = int(proc.stdout.split("padded=")[1].split()[0])
     assert f"arch=mixtral capacity={float(capacity)} ep=2 padded={padded}" in proc.stdout
     assert (padded > 0) == (layout == "3d"), proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_moe_pipeline_on_2d_matches_serial():
+    """pp 2 x 2-D (2x2 grid) x dp 2 x ep 2 under 1F1B, 2 micro-batches,
+    capacity 0.8 (16 ranks): the stages' router ledgers, summed over the
+    world, count each token once (its grid row's q ranks hold it), to
+    1e-10 of the serial model accumulating the same groups."""
+    from mpirun import mpiexec
+
+    proc = mpiexec(16, ["-m", "mpi4py", "tests/pipeline_check.py", "2d", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0",
+                        "moe=0.8", "ep=2"], timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK pp 2d world=16 dp=2 depth=1 pp=2 schedule=1f1b" in proc.stdout and "moe=0.8 ep=2" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_moe_pipelines_match_serial():
+    """One launch, two cases: pp 2 x dp 2 x ep 2 under the interleaved
+    schedule (2 chunks per stage), 2 micro-batches, capacity 0.8,
+    --recompute blocks; pp 2 x dp 2 under 1F1B with --zero 3, dropless.
+    Each stage's chunks share a micro-batch's router ledger, summed over
+    the world between its last forward and first backward; against the
+    serial model accumulating the same micro-batch groups, to 1e-10."""
+    from mpirun import mpiexec
+
+    proc = mpiexec(4, ["-m", "mpi4py", "tests/pipeline_check.py",
+                       "serial", 2, 1, 2, "interleaved", 2, 2, "dropout=0.0", "moe=0.8", "ep=2", "recompute=blocks",
+                       "--", "serial", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0", "zero=3"], timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "schedule=interleaved V=2 accum=2" in proc.stdout and "recompute=blocks zero=0 cp=1 sp=0 moe=0.8 ep=2" \
+        in proc.stdout
+    assert "schedule=1f1b V=1 accum=2" in proc.stdout and "zero=3 cp=1 sp=0 moe=0 ep=1" in proc.stdout
 
 
 @pytest.mark.timeout(240)

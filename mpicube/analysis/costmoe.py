@@ -49,3 +49,79 @@ def capacity_bound(n_tokens_rank: int, top_k: int, cap: int, n_experts: int, g: 
     capacity: its own choices, at most K per token, and at most C per
     expert for each of the (g-1) E/g experts it does not hold."""
     return min(n_tokens_rank * top_k, cap * (g - 1) * (n_experts // g))
+
+
+def _size(n) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, width: int, recompute: str = "none",
+               grad_accum: int = 1) -> str:
+    """``info``'s section for a mixture of experts on the serial or 1-D
+    layout: where the experts sit, their parameters and FLOPs per rank, and
+    the all-to-all per rank per step under uniform routing (dropless
+    dispatch sends what the router chooses; a capacity bounds it)."""
+    E, K, L, h, F = cfg.n_experts, cfg.top_k, cfg.n_layer, cfg.n_embd, cfg.ffn
+    per = E // ep
+    expert = 3 * h * F                                   # one expert's parameters
+    tokens = batch_size // dp * cfg.n_ctx                # this replica's tokens per step
+    lines = [f"mixture of experts: {E} experts, top {K}, "
+             + (f"capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "dropless")
+             + f"; --ep {ep}: each rank holds {per} of the {E} experts of every layer (E/ep), each expert "
+               f"held by {dp // ep} replica{'s' if dp // ep != 1 else ''} (dp/ep)",
+             f"  expert parameters per rank: {_size(L * per * expert // tp)} ({L} layers x {per} expert{'s' if per > 1 else ''} x 3 h F"
+             + (f" / tp {tp}" if tp > 1 else "") + f"), of {_size(L * E * expert)} in all",
+             f"  expert FLOPs per token (forward, active): {_size(2 * L * K * expert)}"
+             f" (2 x {L} layers x top {K} x 3 h F); the router {_size(2 * L * h * E)}"]
+    if ep > 1:
+        rows = tokens // grad_accum * K // ep                # rows to each ep rank per layer and micro-batch
+        routes = [([rows] * ep, [rows] * ep)] * (L * grad_accum)
+        t = ep_traffic(routes, ep, 0, E, h, width, forwards=2 if recompute == "blocks" else 1)
+        lines.append(f"  all-to-all per rank per step (axis ep, uniform routing: {rows} rows to each ep rank per "
+                     f"layer and micro-batch): {_size(float(t.elems['ep']))} elements, "
+                     f"{_size(float(t.bytes['ep']))}B, {t.msgs['ep']} messages")
+        if cfg.capacity_factor:
+            from ..ops.moe import capacity
+
+            cap = capacity(cfg.capacity_factor, K, batch_size // grad_accum * cfg.n_ctx, E)
+            lines.append(f"  capacity: at most {cap} tokens per expert per layer and micro-batch; a rank sends at "
+                         f"most {capacity_bound(tokens // grad_accum, K, cap, E, ep)} rows per layer and pass")
+    lines.append("  (the communication and memory tables of the dense model are not printed for a mixture yet)")
+    return "\n".join(lines)
+
+
+def placement_table(cfg, world: int, dp: int, ep: int, layout: str) -> str:
+    """Where every expert and each shard of it sits, rank by rank, from
+    the rules the code uses: ``gridspec.Plan.coords`` (replica d, tp rank
+    t), ``experts.local_experts`` (ep rank d % ep holds E/ep experts; the
+    replicas d with the same d % ep sum their gradients) and the 1-D
+    layout's column split of each expert's [gate | up] (``split_index``,
+    groups of F) and row split of its down projection."""
+    from ..parallel.experts import local_experts
+    from ..parallel.gridspec import Plan
+    from ..parallel.params import split_index
+
+    plan = Plan(layout, dp=dp, ep=ep)
+    tp, F = plan.tp(world), cfg.ffn
+
+    class Rank:                                          # what local_experts reads of a Comm
+        def __init__(self, size, rank):
+            self.size, self.rank = size, rank
+
+    lines = [f"experts on {world} ranks (dp {dp} x tp {tp}, --ep {ep}): rank = d x tp + t",
+             "  rank   d   t  ep rank  experts    c_fc columns (gate | up)       c_proj rows   gradients summed with"]
+    for rank in range(world):
+        d, _, _, t = plan.coords(rank, world)
+        mine = local_experts(cfg.n_experts, Rank(ep, d % ep))
+        cols = split_index(2 * F, tp, t, groups=2)
+        gate, up = cols[:len(cols) // 2], cols[len(cols) // 2:]
+        rows = split_index(F, tp, t)
+        peers = [e * tp + t for e in range(dp) if e % ep == d % ep and e != d]
+        lines.append(f"  {rank:4d} {d:3d} {t:3d} {d % ep:8d}  {mine.start}..{mine.stop - 1:<6d}"
+                     f" {gate[0]}..{gate[-1]} | {up[0]}..{up[-1]}".ljust(64)
+                     + f" {rows[0]}..{rows[-1]}".ljust(14)
+                     + ("ranks " + ", ".join(map(str, peers)) if peers else "-"))
+    return "\n".join(lines)

@@ -242,9 +242,23 @@ class Observed:
 
 
 # the pieces inside a block whose outputs a trace records (names.BLOCK_ACTS), by the block's attribute;
-# the branches' (c_proj, mlp_proj) are recorded before their residual dropout, which Collector applies
-INSIDE = {"ln_1": "ln_1", "c_proj": "attn", "ln_2": "ln_2", "mlp_proj": "mlp"}
+# the branches' (c_proj, and the MLP or mixture of experts) are recorded before their residual
+# dropout, which Collector applies
+INSIDE = {"ln_1": "ln_1", "c_proj": "attn", "ln_2": "ln_2"}
 RESIDUAL_MASK = {"attn": "resid_attn", "mlp": "resid_mlp"}
+
+
+def _observe_mlp(block, name: str, sink: dict, gate: list) -> None:
+    """The block's ``mlp_forward`` (dense MLP or mixture of experts: h ->
+    (y, saved)) made to copy its y into ``sink[name]`` while ``gate`` is open."""
+    mlp = block.mlp_forward
+
+    def observed(h, ctx):
+        y, saved = mlp(h, ctx)
+        if gate[0]:
+            sink[name] = y.copy()                           # (B_c, T_c, C_c)
+        return y, saved
+    block.mlp_forward = observed
 
 
 def record_outputs(model, sink: dict) -> None:
@@ -259,6 +273,7 @@ def record_outputs(model, sink: dict) -> None:
         gate = [False]
         for attr, name in INSIDE.items():
             setattr(inner, attr, Observed(getattr(inner, attr), f"{block.site}.{name}", sink, gate=gate))
+        _observe_mlp(inner, f"{block.site}.mlp", sink, gate)
         blocks.append(Observed(block, block.site, sink, opens=gate))
     model.blocks = blocks
     for head in model.back:

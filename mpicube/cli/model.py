@@ -13,6 +13,7 @@ import click
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
                      device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
                      model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
+from .common import ep_option
 from ..core.errors import UserError
 
 
@@ -45,12 +46,15 @@ from ..core.errors import UserError
 @cp_option
 @sequence_parallel_option
 @arch_options
+@ep_option
+@click.option("--experts", "show_experts", is_flag=True,
+              help="moe: also show which experts, and which shard of each, every rank holds (needs -n)")
 @click.option("--heads", "show_heads", is_flag=True,
               help="also show which query and kv heads each tensor-parallel rank holds, and which ranks share "
                    "a replicated kv head (needs --layout and/or -n)")
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
          vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
-         sequence_parallel, show_heads, **family):
+         sequence_parallel, show_heads, ep, show_experts, **family):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations; with
@@ -74,6 +78,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     w = Widths.of(dtype)
     family_line = (f"Llama ({cfg.kv_heads} kv heads, SwiGLU {cfg.ffn}, {'tied' if cfg.tied else 'untied'} head)"
                    if cfg.llama else "GPT-2")
+    if cfg.moe:
+        family_line += f" with a mixture of {cfg.n_experts} experts, top {cfg.top_k}"
     echo(f"model: {family_line}, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
          f"vocab {cfg.vocab_size}")
     echo(f"parameters: {n:,} ({'embeddings and head' if cfg.llama and not cfg.tied else 'embeddings'} {embed:,}, "
@@ -92,7 +98,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         # axis against the world, the pipeline, zero and their combinations.
         plan = Plan(layout or "auto", dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=pp_schedule,
                     virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
-                    recompute=recompute, grad_accum=grad_accum)
+                    recompute=recompute, grad_accum=grad_accum, ep=ep)
         run = resolve(plan, cfg, batch_size, world)
         note = run.pipeline_note
         if show_heads:
@@ -106,6 +112,17 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
             echo(run.batch_note)
         if note:
             echo(note)
+        if cfg.moe:                      # the experts' own section (the dense tables would price a dense MLP)
+            from ..analysis.costmodel import Widths as _W
+            from ..analysis.costmoe import moe_report
+
+            echo(moe_report(cfg, batch_size, world, dp, ep, run.tp, _W.of(dtype).act, recompute, grad_accum))
+            if show_experts:
+                from ..analysis.costmoe import placement_table
+
+                echo()
+                echo(placement_table(cfg, world, dp, ep, run.layout))
+            return
         if pp > 1:
             from ..analysis.costpipereport import pipeline_report
 

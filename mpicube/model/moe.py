@@ -111,6 +111,26 @@ class RouterLedger:
         self.totals = local
         return self.aux_term() + self.z_term()
 
+    def start(self, comm, replicas: int):
+        """Pipeline stages (``training.pipeline``): start summing this
+        stage's statistics (every layer's row, zero for the layers other
+        stages hold) over ``comm`` (the world) without waiting; ``replicas``
+        ranks (the tp group) hold each sum, so ``wait`` divides by it. Every
+        stage starts after its last forward of the micro-batch and waits at
+        its first backward of it, by when every stage has started."""
+        from ..parallel.comm_start import iallreduce
+
+        xp = array_module(next(iter(self.stats.values())))
+        some = next(iter(self.stats.values()))
+        rows = [self.stats.get(k, xp.zeros_like(some)) for k in range(self.cfg.n_layer)]
+        self._pending, self._replicas = iallreduce(comm, xp.stack(rows)), replicas    # (L, 2 E + 2)
+
+    def wait(self) -> None:
+        """The totals of ``start``'s sum (once; later calls do nothing)."""
+        if getattr(self, "_pending", None) is not None:
+            self.totals = self._pending.wait() / self._replicas
+            self._pending = None
+
     def _sums(self):
         E = self.cfg.n_experts
         t = self.totals.sum(axis=0)                                              # (2 E + 2,)

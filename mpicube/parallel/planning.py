@@ -110,13 +110,13 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
         if plan.ep != 1:
             raise ConfigError(f"--ep {plan.ep} needs a mixture of experts (--n-experts, --arch mixtral)")
         return
-    refusals = ((plan.pp != 1, f"--pp {plan.pp}"), (plan.cp != 1, f"--cp {plan.cp}"),
+    refusals = ((plan.cp != 1, f"--cp {plan.cp}"),
                 (tp > 1 and plan.sequence_parallel, "--sequence-parallel"),
                 (tp > 1 and plan.recompute == "gathers", f"--recompute gathers on {name} (use blocks)"))
     for refused, what in refusals:
         if refused:
             raise ConfigError(f"--n-experts: a mixture of experts runs on the serial, 1-D, 2-D, 2.5-D and 3-D "
-                              f"layouts with --dp and --ep so far, not with {what}")
+                              f"layouts with --dp, --ep and --pp so far, not with {what}")
     ep, E = plan.ep, cfg.n_experts
     if ep < 1:
         raise ConfigError(f"--ep must be at least 1, got {ep}")

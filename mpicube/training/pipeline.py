@@ -45,8 +45,9 @@ import numpy as np
 from ..model.block import Recomputed
 from ..model.gpt import GPT, gpt_params  # noqa: F401 (GPT: tests plant faults on it)
 from ..model.tape import saved_buffers
-from .driver import build_gpt, canonical_length, last_logits, micro_context
+from .driver import RouterLog, build_gpt, canonical_length, last_logits, micro_context
 from ..parallel.comm_p2p import irecv, isend
+from ..parallel.experts import model_specs
 from ..parallel.schedules import Action, build_schedule, layer_split, message_tag
 
 
@@ -76,17 +77,23 @@ def stage_specs(layout, cfg, virtual: int = 1) -> list:
     only stage 0's copy writes it to a checkpoint."""
     pp = layout.axes.pp
     keep = stage_names(cfg, pp.size, pp.rank, virtual)
+    decls = [d for d in gpt_params(cfg) if any(d.name == k or (k.endswith(".") and d.name.startswith(k)) for k in keep)]
     specs = []
-    for decl in gpt_params(cfg):
-        name = decl.name
-        if not any(name == k or (k.endswith(".") and name.startswith(k)) for k in keep):
-            continue
-        spec = layout.shard(decl)
+    for spec in model_specs(layout, decls):     # a mixture's experts: this ep rank's only
+        name = spec.name
         if name == "wte" and pp.size > 1 and cfg.tied:
             spec = dataclasses.replace(spec, replicas=2 * spec.replicas, writer=spec.writer and pp.rank == 0,
                                        tied_pair=True)
         specs.append(spec)
     return specs
+
+
+def same_tokens(layout) -> int:
+    """How many ranks of the tensor-parallel group hold each token: all
+    of them, unless the layout splits the sequences over some of them
+    (2-D, 2.5-D, 3-D: ``Layout.token_comm``)."""
+    tokens = layout.token_comm
+    return layout.axes.tp.size // (1 if tokens is None else tokens.size)
 
 
 class Pipeline:
@@ -115,6 +122,8 @@ class Pipeline:
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
         self._rerun = (0, 0)                    # the most one rerun block held in the backward running now
         self.current = None                     # (chunk, tape) of the last forward
+        self.ledgers = {}                       # (train, micro) -> a mixture's RouterLedger this step
+        self.router_log = RouterLog(layout.backend.to_host)
 
     # --- chunks -------------------------------------------------------------
     def chunk_model(self, v: int, micro: int = 0, dropout: float = None) -> GPT:
@@ -140,6 +149,8 @@ class Pipeline:
         holds the previous chunk's output when this chunk has no embeddings."""
         rows = parts.micro_rows(m)
         ids, tgt, ctx = micro_context(self.layout, x[rows], y[rows], step, m, self.N, train)
+        if ctx.router is not None:              # a mixture: one ledger per micro-batch for all chunks here
+            ctx = dataclasses.replace(ctx, router=self.ledgers.setdefault((train, m), ctx.router))
         out, tape = model.forward(ids if model.first else inbox, tgt, ctx)
         self.current = (model, tape)            # for an observer (a trace) after the forward
         return out, tape, ctx
@@ -185,6 +196,8 @@ class Pipeline:
                 model = self.chunk_model(v)
                 inp = None if model.first else inbox.pop(("recv_act", m, v))
                 out, self.tapes[v, m], ctx = self._run_forward(model, v, m, parts, x, y, step, inp)
+                if ctx.router is not None and v == self.V - 1:
+                    ctx.router.start(self.layout.axes.world, same_tokens(self.layout))   # waited in backward
                 if model.last:
                     loss += self._share(out, ctx)
                 else:
@@ -198,7 +211,11 @@ class Pipeline:
                 dout = loss_scale if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
                 held = self._saved(live) if after_forward is not None else (0, 0)
                 self._rerun = (0, 0)
-                dx = model.backward(dout, self.tapes.pop((v, m)))
+                tape = self.tapes.pop((v, m))
+                if tape.ctx.router is not None:
+                    tape.ctx.router.wait()
+                    tape.ctx.router.scale = loss_scale
+                dx = model.backward(dout, tape)
                 live.discard((v, m))
                 self.recompute_peak_elements = max(self.recompute_peak_elements, self._rerun[0])
                 self.recompute_peak_bytes = max(self.recompute_peak_bytes, self._rerun[1])
@@ -214,6 +231,13 @@ class Pipeline:
         if posted or inbox or outbox:
             raise RuntimeError(f"stage {self.stage}: the action list left messages unused: "
                                f"{sorted(set(posted) | set(inbox) | set(outbox))[:3]}")
+        ledgers = [self.ledgers.pop((True, m)) for m in sorted(m for t, m in self.ledgers if t)]
+        self.ledgers.clear()
+        axes = self.layout.axes
+        for ledger in ledgers:                  # the router losses, once in the world (its totals are global)
+            self.router_log.add(ledger)
+            if self.stage == self.P - 1 and axes.tp.rank == 0 and axes.dp.rank == 0:
+                loss += ledger.aux_term() + ledger.z_term()
         return self._step_loss(loss)
 
     def _measure(self, live) -> None:
@@ -276,6 +300,7 @@ class Pipeline:
                     outbox[m, v] = out
         for pending in sends:
             pending.wait()
+        self.ledgers.clear()                    # evaluation: no router losses, no backward to wait in
         return self._step_loss(loss)
 
     # --- generation: the stages in turn ---------------------------------------

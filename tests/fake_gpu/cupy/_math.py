@@ -132,6 +132,12 @@ def cumsum(a, axis=None, dtype=None, out=None):
     return _as_device(a).cumsum(axis, dtype, out)
 
 
+def bincount(x, weights=None, minlength=0):
+    """CuPy's bincount: a device array of non-negative integers in, the counts on the device out."""
+    w = None if weights is None else device_array(weights, "weights")
+    return wrap(np.bincount(device_array(x, "x"), w, minlength=minlength))
+
+
 def count_nonzero(a, axis=None):
     """A device array even for ``axis=None`` (CuPy does not sync here)."""
     return wrap(np.count_nonzero(device_array(a, "a"), axis=axis))
@@ -210,5 +216,5 @@ def einsum(*operands, **kwargs):
 
 
 __all__ = ["ufunc", "sum", "prod", "mean", "var", "std", "amax", "amin", "all", "any", "argmax", "argmin",
-           "cumsum", "count_nonzero", "clip", "around", "where", "isclose", "allclose", "array_equal", "dot",
+           "cumsum", "bincount", "count_nonzero", "clip", "around", "where", "isclose", "allclose", "array_equal", "dot",
            "vdot", "inner", "outer", "tensordot", "einsum"]
