@@ -258,7 +258,7 @@ class MoE:
                 runs.append(None)
                 continue
             xe = padded(rows[mine], int(sizes[k]))                                # (M_e, 1, h) zero rows after m_e
-            f, s_fc = c_fc.forward(xe)                                            # (M_e, 1, 2 F_l) the layout's intermediate form
+            f, s_fc = c_fc.forward(xe)                                            # (M_e, 1, 2 F_l) intermediate
             g, s_act = ops.swiglu_forward(f)                                      # (M_e, 1, F_l)
             y, s_proj = c_proj.forward(g)                                         # (M_e, 1, h)
             y_rows[mine] = y[:mine.shape[0], 0]

@@ -112,7 +112,7 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
         return
     refusals = ((plan.cp != 1, f"--cp {plan.cp}"),
                 (tp > 1 and plan.sequence_parallel, "--sequence-parallel"),
-                (tp > 1 and plan.recompute == "gathers", f"--recompute gathers on {name} (use blocks)"))
+                (name == "1d" and plan.recompute == "gathers", "--recompute gathers on 1d (use blocks)"))
     for refused, what in refusals:
         if refused:
             raise ConfigError(f"--n-experts: a mixture of experts runs on the serial, 1-D, 2-D, 2.5-D and 3-D "
