@@ -123,6 +123,51 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
     assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
 
 
+# the tensor-parallel layouts with --ep 2 over dp 2, one launch each: 2-D (2x2 grid, 8 ranks) dropless
+# (its capacity case runs under pp below), the 2x2x2 cube (16 ranks) in both dispatch modes (capacity
+# with --recompute gathers: its linears gather the padded rows again in backward), 2.5-D (depth 2, 16
+# ranks) under a capacity. The cube pads each expert's rows to the most of its j line (padded > 0);
+# SUMMA needs no padding.
+TP_CASES = [(8, "2d", 1, "0", {}),
+            (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers"}),
+            (16, "2.5d", 2, "0.8", {})]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks,layout,depth,capacity,extra", TP_CASES,
+                         ids=["2d-dropless", "3d-dropless", "3d-capacity-recompute-gathers",
+                              "2.5d-capacity"])
+def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, depth, capacity, extra):
+    """Each expert's linears split like any MLP's on 2-D, 2.5-D and 3-D,
+    the router's rows over the hidden columns, with --ep 2 over dp 2
+    (dropout on): loss, logits, every gradient, the norm and parameters
+    after 3 steps equal serial's to 1e-10 in float64."""
+    from mpirun import mpiexec
+
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, 2, depth, 0.1, 8], timeout=200,
+                   env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, "MPICUBE_CHECK_EP": "2",
+                        **extra})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"OK {layout} world={ranks} dp=2 depth={depth}" in proc.stdout
+    padded = int(proc.stdout.split("padded=")[1].split()[0])
+    assert f"arch=mixtral capacity={float(capacity)} ep=2 padded={padded}" in proc.stdout
+    assert (padded > 0) == (layout == "3d"), proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_moe_pipeline_on_2d_matches_serial():
+    """pp 2 x 2-D (2x2 grid) x dp 2 x ep 2 under 1F1B, 2 micro-batches,
+    capacity 0.8 (16 ranks): the stages' router ledgers, summed over the
+    world, count each token once (its grid row's q ranks hold it), to
+    1e-10 of the serial model accumulating the same groups."""
+    from mpirun import mpiexec
+
+    proc = mpiexec(16, ["-m", "mpi4py", "tests/pipeline_check.py", "2d", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0",
+                        "moe=0.8", "ep=2"], timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK pp 2d world=16 dp=2 depth=1 pp=2 schedule=1f1b" in proc.stdout and "moe=0.8 ep=2" in proc.stdout
+
+
 @pytest.mark.timeout(240)
 def test_moe_pipelines_match_serial():
     """One launch, two cases: pp 2 x dp 2 x ep 2 under the interleaved
@@ -217,7 +262,7 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
     (dict(dp=2, ep=2, zero=1), "--zero 1 with --ep 2 is not implemented yet"),
-    (dict(layout="2d", dp=1), "not with the 2d layout"),
+    (dict(layout="1d", dp=1, recompute="gathers"), "not with --recompute gathers on 1d"),
     (dict(layout="1d", dp=1, sequence_parallel=True), "not with --sequence-parallel"),
 ])
 def test_bad_expert_parallel_plans_are_refused(plan, message):

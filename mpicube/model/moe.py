@@ -56,7 +56,10 @@ def moe_params(cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
 class RouterLedger:
     """One micro-batch's routing statistics, layer by layer, and the router
     losses they define. ``group`` is the communicator of the replicas that
-    hold the micro-batch's other tokens (dp), in global token order.
+    hold the micro-batch's other tokens (dp), in global token order, and
+    ``tokens`` those of the replica's tensor-parallel group that hold its
+    other sequences (2-D, 2.5-D, 3-D: ``Layout.token_comm``), ranked in
+    sequence order; ranks that hold the same tokens record the same.
 
     The load-balancing loss, as transformers computes it over all L layers'
     N tokens at once: aux = E sum_e c_e S_e / (L N)^2, c_e the times expert
@@ -66,11 +69,13 @@ class RouterLedger:
     aux counts its own tokens and the step's is their mean; z is a mean
     over the step's tokens either way."""
 
-    def __init__(self, cfg: ModelConfig, group, micro_tokens: int, grad_accum: int):
+    def __init__(self, cfg: ModelConfig, group, micro_tokens: int, grad_accum: int, tokens=None):
         self.cfg, self.group = cfg, group
+        self.tokens = tokens            # the tp ranks with the replica's other sequences (Layout.token_comm), or None
         self.micro_tokens, self.grad_accum = micro_tokens, grad_accum    # N of one micro-batch, all replicas
         self.stats = {}                 # layer -> (2 E + 2,) this rank's [counts | prob sums | z sum | dropped]
         self.routes = {}                # layer -> (rows sent to, rows received from, each ep rank) (g,) each
+        self.padded = {}                # layer -> zero rows this rank's experts ran on (Layout.expert_rows; 3-D)
         self.totals = None              # after finish: (L_here, 2 E + 2) summed over the group
         self.scale = 1.0                # the loss scale backward runs under (float16)
 
@@ -78,10 +83,15 @@ class RouterLedger:
     def offsets(self, counts):
         """(E,) choosers of each expert on the ranks before this one (the
         capacity's global token order), or None alone."""
-        if self.group is None or self.group.size == 1:
-            return None
-        every = self.group.allgather(counts[None].astype("float64"), axis=0)     # (dp, E), exact integers
-        return every[:self.group.rank].sum(axis=0).astype(counts.dtype)          # (E,)
+        before, total = None, counts.astype("float64")                            # (E,) exact integers
+        for comm in (self.tokens, self.group):      # earlier sequences of the replica, then earlier replicas
+            if comm is None or comm.size == 1:
+                continue
+            every = comm.allgather(total[None], axis=0)                          # (size, E)
+            mine = every[:comm.rank].sum(axis=0)                                 # (E,)
+            before = mine if before is None else before + mine
+            total = every.sum(axis=0)                                            # (E,) the whole group's
+        return None if before is None else before.astype(counts.dtype)
 
     def record(self, layer: int, counts, probs, lse, dropped) -> None:
         """Layer ``layer``'s local statistics (a rerun overwrites them with the same values)."""
@@ -95,7 +105,10 @@ class RouterLedger:
         the step's mean loss: coef_aux aux / A + coef_z z_share."""
         xp = array_module(next(iter(self.stats.values())))
         local = xp.stack([self.stats[k] for k in sorted(self.stats)])            # (L_here, 2 E + 2)
-        self.totals = local if self.group is None or self.group.size == 1 else self.group.allreduce(local)
+        for comm in (self.tokens, self.group):
+            if comm is not None and comm.size > 1:
+                local = comm.allreduce(local)
+        self.totals = local
         return self.aux_term() + self.z_term()
 
     def start(self, comm, replicas: int):
@@ -169,14 +182,29 @@ class RouterLedger:
 
 
 class MoE:
-    """Layer ``i``'s mixture of experts on canonical activations (serial
-    layout: every hidden column). Forward: router logits in float32 or
-    wider, top-k, the kept (token, expert) rows sent to the ranks holding
-    their experts (``parallel.experts.Dispatch``; the identity without
-    --ep), each local expert's SwiGLU on its rows in global token order,
-    the outputs sent back, weighted and summed per token in expert order.
-    Backward runs the same in reverse and adds the router losses'
-    gradients from the micro-batch's ledger."""
+    """Layer ``i``'s mixture of experts on canonical activations (B_c, T,
+    C_c). Forward: router logits in float32 or wider, top-k, the kept
+    (token, expert) rows sent to the ranks holding their experts
+    (``parallel.experts.Dispatch``; the identity without --ep), each local
+    expert's SwiGLU on its rows in global token order, the outputs sent
+    back, weighted and summed per token in expert order. Backward runs the
+    same in reverse and adds the router losses' gradients from the
+    micro-batch's ledger.
+
+    The layout enters at two seams. The router: where the canonical form
+    splits the hidden columns (2-D, 2.5-D, 3-D: ``layout.hidden_comm``)
+    this rank holds the router's rows of its columns, and the logits are
+    the sum of the partial products over the hidden group (``_logits``),
+    so every rank holding the same tokens routes them identically; so is
+    backward's gradient of the routing weights (a dot product over the
+    hidden columns); the router's input gradient needs no sum (each
+    rank's columns), its weight's is summed over the ranks with other
+    tokens (its ParamSpec). The experts:
+    an expert's rows on this rank are a small batch of canonical rows,
+    which enter the layout's first and second linears like an MLP's, as
+    (rows, 1, C_c); ``layout.expert_rows`` says how many rows each runs
+    on (zero padding where its collectives need equal shapes) and whether
+    an expert with none still runs."""
 
     def __init__(self, layout: Layout, store: ParamStore, i: int):
         cfg = layout.cfg
@@ -186,6 +214,7 @@ class MoE:
         self.w_router = store.work[self.router_name]                              # (h, E)
         store.defer_zero(self.router_name)
         self.ep = layout.axes.ep if layout.axes.ep is not None else SELF
+        self.layout, self.hidden = layout, layout.hidden_comm
         self.local = local_experts(cfg.n_experts, self.ep)                        # this rank's experts
         self.experts = [(layout.linear(store, f"{p}experts.{e}.c_fc", "first", bias=False),
                          layout.linear(store, f"{p}experts.{e}.c_proj", "second", bias=False))
@@ -199,7 +228,7 @@ class MoE:
         n = B * T
         x2 = x.reshape(n, h)                                                      # (n, h)
         wide = precision.compute_dtype(x.dtype)
-        logits = precision.matmul(x2, self.w_router, dtype=wide)                  # (n, E) float32+
+        logits = self._logits(x2, wide)                                           # (n, E) float32+
         probs, chosen, weights, lse, s_route = router_ops.route(logits, K, cfg.norm_topk)
         ledger = getattr(ctx, "router", None)
         cap = offset = None
@@ -218,16 +247,22 @@ class MoE:
         rows = route.send(x2[order // K])                                         # (r, h) rows of this rank's experts
         y_rows = xp.zeros_like(rows)                                              # (r, h)
         runs = []
+        held = route.recv_matrix.sum(axis=0)                                      # (E_l,) rows of each local expert
+        sizes, every = self.layout.expert_rows(held)                              # (E_l,) rows each runs on
+        sizes = np.asarray(self.store.backend.to_host(sizes), dtype=np.int64)     # (E_l,)
+        if ledger is not None:
+            ledger.padded[self.layer] = int((sizes - held).sum())
         for k, (c_fc, c_proj) in enumerate(self.experts):
             mine = xp.asarray(route.expert_rows(k))                               # (m_e,) into rows
-            if mine.shape[0] == 0:
+            if sizes[k] == 0 and not every:
                 runs.append(None)
                 continue
-            f, s_fc = c_fc.forward(rows[mine])                                    # (m_e, 2 F)
-            g, s_act = ops.swiglu_forward(f)                                      # (m_e, F)
-            y, s_proj = c_proj.forward(g)                                         # (m_e, h)
-            y_rows[mine] = y
-            runs.append((mine, s_fc, s_act, s_proj))
+            xe = padded(rows[mine], int(sizes[k]))                                # (M_e, 1, h) zero rows after m_e
+            f, s_fc = c_fc.forward(xe)                                            # (M_e, 1, 2 F_l) intermediate
+            g, s_act = ops.swiglu_forward(f)                                      # (M_e, 1, F_l)
+            y, s_proj = c_proj.forward(g)                                         # (M_e, 1, h)
+            y_rows[mine] = y[:mine.shape[0], 0]
+            runs.append((mine, int(sizes[k]), s_fc, s_act, s_proj))
         y_back = route.back(y_rows)                                               # (m, h) in ``order``'s order
         out = xp.zeros((n, h), dtype=wide)                                        # (n, h)
         w_kept = weights.reshape(-1)[order]                                       # (m,)
@@ -248,15 +283,17 @@ class MoE:
         dyt = dy.reshape(n, h)[order // K]                                        # (m, h)
         w_kept = s_route[2].reshape(-1)[order]                                    # (m,)
         dweights = xp.zeros(n * K, dtype=s_route[0].dtype)                        # (n K,)
-        dweights[order] = ops.rowdot(precision.up(dyt), precision.up(y_back))
+        dweights[order] = ops.rowdot(precision.up(dyt), precision.up(y_back))   # over this rank's columns
+        dweights = self._hidden_sum(dweights)                                     # (n K,) over every column
         d_rows = route.send(precision.narrow(dyt * w_kept[:, None], dy.dtype))   # (r, h)
         dx_rows = xp.zeros(d_rows.shape, dtype=dy.dtype)                          # (r, h)
         for (c_fc, c_proj), run in zip(self.experts, runs):
             if run is None:
                 continue
-            mine, s_fc, s_act, s_proj = run
-            dg = c_proj.backward(d_rows[mine], s_proj)                            # (m_e, F)
-            dx_rows[mine] = c_fc.backward(ops.swiglu_backward(dg, s_act), s_fc)  # (m_e, h)
+            mine, size, s_fc, s_act, s_proj = run
+            dg = c_proj.backward(padded(d_rows[mine], size), s_proj)              # (M_e, 1, F_l)
+            dxe = c_fc.backward(ops.swiglu_backward(dg, s_act), s_fc)            # (M_e, 1, h)
+            dx_rows[mine] = dxe[:mine.shape[0], 0]
         dx_back = route.back(dx_rows)                                             # (m, h)
         dx = xp.zeros((n, h), dtype=wide)                                         # (n, h)
         for e in range(E):
@@ -270,9 +307,36 @@ class MoE:
         dx += precision.matmul(dlogits, self.w_router.T.astype(dlogits.dtype), dtype=wide)
         return precision.narrow(dx, dy.dtype).reshape(shape)
 
+    def _logits(self, x2, wide):
+        """x2 (n, C_c) -> the router's logits (n, E) in ``wide``: x2 times
+        this rank's rows of W_router, summed over the hidden group (its
+        partial products gathered and added in rank order, so every rank
+        of the group holds the same logits to the last bit)."""
+        return self._hidden_sum(precision.matmul(x2, self.w_router, dtype=wide))  # (n, E)
+
+    def _hidden_sum(self, part):
+        """part (...) over this rank's hidden columns -> the sum over the
+        hidden group (the identity where the canonical form holds every
+        column), the same on every rank of the group: the partials are
+        gathered and added in rank order, never reduced in MPI's order."""
+        if self.hidden is None or self.hidden.size == 1:
+            return part
+        return self.hidden.allgather(part[None], axis=0).sum(axis=0)
+
     def decode(self, x):
         """Inference without a ledger (generation): x (B, t, h) -> (B, t, h)."""
         return self.forward(x, None)[0]
+
+
+def padded(rows, size: int):
+    """rows (m, w) -> (size, 1, w): the rows, then size - m zero rows
+    (a layout's padding, ``Layout.expert_rows``), as a layout's linear
+    takes them."""
+    if rows.shape[0] == size:
+        return rows[:, None, :]
+    out = array_module(rows).zeros((size, 1, rows.shape[1]), dtype=rows.dtype)   # (size, 1, w)
+    out[:rows.shape[0], 0] = rows
+    return out
 
 
 class _Alone:

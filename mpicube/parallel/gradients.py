@@ -147,14 +147,22 @@ def global_grad_norm(store: ParamStore, tp: Comm, stages: Comm = None, ep: Comm 
     xp = store.backend.xp
     local = weighted_squares(xp, store.flat_grad, store.replica_runs) + SharedSquares(store)(xp, store.flat_grad)
     if ep is not None and ep.size > 1 and store.expert_run is not None:
-        # --ep: the ep group's ranks hold different experts; each expert counted once
-        g = store.flat_grad[store.expert_run]
-        mine = xp.dot(g, g).astype(xp.float64).reshape(1)
+        # --ep: the ep group's ranks hold different experts; each expert counted once (and, like any
+        # block, once over the tensor-parallel ranks that replicate it: 2.5-D's depth)
+        mine = weighted_squares(xp, store.flat_grad, expert_runs(store))               # (1,)
         local = local - mine + ep.allreduce(mine)
     total = tp.allreduce(local)
     if stages is not None and stages.size > 1:
         total = stages.allreduce(total)
     return math.sqrt(float(total[0]))
+
+
+def expert_runs(store: ParamStore) -> list:
+    """The (replicas, slice) runs of ``store.replica_runs`` cut to the
+    experts' part of the buffer (``store.expert_run``)."""
+    lo, hi = store.expert_run.start, store.expert_run.stop
+    return [(r, slice(max(lo, run.start), min(hi, run.stop))) for r, run in store.replica_runs
+            if max(lo, run.start) < min(hi, run.stop)]
 
 
 def weighted_squares(xp, grad, replica_runs):

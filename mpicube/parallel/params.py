@@ -185,12 +185,14 @@ class ParamStore:
         return [slice(lo, hi) for lo, hi in runs]
 
     def _contiguous_groups(self) -> list:
-        """(comm, flat slice) for every gradient communicator."""
+        """(comm, flat slice) for every run of the buffer that a gradient
+        communicator sums: one each, unless the experts (kept last) part a
+        communicator's parameters in two."""
         groups = {}
         for spec in self.specs:
             if spec.grad_comm is not None:
                 groups.setdefault(spec.grad_comm.axis, (spec.grad_comm, []))[1].append(spec)
-        return [(comm, self._runs(specs)[0]) for comm, specs in groups.values()]
+        return [(comm, run) for comm, specs in groups.values() for run in self._runs(specs)]
 
     def initialize(self, seed: int) -> None:
         """GPT-2 initialisation evaluated at this rank's global indices only."""

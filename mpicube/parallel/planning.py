@@ -103,21 +103,20 @@ def validate_model(cfg: ModelConfig) -> None:
 
 
 def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> None:
-    """The axes a mixture of experts runs on so far: the serial and 1-D
-    layouts with data and expert parallelism (docs/moe.md says what is
-    still to come)."""
+    """The axes a mixture of experts runs on so far: the serial, 1-D,
+    2-D, 2.5-D and 3-D layouts with data and expert parallelism
+    (docs/moe.md says what is still to come)."""
     if not cfg.moe:
         if plan.ep != 1:
             raise ConfigError(f"--ep {plan.ep} needs a mixture of experts (--n-experts, --arch mixtral)")
         return
-    refusals = ((name not in ("serial", "1d"), f"the {name} layout (tp {tp}); use --layout 1d"),
-                (plan.cp != 1, f"--cp {plan.cp}"),
+    refusals = ((plan.cp != 1, f"--cp {plan.cp}"),
                 (tp > 1 and plan.sequence_parallel, "--sequence-parallel"),
-                (tp > 1 and plan.recompute == "gathers", "--recompute gathers on 1-D (use blocks)"))
+                (name == "1d" and plan.recompute == "gathers", "--recompute gathers on 1d (use blocks)"))
     for refused, what in refusals:
         if refused:
-            raise ConfigError(f"--n-experts: a mixture of experts runs on the serial and 1-D layouts with --dp, "
-                              f"--ep and --pp so far, not with {what}")
+            raise ConfigError(f"--n-experts: a mixture of experts runs on the serial, 1-D, 2-D, 2.5-D and 3-D "
+                              f"layouts with --dp, --ep and --pp so far, not with {what}")
     ep, E = plan.ep, cfg.n_experts
     if ep < 1:
         raise ConfigError(f"--ep must be at least 1, got {ep}")

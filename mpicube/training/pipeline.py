@@ -88,6 +88,14 @@ def stage_specs(layout, cfg, virtual: int = 1) -> list:
     return specs
 
 
+def same_tokens(layout) -> int:
+    """How many ranks of the tensor-parallel group hold each token: all
+    of them, unless the layout splits the sequences over some of them
+    (2-D, 2.5-D, 3-D: ``Layout.token_comm``)."""
+    tokens = layout.token_comm
+    return layout.axes.tp.size // (1 if tokens is None else tokens.size)
+
+
 class Pipeline:
     """This rank's chunks and the executor of their schedule (module
     docstring). ``forward_backward`` and ``forward_loss`` answer what
@@ -189,7 +197,7 @@ class Pipeline:
                 inp = None if model.first else inbox.pop(("recv_act", m, v))
                 out, self.tapes[v, m], ctx = self._run_forward(model, v, m, parts, x, y, step, inp)
                 if ctx.router is not None and v == self.V - 1:
-                    ctx.router.start(self.layout.axes.world, self.layout.axes.tp.size)   # waited in backward
+                    ctx.router.start(self.layout.axes.world, same_tokens(self.layout))   # waited in backward
                 if model.last:
                     loss += self._share(out, ctx)
                 else:

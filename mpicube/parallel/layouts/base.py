@@ -96,6 +96,8 @@ class Layout:
     head_ids: np.ndarray            # (nh,) global attention heads held
     hidden_comm = None              # Comm splitting the canonical hidden size, or None
     kv_comm = None                  # Comm of the ranks sharing this rank's kv head (split > n_kv), or None
+    token_comm = None               # Comm of the tp ranks holding the replica's other sequences at these hidden
+                                    # columns, ranked in sequence order (2-D, 2.5-D, 3-D), or None
 
     @classmethod
     def head_coords(cls, tp: int, depth: int, rank: int) -> tuple:
@@ -132,6 +134,18 @@ class Layout:
         """The LM head over ``embedding`` (this layout's tied embedding) and
         the vocabulary-parallel cross-entropy (layouts/head.py)."""
         return LossHead(embedding, self.cfg.vocab_size, self.backend.xp)
+
+    def expert_rows(self, held):
+        """A mixture of experts' seam (model/moe.py): (rows, every) for
+        this rank's local experts, given ``held`` (E_l,), the token rows of
+        each that this rank received. ``rows`` (E_l,) is how many rows each
+        expert's linears run on (``held`` plus zero padding where the
+        layout's collectives need equal shapes on ranks holding different
+        tokens); ``every`` says whether an expert with no rows must still
+        run (its linears' collectives span ranks that may hold rows). Here
+        (serial, 1-D) every collective joins ranks holding the same
+        tokens: the rows as held, an empty expert skipped."""
+        return held, False
 
     def save_block_input(self, x):
         """What a block keeps of its input x (B_c, T, C_c) under

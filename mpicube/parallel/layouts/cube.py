@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ... import ops
 from ...device import precision
 from ..comm import Comm
@@ -79,6 +81,7 @@ class CubeLayout(Layout):
         self.ij = sub("ij", k, i * q + j)         # plane varying i, j
         self.ik = sub("ik", j, i * q + k)         # plane varying i, k
         self.hidden_comm = self.ck
+        self.token_comm = self.ij                 # ranked i q + j: the canonical sequence blocks
         # Nonblocking weight gathers and weight-gradient reductions overlap the
         # activation collectives and GEMMs; the plan's overlap off (self.overlap, set
         # by Layout) turns it off to measure it.
@@ -104,6 +107,8 @@ class CubeLayout(Layout):
                              shared=shared)
         if decl.role == "wpe":
             return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, k)), **on_ij)
+        if decl.role == "router":  # a mixture's router (h, E): hidden block k's rows, like a norm
+            return ParamSpec(decl, (split_index(shape[0], q, k), full_index(shape[1])), **on_ij)
         # norm, b_second: hidden block k
         return ParamSpec(decl, (split_index(shape[0], q, k),), **on_ij)
 
@@ -114,6 +119,20 @@ class CubeLayout(Layout):
 
     def tied_embedding(self, store, name="wte"):
         return CubeTiedEmbedding(store, self, name)
+
+    def expert_rows(self, held):
+        """A linear all-gathers its input rows over j (ranks (i, *, k),
+        holding other tokens) and reduce-scatters its output rows over k
+        in q equal blocks, so the ranks of one j line must hold equally
+        many rows of an expert: each pads with zero rows up to the line's
+        most (one all-gather of E_l counts). Bias-free SwiGLU keeps zero
+        rows zero (silu(0) 0 = 0) and they add nothing to the weight
+        gradients. The rows held are the same across k (the same tokens),
+        so the padded count is the same on the whole (j, k) plane; every
+        rank runs every expert, with no rows too (the weights' gathers
+        over i)."""
+        every = self.cj.allgather(np.asarray(held, dtype=np.int64)[None], axis=0)   # (q, E_l)
+        return every.max(axis=0), True
 
     def describe(self):
         return {**super().describe(), "q": self.q}

@@ -81,6 +81,7 @@ class TesseractLayout(Layout):
         self.depth = tp.split("depth", r * q + c, l)            # varies l
         self.col_depth = tp.split("col_depth", c, l * q + r)    # varies r, l
         self.hidden_comm = self.row
+        self.token_comm = self.col_depth                        # ranked l q + r: the canonical sequence blocks
         self.vocab_padded = self.pad_to(cfg.vocab_size, q)
         self.canonical_seqs = split_index(self.local_batch, depth * q, l * q + r)
         self.mid_seqs = self.canonical_seqs
@@ -98,12 +99,21 @@ class TesseractLayout(Layout):
             return ParamSpec(decl, (split_index(shape[0], q, r), cols), **on_depth, shared=shared)
         if decl.role == "wpe":
             return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, c)), **on_plane)
+        if decl.role == "router":   # a mixture's router (h, E): the canonical columns' rows, like a norm
+            return ParamSpec(decl, (split_index(shape[0], q, c), full_index(shape[1])), **on_plane)
         # norm, b_first, b_second: hidden block c, partial gradients over rows
         cols, shared = self.first_columns(decl)
         return ParamSpec(decl, (cols,), **on_plane, shared=shared)
 
     def linear(self, store, prefix, position, bias=True):
         return SummaLinear(store, prefix, self, bias=bias)
+
+    def expert_rows(self, held):
+        """SUMMA moves activations only along the row, whose ranks hold the
+        same tokens, so an expert runs on the rows held, however many each
+        grid row has; the column's broadcasts and reductions carry weight
+        panels, so every rank runs every local expert, with no rows too."""
+        return held, True
 
     def tied_embedding(self, store, name="wte"):
         return TesseractTiedEmbedding(store, self, name)
