@@ -69,6 +69,8 @@ def trace_bytes(cfg, batch: int, seq_len: int, steps: int, dropout: float, items
     B, T, h, L = batch, seq_len, cfg.n_embd, cfg.n_layer
     params = cfg.n_params()
     per_step = (2 * params + (5 * L + 2) * B * T * h + B * T * cfg.vocab_size + 3) * itemsize
+    if cfg.moe:                                           # router logits, weights; int32 chosen experts
+        per_step += L * B * T * (cfg.n_experts + cfg.top_k) * itemsize + L * B * T * cfg.top_k * 4
     if dropout > 0:                                       # uint8 keep masks
         per_step += (2 * L + 1) * B * T * h + L * B * cfg.n_head * T * T
     return steps * B * (T + 1) * 4 + params * itemsize + steps * per_step
@@ -173,7 +175,8 @@ class Recorder(StepHooks):
     def forward_done(self, trainer, s, micro) -> None:
         parts, collect = trainer.parts, self.collect
         collect.at(parts.micro_rows(micro).start)
-        self.forward += collect.activations(self.sink, self.T) + collect.logits(self.T)
+        self.forward += collect.activations(self.sink, self.T) + collect.router(self.sink, self.T)
+        self.forward += collect.logits(self.T)
         self.forward += collect.masks(self.T, s)
         self.sink.clear()                                     # the next micro-batch's
 
@@ -191,6 +194,9 @@ class Recorder(StepHooks):
             self.writer.write(f"{group}/loss", np.asarray(rec["loss"], dtype=np.float64))
             self.writer.write(f"{group}/lr", np.asarray(rec["lr"], dtype=np.float64))
             self.writer.write(f"{group}/grad_norm", np.asarray(self.norm, dtype=np.float64))
+            for key in ("aux_loss", "z_loss"):                # a mixture of experts' router losses
+                if f"router_{key}" in rec:
+                    self.writer.write(f"{group}/moe/{key}", np.asarray(rec[f"router_{key}"], dtype=np.float64))
             _write(self.writer, tensors, prefix=group + "/")
         self.say(f"step {s}/{trainer.opts.steps}: loss {rec['loss']:.6f}, lr {rec['lr']:.3e}, "
                  f"grad_norm {self.norm:.6f}")

@@ -136,10 +136,33 @@ class Collector:
         drop, ctx = model.dropout, tape.ctx
         pieces = []
         for key, block in capture.items():
+            if key.endswith(ROUTER_KEY):                      # a mixture's router: ``router``
+                continue
             site, _, part = key.rpartition(".")
             if part in RESIDUAL_MASK and site.startswith("h.") and drop.on(ctx):
                 block = block * drop.canonical(ctx, f"{site}.{RESIDUAL_MASK[part]}", block.shape[1])
             pieces.append(self.canonical(f"act/{key}", block, T))
+        return pieces
+
+    def router(self, capture: dict, T: int) -> list:
+        """Pieces of a mixture of experts' router decisions captured in
+        block i (``_observe_router``): ``moe/h.{i}.logits`` (B, T, E),
+        ``moe/h.{i}.experts`` (B, T, K) int32 and ``moe/h.{i}.weights``
+        (B, T, K), on the canonical rows the mixture ran on. Every column
+        of E and K is on every rank (the logits are summed over the hidden
+        group), so only the rows need their global indices."""
+        pieces = []
+        rows = (self.canonical_seqs, self.canonical_positions(T))
+        for key, captured in capture.items():
+            if not key.endswith(ROUTER_KEY):
+                continue
+            site, (logits, chosen, weights) = key[:-len(ROUTER_KEY)], captured
+            b, t = len(rows[0]), len(rows[1])
+            for part, value, dtype in (("logits", logits, None), ("experts", chosen, np.int32),
+                                       ("weights", weights, None)):
+                width = value.shape[-1]
+                pieces.append(Piece(f"moe/{site}.{part}", (self.B, T, width), (*rows, np.arange(width)),
+                                    self.host(value, dtype).reshape(b, t, width)))      # (B_c, T_c, width)
         return pieces
 
     def logits(self, T: int) -> list:
@@ -208,7 +231,14 @@ class Collector:
 
     def _pieces(self, prefix: str, views: dict) -> list:
         return [Piece(f"{prefix}/{spec.name}", tuple(spec.decl.shape), spec.index, self.host(views[spec.name]))
-                for spec in self.store.specs if self.sharded or (spec.writer and self.param_writer)]
+                for spec in self.store.specs if self.sharded or self._writes(spec)]
+
+    def _writes(self, spec) -> bool:
+        """Whether this rank gives the gathered trace its copy of ``spec``:
+        the tensor-parallel writer of the first replica, or for an expert
+        (only its ep rank holds it: parallel/experts.py) the writer of its
+        expert-data group's first replica."""
+        return spec.writer and (self.param_writer or getattr(spec, "expert", False))
 
 
 class Observed:
@@ -261,11 +291,25 @@ def _observe_mlp(block, name: str, sink: dict, gate: list) -> None:
     block.mlp_forward = observed
 
 
+ROUTER_KEY = ".router"          # sink["h.{i}.router"]: (logits (n, E), chosen (n, K), weights (n, K))
+
+
+def _observe_router(moe, site: str, sink: dict, gate: list) -> None:
+    """A mixture of experts' router decisions (``MoE.observe``, called in
+    its forward) copied into ``sink[site + ".router"]`` while ``gate`` is
+    open (not in a --recompute rerun)."""
+    def observed(logits, chosen, weights):
+        if gate[0]:
+            sink[site + ROUTER_KEY] = (logits.copy(), chosen.copy(), weights.copy())
+    moe.observe = observed
+
+
 def record_outputs(model, sink: dict) -> None:
     """Wrap ``model``'s embeddings, blocks and final norm in ``Observed``:
     their outputs land in ``sink`` as "emb", "h.{i}" and "ln_f", and inside
     block i the norms' and the branches' as "h.{i}.ln_1", "h.{i}.attn",
-    "h.{i}.ln_2", "h.{i}.mlp", in the order computed."""
+    "h.{i}.ln_2", "h.{i}.mlp", in the order computed; a mixture of
+    experts' router decisions as "h.{i}.router" (``Collector.router``)."""
     model.front = [Observed(piece, "emb", sink) for piece in model.front]
     blocks = []
     for block in model.blocks:
@@ -274,6 +318,8 @@ def record_outputs(model, sink: dict) -> None:
         for attr, name in INSIDE.items():
             setattr(inner, attr, Observed(getattr(inner, attr), f"{block.site}.{name}", sink, gate=gate))
         _observe_mlp(inner, f"{block.site}.mlp", sink, gate)
+        if getattr(inner, "moe", None) is not None:
+            _observe_router(inner.moe, block.site, sink, gate)
         blocks.append(Observed(block, block.site, sink, opens=gate))
     model.blocks = blocks
     for head in model.back:

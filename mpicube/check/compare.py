@@ -133,11 +133,25 @@ def measure(name: str, a: np.ndarray, b: np.ndarray, dtype: str, depth_: int, rt
     rel_fro = tol.frobenius_error(a64, b64)
     if exact:
         ok = max_abs == 0
+        if not ok and keep is None:
+            note = first_difference(name, a, b)
     elif verdict == "depth":
         ok = rel_fro <= bound
     else:
         ok = max_abs <= atol + rtol * scale
     return Row(name, a.shape, max_abs, max_rel, ok, note, rel_fro, bound)
+
+
+def first_difference(name: str, a: np.ndarray, b: np.ndarray) -> str:
+    """Where two integer tensors first differ: for a mixture's chosen
+    experts (B, T, K) the token and both choices, so that a routing that
+    parts is named at the token where it does; else the element."""
+    at = _where(np.asarray(a) != np.asarray(b))
+    if name.endswith(".experts") and "/moe/" in name and a.ndim == 3:
+        b_, t = at[:2]
+        return (f"first differs at token (sequence {b_}, position {t}): experts {a[b_, t].tolist()} in A "
+                f"vs {b[b_, t].tolist()} in B")
+    return f"first differs at {at}: {a[at]} in A vs {b[at]} in B"
 
 
 # --------------------------------------------------------------------------- two traces

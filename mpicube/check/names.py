@@ -18,6 +18,9 @@ CONFIG_KEYS = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")
 # a Llama trace's config adds these (mpicube's ModelConfig.to_dict, docs/llama.md); a GPT-2 one has none
 LLAMA_KEYS = {"arch": str, "n_kv_head": int, "ffn_hidden": int, "rope_theta": float, "rms_eps": float,
               "tie_embeddings": bool}
+# a mixture of experts' (a Llama whose n_experts > 0: docs/moe.md) adds these; all six or none
+MOE_KEYS = {"n_experts": int, "top_k": int, "norm_topk": bool, "capacity_factor": float,
+            "router_aux_loss_coef": float, "router_z_loss_coef": float}
 SCALARS = ("loss", "lr", "grad_norm")                  # float64 (), whatever the trace's dtype
 BLOCK_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
                 "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
@@ -29,6 +32,12 @@ MASK_SITES = ("attn", "resid_attn", "resid_mlp")
 # branch after its residual dropout, before the residual add), act/h.{i}.ln_2, act/h.{i}.mlp (likewise)
 BLOCK_ACTS = ("ln_1", "attn", "ln_2", "mlp")
 NEW_IN = {2: tuple(f"step_*/act/h.*.{a}" for a in BLOCK_ACTS)}     # patterns of what each version added
+# a mixture of experts' router, per MoE layer i, in the order computed (between act/h.{i}.ln_2 and
+# act/h.{i}.mlp): moe/h.{i}.logits (B, T, E) float, moe/h.{i}.experts (B, T, K) int32 (the chosen, best
+# first), moe/h.{i}.weights (B, T, K) float; per step moe/aux_loss and moe/z_loss, float64 () (before their
+# coefficients; the step's ``loss`` includes coef x each)
+ROUTER = ("logits", "experts", "weights")
+MOE_SCALARS = ("moe/aux_loss", "moe/z_loss")
 
 
 def config_of(raw: dict) -> dict:
@@ -49,12 +58,26 @@ def config_of(raw: dict) -> dict:
         raise ValueError(f"has arch {arch!r}, not gpt2 or llama")
     for k, kind in LLAMA_KEYS.items():
         value = raw.get(k)
-        good = isinstance(value, kind) if kind in (str, bool) else (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and kind(value) == value)
-        if not good:
+        if not _typed(value, kind):
             raise ValueError(f"lacks {k} or holds it not as {kind.__name__} (a Llama config)")
         cfg[k] = kind(value)
+    if raw.get("n_experts", 0):
+        for k, kind in MOE_KEYS.items():
+            if not _typed(raw.get(k), kind):
+                raise ValueError(f"lacks {k} or holds it not as {kind.__name__} (a mixture of experts' config)")
+            cfg[k] = kind(raw[k])
     return cfg
+
+
+def _typed(value, kind) -> bool:
+    if kind in (str, bool):
+        return isinstance(value, kind)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and kind(value) == value
+
+
+def moe(cfg: dict) -> bool:
+    """Whether each block's MLP is a mixture of experts."""
+    return cfg.get("n_experts", 0) > 0
 
 
 def llama(cfg: dict) -> bool:
@@ -67,6 +90,12 @@ def tied(cfg: dict) -> bool:
 
 
 def block_params(cfg: dict) -> tuple:
+    """A block's parameter suffixes in declaration order; a mixture of
+    experts' MLP is its router, then per expert ``c_fc`` and ``c_proj``
+    (model/moe.py's ``expert_names``)."""
+    if moe(cfg):
+        experts = [f"moe.experts.{e}.{w}.weight" for e in range(cfg["n_experts"]) for w in ("c_fc", "c_proj")]
+        return LLAMA_BLOCK_PARAMS[:4] + ("moe.router.weight", *experts)
     return LLAMA_BLOCK_PARAMS if llama(cfg) else BLOCK_PARAMS
 
 
@@ -90,13 +119,24 @@ def backward_param_order(cfg: dict) -> list:
     if llama(cfg):
         names = ([] if tied(cfg) else ["lm_head"]) + ["ln_f.weight"]
         for i in reversed(range(cfg["n_layer"])):
-            names += [f"h.{i}.{s}" for s in reversed(LLAMA_BLOCK_PARAMS)]
+            names += [f"h.{i}.{s}" for s in _backward_block(cfg)]
         return names + ["wte"]
     names = ["ln_f.weight", "ln_f.bias"]
     pairs = [BLOCK_PARAMS[k:k + 2] for k in range(0, len(BLOCK_PARAMS), 2)]
     for i in reversed(range(cfg["n_layer"])):
         names += [f"h.{i}.{s}" for pair in reversed(pairs) for s in pair]
     return names + ["wpe", "wte"]
+
+
+def _backward_block(cfg: dict) -> list:
+    """A Llama block's parameters in the order backward completes them: the
+    MLP's back to ``ln_1``; a mixture's experts from the last to the first
+    (each ``c_proj`` then ``c_fc``), then its router (whose gradient needs
+    every expert's output gradient)."""
+    if not moe(cfg):
+        return list(reversed(LLAMA_BLOCK_PARAMS))
+    experts = [f"moe.experts.{e}.{w}.weight" for e in reversed(range(cfg["n_experts"])) for w in ("c_proj", "c_fc")]
+    return experts + ["moe.router.weight"] + list(reversed(LLAMA_BLOCK_PARAMS[:4]))
 
 
 def act_names(cfg: dict) -> list:
@@ -117,8 +157,10 @@ def step_names(cfg: dict, s: int) -> list:
     for i in range(cfg["n_layer"]):
         b = f"h.{i}"
         order += [g + f"act/{b}.ln_1", g + f"dropout/{b}.attn", g + f"dropout/{b}.resid_attn", g + f"act/{b}.attn",
-                  g + f"act/{b}.ln_2", g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
-    order += [g + "act/ln_f", g + "logits", g + "loss"]
+                  g + f"act/{b}.ln_2"]
+        order += [g + f"moe/{b}.{r}" for r in ROUTER] if moe(cfg) else []
+        order += [g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
+    order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else []) + [g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"]
     return order + [g + f"param/{n}" for n in forward_param_order(cfg)]
@@ -200,8 +242,9 @@ def depth(name: str, cfg: dict) -> int:
         return 0
     if rest == "lr":
         return 1
-    local = {"act/emb": 1, "act/ln_f": L + 2, "logits": L + 3, "loss": L + 4, "grad_norm": 2 * L + 8}.get(rest)
-    if local is None and kind == "act" and what.startswith("h."):
+    local = {"act/emb": 1, "act/ln_f": L + 2, "logits": L + 3, "loss": L + 4, "grad_norm": 2 * L + 8,
+             **dict.fromkeys(MOE_SCALARS, L + 4)}.get(rest)
+    if local is None and kind in ("act", "moe") and what.startswith("h."):
         local = _block(what) + 2
     elif local is None and kind == "grad":
         if what.startswith("h."):
@@ -230,6 +273,11 @@ def param_shapes(cfg: dict) -> dict:
         qkv = (cfg["n_head"] + 2 * cfg["n_kv_head"]) * hd
         block = {"ln_1.weight": (h,), "attn.c_attn.weight": (h, qkv), "attn.c_proj.weight": (h, h),
                  "ln_2.weight": (h,), "mlp.c_fc.weight": (h, 2 * F), "mlp.c_proj.weight": (F, h)}
+        if moe(cfg):            # the router (h, E), each expert a SwiGLU MLP's two weights
+            block = {k: v for k, v in block.items() if not k.startswith("mlp.")}
+            block["moe.router.weight"] = (h, cfg["n_experts"])
+            for e in range(cfg["n_experts"]):
+                block.update({f"moe.experts.{e}.c_fc.weight": (h, 2 * F), f"moe.experts.{e}.c_proj.weight": (F, h)})
         shapes = {"wte": (V, h)}
         for i in range(cfg["n_layer"]):
             shapes.update({f"h.{i}.{k}": v for k, v in block.items()})

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import UserError
-from .names import FORMAT, READS, SCALARS, VERSION, config_of, step_of
+from .names import FORMAT, MOE_SCALARS, READS, SCALARS, VERSION, config_of, step_of
 from .shards import assemble, is_sharded
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -164,14 +164,18 @@ def expected_dtype(name: str, trace_dtype: str):
     """The numpy dtype the format stores ``name`` in, None when the format
     does not say (a writer's own datasets): tokens int32, masks uint8, the
     scalars float64, every other tensor float64 in a float64 trace and
-    float32 otherwise (float16 and bfloat16 runs are stored as float32)."""
+    float32 otherwise (float16 and bfloat16 runs are stored as float32);
+    a mixture's chosen experts (``moe/h.{i}.experts``) int32 and its
+    router losses (``moe/aux_loss``, ``moe/z_loss``) float64."""
     if name == "tokens":
         return np.dtype(np.int32)
     kind = name.split("/")[1] if step_of(name) else name.split("/")[0]
     if kind == "dropout":
         return np.dtype(np.uint8)
-    if step_of(name) and name.split("/", 1)[1] in SCALARS:
+    if step_of(name) and name.split("/", 1)[1] in SCALARS + MOE_SCALARS:
         return np.dtype(np.float64)
-    if kind in ("init", "act", "logits", "grad", "param"):
+    if kind == "moe" and name.endswith(".experts"):
+        return np.dtype(np.int32)
+    if kind in ("init", "act", "logits", "grad", "param", "moe"):
         return np.dtype(np.float64 if trace_dtype == "float64" else np.float32)
     return None

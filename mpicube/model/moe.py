@@ -230,6 +230,7 @@ class MoE:
         wide = precision.compute_dtype(x.dtype)
         logits = self._logits(x2, wide)                                           # (n, E) float32+
         probs, chosen, weights, lse, s_route = router_ops.route(logits, K, cfg.norm_topk)
+        self.observe(logits, chosen, weights)
         ledger = getattr(ctx, "router", None)
         cap = offset = None
         if cfg.capacity_factor:
@@ -272,6 +273,12 @@ class MoE:
             out[order[seg] // K] += w_kept[seg, None] * y_back[seg]
         saved = (x2, s_route, order, bounds, route, runs, y_back, ledger, x.shape)
         return precision.narrow(out, x.dtype).reshape(B, T, h), saved
+
+    def observe(self, logits, chosen, weights) -> None:
+        """The router's decisions of this forward - logits (n, E), chosen
+        (n, K), weights (n, K) - offered to an observer: nothing here; a
+        trace replaces it on the instance (analysis/trace_collect.py) to
+        record them without the model knowing it is watched."""
 
     def backward(self, dy, saved):
         """dy (B, T, h) -> dx (B, T, h); adds every local expert's and the router's gradients."""
