@@ -32,6 +32,11 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
   the same places of different sequences.
 - ``vocab-pad``: the padding columns of a vocabulary padded to a multiple
   of the tensor-parallel size are left in the softmax instead of masked.
+- ``router-aux-grad``: a mixture of experts' load-balancing loss is added
+  to the loss but its gradient never reaches the router (a detached aux
+  loss): the loss and every activation agree, the router's gradient does
+  not (transformers #48687's class: router gradients wrong, loss right).
+- ``none``: nothing planted (a clean trace in the same launch).
 """
 
 import dataclasses
@@ -142,8 +147,15 @@ def vocab_pad(_):
     return _swap(ops, "cross_entropy_forward", planted)
 
 
+def router_aux_grad(_):
+    from mpicube.model import moe
+
+    return _swap(moe.RouterLedger, "dprobs", lambda self: None)
+
+
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
-          "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad}
+          "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad,
+          "router-aux-grad": router_aux_grad, "none": lambda _: (lambda: None)}
 
 
 def plant(bug: str):

@@ -29,7 +29,14 @@ LLAMA_CFG = {**CFG, "n_head": 4, "arch": "llama", "n_kv_head": 2, "ffn_hidden": 
              "rms_eps": 1e-6, "tie_embeddings": False}
 
 
+# a Mixtral: 4 experts, top 2 (the keys a mixture's trace config holds, names.MOE_KEYS)
+MIXTRAL_CFG = {**LLAMA_CFG, "n_experts": 4, "top_k": 2, "norm_topk": True, "capacity_factor": 0.0,
+               "router_aux_loss_coef": 0.02, "router_z_loss_coef": 0.0}
+
+
 def cfg_of(make):
+    if make in (namemaps.hf_mixtral, namemaps.hf_mixtral_hub):
+        return MIXTRAL_CFG
     return LLAMA_CFG if make is namemaps.hf_llama else CFG
 
 
@@ -226,3 +233,46 @@ def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_sa
         want = hf(idx).logits                                                   # (2, T, V)
         got, _ = ours(idx, idx)
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_hf_mixtral_maps_cover_transformers_mixtral_in_memory_and_on_file(tmp_path):
+    """hf_mixtral uses every parameter of a random transformers
+    MixtralForCausalLM (its fused gate_up_proj/down_proj experts, the
+    router ``gate``; every activation module present), hf_mixtral_hub every
+    tensor of the same model's save_pretrained files (per-expert w1/w2/w3),
+    both give the same trace tensors, and expert e's trace weights compute
+    what transformers' expert e computes (c_fc's columns [gate | up]).
+    Skipped without torch and transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.numpy")
+    cfg = MIXTRAL_CFG
+    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["n_embd"], intermediate_size=cfg["ffn_hidden"],
+        num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"], num_key_value_heads=cfg["n_kv_head"],
+        num_local_experts=cfg["n_experts"], num_experts_per_tok=cfg["top_k"], max_position_embeddings=cfg["n_ctx"],
+        rms_norm_eps=cfg["rms_eps"], tie_word_embeddings=False,
+        experts_implementation="eager")).double().eval()           # the loop over experts (float64 too)
+    fused = namemaps.hf_mixtral(cfg)
+    ours = fused.to_trace({n: p.detach().numpy() for n, p in hf.named_parameters()})   # every name used
+    assert list(ours) == names.forward_param_order(cfg)
+    assert all(hf.get_submodule(path) is not None for path in fused.acts.values())
+    hf.save_pretrained(tmp_path)
+    on_file = {k: v for f in sorted(tmp_path.glob("*.safetensors")) for k, v in safetensors.load_file(f).items()}
+    assert any(".block_sparse_moe.experts.3.w2.weight" in k for k in on_file), sorted(on_file)[:8]
+    hub = namemaps.hf_mixtral_hub(cfg).to_trace(on_file)
+    assert list(hub) == list(ours) and all(np.array_equal(hub[n], ours[n]) for n in ours)
+    x = np.random.default_rng(6).standard_normal((5, cfg["n_embd"]))                   # (n, h)
+    F = cfg["ffn_hidden"]
+    for e in range(cfg["n_experts"]):
+        w_fc, w_proj = ours[f"h.1.moe.experts.{e}.c_fc.weight"], ours[f"h.1.moe.experts.{e}.c_proj.weight"]
+        gate, up = x @ w_fc[:, :F], x @ w_fc[:, F:]                                  # (n, F) each
+        want = (gate / (1 + np.exp(-gate)) * up) @ w_proj                           # (n, h)
+        with torch.no_grad():
+            got = hf.model.layers[1].mlp.experts(torch.as_tensor(x), torch.full((5, 1), e),
+                                                 torch.ones((5, 1), dtype=torch.float64)).numpy()
+        assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max(), e
+    logits = x @ ours["h.1.moe.router.weight"]                                       # (n, E)
+    with torch.no_grad():
+        theirs = hf.model.layers[1].mlp.gate(torch.as_tensor(x))[0].numpy()
+    assert np.abs(theirs - logits).max() <= 1e-12 * np.abs(logits).max()

@@ -14,7 +14,11 @@ Shipped maps: ``nanogpt`` (Karpathy's nanoGPT ``GPT``), ``hf_gpt2``
 ``q_proj``/``k_proj``/``v_proj`` linears), ``megatron_gpt2``
 (megatron-core ``GPTModel`` names, fused ``linear_qkv``) and ``hf_llama``
 (transformers' ``LlamaForCausalLM``: q/k/v_proj into ``c_attn`` with
-grouped-query widths, gate/up_proj into ``c_fc``, every linear transposed). A map that misses
+grouped-query widths, gate/up_proj into ``c_fc``, every linear transposed),
+``hf_mixtral_hub`` (a ``MixtralForCausalLM`` file's per-expert
+``block_sparse_moe.experts.{e}.w1/w2/w3`` and ``gate``) and ``hf_mixtral``
+(transformers 5's in-memory Mixtral: every expert of a layer in one fused
+``mlp.experts.gate_up_proj`` (E, 2F, h) and ``down_proj`` (E, h, F)). A map that misses
 a parameter, or a framework tensor no rule uses, is bad input naming it.
 """
 
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import UserError
-from .names import BLOCK_ACTS, BLOCK_PARAMS, forward_param_order, llama, tied
+from .names import BLOCK_ACTS, BLOCK_PARAMS, forward_param_order, llama, moe, tied
 from .shards import Shard, Sharded
 
 
@@ -33,13 +37,17 @@ from .shards import Shard, Sharded
 class Rule:
     """How one trace parameter is made from framework tensors ``sources``:
     ``kind`` "same", "transpose" (an (out, in) linear), "concat" (separate
-    q, k, v linears, each (out, in): transposed and side by side) or
-    "heads" (Megatron's fused q/k/v, rows (n_head, 3, head_dim))."""
+    q, k, v linears, each (out, in): transposed and side by side),
+    "heads" (Megatron's fused q/k/v, rows (n_head, 3, head_dim)) or
+    "expert" (slice ``expert`` of a fused (E, out, in) experts tensor,
+    transposed: several rules read one source, NameMap.from_trace stacks
+    their slices back)."""
 
     sources: tuple
     kind: str = "same"
     n_head: int = 0
     widths: tuple = ()            # "concat": each source's output width, when they differ (GQA's q, k, v)
+    expert: int = -1              # "expert": which (E, out, in) slice of a fused experts tensor, transposed
 
     def offset(self, k: int, width: int) -> int:
         """Where source k's outputs start among the concatenated columns."""
@@ -50,6 +58,8 @@ class Rule:
             return parts[0]
         if self.kind == "transpose":
             return parts[0].T
+        if self.kind == "expert":                           # (E, out, in) -> expert's (in, out)
+            return parts[0][self.expert].T
         if self.kind == "concat":                           # [q | k | v]: weights (in, 3h), biases (3h,)
             return np.concatenate([p.T for p in parts], axis=-1)
         if self.kind == "heads":                            # (nh*3*hd, ...) -> (3*nh*hd, ...) -> weights (in, out)
@@ -69,6 +79,9 @@ class Rule:
             return index, block
         if self.kind == "transpose":
             return index[::-1], block.T
+        if self.kind == "expert":                           # this expert's rows of a (E, out, in) block
+            at = np.flatnonzero(index[0] == self.expert)     # none: an empty block (dropped by shards_to_trace)
+            return (index[2], index[1][:len(index[1]) * at.size]), (block[at[0]] if at.size else block[0, :0]).T
         if self.kind == "concat":                           # part k's outputs start after the parts before it
             out = index[0] + self.offset(k, shape[0])
             return ((index[1], out) if block.ndim == 2 else (out,)), block.T
@@ -82,7 +95,7 @@ class Rule:
     def from_trace(self, value: np.ndarray) -> list:
         if self.kind == "same":
             return [value]
-        if self.kind == "transpose":
+        if self.kind in ("transpose", "expert"):
             return [value.T]
         if self.kind == "concat":
             cuts = np.cumsum(self.widths)[:-1] if self.widths else len(self.sources)
@@ -138,18 +151,25 @@ class NameMap:
             for k, source in enumerate(rule.sources):
                 for s in shards[source]:
                     index, block = rule.shard_to_trace(k, s.index, np.asarray(s.data), tuple(shapes[source]))
-                    pieces.append(Shard(s.rank, index, block))
+                    if block.size or not np.asarray(s.data).size:     # a fused tensor's block of other experts: none
+                        pieces.append(Shard(s.rank, index, block))
             full = [np.asarray(shapes[s]) for s in rule.sources]
             out[name] = Sharded(tuple(rule.to_trace([np.empty(tuple(f)) for f in full]).shape), pieces)
         return out
 
     def from_trace(self, tensors: dict) -> dict:
         """{trace name: array} -> {framework name: array} (to load initial parameters)."""
-        out = {}
+        out, fused = {}, {}
         for name, rule in self.rules.items():
             if name not in tensors:
                 raise UserError(f"name map {self.name}: no trace tensor {name!r} to load")
-            out.update(zip(rule.sources, rule.from_trace(np.asarray(tensors[name]))))
+            parts = rule.from_trace(np.asarray(tensors[name]))
+            if rule.kind == "expert":                       # one slice of a fused experts tensor
+                fused.setdefault(rule.sources[0], {})[rule.expert] = parts[0]
+                continue
+            out.update(zip(rule.sources, parts))
+        for source, slices in fused.items():                # (E, out, in), experts in order
+            out[source] = np.stack([slices[e] for e in range(len(slices))])
         return out
 
 
@@ -260,5 +280,54 @@ def hf_llama(cfg: dict) -> NameMap:
     return NameMap("hf_llama", rules, () if not tied(cfg) else ("lm_head.weight",), acts)
 
 
+def _hf_mixtral(cfg: dict, name: str, moe_module: str, expert_rules) -> NameMap:
+    """hf_llama's map with each block's MLP replaced by a mixture: the
+    router ``{moe_module}.gate`` (E, h) transposed, and the experts'
+    rules from ``expert_rules(prefix, e)`` -> {suffix after ``h.{i}.moe.experts.{e}.``: Rule}."""
+    if not moe(cfg):
+        raise UserError(f"name map {name}: the trace's model is not a mixture of experts (its config has no "
+                        f"n_experts)")
+    m = hf_llama({k: v for k, v in cfg.items() if k != "n_experts"})
+    m.name, rules = name, {}
+    for trace_name, rule in m.rules.items():
+        block, _, rest = trace_name.partition(".mlp.")
+        if not rest:
+            rules[trace_name] = rule
+            continue
+        if rest != "c_fc.weight":
+            continue
+        i = int(block.split(".")[1])
+        p = f"model.layers.{i}.{moe_module}."
+        rules[f"{block}.moe.router.weight"] = Rule((p + "gate.weight",), "transpose")
+        for e in range(cfg["n_experts"]):
+            rules.update({f"{block}.moe.experts.{e}.{k}": r for k, r in expert_rules(p, e).items()})
+        m.acts[f"h.{i}.mlp"] = p[:-1]
+    m.rules = rules
+    assert list(rules) == forward_param_order(cfg)
+    return m
+
+
+def hf_mixtral_hub(cfg: dict) -> NameMap:
+    """A ``MixtralForCausalLM`` as the hub's files hold it (and
+    transformers 4): per layer ``block_sparse_moe.gate`` (E, h) and per
+    expert ``w1`` (gate, (F, h)), ``w3`` (up) and ``w2`` (down, (h, F)),
+    nn.Linear-style; ``c_fc`` is [w1^T | w3^T] (docs/moe.md)."""
+    F = cfg.get("ffn_hidden", 0)
+    return _hf_mixtral(cfg, "hf_mixtral_hub", "block_sparse_moe", lambda p, e: {
+        "c_fc.weight": Rule((f"{p}experts.{e}.w1.weight", f"{p}experts.{e}.w3.weight"), "concat", widths=(F, F)),
+        "c_proj.weight": Rule((f"{p}experts.{e}.w2.weight",), "transpose")})
+
+
+def hf_mixtral(cfg: dict) -> NameMap:
+    """transformers 5's in-memory ``MixtralForCausalLM``: per layer
+    ``mlp.gate.weight`` (E, h) and the experts fused, ``mlp.experts.gate_up_proj``
+    (E, 2F, h) whose rows are [gate | up] and ``mlp.experts.down_proj`` (E, h,
+    F); expert e's trace weights are slice e transposed. (Its
+    ``save_pretrained`` writes the hub's per-expert form: hf_mixtral_hub.)"""
+    return _hf_mixtral(cfg, "hf_mixtral", "mlp", lambda p, e: {
+        "c_fc.weight": Rule((p + "experts.gate_up_proj",), "expert", expert=e),
+        "c_proj.weight": Rule((p + "experts.down_proj",), "expert", expert=e)})
+
+
 MAPS = {"nanogpt": nanogpt, "hf_gpt2": hf_gpt2, "split_qkv": split_qkv, "megatron_gpt2": megatron_gpt2,
-        "hf_llama": hf_llama}
+        "hf_llama": hf_llama, "hf_mixtral": hf_mixtral, "hf_mixtral_hub": hf_mixtral_hub}
