@@ -140,3 +140,29 @@ def test_a_routing_that_parts_is_named_at_its_first_token(traces, tmp_path):
     assert result.first_divergence == "step_1/moe/h.1.experts"
     note = {r.name: r.note for r in result.rows}["step_1/moe/h.1.experts"]
     assert note.startswith(f"first differs at token (sequence 2, position 5): experts {was} in A"), note
+
+
+def test_trace_writer_writes_a_mixture_that_compares_equal(traces, tmp_path):
+    """mpicube.check's TraceWriter (what a framework's recorder hands its
+    arrays to) takes the mixture's parameters and moe/ tensors under the
+    format's names: the serial trace rewritten through it compares equal,
+    and a moe name outside the format is refused naming it."""
+    from mpicube.check.reference import Reference
+    from mpicube.check.writer import TraceWriter
+    from mpicube.core.errors import UserError
+
+    out = tmp_path / "rewritten.h5"
+    with Reference(traces / "serial.h5") as ref, h5py.File(traces / "serial.h5", "r") as f:
+        with TraceWriter(out, ref.config, ref.optimizer, ref.dtype, {"framework": "numpy"}, ref.dropout) as w:
+            w.init(ref.init())
+            for s in ref.step_numbers():
+                g = f[f"step_{s}"]
+                group = lambda kind: {k: v[()] for k, v in g[kind].items()}    # noqa: E731
+                w.step(s, loss=g["loss"][()], lr=g["lr"][()], grad_norm=g["grad_norm"][()], grads=group("grad"),
+                       params=group("param"), acts=group("act"), logits=g["logits"][()], masks=group("dropout"),
+                       tokens=ref.tokens[s - 1], moe=group("moe"))
+            with pytest.raises(UserError, match="moe tensor 'h.0.router'"):
+                w.step(3, loss=0, lr=0, grad_norm=0, grads={}, params={}, moe={"h.0.router": np.zeros(1)})
+    result = compare_traces(traces / "serial.h5", out)
+    assert result.first_divergence is None and result.max_rel == 0, \
+        [(r.name, r.note) for r in result.rows if not r.ok][:3]

@@ -165,7 +165,8 @@ class Recorder:
         grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
         self.grads = self._mapped(grads, "gradients")
 
-    def step(self, s: int, *, loss, lr, grad_norm, logits=None, masks: dict = None, tokens=None) -> None:
+    def step(self, s: int, *, loss, lr, grad_norm, logits=None, masks: dict = None, tokens=None,
+             moe: dict = None) -> None:
         """Write step s: the scalars, the gradients taken by ``gradients``,
         the parameters now (after the update), the activations and
         ``logits`` of the last forward (or this rank's block of them, as a
@@ -175,7 +176,9 @@ class Recorder:
         (a rank's heads of an attention mask), so that a rank that applied
         another rank's mask is named at the mask. Under torch.distributed
         the loss, the norm, the activations, the logits and the masks are
-        every rank's, so replicas that part are found too."""
+        every rank's, so replicas that part are found too. ``moe``: a
+        mixture of experts' router tensors by their ``moe/`` names (whole
+        tensors, rank 0's: TraceWriter.step)."""
         if self.grads is None:
             raise UserError(f"step {s}: call gradients() after backward, before the optimizer step")
         params = self._mapped(self.params, "model")
@@ -194,7 +197,7 @@ class Recorder:
             self.writer.step(s, loss=forward.pop("loss"), lr=float(to_numpy(lr)),
                              grad_norm=forward.pop("grad_norm"), grads=self.grads, params=params,
                              logits=forward.pop("logits", None), acts=part("act/"), masks=part("mask/"),
-                             tokens=tokens)
+                             tokens=tokens, moe={k: to_numpy(v) for k, v in (moe or {}).items()})
         self.grads, self.captured = None, {}
 
     def close(self) -> None:

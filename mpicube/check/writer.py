@@ -25,7 +25,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from . import shards
-from .names import FORMAT, MASK_SITES, VERSION, config_of, param_shapes
+from .names import FORMAT, MASK_SITES, MOE_SCALARS, ROUTER, VERSION, config_of, param_shapes
 from .shards import Sharded
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -68,14 +68,21 @@ class TraceWriter:
         self._params("init", params)
 
     def step(self, s: int, *, loss, lr, grad_norm, grads: dict, params: dict, acts: dict = None,
-             logits=None, masks: dict = None, tokens=None) -> None:
+             logits=None, masks: dict = None, tokens=None, moe: dict = None) -> None:
         """Step ``s`` (1-based, in order): the scalars, the gradients before
         clipping and the parameters after the update; ``acts`` under their
         ``act/`` names (``emb``, ``h.0``, ..., ``ln_f``), ``masks`` the keep
         masks applied (``emb``, ``h.{i}.attn``, ...; 0/1), ``tokens`` the
-        (B, T+1) batch."""
+        (B, T+1) batch; a mixture of experts' ``moe`` tensors under their
+        ``moe/`` names (``h.{i}.logits``, ``h.{i}.experts``, ``h.{i}.weights``,
+        ``aux_loss``, ``z_loss``; names.ROUTER)."""
         if s != self.steps + 1:
             raise UserError(f"{self.path}: step {s} written after step {self.steps}; steps go 1, 2, ... in order")
+        for key in moe or {}:                               # before anything of the step is written
+            site, _, part = key.rpartition(".")
+            if "moe/" + key not in MOE_SCALARS and not (site.startswith("h.") and part in ROUTER):
+                raise UserError(f"{self.path}: moe tensor {key!r} is not one of h.{{i}}.{{{','.join(ROUTER)}}}, "
+                                f"aux_loss, z_loss")
         g = f"step_{s}/"
         for key, value in (("loss", loss), ("lr", lr), ("grad_norm", grad_norm)):
             self.put(g + key, value if isinstance(value, Sharded) else float(value), np.float64)
@@ -83,6 +90,10 @@ class TraceWriter:
             self.put(g + "act/" + key, value, self.store)
         if logits is not None:
             self.put(g + "logits", logits, self.store)
+        for key, value in (moe or {}).items():
+            kind = (np.float64 if "moe/" + key in MOE_SCALARS else
+                    np.int32 if key.endswith(".experts") else self.store)
+            self.put(g + "moe/" + key, value, kind)
         for key, value in (masks or {}).items():
             site = key.rsplit(".", 1)[-1]
             if key != "emb" and site not in MASK_SITES:
