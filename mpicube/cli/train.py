@@ -212,9 +212,11 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 
-    Any layout and world size, GPT-2 or Llama; rank 0 writes full logical
+    Any layout and world size, GPT-2, Llama or a mixture of experts
+    (--arch mixtral, any --ep); rank 0 writes full logical
     tensors: the batches, the initial parameters and, per step, the
-    activations inside and after each block, logits, loss, gradients,
+    activations inside and after each block, a mixture's router logits,
+    chosen experts and weights, logits, loss, gradients (every expert's),
     updated parameters and dropout masks (format mpicube-trace v2,
     docs/trace-format.md). Check it against
     another trace with `mpicube compare`.
