@@ -171,7 +171,7 @@ class Collector:
         model, tape = self.current
         if not model.last:
             return []
-        emb = model.embedding
+        emb = model.head_embedding          # the tied wte or an untied lm_head (the only one on a last stage)
         local = Head.logits(tape)                              # (B_l, T, V_l)
         vocab = emb.vocab_start + np.arange(local.shape[-1])
         seqs = self.first + np.asarray(emb.logit_seqs)
