@@ -126,17 +126,17 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
 
 # the tensor-parallel layouts with --ep 2 over dp 2, one launch each: 2-D (2x2 grid, 8 ranks) dropless
 # (its capacity case runs under pp below), the 2x2x2 cube (16 ranks) in both dispatch modes (capacity
-# with --recompute gathers: its linears gather the padded rows again in backward), 2.5-D (depth 2, 16
-# ranks) under a capacity. The cube pads each expert's rows to the most of its j line (padded > 0);
+# with --recompute gathers: its linears gather the padded rows again in backward; on CI's stand-in
+# GPU), 2.5-D (depth 2, 16 ranks) under a capacity. The cube pads each expert's rows to the most of its j line (padded > 0);
 # SUMMA needs no padding.
 TP_CASES = [(8, "2d", 1, "0", {}),
-            (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers"}),
+            (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", **GPU}),
             (16, "2.5d", 2, "0.8", {})]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,depth,capacity,extra", TP_CASES,
-                         ids=["2d-dropless", "3d-dropless", "3d-capacity-recompute-gathers",
+                         ids=["2d-dropless", "3d-dropless", "3d-capacity-recompute-gathers-gpu",
                               "2.5d-capacity"])
 def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, depth, capacity, extra):
     """Each expert's linears split like any MLP's on 2-D, 2.5-D and 3-D,
@@ -153,6 +153,7 @@ def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, 
     padded = int(proc.stdout.split("padded=")[1].split()[0])
     assert f"arch=mixtral capacity={float(capacity)} ep=2 padded={padded}" in proc.stdout
     assert (padded > 0) == (layout == "3d"), proc.stdout
+    assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
 
 
 @pytest.mark.timeout(240)
