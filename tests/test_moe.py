@@ -89,13 +89,12 @@ def test_moe_config_stores_and_counts():
     assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
 
 
-# one launch each: dp 2 in both dispatch modes (dropless with --ep 2 on CI's stand-in GPU, tests/fake_gpu,
-# against the CPU's serial model; capacity with --zero 1 and
-# --recompute blocks; dropless with --zero 3), dp 4 with --ep 4 (capacity, recompute) and with --ep 2
-# (two experts per rank,
-# each held by two replicas; with --grad-accum 2, checked without dropout against the serial model
-# accumulating the same micro-batch groups), 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute).
-# Passing all of them, gradients are equal whatever the ep size.
+# One launch each. dp 2: dropless with --ep 2 on CI's stand-in GPU (tests/fake_gpu) against the
+# CPU's serial model; capacity with --zero 1 and --recompute blocks; dropless with --zero 3.
+# dp 4: --ep 4 (capacity, recompute); --ep 2 (two experts per rank, each held by two replicas)
+# with --grad-accum 2, checked without dropout against the serial model accumulating the same
+# micro-batch groups. 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute). Passing all of them,
+# gradients are equal whatever the ep size.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
 DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
