@@ -272,6 +272,8 @@ def record_outputs(model, sink: dict) -> None:
         inner = getattr(block, "block", block)               # a Recomputed block's Block
         gate = [False]
         for attr, name in INSIDE.items():
+            if attr == "mlp_proj" and getattr(inner, "moe", None) is not None:
+                attr = "moe"                                 # a mixture of experts: its output is the branch's
             setattr(inner, attr, Observed(getattr(inner, attr), f"{block.site}.{name}", sink, gate=gate))
         _observe_mlp(inner, f"{block.site}.mlp", sink, gate)
         blocks.append(Observed(block, block.site, sink, opens=gate))

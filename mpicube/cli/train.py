@@ -196,7 +196,8 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "tf32",
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
-                       "rope_theta", "rms_eps", "tie_embeddings")
+                       "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k", "no_norm_topk",
+                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
 @cli.command("trace")
