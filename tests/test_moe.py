@@ -89,12 +89,12 @@ def test_moe_config_stores_and_counts():
     assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
 
 
-# one launch each: dp 2 in both dispatch modes (dropless with --ep 2 on CI's stand-in GPU, tests/fake_gpu,
-# against the CPU's serial model; capacity with --zero 1 and
-# --recompute blocks; dropless with --zero 3), dp 4 with --ep 4 (capacity, recompute) and with --ep 2 (two experts per rank,
-# each held by two replicas; with --grad-accum 2, checked without dropout against the serial model
-# accumulating the same micro-batch groups), 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute).
-# Passing all of them, gradients are equal whatever the ep size.
+# One launch each. dp 2: dropless with --ep 2 on CI's stand-in GPU (tests/fake_gpu) against the
+# CPU's serial model; capacity with --zero 1 and --recompute blocks; dropless with --zero 3.
+# dp 4: --ep 4 (capacity, recompute); --ep 2 (two experts per rank, each held by two replicas)
+# with --grad-accum 2, checked without dropout against the serial model accumulating the same
+# micro-batch groups. 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute). Passing all of them,
+# gradients are equal whatever the ep size.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
 DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
@@ -106,7 +106,8 @@ DP_CASES = [(2, "serial", 2, "0", "2", GPU),
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
-                         ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless", "dp4-ep4-capacity-recompute",
+                         ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless",
+                              "dp4-ep4-capacity-recompute",
                               "dp4-ep2-accum2-capacity", "1d-dp2-ep2-capacity-recompute"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
@@ -126,17 +127,17 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
 
 # the tensor-parallel layouts with --ep 2 over dp 2, one launch each: 2-D (2x2 grid, 8 ranks) dropless
 # (its capacity case runs under pp below), the 2x2x2 cube (16 ranks) in both dispatch modes (capacity
-# with --recompute gathers: its linears gather the padded rows again in backward), 2.5-D (depth 2, 16
-# ranks) under a capacity. The cube pads each expert's rows to the most of its j line (padded > 0);
+# with --recompute gathers: its linears gather the padded rows again in backward; on CI's stand-in
+# GPU), 2.5-D (depth 2, 16 ranks) under a capacity. The cube pads each expert's rows to the most of its j line (padded > 0);
 # SUMMA needs no padding.
 TP_CASES = [(8, "2d", 1, "0", {}),
-            (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers"}),
+            (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", **GPU}),
             (16, "2.5d", 2, "0.8", {})]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,depth,capacity,extra", TP_CASES,
-                         ids=["2d-dropless", "3d-dropless", "3d-capacity-recompute-gathers",
+                         ids=["2d-dropless", "3d-dropless", "3d-capacity-recompute-gathers-gpu",
                               "2.5d-capacity"])
 def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, depth, capacity, extra):
     """Each expert's linears split like any MLP's on 2-D, 2.5-D and 3-D,
@@ -153,6 +154,7 @@ def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, 
     padded = int(proc.stdout.split("padded=")[1].split()[0])
     assert f"arch=mixtral capacity={float(capacity)} ep=2 padded={padded}" in proc.stdout
     assert (padded > 0) == (layout == "3d"), proc.stdout
+    assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
 
 
 @pytest.mark.timeout(240)
@@ -274,3 +276,31 @@ def test_bad_expert_parallel_plans_are_refused(plan, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         resolve(Plan(**{"layout": "serial", **plan}), small_moe(n_head=4, n_embd=16, n_kv_head=4), 12,
                 plan["dp"] * (4 if plan.get("layout") == "2d" else 2 if plan.get("layout") == "1d" else 1))
+
+
+@pytest.mark.timeout(240)
+def test_moe_trace_on_two_replicas_compares_equal_to_serial(tmp_path):
+    """trace --arch mixtral (4 experts, capacity, z-loss) records the mixture's parameters, gradients and
+    its output as the block's mlp branch; two replicas' trace agrees with
+    the serial one tensor by tensor (compare), router gradients included."""
+    import h5py
+    from mpirun import mpiexec
+
+    args = ["-m", "mpicube", "trace", "--arch", "mixtral", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
+            "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "4", "--steps", "1",
+            "--dtype", "float64", "--dropout", "0.1", "--n-experts", "4", "--capacity-factor", "1.0",
+            "--router-z-loss-coef", "0.01"]
+    for ranks, extra in ((1, []), (2, ["--dp", "2", "--layout", "serial"])):
+        proc = mpiexec(ranks, args + ["--out", tmp_path / f"t{ranks}.h5"] + extra, timeout=200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    with h5py.File(tmp_path / "t1.h5") as f:
+        assert {"step_1/grad/h.1.moe.router.weight", "step_1/grad/h.0.moe.experts.3.c_fc.weight",
+                "step_1/act/h.0.mlp"} <= set(_names(f))
+    proc = cli("compare", str(tmp_path / "t1.h5"), str(tmp_path / "t2.h5"))
+    assert proc.returncode == 0 and "all tensors agree" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _names(f) -> list:
+    out = []
+    f.visit(out.append)
+    return out

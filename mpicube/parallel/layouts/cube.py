@@ -131,8 +131,8 @@ class CubeLayout(Layout):
         so the padded count is the same on the whole (j, k) plane; every
         rank runs every expert, with no rows too (the weights' gathers
         over i)."""
-        every = self.cj.allgather(np.asarray(held, dtype=np.int64)[None], axis=0)   # (q, E_l)
-        return every.max(axis=0), True
+        mine = self.backend.asarray(np.asarray(held, dtype=np.int64)[None])     # (1, E_l) where the backend computes
+        return self.cj.allgather(mine, axis=0).max(axis=0), True                # (E_l,) of (q, E_l)
 
     def describe(self):
         return {**super().describe(), "q": self.q}
