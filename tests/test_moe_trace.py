@@ -169,3 +169,18 @@ def test_trace_writer_writes_a_mixture_that_compares_equal(traces, tmp_path):
     result = compare_traces(traces / "serial.h5", out)
     assert result.first_divergence is None and result.max_rel == 0, \
         [(r.name, r.note) for r in result.rows if not r.ok][:3]
+
+
+def test_a_mixture_against_a_dense_llama_is_bad_input_naming_the_keys(traces, tmp_path):
+    """Traces of different models are bad input: a mixture's config keys
+    present in one trace only are named (not a KeyError)."""
+    from mpicube.core.errors import UserError
+
+    dense = tmp_path / "dense.h5"
+    shutil.copy(traces / "serial.h5", dense)
+    with h5py.File(dense, "r+") as f:
+        cfg = json.loads(f.attrs["config"])
+        f.attrs["config"] = json.dumps({k: v for k, v in cfg.items() if k not in (
+            "n_experts", "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")})
+    with pytest.raises(UserError, match="different models: n_experts 4 vs absent, top_k 2 vs absent"):
+        compare_traces(traces / "serial.h5", dense)

@@ -191,7 +191,9 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
     with fa, fb:
         cfg_a, cfg_b = read_config(fa, path_a), read_config(fb, path_b)
         if cfg_a != cfg_b:
-            differ = ", ".join(f"{k} {cfg_a[k]} vs {cfg_b[k]}" for k in cfg_a if cfg_a[k] != cfg_b[k])
+            keys = list(cfg_a) + [k for k in cfg_b if k not in cfg_a]     # a mixture's keys in one only
+            differ = ", ".join(f"{k} {cfg_a.get(k, 'absent')} vs {cfg_b.get(k, 'absent')}" for k in keys
+                               if cfg_a.get(k) != cfg_b.get(k))
             raise UserError(f"the traces are of different models: {differ}")
         sets = {"A": datasets(fa), "B": datasets(fb)}
         files, paths = {"A": fa, "B": fb}, {"A": path_a, "B": path_b}
