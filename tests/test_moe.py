@@ -92,23 +92,24 @@ def test_moe_config_stores_and_counts():
 # One launch each. dp 2: dropless with --ep 2 on CI's stand-in GPU (tests/fake_gpu) against the
 # CPU's serial model; capacity with --zero 1 and --recompute blocks; dropless with --zero 3.
 # dp 4: --ep 4 (capacity, recompute); --ep 2 (two experts per rank, each held by two replicas)
-# with --grad-accum 2, checked without dropout against the serial model accumulating the same
-# micro-batch groups. 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute). Passing all of them,
+# with --grad-accum 2 and --zero 1 (dense state over the 4 replicas, each expert's over its 2),
+# checked without dropout against the serial model accumulating the same micro-batch groups.
+# 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute, --zero 1). Passing all of them,
 # gradients are equal whatever the ep size.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
 DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
             (2, "serial", 2, "0", "1", {"MPICUBE_CHECK_ZERO": "3"}),
             (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-            (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2"}),
-            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks"})]
+            (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2", "MPICUBE_CHECK_ZERO": "1"}),
+            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ZERO": "1"})]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
                          ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless",
                               "dp4-ep4-capacity-recompute",
-                              "dp4-ep2-accum2-capacity", "1d-dp2-ep2-capacity-recompute"])
+                              "dp4-ep2-accum2-capacity-zero1", "1d-dp2-ep2-capacity-recompute-zero1"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
     the router losses, logits, every gradient (each rank's experts), the
@@ -192,15 +193,16 @@ def test_moe_pipelines_match_serial():
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
-    """train --dp 2 --ep 2 writes each expert once (the ranks of the
-    expert-data group's rank 0); the checkpoint evaluates, serially and
-    on --ep 2, to the serial run's checkpoint's loss."""
+    """train --dp 2 --ep 2 --zero 1 writes each expert once (the ranks of
+    the expert-data group's rank 0, the sharded state gathered); the
+    checkpoint evaluates, serially and on --ep 2, to the serial run's
+    checkpoint's loss."""
     from mpirun import mpiexec
 
     args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
             "--n-kv-head", "2", "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "4",
             "--steps", "2", "--dtype", "float64", "--capacity-factor", "1.0"]
-    for ranks, extra in ((1, []), (2, ["--dp", "2", "--ep", "2"])):
+    for ranks, extra in ((1, []), (2, ["--dp", "2", "--ep", "2", "--zero", "1"])):
         proc = mpiexec(ranks, args + ["--out", tmp_path / f"r{ranks}"] + extra, timeout=200)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     rec = json.loads((tmp_path / "r2" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -264,7 +266,7 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
 @pytest.mark.parametrize("plan,message", [
     (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
-    (dict(dp=2, ep=2, zero=1), "--zero 1 with --ep 2 is not implemented yet"),
+    (dict(dp=2, ep=2, zero=2), "--zero 2 with --ep 2 is not implemented yet"),
     (dict(layout="1d", dp=1, recompute="gathers"), "not with --recompute gathers on 1d"),
     (dict(layout="1d", dp=1, sequence_parallel=True), "not with --sequence-parallel"),
 ])

@@ -124,8 +124,8 @@ class GradientSync:
             store.flat_grad[...] = ring.allreduce(store.flat_grad, wire=wire)           # (P_pad,)
         if dp.size == 1:
             return
-        if store.partition.sharded:      # --zero 1: the owned chunk of the summed buffer
-            store.flat_grad[store.shard] = dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
+        if store.partition.sharded:      # --zero 1: the owned chunk of the summed buffer (--ep: experts over edp)
+            store.scatter_gradients(wire)                                                  # (C,) of (P_pad,)
         elif store.expert_run is not None and self.axes.ep is not None and self.axes.ep.size > 1:
             experts = store.expert_run  # --ep: experts over their dp/ep holders, everything else over dp
             dense = slice(0, experts.start)

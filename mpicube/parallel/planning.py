@@ -127,9 +127,9 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
         fits = (d for d in range(1, plan.dp + 1) if plan.dp % d == 0 and E % d == 0)
         raise ConfigError(f"--ep {ep} must divide --dp {plan.dp} (the expert-parallel ranks are data-parallel "
                           f"replicas): use --ep {' or '.join(map(str, fits))}")
-    if ep > 1 and plan.zero:
-        raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (expert state would shard over "
-                          f"the expert-data group); use --zero 0")
+    if ep > 1 and plan.zero >= 2:
+        raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (experts' gradients and "
+                          f"parameters would shard over the expert-data group); use --zero 1 or 0")
 
 
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,

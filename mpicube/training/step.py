@@ -74,7 +74,7 @@ class ShardedStep:
         float64 all-reduce over the world; the only copy to the host is the
         final number."""
         store = self.store
-        chunk = store.flat_grad[store.shard]                                                  # (C,)
+        chunk = store.grad_chunk                                                              # (C,)
         local = weighted_squares(store.backend.xp, chunk, self.replica_runs) + self.shared(store.backend.xp, chunk)
         total = float(self.axes.world.allreduce(local)[0]) / self.axes.cp.size   # cp ranks hold the same chunk
         return math.sqrt(total)
