@@ -446,7 +446,7 @@ def main():
         assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp // EP)
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
-    if ARCH == "mixtral" and layout_name in ("serial", "1d"):     # the table draws 1-D's split of an expert
+    if ARCH == "mixtral" and layout_name in ("serial", "1d") and CP == 1:   # the table draws 1-D's split (no cp)
         check_placement(cfg, layout_name, dp, store)
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):

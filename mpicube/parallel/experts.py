@@ -47,7 +47,7 @@ def model_specs(layout, decls: list) -> list:
     """This rank's ParamSpecs of the model's ``decls``: every dense
     parameter, and the experts of its ep rank only, marked ``expert`` (their
     gradients are summed over the expert-data group) and written to a
-    checkpoint by that group's rank 0."""
+    checkpoint by that group's rank 0 (at cp rank 0)."""
     ep, edp = layout.axes.ep, layout.axes.edp
     specs = []
     for decl in decls:
@@ -59,7 +59,8 @@ def model_specs(layout, decls: list) -> list:
             continue
         spec = layout.shard(decl)
         spec.expert = True
-        spec.writer = spec.writer and (edp is None or edp.rank == 0)
+        ring = layout.axes.cp           # --cp: the ring's ranks hold the same experts; its rank 0 writes
+        spec.writer = spec.writer and (edp is None or edp.rank == 0) and (ring is None or ring.rank == 0)
         specs.append(spec)
     return specs
 
