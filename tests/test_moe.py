@@ -269,6 +269,20 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("extra,message", [
+    (["-n", "8", "--dp", "2", "--layout", "2d"], "--experts draws where experts sit on the serial and 1-D layouts "
+                                                 "without --cp and --pp so far, not with --layout 2d"),
+    (["-n", "4", "--dp", "2", "--cp", "2", "--layout", "serial"], "not with --cp 2"),
+])
+def test_info_experts_refuses_the_layouts_it_does_not_draw(extra, message):
+    """info --experts draws 1-D's split of an expert; the 2-D, 2.5-D and 3-D
+    layouts' own rules, and --cp's rank numbering, are refused by name."""
+    proc = cli("info", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
+               "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--ep", "2", "--experts", *extra)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 @pytest.mark.parametrize("plan,message", [
     (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),

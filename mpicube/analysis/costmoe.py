@@ -93,17 +93,25 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
     return "\n".join(lines)
 
 
-def placement_table(cfg, world: int, dp: int, ep: int, layout: str) -> str:
+def placement_table(cfg, world: int, dp: int, ep: int, layout: str, cp: int = 1, pp: int = 1) -> str:
     """Where every expert and each shard of it sits, rank by rank, from
     the rules the code uses: ``gridspec.Plan.coords`` (replica d, tp rank
     t), ``experts.local_experts`` (ep rank d % ep holds E/ep experts; the
     replicas d with the same d % ep sum their gradients) and the 1-D
     layout's column split of each expert's [gate | up] (``split_index``,
-    groups of F) and row split of its down projection."""
+    groups of F) and row split of its down projection. The 2-D, 2.5-D
+    and 3-D layouts split an expert by their own rules (docs/moe.md), and
+    --cp and --pp renumber the ranks: those are refused by name until the
+    table reads them (ConfigError)."""
+    from ..core.errors import ConfigError
     from ..parallel.experts import local_experts
     from ..parallel.gridspec import Plan
     from ..parallel.params import split_index
 
+    if layout not in ("serial", "1d") or cp != 1 or pp != 1:
+        what = f"--layout {layout}" if layout not in ("serial", "1d") else f"--cp {cp}" if cp != 1 else f"--pp {pp}"
+        raise ConfigError(f"--experts draws where experts sit on the serial and 1-D layouts without --cp and --pp "
+                          f"so far, not with {what}")
     plan = Plan(layout, dp=dp, ep=ep)
     tp, F = plan.tp(world), cfg.ffn
 

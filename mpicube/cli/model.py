@@ -121,7 +121,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                 from ..analysis.costmoe import placement_table
 
                 echo()
-                echo(placement_table(cfg, world, dp, ep, run.layout))
+                echo(placement_table(cfg, world, dp, ep, run.layout, cp=cp, pp=pp))
             return
         if pp > 1:
             from ..analysis.costpipereport import pipeline_report
