@@ -442,8 +442,8 @@ def main():
     # the optimizer step the trainer runs (zero.ShardedStep under MPICUBE_CHECK_ZERO=1)
     opt, s_opt = make_step(store, layout.axes, weight_decay=0.1), make_step(s_store, s_layout.axes, weight_decay=0.1)
     assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
-    if ZERO == 1 and EP > 1:          # dense state over dp, the experts' over the expert-data group
-        assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp // EP)
+    if ZERO == 1 and EP > 1:          # dense state over dp, the experts' over the expert-data group (dp cp / ep)
+        assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp * CP // EP)
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
     if ARCH == "mixtral" and layout_name in ("serial", "1d") and CP == 1:   # the table draws 1-D's split (no cp)

@@ -5,6 +5,7 @@ parallelism against serial, metrics, and the one-line refusals."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -94,9 +95,10 @@ def test_moe_config_stores_and_counts():
 # dp 4: --ep 4 (capacity, recompute); --ep 2 (two experts per rank, each held by two replicas)
 # with --grad-accum 2 and --zero 1 (dense state over the 4 replicas, each expert's over its 2),
 # checked without dropout against the serial model accumulating the same micro-batch groups.
-# 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute, --zero 1); 1-D x dp 2 x --cp 2 x --ep 2 under a
-# capacity (each cp rank routes its positions; the ledger sums over the ring too, and the drop order
-# interleaves the ring's positions) with --zero 1 and recompute. Passing all of them,
+# 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute, --zero 1). --cp 2 (ep folded into dp x cp: each cp
+# rank routes its positions, the ledger sums over the ring too, the drop order interleaves the ring's
+# positions, experts' gradients skip the ring's sum): cp 2 x ep 2 alone (capacity), and 1-D x dp 2 x
+# cp 2 x ep 2 under a capacity with --zero 1 and recompute. Passing all of them,
 # gradients are equal whatever the ep size.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
 DP_CASES = [(2, "serial", 2, "0", "2", GPU),
@@ -105,6 +107,7 @@ DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
             (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2", "MPICUBE_CHECK_ZERO": "1"}),
             (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ZERO": "1"}),
+            (2, "serial", 1, "0.8", "2", {"MPICUBE_CHECK_CP": "2"}),
             (8, "1d", 2, "0.5", "2", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
                                       "MPICUBE_CHECK_RECOMPUTE": "blocks"})]
 
@@ -114,7 +117,7 @@ DP_CASES = [(2, "serial", 2, "0", "2", GPU),
                          ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless",
                               "dp4-ep4-capacity-recompute",
                               "dp4-ep2-accum2-capacity-zero1", "1d-dp2-ep2-capacity-recompute-zero1",
-                              "1d-dp2-cp2-ep2-capacity-zero1-recompute"])
+                              "cp2-ep2-capacity", "1d-dp2-cp2-ep2-capacity-zero1-recompute"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
     the router losses, logits, every gradient (each rank's experts), the
@@ -286,6 +289,8 @@ def test_info_experts_refuses_the_layouts_it_does_not_draw(extra, message):
 @pytest.mark.parametrize("plan,message", [
     (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
+    (dict(dp=1, cp=2, ep=4), "--ep 4 must divide --dp 1 x --cp 2 (the expert-parallel ranks are data-parallel "
+                             "replicas and context-parallel ranks): use --ep 1 or 2"),
     (dict(dp=2, ep=2, zero=2), "--zero 2 with --ep 2 is not implemented yet"),
     (dict(layout="1d", dp=1, recompute="gathers"), "not with --recompute gathers on 1d"),
     (dict(layout="1d", dp=1, sequence_parallel=True), "not with --sequence-parallel"),
@@ -299,7 +304,7 @@ def test_bad_expert_parallel_plans_are_refused(plan, message):
     plan = dict(plan)
     cfg = small_moe(n_head=4, n_embd=16, n_kv_head=4, n_ctx=8, capacity_factor=plan.pop("capacity", None))
     tp = {"1d": 2, "2d": 4, "3d": 8}.get(plan.get("layout"), 1)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         resolve(Plan(**{"layout": "serial", **plan}), cfg, 12, plan["dp"] * plan.get("cp", 1) * tp)
 
 

@@ -139,7 +139,7 @@ class ParamStore:
         # with --ep (experts summed over fewer replicas than dp) the dense part's chunk over dp and the
         # experts' over the expert-data group, side by side in a (C,) chunk buffer
         self.dp = dp if zero else None
-        split = bool(zero and dp is not None and edp is not None and n_experts and edp.size < dp.size)
+        split = bool(zero and dp is not None and edp is not None and edp is not dp and n_experts)
         if split:
             self.partition = ExpertPartition(total - n_experts, n_experts, dp, edp)
         else:

@@ -125,11 +125,14 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
         raise ConfigError(f"--ep must be at least 1, got {ep}")
     if E % ep:
         raise ConfigError(f"--ep {ep} must divide --n-experts {E}: use --ep "
-                          f"{' or '.join(str(d) for d in range(1, E + 1) if E % d == 0 and plan.dp % d == 0)}")
-    if plan.dp % ep:
-        fits = (d for d in range(1, plan.dp + 1) if plan.dp % d == 0 and E % d == 0)
-        raise ConfigError(f"--ep {ep} must divide --dp {plan.dp} (the expert-parallel ranks are data-parallel "
-                          f"replicas): use --ep {' or '.join(map(str, fits))}")
+                          f"{' or '.join(str(d) for d in range(1, E + 1) if E % d == 0 and (plan.dp * plan.cp) % d == 0)}")
+    ranks = plan.dp * plan.cp         # the ep ranks come from dp x cp (folded as Megatron does)
+    if ranks % ep:
+        fits = (d for d in range(1, ranks + 1) if ranks % d == 0 and E % d == 0)
+        raise ConfigError(f"--ep {ep} must divide --dp {plan.dp}" + (f" x --cp {plan.cp}" if plan.cp > 1 else "")
+                          + f" (the expert-parallel ranks are data-parallel replicas"
+                          + (" and context-parallel ranks" if plan.cp > 1 else "")
+                          + f"): use --ep {' or '.join(map(str, fits))}")
     if ep > 1 and plan.zero >= 2:
         raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (experts' gradients and "
                           f"parameters would shard over the expert-data group); use --zero 1 or 0")
