@@ -286,6 +286,19 @@ def test_info_experts_refuses_the_layouts_it_does_not_draw(extra, message):
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_info_counts_the_ep_ranks_of_dp_x_cp():
+    """Under --cp the ep ranks come from dp x cp: --dp 2 --cp 2 --ep 4 holds each expert on one rank, and a
+    rank routes its T/cp positions (32 = 8 sequences x 4 positions x top 2 / ep 2 rows to each ep rank)."""
+    base = ["info", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
+            "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--layout", "serial", "--batch-size", "8"]
+    proc = cli(*base, "-n", "4", "--dp", "2", "--cp", "2", "--ep", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "each expert held by 1 rank of dp x cp (dp cp/ep)" in proc.stdout, proc.stdout
+    proc = cli(*base, "-n", "2", "--cp", "2", "--ep", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "uniform routing: 32 rows to each ep rank per layer and micro-batch" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("plan,message", [
     (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),

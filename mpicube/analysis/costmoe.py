@@ -59,19 +59,23 @@ def _size(n) -> str:
 
 
 def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, width: int, recompute: str = "none",
-               grad_accum: int = 1) -> str:
+               grad_accum: int = 1, cp: int = 1) -> str:
     """``info``'s section for a mixture of experts on the serial or 1-D
     layout: where the experts sit, their parameters and FLOPs per rank, and
     the all-to-all per rank per step under uniform routing (dropless
-    dispatch sends what the router chooses; a capacity bounds it)."""
+    dispatch sends what the router chooses; a capacity bounds it). Under
+    ``cp`` > 1 the ep ranks come from dp x cp and a rank routes its T/cp
+    positions."""
     E, K, L, h, F = cfg.n_experts, cfg.top_k, cfg.n_layer, cfg.n_embd, cfg.ffn
     per = E // ep
     expert = 3 * h * F                                   # one expert's parameters
-    tokens = batch_size // dp * cfg.n_ctx                # this replica's tokens per step
+    tokens = batch_size // dp * cfg.n_ctx // cp          # this rank's tokens per step (its positions under cp)
+    holders = dp * cp // ep                              # ranks holding each expert (its edp group)
     lines = [f"mixture of experts: {E} experts, top {K}, "
              + (f"capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "dropless")
              + f"; --ep {ep}: each rank holds {per} of the {E} experts of every layer (E/ep), each expert "
-               f"held by {dp // ep} replica{'s' if dp // ep != 1 else ''} (dp/ep)",
+               + (f"held by {holders} replica{'s' if holders != 1 else ''} (dp/ep)" if cp == 1 else
+                  f"held by {holders} rank{'s' if holders != 1 else ''} of dp x cp (dp cp/ep)"),
              f"  expert parameters per rank: {_size(L * per * expert // tp)} ({L} layers x {per} expert{'s' if per > 1 else ''} x 3 h F"
              + (f" / tp {tp}" if tp > 1 else "") + f"), of {_size(L * E * expert)} in all",
              f"  expert FLOPs per token (forward, active): {_size(2 * L * K * expert)}"
