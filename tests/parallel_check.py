@@ -181,7 +181,8 @@ def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu
                     sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD,
                     grad_accum=grad_accum, recompute=recompute, **(env_settings() if settings is None else settings))
     layout = build_layout(resolve(grid, cfg, batch, comm.Get_size()), backend, comm, counters=counters)
-    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=layout.axes.dp, zero=zero)
+    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=layout.axes.dp, zero=zero,
+                       edp=layout.axes.edp)
     model = make_runner(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=grad_accum)
     return Parts(cfg, backend, counters, layout, store, model, grad_accum)
 
@@ -314,7 +315,7 @@ def check_ep_traffic(cfg, layout, model, counters) -> int:
     ep = layout.axes.ep
     row = len(layout.canonical_cols)                  # a dispatched row: this rank's hidden columns of a token
     want = ep_traffic(routes, ep.size, ep.rank, cfg.n_experts, row, np.dtype(layout.backend.dtype).itemsize,
-                      forwards=2 if RECOMPUTE == "blocks" else 1)
+                      forwards=2 if RECOMPUTE == "blocks" else 1, norm=not ZERO)   # --zero: the norm sums over the world
     got = (counters.elems["ep"], counters.bytes["ep"], counters.msgs["ep"])
     assert got == (want.elems["ep"], want.bytes["ep"], want.msgs["ep"]), \
         f"rank {MPI.COMM_WORLD.rank}: ep traffic {got} != model {want.elems['ep'], want.bytes['ep'], want.msgs['ep']}"
@@ -344,11 +345,13 @@ def synced_gradient(store, host):
     coordinates: where this rank holds the synchronised gradient (all of it
     under --zero 0, its chunk under --zero 1, its chunk of every layer's
     segment under --zero 2 and 3) and its values there."""
-    if not store.streams_gradients:
-        mask = np.zeros(store.flat_grad.size, dtype=bool)
-        mask[store.shard] = True
-        return host(store.flat_grad), mask
     part = store.partition
+    if not store.streams_gradients:       # the owned windows of the buffer (two with --ep: zero.ExpertPartition)
+        full, chunk = host(store.flat_grad).copy(), host(store.grad_chunk)
+        mask = np.zeros(store.flat_grad.size, dtype=bool)
+        for start, stop, shift in part.windows():
+            full[start:stop], mask[start:stop] = chunk[start - shift:stop - shift], True
+        return full, mask
     full, mask, chunk = np.zeros(part.padded), np.zeros(part.padded, dtype=bool), host(store.flat_grad)
     for seg in part.list:
         full[seg.own], mask[seg.own] = chunk[seg.mine], True
@@ -439,9 +442,11 @@ def main():
     # the optimizer step the trainer runs (zero.ShardedStep under MPICUBE_CHECK_ZERO=1)
     opt, s_opt = make_step(store, layout.axes, weight_decay=0.1), make_step(s_store, s_layout.axes, weight_decay=0.1)
     assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
+    if ZERO == 1 and EP > 1:          # dense state over dp, the experts' over the expert-data group (dp cp / ep)
+        assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp * CP // EP)
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
-    if ARCH == "mixtral" and layout_name in ("serial", "1d"):     # the table draws 1-D's split of an expert
+    if ARCH == "mixtral" and layout_name in ("serial", "1d") and CP == 1:   # the table draws 1-D's split (no cp)
         check_placement(cfg, layout_name, dp, store)
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):

@@ -5,6 +5,7 @@ parallelism against serial, metrics, and the one-line refusals."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -92,23 +93,31 @@ def test_moe_config_stores_and_counts():
 # One launch each. dp 2: dropless with --ep 2 on CI's stand-in GPU (tests/fake_gpu) against the
 # CPU's serial model; capacity with --zero 1 and --recompute blocks; dropless with --zero 3.
 # dp 4: --ep 4 (capacity, recompute); --ep 2 (two experts per rank, each held by two replicas)
-# with --grad-accum 2, checked without dropout against the serial model accumulating the same
-# micro-batch groups. 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute). Passing all of them,
+# with --grad-accum 2 and --zero 1 (dense state over the 4 replicas, each expert's over its 2),
+# checked without dropout against the serial model accumulating the same micro-batch groups.
+# 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute, --zero 1). --cp 2 (ep folded into dp x cp: each cp
+# rank routes its positions, the ledger sums over the ring too, the drop order interleaves the ring's
+# positions, experts' gradients skip the ring's sum): cp 2 x ep 2 alone (capacity), and 1-D x dp 2 x
+# cp 2 x ep 2 under a capacity with --zero 1 and recompute. Passing all of them,
 # gradients are equal whatever the ep size.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
 DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
             (2, "serial", 2, "0", "1", {"MPICUBE_CHECK_ZERO": "3"}),
             (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-            (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2"}),
-            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks"})]
+            (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2", "MPICUBE_CHECK_ZERO": "1"}),
+            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ZERO": "1"}),
+            (2, "serial", 1, "0.8", "2", {"MPICUBE_CHECK_CP": "2"}),
+            (8, "1d", 2, "0.5", "2", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
+                                      "MPICUBE_CHECK_RECOMPUTE": "blocks"})]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
                          ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless",
                               "dp4-ep4-capacity-recompute",
-                              "dp4-ep2-accum2-capacity", "1d-dp2-ep2-capacity-recompute"])
+                              "dp4-ep2-accum2-capacity-zero1", "1d-dp2-ep2-capacity-recompute-zero1",
+                              "cp2-ep2-capacity", "1d-dp2-cp2-ep2-capacity-zero1-recompute"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
     the router losses, logits, every gradient (each rank's experts), the
@@ -125,19 +134,19 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
     assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
 
 
-# the tensor-parallel layouts with --ep 2 over dp 2, one launch each: 2-D (2x2 grid, 8 ranks) dropless
-# (its capacity case runs under pp below), the 2x2x2 cube (16 ranks) in both dispatch modes (capacity
+# the tensor-parallel layouts with --ep 2 over dp 2, one launch each: 2-D (2x2 grid) x --cp 2 (16 ranks)
+# dropless (its capacity case runs under pp below, without cp), the 2x2x2 cube (16 ranks) in both dispatch modes (capacity
 # with --recompute gathers: its linears gather the padded rows again in backward; on CI's stand-in
 # GPU), 2.5-D (depth 2, 16 ranks) under a capacity. The cube pads each expert's rows to the most of its j line (padded > 0);
 # SUMMA needs no padding.
-TP_CASES = [(8, "2d", 1, "0", {}),
+TP_CASES = [(16, "2d", 1, "0", {"MPICUBE_CHECK_CP": "2"}),
             (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", **GPU}),
             (16, "2.5d", 2, "0.8", {})]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,depth,capacity,extra", TP_CASES,
-                         ids=["2d-dropless", "3d-dropless", "3d-capacity-recompute-gathers-gpu",
+                         ids=["2d-cp2-dropless", "3d-dropless", "3d-capacity-recompute-gathers-gpu",
                               "2.5d-capacity"])
 def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, depth, capacity, extra):
     """Each expert's linears split like any MLP's on 2-D, 2.5-D and 3-D,
@@ -155,6 +164,7 @@ def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, 
     assert f"arch=mixtral capacity={float(capacity)} ep=2 padded={padded}" in proc.stdout
     assert (padded > 0) == (layout == "3d"), proc.stdout
     assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
+    assert f"cp={extra.get('MPICUBE_CHECK_CP', '1')}" in proc.stdout
 
 
 @pytest.mark.timeout(240)
@@ -192,22 +202,23 @@ def test_moe_pipelines_match_serial():
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
-    """train --dp 2 --ep 2 writes each expert once (the ranks of the
-    expert-data group's rank 0); the checkpoint evaluates, serially and
-    on --ep 2, to the serial run's checkpoint's loss."""
+    """train --dp 2 --cp 2 --ep 2 --zero 1 writes each expert once (the
+    ranks of the expert-data group's rank 0 at cp rank 0, the sharded
+    state gathered); the checkpoint evaluates, serially and on --ep 2, to
+    the serial run's checkpoint's loss."""
     from mpirun import mpiexec
 
     args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
             "--n-kv-head", "2", "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "4",
             "--steps", "2", "--dtype", "float64", "--capacity-factor", "1.0"]
-    for ranks, extra in ((1, []), (2, ["--dp", "2", "--ep", "2"])):
+    for ranks, extra in ((1, []), (4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "1"])):
         proc = mpiexec(ranks, args + ["--out", tmp_path / f"r{ranks}"] + extra, timeout=200)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    rec = json.loads((tmp_path / "r2" / "metrics.jsonl").read_text().splitlines()[-1])
+    rec = json.loads((tmp_path / "r4" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["ep_bytes"] > 0 and "ep_bytes" not in json.loads((tmp_path / "r1" / "metrics.jsonl").read_text()
                                                                  .splitlines()[-1])
     losses = []
-    evals = ((1, "r1", []), (1, "r2", []), (2, "r2", ["--dp", "2", "--ep", "2", "--layout", "serial"]))
+    evals = ((1, "r1", []), (1, "r4", []), (2, "r4", ["--dp", "2", "--ep", "2", "--layout", "serial"]))
     for ranks, run, extra in evals:
         proc = mpiexec(ranks, ["-m", "mpicube", "eval", tmp_path / run / "ckpt" / "step_00000002", "--batches", "2",
                                "--batch-size", "4", "--dtype", "float64"] + extra, timeout=200)
@@ -216,13 +227,13 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
     assert abs(losses[1] - losses[0]) <= 1e-10 * losses[0] and abs(losses[2] - losses[0]) <= 1e-10 * losses[0]
 
     # convert --to hf writes a MixtralForCausalLM directory holding the same tensors (capacity noted)
-    proc = cli("convert", str(tmp_path / "r2" / "ckpt" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf")
+    proc = cli("convert", str(tmp_path / "r4" / "ckpt" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf")
     assert proc.returncode == 0, proc.stderr
     assert "capacity factor 1 is not in config.json" in proc.stdout
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
     from mpicube.files.formats import open_model
 
-    with open_model(tmp_path / "r2" / "ckpt" / "step_00000002") as a, open_model(tmp_path / "hf") as b:
+    with open_model(tmp_path / "r4" / "ckpt" / "step_00000002") as a, open_model(tmp_path / "hf") as b:
         want, got = a.read_all(), b.read_all()
         assert b.config.n_experts == 4 and b.config.top_k == 2
     assert sorted(want) == sorted(got) and all(np.array_equal(want[n], got[n]) for n in want)
@@ -261,18 +272,50 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("extra,message", [
+    (["-n", "8", "--dp", "2", "--layout", "2d"], "--experts draws where experts sit on the serial and 1-D layouts "
+                                                 "without --cp and --pp so far, not with --layout 2d"),
+    (["-n", "4", "--dp", "2", "--cp", "2", "--layout", "serial"], "not with --cp 2"),
+])
+def test_info_experts_refuses_the_layouts_it_does_not_draw(extra, message):
+    """info --experts draws 1-D's split of an expert; the 2-D, 2.5-D and 3-D
+    layouts' own rules, and --cp's rank numbering, are refused by name."""
+    proc = cli("info", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
+               "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--ep", "2", "--experts", *extra)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_info_counts_the_ep_ranks_of_dp_x_cp():
+    """Under --cp the ep ranks come from dp x cp: --dp 2 --cp 2 --ep 4 holds each expert on one rank, and a
+    rank routes its T/cp positions (32 = 8 sequences x 4 positions x top 2 / ep 2 rows to each ep rank)."""
+    base = ["info", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
+            "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--layout", "serial", "--batch-size", "8"]
+    proc = cli(*base, "-n", "4", "--dp", "2", "--cp", "2", "--ep", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "each expert held by 1 rank of dp x cp (dp cp/ep)" in proc.stdout, proc.stdout
+    proc = cli(*base, "-n", "2", "--cp", "2", "--ep", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "uniform routing: 32 rows to each ep rank per layer and micro-batch" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("plan,message", [
     (dict(dp=4, ep=3), "--ep 3 must divide --n-experts 4: use --ep 1 or 2 or 4"),
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
-    (dict(dp=2, ep=2, zero=1), "--zero 1 with --ep 2 is not implemented yet"),
+    (dict(dp=1, cp=2, ep=4), "--ep 4 must divide --dp 1 x --cp 2 (the expert-parallel ranks are data-parallel "
+                             "replicas and context-parallel ranks): use --ep 1 or 2"),
+    (dict(dp=2, ep=2, zero=2), "--zero 2 with --ep 2 is not implemented yet"),
     (dict(layout="1d", dp=1, recompute="gathers"), "not with --recompute gathers on 1d"),
     (dict(layout="1d", dp=1, sequence_parallel=True), "not with --sequence-parallel"),
+    (dict(layout="3d", dp=1, cp=2), "not with --cp 2 on 3d"),
 ])
 def test_bad_expert_parallel_plans_are_refused(plan, message):
     from mpicube.core.errors import ConfigError
     from mpicube.parallel.gridspec import Plan
     from mpicube.parallel.planning import resolve
 
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        resolve(Plan(**{"layout": "serial", **plan}), small_moe(n_head=4, n_embd=16, n_kv_head=4), 12,
-                plan["dp"] * (4 if plan.get("layout") == "2d" else 2 if plan.get("layout") == "1d" else 1))
+    plan = dict(plan)
+    cfg = small_moe(n_head=4, n_embd=16, n_kv_head=4, n_ctx=8, capacity_factor=plan.pop("capacity", None))
+    tp = {"1d": 2, "2d": 4, "3d": 8}.get(plan.get("layout"), 1)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(Plan(**{"layout": "serial", **plan}), cfg, 12, plan["dp"] * plan.get("cp", 1) * tp)

@@ -59,19 +59,23 @@ def _size(n) -> str:
 
 
 def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, width: int, recompute: str = "none",
-               grad_accum: int = 1) -> str:
+               grad_accum: int = 1, cp: int = 1) -> str:
     """``info``'s section for a mixture of experts on the serial or 1-D
     layout: where the experts sit, their parameters and FLOPs per rank, and
     the all-to-all per rank per step under uniform routing (dropless
-    dispatch sends what the router chooses; a capacity bounds it)."""
+    dispatch sends what the router chooses; a capacity bounds it). Under
+    ``cp`` > 1 the ep ranks come from dp x cp and a rank routes its T/cp
+    positions."""
     E, K, L, h, F = cfg.n_experts, cfg.top_k, cfg.n_layer, cfg.n_embd, cfg.ffn
     per = E // ep
     expert = 3 * h * F                                   # one expert's parameters
-    tokens = batch_size // dp * cfg.n_ctx                # this replica's tokens per step
+    tokens = batch_size // dp * cfg.n_ctx // cp          # this rank's tokens per step (its positions under cp)
+    holders = dp * cp // ep                              # ranks holding each expert (its edp group)
     lines = [f"mixture of experts: {E} experts, top {K}, "
              + (f"capacity factor {cfg.capacity_factor:g}" if cfg.capacity_factor else "dropless")
              + f"; --ep {ep}: each rank holds {per} of the {E} experts of every layer (E/ep), each expert "
-               f"held by {dp // ep} replica{'s' if dp // ep != 1 else ''} (dp/ep)",
+               + (f"held by {holders} replica{'s' if holders != 1 else ''} (dp/ep)" if cp == 1 else
+                  f"held by {holders} rank{'s' if holders != 1 else ''} of dp x cp (dp cp/ep)"),
              f"  expert parameters per rank: {_size(L * per * expert // tp)} ({L} layers x {per} expert{'s' if per > 1 else ''} x 3 h F"
              + (f" / tp {tp}" if tp > 1 else "") + f"), of {_size(L * E * expert)} in all",
              f"  expert FLOPs per token (forward, active): {_size(2 * L * K * expert)}"
@@ -93,17 +97,25 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
     return "\n".join(lines)
 
 
-def placement_table(cfg, world: int, dp: int, ep: int, layout: str) -> str:
+def placement_table(cfg, world: int, dp: int, ep: int, layout: str, cp: int = 1, pp: int = 1) -> str:
     """Where every expert and each shard of it sits, rank by rank, from
     the rules the code uses: ``gridspec.Plan.coords`` (replica d, tp rank
     t), ``experts.local_experts`` (ep rank d % ep holds E/ep experts; the
     replicas d with the same d % ep sum their gradients) and the 1-D
     layout's column split of each expert's [gate | up] (``split_index``,
-    groups of F) and row split of its down projection."""
+    groups of F) and row split of its down projection. The 2-D, 2.5-D
+    and 3-D layouts split an expert by their own rules (docs/moe.md), and
+    --cp and --pp renumber the ranks: those are refused by name until the
+    table reads them (ConfigError)."""
+    from ..core.errors import ConfigError
     from ..parallel.experts import local_experts
     from ..parallel.gridspec import Plan
     from ..parallel.params import split_index
 
+    if layout not in ("serial", "1d") or cp != 1 or pp != 1:
+        what = f"--layout {layout}" if layout not in ("serial", "1d") else f"--cp {cp}" if cp != 1 else f"--pp {pp}"
+        raise ConfigError(f"--experts draws where experts sit on the serial and 1-D layouts without --cp and --pp "
+                          f"so far, not with {what}")
     plan = Plan(layout, dp=dp, ep=ep)
     tp, F = plan.tp(world), cfg.ffn
 

@@ -116,12 +116,13 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
             from ..analysis.costmodel import Widths as _W
             from ..analysis.costmoe import moe_report
 
-            echo(moe_report(cfg, batch_size, world, dp, ep, run.tp, _W.of(dtype).act, recompute, grad_accum))
+            echo(moe_report(cfg, batch_size, world, dp, ep, run.tp, _W.of(dtype).act, recompute, grad_accum,
+                            cp=cp))
             if show_experts:
                 from ..analysis.costmoe import placement_table
 
                 echo()
-                echo(placement_table(cfg, world, dp, ep, run.layout))
+                echo(placement_table(cfg, world, dp, ep, run.layout, cp=cp, pp=pp))
             return
         if pp > 1:
             from ..analysis.costpipereport import pipeline_report

@@ -29,6 +29,7 @@ from ..core.config import ModelConfig
 from ..device import precision
 from ..device.arrays import array_module
 from ..ops import moe as router_ops
+from ..parallel.context import local_positions
 from ..parallel.experts import Dispatch, local_experts
 from ..parallel.layouts.base import Layout
 from ..parallel.params import ParamDecl, ParamStore
@@ -56,10 +57,12 @@ def moe_params(cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
 class RouterLedger:
     """One micro-batch's routing statistics, layer by layer, and the router
     losses they define. ``group`` is the communicator of the replicas that
-    hold the micro-batch's other tokens (dp), in global token order, and
+    hold the micro-batch's other tokens (dp), in global token order,
     ``tokens`` those of the replica's tensor-parallel group that hold its
     other sequences (2-D, 2.5-D, 3-D: ``Layout.token_comm``), ranked in
-    sequence order; ranks that hold the same tokens record the same.
+    sequence order, and ``ring`` the context-parallel ranks that hold the
+    sequences' other positions (--cp); ranks that hold the same tokens
+    record the same.
 
     The load-balancing loss, as transformers computes it over all L layers'
     N tokens at once: aux = E sum_e c_e S_e / (L N)^2, c_e the times expert
@@ -69,9 +72,11 @@ class RouterLedger:
     aux counts its own tokens and the step's is their mean; z is a mean
     over the step's tokens either way."""
 
-    def __init__(self, cfg: ModelConfig, group, micro_tokens: int, grad_accum: int, tokens=None):
-        self.cfg, self.group = cfg, group
+    def __init__(self, cfg: ModelConfig, group, micro_tokens: int, grad_accum: int, tokens=None, ring=None,
+                 seq_len: int = 0):
+        self.cfg, self.group, self.seq_len = cfg, group, seq_len     # seq_len: T, whole (cp cuts it)
         self.tokens = tokens            # the tp ranks with the replica's other sequences (Layout.token_comm), or None
+        self.ring = ring                # the cp ranks with the sequences' other positions (--cp), or None
         self.micro_tokens, self.grad_accum = micro_tokens, grad_accum    # N of one micro-batch, all replicas
         self.stats = {}                 # layer -> (2 E + 2,) this rank's [counts | prob sums | z sum | dropped]
         self.routes = {}                # layer -> (rows sent to, rows received from, each ep rank) (g,) each
@@ -80,10 +85,16 @@ class RouterLedger:
         self.scale = 1.0                # the loss scale backward runs under (float16)
 
     # --- forward -------------------------------------------------------------------
-    def offsets(self, counts):
-        """(E,) choosers of each expert on the ranks before this one (the
-        capacity's global token order), or None alone."""
-        before, total = None, counts.astype("float64")                            # (E,) exact integers
+    def offsets(self, counts, chosen):
+        """(offset, place): offset (E,) choosers of each expert on the
+        ranks with earlier sequences or replicas (the capacity's global
+        token order), or None alone; place (n K,) under --cp, each local
+        choice's place among its expert's choosers over the cp ranks
+        (their positions interleave), else None."""
+        place, total = None, counts.astype("float64")                             # (E,) exact integers
+        if self.ring is not None and self.ring.size > 1:
+            place, total = self.ring_places(chosen)
+        before = None
         for comm in (self.tokens, self.group):      # earlier sequences of the replica, then earlier replicas
             if comm is None or comm.size == 1:
                 continue
@@ -91,7 +102,27 @@ class RouterLedger:
             mine = every[:comm.rank].sum(axis=0)                                 # (E,)
             before = mine if before is None else before + mine
             total = every.sum(axis=0)                                            # (E,) the whole group's
-        return None if before is None else before.astype(counts.dtype)
+        return (None if before is None else before.astype(counts.dtype)), place
+
+    def ring_places(self, chosen):
+        """((n K,) place of each local choice among its expert's choosers
+        in the cp ring's tokens, sequence then position order; (E,) the
+        ring's choosers of each expert), from one all-gather of the
+        choices (n K numbers a rank) over the ring."""
+        xp, ring, E = array_module(chosen), self.ring, self.cfg.n_experts
+        n, K = chosen.shape
+        T, g = self.seq_len, ring.size
+        B, Tc = n // (T // g), T // g                                            # this rank: (B, Tc) tokens
+        every = ring.allgather(chosen.astype("float64")[None], axis=0)           # (g, n, K)
+        hits = xp.zeros((B, T, E))                                               # (B, T, E) choosers, all positions
+        for c in range(g):
+            one = (every[c].reshape(B, Tc, K)[..., None] == xp.arange(E)).sum(axis=2)   # (B, Tc, E)
+            hits[:, xp.asarray(local_positions(T, g, c))] = one
+        flat = hits.reshape(B * T, E)                                            # (B T, E) in global order
+        before = (xp.cumsum(flat, axis=0) - flat).reshape(B, T, E)               # choosers before each token
+        mine = before[:, xp.asarray(local_positions(T, g, ring.rank))].reshape(n, E)   # (n, E)
+        place = xp.take_along_axis(mine, chosen.astype(xp.int64), axis=1)        # (n, K)
+        return place.reshape(-1).astype(xp.int64), flat.sum(axis=0)
 
     def record(self, layer: int, counts, probs, lse, dropped) -> None:
         """Layer ``layer``'s local statistics (a rerun overwrites them with the same values)."""
@@ -105,7 +136,7 @@ class RouterLedger:
         the step's mean loss: coef_aux aux / A + coef_z z_share."""
         xp = array_module(next(iter(self.stats.values())))
         local = xp.stack([self.stats[k] for k in sorted(self.stats)])            # (L_here, 2 E + 2)
-        for comm in (self.tokens, self.group):
+        for comm in (self.tokens, self.ring, self.group):
             if comm is not None and comm.size > 1:
                 local = comm.allreduce(local)
         self.totals = local
@@ -237,8 +268,10 @@ class MoE:
             counts = xp.bincount(chosen.reshape(-1), minlength=E)                 # (E,)
             micro_tokens = n if ledger is None else ledger.micro_tokens
             cap = router_ops.capacity(cfg.capacity_factor, K, micro_tokens, E)
-            offset = None if ledger is None else ledger.offsets(counts)
-        order, expert, counts = router_ops.dispatch(chosen, E, cap, offset)       # (m,), (m,), (E,)
+            offset, place = (None, None) if ledger is None else ledger.offsets(counts, chosen)
+        else:
+            place = None
+        order, expert, counts = router_ops.dispatch(chosen, E, cap, offset, place)   # (m,), (m,), (E,)
         if ledger is not None:
             ledger.record(self.layer, counts, probs, lse, n * K - order.shape[0])
         kept = np.asarray(self.store.backend.to_host(xp.bincount(expert, minlength=E)), dtype=np.int64)  # (E,)

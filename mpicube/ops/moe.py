@@ -76,7 +76,7 @@ def capacity(factor: float, top_k: int, n_tokens: int, n_experts: int) -> int:
     return int(math.ceil(factor * top_k * n_tokens / n_experts))
 
 
-def dispatch(chosen, n_experts: int, cap: int = None, offset=None):
+def dispatch(chosen, n_experts: int, cap: int = None, offset=None, place=None):
     """Which entry goes where: chosen (n, K) -> (order (m,), expert (m,),
     counts (E,)). ``order`` lists the kept (token, choice) entries as flat
     indices into (n, K), grouped by expert (ascending) and in token order
@@ -84,7 +84,9 @@ def dispatch(chosen, n_experts: int, cap: int = None, offset=None):
     expert chose before any drop (the load-balancing loss counts these).
     With ``cap``, an expert keeps an entry only if fewer than ``cap`` of
     its choosers come before it in the global token order: ``offset`` (E,)
-    of them on the ranks before this one, the rest here."""
+    of them on the ranks before this one, the rest here; under --cp the
+    ring's tokens interleave, so ``place`` (n K,) gives each entry's place
+    among its expert's choosers of the ring (``RouterLedger.ring_places``)."""
     xp = array_module(chosen)
     flat = chosen.reshape(-1)                                         # (n K,) token-major
     order = xp.argsort(flat, kind="stable")                          # (n K,) by expert, then token
@@ -93,7 +95,7 @@ def dispatch(chosen, n_experts: int, cap: int = None, offset=None):
     if cap is None:
         return order, expert, counts
     starts = xp.cumsum(counts) - counts                               # (E,) each expert's first entry
-    rank = xp.arange(flat.shape[0]) - starts[expert]                  # (n K,) place among this rank's choosers
+    rank = xp.arange(flat.shape[0]) - starts[expert] if place is None else place[order]   # (n K,)
     if offset is not None:
         rank = rank + offset[expert]
     keep = rank < cap

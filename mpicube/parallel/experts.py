@@ -8,7 +8,9 @@ layer (r its ep rank). The dp/ep replicas that hold the same experts form
 its expert-data group ("edp": replicas d with the same d % ep), over which
 those experts' gradients are summed; dense parameters are summed over all
 of dp as always. A rank's store declares only its own experts
-(``model_specs``), so expert memory per rank falls by ep.
+(``model_specs``), so expert memory per rank falls by ep. Under --cp the
+ep ranks come from dp x cp, as Megatron folds them: rank (d, c) is
+q = d cp + c (``grid.build_layout``), and q takes d's place above.
 
 Dispatch (``Dispatch``): a rank routes its own tokens, sorts the kept
 (token, expert) entries by expert (so by destination rank), and sends each
@@ -47,7 +49,7 @@ def model_specs(layout, decls: list) -> list:
     """This rank's ParamSpecs of the model's ``decls``: every dense
     parameter, and the experts of its ep rank only, marked ``expert`` (their
     gradients are summed over the expert-data group) and written to a
-    checkpoint by that group's rank 0."""
+    checkpoint by that group's rank 0 (at cp rank 0)."""
     ep, edp = layout.axes.ep, layout.axes.edp
     specs = []
     for decl in decls:
@@ -59,7 +61,10 @@ def model_specs(layout, decls: list) -> list:
             continue
         spec = layout.shard(decl)
         spec.expert = True
-        spec.writer = spec.writer and (edp is None or edp.rank == 0)
+        # ep 1 under --cp: the ring's ranks hold the same experts and its rank 0 writes; with ep > 1 the
+        # edp group spans the ring (folded, grid.build_layout) and holds every copy
+        ring = layout.axes.cp if ep is None or ep.size == 1 else None
+        spec.writer = spec.writer and (edp is None or edp.rank == 0) and (ring is None or ring.rank == 0)
         specs.append(spec)
     return specs
 

@@ -62,14 +62,16 @@ from .params import ParamStore, ResidentLayers
 from .zero import TIED, Segments, is_end, segment_key, segment_of, segment_sizes
 
 
-def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0, stages: int = 1) -> ParamStore:
+def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0, stages: int = 1,
+               edp: Comm = None) -> ParamStore:
     """The parameter store for a --zero setting: segmented for 2 and 3
     (needs dp > 1), else the flat ``ParamStore``. ``stages``: the pipeline's
     (with more than one, the tied wte is a segment of its own,
-    ``zero.segment_of``)."""
+    ``zero.segment_of``); ``edp``: the expert-data group (--zero 1 shards
+    the experts' state over it, ``zero.ExpertPartition``)."""
     if zero >= 2 and dp is not None and dp.size > 1:
         return SegmentedStore(specs, backend, seed, dp, zero, split_tied=stages > 1)
-    return ParamStore(specs, backend, seed, dp=dp, zero=zero)
+    return ParamStore(specs, backend, seed, dp=dp, zero=zero, edp=edp)
 
 
 def block_gathers(n_blocks: int, passes_per_step: int) -> int:
@@ -134,6 +136,7 @@ class SegmentedStore(ParamStore):
         self._flat = None                                           # no full master anywhere
         self.master = xp.zeros(C, dtype=master)                     # (C,) master chunk
         self.flat_grad = xp.zeros(C, dtype=master)                  # (C,) summed gradient chunk
+        self.grad_chunk = self.flat_grad                            # (C,) what the optimizer reads
         self.blocks = [seg.name for seg in self.partition.list if not is_end(seg.name)]
         self.ends = [seg.name for seg in self.partition.list if is_end(seg.name)]
         self.slot_of = {seg.name: slot_key(seg.name, self.blocks) for seg in self.partition.list}

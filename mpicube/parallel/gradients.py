@@ -106,6 +106,8 @@ class GradientSync:
         pair = tied_pair(axes)
         self.tied = pair if any(spec.tied_pair for spec in store.specs) else None
         self.wire = gradient_wire(store)
+        ep = getattr(axes, "ep", None)
+        self.folded = ep is not None and ep.size > 1 and axes.cp.size > 1 and store.expert_run is not None
 
     def __call__(self) -> None:
         store, wire, ring, dp = self.store, self.wire, self.axes.cp, self.axes.dp   # ring: not `cp` (CuPy's name)
@@ -121,11 +123,14 @@ class GradientSync:
         if self.tied is not None:
             store.grad["wte"][...] = self.tied.allreduce(store.grad["wte"], wire=wire)
         if ring.size > 1:
-            store.flat_grad[...] = ring.allreduce(store.flat_grad, wire=wire)           # (P_pad,)
+            # --ep under --cp: the ring's ranks hold different experts (ep folded into dp x cp), whose
+            # gradients the expert-data group sums below; the ring sums the dense part only
+            dense = slice(0, store.expert_run.start) if self.folded else slice(0, store.flat_grad.size)
+            store.flat_grad[dense] = ring.allreduce(store.flat_grad[dense], wire=wire)   # (P_pad,) or dense
         if dp.size == 1:
             return
-        if store.partition.sharded:      # --zero 1: the owned chunk of the summed buffer
-            store.flat_grad[store.shard] = dp.reduce_scatter(store.flat_grad, wire=wire)   # (C,) of (P_pad,)
+        if store.partition.sharded:      # --zero 1: the owned chunk of the summed buffer (--ep: experts over edp)
+            store.scatter_gradients(wire)                                                  # (C,) of (P_pad,)
         elif store.expert_run is not None and self.axes.ep is not None and self.axes.ep.size > 1:
             experts = store.expert_run  # --ep: experts over their dp/ep holders, everything else over dp
             dense = slice(0, experts.start)

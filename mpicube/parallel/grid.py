@@ -81,8 +81,14 @@ def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, r
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
     ep = grid.ep                         # --ep: groups of ep consecutive replicas (parallel/experts.py)
-    axes.ep = axes.dp.split("ep", d // ep, d % ep)
-    axes.edp = axes.dp.split("edp", d % ep, d // ep)
+    if ep > 1 and grid.cp > 1:           # folded into dp x cp, as Megatron does: q = d cp + c
+        q = d * grid.cp + c
+        plane = split("dpcp", (0, p, 0, t), q)
+        axes.ep = plane.split("ep", q // ep, q % ep)
+        axes.edp = plane.split("edp", q % ep, q // ep)
+    else:
+        axes.ep = axes.dp.split("ep", d // ep, d % ep)
+        axes.edp = axes.dp.split("edp", d % ep, d // ep) if ep > 1 else axes.dp   # ep 1: every replica
     extra = {"sequence_parallel": True} if grid.sequence_parallel else {}
     return run.cls(run.cfg, axes, run.micro_batch, depth=grid.depth, recompute=grid.recompute,
                    overlap=grid.overlap, attention=grid.attention, **extra)

@@ -35,7 +35,7 @@ from ..ops import rng
 from ..device.backend import Backend
 from .comm import Comm
 from .split import SharedColumns, full_index, shared_columns, split_decl, split_index  # noqa: F401 (re-exported)
-from .zero import Partition
+from .zero import ExpertPartition, Partition
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,8 @@ class ParamStore:
 
     streams_gradients = False       # --zero 2/3 (parallel.fsdp) reduce gradients during backward
 
-    def __init__(self, specs: list, backend: Backend, seed: int, dp: Optional[Comm] = None, zero: int = 0):
+    def __init__(self, specs: list, backend: Backend, seed: int, dp: Optional[Comm] = None, zero: int = 0,
+                 edp: Optional[Comm] = None):
         # Parameters that share a gradient communicator sit next to each other,
         # so each group is summed by one all-reduce on a contiguous slice.
         def group_key(spec):
@@ -133,14 +134,28 @@ class ParamStore:
         self.backend = backend
         xp, master = backend.xp, backend.master_dtype
         total = sum(s.size for s in self.specs)
-        # --zero 1: the optimizer's share of the buffer is this replica's chunk (mpicube.parallel.zero)
+        n_experts = sum(s.size for s in self.specs if s.expert)
+        # --zero 1: the optimizer's share of the buffer is this replica's chunk (mpicube.parallel.zero);
+        # with --ep (experts summed over fewer replicas than dp) the dense part's chunk over dp and the
+        # experts' over the expert-data group, side by side in a (C,) chunk buffer
         self.dp = dp if zero else None
-        self.partition = Partition(total, dp.size, dp.rank) if zero and dp is not None else Partition(total)
+        split = bool(zero and dp is not None and edp is not None and edp is not dp and n_experts)
+        if split:
+            self.partition = ExpertPartition(total - n_experts, n_experts, dp, edp)
+        else:
+            self.partition = Partition(total, dp.size, dp.rank) if zero and dp is not None else Partition(total)
         self.shard = self.partition.own                  # the slice of the buffer this rank's optimizer updates
         self.zero = int(self.partition.sharded)          # the --zero setting this store implements (0 or 1)
         padded, mixed = self.partition.padded, backend.dtype != master
         self.flat_grad = xp.zeros(padded, dtype=master)  # (P_pad,) P_pad = P unless sharded
-        if self.partition.sharded and mixed:
+        # (C,) the summed gradient this rank's optimizer reads: a view of flat_grad, or its own buffer
+        # when the owned chunks are not one slice of it (ExpertPartition)
+        self.grad_chunk = xp.zeros(self.partition.chunk, dtype=master) if split else self.flat_grad[self.shard]
+        if split:
+            self._flat = None                                            # no full master (two windows)
+            self.master = xp.zeros(self.partition.chunk, dtype=master)   # (C,) master chunk
+            self.flat_work = xp.zeros(padded, dtype=backend.dtype)       # (P_pad,) working copy, gathered
+        elif self.partition.sharded and mixed:
             # The float32 master exists only as this replica's chunk; the full
             # buffer is the 16-bit working copy, all-gathered after each step.
             self._flat = None
@@ -156,6 +171,8 @@ class ParamStore:
         self._data, self.grad, self.work = {}, {}, {}
         offset = 0
         for spec in self.specs:
+            if split and spec.expert and offset < self.partition.dense.padded:
+                offset = self.partition.dense.padded             # the experts' part starts after the dense padding
             self.offsets[spec.name] = (offset, offset + spec.size)
             if self._flat is not None:
                 self._data[spec.name] = self._flat[offset:offset + spec.size].reshape(spec.local_shape)
@@ -235,7 +252,23 @@ class ParamStore:
         if self._flat is not None:
             self.refresh_work()                             # --zero 1 at full width: gather chunks first
             return self._flat
-        return self.dp.allgather(self.master)
+        return self.gather_chunks(self.master)
+
+    def gather_chunks(self, chunk):
+        """(P_pad,) a full buffer from every replica's (C,) ``chunk`` of it
+        (the master, a moment): collective over dp."""
+        if isinstance(self.partition, ExpertPartition):
+            return self.partition.gather(self.backend.xp, chunk)
+        return self.partition.assemble(self.backend.xp, self.dp.allgather(chunk))
+
+    def scatter_gradients(self, wire=None) -> None:
+        """``grad_chunk`` = this replica's chunk of the gradient summed over
+        the replicas (--zero 1: a reduce-scatter over dp; with --ep the
+        experts' part over the expert-data group)."""
+        if isinstance(self.partition, ExpertPartition):
+            self.partition.scatter(self.flat_grad, self.grad_chunk, wire=wire)
+        else:
+            self.grad_chunk[...] = self.dp.reduce_scatter(self.flat_grad, wire=wire)
 
     @contextmanager
     def writing_master(self):
@@ -251,7 +284,7 @@ class ParamStore:
             return
         full = self.backend.xp.zeros(self.partition.padded, dtype=self.master.dtype)   # (P_pad,) temporary
         yield full
-        self.master[...] = full[self.shard]
+        self.master[...] = self.partition.take(self.backend.xp, full)
         self.flat_work[...] = full
         self._work_stale = False
 
@@ -278,7 +311,7 @@ class ParamStore:
     @property
     def mixed(self) -> bool:
         """Whether the model computes with a 16-bit copy of the master weights."""
-        return self.flat_work is not self._flat
+        return self.backend.dtype != self.backend.master_dtype
 
     def params_changed(self) -> None:
         """Say that the master weights were written (optimizer step, load,
@@ -294,7 +327,10 @@ class ParamStore:
         over dp (collective: the zero step calls it on every rank)."""
         if not self._work_stale:
             return
-        if self.partition.sharded:
+        if isinstance(self.partition, ExpertPartition):
+            own = self.master.astype(self.flat_work.dtype, copy=False)   # (C,) rounded to the storage format
+            self.flat_work[...] = self.gather_chunks(own)                # (P_pad,)
+        elif self.partition.sharded:
             own = self.flat_work[self.shard]                # (C,)
             if self.mixed:
                 own[...] = self.master                      # rounded to the storage format

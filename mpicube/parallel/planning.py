@@ -110,26 +110,32 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
         if plan.ep != 1:
             raise ConfigError(f"--ep {plan.ep} needs a mixture of experts (--n-experts, --arch mixtral)")
         return
-    refusals = ((plan.cp != 1, f"--cp {plan.cp}"),
+    cp = plan.cp != 1         # --cp: each cp rank routes its positions; the ledger sums over the ring too
+    refusals = ((cp and name not in ("serial", "1d", "2d"), f"--cp {plan.cp} on {name}"),
+                (cp and plan.pp != 1, f"--cp {plan.cp} and --pp {plan.pp} together"),
                 (tp > 1 and plan.sequence_parallel, "--sequence-parallel"),
                 (name == "1d" and plan.recompute == "gathers", "--recompute gathers on 1d (use blocks)"))
     for refused, what in refusals:
         if refused:
             raise ConfigError(f"--n-experts: a mixture of experts runs on the serial, 1-D, 2-D, 2.5-D and 3-D "
-                              f"layouts with --dp, --ep and --pp so far, not with {what}")
+                              f"layouts with --dp, --ep and --pp (and --cp on serial, 1-D and 2-D) so far, "
+                              f"not with {what}")
     ep, E = plan.ep, cfg.n_experts
     if ep < 1:
         raise ConfigError(f"--ep must be at least 1, got {ep}")
     if E % ep:
         raise ConfigError(f"--ep {ep} must divide --n-experts {E}: use --ep "
-                          f"{' or '.join(str(d) for d in range(1, E + 1) if E % d == 0 and plan.dp % d == 0)}")
-    if plan.dp % ep:
-        fits = (d for d in range(1, plan.dp + 1) if plan.dp % d == 0 and E % d == 0)
-        raise ConfigError(f"--ep {ep} must divide --dp {plan.dp} (the expert-parallel ranks are data-parallel "
-                          f"replicas): use --ep {' or '.join(map(str, fits))}")
-    if ep > 1 and plan.zero:
-        raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (expert state would shard over "
-                          f"the expert-data group); use --zero 0")
+                          f"{' or '.join(str(d) for d in range(1, E + 1) if E % d == 0 and (plan.dp * plan.cp) % d == 0)}")
+    ranks = plan.dp * plan.cp         # the ep ranks come from dp x cp (folded as Megatron does)
+    if ranks % ep:
+        fits = (d for d in range(1, ranks + 1) if ranks % d == 0 and E % d == 0)
+        raise ConfigError(f"--ep {ep} must divide --dp {plan.dp}" + (f" x --cp {plan.cp}" if plan.cp > 1 else "")
+                          + f" (the expert-parallel ranks are data-parallel replicas"
+                          + (" and context-parallel ranks" if plan.cp > 1 else "")
+                          + f"): use --ep {' or '.join(map(str, fits))}")
+    if ep > 1 and plan.zero >= 2:
+        raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (experts' gradients and "
+                          f"parameters would shard over the expert-data group); use --zero 1 or 0")
 
 
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,

@@ -123,6 +123,67 @@ class Partition:
         return full[self.own]
 
 
+class ExpertPartition:
+    """``--zero 1`` with ``--ep``: the buffer's dense part (D elements,
+    padded to dp C_d) is cut over dp, its experts (X elements, kept last,
+    padded to edp C_x) over the expert-data group (the dp/ep replicas that
+    hold the same experts, whose gradients alone are summed): a replica
+    owns chunk r of the dense part and chunk s of its experts (r, s its
+    dp and edp ranks), the (C,) chunk buffer being the two side by side
+    (C = C_d + C_x). ``Partition``'s questions answered for two windows;
+    ``gather`` and ``scatter`` run the collectives (over dp and edp)."""
+
+    sharded = True
+
+    def __init__(self, dense: int, experts: int, dp, edp):
+        self.dp, self.edp = dp, edp
+        self.dense = Partition(dense, dp.size, dp.rank)          # over all replicas
+        self.experts = Partition(experts, edp.size, edp.rank)    # over the expert-data group
+        self.size = dense + experts
+        self.padded = self.dense.padded + self.experts.padded   # P_pad: experts start at the dense part's end
+        self.chunk = self.dense.chunk + self.experts.chunk      # C = C_d + C_x
+
+    @property
+    def own(self) -> slice:
+        """What the optimizer updates: the whole (C,) chunk buffer."""
+        return slice(0, self.chunk)
+
+    def windows(self) -> list:
+        """[(start, stop, shift)]: the owned dense and expert ranges of the
+        whole buffer, and what to subtract to address the (C,) chunk buffer."""
+        d, x, lo = self.dense.own, self.experts.own, self.dense.padded
+        return [(d.start, d.stop, d.start), (lo + x.start, lo + x.stop, lo + x.start - self.dense.chunk)]
+
+    def local(self, slices) -> list:
+        """``slices`` of the full buffer cut to the owned chunks, in the
+        chunk buffer's coordinates (empty intersections dropped)."""
+        out = []
+        for s in slices:
+            for start, stop, shift in self.windows():
+                lo, hi = max(s.start, start), min(s.stop, stop)
+                if lo < hi:
+                    out.append(slice(lo - shift, hi - shift))
+        return out
+
+    def take(self, xp, full):
+        """(C,) this replica's chunks of a full (P_pad,) buffer."""
+        return xp.concatenate([full[start:stop] for start, stop, _ in self.windows()])
+
+    def gather(self, xp, chunk):
+        """(P_pad,) the full buffer from every replica's (C,) ``chunk``: the
+        dense chunks all-gathered over dp, the expert chunks over edp
+        (collective over dp)."""
+        cd = self.dense.chunk
+        return xp.concatenate([self.dp.allgather(chunk[:cd]), self.edp.allgather(chunk[cd:])])
+
+    def scatter(self, full, out, wire=None) -> None:
+        """``out`` (C,) = this replica's chunk of ``full`` (P_pad,) summed:
+        the dense part reduce-scattered over dp, the experts over edp."""
+        lo, cd = self.dense.padded, self.dense.chunk
+        out[:cd] = self.dp.reduce_scatter(full[:lo], wire=wire)
+        out[cd:] = self.edp.reduce_scatter(full[lo:], wire=wire)
+
+
 def sizes(size: int, dp: int, zero: int) -> tuple:
     """(P_pad, C) for a rank's P parameters under --zero 0 or 1: what the
     cost model predicts (2 and 3: ``segment_sizes``)."""

@@ -103,8 +103,9 @@ def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, 
         targets = None if targets is None else np.asarray(targets)[:, cut]
     pos = rank_positions(layout, T)
     # a mixture of experts' router losses and capacity count the micro-batch's tokens over the dp replicas
-    ledger = (RouterLedger(layout.cfg, layout.axes.dp, layout.batch_size * T, grad_accum, tokens=layout.token_comm)
-              if layout.cfg.moe else None)
+    # (and the tp ranks with other sequences, the cp ranks with other positions)
+    ledger = (RouterLedger(layout.cfg, layout.axes.dp, layout.batch_size * T, grad_accum, tokens=layout.token_comm,
+                           ring=layout.axes.cp, seq_len=T) if layout.cfg.moe else None)
     return idx, targets, Micro(step=step, micro=micro, positions=pos, n_tokens=n_tokens, train=train, router=ledger)
 
 

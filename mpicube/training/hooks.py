@@ -107,7 +107,7 @@ class Faults(StepHooks):
     def gradients_synced(self, trainer, s) -> None:
         if self.overflow == s and trainer.rank == trainer.world.Get_size() - 1:
             store = trainer.parts.store
-            store.flat_grad[store.shard.start] = math.inf        # in the part this rank's norm reads
+            store.grad_chunk[0] = math.inf        # in the part this rank's norm reads
 
     def save_started(self, trainer, s) -> None:
         if self.signal_in_save is not None:

@@ -95,7 +95,7 @@ class AdamW:
         step = lr * sqrt_bias2 / (1.0 - b1 ** self.t)
         eps = self.eps * sqrt_bias2
         keep = 1.0 - lr * self.weight_decay
-        flat, flat_grad = self.store.master, self.store.flat_grad[self.store.shard]    # (C,) each
+        flat, flat_grad = self.store.master, self.store.grad_chunk                      # (C,) each
         kernels = kernels_for(flat, flat_grad, self.m, self.v)
         for run, decays in self.runs:
             run_keep = keep if decays else 1.0
@@ -127,9 +127,7 @@ class AdamW:
         store = self.store
         if not store.partition.sharded:
             return self.m, self.v
-        xp = store.backend.xp
-        return (store.partition.assemble(xp, store.dp.allgather(self.m)),
-                store.partition.assemble(xp, store.dp.allgather(self.v)))    # (P_pad,) each
+        return store.gather_chunks(self.m), store.gather_chunks(self.v)     # (P_pad,) each
 
     @contextmanager
     def writing_moments(self):
@@ -188,7 +186,7 @@ class SGD(AdamW):
         """One update on this rank's buffer (its chunk under --zero 1)."""
         self.store.settle()
         self.t += 1
-        flat, flat_grad = self.store.master, self.store.flat_grad[self.store.shard]    # (C,) each
+        flat, flat_grad = self.store.master, self.store.grad_chunk                      # (C,) each
         rate = lr * grad_scale
         for lo in range(0, flat.size, self.block):
             block = slice(lo, min(flat.size, lo + self.block))

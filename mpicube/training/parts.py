@@ -91,11 +91,12 @@ def build_parts(run: Resolved, mpi_world, numerics: Numerics = Numerics(), seed:
     if grid.pp > 1:
         virtual = grid.virtual_stages
         store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=grid.zero,
-                           stages=grid.pp)
+                           stages=grid.pp, edp=layout.axes.edp)
         pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=virtual, dropout=dropout,
                         seed=seed, grad_accum=accum)
         return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
-    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=layout.axes.dp, zero=grid.zero)
+    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=layout.axes.dp, zero=grid.zero,
+                       edp=layout.axes.edp)
     model = Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=accum), layout, accum)
     return Parts(cfg, backend, counters, layout, store, model, accum)
 

@@ -68,15 +68,25 @@ class ShardedStep:
         # (replicas, slice of the chunk): the gradient norm counts each replicated block once
         self.replica_runs = [(r, run) for r, whole in store.replica_runs for run in store.partition.local([whole])]
         self.shared = SharedSquares(store, store.partition.windows())    # replicated kv columns counted once
+        ep = getattr(axes, "ep", None)
+        self.folded = ep is not None and ep.size > 1 and axes.cp.size > 1 and hasattr(store.partition, "experts")
+        if self.folded:   # the experts' part of the chunk: [C_d, C) (zero.ExpertPartition)
+            cd = store.partition.dense.chunk
+            self.expert_runs = [(r, slice(max(cd, run.start), run.stop)) for r, run in self.replica_runs
+                                if run.stop > cd]
 
     def grad_norm(self) -> float:
         """L2 norm of the logical gradient from the owned chunks: one
         float64 all-reduce over the world; the only copy to the host is the
         final number."""
         store = self.store
-        chunk = store.flat_grad[store.shard]                                                  # (C,)
-        local = weighted_squares(store.backend.xp, chunk, self.replica_runs) + self.shared(store.backend.xp, chunk)
-        total = float(self.axes.world.allreduce(local)[0]) / self.axes.cp.size   # cp ranks hold the same chunk
+        chunk, xp, cp = store.grad_chunk, store.backend.xp, self.axes.cp.size                 # (C,)
+        local = weighted_squares(xp, chunk, self.replica_runs) + self.shared(xp, chunk)       # (1,)
+        if self.folded:   # --ep under --cp: the experts' chunks differ over the ring, the dense ones repeat
+            experts = weighted_squares(xp, chunk, self.expert_runs)                           # (1,)
+            both = self.axes.world.allreduce(xp.concatenate([local - experts, experts]))      # (2,)
+            return math.sqrt(float(both[0]) / cp + float(both[1]))
+        total = float(self.axes.world.allreduce(local)[0]) / cp   # cp ranks hold the same chunk
         return math.sqrt(total)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:

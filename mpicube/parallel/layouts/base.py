@@ -51,8 +51,8 @@ class Axes:
     tp: Comm      # this rank's tensor-parallel group
     pp: Comm      # this rank's pipeline: the same position in every stage (size 1 without stages)
     cp: Comm      # this rank's context-parallel ring (size 1 without context parallelism)
-    ep: Comm = None    # this replica's expert-parallel group, taken from dp (--ep; parallel/experts.py)
-    edp: Comm = None   # the replicas that hold the same experts (dp / ep of them)
+    ep: Comm = None    # this rank's expert-parallel group, taken from dp (x cp under --cp; parallel/experts.py)
+    edp: Comm = None   # the ranks that hold the same experts (dp cp / ep of them); dp itself with ep 1
 
 
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
