@@ -23,7 +23,6 @@ refuses big ones before anything runs.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import fields
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 from .. import __version__
 from ..check import shards
 from ..check.names import FORMAT, VERSION
+from ..check.writer import StagedFile
 from ..core.errors import ConfigError, UserError
 from ..files import formats
 from ..model.gpt import gpt_params
@@ -79,16 +79,11 @@ def trace_bytes(cfg, batch: int, seq_len: int, steps: int, dropout: float, items
 # --------------------------------------------------------------------------- the file
 
 
-class TraceFile:
-    """Rank 0's HDF5 file, written under a temporary name and renamed into
-    place when complete, so a failed run never leaves a partial trace."""
+class TraceFile(StagedFile):
+    """Rank 0's trace file, renamed into place when complete (``StagedFile``)."""
 
     def __init__(self, path: Path, attrs: dict):
-        import h5py
-
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.tmp")
-        self.f = h5py.File(self.tmp, "w")
+        super().__init__(path)
         for key, value in attrs.items():
             self.f.attrs[key] = value
 
@@ -97,16 +92,6 @@ class TraceFile:
             shards.write(self.f, name, value, value.shards[0].data.dtype)
         else:
             self.f.create_dataset(name, data=value)
-
-    def commit(self) -> None:
-        self.f.close()
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
-        try:
-            self.f.close()
-        finally:
-            self.tmp.unlink(missing_ok=True)
 
 
 def _check_out(path: Path) -> str:

@@ -31,27 +31,46 @@ from .shards import Sharded
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
-class TraceWriter:
+class StagedFile:
+    """An HDF5 file written under a temporary name beside ``path`` and
+    renamed into place by ``commit``, so a failed writer never leaves a
+    partial trace; ``discard`` removes the temporary file."""
+
+    def __init__(self, path):
+        import h5py
+
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self.f = h5py.File(self.tmp, "w")
+
+    def commit(self) -> None:
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        try:
+            self.f.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+class TraceWriter(StagedFile):
     """Write one trace: ``init`` once, ``step`` for steps 1, 2, ... in
     order, then ``close`` (or use it as a context manager, which discards
     the file when the block raises)."""
 
     def __init__(self, path, config: dict, optimizer: dict, dtype: str, layout: dict,
                  dropout: float = 0.0, seed=None):
-        import h5py
-
         if dtype not in FLOAT_DTYPES:
             raise UserError(f"{path}: dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
         try:
             self.cfg = config_of(config)
         except ValueError as exc:
             raise UserError(f"{path}: config {exc}") from None
-        self.path = Path(path)
         self.shapes = param_shapes(self.cfg)
         self.store = np.float64 if dtype == "float64" else np.float32
         self.dropout = float(dropout)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self.f = h5py.File(self.tmp, "w")
+        super().__init__(path)
         attrs = {"format": FORMAT, "version": VERSION, "config": json.dumps(self.cfg),
                  "optimizer": json.dumps(optimizer), "dtype": dtype, "layout": json.dumps(layout),
                  "dropout": self.dropout, "steps": 0}
@@ -140,14 +159,7 @@ class TraceWriter:
         if self.tokens:
             self.f.create_dataset("tokens", data=np.stack(self.tokens))        # (N, B, T+1)
         self.f.attrs["steps"] = self.steps
-        self.f.close()
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
-        try:
-            self.f.close()
-        finally:
-            self.tmp.unlink(missing_ok=True)
+        self.commit()
 
     def __enter__(self):
         return self
