@@ -58,8 +58,10 @@ Environment:
                               compared includes them); MPICUBE_CHECK_CAPACITY=F
                               dispatches with capacity factor F, and
                               MPICUBE_CHECK_EP=E splits the experts over E of
-                              the dp replicas (--ep E); its traffic and memory
-                              are not compared (no MoE cost terms)
+                              the dp replicas (--ep E); memory is compared with
+                              the model for the routing each layer recorded
+                              (analysis/costexperts.py), traffic on axis ep
+                              (the all-to-all, analysis/costmoe.py) only
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -119,6 +121,7 @@ steps 2 and 3 (same RTOL) check the updates.
 
 import os
 import sys
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
@@ -127,7 +130,9 @@ from mpicube.device.backend import make_backend
 from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
-from mpicube.analysis.costmoe import ep_traffic, placement_table
+from mpicube.analysis.costexperts import Rows
+from mpicube.analysis.costmoe import ep_traffic
+from mpicube.analysis.costplace import placement_table
 from mpicube.parallel.experts import expert_of, model_specs
 from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
                                          pipeline_peak_activations, step_memory, step_memory_bytes)
@@ -142,6 +147,7 @@ from mpicube.training.driver import make_runner
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
 from mpicube.parallel.params import clipped_index, real_mask
+from mpicube.parallel.zero import ExpertPartition
 from mpicube.training.parts import Parts
 from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff
 
@@ -158,7 +164,7 @@ LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
 SEQPAR = os.environ.get("MPICUBE_CHECK_SEQPAR", "0") == "1"   # 1-D under --sequence-parallel
 CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (each sequence over CP ranks)
 ARCH = os.environ.get("MPICUBE_CHECK_ARCH", "gpt2")
-COSTED = ARCH != "mixtral"          # the cost model has no mixture-of-experts terms yet
+COSTED = ARCH != "mixtral"          # a mixture's traffic: the all-to-all's only (check_ep_traffic)
 LLAMA = dict(n_head=6, n_embd=24, arch="llama", n_kv_head=2, ffn_hidden=20, rope_theta=100.0, rms_eps=1e-5)
 CAPACITY = float(os.environ.get("MPICUBE_CHECK_CAPACITY", "0"))
 EP = int(os.environ.get("MPICUBE_CHECK_EP", "1"))
@@ -247,7 +253,8 @@ def problem_of(cfg, layout, plan, batch: int, dtype: str = None) -> Problem:
     return Problem(cfg, layout.name, layout.axes.tp.size, plan.dp, plan.depth, batch, cfg.n_ctx,
                    DTYPE if dtype is None else dtype, recompute=plan.recompute, grad_accum=plan.grad_accum,
                    zero=plan.zero, cp=plan.cp, sequence_parallel=plan.sequence_parallel, pp=plan.pp,
-                   pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages, stage=layout.axes.pp.rank)
+                   pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages, stage=layout.axes.pp.rank,
+                   ep=layout.axes.ep.size if layout.axes.ep is not None else 1)
 
 
 def check_traffic(problem, counters, where: str = None) -> None:
@@ -280,11 +287,13 @@ def check_memory(problem, dropout: bool, store, model, kept, adam, where: str = 
         raise AssertionError(f"{where}: forward keeps {kept[0]} elements, model predicts {want_kept}")
     params = [b for b in store.buffers() if b is not store.flat_grad]     # master (or its chunk), working copy
     grads = [store.flat_grad]
+    if isinstance(store.partition, ExpertPartition):                      # --zero 1 --ep: a (C,) of its own
+        grads.append(store.grad_chunk)
     if store.streams_gradients:                                           # --zero 2/3: every buffer, slots too
         params, grads = store.param_buffers(), store.grad_buffers()
         counted = (sum(b.size for b in params), sum(b.size for b in grads))
     else:
-        counted = (store.flat_work.size, store.flat_grad.size)
+        counted = (store.flat_work.size, sum(b.size for b in grads))
     got = counted + (adam.m.size + adam.v.size,
            kept[0] + model.recompute_peak_elements, sum(b.nbytes for b in params), sum(b.nbytes for b in grads),
            adam.m.nbytes + adam.v.nbytes, kept[1] + model.recompute_peak_bytes)
@@ -293,6 +302,22 @@ def check_memory(problem, dropout: bool, store, model, kept, adam, where: str = 
     if got != predicted:
         raise AssertionError(f"{where}: measured (params, grads, optimizer, activations, "
                              f"then their bytes) {got}, model predicts {predicted}")
+
+
+def check_kept(problem, dropout: bool, kept, label: str) -> None:
+    """What forward kept (elements, bytes) == the model's saved activations."""
+    terms = kept_and_rerun_terms(problem, dropout)[0]
+    w = problem.widths
+    want = (sum(terms.values()), terms["act"] * w.act + terms["stat"] * w.stat + terms["grad"] * w.grad)
+    assert tuple(kept) == want, f"rank {MPI.COMM_WORLD.rank}: {label} keeps {kept}, model predicts {want}"
+
+
+def measured_rows(ledger) -> tuple:
+    """A micro-batch's routing as the memory model reads it (costexperts.Rows
+    per MoE layer): rows this rank kept and sent, rows its experts ran on
+    (received plus the layout's padding)."""
+    return tuple(Rows(int(ledger.routes[k][0].sum()), int(ledger.routes[k][1].sum()) + ledger.padded[k])
+                 for k in sorted(ledger.routes))
 
 
 def check_pipeline_memory(problem, pipe, where: str = None) -> None:
@@ -325,7 +350,7 @@ def check_ep_traffic(cfg, layout, model, counters) -> int:
 
 
 def check_placement(cfg, layout_name, dp, store) -> None:
-    """``info --experts``' row for this rank (analysis/costmoe.placement_table)
+    """``info --experts``' row for this rank (analysis/costplace.placement_table)
     names exactly the experts, and the gate/up columns and down rows of
     each, that this rank's store holds."""
     world, rank = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
@@ -468,9 +493,13 @@ def main():
 
         kept = []                                                   # (elements, bytes) per micro-batch
 
+        routing = []                                                # a mixture's Rows per layer, per micro-batch
+
         def after_forward(m):
             """Between micro-batch m's forward and its backward."""
             kept.append((model.saved_elements(), model.saved_bytes()))
+            if ARCH == "mixtral":
+                routing.append(measured_rows(model.router_log.ledgers[-1]))
             if step == 1 and s_logits is not None:
                 check_logits(parts, m, s_logits, f"logits of micro-batch {m}")
 
@@ -479,8 +508,14 @@ def main():
         if not grouped:
             s_model.backward(loss_scale=LOSS_SCALE)
         assert len(set(kept)) == 1 or ARCH == "mixtral", f"micro-batches kept different amounts: {kept}"   # routing
-        if parts.layout.attention_kind != "full" and COSTED:       # the memory model: blockwise attention
-            check_memory(problem, dropout > 0, store, model, kept[0], opt.adam)
+        if parts.layout.attention_kind != "full":                  # the memory model: blockwise attention
+            if ARCH == "mixtral":                                   # priced for the routing each layer recorded
+                assert ACCUM == 1 or RECOMPUTE != "blocks", "the rerun peak is priced for micro-batch 0's routing"
+                for m in range(1, len(kept)):
+                    check_kept(replace(problem, routing=routing[m]), dropout > 0, kept[m], f"micro-batch {m}")
+                check_memory(replace(problem, routing=routing[0]), dropout > 0, store, model, kept[0], opt.adam)
+            else:
+                check_memory(problem, dropout > 0, store, model, kept[0], opt.adam)
         opt.sync()
         s_opt.sync()
         norm = opt.grad_norm() / LOSS_SCALE

@@ -122,6 +122,8 @@ class Problem:
     stage: int = 0           # the stage this rank runs (0..pp-1); every per-rank figure is for it
     sequence_parallel: bool = False   # 1-D: canonical activations a T/tp shard (parallel/layouts/seqpar.py)
     cp: int = 1              # context-parallel ranks: each holds seq_len / cp positions (parallel.context)
+    ep: int = 1              # expert-parallel ranks (a mixture: E/ep experts a rank, parallel.experts)
+    routing: tuple = None    # a mixture's rows per MoE layer of this rank, ((sent, run), ...) (costexperts.Rows)
 
     @property
     def local_seq(self) -> int:
@@ -166,6 +168,11 @@ class Problem:
     def sharded(self) -> bool:
         """Whether the optimizer state is sharded (--zero 1, 2 or 3 with dp > 1)."""
         return bool(self.zero) and self.dp > 1
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (the expert-data group, dp cp / ep)."""
+        return self.dp * self.cp // self.ep
 
     @property
     def segmented(self) -> bool:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..parallel import zero
-from .costmodel import Problem, attention_split, block_linears, local_param_sizes
+from .costexperts import chunk_moe_terms
+from .costmodel import Problem, attention_split, dense_linears, local_param_sizes
 from .costpipe import peak_over_schedule
 
 
@@ -108,7 +109,10 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     # Llama: RMSNorm's xhat (x2); the rotated and repeated [q | k | v] the attention op sees
     # (n_head heads each, whatever the kv heads) and its scaled q; SwiGLU's [gate | up], sigmoid
     # and silu (4 F_m) and mlp.c_proj's input (F_m) instead of GELU's 4 h_m pair and input.
-    if cfg.llama:
+    # A mixture: the router and experts instead (``costexperts.layer_terms``, added per layer below).
+    if cfg.moe:
+        act_kept, mlp_in = 0, 0
+    elif cfg.llama:
         act_kept, mlp_in = 4 * (cfg.ffn // heads), cfg.ffn // heads
     else:
         act_kept, mlp_in = 2 * 4 * mid_cols, 4 * mid_cols
@@ -116,11 +120,12 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     if p.layout == "3d" and not regather and gathered:
         block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
     if p.layout == "3d":
-        for h_in, h_out, _ in block_linears(cfg, q):
+        for h_in, h_out, _ in dense_linears(cfg, q):
             block += n * h_in // q if regather else q * n * h_in // q         # local or gathered X
             block += 0 if regather else gathered * (h_in // q) * (h_out // q)   # gathered W
     else:
-        first_inputs = 2 * n * cc // shard if regather else 2 * n * cc     # c_attn, c_fc
+        firsts = 1 if cfg.moe else 2                                       # c_attn (, c_fc)
+        first_inputs = firsts * n * cc // shard if regather else firsts * n * cc
         block += first_inputs + n * mid_cols + n * mlp_in                  # c_proj, mlp.c_proj
     if dropout:
         block += 2 * nc * cc           # residual masks; attention's are drawn block by block, never kept
@@ -144,11 +149,15 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     if dropout and embed:
         outside += nc * cc
     step = {"act": panel, "stat": 0, "grad": grad}
+    none = {"act": 0, "stat": 0, "grad": 0}
+    moe, moe_most = chunk_moe_terms(p, L) if cfg.moe else (none, none)
     if mode == "blocks":
         kept = {"act": L * n * cc // shard + outside, "stat": nc * head, "grad": 0}
-        return kept, step, {"act": block if L else 0, "stat": 2 * nc + lse if L else 0, "grad": 0}
-    kept = {"act": L * block + outside, "stat": (2 * L + head) * nc + L * lse, "grad": 0}   # rstd of LNs, lse
-    return kept, step, {"act": 0, "stat": 0, "grad": 0}
+        rerun = {"act": block + moe_most["act"], "stat": 2 * nc + lse + moe_most["stat"], "grad": 0}
+        return kept, step, rerun if L else none
+    kept = {"act": L * block + outside + moe["act"], "stat": (2 * L + head) * nc + L * lse + moe["stat"],
+            "grad": 0}                                                   # rstd of LNs, lse
+    return kept, step, none
 
 
 def kv_cache_elems(p: Problem) -> int:
@@ -171,12 +180,33 @@ def step_memory(p: Problem, dropout: bool = False) -> Memory:
     (``pipeline_peak_activations``)."""
     if p.segmented:
         return segmented_memory(p, dropout)[0]
-    params = sum(n for n, _ in local_param_sizes(p).values())
+    sizes = local_param_sizes(p)
+    params = sum(n for n, _ in sizes.values())
     acts = _stage_activations(p, dropout, bytes_=False)
+    if _expert_split(p):            # zero.ExpertPartition: (C,) summed gradients of their own too
+        padded, chunk = _expert_sizes(p, sizes)
+        return Memory(padded, padded + chunk, 2 * chunk, acts)
     if p.sharded:
         padded, chunk = zero.sizes(params, p.dp, p.zero)
         return Memory(padded, padded, 2 * chunk, acts)
     return Memory(params, params, 2 * params, acts)
+
+
+def _expert_split(p: Problem) -> bool:
+    """Whether --zero 1 cuts a mixture's buffer in two (``zero.ExpertPartition``:
+    --ep > 1, the experts' state over the expert-data group)."""
+    return p.sharded and p.cfg.moe and p.ep > 1
+
+
+def _expert_sizes(p: Problem, sizes: dict) -> tuple:
+    """(P_pad, C) of ``zero.ExpertPartition``: the dense part padded to a
+    multiple of dp, the experts' to one of the expert-data group."""
+    from ..parallel.experts import expert_of
+
+    experts = sum(n for name, (n, _) in sizes.items() if expert_of(name) is not None)
+    dense = zero.Partition(sum(n for n, _ in sizes.values()) - experts, p.dp)
+    mine = zero.Partition(experts, p.edp)
+    return dense.padded + mine.padded, dense.chunk + mine.chunk
 
 
 def _stage_activations(p: Problem, dropout: bool, bytes_: bool) -> int:
@@ -195,6 +225,9 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
         return segmented_memory(p, dropout)[1]
     w, elems = p.widths, step_memory(p, dropout)
     acts = _stage_activations(p, dropout, bytes_=True)
+    if _expert_split(p):            # the working copy whole, the master only the chunks
+        chunk = elems.optimizer // 2
+        return Memory(elems.params * w.act + chunk * w.grad, elems.grads * w.grad, elems.optimizer * w.grad, acts)
     if p.sharded:   # the full buffer is the 16-bit working copy, the float32 master only the chunk
         chunk = elems.optimizer // 2
         params = elems.params * w.act + (chunk * w.grad if w.act != w.grad else 0)

@@ -76,8 +76,8 @@ from ..parallel.schedules import build_schedule
 from ..core.config import ModelConfig
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
 from .costpipe import pipeline_traffic
-from .costparams import (_group_size, block_linears, head_split, kv_param_sizes,  # noqa: F401 (re-exported)
-                         local_param_sizes, on_stage)
+from .costparams import (_group_size, block_linears, dense_linears, head_split,  # noqa: F401 (re-exported)
+                         kv_param_sizes, local_param_sizes, on_stage)
 
 
 def _layernorm(t: Traffic, axis, g, rows, count, width, rms: bool = False):  # statistics: width is Widths.stat
@@ -122,13 +122,14 @@ def oned_traffic(p: Problem) -> Traffic:
     if p.sequence_parallel:
         t.add(oned_sequence_traffic(p, act))
         return t
-    t.sum("tp", g, act, times=4 * L, width=w.red)         # 2 forward (row-split), 2 backward
+    per = 2 if p.cfg.moe else 4       # a mixture: the attention's two; the experts' follow their rows
+    t.sum("tp", g, act, times=per * L, width=w.red)       # 2 forward (row-split), 2 backward
     t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
     if p.recompute == "gathers":                          # c_attn, c_fc and LM head inputs from row shards
         t.allgather("tp", g, act // g, times=2 * L + head, width=w.act)
     if p.recompute == "blocks":                           # block inputs from row shards, forwards again
         t.allgather("tp", g, act // g, times=L, width=w.act)
-        t.sum("tp", g, act, times=2 * L, width=w.red)
+        t.sum("tp", g, act, times=per // 2 * L, width=w.red)
     return t
 
 
@@ -154,7 +155,7 @@ def tesseract_traffic(p: Problem) -> Traffic:
     V = -(-cfg.vocab_size // q) * q
     forwards = 2 if p.recompute == "blocks" else 1            # blocks: each block's forward again
     L, head = p.layers, int(p.has_head)
-    for h_in, h_out, _ in block_linears(cfg, q) * L:
+    for h_in, h_out, _ in dense_linears(cfg, q) * L:
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
         t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
         t.reduce_onto("row", q, x_panel, times=q, width=w.red)  # dX
@@ -185,7 +186,7 @@ def cube_traffic(p: Problem) -> Traffic:
     gathers = 2 if p.recompute == "gathers" else 1     # gathers: X and W again in backward
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
     L, embed, head = p.layers, int(p.has_embed), int(p.has_head)
-    for h_in, h_out, position in block_linears(cfg, q) * L:
+    for h_in, h_out, position in dense_linears(cfg, q) * L:
         a, b = ("j", "k") if position == "first" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
         t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=forwards * gathers, width=w.act)   # W over i
@@ -238,9 +239,10 @@ def step_traffic(p: Problem) -> Traffic:
     w = p.widths
     # --zero 2/3 sum the cp ring and the tied pair on the owned chunks (parallel.gradients.GradientSync)
     segments = segments_of(p, sizes) if p.segmented else None
+    experts = expert_elems(p, sizes)  # --ep > 1: a mixture's experts, summed over the expert-data group
     if p.cp > 1:
         t.add(ring_traffic(p), p.grad_accum)
-        summed = sum(c for _, _, c in segments) if segments else params
+        summed = sum(c for _, _, c in segments) if segments else params - experts
         t.sum("cp", p.cp, summed, width=w.gsum)                # the weights' gradients over the ring
     group_sizes = defaultdict(int)
     for n, axis in sizes.values():
@@ -254,19 +256,34 @@ def step_traffic(p: Problem) -> Traffic:
     elif p.sharded:
         _group_sums(p, t, group_sizes)
         _kv_sums(p, t, kv_param_sizes(p))
-        padded, chunk = zero.sizes(params, p.dp, p.zero)
-        t.reduce_scatter("dp", p.dp, padded, width=w.gsum)     # (16-bit words counted as MPI's)
-        t.allgather("dp", p.dp, chunk, width=w.act)            # parameters after the step
+        for axis, g, n in (("dp", p.dp, params - experts), ("edp", p.edp, experts)):
+            padded, chunk = zero.sizes(n, g, p.zero) if n else (0, 0)
+            t.reduce_scatter(axis, g, padded, width=w.gsum)    # (16-bit words counted as MPI's)
+            t.allgather(axis, g, chunk, width=w.act)           # parameters after the step
         t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)   # gradient norm
     else:
         _group_sums(p, t, group_sizes)
         _kv_sums(p, t, kv_param_sizes(p))
-        t.sum("dp", p.dp, params, width=w.gsum)
+        t.sum("dp", p.dp, params - experts, width=w.gsum)
+        if experts:
+            t.sum("edp", p.edp, experts, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
         t.allreduce("pp", p.pp, 1, width=w.scalar)             # ... and over the stages
     # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
+
+
+def expert_elems(p: Problem, sizes: dict) -> int:
+    """Elements of a mixture's experts on this rank when --ep > 1 puts
+    them in an expert-data group of their own (``gradients.GradientSync``),
+    else 0 (summed with the dense parameters). Their all-to-all and the
+    gradient norm's sum over ep: ``costmoe.ep_traffic``."""
+    if not p.cfg.moe or p.ep == 1:
+        return 0
+    from ..parallel.experts import expert_of
+
+    return sum(n for name, (n, _) in sizes.items() if expert_of(name) is not None)
 
 
 def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
+from ..parallel.experts import expert_of
 from ..parallel.split import shared_width, split_decl
 from .costbase import Problem
 
@@ -28,6 +29,14 @@ def block_linears(cfg: ModelConfig, split: int = 1):
     return [(h, 3 * h, "first"), (h, h, "second"), (h, 4 * h, "first"), (4 * h, h, "second")]
 
 
+def dense_linears(cfg: ModelConfig, split: int = 1):
+    """The linears every token of a block goes through: all four, or under
+    a mixture of experts the attention's two (the experts' are priced by
+    the rows they receive, ``costexperts``)."""
+    linears = block_linears(cfg, split)
+    return linears[:2] if cfg.moe else linears
+
+
 def head_split(p: Problem) -> int:
     """The ways the layout splits the heads (each layout's ``head_coords``)."""
     if p.layout == "1d":
@@ -40,12 +49,19 @@ def head_split(p: Problem) -> int:
 def local_param_sizes(p: Problem) -> dict:
     """{name: (local elements, gradient axis or None)} for one rank, from the
     sharding rules of each layout (closed forms, not the layout code);
-    under a pipeline only the tensors of this stage (``on_stage``)."""
-    cfg, out = p.cfg, {}
+    under a pipeline only the tensors of this stage (``on_stage``); under
+    --ep a mixture's experts of one ep rank (E/ep of them, every rank
+    holding as many: ``experts.model_specs``), after the dense tensors,
+    as ``ParamStore`` lays them out."""
+    cfg, out, experts = p.cfg, {}, {}
     mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
     for decl in gpt_params(cfg):
+        e = expert_of(decl.name)
+        if e is not None and e >= cfg.n_experts // p.ep:
+            continue
         if on_stage(p, decl.name, mine):
-            out[decl.name] = _local_size(p, decl)
+            (out if e is None else experts)[decl.name] = _local_size(p, decl)
+    out.update(experts)
     return out
 
 

@@ -119,7 +119,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
             echo(moe_report(cfg, batch_size, world, dp, ep, run.tp, _W.of(dtype).act, recompute, grad_accum,
                             cp=cp))
             if show_experts:
-                from ..analysis.costmoe import placement_table
+                from ..analysis.costplace import placement_table
 
                 echo()
                 echo(placement_table(cfg, world, dp, ep, run.layout, cp=cp, pp=pp))

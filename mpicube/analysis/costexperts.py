@@ -1,0 +1,131 @@
+"""A mixture of experts in the cost model: the rows each MoE layer moves
+and runs on one rank (``Rows``), the activations it keeps for backward,
+and its FLOPs. Communication of the all-to-all: ``costmoe``.
+
+Why rows: a dense MLP's activations follow from the batch alone, an
+expert's from the tokens the router sends it, so the memory of a mixture
+is a function of the routing. Three routings are priced:
+
+* measured (``Problem.routing``, one ``Rows`` per MoE layer): what a step
+  recorded (``RouterLedger.routes`` and ``padded``); the tests hold the
+  measured saved activations equal to the model for it;
+* dropless, expected (``expected_rows``): balanced routing, K n / E rows
+  of each of this rank's n tokens to every expert, so a rank sends n K
+  rows and its E/ep experts run on n K in all;
+* capacity (``capacity_rows``): the exact bound. An expert computes at
+  most C = ceil(F K N / E) of the micro-batch's N tokens, and in one ep
+  group at most the group's ep n tokens (a token chooses an expert once),
+  so a rank's experts run on at most E/ep min(C, ep n) rows, and a rank
+  sends at most min(n K, E min(C, n)).
+
+What a MoE layer keeps (``moe.MoE.forward``'s ``saved``), per rank with n
+token rows of canonical width c: its input (n c), the router's
+probabilities (n E), the chosen weights (n K), their sum (n, Mixtral's
+renormalisation) and the log-sum-exp (n), these four in the compute
+format; the expert outputs brought back (sent rows x c); and for the R
+rows its experts run on, what the layout's two linears and SwiGLU keep of
+an MLP on R rows (1-D, 2-D, 2.5-D: the c_fc input R c, [gate | up],
+sigmoid and silu 4 R F_l, the c_proj input R F_l; 3-D: the gathered
+inputs and, per expert, the gathered weights, as ``costmemory`` counts
+the dense MLP's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ops.moe import capacity
+from .costbase import Problem
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One MoE layer's rows on one rank in one forward pass."""
+
+    sent: int   # (token, expert) rows this rank routes and keeps: sent to the experts' ranks, brought back
+    run: int    # rows its local experts' linears run on: those received, plus a layout's zero padding (3-D)
+
+
+def grid(p: Problem) -> tuple:
+    """(n token rows, canonical width c, the split of F, q of the cube or 1)
+    of one rank, as ``costmemory.chunk_terms`` sizes the dense block."""
+    h = p.cfg.n_embd
+    if p.layout in ("serial", "1d"):
+        return p.local_batch * p.local_seq, h, (p.tp if p.layout == "1d" else 1), 1
+    if p.layout in ("2d", "2.5d"):
+        q = round((p.tp // p.depth) ** 0.5)
+        return p.local_batch // (p.depth * q) * p.local_seq, h // q, q, 1
+    q = round(p.tp ** (1 / 3))
+    return p.local_batch // (q * q) * p.local_seq, h // q, q, q
+
+
+def micro_tokens(p: Problem) -> int:
+    """N: the micro-batch's tokens over every replica (the capacity's)."""
+    return p.batch // p.grad_accum * p.seq_len
+
+
+def expected_rows(p: Problem) -> Rows:
+    """Dropless dispatch under balanced routing: n K rows sent and run
+    (with a capacity, no more than its bound)."""
+    n, K = grid(p)[0], p.cfg.top_k
+    if p.cfg.capacity_factor:
+        bound = capacity_rows(p)
+        return Rows(min(n * K, bound.sent), min(n * K, bound.run))
+    return Rows(n * K, n * K)
+
+
+def capacity_rows(p: Problem) -> Rows:
+    """The most rows a capacity lets one rank send and run (module docstring)."""
+    cfg = p.cfg
+    n, E, K = grid(p)[0], cfg.n_experts, cfg.top_k
+    C = capacity(cfg.capacity_factor, K, micro_tokens(p), E)
+    return Rows(min(n * K, E * min(C, n)), E // p.ep * min(C, p.ep * n))
+
+
+def layer_rows(p: Problem, count: int) -> list:
+    """The ``Rows`` of ``count`` MoE layers: ``p.routing`` (measured), else
+    the expected rows of dropless dispatch or the bound of a capacity."""
+    if p.routing is not None:
+        assert len(p.routing) == count, f"routing of {len(p.routing)} layers for {count}"
+        return list(p.routing)
+    one = capacity_rows(p) if p.cfg.capacity_factor else expected_rows(p)
+    return [one] * count
+
+
+def layer_terms(p: Problem, rows: Rows) -> dict:
+    """{"act", "stat", "grad": elements} one MoE layer keeps for backward
+    (module docstring)."""
+    cfg, regather = p.cfg, p.recompute == "gathers"
+    n, c, split, q = grid(p)
+    E, K, F = cfg.n_experts, cfg.top_k, cfg.ffn
+    stat = n * (E + K + 1) + (n if cfg.norm_topk else 0)            # probs, weights, lse, their sum
+    act = n * c + rows.sent * c                                      # the input, the outputs brought back
+    R, F_l = rows.run, F // split
+    act += 4 * F_l * R                                               # [gate | up], sigmoid, silu
+    if q == 1:
+        act += R * c + R * F_l                                       # c_fc's and c_proj's inputs
+    else:                                                            # the cube: gathered X (and W, per expert)
+        for h_in, h_out in ((cfg.n_embd, 2 * F), (F, cfg.n_embd)):
+            act += R * h_in // q if regather else q * R * h_in // q
+            act += 0 if regather else E // p.ep * (h_in // q) * (h_out // q)
+    return {"act": act, "stat": stat, "grad": 0}
+
+
+def chunk_moe_terms(p: Problem, count: int) -> tuple:
+    """({kind: elements} ``count`` MoE layers keep, summed; {kind: elements}
+    of the layer whose rerun holds the most, for --recompute blocks)."""
+    per = [layer_terms(p, r) for r in layer_rows(p, count)]
+    total = {k: sum(t[k] for t in per) for k in ("act", "stat", "grad")}
+    most = max(per, key=lambda t: sum(t.values()), default={"act": 0, "stat": 0, "grad": 0})
+    return total, most
+
+
+def moe_linear_flops(p: Problem, N: int) -> int:
+    """Forward FLOPs of one MoE layer for N tokens of a replica, summed over
+    its tensor-parallel ranks as ``costflops`` sums the dense linears: the
+    router (N h E per rank on 1-D, which computes it whole on every tp
+    rank; split over the hidden columns elsewhere) and the experts' two
+    linears on the K N rows balanced routing sends them."""
+    cfg = p.cfg
+    router = 2 * N * cfg.n_embd * cfg.n_experts * (p.tp if p.layout == "1d" else 1)
+    return router + cfg.top_k * 2 * N * 3 * cfg.n_embd * cfg.ffn
