@@ -29,7 +29,7 @@ def _fmt_bytes(n) -> str:
 
 
 def context_table(cfg: ModelConfig, batch_size: int, tp: int, dp: int = 1, dtype: str = "float32",
-                  recompute: str = "none", cps=CP_SIZES) -> str:
+                  recompute: str = "none", cps=CP_SIZES, ep: int = 1) -> str:
     """For each layout on ``tp`` ranks (and ``dp`` replicas) and each cp:
     world, memory per rank (total and activations), bytes and messages
     on the cp axis per rank per step (the K/V ring and the weight
@@ -45,7 +45,7 @@ def context_table(cfg: ModelConfig, batch_size: int, tp: int, dp: int = 1, dtype
         label = f"{name} d={depth}" if name == "2.5d" else name
         for cp in cps:
             world = dp * cp * tp
-            p = _problem(name, cfg, batch_size, world, dp, depth, dtype, recompute, cp=cp)
+            p = _problem(name, cfg, batch_size, world, dp, depth, dtype, recompute, cp=cp, ep=ep)
             if isinstance(p, str):
                 lines.append(f"  {label:<10} {cp:>3} {world:>6} n/a: {p}")
                 continue

@@ -92,23 +92,35 @@ def layer_rows(p: Problem, count: int) -> list:
     return [one] * count
 
 
-def layer_terms(p: Problem, rows: Rows) -> dict:
-    """{"act", "stat", "grad": elements} one MoE layer keeps for backward
-    (module docstring)."""
+def layer_parts(p: Problem, rows: Rows) -> dict:
+    """{part: (kind, elements)} one MoE layer keeps for backward on one
+    rank (module docstring), by what holds it."""
     cfg, regather = p.cfg, p.recompute == "gathers"
     n, c, split, q = grid(p)
     E, K, F = cfg.n_experts, cfg.top_k, cfg.ffn
-    stat = n * (E + K + 1) + (n if cfg.norm_topk else 0)            # probs, weights, lse, their sum
-    act = n * c + rows.sent * c                                      # the input, the outputs brought back
     R, F_l = rows.run, F // split
-    act += 4 * F_l * R                                               # [gate | up], sigmoid, silu
+    parts = {"router": ("stat", n * (E + K + 1) + (n if cfg.norm_topk else 0)),   # probs, weights, lse, their sum
+             "input": ("act", n * c),
+             "outputs back": ("act", rows.sent * c)}
     if q == 1:
-        act += R * c + R * F_l                                       # c_fc's and c_proj's inputs
+        parts["rows in"] = ("act", R * c)                            # c_fc's input: the rows received
+        parts["swiglu"] = ("act", 4 * F_l * R + R * F_l)            # [gate | up], sigmoid, silu; c_proj's input
     else:                                                            # the cube: gathered X (and W, per expert)
-        for h_in, h_out in ((cfg.n_embd, 2 * F), (F, cfg.n_embd)):
-            act += R * h_in // q if regather else q * R * h_in // q
-            act += 0 if regather else E // p.ep * (h_in // q) * (h_out // q)
-    return {"act": act, "stat": stat, "grad": 0}
+        (h, two_f), (f, h_out) = (cfg.n_embd, 2 * F), (F, cfg.n_embd)
+        x_fc, x_proj = (R * h // q, R * f // q) if regather else (q * R * h // q, q * R * f // q)
+        parts["rows in"] = ("act", x_fc)
+        parts["swiglu"] = ("act", 4 * F_l * R + x_proj)
+        if not regather:
+            parts["weights gathered"] = ("act", E // p.ep * ((h // q) * (two_f // q) + (f // q) * (h_out // q)))
+    return parts
+
+
+def layer_terms(p: Problem, rows: Rows) -> dict:
+    """{"act", "stat", "grad": elements} one MoE layer keeps for backward."""
+    out = {"act": 0, "stat": 0, "grad": 0}
+    for kind, n in layer_parts(p, rows).values():
+        out[kind] += n
+    return out
 
 
 def chunk_moe_terms(p: Problem, count: int) -> tuple:

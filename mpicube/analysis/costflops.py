@@ -6,7 +6,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..parallel.context import ring_scores
-from .costmodel import Problem, block_linears, head_split
+from .costexperts import moe_linear_flops
+from .costmodel import Problem, dense_linears, head_split
 
 
 def step_flops(p: Problem) -> Fraction:
@@ -21,10 +22,13 @@ def step_flops(p: Problem) -> Fraction:
     again, dV, dP, dQ, dK). Every layout splits each of these evenly over
     its tensor-parallel ranks, and context parallelism over its cp ranks,
     so one rank does 1/(tp cp) of its replica's work; under a pipeline, of
-    its stage's layers (and the head on the last)."""
+    its stage's layers (and the head on the last). A mixture's experts
+    are priced for balanced routing (``costexperts.moe_linear_flops``)."""
     cfg, L, h, T = p.cfg, p.layers, p.cfg.n_embd, p.seq_len
     N = p.local_batch * T                                            # tokens per replica and micro-batch
-    linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in block_linears(cfg, head_split(p)))   # kv copies too
+    linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in dense_linears(cfg, head_split(p)))   # kv copies too
+    if cfg.moe:                        # the router, and each token's K experts under balanced routing
+        linears += moe_linear_flops(p, N)
     attention = 2 * 2 * p.local_batch * ring_scores(T, p.cp) * h     # q k^T and probs v on the computed blocks
     head = 2 * N * h * _padded_vocab(p) if p.has_head else 0
     forwards = 2 if p.recompute == "blocks" else 1

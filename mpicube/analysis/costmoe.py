@@ -59,13 +59,14 @@ def _size(n) -> str:
 
 
 def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, width: int, recompute: str = "none",
-               grad_accum: int = 1, cp: int = 1) -> str:
-    """``info``'s section for a mixture of experts on the serial or 1-D
-    layout: where the experts sit, their parameters and FLOPs per rank, and
-    the all-to-all per rank per step under uniform routing (dropless
-    dispatch sends what the router chooses; a capacity bounds it). Under
-    ``cp`` > 1 the ep ranks come from dp x cp and a rank routes its T/cp
-    positions."""
+               grad_accum: int = 1, cp: int = 1, layout: str = None, depth: int = 1, dtype: str = "float32",
+               zero: int = 0) -> str:
+    """``info``'s section for a mixture of experts: where the experts sit,
+    their parameters and FLOPs per rank, the all-to-all per rank per step
+    under uniform routing (dropless dispatch sends what the router
+    chooses; a capacity bounds it), and, given the ``layout``, the experts'
+    memory per rank (``expert_memory``). Under ``cp`` > 1 the ep ranks
+    come from dp x cp and a rank routes its T/cp positions."""
     E, K, L, h, F = cfg.n_experts, cfg.top_k, cfg.n_layer, cfg.n_embd, cfg.ffn
     per = E // ep
     expert = 3 * h * F                                   # one expert's parameters
@@ -93,5 +94,48 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
             cap = capacity(cfg.capacity_factor, K, batch_size // grad_accum * cfg.n_ctx, E)
             lines.append(f"  capacity: at most {cap} tokens per expert per layer and micro-batch; a rank sends at "
                          f"most {capacity_bound(tokens // grad_accum, K, cap, E, ep)} rows per layer and pass")
-    lines.append("  (the communication and memory tables of the dense model are not printed for a mixture yet)")
+    if layout is not None:
+        from .costreport import _problem
+
+        p = _problem(layout, cfg, batch_size, world, dp, depth, dtype, recompute, grad_accum, zero, cp, ep=ep)
+        lines += expert_memory(p) if not isinstance(p, str) else [f"  (memory: n/a: {p})"]
+    lines.append("  (the tables below price the rest of the model, the router and the experts' activations "
+                 "included; the experts' gradient sums are on axis edp)" if ep > 1 else
+                 "  (the tables below price the rest of the model, the router and the experts' activations "
+                 "included)")
     return "\n".join(lines)
+
+
+def expert_memory(p) -> list:
+    """``info``'s lines on a mixture's memory per rank: the experts'
+    parameters, gradients and AdamW moments (E/ep experts, each sharded
+    by the layout; --zero 1 cuts their state over the expert-data group
+    of dp cp/ep ranks), and what one MoE layer keeps for backward per
+    micro-batch, part by part, for the routing ``costexperts`` prices:
+    balanced when dropless, the exact bound under a capacity."""
+    from .costexperts import capacity_rows, expected_rows, layer_parts
+    from .costmodel import expert_elems, local_param_sizes
+
+    w, cfg = p.widths, p.cfg
+    sizes = local_param_sizes(p)
+    from ..parallel.experts import expert_of
+
+    x = sum(n for name, (n, _) in sizes.items() if expert_of(name) is not None)
+    state = x // p.edp if p.sharded and p.ep > 1 else x // p.dp if p.sharded else x
+    where = (f"over the {p.edp} ranks of its expert-data group" if p.ep > 1 else f"over dp {p.dp}")
+    lines = [f"  expert memory per rank ({p.dtype}): parameters {_size(x)} elements ({_size(x * w.act)}B), "
+             f"gradients {_size(x * w.grad)}B, AdamW moments {_size(2 * state * w.grad)}B"
+             + (f" (--zero {p.zero}: the moments{' and master' if w.act != w.grad else ''} {where})"
+                if p.sharded else "")]
+    assert expert_elems(p, sizes) in (0, x)
+    rows = capacity_rows(p) if cfg.capacity_factor else expected_rows(p)
+    how = ("the capacity's bound" if cfg.capacity_factor else "balanced routing")
+    parts = layer_parts(p, rows)
+    width = {"act": w.act, "stat": w.stat, "grad": w.grad}
+    total = sum(n * width[k] for k, n in parts.values())
+    lines.append(f"  activations of one MoE layer per rank and micro-batch ({how}: {rows.sent} rows sent, "
+                 f"{rows.run} run by its {cfg.n_experts // p.ep} experts): {_size(total)}B = "
+                 + ", ".join(f"{name} {_size(n * width[k])}B" for name, (k, n) in parts.items())
+                 + f"; {p.layers} layers {_size(p.layers * total)}B"
+                 + (" (--recompute blocks: one layer's at a time)" if p.recompute == "blocks" else ""))
+    return lines

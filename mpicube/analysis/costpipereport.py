@@ -23,7 +23,8 @@ from __future__ import annotations
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..parallel.grid import plan
-from ..parallel.gridspec import GridSpec
+from ..parallel.gridspec import GridSpec, Plan
+from ..parallel.planning import check_moe
 from ..parallel.schedules import check_pipeline, check_pp_world
 from .costmemory import step_memory_bytes
 from .costmodel import Problem, step_traffic
@@ -40,6 +41,8 @@ def link_class(axis: str) -> str:
         return "pp"
     if axis in ("cp", "dp", "world"):
         return axis
+    if axis in ("ep", "edp"):          # a mixture's ranks, taken from dp (x cp)
+        return "dp"
     return "tp"
 
 
@@ -49,7 +52,7 @@ def axis_span(p: Problem, axis: str) -> int:
         return p.tp * p.cp
     if axis in ("pp", "tied"):
         return p.tp * p.cp * p.pp
-    if axis in ("dp", "world"):
+    if axis in ("dp", "world", "ep", "edp"):
         return p.tp * p.cp * p.pp * p.dp
     if p.layout == "3d":
         q = round(p.tp ** (1 / 3))
@@ -63,7 +66,7 @@ def axis_span(p: Problem, axis: str) -> int:
 def pipeline_problem(layout: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
                      depth: int = 1, pp: int = 1, schedule: str = "1f1b", virtual: int = 1,
                      dtype: str = "float32", recompute: str = "none", grad_accum: int = 1, zero: int = 0,
-                     cp: int = 1, sequence_parallel: bool = False):
+                     cp: int = 1, sequence_parallel: bool = False, ep: int = 1):
     """A validated Problem (stage 0) for dp x pp x cp x tp, or the
     ConfigError's message. The layout is validated as the tensor-parallel
     group of one stage with its cp ring (world / (dp pp) ranks, cp and
@@ -74,11 +77,13 @@ def pipeline_problem(layout: str, cfg: ModelConfig, batch_size: int, world_size:
         check_pipeline(cfg.n_layer, pp, schedule, virtual, grad_accum)
         grid = GridSpec(layout, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
         _, resolved, tp = plan(grid, cfg, batch_size, tp * dp * cp, grad_accum, recompute)
+        check_moe(Plan(resolved, dp=dp, pp=pp, cp=cp, depth=depth, sequence_parallel=sequence_parallel, zero=zero,
+                       recompute=recompute, grad_accum=grad_accum, ep=ep), cfg, tp, resolved)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
                    recompute=recompute, zero=zero, grad_accum=grad_accum, pp=pp, pp_schedule=schedule,
-                   virtual_stages=virtual, cp=cp, sequence_parallel=sequence_parallel)
+                   virtual_stages=virtual, cp=cp, sequence_parallel=sequence_parallel, ep=ep)
 
 
 def stage_figures(p: Problem, ranks_per_node: int = RANKS_PER_NODE) -> list:
@@ -134,7 +139,7 @@ def stages_report(p: Problem, ranks_per_node: int = RANKS_PER_NODE) -> str:
 
 def combinations(cfg: ModelConfig, batch_size: int, world_size: int, dtype: str = "float32",
                  recompute: str = "none", zero: int = 0, ranks_per_node: int = RANKS_PER_NODE,
-                 max_tp: int = None) -> list:
+                 max_tp: int = None, ep: int = 1) -> list:
     """Every (layout, tp, pp, dp, schedule, V, N) at this world size that
     the sizes accept, with tp at most ``max_tp``: auto layouts (3-D on a
     cube, 2-D on a square, 1-D otherwise), pp from 1 up to n_layer, 1F1B
@@ -156,7 +161,7 @@ def combinations(cfg: ModelConfig, batch_size: int, world_size: int, dtype: str 
                     if per_replica % n or (schedule == "interleaved" and n % pp):
                         continue
                     p = pipeline_problem("auto", cfg, batch_size, world_size, dp, 1, pp, schedule, v, dtype,
-                                         recompute, n, zero if dp > 1 else 0)
+                                         recompute, n, zero if dp > 1 else 0, ep=ep)
                     if not isinstance(p, str):
                         rows.append((p, worst(p, ranks_per_node)))
                         break
@@ -164,11 +169,13 @@ def combinations(cfg: ModelConfig, batch_size: int, world_size: int, dtype: str 
 
 
 def combinations_report(cfg: ModelConfig, batch_size: int, world_size: int, dtype: str = "float32",
-                        recompute: str = "none", zero: int = 0, ranks_per_node: int = RANKS_PER_NODE) -> str:
+                        recompute: str = "none", zero: int = 0, ranks_per_node: int = RANKS_PER_NODE,
+                        ep: int = 1) -> str:
     """The table of ``combinations``, per rank per step (the rank with the
     most of each), sorted by cross-node bytes; marks the pipelines whose
-    memory and cross-node bytes are both below the best run without one."""
-    rows = combinations(cfg, batch_size, world_size, dtype, recompute, zero, ranks_per_node)
+    memory and cross-node bytes are both below the best run without one
+    (a mixture's: those whose dp x cp --ep divides)."""
+    rows = combinations(cfg, batch_size, world_size, dtype, recompute, zero, ranks_per_node, ep=ep)
     flat = [(p, w) for p, w in rows if p.pp == 1]
     best = min(flat, key=lambda r: (r[1]["cross_node"], r[1]["memory"]), default=None)
     lines = [f"dp x pp x tp at world {world_size}, batch {batch_size}, {dtype}, --recompute {recompute}"
@@ -194,12 +201,12 @@ def combinations_report(cfg: ModelConfig, batch_size: int, world_size: int, dtyp
 
 
 def _chosen(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtual, dtype, recompute, grad_accum,
-            zero, cp=1, sequence_parallel=False) -> Problem:
+            zero, cp=1, sequence_parallel=False, ep=1) -> Problem:
     from ..parallel.zero import validate
 
     validate(zero, dp)
     p = pipeline_problem(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtual, dtype, recompute,
-                         grad_accum, zero, cp, sequence_parallel)
+                         grad_accum, zero, cp, sequence_parallel, ep)
     if isinstance(p, str):
         raise ConfigError(p)
     return p
@@ -208,11 +215,11 @@ def _chosen(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtua
 def pipeline_report(layout: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int, depth: int, pp: int,
                     schedule: str, virtual: int, dtype: str = "float32", recompute: str = "none",
                     grad_accum: int = 1, zero: int = 0, ranks_per_node: int = RANKS_PER_NODE,
-                    cp: int = 1, sequence_parallel: bool = False) -> str:
+                    cp: int = 1, sequence_parallel: bool = False, ep: int = 1) -> str:
     """``info --pp``: the grid, every stage's layers, in-flight micro-batch
     chunks, memory and traffic per link class, and the bubble."""
     p = _chosen(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtual, dtype, recompute,
-                grad_accum, zero, cp, sequence_parallel)
+                grad_accum, zero, cp, sequence_parallel, ep)
     head = (f"layout {p.layout}: world {world_size} = dp {dp} x pp {pp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
             + f" x tp {p.tp}" + (f", depth {p.depth}" if p.layout == "2.5d" else "")
             + (", sequence parallel (LayerNorm, dropout, residuals: T/tp positions)" if p.sequence_parallel else "")
@@ -226,11 +233,11 @@ def pipeline_report(layout: str, cfg: ModelConfig, batch_size: int, world_size: 
 def pipeline_summary(layout: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int, depth: int, pp: int,
                      schedule: str, virtual: int, dtype: str = "float32", recompute: str = "none",
                      grad_accum: int = 1, zero: int = 0, ranks_per_node: int = RANKS_PER_NODE,
-                     cp: int = 1, sequence_parallel: bool = False) -> dict:
+                     cp: int = 1, sequence_parallel: bool = False, ep: int = 1) -> dict:
     """``info --pp --json``: the run and the rank with the most of each
     figure over the stages, and every stage's."""
     p = _chosen(layout, cfg, batch_size, world_size, dp, depth, pp, schedule, virtual, dtype, recompute,
-                grad_accum, zero, cp, sequence_parallel)
+                grad_accum, zero, cp, sequence_parallel, ep)
     w = worst(p, ranks_per_node)
     stages = [{"stage": f["stage"], "layers": f["layers"], "in_flight": f["in_flight"],
                "memory_bytes_per_rank": int(f["memory"]), "cross_node_bytes_per_rank": float(f["cross_node"]),

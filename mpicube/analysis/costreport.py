@@ -5,6 +5,8 @@ over ``mpicube.analysis.costmodel``; nothing here runs a model."""
 
 from __future__ import annotations
 
+import re
+
 from ..core.config import ModelConfig
 from .costflops import step_flops
 from .costmodel import Problem, attention_split, kv_param_sizes, local_param_sizes, step_traffic
@@ -40,23 +42,28 @@ def _fmt(n) -> str:
 
 
 def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none", grad_accum=1,
-             zero=0, cp=1, sequence_parallel=False):
-    """A validated Problem, or the ConfigError's message."""
+             zero=0, cp=1, sequence_parallel=False, ep=1):
+    """A validated Problem, or the ConfigError's message (a mixture's
+    plan checked as train checks it: ``planning.check_moe``)."""
     from ..core.errors import ConfigError
+    from ..parallel.gridspec import Plan
+    from ..parallel.planning import check_moe
 
     try:
         grid = GridSpec(name, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
         _, resolved, tp = plan(grid, cfg, batch_size, world_size, grad_accum, recompute)
+        check_moe(Plan(resolved, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel, zero=zero,
+                       recompute=recompute, grad_accum=grad_accum, ep=ep), cfg, tp, resolved)
     except ConfigError as err:
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
                    recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
-                   sequence_parallel=sequence_parallel)
+                   sequence_parallel=sequence_parallel, ep=ep)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
            depth: int = 1, dtype: str = "float32", recompute: str = "none", grad_accum: int = 1,
-           zero: int = 0, cp: int = 1, sequence_parallel: bool = False) -> str:
+           zero: int = 0, cp: int = 1, sequence_parallel: bool = False, ep: int = 1) -> str:
     """Sharding plan and per-rank predictions for one layout (with the
     ``recompute`` mode's communication, memory and FLOPs, ``grad_accum``
     micro-batches, and with ``zero=1`` the optimizer state sharded over
@@ -68,13 +75,13 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
 
     validate(zero, dp)
     chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp,
-                      sequence_parallel)
+                      sequence_parallel, ep)
     if isinstance(chosen, str):
         from ..core.errors import ConfigError
 
         raise ConfigError(chosen)
     lines = [f"layout {chosen.layout}: world {world_size} = dp {dp}" + (f" x cp {cp}" if cp > 1 else "")
-             + f" x tp {chosen.tp}"
+             + f" x tp {chosen.tp}" + (f", ep {ep} of dp" + (" x cp" if cp > 1 else "") if ep > 1 else "")
              + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else "")
              + (f", {SHARDED[chosen.zero]} sharded over dp (--zero {chosen.zero})" if chosen.sharded else "")
              + (", sequence parallel (LayerNorm, dropout, residuals: T/tp positions)"
@@ -88,7 +95,8 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     shown = {}
     for decl in gpt_params(cfg):
         key = decl.name.split(".", 2)[-1] if decl.name.startswith("h.") else decl.name
-        if key in shown:
+        key = re.sub(r"^moe\.experts\.\d+\.", "moe.experts.*.", key)    # one row for every expert
+        if key in shown or decl.name not in sizes:
             continue
         shown[key] = True
         n, axis = sizes[decl.name]
@@ -97,6 +105,10 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
         if decl.name in kv:          # replicated kv heads: their k/v columns summed over the sharers
             summed = (f"{axis}, " if axis else "") + f"kv ({kv[decl.name][0]} k/v elements, {kv[decl.name][1]} ranks)"
         lines.append(f"  {label:<28} {str(decl.shape):>16} {n:>12}  {summed}")
+    if cfg.moe:
+        lines.append(f"  (h.*.moe.experts.*: {cfg.n_experts // ep} of the {cfg.n_experts} experts a rank"
+                     + (f", their gradients summed over the {chosen.edp} ranks holding them (axis edp)" if ep > 1
+                        else "") + ")")
     traffic, memory, nbytes = step_traffic(chosen), step_memory(chosen), step_memory_bytes(chosen)
     lines += ["", f"communication per rank per step ({dtype}: elements, bytes, messages):"]
     for axis in sorted(traffic.elems):
@@ -104,6 +116,9 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
                      f"{traffic.msgs[axis]:>8}")
     lines.append(f"  {'total':<10} {_fmt(traffic.total_elems()):>10} {_fmt(traffic.total_bytes()) + 'B':>10} "
                  f"{traffic.total_msgs():>8}")
+    if cfg.moe and chosen.tp > 1:
+        lines.append("  (a mixture: the attention's and router's collectives, the all-to-all (ep) and the gradient "
+                     "sums; the experts' own tensor-parallel collectives on their rows are not priced yet)")
     lines += ["", f"memory per rank ({dtype}: elements, bytes):"]
     for field_name in ("params", "grads", "optimizer", "activations"):
         lines.append(f"  {field_name:<12} {_fmt(getattr(memory, field_name)):>10}  "
@@ -116,12 +131,12 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
                  f"sequences x {cfg.n_ctx} positions"
                  + (f", {cfg.kv_heads} kv heads" if cfg.llama else "") + f"): {_fmt(cache)} elements, "
                  f"{_fmt(cache * chosen.widths.act)}B")
-    lines += ["", compare(cfg, batch_size, world_size, dp, dtype, grad_accum, zero)]
+    lines += ["", compare(cfg, batch_size, world_size, dp, dtype, grad_accum, zero, ep)]
     return "\n".join(lines)
 
 
 def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dtype: str = "float32",
-            grad_accum: int = 1, zero: int = 0) -> str:
+            grad_accum: int = 1, zero: int = 0, ep: int = 1) -> str:
     """1-D, 2-D, 2.5-D and 3-D at the same world size: communication and
     memory per rank in bytes of ``dtype``, and each one's ratio to 3-D."""
     tp = world_size // dp if world_size % dp == 0 else 0
@@ -129,7 +144,7 @@ def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dty
     for name in ("1d", "2d", "2.5d", "3d"):
         depth = comparison_depth(tp) if name == "2.5d" and tp else 1
         rows.append((name, depth, _problem(name, cfg, batch_size, world_size, dp, depth, dtype,
-                                           grad_accum=grad_accum, zero=zero)))
+                                           grad_accum=grad_accum, zero=zero, ep=ep)))
     base = next((p for n, _, p in rows if n == "3d" and not isinstance(p, str)), None)
     base_t = step_traffic(base).total_bytes() if base else None
     base_m = step_memory_bytes(base).total() if base else None
@@ -150,7 +165,7 @@ def compare(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dty
 
 
 def memory_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, dtype: str = "float32",
-                   grad_accum: int = 1) -> str:
+                   grad_accum: int = 1, ep: int = 1) -> str:
     """Every scheme under every ``--recompute`` mode (and ``--zero`` setting,
     where dp > 1 gives it replicas to shard over): memory per rank, and what
     each option costs against the same layout with none: extra bytes and
@@ -165,14 +180,14 @@ def memory_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int =
     for name in ("1d", "2d", "2.5d", "3d"):
         depth = comparison_depth(tp) if name == "2.5d" and tp else 1
         label = f"{name} d={depth}" if name == "2.5d" else name
-        base = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, grad_accum=grad_accum)
+        base = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, grad_accum=grad_accum, ep=ep)
         if isinstance(base, str):
             lines.append(f"  {label:<10} n/a: {base}")
             continue
         base_mem, base_t, base_f = step_memory_bytes(base).total(), step_traffic(base), step_flops(base)
         for recompute in RECOMPUTE_MODES:
             for zero in zeros:
-                p = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero)
+                p = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, ep=ep)
                 if isinstance(p, str):
                     lines.append(f"  {label:<10} {recompute:<9} {zero:>4} n/a: {p}")
                     continue
@@ -187,7 +202,7 @@ def memory_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int =
 
 
 def zero_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int, dtype: str = "float32",
-                 grad_accum: int = 1, recompute: str = "none") -> str:
+                 grad_accum: int = 1, recompute: str = "none", ep: int = 1) -> str:
     """Every scheme under --zero 0-3 (dp > 1): per rank, the weights,
     gradients and optimizer state ZeRO shards (their peak, the gathered
     and prefetched layers of --zero 3 included), what each step moves, and
@@ -202,7 +217,7 @@ def zero_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int, dt
     for name in ("1d", "2d", "2.5d", "3d"):
         depth = comparison_depth(tp) if name == "2.5d" and tp else 1
         label = f"{name} d={depth}" if name == "2.5d" else name
-        base = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum)
+        base = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, ep=ep)
         if isinstance(base, str):
             lines.append(f"  {label:<10} n/a: {base}")
             continue
@@ -212,7 +227,10 @@ def zero_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int, dt
         layer = max(dp * c for seg, _, c in zero_mod.segment_sizes(sizes, dp, 3) if seg != zero_mod.OUTSIDE)
         bar = state0 / dp + layer * base.widths.act
         for z in (0, 1, 2, 3):
-            p = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, z)
+            p = _problem(name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, z, ep=ep)
+            if isinstance(p, str):
+                lines.append(f"  {label:<10} {z:>4} n/a: {p}")
+                continue
             m, t = step_memory_bytes(p), step_traffic(p)
             state = m.params + m.grads + m.optimizer
             lines.append(f"  {label:<10} {z:>4} {_fmt(m.params) + 'B':>9} {_fmt(m.grads) + 'B':>9} "
@@ -223,13 +241,13 @@ def zero_options(cfg: ModelConfig, batch_size: int, world_size: int, dp: int, dt
 
 def summary(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1, depth: int = 1,
             dtype: str = "float32", recompute: str = "none", grad_accum: int = 1, zero: int = 0, cp: int = 1,
-            sequence_parallel: bool = False) -> dict:
+            sequence_parallel: bool = False, ep: int = 1) -> dict:
     """The chosen layout and options, per rank per step, for ``info --json``:
     what a script sizing a job needs without parsing the report."""
     p = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp,
-                 sequence_parallel)
+                 sequence_parallel, ep)
     t, m = step_traffic(p), step_memory_bytes(p)
-    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "cp": p.cp, "sequence_parallel": p.sequence_parallel,
+    return {"layout": p.layout, "tp": p.tp, "dp": p.dp, "cp": p.cp, "ep": p.ep, "sequence_parallel": p.sequence_parallel,
             "depth": p.depth, "batch_size": p.batch,
             "seq_len": p.seq_len, "dtype": p.dtype, "recompute": p.recompute, "zero": p.zero,
             "grad_accum": p.grad_accum,

@@ -112,54 +112,56 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
             echo(run.batch_note)
         if note:
             echo(note)
-        if cfg.moe:                      # the experts' own section (the dense tables would price a dense MLP)
-            from ..analysis.costmodel import Widths as _W
+        if cfg.moe:                      # the experts' own section; the tables below price the rest
             from ..analysis.costmoe import moe_report
 
-            echo(moe_report(cfg, batch_size, world, dp, ep, run.tp, _W.of(dtype).act, recompute, grad_accum,
-                            cp=cp))
+            echo(moe_report(cfg, batch_size, world, dp, ep, run.tp, w.act, recompute, grad_accum, cp=cp,
+                            layout=run.layout, depth=depth, dtype=dtype, zero=zero))
             if show_experts:
-                from ..analysis.costplace import placement_table
+                from ..analysis.costplace import dispatch_picture, placement_table
 
                 echo()
-                echo(placement_table(cfg, world, dp, ep, run.layout, cp=cp, pp=pp))
-            return
+                echo(placement_table(cfg, world, dp, ep, run.layout, cp=cp, pp=pp, depth=depth))
+                echo()
+                echo(dispatch_picture(cfg, batch_size, world, dp, ep, run.layout, cp=cp, pp=pp, depth=depth,
+                                      grad_accum=grad_accum))
+            echo()
         if pp > 1:
             from ..analysis.costpipereport import pipeline_report
 
             echo(pipeline_report(layout or "auto", cfg, batch_size, world, dp, depth, pp, pp_schedule,
                                  virtual_stages, dtype, recompute, grad_accum, zero, ranks_per_node, cp=cp,
-                                 sequence_parallel=sequence_parallel))
+                                 sequence_parallel=sequence_parallel, ep=ep))
         else:
             args = (layout or "auto", cfg, batch_size, world, dp, depth)
             options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
-            echo(report(*args, **options, cp=cp, sequence_parallel=sequence_parallel))
+            echo(report(*args, **options, cp=cp, sequence_parallel=sequence_parallel, ep=ep))
             echo()
-            echo(memory_options(cfg, batch_size, world, dp, dtype, grad_accum))
+            echo(memory_options(cfg, batch_size, world, dp, dtype, grad_accum, ep=ep))
             if dp > 1:
                 echo()
-                echo(zero_options(cfg, batch_size, world, dp, dtype, grad_accum, recompute))
+                echo(zero_options(cfg, batch_size, world, dp, dtype, grad_accum, recompute, ep=ep))
             if world % (dp * cp) == 0:
                 from ..analysis.costcontext import context_table
 
                 echo()
-                echo(context_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute))
+                echo(context_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute, ep=ep))
         if pipelines or pp > 1:
             from ..analysis.costpipereport import combinations_report
 
             echo()
-            echo(combinations_report(cfg, batch_size, world, dtype, recompute, zero, ranks_per_node))
+            echo(combinations_report(cfg, batch_size, world, dtype, recompute, zero, ranks_per_node, ep=ep))
         if as_json:
             if pp > 1:
                 from ..analysis.costpipereport import pipeline_summary
 
                 echo(json.dumps(pipeline_summary(layout or "auto", cfg, batch_size, world, dp, depth, pp,
                                                  pp_schedule, virtual_stages, dtype, recompute, grad_accum, zero,
-                                                 cp=cp, sequence_parallel=sequence_parallel)))
+                                                 cp=cp, sequence_parallel=sequence_parallel, ep=ep)))
             else:
                 echo(json.dumps(summary(layout or "auto", cfg, batch_size, world, dp, depth, dtype=dtype,
                                         recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
-                                        sequence_parallel=sequence_parallel)))
+                                        sequence_parallel=sequence_parallel, ep=ep)))
     elif as_json or show_heads:
         raise UserError(f"info {'--json' if as_json else '--heads'} describes a layout: give --layout and/or -n")
 
