@@ -132,7 +132,7 @@ from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costexperts import Rows
 from mpicube.analysis.costmoe import ep_traffic
-from mpicube.analysis.costplace import placement_table
+from mpicube.analysis.costplace import placement_rows
 from mpicube.parallel.experts import expert_of, model_specs
 from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
                                          pipeline_peak_activations, step_memory, step_memory_bytes)
@@ -349,20 +349,19 @@ def check_ep_traffic(cfg, layout, model, counters) -> int:
     return sum(n for led in ledgers for n in led.padded.values())
 
 
-def check_placement(cfg, layout_name, dp, store) -> None:
-    """``info --experts``' row for this rank (analysis/costplace.placement_table)
-    names exactly the experts, and the gate/up columns and down rows of
-    each, that this rank's store holds."""
-    world, rank = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
-    row = placement_table(cfg, world, dp, EP, layout_name).splitlines()[2 + rank].split()
-    first, last = map(int, row[4].split(".."))
+def check_placement(run, store) -> None:
+    """``info --experts``' row for this rank (analysis/costplace.placement_rows,
+    drawn on paper from the layout's own constructor and shard) names
+    exactly the experts, and the c_fc and c_proj index blocks of each,
+    that this rank's store holds."""
+    rank = MPI.COMM_WORLD.rank
+    row = placement_rows(run)[rank]
     held = sorted({expert_of(s.name) for s in store.specs if s.expert})
-    assert held == list(range(first, last + 1)), f"rank {rank}: holds experts {held}, the table says {row[4]}"
+    assert held == row["experts"], f"rank {rank}: holds experts {held}, the table says {row['experts']}"
     for e in held:
-        cols = store.by_name[f"h.0.moe.experts.{e}.c_fc.weight"].index[1]
-        rows = store.by_name[f"h.0.moe.experts.{e}.c_proj.weight"].index[0]
-        gate, up = cols[:len(cols) // 2], cols[len(cols) // 2:]
-        assert (f"{gate[0]}..{gate[-1]}", f"{up[0]}..{up[-1]}", f"{rows[0]}..{rows[-1]}") == (row[5], row[7], row[8])
+        for name in ("c_fc", "c_proj"):
+            index = store.by_name[f"h.0.moe.experts.{e}.{name}.weight"].index
+            assert all(np.array_equal(a, b) for a, b in zip(index, row[name])), f"rank {rank}: {name} of expert {e}"
 
 
 def synced_gradient(store, host):
@@ -471,8 +470,9 @@ def main():
         assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp * CP // EP)
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
-    if ARCH == "mixtral" and layout_name in ("serial", "1d") and CP == 1:   # the table draws 1-D's split (no cp)
-        check_placement(cfg, layout_name, dp, store)
+    if ARCH == "mixtral":                                   # info --experts' table, every layout
+        check_placement(resolve(GridSpec(layout_name, dp=dp, cp=CP, ep=EP, depth=depth, grad_accum=ACCUM,
+                                         recompute=RECOMPUTE, zero=ZERO), cfg, batch, MPI.COMM_WORLD.size), store)
     for step, (x, y) in enumerate(steps, start=1):
         for st in (store, s_store):
             st.zero_grad()

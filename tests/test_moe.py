@@ -272,18 +272,32 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["-n", "8", "--dp", "2", "--layout", "2d"], "--experts draws where experts sit on the serial and 1-D layouts "
-                                                 "without --cp and --pp so far, not with --layout 2d"),
-    (["-n", "4", "--dp", "2", "--cp", "2", "--layout", "serial"], "not with --cp 2"),
+@pytest.mark.parametrize("extra,grid", [
+    (["-n", "16", "--dp", "2", "--layout", "3d"], "i,j,k"),
+    (["-n", "16", "--dp", "2", "--cp", "2", "--layout", "2d"], "l,r,c"),
+    (["-n", "16", "--dp", "2", "--depth", "2", "--layout", "2.5d", "--capacity-factor", "1.0"], "l,r,c"),
+    (["-n", "8", "--dp", "2", "--pp", "2", "--layout", "1d", "--capacity-factor", "1.0"], "(t)"),
 ])
-def test_info_experts_refuses_the_layouts_it_does_not_draw(extra, message):
-    """info --experts draws 1-D's split of an expert; the 2-D, 2.5-D and 3-D
-    layouts' own rules, and --cp's rank numbering, are refused by name."""
+def test_info_experts_draws_every_layout(extra, grid):
+    """info --experts draws each rank's experts and their shards on 2-D,
+    2.5-D, 3-D, with --cp and --pp (each row equals the rank's store in the
+    parallel_check launches), and one dispatch step: the rows each ep rank
+    sends to each add up to what each receives and to every expert's rows."""
     proc = cli("info", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
                "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--ep", "2", "--experts", *extra)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    world = int(extra[1])
+    table = out.split("experts on ")[1].split("\n\n")[0].splitlines()[3:]
+    assert grid in out and [int(r.split()[0]) for r in table] == list(range(world)), out
+    assert all(r.split()[8] in ("0..1", "2..3") for r in table), table        # E/ep experts a rank
+    pic = out.split("one dispatch step")[1].split("\n\n")[0].splitlines()
+    sent = [[int(v) for v in r.split(")")[1].split()[:2]] for r in pic if r.strip().startswith("ep ")]
+    received = [int(v) for v in next(r for r in pic if r.strip().startswith("received")).split()[1:]]
+    per_expert = [int(v.split()[1]) for v in pic[-1].split(":")[1].split(";")[0].split(",")]
+    assert received == [sum(col) for col in zip(*sent)] and sum(received) == sum(per_expert) > 0, pic
+    if "--capacity-factor" in extra and "1d" in extra:    # the capacity applied exactly: 32 = ceil(1 x 2 x 64 / 4)
+        assert "capacity 32 per expert" in out and max(per_expert) <= 32, pic
 
 
 def test_info_counts_the_ep_ranks_of_dp_x_cp():

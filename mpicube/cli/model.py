@@ -121,10 +121,9 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                 from ..analysis.costplace import dispatch_picture, placement_table
 
                 echo()
-                echo(placement_table(cfg, world, dp, ep, run.layout, cp=cp, pp=pp, depth=depth))
+                echo(placement_table(run))
                 echo()
-                echo(dispatch_picture(cfg, batch_size, world, dp, ep, run.layout, cp=cp, pp=pp, depth=depth,
-                                      grad_accum=grad_accum))
+                echo(dispatch_picture(run))
             echo()
         if pp > 1:
             from ..analysis.costpipereport import pipeline_report

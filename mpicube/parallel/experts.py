@@ -80,11 +80,17 @@ class Dispatch:
         g = ep.size
         per = n_experts // g
         self.ep, self.per = ep, per
-        self.send_counts = kept_counts.reshape(g, per).sum(axis=1)              # (g,) rows to each rank
+        self.send_counts = self.destinations(kept_counts, g)                     # (g,) rows to each rank
         mine = kept_counts.reshape(g, per)                                       # (g, per) by destination
         # (g, per): rows of each of this rank's experts that each source sends (counts exchanged first)
         self.recv_matrix = comm_alltoall.exchange_counts(ep, mine)
         self.recv_counts = self.recv_matrix.sum(axis=1)                          # (g,)
+
+    @staticmethod
+    def destinations(kept_counts: np.ndarray, g: int) -> np.ndarray:
+        """(g,) rows for each ep rank from (E,) kept rows per expert: rank
+        r holds experts [r E/g, (r+1) E/g) (``local_experts``)."""
+        return kept_counts.reshape(g, -1).sum(axis=1)
 
     def send(self, rows):
         """rows (m, w) grouped by destination -> (r, w) grouped by source, then expert."""

@@ -81,17 +81,28 @@ def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, r
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
     ep = grid.ep                         # --ep: groups of ep consecutive replicas (parallel/experts.py)
+    group, ep_rank, edp_rank = ep_coords(grid, d, c)
     if ep > 1 and grid.cp > 1:           # folded into dp x cp, as Megatron does: q = d cp + c
-        q = d * grid.cp + c
-        plane = split("dpcp", (0, p, 0, t), q)
-        axes.ep = plane.split("ep", q // ep, q % ep)
-        axes.edp = plane.split("edp", q % ep, q // ep)
+        plane = split("dpcp", (0, p, 0, t), d * grid.cp + c)
+        axes.ep = plane.split("ep", group, ep_rank)
+        axes.edp = plane.split("edp", ep_rank, edp_rank)
     else:
-        axes.ep = axes.dp.split("ep", d // ep, d % ep)
-        axes.edp = axes.dp.split("edp", d % ep, d // ep) if ep > 1 else axes.dp   # ep 1: every replica
+        axes.ep = axes.dp.split("ep", group, ep_rank)
+        axes.edp = axes.dp.split("edp", ep_rank, edp_rank) if ep > 1 else axes.dp   # ep 1: every replica
     extra = {"sequence_parallel": True} if grid.sequence_parallel else {}
     return run.cls(run.cfg, axes, run.micro_batch, depth=grid.depth, recompute=grid.recompute,
                    overlap=grid.overlap, attention=grid.attention, **extra)
+
+
+def ep_coords(grid, d: int, c: int) -> tuple:
+    """(ep group, ep rank, expert-data rank) of replica ``d``'s context
+    rank ``c``: groups of ep consecutive replicas (d // ep, d % ep), or
+    under --ep with --cp of ep consecutive q = d cp + c (the fold); the
+    expert-data group is the ranks of the same ep rank. Pure, so
+    ``analysis.costplace`` draws from it what ``build_layout`` splits."""
+    ep = grid.ep
+    q = d * grid.cp + c if ep > 1 and grid.cp > 1 else d
+    return q // ep, q % ep, q // ep
 
 
 def tied_pair(axes: Axes):
