@@ -33,9 +33,10 @@ the dense MLP's).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ..ops.moe import capacity
-from .costbase import Problem
+from .costbase import Problem, Traffic
 
 
 @dataclass(frozen=True)
@@ -141,3 +142,26 @@ def moe_linear_flops(p: Problem, N: int) -> int:
     cfg = p.cfg
     router = 2 * N * cfg.n_embd * cfg.n_experts * (p.tp if p.layout == "1d" else 1)
     return router + cfg.top_k * 2 * N * 3 * cfg.n_embd * cfg.ffn
+
+
+def ep_traffic(routes, g: int, rank: int, n_experts: int, row: int, width: int, forwards: int = 1,
+               norm: bool = True) -> Traffic:
+    """Traffic on axis "ep" of one step: ``routes`` lists (rows sent to,
+    rows received from) each ep rank, (g,) each, one pair per MoE layer
+    and micro-batch; ``rank`` this rank's ep rank, ``row`` the elements of
+    a row (the hidden size), ``width`` the activations' bytes, ``forwards``
+    forward passes per layer (2 under --recompute blocks), ``norm`` whether
+    the step took the gradient norm."""
+    t = Traffic()
+    if g == 1:
+        return t
+    if norm:
+        t.allreduce("ep", g, 1, width=8)
+    for sent, received in routes:
+        others = [j for j in range(g) if j != rank]
+        t._add("ep", g, (g - 1) * (n_experts // g), g - 1, forwards, 8)             # the counts
+        out = Fraction(sum(int(sent[j]) for j in others) * row)
+        back = Fraction(sum(int(received[j]) for j in others) * row)
+        t._add("ep", g, out, sum(1 for j in others if sent[j]), forwards + 1, width)       # rows, dy out
+        t._add("ep", g, back, sum(1 for j in others if received[j]), forwards + 1, width)  # outputs, dx back
+    return t

@@ -256,8 +256,8 @@ def step_traffic(p: Problem) -> Traffic:
     elif p.sharded:
         _group_sums(p, t, group_sizes)
         _kv_sums(p, t, kv_param_sizes(p))
-        for axis, g, n in (("dp", p.dp, params - experts), ("edp", p.edp, experts)):
-            padded, chunk = zero.sizes(n, g, p.zero) if n else (0, 0)
+        for axis, g, n in (("dp", p.dp, params - experts), ("edp", p.edp, experts))[:2 if experts else 1]:
+            padded, chunk = zero.sizes(n, g, p.zero)
             t.reduce_scatter(axis, g, padded, width=w.gsum)    # (16-bit words counted as MPI's)
             t.allgather(axis, g, chunk, width=w.act)           # parameters after the step
         t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)   # gradient norm
@@ -294,8 +294,7 @@ def ep_step_traffic(p: Problem) -> Traffic:
     balanced, or a capacity's bound) evenly over the ep ranks; the
     gradient norm's sum over ep without --zero. The experts' own
     tensor-parallel collectives on those rows are not priced here."""
-    from .costexperts import grid, layer_rows
-    from .costmoe import ep_traffic
+    from .costexperts import ep_traffic, grid, layer_rows
 
     routes = [([r.sent // p.ep] * p.ep, [r.sent // p.ep] * p.ep) for r in layer_rows(p, p.layers)] * p.grad_accum
     return ep_traffic(routes, p.ep, 0, p.cfg.n_experts, grid(p)[1], p.widths.act,

@@ -16,32 +16,7 @@ experts' squares, ``gradients.global_grad_norm``).
 
 from __future__ import annotations
 
-from fractions import Fraction
-
-from .costbase import Traffic
-
-
-def ep_traffic(routes, g: int, rank: int, n_experts: int, row: int, width: int, forwards: int = 1,
-               norm: bool = True) -> Traffic:
-    """Traffic on axis "ep" of one step: ``routes`` lists (rows sent to,
-    rows received from) each ep rank, (g,) each, one pair per MoE layer
-    and micro-batch; ``rank`` this rank's ep rank, ``row`` the elements of
-    a row (the hidden size), ``width`` the activations' bytes, ``forwards``
-    forward passes per layer (2 under --recompute blocks), ``norm`` whether
-    the step took the gradient norm."""
-    t = Traffic()
-    if g == 1:
-        return t
-    if norm:
-        t.allreduce("ep", g, 1, width=8)
-    for sent, received in routes:
-        others = [j for j in range(g) if j != rank]
-        t._add("ep", g, (g - 1) * (n_experts // g), g - 1, forwards, 8)             # the counts
-        out = Fraction(sum(int(sent[j]) for j in others) * row)
-        back = Fraction(sum(int(received[j]) for j in others) * row)
-        t._add("ep", g, out, sum(1 for j in others if sent[j]), forwards + 1, width)       # rows, dy out
-        t._add("ep", g, back, sum(1 for j in others if received[j]), forwards + 1, width)  # outputs, dx back
-    return t
+from .costexperts import ep_traffic  # noqa: F401 (its usual import)
 
 
 def capacity_bound(n_tokens_rank: int, top_k: int, cap: int, n_experts: int, g: int) -> int:
@@ -134,7 +109,8 @@ def expert_memory(p) -> list:
     width = {"act": w.act, "stat": w.stat, "grad": w.grad}
     total = sum(n * width[k] for k, n in parts.values())
     lines.append(f"  activations of one MoE layer per rank and micro-batch ({how}: {rows.sent} rows sent, "
-                 f"{rows.run} run by its {cfg.n_experts // p.ep} experts): {_size(total)}B = "
+                 f"{rows.run} run by its {cfg.n_experts // p.ep} expert{'s' if cfg.n_experts // p.ep > 1 else ''}): "
+                 f"{_size(total)}B = "
                  + ", ".join(f"{name} {_size(n * width[k])}B" for name, (k, n) in parts.items())
                  + f"; {p.layers} layers {_size(p.layers * total)}B"
                  + (" (--recompute blocks: one layer's at a time)" if p.recompute == "blocks" else ""))
