@@ -58,10 +58,10 @@ Environment:
                               compared includes them); MPICUBE_CHECK_CAPACITY=F
                               dispatches with capacity factor F, and
                               MPICUBE_CHECK_EP=E splits the experts over E of
-                              the dp replicas (--ep E); memory is compared with
-                              the model for the routing each layer recorded
-                              (analysis/costexperts.py), traffic on axis ep
-                              (the all-to-all, analysis/costmoe.py) only
+                              the dp replicas (--ep E); traffic and memory are
+                              compared with the model for the routing each
+                              layer recorded (analysis/costexperts.py,
+                              costexpertcomm.py)
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -131,7 +131,6 @@ from mpicube.parallel.comm import Counters
 from mpicube.core.config import ModelConfig
 from mpicube.analysis.costmodel import Problem, step_traffic
 from mpicube.analysis.costexperts import Rows
-from mpicube.analysis.costmoe import ep_traffic
 from mpicube.analysis.costplace import placement_rows
 from mpicube.parallel.experts import expert_of, model_specs
 from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_activation_bytes,
@@ -164,7 +163,6 @@ LAYERS = int(os.environ.get("MPICUBE_CHECK_LAYERS", "2"))
 SEQPAR = os.environ.get("MPICUBE_CHECK_SEQPAR", "0") == "1"   # 1-D under --sequence-parallel
 CP = int(os.environ.get("MPICUBE_CHECK_CP", "1"))   # context-parallel ranks (each sequence over CP ranks)
 ARCH = os.environ.get("MPICUBE_CHECK_ARCH", "gpt2")
-COSTED = ARCH != "mixtral"          # a mixture's traffic: the all-to-all's only (check_ep_traffic)
 LLAMA = dict(n_head=6, n_embd=24, arch="llama", n_kv_head=2, ffn_hidden=20, rope_theta=100.0, rms_eps=1e-5)
 CAPACITY = float(os.environ.get("MPICUBE_CHECK_CAPACITY", "0"))
 EP = int(os.environ.get("MPICUBE_CHECK_EP", "1"))
@@ -254,7 +252,8 @@ def problem_of(cfg, layout, plan, batch: int, dtype: str = None) -> Problem:
                    DTYPE if dtype is None else dtype, recompute=plan.recompute, grad_accum=plan.grad_accum,
                    zero=plan.zero, cp=plan.cp, sequence_parallel=plan.sequence_parallel, pp=plan.pp,
                    pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages, stage=layout.axes.pp.rank,
-                   ep=layout.axes.ep.size if layout.axes.ep is not None else 1)
+                   ep=layout.axes.ep.size if layout.axes.ep is not None else 1,
+                   ep_rank=layout.axes.ep.rank if layout.axes.ep is not None else 0)
 
 
 def check_traffic(problem, counters, where: str = None) -> None:
@@ -312,12 +311,36 @@ def check_kept(problem, dropout: bool, kept, label: str) -> None:
     assert tuple(kept) == want, f"rank {MPI.COMM_WORLD.rank}: {label} keeps {kept}, model predicts {want}"
 
 
-def measured_rows(ledger) -> tuple:
-    """A micro-batch's routing as the memory model reads it (costexperts.Rows
-    per MoE layer): rows this rank kept and sent, rows its experts ran on
-    (received plus the layout's padding)."""
-    return tuple(Rows(int(ledger.routes[k][0].sum()), int(ledger.routes[k][1].sum()) + ledger.padded[k])
-                 for k in sorted(ledger.routes))
+def measured_rows(ledger, calls: list) -> tuple:
+    """A micro-batch's routing as the cost model reads it (costexperts.Rows
+    per MoE layer): the rows this rank sent to and received from each ep
+    rank (the ledger's routes), and the rows each local expert ran on
+    (``calls``: what the layout's ``expert_rows`` answered, layer by layer,
+    in this forward)."""
+    out = []
+    for k, (held, sizes, every) in zip(sorted(ledger.routes), calls):
+        sent, received = ledger.routes[k]
+        assert int((sizes - held).sum()) == ledger.padded[k]
+        out.append(Rows(tuple(int(v) for v in sent), tuple(int(v) for v in received),
+                        tuple(int(v) for v in sizes), bool(every)))
+    return tuple(out)
+
+
+def record_expert_rows(layout) -> list:
+    """Wrap ``layout.expert_rows`` on this instance (the seam where a
+    MoE layer asks how many rows each expert runs on, model/moe.py) to
+    record (held, sizes, every) of every call, in call order; a trace
+    observes the router the same way (analysis/trace_collect.py)."""
+    calls, ask = [], layout.expert_rows
+
+    def expert_rows(held):
+        sizes, every = ask(held)
+        calls.append((np.asarray(layout.backend.to_host(held), dtype=np.int64),
+                      np.asarray(layout.backend.to_host(sizes), dtype=np.int64), every))
+        return sizes, every
+
+    layout.expert_rows = expert_rows
+    return calls
 
 
 def check_pipeline_memory(problem, pipe, where: str = None) -> None:
@@ -329,24 +352,6 @@ def check_pipeline_memory(problem, pipe, where: str = None) -> None:
     if pipe.peak_saved != (peak, peak_bytes):
         raise AssertionError(f"{where or f'rank {MPI.COMM_WORLD.rank}'} (stage {problem.stage}): peak saved "
                              f"activations {pipe.peak_saved} (elements, bytes), model {(peak, peak_bytes)}")
-
-
-def check_ep_traffic(cfg, layout, model, counters) -> int:
-    """The ep axis's measured elements, bytes and messages == the model
-    (analysis/costmoe.py) for the routing each MoE layer recorded this step.
-    Returns the zero rows this rank's experts were padded with (3-D)."""
-    ledgers = model.router_log.take_ledgers()
-    routes = [led.routes[k] for led in ledgers for k in sorted(led.routes)]
-    ep = layout.axes.ep
-    row = len(layout.canonical_cols)                  # a dispatched row: this rank's hidden columns of a token
-    want = ep_traffic(routes, ep.size, ep.rank, cfg.n_experts, row, np.dtype(layout.backend.dtype).itemsize,
-                      forwards=2 if RECOMPUTE == "blocks" else 1, norm=not ZERO)   # --zero: the norm sums over the world
-    got = (counters.elems["ep"], counters.bytes["ep"], counters.msgs["ep"])
-    assert got == (want.elems["ep"], want.bytes["ep"], want.msgs["ep"]), \
-        f"rank {MPI.COMM_WORLD.rank}: ep traffic {got} != model {want.elems['ep'], want.bytes['ep'], want.msgs['ep']}"
-    if ep.size > 1:
-        assert want.elems["ep"] > 0
-    return sum(n for led in ledgers for n in led.padded.values())
 
 
 def check_placement(run, store) -> None:
@@ -470,6 +475,7 @@ def main():
         assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp * CP // EP)
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
+    asked = record_expert_rows(layout) if ARCH == "mixtral" else None
     if ARCH == "mixtral":                                   # info --experts' table, every layout
         check_placement(resolve(GridSpec(layout_name, dp=dp, cp=CP, ep=EP, depth=depth, grad_accum=ACCUM,
                                          recompute=RECOMPUTE, zero=ZERO), cfg, batch, MPI.COMM_WORLD.size), store)
@@ -498,8 +504,8 @@ def main():
         def after_forward(m):
             """Between micro-batch m's forward and its backward."""
             kept.append((model.saved_elements(), model.saved_bytes()))
-            if ARCH == "mixtral":
-                routing.append(measured_rows(model.router_log.ledgers[-1]))
+            if ARCH == "mixtral":                                   # this forward's layers: the last L calls
+                routing.append(measured_rows(model.router_log.ledgers[-1], asked[-cfg.n_layer:]))
             if step == 1 and s_logits is not None:
                 check_logits(parts, m, s_logits, f"logits of micro-batch {m}")
 
@@ -512,8 +518,8 @@ def main():
             if ARCH == "mixtral":                                   # priced for the routing each layer recorded
                 assert ACCUM == 1 or RECOMPUTE != "blocks", "the rerun peak is priced for micro-batch 0's routing"
                 for m in range(1, len(kept)):
-                    check_kept(replace(problem, routing=routing[m]), dropout > 0, kept[m], f"micro-batch {m}")
-                check_memory(replace(problem, routing=routing[0]), dropout > 0, store, model, kept[0], opt.adam)
+                    check_kept(replace(problem, routing=(routing[m],)), dropout > 0, kept[m], f"micro-batch {m}")
+                check_memory(replace(problem, routing=(routing[0],)), dropout > 0, store, model, kept[0], opt.adam)
             else:
                 check_memory(problem, dropout > 0, store, model, kept[0], opt.adam)
         opt.sync()
@@ -525,10 +531,11 @@ def main():
             check_gradients(store, host, s_store.grad, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / LOSS_SCALE)
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
-        if COSTED:
+        if ARCH == "mixtral":                             # a mixture: priced for this step's routing
+            check_traffic(replace(problem, routing=tuple(routing)), counters)
+            PADDED[0] += sum(n for led in model.router_log.take_ledgers() for n in led.padded.values())
+        else:
             check_traffic(problem, counters)              # the step's all-gather (zero 1) too
-        else:                                             # a mixture: the all-to-all's from this step's routing
-            PADDED[0] += check_ep_traffic(cfg, layout, model, counters)
     if not HALF:
         check_params(store, host, s_store.data, "after 3 steps")
     padded = MPI.COMM_WORLD.allreduce(PADDED[0])

@@ -123,7 +123,8 @@ class Problem:
     sequence_parallel: bool = False   # 1-D: canonical activations a T/tp shard (parallel/layouts/seqpar.py)
     cp: int = 1              # context-parallel ranks: each holds seq_len / cp positions (parallel.context)
     ep: int = 1              # expert-parallel ranks (a mixture: E/ep experts a rank, parallel.experts)
-    routing: tuple = None    # a mixture's rows per MoE layer of this rank, ((sent, run), ...) (costexperts.Rows)
+    ep_rank: int = 0         # this rank's among them (which of a measured routing's peers is itself)
+    routing: tuple = None    # a mixture's measured rows: per micro-batch, per MoE layer (costexperts.Rows)
 
     @property
     def local_seq(self) -> int:

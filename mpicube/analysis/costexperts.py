@@ -43,8 +43,25 @@ from .costbase import Problem, Traffic
 class Rows:
     """One MoE layer's rows on one rank in one forward pass."""
 
-    sent: int   # (token, expert) rows this rank routes and keeps: sent to the experts' ranks, brought back
-    run: int    # rows its local experts' linears run on: those received, plus a layout's zero padding (3-D)
+    sent_to: tuple    # (ep,) kept (token, expert) rows this rank sends to each ep rank (itself included)
+    received: tuple   # (ep,) rows it receives from each ep rank (its experts' rows, source by source)
+    experts: tuple    # (E/ep,) rows each local expert's linears run on: received, plus a layout's zero padding
+    every: bool = True   # whether an expert with no rows still runs (its linears' collectives: 2-D, 2.5-D, 3-D)
+
+    @property
+    def sent(self) -> int:
+        return sum(self.sent_to)
+
+    @property
+    def run(self) -> int:
+        return sum(self.experts)
+
+    @classmethod
+    def even(cls, p: Problem, sent: int, run: int) -> "Rows":
+        """``sent`` rows spread evenly over the ep ranks (and received so),
+        ``run`` over the local experts."""
+        g, local = p.ep, p.cfg.n_experts // p.ep
+        return cls((sent // g,) * g, (sent // g,) * g, (run // local,) * local, p.layout not in ("serial", "1d"))
 
 
 def grid(p: Problem) -> tuple:
@@ -71,8 +88,8 @@ def expected_rows(p: Problem) -> Rows:
     n, K = grid(p)[0], p.cfg.top_k
     if p.cfg.capacity_factor:
         bound = capacity_rows(p)
-        return Rows(min(n * K, bound.sent), min(n * K, bound.run))
-    return Rows(n * K, n * K)
+        return Rows.even(p, min(n * K, bound.sent), min(n * K, bound.run))
+    return Rows.even(p, n * K, n * K)
 
 
 def capacity_rows(p: Problem) -> Rows:
@@ -80,15 +97,17 @@ def capacity_rows(p: Problem) -> Rows:
     cfg = p.cfg
     n, E, K = grid(p)[0], cfg.n_experts, cfg.top_k
     C = capacity(cfg.capacity_factor, K, micro_tokens(p), E)
-    return Rows(min(n * K, E * min(C, n)), E // p.ep * min(C, p.ep * n))
+    return Rows.even(p, min(n * K, E * min(C, n)), E // p.ep * min(C, p.ep * n))
 
 
-def layer_rows(p: Problem, count: int) -> list:
-    """The ``Rows`` of ``count`` MoE layers: ``p.routing`` (measured), else
+def layer_rows(p: Problem, count: int, micro: int = 0) -> list:
+    """The ``Rows`` of ``count`` MoE layers in micro-batch ``micro``:
+    ``p.routing`` (measured: one tuple of layers per micro-batch), else
     the expected rows of dropless dispatch or the bound of a capacity."""
     if p.routing is not None:
-        assert len(p.routing) == count, f"routing of {len(p.routing)} layers for {count}"
-        return list(p.routing)
+        rows = p.routing[micro % len(p.routing)]
+        assert len(rows) == count, f"routing of {len(rows)} layers for {count}"
+        return list(rows)
     one = capacity_rows(p) if p.cfg.capacity_factor else expected_rows(p)
     return [one] * count
 

@@ -269,8 +269,10 @@ def step_traffic(p: Problem) -> Traffic:
             t.sum("edp", p.edp, experts, width=w.gsum)
         t.allreduce("tp", p.tp, 1, width=w.scalar)             # gradient norm
         t.allreduce("pp", p.pp, 1, width=w.scalar)             # ... and over the stages
-    if experts:                      # a mixture's all-to-all for the routing costexperts prices
-        t.add(ep_step_traffic(p))
+    if p.cfg.moe:                    # the router, its ledger, the all-to-all and the experts' linears
+        from .costexpertcomm import moe_traffic
+
+        t.add(moe_traffic(p, norm=not p.sharded))
     # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
@@ -286,19 +288,6 @@ def expert_elems(p: Problem, sizes: dict) -> int:
     from ..parallel.experts import expert_of
 
     return sum(n for name, (n, _) in sizes.items() if expert_of(name) is not None)
-
-
-def ep_step_traffic(p: Problem) -> Traffic:
-    """Axis "ep" of one step under --ep (``costmoe.ep_traffic``), each MoE
-    layer of each micro-batch sending its rows (``costexperts.layer_rows``:
-    balanced, or a capacity's bound) evenly over the ep ranks; the
-    gradient norm's sum over ep without --zero. The experts' own
-    tensor-parallel collectives on those rows are not priced here."""
-    from .costexperts import ep_traffic, grid, layer_rows
-
-    routes = [([r.sent // p.ep] * p.ep, [r.sent // p.ep] * p.ep) for r in layer_rows(p, p.layers)] * p.grad_accum
-    return ep_traffic(routes, p.ep, 0, p.cfg.n_experts, grid(p)[1], p.widths.act,
-                      forwards=2 if p.recompute == "blocks" else 1, norm=not p.sharded)
 
 
 def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:

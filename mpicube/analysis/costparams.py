@@ -53,14 +53,18 @@ def local_param_sizes(p: Problem) -> dict:
     --ep a mixture's experts of one ep rank (E/ep of them, every rank
     holding as many: ``experts.model_specs``), after the dense tensors,
     as ``ParamStore`` lays them out."""
-    cfg, out, experts = p.cfg, {}, {}
+    cfg, out, experts, seen = p.cfg, {}, {}, {}
     mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
     for decl in gpt_params(cfg):
         e = expert_of(decl.name)
         if e is not None and e >= cfg.n_experts // p.ep:
             continue
         if on_stage(p, decl.name, mine):
-            (out if e is None else experts)[decl.name] = _local_size(p, decl)
+            # every block's tensor of a name is sharded alike: size it once (a mixture has E of them a block)
+            key = (decl.name.split(".", 2)[-1] if decl.name.startswith("h.") else decl.name, decl.role, decl.shape)
+            if key not in seen:
+                seen[key] = _local_size(p, decl)
+            (out if e is None else experts)[decl.name] = seen[key]
     out.update(experts)
     return out
 

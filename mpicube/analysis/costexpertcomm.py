@@ -1,0 +1,123 @@
+"""A mixture's traffic beyond the dense part of a block: what
+``model.moe.MoE``, its ``RouterLedger`` and the experts' linears move on
+one rank in one step, for the rows ``costexperts.layer_rows`` gives (the
+routing each layer recorded, in the tests; balanced, or a capacity's
+bound, in ``info``). ``costmodel.step_traffic`` adds it.
+
+Per MoE layer and forward pass (twice per layer under --recompute
+blocks, whose rerun repeats the forward):
+
+* the router's logits summed over the hidden group (2-D, 2.5-D: the grid
+  row; 3-D: k), an all-gather of every rank's (n, E) partial product in
+  the compute format (``MoE._hidden_sum``); backward gathers the routing
+  weights' (n, K) gradient partials the same way;
+* under a capacity, the drop order's counts (``RouterLedger.offsets``):
+  one all-gather of E float64 over the tp ranks with the replica's other
+  sequences (2-D, 2.5-D: column x depth; 3-D: the (i, j) plane) and one
+  over dp; under --cp first one all-gather of the ring's n K choices
+  (float64) over cp (``ring_places``);
+* the all-to-all over ep (``ep_traffic``, below the counts and rows);
+* the cube's count of each local expert's rows, all-gathered over j
+  (E/ep int64, ``CubeLayout.expert_rows``);
+* each expert's two linears, on the rows it runs on, as the layout's
+  linears move an MLP's activations: 1-D sums c_proj's output (forward)
+  and c_fc's input gradient (backward) over tp; SUMMA broadcasts and
+  reduces X and W panels along the row and column; the cube gathers and
+  reduce-scatters over i, j, k. An expert with no rows runs where
+  ``Rows.every`` says (its collectives span ranks that may hold rows).
+
+Per micro-batch: the ledger's (L, 2 E + 2) statistics all-reduced in the
+compute format over the same tp ranks, the ring and dp
+(``RouterLedger.finish``, before any backward).
+"""
+
+from __future__ import annotations
+
+from .costbase import Problem, Traffic
+from .costexperts import ep_traffic, grid, layer_rows
+
+
+def token_axis(p: Problem) -> tuple:
+    """(axis, size) of the tp ranks with the replica's other sequences
+    (``Layout.token_comm``), or None on serial and 1-D."""
+    if p.layout in ("2d", "2.5d"):
+        q = round((p.tp // p.depth) ** 0.5)
+        return "col_depth", p.depth * q
+    if p.layout == "3d":
+        q = round(p.tp ** (1 / 3))
+        return "ij", q * q
+    return None
+
+
+def hidden_axis(p: Problem) -> tuple:
+    """(axis, size) of the ranks splitting a token's hidden columns
+    (``Layout.hidden_comm``), or None."""
+    if p.layout in ("2d", "2.5d"):
+        return "row", round((p.tp // p.depth) ** 0.5)
+    if p.layout == "3d":
+        return "k", round(p.tp ** (1 / 3))
+    return None
+
+
+def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
+    """Every MoE layer's traffic of one step on this rank (module
+    docstring), its all-to-all included; ``norm``: the gradient norm's
+    float64 sum over ep (without --zero)."""
+    t, cfg, w = Traffic(), p.cfg, p.widths
+    n, c, _, _ = grid(p)
+    E, K, L = cfg.n_experts, cfg.top_k, p.layers
+    forwards = 2 if p.recompute == "blocks" else 1
+    hidden, tokens = hidden_axis(p), token_axis(p)
+    routes = []
+    for m in range(p.grad_accum):
+        rows = layer_rows(p, L, m)
+        routes += [(r.sent_to, r.received) for r in rows]
+        for r in rows:
+            if hidden:
+                t.allgather(hidden[0], hidden[1], n * E, times=forwards, width=w.stat)   # logits
+                t.allgather(hidden[0], hidden[1], n * K, width=w.stat)                  # d weights
+            if cfg.capacity_factor:
+                if p.cp > 1:
+                    t.allgather("cp", p.cp, n * K, times=forwards, width=8)
+                for axis, g in ([tokens] if tokens else []) + [("dp", p.dp)]:
+                    t.allgather(axis, g, E, times=forwards, width=8)
+            if p.layout == "3d":
+                q = round(p.tp ** (1 / 3))
+                t.allgather("j", q, E // p.ep, times=forwards, width=8)
+            for size in r.experts:
+                if size or r.every:
+                    t.add(expert_linears(p, size, forwards))
+        stats = L * (2 * E + 2)
+        for axis, g in ([tokens] if tokens else []) + [("cp", p.cp), ("dp", p.dp)]:
+            t.allreduce(axis, g, stats, width=w.stat)
+    t.add(ep_traffic(routes, p.ep, p.ep_rank, E, c, w.act, forwards=forwards, norm=norm))
+    return t
+
+
+def expert_linears(p: Problem, rows: int, forwards: int) -> Traffic:
+    """One expert's c_fc (h -> 2F) and c_proj (F -> h) on ``rows`` rows of
+    this rank, forward ``forwards`` times and backward once, as the
+    layout's linears move an MLP's (``costmodel``'s per-linear terms)."""
+    t, cfg, w = Traffic(), p.cfg, p.widths
+    h, F = cfg.n_embd, cfg.ffn
+    if p.layout == "1d":
+        t.sum("tp", p.tp, rows * h, times=forwards + 1, width=w.red)      # c_proj's Y; c_fc's dX
+    elif p.layout in ("2d", "2.5d"):
+        q = round((p.tp // p.depth) ** 0.5)
+        for h_in, h_out in ((h, 2 * F), (F, h)):
+            x_panel, w_panel = rows * h_in // q, (h_in // q) * (h_out // q)
+            t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)
+            t.reduce_onto("row", q, x_panel, times=q, width=w.red)
+            t.bcast("col", q, w_panel, times=(forwards + 1) * q, width=w.act)
+            t.reduce_onto("col", q, w_panel, times=q, width=w.red)
+    elif p.layout == "3d":
+        q = round(p.tp ** (1 / 3))
+        gathers = 2 if p.recompute == "gathers" else 1
+        for (h_in, h_out), (a, b) in zip(((h, 2 * F), (F, h)), (("j", "k"), ("k", "j"))):
+            t.allgather(a, q, rows * h_in // q, times=forwards * gathers, width=w.act)
+            t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=forwards * gathers, width=w.act)
+            t.reduce_scatter(b, q, rows * q * h_out // q, times=forwards, width=w.red)
+            t.allgather(b, q, rows * h_out // q, width=w.act)
+            t.reduce_scatter(a, q, rows * q * h_in // q, width=w.red)
+            t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.red)
+    return t
