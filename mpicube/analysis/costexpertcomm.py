@@ -28,7 +28,8 @@ blocks, whose rerun repeats the forward):
 
 Per micro-batch: the ledger's (L, 2 E + 2) statistics all-reduced in the
 compute format over the same tp ranks, the ring and dp
-(``RouterLedger.finish``, before any backward).
+(``RouterLedger.finish``, before any backward); under a pipeline over the
+world (``RouterLedger.start``; not yet compared with a measured run).
 """
 
 from __future__ import annotations
@@ -87,9 +88,11 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
             for size in r.experts:
                 if size or r.every:
                     t.add(expert_linears(p, size, forwards))
-        stats = L * (2 * E + 2)
+        if p.pp > 1:                 # every stage's rows (zeros for the others' layers) over the world
+            t.allreduce("world", p.tp * p.dp * p.pp * p.cp, cfg.n_layer * (2 * E + 2), width=w.stat)
+            continue
         for axis, g in ([tokens] if tokens else []) + [("cp", p.cp), ("dp", p.dp)]:
-            t.allreduce(axis, g, stats, width=w.stat)
+            t.allreduce(axis, g, L * (2 * E + 2), width=w.stat)
     t.add(ep_traffic(routes, p.ep, p.ep_rank, E, c, w.act, forwards=forwards, norm=norm))
     return t
 

@@ -1,14 +1,16 @@
 """A mixture of experts in the cost model: the rows each MoE layer moves
 and runs on one rank (``Rows``), the activations it keeps for backward,
-and its FLOPs. Communication of the all-to-all: ``costmoe``.
+its FLOPs and the all-to-all's traffic (``ep_traffic``; the rest of a
+mixture's traffic: ``costexpertcomm``).
 
 Why rows: a dense MLP's activations follow from the batch alone, an
 expert's from the tokens the router sends it, so the memory of a mixture
 is a function of the routing. Three routings are priced:
 
-* measured (``Problem.routing``, one ``Rows`` per MoE layer): what a step
-  recorded (``RouterLedger.routes`` and ``padded``); the tests hold the
-  measured saved activations equal to the model for it;
+* measured (``Problem.routing``: per micro-batch, one ``Rows`` per MoE
+  layer): what a step recorded (``RouterLedger.routes``, and each
+  expert's rows as the layout's ``expert_rows`` answered); the tests hold
+  the measured saved activations and traffic equal to the model for it;
 * dropless, expected (``expected_rows``): balanced routing, K n / E rows
   of each of this rank's n tokens to every expert, so a rank sends n K
   rows and its E/ep experts run on n K in all;

@@ -260,7 +260,8 @@ def step_traffic(p: Problem) -> Traffic:
             padded, chunk = zero.sizes(n, g, p.zero)
             t.reduce_scatter(axis, g, padded, width=w.gsum)    # (16-bit words counted as MPI's)
             t.allgather(axis, g, chunk, width=w.act)           # parameters after the step
-        t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)   # gradient norm
+        folded = 2 if experts and p.cp > 1 else 1            # --ep under --cp: [dense, experts] squares
+        t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
     else:
         _group_sums(p, t, group_sizes)
         _kv_sums(p, t, kv_param_sizes(p))
@@ -282,7 +283,7 @@ def expert_elems(p: Problem, sizes: dict) -> int:
     """Elements of a mixture's experts on this rank when --ep > 1 puts
     them in an expert-data group of their own (``gradients.GradientSync``),
     else 0 (summed with the dense parameters). Their all-to-all and the
-    gradient norm's sum over ep: ``costmoe.ep_traffic``."""
+    gradient norm's sum over ep: ``costexpertcomm.moe_traffic``."""
     if not p.cfg.moe or p.ep == 1:
         return 0
     from ..parallel.experts import expert_of

@@ -1,17 +1,17 @@
-"""Expert parallelism's all-to-all traffic for one rank and one step, from
-the routing it measured (dropless dispatch sends what the router chose,
-so the figure can only follow the step; under a capacity it is bounded by
-C rows per expert).
+"""``info``'s section for a mixture of experts: where the experts sit,
+their parameters, FLOPs and memory per rank, and the all-to-all per rank
+per step under uniform routing (``moe_report``), with the bound a
+capacity puts on it (``capacity_bound``).
 
-What ``parallel.experts.Dispatch`` does per MoE layer and forward pass:
-one exchange of the per-expert counts (``Ialltoall``: E/g integers to each
-of the g-1 peers, 8 bytes each), the rows to the experts' ranks and the
-outputs back (``Ialltoallv``, in the activations' format, one message per
-peer with rows); backward sends the output gradients and brings the input
-gradients back the same way, reusing the counts. ``--recompute blocks``
-reruns the forward (its exchanges included) inside backward. The
-gradient norm adds one all-reduce of a float64 over ep (each rank's
-experts' squares, ``gradients.global_grad_norm``).
+The all-to-all itself (``ep_traffic``, re-exported from ``costexperts``)
+follows what ``parallel.experts.Dispatch`` does per MoE layer and forward
+pass: one exchange of the per-expert counts (``Ialltoall``: E/g integers
+to each of the g-1 peers, 8 bytes each), the rows to the experts' ranks
+and the outputs back (``Ialltoallv``, in the activations' format, one
+message per peer with rows); backward sends the output gradients and
+brings the input gradients back the same way, reusing the counts.
+``--recompute blocks`` reruns the forward (its exchanges included) inside
+backward. The gradient norm adds one all-reduce of a float64 over ep.
 """
 
 from __future__ import annotations
@@ -74,10 +74,9 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
 
         p = _problem(layout, cfg, batch_size, world, dp, depth, dtype, recompute, grad_accum, zero, cp, ep=ep)
         lines += expert_memory(p) if not isinstance(p, str) else [f"  (memory: n/a: {p})"]
-    lines.append("  (the tables below price the rest of the model, the router and the experts' activations "
-                 "included; the experts' gradient sums are on axis edp)" if ep > 1 else
-                 "  (the tables below price the rest of the model, the router and the experts' activations "
-                 "included)")
+    lines.append("  (the tables below price the whole model for this routing: the experts' activations, their "
+                 "linears' collectives" + (", the all-to-all (axis ep) and their gradient sums (axis edp)"
+                                           if ep > 1 else "") + " included)")
     return "\n".join(lines)
 
 

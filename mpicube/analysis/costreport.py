@@ -116,9 +116,6 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
                      f"{traffic.msgs[axis]:>8}")
     lines.append(f"  {'total':<10} {_fmt(traffic.total_elems()):>10} {_fmt(traffic.total_bytes()) + 'B':>10} "
                  f"{traffic.total_msgs():>8}")
-    if cfg.moe and chosen.tp > 1:
-        lines.append("  (a mixture: the attention's and router's collectives, the all-to-all (ep) and the gradient "
-                     "sums; the experts' own tensor-parallel collectives on their rows are not priced yet)")
     lines += ["", f"memory per rank ({dtype}: elements, bytes):"]
     for field_name in ("params", "grads", "optimizer", "activations"):
         lines.append(f"  {field_name:<12} {_fmt(getattr(memory, field_name)):>10}  "
