@@ -35,7 +35,7 @@ def _size(n) -> str:
 
 def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, width: int, recompute: str = "none",
                grad_accum: int = 1, cp: int = 1, layout: str = None, depth: int = 1, dtype: str = "float32",
-               zero: int = 0) -> str:
+               zero: int = 0, pp: int = 1, schedule: str = "1f1b", virtual: int = 1) -> str:
     """``info``'s section for a mixture of experts: where the experts sit,
     their parameters and FLOPs per rank, the all-to-all per rank per step
     under uniform routing (dropless dispatch sends what the router
@@ -70,9 +70,14 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
             lines.append(f"  capacity: at most {cap} tokens per expert per layer and micro-batch; a rank sends at "
                          f"most {capacity_bound(tokens // grad_accum, K, cap, E, ep)} rows per layer and pass")
     if layout is not None:
+        from .costpipereport import pipeline_problem
         from .costreport import _problem
 
-        p = _problem(layout, cfg, batch_size, world, dp, depth, dtype, recompute, grad_accum, zero, cp, ep=ep)
+        if pp > 1:                   # stage 0's layers (every stage holds as many experts a layer)
+            p = pipeline_problem(layout, cfg, batch_size, world, dp, depth, pp, schedule, virtual, dtype, recompute,
+                                 grad_accum, zero, cp, ep=ep)
+        else:
+            p = _problem(layout, cfg, batch_size, world, dp, depth, dtype, recompute, grad_accum, zero, cp, ep=ep)
         lines += expert_memory(p) if not isinstance(p, str) else [f"  (memory: n/a: {p})"]
     lines.append("  (the tables below price the whole model for this routing: the experts' activations, their "
                  "linears' collectives" + (", the all-to-all (axis ep) and their gradient sums (axis edp)"
@@ -111,6 +116,7 @@ def expert_memory(p) -> list:
                  f"{rows.run} run by its {cfg.n_experts // p.ep} expert{'s' if cfg.n_experts // p.ep > 1 else ''}): "
                  f"{_size(total)}B = "
                  + ", ".join(f"{name} {_size(n * width[k])}B" for name, (k, n) in parts.items())
-                 + f"; {p.layers} layers {_size(p.layers * total)}B"
+                 + f"; {p.layers} layer{'s' if p.layers != 1 else ''}" + (" of stage 0" if p.pp > 1 else "")
+                 + f" {_size(p.layers * total)}B"
                  + (" (--recompute blocks: one layer's at a time)" if p.recompute == "blocks" else ""))
     return lines

@@ -116,7 +116,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
             from ..analysis.costmoe import moe_report
 
             echo(moe_report(cfg, batch_size, world, dp, ep, run.tp, w.act, recompute, grad_accum, cp=cp,
-                            layout=run.layout, depth=depth, dtype=dtype, zero=zero))
+                            layout=run.layout, depth=depth, dtype=dtype, zero=zero, pp=pp, schedule=pp_schedule,
+                            virtual=virtual_stages))
             if show_experts:
                 from ..analysis.costplace import dispatch_picture, placement_table
 
