@@ -333,3 +333,27 @@ def test_bad_expert_parallel_plans_are_refused(plan, message):
     tp = {"1d": 2, "2d": 4, "3d": 8}.get(plan.get("layout"), 1)
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve(Plan(**{"layout": "serial", **plan}), cfg, 12, plan["dp"] * plan.get("cp", 1) * tp)
+
+
+def test_info_json_prices_a_mixtures_memory_per_ep_rank():
+    """info --json for a mixture: a rank holds E/ep experts (--ep 2 halves
+    the experts' parameters, gradients and moments), and --zero 1 cuts the
+    dense state over dp and the experts' over the expert-data group
+    (dp/ep = 1 rank here: each keeps all of its experts' moments), in
+    a (C,) buffer of their own."""
+    cfg = small_moe(n_head=4, n_embd=16, n_kv_head=2, n_ctx=8, ffn_hidden=24, vocab_size=256)
+    experts = cfg.n_layer * cfg.n_experts * 3 * cfg.n_embd * cfg.ffn       # every expert of every layer
+    dense = cfg.n_params() - experts
+    base = ["info", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
+            "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--layout", "serial", "-n", "2", "--dp", "2",
+            "--batch-size", "8", "--json"]
+    got = {}
+    for ep, zero in ((1, 0), (2, 0), (2, 1)):
+        proc = cli(*base, "--ep", str(ep), "--zero", str(zero))
+        assert proc.returncode == 0, proc.stderr
+        got[ep, zero] = json.loads(proc.stdout.splitlines()[-1])["memory_bytes_by_kind"]
+    assert got[1, 0]["params"] == 4 * (dense + experts)                   # float32, every expert
+    assert got[2, 0]["params"] == got[2, 0]["grads"] == 4 * (dense + experts // 2)
+    assert got[2, 1]["optimizer"] == 4 * 2 * (-(-dense // 2) + experts // 2)
+    # balanced routing: a rank's experts run on its n K rows whatever ep (the all-to-all moves them)
+    assert got[2, 1]["activations"] == got[2, 0]["activations"] == got[1, 0]["activations"] > 0
