@@ -16,7 +16,7 @@ backward. The gradient norm adds one all-reduce of a float64 over ep.
 
 from __future__ import annotations
 
-from .costexperts import ep_traffic  # noqa: F401 (its usual import)
+from .costexperts import ep_traffic
 
 
 def capacity_bound(n_tokens_rank: int, top_k: int, cap: int, n_experts: int, g: int) -> int:
