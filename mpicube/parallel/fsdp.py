@@ -34,6 +34,10 @@ for --zero 0 and 1). A pipeline stage's store holds only its own blocks'
 segments; the stream walks whatever blocks its model runs, and the end
 segments (outside, and on a pipeline's stages 0 and P-1 the tied wte as a
 segment of its own) only for a chunk that runs the embeddings or the head.
+With ``--ep`` a block's experts are a segment of their own in the same
+slots, reduce-scattered and gathered over the expert-data group (the
+ranks holding the same experts) where its dense segment uses dp
+(``zero.Segments``; docs/moe.md).
 Each backward of a block adds its reduce-scatter into the chunk gradient,
 so micro-batches accumulate there in any order (interleaved schedules run
 chunks' backwards out of order). What the other axes add, the sums over
@@ -59,7 +63,7 @@ from ..device import precision
 from .comm import Comm
 from .gradients import sync_shared
 from .params import ParamStore, ResidentLayers
-from .zero import TIED, Segments, is_end, segment_key, segment_of
+from .zero import EXPERTS, TIED, Segments, is_end, segment_key, segment_of
 
 
 def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0, stages: int = 1,
@@ -127,7 +131,7 @@ class SegmentedStore(ParamStore):
 
         def seg_of(spec):
             site = segment_of(spec.name, split_tied)
-            return site + ".experts" if split and spec.expert else site
+            return site + EXPERTS if split and spec.expert else site
 
         # segment by segment (a block's experts after its dense part); inside one, ParamStore's order
         self.specs = sorted(specs, key=lambda s: (segment_key(segment_of(s.name, split_tied)), split and s.expert,
@@ -138,7 +142,7 @@ class SegmentedStore(ParamStore):
         sizes = {}
         for spec in self.specs:
             sizes[seg_of(spec)] = sizes.get(seg_of(spec), 0) + spec.size
-        self.partition = Segments([(name, n, name.endswith(".experts")) for name, n in sizes.items()],
+        self.partition = Segments([(name, n, name.endswith(EXPERTS)) for name, n in sizes.items()],
                                   dp.size, dp.rank, self.edp.size, self.edp.rank)
         self.shard = self.partition.own                             # the whole chunk buffer
         C, P_pad = self.partition.chunk, self.partition.padded
@@ -148,11 +152,8 @@ class SegmentedStore(ParamStore):
         self.flat_grad = xp.zeros(C, dtype=master)                  # (C,) summed gradient chunk
         self.grad_chunk = self.flat_grad                            # (C,) what the optimizer reads
         # a site (a block "h.{i}", or an end) and its segments: [(segment, its comm, where it starts in the slot)]
-        self.pieces = {}
-        for seg in self.partition.list:
-            site, comm = seg.name.removesuffix(".experts"), self.edp if seg.expert else dp
-            held = self.pieces.setdefault(site, [])
-            held.append((seg, comm, sum(other.padded for other, _, _ in held)))
+        self.pieces = {site: [(seg, self.edp if seg.expert else dp, at) for seg, at in held]
+                       for site, held in self.partition.sites().items()}
         self.blocks = [site for site in self.pieces if not is_end(site)]
         self.ends = [site for site in self.pieces if is_end(site)]
         self.slot_of = {site: slot_key(site, self.blocks) for site in self.pieces}
@@ -210,14 +211,12 @@ class SegmentedStore(ParamStore):
         and put in segment order (collective: every rank of dp calls it)."""
         return self.gather_chunks(self.master)
 
-    def gather_chunks(self, chunk, allgather=None):
+    def gather_chunks(self, chunk):
         """(P_pad,) a full buffer from every replica's (C,) ``chunk`` of it:
-        the dense chunks all-gathered over dp, the experts' (--ep) over edp.
-        ``allgather(comm, x)``: the collective (default ``comm.allgather``)."""
-        allgather = allgather or (lambda comm, x: comm.allgather(x))
+        the dense chunks all-gathered over dp, the experts' (--ep) over edp."""
         at = self.partition.expert_at
-        experts = allgather(self.edp, chunk[at:]) if self.expert_run is not None else None   # (edp C_x,)
-        return self.partition.assemble(self.backend.xp, allgather(self.dp, chunk[:at]), experts)
+        experts = self.edp.allgather(chunk[at:]) if self.expert_run is not None else None   # (edp C_x,)
+        return self.partition.assemble(self.backend.xp, self.dp.allgather(chunk[:at]), experts)
 
     @contextmanager
     def writing_master(self):

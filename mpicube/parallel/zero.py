@@ -216,6 +216,7 @@ def sizes(size: int, dp: int, zero: int) -> tuple:
 
 OUTSIDE = "outside"
 TIED = "wte"
+EXPERTS = ".experts"     # "h.{i}" + EXPERTS: block i's experts under --ep (cut over the expert-data group)
 
 
 def segment_of(name: str, split_tied: bool = False) -> str:
@@ -318,6 +319,16 @@ class Segments:
                 lo, hi = max(s.start, own.start), min(s.stop, own.stop)
                 if lo < hi:
                     out.append(slice(lo - own.start + seg.at, hi - own.start + seg.at))
+        return out
+
+    def sites(self) -> dict:
+        """{site: [(segment, where it starts in the site's slot)]}: each
+        block "h.{i}" (or end segment) and its segments in buffer order,
+        its experts' (--ep) after its dense one; a slot holds them all."""
+        out = {}
+        for seg in self.list:
+            held = out.setdefault(seg.name.removesuffix(EXPERTS), [])
+            held.append((seg, sum(other.padded for other, _ in held)))
         return out
 
     def windows(self) -> list:
