@@ -246,14 +246,18 @@ def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
     (the same widths) and, under mixed precision, the master chunk's 16-bit
     rounding. All are allocated once: this is the peak of weights and
     gradients, the prefetched block included."""
+    from .costmodel import segments_of, site_of
+
     w = p.widths
-    sizes = [(name, n) for name, (n, _) in local_param_sizes(p).items()]
-    segments = zero.segment_sizes(sizes, p.dp, p.zero, p.pp > 1)
-    chunk = sum(c for _, _, c in segments)
-    padded = {seg: p.dp * c for seg, _, c in segments}
-    blocks = [seg for seg in padded if not zero.is_end(seg)]
-    ends = sum(n for seg, n in padded.items() if zero.is_end(seg))      # outside (and the tied wte's own)
-    slots = ends + min(2, len(blocks)) * max([padded[b] for b in blocks], default=0)
+    segments = segments_of(p, local_param_sizes(p))
+    chunk = sum(c for _, _, c, _, _ in segments)
+    padded = {seg: parts * c for seg, _, c, parts, _ in segments}
+    sites = {}                                   # a block's slot holds its dense and (--ep) expert segments
+    for seg, n in padded.items():
+        sites[site_of(seg)] = sites.get(site_of(seg), 0) + n
+    blocks = [site for site in sites if not zero.is_end(site)]
+    ends = sum(n for site, n in sites.items() if zero.is_end(site))     # outside (and the tied wte's own)
+    slots = ends + min(2, len(blocks)) * max([sites[b] for b in blocks], default=0)
     mixed = w.act != w.grad
     grads = chunk + slots
     if p.zero == 2:

@@ -242,14 +242,14 @@ def step_traffic(p: Problem) -> Traffic:
     experts = expert_elems(p, sizes)  # --ep > 1: a mixture's experts, summed over the expert-data group
     if p.cp > 1:
         t.add(ring_traffic(p), p.grad_accum)
-        summed = sum(c for _, _, c in segments) if segments else params - experts
+        summed = sum(c for _, _, c, _, x in segments if not x) if segments else params - experts
         t.sum("cp", p.cp, summed, width=w.gsum)                # the weights' gradients over the ring
     group_sizes = defaultdict(int)
     for n, axis in sizes.values():
         if axis is not None:
             group_sizes[axis] += n
     if p.pp > 1 and (p.has_embed or p.has_head) and p.cfg.tied:   # wte's two copies, before the optimizer
-        tied = next(c for seg, _, c in segments if seg == zero.TIED) if segments else sizes["wte"][0]
+        tied = next(c for seg, _, c, _, _ in segments if seg == zero.TIED) if segments else sizes["wte"][0]
         t.sum("tied", 2, tied, width=w.gsum)
     if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
         segmented_traffic(p, t, sizes)
@@ -335,34 +335,78 @@ def ring_traffic(p: Problem) -> Traffic:
 
 def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     """--zero 2 and 3 (module docstring): per micro-batch and layer, the
-    replica-group sums and the reduce-scatter; the gathers; the norm."""
+    replica-group sums and the reduce-scatter; the gathers; the norm. With
+    --ep a block's experts are a segment of their own, reduce-scattered and
+    gathered over the expert-data group (axis edp, ``fsdp.SegmentedStore``)."""
     w = p.widths
     segments = segments_of(p, sizes)
-    blocks = [c for seg, _, c in segments if not zero.is_end(seg)]
+    axis_of = {False: ("dp", p.dp), True: ("edp", p.edp)}
+    blocks = [s for s in segments if not zero.is_end(site_of(s[0]))]
     if p.zero == 3 and blocks:
-        t.allgather("dp", p.dp, blocks[0], times=block_gathers(p, [seg for seg, _, _ in segments
-                                                                  if not zero.is_end(seg)]), width=w.act)
-    for seg, _, chunk in segments:
-        groups = defaultdict(int)
-        for name, (n, axis) in sizes.items():
-            if axis is not None and zero.segment_of(name, p.pp > 1) == seg:
-                groups[axis] += n
-        for axis, n in groups.items():
+        times = block_gathers(p, sorted({site_of(s[0]) for s in blocks}, key=zero.segment_key))
+        for seg, _, chunk, parts, x in blocks:
+            if site_of(seg) == site_of(blocks[0][0]):       # every block's pieces are alike
+                t.allgather(axis_of[x][0], parts, chunk, times=times, width=w.act)
+    for site in dict.fromkeys(site_of(s[0]) for s in segments):
+        pieces = [s for s in segments if site_of(s[0]) == site]
+        runs, end = [], None                     # (axis, elements) runs of the site's slot, merged when adjacent
+        for seg, size, chunk, parts, x in pieces:
+            groups = defaultdict(int)
+            for name, (n, axis) in sizes.items():
+                if axis is not None and segment_name(p, name) == seg:
+                    groups[axis] += n
+            for k, axis in enumerate(sorted(groups)):
+                if runs and runs[-1][0] == axis and k == 0 and end:
+                    runs[-1] = (axis, runs[-1][1] + groups[axis])
+                else:
+                    runs.append((axis, groups[axis]))
+            end = size == parts * chunk          # the next piece starts right after this one's last element
+        for axis, n in runs:
             t.sum(axis, _group_size(p, axis), n, times=p.grad_accum, width=w.gsum)
         _kv_sums(p, t, {name: v for name, v in kv_param_sizes(p).items()
-                        if zero.segment_of(name, p.pp > 1) == seg}, times=p.grad_accum)
-        t.reduce_scatter("dp", p.dp, p.dp * chunk, times=p.grad_accum, width=w.gsum)
-        if p.zero == 3 and zero.is_end(seg):
-            t.allgather("dp", p.dp, chunk, width=w.act)          # once per step: it stays gathered
-    if p.zero == 2:
-        t.allgather("dp", p.dp, sum(c for _, _, c in segments), width=w.act)   # parameters after the step
-    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, width=w.scalar)         # gradient norm
+                        if zero.segment_of(name, p.pp > 1) == site}, times=p.grad_accum)
+        for seg, _, chunk, parts, x in pieces:
+            t.reduce_scatter(axis_of[x][0], parts, parts * chunk, times=p.grad_accum, width=w.gsum)
+            if p.zero == 3 and zero.is_end(site):
+                t.allgather(axis_of[x][0], parts, chunk, width=w.act)    # once per step: it stays gathered
+    if p.zero == 2:                              # parameters after the step: dense chunks over dp, experts' over edp
+        for x in (False, True):
+            mine = [c for _, _, c, _, e in segments if e == x]
+            if mine:
+                t.allgather(axis_of[x][0], axis_of[x][1], sum(mine), width=w.act)
+    folded = 2 if any(s[4] for s in segments) and p.cp > 1 else 1     # --ep under --cp: [dense, experts]
+    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
+
+
+def site_of(segment: str) -> str:
+    """The block (or end) a segment belongs to: "h.{i}" for "h.{i}.experts"."""
+    return segment.removesuffix(zero.EXPERTS)
+
+
+def segment_name(p: Problem, name: str) -> str:
+    """The segment of parameter ``name`` under --zero 2/3: its layer's, or
+    with --ep > 1 its block's experts' (``fsdp.SegmentedStore``)."""
+    from ..parallel.experts import expert_of
+
+    seg = zero.segment_of(name, p.pp > 1)
+    return seg + zero.EXPERTS if p.cfg.moe and p.ep > 1 and expert_of(name) is not None else seg
 
 
 def segments_of(p: Problem, sizes: dict) -> list:
-    """[(segment, S, C_s)] of this rank's (stage's) store under --zero 2/3
-    (``zero.segment_sizes``; with stages the tied wte is a segment of its own)."""
-    return zero.segment_sizes([(name, n) for name, (n, _) in sizes.items()], p.dp, p.zero, p.pp > 1)
+    """[(segment, S, C_s, parts, expert)] of this rank's (stage's) store
+    under --zero 2/3 in buffer order: each layer's (``zero.segment_sizes``;
+    with stages the tied wte a segment of its own) cut over dp, and under
+    --ep each block's experts after it, cut over the expert-data group."""
+    totals = {}
+    for name, (n, _) in sizes.items():
+        seg = segment_name(p, name)
+        totals[seg] = totals.get(seg, 0) + n
+    out = []
+    for seg in sorted(totals, key=lambda s: (zero.segment_key(site_of(s)), s != site_of(s))):
+        x = seg != site_of(seg)
+        parts = p.edp if x else p.dp
+        out.append((seg, totals[seg], -(-totals[seg] // parts), parts, x))
+    return out
 
 
 def block_gathers(p: Problem, blocks: list) -> int:
