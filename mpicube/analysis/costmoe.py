@@ -88,25 +88,29 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
 def expert_memory(p) -> list:
     """``info``'s lines on a mixture's memory per rank: the experts'
     parameters, gradients and AdamW moments (E/ep experts, each sharded
-    by the layout; --zero 1 cuts their state over the expert-data group
-    of dp cp/ep ranks), and what one MoE layer keeps for backward per
-    micro-batch, part by part, for the routing ``costexperts`` prices:
-    balanced when dropless, the exact bound under a capacity."""
+    by the layout; --zero cuts their state over the expert-data group of
+    dp cp/ep ranks, or dp without --ep), and what one MoE layer keeps for
+    backward per micro-batch, part by part, for the routing
+    ``costexperts`` prices: balanced when dropless, the exact bound under
+    a capacity."""
+    from ..parallel.experts import expert_of
     from .costexperts import capacity_rows, expected_rows, layer_parts
-    from .costmodel import expert_elems, local_param_sizes
+    from .costmodel import local_param_sizes
 
     w, cfg = p.widths, p.cfg
     sizes = local_param_sizes(p)
-    from ..parallel.experts import expert_of
-
     x = sum(n for name, (n, _) in sizes.items() if expert_of(name) is not None)
-    state = x // p.edp if p.sharded and p.ep > 1 else x // p.dp if p.sharded else x
-    where = (f"over the {p.edp} ranks of its expert-data group" if p.ep > 1 else f"over dp {p.dp}")
-    lines = [f"  expert memory per rank ({p.dtype}): parameters {_size(x)} elements ({_size(x * w.act)}B), "
-             f"gradients {_size(x * w.grad)}B, AdamW moments {_size(2 * state * w.grad)}B"
-             + (f" (--zero {p.zero}: the moments{' and master' if w.act != w.grad else ''} {where})"
-                if p.sharded else "")]
-    assert expert_elems(p, sizes) in (0, x)
+    share = p.edp if p.ep > 1 else p.dp          # the ranks holding the same experts: what --zero cuts them over
+
+    def cut(level: int) -> int:                  # elements of the experts' state --zero shards from ``level`` on
+        return -(-x // share) if p.sharded and p.zero >= level else x
+
+    shards = {1: "the moments", 2: "the gradients and moments", 3: "the weights, gradients and moments"}
+    where = (f"over the {share} ranks of their expert-data group" if p.ep > 1 else f"over dp {p.dp}")
+    lines = [f"  expert memory per rank ({p.dtype}): parameters {_size(cut(3))} elements ({_size(cut(3) * w.act)}B), "
+             f"gradients {_size(cut(2) * w.grad)}B, AdamW moments {_size(2 * cut(1) * w.grad)}B"
+             + (f" (--zero {p.zero}: {shards[p.zero]} {where}"
+                + ("; the gathered layers' slots come on top" if p.zero >= 2 else "") + ")" if p.sharded else "")]
     rows = capacity_rows(p) if cfg.capacity_factor else expected_rows(p)
     how = ("the capacity's bound" if cfg.capacity_factor else "balanced routing")
     parts = layer_parts(p, rows)
