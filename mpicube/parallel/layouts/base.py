@@ -98,6 +98,7 @@ class Layout:
     kv_comm = None                  # Comm of the ranks sharing this rank's kv head (split > n_kv), or None
     token_comm = None               # Comm of the tp ranks holding the replica's other sequences at these hidden
                                     # columns, ranked in sequence order (2-D, 2.5-D, 3-D), or None
+    sequence_comm = None            # Comm splitting the canonical sequence (1-D --sequence-parallel), or None
 
     @classmethod
     def head_coords(cls, tp: int, depth: int, rank: int) -> tuple:
@@ -146,6 +147,17 @@ class Layout:
         (serial, 1-D) every collective joins ranks holding the same
         tokens: the rows as held, an empty expert skipped."""
         return held, False
+
+    def expert_linear(self, store: ParamStore, prefix: str, position: str):
+        """A mixture of experts' seam (model/moe.py): the (bias-free) linear
+        of one expert, which runs on its token rows (m_e, 1, C_c) as an
+        MLP's linear runs on canonical activations. Here the layout's own.
+        Where the canonical form splits the sequence (``sequence_comm``)
+        the mixture gathers its input and reduce-scatters its output once
+        around all the experts, as a sequence-parallel MLP does around its
+        two linears; the layout then returns linears that take and give
+        partial sums over that group (no collective of their own)."""
+        return self.linear(store, prefix, position, bias=False)
 
     def save_block_input(self, x):
         """What a block keeps of its input x (B_c, T, C_c) under
