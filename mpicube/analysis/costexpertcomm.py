@@ -19,9 +19,15 @@ blocks, whose rerun repeats the forward):
 * the all-to-all over ep (``ep_traffic``, below the counts and rows);
 * the cube's count of each local expert's rows, all-gathered over j
   (E/ep int64, ``CubeLayout.expert_rows``);
+* 1-D under --sequence-parallel: the whole sequences gathered over tp
+  (forward x, backward dy), the output and input gradient reduce-scattered
+  (the experts' linears give partial sums), the routing weights' gradient
+  partials gathered;
 * each expert's two linears, on the rows it runs on, as the layout's
   linears move an MLP's activations: 1-D sums c_proj's output (forward)
-  and c_fc's input gradient (backward) over tp; SUMMA broadcasts and
+  and c_fc's input gradient (backward) over tp (not under
+  --sequence-parallel), and under --recompute gathers gathers c_fc's
+  input rows again from their shards in backward; SUMMA broadcasts and
   reduces X and W panels along the row and column; the cube gathers and
   reduce-scatters over i, j, k. An expert with no rows runs where
   ``Rows.every`` says (its collectives span ranks that may hold rows).
@@ -69,6 +75,7 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
     E, K, L = cfg.n_experts, cfg.top_k, p.layers
     forwards = 2 if p.recompute == "blocks" else 1
     hidden, tokens = hidden_axis(p), token_axis(p)
+    sequence = p.layout == "1d" and p.sequence_parallel and p.tp > 1
     routes = []
     for m in range(p.grad_accum):
         rows = layer_rows(p, L, m)
@@ -85,6 +92,10 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
             if p.layout == "3d":
                 q = round(p.tp ** (1 / 3))
                 t.allgather("j", q, E // p.ep, times=forwards, width=8)
+            if sequence:             # whole sequences gathered in, partial sums reduce-scattered out
+                t.allgather("tp", p.tp, n // p.tp * c, times=forwards + 1, width=w.act)    # x; backward dy
+                t.reduce_scatter("tp", p.tp, n * c, times=forwards + 1, width=w.red)       # y; backward dx
+                t.allgather("tp", p.tp, n * K, width=w.stat)                               # d weights
             for size in r.experts:
                 if size or r.every:
                     t.add(expert_linears(p, size, forwards))
@@ -104,7 +115,10 @@ def expert_linears(p: Problem, rows: int, forwards: int) -> Traffic:
     t, cfg, w = Traffic(), p.cfg, p.widths
     h, F = cfg.n_embd, cfg.ffn
     if p.layout == "1d":
-        t.sum("tp", p.tp, rows * h, times=forwards + 1, width=w.red)      # c_proj's Y; c_fc's dX
+        if not p.sequence_parallel:      # (under it, partial sums: the mixture's one reduce-scatter)
+            t.sum("tp", p.tp, rows * h, times=forwards + 1, width=w.red)  # c_proj's Y; c_fc's dX
+        if p.recompute == "gathers":     # c_fc's input kept as a row shard, gathered again in backward
+            t.allgather("tp", p.tp, rows * h // p.tp, width=w.act)
     elif p.layout in ("2d", "2.5d"):
         q = round((p.tp // p.depth) ** 0.5)
         for h_in, h_out in ((h, 2 * F), (F, h)):

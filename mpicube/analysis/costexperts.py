@@ -124,8 +124,8 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
     parts = {"router": ("stat", n * (E + K + 1) + (n if cfg.norm_topk else 0)),   # probs, weights, lse, their sum
              "input": ("act", n * c),
              "outputs back": ("act", rows.sent * c)}
-    if q == 1:
-        parts["rows in"] = ("act", R * c)                            # c_fc's input: the rows received
+    if q == 1:                                                       # c_fc's input: the rows received (1-D under
+        parts["rows in"] = ("act", R * c // split if regather else R * c)   # gathers: a row shard of them)
         parts["swiglu"] = ("act", 4 * F_l * R + R * F_l)            # [gate | up], sigmoid, silu; c_proj's input
     else:                                                            # the cube: gathered X (and W, per expert)
         (h, two_f), (f, h_out) = (cfg.n_embd, 2 * F), (F, cfg.n_embd)

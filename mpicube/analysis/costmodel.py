@@ -119,14 +119,14 @@ def oned_traffic(p: Problem) -> Traffic:
     L, head = p.layers, int(p.has_head)
     if head:
         _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
+    per = 2 if p.cfg.moe else 4       # a mixture: the attention's two; the experts' follow their rows
     if p.sequence_parallel:
         t.add(oned_sequence_traffic(p, act))
         return t
-    per = 2 if p.cfg.moe else 4       # a mixture: the attention's two; the experts' follow their rows
     t.sum("tp", g, act, times=per * L, width=w.red)       # 2 forward (row-split), 2 backward
     t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
     if p.recompute == "gathers":                          # c_attn, c_fc and LM head inputs from row shards
-        t.allgather("tp", g, act // g, times=2 * L + head, width=w.act)
+        t.allgather("tp", g, act // g, times=per // 2 * L + head, width=w.act)   # (a mixture: c_attn, head)
     if p.recompute == "blocks":                           # block inputs from row shards, forwards again
         t.allgather("tp", g, act // g, times=L, width=w.act)
         t.sum("tp", g, act, times=per // 2 * L, width=w.red)
@@ -141,8 +141,9 @@ def oned_sequence_traffic(p: Problem, act: int) -> Traffic:
     (its input is already a shard: nothing to restore)."""
     t, g, w = Traffic(), p.tp, p.widths
     L, head = p.layers, int(p.has_head)
-    firsts, seconds = 2 * L + head, 2 * L + int(p.has_embed)   # column-parallel (+ head), row (+ lookup)
-    again = {"gathers": (2 * L + head, 0), "blocks": (2 * L, 2 * L)}.get(p.recompute, (0, 0))
+    per = 1 if p.cfg.moe else 2      # a mixture's gathers and reduce-scatters: costexpertcomm
+    firsts, seconds = per * L + head, per * L + int(p.has_embed)   # column-parallel (+ head), row (+ lookup)
+    again = {"gathers": (per * L + head, 0), "blocks": (per * L, per * L)}.get(p.recompute, (0, 0))
     t.allgather("tp", g, act // g, times=firsts + seconds + again[0], width=w.act)   # inputs, backward dY
     t.reduce_scatter("tp", g, act, times=seconds + firsts + again[1], width=w.red)   # outputs, backward dX
     return t
