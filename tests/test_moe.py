@@ -95,6 +95,8 @@ def test_moe_config_stores_and_counts():
 # dp 4: --ep 4 (capacity, recompute); --ep 2 (two experts per rank, each held by two replicas)
 # with --grad-accum 2 and --zero 1 (dense state over the 4 replicas, each expert's over its 2),
 # checked without dropout against the serial model accumulating the same micro-batch groups.
+# dp 4 x ep 4 and 1-D x dp 2 x ep 2 also generate (MPICUBE_CHECK_GENERATE: greedy, with and without the
+# key/value cache, the serial model's tokens), as does 2.5-D x dp 2 x ep 2 below.
 # 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute, --zero 1). --cp 2 (ep folded into dp x cp: each cp
 # rank routes its positions, the ledger sums over the ring too, the drop order interleaves the ring's
 # positions, experts' gradients skip the ring's sum): cp 2 x ep 2 alone (capacity), and 1-D x dp 2 x
@@ -104,9 +106,9 @@ GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHE
 DP_CASES = [(2, "serial", 2, "0", "2", GPU),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
             (2, "serial", 2, "0", "1", {"MPICUBE_CHECK_ZERO": "3"}),
-            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_GENERATE": "1"}),
             (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2", "MPICUBE_CHECK_ZERO": "1"}),
-            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ZERO": "1"}),
+            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_GENERATE": "1"}),
             (2, "serial", 1, "0.8", "2", {"MPICUBE_CHECK_CP": "2"}),
             (8, "1d", 2, "0.5", "2", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
                                       "MPICUBE_CHECK_RECOMPUTE": "blocks"})]
@@ -132,16 +134,18 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
     assert f"OK {layout} world={ranks} dp={dp}" in proc.stdout
     assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
+    assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
 
 
 # the tensor-parallel layouts with --ep 2 over dp 2, one launch each: 2-D (2x2 grid) x --cp 2 (16 ranks)
 # dropless (its capacity case runs under pp below, without cp), the 2x2x2 cube (16 ranks) in both dispatch modes (capacity
 # with --recompute gathers: its linears gather the padded rows again in backward; on CI's stand-in
-# GPU), 2.5-D (depth 2, 16 ranks) under a capacity. The cube pads each expert's rows to the most of its j line (padded > 0);
+# GPU), 2.5-D (depth 2, 16 ranks) under a capacity, which also generates (a decoding step leaves
+# experts without rows: SUMMA's linears run on none). The cube pads each expert's rows to the most of its j line (padded > 0);
 # SUMMA needs no padding.
 TP_CASES = [(16, "2d", 1, "0", {"MPICUBE_CHECK_CP": "2"}),
             (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", **GPU}),
-            (16, "2.5d", 2, "0.8", {})]
+            (16, "2.5d", 2, "0.8", {"MPICUBE_CHECK_GENERATE": "1"})]
 
 
 @pytest.mark.timeout(240)
@@ -165,6 +169,7 @@ def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, 
     assert (padded > 0) == (layout == "3d"), proc.stdout
     assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"cp={extra.get('MPICUBE_CHECK_CP', '1')}" in proc.stdout
+    assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
 
 
 @pytest.mark.timeout(240)
@@ -205,7 +210,8 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
     """train --dp 2 --cp 2 --ep 2 --zero 1 writes each expert once (the
     ranks of the expert-data group's rank 0 at cp rank 0, the sharded
     state gathered); the checkpoint evaluates, serially and on --ep 2, to
-    the serial run's checkpoint's loss."""
+    the serial run's checkpoint's loss, and generate --dp 2 --ep 2 gives
+    its serial greedy tokens."""
     from mpirun import mpiexec
 
     args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
@@ -225,6 +231,22 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         losses.append(json.loads(proc.stdout.strip().splitlines()[-1])["loss"])
     assert abs(losses[1] - losses[0]) <= 1e-10 * losses[0] and abs(losses[2] - losses[0]) <= 1e-10 * losses[0]
+
+    # generate --dp 2 --ep 2 (experts over two ranks, the all-to-all at every decoding step, key/value cache):
+    # the serial model's greedy tokens (computed here, in this process), routed dropless (the capacity noted)
+    from mpi4py import MPI
+
+    from mpicube.cli.generate import GenerateOptions, generate
+
+    ckpt = tmp_path / "r4" / "ckpt" / "step_00000002"
+    want = generate(GenerateOptions(str(ckpt), prompt_tokens="3,1,4", max_new_tokens=5, temperature=0.0,
+                                    dtype="float64"), MPI.COMM_SELF)
+    assert want["note"] and len(want["tokens"]) == 5
+    proc = mpiexec(2, ["-m", "mpicube", "generate", ckpt, "--prompt-tokens", "3,1,4", "--max-new-tokens", 5,
+                       "--temperature", 0, "--dtype", "float64", "--dp", 2, "--ep", 2, "--json"], timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == want["tokens"]
+    assert "capacity factor 1 not applied: generation routes every token to its top 2 experts" in proc.stdout
 
     # convert --to hf writes a MixtralForCausalLM directory holding the same tensors (capacity noted)
     proc = cli("convert", str(tmp_path / "r4" / "ckpt" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf")
@@ -270,6 +292,32 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """A random 4-expert Mixtral directory and a dense Llama one (hf_mixtral.write, hf_llama.write)."""
+    from mpicube.files.formats import hf_llama, hf_mixtral
+    from mpicube.model.gpt import gpt_params
+
+    out, r = {}, np.random.default_rng(5)
+    for name, experts, writer in (("mixtral", 4, hf_mixtral.write), ("llama", 0, hf_llama.write)):
+        cfg = small_moe(n_head=4, n_embd=16, n_kv_head=2, n_ctx=8, n_experts=experts, top_k=2 if experts else 0)
+        out[name] = tmp_path_factory.mktemp(name) / "hf"
+        writer(out[name], {d.name: 0.2 * r.standard_normal(d.shape) for d in gpt_params(cfg)}, cfg)
+    return out
+
+
+@pytest.mark.parametrize("model,extra,message", [
+    ("mixtral", ["--ep", "3"], "--ep 3 must divide --n-experts 4: use --ep 1"),
+    ("mixtral", ["--ep", "2"], "--ep 2 must divide --dp 1 (the expert-parallel ranks are data-parallel replicas)"),
+    ("llama", ["--ep", "2"], "--ep 2 needs a mixture of experts"),
+])
+def test_bad_generate_ep_is_one_line(hf_dirs, model, extra, message):
+    proc = cli("generate", str(hf_dirs[model]), "--prompt-tokens", "1,2", "--max-new-tokens", "2", *extra)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stdout == ""
 
 
 @pytest.mark.parametrize("extra,message", [
