@@ -175,13 +175,15 @@ LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
 
 
 def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu", grad_accum=1, recompute="none",
-          zero=0, settings=None):
+          zero=0, settings=None, ep=None):
     """``settings``: the plan's overlap and attention (None: as the command
-    line reads them from MPICUBE_OVERLAP and MPICUBE_ATTENTION)."""
+    line reads them from MPICUBE_OVERLAP and MPICUBE_ATTENTION); ``ep``:
+    the world's expert-parallel ranks (None: MPICUBE_CHECK_EP)."""
     backend = make_backend(device, DTYPE)
     counters = Counters()
     cp = CP if comm is MPI.COMM_WORLD else 1
-    grid = GridSpec(layout_name, dp=dp, cp=cp, ep=EP if comm is MPI.COMM_WORLD else 1, depth=depth,
+    ep = (EP if ep is None else ep) if comm is MPI.COMM_WORLD else 1
+    grid = GridSpec(layout_name, dp=dp, cp=cp, ep=ep, depth=depth,
                     sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD,
                     grad_accum=grad_accum, recompute=recompute, **(env_settings() if settings is None else settings))
     layout = build_layout(resolve(grid, cfg, batch, comm.Get_size()), backend, comm, counters=counters)

@@ -368,8 +368,9 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
              pp, pp_schedule, virtual_stages, dtype, device, tf32, as_json):
     """Continue a prompt with any model file, on any layout.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2 or Llama directory or an
-    llm.c model file. Without a prompt, generation starts from a newline
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral
+    directory or an llm.c model file (a mixture takes --ep over --dp, as in
+    training). Without a prompt, generation starts from a newline
     (byte-level models) or <|endoftext|> (GPT-2's vocabulary). The same
     seed gives the same tokens on every layout and world size.
     """
