@@ -210,8 +210,8 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
     """train --dp 2 --cp 2 --ep 2 --zero 1 writes each expert once (the
     ranks of the expert-data group's rank 0 at cp rank 0, the sharded
     state gathered); the checkpoint evaluates, serially and on --ep 2, to
-    the serial run's checkpoint's loss, and generate --dp 2 --ep 2 gives
-    its serial greedy tokens."""
+    the serial run's checkpoint's loss, and generate --pp 2 --dp 2 --ep 2
+    gives its serial greedy tokens."""
     from mpirun import mpiexec
 
     args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
@@ -232,8 +232,9 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
         losses.append(json.loads(proc.stdout.strip().splitlines()[-1])["loss"])
     assert abs(losses[1] - losses[0]) <= 1e-10 * losses[0] and abs(losses[2] - losses[0]) <= 1e-10 * losses[0]
 
-    # generate --dp 2 --ep 2 (experts over two ranks, the all-to-all at every decoding step, key/value cache):
-    # the serial model's greedy tokens (computed here, in this process), routed dropless (the capacity noted)
+    # generate --pp 2 --dp 2 --ep 2 (experts over two ranks at each stage, the all-to-all at every decoding
+    # step, key/value cache; the last stage's head is the untied lm_head): the serial model's greedy tokens
+    # (computed here, in this process), routed dropless (the capacity noted)
     from mpi4py import MPI
 
     from mpicube.cli.generate import GenerateOptions, generate
@@ -242,8 +243,9 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
     want = generate(GenerateOptions(str(ckpt), prompt_tokens="3,1,4", max_new_tokens=5, temperature=0.0,
                                     dtype="float64"), MPI.COMM_SELF)
     assert want["note"] and len(want["tokens"]) == 5
-    proc = mpiexec(2, ["-m", "mpicube", "generate", ckpt, "--prompt-tokens", "3,1,4", "--max-new-tokens", 5,
-                       "--temperature", 0, "--dtype", "float64", "--dp", 2, "--ep", 2, "--json"], timeout=200)
+    proc = mpiexec(4, ["-m", "mpicube", "generate", ckpt, "--prompt-tokens", "3,1,4", "--max-new-tokens", 5,
+                       "--temperature", 0, "--dtype", "float64", "--pp", 2, "--dp", 2, "--ep", 2, "--json"],
+                   timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == want["tokens"]
     assert "capacity factor 1 not applied: generation routes every token to its top 2 experts" in proc.stdout
@@ -310,7 +312,6 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("model,extra,message", [
     ("mixtral", ["--ep", "3"], "--ep 3 must divide --n-experts 4: use --ep 1"),
-    ("mixtral", ["--ep", "2"], "--ep 2 must divide --dp 1 (the expert-parallel ranks are data-parallel replicas)"),
     ("llama", ["--ep", "2"], "--ep 2 needs a mixture of experts"),
 ])
 def test_bad_generate_ep_is_one_line(hf_dirs, model, extra, message):
