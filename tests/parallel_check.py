@@ -479,6 +479,8 @@ def main():
     assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
     if ZERO == 1 and EP > 1:          # dense state over dp, the experts' over the expert-data group (dp cp / ep)
         assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp * CP // EP)
+    if ZERO >= 2 and EP > 1:          # the same per layer: each block's dense segment and its experts' segment
+        assert {(s.expert, s.parts) for s in store.partition.list} == {(False, dp), (True, dp * CP // EP)}
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
     if ARCH == "mixtral" and layout_name in ("serial", "1d") and CP == 1:   # the table draws 1-D's split (no cp)

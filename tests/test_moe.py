@@ -90,25 +90,28 @@ def test_moe_config_stores_and_counts():
     assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
 
 
-# One launch each. dp 2: dropless with --ep 2 on CI's stand-in GPU (tests/fake_gpu) against the
-# CPU's serial model; capacity with --zero 1 and --recompute blocks; dropless with --zero 3.
+# One launch each. dp 2: dropless with --ep 2 and --zero 2 on CI's stand-in GPU (tests/fake_gpu) against
+# the CPU's serial model; capacity with --zero 1 and --recompute blocks.
 # dp 4: --ep 4 (capacity, recompute); --ep 2 (two experts per rank, each held by two replicas)
-# with --grad-accum 2 and --zero 1 (dense state over the 4 replicas, each expert's over its 2),
-# checked without dropout against the serial model accumulating the same micro-batch groups.
-# dp 4 x ep 4 and 1-D x dp 2 x ep 2 also generate (MPICUBE_CHECK_GENERATE: greedy, with and without the
-# key/value cache, the serial model's tokens), as does 2.5-D x dp 2 x ep 2 below.
+# with --grad-accum 2 and --zero 1 (dense state over the 4 replicas, each expert's over its 2), and
+# dropless with --zero 3 (each block's dense segment gathered and reduce-scattered over the 4, its
+# experts' segment over the 2), both checked without dropout against the serial model accumulating
+# the same micro-batch groups.
 # 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute, --zero 1). --cp 2 (ep folded into dp x cp: each cp
 # rank routes its positions, the ledger sums over the ring too, the drop order interleaves the ring's
 # positions, experts' gradients skip the ring's sum): cp 2 x ep 2 alone (capacity), and 1-D x dp 2 x
 # cp 2 x ep 2 under a capacity with --zero 1 and recompute. Passing all of them,
-# gradients are equal whatever the ep size.
+# gradients are equal whatever the ep size. dp 4 x ep 4 and 1-D x dp 2 x ep 2 also generate
+# (MPICUBE_CHECK_GENERATE: greedy, with and without the key/value cache, the serial model's tokens), as
+# does 2.5-D x dp 2 x ep 2 below.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
-DP_CASES = [(2, "serial", 2, "0", "2", GPU),
+DP_CASES = [(2, "serial", 2, "0", "2", {**GPU, "MPICUBE_CHECK_ZERO": "2"}),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-            (2, "serial", 2, "0", "1", {"MPICUBE_CHECK_ZERO": "3"}),
+            (4, "serial", 4, "0", "2", {"MPICUBE_CHECK_ZERO": "3", "MPICUBE_CHECK_ACCUM": "2"}),
             (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_GENERATE": "1"}),
             (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2", "MPICUBE_CHECK_ZERO": "1"}),
-            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_GENERATE": "1"}),
+            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ZERO": "1",
+                                      "MPICUBE_CHECK_GENERATE": "1"}),
             (2, "serial", 1, "0.8", "2", {"MPICUBE_CHECK_CP": "2"}),
             (8, "1d", 2, "0.5", "2", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
                                       "MPICUBE_CHECK_RECOMPUTE": "blocks"})]
@@ -116,7 +119,7 @@ DP_CASES = [(2, "serial", 2, "0", "2", GPU),
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
-                         ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless",
+                         ids=["dp2-ep2-dropless-zero2-gpu", "dp2-capacity-zero1-recompute", "dp4-ep2-zero3-accum2",
                               "dp4-ep4-capacity-recompute",
                               "dp4-ep2-accum2-capacity-zero1", "1d-dp2-ep2-capacity-recompute-zero1",
                               "cp2-ep2-capacity", "1d-dp2-cp2-ep2-capacity-zero1-recompute"])
@@ -134,23 +137,27 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
     assert f"OK {layout} world={ranks} dp={dp}" in proc.stdout
     assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
+    assert f"zero={extra.get('MPICUBE_CHECK_ZERO', '0')}" in proc.stdout
     assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
 
 
 # the tensor-parallel layouts with --ep 2 over dp 2, one launch each: 2-D (2x2 grid) x --cp 2 (16 ranks)
-# dropless (its capacity case runs under pp below, without cp), the 2x2x2 cube (16 ranks) in both dispatch modes (capacity
+# dropless under --zero 2 (the expert-data group spans the ring: each block's experts reduce-scattered over
+# its 2 ranks, the ring summing the dense chunks only; its capacity case runs under pp below, without cp),
+# the 2x2x2 cube (16 ranks) in both dispatch modes (dropless under --zero 3; capacity
 # with --recompute gathers: its linears gather the padded rows again in backward; on CI's stand-in
 # GPU), 2.5-D (depth 2, 16 ranks) under a capacity, which also generates (a decoding step leaves
 # experts without rows: SUMMA's linears run on none). The cube pads each expert's rows to the most of its j line (padded > 0);
 # SUMMA needs no padding.
-TP_CASES = [(16, "2d", 1, "0", {"MPICUBE_CHECK_CP": "2"}),
-            (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", **GPU}),
+TP_CASES = [(16, "2d", 1, "0", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "2"}),
+            (16, "3d", 1, "0", {"MPICUBE_CHECK_ZERO": "3"}),
+            (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", **GPU}),
             (16, "2.5d", 2, "0.8", {"MPICUBE_CHECK_GENERATE": "1"})]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,depth,capacity,extra", TP_CASES,
-                         ids=["2d-cp2-dropless", "3d-dropless", "3d-capacity-recompute-gathers-gpu",
+                         ids=["2d-cp2-dropless-zero2", "3d-dropless-zero3", "3d-capacity-recompute-gathers-gpu",
                               "2.5d-capacity"])
 def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, depth, capacity, extra):
     """Each expert's linears split like any MLP's on 2-D, 2.5-D and 3-D,
@@ -169,6 +176,7 @@ def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, 
     assert (padded > 0) == (layout == "3d"), proc.stdout
     assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"cp={extra.get('MPICUBE_CHECK_CP', '1')}" in proc.stdout
+    assert f"zero={extra.get('MPICUBE_CHECK_ZERO', '0')}" in proc.stdout
     assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
 
 
@@ -190,7 +198,9 @@ def test_moe_pipeline_on_2d_matches_serial():
 def test_moe_pipelines_match_serial():
     """One launch, two cases: pp 2 x dp 2 x ep 2 under the interleaved
     schedule (2 chunks per stage), 2 micro-batches, capacity 0.8,
-    --recompute blocks; pp 2 x dp 2 under 1F1B with --zero 3, dropless.
+    --recompute blocks, --zero 2 (each stage's blocks' expert segments
+    over the expert-data group); pp 2 x dp 2 under 1F1B with --zero 3,
+    dropless.
     Each stage's chunks share a micro-batch's router ledger, summed over
     the world between its last forward and first backward; against the
     serial model accumulating the same micro-batch groups, to 1e-10."""
@@ -198,26 +208,27 @@ def test_moe_pipelines_match_serial():
 
     proc = mpiexec(4, ["-m", "mpi4py", "tests/pipeline_check.py",
                        "serial", 2, 1, 2, "interleaved", 2, 2, "dropout=0.0", "moe=0.8", "ep=2", "recompute=blocks",
-                       "--", "serial", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0", "zero=3"], timeout=200)
+                       "zero=2", "--", "serial", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0", "zero=3"], timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "schedule=interleaved V=2 accum=2" in proc.stdout and "recompute=blocks zero=0 cp=1 sp=0 moe=0.8 ep=2" \
+    assert "schedule=interleaved V=2 accum=2" in proc.stdout and "recompute=blocks zero=2 cp=1 sp=0 moe=0.8 ep=2" \
         in proc.stdout
     assert "schedule=1f1b V=1 accum=2" in proc.stdout and "zero=3 cp=1 sp=0 moe=0 ep=1" in proc.stdout
 
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
-    """train --dp 2 --cp 2 --ep 2 --zero 1 writes each expert once (the
+    """train --dp 2 --cp 2 --ep 2 --zero 3 writes each expert once (the
     ranks of the expert-data group's rank 0 at cp rank 0, the sharded
-    state gathered); the checkpoint evaluates, serially and on --ep 2, to
-    the serial run's checkpoint's loss, and generate --pp 2 --dp 2 --ep 2
-    gives its serial greedy tokens."""
+    state gathered: each block's dense chunks over dp, its experts' over
+    the expert-data group); the checkpoint evaluates, serially and on
+    --ep 2, to the serial run's checkpoint's loss, and generate --pp 2
+    --dp 2 --ep 2 gives its serial greedy tokens."""
     from mpirun import mpiexec
 
     args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
             "--n-kv-head", "2", "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "4",
             "--steps", "2", "--dtype", "float64", "--capacity-factor", "1.0"]
-    for ranks, extra in ((1, []), (4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "1"])):
+    for ranks, extra in ((1, []), (4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"])):
         proc = mpiexec(ranks, args + ["--out", tmp_path / f"r{ranks}"] + extra, timeout=200)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     rec = json.loads((tmp_path / "r4" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -353,7 +364,7 @@ def test_info_counts_the_ep_ranks_of_dp_x_cp():
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
     (dict(dp=1, cp=2, ep=4), "--ep 4 must divide --dp 1 x --cp 2 (the expert-parallel ranks are data-parallel "
                              "replicas and context-parallel ranks): use --ep 1 or 2"),
-    (dict(dp=2, ep=2, zero=2), "--zero 2 with --ep 2 is not implemented yet"),
+    (dict(dp=2, ep=4, zero=3), "--ep 4 must divide --dp 2"),
     (dict(layout="1d", dp=1, recompute="gathers"), "not with --recompute gathers on 1d"),
     (dict(layout="1d", dp=1, sequence_parallel=True), "not with --sequence-parallel"),
     (dict(layout="3d", dp=1, cp=2), "not with --cp 2 on 3d"),

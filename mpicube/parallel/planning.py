@@ -133,9 +133,6 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
                           + f" (the expert-parallel ranks are data-parallel replicas"
                           + (" and context-parallel ranks" if plan.cp > 1 else "")
                           + f"): use --ep {' or '.join(map(str, fits))}")
-    if ep > 1 and plan.zero >= 2:
-        raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (experts' gradients and "
-                          f"parameters would shard over the expert-data group); use --zero 1 or 0")
 
 
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,
