@@ -34,33 +34,45 @@ def check_kept(problem, dropout: bool, kept, label: str) -> None:
     assert tuple(kept) == want, f"rank {MPI.COMM_WORLD.rank}: {label} keeps {kept}, model predicts {want}"
 
 
-def measured_rows(ledger, calls: list) -> tuple:
+def measured_rows(ledger, runs: list) -> tuple:
     """A micro-batch's routing as the cost model reads it (costexperts.Rows
     per MoE layer): the rows this rank sent to and received from each ep
-    rank (the ledger's routes), and the rows each local expert ran on
-    (``calls``: what the layout's ``expert_rows`` answered, layer by layer,
-    in this forward)."""
+    rank (the ledger's routes), and the rows of every batch its local
+    experts' linears ran on (``runs``: per layer, what ``record_runs``
+    saw in this forward)."""
     out = []
-    for k, (held, sizes, every) in zip(sorted(ledger.routes), calls):
+    for k, sizes in zip(sorted(ledger.routes), runs):
         sent, received = ledger.routes[k]
-        assert int((sizes - held).sum()) == ledger.padded[k]
-        out.append(Rows(tuple(int(v) for v in sent), tuple(int(v) for v in received),
-                        tuple(int(v) for v in sizes), bool(every)))
+        out.append(Rows(tuple(int(v) for v in sent), tuple(int(v) for v in received), tuple(sizes)))
     return tuple(out)
 
 
-def record_expert_rows(layout) -> list:
-    """Wrap ``layout.expert_rows`` on this instance (the seam where a
-    MoE layer asks how many rows each expert runs on, model/moe.py) to
-    record (held, sizes, every) of every call, in call order; a trace
-    observes the router the same way (analysis/trace_collect.py)."""
-    calls, ask = [], layout.expert_rows
+def record_runs(model, n_layer: int) -> list:
+    """Wrap each MoE layer's ``LocalExperts._run`` on its instance (the
+    step where an expert's linears run on one batch of rows,
+    model/moe_experts.py) to record the rows of every run, per layer:
+    returns a list whose entry i is the list of layer i's runs since it
+    was last cleared (``take_runs``). A trace observes the router the same
+    way (analysis/trace_collect.py)."""
+    log = [[] for _ in range(n_layer)]
+    for i, block in enumerate(model.model.blocks):
+        experts = getattr(block, "block", block).moe.local_experts
+        run = experts._run
 
-    def expert_rows(held):
-        sizes, every = ask(held)
-        calls.append((np.asarray(layout.backend.to_host(held), dtype=np.int64),
-                      np.asarray(layout.backend.to_host(sizes), dtype=np.int64), every))
-        return sizes, every
+        def recorded(rows, index, sizes=None, every=False, _run=run, _i=i):
+            y, runs = _run(rows, index, sizes, every)
+            log[_i].append(tuple(r[1] for r in runs if r is not None))
+            return y, runs
 
-    layout.expert_rows = expert_rows
-    return calls
+        experts._run = recorded
+    return log
+
+
+def take_runs(log: list) -> list:
+    """Each layer's runs of the last forward (a layer runs one batch per
+    expert, or two: its own rows and the others', model/moe_experts.py),
+    the log then emptied."""
+    out = [tuple(size for batch in runs for size in batch) for runs in log]
+    for runs in log:
+        runs.clear()
+    return out

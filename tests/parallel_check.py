@@ -145,7 +145,7 @@ from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
 from mpicube.model.gpt import gpt_params
 from mpicube.training.driver import make_runner
-from moe_costs import check_kept, check_placement, measured_rows, record_expert_rows
+from moe_costs import check_kept, check_placement, measured_rows, record_runs, take_runs
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
 from mpicube.parallel.params import clipped_index, real_mask
@@ -456,7 +456,7 @@ def main():
         assert {(s.expert, s.parts) for s in store.partition.list} == {(False, dp), (True, dp * CP // EP)}
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
-    asked = record_expert_rows(layout) if ARCH == "mixtral" else None
+    ran = record_runs(model, cfg.n_layer) if ARCH == "mixtral" else None
     if ARCH == "mixtral":                                   # info --experts' table, every layout
         check_placement(resolve(GridSpec(layout_name, dp=dp, cp=CP, ep=EP, depth=depth, grad_accum=ACCUM,
                                          recompute=RECOMPUTE, zero=ZERO), cfg, batch, MPI.COMM_WORLD.size), store)
@@ -485,11 +485,13 @@ def main():
         def after_forward(m):
             """Between micro-batch m's forward and its backward."""
             kept.append((model.saved_elements(), model.saved_bytes()))
-            if ARCH == "mixtral":                                   # this forward's layers: the last L calls
-                routing.append(measured_rows(model.router_log.ledgers[-1], asked[-cfg.n_layer:]))
+            if ARCH == "mixtral":                                   # this forward's runs of each layer
+                routing.append(measured_rows(model.router_log.ledgers[-1], take_runs(ran)))
             if step == 1 and s_logits is not None:
                 check_logits(parts, m, s_logits, f"logits of micro-batch {m}")
 
+        if ran is not None:
+            take_runs(ran)                                          # the last step's reruns (--recompute blocks)
         loss = forward_backward(parts, x, y, step, LOSS_SCALE, after_forward=after_forward)
         close(f"step {step} loss", np.array([loss]), np.array([s_loss]))
         if not grouped:

@@ -29,8 +29,10 @@ blocks, whose rerun repeats the forward):
   --sequence-parallel), and under --recompute gathers gathers c_fc's
   input rows again from their shards in backward; SUMMA broadcasts and
   reduces X and W panels along the row and column; the cube gathers and
-  reduce-scatters over i, j, k. An expert with no rows runs where
-  ``Rows.every`` says (its collectives span ranks that may hold rows).
+  reduce-scatters over i, j, k; once per batch (``Rows.experts``: where
+  every expert runs, one batch each, empty ones too, as their
+  collectives span ranks that may hold rows; on serial and 1-D its own
+  rows and the others' apart, computed while the others travel).
 
 Per micro-batch: the ledger's (L, 2 E + 2) statistics all-reduced in the
 compute format over the same tp ranks, the ring and dp
@@ -97,8 +99,7 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
                 t.reduce_scatter("tp", p.tp, n * c, times=forwards + 1, width=w.red)       # y; backward dx
                 t.allgather("tp", p.tp, n * K, width=w.stat)                               # d weights
             for size in r.experts:
-                if size or r.every:
-                    t.add(expert_linears(p, size, forwards))
+                t.add(expert_linears(p, size, forwards))
         if p.pp > 1:                 # every stage's rows (zeros for the others' layers) over the world
             t.allreduce("world", p.tp * p.dp * p.pp * p.cp, cfg.n_layer * (2 * E + 2), width=w.stat)
             continue

@@ -47,8 +47,9 @@ class Rows:
 
     sent_to: tuple    # (ep,) kept (token, expert) rows this rank sends to each ep rank (itself included)
     received: tuple   # (ep,) rows it receives from each ep rank (its experts' rows, source by source)
-    experts: tuple    # (E/ep,) rows each local expert's linears run on: received, plus a layout's zero padding
-    every: bool = True   # whether an expert with no rows still runs (its linears' collectives: 2-D, 2.5-D, 3-D)
+    experts: tuple    # rows of every batch its local experts' linears run on (padded as the layout asks):
+                      # one batch per expert where every expert runs (2-D, 2.5-D, 3-D), else up to two, its
+                      # own rows and the others' (model/moe_experts.py), an empty one skipped
 
     @property
     def sent(self) -> int:
@@ -61,9 +62,14 @@ class Rows:
     @classmethod
     def even(cls, p: Problem, sent: int, run: int) -> "Rows":
         """``sent`` rows spread evenly over the ep ranks (and received so),
-        ``run`` over the local experts."""
+        ``run`` over the local experts: on serial and 1-D each expert's
+        own rows (1/ep of them) and the others' in two batches."""
         g, local = p.ep, p.cfg.n_experts // p.ep
-        return cls((sent // g,) * g, (sent // g,) * g, (run // local,) * local, p.layout not in ("serial", "1d"))
+        if p.layout not in ("serial", "1d"):
+            return cls((sent // g,) * g, (sent // g,) * g, (run // local,) * local)
+        own = run // g // local
+        batches = [b for b in (own, run // local - own) if b]
+        return cls((sent // g,) * g, (sent // g,) * g, tuple(b for _ in range(local) for b in batches))
 
 
 def grid(p: Problem) -> tuple:
