@@ -127,9 +127,13 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
     n, c, split, q = grid(p)
     E, K, F = cfg.n_experts, cfg.top_k, cfg.ffn
     R, F_l = rows.run, F // split
+    # the outputs brought back, in the sent order; where every expert runs on all its rows at once (2-D,
+    # 2.5-D, 3-D) and none left the rank, they are a view of those experts' whole output (received rows)
+    away = rows.sent - rows.sent_to[p.ep_rank]
+    back = sum(rows.received) if p.layout not in ("serial", "1d") and not away else rows.sent
     parts = {"router": ("stat", n * (E + K + 1) + (n if cfg.norm_topk else 0)),   # probs, weights, lse, their sum
              "input": ("act", n * c),
-             "outputs back": ("act", rows.sent * c)}
+             "outputs back": ("act", back * c)}
     if q == 1:                                                       # c_fc's input: the rows received (1-D under
         parts["rows in"] = ("act", R * c // split if regather else R * c)   # gathers: a row shard of them)
         parts["swiglu"] = ("act", 4 * F_l * R + R * F_l)            # [gate | up], sigmoid, silu; c_proj's input
