@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .comm import Comm, Pending
+from .comm import Comm
+from .comm_counters import Pending
 from .waiting import complete
 from ..device import precision
 

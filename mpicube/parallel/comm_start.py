@@ -18,7 +18,8 @@ from fractions import Fraction
 
 from mpi4py import MPI
 
-from .comm import _OPS, Comm, Pending, _on_wire
+from .comm import _OPS, Comm, _on_wire
+from .comm_counters import Pending
 from .waiting import complete
 from ..device import precision
 
