@@ -141,7 +141,7 @@ from mpicube.model.gpt import gpt_params
 from mpicube.training.driver import make_runner
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
-from mpicube.parallel.params import clipped_index, real_mask
+from mpicube.parallel.paramspec import clipped_index, real_mask
 from mpicube.training.parts import Parts
 from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff
 
