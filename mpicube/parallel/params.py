@@ -41,7 +41,7 @@ class ResidentLayers:
     ``enter(i)`` before block i runs, ``leave(i)`` after it, ``finish()``
     after a backward pass. Here every parameter and gradient is resident,
     so there is nothing to do; --zero 2 and 3 gather and send per block
-    (``parallel.fsdp.BlockStream``)."""
+    (``parallel.fsdp_stream.BlockStream``)."""
 
     def enter(self, i: int) -> None:
         pass
