@@ -103,14 +103,17 @@ def test_moe_config_stores_and_counts():
 # positions, experts' gradients skip the ring's sum): cp 2 x ep 2 alone (capacity), and 1-D x dp 2 x
 # cp 2 x ep 2 under --sequence-parallel (the mixture routes the gathered sequences and reduce-scatters
 # its output) with a capacity, --zero 1 and --recompute blocks. Passing all of them,
-# gradients are equal whatever the ep size.
+# gradients are equal whatever the ep size. dp 4 x ep 4 and 1-D x dp 2 x ep 2 also generate
+# (MPICUBE_CHECK_GENERATE: greedy, with and without the key/value cache, the serial model's tokens), as
+# does the 3-D x dp 2 x ep 2 case below.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
 DP_CASES = [(2, "serial", 2, "0", "2", {**GPU, "MPICUBE_CHECK_ZERO": "2"}),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
             (4, "serial", 4, "0", "2", {"MPICUBE_CHECK_ZERO": "3", "MPICUBE_CHECK_ACCUM": "2"}),
-            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_GENERATE": "1"}),
             (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2", "MPICUBE_CHECK_ZERO": "1"}),
-            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "1"}),
+            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "1",
+                                      "MPICUBE_CHECK_GENERATE": "1"}),
             (2, "serial", 1, "0.8", "2", {"MPICUBE_CHECK_CP": "2"}),
             (8, "1d", 2, "0.5", "2", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
                                       "MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_SEQPAR": "1"})]
@@ -141,6 +144,7 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
     assert ("sequence-parallel" in proc.stdout) == ("MPICUBE_CHECK_SEQPAR" in extra), proc.stdout
     padded = int(proc.stdout.split("padded=")[1].split()[0])
     assert (padded > 0) == (layout == "1d" and extra.get("MPICUBE_CHECK_RECOMPUTE") == "gathers"), proc.stdout
+    assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
 
 
 # the tensor-parallel layouts with --ep 2, one launch each (16 ranks): 2-D (2x2 grid) x dp 2 x --cp 2
@@ -148,12 +152,15 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
 # over its 2 ranks, the ring summing the dense chunks only; its capacity case runs under pp below); the
 # 2x2x2 cube x --cp 2 (ep folded into the ring, dp 1) dropless, and x dp 2 under a capacity with
 # --recompute gathers (its linears gather the padded rows again in backward) and --zero 3 (each block's
-# dense segment over dp 2, its experts' over an expert-data group of 1), on CI's stand-in GPU; 2.5-D (depth 2) x --cp 2 under a capacity (the drop order over the token group and the
+# dense segment over dp 2, its experts' over an expert-data group of 1), on CI's stand-in GPU, which
+# also generates (a decoding step leaves experts without rows: the cube pads them, every rank runs every
+# expert); 2.5-D (depth 2) x --cp 2 under a capacity (the drop order over the token group and the
 # ring; an expert with no rows on a grid row still runs). The cube pads each expert's rows to the most
 # of its j line (padded > 0); SUMMA needs no padding.
 TP_CASES = [(16, "2d", 2, 1, "0", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "2"}),
             (16, "3d", 1, 1, "0", {"MPICUBE_CHECK_CP": "2"}),
-            (16, "3d", 2, 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "3", **GPU}),
+            (16, "3d", 2, 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "3",
+                                        "MPICUBE_CHECK_GENERATE": "1", **GPU}),
             (16, "2.5d", 1, 2, "0.8", {"MPICUBE_CHECK_CP": "2"})]
 
 
@@ -179,6 +186,7 @@ def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, 
     assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"cp={extra.get('MPICUBE_CHECK_CP', '1')}" in proc.stdout
     assert f"zero={extra.get('MPICUBE_CHECK_ZERO', '0')}" in proc.stdout
+    assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
 
 
 @pytest.mark.timeout(240)
@@ -232,7 +240,8 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
     ranks of the expert-data group's rank 0 at cp rank 0, the sharded
     state gathered: each block's dense chunks over dp, its experts' over
     the expert-data group); the checkpoint evaluates, serially and on
-    --ep 2, to the serial run's checkpoint's loss."""
+    --ep 2, to the serial run's checkpoint's loss, and generate --pp 2
+    --dp 2 --ep 2 gives its serial greedy tokens."""
     from mpirun import mpiexec
 
     args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
@@ -252,6 +261,24 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         losses.append(json.loads(proc.stdout.strip().splitlines()[-1])["loss"])
     assert abs(losses[1] - losses[0]) <= 1e-10 * losses[0] and abs(losses[2] - losses[0]) <= 1e-10 * losses[0]
+
+    # generate --pp 2 --dp 2 --ep 2 (experts over two ranks at each stage, the all-to-all at every decoding
+    # step, key/value cache; the last stage's head is the untied lm_head): the serial model's greedy tokens
+    # (computed here, in this process), routed dropless (the capacity noted)
+    from mpi4py import MPI
+
+    from mpicube.cli.generate import GenerateOptions, generate
+
+    ckpt = tmp_path / "r4" / "ckpt" / "step_00000002"
+    want = generate(GenerateOptions(str(ckpt), prompt_tokens="3,1,4", max_new_tokens=5, temperature=0.0,
+                                    dtype="float64"), MPI.COMM_SELF)
+    assert want["note"] and len(want["tokens"]) == 5
+    proc = mpiexec(4, ["-m", "mpicube", "generate", ckpt, "--prompt-tokens", "3,1,4", "--max-new-tokens", 5,
+                       "--temperature", 0, "--dtype", "float64", "--pp", 2, "--dp", 2, "--ep", 2, "--json"],
+                   timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == want["tokens"]
+    assert "capacity factor 1 not applied: generation routes every token to its top 2 experts" in proc.stdout
 
     # convert --to hf writes a MixtralForCausalLM directory holding the same tensors (capacity noted)
     proc = cli("convert", str(tmp_path / "r4" / "ckpt" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf")
@@ -297,6 +324,31 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """A random 4-expert Mixtral directory and a dense Llama one (hf_mixtral.write, hf_llama.write)."""
+    from mpicube.files.formats import hf_llama, hf_mixtral
+    from mpicube.model.gpt import gpt_params
+
+    out, r = {}, np.random.default_rng(5)
+    for name, experts, writer in (("mixtral", 4, hf_mixtral.write), ("llama", 0, hf_llama.write)):
+        cfg = small_moe(n_head=4, n_embd=16, n_kv_head=2, n_ctx=8, n_experts=experts, top_k=2 if experts else 0)
+        out[name] = tmp_path_factory.mktemp(name) / "hf"
+        writer(out[name], {d.name: 0.2 * r.standard_normal(d.shape) for d in gpt_params(cfg)}, cfg)
+    return out
+
+
+@pytest.mark.parametrize("model,extra,message", [
+    ("mixtral", ["--ep", "3"], "--ep 3 must divide --n-experts 4: use --ep 1"),
+    ("llama", ["--ep", "2"], "--ep 2 needs a mixture of experts"),
+])
+def test_bad_generate_ep_is_one_line(hf_dirs, model, extra, message):
+    proc = cli("generate", str(hf_dirs[model]), "--prompt-tokens", "1,2", "--max-new-tokens", "2", *extra)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stdout == ""
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -33,6 +33,7 @@ from ..parallel.experts import Dispatch, local_experts
 from ..parallel.layouts.base import Layout
 from ..parallel.params import ParamDecl, ParamStore
 from .router import RouterLedger  # noqa: F401 (moe.RouterLedger: the ledger the block's MoE records into)
+from .moe_experts import LocalExperts
 
 
 def expert_names(cfg: ModelConfig, i: int):
@@ -59,10 +60,12 @@ class MoE:
     C_c). Forward: router logits in float32 or wider, top-k, the kept
     (token, expert) rows sent to the ranks holding their experts
     (``parallel.experts.Dispatch``; the identity without --ep), each local
-    expert's SwiGLU on its rows in global token order, the outputs sent
+    expert's SwiGLU on its rows (``moe_experts.LocalExperts``: the own rows
+    while the others travel, where the layout allows), the outputs sent
     back, weighted and summed per token in expert order. Backward runs the
-    same in reverse and adds the router losses' gradients from the
-    micro-batch's ledger.
+    same in reverse, computing the router's backward while the experts'
+    input gradients travel back, and adds the router losses' gradients
+    from the micro-batch's ledger.
 
     The layout enters at two seams. The router: where the canonical form
     splits the hidden columns (2-D, 2.5-D, 3-D: ``layout.hidden_comm``)
@@ -101,9 +104,9 @@ class MoE:
         self.ep = layout.axes.ep if layout.axes.ep is not None else SELF
         self.layout, self.hidden, self.seq = layout, layout.hidden_comm, layout.sequence_comm
         self.local = local_experts(cfg.n_experts, self.ep)                        # this rank's experts
-        self.experts = [(layout.expert_linear(store, f"{p}experts.{e}.c_fc", "first"),
-                         layout.expert_linear(store, f"{p}experts.{e}.c_proj", "second"))
-                        for e in self.local]
+        self.local_experts = LocalExperts(layout, [(layout.expert_linear(store, f"{p}experts.{e}.c_fc", "first"),
+                                                    layout.expert_linear(store, f"{p}experts.{e}.c_proj", "second"))
+                                                   for e in self.local], store.backend)
 
     def forward(self, x, ctx):
         """x (B, T, h) -> (y (B, T, h), saved); T/p of them under a sequence split."""
@@ -134,26 +137,9 @@ class MoE:
         route = Dispatch(self.ep, kept, E)
         if ledger is not None:
             ledger.routes[self.layer] = (route.send_counts, route.recv_counts)
-        rows = route.send(x2[order // K])                                         # (r, h) rows of this rank's experts
-        y_rows = xp.zeros_like(rows)                                              # (r, h)
-        runs = []
-        held = route.recv_matrix.sum(axis=0)                                      # (E_l,) rows of each local expert
-        sizes, every = self.layout.expert_rows(held)                              # (E_l,) rows each runs on
-        sizes = np.asarray(self.store.backend.to_host(sizes), dtype=np.int64)     # (E_l,)
+        y_back, runs, pad = self.local_experts.forward(route, x2[order // K])   # (m, h) in ``order``'s order
         if ledger is not None:
-            ledger.padded[self.layer] = int((sizes - held).sum())
-        for k, (c_fc, c_proj) in enumerate(self.experts):
-            mine = xp.asarray(route.expert_rows(k))                               # (m_e,) into rows
-            if sizes[k] == 0 and not every:
-                runs.append(None)
-                continue
-            xe = padded(rows[mine], int(sizes[k]))                                # (M_e, 1, h) zero rows after m_e
-            f, s_fc = c_fc.forward(xe)                                            # (M_e, 1, 2 F_l) intermediate
-            g, s_act = ops.swiglu_forward(f)                                      # (M_e, 1, F_l)
-            y, s_proj = c_proj.forward(g)                                         # (M_e, 1, h)
-            y_rows[mine] = y[:mine.shape[0], 0]
-            runs.append((mine, int(sizes[k]), s_fc, s_act, s_proj))
-        y_back = route.back(y_rows)                                               # (m, h) in ``order``'s order
+            ledger.padded[self.layer] = pad
         out = xp.zeros((n, h), dtype=wide)                                        # (n, h)
         w_kept = weights.reshape(-1)[order]                                       # (m,)
         bounds = np.concatenate([[0], np.cumsum(kept)])                           # (E + 1,)
@@ -188,26 +174,19 @@ class MoE:
         dweights[order] = ops.rowdot(precision.up(dyt), precision.up(y_back))   # over this rank's columns
         dweights = self._hidden_sum(dweights)                                     # (n K,) over every column
         dweights = self._ordered_sum(self.seq, dweights)                          # over the experts' F shards
-        d_rows = route.send(precision.narrow(dyt * w_kept[:, None], dy.dtype))   # (r, h)
-        dx_rows = xp.zeros(d_rows.shape, dtype=dy.dtype)                          # (r, h)
-        for (c_fc, c_proj), run in zip(self.experts, runs):
-            if run is None:
-                continue
-            mine, size, s_fc, s_act, s_proj = run
-            dg = c_proj.backward(padded(d_rows[mine], size), s_proj)              # (M_e, 1, F_l)
-            dxe = c_fc.backward(ops.swiglu_backward(dg, s_act), s_fc)            # (M_e, 1, h)
-            dx_rows[mine] = dxe[:mine.shape[0], 0]
-        dx_back = route.back(dx_rows)                                             # (m, h)
-        dx = xp.zeros((n, h), dtype=wide)                                         # (n, h)
-        for e in range(E):
-            seg = slice(int(bounds[e]), int(bounds[e + 1]))
-            dx[order[seg] // K] += dx_back[seg]
-        dprobs = dlse = None
+        dx_own, pending = self.local_experts.backward_start(route, precision.narrow(dyt * w_kept[:, None], dy.dtype),
+                                                            runs)
+        dprobs = dlse = None            # the router's backward, while the experts' input gradients travel back
         if ledger is not None:
             dprobs, dlse = ledger.dprobs(), ledger.dlse(s_route[4])
         dlogits = router_ops.route_backward(dweights.reshape(n, K), s_route, dprobs, dlse)   # (n, E)
         self.store.add_matmul(self.router_name, x2.T, precision.narrow(dlogits, x2.dtype))
         d_router = precision.matmul(dlogits, self.w_router.T.astype(dlogits.dtype), dtype=wide)   # (n, h)
+        dx_back = route.sent(dx_own, pending.wait())                              # (m, h)
+        dx = xp.zeros((n, h), dtype=wide)                                         # (n, h)
+        for e in range(E):
+            seg = slice(int(bounds[e]), int(bounds[e + 1]))
+            dx[order[seg] // K] += dx_back[seg]
         if self.seq is not None:                    # the experts' part partial over tp, the router's complete
             B, T = shape[0], shape[1]
             part = self.seq.reduce_scatter(dx.reshape(shape), axis=1, wire=dy.dtype).astype(wide, copy=False)
@@ -241,17 +220,6 @@ class MoE:
     def decode(self, x):
         """Inference without a ledger (generation): x (B, t, h) -> (B, t, h)."""
         return self.forward(x, None)[0]
-
-
-def padded(rows, size: int):
-    """rows (m, w) -> (size, 1, w): the rows, then size - m zero rows
-    (a layout's padding, ``Layout.expert_rows``), as a layout's linear
-    takes them."""
-    if rows.shape[0] == size:
-        return rows[:, None, :]
-    out = array_module(rows).zeros((size, 1, rows.shape[1]), dtype=rows.dtype)   # (size, 1, w)
-    out[:rows.shape[0], 0] = rows
-    return out
 
 
 class _Alone:

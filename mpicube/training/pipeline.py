@@ -307,10 +307,10 @@ class Pipeline:
     # --- generation: the stages in turn ---------------------------------------
     @property
     def embedding(self):
-        """The LM head's tied embedding on the last stage (its logits'
-        rows and vocabulary block), None on the others."""
+        """The LM head's embedding on the last stage (its logits' rows and
+        vocabulary block: wte, or an untied model's lm_head), None on the others."""
         model = self.chunk_model(self.V - 1)
-        return model.embedding if model.last else None
+        return model.head_embedding if model.last else None
 
     def new_caches(self) -> dict:
         """{local chunk: its blocks' key/value caches}."""
