@@ -3,8 +3,10 @@ communicator wrapper, with its collectives and the buffer helpers that
 the function-shaped ones (``comm_start``, ``comm_p2p``, ``comm_wire``,
 ``comm_alltoall``) share. What a call is counted in (``Counters``,
 ``Pending``) lives in ``comm_counters``; the uncounted agreement on host
-objects (``on_root``, ``agree_max``) in ``comm_agree``. ``Counters`` and
-``on_root`` can still be imported from here, where most callers find them.
+objects (``on_root``, ``agree_max``) in ``comm_agree``. ``Counters``,
+``Pending`` and ``on_root`` can still be imported from here, where most
+callers find them (every ``comm_*`` helper takes ``Comm`` and ``Pending``
+from here).
 
 ``Comm`` wraps one mpi4py communicator playing one named role (an *axis* of
 the processor grid, such as ``"j"`` of the 3-D cube or ``"dp"``). Every call

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .comm import Comm
-from .comm_counters import Pending
+from .comm import Comm, Pending
 from .waiting import complete
 from ..device import precision
 

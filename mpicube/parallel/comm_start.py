@@ -18,8 +18,7 @@ from fractions import Fraction
 
 from mpi4py import MPI
 
-from .comm import _OPS, Comm, _on_wire
-from .comm_counters import Pending
+from .comm import _OPS, Comm, Pending, _on_wire
 from .waiting import complete
 from ..device import precision
 
