@@ -16,8 +16,9 @@ which block of it a rank holds); ``gradients`` sums gradients over
 replica groups and dp and takes the norm; ``zero`` partitions the buffer
 over dp for --zero 1 (per layer for 2 and 3); ``fsdp`` is the store of
 --zero 2 and 3, which reduce-scatters each layer's gradients and gathers
-its weights as the model walks its blocks (``fsdp_stream`` that walk); ``profiler`` records the spans
-of ``--profile`` (``comm`` hands it every call and wait); ``schedules``
+its weights as the model walks its blocks (``fsdp_stream`` that walk);
+``profiler`` records the spans of ``--profile`` (``comm`` hands it every
+call, ``comm_counters`` every wait); ``schedules``
 holds the pipeline schedules as pure data (GPipe, 1F1B, interleaved), the
 layer split and the validation of the pipeline options, with a simulator
 that checks them without MPI.
