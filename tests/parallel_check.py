@@ -148,7 +148,7 @@ from mpicube.training.driver import make_runner
 from moe_costs import check_kept, check_placement, measured_rows, record_runs, take_runs
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
-from mpicube.parallel.params import clipped_index, real_mask
+from mpicube.parallel.paramspec import clipped_index, real_mask
 from mpicube.parallel.zero import ExpertPartition
 from mpicube.training.parts import Parts
 from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff

@@ -14,7 +14,8 @@ from . import kvcache, llama
 from .moe import MoE
 from .. import ops
 from ..ops import rng
-from ..parallel.layouts.base import Layout, make_norm
+from ..parallel.layouts.base import Layout
+from ..parallel.layouts.modules import make_norm
 from ..parallel.params import ParamStore
 from .tape import Micro
 

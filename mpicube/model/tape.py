@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..device import precision
-from ..parallel.layouts.base import Panel
+from ..parallel.layouts.modules import Panel
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ With ``--ep`` a block's experts are a segment of their own in the same
 slots, reduce-scattered and gathered over the expert-data group (the
 ranks holding the same experts) where its dense segment uses dp
 (``zero.Segments``; docs/moe.md).
+When each gather and reduce-scatter happens, and what those walks cost,
+is ``fsdp_stream``'s (``BlockStream``, ``slot_key``, ``pass_gathers``).
 Each backward of a block adds its reduce-scatter into the chunk gradient,
 so micro-batches accumulate there in any order (interleaved schedules run
 chunks' backwards out of order). What the other axes add, the sums over
@@ -62,7 +64,8 @@ from contextlib import contextmanager
 from ..device import precision
 from .comm import Comm
 from .gradients import sync_shared
-from .params import ParamStore, ResidentLayers
+from .fsdp_stream import BlockStream, block_gathers, pass_gathers, slot_key  # noqa: F401 (*_gathers: the cost model's)
+from .params import ParamStore
 from .zero import EXPERTS, TIED, Segments, is_end, segment_key, segment_of
 
 
@@ -77,42 +80,6 @@ def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0, stages
     if zero >= 2 and dp is not None and dp.size > 1:
         return SegmentedStore(specs, backend, seed, dp, zero, split_tied=stages > 1, edp=edp)
     return ParamStore(specs, backend, seed, dp=dp, zero=zero, edp=edp)
-
-
-def block_gathers(n_blocks: int, passes_per_step: int) -> int:
-    """Block all-gathers per step under --zero 3 (the cost model's count of
-    what ``SegmentedStore`` does; ``passes_per_step`` = 2 N for N micro-
-    batches): every block in the step's first forward, then L - 2 in each
-    later pass (the two slots still hold the last two blocks of the pass
-    before at each turn); only the first forward's when all fit in two."""
-    L = n_blocks
-    if L <= 2:
-        return L
-    return L + (passes_per_step - 1) * (L - 2)
-
-
-def pass_gathers(passes, blocks: list) -> int:
-    """Block all-gathers of one step under --zero 3 whose passes walk
-    ``passes`` (each the block segments of one forward or backward, in the
-    order it runs them; a pipeline stage's schedule walks its chunks one
-    at a time, in any order) over a store holding ``blocks``: a block is
-    gathered unless its slot (``slot_key``) still holds it. This is what
-    ``SegmentedStore.fetch`` does, replayed without arrays (the cost model's
-    count; ``block_gathers`` is its closed form for one chunk)."""
-    held, count = {}, 0
-    for walk in passes:
-        for segment in walk:
-            key = slot_key(segment, blocks)
-            if held.get(key) != segment:
-                held[key], count = segment, count + 1
-    return count
-
-
-def slot_key(segment: str, blocks: list):
-    """Which slot holds ``segment``: each end segment (outside, the tied wte)
-    its own, block segments alternate between two (by position among this
-    store's blocks)."""
-    return segment if is_end(segment) else blocks.index(segment) % 2
 
 
 class SegmentedStore(ParamStore):
@@ -358,44 +325,3 @@ class SegmentedStore(ParamStore):
             for gather in pending:
                 gather.wait()
             self._resident[self.slot_of[segment]] = segment
-
-
-class BlockStream(ResidentLayers):
-    """One forward or backward pass over a model's blocks under --zero 2/3:
-    ``enter(i)`` before block i runs (its parameters gathered, the next
-    block's gather started; in backward its gradient slot cleared),
-    ``leave(i)`` after (in backward its gradients sent on their way),
-    ``finish()`` after backward's last step (the end segments' gradients,
-    then every reduce-scatter landed). ``blocks`` are the sites ("h.{i}")
-    in the order the model holds them; ``ends`` the end segments (outside,
-    the tied wte) the model runs: none for a pipeline chunk between the
-    embeddings and the head, so its passes neither clear nor send them."""
-
-    def __init__(self, store: SegmentedStore, direction: str, blocks: list, ends: list = ()):
-        self.store, self.backward = store, direction == "backward"
-        self.order = list(reversed(blocks)) if self.backward else list(blocks)
-        self.step = -1 if self.backward else 1
-        self.blocks, self.ends = blocks, list(ends)
-        for segment in self.ends:
-            store.fetch(segment)
-            if self.backward:
-                store.clear_slot(segment)
-        if self.order:
-            store.prefetch(self.order[0])
-
-    def enter(self, i: int) -> None:
-        site = self.blocks[i]
-        self.store.fetch(site)
-        nxt = i + self.step
-        self.store.prefetch(self.blocks[nxt] if 0 <= nxt < len(self.blocks) else None)
-        if self.backward:
-            self.store.clear_slot(site)
-
-    def leave(self, i: int) -> None:
-        if self.backward:
-            self.store.reduce_slot(self.blocks[i])
-
-    def finish(self) -> None:
-        for segment in self.ends:
-            self.store.reduce_slot(segment)
-        self.store.wait_gradients()

@@ -12,7 +12,8 @@ import numpy as np
 from ..device import precision, threads
 from ..device.backend import Backend, make_backend
 from ..core import memory
-from ..parallel.comm import Counters, agree_max
+from ..parallel.comm import Counters
+from ..parallel.comm_agree import agree_max
 from ..core.config import ModelConfig
 from ..parallel.grid import build_layout
 from ..parallel.planning import Resolved

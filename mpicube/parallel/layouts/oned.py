@@ -32,7 +32,8 @@ from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 import math
 
-from .base import DenseLinear, Layout, RowShard, check_head_split, nearest_multiples
+from .base import Layout, check_head_split, nearest_multiples
+from .modules import DenseLinear, RowShard
 from .seqpar import SeqLinear, SeqTiedEmbedding
 from .serial import DenseTiedEmbedding
 
