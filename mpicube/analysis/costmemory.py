@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..parallel import zero
 from .costexperts import chunk_moe_terms
 from .costmodel import Problem, attention_split, dense_linears, local_param_sizes
+from .costparams import segments_of, site_of
 from .costpipe import peak_over_schedule
 
 
@@ -246,8 +247,6 @@ def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
     (the same widths) and, under mixed precision, the master chunk's 16-bit
     rounding. All are allocated once: this is the peak of weights and
     gradients, the prefetched block included."""
-    from .costmodel import segments_of, site_of
-
     w = p.widths
     segments = segments_of(p, local_param_sizes(p))
     chunk = sum(c for _, _, c, _, _ in segments)

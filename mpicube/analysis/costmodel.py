@@ -76,8 +76,9 @@ from ..parallel.schedules import build_schedule
 from ..core.config import ModelConfig
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
 from .costpipe import pipeline_traffic
-from .costparams import (_group_size, block_linears, dense_linears, head_split,  # noqa: F401 (re-exported)
-                         kv_param_sizes, local_param_sizes, on_stage)
+from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
+                         head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
+                         segment_name)
 
 
 def _layernorm(t: Traffic, axis, g, rows, count, width, rms: bool = False):  # statistics: width is Widths.stat
@@ -280,18 +281,6 @@ def step_traffic(p: Problem) -> Traffic:
     return t
 
 
-def expert_elems(p: Problem, sizes: dict) -> int:
-    """Elements of a mixture's experts on this rank when --ep > 1 puts
-    them in an expert-data group of their own (``gradients.GradientSync``),
-    else 0 (summed with the dense parameters). Their all-to-all and the
-    gradient norm's sum over ep: ``costexpertcomm.moe_traffic``."""
-    if not p.cfg.moe or p.ep == 1:
-        return 0
-    from ..parallel.experts import expert_of
-
-    return sum(n for name, (n, _) in sizes.items() if expert_of(name) is not None)
-
-
 def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
     """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
     for axis, n in group_sizes.items():
@@ -377,37 +366,6 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
                 t.allgather(axis_of[x][0], axis_of[x][1], sum(mine), width=w.act)
     folded = 2 if any(s[4] for s in segments) and p.cp > 1 else 1     # --ep under --cp: [dense, experts]
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
-
-
-def site_of(segment: str) -> str:
-    """The block (or end) a segment belongs to: "h.{i}" for "h.{i}.experts"."""
-    return segment.removesuffix(zero.EXPERTS)
-
-
-def segment_name(p: Problem, name: str) -> str:
-    """The segment of parameter ``name`` under --zero 2/3: its layer's, or
-    with --ep > 1 its block's experts' (``fsdp.SegmentedStore``)."""
-    from ..parallel.experts import expert_of
-
-    seg = zero.segment_of(name, p.pp > 1)
-    return seg + zero.EXPERTS if p.cfg.moe and p.ep > 1 and expert_of(name) is not None else seg
-
-
-def segments_of(p: Problem, sizes: dict) -> list:
-    """[(segment, S, C_s, parts, expert)] of this rank's (stage's) store
-    under --zero 2/3 in buffer order: each layer's (``zero.segment_sizes``;
-    with stages the tied wte a segment of its own) cut over dp, and under
-    --ep each block's experts after it, cut over the expert-data group."""
-    totals = {}
-    for name, (n, _) in sizes.items():
-        seg = segment_name(p, name)
-        totals[seg] = totals.get(seg, 0) + n
-    out = []
-    for seg in sorted(totals, key=lambda s: (zero.segment_key(site_of(s)), s != site_of(s))):
-        x = seg != site_of(seg)
-        parts = p.edp if x else p.dp
-        out.append((seg, totals[seg], -(-totals[seg] // parts), parts, x))
-    return out
 
 
 def block_gathers(p: Problem, blocks: list) -> int:

@@ -3,13 +3,16 @@ block's linears (``block_linears``: GPT-2's, or Llama's GQA, SwiGLU and
 replicated kv heads), the layout's head split, every parameter's local
 elements and the replica group its gradient is summed over
 (``local_param_sizes``, from each layout's sharding rules in closed form,
-not the layout code), and the shared kv columns (``kv_param_sizes``).
-``costmodel`` re-exports them."""
+not the layout code), the shared kv columns (``kv_param_sizes``), a
+mixture's experts among them (``expert_elems``) and, under --zero 2/3,
+the segments the store is cut into (``segments_of``). ``costmodel``
+re-exports them."""
 
 from __future__ import annotations
 
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
+from ..parallel import zero
 from ..parallel.experts import expert_of
 from ..parallel.split import shared_width, split_decl
 from .costbase import Problem
@@ -146,3 +149,42 @@ def _group_size(p: Problem, axis: str) -> int:
         return p.tp // round((p.tp // p.depth) ** 0.5)
     q = round(p.tp ** (1 / 3))
     return q * q                               # ij, ik planes of the cube
+
+
+def expert_elems(p: Problem, sizes: dict) -> int:
+    """Elements of a mixture's experts on this rank when --ep > 1 puts
+    them in an expert-data group of their own (``gradients.GradientSync``),
+    else 0 (summed with the dense parameters). Their all-to-all and the
+    gradient norm's sum over ep: ``costexpertcomm.moe_traffic``."""
+    if not p.cfg.moe or p.ep == 1:
+        return 0
+    return sum(n for name, (n, _) in sizes.items() if expert_of(name) is not None)
+
+
+def site_of(segment: str) -> str:
+    """The block (or end) a segment belongs to: "h.{i}" for "h.{i}.experts"."""
+    return segment.removesuffix(zero.EXPERTS)
+
+
+def segment_name(p: Problem, name: str) -> str:
+    """The segment of parameter ``name`` under --zero 2/3: its layer's, or
+    with --ep > 1 its block's experts' (``fsdp.SegmentedStore``)."""
+    seg = zero.segment_of(name, p.pp > 1)
+    return seg + zero.EXPERTS if p.cfg.moe and p.ep > 1 and expert_of(name) is not None else seg
+
+
+def segments_of(p: Problem, sizes: dict) -> list:
+    """[(segment, S, C_s, parts, expert)] of this rank's (stage's) store
+    under --zero 2/3 in buffer order: each layer's (``zero.segment_sizes``;
+    with stages the tied wte a segment of its own) cut over dp, and under
+    --ep each block's experts after it, cut over the expert-data group."""
+    totals = {}
+    for name, (n, _) in sizes.items():
+        seg = segment_name(p, name)
+        totals[seg] = totals.get(seg, 0) + n
+    out = []
+    for seg in sorted(totals, key=lambda s: (zero.segment_key(site_of(s)), s != site_of(s))):
+        x = seg != site_of(seg)
+        parts = p.edp if x else p.dp
+        out.append((seg, totals[seg], -(-totals[seg] // parts), parts, x))
+    return out
