@@ -10,7 +10,13 @@ moves, never what moves or what is computed. tests/test_layouts.py checks
 the overlapped path against serial; this one carries that check over to the
 blocking path.
 
-Usage: python -m mpi4py tests/overlap_check.py LAYOUT DEPTH
+With a third argument ``moe`` the same check follows for a mixture of
+experts (4 experts, top 2, a capacity) on the serial layout with the
+experts split over every rank (dp = ep = world): the own rows computed
+while the others' travel (model/moe_experts.py) against the blocking
+path.
+
+Usage: python -m mpi4py tests/overlap_check.py LAYOUT DEPTH [moe]
 """
 
 import sys
@@ -18,14 +24,15 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from parallel_check import build
+from parallel_check import LLAMA, build
 from mpicube.core.config import ModelConfig
 from mpicube.training.accum import forward_backward
 from mpicube.training.step import make_step
 
 
-def built(overlap: str, layout_name, cfg, batch, depth):
-    parts = build(layout_name, MPI.COMM_WORLD, cfg, batch, 1, depth, 0.1, settings={"overlap": overlap != "0"})
+def built(overlap: str, layout_name, cfg, batch, depth, dp=1, ep=1):
+    parts = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, 0.1, settings={"overlap": overlap != "0"},
+                  ep=ep)
     assert parts.layout.overlap == (overlap != "0")
     return parts, make_step(parts.store, parts.layout.axes, weight_decay=0.1)
 
@@ -37,13 +44,12 @@ def same(name, a, b):
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs with overlap off (max {diff})")
 
 
-def main():
-    layout_name, depth = sys.argv[1], int(sys.argv[2])
-    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=12, n_embd=36)
-    batch = 72
+def compare(layout_name, cfg, depth, dp=1, ep=1, batch=72) -> float:
+    """Three steps with overlap off and on: equal bit for bit, with the
+    same traffic. Returns the elements rank 0 moved in the last step."""
     rng = np.random.default_rng(5)
     batches = [(rng.integers(0, 61, (batch, cfg.n_ctx)), rng.integers(0, 61, (batch, cfg.n_ctx))) for _ in range(3)]
-    runs = [built(flag, layout_name, cfg, batch, depth) for flag in ("0", "1")]
+    runs = [built(flag, layout_name, cfg, batch, depth, dp, ep) for flag in ("0", "1")]
     for step, (x, y) in enumerate(batches, start=1):
         seen = []
         for parts, opt in runs:
@@ -69,10 +75,28 @@ def main():
     (off, _), (on, _) = runs
     for name in off.store.data:
         same(f"param {name} after 3 steps", off.store.data[name], on.store.data[name])
+    if ep > 1:
+        assert t1["ep"][0] > 0, "no rows went over the ep axis"
+    return float(sum(c for c, _, _ in t1.values()))
+
+
+def main():
+    layout_name, depth = sys.argv[1], int(sys.argv[2])
+    cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, n_head=12, n_embd=36)
+    moved = compare(layout_name, cfg, depth)
     MPI.COMM_WORLD.Barrier()
+    world = MPI.COMM_WORLD.size
     if MPI.COMM_WORLD.rank == 0:
-        print(f"OK overlap {layout_name} world={MPI.COMM_WORLD.size} depth={depth}: bit-identical with "
-              f"MPICUBE_OVERLAP=0, same traffic ({float(sum(c for c, _, _ in t1.values())):.0f} elements on rank 0)")
+        print(f"OK overlap {layout_name} world={world} depth={depth}: bit-identical with "
+              f"MPICUBE_OVERLAP=0, same traffic ({moved:.0f} elements on rank 0)")
+    if sys.argv[3:] == ["moe"]:
+        moe = ModelConfig(vocab_size=61, n_ctx=8, n_layer=2, **LLAMA, n_experts=4, top_k=2, capacity_factor=0.8,
+                          router_aux_loss_coef=0.05, router_z_loss_coef=0.01)
+        moved = compare("serial", moe, 1, dp=world, ep=world, batch=8)
+        MPI.COMM_WORLD.Barrier()
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"OK overlap moe serial world={world} dp={world} ep={world}: bit-identical with "
+                  f"MPICUBE_OVERLAP=0, same traffic ({moved:.0f} elements on rank 0)")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ Environment:
                               MPICUBE_CHECK_EP=E splits the experts over E of
                               the dp replicas (--ep E); its traffic and memory
                               are not compared (no MoE cost terms)
+  MPICUBE_CHECK_GENERATE=1    (a mixture, no --cp) also greedy generation on the
+                              layout with --ep (cli.generate's Generator, its
+                              smallest batch), with and without the key/value
+                              cache, gives the serial model's tokens
 
 Tolerance in 16 bits (u = 2^-11 for float16, 2^-8 for bfloat16, the
 largest relative error of one rounding). The sources of difference:
@@ -141,7 +145,7 @@ from mpicube.model.gpt import gpt_params
 from mpicube.training.driver import make_runner
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
-from mpicube.parallel.params import clipped_index, real_mask
+from mpicube.parallel.paramspec import clipped_index, real_mask
 from mpicube.training.parts import Parts
 from mpicube.device.precision import dtype_of, gradient_wire, is_half, unit_roundoff
 
@@ -171,13 +175,15 @@ LOSS_SCALE = 1024.0 if DTYPE == "float16" else 1.0
 
 
 def build(layout_name, comm, cfg, batch, dp, depth, dropout, seed=7, device="cpu", grad_accum=1, recompute="none",
-          zero=0, settings=None):
+          zero=0, settings=None, ep=None):
     """``settings``: the plan's overlap and attention (None: as the command
-    line reads them from MPICUBE_OVERLAP and MPICUBE_ATTENTION)."""
+    line reads them from MPICUBE_OVERLAP and MPICUBE_ATTENTION); ``ep``:
+    the world's expert-parallel ranks (None: MPICUBE_CHECK_EP)."""
     backend = make_backend(device, DTYPE)
     counters = Counters()
     cp = CP if comm is MPI.COMM_WORLD else 1
-    grid = GridSpec(layout_name, dp=dp, cp=cp, ep=EP if comm is MPI.COMM_WORLD else 1, depth=depth,
+    ep = (EP if ep is None else ep) if comm is MPI.COMM_WORLD else 1
+    grid = GridSpec(layout_name, dp=dp, cp=cp, ep=ep, depth=depth,
                     sequence_parallel=SEQPAR and comm is MPI.COMM_WORLD,
                     grad_accum=grad_accum, recompute=recompute, **(env_settings() if settings is None else settings))
     layout = build_layout(resolve(grid, cfg, batch, comm.Get_size()), backend, comm, counters=counters)
@@ -404,6 +410,35 @@ def grid_of(layout_name: str, dp: int, depth: int) -> GridSpec:
                     recompute=RECOMPUTE, zero=ZERO)
 
 
+def check_generation(cfg, layout_name, dp, depth) -> list:
+    """MPICUBE_CHECK_GENERATE=1: greedy tokens of the layout with the
+    experts split over the ep ranks (every decoding step dispatches its
+    rows with the all-to-all), with the key/value cache and without it,
+    equal the serial model's (the same seed: the same weights). Each rank
+    holds one row as ``mpicube generate`` runs it; a capacity is
+    dropped as ``generate`` drops it (``generation_config``). Returns the
+    tokens."""
+    from mpicube.cli.generate import Generator, Sampler, generation_batch, generation_config
+
+    assert CP == 1, "generation has no --cp"
+    cfg, note = generation_config(cfg)
+    assert (note is None) == (CAPACITY == 0), note
+    world = MPI.COMM_WORLD
+    batch = generation_batch(layout_name, cfg, world.size, dp, depth, ep=EP)
+    parts = build(layout_name, world, cfg, batch, dp, depth, 0.0)
+    serial = build("serial", MPI.COMM_SELF, cfg, 1, 1, 1, 0.0)
+    for store in (parts.store, serial.store):          # weights 10x the init's: logits far from uniform
+        store.flat[...] *= 10.0
+        store.params_changed()
+    prompt, new = [5, 17, 40], cfg.n_ctx - 3
+    want = Generator(serial).run(prompt, new, Sampler(0.0, 0, 0), cache=False)["tokens"]
+    for cache in (True, False):
+        got = Generator(parts).run(prompt, new, Sampler(0.0, 0, 0), cache=cache)["tokens"]
+        assert got == want, f"rank {world.rank}: generated {got} (cache {cache}), serial {want}"
+    assert EP == 1 or parts.counters.elems["ep"] > 0, "no rows went over the ep axis"
+    return want
+
+
 def main():
     layout_name, dp, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
@@ -444,6 +479,8 @@ def main():
     assert store.partition.sharded == bool(ZERO), "MPICUBE_CHECK_ZERO=1 needs dp > 1"
     if ZERO == 1 and EP > 1:          # dense state over dp, the experts' over the expert-data group (dp cp / ep)
         assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp * CP // EP)
+    if ZERO >= 2 and EP > 1:          # the same per layer: each block's dense segment and its experts' segment
+        assert {(s.expert, s.parts) for s in store.partition.list} == {(False, dp), (True, dp * CP // EP)}
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
     if ARCH == "mixtral" and layout_name in ("serial", "1d") and CP == 1:   # the table draws 1-D's split (no cp)
@@ -497,11 +534,14 @@ def main():
     if not HALF:
         check_params(store, host, s_store.data, "after 3 steps")
     padded = MPI.COMM_WORLD.allreduce(PADDED[0])
+    generated = ""
+    if os.environ.get("MPICUBE_CHECK_GENERATE") == "1":
+        generated = " generated=" + ",".join(map(str, check_generation(cfg, layout_name, dp, depth)))
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
               f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}"
-              + (f" capacity={CAPACITY} ep={EP} padded={padded}" if ARCH == "mixtral" else ""))
+              + (f" capacity={CAPACITY} ep={EP} padded={padded}" if ARCH == "mixtral" else "") + generated)
 
 
 if __name__ == "__main__":

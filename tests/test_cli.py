@@ -168,6 +168,7 @@ def test_hostile_values_and_sizes_are_one_line_each(tmp_path, corpus_cache):
         if name == "bench llama kv heads":               # refused before any layout's note
             assert lines == errors, (name, res)
     assert not (tmp_path / "llama-run").exists()         # refused before its run directory was made
+    assert not (tmp_path / "run").exists()               # so were the models too large for this machine
 
 
 @pytest.mark.parametrize("model", [(4, 12, 144, 64), (1, 2, 16, 16), (3, 4, 64, 128)])

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from mpicube.files import data
-from mpicube.files.data import (HEADER_INTS, MAGIC, VERSION, DataError, TokenShard, TrainLoader, builtin_corpus,
+from mpicube.files.shards import HEADER_INTS
+from mpicube.files.data import (MAGIC, VERSION, DataError, TokenShard, TrainLoader, builtin_corpus,
                                 decode_tokens, encode_bytes, eval_batch, eval_batch_count, prepare,
                                 read_shard, write_shard)
 
@@ -41,15 +42,39 @@ def test_shard_round_trip(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]  # no temp file left behind
 
 
+def test_wide_shard_holds_llama3_ids(tmp_path):
+    """Ids past 65,535 (Llama 3's vocabulary of 128,256) go to llm.c's
+    uint32 layout: magic 20240801, version 7; read back as written, and
+    batched like any shard."""
+    tokens = np.array([0, 65535, 65536, 128255, 7, 2**32 - 1], dtype=np.int64)
+    path = tmp_path / "w.bin"
+    write_shard(path, tokens)
+    raw = path.read_bytes()
+    assert len(raw) == HEADER_BYTES + 4 * len(tokens)
+    assert np.frombuffer(raw[:12], dtype="<i4").tolist() == [20240801, 7, len(tokens)]
+    got = read_shard(path)
+    assert got.dtype == np.uint32 and np.asarray(got).tolist() == tokens.tolist()
+    assert got[2:4].tolist() == [65536, 128255] and got.rows([1, 3], 2).tolist() == [[65535, 65536], [128255, 7]]
+    x, y = eval_batch(got, 2, 2, 0)
+    assert x.tolist() == [[0, 65535], [65536, 128255]] and y.tolist() == [[65535, 65536], [128255, 7]]
+    with pytest.raises(DataError, match="outside the model's vocabulary of 128256"):
+        data.check_vocab(got, 128256, path)
+    raw_shard(tmp_path / "mixed.bin", [20240801, 1, 3], [1, 2, 3, 4, 5, 6])      # wide magic, narrow version
+    with pytest.raises(DataError, match="version 1 .expected 7 with magic 20240801"):
+        read_shard(tmp_path / "mixed.bin")
+
+
 def test_write_shard_replaces_and_rejects_out_of_range(tmp_path):
     path = tmp_path / "a.bin"
     write_shard(path, [1, 2, 3])
     write_shard(path, [7])
     assert np.asarray(read_shard(path)).tolist() == [7]
-    with pytest.raises(DataError, match="uint16"):
-        write_shard(path, [70000])
-    with pytest.raises(DataError, match="uint16"):
+    with pytest.raises(DataError, match="from 0 to 4,294,967,295"):
+        write_shard(path, [2**32])
+    with pytest.raises(DataError, match="from 0 to"):
         write_shard(path, [-1])
+    with pytest.raises(DataError, match="must be integers"):
+        write_shard(path, [1.5])
     assert np.asarray(read_shard(path)).tolist() == [7]
 
 
@@ -348,3 +373,19 @@ def test_eval_batches():
             assert y[r].tolist() == list(range(start + 1, start + 5))
     with pytest.raises(IndexError):
         eval_batch(tokens, 3, 4, 4)
+
+
+def test_llama3_sized_vocabulary_trains_from_wide_shards(mpicube, tmp_path):
+    """A vocabulary past 65,536 ids trains from uint32 shards end to end:
+    the first loss is near ln(vocab) (every id of a random stream equally
+    likely), and the run's checkpoint is written."""
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "t.bin", rng.integers(0, 70_000, 4000))               # (4000,) ids past uint16
+    write_shard(tmp_path / "v.bin", rng.integers(0, 70_000, 600))
+    r = mpicube.run("train", "--arch", "llama", "--vocab-size", "70000", "--data", tmp_path / "t.bin",
+                    "--val-data", tmp_path / "v.bin", "--n-embd", "16", "--n-layer", "1", "--n-head", "2",
+                    "--n-kv-head", "1", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                    "--out", tmp_path / "run")
+    assert r.returncode == 0, r
+    first = float(next(line for line in r.stdout.splitlines() if line.startswith("step 1/")).split("loss ")[1].split()[0])
+    assert abs(first - np.log(70_000)) < 0.2 and (tmp_path / "run" / "ckpt" / "step_00000002").is_dir()

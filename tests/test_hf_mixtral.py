@@ -3,7 +3,7 @@ attention: 4 heads over 2 kv heads), saved by transformers in the hub's
 per-expert form, evaluates to 1e-9 of transformers' own float64 loss on
 the serial layout, with --ep 4 over four data-parallel replicas, and on
 1-D (tp 2), 2-D and 3-D x dp 2 x --ep 2; its greedy tokens are transformers' (serial and
-1-D, key/value cache); its training loss
+1-D x dp 2 x --ep 2 with the key/value cache, 2-D x dp 2 x --ep 2 without); its training loss
 (cross-entropy plus the load-balancing loss) equals transformers'
 ``loss`` with ``output_router_logits``; and a mixture this build does not
 compute is refused by the field's name.
@@ -113,8 +113,12 @@ def test_mixtral_directory_evaluates_like_transformers(mixtral, ranks, layout, d
     assert abs(got - mixtral["ce"]) <= 1e-9 * abs(mixtral["ce"]), f"{got!r} vs transformers {mixtral['ce']!r}"
 
 
-@pytest.mark.parametrize("ranks,extra", [(1, []), (2, ["--layout", "1d"])])
+@pytest.mark.parametrize("ranks,extra", [(1, []), (4, ["--layout", "1d", "--dp", "2", "--ep", "2"]),
+                                         (8, ["--layout", "2d", "--dp", "2", "--ep", "2", "--no-cache"])])
 def test_mixtral_greedy_tokens_equal_transformers(mixtral, ranks, extra):
+    """Serial, 1-D x dp 2 x ep 2 with the key/value cache, 2-D x dp 2 x ep 2
+    recomputing the prefix: every decoding step's rows reach the experts'
+    ranks by the all-to-all, and the tokens are transformers'."""
     prompt = ",".join(str(int(t)) for t in mixtral["x"][0, :3])
     proc = mpiexec(ranks, ["-m", "mpicube", "generate", mixtral["dir"], "--prompt-tokens", prompt, "--max-new-tokens",
                            4, "--temperature", 0, "--dtype", "float64", "--json"] + extra, timeout=180,

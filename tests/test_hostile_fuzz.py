@@ -19,7 +19,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpicube.files import data
+from mpicube.files import data, shards
 from mpicube.files.checkpoint import CheckpointError, FORMAT, VERSION
 from mpicube.files.checkpoint.header import CONFIG_KEYS, parse_root, model_config, read_attrs
 
@@ -42,7 +42,8 @@ def header_bytes(magic, version, count, rest: bytes, length: int) -> bytes:
 # a header near the valid one (each field right or anything), mostly of the full
 # size, sometimes cut short; or any bytes at all
 HEADERS = st.one_of(
-    st.builds(header_bytes, st.just(data.MAGIC) | INT32, st.just(data.VERSION) | INT32,
+    st.builds(header_bytes, st.sampled_from([data.MAGIC, shards.WIDE_MAGIC]) | INT32,
+              st.sampled_from([data.VERSION, shards.WIDE_VERSION]) | INT32,
               st.integers(-3, 600) | INT32, st.binary(max_size=32),
               st.just(data.HEADER_BYTES) | st.integers(0, data.HEADER_BYTES + 8)),
     st.binary(max_size=data.HEADER_BYTES + 16),
@@ -52,8 +53,8 @@ HEADERS = st.one_of(
 def sizes(raw: bytes):
     """A file size: the one a valid header needs, or near it, or anything."""
     count = int(np.frombuffer(raw[:12].ljust(12, b"\0"), "<i4")[2])
-    right = data.HEADER_BYTES + 2 * count
-    return st.sampled_from([right, right - 1, right + 2, len(raw)]) | st.integers(-1, 2**33)
+    rights = [data.HEADER_BYTES + width * count for width in (2, 4)]      # uint16 or uint32 tokens
+    return st.sampled_from([r + d for r in rights for d in (0, -1, 2)] + [len(raw)]) | st.integers(-1, 2**33)
 
 
 @FUZZ
@@ -61,12 +62,13 @@ def sizes(raw: bytes):
 def test_shard_header_parses_or_says_why(raw_size):
     raw, size = raw_size
     try:
-        count = data.parse_header(raw, size, "shard.bin")
+        count, dtype = data.parse_header(raw, size, "shard.bin")
     except data.DataError as e:
         assert str(e).startswith("shard.bin: ")
         return
-    assert len(raw) >= data.HEADER_BYTES and count >= 0 and size == data.HEADER_BYTES + 2 * count
-    assert np.frombuffer(raw, "<i4", 3).tolist() == [data.MAGIC, data.VERSION, count]
+    assert len(raw) >= data.HEADER_BYTES and count >= 0 and size == data.HEADER_BYTES + dtype.itemsize * count
+    layout = [data.MAGIC, data.VERSION] if dtype == np.uint16 else [shards.WIDE_MAGIC, shards.WIDE_VERSION]
+    assert dtype in (np.uint16, np.uint32) and np.frombuffer(raw, "<i4", 3).tolist() == layout + [count]
 
 
 @FUZZ_FILES
@@ -85,7 +87,7 @@ def test_shard_file_opens_or_says_why(raw, pad, body):
             return
         got = np.asarray(tokens)
         tokens.close()
-    assert got.dtype == np.uint16 and got.tobytes() == content[data.HEADER_BYTES:]
+    assert got.dtype in (np.uint16, np.uint32) and got.tobytes() == content[data.HEADER_BYTES:]
 
 
 # --------------------------------------------------------------------------- checkpoint root attributes

@@ -49,10 +49,14 @@ def test_overlap_is_bit_identical_to_the_blocking_path(ranks, layout, depth):
     """1-D's nonblocking dX all-reduce and SUMMA's double-buffered panels
     (2-D, 2.5-D) give the results of MPICUBE_OVERLAP=0 bit for bit, with
     the same traffic (tests/overlap_check.py): so the blocking path follows
-    serial wherever the cases above show the overlapped one does."""
-    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/overlap_check.py", layout, depth], timeout=180)
+    serial wherever the cases above show the overlapped one does. With the
+    1-D launch, a mixture's experts over dp = ep = 2 computing their own
+    rows while the all-to-all carries the others do too."""
+    moe = ["moe"] if layout == "1d" else []        # and a mixture with dp = ep = 2 (model/moe_experts.py)
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/overlap_check.py", layout, depth] + moe, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"OK overlap {layout} world={ranks} depth={depth}: bit-identical" in proc.stdout
+    assert ("OK overlap moe serial world=2 dp=2 ep=2: bit-identical" in proc.stdout) == bool(moe)
 
 
 FUSED_EVERYWHERE = {"MPICUBE_KERNELS": "numba", "MPICUBE_FUSED_MIN_ELEMS": "0", "OMP_NUM_THREADS": "2"}

@@ -90,34 +90,41 @@ def test_moe_config_stores_and_counts():
     assert "h.1.moe.experts.3.c_proj.weight" in [d.name for d in decls]
 
 
-# One launch each. dp 2: dropless with --ep 2 on CI's stand-in GPU (tests/fake_gpu) against the
-# CPU's serial model; capacity with --zero 1 and --recompute blocks; dropless with --zero 3.
+# One launch each. dp 2: dropless with --ep 2 and --zero 2 on CI's stand-in GPU (tests/fake_gpu) against
+# the CPU's serial model; capacity with --zero 1 and --recompute blocks.
 # dp 4: --ep 4 (capacity, recompute); --ep 2 (two experts per rank, each held by two replicas)
-# with --grad-accum 2 and --zero 1 (dense state over the 4 replicas, each expert's over its 2),
-# checked without dropout against the serial model accumulating the same micro-batch groups.
-# 1-D tp 2 x dp 2 with --ep 2 (capacity, recompute, --zero 1). --cp 2 (ep folded into dp x cp: each cp
+# with --grad-accum 2 and --zero 1 (dense state over the 4 replicas, each expert's over its 2), and
+# dropless with --zero 3 (each block's dense segment gathered and reduce-scattered over the 4, its
+# experts' segment over the 2), both checked without dropout against the serial model accumulating
+# the same micro-batch groups.
+# 1-D tp 2 x dp 2 with --ep 2 (capacity, --recompute gathers: each expert's rows padded to a multiple of
+# tp for its row shards, padded > 0; --zero 1). --cp 2 (ep folded into dp x cp: each cp
 # rank routes its positions, the ledger sums over the ring too, the drop order interleaves the ring's
 # positions, experts' gradients skip the ring's sum): cp 2 x ep 2 alone (capacity), and 1-D x dp 2 x
-# cp 2 x ep 2 under a capacity with --zero 1 and recompute. Passing all of them,
-# gradients are equal whatever the ep size.
+# cp 2 x ep 2 under --sequence-parallel (the mixture routes the gathered sequences and reduce-scatters
+# its output) with a capacity, --zero 1 and --recompute blocks. Passing all of them,
+# gradients are equal whatever the ep size. dp 4 x ep 4 and 1-D x dp 2 x ep 2 also generate
+# (MPICUBE_CHECK_GENERATE: greedy, with and without the key/value cache, the serial model's tokens), as
+# does the 3-D x dp 2 x ep 2 case below.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
-DP_CASES = [(2, "serial", 2, "0", "2", GPU),
+DP_CASES = [(2, "serial", 2, "0", "2", {**GPU, "MPICUBE_CHECK_ZERO": "2"}),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-            (2, "serial", 2, "0", "1", {"MPICUBE_CHECK_ZERO": "3"}),
-            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks"}),
+            (4, "serial", 4, "0", "2", {"MPICUBE_CHECK_ZERO": "3", "MPICUBE_CHECK_ACCUM": "2"}),
+            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_GENERATE": "1"}),
             (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2", "MPICUBE_CHECK_ZERO": "1"}),
-            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_ZERO": "1"}),
+            (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "1",
+                                      "MPICUBE_CHECK_GENERATE": "1"}),
             (2, "serial", 1, "0.8", "2", {"MPICUBE_CHECK_CP": "2"}),
             (8, "1d", 2, "0.5", "2", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
-                                      "MPICUBE_CHECK_RECOMPUTE": "blocks"})]
+                                      "MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_SEQPAR": "1"})]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks,layout,dp,capacity,ep,extra", DP_CASES,
-                         ids=["dp2-ep2-dropless-gpu", "dp2-capacity-zero1-recompute", "dp2-zero3-dropless",
+                         ids=["dp2-ep2-dropless-zero2-gpu", "dp2-capacity-zero1-recompute", "dp4-ep2-zero3-accum2",
                               "dp4-ep4-capacity-recompute",
-                              "dp4-ep2-accum2-capacity-zero1", "1d-dp2-ep2-capacity-recompute-zero1",
-                              "cp2-ep2-capacity", "1d-dp2-cp2-ep2-capacity-zero1-recompute"])
+                              "dp4-ep2-accum2-capacity-zero1", "1d-dp2-ep2-capacity-gathers-zero1",
+                              "cp2-ep2-capacity", "1d-dp2-cp2-sp-ep2-capacity-zero1-recompute"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
     the router losses, logits, every gradient (each rank's experts), the
@@ -132,86 +139,115 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
     assert f"OK {layout} world={ranks} dp={dp}" in proc.stdout
     assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"arch=mixtral capacity={float(capacity)} ep={ep}" in proc.stdout
+    assert f"zero={extra.get('MPICUBE_CHECK_ZERO', '0')}" in proc.stdout
+    assert f"recompute={extra.get('MPICUBE_CHECK_RECOMPUTE', 'none')} " in proc.stdout
+    assert ("sequence-parallel" in proc.stdout) == ("MPICUBE_CHECK_SEQPAR" in extra), proc.stdout
+    padded = int(proc.stdout.split("padded=")[1].split()[0])
+    assert (padded > 0) == (layout == "1d" and extra.get("MPICUBE_CHECK_RECOMPUTE") == "gathers"), proc.stdout
+    assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
 
 
-# the tensor-parallel layouts with --ep 2 over dp 2, one launch each: 2-D (2x2 grid) x --cp 2 (16 ranks)
-# dropless (its capacity case runs under pp below, without cp), the 2x2x2 cube (16 ranks) in both dispatch modes (capacity
-# with --recompute gathers: its linears gather the padded rows again in backward; on CI's stand-in
-# GPU), 2.5-D (depth 2, 16 ranks) under a capacity. The cube pads each expert's rows to the most of its j line (padded > 0);
-# SUMMA needs no padding.
-TP_CASES = [(16, "2d", 1, "0", {"MPICUBE_CHECK_CP": "2"}),
-            (16, "3d", 1, "0", {}), (16, "3d", 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", **GPU}),
-            (16, "2.5d", 2, "0.8", {})]
+# the tensor-parallel layouts with --ep 2, one launch each (16 ranks): 2-D (2x2 grid) x dp 2 x --cp 2
+# dropless under --zero 2 (the expert-data group spans the ring: each block's experts reduce-scattered
+# over its 2 ranks, the ring summing the dense chunks only; its capacity case runs under pp below); the
+# 2x2x2 cube x --cp 2 (ep folded into the ring, dp 1) dropless, and x dp 2 under a capacity with
+# --recompute gathers (its linears gather the padded rows again in backward) and --zero 3 (each block's
+# dense segment over dp 2, its experts' over an expert-data group of 1), on CI's stand-in GPU, which
+# also generates (a decoding step leaves experts without rows: the cube pads them, every rank runs every
+# expert); 2.5-D (depth 2) x --cp 2 under a capacity (the drop order over the token group and the
+# ring; an expert with no rows on a grid row still runs). The cube pads each expert's rows to the most
+# of its j line (padded > 0); SUMMA needs no padding.
+TP_CASES = [(16, "2d", 2, 1, "0", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "2"}),
+            (16, "3d", 1, 1, "0", {"MPICUBE_CHECK_CP": "2"}),
+            (16, "3d", 2, 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "3",
+                                        "MPICUBE_CHECK_GENERATE": "1", **GPU}),
+            (16, "2.5d", 1, 2, "0.8", {"MPICUBE_CHECK_CP": "2"})]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks,layout,depth,capacity,extra", TP_CASES,
-                         ids=["2d-cp2-dropless", "3d-dropless", "3d-capacity-recompute-gathers-gpu",
-                              "2.5d-capacity"])
-def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, depth, capacity, extra):
+@pytest.mark.parametrize("ranks,layout,dp,depth,capacity,extra", TP_CASES,
+                         ids=["2d-cp2-dropless-zero2", "3d-cp2-dropless", "3d-capacity-recompute-gathers-zero3-gpu",
+                              "2.5d-cp2-capacity"])
+def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, dp, depth, capacity, extra):
     """Each expert's linears split like any MLP's on 2-D, 2.5-D and 3-D,
-    the router's rows over the hidden columns, with --ep 2 over dp 2
+    the router's rows over the hidden columns, with --ep 2 over dp x cp
     (dropout on): loss, logits, every gradient, the norm and parameters
     after 3 steps equal serial's to 1e-10 in float64."""
     from mpirun import mpiexec
 
-    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, 2, depth, 0.1, 8], timeout=200,
+    proc = mpiexec(ranks, ["-m", "mpi4py", "tests/parallel_check.py", layout, dp, depth, 0.1, 8], timeout=200,
                    env={"MPICUBE_CHECK_ARCH": "mixtral", "MPICUBE_CHECK_CAPACITY": capacity, "MPICUBE_CHECK_EP": "2",
                         **extra})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"OK {layout} world={ranks} dp=2 depth={depth}" in proc.stdout
+    assert f"OK {layout} world={ranks} dp={dp} depth={depth}" in proc.stdout
     padded = int(proc.stdout.split("padded=")[1].split()[0])
     assert f"arch=mixtral capacity={float(capacity)} ep=2 padded={padded}" in proc.stdout
     assert (padded > 0) == (layout == "3d"), proc.stdout
     assert f"device={extra.get('MPICUBE_CHECK_DEVICE', 'cpu')}" in proc.stdout
     assert f"cp={extra.get('MPICUBE_CHECK_CP', '1')}" in proc.stdout
+    assert f"zero={extra.get('MPICUBE_CHECK_ZERO', '0')}" in proc.stdout
+    assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
 
 
 @pytest.mark.timeout(240)
 def test_moe_pipeline_on_2d_matches_serial():
-    """pp 2 x 2-D (2x2 grid) x dp 2 x ep 2 under 1F1B, 2 micro-batches,
-    capacity 0.8 (16 ranks): the stages' router ledgers, summed over the
-    world, count each token once (its grid row's q ranks hold it), to
-    1e-10 of the serial model accumulating the same groups."""
+    """pp 2 x 2-D (2x2 grid) x cp 2 x ep 2 (folded into the ring) under
+    1F1B, 2 micro-batches, capacity 0.8 (16 ranks): the stages' router
+    ledgers, summed over the world, count each token once (its grid row's
+    q ranks hold it; the ring's ranks hold other positions, and the router
+    losses are added at cp rank 0 only), to 1e-10 of the serial model
+    accumulating the same groups."""
     from mpirun import mpiexec
 
-    proc = mpiexec(16, ["-m", "mpi4py", "tests/pipeline_check.py", "2d", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0",
-                        "moe=0.8", "ep=2"], timeout=200)
+    proc = mpiexec(16, ["-m", "mpi4py", "tests/pipeline_check.py", "2d", 1, 1, 2, "1f1b", 1, 2, "dropout=0.0",
+                        "moe=0.8", "ep=2", "cp=2"], timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK pp 2d world=16 dp=2 depth=1 pp=2 schedule=1f1b" in proc.stdout and "moe=0.8 ep=2" in proc.stdout
+    assert "OK pp 2d world=16 dp=1 depth=1 pp=2 schedule=1f1b" in proc.stdout
+    assert "cp=2 sp=0 moe=0.8 ep=2" in proc.stdout
 
 
 @pytest.mark.timeout(240)
 def test_moe_pipelines_match_serial():
-    """One launch, two cases: pp 2 x dp 2 x ep 2 under the interleaved
+    """One launch, four cases: pp 2 x dp 2 x ep 2 under the interleaved
     schedule (2 chunks per stage), 2 micro-batches, capacity 0.8,
-    --recompute blocks; pp 2 x dp 2 under 1F1B with --zero 3, dropless.
-    Each stage's chunks share a micro-batch's router ledger, summed over
-    the world between its last forward and first backward; against the
-    serial model accumulating the same micro-batch groups, to 1e-10."""
+    --recompute blocks, --zero 2 (each stage's blocks' expert segments
+    over the expert-data group); pp 2 x dp 2 under 1F1B with --zero 3,
+    dropless; pp 2 x cp 2 x ep 2 (capacity: the ring's drop order under
+    stages); pp 2 x 1-D (tp 2) under --sequence-parallel and --recompute
+    gathers (capacity). Each stage's chunks share a micro-batch's router
+    ledger, summed over the world between its last forward and first
+    backward; against the serial model accumulating the same micro-batch
+    groups, to 1e-10."""
     from mpirun import mpiexec
 
     proc = mpiexec(4, ["-m", "mpi4py", "tests/pipeline_check.py",
                        "serial", 2, 1, 2, "interleaved", 2, 2, "dropout=0.0", "moe=0.8", "ep=2", "recompute=blocks",
-                       "--", "serial", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0", "zero=3"], timeout=200)
+                       "zero=2", "--", "serial", 2, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0", "zero=3",
+                       "--", "serial", 1, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0.8", "ep=2", "cp=2",
+                       "--", "1d", 1, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0.8", "sp=1", "recompute=gathers"],
+                   timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "schedule=interleaved V=2 accum=2" in proc.stdout and "recompute=blocks zero=0 cp=1 sp=0 moe=0.8 ep=2" \
+    assert "schedule=interleaved V=2 accum=2" in proc.stdout and "recompute=blocks zero=2 cp=1 sp=0 moe=0.8 ep=2" \
         in proc.stdout
     assert "schedule=1f1b V=1 accum=2" in proc.stdout and "zero=3 cp=1 sp=0 moe=0 ep=1" in proc.stdout
+    assert "OK pp serial world=4 dp=1" in proc.stdout and "zero=0 cp=2 sp=0 moe=0.8 ep=2" in proc.stdout
+    assert "OK pp 1d world=4 dp=1" in proc.stdout and "recompute=gathers zero=0 cp=1 sp=1 moe=0.8 ep=1" in proc.stdout
 
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
-    """train --dp 2 --cp 2 --ep 2 --zero 1 writes each expert once (the
+    """train --dp 2 --cp 2 --ep 2 --zero 3 writes each expert once (the
     ranks of the expert-data group's rank 0 at cp rank 0, the sharded
-    state gathered); the checkpoint evaluates, serially and on --ep 2, to
-    the serial run's checkpoint's loss."""
+    state gathered: each block's dense chunks over dp, its experts' over
+    the expert-data group); the checkpoint evaluates, serially and on
+    --ep 2, to the serial run's checkpoint's loss, and generate --pp 2
+    --dp 2 --ep 2 gives its serial greedy tokens."""
     from mpirun import mpiexec
 
     args = ["-m", "mpicube", "train", "--arch", "mixtral", "--n-experts", "4", "--n-layer", "2", "--n-head", "4",
             "--n-kv-head", "2", "--n-embd", "16", "--ffn-hidden", "24", "--seq-len", "8", "--batch-size", "4",
             "--steps", "2", "--dtype", "float64", "--capacity-factor", "1.0"]
-    for ranks, extra in ((1, []), (4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "1"])):
+    for ranks, extra in ((1, []), (4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"])):
         proc = mpiexec(ranks, args + ["--out", tmp_path / f"r{ranks}"] + extra, timeout=200)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     rec = json.loads((tmp_path / "r4" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -225,6 +261,24 @@ def test_expert_parallel_checkpoint_holds_every_expert(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         losses.append(json.loads(proc.stdout.strip().splitlines()[-1])["loss"])
     assert abs(losses[1] - losses[0]) <= 1e-10 * losses[0] and abs(losses[2] - losses[0]) <= 1e-10 * losses[0]
+
+    # generate --pp 2 --dp 2 --ep 2 (experts over two ranks at each stage, the all-to-all at every decoding
+    # step, key/value cache; the last stage's head is the untied lm_head): the serial model's greedy tokens
+    # (computed here, in this process), routed dropless (the capacity noted)
+    from mpi4py import MPI
+
+    from mpicube.cli.generate import GenerateOptions, generate
+
+    ckpt = tmp_path / "r4" / "ckpt" / "step_00000002"
+    want = generate(GenerateOptions(str(ckpt), prompt_tokens="3,1,4", max_new_tokens=5, temperature=0.0,
+                                    dtype="float64"), MPI.COMM_SELF)
+    assert want["note"] and len(want["tokens"]) == 5
+    proc = mpiexec(4, ["-m", "mpicube", "generate", ckpt, "--prompt-tokens", "3,1,4", "--max-new-tokens", 5,
+                       "--temperature", 0, "--dtype", "float64", "--pp", 2, "--dp", 2, "--ep", 2, "--json"],
+                   timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == want["tokens"]
+    assert "capacity factor 1 not applied: generation routes every token to its top 2 experts" in proc.stdout
 
     # convert --to hf writes a MixtralForCausalLM directory holding the same tensors (capacity noted)
     proc = cli("convert", str(tmp_path / "r4" / "ckpt" / "step_00000002"), str(tmp_path / "hf"), "--to", "hf")
@@ -272,6 +326,31 @@ def test_bad_moe_options_are_one_line(args, message, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """A random 4-expert Mixtral directory and a dense Llama one (hf_mixtral.write, hf_llama.write)."""
+    from mpicube.files.formats import hf_llama, hf_mixtral
+    from mpicube.model.gpt import gpt_params
+
+    out, r = {}, np.random.default_rng(5)
+    for name, experts, writer in (("mixtral", 4, hf_mixtral.write), ("llama", 0, hf_llama.write)):
+        cfg = small_moe(n_head=4, n_embd=16, n_kv_head=2, n_ctx=8, n_experts=experts, top_k=2 if experts else 0)
+        out[name] = tmp_path_factory.mktemp(name) / "hf"
+        writer(out[name], {d.name: 0.2 * r.standard_normal(d.shape) for d in gpt_params(cfg)}, cfg)
+    return out
+
+
+@pytest.mark.parametrize("model,extra,message", [
+    ("mixtral", ["--ep", "3"], "--ep 3 must divide --n-experts 4: use --ep 1"),
+    ("llama", ["--ep", "2"], "--ep 2 needs a mixture of experts"),
+])
+def test_bad_generate_ep_is_one_line(hf_dirs, model, extra, message):
+    proc = cli("generate", str(hf_dirs[model]), "--prompt-tokens", "1,2", "--max-new-tokens", "2", *extra)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stdout == ""
+
+
 @pytest.mark.parametrize("extra,message", [
     (["-n", "8", "--dp", "2", "--layout", "2d"], "--experts draws where experts sit on the serial and 1-D layouts "
                                                  "without --cp and --pp so far, not with --layout 2d"),
@@ -304,10 +383,8 @@ def test_info_counts_the_ep_ranks_of_dp_x_cp():
     (dict(dp=6, ep=4), "--ep 4 must divide --dp 6"),
     (dict(dp=1, cp=2, ep=4), "--ep 4 must divide --dp 1 x --cp 2 (the expert-parallel ranks are data-parallel "
                              "replicas and context-parallel ranks): use --ep 1 or 2"),
-    (dict(dp=2, ep=2, zero=2), "--zero 2 with --ep 2 is not implemented yet"),
-    (dict(layout="1d", dp=1, recompute="gathers"), "not with --recompute gathers on 1d"),
-    (dict(layout="1d", dp=1, sequence_parallel=True), "not with --sequence-parallel"),
-    (dict(layout="3d", dp=1, cp=2), "not with --cp 2 on 3d"),
+    (dict(dp=2, ep=4, zero=3), "--ep 4 must divide --dp 2"),
+    (dict(layout="2d", dp=1, sequence_parallel=True), "--sequence-parallel applies to the 1d layout only"),
 ])
 def test_bad_expert_parallel_plans_are_refused(plan, message):
     from mpicube.core.errors import ConfigError
@@ -319,3 +396,20 @@ def test_bad_expert_parallel_plans_are_refused(plan, message):
     tp = {"1d": 2, "2d": 4, "3d": 8}.get(plan.get("layout"), 1)
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve(Plan(**{"layout": "serial", **plan}), cfg, 12, plan["dp"] * plan.get("cp", 1) * tp)
+
+
+@pytest.mark.parametrize("plan", [dict(layout="1d", recompute="gathers"), dict(layout="1d", sequence_parallel=True),
+                                  dict(layout="1d", sequence_parallel=True, cp=2, recompute="gathers"),
+                                  dict(layout="3d", cp=2, ep=2), dict(layout="2.5d", depth=2, cp=2, ep=2),
+                                  dict(layout="2d", cp=2, pp=2, ep=2), dict(layout="serial", cp=2, pp=2, ep=2)],
+                         ids=["1d-gathers", "1d-sp", "1d-sp-cp-gathers", "3d-cp", "2.5d-cp", "2d-cp-pp", "cp-pp"])
+def test_expert_plans_on_every_axis_resolve(plan):
+    """The pairings once refused (--cp on 2.5-D and 3-D, --cp with --pp,
+    --sequence-parallel, 1-D's --recompute gathers) are plans like any."""
+    from mpicube.parallel.gridspec import Plan
+    from mpicube.parallel.planning import resolve
+
+    cfg = small_moe(n_head=4, n_embd=16, n_kv_head=4, n_ctx=8, n_layer=2)
+    tp = {"1d": 2, "2d": 4, "2.5d": 8, "3d": 8}.get(plan["layout"], 1)
+    run = resolve(Plan(**plan), cfg, 8, plan.get("cp", 1) * plan.get("pp", 1) * tp)
+    assert (run.layout, run.tp) == (plan["layout"], tp)

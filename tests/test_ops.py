@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpicube import ops
-from mpicube.parallel.layouts.base import DenseLinear, LayerNorm
+from mpicube.parallel.layouts.modules import DenseLinear, LayerNorm
 
 EPS = 1e-6
 RTOL = 1e-6

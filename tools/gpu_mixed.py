@@ -47,7 +47,8 @@ def build(cfg, batch: int, dtype: str):
     from mpicube.parallel.grid import build_layout
     from mpicube.parallel.planning import resolve
     from mpicube.model.gpt import GPT, gpt_params
-    from mpicube.parallel.params import ParamStore, real_mask
+    from mpicube.parallel.params import ParamStore
+    from mpicube.parallel.paramspec import real_mask
 
     class DeviceInitStore(ParamStore):
         def initialize(self, seed_):

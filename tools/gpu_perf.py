@@ -74,7 +74,8 @@ def build_mpicube(cfg, batch: int, seed: int = 0):
     from mpicube.parallel.planning import resolve
     from mpicube.model.gpt import gpt_params
     from mpicube.training.driver import make_runner
-    from mpicube.parallel.params import ParamStore, real_mask
+    from mpicube.parallel.params import ParamStore
+    from mpicube.parallel.paramspec import real_mask
 
     class DeviceInitStore(ParamStore):
         """GPT-2's initial scales (N(0, std), ones, zeros) from CuPy's

@@ -7,8 +7,9 @@ What ``parallel.experts.Dispatch`` does per MoE layer and forward pass:
 one exchange of the per-expert counts (``Ialltoall``: E/g integers to each
 of the g-1 peers, 8 bytes each), the rows to the experts' ranks and the
 outputs back (``Ialltoallv``, in the activations' format, one message per
-peer with rows); backward sends the output gradients and brings the input
-gradients back the same way, reusing the counts. ``--recompute blocks``
+peer with rows; a rank's rows for its own experts never go over the wire,
+so they are not counted); backward sends the output gradients and brings
+the input gradients back the same way, reusing the counts. ``--recompute blocks``
 reruns the forward (its exchanges included) inside backward. The
 gradient norm adds one all-reduce of a float64 over ep (each rank's
 experts' squares, ``gradients.global_grad_norm``).

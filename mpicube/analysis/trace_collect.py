@@ -148,16 +148,20 @@ class Collector:
         """Pieces of a mixture of experts' router decisions captured in
         block i (``_observe_router``): ``moe/h.{i}.logits`` (B, T, E),
         ``moe/h.{i}.experts`` (B, T, K) int32 and ``moe/h.{i}.weights``
-        (B, T, K), on the canonical rows the mixture ran on. Every column
-        of E and K is on every rank (the logits are summed over the hidden
-        group), so only the rows need their global indices."""
+        (B, T, K), on the rows the mixture ran on: the canonical rows, or
+        under --sequence-parallel those the tp group holds together (the
+        mixture routes the gathered sequences). Every column of E and K is
+        on every rank (the logits are summed over the hidden group), so
+        only the rows need their global indices."""
         pieces = []
-        rows = (self.canonical_seqs, self.canonical_positions(T))
+        canonical, gathered = self.canonical_positions(T), self.positions(T)
         for key, captured in capture.items():
             if not key.endswith(ROUTER_KEY):
                 continue
             site, (logits, chosen, weights) = key[:-len(ROUTER_KEY)], captured
-            b, t = len(rows[0]), len(rows[1])
+            b = len(self.canonical_seqs)
+            rows = (self.canonical_seqs, canonical if logits.shape[0] == b * len(canonical) else gathered)
+            t = len(rows[1])
             for part, value, dtype in (("logits", logits, None), ("experts", chosen, np.int32),
                                        ("weights", weights, None)):
                 width = value.shape[-1]

@@ -15,12 +15,18 @@ padded with -inf copies them exactly); every rank then samples the same
 token from the same host float64 vector with the same seeded generator.
 So a seed gives the same tokens on every layout and world size (up to
 logits that differ by rounding landing on either side of a draw).
+
+A mixture of experts with ``--ep`` holds E/ep experts a rank, as in
+training (the ep ranks are --dp replicas): at every forward, the prefill
+and each new token, a rank routes its rows and the all-to-all carries them
+to their experts' ranks and back (model/moe.py). It decodes dropless
+(``generation_config``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -48,6 +54,7 @@ class GenerateOptions:
     dtype: str = "float32"
     device: str = "cpu"
     tf32: bool = False
+    ep: int = 1                               # expert-parallel ranks (a mixture of experts), taken from dp
 
     def validate(self) -> None:
         if self.max_new_tokens < 0:
@@ -84,14 +91,27 @@ class Sampler:
         return int(min(np.searchsorted(cdf, u, side="right"), z.size - 1))
 
 
-def generation_batch(layout: str, cfg, world_size: int, dp: int, depth: int, pp: int = 1) -> int:
+def generation_batch(layout: str, cfg, world_size: int, dp: int, depth: int, pp: int = 1, ep: int = 1) -> int:
     """The smallest global batch the layout accepts: dp times the smallest
     per-replica batch that passes every size check. If none does, the
     check's own error (about something other than the batch) is raised."""
     from ..parallel.gridspec import Plan
     from ..parallel.planning import resolve
 
-    return resolve(Plan(layout, dp=dp, depth=depth, pp=pp), cfg, None, world_size, at_least=1).batch_size
+    return resolve(Plan(layout, dp=dp, depth=depth, pp=pp, ep=ep), cfg, None, world_size, at_least=1).batch_size
+
+
+def generation_config(cfg):
+    """(the model config generation runs, a note or None). A mixture of
+    experts decodes dropless: a capacity (``--capacity-factor``) limits
+    each expert to a share of the tokens of one forward, so with the
+    key/value cache (one new position a step) it would drop other tokens
+    than the uncached forward over the whole prefix, and than another
+    batch; Mixtral itself has none."""
+    if not (cfg.moe and cfg.capacity_factor):
+        return cfg, None
+    return replace(cfg, capacity_factor=0.0), (f"capacity factor {cfg.capacity_factor:g} not applied: generation "
+                                               f"routes every token to its top {cfg.top_k} experts (dropless)")
 
 
 def prompt_ids(opts: GenerateOptions, vocab_size: int, tokenizer_name):
@@ -180,14 +200,14 @@ class Generator:
 
 
 def load_generator(model_file, cfg, layout="auto", dp=1, depth=1, dtype="float32", device="cpu", tf32=False,
-                   mpi_world=None, pp=1, pp_schedule="1f1b", virtual_stages=1) -> Generator:
+                   mpi_world=None, pp=1, pp_schedule="1f1b", virtual_stages=1, ep=1) -> Generator:
     """Build the smallest-batch model on this rank and read its blocks."""
     from ..parallel.gridspec import Plan
     from ..parallel.planning import resolve
     from ..training.parts import Numerics, build_parts
     from .common import env_settings
 
-    plan = Plan(layout, dp=dp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages,
+    plan = Plan(layout, dp=dp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages, ep=ep,
                 **env_settings())
     run = resolve(plan, cfg, None, mpi_world.Get_size(), at_least=1)     # the smallest batch the plan takes
     parts = build_parts(run, mpi_world, Numerics(dtype, device, tf32))
@@ -199,7 +219,7 @@ def generate(opts: GenerateOptions, mpi_world) -> dict:
     """Run ``mpicube generate``; the result rank 0 prints."""
     opts.validate()
     with formats.open_everywhere(mpi_world, opts.model) as model_file:
-        cfg = model_file.config
+        cfg, note = generation_config(model_file.config)
         source = model_file.describe()
         tokenizer_name = tokenizers.name_for(cfg.vocab_size)
         prompt, tokenizer = prompt_ids(opts, cfg.vocab_size, tokenizer_name)
@@ -207,7 +227,7 @@ def generate(opts: GenerateOptions, mpi_world) -> dict:
             raise UserError(f"the prompt ({len(prompt)} tokens) plus --max-new-tokens {opts.max_new_tokens} is longer "
                             f"than the model's context of {cfg.n_ctx} positions")
         gen = load_generator(model_file, cfg, opts.layout, opts.dp, opts.depth, opts.dtype, opts.device, opts.tf32,
-                             mpi_world, opts.pp, opts.pp_schedule, opts.virtual_stages)
+                             mpi_world, opts.pp, opts.pp_schedule, opts.virtual_stages, opts.ep)
     result = gen.run(prompt, opts.max_new_tokens, Sampler(opts.temperature, opts.top_k, opts.seed), opts.cache)
     steps = result.pop("step_times_s")
     result.update({
@@ -218,5 +238,6 @@ def generate(opts: GenerateOptions, mpi_world) -> dict:
         "cache": opts.cache,
         "model": source,
         "layout": gen.parts.layout.describe(),
+        "note": note,
     })
     return result

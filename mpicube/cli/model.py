@@ -360,15 +360,17 @@ def convert(src, dst, to, max_shard_size):
 @click.option("--cache/--no-cache", default=True, show_default=True,
               help="key/value cache; --no-cache recomputes the whole prefix for every token")
 @layout_options
+@ep_option
 @pipeline_options
 @device_options
 @click.option("--json", "as_json", is_flag=True, help='end stdout with {"tokens": [...], "text": ...}')
-def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout, dp, depth,
+def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout, dp, depth, ep,
              pp, pp_schedule, virtual_stages, dtype, device, tf32, as_json):
     """Continue a prompt with any model file, on any layout.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2 or Llama directory or an
-    llm.c model file. Without a prompt, generation starts from a newline
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral
+    directory or an llm.c model file (a mixture takes --ep over --dp, as in
+    training). Without a prompt, generation starts from a newline
     (byte-level models) or <|endoftext|> (GPT-2's vocabulary). The same
     seed gives the same tokens on every layout and world size.
     """
@@ -376,8 +378,10 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
     from .generate import generate as run_generate
 
     opts = GenerateOptions(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed, cache, layout,
-                           dp, depth, pp, pp_schedule, virtual_stages, dtype, device, tf32)
+                           dp, depth, pp, pp_schedule, virtual_stages, dtype, device, tf32, ep)
     result = run_generate(opts, _mpi["world"])
+    if result["note"]:
+        echo(result["note"])
     if result["text"] is not None:
         echo(result["prompt_text"] + result["text"])
     else:

@@ -177,7 +177,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
 @click.option("--tokenizer", type=click.Choice(["bytes", "gpt2"]), default="bytes", show_default=True,
               help="bytes (vocabulary 256) or GPT-2's BPE through tiktoken (vocabulary 50257)")
 def prepare(inputs, out, val_fraction, tokenizer):
-    """Tokenize text files and folders into train/val shards (uint16 token ids)."""
+    """Tokenize text files and folders into train/val shards (uint16 token ids; uint32 past 65,535)."""
     from ..files import data, tokenizers
     from ..parallel.comm import on_root
 

@@ -7,20 +7,15 @@ number.
 """
 
 import os
-import stat
 import sys
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
-from .atomic import atomic_write
-from ..core.errors import UserError
+from .shards import (HEADER_BYTES, MAGIC, VERSION, DataError, TokenShard, check_vocab, parse_header,  # noqa: F401
+                     read_shard, write_shard)
 
-MAGIC = 20240520
-VERSION = 1
-HEADER_INTS = 256  # llm.c token shard format: 256 int32 header, then uint16 tokens
-HEADER_BYTES = HEADER_INTS * 4
 VOCAB_SIZE = 256
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -30,185 +25,6 @@ TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3", "__pycache__"}
 )
-
-
-class DataError(UserError, ValueError):
-    """Bad or unreadable data input; message is shown to the user as is."""
-
-
-# --------------------------------------------------------------------------- shards
-
-
-def write_shard(path, tokens) -> None:
-    """Write `tokens` as an llm.c shard (header of 256 int32: magic, version, count; then uint16)."""
-    tokens = np.asarray(tokens)  # (N,) any integer dtype
-    if tokens.ndim != 1:
-        raise DataError(f"{path}: tokens must be a 1-D array, got shape {tokens.shape}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.uint16).max):
-        raise DataError(f"{path}: token ids must fit in uint16 (0..65535)")
-    if tokens.size > np.iinfo(np.int32).max:
-        raise DataError(f"{path}: too many tokens for one shard ({tokens.size})")
-    header = np.zeros(HEADER_INTS, dtype="<i4")  # (256,) int32 little-endian
-    header[:3] = (MAGIC, VERSION, tokens.size)
-    body = tokens.astype("<u2", copy=False)  # (N,) uint16 little-endian
-    atomic_write(path, [header.tobytes(), body.tobytes()])
-
-
-def parse_header(header: bytes, size: int, path) -> int:
-    """The token count of a shard whose first bytes are ``header`` and whose
-    file holds ``size`` bytes, or a DataError naming ``path``: the header is
-    checked arithmetically against the real size before anything is read
-    or allocated (DESIGN.md section 5)."""
-    if size < HEADER_BYTES or len(header) < HEADER_BYTES:
-        raise DataError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header ({size} bytes)")
-    magic, version, count = (int(v) for v in np.frombuffer(header, dtype="<i4", count=3))
-    if magic != MAGIC:
-        raise DataError(f"{path}: wrong magic number {magic} (expected {MAGIC}); not an llm.c token shard")
-    if version != VERSION:
-        raise DataError(f"{path}: unsupported shard version {version} (expected {VERSION})")
-    expected = HEADER_BYTES + 2 * count
-    if count < 0 or size != expected:
-        raise DataError(
-            f"{path}: size mismatch: header says {count} tokens ({expected} bytes) but the file has {size} bytes"
-        )
-    return count
-
-
-class TokenShard:
-    """The tokens of one shard, read on demand with positioned reads.
-
-    Why not a memory map: a page of a mapped file that is truncated or
-    rewritten under a running job kills it with SIGBUS and no message. A
-    ``pread`` of a window comes back short instead, and that is a DataError
-    naming the file. The file stays open, so a shard *replaced* under the
-    job (a new file renamed over it) is still read as it was when opened.
-
-    Array-like enough for its users: ``len``, ``shape``, ``dtype``, an
-    integer or a slice (a copy, uint16), ``np.asarray`` (the whole shard)
-    and ``rows`` (the windows of a batch, one read each).
-    """
-
-    dtype = np.dtype("<u2")
-    ndim = 1
-
-    def __init__(self, path: Path, fd: int, count: int):
-        self.path = path
-        self._fd = fd
-        self._count = count
-
-    def __len__(self) -> int:
-        return self._count
-
-    @property
-    def shape(self) -> tuple:
-        return (self._count,)
-
-    def _read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) as a new (n,) uint16 array."""
-        out = np.empty(n, dtype=self.dtype)                                     # (n,) uint16
-        if n:
-            self._read_into(out, start)
-        return out
-
-    def _read_into(self, out: np.ndarray, start: int) -> None:
-        """Fill the contiguous array ``out`` with the tokens from ``start`` on."""
-        buf, want, got = memoryview(out).cast("B"), out.nbytes, 0
-        try:
-            while got < want:
-                n = os.preadv(self._fd, [buf[got:]], HEADER_BYTES + 2 * start + got)
-                if n == 0:                      # end of file: it is shorter than when it was opened
-                    break
-                got += n
-        except OSError as e:
-            raise DataError(f"{self.path}: cannot read token shard ({e.strerror})") from None
-        if got != want:
-            raise DataError(f"{self.path}: token shard changed under this job: read {got} of {want} bytes at "
-                            f"token {start:,} of {self._count:,} (truncated or rewritten in place?)")
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            start, stop, step = key.indices(self._count)
-            lo, hi = (start, stop) if step > 0 else (stop + 1, start + 1)
-            part = self._read(lo, max(0, hi - lo))
-            return part[::step] if step > 0 else part[::-1][::-step]
-        index = int(np.asarray(key).item()) if np.ndim(key) == 0 else None
-        if index is None:
-            raise TypeError("a token shard takes an integer or a slice (use rows() for windows)")
-        if not -self._count <= index < self._count:
-            raise IndexError(f"token {index} out of range for {self.path} ({self._count} tokens)")
-        return self._read(index % self._count, 1)[0]
-
-    def __array__(self, dtype=None, copy=None):
-        whole = self._read(0, self._count)                                      # (N,) uint16
-        return whole if dtype is None else whole.astype(dtype)
-
-    def rows(self, starts, width: int) -> np.ndarray:
-        """(B, width) uint16: row r holds tokens [starts[r], starts[r] + width)."""
-        starts = np.asarray(starts, dtype=np.int64)                             # (B,)
-        if starts.size and (starts.min() < 0 or starts.max() + width > self._count):
-            raise IndexError(f"window past the end of {self.path} ({self._count} tokens)")
-        out = np.empty((starts.size, width), dtype=self.dtype)                  # (B, width) uint16
-        for r, start in enumerate(starts.tolist()):
-            self._read_into(out[r], start)
-        return out
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("a TokenShard holds an open file and is not copied: read_shard its path again")
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):
-        self.close()
-
-    def __repr__(self):
-        return f"TokenShard({str(self.path)!r}, {self._count} tokens)"
-
-
-def read_shard(path) -> TokenShard:
-    """Open a shard (its tokens as a ``TokenShard``, read on demand).
-
-    Every way a file can be wrong is checked up front so that a bad input stops
-    the run with a message naming the file, instead of training on garbage;
-    size and header are those of the opened file, not of a path looked at
-    earlier. Not a regular file (a FIFO would block forever): a DataError.
-    """
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise DataError(f"{path}: token shard not found") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read token shard ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DataError(f"{path}: not a regular file, so not a token shard")
-        count = parse_header(os.pread(fd, HEADER_BYTES, 0), st.st_size, path)
-    except OSError as e:
-        os.close(fd)
-        raise DataError(f"{path}: cannot read token shard ({e.strerror})") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return TokenShard(path, fd, count)
-
-
-def check_vocab(tokens, vocab_size: int, path) -> None:
-    """DataError naming ``path`` and the first position holding an id that
-    the model's vocabulary does not have. Shards hold any uint16 (llm.c's
-    GPT-2-tokenized data goes up to 50256); a model of a smaller vocabulary
-    would otherwise index past its embedding. Scanned in chunks, so a
-    shard is never read whole."""
-    chunk = 1 << 24
-    for lo in range(0, len(tokens), chunk):
-        part = np.asarray(tokens[lo:lo + chunk])                                 # (chunk,) uint16
-        if part.size and int(part.max()) >= vocab_size:
-            first = lo + int(np.argmax(part >= vocab_size))
-            raise DataError(f"{path}: token {int(tokens[first])} at position {first:,} is outside the model's "
-                            f"vocabulary of {vocab_size} (ids 0..{vocab_size - 1})")
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -277,7 +93,11 @@ def _concat(files, encode=None) -> np.ndarray:
     stream = b"".join(parts)
     if encode is None:
         return encode_bytes(stream)  # (N,) uint16
-    return np.asarray(encode(stream.decode("utf-8", errors="replace")), dtype=np.uint16)  # (N,) uint16
+    ids = np.asarray(encode(stream.decode("utf-8", errors="replace")))      # (N,) whatever the tokenizer gives
+    if ids.size and (not np.issubdtype(ids.dtype, np.integer) or int(ids.min()) < 0):
+        raise DataError(f"the tokenizer gave ids that are not non-negative integers ({ids.dtype})")
+    return ids.astype(np.uint16 if ids.size == 0 or int(ids.max()) <= np.iinfo(np.uint16).max
+                      else np.uint32)  # (N,) uint16, or uint32 for a vocabulary past 65,536
 
 
 def _val_path(out: Path) -> Path:
@@ -302,7 +122,8 @@ def _write_split(tokens, out, val_fraction):
 def prepare(inputs, out, val_fraction=0.05, encode=None) -> tuple[Path, Path]:
     """Tokenize text files/directories into a train shard `out` and a val shard `<stem>_val<suffix>`.
 
-    Bytes by default; ``encode`` (text -> ids below 65536) for another tokenizer.
+    Bytes by default; ``encode`` (text -> ids) for another tokenizer: ids past
+    65,535 (Llama 3's) make uint32 shards.
 
     The validation split is the tail of the stream (not a random sample) so
     that it is contiguous text, like the evaluation windows expect.
@@ -371,7 +192,7 @@ class TrainLoader:
 
     def __init__(self, tokens, batch_size, seq_len, seed):
         _check_sizes(batch_size, seq_len)
-        self.tokens = tokens  # (N,) uint16, usually a TokenShard from read_shard
+        self.tokens = tokens  # (N,) uint16 or uint32, usually a TokenShard from read_shard
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
         self.seed = int(seed)

@@ -14,7 +14,8 @@ from . import kvcache, llama
 from .moe import MoE
 from .. import ops
 from ..ops import rng
-from ..parallel.layouts.base import Layout, make_norm
+from ..parallel.layouts.base import Layout
+from ..parallel.layouts.modules import make_norm
 from ..parallel.params import ParamStore
 from .tape import Micro
 
@@ -102,10 +103,14 @@ class Dropout:
 
 
 def positions(ctx: Micro, T: int):
-    """(T,) global positions of T local rows: 0 .. T-1, or the rows the step
-    driver gave this rank (``Micro.positions``) when they are T of them."""
-    pos = ctx.positions
-    return np.arange(T) if pos is None or len(pos) != T else pos
+    """(T,) global positions of T local rows: the rows the step driver gave
+    this rank (``Micro.positions``) or its tp group (``Micro.gathered``,
+    what --sequence-parallel's linears gather) when they are T of them,
+    else 0 .. T-1."""
+    for pos in (ctx.positions, ctx.gathered):
+        if pos is not None and len(pos) == T:
+            return pos
+    return np.arange(T)
 
 
 class PlainAttention:

@@ -16,7 +16,8 @@ from . import kvcache, llama
 from .. import ops
 from ..core import memory
 from ..core.config import ModelConfig
-from ..parallel.layouts.base import Layout, Panel, make_norm
+from ..parallel.layouts.base import Layout
+from ..parallel.layouts.modules import Panel, make_norm
 from ..parallel.params import ParamDecl, ParamStore
 from .block import Block, Dropout, positions
 from .tape import Micro, Tape

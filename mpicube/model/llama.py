@@ -1,7 +1,7 @@
 """What the Llama family changes in the shared block (``block.py``), as
 pieces the block plugs in: its parameter list, the attention core with
 rotary embeddings and grouped-query attention, and the SwiGLU activation.
-Norms are the layout's (``layouts/base.make_norm``); the linears are the
+Norms are the layout's (``layouts/modules.make_norm``); the linears are the
 layout's too, declared without biases.
 
 Grouped-query attention: c_attn's output columns are [q | k | v] with

@@ -14,7 +14,7 @@ an expert-parallel rank's experts map one to one:
 
 The router losses couple every token of a micro-batch and every layer
 (transformers' ``load_balancing_loss_func`` concatenates all layers'
-logits), so a micro-batch carries a ``RouterLedger`` (``Micro.router``):
+logits), so a micro-batch carries a ``RouterLedger`` (``router.py``, ``Micro.router``):
 each MoE layer records its counts and sums there in forward, the step
 driver sums them over the replicas that hold other tokens (``finish``)
 before any backward, and each layer's backward reads the totals.
@@ -29,10 +29,11 @@ from ..core.config import ModelConfig
 from ..device import precision
 from ..device.arrays import array_module
 from ..ops import moe as router_ops
-from ..parallel.context import local_positions
 from ..parallel.experts import Dispatch, local_experts
 from ..parallel.layouts.base import Layout
 from ..parallel.params import ParamDecl, ParamStore
+from .router import RouterLedger  # noqa: F401 (moe.RouterLedger: the ledger the block's MoE records into)
+from .moe_experts import LocalExperts
 
 
 def expert_names(cfg: ModelConfig, i: int):
@@ -54,173 +55,17 @@ def moe_params(cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
     return decls
 
 
-class RouterLedger:
-    """One micro-batch's routing statistics, layer by layer, and the router
-    losses they define. ``group`` is the communicator of the replicas that
-    hold the micro-batch's other tokens (dp), in global token order,
-    ``tokens`` those of the replica's tensor-parallel group that hold its
-    other sequences (2-D, 2.5-D, 3-D: ``Layout.token_comm``), ranked in
-    sequence order, and ``ring`` the context-parallel ranks that hold the
-    sequences' other positions (--cp); ranks that hold the same tokens
-    record the same.
-
-    The load-balancing loss, as transformers computes it over all L layers'
-    N tokens at once: aux = E sum_e c_e S_e / (L N)^2, c_e the times expert
-    e is among a token's top-k (no gradient), S_e the sum of its router
-    probabilities. The z-loss: z = sum over layers and tokens of
-    logsumexp(logits)^2 / (L N). Under --grad-accum A each micro-batch's
-    aux counts its own tokens and the step's is their mean; z is a mean
-    over the step's tokens either way."""
-
-    def __init__(self, cfg: ModelConfig, group, micro_tokens: int, grad_accum: int, tokens=None, ring=None,
-                 seq_len: int = 0):
-        self.cfg, self.group, self.seq_len = cfg, group, seq_len     # seq_len: T, whole (cp cuts it)
-        self.tokens = tokens            # the tp ranks with the replica's other sequences (Layout.token_comm), or None
-        self.ring = ring                # the cp ranks with the sequences' other positions (--cp), or None
-        self.micro_tokens, self.grad_accum = micro_tokens, grad_accum    # N of one micro-batch, all replicas
-        self.stats = {}                 # layer -> (2 E + 2,) this rank's [counts | prob sums | z sum | dropped]
-        self.routes = {}                # layer -> (rows sent to, rows received from, each ep rank) (g,) each
-        self.padded = {}                # layer -> zero rows this rank's experts ran on (Layout.expert_rows; 3-D)
-        self.totals = None              # after finish: (L_here, 2 E + 2) summed over the group
-        self.scale = 1.0                # the loss scale backward runs under (float16)
-
-    # --- forward -------------------------------------------------------------------
-    def offsets(self, counts, chosen):
-        """(offset, place): offset (E,) choosers of each expert on the
-        ranks with earlier sequences or replicas (the capacity's global
-        token order), or None alone; place (n K,) under --cp, each local
-        choice's place among its expert's choosers over the cp ranks
-        (their positions interleave), else None."""
-        place, total = None, counts.astype("float64")                             # (E,) exact integers
-        if self.ring is not None and self.ring.size > 1:
-            place, total = self.ring_places(chosen)
-        before = None
-        for comm in (self.tokens, self.group):      # earlier sequences of the replica, then earlier replicas
-            if comm is None or comm.size == 1:
-                continue
-            every = comm.allgather(total[None], axis=0)                          # (size, E)
-            mine = every[:comm.rank].sum(axis=0)                                 # (E,)
-            before = mine if before is None else before + mine
-            total = every.sum(axis=0)                                            # (E,) the whole group's
-        return (None if before is None else before.astype(counts.dtype)), place
-
-    def ring_places(self, chosen):
-        """((n K,) place of each local choice among its expert's choosers
-        in the cp ring's tokens, sequence then position order; (E,) the
-        ring's choosers of each expert), from one all-gather of the
-        choices (n K numbers a rank) over the ring."""
-        xp, ring, E = array_module(chosen), self.ring, self.cfg.n_experts
-        n, K = chosen.shape
-        T, g = self.seq_len, ring.size
-        B, Tc = n // (T // g), T // g                                            # this rank: (B, Tc) tokens
-        every = ring.allgather(chosen.astype("float64")[None], axis=0)           # (g, n, K)
-        hits = xp.zeros((B, T, E))                                               # (B, T, E) choosers, all positions
-        for c in range(g):
-            one = (every[c].reshape(B, Tc, K)[..., None] == xp.arange(E)).sum(axis=2)   # (B, Tc, E)
-            hits[:, xp.asarray(local_positions(T, g, c))] = one
-        flat = hits.reshape(B * T, E)                                            # (B T, E) in global order
-        before = (xp.cumsum(flat, axis=0) - flat).reshape(B, T, E)               # choosers before each token
-        mine = before[:, xp.asarray(local_positions(T, g, ring.rank))].reshape(n, E)   # (n, E)
-        place = xp.take_along_axis(mine, chosen.astype(xp.int64), axis=1)        # (n, K)
-        return place.reshape(-1).astype(xp.int64), flat.sum(axis=0)
-
-    def record(self, layer: int, counts, probs, lse, dropped) -> None:
-        """Layer ``layer``'s local statistics (a rerun overwrites them with the same values)."""
-        xp = array_module(probs)
-        self.stats[layer] = xp.concatenate([counts.astype(probs.dtype), probs.sum(axis=0),
-                                            (lse * lse).sum()[None], xp.asarray([dropped], dtype=probs.dtype)])
-
-    def finish(self) -> float:
-        """Sum the statistics over the group (one all-reduce) and return
-        the micro-batch's router loss terms, ready to add to its share of
-        the step's mean loss: coef_aux aux / A + coef_z z_share."""
-        xp = array_module(next(iter(self.stats.values())))
-        local = xp.stack([self.stats[k] for k in sorted(self.stats)])            # (L_here, 2 E + 2)
-        for comm in (self.tokens, self.ring, self.group):
-            if comm is not None and comm.size > 1:
-                local = comm.allreduce(local)
-        self.totals = local
-        return self.aux_term() + self.z_term()
-
-    def start(self, comm, replicas: int):
-        """Pipeline stages (``training.pipeline``): start summing this
-        stage's statistics (every layer's row, zero for the layers other
-        stages hold) over ``comm`` (the world) without waiting; ``replicas``
-        ranks (the tp group) hold each sum, so ``wait`` divides by it. Every
-        stage starts after its last forward of the micro-batch and waits at
-        its first backward of it, by when every stage has started."""
-        from ..parallel.comm_start import iallreduce
-
-        xp = array_module(next(iter(self.stats.values())))
-        some = next(iter(self.stats.values()))
-        rows = [self.stats.get(k, xp.zeros_like(some)) for k in range(self.cfg.n_layer)]
-        self._pending, self._replicas = iallreduce(comm, xp.stack(rows)), replicas    # (L, 2 E + 2)
-
-    def wait(self) -> None:
-        """The totals of ``start``'s sum (once; later calls do nothing)."""
-        if getattr(self, "_pending", None) is not None:
-            self.totals = self._pending.wait() / self._replicas
-            self._pending = None
-
-    def _sums(self):
-        E = self.cfg.n_experts
-        t = self.totals.sum(axis=0)                                              # (2 E + 2,)
-        return t[:E], t[E:2 * E], t[2 * E]
-
-    def aux_loss(self) -> float:
-        """This micro-batch's load-balancing loss (before its coefficient)."""
-        c, S, _ = self._sums()
-        LN = self.cfg.n_layer * self.micro_tokens
-        return float(self.cfg.n_experts * (c * S).sum() / (LN * LN))
-
-    def aux_term(self) -> float:
-        return self.cfg.router_aux_loss_coef * self.aux_loss() / self.grad_accum
-
-    def z_loss(self) -> float:
-        """This micro-batch's z-loss: its rows' mean logsumexp^2 over every layer."""
-        _, _, z = self._sums()
-        return float(z) / (self.cfg.n_layer * self.micro_tokens)
-
-    def z_term(self) -> float:
-        """coef_z x this micro-batch's share of the step's z-loss."""
-        return self.cfg.router_z_loss_coef * self.z_loss() / self.grad_accum
-
-    def counts(self):
-        """(L_here, E) how many tokens chose each expert, per layer (all replicas)."""
-        return self.totals[:, :self.cfg.n_experts]
-
-    def dropped(self):
-        """(L_here,) chosen (token, expert) pairs a capacity dropped, per layer."""
-        return self.totals[:, -1]
-
-    # --- backward ------------------------------------------------------------------
-    def dprobs(self):
-        """(E,) the aux loss's gradient on every router probability of every
-        layer and token: coef E c_e / (A (L N)^2), times the loss scale; None without it."""
-        coef = self.cfg.router_aux_loss_coef
-        if not coef:
-            return None
-        c, _, _ = self._sums()
-        LN = self.cfg.n_layer * self.micro_tokens
-        return c * (self.scale * coef * self.cfg.n_experts / (self.grad_accum * LN * LN))
-
-    def dlse(self, lse):
-        """(n,) the z-loss's gradient on each row's log-sum-exp, or None."""
-        coef = self.cfg.router_z_loss_coef
-        if not coef:
-            return None
-        return lse * (self.scale * coef * 2.0 / (self.cfg.n_layer * self.micro_tokens * self.grad_accum))
-
-
 class MoE:
     """Layer ``i``'s mixture of experts on canonical activations (B_c, T,
     C_c). Forward: router logits in float32 or wider, top-k, the kept
     (token, expert) rows sent to the ranks holding their experts
     (``parallel.experts.Dispatch``; the identity without --ep), each local
-    expert's SwiGLU on its rows in global token order, the outputs sent
+    expert's SwiGLU on its rows (``moe_experts.LocalExperts``: the own rows
+    while the others travel, where the layout allows), the outputs sent
     back, weighted and summed per token in expert order. Backward runs the
-    same in reverse and adds the router losses' gradients from the
-    micro-batch's ledger.
+    same in reverse, computing the router's backward while the experts'
+    input gradients travel back, and adds the router losses' gradients
+    from the micro-batch's ledger.
 
     The layout enters at two seams. The router: where the canonical form
     splits the hidden columns (2-D, 2.5-D, 3-D: ``layout.hidden_comm``)
@@ -235,7 +80,19 @@ class MoE:
     which enter the layout's first and second linears like an MLP's, as
     (rows, 1, C_c); ``layout.expert_rows`` says how many rows each runs
     on (zero padding where its collectives need equal shapes) and whether
-    an expert with none still runs."""
+    an expert with none still runs.
+
+    A third seam where the canonical form splits the sequence (1-D under
+    --sequence-parallel: ``layout.sequence_comm``): the mixture routes the
+    gathered sequences, as the dense MLP's c_fc computes on them. Forward
+    all-gathers x along T (every tp rank then routes the same tokens, so
+    the ledger, the capacity's order and the dispatch are plain 1-D's),
+    the experts' linears give partial sums (``layout.expert_linear``), and
+    the weighted sum of all experts is reduce-scattered along T once.
+    Backward all-gathers dy, sums the routing weights' gradient (a dot
+    product with the partial outputs) over the group, reduce-scatters the
+    experts' partial input gradients and adds the router's (complete on
+    every rank) at this rank's positions."""
 
     def __init__(self, layout: Layout, store: ParamStore, i: int):
         cfg = layout.cfg
@@ -245,16 +102,18 @@ class MoE:
         self.w_router = store.work[self.router_name]                              # (h, E)
         store.defer_zero(self.router_name)
         self.ep = layout.axes.ep if layout.axes.ep is not None else SELF
-        self.layout, self.hidden = layout, layout.hidden_comm
+        self.layout, self.hidden, self.seq = layout, layout.hidden_comm, layout.sequence_comm
         self.local = local_experts(cfg.n_experts, self.ep)                        # this rank's experts
-        self.experts = [(layout.linear(store, f"{p}experts.{e}.c_fc", "first", bias=False),
-                         layout.linear(store, f"{p}experts.{e}.c_proj", "second", bias=False))
-                        for e in self.local]
+        self.local_experts = LocalExperts(layout, [(layout.expert_linear(store, f"{p}experts.{e}.c_fc", "first"),
+                                                    layout.expert_linear(store, f"{p}experts.{e}.c_proj", "second"))
+                                                   for e in self.local], store.backend)
 
     def forward(self, x, ctx):
-        """x (B, T, h) -> (y (B, T, h), saved)."""
+        """x (B, T, h) -> (y (B, T, h), saved); T/p of them under a sequence split."""
         cfg, E, K = self.cfg, self.cfg.n_experts, self.cfg.top_k
         xp = array_module(x)
+        if self.seq is not None:
+            x = self.seq.allgather(x, axis=1)                                     # (B, T, h) whole sequences
         B, T, h = x.shape
         n = B * T
         x2 = x.reshape(n, h)                                                      # (n, h)
@@ -278,26 +137,9 @@ class MoE:
         route = Dispatch(self.ep, kept, E)
         if ledger is not None:
             ledger.routes[self.layer] = (route.send_counts, route.recv_counts)
-        rows = route.send(x2[order // K])                                         # (r, h) rows of this rank's experts
-        y_rows = xp.zeros_like(rows)                                              # (r, h)
-        runs = []
-        held = route.recv_matrix.sum(axis=0)                                      # (E_l,) rows of each local expert
-        sizes, every = self.layout.expert_rows(held)                              # (E_l,) rows each runs on
-        sizes = np.asarray(self.store.backend.to_host(sizes), dtype=np.int64)     # (E_l,)
+        y_back, runs, pad = self.local_experts.forward(route, x2[order // K])   # (m, h) in ``order``'s order
         if ledger is not None:
-            ledger.padded[self.layer] = int((sizes - held).sum())
-        for k, (c_fc, c_proj) in enumerate(self.experts):
-            mine = xp.asarray(route.expert_rows(k))                               # (m_e,) into rows
-            if sizes[k] == 0 and not every:
-                runs.append(None)
-                continue
-            xe = padded(rows[mine], int(sizes[k]))                                # (M_e, 1, h) zero rows after m_e
-            f, s_fc = c_fc.forward(xe)                                            # (M_e, 1, 2 F_l) intermediate
-            g, s_act = ops.swiglu_forward(f)                                      # (M_e, 1, F_l)
-            y, s_proj = c_proj.forward(g)                                         # (M_e, 1, h)
-            y_rows[mine] = y[:mine.shape[0], 0]
-            runs.append((mine, int(sizes[k]), s_fc, s_act, s_proj))
-        y_back = route.back(y_rows)                                               # (m, h) in ``order``'s order
+            ledger.padded[self.layer] = pad
         out = xp.zeros((n, h), dtype=wide)                                        # (n, h)
         w_kept = weights.reshape(-1)[order]                                       # (m,)
         bounds = np.concatenate([[0], np.cumsum(kept)])                           # (E + 1,)
@@ -305,6 +147,9 @@ class MoE:
             seg = slice(int(bounds[e]), int(bounds[e + 1]))
             out[order[seg] // K] += w_kept[seg, None] * y_back[seg]
         saved = (x2, s_route, order, bounds, route, runs, y_back, ledger, x.shape)
+        if self.seq is not None:                                                  # partial sums over tp
+            out = self.seq.reduce_scatter(out.reshape(B, T, h), axis=1, wire=x.dtype).astype(wide, copy=False)
+            return precision.narrow(out, x.dtype), saved                          # (B, T/p, h)
         return precision.narrow(out, x.dtype).reshape(B, T, h), saved
 
     def observe(self, logits, chosen, weights) -> None:
@@ -314,9 +159,12 @@ class MoE:
         record them without the model knowing it is watched."""
 
     def backward(self, dy, saved):
-        """dy (B, T, h) -> dx (B, T, h); adds every local expert's and the router's gradients."""
+        """dy (B, T, h) -> dx (B, T, h), T/p of them under a sequence split;
+        adds every local expert's and the router's gradients."""
         x2, s_route, order, bounds, route, runs, y_back, ledger, shape = saved
         xp = array_module(dy)
+        if self.seq is not None:
+            dy = self.seq.allgather(dy, axis=1)                                   # (B, T, h)
         K, E = self.cfg.top_k, self.cfg.n_experts
         n, h = x2.shape
         wide = precision.compute_dtype(dy.dtype)
@@ -325,26 +173,26 @@ class MoE:
         dweights = xp.zeros(n * K, dtype=s_route[0].dtype)                        # (n K,)
         dweights[order] = ops.rowdot(precision.up(dyt), precision.up(y_back))   # over this rank's columns
         dweights = self._hidden_sum(dweights)                                     # (n K,) over every column
-        d_rows = route.send(precision.narrow(dyt * w_kept[:, None], dy.dtype))   # (r, h)
-        dx_rows = xp.zeros(d_rows.shape, dtype=dy.dtype)                          # (r, h)
-        for (c_fc, c_proj), run in zip(self.experts, runs):
-            if run is None:
-                continue
-            mine, size, s_fc, s_act, s_proj = run
-            dg = c_proj.backward(padded(d_rows[mine], size), s_proj)              # (M_e, 1, F_l)
-            dxe = c_fc.backward(ops.swiglu_backward(dg, s_act), s_fc)            # (M_e, 1, h)
-            dx_rows[mine] = dxe[:mine.shape[0], 0]
-        dx_back = route.back(dx_rows)                                             # (m, h)
-        dx = xp.zeros((n, h), dtype=wide)                                         # (n, h)
-        for e in range(E):
-            seg = slice(int(bounds[e]), int(bounds[e + 1]))
-            dx[order[seg] // K] += dx_back[seg]
-        dprobs = dlse = None
+        dweights = self._ordered_sum(self.seq, dweights)                          # over the experts' F shards
+        dx_own, pending = self.local_experts.backward_start(route, precision.narrow(dyt * w_kept[:, None], dy.dtype),
+                                                            runs)
+        dprobs = dlse = None            # the router's backward, while the experts' input gradients travel back
         if ledger is not None:
             dprobs, dlse = ledger.dprobs(), ledger.dlse(s_route[4])
         dlogits = router_ops.route_backward(dweights.reshape(n, K), s_route, dprobs, dlse)   # (n, E)
         self.store.add_matmul(self.router_name, x2.T, precision.narrow(dlogits, x2.dtype))
-        dx += precision.matmul(dlogits, self.w_router.T.astype(dlogits.dtype), dtype=wide)
+        d_router = precision.matmul(dlogits, self.w_router.T.astype(dlogits.dtype), dtype=wide)   # (n, h)
+        dx_back = route.sent(dx_own, pending.wait())                              # (m, h)
+        dx = xp.zeros((n, h), dtype=wide)                                         # (n, h)
+        for e in range(E):
+            seg = slice(int(bounds[e]), int(bounds[e + 1]))
+            dx[order[seg] // K] += dx_back[seg]
+        if self.seq is not None:                    # the experts' part partial over tp, the router's complete
+            B, T = shape[0], shape[1]
+            part = self.seq.reduce_scatter(dx.reshape(shape), axis=1, wire=dy.dtype).astype(wide, copy=False)
+            t, Tl = self.seq.rank, T // self.seq.size
+            return precision.narrow(part + d_router.reshape(shape)[:, t * Tl:(t + 1) * Tl], dy.dtype)   # (B, T/p, h)
+        dx += d_router
         return precision.narrow(dx, dy.dtype).reshape(shape)
 
     def _logits(self, x2, wide):
@@ -359,24 +207,19 @@ class MoE:
         hidden group (the identity where the canonical form holds every
         column), the same on every rank of the group: the partials are
         gathered and added in rank order, never reduced in MPI's order."""
-        if self.hidden is None or self.hidden.size == 1:
+        return self._ordered_sum(self.hidden, part)
+
+    @staticmethod
+    def _ordered_sum(comm, part):
+        """part (...) summed over ``comm`` (None: the identity), bitwise the
+        same on every rank: gathered and added in rank order."""
+        if comm is None or comm.size == 1:
             return part
-        return self.hidden.allgather(part[None], axis=0).sum(axis=0)
+        return comm.allgather(part[None], axis=0).sum(axis=0)
 
     def decode(self, x):
         """Inference without a ledger (generation): x (B, t, h) -> (B, t, h)."""
         return self.forward(x, None)[0]
-
-
-def padded(rows, size: int):
-    """rows (m, w) -> (size, 1, w): the rows, then size - m zero rows
-    (a layout's padding, ``Layout.expert_rows``), as a layout's linear
-    takes them."""
-    if rows.shape[0] == size:
-        return rows[:, None, :]
-    out = array_module(rows).zeros((size, 1, rows.shape[1]), dtype=rows.dtype)   # (size, 1, w)
-    out[:rows.shape[0], 0] = rows
-    return out
 
 
 class _Alone:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..device import precision
-from ..parallel.layouts.base import Panel
+from ..parallel.layouts.modules import Panel
 
 
 @dataclass(frozen=True)
@@ -29,15 +29,20 @@ class Micro:
     canonical rows this rank holds, when they are not simply 0 .. T-1: the
     step driver cuts tokens and targets to them (a context-parallel rank's
     two chunks, a sequence-parallel rank's run), and dropout masks and the
-    position table are read at them. ``n_tokens`` is the whole step's token
+    position table are read at them; ``gathered`` are the positions of
+    the rows the tp ranks hold together under --sequence-parallel (what
+    attention and rotary embeddings see: the cp rank's under --cp).
+    ``n_tokens`` is the whole step's token
     count (every replica and micro-batch), the loss's divisor."""
 
     step: int = 0
     micro: int = 0                     # which micro-batch of the step (dropout masks follow its rows)
     positions: np.ndarray = None       # (T_l,) global positions of the canonical rows, or None: 0 .. T-1
+    gathered: np.ndarray = None        # (T/cp,) those of the rows a sequence-parallel linear gathers over tp
+                                       # (the cp rank's), when they differ from 0 .. T-1, or None
     n_tokens: int = 1                  # N of the whole step
     train: bool = True                 # dropout on (training) or off (evaluation, generation)
-    router: object = None              # a mixture of experts' moe.RouterLedger for this micro-batch, or None
+    router: object = None              # a mixture of experts' router.RouterLedger for this micro-batch, or None
 
 
 class Tape:

@@ -1,4 +1,12 @@
-"""The only module that calls MPI collectives on array data.
+"""The only module that calls MPI collectives on array data: ``Comm``, the
+communicator wrapper, with its collectives and the buffer helpers that
+the function-shaped ones (``comm_start``, ``comm_p2p``, ``comm_wire``,
+``comm_alltoall``) share. What a call is counted in (``Counters``,
+``Pending``) lives in ``comm_counters``; the uncounted agreement on host
+objects (``on_root``, ``agree_max``) in ``comm_agree``. ``Counters``,
+``Pending`` and ``on_root`` can still be imported from here, where most
+callers find them (every ``comm_*`` helper takes ``Comm`` and ``Pending``
+from here).
 
 ``Comm`` wraps one mpi4py communicator playing one named role (an *axis* of
 the processor grid, such as ``"j"`` of the 3-D cube or ``"dp"``). Every call
@@ -60,18 +68,18 @@ None`` check per call; there is no process-wide profiling state.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from fractions import Fraction
 
 import numpy as np
 from mpi4py import MPI
 
 from . import comm_wire
+from .comm_agree import on_root  # noqa: F401  (re-exported: many callers import it from here)
+from .comm_counters import Counters, Pending
 from .waiting import WAITS, complete
 from ..device import precision
 from ..device.backend import Backend, cuda_aware_mpi
 from ..device.staging import Staging
-from ..core.errors import UserError
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -79,64 +87,6 @@ _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 def _on_wire(wire) -> bool:
     """True when a sum is to travel in a 16-bit wire format."""
     return wire is not None and precision.is_half(wire)
-
-
-class Counters:
-    """Elements, bytes, messages and seconds of communication, per axis name."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.elems = defaultdict(Fraction)   # axis -> elements moved by this rank
-        self.bytes = defaultdict(Fraction)   # axis -> bytes moved by this rank
-        self.msgs = defaultdict(int)         # axis -> messages (ring steps)
-        self.seconds = defaultdict(float)    # axis -> wall time inside MPI calls
-
-    def add(self, axis: str, elems, msgs: int, seconds: float, width: int = 0):
-        """Count ``elems`` elements of ``width`` bytes each."""
-        self.elems[axis] += Fraction(elems)
-        self.bytes[axis] += Fraction(elems) * width
-        self.msgs[axis] += msgs
-        self.seconds[axis] += seconds
-
-    def total_elems(self) -> Fraction:
-        return sum(self.elems.values(), Fraction(0))
-
-    def total_bytes(self) -> Fraction:
-        return sum(self.bytes.values(), Fraction(0))
-
-    def total_msgs(self) -> int:
-        return sum(self.msgs.values())
-
-    def total_seconds(self) -> float:
-        return sum(self.seconds.values())
-
-
-class Pending:
-    """A started collective: ``wait()`` completes it and returns its result
-    (the time spent waiting is added to the axis's seconds). Holds the send
-    buffer so it outlives the operation. Made right after the start call's
-    ``Comm._count``, so ``WAITS.progress`` is then the time that call
-    returned: a profile's flight starts there."""
-
-    def __init__(self, finish, comm: "Comm" = None, send=None, kind: str = "wait"):
-        self._finish, self._comm, self._send, self._kind = finish, comm, send, kind
-        self._since = WAITS.progress        # when the start call returned (Comm._count), for --profile
-
-    def wait(self):
-        if self._comm is None:
-            return self._finish()
-        t0 = WAITS.enter(self._kind, self._comm.axis)
-        out = self._finish()
-        t1 = time.perf_counter()
-        self._comm.counters.add(self._comm.axis, 0, 0, t1 - t0)
-        rec = self._comm.recorder
-        if rec is not None and rec.on:
-            rec.wait(self._comm, self._kind, self._since, t0, t1)
-        WAITS.leave(t1)
-        self._send = None
-        return out
 
 
 class Comm:
@@ -406,33 +356,3 @@ class Comm:
 
     def bcast_object(self, obj, root: int = 0):
         return self.mpi.bcast(obj, root=root)
-
-
-# --- agreement on host objects (raw mpi4py calls: bookkeeping, not counted) ---
-def on_root(mpi_comm, fn):
-    """Run ``fn`` on rank 0 only and give its result, or its user-facing
-    error, to every rank: a bad input then stops all ranks with the same
-    message instead of leaving some of them waiting in a collective."""
-    result = error = None
-    if mpi_comm.Get_rank() == 0:
-        try:
-            result = fn()
-        except UserError as exc:
-            error = (type(exc), str(exc))
-    if mpi_comm.Get_size() > 1:             # the others wait for rank 0 without spinning
-        WAITS.enter("a barrier for rank 0's work", "world")
-        complete(mpi_comm.Ibarrier())
-        WAITS.leave()
-    result, error = mpi_comm.bcast((result, error), root=0)
-    if error is not None:
-        raise error[0](error[1])
-    return result
-
-
-def agree_max(mpi_comm, value: int) -> int:
-    """The largest ``value`` over all ranks (e.g. a stop flag)."""
-    buf = np.array([int(value)], dtype=np.int64)
-    WAITS.enter("an agreement (allreduce)", "world")
-    complete(mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX))
-    WAITS.leave()
-    return int(buf[0])

@@ -14,11 +14,12 @@ q = d cp + c (``grid.build_layout``), and q takes d's place above.
 
 Dispatch (``Dispatch``): a rank routes its own tokens, sorts the kept
 (token, expert) entries by expert (so by destination rank), and sends each
-rank the rows of its experts with all-to-all-v (counts first); each expert
-runs on the rows it received, grouped by source rank (the global token
-order within the ep group), and the outputs travel back along the same
-pairs. With ep 1 both exchanges are the identity and the code path is the
-serial model's.
+rank the rows of its experts with a nonblocking all-to-all-v (counts
+first), keeping the rows for its own experts where they are; each expert
+runs on the rows it holds, grouped by source rank (the global token order
+within the ep group), and the outputs travel back along the same pairs.
+model/moe_experts.py computes the own rows while the others travel. With
+ep 1 both exchanges are the identity and the code path is the serial model's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import re
 import numpy as np
 
 from . import comm_alltoall
-from .comm import Comm
+from .comm import Comm, Pending
+from ..device.arrays import array_module
 
 _EXPERT = re.compile(r"^h\.\d+\.moe\.experts\.(\d+)\.")
 
@@ -71,34 +73,102 @@ def model_specs(layout, decls: list) -> list:
 
 class Dispatch:
     """One MoE layer's exchange of token rows with the ranks that hold
-    their experts, for one micro-batch: built from the kept entries'
-    experts (grouped ascending), it sends rows there (``send``), hands each
-    local expert its rows (``expert_rows``), and brings rows back
-    (``back``); the backward pass uses the same counts."""
+    their experts, for one micro-batch, built from the kept entries'
+    experts (grouped ascending) after exchanging their counts.
+
+    Rows travel in two parts. A rank's rows for its own experts stay where
+    they are (``own``: they never enter MPI, comm_alltoall); the others
+    go by a nonblocking all-to-all-v (``post``, ``post_back``) whose
+    ``Pending`` the caller waits on after computing what it can without
+    them. Buffers of received rows hold the other ranks' rows, grouped by
+    source then local expert, without the own ones (``others_index``);
+    ``gathered`` and ``split`` convert to and from all of them in source
+    order (the ep group's global token order), ``sent`` puts the two parts
+    of a reply back in the sent order. The backward pass uses the same counts."""
 
     def __init__(self, ep: Comm, kept_counts: np.ndarray, n_experts: int):
         g = ep.size
         per = n_experts // g
-        self.ep, self.per = ep, per
-        self.send_counts = kept_counts.reshape(g, per).sum(axis=1)              # (g,) rows to each rank
-        mine = kept_counts.reshape(g, per)                                       # (g, per) by destination
+        self.ep, self.per, me = ep, per, ep.rank
+        self.send_matrix = kept_counts.reshape(g, per)                           # (g, per) by destination
+        self.send_counts = self.send_matrix.sum(axis=1)                          # (g,) rows to each rank
         # (g, per): rows of each of this rank's experts that each source sends (counts exchanged first)
-        self.recv_matrix = comm_alltoall.exchange_counts(ep, mine)
+        self.recv_matrix = comm_alltoall.exchange_counts(ep, self.send_matrix)
         self.recv_counts = self.recv_matrix.sum(axis=1)                          # (g,)
+        self.own_counts = self.send_matrix[me]                                   # (per,) own rows per local expert
+        self.n_own = int(self.own_counts.sum())
+        self.own_start = int(self.send_counts[:me].sum())                        # in the sent rows
+        self.own_place = int(self.recv_counts[:me].sum())                        # in all received rows
 
-    def send(self, rows):
-        """rows (m, w) grouped by destination -> (r, w) grouped by source, then expert."""
-        return comm_alltoall.alltoallv(self.ep, rows, self.send_counts, self.recv_counts)[0]
+    def own(self, rows):
+        """rows (m, w) grouped by destination -> (s, w) those for this
+        rank's own experts, grouped by expert (a view)."""
+        return rows[self.own_start:self.own_start + self.n_own]
 
-    def back(self, rows):
-        """rows (r, w) as ``send`` returned them -> (m, w) in the sent order."""
-        return comm_alltoall.alltoallv(self.ep, rows, self.recv_counts, self.send_counts)[0]
+    def post(self, rows):
+        """Start sending rows (m, w) grouped by destination (the own ones
+        in their place, not sent); ``wait()`` -> (r_o, w) the other
+        ranks' rows for this rank's experts, grouped by source then expert."""
+        return self._post(rows, self.send_counts, self.recv_counts, True)
 
-    def expert_rows(self, local: int) -> np.ndarray:
-        """Indices into the received rows of local expert ``local``'s rows,
-        source by source (the ep group's global token order)."""
-        starts = np.cumsum(self.recv_matrix.reshape(-1)) - self.recv_matrix.reshape(-1)   # (g per,)
-        out = [np.arange(starts[s * self.per + local], starts[s * self.per + local] + self.recv_matrix[s, local])
-               for s in range(self.ep.size)]
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    def post_back(self, rows):
+        """Start returning rows (r_o, w) shaped as ``post`` delivered them;
+        ``wait()`` -> (m - s, w) the replies to this rank's sent rows,
+        grouped by destination, without the own part."""
+        return self._post(rows, self.recv_counts, self.send_counts, False)
 
+    def _post(self, rows, send_counts, recv_counts, own_in_rows: bool):
+        if self.ep.size == 1:
+            return Pending(lambda: rows[:0])
+        return comm_alltoall.ialltoallv(self.ep, rows, send_counts, recv_counts, own_in_rows)
+
+    def gathered(self, own, others):
+        """own (s, w), others (r_o, w) -> (r, w) every row for this rank's
+        experts in source order, the own rows at this rank's place."""
+        if others.shape[0] == 0:
+            return own
+        xp = array_module(own)
+        return xp.concatenate([others[:self.own_place], own, others[self.own_place:]])
+
+    def split(self, rows):
+        """(r, w) in source order, as ``gathered`` returns -> (own (s, w), others (r_o, w))."""
+        if rows.shape[0] == self.n_own:
+            return rows, rows[:0]
+        xp = array_module(rows)
+        end = self.own_place + self.n_own
+        return rows[self.own_place:end], xp.concatenate([rows[:self.own_place], rows[end:]])
+
+    def sent(self, own, others):
+        """own (s, w), others (m - s, w) as ``post_back`` delivered them ->
+        (m, w) in the order the rows were sent."""
+        if others.shape[0] == 0:
+            return own
+        xp = array_module(own)
+        return xp.concatenate([others[:self.own_start], own, others[self.own_start:]])
+
+    def own_index(self, local: int) -> np.ndarray:
+        """Indices into the own rows of local expert ``local``'s."""
+        start = int(self.own_counts[:local].sum())
+        return np.arange(start, start + int(self.own_counts[local]))
+
+    def others_index(self, local: int) -> np.ndarray:
+        """Indices into the other ranks' rows (``post``) of local expert
+        ``local``'s, source by source."""
+        matrix = self.recv_matrix.copy()
+        matrix[self.ep.rank] = 0
+        return _expert_index(matrix, local)
+
+    def all_index(self, local: int) -> np.ndarray:
+        """Indices into every received row (``gathered``) of local expert
+        ``local``'s, source by source (the ep group's global token order)."""
+        return _expert_index(self.recv_matrix, local)
+
+
+def _expert_index(matrix: np.ndarray, local: int) -> np.ndarray:
+    """matrix (g, per): rows from each source for each local expert, laid
+    out source-major -> the indices of expert ``local``'s rows."""
+    flat = matrix.reshape(-1)
+    starts = np.cumsum(flat) - flat                                              # (g per,)
+    g, per = matrix.shape
+    out = [np.arange(starts[s * per + local], starts[s * per + local] + matrix[s, local]) for s in range(g)]
+    return np.concatenate(out).astype(np.int64)

@@ -34,6 +34,12 @@ for --zero 0 and 1). A pipeline stage's store holds only its own blocks'
 segments; the stream walks whatever blocks its model runs, and the end
 segments (outside, and on a pipeline's stages 0 and P-1 the tied wte as a
 segment of its own) only for a chunk that runs the embeddings or the head.
+With ``--ep`` a block's experts are a segment of their own in the same
+slots, reduce-scattered and gathered over the expert-data group (the
+ranks holding the same experts) where its dense segment uses dp
+(``zero.Segments``; docs/moe.md).
+When each gather and reduce-scatter happens, and what those walks cost,
+is ``fsdp_stream``'s (``BlockStream``, ``slot_key``, ``pass_gathers``).
 Each backward of a block adds its reduce-scatter into the chunk gradient,
 so micro-batches accumulate there in any order (interleaved schedules run
 chunks' backwards out of order). What the other axes add, the sums over
@@ -58,8 +64,9 @@ from contextlib import contextmanager
 from ..device import precision
 from .comm import Comm
 from .gradients import sync_shared
-from .params import ParamStore, ResidentLayers
-from .zero import TIED, Segments, is_end, segment_key, segment_of, segment_sizes
+from .fsdp_stream import BlockStream, block_gathers, pass_gathers, slot_key  # noqa: F401 (*_gathers: the cost model's)
+from .params import ParamStore
+from .zero import EXPERTS, TIED, Segments, is_end, segment_key, segment_of
 
 
 def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0, stages: int = 1,
@@ -68,46 +75,11 @@ def make_store(specs, backend, seed: int, dp: Comm = None, zero: int = 0, stages
     (needs dp > 1), else the flat ``ParamStore``. ``stages``: the pipeline's
     (with more than one, the tied wte is a segment of its own,
     ``zero.segment_of``); ``edp``: the expert-data group (--zero 1 shards
-    the experts' state over it, ``zero.ExpertPartition``)."""
+    the experts' state over it, ``zero.ExpertPartition``; --zero 2 and 3
+    each block's expert segment)."""
     if zero >= 2 and dp is not None and dp.size > 1:
-        return SegmentedStore(specs, backend, seed, dp, zero, split_tied=stages > 1)
+        return SegmentedStore(specs, backend, seed, dp, zero, split_tied=stages > 1, edp=edp)
     return ParamStore(specs, backend, seed, dp=dp, zero=zero, edp=edp)
-
-
-def block_gathers(n_blocks: int, passes_per_step: int) -> int:
-    """Block all-gathers per step under --zero 3 (the cost model's count of
-    what ``SegmentedStore`` does; ``passes_per_step`` = 2 N for N micro-
-    batches): every block in the step's first forward, then L - 2 in each
-    later pass (the two slots still hold the last two blocks of the pass
-    before at each turn); only the first forward's when all fit in two."""
-    L = n_blocks
-    if L <= 2:
-        return L
-    return L + (passes_per_step - 1) * (L - 2)
-
-
-def pass_gathers(passes, blocks: list) -> int:
-    """Block all-gathers of one step under --zero 3 whose passes walk
-    ``passes`` (each the block segments of one forward or backward, in the
-    order it runs them; a pipeline stage's schedule walks its chunks one
-    at a time, in any order) over a store holding ``blocks``: a block is
-    gathered unless its slot (``slot_key``) still holds it. This is what
-    ``SegmentedStore.fetch`` does, replayed without arrays (the cost model's
-    count; ``block_gathers`` is its closed form for one chunk)."""
-    held, count = {}, 0
-    for walk in passes:
-        for segment in walk:
-            key = slot_key(segment, blocks)
-            if held.get(key) != segment:
-                held[key], count = segment, count + 1
-    return count
-
-
-def slot_key(segment: str, blocks: list):
-    """Which slot holds ``segment``: each end segment (outside, the tied wte)
-    its own, block segments alternate between two (by position among this
-    store's blocks)."""
-    return segment if is_end(segment) else blocks.index(segment) % 2
 
 
 class SegmentedStore(ParamStore):
@@ -116,20 +88,29 @@ class SegmentedStore(ParamStore):
 
     streams_gradients = True
 
-    def __init__(self, specs: list, backend, seed: int, dp: Comm, zero: int, split_tied: bool = False):
+    def __init__(self, specs: list, backend, seed: int, dp: Comm, zero: int, split_tied: bool = False,
+                 edp: Comm = None):
         def group_key(spec):
             return "" if spec.grad_comm is None else spec.grad_comm.axis
 
-        def seg_of(name):
-            return segment_of(name, split_tied)
+        # --ep: a block's experts are a segment of their own, cut over the expert-data group (zero.py)
+        split = edp is not None and edp is not dp and any(s.expert for s in specs)
 
-        # segment by segment; inside one, the same order as ParamStore's
-        self.specs = sorted(specs, key=lambda s: (segment_key(seg_of(s.name)), group_key(s), not s.decl.decay))
+        def seg_of(spec):
+            site = segment_of(spec.name, split_tied)
+            return site + EXPERTS if split and spec.expert else site
+
+        # segment by segment (a block's experts after its dense part); inside one, ParamStore's order
+        self.specs = sorted(specs, key=lambda s: (segment_key(segment_of(s.name, split_tied)), split and s.expert,
+                                                  group_key(s), not s.decl.decay))
         self.by_name = {s.name: s for s in self.specs}
-        self.backend, self.dp, self.zero = backend, dp, zero
+        self.backend, self.dp, self.edp, self.zero = backend, dp, edp if split else dp, zero
         xp, master = backend.xp, backend.master_dtype
-        sizes = segment_sizes([(s.name, s.size) for s in self.specs], dp.size, zero, split_tied)
-        self.partition = Segments([(name, n) for name, n, _ in sizes], dp.size, dp.rank)
+        sizes = {}
+        for spec in self.specs:
+            sizes[seg_of(spec)] = sizes.get(seg_of(spec), 0) + spec.size
+        self.partition = Segments([(name, n, name.endswith(EXPERTS)) for name, n in sizes.items()],
+                                  dp.size, dp.rank, self.edp.size, self.edp.rank)
         self.shard = self.partition.own                             # the whole chunk buffer
         C, P_pad = self.partition.chunk, self.partition.padded
         self._mixed = backend.dtype != master
@@ -137,13 +118,16 @@ class SegmentedStore(ParamStore):
         self.master = xp.zeros(C, dtype=master)                     # (C,) master chunk
         self.flat_grad = xp.zeros(C, dtype=master)                  # (C,) summed gradient chunk
         self.grad_chunk = self.flat_grad                            # (C,) what the optimizer reads
-        self.blocks = [seg.name for seg in self.partition.list if not is_end(seg.name)]
-        self.ends = [seg.name for seg in self.partition.list if is_end(seg.name)]
-        self.slot_of = {seg.name: slot_key(seg.name, self.blocks) for seg in self.partition.list}
+        # a site (a block "h.{i}", or an end) and its segments: [(segment, its comm, where it starts in the slot)]
+        self.pieces = {site: [(seg, self.edp if seg.expert else dp, at) for seg, at in held]
+                       for site, held in self.partition.sites().items()}
+        self.blocks = [site for site in self.pieces if not is_end(site)]
+        self.ends = [site for site in self.pieces if is_end(site)]
+        self.slot_of = {site: slot_key(site, self.blocks) for site in self.pieces}
         widths = {}
-        for seg in self.partition.list:
-            key = self.slot_of[seg.name]
-            widths[key] = max(widths.get(key, 0), seg.padded)
+        for site, held in self.pieces.items():
+            key = self.slot_of[site]
+            widths[key] = max(widths.get(key, 0), sum(seg.padded for seg, _, _ in held))
         self.grad_slots = {key: xp.zeros(n, dtype=master) for key, n in widths.items()}   # (S_pad,) each
         if zero == 2:
             self.flat_work = xp.zeros(P_pad, dtype=backend.dtype)  # (P_pad,) the whole working copy
@@ -154,27 +138,30 @@ class SegmentedStore(ParamStore):
             self.work_chunk = xp.zeros(C, dtype=backend.dtype) if self._mixed else self.master
             self.param_slots = {key: xp.zeros(n, dtype=backend.dtype) for key, n in widths.items()}
         self.offsets, self.work, self.grad, self._data = {}, {}, {}, {}
-        self.seg_groups = {}                    # segment -> [(comm, slice of its slot)]: replica-group sums
-        self.seg_shared = {}                    # segment -> [spec with shared columns]: their sharers' sums
+        self.seg_groups = {}                    # site -> [(comm, slice of its slot)]: replica-group sums
+        self.seg_shared = {}                    # site -> [spec with shared columns]: their sharers' sums
         at = {seg.name: seg.lo for seg in self.partition.list}
         for spec in self.specs:
-            seg = self.partition.by_name[seg_of(spec.name)]
-            lo = at[seg.name]
+            seg = self.partition.by_name[seg_of(spec)]
+            site = segment_of(spec.name, split_tied)
+            lo, base = at[seg.name], self.pieces[site][0][0].lo      # base: where the site's slot starts
             at[seg.name] += spec.size
             self.offsets[spec.name] = (lo, lo + spec.size)
-            key, inner = self.slot_of[seg.name], slice(lo - seg.lo, lo - seg.lo + spec.size)
+            key, inner = self.slot_of[site], slice(lo - base, lo - base + spec.size)
             params = self.flat_work[lo:lo + spec.size] if zero == 2 else self.param_slots[key][inner]
             self.work[spec.name] = params.reshape(spec.local_shape)
             self.grad[spec.name] = self.grad_slots[key][inner].reshape(spec.local_shape)
             if spec.shared is not None:
-                self.seg_shared.setdefault(seg.name, []).append(spec)
+                self.seg_shared.setdefault(site, []).append(spec)
             if spec.grad_comm is not None:
-                groups = self.seg_groups.setdefault(seg.name, [])
+                groups = self.seg_groups.setdefault(site, [])
                 if groups and groups[-1][0].axis == spec.grad_comm.axis and groups[-1][1].stop == inner.start:
                     groups[-1] = (groups[-1][0], slice(groups[-1][1].start, inner.stop))
                 else:
                     groups.append((spec.grad_comm, inner))
         self.grad_groups = []                   # (ParamStore's, for the flat buffer: none here)
+        # --ep: the experts' part of the (C,) chunk gradient (the cp ring's sum skips it), or None
+        self.expert_run = slice(self.partition.expert_at, C) if split else None
         self._deferred, self._unwritten, self._eager_runs = set(), set(), None
         self.decay_slices = self._runs([s for s in self.specs if s.decl.decay])
         self.replica_runs = [(r, run) for r in sorted({s.replicas for s in self.specs})
@@ -187,9 +174,16 @@ class SegmentedStore(ParamStore):
 
     # --- the full master, for code outside the step ---------------------------
     def full_master(self):
-        """(P_pad,) the full float32 master, all-gathered over dp and put in
-        segment order (collective: every rank of dp calls it)."""
-        return self.partition.assemble(self.backend.xp, self.dp.allgather(self.master))
+        """(P_pad,) the full float32 master, all-gathered over dp (and edp)
+        and put in segment order (collective: every rank of dp calls it)."""
+        return self.gather_chunks(self.master)
+
+    def gather_chunks(self, chunk):
+        """(P_pad,) a full buffer from every replica's (C,) ``chunk`` of it:
+        the dense chunks all-gathered over dp, the experts' (--ep) over edp."""
+        at = self.partition.expert_at
+        experts = self.edp.allgather(chunk[at:]) if self.expert_run is not None else None   # (edp C_x,)
+        return self.partition.assemble(self.backend.xp, self.dp.allgather(chunk[:at]), experts)
 
     @contextmanager
     def writing_master(self):
@@ -239,7 +233,7 @@ class SegmentedStore(ParamStore):
         xp = self.backend.xp
         if self.zero == 2:
             own = self.master.astype(self.backend.dtype) if self._mixed else self.master   # (C,)
-            self.flat_work[...] = self.partition.assemble(xp, self.dp.allgather(own))
+            self.flat_work[...] = self.gather_chunks(own)
         else:
             if self._mixed:
                 self.work_chunk[...] = self.master
@@ -277,19 +271,20 @@ class SegmentedStore(ParamStore):
     def reduce_slot(self, segment: str) -> None:
         """After ``segment``'s backward: sum its slot over the replica groups
         inside the tensor-parallel group (and its shared kv columns over
-        their sharers), then start its reduce-scatter over
-        dp into this replica's chunk (in ``gradient_wire``)."""
-        key, seg = self.slot_of[segment], self.partition.by_name[segment]
+        their sharers), then start its reduce-scatter over dp into this
+        replica's chunk (in ``gradient_wire``); with --ep its experts' part
+        of the slot is reduce-scattered over the expert-data group."""
+        key = self.slot_of[segment]
         slot = self.grad_slots[key]
         wire = precision.gradient_wire(self.backend.dtype)
         for comm, run in self.seg_groups.get(segment, []):
             slot[run] = comm.allreduce(slot[run], wire=wire)
         sync_shared(self, self.seg_shared.get(segment, []), wire)       # replicated kv heads' columns
-        self._reducing[key] = (seg, self.dp.ireduce_scatter(slot[:seg.padded], wire=wire))
+        self._reducing[key] = [(seg, comm.ireduce_scatter(slot[at:at + seg.padded], wire=wire))
+                               for seg, comm, at in self.pieces[segment]]
 
     def _land(self, key) -> None:
-        if key in self._reducing:
-            seg, pending = self._reducing.pop(key)
+        for seg, pending in self._reducing.pop(key, []):
             self.flat_grad[seg.mine] += pending.wait()              # (C_s,) of the segment's sum
 
     def wait_gradients(self) -> None:
@@ -312,11 +307,12 @@ class SegmentedStore(ParamStore):
         if self._resident.get(key) == segment:
             return
         for other in [s for s in self._gathering if self.slot_of[s] == key]:
-            self._gathering.pop(other).wait()                       # never two gathers into one slot
-        seg = self.partition.by_name[segment]
+            for pending in self._gathering.pop(other):              # never two gathers into one slot
+                pending.wait()
         self._resident.pop(key, None)
-        out = self.param_slots[key][:seg.padded]                   # (dp C_s,) the gathered segment
-        self._gathering[segment] = self.dp.iallgather(self.work_chunk[seg.mine], out=out)
+        slot = self.param_slots[key]                                # (dp C_s,) the gathered segment (+ edp C_x)
+        self._gathering[segment] = [comm.iallgather(self.work_chunk[seg.mine], out=slot[at:at + seg.padded])
+                                    for seg, comm, at in self.pieces[segment]]
 
     def fetch(self, segment: str) -> None:
         """``segment``'s parameters in its slot, now (waits for a prefetch)."""
@@ -326,46 +322,6 @@ class SegmentedStore(ParamStore):
         self.prefetch(segment)
         pending = self._gathering.pop(segment, None)
         if pending is not None:
-            pending.wait()
+            for gather in pending:
+                gather.wait()
             self._resident[self.slot_of[segment]] = segment
-
-
-class BlockStream(ResidentLayers):
-    """One forward or backward pass over a model's blocks under --zero 2/3:
-    ``enter(i)`` before block i runs (its parameters gathered, the next
-    block's gather started; in backward its gradient slot cleared),
-    ``leave(i)`` after (in backward its gradients sent on their way),
-    ``finish()`` after backward's last step (the end segments' gradients,
-    then every reduce-scatter landed). ``blocks`` are the sites ("h.{i}")
-    in the order the model holds them; ``ends`` the end segments (outside,
-    the tied wte) the model runs: none for a pipeline chunk between the
-    embeddings and the head, so its passes neither clear nor send them."""
-
-    def __init__(self, store: SegmentedStore, direction: str, blocks: list, ends: list = ()):
-        self.store, self.backward = store, direction == "backward"
-        self.order = list(reversed(blocks)) if self.backward else list(blocks)
-        self.step = -1 if self.backward else 1
-        self.blocks, self.ends = blocks, list(ends)
-        for segment in self.ends:
-            store.fetch(segment)
-            if self.backward:
-                store.clear_slot(segment)
-        if self.order:
-            store.prefetch(self.order[0])
-
-    def enter(self, i: int) -> None:
-        site = self.blocks[i]
-        self.store.fetch(site)
-        nxt = i + self.step
-        self.store.prefetch(self.blocks[nxt] if 0 <= nxt < len(self.blocks) else None)
-        if self.backward:
-            self.store.clear_slot(site)
-
-    def leave(self, i: int) -> None:
-        if self.backward:
-            self.store.reduce_slot(self.blocks[i])
-
-    def finish(self) -> None:
-        for segment in self.ends:
-            self.store.reduce_slot(segment)
-        self.store.wait_gradients()

@@ -116,8 +116,9 @@ class GradientSync:
             tied = store.tied_chunk()    # (C_wte,) when this stage holds a copy of wte
             if self.tied is not None and tied is not None:
                 tied[...] = self.tied.allreduce(tied, wire=wire)
-            if ring.size > 1:
-                store.flat_grad[...] = ring.allreduce(store.flat_grad, wire=wire)       # (C,)
+            if ring.size > 1:    # --ep under --cp: the experts' chunks (last, [C_d, C)) are edp's, summed
+                dense = slice(0, store.expert_run.start) if self.folded else slice(0, store.flat_grad.size)
+                store.flat_grad[dense] = ring.allreduce(store.flat_grad[dense], wire=wire)   # (C,) or (C_d,)
             return
         sync_replica_groups(store)
         if self.tied is not None:

@@ -1,9 +1,10 @@
-"""Parameters: what the model declares, how a layout shards it, and the one
-flat buffer per rank that holds every local block.
+"""The parameter store: the one flat buffer per rank that holds every local
+parameter block, its gradient and the views the model uses.
 
 The model names each logical tensor once (``ParamDecl``); a layout answers
 with a ``ParamSpec`` saying which global indices this rank holds and over
-which communicator its gradient must be summed. ``ParamStore`` lays all local
+which communicator its gradient must be summed (both in ``paramspec``,
+importable from here too). ``ParamStore`` lays all local
 blocks out in one flat data buffer and one flat gradient buffer, so the
 data-parallel all-reduce, the optimizer and gradient clipping each touch one
 contiguous array instead of a hundred small ones.
@@ -25,77 +26,14 @@ every mode.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
-
 from ..device import fused, precision
-from ..ops import rng
 from ..device.backend import Backend
 from .comm import Comm
+from .paramspec import ParamDecl, ParamSpec, init_block  # noqa: F401 (ParamDecl, ParamSpec re-exported)
 from .split import SharedColumns, full_index, shared_columns, split_decl, split_index  # noqa: F401 (re-exported)
 from .zero import ExpertPartition, Partition
-
-
-@dataclass(frozen=True)
-class ParamDecl:
-    """A logical parameter as the model sees it.
-
-    ``role`` tells the layout how the tensor is used: ``wte``, ``wpe``, ``norm``,
-    ``w_first``/``b_first`` (first linear of a pair, e.g. c_attn, c_fc),
-    ``w_second``/``b_second`` (second linear, e.g. c_proj).
-    ``groups`` > 1 means the output columns are ``groups`` stacked tensors
-    (c_attn's [q | k | v], SwiGLU's [gate | up]) that must each be split
-    the same way; a tuple gives their sizes when they differ (grouped-query
-    attention's q, k and v). ``heads`` (with a tuple ``groups``) gives each
-    group's number of heads: a split finer than a group's heads gives each
-    block one whole head of that group, shared by parts / heads blocks
-    (grouped-query attention's kv heads when the head split exceeds them).
-    """
-
-    name: str
-    shape: tuple
-    role: str
-    init: str              # "normal", "ones" or "zeros"
-    std: float = 0.0
-    decay: bool = False
-    groups: object = 1          # int, or a tuple of sizes
-    heads: tuple = ()           # heads per group (with a tuple ``groups``), or () for no head structure
-
-
-@dataclass
-class ParamSpec:
-    """How one rank holds one parameter.
-
-    ``index[d]`` lists the global indices (along dimension d) of the local
-    block; indices >= ``decl.shape[d]`` are vocabulary padding, always zero.
-    ``grad_comm`` is the group of replicas whose partial gradients must be
-    summed (None when each rank's gradient is already complete).
-    ``replicas`` is how many ranks of the tensor-parallel group hold this same
-    block (to count it once in norms); ``writer`` is True on exactly one of them.
-    """
-
-    decl: ParamDecl
-    index: tuple
-    grad_comm: Optional[Comm] = None
-    replicas: int = 1
-    writer: bool = True
-    tied_pair: bool = False     # a copy also sits on another pipeline stage (the tied wte): summed over the pair
-    expert: bool = False        # an expert's (--ep): summed over the expert-data group, not all of dp (experts.py)
-    shared: Optional[SharedColumns] = None   # columns more ranks hold (replicated kv heads), or None
-
-    @property
-    def name(self) -> str:
-        return self.decl.name
-
-    @property
-    def local_shape(self) -> tuple:
-        return tuple(len(ix) for ix in self.index)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.local_shape))
 
 
 class ResidentLayers:
@@ -103,7 +41,7 @@ class ResidentLayers:
     ``enter(i)`` before block i runs, ``leave(i)`` after it, ``finish()``
     after a backward pass. Here every parameter and gradient is resident,
     so there is nothing to do; --zero 2 and 3 gather and send per block
-    (``parallel.fsdp.BlockStream``)."""
+    (``parallel.fsdp_stream.BlockStream``)."""
 
     def enter(self, i: int) -> None:
         pass
@@ -395,32 +333,3 @@ class ParamStore:
         all were written)."""
         for name in list(self._unwritten):
             self.grad_for_add(name)
-
-
-def real_mask(spec: ParamSpec) -> np.ndarray:
-    """Boolean (local shape) mask: True where the block holds a real entry,
-    False on vocabulary padding."""
-    mask = np.ones(spec.local_shape, dtype=bool)
-    for grid, n in zip(np.ix_(*spec.index), spec.decl.shape):
-        mask &= grid < n
-    return mask
-
-
-def clipped_index(spec: ParamSpec) -> tuple:
-    """``spec.index`` with padding positions pointed at the last real entry,
-    for fancy-indexing a full logical tensor."""
-    return tuple(np.minimum(ix, n - 1) for ix, n in zip(spec.index, spec.decl.shape))
-
-
-def init_block(spec: ParamSpec, seed: int) -> np.ndarray:
-    """Initial values (host float64) of the block ``spec.index`` of a logical
-    tensor: a pure function of (seed, name, global index)."""
-    decl = spec.decl
-    shape = spec.local_shape
-    if decl.init == "ones":
-        return np.ones(shape)
-    if decl.init == "zeros":
-        return np.zeros(shape)
-    values = decl.std * rng.normal(rng.make_key(seed, "init", decl.name), rng.flat_index(decl.shape, clipped_index(spec)))
-    values[~real_mask(spec)] = 0.0   # vocabulary padding stays exactly zero
-    return values

@@ -103,23 +103,13 @@ def validate_model(cfg: ModelConfig) -> None:
 
 
 def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> None:
-    """The axes a mixture of experts runs on so far: the serial, 1-D,
-    2-D, 2.5-D and 3-D layouts with data and expert parallelism
-    (docs/moe.md says what is still to come)."""
+    """The sizes a mixture of experts needs: --ep dividing the experts and
+    dp x cp (the ep ranks are taken from them). Every layout and axis
+    runs it (docs/moe.md)."""
     if not cfg.moe:
         if plan.ep != 1:
             raise ConfigError(f"--ep {plan.ep} needs a mixture of experts (--n-experts, --arch mixtral)")
         return
-    cp = plan.cp != 1         # --cp: each cp rank routes its positions; the ledger sums over the ring too
-    refusals = ((cp and name not in ("serial", "1d", "2d"), f"--cp {plan.cp} on {name}"),
-                (cp and plan.pp != 1, f"--cp {plan.cp} and --pp {plan.pp} together"),
-                (tp > 1 and plan.sequence_parallel, "--sequence-parallel"),
-                (name == "1d" and plan.recompute == "gathers", "--recompute gathers on 1d (use blocks)"))
-    for refused, what in refusals:
-        if refused:
-            raise ConfigError(f"--n-experts: a mixture of experts runs on the serial, 1-D, 2-D, 2.5-D and 3-D "
-                              f"layouts with --dp, --ep and --pp (and --cp on serial, 1-D and 2-D) so far, "
-                              f"not with {what}")
     ep, E = plan.ep, cfg.n_experts
     if ep < 1:
         raise ConfigError(f"--ep must be at least 1, got {ep}")
@@ -133,9 +123,6 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
                           + f" (the expert-parallel ranks are data-parallel replicas"
                           + (" and context-parallel ranks" if plan.cp > 1 else "")
                           + f"): use --ep {' or '.join(map(str, fits))}")
-    if ep > 1 and plan.zero >= 2:
-        raise ConfigError(f"--zero {plan.zero} with --ep {ep} is not implemented yet (experts' gradients and "
-                          f"parameters would shard over the expert-data group); use --zero 1 or 0")
 
 
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,

@@ -142,6 +142,7 @@ class ExpertPartition:
         self.size = dense + experts
         self.padded = self.dense.padded + self.experts.padded   # P_pad: experts start at the dense part's end
         self.chunk = self.dense.chunk + self.experts.chunk      # C = C_d + C_x
+        self.expert_at = self.dense.chunk                       # where the experts' part of the chunk starts
 
     @property
     def own(self) -> slice:
@@ -204,9 +205,18 @@ def sizes(size: int, dp: int, zero: int) -> tuple:
 # is padded to dp C_s and cut into dp chunks of C_s; replica r owns chunk r
 # of every segment, and its optimizer works on their concatenation (C =
 # sum of C_s elements, in segment order).
+#
+# With --ep (experts summed over the expert-data group, not all of dp) a
+# block's experts are a segment of their own, "h.{i}.experts", right after
+# the block's dense one in the full buffer and cut over edp instead of dp;
+# the chunk buffer holds every dense chunk first and every expert chunk
+# after them ([C_d | C_x], as ``ExpertPartition``), so the sums that cover
+# the dense part only (the cp ring's, under ep folded into dp x cp) and
+# the gathers of each kind each see one contiguous run.
 
 OUTSIDE = "outside"
 TIED = "wte"
+EXPERTS = ".experts"     # "h.{i}" + EXPERTS: block i's experts under --ep (cut over the expert-data group)
 
 
 def segment_of(name: str, split_tied: bool = False) -> str:
@@ -250,6 +260,7 @@ class Segment:
     at: int          # where this replica's chunk starts in the rank's (C,) chunk buffer
     parts: int
     rank: int
+    expert: bool = False     # an expert segment (--ep): cut over the expert-data group
 
     @property
     def padded(self) -> int:
@@ -273,20 +284,24 @@ class Segment:
 
 class Segments:
     """The partition of --zero 2 and 3: ``Partition``'s questions answered
-    for a buffer cut segment by segment (``sizes``: (segment name, S) in
-    buffer order)."""
+    for a buffer cut segment by segment (``sizes``: (segment name, S) or
+    (segment name, S, expert) in buffer order; expert segments are cut
+    into ``expert_parts`` chunks of which this rank owns ``expert_rank``)."""
 
     sharded = True
 
-    def __init__(self, sizes, parts: int, rank: int = 0):
+    def __init__(self, sizes, parts: int, rank: int = 0, expert_parts: int = 1, expert_rank: int = 0):
         self.parts, self.rank, self.list = parts, rank, []
-        lo = at = 0
-        for name, size in sizes:
-            chunk = -(-size // parts)
-            self.list.append(Segment(name, lo, size, chunk, at, parts, rank))
-            lo, at = lo + chunk * parts, at + chunk
+        sizes = [(name, size, bool(rest and rest[0])) for name, size, *rest in sizes]
+        self.expert_at = sum(-(-size // parts) for _, size, expert in sizes if not expert)   # C_d
+        lo, at = 0, {False: 0, True: self.expert_at}       # dense chunks first in the chunk buffer, then experts'
+        for name, size, expert in sizes:
+            n, r = (expert_parts, expert_rank) if expert else (parts, rank)
+            chunk = -(-size // n)
+            self.list.append(Segment(name, lo, size, chunk, at[expert], n, r, expert))
+            lo, at[expert] = lo + chunk * n, at[expert] + chunk
         self.by_name = {s.name: s for s in self.list}
-        self.padded, self.chunk = lo, at          # P_pad = sum dp C_s, C = sum C_s
+        self.padded, self.chunk = lo, at[True]    # P_pad = sum parts C_s, C = sum C_s
         self.size = sum(s.size for s in self.list)
 
     @property
@@ -306,20 +321,39 @@ class Segments:
                     out.append(slice(lo - own.start + seg.at, hi - own.start + seg.at))
         return out
 
+    def sites(self) -> dict:
+        """{site: [(segment, where it starts in the site's slot)]}: each
+        block "h.{i}" (or end segment) and its segments in buffer order,
+        its experts' (--ep) after its dense one; a slot holds them all."""
+        out = {}
+        for seg in self.list:
+            held = out.setdefault(seg.name.removesuffix(EXPERTS), [])
+            held.append((seg, sum(other.padded for other, _ in held)))
+        return out
+
     def windows(self) -> list:
         """[(start, stop, shift)] per segment: the owned chunk's range of the
         whole buffer, and what to subtract to address the (C,) chunk buffer."""
         return [(seg.own.start, seg.own.stop, seg.own.start - seg.at) for seg in self.list]
 
-    def assemble(self, xp, gathered):
-        """(P_pad,) the full buffer from the dp chunk buffers gathered in
-        rank order, ``gathered`` (dp C,)."""
-        rows = gathered.reshape(self.parts, self.chunk)                    # (dp, C)
-        return xp.concatenate([rows[:, seg.mine].reshape(-1) for seg in self.list])
+    def assemble(self, xp, gathered, experts=None):
+        """(P_pad,) the full buffer from the chunk buffers' dense parts
+        gathered over dp in rank order, ``gathered`` (dp C_d,), and (with
+        expert segments) their expert parts gathered over the expert-data
+        group, ``experts`` (edp C_x,)."""
+        cd = self.expert_at
+        rows = {False: gathered.reshape(self.parts, cd)}                  # (dp, C_d)
+        if experts is not None:
+            rows[True] = experts.reshape(-1, self.chunk - cd)              # (edp, C_x)
+        return xp.concatenate([rows[seg.expert][:, seg.at - cd * seg.expert:][:, :seg.chunk].reshape(-1)
+                               for seg in self.list])
 
     def take(self, xp, full):
         """(C,) this replica's chunks of a full (P_pad,) buffer."""
-        return xp.concatenate([full[seg.own] for seg in self.list])
+        out = xp.zeros(self.chunk, dtype=full.dtype)                       # (C,)
+        for seg in self.list:
+            out[seg.mine] = full[seg.own]
+        return out
 
 
 def segment_sizes(named_sizes, dp: int, zero: int, split_tied: bool = False) -> list:

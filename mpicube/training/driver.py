@@ -28,7 +28,7 @@ from .. import ops
 from ..ops import attention_blocks
 from ..model.block import Dropout, Recomputed
 from ..model.gpt import GPT, Head
-from ..model.moe import RouterLedger
+from ..model.router import RouterLedger
 from ..model.tape import Micro, saved_buffers
 from ..parallel import context
 
@@ -97,6 +97,7 @@ def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, 
     T = idx.shape[1]
     n_tokens = layout.batch_size * grad_accum * T                  # N, global, of the whole step
     ring = layout.axes.cp
+    cut = None
     if ring.size > 1:                       # this rank's two chunks of every sequence (parallel.context)
         cut = context.local_positions(T, ring.size, ring.rank)     # (T/cp,) global positions
         idx = np.asarray(idx)[:, cut]
@@ -106,7 +107,8 @@ def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, 
     # (and the tp ranks with other sequences, the cp ranks with other positions)
     ledger = (RouterLedger(layout.cfg, layout.axes.dp, layout.batch_size * T, grad_accum, tokens=layout.token_comm,
                            ring=layout.axes.cp, seq_len=T) if layout.cfg.moe else None)
-    return idx, targets, Micro(step=step, micro=micro, positions=pos, n_tokens=n_tokens, train=train, router=ledger)
+    return idx, targets, Micro(step=step, micro=micro, positions=pos, gathered=cut, n_tokens=n_tokens, train=train,
+                               router=ledger)
 
 
 class Runner:

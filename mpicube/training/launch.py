@@ -24,7 +24,7 @@ from ..parallel.planning import resolve
 from . import dataplan, rundir
 from .options import _dash
 from .optim import Schedule
-from .parts import build_parts, recompute_note
+from .parts import build_parts, recompute_note, require_host_room
 from .state import load_state, saved_state
 from .step import make_step
 from .. import __version__
@@ -57,6 +57,8 @@ class Launch:
 
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
             on_root(self.world, lambda: formats.open_model(o.init_from, verify=False).close())
+        if self.run is not None:                         # a model too large for the host: no run directory
+            require_host_room(self.run, o.numerics, self.world)
         if self.keep_files:
             run_dir, self.owner, said = on_root(self.world, self._prepare_run_dir)
             self.run_dir = Path(run_dir)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..device import threads
-from ..device.backend import make_backend
+import numpy as np
+
+from ..device import precision, threads
+from ..device.backend import Backend, make_backend
 from ..core import memory
-from ..parallel.comm import Counters, agree_max
+from ..parallel.comm import Counters
+from ..parallel.comm_agree import agree_max
 from ..core.config import ModelConfig
 from ..parallel.grid import build_layout
 from ..parallel.planning import Resolved
@@ -84,8 +87,7 @@ def build_parts(run: Resolved, mpi_world, numerics: Numerics = Numerics(), seed:
     cfg, grid, accum = run.cfg, run.plan, run.plan.grad_accum
     threads.configure(mpi_world)
     backend = make_backend(numerics.device, numerics.dtype, mpi_world, tf32=numerics.tf32)
-    require_room(cfg, backend, mpi_world, run.layout, run.tp, run.batch_size // (grid.dp * accum),
-                 run.seq_len and run.seq_len // grid.cp)         # a cp rank keeps T/cp positions of each sequence
+    require_run_room(run, backend, mpi_world)
     counters = Counters()
     layout = build_layout(run, backend, mpi_world, counters=counters, recorder=recorder)
     if grid.pp > 1:
@@ -138,6 +140,23 @@ def require_room(cfg: ModelConfig, backend, mpi_world, layout: str, tp: int, mic
                          f"on layout {layout} (tp {tp})", room=(room, why),
                    purpose=" per rank for its weights and gradients" + (" and one layer's activations"
                                                                         if seq_len else ""))
+
+
+def require_run_room(run: Resolved, backend, mpi_world) -> None:
+    """``require_room`` for the resolved plan ``run``: each rank's
+    micro-batch, and T/cp positions of each sequence on a cp rank."""
+    grid = run.plan
+    require_room(run.cfg, backend, mpi_world, run.layout, run.tp, run.batch_size // (grid.dp * grid.grad_accum),
+                 run.seq_len and run.seq_len // grid.cp)
+
+
+def require_host_room(run: Resolved, numerics: Numerics, mpi_world) -> None:
+    """The host-memory check of ``build_parts`` made early, before the
+    run directory exists, so that a model too large for the machine leaves
+    nothing behind. Pure arithmetic and one small allreduce: no backend is
+    selected. GPU runs are checked once their device is chosen."""
+    if numerics.device == "cpu":
+        require_run_room(run, Backend(np, precision.dtype_of(numerics.dtype), "cpu"), mpi_world)
 
 
 def recompute_note(layout, recompute: str):

@@ -234,9 +234,10 @@ class Pipeline:
         ledgers = [self.ledgers.pop((True, m)) for m in sorted(m for t, m in self.ledgers if t)]
         self.ledgers.clear()
         axes = self.layout.axes
+        once = self.stage == self.P - 1 and axes.tp.rank == axes.dp.rank == axes.cp.rank == 0
         for ledger in ledgers:                  # the router losses, once in the world (its totals are global)
             self.router_log.add(ledger)
-            if self.stage == self.P - 1 and axes.tp.rank == 0 and axes.dp.rank == 0:
+            if once:
                 loss += ledger.aux_term() + ledger.z_term()
         return self._step_loss(loss)
 
@@ -306,10 +307,10 @@ class Pipeline:
     # --- generation: the stages in turn ---------------------------------------
     @property
     def embedding(self):
-        """The LM head's tied embedding on the last stage (its logits'
-        rows and vocabulary block), None on the others."""
+        """The LM head's embedding on the last stage (its logits' rows and
+        vocabulary block: wte, or an untied model's lm_head), None on the others."""
         model = self.chunk_model(self.V - 1)
-        return model.embedding if model.last else None
+        return model.head_embedding if model.last else None
 
     def new_caches(self) -> dict:
         """{local chunk: its blocks' key/value caches}."""

@@ -69,9 +69,9 @@ class ShardedStep:
         self.replica_runs = [(r, run) for r, whole in store.replica_runs for run in store.partition.local([whole])]
         self.shared = SharedSquares(store, store.partition.windows())    # replicated kv columns counted once
         ep = getattr(axes, "ep", None)
-        self.folded = ep is not None and ep.size > 1 and axes.cp.size > 1 and hasattr(store.partition, "experts")
-        if self.folded:   # the experts' part of the chunk: [C_d, C) (zero.ExpertPartition)
-            cd = store.partition.dense.chunk
+        self.folded = ep is not None and ep.size > 1 and axes.cp.size > 1 and store.expert_run is not None
+        if self.folded:   # the experts' part of the chunk: [C_d, C) (zero.ExpertPartition, zero.Segments)
+            cd = store.partition.expert_at
             self.expert_runs = [(r, slice(max(cd, run.start), run.stop)) for r, run in self.replica_runs
                                 if run.stop > cd]
 

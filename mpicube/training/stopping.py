@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Optional
 
-from ..parallel.comm import agree_max
+from ..parallel.comm_agree import agree_max
 
 GO_ON, TIME_LIMIT, SIGNAL, IO_FAILURE = 0, 1, 2, 3
 

@@ -51,7 +51,7 @@ from .. import __version__
 from ..core.console import Console
 from ..core.errors import RunDirError, UserError
 from ..files import checkpoint
-from ..parallel.comm import agree_max
+from ..parallel.comm_agree import agree_max
 from ..parallel.waiting import WAITS
 from .accum import forward_backward
 from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)

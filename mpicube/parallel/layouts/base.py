@@ -1,4 +1,7 @@
-"""The layout protocol, and the pieces every layout shares.
+"""The layout protocol, and the small helpers every layout's linears share
+(GEMMs over all leading rows, the accumulation format, bias views). The
+modules built from them that several layouts or the model use (the dense
+linear, the row shard, the embedding panel, the norms) are in ``modules``.
 
 A layout says, for one rank, which block of every parameter and activation
 it holds, and supplies the distributed primitives the model is written
@@ -34,7 +37,6 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..comm import Comm
-from ..comm_start import iallreduce
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore, shared_columns, split_decl, split_index
@@ -98,6 +100,7 @@ class Layout:
     kv_comm = None                  # Comm of the ranks sharing this rank's kv head (split > n_kv), or None
     token_comm = None               # Comm of the tp ranks holding the replica's other sequences at these hidden
                                     # columns, ranked in sequence order (2-D, 2.5-D, 3-D), or None
+    sequence_comm = None            # Comm splitting the canonical sequence (1-D --sequence-parallel), or None
 
     @classmethod
     def head_coords(cls, tp: int, depth: int, rank: int) -> tuple:
@@ -146,6 +149,17 @@ class Layout:
         (serial, 1-D) every collective joins ranks holding the same
         tokens: the rows as held, an empty expert skipped."""
         return held, False
+
+    def expert_linear(self, store: ParamStore, prefix: str, position: str):
+        """A mixture of experts' seam (model/moe.py): the (bias-free) linear
+        of one expert, which runs on its token rows (m_e, 1, C_c) as an
+        MLP's linear runs on canonical activations. Here the layout's own.
+        Where the canonical form splits the sequence (``sequence_comm``)
+        the mixture gathers its input and reduce-scatters its output once
+        around all the experts, as a sequence-parallel MLP does around its
+        two linears; the layout then returns linears that take and give
+        partial sums over that group (no collective of their own)."""
+        return self.linear(store, prefix, position, bias=False)
 
     def save_block_input(self, x):
         """What a block keeps of its input x (B_c, T, C_c) under
@@ -266,142 +280,3 @@ def add_bias_grad(db, dy2):
     """db (C,) += the column sums of dy2 (n, C) when the linear has a bias."""
     if db is not None:
         db += ops.column_sums(dy2)
-
-
-class RowShard:
-    """A replicated activation kept as this rank's 1/p of its rows and
-    all-gathered over ``comm`` when backward needs it again (1-D's
-    ``--recompute``). The kept part is a copy: a view would hold on to
-    the whole array."""
-
-    def __init__(self, comm: Comm):
-        self.comm = comm
-
-    def keep(self, x):
-        """x (..., C), the same on every rank of comm -> (rows (n/p, C), x's shape)."""
-        p, r = self.comm.size, self.comm.rank
-        if p == 1:
-            return x, x.shape
-        x2 = x.reshape(-1, x.shape[-1])                  # (n, C)
-        if x2.shape[0] % p:
-            raise ValueError(f"{x2.shape[0]} rows cannot be split {p} ways")
-        n = x2.shape[0] // p
-        return x2[r * n:(r + 1) * n].copy(), x.shape     # (n/p, C)
-
-    def restore(self, kept):
-        """The whole x (..., C) back from ``keep``'s result."""
-        part, shape = kept
-        return self.comm.allgather(part, axis=0).reshape(shape)
-
-
-class DenseLinear:
-    """y = x @ W + b on local blocks, with the two Megatron hooks: an
-    all-reduce of the output before the bias (row-parallel) and an all-reduce
-    of the input gradient (column-parallel). Serial uses neither. With a
-    ``RowShard`` (1-D column-parallel under ``--recompute gathers``) the
-    replicated input is kept as a row shard and gathered again in backward.
-    With ``overlap``, backward starts the all-reduce of dX before the dW
-    GEMM and waits for it after (the same operations, reordered: dX and dW
-    do not depend on each other)."""
-
-    def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None,
-                 shard: RowShard = None, overlap: bool = False, bias: bool = True):
-        self.w = store.work[prefix + ".weight"]       # (C_in, C_out)
-        self.b, self.db = bias_views(store, prefix, bias)   # (C_out,) or None
-        self.store, self.w_name = store, prefix + ".weight"
-        store.defer_zero(self.w_name)                 # dW is written by add_matmul
-        self.out_reduce = out_reduce
-        self.dx_reduce = dx_reduce
-        self.shard = shard
-        self.overlap = overlap and dx_reduce is not None
-
-    def forward(self, x):
-        """x (B, T, C_in) -> (y (B, T, C_out), saved: x, or its row shard)."""
-        saved = x if self.shard is None else self.shard.keep(x)
-        y = matmul_rows(x, self.w, acc(x))            # (B, T, C_out)
-        if self.out_reduce is not None:
-            y = self.out_reduce.allreduce(y, wire=x.dtype)
-        add_bias(y, self.b)
-        return precision.narrow(y, x.dtype), saved
-
-    def backward(self, dy, saved):
-        """dy (B, T, C_out) -> dx (B, T, C_in)."""
-        x = saved if self.shard is None else self.shard.restore(saved)   # (B, T, C_in)
-        x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
-        dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
-        if self.overlap:                              # dX travels while dW and db are computed
-            pending = iallreduce(self.dx_reduce, matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
-            self.store.add_matmul(self.w_name, x2.T, dy2)
-            add_bias_grad(self.db, dy2)
-            return precision.narrow(pending.wait(), dy.dtype)
-        self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
-        add_bias_grad(self.db, dy2)
-        if self.dx_reduce is not None:
-            dx = self.dx_reduce.allreduce(matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)   # (B, T, C_in)
-            dx = precision.narrow(dx, dy.dtype)
-        else:
-            dx = matmul_rows(dy, self.w.T)            # (B, T, C_in)
-        return dx
-
-
-class Panel:
-    """One micro-batch's gathered embedding weight ``w`` and the float32+
-    accumulator ``dw`` of its gradient, shared by the lookup and the LM
-    head of the layouts that gather wte (2-D, 2.5-D, 3-D: one gather per
-    micro-batch serves both); empty until the first of the two gathers, and
-    reduced into the store by ``finish_backward``. It lives in the
-    micro-batch's tape, never on the module, so micro-batches of a pipeline
-    in flight at once each have their own."""
-
-    __slots__ = ("w", "dw")
-
-    def __init__(self):
-        self.w = self.dw = None
-
-
-class LayerNorm:
-    """LayerNorm over a hidden size that may be split across ``comm``."""
-
-    def __init__(self, store: ParamStore, prefix: str, n_hidden: int, comm: Comm = None):
-        self.gamma = store.work[prefix + ".weight"]   # (C_c,)
-        self.beta = store.work[prefix + ".bias"]      # (C_c,)
-        self.dgamma = store.grad[prefix + ".weight"]
-        self.dbeta = store.grad[prefix + ".bias"]
-        self.n_hidden = n_hidden
-        self.allsum = comm.allreduce if comm is not None else ops.identity
-
-    def forward(self, x):
-        """x (B, T, C_c) -> (y (B, T, C_c), saved: the normalised rows and their statistics)."""
-        return ops.layernorm_forward(x, self.gamma, self.beta, self.n_hidden, allsum=self.allsum)
-
-    def backward(self, dy, saved):
-        """dy (B, T, C_c) -> dx (B, T, C_c); adds into the weight and bias gradients."""
-        return ops.layernorm_backward(dy, saved, self.gamma, self.dgamma, self.dbeta, self.n_hidden,
-                                      allsum=self.allsum)
-
-
-class RMSNorm:
-    """Llama's RMSNorm over a hidden size that may be split across ``comm``
-    (the mean square all-summed, as LayerNorm's statistics are): a weight,
-    no bias, ``eps`` from the model's configuration."""
-
-    def __init__(self, store: ParamStore, prefix: str, n_hidden: int, comm: Comm = None, eps: float = 1e-6):
-        self.gamma = store.work[prefix + ".weight"]   # (C_c,)
-        self.dgamma = store.grad[prefix + ".weight"]
-        self.n_hidden, self.eps = n_hidden, eps
-        self.allsum = comm.allreduce if comm is not None else ops.identity
-
-    def forward(self, x):
-        """x (B, T, C_c) -> (y (B, T, C_c), saved: the normalised rows and 1/rms)."""
-        return ops.rmsnorm_forward(x, self.gamma, self.n_hidden, self.eps, allsum=self.allsum)
-
-    def backward(self, dy, saved):
-        """dy (B, T, C_c) -> dx (B, T, C_c); adds into the weight's gradient."""
-        return ops.rmsnorm_backward(dy, saved, self.gamma, self.dgamma, self.n_hidden, allsum=self.allsum)
-
-
-def make_norm(store: ParamStore, prefix: str, cfg: ModelConfig, comm: Comm = None):
-    """The block's normalisation for the model family: GPT-2's LayerNorm or Llama's RMSNorm."""
-    if cfg.llama:
-        return RMSNorm(store, prefix, cfg.n_embd, comm, cfg.rms_eps)
-    return LayerNorm(store, prefix, cfg.n_embd, comm)

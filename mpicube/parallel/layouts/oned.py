@@ -32,7 +32,8 @@ from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 import math
 
-from .base import DenseLinear, Layout, RowShard, check_head_split, nearest_multiples
+from .base import Layout, check_head_split, nearest_multiples
+from .modules import DenseLinear, RowShard
 from .seqpar import SeqLinear, SeqTiedEmbedding
 from .serial import DenseTiedEmbedding
 
@@ -70,6 +71,7 @@ class OneDLayout(Layout):
         p, t = axes.tp.size, axes.tp.rank
         self.p, self.t = p, t
         self.sequence_parallel = sequence_parallel and p > 1
+        self.sequence_comm = axes.tp if self.sequence_parallel else None
         self.row_shard = RowShard(axes.tp)
         self.vocab_padded = self.pad_to(cfg.vocab_size, p)
         self.canonical_seqs = np.arange(self.local_batch)
@@ -115,6 +117,30 @@ class OneDLayout(Layout):
         if position == "first":   # column-parallel
             return DenseLinear(store, prefix, dx_reduce=self.axes.tp, overlap=self.overlap, bias=bias)
         return DenseLinear(store, prefix, out_reduce=self.axes.tp, bias=bias)   # row-parallel
+
+    def expert_linear(self, store, prefix, position):
+        """An expert's linear (``Layout.expert_linear``). Under
+        --sequence-parallel the mixture has gathered the whole sequences
+        and will reduce-scatter its output (model/moe.py), so c_fc is
+        column-split without the dX sum and c_proj row-split without the
+        output sum: partial sums over tp, summed once for all experts.
+        Under --recompute gathers the column-split input is kept as a row
+        shard (the rows padded to a multiple of p: ``expert_rows``)."""
+        if not self.sequence_parallel:
+            return self.linear(store, prefix, position, bias=False)
+        keep = self.row_shard if position == "first" and self.recompute == "gathers" else None
+        return DenseLinear(store, prefix, shard=keep, bias=False)
+
+    def expert_rows(self, held):
+        """``Layout.expert_rows``: every collective of an expert's linears
+        joins the tp ranks, which hold the same tokens, so an empty expert
+        is skipped; under --recompute gathers an expert's replicated input
+        rows are kept as 1/p row shards (``RowShard``), so its rows are
+        padded with zero rows to a multiple of p (exact: a bias-free SwiGLU
+        maps a zero row to a zero row and adds nothing to its gradients)."""
+        if self.recompute != "gathers" or self.p == 1:
+            return held, False
+        return -(-held // self.p) * self.p, False
 
     def tied_embedding(self, store, name="wte"):
         if self.sequence_parallel:

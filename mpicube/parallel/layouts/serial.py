@@ -7,7 +7,8 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..params import ParamDecl, ParamSpec, full_index
-from .base import DenseLinear, Layout, acc, matmul_rows
+from .base import Layout, acc, matmul_rows
+from .modules import DenseLinear
 
 
 class SerialLayout(Layout):

@@ -166,18 +166,18 @@ class SummaLinear:
     def forward(self, x):
         """x (B_c, T, h_in/q) -> (y (B_c, T, h_out/q), saved: x as rows (n, h_in/q))."""
         B, T, _ = x.shape
-        x2 = x.reshape(B * T, -1)                               # (n, h_in/q)
+        x2 = x.reshape(B * T, x.shape[-1])                      # (n, h_in/q); n may be 0 (an expert)
         y = self.xp.zeros((B * T, self.w.shape[1]), dtype=acc(x))   # (n, h_out/q), float32 for 16-bit x
         for x_panel, w_panel in self.panels((self.row, x2), (self.col, self.w)):
             # X[r, s] (n, h_in/q), W[s, c] (h_in/q, h_out/q)
             y += precision.matmul(x_panel, w_panel, dtype=y.dtype)
         add_bias(y, self.b)
-        return precision.narrow(y, x.dtype).reshape(B, T, -1), x2
+        return precision.narrow(y, x.dtype).reshape(B, T, y.shape[-1]), x2
 
     def backward(self, dy, x2):
         """dy (B_c, T, h_out/q) -> dx (B_c, T, h_in/q)."""
         B, T, _ = dy.shape
-        dy2 = dy.reshape(B * T, -1)                             # (n, h_out/q)
+        dy2 = dy.reshape(B * T, dy.shape[-1])                   # (n, h_out/q)
         dx = None
         for s, (w_panel,) in enumerate(self.panels((self.col, self.w))):   # dX[r, s] = sum_c dY[r, c] W[s, c]^T
             part = self.row.reduce(precision.matmul(dy2, w_panel.T, dtype=acc(dy2)), root=s,
@@ -190,7 +190,7 @@ class SummaLinear:
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
         add_bias_grad(self.db, dy2)
-        return dx.reshape(B, T, -1)
+        return dx.reshape(B, T, dx.shape[-1])
 
 
 class TesseractTiedEmbedding:
