@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def load_base(base: str, module: str):
     path = Path(base) / (module.replace(".", "/") + ".py")
     spec = importlib.util.spec_from_file_location(module + "_base", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # importable by that name: numba's on-disk cache records it
     spec.loader.exec_module(mod)
     return mod
 
