@@ -200,8 +200,8 @@ def test_embedding_backward(B, T, V, C, start, dtype):
     assert_same(on, [expected], dtype)
 
 
-def tiny_parts(dropout=0.0):
-    return build_parts(resolve("serial", CFG, 3, 1), MPI.COMM_SELF, Numerics("float64"), seed=5, dropout=dropout)
+def tiny_parts(dropout=0.0, dtype="float64"):
+    return build_parts(resolve("serial", CFG, 3, 1), MPI.COMM_SELF, Numerics(dtype), seed=5, dropout=dropout)
 
 
 def step_grads(parts, x, y, step=1):
@@ -210,12 +210,16 @@ def step_grads(parts, x, y, step=1):
     return loss
 
 
-def test_adamw():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adamw(dtype):
     """Three AdamW steps with weight decay and grad_scale != 1 leave the same
-    params and moments with either kernel set, and the gradients unchanged."""
-    runs, grads = {}, [rng.normal(size=tiny_parts().store.flat.size) for _ in range(3)]
+    params and moments with either kernel set, and the gradients unchanged
+    (in float32 both compute in float32)."""
+    name = np.dtype(dtype).name
+    runs, grads = {}, [rng.normal(size=tiny_parts().store.flat.size).astype(dtype) for _ in range(3)]
     for on in (True, False):
-        store = tiny_parts().store
+        store = tiny_parts(dtype=name).store
+        assert store.flat.dtype == dtype
         opt = AdamW(store, weight_decay=0.1)
         with kernels(on):
             for k, g in enumerate(grads):
@@ -223,7 +227,7 @@ def test_adamw():
                 opt.step(1e-2 * (k + 1), grad_scale=0.5 if k != 1 else 1.0)
         np.testing.assert_array_equal(store.flat_grad, grads[-1])
         runs[on] = (store.flat, opt.m, opt.v)
-    assert_same(runs[True], runs[False], np.float64)
+    assert_same(runs[True], runs[False], dtype)
 
 
 def test_adamw_keeps_no_scratch_buffer_when_its_kernel_runs():

@@ -11,7 +11,8 @@ They are optional. Without numba, or with ``MPICUBE_KERNELS=numpy``,
 ``mpicube.ops`` and the optimizer run their NumPy code, which is also the
 code CuPy runs on GPUs, and so does work too small to repay waking the
 threads. The two paths agree up to rounding (tests compare them). Row sums
-and the AdamW update are computed in float64 whatever the storage dtype.
+are computed in float64 whatever the storage dtype; the AdamW update in the
+buffers' format, as the array path's.
 GELU's tanh stays NumPy's, whose SIMD code beats numba's scalar call.
 
 Threads: the workqueue layer, because OpenMP worker threads spin after each
@@ -343,18 +344,28 @@ def column_dots(a, b, out):
 
 
 # --- AdamW ------------------------------------------------------------------------
-@_jit()
 def adamw(p, g, m, v, b1, b2, step, eps, keep, grad_scale):
     """One AdamW update of the slice p, g, m, v (n,) in one pass: the
     gradient times grad_scale feeds m and v (g itself is left as it is),
-    p <- keep p - step m / (sqrt(v) + eps)."""
+    p <- keep p - step m / (sqrt(v) + eps). The arithmetic is in the
+    buffers' format, as the array path's (NumPy and CuPy keep float32
+    with Python scalars) and PyTorch's: in float32 a third of the time of
+    float64 arithmetic on float32 buffers (1.1M parameters, one thread:
+    0.61 against 1.70 ms), and float64 unchanged."""
+    t = p.dtype.type
+    _adamw(p, g, m, v, t(b1), t(1.0 - b1), t(b2), t(1.0 - b2), t(step), t(eps), t(keep), t(grad_scale))
+
+
+@_jit()
+def _adamw(p, g, m, v, b1, c1, b2, c2, step, eps, keep, grad_scale):
+    """adamw with every scalar in p's format (c1 = 1 - b1, c2 = 1 - b2)."""
     for i in prange(p.size):
         gi = g[i] * grad_scale
-        mi = b1 * m[i] + (1.0 - b1) * gi
-        vi = b2 * v[i] + (1.0 - b2) * gi * gi
+        mi = b1 * m[i] + c1 * gi
+        vi = b2 * v[i] + c2 * gi * gi
         m[i] = mi
         v[i] = vi
-        p[i] = keep * p[i] - step * mi / (math.sqrt(vi) + eps)
+        p[i] = keep * p[i] - step * mi / (np.sqrt(vi) + eps)
 
 
 @_jit()

@@ -88,11 +88,13 @@ def _hide_unseen(s, q0, k0):
         s += xp.where(cols > rows, -xp.inf, 0.0).astype(s.dtype)       # (bq, bk)
 
 
-def pair_forward(state, qb, kb, vb, q0, k0, mask, keep_prob, store_dtype):
+def pair_forward(state, qb, kb, vb, q0, k0, mask, keep_prob, store_dtype, out=None):
     """One online-softmax step: fold key block (kb, vb) at k0 into the
     running ``state`` = [m (B, nh, bq, 1), l (B, nh, bq, 1), acc (B, nh, bq,
     hd)] of query block qb at q0 (all in the compute format; m starts at
-    -inf, l and acc at 0). ``mask`` (B, nh, bq, bk) or None."""
+    -inf, l and acc at 0). ``mask`` (B, nh, bq, bk) or None. ``out`` (B, nh,
+    bq, hd) in the compute format, for a block's only pair: p v is written
+    there instead of added to acc (what adding it to zeros gives)."""
     xp = array_module(qb)
     m, l, acc = state
     s = batched_matmul(qb, kb.swapaxes(-1, -2))                         # (B, nh, bq, bk) scores, in the compute format
@@ -113,6 +115,9 @@ def pair_forward(state, qb, kb, vb, q0, k0, mask, keep_prob, store_dtype):
     if mask is not None:
         p *= mask
         p *= 1.0 / keep_prob
+    if out is not None:
+        batched_matmul(narrow(p, store_dtype), vb, out=out)             # (B, nh, bq, hd)
+        return
     acc *= alpha
     acc += batched_matmul(narrow(p, store_dtype), vb)                   # (B, nh, bq, hd)
 
@@ -131,6 +136,14 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0, block=BLOCK):
     y = xp.empty((B, T, n_head, hd), dtype=qkv.dtype)                   # (B, T, nh, hd)
     y4 = y.transpose(0, 2, 1, 3)                                        # (B, nh, T, hd) view
     lse = xp.empty((B, n_head, T), dtype=cd)                            # (B, nh, T)
+    if T <= block and qkv.dtype == cd and fused_attention.takes(q, k, v):   # one pair, written into y
+        m, l = xp.full((B, n_head, T, 1), -xp.inf, dtype=cd), xp.zeros((B, n_head, T, 1), dtype=cd)
+        mb = None if mask is None else mask(slice(0, T), slice(0, T))
+        pair_forward([m, l, None], q, k, v, 0, 0, mb, keep_prob, qkv.dtype, out=y4)
+        y4 /= l
+        lse[...] = (m + xp.log(l))[..., 0]
+        y = y.reshape(B, T, n_head * hd)
+        return y, (q, k, v, y, lse, mask, keep_prob, scale, block)
     for i0 in range(0, T, block):
         i1 = min(T, i0 + block)
         qb = q[:, :, i0:i1]                                             # (B, nh, bq, hd)
@@ -148,10 +161,12 @@ def attention_forward(qkv, n_head, keep_mask=None, keep_prob=1.0, block=BLOCK):
     return y, (q, k, v, y, lse, mask, keep_prob, scale, block)
 
 
-def pair_backward(qb, kb, vb, dyb, lse_b, d_b, q0, k0, mask, keep_prob, store_dtype):
+def pair_backward(qb, kb, vb, dyb, lse_b, d_b, q0, k0, mask, keep_prob, store_dtype, out=None):
     """Gradients of one (query block, key block) pair from the recomputed
     probabilities: -> (dq_b (B, nh, bq, hd) unscaled, dk_b, dv_b (B, nh,
-    bk, hd)), all in the compute format. lse_b, d_b (B, nh, bq, 1)."""
+    bk, hd)), all in the compute format, written into ``out`` (three
+    arrays or views of those shapes) if given. lse_b, d_b (B, nh, bq, 1)."""
+    out = (None, None, None) if out is None else out
     xp = array_module(qb)
     s = batched_matmul(qb, kb.swapaxes(-1, -2))                         # (B, nh, bq, bk) scores
     if fused_attention.takes(qb, kb, lse_b):
@@ -168,14 +183,14 @@ def pair_backward(qb, kb, vb, dyb, lse_b, d_b, q0, k0, mask, keep_prob, store_dt
         dp *= 1.0 / keep_prob
     else:
         used = p
-    dv = batched_matmul(narrow(used, store_dtype).swapaxes(-1, -2), dyb)   # (B, nh, bk, hd)
+    dv = batched_matmul(narrow(used, store_dtype).swapaxes(-1, -2), dyb, out=out[2])   # (B, nh, bk, hd)
     if fused_attention.takes(dp, p, d_b):
         fused_attention.scores_grad(dp, p, d_b)                         # ds = p (dp - D)
     else:
         dp -= d_b
         dp *= p
     ds = narrow(dp, store_dtype)
-    return batched_matmul(ds, kb), batched_matmul(ds.swapaxes(-1, -2), qb), dv
+    return batched_matmul(ds, kb, out=out[0]), batched_matmul(ds.swapaxes(-1, -2), qb, out=out[1]), dv
 
 
 def attention_backward(dy, cache):
@@ -193,6 +208,13 @@ def attention_backward(dy, cache):
     else:
         d = (up(dy4) * up(y4)).sum(-1, keepdims=True)                   # (B, nh, T, 1) = rowsum(dp * p)
     lse4 = lse[..., None]                                               # (B, nh, T, 1)
+    dqkv5 = xp.empty((B, T, 3, nh, hd), dtype=dy.dtype)                 # the layout of qkv's columns
+    if fused and T <= block and dy.dtype == cd:   # one pair: its products write into qkv's layout, as the full op's
+        g = dqkv5.transpose(2, 0, 3, 1, 4)                              # (3, B, nh, T, hd) views
+        mb = None if mask is None else mask(slice(0, T), slice(0, T))
+        pair_backward(q, k, v, dy4, lse4, d, 0, 0, mb, keep_prob, dy.dtype, out=g)
+        g[0] *= cd.type(scale)
+        return dqkv5.reshape(B, T, 3 * nh * hd)
     grads = xp.zeros((3, B, nh, T, hd), dtype=cd)                       # dq, dk, dv in the compute format
     for i0 in range(0, T, block):
         i1 = min(T, i0 + block)
@@ -206,7 +228,6 @@ def attention_backward(dy, cache):
             grads[0, :, :, rows] += dq
             grads[1, :, :, cols] += dk
             grads[2, :, :, cols] += dv
-    dqkv5 = xp.empty((B, T, 3, nh, hd), dtype=dy.dtype)                 # the layout of qkv's columns
     if fused:
         fused_attention.interleave_grads(grads, cd.type(scale), dqkv5)
     else:
