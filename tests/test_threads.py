@@ -141,13 +141,16 @@ def test_load_watch_gives_up_a_thread_only_when_it_waits(tmp_path, monkeypatch):
     machine(20 * hz, 0, 20 * hz, 0)              # another process busy a whole core, but it yields: no wait
     watch.tick()
     assert calls == [] and watch.threads == 2
-    machine(40 * hz, 0, 40 * hz, 10)             # a spinner: our threads waited half a core
+    machine(20 * hz, 0, 40 * hz, 10)             # our own threads waited for each other, nobody else busy
+    watch.tick()
+    assert calls == [] and watch.threads == 2
+    machine(40 * hz, 0, 60 * hz, 20)             # a spinner: our threads waited half a core
     watch.tick()
     assert calls == [1]
-    machine(60 * hz, 0, 60 * hz, 10)             # still there: stay on one thread
+    machine(60 * hz, 0, 80 * hz, 20)             # still there: stay on one thread
     watch.tick()
     assert calls == [1]
-    machine(60 * hz, 0, 100 * hz, 10)            # gone: the whole share again
+    machine(60 * hz, 0, 120 * hz, 20)            # gone: the whole share again
     watch.tick()
     assert calls == [1, 2]
 

@@ -22,9 +22,14 @@ figures:
 * the other processes' load: how much CPU time the rank's cores spent
   busy (``/proc/stat``, per CPU) less the time this process used.
 
-When the threads waited for ``DELAYED`` of a core or more, the rank drops to
-the cores the others leave free (at least one, one fewer than before at
-most). It goes back to its whole share when the others' load frees the
+When the threads waited for ``DELAYED`` of a core or more *and* the
+others' load leaves fewer free cores than the rank runs threads on, the
+rank drops to the cores the others leave free (at least one). Both, because
+each alone misleads: the others' CPU time, as said; and the waiting alone
+counts the rank's own threads waiting for each other (OpenBLAS's workers
+still spinning while numba's run a kernel, or the other way round), which
+on an idle machine dropped a 768-wide serial run to one thread for most of
+its GEMMs (140-187 against 250-270 GFLOP/s, a 1.25 s step against 0.92 s). It goes back to its whole share when the others' load frees the
 cores, and otherwise tries it again every ``PROBE_S`` seconds for one period
 (a spinning neighbour costs the probe a few percent; a polite one lets it
 stay). The check is a clock read per GEMM, and a few reads of /proc a
@@ -164,8 +169,8 @@ class LoadWatch:
         waited = max(0, wait1 - wait0) / 1e9 / (t1 - t0)                            # in cores
         free = free_cores(len(self.cpus), others, self.share)
         want = self.threads
-        if waited >= DELAYED and self.threads > 1:
-            want = min(self.threads - 1, free)
+        if waited >= DELAYED and free < self.threads:      # waited, and others hold a core our threads need
+            want = free
         elif self.threads < self.share and (free > self.threads or t1 - self.changed >= PROBE_S):
             want = self.share
         if want != self.threads:
