@@ -390,6 +390,12 @@ def test_info_counts_the_ep_ranks_of_dp_x_cp():
     proc = cli(*base, "-n", "2", "--cp", "2", "--ep", "2")
     assert proc.returncode == 0, proc.stderr
     assert "uniform routing: 32 rows to each ep rank per layer and micro-batch" in proc.stdout, proc.stdout
+    # the 2x2x2 cube splits those rows again over q^2 = 4 (costexperts.grid): 8 x 4 / 4 x 2 / 2
+    cube = [a if a != "serial" else "3d" for a in base]
+    proc = cli(*cube, "-n", "16", "--cp", "2", "--ep", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "uniform routing: 8 rows to each ep rank per layer and micro-batch" in proc.stdout, proc.stdout
+    assert "balanced routing: 16 rows sent" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("plan,message", [

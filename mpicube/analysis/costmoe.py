@@ -18,7 +18,7 @@ experts' squares, ``gradients.global_grad_norm``).
 
 from __future__ import annotations
 
-from .costexperts import ep_traffic
+from .costexperts import ep_traffic, grid
 
 
 def capacity_bound(n_tokens_rank: int, top_k: int, cap: int, n_experts: int, g: int) -> int:
@@ -58,8 +58,21 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
              + (f" / tp {tp}" if tp > 1 else "") + f"), of {_size(L * E * expert)} in all",
              f"  expert FLOPs per token (forward, active): {_size(2 * L * K * expert)}"
              f" (2 x {L} layers x top {K} x 3 h F); the router {_size(2 * L * h * E)}"]
+    p = None
+    if layout is not None:
+        from .costpipereport import pipeline_problem
+        from .costreport import _problem
+
+        if pp > 1:                   # stage 0's layers (every stage holds as many experts a layer)
+            p = pipeline_problem(layout, cfg, batch_size, world, dp, depth, pp, schedule, virtual, dtype, recompute,
+                                 grad_accum, zero, cp, ep=ep)
+        else:
+            p = _problem(layout, cfg, batch_size, world, dp, depth, dtype, recompute, grad_accum, zero, cp, ep=ep)
+    # the token rows this rank routes per micro-batch: its replica's positions, split further by a
+    # 2-D, 2.5-D or 3-D layout's rows (costexperts.grid); without a layout, the replica's
+    micro = grid(p)[0] if p is not None and not isinstance(p, str) else tokens // grad_accum
     if ep > 1:
-        rows = tokens // grad_accum * K // ep                # rows to each ep rank per layer and micro-batch
+        rows = micro * K // ep                               # rows to each ep rank per layer and micro-batch
         routes = [([rows] * ep, [rows] * ep)] * (L * grad_accum)
         t = ep_traffic(routes, ep, 0, E, h, width, forwards=2 if recompute == "blocks" else 1)
         lines.append(f"  all-to-all per rank per step (axis ep, uniform routing: {rows} rows to each ep rank per "
@@ -70,16 +83,8 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
 
             cap = capacity(cfg.capacity_factor, K, batch_size // grad_accum * cfg.n_ctx, E)
             lines.append(f"  capacity: at most {cap} tokens per expert per layer and micro-batch; a rank sends at "
-                         f"most {capacity_bound(tokens // grad_accum, K, cap, E, ep)} rows per layer and pass")
-    if layout is not None:
-        from .costpipereport import pipeline_problem
-        from .costreport import _problem
-
-        if pp > 1:                   # stage 0's layers (every stage holds as many experts a layer)
-            p = pipeline_problem(layout, cfg, batch_size, world, dp, depth, pp, schedule, virtual, dtype, recompute,
-                                 grad_accum, zero, cp, ep=ep)
-        else:
-            p = _problem(layout, cfg, batch_size, world, dp, depth, dtype, recompute, grad_accum, zero, cp, ep=ep)
+                         f"most {capacity_bound(micro, K, cap, E, ep)} rows per layer and pass")
+    if p is not None:
         lines += expert_memory(p) if not isinstance(p, str) else [f"  (memory: n/a: {p})"]
     lines.append("  (the tables below price the whole model for this routing: the experts' activations, their "
                  "linears' collectives" + (", the all-to-all (axis ep) and their gradient sums (axis edp)"
