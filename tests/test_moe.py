@@ -101,8 +101,9 @@ def test_moe_config_stores_and_counts():
 # tp for its row shards, padded > 0; --zero 1). --cp 2 (ep folded into dp x cp: each cp
 # rank routes its positions, the ledger sums over the ring too, the drop order interleaves the ring's
 # positions, experts' gradients skip the ring's sum): cp 2 x ep 2 alone (capacity), and 1-D x dp 2 x
-# cp 2 x ep 2 under --sequence-parallel (the mixture routes the gathered sequences and reduce-scatters
-# its output) with a capacity, --zero 1 and --recompute blocks. Passing all of them,
+# cp 2 x ep 4 (one expert a rank, its replicas' gradients summed over nobody) under --sequence-parallel
+# (the mixture routes the gathered sequences and reduce-scatters its output) with a capacity, --zero 1
+# and --recompute blocks. Passing all of them,
 # gradients are equal whatever the ep size. dp 4 x ep 4 and 1-D x dp 2 x ep 2 also generate
 # (MPICUBE_CHECK_GENERATE: greedy, with and without the key/value cache, the serial model's tokens), as
 # does the 3-D x dp 2 x ep 2 case below.
@@ -115,7 +116,7 @@ DP_CASES = [(2, "serial", 2, "0", "2", {**GPU, "MPICUBE_CHECK_ZERO": "2"}),
             (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "1",
                                       "MPICUBE_CHECK_GENERATE": "1"}),
             (2, "serial", 1, "0.8", "2", {"MPICUBE_CHECK_CP": "2"}),
-            (8, "1d", 2, "0.5", "2", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
+            (8, "1d", 2, "0.5", "4", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
                                       "MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_SEQPAR": "1"})]
 
 
@@ -124,7 +125,7 @@ DP_CASES = [(2, "serial", 2, "0", "2", {**GPU, "MPICUBE_CHECK_ZERO": "2"}),
                          ids=["dp2-ep2-dropless-zero2-gpu", "dp2-capacity-zero1-recompute", "dp4-ep2-zero3-accum2",
                               "dp4-ep4-capacity-recompute",
                               "dp4-ep2-accum2-capacity-zero1", "1d-dp2-ep2-capacity-gathers-zero1",
-                              "cp2-ep2-capacity", "1d-dp2-cp2-sp-ep2-capacity-zero1-recompute"])
+                              "cp2-ep2-capacity", "1d-dp2-cp2-sp-ep4-capacity-zero1-recompute"])
 def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, ep, extra):
     """Replicas (dropout on) follow serial to 1e-10 in float64: loss with
     the router losses, logits, every gradient (each rank's experts), the
