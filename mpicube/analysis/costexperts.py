@@ -108,14 +108,16 @@ def capacity_rows(p: Problem) -> Rows:
     return Rows.even(p, min(n * K, E * min(C, n)), E // p.ep * min(C, p.ep * n))
 
 
-def layer_rows(p: Problem, count: int, micro: int = 0) -> list:
-    """The ``Rows`` of ``count`` MoE layers in micro-batch ``micro``:
-    ``p.routing`` (measured: one tuple of layers per micro-batch), else
-    the expected rows of dropless dispatch or the bound of a capacity."""
+def layer_rows(p: Problem, count: int, micro: int = 0, first: int = 0) -> list:
+    """The ``Rows`` of ``count`` MoE layers in micro-batch ``micro``, from
+    the ``first``-th of this stage's layers (a pipeline chunk's, in the
+    stage's layer order): ``p.routing`` (measured: per micro-batch, one
+    tuple of the stage's layers), else the expected rows of dropless
+    dispatch or the bound of a capacity."""
     if p.routing is not None:
         rows = p.routing[micro % len(p.routing)]
-        assert len(rows) == count, f"routing of {len(rows)} layers for {count}"
-        return list(rows)
+        assert len(rows) == p.layers, f"routing of {len(rows)} layers for {p.layers}"
+        return list(rows[first:first + count])
     one = capacity_rows(p) if p.cfg.capacity_factor else expected_rows(p)
     return [one] * count
 
@@ -155,10 +157,12 @@ def layer_terms(p: Problem, rows: Rows) -> dict:
     return out
 
 
-def chunk_moe_terms(p: Problem, count: int) -> tuple:
-    """({kind: elements} ``count`` MoE layers keep, summed; {kind: elements}
-    of the layer whose rerun holds the most, for --recompute blocks)."""
-    per = [layer_terms(p, r) for r in layer_rows(p, count)]
+def chunk_moe_terms(p: Problem, count: int, micro: int = 0, first: int = 0) -> tuple:
+    """({kind: elements} ``count`` MoE layers keep in micro-batch ``micro``
+    (from the stage's ``first``-th, ``layer_rows``), summed; {kind:
+    elements} of the layer whose rerun holds the most, for --recompute
+    blocks)."""
+    per = [layer_terms(p, r) for r in layer_rows(p, count, micro, first)]
     total = {k: sum(t[k] for t in per) for k in ("act", "stat", "grad")}
     most = max(per, key=lambda t: sum(t.values()), default={"act": 0, "stat": 0, "grad": 0})
     return total, most

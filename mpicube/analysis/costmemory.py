@@ -10,6 +10,7 @@ hold the two equal.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..parallel import zero
@@ -70,7 +71,8 @@ def kept_and_rerun_terms(p: Problem, dropout: bool = False) -> tuple:
     return {kind: micro[kind] + step[kind] for kind in micro}, rerun
 
 
-def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = False) -> tuple:
+def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = False, micro: int = 0,
+                first: int = 0) -> tuple:
     """({kind: elements} one micro-batch keeps for backward on a chunk of
     ``L`` blocks, with the lookup if ``embed`` and ln_f and the LM head if
     ``head``; {kind: elements} the chunk holds once per step however many
@@ -78,7 +80,9 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     from the first use of wte to the end of backward; {kind: elements} of
     one rerun block under --recompute blocks). A stage that only looks up
     keeps the panel it gathered (the head, which would let it go under
-    --recompute gathers, never runs there)."""
+    --recompute gathers, never runs there). A mixture's layers are priced
+    for micro-batch ``micro``'s rows of the stage's layers from the
+    ``first``-th (``costexperts.layer_rows``)."""
     cfg, T, h, mode = p.cfg, p.local_seq, p.cfg.n_embd, p.recompute   # T: this rank's positions
     if p.layout in ("serial", "1d"):
         q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
@@ -151,7 +155,7 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         outside += nc * cc
     step = {"act": panel, "stat": 0, "grad": grad}
     none = {"act": 0, "stat": 0, "grad": 0}
-    moe, moe_most = chunk_moe_terms(p, L) if cfg.moe else (none, none)
+    moe, moe_most = chunk_moe_terms(p, L, micro, first) if cfg.moe else (none, none)
     if mode == "blocks":
         kept = {"act": L * n * cc // shard + outside, "stat": nc * head, "grad": 0}
         rerun = {"act": block + moe_most["act"], "stat": 2 * nc + lse + moe_most["stat"], "grad": 0}
@@ -273,17 +277,30 @@ def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
 
 
 def _stage_terms(p: Problem, stage: int, dropout: bool) -> tuple:
-    """({local chunk: one micro-batch's kept terms}, per-step terms, rerun terms) of ``stage``."""
+    """({(micro-batch, local chunk): its kept terms}, per-step terms,
+    {(micro-batch, local chunk): its rerun terms}) of ``stage``. The
+    micro-batches differ only under a mixture's measured routing
+    (``p.routing``, this stage's layers); otherwise one is priced for all."""
     split, last = p.chunk_layers, p.pp * p.virtual_stages - 1
-    per_micro, rerun = {}, {"act": 0, "stat": 0, "grad": 0}
-    for v in range(p.virtual_stages):
-        k = v * p.pp + stage
-        kept, panel, chunk_rerun = chunk_terms(p, len(split[k]), k == 0, k == last, dropout)
-        # each micro-batch in flight on the end chunks holds its own wte panel and
-        # gradient accumulator (the executor runs one GPT object per micro-batch,
-        # which gathers and reduce-scatters wte per micro-batch, as without stages)
-        per_micro[v] = {kind: kept[kind] + panel[kind] for kind in kept}
-        rerun = {kind: max(rerun[kind], chunk_rerun[kind]) for kind in rerun}
+    if p.routing is not None and stage != p.stage:             # the routing is p.stage's: price another's expected
+        p = dataclasses.replace(p, routing=None)
+    per_micro, rerun = {}, {}
+    measured = p.routing is not None
+    for m in range(p.grad_accum if measured else 1):
+        first = 0                                              # the chunk's first layer among the stage's
+        for v in range(p.virtual_stages):
+            k = v * p.pp + stage
+            kept, panel, chunk_rerun = chunk_terms(p, len(split[k]), k == 0, k == last, dropout, m, first)
+            first += len(split[k])
+            # each micro-batch in flight on the end chunks holds its own wte panel and
+            # gradient accumulator (the executor runs one GPT object per micro-batch,
+            # which gathers and reduce-scatters wte per micro-batch, as without stages)
+            per_micro[m, v] = {kind: kept[kind] + panel[kind] for kind in kept}
+            rerun[m, v] = chunk_rerun
+    if not measured:
+        for m in range(1, p.grad_accum):
+            for v in range(p.virtual_stages):
+                per_micro[m, v], rerun[m, v] = per_micro[0, v], rerun[0, v]
     return per_micro, {"act": 0, "stat": 0, "grad": 0}, rerun
 
 

@@ -114,22 +114,25 @@ def measured_bubble(p: Problem, forward_time: float = 1.0, backward_time: float 
 
 def peak_over_schedule(p: Problem, stage: int, per_micro: dict, step: dict, rerun: dict, weigh) -> tuple:
     """(peak of ``weigh(terms)``, the terms there) over ``stage``'s schedule:
-    after every forward, ``step`` plus ``per_micro[chunk]`` for each live
-    (micro-batch, chunk); at every backward, the pairs live before it plus
-    ``rerun`` under --recompute blocks (the rerun block's caches sit on top
-    of what the micro-batch being taken back still holds). The terms
-    themselves are ``costmemory``'s (``pipeline_peak_activations``)."""
+    after every forward, ``step`` plus ``per_micro[micro, chunk]`` for each
+    live (micro-batch, chunk); at every backward, the pairs live before it
+    plus ``rerun[micro, chunk]`` of the pair taken back under --recompute
+    blocks (its rerun block's caches sit on top of what the micro-batch
+    still holds). Keyed by micro-batch too, as a mixture's measured routing
+    differs between them. The terms themselves are ``costmemory``'s
+    (``pipeline_peak_activations``)."""
     best, best_terms = -1, None
     live = dict(step)                                   # running sum over the live pairs, plus step
     for a in schedule_of(p)[stage]:
         if a.op not in ("forward", "backward"):
             continue
         if a.op == "forward":
-            live = {kind: live[kind] + per_micro[a.chunk][kind] for kind in live}
+            live = {kind: live[kind] + per_micro[a.micro, a.chunk][kind] for kind in live}
             terms = live
         else:
-            terms = {kind: live[kind] + (rerun[kind] if p.recompute == "blocks" else 0) for kind in live}
-            live = {kind: live[kind] - per_micro[a.chunk][kind] for kind in live}
+            again = rerun[a.micro, a.chunk] if p.recompute == "blocks" else {}
+            terms = {kind: live[kind] + again.get(kind, 0) for kind in live}
+            live = {kind: live[kind] - per_micro[a.micro, a.chunk][kind] for kind in live}
         value = weigh(terms)
         if value > best:
             best, best_terms = value, dict(terms)
