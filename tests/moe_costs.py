@@ -76,3 +76,43 @@ def take_runs(log: list) -> list:
     for runs in log:
         runs.clear()
     return out
+
+
+class StageRuns:
+    """A pipeline stage's routing as the cost model reads it: per
+    micro-batch, one ``Rows`` per layer of the stage, in layer order (the
+    chunks' layers in turn). Wraps each MoE layer's ``LocalExperts.forward``
+    on the stage's chunk models to keep the rows of every batch of the
+    layer's last forward (``forward``'s saved runs: one or two batches a
+    local expert, as ``record_runs`` sees them); ``after_forward(m)`` files
+    the chunk that just ran (``pipe.current``) under micro-batch m, so
+    the reruns of --recompute blocks in between are never filed."""
+
+    def __init__(self, pipe):
+        self.pipe, self.last, self.runs = pipe, {}, {}
+        for v in range(pipe.V):
+            for block in pipe.chunk_model(v).blocks:
+                moe = getattr(block, "block", block).moe
+                experts = moe.local_experts
+                forward = experts.forward
+
+                def recorded(route, rows, _forward=forward, _layer=moe.layer):
+                    y, saved, pad = _forward(route, rows)
+                    self.last[_layer] = tuple(r[1] for runs in saved for r in runs if r is not None)
+                    return y, saved, pad
+
+                experts.forward = recorded
+
+    def after_forward(self, m: int) -> None:
+        for block in self.pipe.current[0].blocks:
+            layer = getattr(block, "block", block).moe.layer
+            self.runs.setdefault(m, {})[layer] = self.last[layer]
+
+    def take(self, ledgers: list) -> tuple:
+        """The step's routing from its ledgers (one per micro-batch, in
+        order: the stage's routes); the runs then forgotten."""
+        out = tuple(measured_rows(led, [self.runs[m][k] for k in sorted(led.routes)])
+                    for m, led in enumerate(ledgers))
+        assert all(sorted(led.routes) == sorted(self.runs[m]) for m, led in enumerate(ledgers))
+        self.runs = {}
+        return out

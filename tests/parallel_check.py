@@ -308,12 +308,13 @@ def check_memory(problem, dropout: bool, store, model, kept, adam, where: str = 
                              f"then their bytes) {got}, model predicts {predicted}")
 
 
-def check_pipeline_memory(problem, pipe, where: str = None) -> None:
+def check_pipeline_memory(problem, pipe, where: str = None, dropout: bool = True) -> None:
     """The most saved activations this stage held at once (``pipe.peak_saved``,
     measured when forward_backward is given ``after_forward``) == the cost
-    model's pipeline peak, in elements and bytes (dropout on)."""
-    peak = sum(pipeline_peak_activations(problem, dropout=True).values())
-    peak_bytes = pipeline_peak_activation_bytes(problem, dropout=True)
+    model's pipeline peak, in elements and bytes (``dropout``: whether the
+    run keeps dropout masks)."""
+    peak = sum(pipeline_peak_activations(problem, dropout=dropout).values())
+    peak_bytes = pipeline_peak_activation_bytes(problem, dropout=dropout)
     if pipe.peak_saved != (peak, peak_bytes):
         raise AssertionError(f"{where or f'rank {MPI.COMM_WORLD.rank}'} (stage {problem.stage}): peak saved "
                              f"activations {pipe.peak_saved} (elements, bytes), model {(peak, peak_bytes)}")

@@ -17,8 +17,10 @@ Usage: python -m mpi4py tests/pipeline_check.py CASE [-- CASE ...]
 moe=F: a mixture of 4 experts, top 2 (F the capacity factor, 0 dropless),
 with --ep; its router losses count one micro-batch of every replica, so
 the reference is the serial model accumulating those same groups (rows
-permuted; dropout=0.0 needed, as the serial masks follow row positions),
-and the costs are not compared (no MoE cost terms).
+permuted; dropout=0.0 needed, as the serial masks follow row positions).
+Its costs are compared for the routing the stage's layers recorded
+(tests/moe_costs.StageRuns: the ledgers' routes and each expert's runs,
+per micro-batch), the traffic of the ledgers' world sum included.
 
 zero, recompute and dtype as MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE
 and MPICUBE_CHECK_DTYPE in tests/parallel_check.py. ckpt=DIR then moves
@@ -29,6 +31,7 @@ AdamW moment bitwise equal to what this grid held, and the three
 checkpoints' tensors bitwise equal too.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -49,6 +52,7 @@ from mpicube.training.pipeline import Pipeline, stage_specs
 from mpicube.training.step import make_step
 
 import parallel_check as pc
+from moe_costs import StageRuns
 
 DTYPE = pc.DTYPE
 HALF = is_half(dtype_of(DTYPE))
@@ -66,18 +70,20 @@ def build_pipeline(grid, cfg, batch, dropout):
     return Parts(cfg, backend, counters, layout, store, pipe, grid.grad_accum, pipeline=pipe)
 
 
-def check_costs(parts, cfg, batch, grid, adam):
+def check_costs(parts, cfg, batch, grid, adam, dropout: bool, routing=None):
     """Measured elements/bytes/messages on every axis (point-to-point "pp"
-    included), the peak saved activations of this stage, and the weights,
+    included), the peak saved activations of this stage (``dropout``:
+    with its masks), and the weights,
     gradients and AdamW moments it holds (every buffer, the slots of --zero
     2/3 included) == the cost model (parallel_check's checks, on the
-    problem of this stage)."""
+    problem of this stage); a mixture's ``routing`` is the stage's
+    measured rows (``StageRuns.take``)."""
     from mpicube.analysis.costmemory import step_memory, step_memory_bytes
 
-    problem = pc.problem_of(cfg, parts.layout, grid, batch, DTYPE)
+    problem = dataclasses.replace(pc.problem_of(cfg, parts.layout, grid, batch, DTYPE), routing=routing)
     where = f"rank {MPI.COMM_WORLD.rank} (stage {problem.stage})"
     pc.check_traffic(problem, parts.counters, where)
-    pc.check_pipeline_memory(problem, parts.pipeline, where)
+    pc.check_pipeline_memory(problem, parts.pipeline, where, dropout)
     store = parts.store
     if store.streams_gradients:
         params, grads = store.param_buffers(), store.grad_buffers()
@@ -87,7 +93,7 @@ def check_costs(parts, cfg, batch, grid, adam):
         counted = (store.flat_work.size, store.flat_grad.size)
     got = counted + (adam.m.size + adam.v.size, sum(b.nbytes for b in params), sum(b.nbytes for b in grads),
                      adam.m.nbytes + adam.v.nbytes)
-    want, want_bytes = step_memory(problem, dropout=True), step_memory_bytes(problem, dropout=True)
+    want, want_bytes = step_memory(problem, dropout), step_memory_bytes(problem, dropout)
     model = (want.params, want.grads, want.optimizer, want_bytes.params, want_bytes.grads, want_bytes.optimizer)
     if got != model:
         raise AssertionError(f"{where}: measured (params, grads, optimizer, then their bytes) {got}, "
@@ -241,11 +247,13 @@ def run_case(words: list, options: dict):
     serial = SerialReference(cfg, batch, dropout, (dp, accum) if moe else None) if world.rank == 0 else None
     opt = make_step(store, layout.axes, weight_decay=0.1)
     host = layout.backend.to_host
+    runs = StageRuns(parts.pipeline) if moe else None
     for step, (x, y) in enumerate(steps, start=1):
         ref = serial.step(x, y, step, grads=step == 1 or not HALF) if serial is not None else None
         store.zero_grad()
         counters.reset()
-        loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=lambda m: None)
+        loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE,
+                                after_forward=runs.after_forward if moe else lambda m: None)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
         s_loss, s_norm, s_grads = world.bcast(ref, root=0)       # rank 0's serial step
@@ -254,8 +262,8 @@ def run_case(words: list, options: dict):
         if s_grads is not None:
             pc.check_gradients(store, host, s_grads, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
-        if not moe:
-            check_costs(parts, cfg, batch, grid, opt.adam)       # the step's all-gather too
+        routing = runs.take(parts.pipeline.router_log.take_ledgers()) if moe else None
+        check_costs(parts, cfg, batch, grid, opt.adam, dropout > 0, routing)   # the step's all-gather too
     s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
     if not HALF:
         pc.check_params(store, host, s_params, f"after {len(steps)} steps")

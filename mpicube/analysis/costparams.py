@@ -75,8 +75,9 @@ def local_param_sizes(p: Problem) -> dict:
 def on_stage(p: Problem, name: str, layers: set = None) -> bool:
     """Whether parameter ``name`` lives on this stage: a block's on the stage
     of its chunk (``layers``: this stage's, computed once by the caller),
-    wpe on the first, ln_f on the last, and wte on both (the LM head is
-    tied to the lookup: each end holds a copy)."""
+    wpe on the first, ln_f (and an untied lm_head) on the last, and wte on
+    the first, and on the last too where the LM head is tied to the lookup
+    (each end holds a copy; ``pipeline.stage_names``)."""
     if p.pp == 1:
         return True
     if name.startswith("h."):
@@ -84,7 +85,7 @@ def on_stage(p: Problem, name: str, layers: set = None) -> bool:
             layers = {i for k in p.stage_chunks for i in p.chunk_layers[k]}
         return int(name.split(".")[1]) in layers
     if name == "wte":
-        return p.has_embed or p.has_head
+        return p.has_embed or (p.has_head and p.cfg.tied)
     return p.has_embed if name == "wpe" else p.has_head
 
 
