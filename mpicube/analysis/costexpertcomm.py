@@ -37,7 +37,7 @@ blocks, whose rerun repeats the forward):
 Per micro-batch: the ledger's (L, 2 E + 2) statistics all-reduced in the
 compute format over the same tp ranks, the ring and dp
 (``RouterLedger.finish``, before any backward); under a pipeline over the
-world (``RouterLedger.start``; not yet compared with a measured run).
+world (``RouterLedger.start``; tests/pipeline_check.py compares it).
 """
 
 from __future__ import annotations
