@@ -12,6 +12,7 @@ from fractions import Fraction
 
 from ..core.config import ModelConfig
 from ..device.precision import gradient_wire_name
+from ..parallel.comm_counters import Totals
 from ..parallel.schedules import layer_split
 
 
@@ -38,7 +39,7 @@ STORAGE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
-class Traffic:
+class Traffic(Totals):
     """Elements, bytes and messages per axis for one rank and one step."""
 
     elems: dict = field(default_factory=lambda: defaultdict(Fraction))
@@ -90,15 +91,6 @@ class Traffic:
             self.elems[axis] += other.elems[axis] * times
             self.bytes[axis] += other.bytes[axis] * times
             self.msgs[axis] += other.msgs[axis] * times
-
-    def total_elems(self) -> Fraction:
-        return sum(self.elems.values(), Fraction(0))
-
-    def total_bytes(self) -> Fraction:
-        return sum(self.bytes.values(), Fraction(0))
-
-    def total_msgs(self) -> int:
-        return sum(self.msgs.values())
 
 
 @dataclass

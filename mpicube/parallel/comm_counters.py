@@ -19,7 +19,22 @@ from fractions import Fraction
 from .waiting import WAITS
 
 
-class Counters:
+class Totals:
+    """The sums over every axis of per-axis ``elems``, ``bytes`` and
+    ``msgs``: what this rank's ``Counters`` measured and what the cost
+    model's ``analysis.costbase.Traffic`` predicts are read alike."""
+
+    def total_elems(self) -> Fraction:
+        return sum(self.elems.values(), Fraction(0))
+
+    def total_bytes(self) -> Fraction:
+        return sum(self.bytes.values(), Fraction(0))
+
+    def total_msgs(self) -> int:
+        return sum(self.msgs.values())
+
+
+class Counters(Totals):
     """Elements, bytes, messages and seconds of communication, per axis name."""
 
     def __init__(self):
@@ -37,15 +52,6 @@ class Counters:
         self.bytes[axis] += Fraction(elems) * width
         self.msgs[axis] += msgs
         self.seconds[axis] += seconds
-
-    def total_elems(self) -> Fraction:
-        return sum(self.elems.values(), Fraction(0))
-
-    def total_bytes(self) -> Fraction:
-        return sum(self.bytes.values(), Fraction(0))
-
-    def total_msgs(self) -> int:
-        return sum(self.msgs.values())
 
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
