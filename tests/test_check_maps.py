@@ -204,6 +204,15 @@ def test_shards_map_to_the_trace_blocks_the_whole_tensor_maps_to(make):
         assert np.array_equal(full, trace[name]), (m.name, name)
 
 
+def hf_llama_shape(cfg: dict) -> dict:
+    """transformers' config keywords for the shape of a trace's Llama-family
+    ``cfg`` (untied head), shared by its Llama and Mixtral configs."""
+    return dict(vocab_size=cfg["vocab_size"], hidden_size=cfg["n_embd"], intermediate_size=cfg["ffn_hidden"],
+                num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
+                num_key_value_heads=cfg["n_kv_head"], max_position_embeddings=cfg["n_ctx"],
+                rms_norm_eps=cfg["rms_eps"], tie_word_embeddings=False)
+
+
 def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_same():
     """The hf_llama map's names are those of transformers' LlamaForCausalLM
     (every parameter used, every activation module present), and
@@ -215,10 +224,7 @@ def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_sa
     transformers = pytest.importorskip("transformers")
     cfg = LLAMA_CFG
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["n_embd"], intermediate_size=cfg["ffn_hidden"],
-        num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"], num_key_value_heads=cfg["n_kv_head"],
-        max_position_embeddings=cfg["n_ctx"], rms_norm_eps=cfg["rms_eps"], rope_theta=cfg["rope_theta"],
-        tie_word_embeddings=False, attn_implementation="eager")).double().eval()
+        **hf_llama_shape(cfg), rope_theta=cfg["rope_theta"], attn_implementation="eager")).double().eval()
     m = namemaps.hf_llama(cfg)
     m.check_names(dict(hf.named_parameters()))
     assert all(hf.get_submodule(path) is not None for path in m.acts.values())
@@ -248,10 +254,7 @@ def test_hf_mixtral_maps_cover_transformers_mixtral_in_memory_and_on_file(tmp_pa
     safetensors = pytest.importorskip("safetensors.numpy")
     cfg = MIXTRAL_CFG
     hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["n_embd"], intermediate_size=cfg["ffn_hidden"],
-        num_hidden_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"], num_key_value_heads=cfg["n_kv_head"],
-        num_local_experts=cfg["n_experts"], num_experts_per_tok=cfg["top_k"], max_position_embeddings=cfg["n_ctx"],
-        rms_norm_eps=cfg["rms_eps"], tie_word_embeddings=False,
+        **hf_llama_shape(cfg), num_local_experts=cfg["n_experts"], num_experts_per_tok=cfg["top_k"],
         experts_implementation="eager")).double().eval()           # the loop over experts (float64 too)
     fused = namemaps.hf_mixtral(cfg)
     ours = fused.to_trace({n: p.detach().numpy() for n, p in hf.named_parameters()})   # every name used
