@@ -82,6 +82,24 @@ def test_cache_equals_recomputing_the_prefix(mpicube, small_model):
         assert result["text"] is None and result["prompt_tokens"] == prompt
 
 
+def test_max_new_tokens_fits_the_context_or_is_clipped_with_a_note(mpicube, small_model):
+    """The README's quick start asked a 64-position model for 64 (the old
+    default) and 200 new tokens, and both were refused. Now the default
+    takes what the context holds (48 - 4 here) and a larger request is
+    clipped to it with one line saying so; the tokens are the greedy ones."""
+    path, tensors, cfg = small_model
+    want = reference_greedy(tensors, cfg, [5, 17, 299, 0], cfg.n_ctx - 4)
+    for extra in ([], ["--max-new-tokens", "200"]):
+        r = mpicube.run("generate", path, "--prompt-tokens", "5,17,299,0", "--temperature", "0", "--dtype", "float64",
+                        "--json", *extra)
+        assert r.returncode == 0, r
+        assert last_json(r.stdout)["tokens"] == want, (extra, r)
+        notes = [line for line in r.stdout.splitlines() if "clipped" in line]
+        assert notes == ([] if not extra else [
+            "--max-new-tokens 200 clipped to 44, the largest that fits: the prompt (4 tokens) plus the new ones "
+            "fill the model's context of 48 positions"]), r
+
+
 def test_byte_level_text_and_sampling_on_two_layouts(mpicube, tmp_path):
     r = mpicube.run("train", *TINY, "--steps", "3", "--out", "run")
     assert r.returncode == 0, r

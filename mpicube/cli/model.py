@@ -355,7 +355,9 @@ def convert(src, dst, to, max_shard_size):
 @click.option("--prompt", type=str, default=None, help="text to continue (byte-level or GPT-2 BPE models)")
 @click.option("--prompt-tokens", type=str, default=None, metavar="IDS",
               help="token ids to continue, comma-separated: 1,2,3 (any vocabulary)")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--max-new-tokens", type=int, default=None,
+              help="tokens to generate; more than the model's context holds after the prompt are clipped, "
+                   "with a note  [default: 64, or as many as the context holds]")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy")
 @click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k likeliest (0 = all)")
 @click.option("--seed", type=SEED, default=1337, show_default=True)
