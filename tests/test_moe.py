@@ -317,7 +317,7 @@ def test_train_logs_router_losses_and_expert_tokens(tmp_path):
     (["--arch", "llama", "--n-experts", "4", "--top-k", "5"], "--top-k 5 must be from 1 to --n-experts 4"),
     (["--arch", "mixtral", "--capacity-factor", "0"], "--capacity-factor must be positive"),
     (["--arch", "llama", "--top-k", "2"], "--top-k needs --n-experts"),
-    (["--n-experts", "4"], "--n-experts applies to --arch llama only"),
+    (["--n-experts", "4"], "--n-experts applies to --arch llama or mixtral only, not gpt2"),
     (["--arch", "llama", "--ep", "2"], "--ep 2 needs a mixture of experts"),
 ])
 def test_bad_moe_options_are_one_line(args, message, tmp_path):

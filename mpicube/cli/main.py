@@ -26,7 +26,9 @@ signal or ``--time-limit`` with a checkpoint written (resume with
 ``--resume``), 76 no progress: a collective waited, or a step stood still,
 for ``--collective-timeout`` seconds (a rank stopped, died or was cut off);
 the first rank to notice says so in one line and the job is aborted, its
-last checkpoint intact (``mpicube.parallel.watchdog``), 130 interrupted.
+last checkpoint intact (``mpicube.parallel.watchdog``), 130 interrupted
+(a second Ctrl-C while training, which does not wait for the checkpoint
+a first one asks for; or Ctrl-C outside training).
 """
 
 from __future__ import annotations

@@ -327,14 +327,15 @@ def inspect(ckpt):
 @click.argument("dst")
 @click.option("--to", "to", type=click.Choice(["mpicube", "hf", "llmc"]), required=True,
               help="format to write: a mpicube run directory, a Hugging Face directory (GPT2LMHeadModel or "
-                   "LlamaForCausalLM, as the model is) or an llm.c file (GPT-2 only)")
+                   "LlamaForCausalLM or MixtralForCausalLM, as the model is) or an llm.c file (a format that holds "
+                   "GPT-2 only)")
 @click.option("--max-shard-size", type=str, default=None, metavar="SIZE",
               help="hf: split the weights into safetensors files of at most SIZE (e.g. 2GB, 500MB)")
 def convert(src, dst, to, max_shard_size):
     """Convert a model between mpicube, Hugging Face and llm.c formats.
 
     SRC's format is detected: a mpicube checkpoint (run dir, step dir or
-    checkpoint.h5), a Hugging Face GPT-2 or Llama directory (config.json
+    checkpoint.h5), a Hugging Face GPT-2, Llama or Mixtral directory (config.json
     and safetensors) or an llm.c model file. Tensors are copied exactly.
     """
     from ..parallel.comm import on_root

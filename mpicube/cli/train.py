@@ -60,7 +60,8 @@ from .common import ep_option
 @click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
 @click.option("--init-from", type=str, default=None, metavar="MODEL",
               help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
-                   "run dir, saved on any layout), a Hugging Face GPT-2 or Llama directory or an llm.c model file; "
+                   "run dir, saved on any layout), a Hugging Face GPT-2, Llama or Mixtral directory or an llm.c model file "
+                   "(the family comes from the file unless --arch is given); "
                    "this run starts its own schedule and AdamW moments (with --resume: unless the run "
                    "directory has a checkpoint of its own, which is continued instead)")
 @click.option("--resume", is_flag=True, default=False,
@@ -84,21 +85,22 @@ from .common import ep_option
 @profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
 def train(collective_timeout, profile, **kwargs):
-    """Train a GPT-2 (or, with --arch llama, a Llama) model.
+    """Train a GPT-2, Llama (--arch llama) or Mixtral (--arch mixtral) model.
 
     Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
-    step) and checkpoints in RUN_DIR/ckpt/. SIGTERM or SIGUSR1 on any rank
-    (or --time-limit) writes a checkpoint and exits with status 75;
+    step) and checkpoints in RUN_DIR/ckpt/. SIGTERM, SIGUSR1 or Ctrl-C on
+    any rank (or --time-limit) writes a checkpoint and exits with status 75
+    (a second Ctrl-C: at once, status 130);
     `--resume` continues exactly where it stopped.
     """
     from ..training.hooks import Faults
-    from ..training.launch import SHAPE_OPTIONS
+    from ..training.launch import FAMILY_OPTIONS, SHAPE_OPTIONS
     from ..training.options import TrainOptions
     from ..training.train import Trainer
 
     opts = TrainOptions(**kwargs, **env_settings())
     ctx = click.get_current_context()      # a model file decides the shape options nobody gave
-    opts.given_shape = tuple(k for k in SHAPE_OPTIONS
+    opts.given_shape = tuple(k for k in SHAPE_OPTIONS + FAMILY_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
     faults = Faults.from_environment()           # the test suite's, read here with the rest of the environment
     hooks = [faults] if faults is not None else []
@@ -138,7 +140,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
                  grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
-    CKPT is a mpicube checkpoint, a Hugging Face GPT-2 or Llama directory or an
+    CKPT is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral directory or an
     llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a

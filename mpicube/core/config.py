@@ -28,7 +28,7 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
         stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
         stray += [k for k, v in moe.items() if v not in (None, False)]
         if stray:
-            raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch llama only")
+            raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch llama or mixtral only, not gpt2")
         return {}
     for key, value in given.items():
         if value is not None and not value > 0:
