@@ -22,8 +22,9 @@ from ..core.errors import UserError
 @click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
               help="also show this layout's sharding plan and cost predictions")
 @click.option("-n", "--world-size", type=int, default=None, help="number of ranks for the plan")
-@click.option("--dp", type=int, default=1, show_default=True)
-@click.option("--depth", type=int, default=1, show_default=True)
+@click.option("--dp", type=int, default=1, show_default=True,
+              help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")
+@click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that the layout accepts]")
 @grad_accum_option("micro-batches per step (activations of one micro-batch, its traffic N times)")
@@ -182,9 +183,10 @@ def _mib(nbytes: int) -> str:
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that each layout accepts]")
 @grad_accum_option("micro-batches per step: forward+backward on batch/N sequences at a time, one update")
-@click.option("--warmup-steps", type=int, default=2, show_default=True, help="untimed steps first")
+@click.option("--warmup-steps", type=int, default=2, show_default=True,
+              help="untimed steps first (not train's --warmup, the learning rate's warm-up)")
 @click.option("--steps", type=int, default=5, show_default=True, help="timed steps")
-@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
@@ -255,12 +257,26 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
                     session = _session_factory(parts, profile, where, meta)
                 results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed, session))
     echo(format_table(results, 4 if dtype == "float32" else 8))
-    echo(f"threads: {threads.current().describe()}")
+    echo(threads_line(threads.current(), results[0].get("kernel_threads")))
     if as_json:
         first = results[0]
         echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
                          "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
                          "results": results}))
+
+
+def threads_line(share, ran) -> str:
+    """bench's one word on threads: the share decided for each rank and,
+    when the fused kernels ended the timed steps on another count (the
+    adaptive count lowers it while other processes hold cores), that too,
+    so the report does not say two numbers without saying why."""
+    from ..device.threads import ADAPT_VAR
+
+    line = f"threads: {share.describe()}"
+    if ran is not None and ran != share.threads:
+        line += (f"; the fused kernels ended the timed steps on {ran} (lowered while other processes held "
+                 f"cores; {ADAPT_VAR}=0 keeps {share.threads})")
+    return line
 
 
 def _profile_dir(out):
@@ -301,9 +317,12 @@ def timeline(run_dir, out, width):
 
 
 @cli.command()
-@click.argument("ckpt")
+@click.argument("ckpt", metavar="MODEL")
 def inspect(ckpt):
     """Report a model file's contents and check it; exit 1 if damaged.
+
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral
+    directory or an llm.c model file, as for eval and generate.
 
     A mpicube checkpoint: every shard's checksum. A Hugging Face GPT-2
     directory or an llm.c model file: its configuration and every tensor,
@@ -361,7 +380,7 @@ def convert(src, dst, to, max_shard_size):
                    "with a note  [default: 64, or as many as the context holds]")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy")
 @click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k likeliest (0 = all)")
-@click.option("--seed", type=SEED, default=1337, show_default=True)
+@click.option("--seed", type=SEED, default=1337, show_default=True, help="the sampler's draws")
 @click.option("--cache/--no-cache", default=True, show_default=True,
               help="key/value cache; --no-cache recomputes the whole prefix for every token")
 @layout_options

@@ -15,9 +15,10 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
                      arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
                      recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
 from .common import ep_option
+from .sections import TRAIN_EPILOG, SectionedCommand
 
 
-@cli.command()
+@cli.command(cls=SectionedCommand, epilog=TRAIN_EPILOG)
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
               expose_value=False, help="TOML file of option values (keys as option names); "
                                        "options on the command line override it")
@@ -41,7 +42,7 @@ from .common import ep_option
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
               help="sgd: plain SGD (p -= lr g, no momentum, no weight decay), a reference mode in which a wrongly "
                    "scaled gradient moves the parameters by that scale (AdamW divides it out)")
-@click.option("--dropout", type=float, default=0.0, show_default=True)
+@click.option("--dropout", type=float, default=0.0, show_default=True, help="dropout probability (0 = off)")
 @click.option("--seed", type=SEED, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options
 @recompute_option
@@ -119,7 +120,7 @@ def train(collective_timeout, profile, **kwargs):
 
 
 @cli.command("eval")
-@click.argument("ckpt")
+@click.argument("ckpt", metavar="MODEL")
 @click.option("--data", type=str, default=None, metavar="PATH",
               help="token shard to evaluate on  [default: the validation shard of the data the checkpoint "
                    "was trained on; the built-in corpus's for a model without one]")
@@ -140,7 +141,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
                  grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
-    CKPT is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral directory or an
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral directory or an
     llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
@@ -202,7 +203,7 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
-@cli.command("trace")
+@cli.command("trace", cls=SectionedCommand)
 @click.option("--steps", type=int, default=3, show_default=True,
               help="training steps to trace (also the length of the LR schedule)")
 @click.option("--out", required=True, metavar="FILE.h5", help="the trace file to write")
