@@ -72,7 +72,8 @@ def cheap(command: str) -> str:
 def test_the_quick_start_finds_its_commands():
     """The parse itself: the commands a reader sees, figures marked."""
     commands = quick_start_commands()
-    assert [c for c, _ in commands][:3] == ["make train", "mpicube eval runs/default",
+    assert [c for c, _ in commands][:4] == ["make train", "mpicube plot runs/default --out loss.png",
+                                           "mpicube eval runs/default",
                                            "mpicube generate runs/default --prompt 'def main(' --max-new-tokens 200 "
                                            "--temperature 0.8 --top-k 40"], commands
     assert any(marked and c.startswith("mpicube trace") for c, marked in commands), commands

@@ -317,6 +317,24 @@ def timeline(run_dir, out, width):
 
 
 @cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR [RUN_DIR...]")
+@click.option("--out", required=True, metavar="FILE.png", help="the picture to write")
+@click.option("--width", type=float, default=9.0, show_default=True, help="inches across")
+def plot(run_dirs, out, width):
+    """Draw the loss curves of one or more runs, overlaid, into a PNG.
+
+    From each RUN_DIR/metrics.jsonl: the training loss (each step faint, a
+    moving average solid), the validation loss (dashed) and, for a mixture
+    of experts, the expert load (the busiest expert's tokens over the
+    mean's, per step).
+    """
+    from ..analysis.curves import draw
+    from ..parallel.comm import on_root
+
+    echo(on_root(_mpi["world"], lambda: draw(list(run_dirs), out, width)))
+
+
+@cli.command()
 @click.argument("ckpt", metavar="MODEL")
 def inspect(ckpt):
     """Report a model file's contents and check it; exit 1 if damaged.

@@ -32,6 +32,7 @@ The usual workflow:
   mpicube train --steps 200 --out runs/a --resume        continue after a stop (exit status 75)
   mpicube eval runs/a                                    validation loss of its last checkpoint
   mpicube generate runs/a --prompt "def main("           text from it
+  mpicube plot runs/a runs/c --out loss.png              their loss curves, overlaid
 Every option, exit statuses and the run directory: docs/options.md."""
 
 
