@@ -284,3 +284,17 @@ def format_table(results: list, dtype_bytes=None) -> str:
                  + ("; under --pp, fwd is the whole schedule (forwards and backwards interleave), rank 0 is "
                     "stage 0" if any(r.get("pp", 1) > 1 for r in results) else ""))
     return "\n".join(lines)
+
+
+def threads_line(share, ran) -> str:
+    """bench's one word on threads: the share decided for each rank and,
+    when the fused kernels ended the timed steps on another count (the
+    adaptive count lowers it while other processes hold cores), that too,
+    so the report does not say two numbers without saying why."""
+    from ..device.threads import ADAPT_VAR
+
+    line = f"threads: {share.describe()}"
+    if ran is not None and ran != share.threads:
+        line += (f"; the fused kernels ended the timed steps on {ran} (lowered while other processes held "
+                 f"cores; {ADAPT_VAR}=0 keeps {share.threads})")
+    return line

@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 # (rtol, atol) by the coarser dtype of the two traces; float64 is what
-# layouts are verified in (DESIGN.md section 2), the others leave room for
+# layouts are verified in (docs/design.md section 2), the others leave room for
 # their rounding through a few steps of AdamW.
 DEFAULT_TOLERANCES = {
     "float64": (1e-10, 1e-13),

@@ -5,7 +5,7 @@ they register on the group.
 
 Run it as ``mpiexec -n P mpicube train ...`` (or ``python -m mpicube``).
 
-Errors (DESIGN.md section 7). Bad input - ``UserError`` (``ConfigError`` is
+Errors (docs/design.md section 7). Bad input - ``UserError`` (``ConfigError`` is
 one), ``DataError``, ``CheckpointError``, a click usage error - is reported by
 rank 0 as one line ``error: <message>`` on stderr, without a traceback, and
 the job exits with status 2. Such an error is normally raised by every rank
@@ -41,7 +41,7 @@ import traceback
 import click
 
 from ..core.errors import UserError
-from . import model, train  # noqa: F401 (the commands register on ``cli`` as they are imported)
+from . import model, pictures, train  # noqa: F401 (the commands register on ``cli`` as they are imported)
 from .common import _mpi, cli, echo
 
 EXIT_USAGE = 2

@@ -212,7 +212,7 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     memory per rank (rank 0's figures).
     """
     from ..device import threads
-    from ..analysis.bench import bench_layout, format_table
+    from ..analysis.bench import bench_layout, format_table, threads_line
     from ..core.config import ModelConfig
     from ..files.data import VOCAB_SIZE
     from ..model.llama import check_config as check_llama
@@ -265,20 +265,6 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
                          "results": results}))
 
 
-def threads_line(share, ran) -> str:
-    """bench's one word on threads: the share decided for each rank and,
-    when the fused kernels ended the timed steps on another count (the
-    adaptive count lowers it while other processes hold cores), that too,
-    so the report does not say two numbers without saying why."""
-    from ..device.threads import ADAPT_VAR
-
-    line = f"threads: {share.describe()}"
-    if ran is not None and ran != share.threads:
-        line += (f"; the fused kernels ended the timed steps on {ran} (lowered while other processes held "
-                 f"cores; {ADAPT_VAR}=0 keeps {share.threads})")
-    return line
-
-
 def _profile_dir(out):
     """bench --profile's run directory: --out, else runs/bench-<time> (rank 0's time, agreed)."""
     import time
@@ -297,41 +283,6 @@ def _session_factory(parts, steps, where, meta):
     from ..analysis.profile import ProfileSession
 
     return lambda opt: ProfileSession(parts, opt, _mpi["world"], steps, where, echo, meta)
-
-
-@cli.command()
-@click.argument("run_dir")
-@click.option("--out", metavar="FILE.png",
-              help="the picture to write  [default: RUN_DIR/timeline.png, or TRACE.png beside a trace file]")
-@click.option("--width", type=float, default=12.0, show_default=True, help="inches across")
-def timeline(run_dir, out, width):
-    """Draw RUN_DIR/profile.json (train or bench --profile) as a picture.
-
-    Ranks down, time across; for each rank a lane of compute and one per
-    communication axis, each in its own colour: calls and waits solid,
-    nonblocking calls in flight pale. RUN_DIR may also be the trace file.
-    """
-    from ..analysis.timeline import default_out, draw
-
-    echo(draw(run_dir, out if out is not None else default_out(run_dir), width))
-
-
-@cli.command()
-@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR [RUN_DIR...]")
-@click.option("--out", required=True, metavar="FILE.png", help="the picture to write")
-@click.option("--width", type=float, default=9.0, show_default=True, help="inches across")
-def plot(run_dirs, out, width):
-    """Draw the loss curves of one or more runs, overlaid, into a PNG.
-
-    From each RUN_DIR/metrics.jsonl: the training loss (each step faint, a
-    moving average solid), the validation loss (dashed) and, for a mixture
-    of experts, the expert load (the busiest expert's tokens over the
-    mean's, per step).
-    """
-    from ..analysis.curves import draw
-    from ..parallel.comm import on_root
-
-    echo(on_root(_mpi["world"], lambda: draw(list(run_dirs), out, width)))
 
 
 @cli.command()

@@ -122,7 +122,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model's hyper-parameters (DESIGN.md section 2): GPT-2's five
+    """The model's hyper-parameters (docs/design.md section 2): GPT-2's five
     sizes, and the settings of the Llama family (``arch`` "llama"). Their
     defaults are GPT-2's, so a GPT-2 configuration reads, prints and stores
     exactly as before the Llama fields existed (``to_dict`` leaves them out).

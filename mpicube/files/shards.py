@@ -68,7 +68,7 @@ def parse_header(header: bytes, size: int, path) -> tuple:
     """(token count, token dtype) of a shard whose first bytes are
     ``header`` and whose file holds ``size`` bytes, or a DataError naming
     ``path``: the header is checked arithmetically against the real size
-    before anything is read or allocated (DESIGN.md section 5)."""
+    before anything is read or allocated (docs/design.md section 5)."""
     if size < HEADER_BYTES or len(header) < HEADER_BYTES:
         raise DataError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header ({size} bytes)"
                         + prepare_hint(path))

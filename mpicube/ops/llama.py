@@ -1,6 +1,6 @@
 """The Llama family's local ops: RMSNorm, rotary position embeddings and
 the SwiGLU gate, as forward/backward pairs with no communication of their
-own (DESIGN.md section 2 is their numerics contract).
+own (docs/design.md section 2 is their numerics contract).
 
 * RMSNorm's statistics run in float32 or wider whatever the activations'
   format (16-bit inputs are upcast, as Hugging Face does), the weight is

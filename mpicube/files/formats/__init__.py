@@ -1,5 +1,5 @@
 """Model files in and out: mpicube checkpoints, Hugging Face GPT-2
-directories and llm.c model files (DESIGN.md section 10).
+directories and llm.c model files (docs/design.md section 10).
 
 ``open_model(path)`` detects the format and returns a ``ModelFile``: the
 model's configuration and every parameter under its GPT-2 name, in
