@@ -73,6 +73,10 @@ def test_a_replica_that_drifts_is_named_with_its_ranks(good, variant, capsys):
     status, out, _, summary = run(capsys, good, b)
     assert status == 1 and summary["first_divergence"] == "step_1/grad/h.0.ln_2.weight"
     assert "B: replicas part: ranks 0 and 2 differ by max rel" in out
+    # the disagreement as a number in the row and the --json line (it was inf and null)
+    assert summary["max_rel"] is not None and 1e-3 < summary["max_rel"] < 2e-3, summary
+    [row] = [line for line in out.splitlines() if line.startswith("step_1/grad/h.0.ln_2.weight ")]
+    assert " inf " not in row and f"{summary['max_rel']:.2e}" in row, row
 
 
 def test_an_element_no_rank_holds_is_a_divergence(good, variant, capsys):
