@@ -109,9 +109,25 @@ def main():
     print(json.dumps({
         "library": f"torch {torch.__version__}", "first_loss": first, "step_s": times,
         "matmul_flops": matmul_rate(B * T, weights["wte"].shape[1]),
+        "blas": blas_kernels(torch),
         "threads": f"torch.get_num_threads() {torch.get_num_threads()}, "
                    f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}",
         "process_s": time.perf_counter() - t_start}))
+
+
+def blas_kernels(torch) -> str:
+    """What threadpoolctl says of torch's BLAS (its ``architecture`` where it
+    reports one), and the CPU capability torch dispatches its own kernels for."""
+    try:
+        from threadpoolctl import threadpool_info
+
+        pools = [f"{p.get('internal_api')} {p.get('version') or ''}".rstrip()
+                 + (f" ({p['architecture']} kernels)" if p.get("architecture") else "")
+                 for p in threadpool_info() if p.get("user_api") == "blas"]
+    except ImportError:
+        pools = []
+    return (", ".join(pools) or "threadpoolctl found no BLAS") + \
+        f"; CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 if __name__ == "__main__":

@@ -232,6 +232,11 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
                       **family_fields(**family))
     if cfg.llama:                           # --n-kv-head dividing --n-head: before any layout says a word
         check_llama(cfg)
+    from ..device import blas_kernel
+
+    pinned = blas_kernel.pin_warning()
+    if pinned:
+        echo(pinned)
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
@@ -258,10 +263,12 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
                 results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed, session))
     echo(format_table(results, 4 if dtype == "float32" else 8))
     echo(threads_line(threads.current(), results[0].get("kernel_threads")))
+    echo(f"BLAS: {blas_kernel.describe()}")
     if as_json:
         first = results[0]
         echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
                          "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
+                         "blas": blas_kernel.describe(), "blas_pin_warning": pinned,
                          "results": results}))
 
 
