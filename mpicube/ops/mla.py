@@ -4,11 +4,11 @@ linears a layout owns, with no communication of its own.
 The layer, with the linears (x @ W, W stored (in, out)) that a layout
 places and the ops of this module between them:
 
-    q path     x (B, T, C) --q_down--> cq (B, T, rq) --rmsnorm--> --q_up--> q
+    q path     x (B, T, C) --q_down--> cq (B, T, rq) --rmsnorm (eps LATENT_EPS)--> --q_up--> q
                (q_lora_rank rq = 0: x --q_proj--> q directly)
                q (B, T, nh (dn + dr)), each head's columns [q_nope (dn) | q_pe (dr)]
     kv path    x --kv_down--> ckv (B, T, rkv + dr) = [c_kv | k_pe]  (``split_latent``)
-               c_kv --rmsnorm--> --kv_up--> kv (B, T, nh (dn + dv)), per head [k_nope | v]
+               c_kv --rmsnorm (LATENT_EPS)--> --kv_up--> kv (B, T, nh (dn + dv)), per head [k_nope | v]
                k_pe (B, T, dr): ONE rotary key part shared by every head,
                projected from x straight (not from the latent)
     core       (q, kv, k_pe) --``attention_forward``--> y (B, T, nh dv) --c_proj--> out
@@ -53,6 +53,12 @@ from dataclasses import dataclass
 from ..device.arrays import array_module
 from .llama import rope_backward, rope_forward
 from .local import batched_matmul, causal_softmax, causal_softmax_backward
+
+
+# The latent norms' epsilon: DeepSeek's reference code and transformers build
+# q_a_layernorm and kv_a_layernorm with RMSNorm's default 1e-6, whatever the
+# config's rms_norm_eps (which only the block and final norms use).
+LATENT_EPS = 1e-6
 
 
 @dataclass(frozen=True)
