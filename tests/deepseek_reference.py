@@ -38,7 +38,7 @@ def mla_forward(h, t, pre, d, cos, sin):
     else:
         q = h @ t[pre + "attn.q_proj.weight"]                                    # (B, T, nh (dn + dr))
     c_kv, k_pe = mla.split_latent(h @ t[pre + "attn.kv_down.weight"], d.kv_lora_rank)   # (B, T, rkv), (B, T, dr)
-    kv = rms(c_kv, t[pre + "attn.kv_norm.weight"], mla.LATENT_EPS) @ t[pre + "attn.kv_up.weight"]   # (B, T, nh (dn + dv))
+    kv = rms(c_kv, t[pre + "attn.kv_norm.weight"], mla.LATENT_EPS) @ t[pre + "attn.kv_up.weight"]   # (B, T, nh (dn+dv))
     y, _ = mla.attention_forward(q, kv, k_pe, d.n_head, dims, cos, sin)             # (B, T, nh dv)
     return y @ t[pre + "attn.c_proj.weight"]
 

@@ -23,7 +23,7 @@ from mpicube.files.formats import hf_deepseek
 from mpicube.files.formats.base import FormatError
 from mpicube.files.formats.hf_deepseek_config import parse_config
 from mpicube.ops import deepseek_router as router
-from mpicube.ops import mla
+from mpicube.ops import mtp
 
 T, B, V = 7, 2, 61
 
@@ -35,7 +35,8 @@ def hf_config(transformers, **over):
               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=6,
               q_lora_rank=5, qk_rope_head_dim=4, v_head_dim=3, qk_nope_head_dim=2, n_group=4, topk_group=2,
               num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=32, num_mtp_layers=0,
-              routed_scaling_factor=2.5, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+              routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+              rope_parameters={"rope_type": "default", "rope_theta": 50.0},
               rope_interleave=True, tie_word_embeddings=False, attn_implementation="eager",
               experts_implementation="eager")
     kw.update(over)
@@ -160,6 +161,52 @@ def test_router_equals_transformers_gate(hf):
     assert (np.sort(unbiased, 1) != np.sort(chosen, 1)).any()
 
 
+def test_mtp_module_equals_transformers_mtp_layer(hf):
+    """One MTP depth (norms, [embedding | hidden] projection, a MoE block,
+    the shared head's norm) from ops.mtp and the reference's block equals
+    transformers' MtpLayer, its weights named through hf_deepseek's table."""
+    torch, transformers, modeling = hf
+    from transformers.modeling_layers import MtpLayer
+
+    config = hf_config(transformers)
+    d = shape_of(config)
+    layer = randomise(torch, MtpLayer(config, modeling.DeepseekV3DecoderLayer, modeling.DeepseekV3RMSNorm,
+                                      d.n_layer).double().eval())
+    state = {k: v.numpy() for k, v in layer.state_dict().items()}
+    prefix, F = f"model.layers.{d.n_layer}.", d.moe_ffn_hidden
+    t = {}
+    for name, shape in hf_deepseek.param_shapes(d, mtp_depth=1).items():
+        if not name.startswith("mtp.0."):
+            continue
+        parts, transposed = hf_deepseek.sources(d, name)
+        pieces = []
+        for fname, _ in parts:
+            key = fname[len(prefix):].replace("shared_head.norm.", "post_norm.")
+            if ".experts." in key and ".shared_experts." not in key:             # in memory: fused per expert
+                _, _, e, what, _ = key.split(".")                                  # mlp.experts.{e}.gate_proj.weight
+                fused = "down_proj" if what == "down_proj" else "gate_up_proj"
+                w = state[f"mtp_block.mlp.experts.{fused}"][int(e)]
+                w = w[:F] if what == "gate_proj" else w[F:] if what == "up_proj" else w
+            else:
+                own = key.split(".")[0] in ("enorm", "hnorm", "eh_proj", "post_norm")
+                w = state[key if own else "mtp_block." + key]
+            pieces.append(w.T if transposed else w)
+        t[name] = np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+        assert t[name].shape == shape
+    emb = torch.randn(B, T, d.n_embd, dtype=torch.float64)
+    prev = torch.randn(B, T, d.n_embd, dtype=torch.float64)
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        want = layer(emb, prev, modeling.DeepseekV3RotaryEmbedding(config)(emb, pos), causal_mask(torch, T), pos,
+                     None).numpy()
+    cos, sin = ref.ops.rope_tables(np.arange(T), d.qk_rope_head_dim, d.rope_theta)
+    u, _ = mtp.input_forward(prev.numpy(), emb.numpy(), t["mtp.0.hnorm.weight"], t["mtp.0.enorm.weight"], d.n_embd,
+                             d.rms_eps)
+    z = ref.block_forward(mtp.project_forward(u, t["mtp.0.proj.weight"]), t, "mtp.0.", d, d.n_layer, cos, sin)
+    got = ref.rms(z, t["mtp.0.ln_f.weight"], d.rms_eps)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
 def hf_loss(torch, model, ids, targets):
     with torch.no_grad():
         logits = model(torch.tensor(ids)).logits                     # (B, T, V) float64
@@ -234,7 +281,8 @@ def test_config_round_trips_and_reads_deepseeks_spelling():
                     aux_loss_alpha=0.001, num_nextn_predict_layers=1, rope_theta=10000, moe_layer_freq=1)
     d = parse_config("x", released)
     assert (d.q_lora_rank, d.seq_aux_loss_coef, d.mtp_depth) == (0, 0.001, 1)
-    assert "h.0.attn.q_proj.weight" in hf_deepseek.param_shapes(d) and "mtp.0.proj.weight" in hf_deepseek.param_shapes(d)
+    shapes = hf_deepseek.param_shapes(d)
+    assert "h.0.attn.q_proj.weight" in shapes and "mtp.0.proj.weight" in shapes
 
 
 @pytest.mark.parametrize("field,value,words", [

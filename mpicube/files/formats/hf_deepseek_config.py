@@ -186,7 +186,8 @@ def parse_config(path, doc) -> DeepseekV3Shape:
         **v, top_k=K, n_groups=G, topk_groups=Kg, norm_topk=_flag(where, doc, "norm_topk_prob", True),
         routed_scaling_factor=_number(where, doc, "routed_scaling_factor", 1.0), seq_aux_loss_coef=coef,
         mtp_depth=mtp, rope_theta=_rope(where, doc), rope_interleave=_flag(where, doc, "rope_interleave", True),
-        rms_eps=_number(where, doc, "rms_norm_eps", 1e-6), tie_embeddings=_flag(where, doc, "tie_word_embeddings", False))
+        rms_eps=_number(where, doc, "rms_norm_eps", 1e-6),
+        tie_embeddings=_flag(where, doc, "tie_word_embeddings", False))
 
 
 def read_config(path) -> DeepseekV3Shape:
