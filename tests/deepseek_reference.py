@@ -29,17 +29,34 @@ def rms(x, w, eps):
     return ops.rmsnorm_forward(x, w, x.shape[-1], eps)[0]
 
 
-def mla_forward(h, t, pre, d, cos, sin):
-    """h (B, T, C) normed input, t {name: tensor}, pre "h.{i}." -> attention output (B, T, C) before the residual."""
-    dims = dims_of(d)
+def mla_project(h, t, pre, d):
+    """h (B, T, C) normed input -> (q (B, T, nh (dn + dr)), normed c_kv (B, T, rkv), un-rotated k_pe (B, T, dr))."""
     if d.q_lora_rank:
         cq = h @ t[pre + "attn.q_down.weight"]                                   # (B, T, rq)
         q = rms(cq, t[pre + "attn.q_norm.weight"], mla.LATENT_EPS) @ t[pre + "attn.q_up.weight"]
     else:
         q = h @ t[pre + "attn.q_proj.weight"]                                    # (B, T, nh (dn + dr))
     c_kv, k_pe = mla.split_latent(h @ t[pre + "attn.kv_down.weight"], d.kv_lora_rank)   # (B, T, rkv), (B, T, dr)
-    kv = rms(c_kv, t[pre + "attn.kv_norm.weight"], mla.LATENT_EPS) @ t[pre + "attn.kv_up.weight"]   # (B, T, nh (dn+dv))
-    y, _ = mla.attention_forward(q, kv, k_pe, d.n_head, dims, cos, sin)             # (B, T, nh dv)
+    return q, rms(c_kv, t[pre + "attn.kv_norm.weight"], mla.LATENT_EPS), k_pe
+
+
+def mla_forward(h, t, pre, d, cos, sin):
+    """h (B, T, C) normed input, t {name: tensor}, pre "h.{i}." -> attention output (B, T, C) before the residual."""
+    q, c_kv, k_pe = mla_project(h, t, pre, d)
+    kv = c_kv @ t[pre + "attn.kv_up.weight"]                                     # (B, T, nh (dn + dv))
+    y, _ = mla.attention_forward(q, kv, k_pe, d.n_head, dims_of(d), cos, sin)     # (B, T, nh dv)
+    return y @ t[pre + "attn.c_proj.weight"]
+
+
+def mla_decode(h, t, pre, d, cache, q0, cos, sin):
+    """The generation step: h (B, t, C) normed input of positions q0 .. q0 + t - 1,
+    cos/sin (t, dr) of those; appends their latent and rotated key to ``cache``
+    (an ``ops.mla.LatentCache``) and attends to everything cached -> (B, t, C)."""
+    dims = dims_of(d)
+    q, c_kv, k_pe = mla_project(h, t, pre, d)
+    cache.append(c_kv, mla.rotate_k_pe(k_pe, cos, sin, dims.interleaved))
+    lat, k_rot = cache.view()                                                    # (B, S, rkv), (B, S, dr)
+    y = mla.decode_forward(q, lat @ t[pre + "attn.kv_up.weight"], k_rot, d.n_head, dims, cos, sin, q0)
     return y @ t[pre + "attn.c_proj.weight"]
 
 
@@ -68,9 +85,11 @@ def moe_forward(h, t, pre, d, record=None):
     return out.reshape(B, T, C)
 
 
-def block_forward(x, t, pre, d, layer, cos, sin, record=None):
-    """One pre-norm block: x (B, T, C) -> (B, T, C)."""
-    x = x + mla_forward(rms(x, t[pre + "ln_1.weight"], d.rms_eps), t, pre, d, cos, sin)
+def block_forward(x, t, pre, d, layer, cos, sin, record=None, cache=None, q0=0):
+    """One pre-norm block: x (B, T, C) -> (B, T, C); with ``cache``, the
+    generation step at positions q0 .. (``mla_decode``)."""
+    h = rms(x, t[pre + "ln_1.weight"], d.rms_eps)
+    x = x + (mla_forward(h, t, pre, d, cos, sin) if cache is None else mla_decode(h, t, pre, d, cache, q0, cos, sin))
     h = rms(x, t[pre + "ln_2.weight"], d.rms_eps)
     if d.is_moe(layer):
         return x + moe_forward(h, t, pre, d, record)
@@ -117,3 +136,21 @@ def forward(t, d, ids, targets, mtp_depth=0, mtp_weight=0.3, record=None):
     loss, depth_losses, _ = mtp.combine_losses(main_sum, sums, main_n, counts, mtp_weight) if mtp_depth else \
         (main_sum / main_n, [], None)
     return loss, main_sum / main_n, depth_losses
+
+
+def greedy(t, d, prompt, n_new):
+    """prompt (B, P) -> (B, P + n_new) by greedy decoding through the
+    compressed cache: the prompt in one step, then one token a step."""
+    B, P = prompt.shape
+    caches = [mla.LatentCache(np, B, P + n_new, dims_of(d), np.float64) for _ in range(d.n_layer)]
+    cos, sin = ops.rope_tables(np.arange(P + n_new), d.qk_rope_head_dim, d.rope_theta)   # (P + n, dr)
+    out, q0, step = prompt, 0, prompt
+    for _ in range(n_new):
+        q1 = q0 + step.shape[1]
+        x = t["wte"][step]                                                       # (B, t, C)
+        for i in range(d.n_layer):
+            x = block_forward(x, t, f"h.{i}.", d, i, cos[q0:q1], sin[q0:q1], cache=caches[i], q0=q0)
+        logits = logits_of(rms(x[:, -1:], t["ln_f.weight"], d.rms_eps), t, d)    # (B, 1, V)
+        step = logits.argmax(-1)                                                 # (B, 1)
+        out, q0 = np.concatenate([out, step], axis=1), q1
+    return out

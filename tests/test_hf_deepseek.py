@@ -265,6 +265,38 @@ def test_written_directory_loads_in_transformers(hf, tmp_path):
     assert loss == pytest.approx(main + 0.3 * depths[0], rel=1e-14) and depths[0] > 0
 
 
+
+def test_greedy_tokens_through_the_latent_cache_equal_transformers(hf):
+    torch, transformers, modeling = hf
+    config = hf_config(transformers)
+    d = shape_of(config)
+    model = randomise(torch, transformers.DeepseekV3ForCausalLM(config).double().eval())
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    prompt = np.random.default_rng(2).integers(0, V, size=(B, 4))
+    with torch.no_grad():
+        want = model.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                              pad_token_id=0).numpy()
+    tensors = {}
+    with torch.no_grad():
+        for name in hf_deepseek.param_shapes(d):
+            parts, transposed = hf_deepseek.sources(d, name)
+            pieces = []
+            for fname, _ in parts:
+                e = fname.split(".experts.")
+                if len(e) == 2 and "shared" not in e[0]:                         # fused per expert in memory
+                    n, what = int(e[1].split(".")[0]), e[1].split(".")[1]
+                    w = state[e[0] + ".experts." + ("down_proj" if what == "down_proj" else "gate_up_proj")][n]
+                    F = d.moe_ffn_hidden
+                    w = w[:F] if what == "gate_proj" else w[F:] if what == "up_proj" else w
+                else:
+                    w = state[fname]
+                pieces.append(w.T if transposed else w)
+            tensors[name] = np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+    got = ref.greedy(tensors, d, prompt, 6)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got[:, 4:])) > 1                                        # not one repeated token
+
+
 # --- the config reader (no torch) ------------------------------------------------
 BASE = {"model_type": "deepseek_v3", "vocab_size": 61, "hidden_size": 16, "intermediate_size": 24,
         "moe_intermediate_size": 6, "num_hidden_layers": 3, "num_attention_heads": 4, "kv_lora_rank": 6,
