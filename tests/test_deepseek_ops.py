@@ -9,7 +9,7 @@ import pytest
 
 from mpicube import ops
 from mpicube.ops import deepseek_router as router
-from mpicube.ops import mla, mtp
+from mpicube.ops import attention_blocks, mla, mtp
 
 
 def numeric_grad(f, x, eps=1e-6):
@@ -97,6 +97,41 @@ def test_mla_heads_split_sum_their_k_pe_gradients():
         parts.append(mla.attention_backward(G[..., h * half_v:(h + 1) * half_v], th)[2])
     np.testing.assert_allclose(parts[0] + parts[1], dk_pe, rtol=1e-13, atol=1e-14)
     assert np.abs(parts[0] - dk_pe).max() > 1e-3                     # one half alone is wrong
+
+
+
+class Blocks:
+    """ops.attention_blocks with small blocks, so a short sequence crosses several."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def attention_forward(self, qkv, n_head, keep_mask=None, keep_prob=1.0):
+        return attention_blocks.attention_forward(qkv, n_head, keep_mask, keep_prob, block=self.block)
+
+    def attention_backward(self, dy, cache):
+        return attention_blocks.attention_backward(dy, cache)
+
+
+@pytest.mark.parametrize("attention", [ops, Blocks(4)], ids=["full", "blocks"])
+def test_packed_mla_through_the_projects_attention_ops_equals_the_core(attention):
+    """pack -> any attention op -> unpack gives attention_forward's numbers
+    (v zero-padded to dn + dr), and its backward attention_backward's."""
+    rng = np.random.default_rng(9)
+    B, T, nh = 2, 10, 3
+    dims = mla.MlaDims(nope=4, rope=6, v=3, kv_rank=7)
+    q, kv = rng.normal(size=(B, T, nh * dims.qk)), rng.normal(size=(B, T, nh * (dims.nope + dims.v)))
+    k_pe, G = rng.normal(size=(B, T, dims.rope)), rng.normal(size=(B, T, nh * dims.v))
+    cos, sin = ops.rope_tables(np.arange(T), dims.rope, 100.0)
+    want, tape = mla.attention_forward(q, kv, k_pe, nh, dims, cos, sin)
+    y, cache = attention.attention_forward(mla.pack(q, kv, k_pe, nh, dims, cos, sin), nh)
+    np.testing.assert_array_equal(y.reshape(B, T, nh, dims.qk)[..., dims.v:], 0.0)
+    np.testing.assert_allclose(mla.unpack(y, nh, dims), want, rtol=1e-13, atol=1e-14)
+    dqkv = attention.attention_backward(mla.unpack_backward(G, dims), cache)
+    for got, ref_grad in zip(mla.pack_backward(dqkv, nh, dims, cos, sin), mla.attention_backward(G, tape)):
+        np.testing.assert_allclose(got, ref_grad, rtol=1e-12, atol=1e-13 * np.abs(ref_grad).max())
+    with pytest.raises(ValueError, match="v_head_dim 11 exceeds"):
+        mla.pack(q, kv, k_pe, nh, mla.MlaDims(nope=4, rope=6, v=11, kv_rank=7), cos, sin)
 
 
 def test_interleaved_rotary_is_deepseeks_pairwise_rotation():

@@ -13,6 +13,12 @@ places and the ops of this module between them:
                projected from x straight (not from the latent)
     core       (q, kv, k_pe) --``attention_forward``--> y (B, T, nh dv) --c_proj--> out
 
+The core runs two ways with the same numbers: ``attention_forward`` /
+``attention_backward`` (T x T scores, v at its own width dv), or
+``pack`` -> any of the project's attention ops (``ops``,
+``ops.attention_blocks``, ``parallel.context.RingAttention`` under
+context parallelism) -> ``unpack``, with v zero-padded to dn + dr.
+
 q_down and kv_down are small and replicated; q_up, q_proj and kv_up are
 column-sharded by heads (each head's columns are contiguous, so a rank's
 heads are a contiguous column range); c_proj is row-sharded, as Llama's.
@@ -207,6 +213,62 @@ def attention_backward(dy, tape: MlaTape):
     dk_rot = dk4[..., dims.nope:].sum(axis=2)                                    # (B, T, dr) over local heads
     dk_pe = rotary_backward(dk_rot[:, :, None, :], tape.cos, tape.sin, dims.interleaved)[:, :, 0, :]
     return dq.reshape(B, T, nh * dims.qk), dkv.reshape(B, T, nh * (dims.nope + dims.v)), dk_pe
+
+
+
+# --- the same core through the project's attention ops --------------------------
+def pack(q, kv, k_pe, n_head: int, dims: MlaDims, cos, sin):
+    """The projections as the packed qkv (B, T, 3 nh hd), hd = dn + dr,
+    that every attention op of the project takes (``ops`` T x T,
+    ``ops.attention_blocks``, ``parallel.context.RingAttention``): q and
+    k as ``attention_forward`` builds them, v zero-padded from dv to hd
+    columns. Those ops scale by 1/sqrt(hd) = 1/sqrt(dn + dr), MLA's scale,
+    and the padded columns of their output are exactly zero (p @ 0), so
+    ``unpack`` gives the same numbers as ``attention_forward`` at the
+    price of (dn + dr) / dv times the p @ v work. Needs dv <= dn + dr
+    (DeepSeek-V3: 128 <= 192)."""
+    if dims.v > dims.qk:
+        raise ValueError(f"v_head_dim {dims.v} exceeds qk_nope_head_dim + qk_rope_head_dim {dims.qk}")
+    xp = array_module(q)
+    qh, kh, vh = _heads(q, kv, k_pe, n_head, dims, cos, sin, cos, sin)          # (B, nh, T, .)
+    B, _, T, hd = qh.shape
+    qkv = xp.zeros((B, T, 3, n_head, hd), dtype=q.dtype)                          # (B, T, 3, nh, hd)
+    qkv[:, :, 0], qkv[:, :, 1] = qh.transpose(0, 2, 1, 3), kh.transpose(0, 2, 1, 3)
+    qkv[:, :, 2, :, :dims.v] = vh.transpose(0, 2, 1, 3)
+    return qkv.reshape(B, T, 3 * n_head * hd)
+
+
+def unpack(y, n_head: int, dims: MlaDims):
+    """The packed op's output y (B, T, nh hd) -> (B, T, nh dv), each head's first dv columns."""
+    B, T, _ = y.shape
+    return y.reshape(B, T, n_head, dims.qk)[..., :dims.v].reshape(B, T, n_head * dims.v)
+
+
+def unpack_backward(dy, dims: MlaDims):
+    """dy (B, T, nh dv) -> (B, T, nh hd), zero in the padded columns."""
+    xp = array_module(dy)
+    B, T, _ = dy.shape
+    n_head = dy.shape[-1] // dims.v
+    out = xp.zeros((B, T, n_head, dims.qk), dtype=dy.dtype)                       # (B, T, nh, hd)
+    out[..., :dims.v] = dy.reshape(B, T, n_head, dims.v)
+    return out.reshape(B, T, n_head * dims.qk)
+
+
+def pack_backward(dqkv, n_head: int, dims: MlaDims, cos, sin):
+    """dqkv (B, T, 3 nh hd) -> (dq, dkv, dk_pe) as ``attention_backward``
+    returns them (dk_pe summed over the local heads only)."""
+    xp = array_module(dqkv)
+    B, T, _ = dqkv.shape
+    g = dqkv.reshape(B, T, 3, n_head, dims.qk)                                    # (B, T, 3, nh, hd)
+    dq = xp.empty((B, T, n_head, dims.qk), dtype=dqkv.dtype)                      # (B, T, nh, dn + dr)
+    dq[..., :dims.nope] = g[:, :, 0, :, :dims.nope]
+    dq[..., dims.nope:] = rotary_backward(g[:, :, 0, :, dims.nope:], cos, sin, dims.interleaved)
+    dkv = xp.empty((B, T, n_head, dims.nope + dims.v), dtype=dqkv.dtype)         # (B, T, nh, dn + dv)
+    dkv[..., :dims.nope] = g[:, :, 1, :, :dims.nope]
+    dkv[..., dims.nope:] = g[:, :, 2, :, :dims.v]
+    dk_rot = g[:, :, 1, :, dims.nope:].sum(axis=2)                                # (B, T, dr) over local heads
+    dk_pe = rotary_backward(dk_rot[:, :, None, :], cos, sin, dims.interleaved)[:, :, 0, :]
+    return dq.reshape(B, T, -1), dkv.reshape(B, T, -1), dk_pe
 
 
 # --- generation with the compressed cache --------------------------------------
