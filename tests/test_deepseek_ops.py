@@ -100,6 +100,72 @@ def test_mla_heads_split_sum_their_k_pe_gradients():
 
 
 
+
+def test_mla_layer_backward_through_its_linears_matches_finite_differences():
+    """The whole layer, the way a model composes the pieces: x -> q_down ->
+    latent norm -> q_up; x -> kv_down -> split_latent -> (latent norm ->
+    kv_up, k_pe); core; c_proj. The gradient of x and of every weight,
+    k_pe's path through kv_down included, against finite differences."""
+    rng = np.random.default_rng(10)
+    B, T, C, nh = 2, 4, 6, 2
+    dims = mla.MlaDims(nope=2, rope=4, v=3, kv_rank=5, q_rank=3)
+    w = {"x": rng.normal(size=(B, T, C)), "q_down": rng.normal(size=(C, 3)) * 0.5, "q_norm": 1 + rng.normal(size=3),
+         "q_up": rng.normal(size=(3, nh * dims.qk)) * 0.5, "kv_down": rng.normal(size=(C, 5 + 4)) * 0.5,
+         "kv_norm": 1 + rng.normal(size=5), "kv_up": rng.normal(size=(5, nh * 5)) * 0.5,
+         "c_proj": rng.normal(size=(nh * 3, C)) * 0.5}
+    G = rng.normal(size=(B, T, C))
+    cos, sin = ops.rope_tables(np.arange(T), dims.rope, 10000.0)
+    eps = mla.LATENT_EPS
+
+    def forward():
+        cq = w["x"] @ w["q_down"]                                                # (B, T, rq)
+        nq, s_q = ops.rmsnorm_forward(cq, w["q_norm"], 3, eps)
+        q = nq @ w["q_up"]                                                       # (B, T, nh qk)
+        ckv = w["x"] @ w["kv_down"]                                              # (B, T, rkv + dr)
+        c_kv, k_pe = mla.split_latent(ckv, dims.kv_rank)
+        nkv, s_kv = ops.rmsnorm_forward(c_kv, w["kv_norm"], 5, eps)
+        kv = nkv @ w["kv_up"]                                                    # (B, T, nh (dn + dv))
+        y, tape = mla.attention_forward(q, kv, k_pe, nh, dims, cos, sin)
+        return y @ w["c_proj"], (nq, s_q, nkv, s_kv, y, tape)
+
+    _, (nq, s_q, nkv, s_kv, y, tape) = forward()
+    g = {k: np.zeros_like(v) for k, v in w.items()}
+    g["c_proj"] += y.reshape(-1, nh * 3).T @ G.reshape(-1, C)
+    dq, dkv, dk_pe = mla.attention_backward(G @ w["c_proj"].T, tape)
+    g["kv_up"] += nkv.reshape(-1, 5).T @ dkv.reshape(-1, dkv.shape[-1])
+    dc_kv = ops.rmsnorm_backward(dkv @ w["kv_up"].T, s_kv, w["kv_norm"], g["kv_norm"], 5)
+    dckv = mla.join_latent_grads(dc_kv, dk_pe)                                  # (B, T, rkv + dr)
+    g["kv_down"] += w["x"].reshape(-1, C).T @ dckv.reshape(-1, 9)
+    g["q_up"] += nq.reshape(-1, 3).T @ dq.reshape(-1, dq.shape[-1])
+    dcq = ops.rmsnorm_backward(dq @ w["q_up"].T, s_q, w["q_norm"], g["q_norm"], 3)
+    g["q_down"] += w["x"].reshape(-1, C).T @ dcq.reshape(-1, 3)
+    g["x"] += dckv @ w["kv_down"].T + dcq @ w["q_down"].T
+    for name in w:
+        assert_grad(g[name], lambda: float((forward()[0] * G).sum()), w[name])
+
+
+def test_seq_aux_loss_over_split_sequences_equals_whole():
+    """Under context parallelism: each chunk's allsum adds the other chunk's
+    partial sums; both chunks return the whole sequence's loss, and their
+    score gradients are the whole gradient's rows."""
+    rng = np.random.default_rng(11)
+    B, T, E, K = 2, 6, 8, 2
+    scores = router.sigmoid(rng.normal(size=(B, T, E)))
+    chosen = np.stack([router.top_indices(scores[b], K) for b in range(B)])      # (B, T, K)
+    whole, whole_tape = router.seq_aux_forward(scores, chosen, 0.01, T, B)
+    halves = [slice(0, 2), slice(2, T)]                                           # uneven chunks
+    partial = []
+    for h in halves:
+        router.seq_aux_forward(scores[:, h], chosen[:, h], 0.01, T, B, allsum=lambda a: partial.append(a) or a)
+    grads = []
+    for i, h in enumerate(halves):
+        loss, tape = router.seq_aux_forward(scores[:, h], chosen[:, h], 0.01, T, B,
+                                            allsum=lambda a, i=i: a + partial[1 - i])
+        assert loss == pytest.approx(whole, rel=1e-14)
+        grads.append(router.seq_aux_backward(1.0, tape))
+    np.testing.assert_allclose(np.concatenate(grads, axis=1), router.seq_aux_backward(1.0, whole_tape), rtol=1e-13)
+
+
 class Blocks:
     """ops.attention_blocks with small blocks, so a short sequence crosses several."""
 

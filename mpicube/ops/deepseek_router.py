@@ -99,11 +99,13 @@ class RouteTape:
 
 def route(logits, bias, top_k: int, n_groups: int = 1, topk_groups: int = 1, norm_topk: bool = True,
           scaling: float = 1.0):
-    """logits (n, E) float32+, bias (E,) -> (scores (n, E), chosen (n, K),
-    weights (n, K), RouteTape). The bias only steers the choice."""
+    """logits (n, E) float32+, bias (E,) or None -> (scores (n, E), chosen
+    (n, K), weights (n, K), RouteTape). The bias only steers the choice; it
+    is added in the scores' format (transformers: float32 + float32)."""
     xp = array_module(logits)
     scores = sigmoid(logits)                                              # (n, E)
-    chosen = group_limited_topk(scores + bias.astype(scores.dtype), top_k, n_groups, topk_groups)   # (n, K)
+    choice = scores if bias is None else scores + bias.astype(scores.dtype)   # (n, E)
+    chosen = group_limited_topk(choice, top_k, n_groups, topk_groups)     # (n, K)
     s_sel = scores[xp.arange(scores.shape[0])[:, None], chosen]           # (n, K) without the bias
     denom = s_sel.sum(axis=-1, keepdims=True) + NORM_EPS if norm_topk else None   # (n, 1)
     weights = (s_sel / denom if norm_topk else s_sel) * scaling           # (n, K)

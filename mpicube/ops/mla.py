@@ -47,6 +47,10 @@ c_kv (rkv per token) and the rotated k_pe (dr per token) (``LatentCache``);
 each step the layout expands the cached latent through kv_up (its heads)
 and ``decode_forward`` attends the new queries to it.
 
+Formats: the direct core is written for float32 and float64 (what its
+tests check); 16-bit activations take the packed path, whose ops keep
+their statistics in float32.
+
 Shapes: B rows, T query positions, S key positions, nh local heads, dn
 nope, dr rope, dv value head sizes, rkv the kv latent rank.
 """
