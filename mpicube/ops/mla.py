@@ -28,7 +28,10 @@ Under tensor parallelism the one thing that is NOT local: ``k_pe``'s
 gradient is a sum over all heads, and a rank computes the sum over its
 own heads only; the layout must all-reduce it over the head-splitting
 ranks before kv_down's backward (the bug torchtitan PR #1373's review
-found after ~1,000 steps).
+found after ~1,000 steps). kv_up's input gradient dc_kv is partial in
+the same way (as any column-sharded linear's): joining the two partial
+sums first (``join_latent_grads``) makes it one all-reduce of rkv + dr
+columns.
 
 Rotary: only the dr columns are rotated, at each row's global position,
 by ``ops.llama``'s half-split rope. DeepSeek's checkpoints lay the rotary
@@ -40,7 +43,7 @@ products are those of the interleaved rotation.
 
 Softmax scale: 1/sqrt(dn + dr) (the caller passes it; YaRN's mscale would
 change it). Like ``local.attention_forward``, q is scaled before the
-scores (the same numbers as scaling the scores, to the last bits).
+scores (equal to scaling the scores up to rounding).
 
 Generation caches only what kv_down produces, after its norm and rotary:
 c_kv (rkv per token) and the rotated k_pe (dr per token) (``LatentCache``);
