@@ -35,7 +35,7 @@ SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")   # what a model f
 FAMILY_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k",
                   "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 TRAINING_KNOBS = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
-# option -> (what ModelConfig calls it, as a value comparable with the file's)
+# a model-defining family option -> its value in a ModelConfig, comparable with the file's
 MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.ffn, "rope_theta": lambda c: c.rope_theta,
                   "rms_eps": lambda c: c.rms_eps, "tie_embeddings": lambda c: c.tied,
                   "n_experts": lambda c: c.n_experts, "top_k": lambda c: c.top_k,
@@ -228,7 +228,9 @@ class Launch:
         (--capacity-factor, --router-aux-loss-coef, --router-z-loss-coef)
         replace the file's."""
         o = self.opts
-        given = set(getattr(o, "given_shape", FAMILY_OPTIONS))
+        if not hasattr(o, "given_shape"):                   # an API caller: the file's model, as always
+            return cfg
+        given = set(o.given_shape)
         leave_out = "to take the file's model"
         if "arch" in given:
             asked = family_of(ModelConfig(**family_fields(**o.family())))
