@@ -170,7 +170,8 @@ def arch_options(f):
     f = click.option("--arch", type=click.Choice(("gpt2", "llama", "mixtral")), default="gpt2", show_default=True,
                      help="model family: gpt2; llama (RMSNorm, rotary positions, SwiGLU, "
                           "grouped-query attention, untied head, no biases); mixtral: Llama with a mixture of "
-                          "experts (--n-experts 8 --top-k 2 unless given); with --init-from or --resume: the file's family")(f)
+                          "experts (--n-experts 8 --top-k 2 unless given); with --init-from or --resume: "
+                          "the file's family")(f)
     return f
 
 

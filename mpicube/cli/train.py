@@ -61,8 +61,8 @@ from .sections import TRAIN_EPILOG, SectionedCommand
 @click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
 @click.option("--init-from", type=str, default=None, metavar="MODEL",
               help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
-                   "run dir, saved on any layout), a Hugging Face GPT-2, Llama or Mixtral directory or an llm.c model file "
-                   "(the family comes from the file unless --arch is given); "
+                   "run dir, saved on any layout), a Hugging Face GPT-2, Llama or Mixtral directory or an llm.c "
+                   "model file (the family comes from the file unless --arch is given); "
                    "this run starts its own schedule and AdamW moments (with --resume: unless the run "
                    "directory has a checkpoint of its own, which is continued instead)")
 @click.option("--resume", is_flag=True, default=False,
