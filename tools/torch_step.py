@@ -116,18 +116,14 @@ def main():
 
 
 def blas_kernels(torch) -> str:
-    """What threadpoolctl says of torch's BLAS (its ``architecture`` where it
-    reports one), and the CPU capability torch dispatches its own kernels for."""
-    try:
-        from threadpoolctl import threadpool_info
+    """torch's own BLAS, as its build says (MKL is linked into torch, where
+    threadpoolctl does not see it: it would report NumPy's OpenBLAS), and
+    the CPU capability torch dispatches its kernels for (AVX2, AVX512)."""
+    import re
 
-        pools = [f"{p.get('internal_api')} {p.get('version') or ''}".rstrip()
-                 + (f" ({p['architecture']} kernels)" if p.get("architecture") else "")
-                 for p in threadpool_info() if p.get("user_api") == "blas"]
-    except ImportError:
-        pools = []
-    return (", ".join(pools) or "threadpoolctl found no BLAS") + \
-        f"; CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    found = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return (f"{found.group(1) if found else 'unknown'} (torch's build), "
+            f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 
 if __name__ == "__main__":
