@@ -1,0 +1,202 @@
+"""Hugging Face layouts checked by position, without torch (issue 48).
+
+mpicube's Hugging Face tables (the files' read/write table of
+files/formats/hf.py, hf_llama.py, hf_mixtral.py; the name maps of
+check/namemaps.py) are each used both ways, so a round trip through one is
+the identity even when the table is wrong: a Mixtral table that swapped w1
+and w3 (gate and up) reads back what it wrote. The tests that compare with
+transformers catch such a swap, but only where torch is installed. These
+need numpy and safetensors only:
+
+- every tensor written holds distinguishable values (each element its own
+  number), and each file tensor is checked against its mpicube tensor by
+  position, from a table written here from transformers' documented
+  layouts: ``nn.Linear`` weights are (out, in), GPT-2's ``Conv1D`` (in,
+  out); Llama's ``q_proj``/``k_proj``/``v_proj`` are the n_head, n_kv_head,
+  n_kv_head heads of ``c_attn``'s columns, ``gate_proj``/``up_proj`` the
+  two halves of ``c_fc``; Mixtral's ``block_sparse_moe.gate`` is the router
+  (E, h), expert e's ``w1`` its gate, ``w3`` its up and ``w2`` its down
+  projection; transformers 5's in-memory ``mlp.experts.gate_up_proj`` is
+  (E, 2F, h) with rows [gate | up], ``down_proj`` (E, h, F);
+- which half of ``c_fc`` is the gate is fixed by a tiny forward: one
+  expert of a written Mixtral computed as transformers' MixtralBlockSparseTop2MLP
+  does, ``w2(silu(w1 x) * w3 x)``, from the file's tensors, equals
+  mpicube's ``c_fc`` -> ``swiglu_forward`` -> ``c_proj`` on its own tensors.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from mpicube.check import namemaps, names
+from mpicube.core.config import ModelConfig
+from mpicube.files.formats import hf, hf_llama, hf_mixtral
+from mpicube.model.gpt import gpt_params
+from mpicube.ops.llama import swiglu_forward
+
+GPT2 = ModelConfig(vocab_size=11, n_ctx=5, n_layer=2, n_head=2, n_embd=8)
+LLAMA = ModelConfig(vocab_size=11, n_ctx=5, n_layer=2, n_head=4, n_embd=8, arch="llama", n_kv_head=2, ffn_hidden=6)
+MIXTRAL = ModelConfig(vocab_size=11, n_ctx=5, n_layer=2, n_head=4, n_embd=8, arch="llama", n_kv_head=2,
+                      ffn_hidden=6, n_experts=4, top_k=2)
+
+
+def distinct(cfg) -> dict:
+    """{mpicube name: tensor} in which no two elements, of any tensors, are equal."""
+    out, start = {}, 0
+    for decl in gpt_params(cfg):
+        size = int(np.prod(decl.shape))
+        out[decl.name] = (start + np.arange(size, dtype=np.float64)).reshape(decl.shape) / 7.0
+        start += size
+    return out
+
+
+def written(writer, cfg, tmp_path) -> dict:
+    """The safetensors tensors ``writer`` puts in a directory, by file name
+    (the hub's ``transformer.`` and ``model.`` prefixes kept as written)."""
+    tensors = distinct(cfg)
+    writer(tmp_path / "hf", tensors, cfg)
+    out = {}
+    for f in sorted((tmp_path / "hf").glob("*.safetensors")):
+        out.update(load_file(f))
+    return tensors, out, json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+def llama_layout(cfg, t: dict, prefix: str = "model.") -> dict:
+    """LlamaForCausalLM's tensors from mpicube's ``t``, as transformers
+    documents them (every linear (out, in), q/k/v and gate/up split by
+    their widths); without the MLP of a mixture."""
+    hd, F = cfg.n_embd // cfg.n_head, cfg.ffn
+    q, kv = cfg.n_head * hd, cfg.kv_heads * hd
+    want = {prefix + "embed_tokens.weight": t["wte"], prefix + "norm.weight": t["ln_f.weight"]}
+    if "lm_head" in t:
+        want["lm_head.weight"] = t["lm_head"]                                       # (V, h) both sides
+    for i in range(cfg.n_layer):
+        p, c_attn = f"{prefix}layers.{i}.", t[f"h.{i}.attn.c_attn.weight"]          # (h, q + 2 kv)
+        want.update({p + "input_layernorm.weight": t[f"h.{i}.ln_1.weight"],
+                     p + "post_attention_layernorm.weight": t[f"h.{i}.ln_2.weight"],
+                     p + "self_attn.q_proj.weight": c_attn[:, :q].T,                # (n_head hd, h)
+                     p + "self_attn.k_proj.weight": c_attn[:, q:q + kv].T,          # (n_kv_head hd, h)
+                     p + "self_attn.v_proj.weight": c_attn[:, q + kv:].T,
+                     p + "self_attn.o_proj.weight": t[f"h.{i}.attn.c_proj.weight"].T})
+        if not cfg.n_experts:
+            c_fc = t[f"h.{i}.mlp.c_fc.weight"]                                       # (h, 2F)
+            want.update({p + "mlp.gate_proj.weight": c_fc[:, :F].T, p + "mlp.up_proj.weight": c_fc[:, F:].T,
+                         p + "mlp.down_proj.weight": t[f"h.{i}.mlp.c_proj.weight"].T})
+    return want
+
+
+def mixtral_hub_layout(cfg, t: dict, prefix: str = "model.") -> dict:
+    """MixtralForCausalLM's files: Llama's attention, and per layer the
+    router ``block_sparse_moe.gate`` (E, h) and expert e's w1 (gate, (F, h)),
+    w3 (up) and w2 (down, (h, F))."""
+    F, want = cfg.ffn, llama_layout(cfg, t, prefix)
+    for i in range(cfg.n_layer):
+        p = f"{prefix}layers.{i}.block_sparse_moe."
+        want[p + "gate.weight"] = t[f"h.{i}.moe.router.weight"].T                     # (E, h)
+        for e in range(cfg.n_experts):
+            c_fc = t[f"h.{i}.moe.experts.{e}.c_fc.weight"]                           # (h, 2F)
+            want.update({f"{p}experts.{e}.w1.weight": c_fc[:, :F].T, f"{p}experts.{e}.w3.weight": c_fc[:, F:].T,
+                         f"{p}experts.{e}.w2.weight": t[f"h.{i}.moe.experts.{e}.c_proj.weight"].T})
+    return want
+
+
+def mixtral_fused_layout(cfg, t: dict) -> dict:
+    """transformers 5's in-memory Mixtral: ``mlp.gate`` (E, h), and every
+    expert of a layer in ``mlp.experts.gate_up_proj`` (E, 2F, h, rows
+    [gate | up]) and ``mlp.experts.down_proj`` (E, h, F)."""
+    want = llama_layout(cfg, t)
+    for i in range(cfg.n_layer):
+        p, E = f"model.layers.{i}.mlp.", range(cfg.n_experts)
+        want[p + "gate.weight"] = t[f"h.{i}.moe.router.weight"].T
+        want[p + "experts.gate_up_proj"] = np.stack([t[f"h.{i}.moe.experts.{e}.c_fc.weight"].T for e in E])
+        want[p + "experts.down_proj"] = np.stack([t[f"h.{i}.moe.experts.{e}.c_proj.weight"].T for e in E])
+    return want
+
+
+def gpt2_layout(cfg, t: dict, prefix: str) -> dict:
+    """GPT2LMHeadModel: Conv1D weights stored (in, out) as mpicube's, so
+    every tensor keeps its name and orientation; wte/wpe gain ``.weight``."""
+    want = {prefix + "wte.weight": t["wte"], prefix + "wpe.weight": t["wpe"]}
+    want.update({prefix + n: a for n, a in t.items() if n not in ("wte", "wpe")})
+    return want
+
+
+def assert_positions(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    for name, a in want.items():
+        assert got[name].shape == a.shape and np.array_equal(got[name], a), f"{name}: not where transformers has it"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_written_hf_files_hold_every_tensor_where_transformers_documents_it(family, tmp_path):
+    """The shared read/write tables, write direction, by position; the
+    round trips of tests/test_formats.py then pin the read direction."""
+    if family == "gpt2":
+        t, got, doc = written(hf.write, GPT2, tmp_path)
+        prefix = "transformer." if any(n.startswith("transformer.") for n in got) else ""
+        assert_positions(got, gpt2_layout(GPT2, t, prefix))
+        assert doc["architectures"] == ["GPT2LMHeadModel"]
+    elif family == "llama":
+        t, got, doc = written(hf_llama.write, LLAMA, tmp_path)
+        assert_positions(got, llama_layout(LLAMA, t))
+        assert doc["architectures"] == ["LlamaForCausalLM"] and doc["num_key_value_heads"] == 2
+    else:
+        t, got, doc = written(hf_mixtral.write, MIXTRAL, tmp_path)
+        assert_positions(got, mixtral_hub_layout(MIXTRAL, t))
+        assert doc["architectures"] == ["MixtralForCausalLM"] and doc["num_local_experts"] == 4
+
+
+def test_a_mixtral_expert_computes_what_transformers_computes_from_the_file(tmp_path):
+    """Which half of c_fc is the gate: expert 2 of layer 1 on random
+    tokens, transformers' way from the written w1/w3/w2 (silu of w1's output
+    times w3's, through w2) and mpicube's way (c_fc, swiglu_forward, c_proj)
+    on random weights, equal to 1e-14; a Llama MLP (gate_proj, up_proj,
+    down_proj) likewise."""
+    rng = np.random.default_rng(48)
+    x = rng.standard_normal((3, MIXTRAL.n_embd))                                      # (n, h)
+
+    def silu(v):
+        return v / (1 + np.exp(-v))
+
+    for cfg, writer, key, theirs in (
+            (MIXTRAL, hf_mixtral.write, "h.1.moe.experts.2.",
+             ("model.layers.1.block_sparse_moe.experts.2.w1.weight",
+              "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+              "model.layers.1.block_sparse_moe.experts.2.w2.weight")),
+            (LLAMA, hf_llama.write, "h.1.mlp.",
+             ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight",
+              "model.layers.1.mlp.down_proj.weight"))):
+        t = {d.name: rng.standard_normal(d.shape) for d in gpt_params(cfg)}
+        out = tmp_path / key.replace(".", "_")
+        writer(out, t, cfg)
+        f = {}
+        for path in out.glob("*.safetensors"):
+            f.update(load_file(path))
+        w1, w3, w2 = (f[n] for n in theirs)                                           # (F, h), (F, h), (h, F)
+        want = (silu(x @ w1.T) * (x @ w3.T)) @ w2.T                                   # (n, h)
+        hidden, _ = swiglu_forward(x @ t[key + "c_fc.weight"])                        # (n, F)
+        got = hidden @ t[key + "c_proj.weight"]                                       # (n, h)
+        assert np.abs(got - want).max() <= 1e-14 * np.abs(want).max(), key
+
+
+@pytest.mark.parametrize("make", [namemaps.hf_gpt2, namemaps.hf_llama, namemaps.hf_mixtral_hub, namemaps.hf_mixtral],
+                         ids=["hf_gpt2", "hf_llama", "hf_mixtral_hub", "hf_mixtral"])
+def test_each_hf_name_map_puts_every_tensor_where_transformers_documents_it(make):
+    """check/namemaps.py's Hugging Face maps, both directions, by position:
+    from_trace gives the documented layout, to_trace of the documented
+    layout gives the trace's tensors back."""
+    cfg = {namemaps.hf_gpt2: GPT2, namemaps.hf_llama: LLAMA}.get(make, MIXTRAL)
+    trace_cfg = cfg.to_dict()
+    t = distinct(cfg)
+    assert sorted(t) == sorted(names.param_shapes(trace_cfg))
+    want = {namemaps.hf_gpt2: lambda: gpt2_layout(cfg, t, "transformer."),
+            namemaps.hf_llama: lambda: llama_layout(cfg, t),
+            namemaps.hf_mixtral_hub: lambda: mixtral_hub_layout(cfg, t),
+            namemaps.hf_mixtral: lambda: mixtral_fused_layout(cfg, t)}[make]()
+    m = make(trace_cfg)
+    got = m.from_trace(t)
+    assert_positions(got, want)
+    back = m.to_trace(want)
+    assert sorted(back) == sorted(t) and all(np.array_equal(back[n], t[n]) for n in t)
