@@ -1,7 +1,7 @@
 """Hugging Face layouts checked by position, without torch (issue 48).
 
 mpicube's Hugging Face tables (the files' read/write table of
-files/formats/hf.py, hf_llama.py, hf_mixtral.py; the name maps of
+files/formats/hf.py, hf_llama.py, hf_mixtral.py, hf_deepseek.py; the name maps of
 check/namemaps.py) are each used both ways, so a round trip through one is
 the identity even when the table is wrong: a Mixtral table that swapped w1
 and w3 (gate and up) reads back what it wrote. The tests that compare with
@@ -32,7 +32,8 @@ from safetensors.numpy import load_file
 
 from mpicube.check import namemaps, names
 from mpicube.core.config import ModelConfig
-from mpicube.files.formats import hf, hf_llama, hf_mixtral
+from mpicube.files.formats import hf, hf_deepseek, hf_llama, hf_mixtral
+from mpicube.files.formats.hf_deepseek_config import parse_config as deepseek_config
 from mpicube.model.gpt import gpt_params
 from mpicube.ops.llama import swiglu_forward
 
@@ -42,12 +43,26 @@ MIXTRAL = ModelConfig(vocab_size=11, n_ctx=5, n_layer=2, n_head=4, n_embd=8, arc
                       ffn_hidden=6, n_experts=4, top_k=2)
 
 
+# a DeepSeek-V3 in transformers' config spelling: q compressed, 4 routed experts and a shared one, layer 0
+# dense, one MTP module (stored as layer 2)
+DEEPSEEK = deepseek_config("<test>", {
+    "model_type": "deepseek_v3", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 10,
+    "moe_intermediate_size": 3, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "max_position_embeddings": 8, "q_lora_rank": 5, "kv_lora_rank": 4, "qk_rope_head_dim": 2, "qk_nope_head_dim": 2,
+    "v_head_dim": 3, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 1, "rope_theta": 50.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "hidden_act": "silu"})
+
+
 def distinct(cfg) -> dict:
     """{mpicube name: tensor} in which no two elements, of any tensors, are equal."""
+    shapes = {d.name: d.shape for d in gpt_params(cfg)} if isinstance(cfg, ModelConfig) else \
+        hf_deepseek.param_shapes(cfg)
     out, start = {}, 0
-    for decl in gpt_params(cfg):
-        size = int(np.prod(decl.shape))
-        out[decl.name] = (start + np.arange(size, dtype=np.float64)).reshape(decl.shape) / 7.0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        out[name] = (start + np.arange(size, dtype=np.float64)).reshape(shape) / 7.0
         start += size
     return out
 
@@ -115,6 +130,46 @@ def mixtral_fused_layout(cfg, t: dict) -> dict:
     return want
 
 
+def deepseek_layout(d, t: dict) -> dict:
+    """DeepseekV3ForCausalLM's tensors as transformers (and DeepSeek's
+    checkpoint, for the MTP module) lay them out: every nn.Linear (out,
+    in); the dense MLP, each routed expert and the shared experts as
+    gate_proj / up_proj / down_proj (c_fc's halves and c_proj); the router
+    ``mlp.gate`` (E, C) with its ``e_score_correction_bias``; MTP module 0
+    as layer L with enorm, hnorm, eh_proj (C, 2C) and its shared head's
+    norm, plus copies of the embedding and the head."""
+    want = {"model.embed_tokens.weight": t["wte"], "model.norm.weight": t["ln_f.weight"], "lm_head.weight": t["lm_head"]}
+
+    def block(p, q, moe):                          # p: HF prefix, q: mpicube prefix
+        a, m = p + "self_attn.", p + "mlp."
+        want.update({p + "input_layernorm.weight": t[q + "ln_1.weight"],
+                     p + "post_attention_layernorm.weight": t[q + "ln_2.weight"],
+                     a + "q_a_proj.weight": t[q + "attn.q_down.weight"].T, a + "q_a_layernorm.weight": t[q + "attn.q_norm.weight"],
+                     a + "q_b_proj.weight": t[q + "attn.q_up.weight"].T,
+                     a + "kv_a_proj_with_mqa.weight": t[q + "attn.kv_down.weight"].T,
+                     a + "kv_a_layernorm.weight": t[q + "attn.kv_norm.weight"],
+                     a + "kv_b_proj.weight": t[q + "attn.kv_up.weight"].T, a + "o_proj.weight": t[q + "attn.c_proj.weight"].T})
+        mlps = {m: q + "mlp."} if not moe else {m + "shared_experts.": q + "moe.shared.",
+                                                **{f"{m}experts.{e}.": f"{q}moe.experts.{e}." for e in range(d.n_routed_experts)}}
+        for theirs, ours in mlps.items():
+            c_fc = t[ours + "c_fc.weight"]                                           # (C, 2F)
+            F = c_fc.shape[1] // 2
+            want.update({theirs + "gate_proj.weight": c_fc[:, :F].T, theirs + "up_proj.weight": c_fc[:, F:].T,
+                         theirs + "down_proj.weight": t[ours + "c_proj.weight"].T})
+        if moe:
+            want.update({m + "gate.weight": t[q + "moe.router.weight"].T,
+                         m + "gate.e_score_correction_bias": t[q + "moe.router.score_bias"]})
+
+    for i in range(d.n_layer):
+        block(f"model.layers.{i}.", f"h.{i}.", i >= d.first_k_dense)
+    p, L = f"model.layers.{d.n_layer}.", d.n_layer
+    block(p, "mtp.0.", True)
+    want.update({p + "enorm.weight": t["mtp.0.enorm.weight"], p + "hnorm.weight": t["mtp.0.hnorm.weight"],
+                 p + "eh_proj.weight": t["mtp.0.proj.weight"].T, p + "shared_head.norm.weight": t["mtp.0.ln_f.weight"],
+                 p + "embed_tokens.weight": t["wte"], p + "shared_head.head.weight": t["lm_head"]})
+    return want
+
+
 def gpt2_layout(cfg, t: dict, prefix: str) -> dict:
     """GPT2LMHeadModel: Conv1D weights stored (in, out) as mpicube's, so
     every tensor keeps its name and orientation; wte/wpe gain ``.weight``."""
@@ -129,7 +184,7 @@ def assert_positions(got: dict, want: dict) -> None:
         assert got[name].shape == a.shape and np.array_equal(got[name], a), f"{name}: not where transformers has it"
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "deepseek"])
 def test_written_hf_files_hold_every_tensor_where_transformers_documents_it(family, tmp_path):
     """The shared read/write tables, write direction, by position; the
     round trips of tests/test_formats.py then pin the read direction."""
@@ -142,10 +197,16 @@ def test_written_hf_files_hold_every_tensor_where_transformers_documents_it(fami
         t, got, doc = written(hf_llama.write, LLAMA, tmp_path)
         assert_positions(got, llama_layout(LLAMA, t))
         assert doc["architectures"] == ["LlamaForCausalLM"] and doc["num_key_value_heads"] == 2
-    else:
+    elif family == "mixtral":
         t, got, doc = written(hf_mixtral.write, MIXTRAL, tmp_path)
         assert_positions(got, mixtral_hub_layout(MIXTRAL, t))
         assert doc["architectures"] == ["MixtralForCausalLM"] and doc["num_local_experts"] == 4
+    else:
+        t, got, doc = written(hf_deepseek.write, DEEPSEEK, tmp_path)
+        assert_positions(got, deepseek_layout(DEEPSEEK, t))
+        assert doc["architectures"] == ["DeepseekV3ForCausalLM"] and doc["num_nextn_predict_layers"] == 1
+        _, back = hf_deepseek.read_tensors(tmp_path / "hf")
+        assert sorted(back) == sorted(t) and all(np.array_equal(back[n], t[n]) for n in t)
 
 
 def test_a_mixtral_expert_computes_what_transformers_computes_from_the_file(tmp_path):
