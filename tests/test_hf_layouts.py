@@ -138,19 +138,24 @@ def deepseek_layout(d, t: dict) -> dict:
     ``mlp.gate`` (E, C) with its ``e_score_correction_bias``; MTP module 0
     as layer L with enorm, hnorm, eh_proj (C, 2C) and its shared head's
     norm, plus copies of the embedding and the head."""
-    want = {"model.embed_tokens.weight": t["wte"], "model.norm.weight": t["ln_f.weight"], "lm_head.weight": t["lm_head"]}
+    want = {"model.embed_tokens.weight": t["wte"], "model.norm.weight": t["ln_f.weight"],
+            "lm_head.weight": t["lm_head"]}
 
     def block(p, q, moe):                          # p: HF prefix, q: mpicube prefix
         a, m = p + "self_attn.", p + "mlp."
         want.update({p + "input_layernorm.weight": t[q + "ln_1.weight"],
                      p + "post_attention_layernorm.weight": t[q + "ln_2.weight"],
-                     a + "q_a_proj.weight": t[q + "attn.q_down.weight"].T, a + "q_a_layernorm.weight": t[q + "attn.q_norm.weight"],
+                     a + "q_a_proj.weight": t[q + "attn.q_down.weight"].T,
+                     a + "q_a_layernorm.weight": t[q + "attn.q_norm.weight"],
                      a + "q_b_proj.weight": t[q + "attn.q_up.weight"].T,
                      a + "kv_a_proj_with_mqa.weight": t[q + "attn.kv_down.weight"].T,
                      a + "kv_a_layernorm.weight": t[q + "attn.kv_norm.weight"],
-                     a + "kv_b_proj.weight": t[q + "attn.kv_up.weight"].T, a + "o_proj.weight": t[q + "attn.c_proj.weight"].T})
-        mlps = {m: q + "mlp."} if not moe else {m + "shared_experts.": q + "moe.shared.",
-                                                **{f"{m}experts.{e}.": f"{q}moe.experts.{e}." for e in range(d.n_routed_experts)}}
+                     a + "kv_b_proj.weight": t[q + "attn.kv_up.weight"].T,
+                     a + "o_proj.weight": t[q + "attn.c_proj.weight"].T})
+        mlps = {m: q + "mlp."}
+        if moe:
+            mlps = {m + "shared_experts.": q + "moe.shared.",
+                    **{f"{m}experts.{e}.": f"{q}moe.experts.{e}." for e in range(d.n_routed_experts)}}
         for theirs, ours in mlps.items():
             c_fc = t[ours + "c_fc.weight"]                                           # (C, 2F)
             F = c_fc.shape[1] // 2
