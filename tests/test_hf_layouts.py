@@ -167,7 +167,7 @@ def deepseek_layout(d, t: dict) -> dict:
 
     for i in range(d.n_layer):
         block(f"model.layers.{i}.", f"h.{i}.", i >= d.first_k_dense)
-    p, L = f"model.layers.{d.n_layer}.", d.n_layer
+    p = f"model.layers.{d.n_layer}."
     block(p, "mtp.0.", True)
     want.update({p + "enorm.weight": t["mtp.0.enorm.weight"], p + "hnorm.weight": t["mtp.0.hnorm.weight"],
                  p + "eh_proj.weight": t["mtp.0.proj.weight"].T, p + "shared_head.norm.weight": t["mtp.0.ln_f.weight"],
