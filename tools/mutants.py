@@ -165,7 +165,7 @@ def run_tests(copy: Path, tests: tuple, plain: bool, hide: Path, timeout: float)
     except subprocess.TimeoutExpired:
         return "timeout", time.monotonic() - start, f"over {timeout:.0f} s"
     lines = proc.stdout.strip().splitlines()
-    failed = next((ln.split()[1] for ln in lines if ln.startswith(("FAILED ", "ERROR "))), None)
+    failed = next((ln.split(" ", 1)[1].split(" - ")[0] for ln in lines if ln.startswith(("FAILED ", "ERROR "))), None)
     return proc.returncode, time.monotonic() - start, failed or (lines[-1] if lines else proc.stderr.strip()[-200:])
 
 
