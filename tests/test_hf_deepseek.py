@@ -9,7 +9,7 @@ config reader's refusals (no torch needed).
 
 transformers computes RMSNorm, the rotary tables, eager attention's
 softmax and the router in float32 even in a float64 model; the tests
-patch those to float64 (``float64_reference``) so that two float64
+patch those to float64 (tests/hf_float64.py) so that two float64
 computations are compared, to 1e-12.
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import deepseek_reference as ref
+import hf_float64
 from mpicube.files.formats import hf_deepseek
 from mpicube.files.formats.base import FormatError
 from mpicube.files.formats.hf_deepseek_config import parse_config
@@ -49,47 +50,8 @@ def hf(monkeypatch):
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
     modeling = transformers.models.deepseek_v3.modeling_deepseek_v3
-    F = torch.nn.functional
-
-    def rms_forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rope_forward(self, x, position_ids):
-        cfg = self.config
-        dim = cfg.qk_rope_head_dim
-        inv = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angles = position_ids[..., None].double() * inv
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-    def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        w = torch.matmul(query, key.transpose(2, 3)) * scaling
-        if attention_mask is not None:
-            w = w + attention_mask
-        w = F.softmax(w, dim=-1)                                   # in float64
-        return torch.matmul(w, value).transpose(1, 2).contiguous(), w
-
-    def router_forward(self, hidden_states):
-        hidden_states = hidden_states.view(-1, self.hidden_dim)
-        logits = F.linear(hidden_states, self.weight)              # float64 throughout
-        scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias
-        groups = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
-        idx = torch.topk(groups, k=self.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(groups).scatter_(1, idx, 1)
-        mask = mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(
-            -1, self.num_experts)
-        choice = choice.masked_fill(~mask.bool(), float("-inf"))
-        top = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-        w = scores.gather(1, top)
-        if self.norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return logits, w * self.routed_scaling_factor, top
-
-    monkeypatch.setattr(modeling.DeepseekV3RMSNorm, "forward", rms_forward)
-    monkeypatch.setattr(modeling.DeepseekV3RotaryEmbedding, "forward", rope_forward)
-    monkeypatch.setattr(modeling, "eager_attention_forward", eager)
-    monkeypatch.setattr(modeling.DeepseekV3TopkRouter, "forward", router_forward)
+    patched = hf_float64.patch(monkeypatch, torch, modeling)
+    assert {"DeepseekV3TopkRouter", "eager_attention_forward"} <= set(patched), patched
     torch.manual_seed(0)
     return torch, transformers, modeling
 
