@@ -115,8 +115,8 @@ def test_mla_equals_transformers_attention(hf, q_rank, interleave, rope):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
 
 
-RELEASED = {"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840,
+RELEASED = {"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840,
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40,
                                 "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                                 "mscale": 1.0, "mscale_all_dim": 1.0}}
@@ -338,6 +338,13 @@ def test_config_round_trips_and_reads_deepseeks_spelling():
     assert (d.q_lora_rank, d.seq_aux_loss_coef, d.mtp_depth) == (0, 0.001, 1)
     shapes = hf_deepseek.param_shapes(d)
     assert "h.0.attn.q_proj.weight" in shapes and "mtp.0.proj.weight" in shapes
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}                      # the released config's, spelled as it is
+    d = parse_config("x", dict(released, rope_scaling=yarn))
+    assert d.rope_scaling.factor == 40.0 and d.softmax_factor == pytest.approx((0.1 * np.log(40) + 1) ** 2)
+    assert parse_config("x", hf_deepseek.config_json(d)) == d
+    assert parse_config("x", dict(released, rope_parameters={**YARN, "rope_theta": 1e4}, rope_scaling=YARN)) == \
+        parse_config("x", dict(released, rope_parameters={**YARN, "rope_theta": 1e4}))
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -368,9 +375,13 @@ def test_config_round_trips_and_reads_deepseeks_spelling():
     ("first_k_dense_replace", 4, "first_k_dense_replace"),
     ("norm_topk_prob", "yes", "norm_topk_prob"),
     ("num_nextn_predict_layers", -1, "num_nextn_predict_layers"),
+    ("rope_scaling", {**YARN, "factor": 8}, "rope_scaling = "),          # beside rope_parameters, disagreeing
 ])
 def test_unsupported_config_is_refused_by_name(field, value, words):
+    doc = dict(BASE, **{field: value})
+    if words == "rope_scaling = ":
+        doc["rope_parameters"] = {**YARN, "rope_theta": 1e4}
     with pytest.raises(FormatError) as e:
-        parse_config("dir", dict(BASE, **{field: value}))
+        parse_config("dir", doc)
     message = str(e.value)
     assert words in message and "\n" not in message and message.startswith("dir/config.json: ")
