@@ -116,7 +116,8 @@ def test_mla_equals_transformers_attention(hf, q_rank, interleave, rope):
 
 
 RELEASED = {"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
-            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+            "max_position_embeddings": 163840,
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40,
                                 "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                                 "mscale": 1.0, "mscale_all_dim": 1.0}}

@@ -79,7 +79,8 @@ def build_mixtral(tmp_path_factory, monkeypatch):
         hf_aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(first.router_logits, E, K)
         model.generation_config.eos_token_id = None                # no stop token: four greedy tokens
         greedy = model.generate(x[:1, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)[0, 3:]
-    return dict(greedy=[int(t) for t in greedy], dir=tmp / "mixtral", tokens=tmp / "tokens.bin", ce=float(ce), x=x.numpy(), y=y.numpy(),
+    return dict(greedy=[int(t) for t in greedy], dir=tmp / "mixtral", tokens=tmp / "tokens.bin", ce=float(ce),
+                x=x.numpy(), y=y.numpy(),
                 ce_first=float(ce_first), aux_first=aux_float64(torch, first.router_logits), hf_aux=float(hf_aux))
 
 
