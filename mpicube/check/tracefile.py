@@ -158,8 +158,7 @@ def check_self_contained(f, path) -> None:
 
     problem = f.visititems(dataset)
     if problem is not None:
-        raise UserError(problem + (" (a trace is one self-contained file)" if "virtual" in problem
-                                   or "external" in problem else ""))
+        raise UserError(problem)
 
 
 NUMBERS = "biuf"        # numpy kinds a trace's datasets may hold: bool, signed, unsigned, float

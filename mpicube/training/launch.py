@@ -55,8 +55,12 @@ class Launch:
         if o.batch_size is not None:
             self._plan_data()
 
+        vocab = None if o.resume else self.cfg.vocab_size
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
-            on_root(self.world, lambda: formats.open_model(o.init_from, verify=False).close())
+            vocab = on_root(self.world, lambda: _vocab_of(o.init_from))
+        self.vocab_checked = False
+        if vocab is not None and o.batch_size is not None:   # a token past the vocabulary: no run directory either
+            self._check_vocab(vocab)
         if self.run is not None:                         # a model too large for the host: no run directory
             require_host_room(self.run, o.numerics, self.world)
         if self.keep_files:
@@ -75,9 +79,8 @@ class Launch:
             self._resolve()
             if not planned:
                 self._plan_data()
-        on_root(self.world, lambda: data.check_vocab(self.train_tokens, self.cfg.vocab_size, self.train_path))
-        if self.eval_batches:
-            on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
+        if not self.vocab_checked or vocab != self.cfg.vocab_size:
+            self._check_vocab(self.cfg.vocab_size)
         self.parts = build_parts(self.run, self.world, o.numerics, o.seed, o.dropout,
                                  recorder=self.recorder)
         for note in (recompute_note(self.parts.layout, o.recompute), self.run.pipeline_note):
@@ -117,6 +120,14 @@ class Launch:
         self.eval_batches = self.data_plan.eval_batches          # 0: no validation
         self.notes += self.data_plan.notes
         self.loader = data.TrainLoader(self.train_tokens, o.batch_size, o.seq_len, o.seed)
+
+    def _check_vocab(self, vocab_size: int) -> None:
+        """Every token id of the training and validation shards inside the
+        model's vocabulary (rank 0 scans; its DataError reaches every rank)."""
+        on_root(self.world, lambda: data.check_vocab(self.train_tokens, vocab_size, self.train_path))
+        if self.eval_batches:
+            on_root(self.world, lambda: data.check_vocab(self.val_tokens, vocab_size, self.val_path))
+        self.vocab_checked = True
 
     def _prepare_run_dir(self) -> tuple:
         """Rank 0: (run directory, this job's name for its temporary files,
@@ -264,6 +275,13 @@ class Launch:
         self.metrics = rundir.open_metrics(self.run_dir, self.start_step, said)
         return said
 
+
+
+def _vocab_of(path) -> int:
+    """The vocabulary size of the model file ``path``, opened and closed
+    (a file refused here is refused before any run directory exists)."""
+    with formats.open_model(path, verify=False) as model:
+        return model.config.vocab_size
 
 
 def _str_or_none(path) -> Optional[str]:
