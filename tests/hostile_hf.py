@@ -119,7 +119,7 @@ def make_cases(root: Path, out: Path) -> list:
     # 7. symbolic links out of a model directory
     def linked(name, rel, target_dir=outside):
         path = model_dir(root / name, LLAMA_TINY)
-        target = target_dir / f"{name}-{rel.replace('/', '-')}"
+        target = (target_dir / f"{name}-{rel.replace('/', '-')}").resolve()
         shutil.move(path / rel, target)
         os.symlink(target, path / rel)
         return path
@@ -131,7 +131,7 @@ def make_cases(root: Path, out: Path) -> list:
     hf_llama.write(sharded, tensors(LLAMA_TINY), LLAMA_TINY, max_shard_bytes=20_000)
     shard = sorted(sharded.glob("model-*.safetensors"))[-1]
     shutil.move(shard, outside / shard.name)
-    os.symlink(outside / shard.name, shard)
+    os.symlink((outside / shard.name).resolve(), shard)
     cases += readers("link-index-shard-out", sharded, out, outside_link)
     inner = model_dir(root / "link-inside", LLAMA_TINY)              # a link inside the directory: read
     (inner / "weights").mkdir()

@@ -84,3 +84,40 @@ def test_a_20000_tensor_index_over_one_shard_is_read_in_linear_time(tmp_path):
     with pytest.raises(FormatError, match=r"unexpected tensor 'extra.0'"):
         hf.HFModel(path)
     assert time.process_time() - t0 < 2.0
+
+
+@pytest.mark.parametrize("field", ["rms_eps", "rope_theta", "router_aux_loss_coef", "router_z_loss_coef"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, 2e3])
+def test_one_float_rule_on_every_path(field, value):
+    """The command line, a checkpoint's config and (where Hugging Face has
+    the field) config.json refuse a float the same way, in the same words."""
+    from mpicube.core.config import ModelConfig, float_problem, moe_fields, family_fields
+    from mpicube.core.errors import ConfigError
+
+    if field in ("rms_eps", "rope_theta") and value == 2e3:
+        value = 0.5 if field == "rope_theta" else 2.0             # past the other end of their ranges
+    why = float_problem(field, value)
+    assert why is not None and why.startswith("must be a finite number in ")
+    option = "--" + field.replace("_", "-")
+    with pytest.raises(ConfigError, match=re.escape(f"{option} {why}")):
+        if field.startswith("router"):
+            moe_fields(n_experts=2, top_k=1, **{field: value})
+        else:
+            family_fields("llama", **{field: value})
+    stored = {**LLAMA_STORED, field: value}
+    with pytest.raises(ValueError, match=re.escape(f"{field} {why}")):
+        ModelConfig.from_dict(stored)
+    hf_name = {"rms_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+               "router_aux_loss_coef": "router_aux_loss_coef"}.get(field)
+    if hf_name is not None:
+        from mpicube.files.formats import hf_mixtral
+
+        doc = {**hf_mixtral.config_json(hostile_hf.MIXTRAL_TINY), hf_name: value}
+        doc.pop("rope_parameters", None)
+        with pytest.raises(FormatError, match=re.escape(f"{hf_name} = ") + r".* is not supported: it "
+                           + re.escape(why)):
+            hf_mixtral.parse_config(Path("d"), doc)
+    assert float_problem(field, {"rms_eps": 1e-6, "rope_theta": 1e4}.get(field, 0.01)) is None
+
+
+LLAMA_STORED = hostile_hf.MIXTRAL_TINY.to_dict()

@@ -144,7 +144,7 @@ def check_self_contained(f, path) -> None:
                    "of hard links; refused)"
         return None
 
-    problem = f.visititems_links(link)
+    problem = f.visititems_links(link) if hasattr(f, "visititems_links") else _walk_links(f, link)
     if problem is not None:
         raise UserError(problem)
 
@@ -162,6 +162,28 @@ def check_self_contained(f, path) -> None:
 
 
 NUMBERS = "biuf"        # numpy kinds a trace's datasets may hold: bool, signed, unsigned, float
+
+
+def _walk_links(f, visit):
+    """``f.visititems_links(visit)`` for h5py before 3.11: every link once,
+    a group reached by several hard links (or a cycle) entered once."""
+    import h5py
+
+    seen, todo = set(), [("", f)]
+    while todo:
+        prefix, group = todo.pop()
+        if group.id in seen:
+            continue
+        seen.add(group.id)
+        for key in group:
+            name = prefix + key
+            link = group.get(key, getlink=True)
+            problem = visit(name, link)
+            if problem is not None:
+                return problem
+            if isinstance(link, h5py.HardLink) and isinstance(group.get(key), h5py.Group):
+                todo.append((name + "/", group[key]))
+    return None
 
 
 def datasets(f, path=None) -> dict:
