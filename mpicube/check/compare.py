@@ -45,9 +45,9 @@ from ..core.errors import UserError
 from . import tolerance as tol
 from .measure import Row, measure
 from .names import STEP_KINDS, depth, missing_by_version, ordered, step_of
-from .shards import is_sharded
+from .shards import is_sharded, stored_shape
 from .tracefile import (DTYPES, REQUIRED_ATTRS, datasets, describe, expected_dtype, open_trace, read_block,
-                        read_config, read_tensor, steps_present, stored_shape, trace_dtype, version)
+                        read_config, read_tensor, steps_present, trace_dtype, version)
 
 RANGE_CHECKED = 1000        # a range of missing steps longer than this is never allowed (each step is not matched)
 

@@ -70,13 +70,29 @@ def write(group_parent, name: str, tensor: Sharded, dtype) -> None:
             member.create_dataset(f"index_{d}", data=ix)
 
 
+def stored_shape(obj, path) -> tuple:
+    """The shape a dataset holds, or a sharded group declares (its
+    ``shape`` attribute, checked: non-negative integers), read without
+    reading any data."""
+    if not is_sharded(obj):
+        return tuple(obj.shape)
+    raw = obj.attrs.get("shape", ())
+    try:
+        shape = tuple(int(n) for n in np.atleast_1d(raw)) if np.size(raw) else ()
+        ok = np.asarray(raw).dtype.kind in "iu" and all(n >= 0 for n in shape) and len(shape) <= 32
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise UserError(f"{path}: sharded tensor {obj.name.lstrip('/')}: its 'shape' attribute "
+                        f"{str(raw)[:60]!r} is not a list of sizes")
+    return shape
+
+
 def assemble(group, path, rtol: float, atol: float):
     """(tensor, problem or "") from a sharded group: the logical tensor,
     and a divergence to report - elements no rank holds, or replicas that
     part by more than ``atol + rtol * scale`` (naming the ranks). A block
     that cannot be placed is bad input."""
-    from .tracefile import stored_shape
-
     name = group.name.lstrip("/")
     shape = stored_shape(group, path)
     work = shape or (1,)                              # a scalar (a replicated loss) as one element

@@ -236,24 +236,6 @@ def guarded(dataset, path, read):
                         f"(truncated or damaged file: {reason})") from None
 
 
-def stored_shape(obj, path) -> tuple:
-    """The shape a dataset holds, or a sharded group declares (its
-    ``shape`` attribute, checked: non-negative integers), read without
-    reading any data."""
-    if not is_sharded(obj):
-        return tuple(obj.shape)
-    raw = obj.attrs.get("shape", ())
-    try:
-        shape = tuple(int(n) for n in np.atleast_1d(raw)) if np.size(raw) else ()
-        ok = np.asarray(raw).dtype.kind in "iu" and all(n >= 0 for n in shape) and len(shape) <= 32
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise UserError(f"{path}: sharded tensor {obj.name.lstrip('/')}: its 'shape' attribute "
-                        f"{str(raw)[:60]!r} is not a list of sizes")
-    return shape
-
-
 def steps_present(names) -> set:
     """The step numbers that have a ``step_%d`` group with data."""
     return {step_of(n) for n in names} - {0}
