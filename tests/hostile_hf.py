@@ -158,6 +158,11 @@ def make_cases(root: Path, out: Path) -> list:
                                "--val-data", data[1], "--eval-every", "1", "--eval-batches", "1", "--out", run],
                               rf"bad-{width}.bin: token {bad} at position 1,000 is outside the model's vocabulary",
                               [run]))
+    run = out / "vocab-init-from"                   # the vocabulary from a model file: refused before --out too
+    cases.append(Case("token 300 in the train shard (uint16), --init-from", [
+        "train", "--init-from", llama, "--seq-len", "16", "--batch-size", "4", "--steps", "1",
+        "--data", root / "bad-uint16.bin", "--out", run],
+        r"bad-uint16.bin: token 300 at position 1,000 is outside the model's vocabulary", [run]))
     return cases
 
 

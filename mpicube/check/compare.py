@@ -19,12 +19,11 @@ named in the order the computation happens (names.py):
 - a shape mismatch, a tensor stored in another dtype than the format's;
 - a missing required root attribute (``@dtype``, ``@steps``, ``@optimizer``;
   patterns allow them too). Without ``dtype`` the tolerance follows the
-  data's dtype, so a missing attribute never loosens it.
-
+  data's dtype, so a missing attribute never loosens it;
 - a comparison that compared nothing, or a step both traces hold of which
   no activation, gradient or parameter was compared (a trace holding only
-  a loss),
-  whatever ``--allow-missing`` allows: an empty comparison proves nothing.
+  a loss), whatever ``--allow-missing`` allows: an empty comparison
+  proves nothing.
 
 Each compared tensor gets the per-dtype budget and the depth-aware bound
 (tolerance.py); the budget decides unless ``tolerance="depth"``. Memory is
@@ -124,7 +123,7 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
             differ = ", ".join(f"{k} {cfg_a.get(k, 'absent')} vs {cfg_b.get(k, 'absent')}" for k in keys
                                if cfg_a.get(k) != cfg_b.get(k))
             raise UserError(f"the traces are of different models: {differ}")
-        sets = {"A": datasets(fa, path_a), "B": datasets(fb, path_b)}
+        sets = {"A": datasets(fa), "B": datasets(fb)}
         files, paths = {"A": fa, "B": fb}, {"A": path_a, "B": path_b}
         found = {side: trace_dtype(files[side], sets[side]) for side in "AB"}
         for side, (dtype, _) in found.items():

@@ -40,7 +40,9 @@ def text(value):
 
 
 def open_trace(path):
-    """The h5py File of a trace, or a UserError saying why it is not one."""
+    """The h5py File of a trace, or a UserError saying why it is not one
+    (a file that is not self-contained among the reasons: every reader of
+    a trace, ``compare`` and ``reference``, gets only such files)."""
     import h5py
 
     p = Path(path)
@@ -64,6 +66,7 @@ def open_trace(path):
         if not known:
             raise UserError(f"{p}: trace version {text(version) if version is not None else 'missing'}, "
                             f"this mpicube reads versions {', '.join(map(str, READS))} (writes {VERSION})")
+        check_self_contained(f, p)
     except UserError:
         f.close()
         raise
@@ -186,12 +189,11 @@ def _walk_links(f, visit):
     return None
 
 
-def datasets(f, path=None) -> dict:
+def datasets(f) -> dict:
     """{path: dataset or sharded group} of every tensor in the file, opened
     once (h5py's lookup by path costs more than reading a small tensor); a
     sharded tensor (shards.py) is its group, not the datasets inside it.
-    The file is checked first (``check_self_contained``)."""
-    check_self_contained(f, path or f.filename)
+    ``open_trace`` checked the file (``check_self_contained``)."""
     found, sharded = {}, []
 
     def visit(name, obj):
