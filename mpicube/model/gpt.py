@@ -233,12 +233,16 @@ class GPT:
         """The final LayerNorm (None on a chunk without the head)."""
         return self.back[0].ln_f if self.back else None
 
-    def new_caches(self) -> list:
+    def new_caches(self, positions: int = None) -> list:
         """An empty key/value cache per block for this rank's sequences
         and kv heads (``Block.n_local_kv``: under grouped-query attention
-        fewer than its query heads), over the whole context."""
+        fewer than its query heads), over ``positions`` positions: what a
+        generation will use (the prompt plus the new tokens), the whole
+        context when not given. Sized from the context, a Llama declaring
+        2**26 positions would take gigabytes to write two tokens."""
         cfg, layout = self.cfg, self.layout
-        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), block.n_local_kv, cfg.n_ctx, cfg.head_dim,
+        n = cfg.n_ctx if positions is None else min(int(positions), cfg.n_ctx)
+        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), block.n_local_kv, n, cfg.head_dim,
                                 self.layout.backend.dtype) for block in self.blocks]
 
     def decode(self, idx, pos: int, caches: list):

@@ -28,7 +28,8 @@ from ..device.arrays import array_module
 
 
 class KVCache:
-    """Keys and values of one block for positions 0 .. n_ctx-1:
+    """Keys and values of one block for positions 0 .. n_ctx-1 (``n_ctx``:
+    the positions a generation uses, at most the model's context):
     (B_m, nkv, n_ctx, hd) each, for this rank's sequences and kv heads
     (its query heads under multi-head attention), in the activations' dtype."""
 

@@ -70,8 +70,12 @@ class Launch:
         if o.batch_size is not None:
             self._plan_data()
 
+        vocab = None if o.resume else self.cfg.vocab_size
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
-            on_root(self.world, self._check_init_from)
+            vocab = on_root(self.world, self._check_init_from)
+        self.vocab_checked = False
+        if vocab is not None and o.batch_size is not None:   # a token past the vocabulary: no run directory either
+            self._check_vocab(vocab)
         if self.run is not None:                         # a model too large for the host: no run directory
             require_host_room(self.run, o.numerics, self.world)
         if self.keep_files:
@@ -92,9 +96,8 @@ class Launch:
             self._resolve()
             if not planned:
                 self._plan_data()
-        on_root(self.world, lambda: data.check_vocab(self.train_tokens, self.cfg.vocab_size, self.train_path))
-        if self.eval_batches:
-            on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
+        if not self.vocab_checked or vocab != self.cfg.vocab_size:
+            self._check_vocab(self.cfg.vocab_size)
         self.parts = build_parts(self.run, self.world, o.numerics, o.seed, o.dropout,
                                  recorder=self.recorder)
         for note in (recompute_note(self.parts.layout, o.recompute), self.run.pipeline_note, self.run.tp_note):
@@ -134,6 +137,14 @@ class Launch:
         self.eval_batches = self.data_plan.eval_batches          # 0: no validation
         self.notes += self.data_plan.notes
         self.loader = data.TrainLoader(self.train_tokens, o.batch_size, o.seq_len, o.seed)
+
+    def _check_vocab(self, vocab_size: int) -> None:
+        """Every token id of the training and validation shards inside the
+        model's vocabulary (rank 0 scans; its DataError reaches every rank)."""
+        on_root(self.world, lambda: data.check_vocab(self.train_tokens, vocab_size, self.train_path))
+        if self.eval_batches:
+            on_root(self.world, lambda: data.check_vocab(self.val_tokens, vocab_size, self.val_path))
+        self.vocab_checked = True
 
     def _prepare_run_dir(self) -> tuple:
         """Rank 0: (run directory, this job's name for its temporary files,
@@ -212,13 +223,15 @@ class Launch:
                               f"({', '.join(differ)} not used)")
         return cfg
 
-    def _check_init_from(self) -> None:
+    def _check_init_from(self) -> int:
         """Rank 0: --init-from's file opens and its model is the one the
-        options ask for (shape and family), before the run directory is made."""
+        options ask for (shape and family), before the run directory is
+        made; returns its vocabulary size (the shards are checked against it)."""
         with formats.open_model(self.opts.init_from, verify=False) as model_file:
             said = list(self.notes)
             self._file_config(model_file)
             self.notes[:] = said                   # said again when the run opens the file
+            return model_file.config.vocab_size
 
     def _file_family(self, path, cfg: ModelConfig) -> ModelConfig:
         """The file's model under this run's family options: the file
