@@ -59,6 +59,11 @@ class Axes:
 
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
 
+# The kinds of linear a model asks a layout for (``Layout.linear``), named as
+# megatron-core's layer specs name them (docs/model.md, "Linear kinds").
+COLUMN = "first"          # column-parallel: canonical -> intermediate (c_attn, c_fc)
+ROW = "second"            # row-parallel: intermediate -> canonical (c_proj, mlp.c_proj)
+
 
 class Layout:
     """Base class; subclasses fill in sharding and the linear/embedding maps.
@@ -185,7 +190,7 @@ class Layout:
         self.head_ids = split_index(self.cfg.n_head, split, block)
         self.head_split = (split, block)
         nkv = self.cfg.kv_heads
-        if self.cfg.llama and split > nkv:
+        if split > nkv:                      # only grouped-query attention has fewer kv heads than query heads
             share = split // nkv
             self.kv_comm = tp.split("kv", line * nkv + block // share, block)
         return split, block

@@ -3,7 +3,8 @@ linear with Megatron's two all-reduce hooks (``DenseLinear``, serial's and
 1-D's), a replicated activation kept as a row shard (``RowShard``, 1-D's
 ``--recompute gathers``), a micro-batch's gathered embedding weight
 (``Panel``, which the model's tapes hold) and the norms over a hidden size
-that may be split (``LayerNorm``, ``RMSNorm``, chosen by ``make_norm``).
+that may be split (``LayerNorm``, ``RMSNorm``; a model family picks one,
+``model/families``).
 
 They follow the GEMM and precision conventions of ``base`` (``matmul_rows``,
 ``acc``, the bias helpers): compute with the store's working copy, add into
@@ -13,7 +14,6 @@ its float32 gradients, round to the activation format once.
 from __future__ import annotations
 
 from ... import ops
-from ...core.config import ModelConfig
 from ...device import precision
 from ..comm import Comm
 from ..comm_start import iallreduce
@@ -152,9 +152,3 @@ class RMSNorm:
         """dy (B, T, C_c) -> dx (B, T, C_c); adds into the weight's gradient."""
         return ops.rmsnorm_backward(dy, saved, self.gamma, self.dgamma, self.n_hidden, allsum=self.allsum)
 
-
-def make_norm(store: ParamStore, prefix: str, cfg: ModelConfig, comm: Comm = None):
-    """The block's normalisation for the model family: GPT-2's LayerNorm or Llama's RMSNorm."""
-    if cfg.llama:
-        return RMSNorm(store, prefix, cfg.n_embd, comm, cfg.rms_eps)
-    return LayerNorm(store, prefix, cfg.n_embd, comm)
