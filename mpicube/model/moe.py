@@ -30,7 +30,7 @@ from ..device import precision
 from ..device.arrays import array_module
 from ..ops import moe as router_ops
 from ..parallel.experts import Dispatch, local_experts
-from ..parallel.layouts.base import Layout
+from ..parallel.layouts.base import COLUMN, ROW, Layout
 from ..parallel.params import ParamDecl, ParamStore
 from .router import RouterLedger  # noqa: F401 (moe.RouterLedger: the ledger the block's MoE records into)
 from .moe_experts import LocalExperts
@@ -49,9 +49,9 @@ def moe_params(cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
     h, F, p = cfg.n_embd, cfg.ffn, f"h.{i}.moe."
     decls = [ParamDecl(p + "router.weight", (h, cfg.n_experts), "router", "normal", std, decay=True)]
     for e in range(cfg.n_experts):
-        decls += [ParamDecl(f"{p}experts.{e}.c_fc.weight", (h, 2 * F), "w_first", "normal", std, decay=True,
+        decls += [ParamDecl(f"{p}experts.{e}.c_fc.weight", (h, 2 * F), "w_column", "normal", std, decay=True,
                             groups=2),
-                  ParamDecl(f"{p}experts.{e}.c_proj.weight", (F, h), "w_second", "normal", resid_std, decay=True)]
+                  ParamDecl(f"{p}experts.{e}.c_proj.weight", (F, h), "w_row", "normal", resid_std, decay=True)]
     return decls
 
 
@@ -104,8 +104,8 @@ class MoE:
         self.ep = layout.axes.ep if layout.axes.ep is not None else SELF
         self.layout, self.hidden, self.seq = layout, layout.hidden_comm, layout.sequence_comm
         self.local = local_experts(cfg.n_experts, self.ep)                        # this rank's experts
-        self.local_experts = LocalExperts(layout, [(layout.expert_linear(store, f"{p}experts.{e}.c_fc", "first"),
-                                                    layout.expert_linear(store, f"{p}experts.{e}.c_proj", "second"))
+        self.local_experts = LocalExperts(layout, [(layout.expert_linear(store, f"{p}experts.{e}.c_fc", COLUMN),
+                                                    layout.expert_linear(store, f"{p}experts.{e}.c_proj", ROW))
                                                    for e in self.local], store.backend)
 
     def forward(self, x, ctx):

@@ -46,16 +46,16 @@ class GPT2(Family):
             decls += [
                 ParamDecl(p + "ln_1.weight", (h,), "norm", "ones"),
                 ParamDecl(p + "ln_1.bias", (h,), "norm", "zeros"),
-                ParamDecl(p + "attn.c_attn.weight", (h, 3 * h), "w_first", "normal", std, decay=True, groups=3),
-                ParamDecl(p + "attn.c_attn.bias", (3 * h,), "b_first", "zeros", groups=3),
-                ParamDecl(p + "attn.c_proj.weight", (h, h), "w_second", "normal", resid_std, decay=True),
-                ParamDecl(p + "attn.c_proj.bias", (h,), "b_second", "zeros"),
+                ParamDecl(p + "attn.c_attn.weight", (h, 3 * h), "w_column", "normal", std, decay=True, groups=3),
+                ParamDecl(p + "attn.c_attn.bias", (3 * h,), "b_column", "zeros", groups=3),
+                ParamDecl(p + "attn.c_proj.weight", (h, h), "w_row", "normal", resid_std, decay=True),
+                ParamDecl(p + "attn.c_proj.bias", (h,), "b_row", "zeros"),
                 ParamDecl(p + "ln_2.weight", (h,), "norm", "ones"),
                 ParamDecl(p + "ln_2.bias", (h,), "norm", "zeros"),
-                ParamDecl(p + "mlp.c_fc.weight", (h, 4 * h), "w_first", "normal", std, decay=True),
-                ParamDecl(p + "mlp.c_fc.bias", (4 * h,), "b_first", "zeros"),
-                ParamDecl(p + "mlp.c_proj.weight", (4 * h, h), "w_second", "normal", resid_std, decay=True),
-                ParamDecl(p + "mlp.c_proj.bias", (h,), "b_second", "zeros"),
+                ParamDecl(p + "mlp.c_fc.weight", (h, 4 * h), "w_column", "normal", std, decay=True),
+                ParamDecl(p + "mlp.c_fc.bias", (4 * h,), "b_column", "zeros"),
+                ParamDecl(p + "mlp.c_proj.weight", (4 * h, h), "w_row", "normal", resid_std, decay=True),
+                ParamDecl(p + "mlp.c_proj.bias", (h,), "b_row", "zeros"),
             ]
         decls += [ParamDecl("ln_f.weight", (h,), "norm", "ones"), ParamDecl("ln_f.bias", (h,), "norm", "zeros")]
         return decls

@@ -46,8 +46,8 @@ class Llama(Family):
         """Block i's MLP: c_fc [gate | up] (h, 2F) and c_proj (F, h)."""
         h, F, p = cfg.n_embd, cfg.ffn, f"h.{i}."
         return [
-            ParamDecl(p + "mlp.c_fc.weight", (h, 2 * F), "w_first", "normal", std, decay=True, groups=2),  # [gate|up]
-            ParamDecl(p + "mlp.c_proj.weight", (F, h), "w_second", "normal", resid_std, decay=True),
+            ParamDecl(p + "mlp.c_fc.weight", (h, 2 * F), "w_column", "normal", std, decay=True, groups=2),  # [gate|up]
+            ParamDecl(p + "mlp.c_proj.weight", (F, h), "w_row", "normal", resid_std, decay=True),
         ]
 
     def param_names(self, cfg):
@@ -72,9 +72,9 @@ class Llama(Family):
             p = f"h.{i}."
             decls += [
                 ParamDecl(p + "ln_1.weight", (h,), "norm", "ones"),
-                ParamDecl(p + "attn.c_attn.weight", (h, sum(qkv)), "w_first", "normal", std, decay=True, groups=qkv,
+                ParamDecl(p + "attn.c_attn.weight", (h, sum(qkv)), "w_column", "normal", std, decay=True, groups=qkv,
                           heads=(cfg.n_head, cfg.kv_heads, cfg.kv_heads)),
-                ParamDecl(p + "attn.c_proj.weight", (h, h), "w_second", "normal", resid_std, decay=True),
+                ParamDecl(p + "attn.c_proj.weight", (h, h), "w_row", "normal", resid_std, decay=True),
                 ParamDecl(p + "ln_2.weight", (h,), "norm", "ones"),
             ]
             decls += self.mlp_params(cfg, i, std, resid_std)
