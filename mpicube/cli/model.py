@@ -215,7 +215,7 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     from ..analysis.bench import bench_layout, format_table, threads_line
     from ..core.config import ModelConfig
     from ..files.data import VOCAB_SIZE
-    from ..model.llama import check_config as check_llama
+    from ..model.families import family_of
     from ..parallel.gridspec import Plan
     from ..parallel.planning import resolve
     from ..training.parts import Numerics, build_parts, recompute_note
@@ -230,8 +230,7 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     profile_dir = _profile_dir(out) if profile is not None else None
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                       **family_fields(**family))
-    if cfg.llama:                           # --n-kv-head dividing --n-head: before any layout says a word
-        check_llama(cfg)
+    family_of(cfg).check(cfg)               # Llama's --n-kv-head dividing --n-head: before any layout says a word
     from ..device import blas_kernel
 
     pinned = blas_kernel.pin_warning()

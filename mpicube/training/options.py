@@ -12,7 +12,7 @@ from typing import Optional
 from ..files import data
 from ..core.config import ModelConfig, family_fields
 from ..core.errors import ConfigError
-from ..model import llama
+from ..model.families import family_of
 from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
@@ -168,8 +168,8 @@ class TrainOptions:
         if self.file_decides_family:       # checked against the model file's family once it is open
             return
         family_fields(**self.family())
-        if self.arch in ("llama", "mixtral"):   # --n-kv-head dividing --n-head, an even head size: before any file
-            llama.check_config(self.model_config())
+        cfg = self.model_config()        # Llama's --n-kv-head dividing --n-head, an even head size: before any file
+        family_of(cfg).check(cfg)
 
     def loss_scaler(self):
         """A fresh LossScaler for --dtype float16, else None (ConfigError for
