@@ -136,10 +136,12 @@ def test_dense_linear():
     assert_close(store.grad["l.bias"], numeric_grad(loss, store.data["l.bias"]))
 
 
-def check_whole_model_gradient(cfg):
+def check_whole_model_gradient(cfg, prepare=None):
     """d loss / d every parameter of the serial model ``cfg`` describes,
     dropout on, against central differences; returns the store (callers
-    check its size). Every model family runs through this one check."""
+    check its size). Every model family runs through this one check.
+    ``prepare(store)``, if given, runs once the model is built (to set
+    its persistent buffers, say)."""
     from mpi4py import MPI
 
     from mpicube.device.backend import make_backend
@@ -155,6 +157,8 @@ def check_whole_model_gradient(cfg):
     size = store.flat.size
     store.flat[:] += rng.normal(0, 0.1, store.flat.shape)   # generic norm weights and biases
     model = make_runner(cfg, layout, store, dropout=0.1, seed=3)
+    if prepare is not None:
+        prepare(store)
     idx, tgt = rng.integers(0, cfg.vocab_size, (3, 5)), rng.integers(0, cfg.vocab_size, (3, 5))
     store.zero_grad()
     model.forward(idx, tgt, step=2)

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import click
 
 from .. import __version__
+from ..core.config import BIAS_UPDATES, DEEPSEEK_OPTIONS, ROUTERS
 from ..core.config import family_fields  # noqa: F401 (the family options' meaning, for the commands)
 
 try:                                    # Python >= 3.11
@@ -177,6 +178,7 @@ def arch_options(f):
 
 def moe_options(f):
     """A mixture of experts in Llama's MLP place (docs/moe.md)."""
+    f = deepseek_moe_options(f)
     f = click.option("--router-z-loss-coef", type=float, default=None,
                      help="moe: weight of the router z-loss  [default: 0]")(f)
     f = click.option("--router-aux-loss-coef", type=float, default=None,
@@ -187,13 +189,44 @@ def moe_options(f):
     f = click.option("--no-norm-topk", is_flag=True, default=False,
                      help="moe: weight experts by their probabilities as they are (Mixtral renormalises the top k)")(f)
     f = click.option("--top-k", type=int, default=None, help="moe: experts per token  [default: 2]")(f)
-    f = click.option("--n-experts", type=int, default=None,
+    f = click.option("--n-experts", "--n-routed-experts", "n_experts", type=int, default=None,
                      help="llama: a mixture of this many SwiGLU experts in each block's MLP place  "
                           "[default: none; 8 under --arch mixtral]")(f)
     return f
 
 
-MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+def deepseek_moe_options(f):
+    """DeepSeekMoE's options of the mixture (docs/moe.md, "DeepSeekMoE"), for any family with experts."""
+    f = click.option("--seq-aux-loss-coef", type=float, default=None,
+                     help="moe, sigmoid router: weight of the sequence-wise auxiliary loss  [default: 0]")(f)
+    f = click.option("--bias-update", type=click.Choice(BIAS_UPDATES), default=None,
+                     help="moe, sigmoid router: plain: bias += rate sign(mean load - load), the DeepSeek-V3 "
+                          "report's rule; centred: that update less its mean (torchtitan)  [default: plain]")(f)
+    f = click.option("--bias-update-rate", type=float, default=None,
+                     help="moe, sigmoid router: the aux-loss-free bias's step after each optimizer step, from "
+                          "the loads of the whole global batch  [default: 0, the bias stays]")(f)
+    f = click.option("--first-k-dense", type=int, default=None,
+                     help="moe: the first k blocks keep the dense SwiGLU MLP  [default: 0]")(f)
+    f = click.option("--moe-ffn-hidden", type=int, default=None,
+                     help="moe: each expert's SwiGLU width  [default: --ffn-hidden]")(f)
+    f = click.option("--n-shared-experts", type=int, default=None,
+                     help="moe: always-on experts, one SwiGLU of width n x --moe-ffn-hidden added to the "
+                          "routed output  [default: 0]")(f)
+    f = click.option("--routed-scaling-factor", type=float, default=None,
+                     help="moe, sigmoid router: the routed experts' weights times this  [default: 1]")(f)
+    f = click.option("--topk-groups", type=int, default=None,
+                     help="moe, sigmoid router: the groups a token's experts come from (a group's score: "
+                          "the sum of its two best)  [default: --n-groups]")(f)
+    f = click.option("--n-groups", type=int, default=None,
+                     help="moe, sigmoid router: expert groups for group-limited routing  [default: 1]")(f)
+    f = click.option("--router", type=click.Choice(ROUTERS), default=None,
+                     help="moe: softmax: Mixtral's top-k of the softmax; sigmoid: DeepSeek-V3's sigmoid "
+                          "scores, top-k on score + a balancing bias  [default: softmax]")(f)
+    return f
+
+
+MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
+               ) + DEEPSEEK_OPTIONS
 ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings") + MOE_OPTIONS
 
 

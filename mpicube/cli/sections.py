@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import click
 
+from ..core.config import DEEPSEEK_OPTIONS
+
 # (heading, option names as click calls them) for train and trace, in the order a run is set up.
 TRAIN_SECTIONS = (
     ("Model", ("arch", "n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "n_kv_head", "ffn_hidden",
                "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k", "no_norm_topk", "capacity_factor",
-               "router_aux_loss_coef", "router_z_loss_coef", "dropout")),
+               "router_aux_loss_coef", "router_z_loss_coef") + DEEPSEEK_OPTIONS + ("dropout",)),
     ("Parallelism", ("layout", "dp", "depth", "ep", "pp", "pp_schedule", "virtual_stages", "cp",
                      "sequence_parallel", "zero", "recompute")),
     ("Optimisation", ("batch_size", "grad_accum", "steps", "lr", "warmup", "weight_decay", "grad_clip",

@@ -15,6 +15,7 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
                      arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
                      recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
 from .common import ep_option
+from ..core.config import DEEPSEEK_OPTIONS
 from .sections import TRAIN_EPILOG, SectionedCommand
 
 
@@ -200,7 +201,7 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
                        "rope_theta", "rms_eps", "tie_embeddings", "ep", "n_experts", "top_k", "no_norm_topk",
-                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef") + DEEPSEEK_OPTIONS
 
 
 @cli.command("trace", cls=SectionedCommand)

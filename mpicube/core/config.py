@@ -23,6 +23,9 @@ FLOAT_RANGES = {                  # field: (low, low included, high, high includ
     "rope_theta": (1.0, False, math.inf, False),
     "router_aux_loss_coef": (0.0, True, 1e3, True),
     "router_z_loss_coef": (0.0, True, 1e3, True),
+    "routed_scaling_factor": (0.0, False, 1e3, True),
+    "bias_update_rate": (0.0, True, 1.0, True),
+    "seq_aux_loss_coef": (0.0, True, 1e3, True),
 }
 
 
@@ -46,6 +49,16 @@ def float_problem(field: str, value) -> str | None:
 
 MOE_FIELDS = ("n_experts", "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 MIXTRAL = {"n_experts": 8, "top_k": 2}         # --arch mixtral: Llama with Mixtral's MoE defaults
+# DeepSeekMoE's options of the mixture (docs/moe.md, "DeepSeekMoE"): stored only where they differ from
+# these defaults, so that a Mixtral configuration stores as before they existed
+DEEPSEEK_MOE = {"router": "softmax", "n_groups": 1, "topk_groups": 1, "routed_scaling_factor": 1.0,
+                "n_shared_experts": 0, "moe_ffn_hidden": 0, "first_k_dense": 0, "bias_update_rate": 0.0,
+                "bias_update": "plain", "seq_aux_loss_coef": 0.0}
+ROUTERS = ("softmax", "sigmoid")             # Mixtral's softmax top-k; DeepSeek-V3's sigmoid, bias-steered
+BIAS_UPDATES = ("plain", "centred")         # the report's sign rule; torchtitan's zero-mean variant
+DEEPSEEK_OPTIONS = tuple(DEEPSEEK_MOE)      # their command-line options, as click names them
+SIGMOID_ONLY = ("n_groups", "topk_groups", "routed_scaling_factor", "bias_update_rate", "bias_update",
+                "seq_aux_loss_coef")
 
 
 def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None, rms_eps=None,
@@ -72,7 +85,7 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
 
 
 def moe_fields(mixtral=False, n_experts=None, top_k=None, no_norm_topk=False, capacity_factor=None,
-               router_aux_loss_coef=None, router_z_loss_coef=None) -> dict:
+               router_aux_loss_coef=None, router_z_loss_coef=None, **deepseek) -> dict:
     """ModelConfig's mixture-of-experts fields from the command line's
     options (None: not given), or a ConfigError naming the option: top-k
     in 1..E, a positive capacity factor, coefficients >= 0. Without
@@ -82,6 +95,7 @@ def moe_fields(mixtral=False, n_experts=None, top_k=None, no_norm_topk=False, ca
         stray = [k for k, v in (("top_k", top_k), ("no_norm_topk", no_norm_topk or None),
                                 ("capacity_factor", capacity_factor), ("router_aux_loss_coef", router_aux_loss_coef),
                                 ("router_z_loss_coef", router_z_loss_coef)) if v is not None]
+        stray += [k for k, v in deepseek.items() if v is not None]
         if n_experts is not None:
             raise ConfigError(f"--n-experts must be at least 1, got {n_experts}")
         if stray:
@@ -104,6 +118,67 @@ def moe_fields(mixtral=False, n_experts=None, top_k=None, no_norm_topk=False, ca
         out["router_aux_loss_coef"] = float(router_aux_loss_coef)
     if router_z_loss_coef is not None:
         out["router_z_loss_coef"] = float(router_z_loss_coef)
+    return {**out, **deepseek_fields(n, k, out, **deepseek)}
+
+
+def deepseek_fields(n: int, k: int, given: dict, router=None, n_groups=None, topk_groups=None,
+                    routed_scaling_factor=None, n_shared_experts=None, moe_ffn_hidden=None, first_k_dense=None,
+                    bias_update_rate=None, bias_update=None, seq_aux_loss_coef=None) -> dict:
+    """The DeepSeekMoE fields of a mixture of ``n`` experts, top ``k``
+    (``DEEPSEEK_MOE``; None: not given), or a ConfigError naming the
+    option: the groups divide the experts, at most --n-groups kept, top-k
+    within the experts the kept groups hold; the sigmoid router's options
+    refused under the softmax router, and the softmax router's losses
+    (--router-aux-loss-coef, --router-z-loss-coef) under the sigmoid one."""
+    kind = router if router is not None else "softmax"
+    if kind not in ROUTERS:
+        raise ConfigError(f"--router must be one of {', '.join(ROUTERS)}, got {kind!r}")
+    values = dict(n_groups=n_groups, topk_groups=topk_groups, routed_scaling_factor=routed_scaling_factor,
+                  bias_update_rate=bias_update_rate, bias_update=bias_update, seq_aux_loss_coef=seq_aux_loss_coef)
+    if kind == "softmax":
+        stray = [key for key in SIGMOID_ONLY if values[key] is not None]
+        if stray:
+            raise ConfigError(f"--{stray[0].replace('_', '-')} needs --router sigmoid (DeepSeek's router)")
+    else:
+        for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if given.get(key):
+                raise ConfigError(f"--{key.replace('_', '-')} applies to --router softmax only "
+                                  f"(the sigmoid router's loss is --seq-aux-loss-coef)")
+    out = {"router": kind} if kind != "softmax" else {}
+    if kind == "sigmoid":   # the softmax router's losses have no meaning on sigmoid scores
+        out.update(router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    sizes = dict(n_groups=n_groups, topk_groups=topk_groups, n_shared_experts=n_shared_experts,
+                 moe_ffn_hidden=moe_ffn_hidden, first_k_dense=first_k_dense)
+    for key, value in sizes.items():
+        low = 0 if key in ("n_shared_experts", "moe_ffn_hidden", "first_k_dense") else 1
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ConfigError(f"--{key.replace('_', '-')} must be {'at least 0' if low == 0 else 'positive'}, "
+                              f"got {value}")
+    groups = n_groups if n_groups is not None else 1
+    kept = topk_groups if topk_groups is not None else groups
+    if n % groups:
+        raise ConfigError(f"--n-groups {groups} must divide --n-experts (--n-routed-experts) {n}")
+    if kept > groups:
+        raise ConfigError(f"--topk-groups {kept} must be at most --n-groups {groups}")
+    if k > kept * (n // groups):
+        raise ConfigError(f"--top-k {k} is more than the {kept * (n // groups)} experts that --topk-groups {kept} "
+                          f"of --n-groups {groups} hold")
+    if groups != 1:
+        out.update(n_groups=groups, topk_groups=kept)
+    for key in ("routed_scaling_factor", "bias_update_rate", "seq_aux_loss_coef"):
+        value = values[key]
+        if value is not None and (why := float_problem(key, value)):
+            raise ConfigError(f"--{key.replace('_', '-')} {why}")
+        if value is not None and value != DEEPSEEK_MOE[key]:
+            out[key] = float(value)
+    if bias_update is not None:
+        if bias_update not in BIAS_UPDATES:
+            raise ConfigError(f"--bias-update must be one of {', '.join(BIAS_UPDATES)}, got {bias_update!r}")
+        if bias_update != "plain":
+            out["bias_update"] = bias_update
+    for key in ("n_shared_experts", "moe_ffn_hidden", "first_k_dense"):
+        if sizes[key]:
+            out[key] = int(sizes[key])
     return out
 
 
@@ -185,11 +260,30 @@ class ModelConfig:
     capacity_factor: float = 0.0        # 0: dropless; else at most ceil(F K N / E) tokens per expert
     router_aux_loss_coef: float = 0.02  # the load-balancing loss's weight (HF Mixtral's default)
     router_z_loss_coef: float = 0.0     # the router z-loss's weight
+    router: str = "softmax"             # softmax: Mixtral's top-k; sigmoid: DeepSeek-V3's (docs/moe.md)
+    n_groups: int = 1                   # sigmoid router: the experts' groups (group-limited routing)
+    topk_groups: int = 1                # sigmoid router: groups a token's experts may come from
+    routed_scaling_factor: float = 1.0  # sigmoid router: the routed experts' weights times this
+    n_shared_experts: int = 0           # always-on SwiGLU experts, one of width n x moe_ffn (HF's shared_experts)
+    moe_ffn_hidden: int = 0             # an expert's SwiGLU width; 0: ffn
+    first_k_dense: int = 0              # the first k blocks keep the dense MLP
+    bias_update_rate: float = 0.0       # aux-loss-free balancing: bias += rate sign(mean load - load) a step
+    bias_update: str = "plain"          # plain (the report's) or centred (torchtitan's, zero-mean update)
+    seq_aux_loss_coef: float = 0.0      # the sequence-wise auxiliary loss's weight (sigmoid router)
 
     @property
     def moe(self) -> bool:
         """Whether each block's MLP is a mixture of experts."""
         return self.n_experts > 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer``'s MLP is a mixture (the first ``first_k_dense`` stay dense)."""
+        return self.moe and layer >= self.first_k_dense
+
+    @property
+    def moe_ffn(self) -> int:
+        """A routed expert's SwiGLU width (--moe-ffn-hidden; else ffn)."""
+        return self.moe_ffn_hidden or self.ffn
 
     @property
     def head_dim(self) -> int:
@@ -233,6 +327,9 @@ class ModelConfig:
             d["rope_scaling"] = self.rope_scaling.to_dict()
         if not self.moe:                 # a dense Llama stores as before the MoE fields existed
             for key in MOE_FIELDS:
+                d.pop(key)
+        for key, default in DEEPSEEK_MOE.items():   # a Mixtral stores as before DeepSeek's options existed
+            if not self.moe or d[key] == default:
                 d.pop(key)
         return d
 
@@ -278,9 +375,11 @@ class ModelConfig:
         h, L = self.n_embd, self.n_layer
         if self.llama:     # no biases, no position table; two RMSNorm weights per layer, three MLP matrices
             kv = self.kv_heads * self.head_dim
-            mlp = 3 * h * self.ffn * max(1, self.n_experts) + h * self.n_experts    # experts and the router
-            per_layer = 2 * h + h * (h + 2 * kv) + h * h + mlp
-            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + h
+            dense = 3 * h * self.ffn                                                 # a dense block's MLP
+            mixture = 3 * h * self.moe_ffn * (self.n_experts + self.n_shared_experts) + h * self.n_experts
+            per_layer = 2 * h + h * (h + 2 * kv) + h * h
+            mlps = sum(mixture if self.is_moe(i) else dense for i in range(L))
+            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + mlps + h
         per_layer = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
         return self.vocab_size * h + self.n_ctx * h + L * per_layer + 2 * h
 
@@ -300,4 +399,14 @@ def _moe_from_dict(d: dict) -> dict:
         if (isinstance(value, bool) and name != "norm_topk") or not ok(value):
             raise ValueError(f"{name} is {value!r}, not a valid mixture-of-experts setting")
         out[name] = value
+    stored = {key: d[key] for key in DEEPSEEK_MOE if key in d}
+    if stored:                                 # the same checks as the command line's, named by field
+        try:
+            given = {k: out[k] for k in ("router_aux_loss_coef", "router_z_loss_coef")}
+            if stored.get("router", "softmax") == "sigmoid":
+                given = {}
+            fields = deepseek_fields(out["n_experts"], out["top_k"], given, **stored)
+        except ConfigError as e:
+            raise ValueError(str(e).replace("--", "").replace("-", "_")) from None
+        out.update(fields)
     return out

@@ -11,6 +11,15 @@ an expert-parallel rank's experts map one to one:
     h.{i}.moe.router.weight              (h, E)     x @ W, like every mpicube linear
     h.{i}.moe.experts.{e}.c_fc.weight    (h, 2 F)   columns [gate | up] (HF's w1 | w3, transposed)
     h.{i}.moe.experts.{e}.c_proj.weight  (F, h)     HF's w2, transposed
+    h.{i}.moe.shared.c_fc.weight         (h, 2 S)   --n-shared-experts: S = n_shared x F, [gate | up]
+    h.{i}.moe.shared.c_proj.weight       (S, h)
+
+F is --moe-ffn-hidden (``cfg.moe_ffn``). The router is an object chosen
+once (``routers.router_of``: Mixtral's softmax or DeepSeek-V3's sigmoid
+with a bias buffer ``h.{i}.moe.router.score_bias`` (E,), not a parameter);
+the shared experts are a dense SwiGLU MLP (``mlp.DenseMLP``) on the
+block's canonical activations, sharded as every layout shards the dense
+MLP, added to the routed output.
 
 The router losses couple every token of a micro-batch and every layer
 (transformers' ``load_balancing_loss_func`` concatenates all layers'
@@ -35,7 +44,9 @@ from ..parallel.experts import Dispatch, local_experts
 from ..parallel.layouts.base import COLUMN, ROW, Layout
 from ..parallel.params import ParamDecl, ParamStore
 from .router import RouterLedger  # noqa: F401 (moe.RouterLedger: the ledger the block's MoE records into)
+from .mlp import DenseMLP, SwiGLU
 from .moe_experts import LocalExperts
+from .routers import router_of
 from .tape import Saved
 
 
@@ -44,7 +55,7 @@ class MoETape(Saved):
     """What ``MoE`` keeps for backward."""
 
     x2: object              # (n, h) the routed tokens (whole sequences under a sequence split)
-    route: object           # ops.moe.route's saved (probs, ..., weights, ..., lse)
+    route: object           # the router's tape (routers.SoftmaxRouter, SigmoidRouter)
     order: object           # (m,) the kept (token, slot) pairs in expert order
     bounds: object          # (E + 1,) each expert's run of ``order``
     dispatch: object        # parallel.experts.Dispatch: the all-to-all's counts
@@ -52,6 +63,7 @@ class MoETape(Saved):
     y_back: object          # (m, h) the experts' outputs, back in ``order``'s order
     ledger: object          # the micro-batch's RouterLedger, or None
     shape: tuple            # x's (B, T, h)
+    shared: object = None   # the shared experts' (mlp.MLPTape), or None
 
 
 def expert_names(cfg: ModelConfig, i: int):
@@ -60,16 +72,23 @@ def expert_names(cfg: ModelConfig, i: int):
     for e in range(cfg.n_experts):
         yield f"moe.experts.{e}.c_fc.weight"
         yield f"moe.experts.{e}.c_proj.weight"
+    if cfg.n_shared_experts:
+        yield "moe.shared.c_fc.weight"
+        yield "moe.shared.c_proj.weight"
 
 
 def moe_params(cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
     """Layer i's router and experts, with the MLP's init rule."""
-    h, F, p = cfg.n_embd, cfg.ffn, f"h.{i}.moe."
+    h, F, p = cfg.n_embd, cfg.moe_ffn, f"h.{i}.moe."
     decls = [ParamDecl(p + "router.weight", (h, cfg.n_experts), "router", "normal", std, decay=True)]
     for e in range(cfg.n_experts):
         decls += [ParamDecl(f"{p}experts.{e}.c_fc.weight", (h, 2 * F), "w_column", "normal", std, decay=True,
                             groups=2),
                   ParamDecl(f"{p}experts.{e}.c_proj.weight", (F, h), "w_row", "normal", resid_std, decay=True)]
+    if cfg.n_shared_experts:
+        S = F * cfg.n_shared_experts                                   # HF's shared_experts' intermediate size
+        decls += [ParamDecl(p + "shared.c_fc.weight", (h, 2 * S), "w_column", "normal", std, decay=True, groups=2),
+                  ParamDecl(p + "shared.c_proj.weight", (S, h), "w_row", "normal", resid_std, decay=True)]
     return decls
 
 
@@ -122,6 +141,9 @@ class MoE:
         self.ep = layout.axes.ep if layout.axes.ep is not None else SELF
         self.layout, self.hidden, self.seq = layout, layout.hidden_comm, layout.sequence_comm
         self.local = local_experts(cfg.n_experts, self.ep)                        # this rank's experts
+        self.router = router_of(cfg, i, store, layout, p)                         # softmax or sigmoid
+        self.shared = (DenseMLP(layout, store, p + "shared", SwiGLU, bias=False)   # always-on, like the dense MLP
+                       if cfg.n_shared_experts else None)
         self.local_experts = LocalExperts(layout, [(layout.expert_linear(store, f"{p}experts.{e}.c_fc", COLUMN),
                                                     layout.expert_linear(store, f"{p}experts.{e}.c_proj", ROW))
                                                    for e in self.local], store.backend)
@@ -130,6 +152,9 @@ class MoE:
         """x (B, T, h) -> (y (B, T, h), saved); T/p of them under a sequence split."""
         cfg, E, K = self.cfg, self.cfg.n_experts, self.cfg.top_k
         xp = array_module(x)
+        shared_y = s_shared = None
+        if self.shared is not None:
+            shared_y, s_shared = self.shared.forward(x, ctx)                      # (B, T, h), T/p under a split
         if self.seq is not None:
             x = self.seq.allgather(x, axis=1)                                     # (B, T, h) whole sequences
         B, T, h = x.shape
@@ -137,9 +162,9 @@ class MoE:
         x2 = x.reshape(n, h)                                                      # (n, h)
         wide = precision.compute_dtype(x.dtype)
         logits = self._logits(x2, wide)                                           # (n, E) float32+
-        probs, chosen, weights, lse, s_route = router_ops.route(logits, K, cfg.norm_topk)
-        self.observe(logits, chosen, weights)
         ledger = getattr(ctx, "router", None)
+        chosen, weights, s_route = self.router.route(logits, ctx)                 # (n, K) each
+        self.observe(logits, chosen, weights)
         cap = offset = None
         if cfg.capacity_factor:
             counts = xp.bincount(chosen.reshape(-1), minlength=E)                 # (E,)
@@ -150,7 +175,7 @@ class MoE:
             place = None
         order, expert, counts = router_ops.dispatch(chosen, E, cap, offset, place)   # (m,), (m,), (E,)
         if ledger is not None:
-            ledger.record(self.layer, counts, probs, lse, n * K - order.shape[0])
+            self.router.record(ledger, counts, s_route, n * K - order.shape[0])
         kept = np.asarray(self.store.backend.to_host(xp.bincount(expert, minlength=E)), dtype=np.int64)  # (E,)
         route = Dispatch(self.ep, kept, E)
         if ledger is not None:
@@ -164,11 +189,13 @@ class MoE:
         for e in range(E):                                                        # each token's sum in expert order
             seg = slice(int(bounds[e]), int(bounds[e + 1]))
             out[order[seg] // K] += w_kept[seg, None] * y_back[seg]
-        saved = MoETape(x2, s_route, order, bounds, route, runs, y_back, ledger, x.shape)
+        saved = MoETape(x2, s_route, order, bounds, route, runs, y_back, ledger, x.shape, s_shared)
         if self.seq is not None:                                                  # partial sums over tp
             out = self.seq.reduce_scatter(out.reshape(B, T, h), axis=1, wire=x.dtype).astype(wide, copy=False)
-            return precision.narrow(out, x.dtype), saved                          # (B, T/p, h)
-        return precision.narrow(out, x.dtype).reshape(B, T, h), saved
+            y = precision.narrow(out, x.dtype)                                    # (B, T/p, h)
+        else:
+            y = precision.narrow(out, x.dtype).reshape(B, T, h)
+        return (y if shared_y is None else y + shared_y), saved
 
     def observe(self, logits, chosen, weights) -> None:
         """The router's decisions of this forward - logits (n, E), chosen
@@ -182,23 +209,22 @@ class MoE:
         x2, s_route, order, bounds = saved.x2, saved.route, saved.order, saved.bounds
         route, runs, y_back, ledger, shape = saved.dispatch, saved.runs, saved.y_back, saved.ledger, saved.shape
         xp = array_module(dy)
+        dx_shared = None if self.shared is None else self.shared.backward(dy, saved.shared)   # (B, T, h) as dy
         if self.seq is not None:
             dy = self.seq.allgather(dy, axis=1)                                   # (B, T, h)
         K, E = self.cfg.top_k, self.cfg.n_experts
         n, h = x2.shape
         wide = precision.compute_dtype(dy.dtype)
         dyt = dy.reshape(n, h)[order // K]                                        # (m, h)
-        w_kept = s_route[2].reshape(-1)[order]                                    # (m,)
-        dweights = xp.zeros(n * K, dtype=s_route[0].dtype)                        # (n K,)
+        w_kept = self.router.weights_of(s_route).reshape(-1)[order]               # (m,)
+        dweights = xp.zeros(n * K, dtype=w_kept.dtype)                            # (n K,)
         dweights[order] = ops.rowdot(precision.up(dyt), precision.up(y_back))   # over this rank's columns
         dweights = self._hidden_sum(dweights)                                     # (n K,) over every column
         dweights = self._ordered_sum(self.seq, dweights)                          # over the experts' F shards
         dx_own, pending = self.local_experts.backward_start(route, precision.narrow(dyt * w_kept[:, None], dy.dtype),
                                                             runs)
-        dprobs = dlse = None            # the router's backward, while the experts' input gradients travel back
-        if ledger is not None:
-            dprobs, dlse = ledger.dprobs(), ledger.dlse(s_route[4])
-        dlogits = router_ops.route_backward(dweights.reshape(n, K), s_route, dprobs, dlse)   # (n, E)
+        # the router's backward (its losses' gradients too), while the experts' input gradients travel back
+        dlogits = self.router.backward(dweights.reshape(n, K), s_route, ledger)  # (n, E)
         self.store.add_matmul(self.router_name, x2.T, precision.narrow(dlogits, x2.dtype))
         d_router = precision.matmul(dlogits, self.w_router.T.astype(dlogits.dtype), dtype=wide)   # (n, h)
         dx_back = route.sent(dx_own, pending.wait())                              # (m, h)
@@ -210,9 +236,11 @@ class MoE:
             B, T = shape[0], shape[1]
             part = self.seq.reduce_scatter(dx.reshape(shape), axis=1, wire=dy.dtype).astype(wide, copy=False)
             t, Tl = self.seq.rank, T // self.seq.size
-            return precision.narrow(part + d_router.reshape(shape)[:, t * Tl:(t + 1) * Tl], dy.dtype)   # (B, T/p, h)
-        dx += d_router
-        return precision.narrow(dx, dy.dtype).reshape(shape)
+            dx = precision.narrow(part + d_router.reshape(shape)[:, t * Tl:(t + 1) * Tl], dy.dtype)   # (B, T/p, h)
+        else:
+            dx += d_router
+            dx = precision.narrow(dx, dy.dtype).reshape(shape)
+        return dx if dx_shared is None else dx + dx_shared
 
     def _logits(self, x2, wide):
         """x2 (n, C_c) -> the router's logits (n, E) in ``wide``: x2 times

@@ -37,6 +37,7 @@ class RouterLedger:
     def __init__(self, cfg: ModelConfig, group, micro_tokens: int, grad_accum: int, tokens=None, ring=None,
                  seq_len: int = 0):
         self.cfg, self.group, self.seq_len = cfg, group, seq_len     # seq_len: T, whole (cp cuts it)
+        self.n_moe = cfg.n_layer - cfg.first_k_dense                  # L: the layers with a mixture
         self.tokens = tokens            # the tp ranks with the replica's other sequences (Layout.token_comm), or None
         self.ring = ring                # the cp ranks with the sequences' other positions (--cp), or None
         self.micro_tokens, self.grad_accum = micro_tokens, grad_accum    # N of one micro-batch, all replicas
@@ -86,11 +87,14 @@ class RouterLedger:
         place = xp.take_along_axis(mine, chosen.astype(xp.int64), axis=1)        # (n, K)
         return place.reshape(-1).astype(xp.int64), flat.sum(axis=0)
 
-    def record(self, layer: int, counts, probs, lse, dropped) -> None:
-        """Layer ``layer``'s local statistics (a rerun overwrites them with the same values)."""
+    def record(self, layer: int, counts, probs, lse, dropped, z_sum=None) -> None:
+        """Layer ``layer``'s local statistics (a rerun overwrites them with
+        the same values). ``z_sum`` in place of lse's squares: the sigmoid
+        router's share of its sequence-wise auxiliary loss (model/routers.py)."""
         xp = array_module(probs)
+        z = (lse * lse).sum()[None] if z_sum is None else xp.asarray([z_sum], dtype=probs.dtype)
         self.stats[layer] = xp.concatenate([counts.astype(probs.dtype), probs.sum(axis=0),
-                                            (lse * lse).sum()[None], xp.asarray([dropped], dtype=probs.dtype)])
+                                            z, xp.asarray([dropped], dtype=probs.dtype)])
 
     def finish(self) -> float:
         """Sum the statistics over the group (one all-reduce) and return
@@ -102,7 +106,8 @@ class RouterLedger:
             if comm is not None and comm.size > 1:
                 local = comm.allreduce(local)
         self.totals = local
-        return self.aux_term() + self.z_term()
+        self.layers = sorted(self.stats)
+        return self.aux_term() + self.z_term() + self.seq_aux_term()
 
     def start(self, comm, replicas: int):
         """Pipeline stages (``training.pipeline``): start summing this
@@ -117,6 +122,7 @@ class RouterLedger:
         some = next(iter(self.stats.values()))
         rows = [self.stats.get(k, xp.zeros_like(some)) for k in range(self.cfg.n_layer)]
         self._pending, self._replicas = iallreduce(comm, xp.stack(rows)), replicas    # (L, 2 E + 2)
+        self.layers = list(range(self.cfg.n_layer))
 
     def wait(self) -> None:
         """The totals of ``start``'s sum (once; later calls do nothing)."""
@@ -132,16 +138,33 @@ class RouterLedger:
     def aux_loss(self) -> float:
         """This micro-batch's load-balancing loss (before its coefficient)."""
         c, S, _ = self._sums()
-        LN = self.cfg.n_layer * self.micro_tokens
+        LN = self.n_moe * self.micro_tokens
         return float(self.cfg.n_experts * (c * S).sum() / (LN * LN))
 
     def aux_term(self) -> float:
         return self.cfg.router_aux_loss_coef * self.aux_loss() / self.grad_accum
 
+    def seq_aux_loss(self) -> float:
+        """The sigmoid router's sequence-wise auxiliary loss of this
+        micro-batch, its coefficient in (the z column's sum under that router)."""
+        if self.cfg.router != "sigmoid":
+            return 0.0
+        return float(self._sums()[2])
+
+    def seq_aux_term(self) -> float:
+        return self.seq_aux_loss() / self.grad_accum
+
+    def loads(self) -> dict:
+        """{layer: (E,) tokens that chose each expert} over the group (after finish or wait)."""
+        counts = self.counts()
+        return {layer: counts[r] for r, layer in enumerate(self.layers)}
+
     def z_loss(self) -> float:
         """This micro-batch's z-loss: its rows' mean logsumexp^2 over every layer."""
+        if self.cfg.router == "sigmoid":
+            return 0.0
         _, _, z = self._sums()
-        return float(z) / (self.cfg.n_layer * self.micro_tokens)
+        return float(z) / (self.n_moe * self.micro_tokens)
 
     def z_term(self) -> float:
         """coef_z x this micro-batch's share of the step's z-loss."""
@@ -163,7 +186,7 @@ class RouterLedger:
         if not coef:
             return None
         c, _, _ = self._sums()
-        LN = self.cfg.n_layer * self.micro_tokens
+        LN = self.n_moe * self.micro_tokens
         return c * (self.scale * coef * self.cfg.n_experts / (self.grad_accum * LN * LN))
 
     def dlse(self, lse):
@@ -171,4 +194,4 @@ class RouterLedger:
         coef = self.cfg.router_z_loss_coef
         if not coef:
             return None
-        return lse * (self.scale * coef * 2.0 / (self.cfg.n_layer * self.micro_tokens * self.grad_accum))
+        return lse * (self.scale * coef * 2.0 / (self.n_moe * self.micro_tokens * self.grad_accum))

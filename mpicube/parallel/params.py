@@ -128,6 +128,24 @@ class ParamStore:
                              for run in self._runs([s for s in self.specs if s.replicas == r])]
         self.initialize(seed)
 
+    def persist(self, name: str, value, writer: bool) -> None:
+        """Keep ``value``, a tensor of the model that is not a parameter
+        (a mixture's balancing bias: no gradient, no weight decay, no
+        optimizer state), whole on every rank under ``name``: checkpoints
+        write it (under "buffers/", by the ranks whose ``writer`` is True on
+        data-parallel rank 0) and a read puts it back bitwise."""
+        self.persistent[name], self.persistent_writer[name] = value, bool(writer)
+
+    @property
+    def persistent(self) -> dict:
+        """{name: tensor} kept by ``persist`` (every store kind, --zero 2/3's too)."""
+        return self.__dict__.setdefault("_persistent", {})
+
+    @property
+    def persistent_writer(self) -> dict:
+        """{name: whether this rank's tensor group writes it}."""
+        return self.__dict__.setdefault("_persistent_writer", {})
+
     def _runs(self, specs) -> list:
         """Merge the flat ranges of ``specs`` into as few slices as possible."""
         runs = []

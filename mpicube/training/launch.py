@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from ..core.config import ModelConfig, family_fields
+from ..core.config import DEEPSEEK_OPTIONS, ModelConfig, family_fields
 from ..core.errors import ConfigError, RunDirError, UserError, io_reason
 from ..device import threads
 from ..files import checkpoint, data, formats
@@ -33,7 +33,7 @@ SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")   # what a model f
 # The family's options: a model file decides the family (``--arch`` unless given) and these model-defining
 # ones; the mixture's training knobs (capacity, the router losses' weights) given apply to the file's model.
 FAMILY_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k",
-                  "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+                  "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef") + DEEPSEEK_OPTIONS
 TRAINING_KNOBS = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 # a model-defining family option -> its value in a ModelConfig, comparable with the file's
 MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.ffn, "rope_theta": lambda c: c.rope_theta,

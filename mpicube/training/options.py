@@ -10,14 +10,15 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..files import data
-from ..core.config import ModelConfig, family_fields
+from ..core.config import DEEPSEEK_OPTIONS, ModelConfig, family_fields
 from ..core.errors import ConfigError
 from ..model.families import family_of
 from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
 
-MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
+               ) + DEEPSEEK_OPTIONS
 
 
 @dataclass
@@ -48,6 +49,16 @@ class TrainOptions:
     capacity_factor: Optional[float] = None  # None = dropless
     router_aux_loss_coef: Optional[float] = None
     router_z_loss_coef: Optional[float] = None
+    router: Optional[str] = None             # DeepSeekMoE's options (core.config.DEEPSEEK_MOE); None = default
+    n_groups: Optional[int] = None
+    topk_groups: Optional[int] = None
+    routed_scaling_factor: Optional[float] = None
+    n_shared_experts: Optional[int] = None
+    moe_ffn_hidden: Optional[int] = None
+    first_k_dense: Optional[int] = None
+    bias_update_rate: Optional[float] = None
+    bias_update: Optional[str] = None
+    seq_aux_loss_coef: Optional[float] = None
     seq_len: int = 64
     vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
     batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits
@@ -93,6 +104,9 @@ class TrainOptions:
                 d.pop(key)
         if self.arch == "gpt2" or not self.model_config().moe:      # stored as before the MoE options existed
             for key in MOE_OPTIONS + ("ep",):
+                d.pop(key)
+        for key in DEEPSEEK_OPTIONS:                               # stored as before DeepSeek's options existed
+            if d.get(key, 0) is None:
                 d.pop(key)
         return d
 
