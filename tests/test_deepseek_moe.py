@@ -60,3 +60,74 @@ def test_params_names_and_counts():
     assert shapes["h.1.moe.experts.7.c_fc.weight"] == (8, 8)
     assert not any("score_bias" in n for n in names)                 # a buffer, not a parameter
     assert ModelConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
+def run_cli(*args):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "mpicube", *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+
+
+SMALL = ["--arch", "mixtral", "--n-experts", "8", "--top-k", "2", "--router", "sigmoid", "--n-groups", "4",
+         "--topk-groups", "2", "--n-shared-experts", "1", "--moe-ffn-hidden", "8", "--first-k-dense", "1",
+         "--bias-update-rate", "0.01", "--seq-aux-loss-coef", "0.01", "--routed-scaling-factor", "2.0",
+         "--n-layer", "3", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "16", "--ffn-hidden", "24",
+         "--seq-len", "8", "--batch-size", "4", "--dtype", "float64", "--steps", "4", "--ckpt-every", "2"]
+
+
+def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path):
+    """4 steps in one run, and 2 + 2 with --resume: every tensor of the last
+    checkpoint equal bit for bit, the router biases (buffers/) included;
+    each bias moved by rate x (sign sum) from the logged loads."""
+    import json
+
+    from mpicube.files.checkpoint import open_checkpoint
+    from mpicube.ops.deepseek_router import bias_update
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert run_cli("train", *SMALL, "--out", str(whole)).returncode == 0
+    assert run_cli("train", *SMALL, "--out", str(part), "--stop-after", "2").returncode == 0
+    proc = run_cli("train", *SMALL, "--out", str(part), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    with open_checkpoint(whole / "ckpt" / "step_00000004") as a, open_checkpoint(part / "ckpt" / "step_00000004") as b:
+        names = list(a.names())
+        assert sorted(n for n in names if n.startswith("buffers/")) == [
+            "buffers/h.1.moe.router.score_bias", "buffers/h.2.moe.router.score_bias"]
+        for n in names:
+            assert np.array_equal(a.read(n), b.read(n)), n
+        got = {i: a.read(f"buffers/h.{i}.moe.router.score_bias") for i in (1, 2)}
+        assert not any(n.startswith("model/h.") and "score_bias" in n for n in names)     # not a parameter
+        assert not any("optimizer" in n and "score_bias" in n for n in names)
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    records = [r for r in records if "expert_tokens" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    want = {i: np.zeros(8) for i in (1, 2)}
+    for r in records:                                   # the bias after each step, from that step's loads
+        loads = np.array(r["expert_tokens"])            # (MoE layers, E)
+        assert loads.shape == (2, 8) and (loads.sum(1) == 4 * 8 * 2).all()
+        assert r["seq_aux_loss"] > 0 and r["router_aux_loss"] == 0
+        for row, i in enumerate((1, 2)):
+            want[i] = bias_update(want[i], loads[row], 0.01)
+    for i in (1, 2):
+        assert np.array_equal(got[i], want[i]), (i, got[i], want[i])
+        assert np.abs(got[i]).max() > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n-groups", "3"], "--n-groups 3 must divide --n-experts (--n-routed-experts) 8"),
+    (["--n-groups", "4", "--topk-groups", "5"], "--topk-groups 5 must be at most --n-groups 4"),
+    (["--n-groups", "4", "--topk-groups", "1", "--top-k", "3"],
+     "--top-k 3 is more than the 2 experts that --topk-groups 1 of --n-groups 4 hold"),
+    (["--router", "softmax", "--n-groups", "2"], "--n-groups needs --router sigmoid"),
+    (["--router-z-loss-coef", "0.1"], "--router-z-loss-coef applies to --router softmax only"),
+    (["--bias-update-rate", "-1"], "--bias-update-rate must be a finite number in [0, 1]"),
+])
+def test_bad_deepseek_options_are_one_line(args, message, tmp_path):
+    base = ["--arch", "mixtral", "--n-routed-experts", "8", "--router", "sigmoid"]
+    if "--router" in args:
+        base = base[:-2]
+    proc = run_cli("train", "--steps", "1", "--out", str(tmp_path / "r"), *base, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "r").exists()

@@ -137,6 +137,8 @@ class RouterLedger:
 
     def aux_loss(self) -> float:
         """This micro-batch's load-balancing loss (before its coefficient)."""
+        if self.cfg.router == "sigmoid":        # its statistics are sigmoid scores, not probabilities
+            return 0.0
         c, S, _ = self._sums()
         LN = self.n_moe * self.micro_tokens
         return float(self.cfg.n_experts * (c * S).sum() / (LN * LN))

@@ -129,15 +129,23 @@ class SigmoidRouter:
             dscores = sigmoid_ops.seq_aux_backward(scale, aux).reshape(B * Tl, E)   # (n, E)
         return sigmoid_ops.route_backward(dweights, route_tape, dscores)
 
-    def balance(self, loads) -> None:
-        """After an optimizer step: loads (E,) tokens each expert was chosen
-        by over the whole global batch (every replica and micro-batch) ->
-        bias += rate sign(mean - load) (``centred``: less its mean)."""
-        cfg = self.cfg
-        if cfg.bias_update_rate:
-            new = sigmoid_ops.bias_update(self.bias, self.store.backend.asarray(loads), cfg.bias_update_rate,
-                                          cfg.bias_update == "centred")
-            self.store.persistent[self.name][...] = new
+
+def balance(store, cfg: ModelConfig, loads: dict) -> None:
+    """The aux-loss-free bias update, after an optimizer step: ``loads``
+    {layer: (E,) tokens that chose each expert over the whole global batch,
+    every replica and micro-batch} -> each sigmoid router's bias held in
+    ``store`` (a pipeline stage: its own layers') moves by rate sign(mean -
+    load), less its mean under ``centred`` (ops.deepseek_router.bias_update).
+    Every rank computes the same from the same sums, so the biases stay
+    equal everywhere without a message."""
+    if cfg.router != "sigmoid" or not cfg.bias_update_rate:
+        return
+    for layer, load in loads.items():
+        name = f"h.{layer}.moe.router.score_bias"
+        if name in store.persistent:
+            bias = store.persistent[name]
+            bias[...] = sigmoid_ops.bias_update(bias, store.backend.asarray(load), cfg.bias_update_rate,
+                                                cfg.bias_update == "centred")
 
 
 def router_of(cfg: ModelConfig, layer: int, store, layout, prefix: str):

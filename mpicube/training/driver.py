@@ -204,6 +204,7 @@ class RouterLog:
 
     def __init__(self, to_host):
         self.ledgers, self.to_host = [], to_host
+        self.loads = {}             # the last take's {layer: (E,) tokens per expert} (the bias update's)
 
     def add(self, ledger) -> None:
         self.ledgers.append(ledger)
@@ -220,7 +221,11 @@ class RouterLog:
         n = len(ledgers)
         counts = sum(self.to_host(led.counts()).astype(np.float64) for led in ledgers)      # (L_here, E)
         dropped = sum(self.to_host(led.dropped()).astype(np.float64) for led in ledgers)    # (L_here,)
-        return {"router_aux_loss": sum(led.aux_loss() for led in ledgers) / n,
+        self.loads = {layer: counts[r] for r, layer in enumerate(ledgers[0].layers)}       # every micro-batch's
+        extra = {}
+        if ledgers[0].cfg.router == "sigmoid":
+            extra["seq_aux_loss"] = sum(led.seq_aux_loss() for led in ledgers) / n
+        return {**extra, "router_aux_loss": sum(led.aux_loss() for led in ledgers) / n,
                 "router_z_loss": sum(led.z_loss() for led in ledgers) / n,
                 "expert_tokens": [[int(round(c)) for c in row] for row in counts.tolist()],
                 "expert_dropped": [int(round(d)) for d in dropped.tolist()]}

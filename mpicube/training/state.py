@@ -15,6 +15,7 @@ from ..files import checkpoint
 from ..files.checkpoint import CheckpointError
 
 MAX_STEP = 99_999_999           # the largest step a checkpoint directory is named for (step_%08d)
+BUFFERS = "buffers"             # the model's persistent tensors that are not parameters (ParamStore.persist)
 
 
 def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
@@ -36,6 +37,11 @@ def state_blocks(store, opt, dp_rank: int, with_optimizer: bool = True) -> list:
             for index, part, writer in spec_pieces(spec, local):
                 blocks.append(checkpoint.Block(name=f"{prefix}/{spec.name}", local=part, shape=spec.decl.shape,
                                                index=index, writer=bool(writer and (dp_rank == 0 or spec.expert))))
+    for name, value in store.persistent.items():    # buffers (a router's bias): whole on every rank, written once
+        local = np.asarray(store.backend.to_host(value))
+        blocks.append(checkpoint.Block(name=f"{BUFFERS}/{name}", local=local, shape=local.shape,
+                                       index=tuple(np.arange(n) for n in local.shape),
+                                       writer=bool(store.persistent_writer[name] and dp_rank == 0)))
     return blocks
 
 
@@ -87,6 +93,14 @@ def _load_state(ck, store, opt=None) -> None:
                     f"{ck.path}: tensor {name!r} has shape {have} but this model needs {want} "
                     f"(checkpoint model {_describe_cfg(ck.attrs.get('config'))})")
     backend = store.backend
+    for name, value in store.persistent.items():    # bitwise, in their own format; absent (a file without): as built
+        key = f"{BUFFERS}/{name}"
+        if key in names:
+            if tuple(ck.shape(key)) != tuple(value.shape):
+                raise CheckpointError(f"{ck.path}: tensor {key!r} has shape {tuple(ck.shape(key))} but this model "
+                                      f"needs {tuple(value.shape)}")
+            block = ck.read(key, index=tuple(np.arange(n) for n in value.shape), dtype=value.dtype)
+            value[...] = backend.asarray(block, dtype=value.dtype)
     with store.writing_master() as flat, _moments(opt) as (m, v):    # under --zero 1, each keeps its chunk
         master = flat.dtype                                 # float32 under 16-bit storage
         for spec in store.specs:

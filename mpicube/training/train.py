@@ -53,6 +53,7 @@ from ..core.errors import RunDirError, UserError
 from ..files import checkpoint
 from ..parallel.comm_agree import agree_max
 from ..parallel.waiting import WAITS
+from ..model.routers import balance
 from .accum import forward_backward
 from .evaluate import eval_model, evaluate_checkpoint, mean_eval_loss  # noqa: F401 (evaluate_checkpoint: API)
 from .launch import Launch
@@ -231,6 +232,8 @@ class Trainer(Launch):
         }
         if hasattr(p.model, "router_log"):                   # a mixture of experts: router losses, tokens per expert
             rec.update(p.model.router_log.take())
+            if not skipped:                                  # the aux-loss-free bias, from the step's global loads
+                balance(p.store, p.cfg, p.model.router_log.loads)
             if p.counters.bytes.get("ep"):                  # --ep: the all-to-all's bytes (analysis/costmoe.py)
                 rec["ep_bytes"] = float(p.counters.bytes["ep"])
         if self.scaler is not None:
