@@ -62,6 +62,19 @@ Environment:
                               compared with the model for the routing each
                               layer recorded (analysis/costexperts.py,
                               costexpertcomm.py)
+  MPICUBE_CHECK_DEEPSEEK=1    (a mixture) then, in the same launch, a second
+                              case on the same plan: the mixture with
+                              DeepSeekMoE's options (DEEPSEEK: the sigmoid
+                              router with a random bias, 2 groups keeping 1,
+                              scaling 2.5, a shared expert, the sequence-wise
+                              auxiliary loss) over DEEPSEEK_STEPS steps, the
+                              aux-loss-free bias updated after each from the
+                              step's global loads (equal to serial's bit for
+                              bit); loss, logits, gradients, parameters as
+                              above. Its memory and traffic are not priced
+                              (the cost model lacks the sigmoid router's
+                              tape and the shared experts: left for issue 43
+                              item 7)
   MPICUBE_CHECK_GENERATE=1    (a mixture, no --cp) also greedy generation on the
                               layout with --ep (cli.generate's Generator, its
                               smallest batch), with and without the key/value
@@ -172,6 +185,11 @@ CAPACITY = float(os.environ.get("MPICUBE_CHECK_CAPACITY", "0"))
 EP = int(os.environ.get("MPICUBE_CHECK_EP", "1"))
 MIXTRAL = dict(LLAMA, n_experts=4, top_k=2, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
                capacity_factor=CAPACITY)
+DEEPSEEK_ON = os.environ.get("MPICUBE_CHECK_DEEPSEEK") == "1"
+DEEPSEEK = dict(router="sigmoid", n_groups=2, topk_groups=1, routed_scaling_factor=2.5, n_shared_experts=1,
+                moe_ffn_hidden=12, seq_aux_loss_coef=0.05, bias_update_rate=0.01, router_aux_loss_coef=0.0,
+                router_z_loss_coef=0.0)
+DEEPSEEK_STEPS = 5
 # float16 trains with loss scaling (mpicube.training.loss_scale); without it the
 # gradients of activations here would sit among float16's subnormals, whose
 # spacing is absolute, and the ulp argument above would not apply.
@@ -423,10 +441,31 @@ def main():
         cfg = ModelConfig(vocab_size=61, n_ctx=8, n_layer=LAYERS, n_head=12, n_embd=36)
     if ARCH in ("llama", "mixtral"):
         cfg = ModelConfig(vocab_size=61, n_ctx=cfg.n_ctx, n_layer=LAYERS, **(LLAMA if ARCH == "llama" else MIXTRAL))
-    T = cfg.n_ctx
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 72
+    run_case(cfg, layout_name, dp, depth, dropout, batch)
+    if DEEPSEEK_ON:
+        assert ARCH == "mixtral", "MPICUBE_CHECK_DEEPSEEK=1 needs MPICUBE_CHECK_ARCH=mixtral"
+        run_case(replace(cfg, **DEEPSEEK), layout_name, dp, depth, dropout, batch, deepseek=True)
+
+
+def random_biases(store) -> None:
+    """The same random bias in every sigmoid router of ``store`` on every rank."""
+    rng = np.random.default_rng(11)
+    for name in sorted(store.persistent):
+        bias = store.persistent[name]
+        bias[...] = store.backend.asarray(rng.normal(0, 0.05, bias.shape), dtype=bias.dtype)
+
+
+def run_case(cfg, layout_name, dp, depth, dropout, batch, deepseek=False):
+    """One whole check of ``cfg`` on the plan (module docstring); ``deepseek``:
+    the DeepSeekMoE case (MPICUBE_CHECK_DEEPSEEK), its biases updated and compared."""
+    from mpicube.model.routers import balance
+
+    T = cfg.n_ctx
     rng = np.random.default_rng(3)
-    steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T))) for _ in range(3)]
+    steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T)))
+             for _ in range(DEEPSEEK_STEPS if deepseek else 3)]
+    priced = not deepseek                   # the cost model prices Mixtral's mixture only (DEEPSEEK's note)
 
     parts = build(layout_name, MPI.COMM_WORLD, cfg, batch, dp, depth, dropout, device=DEVICE, grad_accum=ACCUM,
                   recompute=RECOMPUTE, zero=ZERO)
@@ -456,10 +495,15 @@ def main():
         assert (store.partition.dense.parts, store.partition.experts.parts) == (dp, dp * CP // EP)
     if ZERO >= 2 and EP > 1:          # the same per layer: each block's dense segment and its experts' segment
         assert {(s.expert, s.parts) for s in store.partition.list} == {(False, dp), (True, dp * CP // EP)}
+    if deepseek:
+        for st in (store, s_store, serial.store):
+            random_biases(st)
+        assert sorted(store.persistent) == [f"h.{i}.moe.router.score_bias" for i in range(cfg.n_layer)]
+    start_biases = [b.copy() for b in s_store.persistent.values()]
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
     ran = record_runs(model, cfg.n_layer) if ARCH == "mixtral" else None
-    if ARCH == "mixtral":                                   # info --experts' table, every layout
+    if ARCH == "mixtral" and priced:                        # info --experts' table, every layout
         check_placement(resolve(GridSpec(layout_name, dp=dp, cp=CP, ep=EP, depth=depth, grad_accum=ACCUM,
                                          recompute=RECOMPUTE, zero=ZERO), cfg, batch, MPI.COMM_WORLD.size), store)
     for step, (x, y) in enumerate(steps, start=1):
@@ -499,7 +543,7 @@ def main():
         if not grouped:
             s_model.backward(loss_scale=LOSS_SCALE)
         assert len(set(kept)) == 1 or ARCH == "mixtral", f"micro-batches kept different amounts: {kept}"   # routing
-        if parts.layout.attention_kind != "full":                  # the memory model: blockwise attention
+        if parts.layout.attention_kind != "full" and priced:       # the memory model: blockwise attention
             if ARCH == "mixtral":                                   # priced for the routing each layer recorded
                 assert ACCUM == 1 or RECOMPUTE != "blocks", "the rerun peak is priced for micro-batch 0's routing"
                 for m in range(1, len(kept)):
@@ -516,13 +560,37 @@ def main():
             check_gradients(store, host, s_store.grad, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / LOSS_SCALE)
         s_opt.step(1e-2, grad_scale=min(1.0, 1.0 / s_norm) / LOSS_SCALE)
-        if ARCH == "mixtral":                             # a mixture: priced for this step's routing
+        if deepseek:                                      # the aux-loss-free bias, from the global loads
+            padded_now = sum(n for led in model.router_log.ledgers for n in led.padded.values())
+            model.router_log.take()
+            (ref.model if grouped else s_model).router_log.take()
+            serial_loads = (ref.model if grouped else s_model).router_log.loads
+            assert sorted(model.router_log.loads) == sorted(serial_loads) and serial_loads
+            for k, load in serial_loads.items():          # the counts of the whole global batch
+                assert np.array_equal(model.router_log.loads[k], load), f"step {step} layer {k} loads"
+            balance(store, cfg, model.router_log.loads)
+            balance(s_store, cfg, serial_loads)
+            if grouped:
+                balance(serial.store, cfg, serial_loads)
+            for name, bias in s_store.persistent.items():  # bit for bit: integers' signs
+                assert np.array_equal(host(store.persistent[name]), bias), f"step {step} {name}"
+            PADDED[0] += padded_now
+        elif ARCH == "mixtral":                           # a mixture: priced for this step's routing
             check_traffic(replace(problem, routing=tuple(routing)), counters)
             PADDED[0] += sum(n for led in model.router_log.take_ledgers() for n in led.padded.values())
         else:
             check_traffic(problem, counters)              # the step's all-gather (zero 1) too
     if not HALF:
-        check_params(store, host, s_store.data, "after 3 steps")
+        check_params(store, host, s_store.data, f"after {len(steps)} steps")
+    if deepseek:
+        moved = max(float(np.abs(b - rng_start).max()) for b, rng_start in
+                    zip(s_store.persistent.values(), start_biases))
+        assert moved > 0, "the biases never moved"
+        if MPI.COMM_WORLD.rank == 0:
+            bias = ",".join(f"{v:+.2f}" for v in host(store.persistent["h.0.moe.router.score_bias"]))
+            print(f"OK deepseek-moe {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} cp={CP} "
+                  f"ep={EP} zero={ZERO} steps={len(steps)} worst={WORST[0]:.2e} bias[h.0]={bias}")
+        return
     probed = not HALF and CP == 1            # the REPLICATED linear kind on this layout (tests/replicated_check.py)
     if probed:
         check_replicated(layout, close)
