@@ -107,17 +107,22 @@ def test_moe_config_stores_and_counts():
 # gradients are equal whatever the ep size. dp 4 x ep 4 and 1-D x dp 2 x ep 2 also generate
 # (MPICUBE_CHECK_GENERATE: greedy, with and without the key/value cache, the serial model's tokens), as
 # does the 3-D x dp 2 x ep 2 case below.
+# MPICUBE_CHECK_DEEPSEEK (DS): the same launch then checks the mixture with DeepSeekMoE's options
+# (parallel_check.DEEPSEEK: sigmoid router with a bias, groups, scaling, a shared expert, the
+# sequence-wise auxiliary loss) for 5 steps, the bias updated from the global loads after each and
+# equal to serial's bit for bit, so the same for ep 1, 2 and 4.
 GPU = {"PYTHONPATH": f"{os.getcwd()}/tests/fake_gpu:{os.getcwd()}", "MPICUBE_CHECK_DEVICE": "gpu"}
-DP_CASES = [(2, "serial", 2, "0", "2", {**GPU, "MPICUBE_CHECK_ZERO": "2"}),
+DS = {"MPICUBE_CHECK_DEEPSEEK": "1"}
+DP_CASES = [(2, "serial", 2, "0", "2", {**GPU, "MPICUBE_CHECK_ZERO": "2", **DS}),
             (2, "serial", 2, "0.8", "1", {"MPICUBE_CHECK_ZERO": "1", "MPICUBE_CHECK_RECOMPUTE": "blocks"}),
-            (4, "serial", 4, "0", "2", {"MPICUBE_CHECK_ZERO": "3", "MPICUBE_CHECK_ACCUM": "2"}),
-            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_GENERATE": "1"}),
+            (4, "serial", 4, "0", "2", {"MPICUBE_CHECK_ZERO": "3", "MPICUBE_CHECK_ACCUM": "2", **DS}),
+            (4, "serial", 4, "0.8", "4", {"MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_GENERATE": "1", **DS}),
             (4, "serial", 4, "0.8", "2", {"MPICUBE_CHECK_ACCUM": "2", "MPICUBE_CHECK_ZERO": "1"}),
             (4, "1d", 2, "0.8", "2", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "1",
-                                      "MPICUBE_CHECK_GENERATE": "1"}),
+                                      "MPICUBE_CHECK_GENERATE": "1", **DS}),
             (2, "serial", 1, "0.8", "2", {"MPICUBE_CHECK_CP": "2"}),
             (8, "1d", 2, "0.5", "4", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "1",
-                                      "MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_SEQPAR": "1"})]
+                                      "MPICUBE_CHECK_RECOMPUTE": "blocks", "MPICUBE_CHECK_SEQPAR": "1", **DS})]
 
 
 @pytest.mark.timeout(240)
@@ -146,6 +151,7 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
     padded = int(proc.stdout.split("padded=")[1].split()[0])
     assert (padded > 0) == (layout == "1d" and extra.get("MPICUBE_CHECK_RECOMPUTE") == "gathers"), proc.stdout
     assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
+    assert (f"OK deepseek-moe {layout} world={ranks} dp={dp} " in proc.stdout) == ("MPICUBE_CHECK_DEEPSEEK" in extra)
 
 
 # the tensor-parallel layouts with --ep 2, one launch each (16 ranks): 2-D (2x2 grid) x dp 2 x --cp 2
@@ -158,10 +164,10 @@ def test_moe_data_and_expert_parallel_match_serial(ranks, layout, dp, capacity, 
 # expert); 2.5-D (depth 2) x --cp 2 under a capacity (the drop order over the token group and the
 # ring; an expert with no rows on a grid row still runs). The cube pads each expert's rows to the most
 # of its j line (padded > 0); SUMMA needs no padding.
-TP_CASES = [(16, "2d", 2, 1, "0", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "2"}),
+TP_CASES = [(16, "2d", 2, 1, "0", {"MPICUBE_CHECK_CP": "2", "MPICUBE_CHECK_ZERO": "2", **DS}),
             (16, "3d", 1, 1, "0", {"MPICUBE_CHECK_CP": "2"}),
             (16, "3d", 2, 1, "0.8", {"MPICUBE_CHECK_RECOMPUTE": "gathers", "MPICUBE_CHECK_ZERO": "3",
-                                        "MPICUBE_CHECK_GENERATE": "1", **GPU}),
+                                        "MPICUBE_CHECK_GENERATE": "1", **GPU, **DS}),
             (16, "2.5d", 1, 2, "0.8", {"MPICUBE_CHECK_CP": "2"})]
 
 
@@ -188,6 +194,7 @@ def test_moe_on_2d_25d_3d_with_expert_parallelism_matches_serial(ranks, layout, 
     assert f"cp={extra.get('MPICUBE_CHECK_CP', '1')}" in proc.stdout
     assert f"zero={extra.get('MPICUBE_CHECK_ZERO', '0')}" in proc.stdout
     assert ("generated=" in proc.stdout) == ("MPICUBE_CHECK_GENERATE" in extra)
+    assert (f"OK deepseek-moe {layout} world={ranks} dp={dp} " in proc.stdout) == ("MPICUBE_CHECK_DEEPSEEK" in extra)
 
 
 @pytest.mark.timeout(240)
