@@ -450,9 +450,8 @@ def main():
 
 def random_biases(store) -> None:
     """The same random bias in every sigmoid router of ``store`` on every rank."""
-    rng = np.random.default_rng(11)
-    for name in sorted(store.persistent):
-        bias = store.persistent[name]
+    for name, bias in store.persistent.items():      # drawn by layer: a pipeline stage holds some of them
+        rng = np.random.default_rng([11, int(name.split(".")[1])])
         bias[...] = store.backend.asarray(rng.normal(0, 0.05, bias.shape), dtype=bias.dtype)
 
 

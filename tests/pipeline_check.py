@@ -46,6 +46,7 @@ from mpicube.parallel.grid import build_layout
 from mpicube.parallel.planning import resolve
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.parallel.fsdp import make_store
+from mpicube.model.routers import balance
 from mpicube.training.accum import forward_backward
 from mpicube.training.parts import Parts
 from mpicube.training.pipeline import Pipeline, stage_specs
@@ -173,7 +174,8 @@ class SerialReference:
                                         for m in range(accum) for r in range(dp)])
 
     def step(self, x, y, step: int, grads: bool) -> tuple:
-        """(loss, gradient norm, {name: summed gradient} or None) of one step, then its update."""
+        """(loss, gradient norm, {name: summed gradient} or None, {name: router bias after
+        the step's update}) of one step, then its update (the bias's too)."""
         store, model = self.parts.store, self.parts.model
         store.zero_grad()
         if self.perm is not None:
@@ -185,7 +187,10 @@ class SerialReference:
         norm = self.opt.grad_norm() / pc.LOSS_SCALE
         out = (loss, norm, {n: g.copy() for n, g in store.grad.items()} if grads else None)
         self.opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
-        return out
+        log = model.router_log
+        log.take()
+        balance(store, self.parts.cfg, log.loads)
+        return out + ({n: b.copy() for n, b in store.persistent.items()},)
 
 
 def configure(options: dict) -> None:
@@ -223,6 +228,7 @@ def run_case(words: list, options: dict):
     schedule, virtual, accum = words[4], int(words[5]), int(words[6])
     cp, sp = int(options.get("cp", 1)), options.get("sp", "0") == "1"
     moe = "moe" in options
+    deepseek = options.get("deepseek") == "1"      # the mixture with DeepSeekMoE's options (parallel_check.DEEPSEEK)
     grid = GridSpec(layout_name, dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=schedule, virtual_stages=virtual,
                     grad_accum=accum, recompute=pc.RECOMPUTE, zero=pc.ZERO, sequence_parallel=sp,
                     ep=int(options.get("ep", 1)))
@@ -234,6 +240,8 @@ def run_case(words: list, options: dict):
                           n_kv_head=2, ffn_hidden=12, n_experts=4, top_k=2, router_aux_loss_coef=0.05,
                           router_z_loss_coef=0.01, capacity_factor=float(options["moe"]))
         assert dropout == 0.0, "moe=: dropout=0.0 (the grouped serial reference's masks follow row positions)"
+        if deepseek:
+            cfg = dataclasses.replace(cfg, **pc.DEEPSEEK)
     T = cfg.n_ctx
     rng = np.random.default_rng(3)
     steps = [(rng.integers(0, 61, (batch, T)), rng.integers(0, 61, (batch, T)))
@@ -247,21 +255,33 @@ def run_case(words: list, options: dict):
     serial = SerialReference(cfg, batch, dropout, (dp, accum) if moe else None) if world.rank == 0 else None
     opt = make_step(store, layout.axes, weight_decay=0.1)
     host = layout.backend.to_host
-    runs = StageRuns(parts.pipeline) if moe else None
+    priced = not deepseek             # the cost model prices Mixtral's mixture only (parallel_check.DEEPSEEK)
+    if deepseek:
+        pc.random_biases(store)
+        if serial is not None:
+            pc.random_biases(serial.parts.store)
+    runs = StageRuns(parts.pipeline) if moe and priced else None
     for step, (x, y) in enumerate(steps, start=1):
         ref = serial.step(x, y, step, grads=step == 1 or not HALF) if serial is not None else None
         store.zero_grad()
         counters.reset()
         loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE,
-                                after_forward=runs.after_forward if moe else lambda m: None)
+                                after_forward=runs.after_forward if runs is not None else lambda m: None)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
-        s_loss, s_norm, s_grads = world.bcast(ref, root=0)       # rank 0's serial step
+        s_loss, s_norm, s_grads, s_biases = world.bcast(ref, root=0)       # rank 0's serial step
         pc.close(f"step {step} loss", [loss], [s_loss])
         pc.close(f"step {step} grad norm", [norm], [s_norm])
         if s_grads is not None:
             pc.check_gradients(store, host, s_grads, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        if deepseek:                          # the bias update from the world's loads, equal to serial's bitwise
+            parts.pipeline.router_log.take()
+            balance(store, cfg, parts.pipeline.router_log.loads)
+            assert store.persistent and set(store.persistent) <= set(s_biases)
+            for name, bias in store.persistent.items():
+                assert np.array_equal(host(bias), s_biases[name]), f"step {step} {name}"
+            continue
         routing = runs.take(parts.pipeline.router_log.take_ledgers()) if moe else None
         check_costs(parts, cfg, batch, grid, opt.adam, dropout > 0, routing)   # the step's all-gather too
     s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
@@ -270,7 +290,7 @@ def run_case(words: list, options: dict):
     if "ckpt" in options:
         roundtrip(parts, opt, options["ckpt"], batch)
     MPI.COMM_WORLD.Barrier()
-    moe_note = f" moe={options['moe']} ep={grid.ep}" if moe else ""
+    moe_note = f" moe={options['moe']} ep={grid.ep}" + (" deepseek" if deepseek else "") if moe else ""
     if MPI.COMM_WORLD.rank == 0:
         print(f"OK pp {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} pp={pp} "
               f"schedule={schedule} V={virtual} accum={accum} dtype={DTYPE} recompute={pc.RECOMPUTE} "

@@ -124,6 +124,8 @@ class Pipeline:
         self.current = None                     # (chunk, tape) of the last forward
         self.ledgers = {}                       # (train, micro) -> a mixture's RouterLedger this step
         self.router_log = RouterLog(layout.backend.to_host)
+        for v in range(len(self.chunks)):       # built now: their persistent buffers (a router's bias) are in
+            self.chunk_model(v)                 # the store before a checkpoint is read into it
 
     # --- chunks -------------------------------------------------------------
     def chunk_model(self, v: int, micro: int = 0, dropout: float = None) -> GPT:
@@ -238,7 +240,7 @@ class Pipeline:
         for ledger in ledgers:                  # the router losses, once in the world (its totals are global)
             self.router_log.add(ledger)
             if once:
-                loss += ledger.aux_term() + ledger.z_term()
+                loss += ledger.aux_term() + ledger.z_term() + ledger.seq_aux_term()
         return self._step_loss(loss)
 
     def _measure(self, live) -> None:
