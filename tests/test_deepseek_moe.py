@@ -112,6 +112,26 @@ def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path):
     for i in (1, 2):
         assert np.array_equal(got[i], want[i]), (i, got[i], want[i])
         assert np.abs(got[i]).max() > 0
+    # eval, --init-from and generate read a checkpoint's biases with its parameters (formats.load_params)
+    from mpi4py import MPI
+
+    from mpicube.device.backend import make_backend
+    from mpicube.files import formats
+    from mpicube.model.gpt import gpt_params
+    from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.params import ParamStore
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.driver import make_runner
+
+    with formats.open_model(whole / "ckpt" / "step_00000004") as model_file:
+        cfg = model_file.config
+        assert (cfg.router, cfg.n_groups, cfg.first_k_dense, cfg.bias_update_rate) == ("sigmoid", 4, 1, 0.01)
+        layout = build_layout(resolve("serial", cfg, 4, 1), make_backend("cpu", "float64"), MPI.COMM_SELF)
+        store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], layout.backend, seed=1)
+        make_runner(cfg, layout, store)
+        formats.load_params(model_file, store)
+    for i in (1, 2):
+        assert np.array_equal(store.persistent[f"h.{i}.moe.router.score_bias"], got[i])
 
 
 @pytest.mark.parametrize("args,message", [

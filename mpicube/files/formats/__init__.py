@@ -122,3 +122,10 @@ def load_params(model: ModelFile, store) -> None:
             lo, hi = store.offsets[spec.name]
             block = model.read(spec.name, index=spec.index, dtype=master)
             flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)
+    for name, value in store.persistent.items():     # buffers (a router's bias), bit for bit where the file has them
+        held = model.buffer(name)
+        if held is not None:
+            if tuple(held.shape) != tuple(value.shape):
+                raise FormatError(f"{model.path}: buffer {name!r} has shape {tuple(held.shape)} but this model "
+                                  f"needs {tuple(value.shape)}")
+            value[...] = backend.asarray(held, dtype=value.dtype)

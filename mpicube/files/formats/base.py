@@ -74,6 +74,12 @@ class ModelFile:
     def dtype(self, name: str) -> np.dtype:
         raise NotImplementedError
 
+    def buffer(self, name: str):
+        """The model's persistent tensor ``name`` that is not a parameter
+        (a router's bias, ``ParamStore.persist``) whole, or None where the
+        file holds none (the model keeps its initial value)."""
+        return None
+
     def close(self) -> None:
         pass
 

@@ -67,6 +67,12 @@ class NativeModel(ModelFile):
     def read(self, name: str, index=None, dtype=None) -> np.ndarray:
         return self.ck.read("model/" + name, index=index, dtype=dtype)
 
+    def buffer(self, name: str):
+        key = "buffers/" + name              # training/state.py writes them so
+        if key not in set(self.ck.names()):
+            return None
+        return self.ck.read(key)
+
     def describe(self) -> str:
         return f"mpicube checkpoint {self.ck.path} (step {self.step})"
 
