@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from ..core.config import DEEPSEEK_OPTIONS, ModelConfig, family_fields
+from ..core.config import DEEPSEEK_MOE, DEEPSEEK_OPTIONS, ModelConfig, family_fields
 from ..core.errors import ConfigError, RunDirError, UserError, io_reason
 from ..device import threads
 from ..files import checkpoint, data, formats
@@ -254,6 +254,9 @@ class Launch:
         if cfg.moe:                                          # the file's experts unless given
             options["n_experts"] = options["n_experts"] if options["n_experts"] is not None else cfg.n_experts
             options["top_k"] = options["top_k"] if options["top_k"] is not None else cfg.top_k
+            for key, default in DEEPSEEK_MOE.items():       # the file's DeepSeekMoE settings unless given
+                if options.get(key) is None and getattr(cfg, key) != default:
+                    options[key] = getattr(cfg, key)
         try:
             wanted = replace(cfg, **family_fields(**options))
         except ConfigError as exc:
