@@ -4,8 +4,10 @@ communication of its own.
 Forward/backward pairs for LayerNorm, GELU, Llama's RMSNorm, rotary
 embeddings and SwiGLU (``llama``), causal attention, softmax
 cross-entropy over a (possibly split) vocabulary and the token embedding
-(``local``, ``vocab``), and the counter-based generator behind initial
-values and dropout masks (``rng``). A sum over a dimension that a layout
+(``local``, ``vocab``), the counter-based generator behind initial
+values and dropout masks (``rng``), and FP8 quantization emulated exactly
+(``fp8``: formats, amax, scales, rounding; ``fp8_recipes``: which group
+and format each recipe gives each GEMM operand). A sum over a dimension that a layout
 may have split arrives as a callable (``allsum``, ``allmax``), so the same
 op serves every layout. Each op runs on NumPy or CuPy arrays and lets the
 device layer pick its kernels.
