@@ -13,7 +13,7 @@ from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
                      env_settings,
                      arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
-                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
+                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option, fp8_options)
 from .common import ep_option
 
 
@@ -77,6 +77,7 @@ from .common import ep_option
               help="float16: steps without overflow before the scale doubles  [default: 2000]")
 @click.option("--loss-scale-backoff", type=float, default=None,
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
+@fp8_options
 @zero_option("1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
              "replicas; gradients reduce-scattered, parameters all-gathered; 2: also the gradients, "
              "reduce-scattered per layer during backward; 3: also the weights, all-gathered per layer "
@@ -197,7 +198,8 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
                        "rope_theta", "rms_eps", "tie_embeddings", "ep", "n_experts", "top_k", "no_norm_topk",
-                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "fp8", "fp8_grad_format",
+                       "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block", "fp8_pow2")
 
 
 @cli.command("trace")

@@ -69,6 +69,7 @@ class Plan:
     overlap: bool = True        # collectives overlapped with GEMMs (False: the blocking path, to compare)
     attention: str = "blocks"   # ATTENTION_KINDS: blockwise attention, or "full" (the (T, T) op)
     ep: int = 1                 # expert-parallel ranks, taken from dp (a mixture of experts; parallel/experts.py)
+    fp8: object = None          # --fp8: an ops.fp8_recipes.Recipe (every linear's GEMMs quantized), or None
 
     @classmethod
     def of(cls, value) -> "Plan":

@@ -37,6 +37,7 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..comm import Comm
+from ..fp8 import Fp8Scaling, Splits, check_shard
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore, shared_columns, split_decl, split_index
@@ -76,9 +77,10 @@ class Layout:
     is the plan's attention kind, which the model's blocks read here."""
 
     name = "base"
+    fp8_tensor_only = False     # True: --fp8 with tensor scales only (the GEMMs see gathered panels)
 
     def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none",
-                 overlap: bool = True, attention: str = "blocks"):
+                 overlap: bool = True, attention: str = "blocks", fp8=None):
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
         self.recompute = recompute
@@ -90,6 +92,38 @@ class Layout:
         self.batch_size = batch_size                  # global sequences per step
         self.local_batch = batch_size // axes.dp.size  # sequences per dp replica
         self.vocab_padded = cfg.vocab_size
+        self.fp8 = None if fp8 is None else self.fp8_scaling(fp8)
+
+    def fp8_scaling(self, recipe) -> Fp8Scaling:
+        """``--fp8``'s scaling state (``parallel/fp8.py``), with the groups
+        its amaxes are reduced over: the pipeline stage's ranks (a tensor
+        scale), and the ranks holding the other tokens of this
+        tensor-parallel rank's columns (a wgrad row scale: dp x cp).
+        Collective over the world."""
+        world, pp, tp = self.axes.world, self.axes.pp, self.axes.tp
+        if self.fp8_tensor_only and recipe.name not in ("tensorwise", "delayed"):
+            raise ConfigError(f"--fp8 {recipe.name}: layout {self.name} quantizes with tensor scales only so far "
+                              f"(tensorwise, delayed); use layout serial or 1d for {recipe.name}")
+        b, cp = recipe.block, self.axes.cp.size
+        run = self.cfg.n_ctx // (2 * cp) if cp > 1 else self.cfg.n_ctx     # a rank's consecutive positions
+        if b and run % b:
+            raise ConfigError(f"--fp8 {recipe.name}: the weight gradient's tiles run along the tokens, and a rank "
+                              f"holds {run} consecutive positions of a sequence, not a multiple of {b}: use a "
+                              f"--seq-len that is a multiple of {b * (2 * cp if cp > 1 else 1)}")
+        stage = world.split("fp8", pp.rank, world.rank)
+        tokens = world.split("fp8", pp.rank * tp.size + tp.rank, world.rank)
+        return Fp8Scaling(recipe, stage, tokens)
+
+    def fp8_linear(self, store: ParamStore, prefix: str, splits: Splits = None):
+        """The FP8 operands of linear ``prefix`` (``LinearFp8``), or None
+        without --fp8; refuses a weight shard that is not whole tiles."""
+        if self.fp8 is None:
+            return None
+        spec = store.by_name[prefix + ".weight"]
+        check_shard(self.fp8.recipe, prefix + ".weight", *spec.index)
+        if splits is not None and splits.tokens is None:
+            splits.tokens = self.fp8.tokens
+        return self.fp8.linear(prefix, splits)
 
     # --- what every layout provides (overridden) -------------------------
     canonical_seqs: np.ndarray      # (B_c,) sequences held in canonical form

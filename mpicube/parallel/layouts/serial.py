@@ -6,6 +6,7 @@ import numpy as np
 
 from ... import ops
 from ...device import precision
+from ..fp8 import Splits
 from ..params import ParamDecl, ParamSpec, full_index
 from .base import Layout, acc, matmul_rows
 from .modules import DenseLinear
@@ -30,7 +31,7 @@ class SerialLayout(Layout):
         return ParamSpec(decl, tuple(full_index(n) for n in decl.shape))
 
     def linear(self, store, prefix, position, bias=True):
-        return DenseLinear(store, prefix, bias=bias)
+        return DenseLinear(store, prefix, bias=bias, fp8=self.fp8_linear(store, prefix, Splits()))
 
     def tied_embedding(self, store, name="wte"):
         return DenseTiedEmbedding(store, self, name=name)
