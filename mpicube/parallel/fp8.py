@@ -182,8 +182,8 @@ def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
         for start, length in index_runs(index):
             if start % b or length % b:
                 fits = [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d < b and start % d == 0 and length % d == 0]
-                raise ConfigError(f"--fp8 {recipe.name}: this layout gives a rank {length} of {name}'s {axis} "
-                                  f"(from {start}), not whole {b}-element "
+                raise ConfigError(f"--fp8 {recipe.name}: this layout gives a rank {length} {axis} of {name} "
+                                  f"(from index {start}), not whole {b}-element "
                                   f"{'tiles' if recipe.name == 'blockwise' else 'blocks'} (a tile may not straddle "
                                   f"a shard): use sizes whose shards are multiples of {b}"
                                   + (f", or --fp8-block {fits[-1]}" if fits else ""))

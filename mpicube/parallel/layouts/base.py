@@ -119,6 +119,12 @@ class Layout:
         without --fp8; refuses a weight shard that is not whole tiles."""
         if self.fp8 is None:
             return None
+        if self.kv_comm is not None:
+            raise ConfigError(f"--fp8 {self.fp8.recipe.name}: layout {self.name} splits the heads "
+                              f"{self.head_split[0]} ways over {self.cfg.kv_heads} kv heads, so each rank holds "
+                              f"a partial sum of the kv columns' output gradient, which a scale may not see; "
+                              f"use a head split that divides --n-kv-head (fewer tensor-parallel ranks or more kv "
+                              f"heads)")
         spec = store.by_name[prefix + ".weight"]
         check_shard(self.fp8.recipe, prefix + ".weight", *spec.index)
         if splits is not None and splits.tokens is None:
