@@ -40,7 +40,11 @@ ROLE_WORDS = {"x": "input x", "w": "weight", "dy": "output gradient dy"}
 
 
 class Fp8NonFinite(UserError):
-    """NaN or inf reached an FP8 quantizer (the step diverged there)."""
+    """NaN or inf reached an FP8 quantizer: the step diverged there, and
+    the run stops as a non-finite loss stops it (exit 3, nothing saved
+    from the step)."""
+
+    exit_code = 3       # training.train.EXIT_DIVERGED (the layers above may not be imported here)
 
 
 @dataclass
@@ -132,7 +136,8 @@ class LinearFp8:
         try:
             require_finite(a2, what)
         except NonFiniteError as exc:
-            raise Fp8NonFinite(f"--fp8 {r.name}: {exc}") from None
+            raise Fp8NonFinite(f"training diverged: --fp8 {r.name}: {exc}; stopped without saving this state "
+                               f"(try a lower --lr or a longer --warmup)") from None
         group, fmt = r.group(role, gemm), r.format(role)
         if group == "tensor":
             q = self.tensor_quantized(a2, role, fmt)
@@ -187,3 +192,39 @@ def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
                                   f"{'tiles' if recipe.name == 'blockwise' else 'blocks'} (a tile may not straddle "
                                   f"a shard): use sizes whose shards are multiples of {b}"
                                   + (f", or --fp8-block {fits[-1]}" if fits else ""))
+
+
+def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int) -> None:
+    """The pure half of the checks (``planning.resolve``, before any file
+    or collective): a layout that quantizes with tensor scales only, kv
+    heads replicated over ranks (each then holds a partial sum of their
+    columns' dy, which no scale may see), and the widths a tile runs along
+    on a 1-D rank (serial is 1-D on one rank): the model's hidden size, a
+    rank's query, kv and MLP columns, a rank's consecutive positions. The
+    layouts check their real shards again when they build (``check_shard``)."""
+    if recipe is None:
+        return
+    if cls.fp8_tensor_only and recipe.name not in ("tensorwise", "delayed"):
+        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} quantizes with tensor scales only so far "
+                          f"(tensorwise, delayed); use layout serial or 1d for {recipe.name}")
+    split = cls.head_coords(tp, depth, 0)[0]
+    if split > cfg.kv_heads:
+        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} splits the heads {split} ways over "
+                          f"{cfg.kv_heads} kv heads, so each rank would hold a partial sum of the kv columns' "
+                          f"output gradient, which a scale may not see; use a head split that divides --n-kv-head")
+    b = recipe.block
+    if not b:
+        return
+    widths = {"--n-embd": cfg.n_embd,
+              f"a rank's query columns (n_head / {split} x head_dim)": cfg.n_head // split * cfg.head_dim,
+              f"a rank's key and value columns (kv heads / {split} x head_dim)": cfg.kv_heads // split * cfg.head_dim,
+              f"a rank's MLP hidden columns ({cfg.ffn} / {tp})": cfg.ffn // tp,
+              "a rank's consecutive positions of a sequence" + (f" (--seq-len / {2 * cp})" if cp > 1 else
+                                                                " (--seq-len)"): cfg.n_ctx // (2 * cp if cp > 1 else 1)}
+    for what, width in widths.items():
+        if width % b:
+            fits = [d for d in range(1, b) if all(w % d == 0 for w in widths.values())]
+            raise ConfigError(f"--fp8 {recipe.name}: {what} is {width}, not a multiple of the {b}-element "
+                              f"{'tile' if recipe.name == 'blockwise' else 'block'} (a tile may not straddle a "
+                              f"shard): choose sizes whose shards are multiples of {b}"
+                              + (f", or --fp8-block {fits[-1]} for a small model" if fits[-1] > 1 else ""))

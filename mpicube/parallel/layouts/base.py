@@ -99,17 +99,9 @@ class Layout:
         its amaxes are reduced over: the pipeline stage's ranks (a tensor
         scale), and the ranks holding the other tokens of this
         tensor-parallel rank's columns (a wgrad row scale: dp x cp).
-        Collective over the world."""
+        Collective over the world; the plan was checked for the recipe by
+        ``planning.resolve`` (``fp8.check_plan``)."""
         world, pp, tp = self.axes.world, self.axes.pp, self.axes.tp
-        if self.fp8_tensor_only and recipe.name not in ("tensorwise", "delayed"):
-            raise ConfigError(f"--fp8 {recipe.name}: layout {self.name} quantizes with tensor scales only so far "
-                              f"(tensorwise, delayed); use layout serial or 1d for {recipe.name}")
-        b, cp = recipe.block, self.axes.cp.size
-        run = self.cfg.n_ctx // (2 * cp) if cp > 1 else self.cfg.n_ctx     # a rank's consecutive positions
-        if b and run % b:
-            raise ConfigError(f"--fp8 {recipe.name}: the weight gradient's tiles run along the tokens, and a rank "
-                              f"holds {run} consecutive positions of a sequence, not a multiple of {b}: use a "
-                              f"--seq-len that is a multiple of {b * (2 * cp if cp > 1 else 1)}")
         stage = world.split("fp8", pp.rank, world.rank)
         tokens = world.split("fp8", pp.rank * tp.size + tp.rank, world.rank)
         return Fp8Scaling(recipe, stage, tokens)
@@ -119,12 +111,6 @@ class Layout:
         without --fp8; refuses a weight shard that is not whole tiles."""
         if self.fp8 is None:
             return None
-        if self.kv_comm is not None:
-            raise ConfigError(f"--fp8 {self.fp8.recipe.name}: layout {self.name} splits the heads "
-                              f"{self.head_split[0]} ways over {self.cfg.kv_heads} kv heads, so each rank holds "
-                              f"a partial sum of the kv columns' output gradient, which a scale may not see; "
-                              f"use a head split that divides --n-kv-head (fewer tensor-parallel ranks or more kv "
-                              f"heads)")
         spec = store.by_name[prefix + ".weight"]
         check_shard(self.fp8.recipe, prefix + ".weight", *spec.index)
         if splits is not None and splits.tokens is None:
