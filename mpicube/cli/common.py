@@ -9,6 +9,7 @@ runs the group under the error handling every command shares.
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 
@@ -263,6 +264,25 @@ def fp8_options(f):
                      help="quantize every linear's GEMM operands to FP8: tensorwise, delayed, rowwise, "
                           "blockwise (DeepSeek-V3), mxfp8 (OCP MX)  [default: off]")(f)
     return f
+
+
+def fp8_recipe_options(f):
+    """``fp8_options`` handed to the command as one value, ``fp8``: the
+    Recipe (or None), built with the command's --dtype, --device and --ep
+    (bench, info; train keeps the options apart, in its TrainOptions)."""
+    from ..training.fp8_options import fp8_recipe
+
+    @functools.wraps(f)
+    def command(**kw):
+        o = {k: kw.pop(k) for k in ("fp8", "fp8_grad_format", "fp8_accumulate", "fp8_amax_history",
+                                    "fp8_amax_rule", "fp8_block", "fp8_pow2")}
+        kw["fp8"] = fp8_recipe(o["fp8"], kw.get("dtype") or "float32", grad_format=o["fp8_grad_format"],
+                               accumulate=o["fp8_accumulate"], history=o["fp8_amax_history"],
+                               rule=o["fp8_amax_rule"], block=o["fp8_block"], power_of_2=o["fp8_pow2"],
+                               device=kw.get("device") or "cpu", ep=kw.get("ep") or 1)
+        return f(**kw)
+
+    return fp8_options(command)
 
 
 def recompute_option(f):

@@ -12,9 +12,8 @@ import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
                      device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
-                     model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched, zero_option,
-                     fp8_options)
-from .common import ep_option
+                     model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
+from .common import ep_option, fp8_recipe_options
 from ..core.errors import UserError
 
 
@@ -53,11 +52,10 @@ from ..core.errors import UserError
 @click.option("--heads", "show_heads", is_flag=True,
               help="also show which query and kv heads each tensor-parallel rank holds, and which ranks share "
                    "a replicated kv head (needs --layout and/or -n)")
-@fp8_options
+@fp8_recipe_options
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
          vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
-         sequence_parallel, show_heads, ep, show_experts, fp8, fp8_grad_format, fp8_accumulate, fp8_amax_history,
-         fp8_amax_rule, fp8_block, fp8_pow2, **family):
+         sequence_parallel, show_heads, ep, show_experts, fp8, **family):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations; with
@@ -92,26 +90,19 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
          + (f" (float32 master + {dtype} working copy)" if working else "")
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
-        from ..analysis.costreport import memory_options, report, summary, zero_options
+        from ..analysis.costreport import fp8_report, memory_options, report, summary, zero_options
         from ..parallel.gridspec import Plan
         from ..parallel.planning import resolve
-        from ..training.fp8_options import fp8_recipe
 
         world = world_size or 1
         # The plan validated as train validates it (one plan, once): every
         # axis against the world, the pipeline, zero and their combinations.
-        recipe = fp8_recipe(fp8, dtype, grad_format=fp8_grad_format, accumulate=fp8_accumulate,
-                            history=fp8_amax_history, rule=fp8_amax_rule, block=fp8_block, power_of_2=fp8_pow2, ep=ep)
         plan = Plan(layout or "auto", dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=pp_schedule,
                     virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
-                    recompute=recompute, grad_accum=grad_accum, ep=ep, fp8=recipe)
+                    recompute=recompute, grad_accum=grad_accum, ep=ep, fp8=fp8)
         run = resolve(plan, cfg, batch_size, world)
-        if recipe is not None:
-            from ..analysis.fp8_report import fp8_report
-
-            echo()
-            echo(fp8_report(recipe, run, cfg))
-        note = run.pipeline_note
+        notes = (run.pipeline_note, fp8 and fp8_report(fp8, run, cfg) + "\n")   # --fp8: what it quantizes, how
+        note = "\n".join(n for n in notes if n)
         if show_heads:
             from ..analysis.heads import heads_table
 
@@ -174,8 +165,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                                         recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
                                         sequence_parallel=sequence_parallel, ep=ep)))
     elif as_json or show_heads or fp8:
-        raise UserError(f"info {'--json' if as_json else '--heads' if show_heads else '--fp8'} describes a layout: "
-                        f"give --layout and/or -n")
+        raise UserError(f"info {'--json' if as_json else '--heads' if show_heads else '--fp8'} needs --layout or -n")
 
 
 def _mib(nbytes: int) -> str:
@@ -210,12 +200,11 @@ def _mib(nbytes: int) -> str:
 @click.option("--overlap-both", is_flag=True,
               help="time each layout twice, its collectives blocking (as under MPICUBE_OVERLAP=0) and overlapped, "
                    "to show the exposed communication each leaves")
-@fp8_options
+@fp8_recipe_options
 @collective_timeout_option
 def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
           grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,
-          overlap_both, collective_timeout, sequence_parallel, fp8, fp8_grad_format, fp8_accumulate,
-          fp8_amax_history, fp8_amax_rule, fp8_block, fp8_pow2, **family):
+          overlap_both, collective_timeout, sequence_parallel, fp8, **family):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -230,7 +219,6 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     from ..model.llama import check_config as check_llama
     from ..parallel.gridspec import Plan
     from ..parallel.planning import resolve
-    from ..training.fp8_options import fp8_recipe
     from ..training.parts import Numerics, build_parts, recompute_note
 
     if steps < 1 or warmup_steps < 0:
@@ -245,14 +233,12 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
                       **family_fields(**family))
     if cfg.llama:                           # --n-kv-head dividing --n-head: before any layout says a word
         check_llama(cfg)
-    recipe = fp8_recipe(fp8, dtype, grad_format=fp8_grad_format, accumulate=fp8_accumulate, history=fp8_amax_history,
-                        rule=fp8_amax_rule, block=fp8_block, power_of_2=fp8_pow2, device=device)
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
             plan = Plan(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
                         pp_schedule=pp_schedule, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
-                        zero=zero, recompute=recompute, grad_accum=grad_accum, fp8=recipe, **env_settings())
+                        zero=zero, recompute=recompute, grad_accum=grad_accum, fp8=fp8, **env_settings())
             run = resolve(plan, cfg, batch_size, _mpi["world"].Get_size(), seq_len=seq_len)
             if batch_size is None:                             # each layout its own smallest batch
                 echo(f"bench {name}: {run.batch_note}")
