@@ -100,12 +100,13 @@ class Case:
     heads: int = HEADS
     kv: int = 0           # Llama's kv heads (0: as many as heads)
     ckpt: int = 0         # 1: save a checkpoint after the last step and read it as serial (check_checkpoint)
+    experts: int = 0      # arch=llama with a mixture of this many experts (top 2; Mixtral's)
     fp8: str = ""         # an FP8 recipe (--fp8), accumulated in the case's dtype; "" = off
     fp8block: int = 0     # --fp8-block (0: the recipe's)
     steps: int = STEPS
 
     INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
-            "fp8block", "steps")
+            "fp8block", "steps", "experts")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -132,8 +133,9 @@ class Case:
 
     def cfg(self) -> ModelConfig:
         if self.arch == "llama":
+            moe = dict(n_experts=self.experts, top_k=2) if self.experts else {}
             return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,
-                               **LLAMA, n_kv_head=self.kv or self.heads)
+                               **LLAMA, n_kv_head=self.kv or self.heads, **moe)
         return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD)
 
     def words(self) -> str:
@@ -163,7 +165,7 @@ class References:
 
     def get(self, case: Case, steps: list) -> dict:
         key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv, case.fp8, case.fp8block,
-               case.steps)
+               case.steps, case.experts)
         if key not in self.done:
             self.done[key] = self._run(case, steps)
         return self.done[key]

@@ -183,6 +183,10 @@ FP8_CASES = [
     (8, f"layout=1d tp=4 pp=2 accum=2 kv=4 fp8=rowwise steps=3 {LLAMA}"),
     (8, "layout=1d tp=2 dp=2 cp=2 zero=1 fp8=blockwise fp8block=4 steps=3"),
     (8, f"layout=1d tp=4 dp=2 kv=4 fp8=mxfp8 fp8block=2 steps=3 {LLAMA}"),      # a kv head is 2 columns
+    # Mixtral's experts (4, top 2): an expert's token rows come in any number (a short last tile)
+    (4, f"layout=1d tp=4 kv=4 experts=4 fp8=mxfp8 fp8block=2 steps=3 {LLAMA}"),
+    (4, f"layout=2d tp=4 kv=2 experts=4 fp8=delayed steps=3 {LLAMA}"),
+    (4, f"layout=1d tp=2 dp=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),   # every expert runs on every replica
 ]
 
 
@@ -198,6 +202,7 @@ def test_fp8_cases_cover_every_recipe_and_layout():
     for axis in ("dp", "cp", "sp", "pp"):
         assert any(axis in kw for kw in words), axis
     assert all(kw["steps"] == "3" for kw in words)
+    assert any("experts" in kw for kw in words)
 
 
 def launches() -> dict:

@@ -87,3 +87,31 @@ def test_nan_reaching_a_quantizer_stops_the_run(mpicube, tmp_path):
 def latest_step(run_dir):
     path = checkpoint.latest(run_dir)
     return None if path is None else int(path.name.split("_")[1])
+
+
+def test_plans_fp8_cannot_run_are_refused_before_any_collective():
+    """planning.resolve (pure) refuses what no shard could quantize as the
+    serial model does: kv heads replicated over ranks (their dy is a
+    partial sum on each), an expert's token tiles spread over replicas,
+    a row- or tile-scaled recipe on a layout with tensor scales only."""
+    import pytest
+
+    from mpicube.core.config import ModelConfig
+    from mpicube.core.errors import ConfigError
+    from mpicube.parallel.gridspec import Plan
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.fp8_options import fp8_recipe
+
+    llama = dict(vocab_size=61, n_ctx=16, n_layer=2, n_head=8, n_embd=16, arch="llama", ffn_hidden=24, n_kv_head=2)
+    cases = [
+        (Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 4, "splits the heads 4 ways"),
+        (Plan("1d", dp=2, fp8=fp8_recipe("mxfp8", "float64", block=2)), ModelConfig(**llama, n_experts=4, top_k=2),
+         4, "expert's token rows are spread over them"),
+        (Plan("3d", fp8=fp8_recipe("rowwise", "float64")), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
+                                                                        n_head=4, n_embd=16), 8,
+         "layout 3d quantizes with tensor scales only"),
+    ]
+    for plan, cfg, world, needle in cases:
+        with pytest.raises(ConfigError, match=needle):
+            resolve(plan, cfg, 8, world)
+    resolve(Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 8, 2)   # 2 ways: whole kv heads

@@ -91,9 +91,15 @@ def test_blockwise_tiles_and_blocks():
     np.testing.assert_array_equal(fp8.fp8_bytes(wq_t.q), fp8.fp8_bytes(wq.q).T)
 
 
-def test_blockwise_refuses_a_straddling_tile():
+def test_a_tile_never_straddles_the_edge_and_a_short_last_one_is_zero_padded():
     with pytest.raises(ValueError, match="tiles of 128"):
-        quantize_operand(np.ones((2, 200)), "x", "forward", Recipe("blockwise", block=128))
+        fp8.group_amax(np.ones((2, 200)), ("tile", 128))
+    # an expert's token rows come in any number: the last tile is short, padded with zeros (no amax changes)
+    x = np.zeros((1, 40))
+    x[0, 3], x[0, 35] = 2.0, 0.5                                     # tile [0, 32) amax 2, short tile [32, 40) 0.5
+    qo = quantize_operand(x, "x", "forward", Recipe("mxfp8", grad_format="e4m3", block=32))
+    assert qo.q.shape == (1, 64) and fp8.fp8_bytes(qo.scale).tolist() == [[127 - 7, 127 - 9]]
+    np.testing.assert_array_equal(qo.values(np.float64)[:, :40], x)
 
 
 def mx(x):

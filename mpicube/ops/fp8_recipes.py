@@ -124,10 +124,22 @@ def quantize_with(a, amax, group, fmt, recipe: Recipe) -> Quantized:
     return Quantized(quantize(a, scale, group, fmt), scale, group)
 
 
+def pad_tiles(a, group):
+    """a (n, K) with zero columns up to whole tiles of ``group`` (a short
+    last tile: an expert's token rows come in any number; zeros change
+    no amax), or a itself."""
+    if not isinstance(group, tuple) or group[0] == "block" or a.shape[1] % group[1] == 0:
+        return a
+    b = group[1]
+    pad = np.zeros((a.shape[0], -a.shape[1] % b), dtype=a.dtype)   # (n, pad)
+    return np.concatenate([a, pad], axis=1)                        # (n, K rounded up to b)
+
+
 def quantize_operand(a, role: str, gemm: str, recipe: Recipe) -> Quantized:
     """a (n, K), contraction along K, quantized on one rank as the recipe
     says (the serial case: nothing to reduce; the delayed recipe's
-    history is the caller's)."""
+    history is the caller's). Its values: ``.values(dtype)[:, :K]``."""
     group = recipe.group(role, gemm)
+    a = pad_tiles(a, group)
     amax = group_amax(a, local_group(group))
     return quantize_with(a, amax, group, recipe.format(role), recipe)

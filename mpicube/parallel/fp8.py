@@ -33,7 +33,7 @@ import numpy as np
 
 from ..core.errors import ConfigError, UserError
 from ..ops.fp8 import NonFiniteError, current_scale, group_amax, quantize, require_finite
-from ..ops.fp8_recipes import Quantized, Recipe, local_group, quantize_with
+from ..ops.fp8_recipes import Quantized, Recipe, local_group, pad_tiles, quantize_with
 from .comm import Comm
 
 ROLE_WORDS = {"x": "input x", "w": "weight", "dy": "output gradient dy"}
@@ -142,13 +142,14 @@ class LinearFp8:
         if group == "tensor":
             q = self.tensor_quantized(a2, role, fmt)
         else:
-            amax = group_amax(a2, local_group(group))          # a tile or block never straddles a shard
+            padded = pad_tiles(a2, group)                       # an expert's tokens: a short last tile
+            amax = group_amax(padded, local_group(group))      # a tile or block never straddles a shard
             if group == "row" and split is not None and split.size > 1:
                 amax = split.allreduce(amax, op="max")
-            q = quantize_with(a2, amax, group, fmt, r)
+            q = quantize_with(padded, amax, group, fmt, r)
         if self.s.observer is not None:
             self.s.observer(self.name, role, gemm, q)
-        return q.values(a2.dtype)
+        return q.values(a2.dtype)[:, :a2.shape[1]]
 
     def tensor_quantized(self, a2, role, fmt) -> Quantized:
         """A tensor scale: the amax of the whole logical tensor (the stage's
@@ -194,13 +195,14 @@ def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
                                   + (f", or --fp8-block {fits[-1]}" if fits else ""))
 
 
-def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int) -> None:
+def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1) -> None:
     """The pure half of the checks (``planning.resolve``, before any file
     or collective): a layout that quantizes with tensor scales only, kv
     heads replicated over ranks (each then holds a partial sum of their
     columns' dy, which no scale may see), and the widths a tile runs along
     on a 1-D rank (serial is 1-D on one rank): the model's hidden size, a
-    rank's query, kv and MLP columns, a rank's consecutive positions. The
+    rank's query, kv and MLP columns, a rank's consecutive positions, and
+    an expert's token rows (whole on one replica only). The
     layouts check their real shards again when they build (``check_shard``)."""
     if recipe is None:
         return
@@ -215,6 +217,10 @@ def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int) -> None:
     b = recipe.block
     if not b:
         return
+    if cfg.moe and dp * cp > 1:
+        raise ConfigError(f"--fp8 {recipe.name} with a mixture of experts on dp x cp = {dp * cp} replicas: an "
+                          f"expert's token rows are spread over them, so its weight gradient's tiles along the "
+                          f"tokens would straddle replicas; use --dp 1 --cp 1, or tensorwise, delayed or rowwise")
     widths = {"--n-embd": cfg.n_embd,
               f"a rank's query columns (n_head / {split} x head_dim)": cfg.n_head // split * cfg.head_dim,
               f"a rank's key and value columns (kv heads / {split} x head_dim)": cfg.kv_heads // split * cfg.head_dim,

@@ -148,7 +148,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     _check_batch(plan, cls, name, run_cfg, tp, batch_size)
     if plan.sequence_parallel:
         check_sequence_parallel(plan, cls, name, run_cfg, tp)
-    check_fp8(plan.fp8, run_cfg, cls, tp, plan.depth, plan.cp)
+    check_fp8(plan.fp8, run_cfg, cls, tp, plan.depth, plan.cp, plan.dp)
     return Resolved(plan, cfg, world_size, tp, name, batch_size, seq_len, why, kept, note)
 
 

@@ -173,8 +173,15 @@ class Layout:
         tokens); ``every`` says whether an expert with no rows must still
         run (its linears' collectives span ranks that may hold rows). Here
         (serial, 1-D) every collective joins ranks holding the same
-        tokens: the rows as held, an empty expert skipped."""
-        return held, False
+        tokens: the rows as held, an empty expert skipped, unless --fp8's
+        amax reductions span other tokens (``fp8_every``)."""
+        return held, self.fp8_every()
+
+    def fp8_every(self) -> bool:
+        """Whether --fp8 makes every expert run, with no rows too: its
+        scales' amaxes are reduced over the stage (dp, cp), whose other
+        ranks may hold rows of it."""
+        return self.fp8 is not None and self.fp8.stage.size > self.axes.tp.size
 
     def expert_linear(self, store: ParamStore, prefix: str, position: str):
         """A mixture of experts' seam (model/moe.py): the (bias-free) linear

@@ -148,8 +148,8 @@ class OneDLayout(Layout):
         padded with zero rows to a multiple of p (exact: a bias-free SwiGLU
         maps a zero row to a zero row and adds nothing to its gradients)."""
         if self.recompute != "gathers" or self.p == 1:
-            return held, False
-        return -(-held // self.p) * self.p, False
+            return held, self.fp8_every()
+        return -(-held // self.p) * self.p, self.fp8_every()
 
     def tied_embedding(self, store, name="wte"):
         if self.sequence_parallel:
