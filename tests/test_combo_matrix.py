@@ -178,7 +178,10 @@ FP8_CASES = [
     (4, "layout=1d tp=4 sp=1 fp8=blockwise fp8block=4 steps=3"),
     (4, "layout=1d tp=2 cp=2 fp8=mxfp8 fp8block=4 steps=3"),
     (4, "layout=2d tp=4 fp8=delayed steps=3"),
+    (4, "layout=2d tp=4 recompute=gathers fp8=tensorwise steps=3"),          # panels gathered again in backward
+    (4, "layout=1d tp=2 dp=2 zero=3 recompute=blocks fp8=tensorwise steps=3"),   # gathered weights, rerun blocks
     (8, "layout=3d tp=8 fp8=tensorwise steps=3"),
+    (8, "layout=3d tp=8 recompute=gathers fp8=delayed steps=3"),
     (8, "layout=2.5d tp=8 depth=2 fp8=delayed steps=3"),
     (8, f"layout=1d tp=4 pp=2 accum=2 kv=4 fp8=rowwise steps=3 {LLAMA}"),
     (8, "layout=1d tp=2 dp=2 cp=2 zero=1 fp8=blockwise fp8block=4 steps=3"),
