@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from conftest import TINY, paired
 from mpirun import job_env
 
@@ -115,3 +117,24 @@ def test_plans_fp8_cannot_run_are_refused_before_any_collective():
         with pytest.raises(ConfigError, match=needle):
             resolve(plan, cfg, 8, world)
     resolve(Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 8, 2)   # 2 ways: whole kv heads
+
+
+def test_trace_records_the_quantized_weights_and_scales_alike_on_serial_and_1d(mpicube, tmp_path):
+    """trace --fp8 keeps each linear's quantized weight (its FP8 bytes, as
+    uint8, compared exactly) and scales for forward and dgrad, and the
+    tensor scales of x and dy; serial and 1-D write the same ones."""
+    import h5py
+
+    opts = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16", "--batch-size", "4",
+            "--steps", "2", "--dtype", "float64", "--fp8", "tensorwise"]
+    for layout, n in (("serial", 1), ("1d", 2)):
+        r = mpicube.run("trace", *opts, "--layout", layout, "--out", f"{layout}.h5", n=n)
+        assert r.returncode == 0, r
+    with h5py.File(tmp_path / "serial.h5") as f:
+        got = f["step_1/fp8/h.0.mlp.c_fc"]
+        assert got["w.forward/bytes"].dtype == np.uint8 and got["w.forward/bytes"].shape == (64, 16)
+        assert got["w.dgrad/bytes"].shape == (16, 64) and got["x.forward/scale"].shape == (1, 1)
+        assert (got["w.forward/bytes"][...] == got["w.dgrad/bytes"][...].T).all()   # one tensor scale
+    r = mpicube.run("compare", "serial.h5", "1d.h5", n=1)
+    assert r.returncode == 0, r
+    assert "all tensors agree" in r.stdout
