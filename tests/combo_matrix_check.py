@@ -62,6 +62,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
+from replicated_check import check_replicated  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
@@ -254,6 +255,8 @@ def run_case(case: Case, refs: References) -> None:
     if parts.pipeline is None:      # generation's key/value cache (kv heads only under GQA) == the model
         caches = sum(c.k.size + c.v.size for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"
+    if not pc.HALF and case.cp == 1:    # the REPLICATED linear kind on this case's layout
+        check_replicated(layout, pc.close)
     if case.ckpt:
         assert any(spec.shared is not None for spec in store.specs), "ckpt=1 is for a layout replicating kv heads"
         check_checkpoint(parts, opt, want["params"])

@@ -146,6 +146,7 @@ from mpicube.training.accum import forward_backward
 from mpicube.model.gpt import gpt_params
 from mpicube.training.driver import make_runner
 from moe_costs import check_kept, check_placement, measured_rows, record_runs, take_runs
+from replicated_check import check_replicated
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
 from mpicube.parallel.paramspec import clipped_index, real_mask
@@ -210,7 +211,7 @@ def wire_tolerance(layout, store, dtype=None) -> float:
     for spec in store.specs:
         # 2-D, 2.5-D and 3-D sum weight-gradient partials over q (SUMMA's reduce,
         # the cube's reduce-scatter over i); 1-D's weight gradients are local
-        chain = [(g, True)] if hasattr(layout, "q") and spec.decl.role in ("w_first", "w_second", "wte") else []
+        chain = [(g, True)] if hasattr(layout, "q") and spec.decl.role in ("w_column", "w_row", "wte") else []
         chain.append((spec.grad_comm.size if spec.grad_comm is not None else 1, half_sums))   # replica group
         chain.append((layout.axes.dp.size, half_sums))                                         # data parallelism
         most = max(most, roundings(chain))
@@ -522,6 +523,9 @@ def main():
             check_traffic(problem, counters)              # the step's all-gather (zero 1) too
     if not HALF:
         check_params(store, host, s_store.data, "after 3 steps")
+    probed = not HALF and CP == 1            # the REPLICATED linear kind on this layout (tests/replicated_check.py)
+    if probed:
+        check_replicated(layout, close)
     padded = MPI.COMM_WORLD.allreduce(PADDED[0])
     generated = ""
     if os.environ.get("MPICUBE_CHECK_GENERATE") == "1":
@@ -530,7 +534,8 @@ def main():
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
               f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}"
-              + (f" capacity={CAPACITY} ep={EP} padded={padded}" if ARCH == "mixtral" else "") + generated)
+              + (f" capacity={CAPACITY} ep={EP} padded={padded}" if ARCH == "mixtral" else "") + generated
+              + (" replicated-linear" if probed else ""))
 
 
 if __name__ == "__main__":

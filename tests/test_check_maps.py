@@ -56,6 +56,20 @@ def test_every_map_round_trips_exactly(make):
     assert all(np.array_equal(back[n], trace[n]) for n in trace)
 
 
+@pytest.mark.parametrize("cfg", [CFG, LLAMA_CFG, MIXTRAL_CFG], ids=["gpt2", "llama", "mixtral"])
+def test_each_family_names_the_map_of_its_transformers_class(cfg):
+    """A model family's ``hf_map`` (model/families) is a shipped map whose
+    trace names are exactly the family's parameters, in its order."""
+    from mpicube.core.config import ModelConfig
+    from mpicube.model.families import family_of
+
+    model = ModelConfig.from_dict(cfg)
+    family = family_of(model)
+    m = namemaps.MAPS[family.hf_map](cfg)
+    assert sorted(m.rules) == sorted(family.param_names(model))
+    assert [d.name for d in family.params(model)] == list(family.param_names(model))
+
+
 def test_linear_weights_are_transposed_and_q_k_v_split_by_columns():
     trace = trace_params()
     nano = namemaps.nanogpt(CFG).from_trace(trace)
@@ -213,15 +227,18 @@ def hf_llama_shape(cfg: dict) -> dict:
                 rms_norm_eps=cfg["rms_eps"], tie_word_embeddings=False)
 
 
-def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_same():
+def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_same(monkeypatch):
     """The hf_llama map's names are those of transformers' LlamaForCausalLM
     (every parameter used, every activation module present), and
     tools/torch_trace.py's plain-torch Llama loaded through the same map
-    gives transformers' logits (to float32 rounding: transformers computes
-    RMSNorm and the rotary angles in float32 even in a float64 model).
+    gives transformers' logits to 1e-12 (transformers' float32 RMSNorm,
+    rotary angles and eager softmax patched to float64: tests/hf_float64.py).
     Skipped without torch and transformers."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    import hf_float64
+
+    hf_float64.patch(monkeypatch, torch, transformers.models.llama.modeling_llama)
     cfg = LLAMA_CFG
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **hf_llama_shape(cfg), rope_theta=cfg["rope_theta"], attn_implementation="eager")).double().eval()
@@ -238,7 +255,7 @@ def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_sa
         idx = torch.as_tensor(np.random.default_rng(4).integers(0, cfg["vocab_size"], (2, cfg["n_ctx"])))
         want = hf(idx).logits                                                   # (2, T, V)
         got, _ = ours(idx, idx)
-    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
 
 
 def test_hf_mixtral_maps_cover_transformers_mixtral_in_memory_and_on_file(tmp_path):

@@ -9,7 +9,7 @@ Each layout's function walks the same collective sequence its code issues
 (layouts/*.py), with the ring conventions of ``mpicube.parallel.comm``, and returns
 the elements and messages per axis. Tests check that these predictions
 equal the measured counters exactly, so this file and the layouts cannot
-drift apart silently. The formulas of DESIGN.md section 4 fall out as the
+drift apart silently. The formulas of docs/design.md section 4 fall out as the
 linear-layer part of ``cube``.
 
 Bytes follow from what each collective carries (``Widths``): activations,
@@ -189,7 +189,7 @@ def cube_traffic(p: Problem) -> Traffic:
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
     L, embed, head = p.layers, int(p.has_embed), int(p.has_head)
     for h_in, h_out, position in dense_linears(cfg, q) * L:
-        a, b = ("j", "k") if position == "first" else ("k", "j")
+        a, b = ("j", "k") if position == "column" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
         t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=forwards * gathers, width=w.act)   # W over i
         t.reduce_scatter(b, q, n * q * h_out // q, times=forwards, width=w.red)               # Y over b

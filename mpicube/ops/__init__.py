@@ -9,9 +9,10 @@ values and dropout masks (``rng``), FP8 quantization emulated exactly
 (``fp8``: formats, amax, scales, rounding; ``fp8_recipes``: which group
 and format each recipe gives each GEMM operand), and DeepSeek-V3's
 pieces, used as submodules: multi-head latent attention (``mla``), its
-router (``deepseek_router``) and multi-token prediction (``mtp``). A sum
-over a dimension that a layout may have split arrives as a callable
-(``allsum``, ``allmax``), so the same op serves every layout. Each op runs on NumPy or CuPy arrays and lets the
+router (``deepseek_router``), multi-token prediction (``mtp``) and YaRN's
+rotary scaling (``yarn``). A sum over a dimension that a layout
+may have split arrives as a callable (``allsum``, ``allmax``), so the same
+op serves every layout. Each op runs on NumPy or CuPy arrays and lets the
 device layer pick its kernels.
 
 May import: ``core``, ``device``. Imported by the layouts, the model and

@@ -178,8 +178,8 @@ class Runner:
     def blocks(self):
         return self.model.blocks
 
-    def new_caches(self) -> list:
-        return self.model.new_caches()
+    def new_caches(self, positions: int = None) -> list:
+        return self.model.new_caches(positions)
 
     def decode(self, idx, pos: int, caches: list):
         return self.model.decode(idx, pos, caches)

@@ -12,7 +12,7 @@ from typing import Optional
 from ..files import data
 from ..core.config import ModelConfig, family_fields
 from ..core.errors import ConfigError
-from ..model import llama
+from ..model.families import family_of
 from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
@@ -145,6 +145,15 @@ class TrainOptions:
                            **family_fields(**self.family()))
 
     @property
+    def file_decides_family(self) -> bool:
+        """A model file (--init-from, --resume's checkpoint) decides the
+        family unless --arch was given: the family options are checked
+        against it, not against GPT-2's default (``given_shape``, set by the
+        command line, names the options typed; API callers give all)."""
+        given = getattr(self, "given_shape", None)
+        return given is not None and "arch" not in given and (self.init_from is not None or self.resume)
+
+    @property
     def last_step(self) -> int:
         """The step this invocation stops after (the schedule still spans ``steps``)."""
         return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
@@ -178,9 +187,11 @@ class TrainOptions:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
         self.fp8_recipe()
+        if self.file_decides_family:       # checked against the model file's family once it is open
+            return
         family_fields(**self.family())
-        if self.arch in ("llama", "mixtral"):   # --n-kv-head dividing --n-head, an even head size: before any file
-            llama.check_config(self.model_config())
+        cfg = self.model_config()        # Llama's --n-kv-head dividing --n-head, an even head size: before any file
+        family_of(cfg).check(cfg)
 
     def loss_scaler(self):
         """A fresh LossScaler for --dtype float16, else None (ConfigError for

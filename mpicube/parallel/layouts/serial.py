@@ -8,8 +8,8 @@ from ... import ops
 from ...device import precision
 from ..fp8 import Splits
 from ..params import ParamDecl, ParamSpec, full_index
-from .base import Layout, acc, matmul_rows
-from .modules import DenseLinear
+from .base import REPLICATED, Layout, acc, matmul_rows
+from .modules import DenseLinear, replicated_linear
 
 
 class SerialLayout(Layout):
@@ -30,7 +30,9 @@ class SerialLayout(Layout):
     def shard(self, decl: ParamDecl) -> ParamSpec:
         return ParamSpec(decl, tuple(full_index(n) for n in decl.shape))
 
-    def linear(self, store, prefix, position, bias=True):
+    def linear(self, store, prefix, kind, bias=True):
+        if kind == REPLICATED:
+            return replicated_linear(self, store, prefix, bias)
         return DenseLinear(store, prefix, bias=bias, fp8=self.fp8_linear(store, prefix, Splits()))
 
     def tied_embedding(self, store, name="wte"):
