@@ -71,7 +71,7 @@ def tile_picture(recipe: Recipe, run, cfg) -> list:
     along its rows, of dy along its columns): the digit is the
     tensor-parallel rank holding it, '|' a shard boundary."""
     b = recipe.block
-    decl = next(d for d in gpt_params(cfg) if d.role == "w_first")      # h.0's first linear: c_attn / qkv
+    decl = next(d for d in gpt_params(cfg) if d.role == "w_column")    # h.0's first linear: c_attn / qkv
     rows, cols = decl.shape
     tp = run.tp if run.layout in ("1d", "serial") else 1
     col_owner = owners(cols, tp, lambda t: split_decl(decl, tp, t))
