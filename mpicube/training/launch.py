@@ -70,9 +70,11 @@ class Launch:
         if o.batch_size is not None:
             self._plan_data()
 
-        vocab = None if o.resume else self.cfg.vocab_size
+        vocab = None                                     # the vocabulary the shards are checked against now
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
             vocab = on_root(self.world, self._check_init_from)
+        elif self.cfg is not None and not o.resume:
+            vocab = self.cfg.vocab_size
         self.vocab_checked = False
         if vocab is not None and o.batch_size is not None:   # a token past the vocabulary: no run directory either
             self._check_vocab(vocab)
