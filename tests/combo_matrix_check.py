@@ -36,6 +36,7 @@ checkpoint that a serial reader must see as the serial model.
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
          zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [ckpt=1]
+         [cpkind=ulysses|hybrid ulysses=U]
   (every case's tp x dp x pp x cp must be W)
 Prints one "OK case <words> worst=... (rtol ...) <seconds>s" line per case from rank 0.
 """
@@ -91,8 +92,11 @@ class Case:
     heads: int = HEADS
     kv: int = 0           # Llama's kv heads (0: as many as heads)
     ckpt: int = 0         # 1: save a checkpoint after the last step and read it as serial (check_checkpoint)
+    cpkind: str = "ring"  # --cp-kind: ring, ulysses or hybrid (parallel/ulysses.py)
+    ulysses: int = 1      # --ulysses under hybrid
 
-    INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt")
+    INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
+            "ulysses")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -111,7 +115,7 @@ class Case:
     def plan(self) -> Plan:
         return Plan(self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth, pp_schedule=self.schedule,
                     virtual_stages=self.virtual, sequence_parallel=self.sp, zero=self.zero,
-                    recompute=self.recompute, grad_accum=self.accum)
+                    recompute=self.recompute, grad_accum=self.accum, cp_kind=self.cpkind, ulysses=self.ulysses)
 
     def cfg(self) -> ModelConfig:
         if self.arch == "llama":

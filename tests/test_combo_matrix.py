@@ -170,13 +170,31 @@ LLAMA_CASES = [
 ]
 
 
+# Ulysses and hybrid context parallelism (issue 46): each joins its world size's launch, checked like
+# every case (serial to 1e-10 with dropout, traffic on the "ulysses" and "cp" axes and memory against the
+# cost model). Every layout, GQA with kv heads replicated over the Ulysses ranks, rotary at the group's
+# positions, sequence parallelism, zero 3, a pipeline, recompute with accumulation, the 16-bit wire.
+CP_KIND_CASES = [
+    (4, "layout=1d tp=2 cp=2 cpkind=ulysses batch=8"),
+    (4, "layout=serial tp=1 cp=4 cpkind=hybrid ulysses=2 recompute=blocks accum=2 batch=8"),
+    (8, "layout=2d tp=4 cp=2 cpkind=ulysses batch=8"),
+    (8, f"layout=1d tp=2 cp=4 cpkind=ulysses kv=2 {LLAMA}"),                    # 4 Ulysses ranks over 2 kv heads
+    (8, "layout=1d tp=2 cp=4 sp=1 cpkind=hybrid ulysses=2 dtype=bfloat16 batch=8"),
+    (8, "layout=1d tp=2 cp=2 dp=2 zero=3 cpkind=ulysses batch=8"),
+    (8, "layout=1d tp=2 pp=2 cp=2 accum=2 cpkind=ulysses batch=8"),
+    (16, "layout=3d tp=8 cp=2 cpkind=ulysses batch=8"),
+    (16, "layout=2.5d tp=8 depth=2 cp=2 cpkind=ulysses batch=8"),
+]
+
+
 def launches() -> dict:
     """{world size: [case words]}: the covering set grouped by world size,
-    with the 4-axis case once no pairing of it is refused, and the Llama cases."""
+    with the 4-axis case once no pairing of it is refused, the Llama cases
+    and the Ulysses cases."""
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
-    for ranks, words in LLAMA_CASES:
+    for ranks, words in LLAMA_CASES + CP_KIND_CASES:
         groups[ranks].append(words)
     return dict(sorted(groups.items()))
 

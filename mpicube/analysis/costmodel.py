@@ -244,6 +244,7 @@ def step_traffic(p: Problem) -> Traffic:
     experts = expert_elems(p, sizes)  # --ep > 1: a mixture's experts, summed over the expert-data group
     if p.cp > 1:
         t.add(ring_traffic(p), p.grad_accum)
+        t.add(ulysses_traffic(p), p.grad_accum)
         summed = sum(c for _, _, c, _, x in segments if not x) if segments else params - experts
         t.sum("cp", p.cp, summed, width=w.gsum)                # the weights' gradients over the ring
     group_sizes = defaultdict(int)
@@ -313,13 +314,35 @@ def ring_traffic(p: Problem) -> Traffic:
     times. One message per shift. Per layer this stage runs (``p.layers``:
     all of them without a pipeline). The K/V rows are the cp rank's T/cp
     positions also under --sequence-parallel (qkv holds the tp group's
-    gathered rows)."""
-    t, w, C = Traffic(), p.widths, p.cp
+    gathered rows). Under the hybrid the ring has C = cp / U ranks and
+    each holds its group's T U/cp positions of h_local / U: the same pair."""
+    t, w, C = Traffic(), p.widths, p.cp // p.ulysses
+    if C == 1:
+        return t
     seqs, heads = attention_split(p)
     kv = 2 * seqs * p.local_seq * heads * p.cfg.head_dim
     forwards = 2 if p.recompute == "blocks" else 1
     t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.layers, w.act)
     t._add("cp", C, kv, 1, C * p.layers, w.stat)
+    return t
+
+
+def ulysses_traffic(p: Problem) -> Traffic:
+    """One micro-batch of Ulysses (parallel.ulysses), per layer, on axis
+    "ulysses" (U ranks): forward sends U-1 of its U head groups of the
+    packed q, k, v (3 x seqs x T/cp x h_local) and of the output y (1 x)
+    back, one message a peer each (twice under --recompute blocks);
+    backward the same for dy and dq, dk, dv, all in the activations'
+    format. Llama's kv heads travel repeated for their query heads (the
+    packed form the op is given)."""
+    t, w, U = Traffic(), p.widths, p.ulysses
+    if U == 1:
+        return t
+    seqs, heads = attention_split(p)
+    slab = seqs * p.local_seq * (heads // U) * p.cfg.head_dim       # one head group of one width's rows
+    forwards = 2 if p.recompute == "blocks" else 1
+    for width, times in ((3, forwards + 1), (1, forwards + 1)):    # qkv / dqkv, y / dy
+        t._add("ulysses", U, (U - 1) * width * slab, U - 1, times * p.layers, w.act)
     return t
 
 

@@ -42,15 +42,17 @@ def _fmt(n) -> str:
 
 
 def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none", grad_accum=1,
-             zero=0, cp=1, sequence_parallel=False, ep=1):
+             zero=0, cp=1, sequence_parallel=False, ep=1, cp_kind="ring", ulysses=1):
     """A validated Problem, or the ConfigError's message (a mixture's
-    plan checked as train checks it: ``planning.check_moe``)."""
+    plan checked as train checks it: ``planning.check_moe``; Ulysses'
+    sizes as ``planning.resolve`` checks them)."""
     from ..core.errors import ConfigError
     from ..parallel.gridspec import Plan
     from ..parallel.planning import check_moe
 
     try:
-        grid = GridSpec(name, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
+        grid = GridSpec(name, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel, cp_kind=cp_kind,
+                        ulysses=ulysses)
         _, resolved, tp = plan(grid, cfg, batch_size, world_size, grad_accum, recompute)
         check_moe(Plan(resolved, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel, zero=zero,
                        recompute=recompute, grad_accum=grad_accum, ep=ep), cfg, tp, resolved)
@@ -58,7 +60,7 @@ def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", reco
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
                    recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
-                   sequence_parallel=sequence_parallel, ep=ep)
+                   sequence_parallel=sequence_parallel, ep=ep, ulysses=grid.ulysses_size)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,

@@ -110,7 +110,7 @@ class Collector:
         """(T_l,) the global positions of this rank's rows of a T-long
         sequence: all of them, or a cp rank's two chunks."""
         ring = self.layout.axes.cp
-        return context.local_positions(T, ring.size, ring.rank)
+        return context.local_positions(T, ring.size, ring.rank, context.ulysses_of(ring))
 
     def canonical_positions(self, T: int) -> np.ndarray:
         """(T_c,) the global positions of this rank's canonical rows: the

@@ -146,6 +146,11 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 
                 echo()
                 echo(context_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute, ep=ep))
+                if not cfg.moe:
+                    from ..analysis.costcontext import cp_kind_table
+
+                    echo()
+                    echo(cp_kind_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute))
         if pipelines or pp > 1:
             from ..analysis.costpipereport import combinations_report
 

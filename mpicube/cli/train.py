@@ -13,7 +13,7 @@ from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
                      env_settings,
                      arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
-                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
+                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option, cp_kind_options)
 from .common import ep_option
 
 
@@ -25,6 +25,7 @@ from .common import ep_option
 @ep_option
 @pipeline_options
 @cp_option
+@cp_kind_options
 @sequence_parallel_option
 @model_options
 @arch_options

@@ -80,6 +80,11 @@ def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, r
                 tp=split("tp", (d, p, c, 0), t),
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
+    U = grid.ulysses_size                # --cp-kind ulysses/hybrid: groups of U consecutive cp ranks
+    axes.cp.ulysses = U                  # read by context.local_positions (through context.ulysses_of)
+    if U > 1:
+        axes.cp_group = axes.cp.split("ulysses", c // U, c % U)   # the all-to-all's ranks (parallel/ulysses.py)
+        axes.cp_ring = axes.cp.split("cp", c % U, c // U)         # the ring over the groups, same heads
     ep = grid.ep                         # --ep: groups of ep consecutive replicas (parallel/experts.py)
     group, ep_rank, edp_rank = ep_coords(grid, d, c)
     if ep > 1 and grid.cp > 1:           # folded into dp x cp, as Megatron does: q = d cp + c

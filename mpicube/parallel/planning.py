@@ -23,7 +23,7 @@ from typing import Optional
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..core.intmath import integer_root
-from . import context
+from . import context, ulysses
 from .gridspec import ATTENTION_KINDS, Plan
 from .layouts import LAYOUTS
 from .layouts.base import RECOMPUTE_MODES, nearest_multiples
@@ -158,10 +158,11 @@ def _check_choices(plan: Plan, cfg: ModelConfig, world_size: int) -> tuple:
         raise ConfigError(f"unknown attention {plan.attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     tp = plan.tp(world_size)
     note = check_pipeline(cfg.n_layer, plan.pp, plan.pp_schedule, plan.virtual_stages, plan.grad_accum)
-    context.validate(cfg.n_ctx, plan.cp)
     name = choose_layout(plan.layout, tp, plan.depth)
     if name not in LAYOUTS:
         raise ConfigError(f"unknown layout {plan.layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+    ulysses.validate(plan, cfg, LAYOUTS[name].head_coords(tp, plan.depth, 0)[0])
+    context.validate(cfg.n_ctx, plan.cp, plan.ulysses_size)
     if plan.grad_accum < 1:
         raise ConfigError(f"--grad-accum must be at least 1, got {plan.grad_accum}")
     if plan.depth != 1 and name != "2.5d":

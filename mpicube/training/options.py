@@ -31,6 +31,8 @@ class TrainOptions:
     pp_schedule: str = "1f1b"      # gpipe, 1f1b or interleaved (micro-batches: grad_accum)
     virtual_stages: int = 1        # model chunks per stage under interleaved
     cp: int = 1                    # context-parallel ranks (issue 22)
+    cp_kind: str = "ring"          # ring, ulysses or hybrid (issue 46; parallel/ulysses.py)
+    ulysses: int = 1               # hybrid's Ulysses group size
     sequence_parallel: bool = False   # 1-D: LayerNorm/dropout/residual regions sharded along T (issue 22)
     depth: int = 1
     n_layer: int = 4
@@ -88,6 +90,8 @@ class TrainOptions:
         """Every option; a GPT-2 run leaves out the Llama family's (all at their
         defaults), so its config.json and checkpoints read as before they existed."""
         d = asdict(self)
+        if self.cp_kind == "ring" and self.ulysses == 1:   # stored as before the Ulysses options existed
+            d.pop("cp_kind"), d.pop("ulysses")
         if self.arch == "gpt2":
             for key in ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings"):
                 d.pop(key)
@@ -109,7 +113,8 @@ class TrainOptions:
         return Plan(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth,
                     pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
                     sequence_parallel=self.sequence_parallel, zero=self.zero, recompute=self.recompute,
-                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep)
+                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep,
+                    cp_kind=self.cp_kind, ulysses=self.ulysses)
 
     grid = plan     # the former name
 
