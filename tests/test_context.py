@@ -186,6 +186,8 @@ def test_info_table_and_the_pictures_follow_the_code():
     table = context_table(ModelConfig(vocab_size=256, n_ctx=64, n_layer=2, n_head=4, n_embd=16), 4, 4)
     assert len([line for line in table.splitlines() if line.split()[:1] in (["1d"], ["2d"], ["3d"], ["2.5d"])]) == 16
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "tools/cp_pictures.py", "--check", "docs/context-parallelism.md"],
-                          cwd=root, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for tool, page in (("tools/cp_pictures.py", "docs/context-parallelism.md"),
+                       ("tools/ulysses_pictures.py", "docs/ulysses.md")):
+        proc = subprocess.run([sys.executable, tool, "--check", page], cwd=root, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr

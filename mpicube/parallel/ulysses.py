@@ -74,6 +74,13 @@ def validate(plan, cfg, head_split: int) -> None:
                           f"head split {head_split}){kv}: use {option} one of {good}")
 
 
+def head_group(n_head: int, U: int, u: int) -> slice:
+    """The heads (of a rank's ``n_head``) Ulysses rank u attends after the
+    all-to-all: group u of U equal, contiguous groups."""
+    n = n_head // U
+    return slice(u * n, (u + 1) * n)
+
+
 class _Blockwise:
     """``ops.attention_blocks`` with a chosen block size (the inner op when
     the Ulysses group is the whole cp axis)."""
@@ -104,8 +111,7 @@ class UlyssesAttention:
         the model's callable draws for all of them), or None."""
         if keep_mask is None:
             return None
-        n = n_head // self.U
-        mine = slice(self.u * n, (self.u + 1) * n)
+        mine = head_group(n_head, self.U, self.u)
         source = ab._mask_source(keep_mask)
         return lambda rows, cols: source(rows, cols)[:, mine]
 
