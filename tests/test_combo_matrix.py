@@ -186,15 +186,30 @@ CP_KIND_CASES = [
     (16, "layout=2.5d tp=8 depth=2 cp=2 cpkind=ulysses batch=8"),
 ]
 
+# --optimizer muon (issue 46): Newton-Schulz on whole matrices gathered from every layout and ZeRO stage,
+# equal to the serial Muon (which tests/test_muon.py checks against an independent PyTorch Muon), with the
+# gathers' traffic in the cost model. ZeRO 3 on each layout; 1 and 2 with a pipeline, cp (Ulysses), GQA.
+MUON_CASES = [
+    (4, "layout=1d tp=2 dp=2 zero=3 opt=muon batch=8"),
+    (4, "layout=2d tp=4 opt=muon qkv=joint batch=8"),
+    (8, "layout=2d tp=4 dp=2 zero=3 opt=muon qkv=joint batch=8"),
+    (8, "layout=1d tp=2 pp=2 dp=2 zero=2 accum=2 opt=muon batch=8"),
+    (8, f"layout=1d tp=8 kv=2 opt=muon {LLAMA}"),                              # kv heads replicated over 4 ranks
+    (8, "layout=1d tp=2 cp=2 dp=2 zero=1 cpkind=ulysses opt=muon batch=8"),
+    (8, "layout=2.5d tp=8 depth=2 opt=muon dtype=bfloat16 batch=16"),
+    (16, "layout=3d tp=8 dp=2 zero=3 opt=muon batch=8"),
+    (16, "layout=2.5d tp=8 depth=2 dp=2 zero=3 opt=muon batch=16"),
+]
+
 
 def launches() -> dict:
     """{world size: [case words]}: the covering set grouped by world size,
-    with the 4-axis case once no pairing of it is refused, the Llama cases
-    and the Ulysses cases."""
+    with the 4-axis case once no pairing of it is refused, the Llama cases,
+    the Ulysses cases and the Muon cases."""
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
-    for ranks, words in LLAMA_CASES + CP_KIND_CASES:
+    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES:
         groups[ranks].append(words)
     return dict(sorted(groups.items()))
 

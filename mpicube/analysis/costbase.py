@@ -115,6 +115,7 @@ class Problem:
     sequence_parallel: bool = False   # 1-D: canonical activations a T/tp shard (parallel/layouts/seqpar.py)
     cp: int = 1              # context-parallel ranks: each holds seq_len / cp positions (parallel.context)
     ulysses: int = 1         # of them, the Ulysses group size U (parallel.ulysses; the ring runs over cp / U)
+    optimizer: str = "adamw"  # adamw, sgd or muon (training.muon gathers the hidden matrices)
     ep: int = 1              # expert-parallel ranks (a mixture: E/ep experts a rank, parallel.experts)
     ep_rank: int = 0         # this rank's among them (which of a measured routing's peers is itself)
     routing: tuple = None    # a mixture's measured rows: per micro-batch, per MoE layer (costexperts.Rows)

@@ -277,6 +277,8 @@ def step_traffic(p: Problem) -> Traffic:
         from .costexpertcomm import moe_traffic
 
         t.add(moe_traffic(p, norm=not p.sharded))
+    if p.optimizer == "muon":
+        t.add(muon_traffic(p, sizes, segments))
     # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
@@ -304,6 +306,25 @@ def attention_split(p: Problem) -> tuple:
     q = round((p.tp // p.depth) ** 0.5) if p.layout in ("2d", "2.5d") else round(p.tp ** (1 / 3))
     rows = p.depth * q if p.layout in ("2d", "2.5d") else q * q
     return p.local_batch // rows, p.cfg.n_head // q
+
+
+MUON_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def muon_traffic(p: Problem, sizes: dict, segments) -> Traffic:
+    """--optimizer muon (training.muon), once per step: under --zero 1-3
+    the Nesterov update's chunk all-gathered over dp (C elements, the
+    master's width), then this rank's blocks of the stage's hidden
+    matrices all-gathered over tp, so every rank holds each whole matrix
+    for Newton-Schulz."""
+    t, w = Traffic(), p.widths
+    if p.sharded:
+        params = sum(n for n, _ in sizes.values())
+        chunk = sum(c for _, _, c, _, _ in segments) if segments else zero.sizes(params, p.dp, p.zero)[1]
+        t.allgather("dp", p.dp, chunk, width=w.grad)
+    hidden = sum(n for name, (n, _) in sizes.items() if name.endswith(MUON_MATRICES))
+    t.allgather("tp", p.tp, hidden, width=w.grad)
+    return t
 
 
 def ring_traffic(p: Problem) -> Traffic:

@@ -39,9 +39,14 @@ from .common import ep_option
 @click.option("--warmup", type=int, default=20, show_default=True, help="linear warmup steps, then cosine decay")
 @click.option("--weight-decay", type=float, default=0.1, show_default=True)
 @click.option("--grad-clip", type=float, default=1.0, show_default=True, help="global norm clip (0 = off)")
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd", "muon"]), default="adamw", show_default=True,
               help="sgd: plain SGD (p -= lr g, no momentum, no weight decay), a reference mode in which a wrongly "
-                   "scaled gradient moves the parameters by that scale (AdamW divides it out)")
+                   "scaled gradient moves the parameters by that scale (AdamW divides it out); muon: Newton-Schulz "
+                   "orthogonalised Nesterov momentum for the hidden matrices (gathered whole on every layout and "
+                   "ZeRO stage), AdamW for embeddings, head, norms and biases")
+@click.option("--muon-qkv", type=click.Choice(["split", "joint"]), default="split", show_default=True,
+              help="--optimizer muon: orthogonalise c_attn's q, k, v (and SwiGLU's gate, up) as separate "
+                   "matrices, or as one")
 @click.option("--dropout", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=SEED, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options

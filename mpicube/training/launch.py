@@ -84,7 +84,7 @@ class Launch:
             if note:                                   # e.g. fewer micro-batches than stages: a large bubble
                 self.notes.append(note)
         self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay,
-                             optimizer=o.optimizer)
+                             optimizer=o.optimizer, muon_qkv=o.muon_qkv)
         self.scaler = o.loss_scaler()                  # float16 only
         self.schedule = Schedule(o.lr, o.warmup, o.steps)
         self.start_step = self._restore() + 1

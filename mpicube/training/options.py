@@ -16,6 +16,7 @@ from ..model import llama
 from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
+from . import muon
 
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
@@ -59,7 +60,8 @@ class TrainOptions:
     warmup: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    optimizer: str = "adamw"       # adamw, or sgd: plain SGD, a reference mode (training.optim.SGD)
+    optimizer: str = "adamw"       # adamw, sgd (plain SGD, a reference mode: training.optim.SGD) or muon
+    muon_qkv: str = "split"        # --optimizer muon: q, k, v orthogonalised split or joint (training.muon)
     dropout: float = 0.0
     seed: int = 1337
     dtype: str = "float32"
@@ -90,6 +92,8 @@ class TrainOptions:
         """Every option; a GPT-2 run leaves out the Llama family's (all at their
         defaults), so its config.json and checkpoints read as before they existed."""
         d = asdict(self)
+        if self.optimizer != "muon" and self.muon_qkv == "split":   # stored as before Muon existed
+            d.pop("muon_qkv")
         if self.cp_kind == "ring" and self.ulysses == 1:   # stored as before the Ulysses options existed
             d.pop("cp_kind"), d.pop("ulysses")
         if self.arch == "gpt2":
@@ -152,8 +156,10 @@ class TrainOptions:
                 raise ConfigError(f"--{_dash(name)} must be a finite number >= 0, got {value}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
             raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.optimizer not in ("adamw", "sgd", "muon"):
+            raise ConfigError(f"--optimizer must be adamw, sgd or muon, got {self.optimizer!r}")
+        if self.optimizer == "muon":
+            muon.check(self.model_config(), self.muon_qkv)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.stop_after is not None and self.stop_after < 1:
