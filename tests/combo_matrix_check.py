@@ -36,7 +36,7 @@ checkpoint that a serial reader must see as the serial model.
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
          zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [ckpt=1]
-         [cpkind=ulysses|hybrid ulysses=U] [opt=muon qkv=split|joint]
+         [cpkind=ulysses|hybrid ulysses=U] [opt=muon qkv=split|joint] [hsdp=R]
   (every case's tp x dp x pp x cp must be W)
 Prints one "OK case <words> worst=... (rtol ...) <seconds>s" line per case from rank 0.
 """
@@ -96,9 +96,10 @@ class Case:
     ulysses: int = 1      # --ulysses under hybrid
     opt: str = "adamw"    # --optimizer: adamw or muon (training/muon.py)
     qkv: str = "split"    # --muon-qkv: c_attn's q, k, v orthogonalised split or joint
+    hsdp: int = 1         # --hsdp R: ZeRO-3 in dp/R shard groups, replicas all-reduced
 
     INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
-            "ulysses")
+            "ulysses", "hsdp")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -117,7 +118,7 @@ class Case:
     def plan(self) -> Plan:
         return Plan(self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth, pp_schedule=self.schedule,
                     virtual_stages=self.virtual, sequence_parallel=self.sp, zero=self.zero,
-                    recompute=self.recompute, grad_accum=self.accum, cp_kind=self.cpkind, ulysses=self.ulysses)
+                    recompute=self.recompute, grad_accum=self.accum, cp_kind=self.cpkind, ulysses=self.ulysses, hsdp=self.hsdp)
 
     def cfg(self) -> ModelConfig:
         if self.arch == "llama":
@@ -196,7 +197,7 @@ def run_case(case: Case, refs: References) -> None:
     host = layout.backend.to_host
     if pc.HALF:
         pc.RTOL = pc.wire_tolerance(layout, store, case.dtype)
-    problem = replace(pc.problem_of(cfg, layout, plan, case.batch, case.dtype), optimizer=case.opt)
+    problem = replace(pc.problem_of(cfg, layout, plan, case.batch, case.dtype), optimizer=case.opt, hsdp=case.hsdp)
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
     opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
     for step, (x, y) in enumerate(steps, start=1):

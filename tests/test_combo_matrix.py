@@ -201,15 +201,24 @@ MUON_CASES = [
     (16, "layout=2.5d tp=8 depth=2 dp=2 zero=3 opt=muon batch=16"),
 ]
 
+# --hsdp R (issue 46): ZeRO-3 inside dp/R shard groups, the chunks all-reduced over the R replicas (axis
+# hsdp), with a pipeline, cp, Muon, recompute and the 16-bit wire; traffic and memory against the cost model.
+HSDP_CASES = [
+    (4, "layout=serial tp=1 dp=4 zero=3 hsdp=2 dtype=bfloat16 batch=8"),
+    (8, "layout=1d tp=2 dp=4 zero=3 hsdp=2 opt=muon batch=8"),
+    (8, "layout=serial tp=1 pp=2 dp=4 zero=3 hsdp=2 accum=2 batch=8"),
+    (8, "layout=serial tp=1 cp=2 dp=4 zero=3 hsdp=2 recompute=blocks batch=8"),
+]
+
 
 def launches() -> dict:
     """{world size: [case words]}: the covering set grouped by world size,
     with the 4-axis case once no pairing of it is refused, the Llama cases,
-    the Ulysses cases and the Muon cases."""
+    the Ulysses, Muon and HSDP cases."""
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
-    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES:
+    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES:
         groups[ranks].append(words)
     return dict(sorted(groups.items()))
 

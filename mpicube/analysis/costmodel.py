@@ -321,7 +321,7 @@ def muon_traffic(p: Problem, sizes: dict, segments) -> Traffic:
     if p.sharded:
         params = sum(n for n, _ in sizes.values())
         chunk = sum(c for _, _, c, _, _ in segments) if segments else zero.sizes(params, p.dp, p.zero)[1]
-        t.allgather("dp", p.dp, chunk, width=w.grad)
+        t.allgather("dp", p.shard_dp, chunk, width=w.grad)
     hidden = sum(n for name, (n, _) in sizes.items() if name.endswith(MUON_MATRICES))
     t.allgather("tp", p.tp, hidden, width=w.grad)
     return t
@@ -374,7 +374,7 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     gathered over the expert-data group (axis edp, ``fsdp.SegmentedStore``)."""
     w = p.widths
     segments = segments_of(p, sizes)
-    axis_of = {False: ("dp", p.dp), True: ("edp", p.edp)}
+    axis_of = {False: ("dp", p.shard_dp), True: ("edp", p.edp)}   # --hsdp: the shard group, axis "dp" too
     blocks = [s for s in segments if not zero.is_end(site_of(s[0]))]
     if p.zero == 3 and blocks:
         times = block_gathers(p, sorted({site_of(s[0]) for s in blocks}, key=zero.segment_key))
@@ -408,6 +408,8 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
             mine = [c for _, _, c, _, e in segments if e == x]
             if mine:
                 t.allgather(axis_of[x][0], axis_of[x][1], sum(mine), width=w.act)
+    if p.hsdp > 1:                               # --hsdp: the summed chunk all-reduced over the R replicas
+        t.sum("hsdp", p.hsdp, sum(c for _, _, c, _, _ in segments), width=w.gsum)
     folded = 2 if any(s[4] for s in segments) and p.cp > 1 else 1     # --ep under --cp: [dense, experts]
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
 

@@ -87,6 +87,9 @@ from .common import ep_option
              "replicas; gradients reduce-scattered, parameters all-gathered; 2: also the gradients, "
              "reduce-scattered per layer during backward; 3: also the weights, all-gathered per layer "
              "just before it runs")
+@click.option("--hsdp", type=int, default=1, show_default=True,
+              help="with --zero 3: the --dp replicas as R replicas of dp/R-way shard groups (HSDP): weights, "
+                   "gradients and moments sharded inside a group, the gradient chunks all-reduced across groups")
 @profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
 def train(collective_timeout, profile, **kwargs):

@@ -80,6 +80,10 @@ def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, r
                 tp=split("tp", (d, p, c, 0), t),
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
+    if grid.hsdp > 1:                    # --hsdp R: shard groups of dp/R consecutive replicas, R of them
+        S = grid.dp // grid.hsdp
+        axes.dp_shard = axes.dp.split("dp", d // S, d % S)       # ZeRO-3 inside (the "dp" of fsdp's collectives)
+        axes.dp_replica = axes.dp.split("hsdp", d % S, d // S)   # the chunk's all-reduce across replicas
     U = grid.ulysses_size                # --cp-kind ulysses/hybrid: groups of U consecutive cp ranks
     axes.cp.ulysses = U                  # read by context.local_positions (through context.ulysses_of)
     if U > 1:

@@ -72,6 +72,7 @@ class Plan:
     ep: int = 1                 # expert-parallel ranks, taken from dp (a mixture of experts; parallel/experts.py)
     cp_kind: str = "ring"       # CP_KINDS: K/V round a ring, heads by all-to-all (Ulysses), or both
     ulysses: int = 1            # --cp-kind hybrid: Ulysses group size (cp / ulysses ring steps)
+    hsdp: int = 1               # --hsdp R: dp in R replicas of dp/R-way ZeRO-3 shard groups (parallel/hsdp.py)
 
     @classmethod
     def of(cls, value) -> "Plan":
@@ -128,6 +129,8 @@ class Plan:
         for n in ("dp", "pp", "cp", "depth"):
             if getattr(self, n) != 1:
                 out += f", {n} {getattr(self, n)}"
+                if n == "dp" and self.hsdp > 1:
+                    out += f" (hsdp {self.hsdp} x {self.dp // self.hsdp})"
                 if n == "cp" and self.cp_kind != "ring":
                     out += f" ({self.cp_kind}" + (f" {self.ulysses}" if self.cp_kind == "hybrid" else "") + ")"
                 if n == "pp":

@@ -87,6 +87,24 @@ def validate_axes(grid: Plan) -> None:
     future refusal of a pairing goes."""
 
 
+def validate_hsdp(plan: Plan) -> None:
+    """--hsdp R: R replicas of dp/R-way ZeRO-3 shard groups (parallel.fsdp
+    inside a group, an all-reduce across them)."""
+    R = plan.hsdp
+    if R == 1:
+        return
+    fits = [r for r in range(2, plan.dp) if plan.dp % r == 0 and plan.dp // r > 1]
+    if R < 1 or plan.dp % R or plan.dp // R < 2:
+        raise ConfigError(f"--hsdp {R} must divide --dp {plan.dp} into replicas of 2 or more shards: use --hsdp "
+                          + (f"one of {fits}" if fits else "1 (--dp has no such split)"))
+    if plan.zero != 3:
+        raise ConfigError(f"--hsdp {R} shards the weights ZeRO-3-wise inside each replica: use --zero 3 "
+                          f"(got --zero {plan.zero})")
+    if plan.ep != 1:
+        raise ConfigError(f"--hsdp {R} with --ep {plan.ep}: the expert-data groups are not split into replicas "
+                          f"here; drop --hsdp or --ep")
+
+
 def validate_model(cfg: ModelConfig) -> None:
     """Sizes that no layout can run."""
     for name in ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd"):
@@ -136,6 +154,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     nearest valid values."""
     plan = Plan.of(plan)
     validate_zero(plan.zero, plan.dp, plan.pp, plan.cp)
+    validate_hsdp(plan)
     validate_axes(plan)
     validate_model(cfg)
     run_cfg = cfg if seq_len is None else replace(cfg, n_ctx=seq_len)    # what the T-dependent sizes see

@@ -34,6 +34,7 @@ class TrainOptions:
     cp: int = 1                    # context-parallel ranks (issue 22)
     cp_kind: str = "ring"          # ring, ulysses or hybrid (issue 46; parallel/ulysses.py)
     ulysses: int = 1               # hybrid's Ulysses group size
+    hsdp: int = 1                  # --hsdp R: dp as R replicas of dp/R-way ZeRO-3 shard groups (issue 46)
     sequence_parallel: bool = False   # 1-D: LayerNorm/dropout/residual regions sharded along T (issue 22)
     depth: int = 1
     n_layer: int = 4
@@ -94,6 +95,8 @@ class TrainOptions:
         d = asdict(self)
         if self.optimizer != "muon" and self.muon_qkv == "split":   # stored as before Muon existed
             d.pop("muon_qkv")
+        if self.hsdp == 1:                                  # stored as before --hsdp existed
+            d.pop("hsdp")
         if self.cp_kind == "ring" and self.ulysses == 1:   # stored as before the Ulysses options existed
             d.pop("cp_kind"), d.pop("ulysses")
         if self.arch == "gpt2":
@@ -118,7 +121,7 @@ class TrainOptions:
                     pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
                     sequence_parallel=self.sequence_parallel, zero=self.zero, recompute=self.recompute,
                     grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep,
-                    cp_kind=self.cp_kind, ulysses=self.ulysses)
+                    cp_kind=self.cp_kind, ulysses=self.ulysses, hsdp=self.hsdp)
 
     grid = plan     # the former name
 

@@ -68,7 +68,7 @@ class ShardedStep:
     count."""
 
     def __init__(self, store, axes, weight_decay: float = 0.1, optimizer: str = "adamw", muon_qkv: str = "split"):
-        if not store.partition.sharded or store.dp is not axes.dp:
+        if not store.partition.sharded or store.dp not in (axes.dp, getattr(axes, "dp_shard", None)):
             raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero >= 1)")
         self.store, self.axes = store, axes
         self.adam = build_optimizer(optimizer, store, axes, weight_decay, muon_qkv)   # AdamW, SGD or Muon
@@ -96,7 +96,9 @@ class ShardedStep:
             experts = weighted_squares(xp, chunk, self.expert_runs)                           # (1,)
             both = self.axes.world.allreduce(xp.concatenate([local - experts, experts]))      # (2,)
             return math.sqrt(float(both[0]) / cp + float(both[1]))
-        total = float(self.axes.world.allreduce(local)[0]) / cp   # cp ranks hold the same chunk
+        replicas = getattr(self.axes, "dp_replica", None)
+        copies = cp * (replicas.size if replicas is not None else 1)   # --hsdp: R replicas hold it too
+        total = float(self.axes.world.allreduce(local)[0]) / copies   # cp ranks hold the same chunk
         return math.sqrt(total)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
