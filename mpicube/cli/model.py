@@ -52,9 +52,13 @@ from ..core.errors import UserError
 @click.option("--heads", "show_heads", is_flag=True,
               help="also show which query and kv heads each tensor-parallel rank holds, and which ranks share "
                    "a replicated kv head (needs --layout and/or -n)")
+@click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default="adamw", show_default=True,
+              help="the optimizer step's traffic: muon gathers each hidden matrix over dp (ZeRO) and tp")
+@click.option("--hsdp", type=int, default=1, show_default=True,
+              help="with --zero 3: dp as R replicas of dp/R-way shard groups (as train --hsdp)")
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
          vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
-         sequence_parallel, show_heads, ep, show_experts, **family):
+         sequence_parallel, show_heads, ep, show_experts, optimizer, hsdp, **family):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations; with
@@ -98,7 +102,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         # axis against the world, the pipeline, zero and their combinations.
         plan = Plan(layout or "auto", dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=pp_schedule,
                     virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
-                    recompute=recompute, grad_accum=grad_accum, ep=ep)
+                    recompute=recompute, grad_accum=grad_accum, ep=ep, hsdp=hsdp)
         run = resolve(plan, cfg, batch_size, world)
         note = run.pipeline_note
         if show_heads:
@@ -135,7 +139,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         else:
             args = (layout or "auto", cfg, batch_size, world, dp, depth)
             options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
-            echo(report(*args, **options, cp=cp, sequence_parallel=sequence_parallel, ep=ep))
+            echo(report(*args, **options, cp=cp, sequence_parallel=sequence_parallel, ep=ep, optimizer=optimizer,
+                        hsdp=hsdp))
             echo()
             echo(memory_options(cfg, batch_size, world, dp, dtype, grad_accum, ep=ep))
             if dp > 1:

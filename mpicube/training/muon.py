@@ -33,12 +33,14 @@ can be orthogonalised alone. It could be computed in distributed form
 (the norm summed, X X^T by each layout's own GEMMs), one implementation
 per layout and per ZeRO stage; mpicube instead gathers, which is the same
 for every layout and stage and so checks them all against serial: the
-Nesterov update's chunk is all-gathered over dp (under --zero 1-3), every
-rank's hidden-weight blocks are all-gathered over tp, each rank assembles
-the whole matrices of its stage, runs NS5 on each (redundantly over tp, dp
-and cp, which the reference trades for simplicity), and keeps its own
-block of the result. The cost model counts both all-gathers
-(``costmodel.muon_traffic``).
+Nesterov update's chunk is all-gathered over dp (under --zero 1-3), then
+matrix by matrix every rank's block is all-gathered over tp, each rank
+assembles the whole matrix, runs NS5 on it (redundantly over tp, dp and
+cp, which the reference trades for simplicity) and keeps its own block of
+the result. One whole matrix (and NS5's temporaries) is held at a time,
+beside the (P_pad,) gathered update under ZeRO: the step's temporaries,
+which the memory model, counting what persists between steps, leaves out.
+The cost model counts both all-gathers (``costmodel.muon_traffic``).
 """
 
 from __future__ import annotations
@@ -122,10 +124,15 @@ class Muon(AdamW):
         for spec in self.matrices:
             mine.append((spec.name, tuple(np.asarray(ix) for ix in spec.index), at))
             at += spec.size
-        self.offset = {name: off for name, _, off in mine}        # where each block sits in the segment
         ranks = range(tp.size) if tp is not None and tp.size > 1 else []
-        self.blocks = [tp.bcast_object(mine, root=j) for j in ranks] or [mine]
-        self.widest = max(sum(int(np.prod([len(i) for i in ix])) for _, ix, _ in b) for b in self.blocks)
+        every = [tp.bcast_object(mine, root=j) for j in ranks] or [mine]
+        # name -> [(tp rank, index)]: where each rank's block of the matrix sits
+        self.blocks = {}
+        for j, blocks in enumerate(every):
+            for name, index, _ in blocks:
+                self.blocks.setdefault(name, []).append((j, index))
+        self.widest = {name: max(int(np.prod([len(i) for i in ix])) for _, ix in held)
+                       for name, held in self.blocks.items()}
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         store = self.store
@@ -145,22 +152,18 @@ class Muon(AdamW):
             m[run] += (1.0 - beta) * grad_scale * g[run]
             nesterov[run] = (1.0 - beta) * grad_scale * g[run] + beta * m[run]
         full = store.gather_chunks(nesterov) if store.partition.sharded else nesterov   # (P_pad,)
-        segment = xp.zeros(self.widest, dtype=flat.dtype)                               # (S,) hidden weights
-        for spec in self.matrices:
-            lo, hi = store.offsets[spec.name]
-            at = self.offset[spec.name]
-            segment[at:at + hi - lo] = full[lo:hi]
-        every = (self.tp.allgather(segment[None], axis=0) if len(self.blocks) > 1 else segment[None])  # (tp, S)
         update = xp.zeros_like(full)                                                     # (P_pad,)
-        for spec in self.matrices:
-            W = xp.zeros(spec.decl.shape, dtype=flat.dtype)                              # (in, out) whole
-            for j, blocks in enumerate(self.blocks):
-                for name, index, off in blocks:
-                    if name == spec.name:
-                        shape = tuple(len(i) for i in index)
-                        W[_ix(xp, index)] = every[j, off:off + int(np.prod(shape))].reshape(shape)
-            O = orthogonalised(W, spec.decl.groups, self.qkv)                            # (in, out)
+        gather = self.tp is not None and self.tp.size > 1
+        for spec in self.matrices:                     # one whole matrix at a time: one all-gather over tp each
             lo, hi = store.offsets[spec.name]
+            mine = xp.zeros(self.widest[spec.name], dtype=flat.dtype)                    # (n,) this rank's block
+            mine[:hi - lo] = full[lo:hi]
+            every = self.tp.allgather(mine[None], axis=0) if gather else mine[None]      # (tp, n)
+            W = xp.zeros(spec.decl.shape, dtype=flat.dtype)                              # (in, out) whole
+            for j, index in self.blocks[spec.name]:
+                shape = tuple(len(i) for i in index)
+                W[_ix(xp, index)] = every[j, :int(np.prod(shape))].reshape(shape)
+            O = orthogonalised(W, spec.decl.groups, self.qkv)                            # (in, out)
             update[lo:hi] = O[_ix(xp, spec.index)].reshape(-1)
         mine = store.partition.take(xp, update) if store.partition.sharded else update  # (C,)
         keep = 1.0 - lr * self.weight_decay
