@@ -64,3 +64,14 @@ def test_checkpoints_move_between_hsdp_zero3_and_serial(mpicube, tiny_shard):
     assert r.returncode == 2 and r.error_lines() == [
         "error: --hsdp 3 must divide --dp 4 into replicas of 2 or more shards: use --hsdp one of [2]"], r
     assert not (mpicube.cwd / "bad").exists()
+
+
+def test_the_page_shows_what_the_code_draws():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "tools/hsdp_pictures.py", "--check", "docs/hsdp.md"], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -157,3 +157,14 @@ def test_resume_carries_the_momentum_and_bad_input(mpicube, tiny_shard):
         "error: --optimizer muon does not orthogonalise a mixture's experts (their matrices are sharded over "
         "--ep): use --optimizer adamw with --n-experts, or drop --n-experts"], r
     assert not (mpicube.cwd / "bad").exists()
+
+
+def test_the_page_shows_what_the_code_draws():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "tools/muon_pictures.py", "--check", "docs/muon.md"], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -151,7 +151,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
 
                 echo()
                 echo(context_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute, ep=ep))
-                if not cfg.moe:
+                if cp > 1 and not cfg.moe:       # ring, Ulysses and hybrid side by side (docs/ulysses.md)
                     from ..analysis.costcontext import cp_kind_table
 
                     echo()

@@ -16,7 +16,7 @@ from mpi4py import MPI
 from ..core.config import ModelConfig
 from ..core.intmath import integer_root  # noqa: F401 (re-exported for tools and reports)
 from .comm import Comm, Counters
-from .gridspec import Plan
+from .gridspec import Plan, hsdp_coords
 from .layouts.base import Axes
 from .planning import (DEFAULT_MIN_BATCH, LAYOUT_CHOICES, Resolved, check_sequence_parallel,  # noqa: F401
                        choose_layout, micro_split, resolve, validate_axes, validate_model)
@@ -81,9 +81,9 @@ def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, r
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
     if grid.hsdp > 1:                    # --hsdp R: shard groups of dp/R consecutive replicas, R of them
-        S = grid.dp // grid.hsdp
-        axes.dp_shard = axes.dp.split("dp", d // S, d % S)       # ZeRO-3 inside (the "dp" of fsdp's collectives)
-        axes.dp_replica = axes.dp.split("hsdp", d % S, d // S)   # the chunk's all-reduce across replicas
+        group, shard = hsdp_coords(d, grid.dp, grid.hsdp)
+        axes.dp_shard = axes.dp.split("dp", group, shard)        # ZeRO-3 inside (the "dp" of fsdp's collectives)
+        axes.dp_replica = axes.dp.split("hsdp", shard, group)    # the chunk's all-reduce across replicas
     U = grid.ulysses_size                # --cp-kind ulysses/hybrid: groups of U consecutive cp ranks
     axes.cp.ulysses = U                  # read by context.local_positions (through context.ulysses_of)
     if U > 1:

@@ -139,4 +139,14 @@ class Plan:
         return out
 
 
+def hsdp_coords(d: int, dp: int, replicas: int) -> tuple:
+    """(replica group, rank in it) of data-parallel rank ``d`` under --hsdp
+    ``replicas``: shard groups of dp / R consecutive replicas (consecutive
+    ranks share the faster links), the same position in each group forming
+    the R-rank replica group. Pure: ``grid.build_layout`` splits by it and
+    ``tools/hsdp_pictures.py`` draws it."""
+    shards = dp // replicas
+    return d // shards, d % shards
+
+
 GridSpec = Plan   # the former name (when the value held the axes only)

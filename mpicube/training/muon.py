@@ -84,17 +84,22 @@ def orthogonalised(W, groups, qkv: str):
     under "split"."""
     xp = np if isinstance(W, np.ndarray) else __import__("cupy")
     n_in, n_out = W.shape
-    if qkv == "joint" or groups == 1:
-        bounds = [(0, n_out)]
-    else:
-        sizes = list(groups) if isinstance(groups, tuple) else [n_out // groups] * groups
-        ends = np.cumsum(sizes)
-        bounds = list(zip(ends - sizes, ends))
     out = xp.empty_like(W)
-    for lo, hi in bounds:
+    for lo, hi in column_groups(n_out, groups, qkv):
         O = newton_schulz(W[:, lo:hi].T)                         # (out_g, in) PyTorch's orientation
         out[:, lo:hi] = O.T * math.sqrt(max(1.0, (hi - lo) / n_in))
     return out
+
+
+def column_groups(n_out: int, groups, qkv: str) -> list:
+    """[(lo, hi)] column ranges of a weight with ``n_out`` columns that
+    Newton-Schulz orthogonalises apart: its stacked matrices (``groups``,
+    a count or their sizes) under "split", the whole under "joint"."""
+    if qkv == "joint" or groups == 1:
+        return [(0, n_out)]
+    sizes = list(groups) if isinstance(groups, tuple) else [n_out // groups] * groups
+    ends = np.cumsum(sizes)
+    return [(int(a), int(b)) for a, b in zip(ends - sizes, ends)]
 
 
 def check(cfg, qkv: str) -> None:
