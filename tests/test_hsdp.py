@@ -32,7 +32,8 @@ def test_traffic_model_shards_over_the_group_and_sums_over_replicas():
 
 
 @pytest.mark.parametrize("plan,message", [
-    (Plan(dp=4, zero=3, hsdp=3), r"^--hsdp 3 must divide --dp 4 into replicas of 2 or more shards: use --hsdp one of \[2\]$"),
+    (Plan(dp=4, zero=3, hsdp=3),
+     r"^--hsdp 3 must divide --dp 4 into replicas of 2 or more shards: use --hsdp one of \[2\]$"),
     (Plan(dp=4, zero=3, hsdp=4), r"^--hsdp 4 must divide --dp 4"),
     (Plan(dp=4, zero=1, hsdp=2), r"^--hsdp 2 shards the weights ZeRO-3-wise inside each replica: use --zero 3"),
 ])

@@ -56,6 +56,16 @@ def context_table(cfg: ModelConfig, batch_size: int, tp: int, dp: int = 1, dtype
     return "\n".join(lines)
 
 
+def context_tables(cfg: ModelConfig, batch_size: int, tp: int, dp: int = 1, dtype: str = "float32",
+                   recompute: str = "none", ep: int = 1, kinds: bool = False) -> str:
+    """``context_table``, and with ``kinds`` (info under --cp > 1, a dense
+    model) ``cp_kind_table`` after it."""
+    text = context_table(cfg, batch_size, tp, dp, dtype, recompute, ep=ep)
+    if kinds and not cfg.moe:
+        text += "\n\n" + cp_kind_table(cfg, batch_size, tp, dp, dtype, recompute)
+    return text
+
+
 def cp_kind_table(cfg: ModelConfig, batch_size: int, tp: int, dp: int = 1, dtype: str = "float32",
                   recompute: str = "none", cps=CP_SIZES[1:], hybrid: int = 2) -> str:
     """For each layout on ``tp`` ranks and each cp: the attention traffic

@@ -254,6 +254,14 @@ def cp_kind_options(f):
                              "hybrid: Ulysses inside groups of --ulysses ranks, the ring across them")(f)
 
 
+def info_step_options(f):
+    """``--optimizer`` and ``--hsdp`` as info prices them (train's own options)."""
+    f = click.option("--hsdp", type=int, default=1, show_default=True,
+                     help="with --zero 3: dp as R replicas of dp/R-way shard groups (as train --hsdp)")(f)
+    return click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default="adamw", show_default=True,
+                        help="the optimizer step's traffic: muon gathers each hidden matrix over dp (ZeRO) and tp")(f)
+
+
 def recompute_option(f):
     return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
                         help="trade memory for communication and FLOPs: gathers = gather weight and activation "

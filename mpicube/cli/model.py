@@ -12,7 +12,8 @@ import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
                      device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
-                     model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
+                     model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched,
+                     zero_option, info_step_options)
 from .common import ep_option
 from ..core.errors import UserError
 
@@ -52,10 +53,7 @@ from ..core.errors import UserError
 @click.option("--heads", "show_heads", is_flag=True,
               help="also show which query and kv heads each tensor-parallel rank holds, and which ranks share "
                    "a replicated kv head (needs --layout and/or -n)")
-@click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default="adamw", show_default=True,
-              help="the optimizer step's traffic: muon gathers each hidden matrix over dp (ZeRO) and tp")
-@click.option("--hsdp", type=int, default=1, show_default=True,
-              help="with --zero 3: dp as R replicas of dp/R-way shard groups (as train --hsdp)")
+@info_step_options
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
          vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
          sequence_parallel, show_heads, ep, show_experts, optimizer, hsdp, **family):
@@ -147,15 +145,10 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                 echo()
                 echo(zero_options(cfg, batch_size, world, dp, dtype, grad_accum, recompute, ep=ep))
             if world % (dp * cp) == 0:
-                from ..analysis.costcontext import context_table
+                from ..analysis.costcontext import context_tables
 
                 echo()
-                echo(context_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute, ep=ep))
-                if cp > 1 and not cfg.moe:       # ring, Ulysses and hybrid side by side (docs/ulysses.md)
-                    from ..analysis.costcontext import cp_kind_table
-
-                    echo()
-                    echo(cp_kind_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute))
+                echo(context_tables(cfg, batch_size, world // (dp * cp), dp, dtype, recompute, ep=ep, kinds=cp > 1))
         if pipelines or pp > 1:
             from ..analysis.costpipereport import combinations_report
 
