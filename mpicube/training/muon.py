@@ -50,6 +50,7 @@ import math
 import numpy as np
 
 from ..core.errors import ConfigError
+from ..device.arrays import array_module
 from ..device.precision import matmul
 from .optim import AdamW
 
@@ -66,7 +67,7 @@ def is_hidden_matrix(decl) -> bool:
 def newton_schulz(G, steps: int = NS_STEPS):
     """G (rows, cols) -> the quintic Newton-Schulz approximation of its
     orthogonal factor U V^T, in G's format (float32 or float64)."""
-    xp = np if isinstance(G, np.ndarray) else __import__("cupy")
+    xp = array_module(G)
     a, b, c = NS_COEFFICIENTS
     X = G.T if G.shape[0] > G.shape[1] else G                    # (r, c), r <= c
     X = X / (xp.sqrt((X * X).sum()) + 1e-7)
@@ -82,7 +83,7 @@ def orthogonalised(W, groups, qkv: str):
     update of the same shape: NS5 of the PyTorch matrix W^T, scaled by
     sqrt(max(1, out / in)), per stacked matrix of ``groups`` column sizes
     under "split"."""
-    xp = np if isinstance(W, np.ndarray) else __import__("cupy")
+    xp = array_module(W)
     n_in, n_out = W.shape
     out = xp.empty_like(W)
     for lo, hi in column_groups(n_out, groups, qkv):
