@@ -227,7 +227,7 @@ class Collector:
         store = self.store
         flat = self.host(store.flat_grad)                                    # (P_pad,)
         if store.partition.sharded:
-            chunks = self.layout.axes.dp.mpi.allgather(flat[store.shard])   # dp x (C,)
+            chunks = store.dp.mpi.allgather(flat[store.shard])   # dp x (C,) (--hsdp: the shard group)
             flat = store.partition.assemble(np, np.concatenate(chunks))     # (P_pad,) in buffer order
         if divide != 1.0:
             flat = flat / divide

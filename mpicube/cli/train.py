@@ -199,7 +199,8 @@ def prepare(inputs, out, val_fraction, tokenizer):
         echo(f"wrote {path}: {len(data.read_shard(path)):,} tokens")
 
 
-TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedule", "virtual_stages", "n_layer",
+TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hsdp", "muon_qkv", "depth",
+                       "pp", "pp_schedule", "virtual_stages", "n_layer",
                        "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
                        "tf32",
