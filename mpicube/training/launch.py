@@ -223,7 +223,7 @@ class Launch:
     def _changed_options(self, saved: dict) -> list:
         """Options that change the trajectory and differ from a resumed run's."""
         relevant = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "lr", "warmup",
-                    "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "dtype", "data")
+                    "weight_decay", "grad_clip", "optimizer", "muon_qkv", "dropout", "seed", "dtype", "data")
         now = self.opts.to_dict()
         return [f"--{_dash(k)} {saved[k]} -> {now[k]}" for k in relevant if k in saved and saved[k] != now[k]]
 
