@@ -162,19 +162,18 @@ def test_llama_generates_alike_on_every_layout(llama_generations):
         assert got == want, (name, got, want)
 
 
-def test_llama_greedy_tokens_are_transformers(llama_generations):
+def test_llama_greedy_tokens_are_transformers(llama_generations, monkeypatch):
     """transformers' ``generate(do_sample=False)`` (float64 norms and rotary
     angles, its frequencies computed in float64) continues the prompt with
     mpicube's tokens."""
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
-    from test_hf_llama import float64_reference, hf_inv_freq
+    import hf_float64
 
     path, tokens = llama_generations
-    float64_reference(torch, transformers.models.llama.modeling_llama)
+    hf_float64.patch(monkeypatch, torch, transformers.models.llama.modeling_llama)
     model = transformers.LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float64,
                                                           attn_implementation="sdpa").eval()
-    model.model.rotary_emb.inv_freq = hf_inv_freq(torch, transformers, model.config)
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
     prompt = torch.tensor([LLAMA_PROMPT])                                # (1, 4); token 0 is a token, not padding
     with torch.no_grad():
