@@ -43,6 +43,7 @@ all-reduces yet, so their traffic is not compared.
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
          zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [ckpt=1]
+         [cpkind=ulysses|hybrid ulysses=U] [opt=muon qkv=split|joint] [hsdp=R]
          [fp8=RECIPE fp8block=N steps=N]
   (every case's tp x dp x pp x cp must be W)
 Prints one "OK case <words> worst=... (rtol ...) <seconds>s" line per case from rank 0.
@@ -54,7 +55,7 @@ import gc
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from mpi4py import MPI
@@ -101,13 +102,18 @@ class Case:
     heads: int = HEADS
     kv: int = 0           # Llama's kv heads (0: as many as heads)
     ckpt: int = 0         # 1: save a checkpoint after the last step and read it as serial (check_checkpoint)
+    cpkind: str = "ring"  # --cp-kind: ring, ulysses or hybrid (parallel/ulysses.py)
+    ulysses: int = 1      # --ulysses under hybrid
+    opt: str = "adamw"    # --optimizer: adamw or muon (training/muon.py)
+    qkv: str = "split"    # --muon-qkv: c_attn's q, k, v orthogonalised split or joint
+    hsdp: int = 1         # --hsdp R: ZeRO-3 in dp/R shard groups, replicas all-reduced
     experts: int = 0      # arch=llama with a mixture of this many experts (top 2; Mixtral's)
     fp8: str = ""         # an FP8 recipe (--fp8), accumulated in the case's dtype; "" = off
     fp8block: int = 0     # --fp8-block (0: the recipe's)
     steps: int = STEPS
 
     INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
-            "fp8block", "steps", "experts")
+            "ulysses", "hsdp", "fp8block", "steps", "experts")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -126,7 +132,8 @@ class Case:
     def plan(self) -> Plan:
         return Plan(self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth, pp_schedule=self.schedule,
                     virtual_stages=self.virtual, sequence_parallel=self.sp, zero=self.zero,
-                    recompute=self.recompute, grad_accum=self.accum, fp8=self.recipe())
+                    recompute=self.recompute, grad_accum=self.accum, cp_kind=self.cpkind, ulysses=self.ulysses,
+                    hsdp=self.hsdp, fp8=self.recipe())
 
     def recipe(self):
         """The case's FP8 Recipe (accumulating in its dtype), or None."""
@@ -165,8 +172,8 @@ class References:
         self.done = {}
 
     def get(self, case: Case, steps: list) -> dict:
-        key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv, case.fp8, case.fp8block,
-               case.steps, case.experts)
+        key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv, case.opt, case.qkv, case.fp8,
+               case.fp8block, case.steps, case.experts)
         if key not in self.done:
             self.done[key] = self._run(case, steps)
         return self.done[key]
@@ -178,7 +185,7 @@ class References:
         assert accum == 1 or case.dp == 1, "an FP8 case with accum > 1 runs on dp 1 (its micro-batches are serial's)"
         serial = build_parts(resolve(Plan("serial", grad_accum=accum, fp8=case.recipe()), case.cfg(), case.batch, 1),
                              MPI.COMM_SELF, Numerics(case.dtype), seed=SEED, dropout=DROPOUT)
-        opt = make_step(serial.store, serial.layout.axes, weight_decay=0.1)
+        opt = make_step(serial.store, serial.layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
         out = {"loss": [], "norm": [], "grads": []}
         for step, (x, y) in enumerate(steps, start=1):
             serial.store.zero_grad()
@@ -218,9 +225,9 @@ def run_case(case: Case, refs: References) -> None:
     host = layout.backend.to_host
     if pc.HALF:
         pc.RTOL = pc.wire_tolerance(layout, store, case.dtype)
-    problem = pc.problem_of(cfg, layout, plan, case.batch, case.dtype)
+    problem = replace(pc.problem_of(cfg, layout, plan, case.batch, case.dtype), optimizer=case.opt, hsdp=case.hsdp)
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
-    opt = make_step(store, layout.axes, weight_decay=0.1)
+    opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
     for step, (x, y) in enumerate(steps, start=1):
         store.zero_grad()
         counters.reset()

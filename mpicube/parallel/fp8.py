@@ -195,7 +195,7 @@ def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
                                   + (f", or --fp8-block {fits[-1]}" if fits else ""))
 
 
-def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1) -> None:
+def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1, cp_kind: str = "ring") -> None:
     """The pure half of the checks (``planning.resolve``, before any file
     or collective): a layout that quantizes with tensor scales only, kv
     heads replicated over ranks (each then holds a partial sum of their
@@ -217,6 +217,10 @@ def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int =
     b = recipe.block
     if not b:
         return
+    if cp > 1 and cp_kind != "ring":
+        raise ConfigError(f"--fp8 {recipe.name} with --cp-kind {cp_kind}: the tiles along a rank's positions are "
+                          f"checked for the ring's chunks only so far; use --cp-kind ring, or tensorwise, delayed "
+                          f"or rowwise")
     if cfg.moe and dp * cp > 1:
         raise ConfigError(f"--fp8 {recipe.name} with a mixture of experts on dp x cp = {dp * cp} replicas: an "
                           f"expert's token rows are spread over them, so its weight gradient's tiles along the "
