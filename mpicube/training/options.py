@@ -16,7 +16,11 @@ from ..model.families import family_of
 from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
+from . import muon
+from .fp8_options import fp8_recipe
 
+FP8_OPTIONS = ("fp8", "fp8_grad_format", "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block",
+               "fp8_pow2")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
                ) + DEEPSEEK_OPTIONS
 
@@ -32,6 +36,9 @@ class TrainOptions:
     pp_schedule: str = "1f1b"      # gpipe, 1f1b or interleaved (micro-batches: grad_accum)
     virtual_stages: int = 1        # model chunks per stage under interleaved
     cp: int = 1                    # context-parallel ranks (issue 22)
+    cp_kind: str = "ring"          # ring, ulysses or hybrid (issue 46; parallel/ulysses.py)
+    ulysses: int = 1               # hybrid's Ulysses group size
+    hsdp: int = 1                  # --hsdp R: dp as R replicas of dp/R-way ZeRO-3 shard groups (issue 46)
     sequence_parallel: bool = False   # 1-D: LayerNorm/dropout/residual regions sharded along T (issue 22)
     depth: int = 1
     n_layer: int = 4
@@ -68,7 +75,8 @@ class TrainOptions:
     warmup: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    optimizer: str = "adamw"       # adamw, or sgd: plain SGD, a reference mode (training.optim.SGD)
+    optimizer: str = "adamw"       # adamw, sgd (plain SGD, a reference mode: training.optim.SGD) or muon
+    muon_qkv: str = "split"        # --optimizer muon: q, k, v orthogonalised split or joint (training.muon)
     dropout: float = 0.0
     seed: int = 1337
     dtype: str = "float32"
@@ -94,11 +102,24 @@ class TrainOptions:
     zero: int = 0                  # 1: AdamW state (and 16-bit runs' master weights) sharded over dp
     overlap: bool = True           # collectives overlapped with GEMMs (the CLI: off under MPICUBE_OVERLAP=0)
     attention: str = "blocks"      # blockwise attention, or "full" (the CLI: MPICUBE_ATTENTION=full)
+    fp8: Optional[str] = None      # an FP8 recipe for every linear's GEMMs (ops/fp8_recipes.py RECIPES), or None
+    fp8_grad_format: Optional[str] = None   # e4m3 or e5m2 for dy; None = the recipe's
+    fp8_accumulate: Optional[str] = None    # float32 or float64; None = --dtype's
+    fp8_amax_history: int = 16     # delayed: steps of amax history
+    fp8_amax_rule: str = "max"     # delayed: the history's max, or its most recent
+    fp8_block: Optional[int] = None   # blockwise/mxfp8: tile length; None = the recipe's (128, 32)
+    fp8_pow2: bool = False         # rowwise: scales rounded down to powers of two
 
     def to_dict(self) -> dict:
         """Every option; a GPT-2 run leaves out the Llama family's (all at their
         defaults), so its config.json and checkpoints read as before they existed."""
         d = asdict(self)
+        if self.optimizer != "muon" and self.muon_qkv == "split":   # stored as before Muon existed
+            d.pop("muon_qkv")
+        if self.hsdp == 1:                                  # stored as before --hsdp existed
+            d.pop("hsdp")
+        if self.cp_kind == "ring" and self.ulysses == 1:   # stored as before the Ulysses options existed
+            d.pop("cp_kind"), d.pop("ulysses")
         if self.arch == "gpt2":
             for key in ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings"):
                 d.pop(key)
@@ -108,7 +129,17 @@ class TrainOptions:
         for key in DEEPSEEK_OPTIONS:                               # stored as before DeepSeek's options existed
             if d.get(key, 0) is None:
                 d.pop(key)
+        if self.fp8 is None:                                        # stored as before --fp8 existed
+            for key in FP8_OPTIONS:
+                d.pop(key)
         return d
+
+    def fp8_recipe(self):
+        """--fp8's Recipe (ops/fp8_recipes.py), or None; ConfigError for
+        a combination it cannot run (pure: every rank agrees)."""
+        return fp8_recipe(self.fp8, self.dtype, grad_format=self.fp8_grad_format, accumulate=self.fp8_accumulate,
+                          history=self.fp8_amax_history, rule=self.fp8_amax_rule, block=self.fp8_block,
+                          power_of_2=self.fp8_pow2, device=self.device, ep=self.ep)
 
     def family(self) -> dict:
         """``family_fields``' keyword arguments from these options."""
@@ -123,7 +154,9 @@ class TrainOptions:
         return Plan(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth,
                     pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
                     sequence_parallel=self.sequence_parallel, zero=self.zero, recompute=self.recompute,
-                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep)
+                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep,
+                    cp_kind=self.cp_kind, ulysses=self.ulysses, hsdp=self.hsdp,
+                    fp8=self.fp8_recipe())
 
     grid = plan     # the former name
 
@@ -170,8 +203,10 @@ class TrainOptions:
                 raise ConfigError(f"--{_dash(name)} must be a finite number >= 0, got {value}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
             raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.optimizer not in ("adamw", "sgd", "muon"):
+            raise ConfigError(f"--optimizer must be adamw, sgd or muon, got {self.optimizer!r}")
+        if self.optimizer == "muon":
+            muon.check(self.model_config(), self.muon_qkv)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.stop_after is not None and self.stop_after < 1:
@@ -179,6 +214,7 @@ class TrainOptions:
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
+        self.fp8_recipe()
         if self.file_decides_family:       # checked against the model file's family once it is open
             return
         family_fields(**self.family())
