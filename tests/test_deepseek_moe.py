@@ -132,6 +132,10 @@ def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path):
         formats.load_params(model_file, store)
     for i in (1, 2):
         assert np.array_equal(store.persistent[f"h.{i}.moe.router.score_bias"], got[i])
+    # no MixtralForCausalLM form: one line, exit 2, nothing written
+    proc = run_cli("convert", str(whole / "ckpt" / "step_00000004"), str(tmp_path / "hf"), "--to", "hf")
+    assert proc.returncode == 2 and "--router sigmoid (DeepSeekMoE's) has no MixtralForCausalLM form" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("args,message", [

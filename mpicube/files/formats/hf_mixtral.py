@@ -103,6 +103,10 @@ def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
     if not cfg.norm_topk:
         raise FormatError("a model with --no-norm-topk has no MixtralForCausalLM form (Mixtral renormalises "
                           "the top-k weights)")
+    deepseek = [k for k in ("n_shared_experts", "first_k_dense", "moe_ffn_hidden") if getattr(cfg, k)]
+    if cfg.router != "softmax" or deepseek:
+        what = "--router sigmoid" if cfg.router != "softmax" else "--" + deepseek[0].replace("_", "-")
+        raise FormatError(f"a model with {what} (DeepSeekMoE's) has no MixtralForCausalLM form")
     doc = {k: v for k, v in llama_json(cfg, dtype).items() if k not in ("mlp_bias",)}
     doc.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=cfg.n_experts,
                num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.router_aux_loss_coef,
@@ -117,7 +121,8 @@ def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = No
     dst = Path(dst)
     check_shapes(dst, {n: t.shape for n, t in tensors.items()}, gpt2_shapes(cfg))
     dtypes = sorted({str(t.dtype) for t in tensors.values()})
-    return write_files(dst, hf_tensors(cfg, tensors, sources), config_json(cfg, dtypes[-1]), max_shard_bytes)
+    doc = config_json(cfg, dtypes[-1])            # first: a model without a Mixtral form is refused before any tensor
+    return write_files(dst, hf_tensors(cfg, tensors, sources), doc, max_shard_bytes)
 
 
 class MixtralHFModel(LlamaHFModel):
