@@ -22,10 +22,13 @@ and gives the logits' (n, E), with whatever the router's losses add.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..core.config import ModelConfig
 from ..device import precision
 from ..ops import deepseek_router as sigmoid_ops
 from ..ops import moe as softmax_ops
+from .tape import Saved
 
 
 class SoftmaxRouter:
@@ -53,6 +56,22 @@ class SoftmaxRouter:
         if ledger is not None:
             dprobs, dlse = ledger.dprobs(), ledger.dlse(tape[4])
         return softmax_ops.route_backward(dweights, tape, dprobs, dlse)
+
+
+@dataclass
+class SigmoidTape(Saved):
+    """What ``SigmoidRouter`` keeps for backward (``tape.saved_buffers`` counts its arrays)."""
+
+    scores: object          # (n, E) sigmoid scores
+    chosen: object          # (n, K)
+    weights: object         # (n, K) final weights
+    denom: object           # (n, 1) the top-k sum + 1e-20, or None without norm_topk
+    scaling: float
+    seq_aux: object         # the sequence-wise loss's (normed (B, T, E), sums (B, T, 1), f (B, E), ...), or None
+    share: float            # this rank's share of that loss (0 without it)
+
+    def route_tape(self):
+        return sigmoid_ops.RouteTape(self.scores, self.chosen, self.weights, self.denom, self.scaling)
 
 
 class SigmoidRouter:
@@ -94,7 +113,7 @@ class SigmoidRouter:
         ledger = getattr(ctx, "router", None)
         if cfg.seq_aux_loss_coef and ledger is not None:
             share, aux = self._seq_aux(scores, chosen, ledger)
-        return chosen, weights, (tape, aux, share)
+        return chosen, weights, SigmoidTape(scores, chosen, weights, tape.denom, tape.scaling, aux, share)
 
     def _seq_aux(self, scores, chosen, ledger):
         """(loss share, tape) of the sequence-wise auxiliary loss on this
@@ -114,20 +133,20 @@ class SigmoidRouter:
     def record(self, ledger, counts, tape, dropped) -> None:
         """Counts (the loads), the scores' sums, and in the z-loss's place
         this rank's share of the sequence-wise auxiliary loss."""
-        ledger.record(self.layer, counts, tape[0].scores, None, dropped, z_sum=tape[2])
+        ledger.record(self.layer, counts, tape.scores, None, dropped, z_sum=tape.share)
 
     def weights_of(self, tape):
-        return tape[0].weights                                            # (n, K)
+        return tape.weights                                               # (n, K)
 
     def backward(self, dweights, tape, ledger):
-        route_tape, aux, _ = tape
+        aux = tape.seq_aux
         dscores = None
         if aux is not None:
             normed = aux[0]
             B, Tl, E = normed.shape
             scale = ledger.scale / ledger.grad_accum
             dscores = sigmoid_ops.seq_aux_backward(scale, aux).reshape(B * Tl, E)   # (n, E)
-        return sigmoid_ops.route_backward(dweights, route_tape, dscores)
+        return sigmoid_ops.route_backward(dweights, tape.route_tape(), dscores)
 
 
 def balance(store, cfg: ModelConfig, loads: dict) -> None:
