@@ -200,7 +200,8 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
                        "rope_theta", "rms_eps", "tie_embeddings", "ep", "n_experts", "top_k", "no_norm_topk",
-                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "q_lora_rank", "kv_lora_rank",
+                       "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 
 
 @cli.command("trace", cls=SectionedCommand)

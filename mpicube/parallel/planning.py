@@ -126,6 +126,22 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
                           + f"): use --ep {' or '.join(map(str, fits))}")
 
 
+LATENT_LAYOUTS = ("serial", "1d")      # where --arch deepseek_v3's latent attention runs so far
+
+
+def check_latent(plan: Plan, cfg: ModelConfig, tp: int, name: str) -> None:
+    """Multi-head latent attention (--arch deepseek_v3) runs on the serial
+    and 1-D layouts (heads split over tp), with dp, pp, cp and zero; the
+    others are refused in one line until they place the latents."""
+    if not cfg.mla:
+        return
+    if tp > 1 and name not in LATENT_LAYOUTS:
+        raise ConfigError(f"--arch deepseek_v3 runs on layouts {' and '.join(LATENT_LAYOUTS)} (with --dp, --pp, "
+                          f"--cp, --zero) so far, not {name}: use --layout 1d")
+    if plan.sequence_parallel and tp > 1:
+        raise ConfigError("--arch deepseek_v3 does not run under --sequence-parallel yet: drop --sequence-parallel")
+
+
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,
             saved: Optional[int] = None, at_least: int = DEFAULT_MIN_BATCH) -> Resolved:
     """The single validation of a run: ``plan`` (a Plan or a layout name)
@@ -142,6 +158,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     run_cfg = cfg if seq_len is None else replace(cfg, n_ctx=seq_len)    # what the T-dependent sizes see
     cls, name, tp, note = _check_choices(plan, run_cfg, world_size)
     check_moe(plan, cfg, tp, name)
+    check_latent(plan, cfg, tp, name)
     kept, why = False, None
     if batch_size is None:
         batch_size, kept, why = _choose_batch(plan, cls, name, run_cfg, tp, saved, at_least)

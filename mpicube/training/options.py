@@ -17,6 +17,7 @@ from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
 
+MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
@@ -48,6 +49,12 @@ class TrainOptions:
     capacity_factor: Optional[float] = None  # None = dropless
     router_aux_loss_coef: Optional[float] = None
     router_z_loss_coef: Optional[float] = None
+    q_lora_rank: Optional[int] = None        # deepseek_v3's multi-head latent attention; None = its default
+    kv_lora_rank: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    rope_interleave: Optional[bool] = None
     seq_len: int = 64
     vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
     batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits
@@ -94,13 +101,16 @@ class TrainOptions:
         if self.arch == "gpt2" or not self.model_config().moe:      # stored as before the MoE options existed
             for key in MOE_OPTIONS + ("ep",):
                 d.pop(key)
+        if self.arch != "deepseek_v3":                               # stored as before the MLA options existed
+            for key in MLA_OPTIONS:
+                d.pop(key)
         return d
 
     def family(self) -> dict:
         """``family_fields``' keyword arguments from these options."""
         return dict(arch=self.arch, n_kv_head=self.n_kv_head, ffn_hidden=self.ffn_hidden, rope_theta=self.rope_theta,
                     rms_eps=self.rms_eps, tie_embeddings=self.tie_embeddings,
-                    **{k: getattr(self, k) for k in MOE_OPTIONS})
+                    **{k: getattr(self, k) for k in MOE_OPTIONS + MLA_OPTIONS})
 
     @property
     def plan(self) -> Plan:

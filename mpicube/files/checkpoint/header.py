@@ -94,7 +94,8 @@ def parse_root(raw: dict, file) -> Header:
 
 
 FAMILY_KEYS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "rope_scaling", "n_experts",
-               "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+               "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "q_lora_rank",
+               "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 
 
 def model_config(value, file) -> dict:

@@ -111,6 +111,8 @@ class Layout:
     token_comm = None               # Comm of the tp ranks holding the replica's other sequences at these hidden
                                     # columns, ranked in sequence order (2-D, 2.5-D, 3-D), or None
     sequence_comm = None            # Comm splitting the canonical sequence (1-D --sequence-parallel), or None
+    head_comm = None                # Comm of the ranks holding the same rows and the other heads (1-D: tp), or
+                                    # None: what a gradient shared by every head (MLA's k_pe) is summed over
 
     @classmethod
     def head_coords(cls, tp: int, depth: int, rank: int) -> tuple:

@@ -1,0 +1,151 @@
+"""DeepSeek-V3's attention branch: multi-head latent attention (MLA) built
+from the layout's linears and ``ops.mla``'s local math, with the four
+calls of an attention branch (``forward(h, ctx)``, ``backward``,
+``decode``, ``n_local_kv``; ``attention.SelfAttention`` is GPT-2's and
+Llama's).
+
+    h (B_c, T, C_c) --q_down (REPLICATED)--> cq (B_c, T, rq) --q_norm--> --q_up (COLUMN)--> q (B_m, T, nh qk)
+                    (rq = 0: --q_proj (COLUMN)--> q)
+    h --kv_down (REPLICATED)--> [c_kv | k_pe] (B_c, T, rkv + dr); c_kv --kv_norm--> --kv_up (COLUMN)--> kv
+    (q, kv, k_pe) --ops.mla.pack--> the project's attention op (T x T, blockwise, the cp ring)
+                  --ops.mla.unpack--> (B_m, T, nh dv) --c_proj (ROW)--> (B_c, T, C_c)
+
+The latents are whole on every rank holding those rows (the REPLICATED
+kind's contract), so the latent norms need no communication and the
+column-parallel up-projections take them as they are. The rotary key
+part k_pe is shared by every head: a rank splitting the heads computes
+its gradient summed over its own heads only, so it is all-summed over
+``layout.head_comm`` (the ranks holding the same rows and other heads)
+before kv_down's backward; the up-projections' input gradients are
+already complete (a column-parallel linear sums dX over the same ranks).
+The bug this guards against was found in torchtitan after ~1,000 steps
+(PR #1373's review).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..core.config import ModelConfig
+from ..core.errors import ConfigError
+from ..device.arrays import array_module
+from ..ops import mla
+from ..parallel.layouts.base import COLUMN, REPLICATED, ROW, Layout
+from ..parallel.layouts.modules import RMSNorm
+from ..parallel.params import ParamStore
+from .dropout import Dropout, positions
+from .tape import Micro, Saved
+
+
+def mla_dims(cfg: ModelConfig) -> mla.MlaDims:
+    """``ops.mla``'s sizes of ``cfg`` (YaRN's softmax factor where its rope scaling sets one)."""
+    factor = getattr(cfg.rope_scaling, "softmax_factor", 1.0) if cfg.rope_scaling is not None else 1.0
+    return mla.MlaDims(nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim, v=cfg.v_head_dim,
+                       kv_rank=cfg.kv_lora_rank, q_rank=cfg.q_lora_rank, interleaved=cfg.rope_interleave,
+                       softmax_factor=factor)
+
+
+@dataclass
+class LatentTape(Saved):
+    """What ``LatentAttention`` keeps for backward."""
+
+    q_down: object          # q_down's saved input (B_c, T, C_c), or None without a q latent
+    q_norm: object          # the q latent norm's (normalised rows, 1/rms), or None
+    q_up: object            # q_up's (or q_proj's) saved input
+    kv_down: object         # kv_down's saved input (B_c, T, C_c)
+    kv_norm: object         # the kv latent norm's
+    kv_up: object           # kv_up's saved input (B_c, T, rkv) normed latent
+    core: object            # the attention op's own saved activations
+    positions: object       # (T,) the global positions q and k_pe were rotated at
+    c_proj: object          # c_proj's saved input (B_m, T, nh dv)
+
+
+class LatentAttention:
+    """MLA of block ``prefix`` on this rank's heads ``layout.head_ids``
+    around the op pair ``attention`` (``ops``, ``ops.attention_blocks``
+    or the context-parallel ring)."""
+
+    def __init__(self, layout: Layout, store: ParamStore, prefix: str, attention, dropout: Dropout, site: str):
+        cfg = layout.cfg
+        self.dims = mla_dims(cfg)
+        if self.dims.v > self.dims.qk:
+            raise ConfigError(f"--v-head-dim {self.dims.v} must be at most --qk-nope-head-dim + --qk-rope-head-dim "
+                              f"{self.dims.qk} (the attention ops pad v to the query/key width)")
+        self.q_down = self.q_norm = None
+        if cfg.q_lora_rank:
+            self.q_down = layout.linear(store, prefix + ".q_down", REPLICATED, bias=False)
+            self.q_norm = RMSNorm(store, prefix + ".q_norm", cfg.q_lora_rank, None, mla.LATENT_EPS)
+            self.q_up = layout.linear(store, prefix + ".q_up", COLUMN, bias=False)
+        else:
+            self.q_up = layout.linear(store, prefix + ".q_proj", COLUMN, bias=False)
+        self.kv_down = layout.linear(store, prefix + ".kv_down", REPLICATED, bias=False)
+        self.kv_norm = RMSNorm(store, prefix + ".kv_norm", cfg.kv_lora_rank, None, mla.LATENT_EPS)
+        self.kv_up = layout.linear(store, prefix + ".kv_up", COLUMN, bias=False)
+        self.c_proj = layout.linear(store, prefix + ".c_proj", ROW, bias=False)
+        self.head_comm = layout.head_comm              # the ranks holding these rows' other heads, or None
+        self.attention, self.dropout, self.site = attention, dropout, site
+        self.n_local_heads = self.n_local_kv = len(layout.head_ids)
+        self.full_masks = attention is ops
+        self.theta, self.scaling = cfg.rope_theta, cfg.rope_scaling
+        self._tables = {}
+
+    def tables(self, pos, like):
+        """(cos, sin) (T, dr) at global positions ``pos`` (T,) in like's format and array module."""
+        key = (tuple(np.asarray(pos).tolist()), like.dtype)
+        if key not in self._tables:
+            xp = array_module(like)
+            self._tables[key] = tuple(xp.asarray(t, dtype=like.dtype)
+                                      for t in ops.rope_tables(pos, self.dims.rope, self.theta, self.scaling))
+        return self._tables[key]
+
+    def _project(self, h):
+        """h (B_c, T, C_c) -> (q (B_m, T, nh qk), kv (B_m, T, nh (dn + dv)), k_pe (B_c, T, dr), saved parts)."""
+        s_qd = s_qn = None
+        if self.q_down is not None:
+            cq, s_qd = self.q_down.forward(h)                                  # (B_c, T, rq)
+            cq, s_qn = self.q_norm.forward(cq)
+            q, s_qu = self.q_up.forward(cq)                                    # (B_m, T, nh qk)
+        else:
+            q, s_qu = self.q_up.forward(h)                                     # (B_m, T, nh qk)
+        ckv, s_kvd = self.kv_down.forward(h)                                   # (B_c, T, rkv + dr)
+        c_kv, k_pe = mla.split_latent(ckv, self.dims.kv_rank)                  # (B_c, T, rkv), (B_c, T, dr)
+        c_kv, s_kvn = self.kv_norm.forward(c_kv)                               # (B_c, T, rkv)
+        kv, s_kvu = self.kv_up.forward(c_kv)                                   # (B_m, T, nh (dn + dv))
+        return q, kv, k_pe, c_kv, (s_qd, s_qn, s_qu, s_kvd, s_kvn, s_kvu)
+
+    def forward(self, h, ctx: Micro):
+        """h (B_c, T, C_c) -> (y (B_c, T, C_c), LatentTape)."""
+        q, kv, k_pe, _, saved = self._project(h)
+        T = q.shape[1]
+        pos = positions(ctx, T)
+        cos, sin = self.tables(pos, q)                                         # (T, dr)
+        drop = self.dropout
+        masks = drop.attention if self.full_masks else drop.attention_blocks
+        qkv = mla.pack(q, kv, k_pe, self.n_local_heads, self.dims, cos, sin)   # (B_m, T, 3 nh qk)
+        a, s_core = self.attention.attention_forward(qkv, self.n_local_heads, masks(ctx, self.site + ".attn", T),
+                                                     drop.keep)                # (B_m, T, nh qk)
+        y, s_proj = self.c_proj.forward(mla.unpack(a, self.n_local_heads, self.dims))   # (B_c, T, C_c)
+        return y, LatentTape(*saved, s_core, pos, s_proj)
+
+    def backward(self, dy, saved: LatentTape):
+        """dy (B_c, T, C_c) -> dh (B_c, T, C_c)."""
+        da = mla.unpack_backward(self.c_proj.backward(dy, saved.c_proj), self.dims)   # (B_m, T, nh qk)
+        dqkv = self.attention.attention_backward(da, saved.core)                      # (B_m, T, 3 nh qk)
+        cos, sin = self.tables(saved.positions, dqkv)
+        dq, dkv, dk_pe = mla.pack_backward(dqkv, self.n_local_heads, self.dims, cos, sin)
+        if self.head_comm is not None:                 # k_pe is every head's: sum over the other heads' ranks
+            dk_pe = self.head_comm.allreduce(array_module(dk_pe).ascontiguousarray(dk_pe))   # (B_c, T, dr)
+        dc_kv = self.kv_norm.backward(self.kv_up.backward(dkv, saved.kv_up), saved.kv_norm)   # (B_c, T, rkv)
+        dh = self.kv_down.backward(mla.join_latent_grads(dc_kv, dk_pe), saved.kv_down)         # (B_c, T, C_c)
+        dcq = self.q_up.backward(dq, saved.q_up)
+        if self.q_down is None:
+            return dh + dcq
+        return dh + self.q_down.backward(self.q_norm.backward(dcq, saved.q_norm), saved.q_down)
+
+    def decode(self, h, cache, pos: int):
+        """Generation through the full key/value cache is not MLA's: refused
+        until the latent cache (``ops.mla.LatentCache``) is wired in."""
+        raise ConfigError("generate --arch deepseek_v3 is not built yet (the latent cache); eval and train are")
