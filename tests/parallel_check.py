@@ -140,7 +140,7 @@ from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_act
 from mpicube.cli.common import env_settings
 from mpicube.parallel.grid import build_layout
 from mpicube.parallel.planning import resolve
-from mpicube.parallel.context import local_positions
+from mpicube.parallel.context import local_positions, ulysses_of
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
 from mpicube.model.gpt import gpt_params
@@ -256,7 +256,7 @@ def problem_of(cfg, layout, plan, batch: int, dtype: str = None) -> Problem:
     combo_matrix_check) starts from it, so they price the same run."""
     return Problem(cfg, layout.name, layout.axes.tp.size, plan.dp, plan.depth, batch, cfg.n_ctx,
                    DTYPE if dtype is None else dtype, recompute=plan.recompute, grad_accum=plan.grad_accum,
-                   zero=plan.zero, cp=plan.cp, sequence_parallel=plan.sequence_parallel, pp=plan.pp,
+                   zero=plan.zero, cp=plan.cp, ulysses=plan.ulysses_size, sequence_parallel=plan.sequence_parallel, pp=plan.pp,
                    pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages, stage=layout.axes.pp.rank,
                    ep=layout.axes.ep.size if layout.axes.ep is not None else 1,
                    ep_rank=layout.axes.ep.rank if layout.axes.ep is not None else 0)
@@ -375,7 +375,8 @@ def check_logits(parts, m: int, serial_logits, label: str) -> None:
     seqs = parts.micro_rows(m).start + emb.logit_seqs           # global sequences of these logits
     v0, nv = emb.vocab_start, model.logits.shape[-1]
     real = max(0, min(nv, cfg.vocab_size - v0))
-    pos = local_positions(cfg.n_ctx, parts.layout.axes.cp.size, parts.layout.axes.cp.rank)   # this rank's positions
+    ring = parts.layout.axes.cp
+    pos = local_positions(cfg.n_ctx, ring.size, ring.rank, ulysses_of(ring))   # this rank's positions
     close(label, parts.layout.backend.to_host(model.logits)[..., :real], serial_logits[seqs][:, pos, v0:v0 + real])
 
 

@@ -186,6 +186,6 @@ def segments_of(p: Problem, sizes: dict) -> list:
     out = []
     for seg in sorted(totals, key=lambda s: (zero.segment_key(site_of(s)), s != site_of(s))):
         x = seg != site_of(seg)
-        parts = p.edp if x else p.dp
+        parts = p.edp if x else p.shard_dp
         out.append((seg, totals[seg], -(-totals[seg] // parts), parts, x))
     return out

@@ -110,7 +110,7 @@ class Collector:
         """(T_l,) the global positions of this rank's rows of a T-long
         sequence: all of them, or a cp rank's two chunks."""
         ring = self.layout.axes.cp
-        return context.local_positions(T, ring.size, ring.rank)
+        return context.local_positions(T, ring.size, ring.rank, context.ulysses_of(ring))
 
     def canonical_positions(self, T: int) -> np.ndarray:
         """(T_c,) the global positions of this rank's canonical rows: the
@@ -227,7 +227,7 @@ class Collector:
         store = self.store
         flat = self.host(store.flat_grad)                                    # (P_pad,)
         if store.partition.sharded:
-            chunks = self.layout.axes.dp.mpi.allgather(flat[store.shard])   # dp x (C,)
+            chunks = store.dp.mpi.allgather(flat[store.shard])   # dp x (C,) (--hsdp: the shard group)
             flat = store.partition.assemble(np, np.concatenate(chunks))     # (P_pad,) in buffer order
         if divide != 1.0:
             flat = flat / divide

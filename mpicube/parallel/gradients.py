@@ -124,6 +124,9 @@ class GradientSync:
             if ring.size > 1:    # --ep under --cp: the experts' chunks (last, [C_d, C)) are edp's, summed
                 dense = slice(0, store.expert_run.start) if self.folded else slice(0, store.flat_grad.size)
                 store.flat_grad[dense] = ring.allreduce(store.flat_grad[dense], wire=wire)   # (C,) or (C_d,)
+            replicas = getattr(self.axes, "dp_replica", None)    # --hsdp: the same chunk on R replicas
+            if replicas is not None and replicas.size > 1:
+                store.flat_grad[...] = replicas.allreduce(store.flat_grad, wire=wire)          # (C,)
             return
         sync_replica_groups(store)
         if self.tied is not None:

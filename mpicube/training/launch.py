@@ -73,9 +73,11 @@ class Launch:
         if o.batch_size is not None:
             self._plan_data()
 
-        vocab = None if o.resume else self.cfg.vocab_size
+        vocab = None                                     # the vocabulary the shards are checked against now
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
             vocab = on_root(self.world, self._check_init_from)
+        elif self.cfg is not None and not o.resume:
+            vocab = self.cfg.vocab_size
         self.vocab_checked = False
         if vocab is not None and o.batch_size is not None:   # a token past the vocabulary: no run directory either
             self._check_vocab(vocab)
@@ -107,7 +109,7 @@ class Launch:
             if note:                                   # e.g. fewer micro-batches than stages: a large bubble
                 self.notes.append(note)
         self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay,
-                             optimizer=o.optimizer)
+                             optimizer=o.optimizer, muon_qkv=o.muon_qkv)
         self.scaler = o.loss_scaler()                  # float16 only
         self.schedule = Schedule(o.lr, o.warmup, o.steps)
         self.start_step = self._restore() + 1
@@ -297,7 +299,7 @@ class Launch:
     def _changed_options(self, saved: dict) -> list:
         """Options that change the trajectory and differ from a resumed run's."""
         relevant = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "lr", "warmup",
-                    "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "dtype", "data")
+                    "weight_decay", "grad_clip", "optimizer", "muon_qkv", "dropout", "seed", "dtype", "data")
         now = self.opts.to_dict()
         return [f"--{_dash(k)} {saved[k]} -> {now[k]}" for k in relevant if k in saved and saved[k] != now[k]]
 

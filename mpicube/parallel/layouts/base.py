@@ -55,6 +55,10 @@ class Axes:
     cp: Comm      # this rank's context-parallel ring (size 1 without context parallelism)
     ep: Comm = None    # this rank's expert-parallel group, taken from dp (x cp under --cp; parallel/experts.py)
     edp: Comm = None   # the ranks that hold the same experts (dp cp / ep of them); dp itself with ep 1
+    dp_shard: Comm = None   # --hsdp: this rank's ZeRO-3 shard group (dp/R consecutive replicas), else None
+    dp_replica: Comm = None  # --hsdp: the R ranks of its shard position in the other groups, else None
+    cp_group: Comm = None   # --cp-kind ulysses/hybrid: this rank's Ulysses group (U consecutive cp ranks), else None
+    cp_ring: Comm = None    # ... and the ring over the groups (the cp ranks with its Ulysses rank)
 
 
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
