@@ -97,7 +97,7 @@ def test_eval_and_init_from_take_the_directory(hf, tmp_path):
                                 "--out", str(tmp_path / "run"), "--log-every", "1"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["arch"] == "deepseek_v3"
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["arch"] == "deepseek_v3"
 
 
 def test_moe_layers_are_refused_by_field(hf, tmp_path):
