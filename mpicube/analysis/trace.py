@@ -42,7 +42,7 @@ from ..training.hooks import StepHooks
 from ..training.optim import Schedule
 from ..training.options import TrainOptions
 from ..training.train import DivergedError, Trainer
-from .trace_collect import Collector, gather_pieces, record_outputs
+from .trace_collect import Collector, Fp8Recorder, gather_pieces, record_outputs
 
 DEFAULT_MAX_BYTES = 2 * 10 ** 9
 CLIP_EPS = 1e-6          # clipping scale min(1, max_norm / (norm + CLIP_EPS)), as train does
@@ -159,6 +159,10 @@ class Recorder(StepHooks):
         for model in [pipe.chunk_model(v) for v in range(pipe.V)] if pipe is not None else [trainer.parts.model.model]:
             record_outputs(model, self.sink)
         self.T = trainer.opts.seq_len
+        fp8 = trainer.parts.layout.fp8
+        self.fp8 = None if fp8 is None else Fp8Recorder(trainer.parts.store)   # --fp8: quantized operands
+        if fp8 is not None:
+            fp8.observer = self.fp8
         _write(self.writer, gather_pieces(self.world, self.collect.params("init"), self.sharded))
 
     def step_started(self, trainer, s, x, y) -> None:
@@ -182,7 +186,9 @@ class Recorder(StepHooks):
         self.norm = norm
 
     def step_done(self, trainer, s, rec) -> None:
-        tensors = gather_pieces(self.world, self.forward + self.grads + self.collect.params("param"), self.sharded)
+        quantized = self.fp8.take() if self.fp8 is not None else []
+        tensors = gather_pieces(self.world, self.forward + self.grads + quantized + self.collect.params("param"),
+                                self.sharded)
         if self.writer is not None:
             group = f"step_{s}"
             self.writer.write(f"{group}/loss", np.asarray(rec["loss"], dtype=np.float64))
