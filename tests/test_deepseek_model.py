@@ -90,7 +90,7 @@ def test_serial_loss_equals_reference(q_rank, interleave):
     (["--qk-rope-head-dim", "3"], "--qk-rope-head-dim must be even"),
     (["--v-head-dim", "40"], "--v-head-dim 40 must be at most"),
     (["--n-kv-head", "2"], "--n-kv-head does not apply to --arch deepseek_v3"),
-    (["--layout", "2d"], "--arch deepseek_v3 runs on layouts serial and 1d"),
+    (["--layout", "3d"], "--arch deepseek_v3 runs on layouts serial, 1d, 2d, 2.5d"),
 ])
 def test_bad_options_are_refused_by_name(args, words):
     from mpicube.core.config import family_fields
@@ -100,7 +100,7 @@ def test_bad_options_are_refused_by_name(args, words):
             "qk_rope_head_dim", "--v-head-dim": "v_head_dim", "--n-kv-head": "n_kv_head"}
     with pytest.raises(ConfigError, match=words):
         if args[0] == "--layout":
-            resolve("2d", small_deepseek(), 8, 4)
+            resolve("3d", small_deepseek(), 8, 8)
         else:
             cfg = ModelConfig(n_head=4, n_embd=8, **family_fields(arch="deepseek_v3", **{opts[args[0]]: int(args[1])}))
             from mpicube.model.gpt import gpt_params

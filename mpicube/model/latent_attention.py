@@ -10,9 +10,15 @@ Llama's).
     (q, kv, k_pe) --ops.mla.pack--> the project's attention op (T x T, blockwise, the cp ring)
                   --ops.mla.unpack--> (B_m, T, nh dv) --c_proj (ROW)--> (B_c, T, C_c)
 
-The latents are whole on every rank holding those rows (the REPLICATED
-kind's contract), so the latent norms need no communication and the
-column-parallel up-projections take them as they are. The rotary key
+The latents come out of the REPLICATED down-projections whole on every
+rank holding those rows. Where the canonical form splits the hidden size
+over ``layout.hidden_comm`` (2-D, 2.5-D), a latent is held like a
+canonical activation: this rank's block of its columns
+(``layout.canonical_block``), normed with its statistics all-summed over
+the hidden split, fed to the column-parallel up-projection (SUMMA), and
+its gradient blocks all-gathered back into the whole latent gradient the
+REPLICATED backward needs; on serial and 1-D the block is the whole
+latent and nothing moves. The rotary key
 part k_pe is shared by every head: a rank splitting the heads computes
 its gradient summed over its own heads only, so it is all-summed over
 ``layout.head_comm`` (the ranks holding the same rows and other heads)
@@ -74,15 +80,19 @@ class LatentAttention:
         if self.dims.v > self.dims.qk:
             raise ConfigError(f"--v-head-dim {self.dims.v} must be at most --qk-nope-head-dim + --qk-rope-head-dim "
                               f"{self.dims.qk} (the attention ops pad v to the query/key width)")
-        self.q_down = self.q_norm = None
+        hidden = layout.hidden_comm if layout.hidden_comm is not None and layout.hidden_comm.size > 1 else None
+        self.hidden = hidden                           # the canonical hidden split the latents follow, or None
+        self.kv_block = self._block(layout, cfg.kv_lora_rank, "--kv-lora-rank")   # (rkv_c,) this rank's columns
+        self.q_down = self.q_norm = self.q_block = None
         if cfg.q_lora_rank:
+            self.q_block = self._block(layout, cfg.q_lora_rank, "--q-lora-rank")
             self.q_down = layout.linear(store, prefix + ".q_down", REPLICATED, bias=False)
-            self.q_norm = RMSNorm(store, prefix + ".q_norm", cfg.q_lora_rank, None, mla.LATENT_EPS)
+            self.q_norm = RMSNorm(store, prefix + ".q_norm", cfg.q_lora_rank, hidden, mla.LATENT_EPS)
             self.q_up = layout.linear(store, prefix + ".q_up", COLUMN, bias=False)
         else:
             self.q_up = layout.linear(store, prefix + ".q_proj", COLUMN, bias=False)
         self.kv_down = layout.linear(store, prefix + ".kv_down", REPLICATED, bias=False)
-        self.kv_norm = RMSNorm(store, prefix + ".kv_norm", cfg.kv_lora_rank, None, mla.LATENT_EPS)
+        self.kv_norm = RMSNorm(store, prefix + ".kv_norm", cfg.kv_lora_rank, hidden, mla.LATENT_EPS)
         self.kv_up = layout.linear(store, prefix + ".kv_up", COLUMN, bias=False)
         self.c_proj = layout.linear(store, prefix + ".c_proj", ROW, bias=False)
         self.head_comm = layout.head_comm              # the ranks holding these rows' other heads, or None
@@ -91,6 +101,18 @@ class LatentAttention:
         self.full_masks = attention is ops
         self.theta, self.scaling = cfg.rope_theta, cfg.rope_scaling
         self._tables = {}
+
+    def _block(self, layout, n: int, option: str):
+        """This rank's columns of an n-wide latent: a slice, equal blocks over the hidden split."""
+        cols = layout.canonical_block(n)
+        if self.hidden is not None and len(cols) * self.hidden.size != n:
+            raise ConfigError(f"{option} {n} must be divisible by the {self.hidden.size} ranks splitting the hidden "
+                              f"size (a latent is split as the hidden size is)")
+        return slice(int(cols[0]), int(cols[-1]) + 1)
+
+    def _gather(self, dx):
+        """dx (B_c, T, r_c), this rank's block of a latent's gradient -> (B_c, T, r), the whole."""
+        return dx if self.hidden is None else self.hidden.allgather(array_module(dx).ascontiguousarray(dx), axis=-1)
 
     def tables(self, pos, like):
         """(cos, sin) (T, dr) at global positions ``pos`` (T,) in like's format and array module."""
@@ -106,13 +128,13 @@ class LatentAttention:
         s_qd = s_qn = None
         if self.q_down is not None:
             cq, s_qd = self.q_down.forward(h)                                  # (B_c, T, rq)
-            cq, s_qn = self.q_norm.forward(cq)
+            cq, s_qn = self.q_norm.forward(cq[..., self.q_block])              # (B_c, T, rq_c)
             q, s_qu = self.q_up.forward(cq)                                    # (B_m, T, nh qk)
         else:
             q, s_qu = self.q_up.forward(h)                                     # (B_m, T, nh qk)
         ckv, s_kvd = self.kv_down.forward(h)                                   # (B_c, T, rkv + dr)
         c_kv, k_pe = mla.split_latent(ckv, self.dims.kv_rank)                  # (B_c, T, rkv), (B_c, T, dr)
-        c_kv, s_kvn = self.kv_norm.forward(c_kv)                               # (B_c, T, rkv)
+        c_kv, s_kvn = self.kv_norm.forward(c_kv[..., self.kv_block])           # (B_c, T, rkv_c)
         kv, s_kvu = self.kv_up.forward(c_kv)                                   # (B_m, T, nh (dn + dv))
         return q, kv, k_pe, c_kv, (s_qd, s_qn, s_qu, s_kvd, s_kvn, s_kvu)
 
@@ -138,12 +160,12 @@ class LatentAttention:
         dq, dkv, dk_pe = mla.pack_backward(dqkv, self.n_local_heads, self.dims, cos, sin)
         if self.head_comm is not None:                 # k_pe is every head's: sum over the other heads' ranks
             dk_pe = self.head_comm.allreduce(array_module(dk_pe).ascontiguousarray(dk_pe))   # (B_c, T, dr)
-        dc_kv = self.kv_norm.backward(self.kv_up.backward(dkv, saved.kv_up), saved.kv_norm)   # (B_c, T, rkv)
+        dc_kv = self._gather(self.kv_norm.backward(self.kv_up.backward(dkv, saved.kv_up), saved.kv_norm))   # (B_c, T, rkv)
         dh = self.kv_down.backward(mla.join_latent_grads(dc_kv, dk_pe), saved.kv_down)         # (B_c, T, C_c)
         dcq = self.q_up.backward(dq, saved.q_up)
         if self.q_down is None:
             return dh + dcq
-        return dh + self.q_down.backward(self.q_norm.backward(dcq, saved.q_norm), saved.q_down)
+        return dh + self.q_down.backward(self._gather(self.q_norm.backward(dcq, saved.q_norm)), saved.q_down)
 
     def decode(self, h, cache, pos: int):
         """Generation through the full key/value cache is not MLA's: refused

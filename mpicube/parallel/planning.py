@@ -145,18 +145,28 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
                           + f"): use --ep {' or '.join(map(str, fits))}")
 
 
-LATENT_LAYOUTS = ("serial", "1d")      # where --arch deepseek_v3's latent attention runs so far
+LATENT_LAYOUTS = ("serial", "1d", "2d", "2.5d")      # where --arch deepseek_v3's latent attention runs so far
 
 
 def check_latent(plan: Plan, cfg: ModelConfig, tp: int, name: str) -> None:
-    """Multi-head latent attention (--arch deepseek_v3) runs on the serial
-    and 1-D layouts (heads split over tp), with dp, pp, cp and zero; the
-    others are refused in one line until they place the latents."""
+    """Multi-head latent attention (--arch deepseek_v3) runs on the serial,
+    1-D, 2-D and 2.5-D layouts (heads split over tp or the grid's columns;
+    the latents split as the hidden size on the grid), with dp, pp, cp and
+    zero; 3-D (whose intermediate rows differ from the canonical ones the
+    shared rotary key lives on) and --sequence-parallel are refused in one
+    line until they place the latents."""
     if not cfg.mla:
         return
     if tp > 1 and name not in LATENT_LAYOUTS:
-        raise ConfigError(f"--arch deepseek_v3 runs on layouts {' and '.join(LATENT_LAYOUTS)} (with --dp, --pp, "
-                          f"--cp, --zero) so far, not {name}: use --layout 1d")
+        raise ConfigError(f"--arch deepseek_v3 runs on layouts {', '.join(LATENT_LAYOUTS)} (with --dp, --pp, "
+                          f"--cp, --zero) so far, not {name}: use --layout 1d, 2d or 2.5d")
+    if name in ("2d", "2.5d") and tp > 1:
+        q = math.isqrt(tp // plan.depth)              # the grid's side: the hidden size and the latents split q ways
+        for option, rank in (("--kv-lora-rank", cfg.kv_lora_rank), ("--q-lora-rank", cfg.q_lora_rank)):
+            if rank % q:
+                raise ConfigError(f"{option} {rank} must be divisible by the grid side {q} of layout {name} "
+                                  f"(a latent is split as the hidden size is): use {option} "
+                                  f"{nearest_multiples(rank, q)}")
     if plan.sequence_parallel and tp > 1:
         raise ConfigError("--arch deepseek_v3 does not run under --sequence-parallel yet: drop --sequence-parallel")
 

@@ -261,6 +261,14 @@ class Layout:
         split, block = self.head_split
         return split_decl(decl, split, block), shared_columns(decl, split, block, self.kv_comm)
 
+    def canonical_block(self, n: int):
+        """(n_c,) the columns of an n-wide canonical activation this rank
+        holds, split as the hidden size is (``canonical_cols``, over
+        ``hidden_comm``): all n where the canonical form holds every
+        column (serial, 1-D). MLA's latents come out of a REPLICATED
+        linear whole; a COLUMN up-projection takes this block of them."""
+        return np.arange(n)
+
     def seq_positions(self, T: int):
         """(T_c,) global positions of the canonical rows of a T-long
         sequence, or None when the canonical form holds all T (every layout
