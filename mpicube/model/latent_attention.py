@@ -30,6 +30,7 @@ The bug this guards against was found in torchtitan after ~1,000 steps
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,7 @@ class LatentAttention:
         self.head_comm = layout.head_comm              # the ranks holding these rows' other heads, or None
         self.attention, self.dropout, self.site = attention, dropout, site
         self.n_local_heads = self.n_local_kv = len(layout.head_ids)
+        self.n_seqs = len(layout.canonical_seqs)       # the latent cache's rows: the canonical ones (= mid here)
         self.full_masks = attention is ops
         self.theta, self.scaling = cfg.rope_theta, cfg.rope_scaling
         self._tables = {}
@@ -123,7 +125,7 @@ class LatentAttention:
                                       for t in ops.rope_tables(pos, self.dims.rope, self.theta, self.scaling))
         return self._tables[key]
 
-    def _project(self, h):
+    def _project(self, h, expand: bool = True):
         """h (B_c, T, C_c) -> (q (B_m, T, nh qk), kv (B_m, T, nh (dn + dv)), k_pe (B_c, T, dr), saved parts)."""
         s_qd = s_qn = None
         if self.q_down is not None:
@@ -135,7 +137,7 @@ class LatentAttention:
         ckv, s_kvd = self.kv_down.forward(h)                                   # (B_c, T, rkv + dr)
         c_kv, k_pe = mla.split_latent(ckv, self.dims.kv_rank)                  # (B_c, T, rkv), (B_c, T, dr)
         c_kv, s_kvn = self.kv_norm.forward(c_kv[..., self.kv_block])           # (B_c, T, rkv_c)
-        kv, s_kvu = self.kv_up.forward(c_kv)                                   # (B_m, T, nh (dn + dv))
+        kv, s_kvu = self.kv_up.forward(c_kv) if expand else (None, None)      # (B_m, T, nh (dn + dv))
         return q, kv, k_pe, c_kv, (s_qd, s_qn, s_qu, s_kvd, s_kvn, s_kvu)
 
     def forward(self, h, ctx: Micro):
@@ -167,7 +169,23 @@ class LatentAttention:
             return dh + dcq
         return dh + self.q_down.backward(self._gather(self.q_norm.backward(dcq, saved.q_norm)), saved.q_down)
 
+    def new_cache(self, xp, positions: int, dtype):
+        """MLA's compressed cache (``ops.mla.LatentCache``) of this rank's
+        sequences over ``positions`` positions: per token the normed kv
+        latent (this rank's block of its columns) and the rotated k_pe."""
+        dims = dataclasses.replace(self.dims, kv_rank=self.kv_block.stop - self.kv_block.start)
+        return mla.LatentCache(xp, self.n_seqs, positions, dims, dtype)
+
     def decode(self, h, cache, pos: int):
-        """Generation through the full key/value cache is not MLA's: refused
-        until the latent cache (``ops.mla.LatentCache``) is wired in."""
-        raise ConfigError("generate --arch deepseek_v3 is not built yet (the latent cache); eval and train are")
+        """Inference on positions pos .. pos+t-1 through the latent cache, no
+        dropout: h (B_c, t, C_c) -> (B_c, t, C_c). The new positions' latent
+        and rotated key join the cache; kv_up expands every cached position
+        for this rank's heads, and the queries attend to them."""
+        q, _, k_pe, c_kv, _ = self._project(h, expand=False)                  # (B_m, t, nh qk), ..
+        t = q.shape[1]
+        cos, sin = self.tables(np.arange(pos, pos + t), q)                    # (t, dr)
+        cache.append(c_kv, mla.rotate_k_pe(k_pe, cos, sin, self.dims.interleaved))
+        latent, k_rot = cache.view()                                          # (B_c, S, rkv_c), (B_c, S, dr)
+        kv = self.kv_up.forward(latent)[0]                                    # (B_m, S, nh (dn + dv))
+        y = mla.decode_forward(q, kv, k_rot, self.n_local_heads, self.dims, cos, sin, pos)   # (B_m, t, nh dv)
+        return self.c_proj.forward(y)[0]
