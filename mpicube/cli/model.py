@@ -82,6 +82,10 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     w = Widths.of(dtype)
     family_line = (f"Llama ({cfg.kv_heads} kv heads, SwiGLU {cfg.ffn}, {'tied' if cfg.tied else 'untied'} head)"
                    if cfg.llama else "GPT-2")
+    if cfg.mla:
+        family_line = (f"DeepSeek-V3 (latent attention: q rank {cfg.q_lora_rank or 'none'}, kv rank {cfg.kv_lora_rank}, "
+                       f"rope {cfg.qk_rope_head_dim}, nope {cfg.qk_nope_head_dim}, v {cfg.v_head_dim}; dense SwiGLU "
+                       f"{cfg.ffn}, {'tied' if cfg.tied else 'untied'} head)")
     if cfg.moe:
         family_line += f" with a mixture of {cfg.n_experts} experts, top {cfg.top_k}"
     echo(f"model: {family_line}, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
@@ -92,6 +96,9 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     echo(f"memory: {_mib(n * w.grad + working)} of parameters in {dtype}"
          + (f" (float32 master + {dtype} working copy)" if working else "")
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
+    if (layout is not None or world_size is not None) and cfg.mla:
+        raise UserError("info --arch deepseek_v3 gives the model's size only: the cost model does not price "
+                        "multi-head latent attention yet (drop --layout and -n)")
     if layout is not None or world_size is not None:
         from ..analysis.costreport import fp8_report, memory_options, report, summary, zero_options
         from ..parallel.gridspec import Plan
