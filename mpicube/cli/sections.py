@@ -13,7 +13,8 @@ import click
 TRAIN_SECTIONS = (
     ("Model", ("arch", "n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "n_kv_head", "ffn_hidden",
                "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k", "no_norm_topk", "capacity_factor",
-               "router_aux_loss_coef", "router_z_loss_coef", "dropout")),
+               "router_aux_loss_coef", "router_z_loss_coef", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+               "qk_nope_head_dim", "v_head_dim", "rope_interleave", "dropout")),
     ("Parallelism", ("layout", "dp", "depth", "ep", "pp", "pp_schedule", "virtual_stages", "cp",
                      "cp_kind", "ulysses", "sequence_parallel", "zero", "hsdp", "recompute")),
     ("Optimisation", ("batch_size", "grad_accum", "steps", "lr", "warmup", "weight_decay", "grad_clip",
