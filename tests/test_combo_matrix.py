@@ -267,6 +267,8 @@ DEEPSEEK_CASES = [
     (8, f"layout=1d tp=2 cp=4 cpkind=ulysses heads=8 {DEEPSEEK}"),
     (8, f"layout=1d tp=4 dp=2 dtype=bfloat16 {DEEPSEEK}"),
     (4, f"layout=2d tp=4 {DEEPSEEK}"),                                    # latents split as the hidden size
+    (4, f"layout=1d tp=4 sp=1 recompute=gathers {DEEPSEEK}"),             # k_pe gathered, its gradient scattered
+    (4, f"layout=1d tp=2 sp=1 cp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=2.5d tp=8 depth=2 recompute=blocks batch=16 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 dp=2 zero=3 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 cp=2 qrank=0 {DEEPSEEK}"),

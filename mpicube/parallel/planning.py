@@ -152,9 +152,9 @@ def check_latent(plan: Plan, cfg: ModelConfig, tp: int, name: str) -> None:
     """Multi-head latent attention (--arch deepseek_v3) runs on the serial,
     1-D, 2-D and 2.5-D layouts (heads split over tp or the grid's columns;
     the latents split as the hidden size on the grid), with dp, pp, cp and
-    zero; 3-D (whose intermediate rows differ from the canonical ones the
-    shared rotary key lives on) and --sequence-parallel are refused in one
-    line until they place the latents."""
+    zero, 1-D's --sequence-parallel too; 3-D (whose intermediate rows
+    differ from the canonical ones the shared rotary key lives on) is
+    refused in one line until it places the latents."""
     if not cfg.mla:
         return
     if tp > 1 and name not in LATENT_LAYOUTS:
@@ -167,8 +167,6 @@ def check_latent(plan: Plan, cfg: ModelConfig, tp: int, name: str) -> None:
                 raise ConfigError(f"{option} {rank} must be divisible by the grid side {q} of layout {name} "
                                   f"(a latent is split as the hidden size is): use {option} "
                                   f"{nearest_multiples(rank, q)}")
-    if plan.sequence_parallel and tp > 1:
-        raise ConfigError("--arch deepseek_v3 does not run under --sequence-parallel yet: drop --sequence-parallel")
 
 
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,
