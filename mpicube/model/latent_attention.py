@@ -19,13 +19,14 @@ the hidden split, fed to the column-parallel up-projection (SUMMA), and
 its gradient blocks all-gathered back into the whole latent gradient the
 REPLICATED backward needs; on serial and 1-D the block is the whole
 latent and nothing moves. The rotary key
-part k_pe is shared by every head: a rank splitting the heads computes
-its gradient summed over its own heads only, so it is all-summed over
-``layout.head_comm`` (the ranks holding the same rows and other heads)
-before kv_down's backward (under 1-D's --sequence-parallel k_pe is
-all-gathered along the sequence with the column-parallel linears' inputs
-and its gradient reduce-scattered back: the same sum, each rank keeping
-its positions); the up-projections' input gradients are
+part k_pe is shared by every head: the layout moves it to the rows the
+heads attend over (``Layout.shared_key``: as it is; gathered along the
+sequence under 1-D's --sequence-parallel; other rows on 3-D), and a rank
+splitting the heads computes its gradient summed over its own heads
+only, so ``Layout.shared_key_backward`` sums it over the other heads'
+ranks (an all-reduce over ``head_comm``, a reduce-scatter along the
+sequence, 3-D's reduce-scatter and all-reduce) before kv_down's
+backward; the up-projections' input gradients are
 already complete (a column-parallel linear sums dX over the same ranks).
 The bug this guards against was found in torchtitan after ~1,000 steps
 (PR #1373's review).
@@ -99,8 +100,7 @@ class LatentAttention:
         self.kv_norm = RMSNorm(store, prefix + ".kv_norm", cfg.kv_lora_rank, hidden, mla.LATENT_EPS)
         self.kv_up = layout.linear(store, prefix + ".kv_up", COLUMN, bias=False)
         self.c_proj = layout.linear(store, prefix + ".c_proj", ROW, bias=False)
-        self.head_comm = layout.head_comm              # the ranks holding these rows' other heads, or None
-        self.seq = layout.sequence_comm                # 1-D --sequence-parallel: k_pe's rows split over it, or None
+        self.layout = layout                           # places k_pe, which every head reads (shared_key)
         self.attention, self.dropout, self.site = attention, dropout, site
         self.n_local_heads = self.n_local_kv = len(layout.head_ids)
         self.n_seqs = len(layout.canonical_seqs)       # the latent cache's rows: the canonical ones (= mid here)
@@ -147,8 +147,7 @@ class LatentAttention:
     def forward(self, h, ctx: Micro):
         """h (B_c, T, C_c) -> (y (B_c, T, C_c), LatentTape)."""
         q, kv, k_pe, _, saved = self._project(h)
-        if self.seq is not None:                       # the column-parallel linears gathered the sequence: k_pe too
-            k_pe = self.seq.allgather(array_module(k_pe).ascontiguousarray(k_pe), axis=1)   # (B, T, dr)
+        k_pe = self.layout.shared_key(k_pe)                                    # (B_m, T, dr) the heads' rows
         T = q.shape[1]
         pos = positions(ctx, T)
         cos, sin = self.tables(pos, q)                                         # (T, dr)
@@ -166,11 +165,7 @@ class LatentAttention:
         dqkv = self.attention.attention_backward(da, saved.core)                      # (B_m, T, 3 nh qk)
         cos, sin = self.tables(saved.positions, dqkv)
         dq, dkv, dk_pe = mla.pack_backward(dqkv, self.n_local_heads, self.dims, cos, sin)
-        dk_pe = array_module(dk_pe).ascontiguousarray(dk_pe)                            # (B_m, T, dr) local heads'
-        if self.seq is not None:                       # summed over the heads' ranks, this rank's positions kept
-            dk_pe = self.seq.reduce_scatter(dk_pe, axis=1)                              # (B, T/p, dr)
-        elif self.head_comm is not None:               # k_pe is every head's: sum over the other heads' ranks
-            dk_pe = self.head_comm.allreduce(dk_pe)                                     # (B_c, T, dr)
+        dk_pe = self.layout.shared_key_backward(dk_pe)  # k_pe is every head's: summed over all -> (B_c, T_c, dr)
         dc_kv = self._gather(self.kv_norm.backward(self.kv_up.backward(dkv, saved.kv_up), saved.kv_norm))   # (B_c, T, rkv)
         dh = self.kv_down.backward(mla.join_latent_grads(dc_kv, dk_pe), saved.kv_down)         # (B_c, T, C_c)
         dcq = self.q_up.backward(dq, saved.q_up)
@@ -196,5 +191,6 @@ class LatentAttention:
         cache.append(c_kv, mla.rotate_k_pe(k_pe, cos, sin, self.dims.interleaved))
         latent, k_rot = cache.view()                                          # (B_c, S, rkv_c), (B_c, S, dr)
         kv = self.kv_up.forward(latent)[0]                                    # (B_m, S, nh (dn + dv))
+        k_rot = self.layout.shared_key(k_rot)                                 # (B_m, S, dr)
         y = mla.decode_forward(q, kv, k_rot, self.n_local_heads, self.dims, cos, sin, pos)   # (B_m, t, nh dv)
         return self.c_proj.forward(y)[0]

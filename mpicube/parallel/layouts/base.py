@@ -269,6 +269,28 @@ class Layout:
         linear whole; a COLUMN up-projection takes this block of them."""
         return np.arange(n)
 
+    def shared_key(self, k):
+        """k (B_c, T_c, w), a per-token tensor every head reads (MLA's rotary
+        key k_pe), on the canonical rows -> (B_m, T, w) on the rows this
+        rank's heads attend over: as it is, or all-gathered along the
+        sequence under 1-D's --sequence-parallel (3-D moves rows: cube.py)."""
+        if self.sequence_comm is not None:
+            return self.sequence_comm.allgather(self.backend.xp.ascontiguousarray(k), axis=1)
+        return k
+
+    def shared_key_backward(self, dk):
+        """dk (B_m, T, w), summed over this rank's heads only -> (B_c, T_c, w),
+        summed over every head, on every rank holding those canonical rows:
+        all-reduced over ``head_comm`` (the ranks holding the same rows and
+        the other heads), or reduce-scattered along the sequence under
+        --sequence-parallel (the same sum, each rank keeping its positions)."""
+        dk = self.backend.xp.ascontiguousarray(dk)
+        if self.sequence_comm is not None:
+            return self.sequence_comm.reduce_scatter(dk, axis=1)
+        if self.head_comm is not None:
+            return self.head_comm.allreduce(dk)
+        return dk
+
     def seq_positions(self, T: int):
         """(T_c,) global positions of the canonical rows of a T-long
         sequence, or None when the canonical form holds all T (every layout
