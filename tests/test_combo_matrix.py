@@ -251,8 +251,9 @@ HSDP_CASES = [
 
 # DeepSeek-V3's multi-head latent attention (issue 43; dense MLP): each joins its world size's launch,
 # checked against serial to 1e-10 with dropout (not yet against the cost model, which does not price MLA).
-# The latents replicated (on 2-D and 2.5-D split as the hidden size before the up-projections), the heads
-# split over 1-D's tp or the grid's columns with k_pe's gradient summed over them, a pipeline,
+# The latents replicated (on 2-D, 2.5-D and 3-D split as the hidden size before the up-projections), the
+# heads split as each layout splits them with k_pe moved to their rows and its gradient summed over them
+# (Layout.shared_key), sequence parallelism, a pipeline,
 # the cp ring and Ulysses (rotary at global positions), zero 1-3, recompute, the 16-bit wire, q_proj (qrank=0).
 DEEPSEEK = "arch=deepseek_v3"
 DEEPSEEK_CASES = [
@@ -273,6 +274,8 @@ DEEPSEEK_CASES = [
     (8, f"layout=2d tp=4 dp=2 zero=3 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 cp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 pp=2 accum=2 {DEEPSEEK}"),
+    (8, f"layout=3d tp=8 qrank=8 {DEEPSEEK}"),                            # k_pe moved to the heads' rows
+    (8, f"layout=3d tp=8 qrank=0 recompute=gathers {DEEPSEEK}"),
 ]
 
 

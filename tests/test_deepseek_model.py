@@ -90,7 +90,7 @@ def test_serial_loss_equals_reference(q_rank, interleave):
     (["--qk-rope-head-dim", "3"], "--qk-rope-head-dim must be even"),
     (["--v-head-dim", "40"], "--v-head-dim 40 must be at most"),
     (["--n-kv-head", "2"], "--n-kv-head does not apply to --arch deepseek_v3"),
-    (["--layout", "3d"], "--arch deepseek_v3 runs on layouts serial, 1d, 2d, 2.5d"),
+    (["--layout", "3d"], "--kv-lora-rank 6 must be divisible by 4 on layout 3d"),
 ])
 def test_bad_options_are_refused_by_name(args, words):
     from mpicube.core.config import family_fields

@@ -111,13 +111,14 @@ def test_moe_layers_are_refused_by_field(hf, tmp_path):
 
 
 def test_greedy_tokens_through_the_latent_cache_equal_transformers(hf, tmp_path):
-    """``generate`` on the directory (serial, 1-D tp 2 and 2-D tp 4: the
+    """``generate`` on the directory (serial, 1-D tp 2, 2-D tp 4, 3-D tp 8: the
     latent cache holding this rank's block of the normed kv latent and the
-    rotated k_pe) gives transformers' float64 greedy tokens."""
+    rotated k_pe, moved to the heads' rows on 3-D) gives transformers'
+    float64 greedy tokens."""
     from mpirun import mpiexec
 
     torch, transformers, _ = hf
-    model = saved_model(torch, transformers, tmp_path / "ds", q_lora_rank=6)     # both ranks split 2 ways on 2-D
+    model = saved_model(torch, transformers, tmp_path / "ds", q_lora_rank=8, kv_lora_rank=8)   # split 4 ways on 3-D
     prompt, n_new = [5, 17, 3, 40], 6
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -126,7 +127,7 @@ def test_greedy_tokens_through_the_latent_cache_equal_transformers(hf, tmp_path)
     want = ids[0, len(prompt):].tolist()
     args = ["-m", "mpicube", "generate", tmp_path / "ds", "--prompt-tokens", ",".join(map(str, prompt)),
             "--max-new-tokens", n_new, "--temperature", 0, "--json"]
-    for ranks, layout in ((1, "serial"), (2, "1d"), (4, "2d")):
+    for ranks, layout in ((1, "serial"), (2, "1d"), (4, "2d"), (8, "3d")):
         out = mpiexec(ranks, args + ["--layout", layout], timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
         assert json.loads(out.stdout.strip().splitlines()[-1])["tokens"] == want, layout
