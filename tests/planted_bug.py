@@ -36,6 +36,11 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
   to the loss but its gradient never reaches the router (a detached aux
   loss): the loss and every activation agree, the router's gradient does
   not (transformers #48687's class: router gradients wrong, loss right).
+- ``dp-partial=NAME``: the gradient of parameter NAME is left out of the
+  data-parallel sum: each replica steps on its own share of it, a pending
+  sum consumed as replicated (the missing all-reduce that identical
+  inputs hide; named with the sum over dp that would have been right,
+  check/placements.py).
 - ``none``: nothing planted (a clean trace in the same launch).
 """
 
@@ -153,9 +158,21 @@ def router_aux_grad(_):
     return _swap(moe.RouterLedger, "dprobs", lambda self: None)
 
 
+def dp_partial(name):
+    from mpicube.parallel import gradients
+
+    call = gradients.GradientSync.__call__
+
+    def planted(self):
+        own = self.store.grad[name].copy()                  # this replica's share, before the dp sum
+        call(self)
+        self.store.grad[name][...] = own
+    return _swap(gradients.GradientSync, "__call__", planted)
+
+
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
           "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad,
-          "router-aux-grad": router_aux_grad, "none": lambda _: (lambda: None)}
+          "router-aux-grad": router_aux_grad, "dp-partial": dp_partial, "none": lambda _: (lambda: None)}
 
 
 def plant(bug: str):

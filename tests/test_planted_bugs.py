@@ -36,6 +36,9 @@ CATALOGUE = [
     ("qkv-split", "ref.h5", ["--layout", "1d"], "step_1/act/h.0.attn",
      ["init/h.0.attn.c_attn.weight", "step_1/act/h.0.ln_1"], ""),
     ("dropout-rank", "ref.h5", ["--layout", "1d", "--dp", "2"], "step_1/dropout/emb", ["tokens"], ""),
+    ("dp-partial=h.1.mlp.c_fc.weight", "ref.h5", ["--layout", "1d", "--dp", "2"], "step_1/grad/h.1.mlp.c_fc.weight",
+     ["step_1/loss", "step_1/grad/h.1.mlp.c_proj.weight"],
+     "a pending sum over dp consumed as replicated: ranks 0, 1 hold parts whose sum over dp"),
     ("vocab-pad", "ref257.h5", ["--layout", "1d", "--vocab-size", "257"], "step_1/loss", ["step_1/logits"], ""),
 ]
 

@@ -36,6 +36,8 @@ import numpy as np
 from ..core.errors import UserError
 from . import tolerance as tol
 from .names import depth, missing_by_version, ordered, step_of
+from .diagnose import notes as diagnosis
+from .precision import precision_rows
 from .tracefile import (DTYPES, REQUIRED_ATTRS, datasets, describe, expected_dtype, open_trace, read_config,
                         read_tensor, steps_present, trace_dtype, version)
 
@@ -239,7 +241,9 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
                 rows[row.name] = row
         for name in names_a & names_b:
             rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict)
-        result.rows = attr_rows + [rows[n] for n in ordered(rows, cfg_a)]
+        order = ordered(rows, cfg_a)
+        precision_rows(rows, order, sets, paths, dtypes)          # mixed precision off, or on unasked
+        result.rows = attr_rows + [rows[n] for n in order]
         result.allowed = [r.name for r in result.rows if not r.compared and r.ok]
     return result
 
@@ -257,6 +261,7 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) ->
     (a, shards_a), (b, shards_b) = (read_tensor(sets[s][name], paths[s], rtol, atol) for s in "AB")
     if shards_a or shards_b:                            # a sharded trace's replicas part, or elements are missing
         note = "; ".join(f"{s}: {p}" for s, p in (("A", shards_a), ("B", shards_b)) if p)
+        note = "; ".join(filter(None, (note, diagnosis(name, sets, paths, a, b, rtol, atol))))
         return Row(name, np.shape(a), math.inf, math.inf, False, note, math.inf, math.nan)
     wrong = [f"{side} stores {arr.dtype}, the format {want}" for side, arr, dt in (("A", a, dtypes[0]),
                                                                                    ("B", b, dtypes[1]))
@@ -269,6 +274,8 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) ->
         return Row(name, np.shape(a), math.inf, math.inf, False, f"shapes {np.shape(a)} vs {np.shape(b)}",
                    math.inf, math.nan)
     row = measure(name, a, b, coarse, depth(name, cfg), rtol, atol, verdict)
+    if not row.ok and a.dtype.kind == "f":              # a wrong value that is the sum of a rank's copies
+        row.note = "; ".join(filter(None, (row.note, diagnosis(name, sets, paths, a, b, rtol, atol))))
     if wrong:
         row.ok, row.note = False, "dtype: " + "; ".join(wrong)
     elif note:

@@ -34,6 +34,8 @@ class Shard:
     rank: int
     index: tuple
     data: np.ndarray
+    placement: tuple = None     # per mesh axis "R", "S(d)", "P" or "-" (placements.py); None: not recorded
+    coords: tuple = None        # the rank's coordinate on each mesh axis
 
 
 @dataclass
@@ -59,6 +61,9 @@ def write(group_parent, name: str, tensor: Sharded, dtype) -> None:
         k = counts[shard.rank] = counts.get(shard.rank, -1) + 1
         member = g.create_group(f"rank{shard.rank}" + (f"_{k}" if k else ""))
         member.attrs["rank"] = int(shard.rank)
+        if shard.placement is not None:                 # format version 3 (placements.py)
+            member.attrs["placement"] = ",".join(shard.placement)
+            member.attrs["coords"] = np.asarray(shard.coords, dtype=np.int64)
         data = np.asarray(shard.data, dtype=dtype)
         member.create_dataset("data", data=data)
         for d, (ix, n) in enumerate(zip(shard.index, tensor.shape)):
@@ -73,12 +78,26 @@ def assemble(group, path, rtol: float, atol: float):
     """(tensor, problem or "") from a sharded group: the logical tensor,
     and a divergence to report - elements no rank holds, or replicas that
     part by more than ``atol + rtol * scale`` (naming the ranks). A block
-    that cannot be placed is bad input."""
+    that cannot be placed is bad input. Blocks that carry placements
+    (format version 3) go through placements.py, which sums pending sums
+    first and checks the placements themselves."""
+    if any("placement" in group[k].attrs for k in group):
+        from .placements import assemble_placed
+
+        return assemble_placed(group, path, rtol, atol)
+    return merge(read_blocks(group, path), group, path, rtol, atol)
+
+
+def logical_shape(group) -> tuple:
+    return tuple(int(n) for n in group.attrs.get("shape", ()))
+
+
+def read_blocks(group, path) -> list:
+    """[(member name, rank, index list, block)] of a sharded group, in rank
+    order; a block whose index does not fit the logical shape is bad input."""
     name = group.name.lstrip("/")
-    shape = tuple(int(n) for n in group.attrs.get("shape", ()))
-    work = shape or (1,)                              # a scalar (a replicated loss) as one element
-    full = seen = owner = None                        # owner: per element, the rank that first wrote it
-    problem = ""
+    shape = logical_shape(group)
+    blocks = []
     for key in sorted(group, key=lambda k: (int(group[k].attrs.get("rank", -1)), k)):
         member = group[key]
         if "data" not in member:
@@ -95,6 +114,19 @@ def assemble(group, path, rtol: float, atol: float):
                 raise UserError(f"{path}: {name}/{key}: index_{d} does not fit a block {data.shape} "
                                 f"of a tensor {shape}")
             index.append(ix)
+        blocks.append((key, int(member.attrs.get("rank", -1)), index, data))
+    return blocks
+
+
+def merge(blocks, group, path, rtol: float, atol: float):
+    """(tensor, problem or "") from ``read_blocks``' blocks: each placed at
+    its index, a copy already placed checked against the first."""
+    name = group.name.lstrip("/")
+    shape = logical_shape(group)
+    work = shape or (1,)                              # a scalar (a replicated loss) as one element
+    full = seen = owner = None                        # owner: per element, the rank that first wrote it
+    problem = ""
+    for _, rank, index, data in blocks:
         if not shape:
             data, index = data.reshape(1), [np.zeros(1, dtype=np.int64)]
         if full is None:
@@ -102,7 +134,6 @@ def assemble(group, path, rtol: float, atol: float):
             seen = np.zeros(work, dtype=bool)
             owner = np.full(work, -1, dtype=np.int64)
         target = np.ix_(*index)
-        rank = int(member.attrs.get("rank", -1))
         again = seen[target]
         if not problem and again.any():               # a replica: it must agree with the copy already placed
             mine, theirs = data[again].astype(np.float64), full[target][again].astype(np.float64)

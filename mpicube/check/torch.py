@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.errors import UserError
+from . import placements
 from .namemaps import NameMap
 from .shards import Shard, Sharded
 from .writer import TraceWriter
@@ -71,6 +72,29 @@ def block(t) -> tuple:
     return to_numpy(t.to_local()), tuple(np.arange(s, s + n) for s, n in zip(start, length)), shape
 
 
+def declared(t, n_axes: int):
+    """Per mesh axis ``P`` where a DTensor is ``Partial`` (a pending sum:
+    its local tensor is one part), None elsewhere - ``Replicate`` and
+    ``Shard(d)`` are inferred from the indices once the name map has put
+    them in the trace's dimensions (placements.infer); None for a plain
+    tensor or a DTensor on another mesh."""
+    kinds = getattr(t, "placements", None)
+    if kinds is None or len(kinds) != n_axes:
+        return None
+    return tuple(placements.PARTIAL if k.is_partial() else None for k in kinds)
+
+
+def mesh_of(params: dict, dist) -> tuple:
+    """(axis names, sizes, this rank's coordinates) of the first DTensor
+    parameter's device mesh; a 1-D ``world`` mesh when none is a DTensor."""
+    for p in params.values():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            names = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
+            return tuple(names), tuple(int(n) for n in mesh.shape), tuple(int(c) for c in mesh.get_coordinate())
+    return ("world",), (dist.get_world_size(),), (dist.get_rank(),)
+
+
 class Recorder:
     """Hooks ``model`` and writes its steps to ``path`` in the trace format,
     under ``name_map``'s names; ``reference`` (a ``Reference``) gives the
@@ -97,6 +121,9 @@ class Recorder:
         if self.rank == 0:
             self.writer = TraceWriter(path, reference.config, reference.optimizer, reference.dtype, layout,
                                       reference.dropout, reference.seed)
+        self.mesh = mesh_of(self.params, self.dist) if self.dist else None      # (axes, sizes, my coords)
+        if self.writer is not None and self.mesh is not None:
+            self.writer.f.attrs["mesh"] = placements.mesh_attr(*self.mesh[:2])
         self.captured, self.grads, self.act_index = {}, None, act_index
         self.hooks = []
         for key, module in (acts or name_map.acts).items():
@@ -122,23 +149,31 @@ class Recorder:
         self.dist.gather_object(mine, everyone, dst=0)
         return everyone
 
-    def _sharded(self, blocks: dict) -> dict:
-        """{name: (block, index, shape)} of every rank -> rank 0's {name: Sharded}, others {}."""
+    def _sharded(self, blocks: dict, tensors: dict = None) -> dict:
+        """{name: (block, index, shape)} of every rank -> rank 0's {name:
+        Sharded}, others {}; each block with its rank's mesh coordinates
+        and the placements ``tensors`` (the torch tensors) declare."""
+        n_axes = len(self.mesh[0])
+        mine = {n: (*b, declared((tensors or {}).get(n), n_axes)) for n, b in blocks.items()}
         out = {}
-        for rank, theirs in enumerate(self._gather(blocks) or []):
-            for name, (data, index, shape) in theirs.items():
-                out.setdefault(name, Sharded(shape, [])).shards.append(Shard(rank, index, data))
+        for rank, (coords, theirs) in enumerate(self._gather((self.mesh[2], mine)) or []):
+            for name, (data, index, shape, decl) in theirs.items():
+                out.setdefault(name, Sharded(shape, [])).shards.append(Shard(rank, index, data, decl, coords))
         return out
+
+    def _placed(self, tensors: dict) -> dict:
+        """Rank 0's Sharded tensors with every block's placement inferred."""
+        return {n: placements.infer(t, self.mesh[1]) if isinstance(t, Sharded) else t for n, t in tensors.items()}
 
     def _mapped(self, tensors: dict, what: str) -> dict:
         """{framework name: tensor} -> {trace name: array, or Sharded under torch.distributed}."""
         if not self.dist:
             return self.map.to_trace({n: to_numpy(t) for n, t in tensors.items()}, what)
-        gathered = self._sharded({n: block(t) for n, t in tensors.items()})
+        gathered = self._sharded({n: block(t) for n, t in tensors.items()}, tensors)
         if self.rank != 0:
             return {}
-        return self.map.shards_to_trace({n: s.shards for n, s in gathered.items()},
-                                        {n: s.shape for n, s in gathered.items()}, what)
+        return self._placed(self.map.shards_to_trace({n: s.shards for n, s in gathered.items()},
+                                                     {n: s.shape for n, s in gathered.items()}, what))
 
     def load_init(self) -> None:
         """Copy the reference's initial parameters into the model (each
@@ -189,7 +224,7 @@ class Recorder:
         if logits is not None:
             forward["logits"] = logits if isinstance(logits, tuple) else block(logits)
         if self.dist:
-            forward = self._sharded(forward)
+            forward = self._placed(self._sharded(forward))
         else:
             forward = {k: v[0] for k, v in forward.items()}
         if self.writer is not None:

@@ -208,7 +208,11 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
               help="refuse a trace larger than this (bytes, or a number with K, M or G)")
 @click.option("--sharded", is_flag=True, default=False,
               help="write each rank's block of every tensor with its global index, replicas included, instead of "
-                   "the assembled tensors; compare puts them together and checks that replicas agree")
+                   "the assembled tensors, with each block's placement on the mesh (pp, dp, cp, tp); compare puts "
+                   "them together, sums pending sums and checks that replicas agree")
+@click.option("--state", is_flag=True, default=False,
+              help="also write per step the training state after the update: AdamW's moments, the loss scale, "
+                   "the RNG offset and a mixture's expert loads")
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 
@@ -217,7 +221,7 @@ def trace_command(**kwargs):
     tensors: the batches, the initial parameters and, per step, the
     activations inside and after each block, a mixture's router logits,
     chosen experts and weights, logits, loss, gradients (every expert's),
-    updated parameters and dropout masks (format mpicube-trace v2,
+    updated parameters and dropout masks (format mpicube-trace v3,
     docs/trace-format.md). Check it against
     another trace with `mpicube compare`.
     """

@@ -1,0 +1,67 @@
+"""Mixed precision that did not take effect, or took effect unasked: a
+check of a whole step's activations against the dtype a trace declares.
+
+A 16-bit run stores its activations in 16 bits, so when its trace holds
+them (as float32) every value lies on the 16-bit grid; a float32
+computation puts almost none there (a float32 number falls on bfloat16's
+grid with probability 2^-16). A trace that declares bfloat16 or float16
+and whose activations and logits in a step are all off that grid
+computed them in float32 - mixed precision silently off - and a float32 or
+float64 trace whose activations and logits all lie on a 16-bit grid
+computed in 16 bits. Either is a divergence of the step's first
+activation, whatever the values: the budget of a 16-bit comparison is
+wide enough to pass a float32 run. One tensor on the grid is enough to
+spare a 16-bit trace (an autocast LayerNorm's float32 output is off it,
+its linears' outputs are on it)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .names import step_of
+from .tracefile import read_tensor
+
+HALF = ("bfloat16", "float16")
+
+
+def on_grid(values: np.ndarray, dtype: str) -> bool:
+    """Whether every finite value of ``values`` is exactly a ``dtype`` number."""
+    import ml_dtypes
+
+    kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    a = np.asarray(values, dtype=np.float32)
+    a = a[np.isfinite(a)]
+    return bool(a.size) and bool(np.array_equal(a.astype(kind).astype(np.float32), a))
+
+
+def _computed(name: str) -> bool:
+    local = name.split("/", 1)[1] if step_of(name) else ""
+    return local.startswith("act/") or local == "logits"
+
+
+def precision_rows(rows: dict, order: list, sets: dict, paths: dict, dtypes: tuple) -> None:
+    """Mark, per side and step, the first activation of a step whose
+    activations and logits contradict the side's declared dtype (the
+    module docstring): that row fails with the reason in its note."""
+    for side, dtype in zip("AB", dtypes):
+        steps = {}
+        for name in order:
+            if name in sets[side] and _computed(name):
+                steps.setdefault(step_of(name), []).append(name)
+        for names in steps.values():
+            values = [read_tensor(sets[side][n], paths[side], np.inf, np.inf)[0] for n in names]
+            if dtype in HALF:
+                if any(on_grid(v, dtype) for v in values):
+                    continue
+                why = (f"{side}: a {dtype} trace whose activations and logits of this step all lie off the {dtype} "
+                       f"grid: computed in float32, mixed precision not in effect")
+            else:
+                grid = next((h for h in HALF if all(on_grid(v, h) for v in values)), None)
+                if grid is None:
+                    continue
+                why = (f"{side}: a {dtype} trace whose activations and logits of this step all lie on the {grid} "
+                       f"grid: computed in 16 bits, not {dtype}")
+            row = rows.get(names[0])
+            if row is not None:
+                row.ok = False
+                row.note = "; ".join(filter(None, (row.note, why)))
