@@ -22,6 +22,7 @@ from .names import step_of
 from .tracefile import read_tensor
 
 HALF = ("bfloat16", "float16")
+MIN_DISTINCT = 16
 
 
 def on_grid(values: np.ndarray, dtype: str) -> bool:
@@ -32,6 +33,13 @@ def on_grid(values: np.ndarray, dtype: str) -> bool:
     a = np.asarray(values, dtype=np.float32)
     a = a[np.isfinite(a)]
     return bool(a.size) and bool(np.array_equal(a.astype(kind).astype(np.float32), a))
+
+
+def telling(values: np.ndarray) -> bool:
+    """Whether ``values`` being on a 16-bit grid says anything: more than
+    MIN_DISTINCT distinct values (zeros, ones, a constant or a few small
+    integers lie on every grid)."""
+    return np.unique(np.asarray(values)).size > MIN_DISTINCT
 
 
 def _computed(name: str) -> bool:
@@ -56,6 +64,8 @@ def precision_rows(rows: dict, order: list, sets: dict, paths: dict, dtypes: tup
                 why = (f"{side}: a {dtype} trace whose activations and logits of this step all lie off the {dtype} "
                        f"grid: computed in float32, mixed precision not in effect")
             else:
+                if not any(telling(v) for v in values):
+                    continue
                 grid = next((h for h in HALF if all(on_grid(v, h) for v in values)), None)
                 if grid is None:
                     continue

@@ -201,7 +201,7 @@ class Recorder:
         self.grads = self._mapped(grads, "gradients")
 
     def step(self, s: int, *, loss, lr, grad_norm, logits=None, masks: dict = None, tokens=None,
-             moe: dict = None) -> None:
+             moe: dict = None, optimizer=None, loss_scale=None, rng_offset=None, expert_load: dict = None) -> None:
         """Write step s: the scalars, the gradients taken by ``gradients``,
         the parameters now (after the update), the activations and
         ``logits`` of the last forward (or this rank's block of them, as a
@@ -213,7 +213,13 @@ class Recorder:
         the loss, the norm, the activations, the logits and the masks are
         every rank's, so replicas that part are found too. ``moe``: a
         mixture of experts' router tensors by their ``moe/`` names (whole
-        tensors, rank 0's: TraceWriter.step)."""
+        tensors, rank 0's: TraceWriter.step). The training state after
+        the update, when given (what ``mpicube trace --state`` writes):
+        ``optimizer`` an AdamW whose ``exp_avg``/``exp_avg_sq`` of every
+        parameter are recorded as the parameters are (zeros for one it
+        has not stepped), ``loss_scale`` (a GradScaler's ``get_scale()``),
+        ``rng_offset`` (the counter your next step's draws start from),
+        ``expert_load`` {``h.{i}``: (E,) tokens routed to each expert}."""
         if self.grads is None:
             raise UserError(f"step {s}: call gradients() after backward, before the optimizer step")
         params = self._mapped(self.params, "model")
@@ -227,13 +233,32 @@ class Recorder:
             forward = self._placed(self._sharded(forward))
         else:
             forward = {k: v[0] for k, v in forward.items()}
+        state = self._state(optimizer, loss_scale, rng_offset, expert_load)
         if self.writer is not None:
             part = lambda kind: {k[len(kind):]: v for k, v in forward.items() if k.startswith(kind)}  # noqa: E731
             self.writer.step(s, loss=forward.pop("loss"), lr=float(to_numpy(lr)),
                              grad_norm=forward.pop("grad_norm"), grads=self.grads, params=params,
                              logits=forward.pop("logits", None), acts=part("act/"), masks=part("mask/"),
-                             tokens=tokens, moe={k: to_numpy(v) for k, v in (moe or {}).items()})
+                             tokens=tokens, moe={k: to_numpy(v) for k, v in (moe or {}).items()}, state=state)
         self.grads, self.captured = None, {}
+
+    def _state(self, optimizer, loss_scale, rng_offset, expert_load) -> dict:
+        """{state name: value} for TraceWriter.step's ``state`` (every rank
+        takes part in the moments' gather)."""
+        torch = _torch()
+        state = {}
+        if optimizer is not None:
+            for key in ("exp_avg", "exp_avg_sq"):
+                held = {n: optimizer.state.get(p, {}).get(key) for n, p in self.params.items()}
+                state[key] = self._mapped({n: (v if v is not None else torch.zeros_like(self.params[n]))
+                                           for n, v in held.items()}, "optimizer state")
+        if loss_scale is not None:
+            state["loss_scale"] = np.asarray(float(to_numpy(loss_scale)), dtype=np.float64)
+        if rng_offset is not None:
+            state["rng_offset"] = np.asarray(int(to_numpy(rng_offset)), dtype=np.int64)
+        for site, load in (expert_load or {}).items():
+            state[f"expert_load/{site}"] = np.asarray(to_numpy(load), dtype=np.int64)
+        return state
 
     def close(self) -> None:
         self.__exit__(None, None, None)
