@@ -51,6 +51,9 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
   and never applied (the optimizer step does nothing).
 - ``precision-off``: a 16-bit run computes in float32 (its trace still
   declares the 16-bit dtype): mixed precision silently off.
+- ``grad-error=NAME``: parameter NAME's summed gradient comes out 1% too
+  large (the envelope's demonstration, docs/trace-format.md: a bfloat16
+  candidate that the depth bound passes and the envelope fails).
 - ``none``: nothing planted (a clean trace in the same launch).
 """
 
@@ -221,7 +224,8 @@ def replica_skip(at):
 def grads_unapplied(_):
     from mpicube.training import step
 
-    undo = [_swap(cls, "step", lambda self, lr, grad_scale=1.0: None) for cls in (step.ReplicatedStep, step.ShardedStep)]
+    undo = [_swap(cls, "step", lambda self, lr, grad_scale=1.0: None)
+            for cls in (step.ReplicatedStep, step.ShardedStep)]
     return lambda: [u() for u in undo]
 
 
@@ -239,11 +243,23 @@ def precision_off(_):
     return _swap(backend.Backend, "__post_init__", planted)
 
 
+def grad_error(name):
+    from mpicube.parallel import gradients
+
+    call = gradients.GradientSync.__call__
+
+    def planted(self):
+        call(self)
+        self.store.grad[name][...] *= 1.01
+    return _swap(gradients.GradientSync, "__call__", planted)
+
+
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
           "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad,
           "router-aux-grad": router_aux_grad, "dp-partial": dp_partial,
           "moments-dropped": moments_dropped, "loss-scale-reset": loss_scale_reset, "replica-skip": replica_skip,
-          "grads-unapplied": grads_unapplied, "precision-off": precision_off, "none": lambda _: (lambda: None)}
+          "grads-unapplied": grads_unapplied, "precision-off": precision_off,
+          "grad-error": grad_error, "none": lambda _: (lambda: None)}
 
 
 def plant(bug: str):

@@ -106,7 +106,8 @@ def test_placements_that_cannot_be_right_are_divergences_named_by_rank(good, var
 
     cases = [("step_1/act/h.1", disagree,
               "placements disagree on tp: rank 0 holds R, rank 1 P (a pending sum consumed as replicated)"),
-             ("step_1/param/ln_f.weight", tp_pending, "rank 0 holds a pending sum over tp, which this tensor cannot be"),
+             ("step_1/param/ln_f.weight", tp_pending,
+              "rank 0 holds a pending sum over tp, which this tensor cannot be"),
              ("step_1/act/h.1", lambda w: tp_pending(w, ranks=(0, 2)),
               "a pending sum over tp with 1 of its 2 parts (ranks 0)")]
     for name, make, note in cases:

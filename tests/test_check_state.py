@@ -127,5 +127,6 @@ def test_torch_adamw_moments_follow_mpicube(tmp_path, corpus_cache):
     from mpicube.check.compare import compare_traces
     result = compare_traces(tmp_path / "ref.h5", tmp_path / "torch.h5")
     moments = [r for r in result.rows if "/state/exp_avg" in r.name]
-    assert result.first_divergence is None and len(moments) == 2 * 28 * 2, len(moments)   # 2 moments, 28 parameters, 2 steps
+    assert result.first_divergence is None
+    assert len(moments) == 2 * 28 * 2, len(moments)                  # 2 moments, 28 parameters, 2 steps
     assert max(r.max_rel for r in moments) <= 1e-10

@@ -63,6 +63,10 @@ CATALOGUE = [
 ]
 
 
+# issue 47's envelope demonstration (docs/trace-format.md, "Measured tolerances"): bfloat16 candidates on 2 ranks
+BF16_CANDIDATES = [("none", "bf16-good.h5"), ("grad-error=h.1.mlp.c_fc.weight", "bf16-grad.h5")]
+
+
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory, corpus_cache) -> MpiCube:
     """The serial references, then every bug's trace from one 2-rank
@@ -72,7 +76,12 @@ def runner(tmp_path_factory, corpus_cache) -> MpiCube:
     for out, extra in REFERENCES.items():
         r = runner.run("trace", "--layout", "serial", *MODEL, *extra, "--out", out)
         assert r.returncode == 0, r
-    cases = json.dumps([[bug, [*MODEL, *options, "--sharded"]] for bug, _, options, *_ in CATALOGUE])
+    r = runner.run("trace", "--layout", "serial", *MODEL, "--dtype", "bfloat16", "--envelope", "4", "--out",
+                   "envelope.h5")
+    assert r.returncode == 0 and "envelope of 4 bfloat16 reruns" in r.stdout, r
+    cases = json.dumps([[bug, [*MODEL, *options, "--sharded"]] for bug, _, options, *_ in CATALOGUE]
+                       + [[bug, [*MODEL, "--layout", "1d", "--dtype", "bfloat16"], out]
+                          for bug, out in BF16_CANDIDATES])
     cmd = runner.command("trace", n=2)
     at = cmd.index("-m")
     cmd[at:] = [str(REPO / "tests" / "planted_check.py"), str(runner.cwd), cases]
@@ -89,3 +98,19 @@ def test_a_planted_bug_is_named_at_the_first_tensor_it_spoils(runner, bug, ref, 
     rows = {r.name: r for r in result.rows}
     assert all(rows[name].ok for name in agree), [(n, rows[n].max_rel) for n in agree]
     assert note in rows[first].note, rows[first].note
+
+
+@pytest.mark.timeout(300)
+def test_the_envelope_passes_a_bf16_candidate_and_fails_a_1_percent_gradient_error(runner):
+    """The serial float64 reference with the envelope of 4 bfloat16 reruns:
+    a correct 2-rank bfloat16 candidate passes it; the same with
+    h.1.mlp.c_fc's gradient 1% too large fails it there, and passes the
+    depth bound."""
+    ref = runner.cwd / "envelope.h5"
+    good = compare_traces(ref, runner.cwd / "bf16-good.h5", verdict="envelope")
+    assert good.first_divergence is None, [(r.name, r.note) for r in good.rows if not r.ok][:3]
+    bad = compare_traces(ref, runner.cwd / "bf16-grad.h5", verdict="envelope")
+    assert bad.first_divergence == "step_1/grad/h.1.mlp.c_fc.weight", [(r.name, r.note) for r in bad.rows if not r.ok]
+    row = next(r for r in bad.rows if r.name == bad.first_divergence)
+    assert "a systematic error along the tensor" in row.note, row.note
+    assert compare_traces(ref, runner.cwd / "bf16-grad.h5", verdict="depth").first_divergence is None

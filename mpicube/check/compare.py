@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import UserError
+from . import envelope
 from . import tolerance as tol
 from .names import depth, missing_by_version, ordered, step_of
 from .diagnose import notes as diagnosis
@@ -182,8 +183,8 @@ def missing_rows(side: str, other: str, names: set, other_names: set, patterns) 
 
 def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdict="budget") -> Result:
     """Compare two trace files (see the module docstring); bad input raises UserError."""
-    if verdict not in ("budget", "depth"):
-        raise UserError(f"--tolerance {verdict!r}: use budget or depth")
+    if verdict not in ("budget", "depth", "envelope"):
+        raise UserError(f"--tolerance {verdict!r}: use budget, depth or envelope")
     fa = open_trace(path_a)
     try:
         fb = open_trace(path_b)
@@ -239,8 +240,9 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
                 if older and row.ok and not allowed_by(row.name, allow_missing):
                     row.note += f" (a version {version(files[other])} trace does not hold it)"
                 rows[row.name] = row
+        env = envelope.read(files, paths) if verdict == "envelope" else None     # (side, envelope)
         for name in names_a & names_b:
-            rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict)
+            rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict, env)
         order = ordered(rows, cfg_a)
         precision_rows(rows, order, sets, paths, dtypes)          # mixed precision off, or on unasked
         result.rows = attr_rows + [rows[n] for n in order]
@@ -257,7 +259,7 @@ def _declared_steps(f) -> int:
         return 0
 
 
-def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) -> Row:
+def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, env=None) -> Row:
     (a, shards_a), (b, shards_b) = (read_tensor(sets[s][name], paths[s], rtol, atol) for s in "AB")
     if shards_a or shards_b:                            # a sharded trace's replicas part, or elements are missing
         note = "; ".join(f"{s}: {p}" for s, p in (("A", shards_a), ("B", shards_b)) if p)
@@ -274,6 +276,8 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) ->
         return Row(name, np.shape(a), math.inf, math.inf, False, f"shapes {np.shape(a)} vs {np.shape(b)}",
                    math.inf, math.nan)
     row = measure(name, a, b, coarse, depth(name, cfg), rtol, atol, verdict)
+    if env is not None:                                 # --tolerance envelope: the measured spread decides
+        envelope.judge(row, name, a, b, env[1], env[0])
     if not row.ok and a.dtype.kind == "f":              # a wrong value that is the sum of a rank's copies
         row.note = "; ".join(filter(None, (row.note, diagnosis(name, sets, paths, a, b, rtol, atol))))
     if wrong:

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 
 from ..core.errors import UserError
-from .shards import Shard, Sharded, merge, read_blocks
+from .blocks import merge, read_blocks
 
 REPLICATE, PARTIAL, ABSENT = "R", "P", "-"
 _SHARD = re.compile(r"S\((\d+(?:;\d+)*)\)")
@@ -51,8 +52,8 @@ def valid_entry(entry: str) -> bool:
 # --------------------------------------------------------------------------- writing: inferred from the indices
 
 
-def infer(tensor: Sharded, sizes) -> Sharded:
-    """``tensor`` with every shard's placement filled in, on each axis of a
+def infer(tensor, sizes):
+    """``tensor`` (a shards.Sharded) with every shard's placement filled in, on each axis of a
     mesh of ``sizes``, from the shards' ``coords`` and indices: a shard's
     partners on axis a are the shards whose coords differ on a only; held
     by partners at every coordinate of a with the same index, ``R``; with
@@ -81,8 +82,8 @@ def infer(tensor: Sharded, sizes) -> Sharded:
                     continue
                 dims |= {d for d, (mine, theirs) in enumerate(zip(index, held[0])) if not np.array_equal(mine, theirs)}
             entries[a] = shard_entry(dims) if dims else REPLICATE
-        out.append(Shard(shard.rank, shard.index, shard.data, tuple(entries), tuple(shard.coords)))
-    return Sharded(tensor.shape, out)
+        out.append(replace(shard, placement=tuple(entries), coords=tuple(shard.coords)))
+    return replace(tensor, shards=out)
 
 
 def _as_index(ix, n) -> np.ndarray:
@@ -234,12 +235,11 @@ def placement_notes(name: str, sets: dict, paths: dict, a: np.ndarray, b: np.nda
     """``pending_sum_note`` for a tensor that disagrees, each side's that
     carries placements tested against the other's tensor ("" otherwise):
     the one call compare.py makes into this module."""
-    from .shards import is_sharded
-
     notes = []
     for side, mine, theirs in (("A", "A", b), ("B", "B", a)):
         dataset = sets[side].get(name)
-        if dataset is not None and is_sharded(dataset) and np.shape(theirs) == tuple(dataset.attrs.get("shape", ())):
+        sharded = dataset is not None and not hasattr(dataset, "shape")
+        if sharded and np.shape(theirs) == tuple(dataset.attrs.get("shape", ())):
             note = pending_sum_note(dataset, paths[side], theirs, rtol, atol)
             if note:
                 notes.append(f"{mine}: {note}")

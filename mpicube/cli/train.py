@@ -213,6 +213,10 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
 @click.option("--state", is_flag=True, default=False,
               help="also write per step the training state after the update: AdamW's moments, the loss scale, "
                    "the RNG offset and a mixture's expert loads")
+@click.option("--envelope", type=click.IntRange(min=0), default=0, metavar="N",
+              help="on one rank: write the float64 reference with per-tensor tolerances measured from N reruns at "
+                   "--dtype with the reduction orders varied (--grad-accum, attention), for compare --tolerance "
+                   "envelope")
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 
@@ -227,6 +231,11 @@ def trace_command(**kwargs):
     """
     from ..analysis.trace import run_trace
 
+    if kwargs.get("envelope"):
+        from ..analysis.envelope import run_envelope
+
+        run_envelope({**kwargs, **env_settings()}, _mpi["world"], say=echo)
+        return
     run_trace({**kwargs, **env_settings()}, _mpi["world"], say=echo)
 
 
