@@ -12,6 +12,7 @@ from mpi4py import MPI
 from conftest import paired
 
 from mpicube.device import fused, gemm_threads
+from mpicube.device import threads as thread_share
 from mpicube import ops
 from mpicube.device.backend import make_backend
 from mpicube.core.config import ModelConfig
@@ -44,10 +45,11 @@ def kernels(on: bool, check: bool = True, variant: str | None = None):
     if on and numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("the fused kernels need at least 2 numba threads")
     threads, min_elems, min_macs = numba.get_num_threads(), fused.PARALLEL_MIN_ELEMS, gemm_threads.SPLIT_MIN_MACS
+    active = thread_share.active()
     previous = fused.use(on)
     fused.active = lambda *arrays: answers.append(real_active(*arrays)) or answers[-1]
     if on:
-        numba.set_num_threads(max(2, threads))
+        thread_share.set_pool_threads(max(2, threads))      # numba's workers and the GEMM panels' threads
         fused.PARALLEL_MIN_ELEMS = gemm_threads.SPLIT_MIN_MACS = 0
     try:
         with fused.forced_build(variant if on else None):
@@ -55,6 +57,7 @@ def kernels(on: bool, check: bool = True, variant: str | None = None):
     finally:
         fused.active = real_active
         fused.use(previous)
+        thread_share.set_pool_threads(active)
         numba.set_num_threads(threads)
         fused.PARALLEL_MIN_ELEMS, gemm_threads.SPLIT_MIN_MACS = min_elems, min_macs
     if check:                                     # on: fused everywhere; off: nowhere

@@ -73,7 +73,8 @@ def test_ranks_limit_blas_and_numba_to_their_share(n, node_cores):
     want = max(1, min(mine, node_cores // n))
     for rank in probe(n, node_cores):
         assert rank["share"]["threads"] == want and rank["share"]["ranks_on_node"] == n, rank
-        assert rank["blas"] and all(t == want for t in rank["blas"]), rank
+        assert rank["blas"] and all(t == 1 for t in rank["blas"]), rank     # the BLAS never splits a GEMM
+        assert rank["share"]["pools"]["gemm panels"] == want, rank
         if rank["numba"] is not None:
             assert rank["numba"] == min(want, rank["numba_max"]), rank
 
@@ -164,20 +165,110 @@ def test_waited_ns_sums_the_threads(tmp_path):
     assert core_load.waited_ns(str(tmp_path / "none")) is None
 
 
-def test_thread_count_does_not_change_a_float32_gemm():
-    """The load watch changes BLAS's threads mid-run: OpenBLAS splits rows
-    and columns, not the sums, so a step's numbers stay the same."""
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_thread_count_does_not_change_a_gemm(dtype):
+    """mpicube's GEMM (fixed panels on a one-thread BLAS) gives the same bits
+    on one thread and two, on whatever kernel OpenBLAS picked here; shapes
+    include those where OpenBLAS's own two-thread split differs under its
+    Haswell kernels (issue 49). tests/test_reproducible.py forces those."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 
+    from mpicube.device import precision
+    from mpicube.device import threads as thread_share
+
     rng = np.random.default_rng(0)
-    for m, k, n in [(512, 144, 576), (144, 512, 576), (256, 768, 1024)]:
-        a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-        with threadpool_limits(1):
-            one = a @ b
-        with threadpool_limits(2):
-            two = a @ b
-        assert np.array_equal(one, two)
+    before = thread_share.active()
+    try:
+        with threadpool_limits(1, user_api="blas"):
+            for m, k, n in [(512, 144, 576), (144, 512, 576), (256, 768, 1024), (2048, 768, 768), (100, 77, 300)]:
+                a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+                products = []
+                for count in (1, 2, 3):
+                    thread_share.set_pool_threads(count)
+                    products.append(precision.matmul(a, b))
+                assert all(np.array_equal(products[0], p) for p in products[1:]), (m, k, n)
+                np.testing.assert_allclose(products[0], a.astype(np.float64) @ b, rtol=1e-3, atol=1e-3)
+    finally:
+        thread_share.set_pool_threads(before)
+
+
+def test_panels_depend_on_the_shape_alone():
+    """The cut of a product is a pure function of (m, k, n), covers it once,
+    and splits only products big enough to repay a panel."""
+    from mpicube.device.gemm_threads import PANEL_MIN_MACS, panel_cuts
+
+    assert panel_cuts(64, 64, 64) == (0, (0, 64))                          # 262K MACs: one call
+    axis, cuts = panel_cuts(512, 144, 576)
+    assert axis == 1 and cuts[0] == 0 and cuts[-1] == 576 and len(cuts) - 1 == 8
+    assert all(hi - lo >= 64 for lo, hi in zip(cuts, cuts[1:]))
+    axis, cuts = panel_cuts(8192, 768, 2304)
+    assert axis == 0 and len(cuts) - 1 == 64 and cuts[-1] == 8192
+    assert all((hi - lo) * 768 * 2304 >= PANEL_MIN_MACS for lo, hi in zip(cuts, cuts[1:]))
+
+
+def test_threaded_and_one_thread_builds_compute_the_same_bits():
+    """A kernel's build is chosen by the share (fused._Kernel), so a run at
+    OMP_NUM_THREADS=1 takes the one-thread builds where a run on two threads
+    takes the threaded ones: the two must give the same bits, every kernel,
+    both formats, rows and sizes that leave SIMD remainders."""
+    import numpy as np
+
+    from mpicube.device import fused
+
+    if fused.numba is None:
+        pytest.skip("needs numba")
+
+    def run(variant, dtype, n, C):
+        g = np.random.default_rng(5)
+        x = g.standard_normal((n, C)).astype(dtype)                      # (n, C)
+        v = x.reshape(-1).copy()                                         # (n C,)
+        t = np.tanh(v)
+        s = g.standard_normal((3, 37, 37)).astype(dtype)                 # (M, T, T) scores
+        gamma, beta = np.full(C, 1.3, dtype), np.full(C, 0.2, dtype)     # (C,)
+        out = {}
+        with fused.forced_build(variant):
+            out["gelu_tanh_argument"] = np.empty_like(v)
+            fused.gelu_tanh_argument(v, out["gelu_tanh_argument"])
+            out["gelu_from_tanh"] = np.empty_like(v)
+            fused.gelu_from_tanh(v, t, out["gelu_from_tanh"])
+            out["gelu_backward"] = np.empty_like(v)
+            fused.gelu_backward(v, v, t, out["gelu_backward"])
+            out["softmax_causal"] = s.copy()
+            fused.softmax_causal(out["softmax_causal"])
+            out["softmax_causal_backward"] = s.copy()
+            fused.softmax_causal_backward(out["softmax_causal_backward"], out["softmax_causal"])
+            out["row_sums"] = np.empty(n, dtype)
+            fused.row_sums(x, out["row_sums"])
+            out["center_rows"], out["sumsq"] = np.empty_like(x), np.empty(n, dtype)
+            fused.center_rows(x, out["row_sums"] / C, out["center_rows"], out["sumsq"])
+            out["xhat"], out["normalize_rows"] = out["center_rows"].copy(), np.empty_like(x)
+            fused.normalize_rows(out["xhat"], out["sumsq"], gamma, beta, out["normalize_rows"])
+            out["layernorm_grad_sums"] = np.empty((n, 2), dtype)
+            fused.layernorm_grad_sums(x, gamma, out["xhat"], out["layernorm_grad_sums"])
+            out["layernorm_grad_input"] = np.empty_like(x)
+            fused.layernorm_grad_input(x, gamma, out["xhat"], out["sumsq"], out["layernorm_grad_sums"],
+                                       out["layernorm_grad_input"])
+            out["adamw_p"], out["adamw_m"], out["adamw_v"] = v.copy(), v * 0.1, np.abs(v) * 0.01
+            fused.adamw(out["adamw_p"], v[::-1].copy(), out["adamw_m"], out["adamw_v"], 0.9, 0.95, 1e-3, 1e-8,
+                        0.99, 0.5)
+        return out
+
+    for dtype in (np.float32, np.float64):
+        for n, C in [(333, 144), (2000, 768), (7, 5)]:
+            threaded, one = run("threaded", dtype, n, C), run("one_thread", dtype, n, C)
+            assert len(threaded) == 15
+            for name in threaded:
+                assert np.array_equal(threaded[name], one[name]), (name, dtype, n, C)
+
+
+def test_cycle_watch_moves_the_count_at_every_gemm():
+    """MPICUBE_ADAPT_THREADS=cycle: 1, 2, 3, 1, ... on a share of 3."""
+    seen = []
+    watch = core_load.CycleWatch(3, seen.append)
+    for _ in range(5):
+        watch.tick()
+    assert seen == [1, 2, 3, 1, 2] and watch.changes == 5
 
 
 def test_worker_count_does_not_change_a_threaded_kernel():

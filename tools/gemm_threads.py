@@ -1,7 +1,10 @@
-"""Serial training step with float32's small GEMMs on one BLAS thread
-(mpicube's default) against the same step with every GEMM split over the
-rank's threads, alternating step by step in one process so that both see
-the same machine state. Prints median wall and CPU time per step.
+"""What reproducibility costs: the serial training step with mpicube's GEMMs
+in panels fixed by their shape on a one-thread BLAS (the default, the same
+bits at any thread count) against the same step with each GEMM handed whole
+to OpenBLAS on the rank's threads (its own split: faster or not, but its
+last bits change with the thread count under some kernels), alternating
+step by step in one process so that both see the same machine state.
+Prints median wall and CPU time per step and the BLAS kernel that ran.
 
     python tools/gemm_threads.py                          # 4 x 144, T 64, B 8
     python tools/gemm_threads.py --n-embd 768 --seq-len 256 --batch-size 4
@@ -15,11 +18,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from mpicube.device import gemm_threads
 import numpy as np
 from mpi4py import MPI
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from mpicube.core.config import ModelConfig
+from mpicube.device import gemm_threads
 from mpicube.device.threads import configure
 from mpicube.training.optim import AdamW
 from mpicube.parallel.planning import resolve
@@ -49,25 +53,32 @@ def main():
         parts.model.backward()
         opt.step(1e-4)
 
-    bound = gemm_threads.GEMM_SPLIT_MIN_MACS
-    variants = {"small GEMMs on one thread": bound, "every GEMM on all threads": 0}
+    panels = gemm_threads.gemm
+
+    def blas_split(a, b, out=None):
+        return np.matmul(a, b, out=out)
+
+    variants = {"fixed panels (default)": (panels, 1), "OpenBLAS's own split": (blas_split, share.threads)}
     times = {name: ([], []) for name in variants}
     for rnd in range(args.steps + 2):
-        for name, value in variants.items():
-            gemm_threads.GEMM_SPLIT_MIN_MACS = value
-            t0, c0 = time.perf_counter(), time.process_time()
-            step()
-            if rnd >= 2:
-                times[name][0].append(time.perf_counter() - t0)
-                times[name][1].append(time.process_time() - c0)
-    gemm_threads.GEMM_SPLIT_MIN_MACS = bound
+        for name, (gemm, blas_threads) in variants.items():
+            gemm_threads.gemm = gemm
+            with threadpool_limits(blas_threads, user_api="blas"):
+                t0, c0 = time.perf_counter(), time.process_time()
+                step()
+                if rnd >= 2:
+                    times[name][0].append(time.perf_counter() - t0)
+                    times[name][1].append(time.process_time() - c0)
+    gemm_threads.gemm = panels
+    kernel = ", ".join(f"{i['internal_api']} {i.get('architecture')}" for i in threadpool_info()
+                       if i["user_api"] == "blas")
     print(f"model: {cfg.n_layer} layers, n_embd {cfg.n_embd}, seq {args.seq_len}, batch {args.batch_size}; "
-          f"{share.describe()}")
+          f"{share.describe()}; BLAS kernel: {kernel}")
     for name, (wall, cpu) in times.items():
         print(f"{name:<28} wall {np.median(wall) * 1e3:8.1f} ms ({min(wall) * 1e3:.1f}-{max(wall) * 1e3:.1f})"
               f"   cpu {np.median(cpu) * 1e3:8.1f} ms")
     first, second = (np.median(w) for w, _ in times.values())
-    print(f"ratio one-thread / all-threads wall: {first / second:.2f}x")
+    print(f"ratio fixed panels / OpenBLAS's split, wall: {first / second:.2f}x")
 
 
 if __name__ == "__main__":

@@ -36,11 +36,13 @@ stay). The check is a clock read per GEMM, and a few reads of /proc a
 few times a second.
 
 Changing the thread count does not change the numbers a step computes:
-OpenBLAS splits a GEMM's rows and columns between threads, never its sums
-(checked bit for bit in tests/test_threads.py), numba's threaded kernels
-run the same code per row whatever the number of workers, and the choice
-between a kernel's threaded and one-thread builds stays with the share
-(``fused._Kernel``), not with the current count.
+the BLAS always runs on one thread and a GEMM's panels are fixed by its
+shape (``gemm_threads``), numba's threaded kernels run the same code per
+row whatever the number of workers, and the choice between a kernel's
+threaded and one-thread builds stays with the share (``fused._Kernel``),
+not with the current count (the two builds compute the same bits, checked
+in tests/test_threads.py). ``CycleWatch`` (``MPICUBE_ADAPT_THREADS=cycle``)
+changes the count at every GEMM, so a run can show it.
 """
 
 from __future__ import annotations
@@ -176,3 +178,19 @@ class LoadWatch:
         if want != self.threads:
             self.threads, self.changed = want, t1
             self.set_threads(want)
+
+
+class CycleWatch:
+    """``MPICUBE_ADAPT_THREADS=cycle``: at every ``tick`` (every GEMM) the
+    pools take the next count of 1, 2, ..., share, 1, ... A diagnostic: a
+    run under it must give the same numbers as at any fixed count
+    (tests/test_threads.py runs one), and ``changes`` says it moved."""
+
+    def __init__(self, share: int, set_threads):
+        self.share, self.set_threads = share, set_threads
+        self.threads, self.changes = share, 0
+
+    def tick(self) -> None:
+        self.threads = self.threads % self.share + 1
+        self.changes += 1
+        self.set_threads(self.threads)

@@ -122,11 +122,7 @@ def matmul(a, b, out=None, dtype=None):
     if not (is_half(a.dtype) or is_half(b.dtype)):
         if out is not None and out.dtype != dtype:
             raise ValueError("matmul: out has the wrong dtype")
-        if a.dtype == b.dtype == np.float32:
-            threads.tick()                   # the pools follow the free cores (device/core_load.py)
-            r = gemm_threads.one_thread_if_small(a, b, out)
-        else:
-            r = xp.matmul(a, b, out=out)
+        r = _gemm(a, b, out)
         return r if r.dtype == dtype else r.astype(dtype)
     return _matmul_blocks(a, b, out, dtype)
 
@@ -193,7 +189,7 @@ def _matmul_blocks(a, b, out, dtype):
         step = max(1, BLOCK_ELEMS // max(n, m))
         for lo in range(0, k, step):
             inner = slice(lo, min(k, lo + step))
-            part = np.matmul(up(a[:, inner]), up(b[inner]), out=acc if lo == 0 else None)
+            part = _gemm(up(a[:, inner]), up(b[inner]), out=acc if lo == 0 else None)
             if lo:
                 acc += part
         if acc is not out:
@@ -207,9 +203,18 @@ def _matmul_blocks(a, b, out, dtype):
     return out
 
 
+def _gemm(a, b, out=None):
+    """a @ b on NumPy, 2-D products in panels fixed by their shape over the
+    rank's threads (``gemm_threads``): the same numbers at any thread count."""
+    threads.tick()                           # the pools follow the free cores (device/core_load.py)
+    if a.ndim == b.ndim == 2 and a.dtype == b.dtype:
+        return gemm_threads.gemm(a, b, out)
+    return np.matmul(a, b, out=out)
+
+
 def _gemm_into(a32, b32, out):
     """out = a32 @ b32: straight into ``out`` when it is float32, else rounded."""
     if out.dtype == np.float32:
-        np.matmul(a32, b32, out=out)
+        _gemm(a32, b32, out=out)
     else:
-        out[...] = np.matmul(a32, b32)
+        out[...] = _gemm(a32, b32)

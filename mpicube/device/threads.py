@@ -17,10 +17,13 @@ its pools to its share:
   (a site whose masks do not tell the truth; tests set it to pretend a
   larger node).
 
-The pools: NumPy's BLAS and any OpenMP runtime through threadpoolctl (a
-library loaded later is limited when it first shows up: see ``limit_new``),
-numba's workers, and the batched-matmul pool of ``fused`` (sized from
-numba's count). CuPy's host side runs on the same BLAS and OpenMP.
+The pools: mpicube's GEMM panels (``gemm_threads``: every product cut in
+panels fixed by its shape, the threads taking panels), numba's workers, and
+any OpenMP runtime through threadpoolctl. The BLAS itself always runs on
+ONE thread: its own split of a GEMM or a dot product changes the last bits
+of the result with the thread count (OpenBLAS's Haswell sgemm, and its
+threaded dot products, do), and a reference must give the same numbers at
+any thread count and load. CuPy's host side runs on the same BLAS.
 
 The node's cores are also capped by the cgroup's CPU quota (a container's
 ``--cpus``). And a share of more than one thread is watched while the run
@@ -28,7 +31,9 @@ goes (``core_load.LoadWatch``, started by ``configure``): when other
 processes take some of the rank's cores, the pools shrink to the cores
 left free, and grow back when those are free again. It never exceeds the
 share, and is off with ``OMP_NUM_THREADS`` or ``MPICUBE_NODE_CORES`` set
-(someone decided) or ``MPICUBE_ADAPT_THREADS=0``.
+(someone decided) or ``MPICUBE_ADAPT_THREADS=0``. What it changes is who
+computes which fixed panel and row, never a number: docs/performance.md,
+"Reproducibility", says what that rests on and how the tests hold it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Share:
     cgroup_cores: int | None = None  # the cgroup's CPU quota in cores (None: no limit)
     host: str = ""
     pools: dict = field(default_factory=dict)    # what each pool was set to: {"blas": 1, "numba": 1, ...}
+    adapt: str = "fixed"           # how the count moves in the run: "load", "cycle" or "fixed" (adapt_mode)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +117,15 @@ def adapts(share: Share, environ=os.environ) -> bool:
             and environ.get(ADAPT_VAR, "1").strip() != "0")
 
 
+def adapt_mode(share: Share, environ=os.environ) -> str:
+    """How the rank's thread count moves during the run: "cycle" (at every
+    GEMM, ``MPICUBE_ADAPT_THREADS=cycle``: a check that the count changes no
+    number), "load" (``core_load.LoadWatch``) or "fixed"."""
+    if environ.get(ADAPT_VAR, "").strip() == "cycle" and share.threads > 1:
+        return "cycle"
+    return "load" if adapts(share, environ) else "fixed"
+
+
 def _affinity() -> set:
     if hasattr(os, "sched_getaffinity"):
         return set(os.sched_getaffinity(0))
@@ -120,7 +135,8 @@ def _affinity() -> set:
 _current: Share | None = None
 _configured_for = None             # the communicator _current was decided on
 _watch = None                      # core_load.LoadWatch while the pools adapt to the free cores
-_blas = []                         # threadpoolctl's controllers of every pool it found, for set_pool_threads
+_openmp = []                       # threadpoolctl's controllers of the OpenMP runtimes, for set_pool_threads
+_active = 1                        # threads the rank's GEMM panels and numba kernels use now (<= the share)
 
 
 def configure(comm=None) -> Share:
@@ -146,13 +162,16 @@ def configure(comm=None) -> Share:
     share.host = socket.gethostname()
     apply(share)
     _current, _configured_for = share, comm
-    _watch = core_load.LoadWatch(mine, share.threads, set_pool_threads) if adapts(share) else None
+    share.adapt = adapt_mode(share)
+    _watch = {"cycle": lambda: core_load.CycleWatch(share.threads, set_pool_threads),
+              "load": lambda: core_load.LoadWatch(mine, share.threads, set_pool_threads),
+              "fixed": lambda: None}[share.adapt]()
     return share
 
 
 def tick() -> None:
-    """Called before each float32 GEMM: lets the load watch look at the
-    free cores when its period has passed (a clock read otherwise)."""
+    """Called before each GEMM: lets the load watch look at the free cores
+    when its period has passed (a clock read otherwise)."""
     if _watch is not None:
         _watch.tick()
 
@@ -164,10 +183,20 @@ def budget() -> int | None:
     return _current.threads if _current is not None else None
 
 
+def active() -> int:
+    """Threads the rank's GEMM panels and batched products use now: the
+    share, or fewer while the load watch sees its cores taken (1 before
+    ``configure``)."""
+    return _active
+
+
 def set_pool_threads(n: int) -> None:
-    """Set the pools ``apply`` found (BLAS, OpenMP, numba) to n threads,
-    without looking for new libraries (the load watch calls it mid-run)."""
-    for lib in _blas:
+    """Give the GEMM panels, numba and OpenMP n threads (the load watch
+    calls it mid-run), without looking for new libraries. The BLAS stays
+    on one thread."""
+    global _active
+    _active = max(1, n)
+    for lib in _openmp:
         lib.set_num_threads(n)
     try:
         import numba
@@ -177,18 +206,21 @@ def set_pool_threads(n: int) -> None:
 
 
 def apply(share: Share) -> None:
-    """Set every pool this process has loaded to ``share.threads``."""
-    global _blas
+    """Set every pool this process has loaded to ``share.threads``, the BLAS to one."""
+    global _openmp, _active
     pools = {}
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:   # pragma: no cover - a core dependency; only a broken install lacks it
         ThreadpoolController = None
     if ThreadpoolController is not None:
-        _blas = ThreadpoolController().lib_controllers
-        for lib in _blas:
-            lib.set_num_threads(share.threads)
+        controllers = ThreadpoolController().lib_controllers
+        _openmp = [lib for lib in controllers if lib.user_api != "blas"]
+        for lib in controllers:
+            lib.set_num_threads(1 if lib.user_api == "blas" else share.threads)
             pools[lib.internal_api] = lib.num_threads
+    _active = share.threads
+    pools["gemm panels"] = share.threads
     try:
         import numba
     except ImportError:
