@@ -217,6 +217,10 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
               help="on one rank: write the float64 reference with per-tensor tolerances measured from N reruns at "
                    "--dtype with the reduction orders varied (--grad-accum, attention), for compare --tolerance "
                    "envelope")
+@click.option("--suite", type=click.Choice(["edge"]), default=None,
+              help="write the reference traces of the configurations that have broken frameworks (ragged "
+                   "batches, an indivisible vocabulary, idle experts, tp x cp, ragged pipelines) into the folder "
+                   "--out, on one rank")
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 
@@ -231,6 +235,11 @@ def trace_command(**kwargs):
     """
     from ..analysis.trace import run_trace
 
+    if kwargs.get("suite"):
+        from ..analysis.suite import run_suite
+
+        run_suite({**kwargs, **env_settings()}, _mpi["world"], say=echo)
+        return
     if kwargs.get("envelope"):
         from ..analysis.envelope import run_envelope
 
