@@ -157,9 +157,11 @@ def act_names(cfg: dict) -> list:
     return names + ["ln_f"]
 
 
-def step_names(cfg: dict, s: int) -> list:
-    """Every name step ``s`` of a full trace holds, in computation order.
-    A dropout mask comes just before the activation it is applied in."""
+def step_names(cfg: dict, s: int, state: bool = False) -> list:
+    """Every name step ``s`` of a full trace holds, in computation order;
+    with ``state`` the training state too (written on request, ``trace
+    --state``). A dropout mask comes just before the activation it is
+    applied in."""
     g = f"step_{s}/"
     order = [g + "dropout/emb", g + "act/emb"]
     for i in range(cfg["n_layer"]):
@@ -171,17 +173,19 @@ def step_names(cfg: dict, s: int) -> list:
     order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else []) + [g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"]
-    order += [g + f"state/{m}/{n}" for n in forward_param_order(cfg) for m in MOMENTS]
-    order += [g + n for n in STATE_SCALARS]
-    order += [g + f"state/expert_load/h.{i}" for i in range(cfg["n_layer"])] if moe(cfg) else []
+    if state:
+        order += [g + f"state/{m}/{n}" for n in forward_param_order(cfg) for m in MOMENTS]
+        order += [g + n for n in STATE_SCALARS]
+        order += [g + f"state/expert_load/h.{i}" for i in range(cfg["n_layer"])] if moe(cfg) else []
     return order + [g + f"param/{n}" for n in forward_param_order(cfg)]
 
 
-def computation_order(cfg: dict, steps: int) -> list:
-    """Every name a trace of ``steps`` steps may hold, in the order the computation makes it."""
+def computation_order(cfg: dict, steps: int, state: bool = False) -> list:
+    """Every name a trace of ``steps`` steps may hold, in the order the
+    computation makes it (with ``state``, the training state too)."""
     order = ["tokens"] + [f"init/{n}" for n in forward_param_order(cfg)]
     for s in range(1, steps + 1):
-        order += step_names(cfg, s)
+        order += step_names(cfg, s, state)
     return order
 
 
@@ -204,7 +208,7 @@ def ordered(names, cfg: dict) -> list:
     bare ``step_%d`` (a whole step) goes where its step begins."""
     names = list(names)
     steps = max([step_of(n) for n in names] + [0])
-    rank = {n: i for i, n in enumerate(computation_order(cfg, steps))}
+    rank = {n: i for i, n in enumerate(computation_order(cfg, steps, state=True))}
     first_of_step, last_of_step = {}, {}
     for n, i in rank.items():
         first_of_step.setdefault(step_of(n), i)
