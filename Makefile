@@ -5,6 +5,7 @@
 #   make install-site-mpi   .venv with mpi4py built against the `mpicc` on PATH (clusters)
 #   make train              train the default small model; TRAIN_ARGS="--steps 50" overrides
 #   make test               run the test suite
+#   make mutants            plant tools/mutants.py's bugs one at a time in a copy; say which survive
 #   make bench              run `mpicube bench`; ARGS="..." appends options
 #   make clean              remove the venv and build files (runs/ is kept)
 
@@ -21,11 +22,12 @@ TRAIN_DEFAULTS = --n-layer 4 --n-head 12 --n-embd 144 --seq-len 64 --batch-size 
 TRAIN_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
+MUTANTS ?=
 
 # The venv's bin first on PATH, so `mpiexec` is the one that matches its mpi4py.
 WITH_VENV = PATH="$(abspath $(BIN)):$$PATH"
 
-.PHONY: install install-site-mpi train test bench clean
+.PHONY: install install-site-mpi train test mutants bench clean
 
 install: $(STAMP)
 
@@ -53,6 +55,10 @@ train: install
 
 test: install
 	$(WITH_VENV) $(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+# MUTANTS="shards-sorted ..." runs some of the catalogue (python tools/mutants.py --list)
+mutants: install
+	$(WITH_VENV) $(BIN)/python tools/mutants.py $(MUTANTS)
 
 $(VENV)/.installed-bench: $(STAMP)
 	$(BIN)/python -m pip install -e ".[bench]"

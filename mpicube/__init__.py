@@ -1,6 +1,6 @@
 """mpicube: tensor-parallel GPT training in pure array code over MPI.
 
-One subpackage per layer, bottom to top (DESIGN.md section 1); a layer
+One subpackage per layer, bottom to top (docs/design.md section 1); a layer
 imports only the layers below it (tests/test_architecture.py keeps it so):
 
     core      errors, the model's sizes, integer helpers, the console

@@ -19,9 +19,14 @@ from mpicube.ops import mla, mtp
 
 
 def dims_of(d) -> mla.MlaDims:
-    """MlaDims of a DeepseekV3Shape."""
+    """MlaDims of a DeepseekV3Shape (YaRN's softmax factor included)."""
     return mla.MlaDims(nope=d.qk_nope_head_dim, rope=d.qk_rope_head_dim, v=d.v_head_dim, kv_rank=d.kv_lora_rank,
-                       q_rank=d.q_lora_rank, interleaved=d.rope_interleave)
+                       q_rank=d.q_lora_rank, interleaved=d.rope_interleave, softmax_factor=d.softmax_factor)
+
+
+def rope_tables(d, positions):
+    """(cos, sin) (T, dr) of a DeepseekV3Shape at ``positions`` (T,), YaRN's scaling applied where set."""
+    return ops.rope_tables(positions, d.qk_rope_head_dim, d.rope_theta, d.rope_scaling)
 
 
 def rms(x, w, eps):
@@ -116,7 +121,7 @@ def forward(t, d, ids, targets, mtp_depth=0, mtp_weight=0.3, record=None):
     MTP depths drafting from the main model's final-normed state (what
     transformers feeds its MtpLayer)."""
     T = ids.shape[1]
-    cos, sin = ops.rope_tables(np.arange(T), d.qk_rope_head_dim, d.rope_theta)   # (T, dr)
+    cos, sin = rope_tables(d, np.arange(T))                                      # (T, dr)
     x = t["wte"][ids]                                                            # (B, T, C)
     for i in range(d.n_layer):
         x = block_forward(x, t, f"h.{i}.", d, i, cos, sin, record)
@@ -143,7 +148,7 @@ def greedy(t, d, prompt, n_new):
     compressed cache: the prompt in one step, then one token a step."""
     B, P = prompt.shape
     caches = [mla.LatentCache(np, B, P + n_new, dims_of(d), np.float64) for _ in range(d.n_layer)]
-    cos, sin = ops.rope_tables(np.arange(P + n_new), d.qk_rope_head_dim, d.rope_theta)   # (P + n, dr)
+    cos, sin = rope_tables(d, np.arange(P + n_new))                              # (P + n, dr)
     out, q0, step = prompt, 0, prompt
     for _ in range(n_new):
         q1 = q0 + step.shape[1]

@@ -1,6 +1,6 @@
 """Hostile checkpoints and token shards, made from good ones.
 
-A checkpoint is untrusted input (DESIGN.md section 6): someone may hand us a
+A checkpoint is untrusted input (docs/design.md section 6): someone may hand us a
 ``checkpoint.h5`` whose tensors take their bytes from anywhere HDF5 can
 reach. Each case here rewrites a copy of a good step directory the way such
 a file would be made, and then records the sha256 of every listed file

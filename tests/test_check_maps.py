@@ -213,15 +213,18 @@ def hf_llama_shape(cfg: dict) -> dict:
                 rms_norm_eps=cfg["rms_eps"], tie_word_embeddings=False)
 
 
-def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_same():
+def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_same(monkeypatch):
     """The hf_llama map's names are those of transformers' LlamaForCausalLM
     (every parameter used, every activation module present), and
     tools/torch_trace.py's plain-torch Llama loaded through the same map
-    gives transformers' logits (to float32 rounding: transformers computes
-    RMSNorm and the rotary angles in float32 even in a float64 model).
+    gives transformers' logits to 1e-12 (transformers' float32 RMSNorm,
+    rotary angles and eager softmax patched to float64: tests/hf_float64.py).
     Skipped without torch and transformers."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    import hf_float64
+
+    hf_float64.patch(monkeypatch, torch, transformers.models.llama.modeling_llama)
     cfg = LLAMA_CFG
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **hf_llama_shape(cfg), rope_theta=cfg["rope_theta"], attn_implementation="eager")).double().eval()
@@ -238,7 +241,7 @@ def test_hf_llama_map_fits_transformers_llama_and_the_torch_tool_computes_the_sa
         idx = torch.as_tensor(np.random.default_rng(4).integers(0, cfg["vocab_size"], (2, cfg["n_ctx"])))
         want = hf(idx).logits                                                   # (2, T, V)
         got, _ = ours(idx, idx)
-    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
 
 
 def test_hf_mixtral_maps_cover_transformers_mixtral_in_memory_and_on_file(tmp_path):

@@ -73,6 +73,10 @@ def test_a_replica_that_drifts_is_named_with_its_ranks(good, variant, capsys):
     status, out, _, summary = run(capsys, good, b)
     assert status == 1 and summary["first_divergence"] == "step_1/grad/h.0.ln_2.weight"
     assert "B: replicas part: ranks 0 and 2 differ by max rel" in out
+    # the disagreement as a number in the row and the --json line (it was inf and null)
+    assert summary["max_rel"] is not None and 1e-3 < summary["max_rel"] < 2e-3, summary
+    [row] = [line for line in out.splitlines() if line.startswith("step_1/grad/h.0.ln_2.weight ")]
+    assert " inf " not in row and f"{summary['max_rel']:.2e}" in row, row
 
 
 def test_an_element_no_rank_holds_is_a_divergence(good, variant, capsys):
@@ -125,3 +129,29 @@ def test_mpicube_sharded_trace_matches_serial_and_keeps_every_replica(tmp_path, 
     r = runner.run("compare", "serial.h5", "sharded.h5")
     assert r.returncode == 1 and "first divergence: step_1/grad/h.0.ln_2.bias" in r.stdout, r
     assert "replicas part: ranks 0 and 1" in r.stdout
+
+
+def test_shards_with_indices_out_of_order_are_placed_by_their_indices(good, variant, capsys):
+    """A framework may list a block's global indices in any order (a
+    permuted expert order, a context-parallel rank's chunks written last
+    first): element k of the block belongs at index[k], not at the k-th
+    smallest index. Two ranks hold the rows of a (V, h) tensor, rank 0 rows
+    [5, 0, 3, ...] descending and interleaved, rank 1 the rest in a shuffled
+    order; the columns of rank 1 are reversed too."""
+    order = np.random.default_rng(48).permutation
+
+    def scattered(w):                                     # (V, h) -> two blocks with non-monotone indices
+        rows = order(w.shape[0])
+        mine, theirs = rows[: w.shape[0] // 2], rows[w.shape[0] // 2:]
+        cols = np.arange(w.shape[1])[::-1]
+        assert (np.diff(mine) < 0).any() and (np.diff(mine) > 0).any()      # neither ascending nor descending
+        return Sharded(w.shape, [Shard(0, (mine, slice(None)), w[mine]),
+                                 Shard(1, (theirs, cols), w[np.ix_(theirs, cols)])])
+
+    b = variant(reshard("step_1/grad/wte", scattered))
+    with h5py.File(good, "r") as f, h5py.File(b, "r") as g:
+        want = f["step_1/grad/wte"][()]                                   # (V, h)
+        got, problem = shards.assemble(g["step_1/grad/wte"], b, 0.0, 0.0)
+    assert problem == "" and np.array_equal(got, want)
+    status, out, _, summary = run(capsys, good, b)
+    assert status == 0 and "all tensors agree" in out, out

@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN.md section 6): real 4-rank saves, plain-h5py reads,
+"""Checkpoints (docs/design.md section 6): real 4-rank saves, plain-h5py reads,
 partial reads, keep/latest, corruption detection and atomic commit."""
 from __future__ import annotations
 

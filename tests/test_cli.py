@@ -248,11 +248,21 @@ def test_bench_reports_and_matches_the_cost_model(mpicube):
     """`mpicube bench --json` on 4 ranks, 1-D and 2-D in one job: the keys
     the issue asks for, positive times and rates, which kernels ran, and the
     measured communication equal to the model's prediction."""
+    from mpicube.device.blas_kernel import cpu_flags, cpu_kernels
+
+    level = cpu_kernels(cpu_flags())[0] or 0
+    pin = {"OPENBLAS_CORETYPE": "Haswell"} if level >= 4 else {}      # Haswell's kernels need AVX2
     r = mpicube.run("bench", "--layout", "1d", "--layout", "2d", "--n-layer", "1", "--n-embd", "24",
                     "--n-head", "4", "--seq-len", "8", "--batch-size", "4", "--warmup-steps", "1",
-                    "--steps", "2", "--json", n=4, env={"OMP_NUM_THREADS": "1"})
+                    "--steps", "2", "--json", n=4, env={"OMP_NUM_THREADS": "1", **pin})
     assert r.returncode == 0, r
     out = last_json(r.stdout)
+    # which BLAS kernels ran (threadpoolctl's architecture), and one line when a pin holds them below the CPU
+    assert f"BLAS: {out['blas']}" in r.stdout and out["blas"].startswith(("openblas", "mkl", "blis")), out["blas"]
+    if pin:
+        assert "openblas" not in out["blas"] or "(Haswell kernels" in out["blas"], out["blas"]
+        warned = [line for line in r.stdout.splitlines() if line.startswith("warning: OPENBLAS_CORETYPE=Haswell")]
+        assert len(warned) == (1 if level > 4 else 0) and out["blas_pin_warning"] == (warned or [None])[0], r
     assert out["step_time_s"] > 0 and out["tokens_per_s"] > 0 and out["gemm_fraction"] > 0, out
     assert out["threads"]["threads"] == 1 and out["threads"]["source"] == "OMP_NUM_THREADS", out["threads"]
     assert out["threads"]["pools"]["numba"] == 1 and "threads: 1 thread(s) per rank" in r.stdout

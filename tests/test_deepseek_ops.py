@@ -9,7 +9,7 @@ import pytest
 
 from mpicube import ops
 from mpicube.ops import deepseek_router as router
-from mpicube.ops import attention_blocks, mla, mtp
+from mpicube.ops import attention_blocks, mla, mtp, yarn
 
 
 def numeric_grad(f, x, eps=1e-6):
@@ -179,16 +179,23 @@ class Blocks:
         return attention_blocks.attention_backward(dy, cache)
 
 
+# YaRN with both corrections: tables x table_factor ~0.93, softmax scale x ~1.41
+YARN = yarn.YarnScaling(factor=40.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.6)
+
+
 @pytest.mark.parametrize("attention", [ops, Blocks(4)], ids=["full", "blocks"])
-def test_packed_mla_through_the_projects_attention_ops_equals_the_core(attention):
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["plain", "yarn"])
+def test_packed_mla_through_the_projects_attention_ops_equals_the_core(attention, scaling):
     """pack -> any attention op -> unpack gives attention_forward's numbers
-    (v zero-padded to dn + dr), and its backward attention_backward's."""
+    (v zero-padded to dn + dr), and its backward attention_backward's; with
+    YaRN's softmax factor (folded into q by pack) and its scaled tables too."""
     rng = np.random.default_rng(9)
     B, T, nh = 2, 10, 3
-    dims = mla.MlaDims(nope=4, rope=6, v=3, kv_rank=7)
+    factor = 1.0 if scaling is None else scaling.softmax_factor
+    dims = mla.MlaDims(nope=4, rope=6, v=3, kv_rank=7, softmax_factor=factor)
     q, kv = rng.normal(size=(B, T, nh * dims.qk)), rng.normal(size=(B, T, nh * (dims.nope + dims.v)))
     k_pe, G = rng.normal(size=(B, T, dims.rope)), rng.normal(size=(B, T, nh * dims.v))
-    cos, sin = ops.rope_tables(np.arange(T), dims.rope, 100.0)
+    cos, sin = ops.rope_tables(np.arange(T), dims.rope, 100.0, scaling)
     want, tape = mla.attention_forward(q, kv, k_pe, nh, dims, cos, sin)
     y, cache = attention.attention_forward(mla.pack(q, kv, k_pe, nh, dims, cos, sin), nh)
     np.testing.assert_array_equal(y.reshape(B, T, nh, dims.qk)[..., dims.v:], 0.0)
@@ -198,6 +205,38 @@ def test_packed_mla_through_the_projects_attention_ops_equals_the_core(attention
         np.testing.assert_allclose(got, ref_grad, rtol=1e-12, atol=1e-13 * np.abs(ref_grad).max())
     with pytest.raises(ValueError, match="v_head_dim 11 exceeds"):
         mla.pack(q, kv, k_pe, nh, mla.MlaDims(nope=4, rope=6, v=11, kv_rank=7), cos, sin)
+
+
+def test_yarn_frequencies_and_scales_known_answers():
+    """YaRN (ops.yarn): frequencies turning more than beta_fast times over
+    the original context kept, fewer than beta_slow times divided by the
+    factor, a linear ramp in the index between (floor/ceil ends with
+    truncate); DeepSeek-V3's mscale = mscale_all_dim = 1 leaves the tables
+    unscaled and multiplies the softmax scale by (0.1 ln 40 + 1)^2; the
+    rotary op and its backward stay each other's transpose with scaled tables."""
+    dr, theta, L = 64, 10000.0, 4096
+    released = yarn.YarnScaling(factor=40.0, original_max_position_embeddings=L, mscale=1.0, mscale_all_dim=1.0)
+    f = 1.0 / theta ** (np.arange(0, dr, 2) / dr)                                    # (32,)
+    turns = L * f / (2 * np.pi)
+    got = ops.rope_inv_freq(dr, theta, released)
+    np.testing.assert_array_equal(got[turns > 32], f[turns > 32])
+    np.testing.assert_allclose(got[turns < 1], f[turns < 1] / 40, rtol=1e-15)
+    low = np.floor(dr * np.log(L / (32 * 2 * np.pi)) / (2 * np.log(theta)))
+    high = np.ceil(dr * np.log(L / (2 * np.pi)) / (2 * np.log(theta)))
+    m = np.arange(dr // 2)
+    ramp = np.clip((m - low) / (high - low), 0, 1)
+    assert 0 < ramp[m == low + 1][0] < 1
+    np.testing.assert_allclose(got, f / 40 * ramp + f * (1 - ramp), rtol=1e-15)
+    assert released.table_factor == 1.0 and released.softmax_factor == pytest.approx((0.1 * np.log(40) + 1) ** 2)
+    assert yarn.YarnScaling(40.0, L).softmax_factor == 1.0 and yarn.YarnScaling(40.0, L).table_factor > 1
+    assert yarn.YarnScaling(40.0, L, attention_factor=0.5).table_factor == 0.5
+    cos, sin = ops.rope_tables(np.arange(5), 8, 100.0, YARN)
+    assert np.allclose(cos[0], YARN.table_factor) and YARN.table_factor != 1.0
+    rng = np.random.default_rng(3)
+    x, dy = rng.normal(size=(2, 5, 3, 8)), rng.normal(size=(2, 5, 3, 8))
+    for inter in (True, False):                                  # <R x, dy> == <x, R^T dy>
+        assert np.sum(mla.rotary_forward(x, cos, sin, inter) * dy) == pytest.approx(
+            np.sum(x * mla.rotary_backward(dy, cos, sin, inter)), rel=1e-13)
 
 
 def test_interleaved_rotary_is_deepseeks_pairwise_rotation():

@@ -252,8 +252,9 @@ def refusal_cases(root: Path):
          r"is an llm.c token shard \(magic 20240520\), not a model file"),
         ("bad-ids", ["eval", root / "good.bin", "--data", root / "shard.bin", "--seq-len", "4", "--batch-size", "1"],
          r"shard.bin: token 50 at position 50 is outside the model's vocabulary of 50"),
-        ("too-long", ["generate", root / "good.bin", "--prompt-tokens", "1,2,3", "--max-new-tokens", "6"],
-         r"plus --max-new-tokens 6 is longer than the model's context of 8"),
+        ("too-long", ["generate", root / "good.bin", "--prompt-tokens", "1,2,3,4,5,6,7,8", "--max-new-tokens", "6"],
+         r"the prompt \(8 tokens\) leaves no room in the model's context of 8 positions: the largest "
+         r"--max-new-tokens that fits is 0"),
         ("no-tokenizer", ["generate", root / "good.bin", "--prompt", "hi"], r"has no known tokenizer"),
         ("not-a-model", ["convert", root, root / "y", "--to", "hf"], r"not a model directory"),
         ("exists", ["convert", root / "good.bin", root / "relu", "--to", "hf"], r"already exists"),

@@ -82,6 +82,24 @@ def test_cache_equals_recomputing_the_prefix(mpicube, small_model):
         assert result["text"] is None and result["prompt_tokens"] == prompt
 
 
+def test_max_new_tokens_fits_the_context_or_is_clipped_with_a_note(mpicube, small_model):
+    """The README's quick start asked a 64-position model for 64 (the old
+    default) and 200 new tokens, and both were refused. Now the default
+    takes what the context holds (48 - 4 here) and a larger request is
+    clipped to it with one line saying so; the tokens are the greedy ones."""
+    path, tensors, cfg = small_model
+    want = reference_greedy(tensors, cfg, [5, 17, 299, 0], cfg.n_ctx - 4)
+    for extra in ([], ["--max-new-tokens", "200"]):
+        r = mpicube.run("generate", path, "--prompt-tokens", "5,17,299,0", "--temperature", "0", "--dtype", "float64",
+                        "--json", *extra)
+        assert r.returncode == 0, r
+        assert last_json(r.stdout)["tokens"] == want, (extra, r)
+        notes = [line for line in r.stdout.splitlines() if "clipped" in line]
+        assert notes == ([] if not extra else [
+            "--max-new-tokens 200 clipped to 44, the largest that fits: the prompt (4 tokens) plus the new ones "
+            "fill the model's context of 48 positions"]), r
+
+
 def test_byte_level_text_and_sampling_on_two_layouts(mpicube, tmp_path):
     r = mpicube.run("train", *TINY, "--steps", "3", "--out", "run")
     assert r.returncode == 0, r
@@ -162,19 +180,18 @@ def test_llama_generates_alike_on_every_layout(llama_generations):
         assert got == want, (name, got, want)
 
 
-def test_llama_greedy_tokens_are_transformers(llama_generations):
+def test_llama_greedy_tokens_are_transformers(llama_generations, monkeypatch):
     """transformers' ``generate(do_sample=False)`` (float64 norms and rotary
     angles, its frequencies computed in float64) continues the prompt with
     mpicube's tokens."""
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
-    from test_hf_llama import float64_reference, hf_inv_freq
+    import hf_float64
 
     path, tokens = llama_generations
-    float64_reference(torch, transformers.models.llama.modeling_llama)
+    hf_float64.patch(monkeypatch, torch, transformers.models.llama.modeling_llama)
     model = transformers.LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float64,
                                                           attn_implementation="sdpa").eval()
-    model.model.rotary_emb.inv_freq = hf_inv_freq(torch, transformers, model.config)
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
     prompt = torch.tensor([LLAMA_PROMPT])                                # (1, 4); token 0 is a token, not padding
     with torch.no_grad():

@@ -9,16 +9,18 @@ config reader's refusals (no torch needed).
 
 transformers computes RMSNorm, the rotary tables, eager attention's
 softmax and the router in float32 even in a float64 model; the tests
-patch those to float64 (``float64_reference``) so that two float64
+patch those to float64 (tests/hf_float64.py) so that two float64
 computations are compared, to 1e-12.
 """
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 import deepseek_reference as ref
+import hf_float64
 from mpicube.files.formats import hf_deepseek
 from mpicube.files.formats.base import FormatError
 from mpicube.files.formats.hf_deepseek_config import parse_config
@@ -26,6 +28,12 @@ from mpicube.ops import deepseek_router as router
 from mpicube.ops import mtp
 
 T, B, V = 7, 2, 61
+# YaRN as DeepSeek-V3's released config.json has it, but over an original context of 64: with 4 rotary
+# columns and theta 50 the slower frequency then sits inside the blended band (ramp 1/2), not at an end
+YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+# the tables' factor too (mscale != mscale_all_dim) and the unrounded band (ramp 0.84)
+YARN_SCALED = {**YARN, "mscale_all_dim": 0.8, "truncate": False}
 
 
 def hf_config(transformers, **over):
@@ -49,47 +57,8 @@ def hf(monkeypatch):
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
     modeling = transformers.models.deepseek_v3.modeling_deepseek_v3
-    F = torch.nn.functional
-
-    def rms_forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rope_forward(self, x, position_ids):
-        cfg = self.config
-        dim = cfg.qk_rope_head_dim
-        inv = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angles = position_ids[..., None].double() * inv
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-    def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        w = torch.matmul(query, key.transpose(2, 3)) * scaling
-        if attention_mask is not None:
-            w = w + attention_mask
-        w = F.softmax(w, dim=-1)                                   # in float64
-        return torch.matmul(w, value).transpose(1, 2).contiguous(), w
-
-    def router_forward(self, hidden_states):
-        hidden_states = hidden_states.view(-1, self.hidden_dim)
-        logits = F.linear(hidden_states, self.weight)              # float64 throughout
-        scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias
-        groups = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
-        idx = torch.topk(groups, k=self.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(groups).scatter_(1, idx, 1)
-        mask = mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(
-            -1, self.num_experts)
-        choice = choice.masked_fill(~mask.bool(), float("-inf"))
-        top = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-        w = scores.gather(1, top)
-        if self.norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return logits, w * self.routed_scaling_factor, top
-
-    monkeypatch.setattr(modeling.DeepseekV3RMSNorm, "forward", rms_forward)
-    monkeypatch.setattr(modeling.DeepseekV3RotaryEmbedding, "forward", rope_forward)
-    monkeypatch.setattr(modeling, "eager_attention_forward", eager)
-    monkeypatch.setattr(modeling.DeepseekV3TopkRouter, "forward", router_forward)
+    patched = hf_float64.patch(monkeypatch, torch, modeling)
+    assert {"DeepseekV3TopkRouter", "eager_attention_forward"} <= set(patched), patched
     torch.manual_seed(0)
     return torch, transformers, modeling
 
@@ -118,10 +87,16 @@ def causal_mask(torch, n):
     return torch.triu(torch.full((n, n), float("-inf"), dtype=torch.float64), 1)[None, None]
 
 
-@pytest.mark.parametrize("q_rank,interleave", [(5, True), (None, True), (5, False)])
-def test_mla_equals_transformers_attention(hf, q_rank, interleave):
+def with_rope(rope):
+    """hf_config's rope_parameters with ``rope``'s scaling (None: the default rope)."""
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 50.0, **(rope or {})}}
+
+
+@pytest.mark.parametrize("q_rank,interleave,rope", [(5, True, None), (None, True, None), (5, False, None),
+                                                     (5, True, YARN), (None, False, YARN_SCALED)])
+def test_mla_equals_transformers_attention(hf, q_rank, interleave, rope):
     torch, transformers, modeling = hf
-    config = hf_config(transformers, q_lora_rank=q_rank, rope_interleave=interleave)
+    config = hf_config(transformers, q_lora_rank=q_rank, rope_interleave=interleave, **with_rope(rope))
     d = shape_of(config)
     attn = randomise(torch, modeling.DeepseekV3Attention(config, 0).double().eval())
     rotary = modeling.DeepseekV3RotaryEmbedding(config)
@@ -135,9 +110,52 @@ def test_mla_equals_transformers_attention(hf, q_rank, interleave):
         if suffix.startswith("h.0.attn."):
             (fname, _), = hf_deepseek.sources(d, suffix)[0]
             t[suffix] = state[fname.split("self_attn.", 1)[1]].T
-    cos, sin = ref.ops.rope_tables(np.arange(T), d.qk_rope_head_dim, d.rope_theta)
+    cos, sin = ref.rope_tables(d, np.arange(T))
     got = ref.mla_forward(x.numpy(), t, "h.0.", d, cos, sin)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+RELEASED = {"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+            "max_position_embeddings": 163840,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40,
+                                "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                                "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+@pytest.mark.parametrize("over", [RELEASED, with_rope(YARN), with_rope(YARN_SCALED),
+                                  with_rope({**YARN_SCALED, "attention_factor": 0.9, "beta_slow": 2})],
+                         ids=["released", "tiny", "tiny-scaled-tables", "tiny-attention-factor"])
+def test_yarn_tables_and_softmax_scale_equal_transformers(hf, over):
+    """YaRN's frequencies (ops.yarn) are transformers' own formula run in
+    float64, and its float32 buffer to float32's rounding; the cos/sin
+    tables and MLA's softmax scale equal transformers' DeepseekV3 (rotary
+    embedding patched to float64, the attention's ``scaling``) to 1e-12,
+    at DeepSeek-V3's released shape and the tests' tiny ones."""
+    torch, transformers, modeling = hf
+    config = hf_config(transformers, **over)
+    d = shape_of(config)
+    assert d.rope_scaling is not None and d.rope_scaling.factor == 40.0
+    inv64, factor = hf_float64.rope_parameters(torch, config)
+    inv32, _ = hf_float64.rope_parameters(torch, config, wide=False)
+    ours = ref.ops.rope_inv_freq(d.qk_rope_head_dim, d.rope_theta, d.rope_scaling)          # (dr/2,)
+    np.testing.assert_allclose(ours, inv64.numpy(), rtol=1e-15, atol=0)
+    np.testing.assert_allclose(ours, inv32.numpy(), rtol=2e-7, atol=0)
+    plain = ref.ops.rope_inv_freq(d.qk_rope_head_dim, d.rope_theta)
+    assert (ours < plain).any() and (ours == plain).any()                   # interpolated and kept frequencies
+    assert factor == pytest.approx(d.rope_scaling.table_factor, rel=1e-15)
+    positions = np.array([0, 1, 2, 5, 31, 1000, 4095, 4096, 40000, 163839])
+    x = torch.zeros(1, len(positions), 1, dtype=torch.float64)
+    cos, sin = modeling.DeepseekV3RotaryEmbedding(config)(x, torch.tensor(positions)[None])
+    our_cos, our_sin = ref.rope_tables(d, positions)                                      # (T, dr)
+    # 1e-12, plus the float64 rounding of an angle pos * f (f <= 1) far out: ~2e-16 pos, with a margin
+    slack = 1e-12 + 1e-15 * positions[:, None]                                             # (T, 1)
+    assert (np.abs(our_cos - cos[0].numpy()) <= slack).all() and (np.abs(our_sin - sin[0].numpy()) <= slack).all()
+    assert np.abs(our_cos[:5] - cos[0, :5].numpy()).max() <= 1e-14                        # positions 0 .. 31
+    with torch.device("meta"):                                              # the released shape: no weights
+        scaling = modeling.DeepseekV3Attention(config, 0).scaling
+    assert ref.dims_of(d).scale == pytest.approx(scaling, rel=1e-15)
+    assert ref.dims_of(d).scale != pytest.approx(1 / np.sqrt(d.qk_head_dim), rel=1e-3)   # mscale_all_dim's correction
 
 
 def test_router_equals_transformers_gate(hf):
@@ -199,7 +217,7 @@ def test_mtp_module_equals_transformers_mtp_layer(hf):
     with torch.no_grad():
         want = layer(emb, prev, modeling.DeepseekV3RotaryEmbedding(config)(emb, pos), causal_mask(torch, T), pos,
                      None).numpy()
-    cos, sin = ref.ops.rope_tables(np.arange(T), d.qk_rope_head_dim, d.rope_theta)
+    cos, sin = ref.rope_tables(d, np.arange(T))
     u, _ = mtp.input_forward(prev.numpy(), emb.numpy(), t["mtp.0.hnorm.weight"], t["mtp.0.enorm.weight"], d.n_embd,
                              d.rms_eps)
     z = ref.block_forward(mtp.project_forward(u, t["mtp.0.proj.weight"]), t, "mtp.0.", d, d.n_layer, cos, sin)
@@ -214,12 +232,14 @@ def hf_loss(torch, model, ids, targets):
                                                        torch.tensor(targets).reshape(-1)))
 
 
-@pytest.mark.parametrize("interleave", [True, False])
-def test_transformers_directory_loss_equals_reference(hf, tmp_path, interleave):
-    """transformers saves a random model; hf_deepseek reads it; the serial
-    reference's loss equals transformers' float64 loss to 1e-12."""
+@pytest.mark.parametrize("interleave,rope", [(True, None), (False, None), (True, YARN), (False, YARN_SCALED)],
+                         ids=["interleaved", "half-split", "yarn", "yarn-scaled-tables"])
+def test_transformers_directory_loss_equals_reference(hf, tmp_path, interleave, rope):
+    """transformers saves a random model (YaRN's rope where ``rope`` says);
+    hf_deepseek reads it; the serial reference's loss equals transformers'
+    float64 loss to 1e-12."""
     torch, transformers, modeling = hf
-    config = hf_config(transformers, rope_interleave=interleave)
+    config = hf_config(transformers, rope_interleave=interleave, **with_rope(rope))
     model = randomise(torch, transformers.DeepseekV3ForCausalLM(config).double().eval())
     model.save_pretrained(str(tmp_path / "ds"))
     d, tensors = hf_deepseek.read_tensors(tmp_path / "ds")
@@ -231,6 +251,10 @@ def test_transformers_directory_loss_equals_reference(hf, tmp_path, interleave):
     record = []
     got = ref.forward(tensors, d, ids, targets, record=record)[0]
     assert got == pytest.approx(want, rel=1e-12)
+    assert (d.rope_scaling is None) == (rope is None)
+    if rope:                                                         # the scaling changed the loss
+        plain = ref.forward(tensors, dataclasses.replace(d, rope_scaling=None), ids, targets)[0]
+        assert abs(plain - got) > 1e-6 * got
     assert len(record) == 2 and len(np.unique(record[0][0])) > 2    # two MoE layers, several experts chosen
 
 
@@ -315,11 +339,29 @@ def test_config_round_trips_and_reads_deepseeks_spelling():
     assert (d.q_lora_rank, d.seq_aux_loss_coef, d.mtp_depth) == (0, 0.001, 1)
     shapes = hf_deepseek.param_shapes(d)
     assert "h.0.attn.q_proj.weight" in shapes and "mtp.0.proj.weight" in shapes
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}                      # the released config's, spelled as it is
+    d = parse_config("x", dict(released, rope_scaling=yarn))
+    assert d.rope_scaling.factor == 40.0 and d.softmax_factor == pytest.approx((0.1 * np.log(40) + 1) ** 2)
+    assert parse_config("x", hf_deepseek.config_json(d)) == d
+    assert parse_config("x", dict(released, rope_parameters={**YARN, "rope_theta": 1e4}, rope_scaling=YARN)) == \
+        parse_config("x", dict(released, rope_parameters={**YARN, "rope_theta": 1e4}))
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("rope_scaling", {"type": "yarn", "factor": 40}, "rope_scaling.rope_type"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters.rope_type"),
+    ("rope_scaling", {"type": "dynamic", "factor": 40}, "rope_scaling.rope_type"),
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}, "rope_parameters.rope_type"),
+    ("rope_scaling", {"type": "yarn", "factor": 40}, "rope_scaling.original_max_position_embeddings = null"),
+    ("rope_scaling", {**YARN, "factor": float("nan")}, "rope_scaling.factor = NaN is not a positive number"),
+    ("rope_scaling", {**YARN, "factor": 0.5}, "rope_scaling.factor = 0.5 is below 1"),
+    ("rope_scaling", {**YARN, "original_max_position_embeddings": 4096.5}, "original_max_position_embeddings = 4096.5"),
+    ("rope_scaling", {**YARN, "beta_fast": -32}, "rope_scaling.beta_fast = -32 is not a positive number"),
+    ("rope_scaling", {**YARN, "beta_slow": 40}, "rope_scaling.beta_fast = 32.0 is not above beta_slow 40.0"),
+    ("rope_scaling", {**YARN, "mscale": float("inf")}, "rope_scaling.mscale = Infinity is not a positive number"),
+    ("rope_scaling", {**YARN, "mscale_all_dim": 0}, "rope_scaling.mscale_all_dim = 0 is not a positive number"),
+    ("rope_scaling", {**YARN, "attention_factor": "x"}, "rope_scaling.attention_factor"),
+    ("rope_scaling", {**YARN, "truncate": "no"}, "rope_scaling.truncate"),
+    ("rope_parameters", {**YARN, "low_freq_factor": 1}, "rope_parameters.low_freq_factor = 1 is not a YaRN field"),
     ("scoring_func", "softmax", "scoring_func"),
     ("topk_method", "greedy", "topk_method"),
     ("n_group", 3, "n_group = 3 does not divide n_routed_experts 8"),
@@ -334,9 +376,13 @@ def test_config_round_trips_and_reads_deepseeks_spelling():
     ("first_k_dense_replace", 4, "first_k_dense_replace"),
     ("norm_topk_prob", "yes", "norm_topk_prob"),
     ("num_nextn_predict_layers", -1, "num_nextn_predict_layers"),
+    ("rope_scaling", {**YARN, "factor": 8}, "rope_scaling = "),          # beside rope_parameters, disagreeing
 ])
 def test_unsupported_config_is_refused_by_name(field, value, words):
+    doc = dict(BASE, **{field: value})
+    if words == "rope_scaling = ":
+        doc["rope_parameters"] = {**YARN, "rope_theta": 1e4}
     with pytest.raises(FormatError) as e:
-        parse_config("dir", dict(BASE, **{field: value}))
+        parse_config("dir", doc)
     message = str(e.value)
     assert words in message and "\n" not in message and message.startswith("dir/config.json: ")

@@ -1,14 +1,14 @@
 """A random ``LlamaForCausalLM`` (grouped-query attention: 8 heads over 2
 kv heads; a vocabulary of 61, a multiple of no tensor-parallel size),
-saved by transformers, evaluates on every layout to 1e-9 of transformers'
+saved by transformers, evaluates on every layout to 1e-12 of transformers'
 own float64 loss; and a Llama config.json mpicube does not compute is
 refused by the field's name.
 
 transformers' "float64" Llama still computes RMSNorm and the rotary angles
 in float32 (it casts to float32 inside both, on purpose, for 16-bit
-training); the reference here replaces those two forwards with their
-float64 arithmetic, and uses torch's SDPA attention (float64 throughout),
-so that the comparison is between two float64 computations. Skipped where
+training); the reference here replaces those forwards with their float64
+arithmetic (tests/hf_float64.py), and uses torch's SDPA attention (float64
+throughout), so that the comparison is between two float64 computations. Skipped where
 torch or transformers is not installed; mpicube itself never imports them
 (the evaluations run in separate processes with mpicube's path only).
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import hf_float64
 from mpirun import ROOT, mpiexec
 
 VOCAB, T, B, BATCHES = 61, 16, 4, 2
@@ -30,58 +31,10 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 16}     # head size 4, theta 500: one frequency blended, one stretched
 
 
-class Float64Torch:
-    """torch, except that ``torch.float`` is float64: transformers' rope
-    functions build their frequencies with dtype=torch.float, so with this
-    in their module's place they run their own formula in float64."""
-
-    def __init__(self, torch):
-        self._torch, self.float = torch, torch.float64
-
-    def __getattr__(self, name):
-        return getattr(self._torch, name)
-
-
-def hf_inv_freq(torch, transformers, config, wide=True):
-    """transformers' own inverse frequencies for ``config`` (float64 when ``wide``)."""
-    from transformers import modeling_rope_utils as rope_utils
-
-    kind = config.rope_parameters["rope_type"]
-    init = (transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters
-            if kind == "default" else rope_utils.ROPE_INIT_FUNCTIONS[kind])
-    saved = rope_utils.torch
-    rope_utils.torch = Float64Torch(torch) if wide else torch
-    try:
-        if kind == "default":       # its arange is dtype=torch.float in modeling_llama: the test's float64 instead
-            dim = config.hidden_size // config.num_attention_heads
-            theta = config.rope_parameters["rope_theta"]
-            return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim) if wide else init(config)[0]
-        return init(config)[0]
-    finally:
-        rope_utils.torch = saved
-
-
-def float64_reference(torch, modeling):
-    """Patch transformers' Llama RMSNorm and rotary embedding to compute in
-    float64 (the rotary one from the module's ``inv_freq``, which
-    ``make_model`` sets to transformers' frequencies computed in float64)."""
-
-    def rms_forward(self, x):
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
-
-    def rope_forward(self, x, position_ids):
-        angles = position_ids[..., None].double() * self.inv_freq.double()
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-    modeling.LlamaRMSNorm.forward = rms_forward
-    modeling.LlamaRotaryEmbedding.forward = rope_forward
-
-
-def make_model(tmp_path, torch, transformers, rope=None):
+def make_model(tmp_path, monkeypatch, torch, transformers, rope=None):
     """A random float64 LlamaForCausalLM saved under tmp_path/llama (with
-    the rope type ``rope``'s scaling if given), its reference loss and a token shard."""
+    the rope type ``rope``'s scaling if given), a token shard, and its
+    loss with transformers' Llama patched to float64 (``hf_float64``)."""
     from mpicube.files import data
 
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
@@ -91,7 +44,6 @@ def make_model(tmp_path, torch, transformers, rope=None):
                                       attn_implementation="sdpa")   # logits far from uniform
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).double().eval()
-    model.model.rotary_emb.inv_freq = hf_inv_freq(torch, transformers, config)      # (hd/2,) float64
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):                 # norms away from 1: their weight must be applied
@@ -99,7 +51,7 @@ def make_model(tmp_path, torch, transformers, rope=None):
     model.save_pretrained(str(tmp_path / "llama"), safe_serialization=True)
     model.save_pretrained(str(tmp_path / "sharded"), safe_serialization=True, max_shard_size="40KB")
     data.write_shard(tmp_path / "tokens.bin", TOKENS)
-    float64_reference(torch, transformers.models.llama.modeling_llama)
+    hf_float64.patch(monkeypatch, torch, transformers.models.llama.modeling_llama)
     return reference_loss(torch, model)
 
 
@@ -115,14 +67,14 @@ def reference_loss(torch, model, tokens=None):
     return float(loss)
 
 
-def test_llama_directory_evaluates_like_transformers(tmp_path):
+def test_llama_directory_evaluates_like_transformers(tmp_path, monkeypatch):
     """Every layout; the 2-D and 2.5-D runs read the same model split by
     transformers over several safetensors files (model.safetensors.index.json)."""
     from mpicube.files.formats import open_model
 
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
-    want = make_model(tmp_path, torch, transformers)
+    want = make_model(tmp_path, monkeypatch, torch, transformers)
     shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
     assert len(shards) >= 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file(), shards
     with open_model(tmp_path / "sharded") as m:
@@ -134,13 +86,13 @@ def test_llama_directory_evaluates_like_transformers(tmp_path):
                                "--layout", layout, "--depth", depth], timeout=180, env={"PYTHONPATH": str(ROOT)})
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
-        assert abs(got - want) <= 1e-9 * abs(want), f"{layout} ({model.name}): {got!r} vs transformers {want!r}"
+        assert abs(got - want) <= 1e-12 * abs(want), f"{layout} ({model.name}): {got!r} vs transformers {want!r}"
 
 
-def test_llama3_rope_scaling_like_transformers(tmp_path):
+def test_llama3_rope_scaling_like_transformers(tmp_path, monkeypatch):
     """Llama 3's scaled frequencies are transformers' own (its formula run in
     float64, and its float32 buffer to float32's rounding), and a model with
-    them evaluates to 1e-9 of transformers' float64 loss (serial and 1-D)."""
+    them evaluates to 1e-12 of transformers' float64 loss (serial and 1-D)."""
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
     from mpicube import ops
@@ -151,10 +103,10 @@ def test_llama3_rope_scaling_like_transformers(tmp_path):
         config = transformers.LlamaConfig(**wide, rope_parameters={"rope_theta": 10000.0, **rope})
         scaling = None if rope["rope_type"] == "default" else (8.0, 1.0, 4.0, rope["original_max_position_embeddings"])
         ours = ops.rope_inv_freq(64, 10000.0, scaling)                              # (32,)
-        assert np.allclose(ours, hf_inv_freq(torch, transformers, config).numpy(), rtol=1e-15, atol=0)
-        assert np.allclose(ours, hf_inv_freq(torch, transformers, config, wide=False).numpy(), rtol=2e-7, atol=0)
+        assert np.allclose(ours, hf_float64.rope_parameters(torch, config)[0].numpy(), rtol=1e-15, atol=0)
+        assert np.allclose(ours, hf_float64.rope_parameters(torch, config, wide=False)[0].numpy(), rtol=2e-7, atol=0)
         assert scaling is None or not np.allclose(ours, ops.rope_inv_freq(64, 10000.0))   # the scaling did something
-    want = make_model(tmp_path, torch, transformers, rope=LLAMA3)
+    want = make_model(tmp_path, monkeypatch, torch, transformers, rope=LLAMA3)
     with open_model(tmp_path / "llama") as m:
         assert m.config.rope_scaling.as_tuple() == (8.0, 1.0, 4.0, 16)
     for ranks, layout, depth in LAYOUTS[:2]:
@@ -163,7 +115,7 @@ def test_llama3_rope_scaling_like_transformers(tmp_path):
                                "--layout", layout, "--depth", depth], timeout=180, env={"PYTHONPATH": str(ROOT)})
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
-        assert abs(got - want) <= 1e-9 * abs(want), f"{layout}: {got!r} vs transformers {want!r}"
+        assert abs(got - want) <= 1e-12 * abs(want), f"{layout}: {got!r} vs transformers {want!r}"
 
 
 def test_rope_fields_of_either_transformers_generation():
@@ -254,16 +206,16 @@ def test_llama_converts_to_hf_and_back_bitwise(tmp_path, tied):
         assert back[name].dtype == t.dtype and np.array_equal(back[name], t), name
 
 
-def test_exported_llama_loads_in_transformers(tmp_path):
+def test_exported_llama_loads_in_transformers(tmp_path, monkeypatch):
     """transformers' LlamaForCausalLM (GQA, vocabulary 61, Llama 3 scaling)
     -> mpicube checkpoint -> ``convert --to hf``: the same tensors, bit for
     bit, under the same names; transformers loads the export, and its
-    float64 loss equals mpicube's on the checkpoint to 1e-9."""
+    float64 loss equals mpicube's on the checkpoint to 1e-12."""
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
     from safetensors.numpy import load_file
 
-    want = make_model(tmp_path, torch, transformers, rope=LLAMA3)
+    want = make_model(tmp_path, monkeypatch, torch, transformers, rope=LLAMA3)
     for args in (["llama", "run", "--to", "mpicube"], ["run", "export", "--to", "hf"]):
         proc = mpiexec(1, ["-m", "mpicube", "convert", *[tmp_path / a if i < 2 else a for i, a in enumerate(args)]],
                        env={"PYTHONPATH": str(ROOT)})
@@ -276,10 +228,9 @@ def test_exported_llama_loads_in_transformers(tmp_path):
     model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float64,
                                                           attn_implementation="sdpa").eval()
     assert model.config.rope_parameters["rope_type"] == "llama3" and model.config.num_key_value_heads == 2
-    model.model.rotary_emb.inv_freq = hf_inv_freq(torch, transformers, model.config)
     loaded = reference_loss(torch, model)
     proc = mpiexec(1, ["-m", "mpicube", "eval", tmp_path / "run", "--data", tmp_path / "tokens.bin", "--batch-size", B,
                        "--seq-len", T, "--batches", BATCHES, "--dtype", "float64"], env={"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
-    assert abs(got - loaded) <= 1e-9 * abs(loaded) and abs(loaded - want) <= 1e-12 * abs(want), (got, loaded, want)
+    assert abs(got - loaded) <= 1e-12 * abs(loaded) and abs(loaded - want) <= 1e-12 * abs(want), (got, loaded, want)

@@ -1,6 +1,6 @@
 """A random ``MixtralForCausalLM`` (4 experts, top 2, grouped-query
 attention: 4 heads over 2 kv heads), saved by transformers in the hub's
-per-expert form, evaluates to 1e-9 of transformers' own float64 loss on
+per-expert form, evaluates to 1e-12 of transformers' own float64 loss on
 the serial layout, with --ep 4 over four data-parallel replicas, and on
 1-D (tp 2), 2-D and 3-D x dp 2 x --ep 2; its greedy tokens are transformers' (serial and
 1-D x dp 2 x --ep 2 with the key/value cache, 2-D x dp 2 x --ep 2 without); its training loss
@@ -10,8 +10,8 @@ compute is refused by the field's name.
 
 transformers' float64 Mixtral still runs RMSNorm, the rotary angles and
 the router's softmax in float32 (on purpose, for 16-bit training); the
-reference replaces those three forwards with float64 arithmetic, so that
-two float64 computations are compared. Its ``load_balancing_loss_func``
+reference replaces those three forwards with float64 arithmetic
+(tests/hf_float64.py), so that two float64 computations are compared. Its ``load_balancing_loss_func``
 sums in float32 too: the aux loss is compared with it at float32's
 precision, and to 1e-12 with the same formula evaluated in float64 here.
 Skipped where torch or transformers is not installed.
@@ -22,36 +22,10 @@ import json
 import numpy as np
 import pytest
 
+import hf_float64
 from mpirun import ROOT, mpiexec
 
 VOCAB, T, B, BATCHES, E, K = 61, 8, 4, 2, 4, 2
-
-
-def float64_reference(torch, modeling):
-    """Patch transformers' Mixtral RMSNorm, rotary embedding and router to compute in float64."""
-
-    def rms_forward(self, x):
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
-
-    def rope_forward(self, x, position_ids):
-        cfg = self.config
-        dim = cfg.hidden_size // cfg.num_attention_heads
-        theta = cfg.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angles = position_ids[..., None].double() * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-    def router_forward(self, hidden_states):
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)   # (n, E)
-        probs = torch.softmax(logits, dim=-1)
-        top, index = torch.topk(probs, self.top_k, dim=-1)
-        return logits, top / top.sum(dim=-1, keepdim=True), index
-
-    modeling.MixtralRMSNorm.forward = rms_forward
-    modeling.MixtralRotaryEmbedding.forward = rope_forward
-    modeling.MixtralTopKRouter.forward = router_forward
 
 
 def aux_float64(torch, router_logits):
@@ -65,6 +39,14 @@ def aux_float64(torch, router_logits):
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield build_mixtral(tmp_path_factory, monkeypatch)
+
+
+def build_mixtral(tmp_path_factory, monkeypatch):
+    """A random float64 MixtralForCausalLM saved in the hub's form, a token
+    shard, and transformers' losses and greedy tokens, its float32
+    internals patched to float64 (``hf_float64``)."""
     torch = pytest.importorskip("torch", reason="torch is not installed (optional check)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional check)")
     from mpicube.files import data
@@ -84,7 +66,8 @@ def mixtral(tmp_path_factory):
     model.save_pretrained(str(tmp / "mixtral"), safe_serialization=True)
     tokens = np.random.default_rng(1).integers(0, VOCAB, BATCHES * B * T + 1)
     data.write_shard(tmp / "tokens.bin", tokens)
-    float64_reference(torch, transformers.models.mixtral.modeling_mixtral)
+    patched = hf_float64.patch(monkeypatch, torch, transformers.models.mixtral.modeling_mixtral)
+    assert "MixtralTopKRouter" in patched, patched
     starts = np.arange(BATCHES * B) * T
     x = torch.tensor(np.stack([tokens[s:s + T] for s in starts]))
     y = torch.tensor(np.stack([tokens[s + 1:s + T + 1] for s in starts]))
@@ -96,7 +79,8 @@ def mixtral(tmp_path_factory):
         hf_aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(first.router_logits, E, K)
         model.generation_config.eos_token_id = None                # no stop token: four greedy tokens
         greedy = model.generate(x[:1, :3], max_new_tokens=4, do_sample=False, pad_token_id=0)[0, 3:]
-    return dict(greedy=[int(t) for t in greedy], dir=tmp / "mixtral", tokens=tmp / "tokens.bin", ce=float(ce), x=x.numpy(), y=y.numpy(),
+    return dict(greedy=[int(t) for t in greedy], dir=tmp / "mixtral", tokens=tmp / "tokens.bin", ce=float(ce),
+                x=x.numpy(), y=y.numpy(),
                 ce_first=float(ce_first), aux_first=aux_float64(torch, first.router_logits), hf_aux=float(hf_aux))
 
 
@@ -110,7 +94,7 @@ def test_mixtral_directory_evaluates_like_transformers(mixtral, ranks, layout, d
                            "--dp", dp, "--ep", ep], timeout=180, env={"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
-    assert abs(got - mixtral["ce"]) <= 1e-9 * abs(mixtral["ce"]), f"{got!r} vs transformers {mixtral['ce']!r}"
+    assert abs(got - mixtral["ce"]) <= 1e-12 * abs(mixtral["ce"]), f"{got!r} vs transformers {mixtral['ce']!r}"
 
 
 @pytest.mark.parametrize("ranks,extra", [(1, []), (4, ["--layout", "1d", "--dp", "2", "--ep", "2"]),
@@ -156,7 +140,7 @@ def test_mixtral_training_loss_includes_transformers_aux_loss(mixtral):
     assert abs(aux - mixtral["aux_first"]) <= 1e-12 * aux
     assert abs(aux - mixtral["hf_aux"]) <= 1e-6 * aux                  # transformers' own, summed in float32
     want = mixtral["ce_first"] + 0.02 * mixtral["aux_first"]
-    assert abs(loss - want) <= 1e-9 * want, f"{loss!r} vs {want!r}"
+    assert abs(loss - want) <= 1e-12 * want, f"{loss!r} vs {want!r}"
 
 
 def test_mixtral_round_trip_loads_in_transformers(mixtral, tmp_path):

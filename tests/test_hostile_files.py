@@ -1,7 +1,7 @@
 """Hostile checkpoints and token shards (tests/hostile_files.py), through the
 real command line.
 
-A checkpoint is untrusted input (DESIGN.md section 6): each hostile case
+A checkpoint is untrusted input (docs/design.md section 6): each hostile case
 must be refused by every entry point that reads checkpoints (`eval`,
 `inspect`, `convert`, `train --init-from`, `train --resume`) with exit
 status 2 and exactly one `error:` line (`inspect`: its documented status 1,

@@ -317,7 +317,7 @@ def test_train_logs_router_losses_and_expert_tokens(tmp_path):
     (["--arch", "llama", "--n-experts", "4", "--top-k", "5"], "--top-k 5 must be from 1 to --n-experts 4"),
     (["--arch", "mixtral", "--capacity-factor", "0"], "--capacity-factor must be positive"),
     (["--arch", "llama", "--top-k", "2"], "--top-k needs --n-experts"),
-    (["--n-experts", "4"], "--n-experts applies to --arch llama only"),
+    (["--n-experts", "4"], "--n-experts applies to --arch llama or mixtral only, not gpt2"),
     (["--arch", "llama", "--ep", "2"], "--ep 2 needs a mixture of experts"),
 ])
 def test_bad_moe_options_are_one_line(args, message, tmp_path):
@@ -458,3 +458,81 @@ def test_info_json_prices_a_mixtures_memory_per_ep_rank():
     assert got[2, 1]["optimizer"] == 4 * 2 * (-(-dense // 2) + experts // 2)
     # balanced routing: a rank's experts run on its n K rows whatever ep (the all-to-all moves them)
     assert got[2, 1]["activations"] == got[2, 0]["activations"] == got[1, 0]["activations"] > 0
+
+
+def accumulating(cfg, accum: int, batch: int):
+    """The serial model of ``cfg`` on ``batch`` sequences a step run as
+    ``accum`` micro-batches (the trainer's own builder), float64, no dropout."""
+    from mpi4py import MPI
+
+    from mpicube.parallel.gridspec import GridSpec
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.parts import Numerics, build_parts
+
+    run = resolve(GridSpec("serial", grad_accum=accum), cfg, batch, 1)
+    return build_parts(run, MPI.COMM_SELF, Numerics("float64"), seed=9, dropout=0.0)
+
+
+def accumulated_step(parts, x, y):
+    """(loss, {name: gradient}) of one step through training.accum."""
+    from mpicube.training.accum import forward_backward
+
+    parts.store.zero_grad()
+    loss = forward_backward(parts, x, y, step=1)
+    return loss, {n: g.copy() for n, g in parts.store.grad.items()}
+
+
+@pytest.mark.parametrize("coefs", [dict(router_aux_loss_coef=0.3, router_z_loss_coef=0.0),
+                                   dict(router_aux_loss_coef=0.0, router_z_loss_coef=0.05),
+                                   dict(router_aux_loss_coef=0.3, router_z_loss_coef=0.05)],
+                         ids=["aux", "z", "aux-z"])
+def test_an_accumulated_mixture_step_is_the_unaccumulated_step_of_the_same_batch(coefs):
+    """--grad-accum divides every router term by the micro-batch count, in
+    the loss and in its gradient (RouterLedger.aux_term, z_term, dprobs,
+    dlse). Checked where the two must agree exactly: a global batch made of
+    the same 2 sequences twice, run as 2 micro-batches (each the 2
+    sequences) and as 1 of 4. The aux loss is nonlinear in the batch, but
+    each micro-batch's counts and probability sums are half the whole
+    batch's, so aux (and z, a mean) are the same number either way; the
+    loss and every gradient then agree to 1e-12. Dropless (a capacity
+    counts its tokens per micro-batch). The serial references of
+    test_moe_data_and_expert_parallel_match_serial accumulate through the
+    same ledger, so a missing 1/A there passes them."""
+    cfg = small_moe(**coefs)
+    half_x = rng.integers(0, cfg.vocab_size, (2, cfg.n_ctx))                 # (2, T)
+    half_y = rng.integers(0, cfg.vocab_size, (2, cfg.n_ctx))
+    x, y = np.concatenate([half_x, half_x]), np.concatenate([half_y, half_y])   # (4, T): micro-batches equal
+    loss_1, grads_1 = accumulated_step(accumulating(cfg, 1, 4), x, y)
+    parts = accumulating(cfg, 2, 4)
+    assert parts.grad_accum == 2 and parts.micro_rows(1) == slice(2, 4)
+    loss_2, grads_2 = accumulated_step(parts, x, y)
+    assert abs(loss_2 - loss_1) <= 1e-12 * abs(loss_1)
+    router = [n for n in grads_1 if n.endswith("moe.router.weight")]
+    assert len(router) == cfg.n_layer and all(np.abs(grads_1[n]).max() > 0 for n in router)
+    for name, want in grads_1.items():
+        err = np.abs(grads_2[name] - want).max() / np.abs(want).max()
+        assert err < 1e-12, f"{name}: relative error {err:.2e} with --grad-accum 2"
+
+
+def test_an_accumulated_mixture_gradient_matches_finite_differences():
+    """Two different micro-batches (the aux loss of each its own, the
+    step's their mean): the accumulated gradient of the routers and the
+    norms below them against central differences of the step's loss
+    (training.accum.forward_loss, the same micro-batches forward only)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_ops import RTOL, numeric_grad
+
+    from mpicube.training.accum import forward_loss
+
+    cfg = small_moe(router_aux_loss_coef=0.3, router_z_loss_coef=0.05)
+    parts = accumulating(cfg, 2, 4)
+    store = parts.store
+    store.flat[:] += np.random.default_rng(48).normal(0, 0.1, store.flat.shape)    # generic norm weights
+    x, y = rng.integers(0, cfg.vocab_size, (4, cfg.n_ctx)), rng.integers(0, cfg.vocab_size, (4, cfg.n_ctx))
+    _, grads = accumulated_step(parts, x, y)
+    checked = [n for n in store.data if n.endswith(("moe.router.weight", "ln_2.weight"))]
+    assert len(checked) == 2 * cfg.n_layer
+    for name in checked:
+        numeric = numeric_grad(lambda: forward_loss(parts, parts.model, x, y, step=1), store.data[name])
+        err = np.abs(grads[name] - numeric).max() / np.abs(numeric).max()
+        assert err < RTOL, f"{name}: relative error {err:.2e} against central differences"

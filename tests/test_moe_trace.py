@@ -6,7 +6,10 @@ the load-balancing and z-losses (docs/trace-format.md). Expert parallelism
 (1-D tp 2 x dp 2 x ep 2, capacity dispatch, written --sharded) and 2-D x
 ep 2 and pp 2 x dp 2 x ep 2 (the last stage's head an untied lm_head), and
 1-D x cp 2 x ep 2 under --sequence-parallel and --recompute gathers (the
-router's decisions on the gathered rows), trace the serial steps to
+router's decisions on the gathered rows), and dp 4 x ep 2 under --zero 0
+(each expert's gradient summed by the plain all-reduce over an
+expert-data group of 2: the one --zero 0 case with ep < dp, where a sum
+taken as a mean halves the experts' gradients and nothing else), trace the serial steps to
 float64 rounding; a detached load-balancing
 loss (planted from outside by tests/planted_bug.py) is named at the
 router's gradient while the loss and every activation still agree; a
@@ -14,7 +17,7 @@ routing that parts is named at its first token.
 
 Three launches (tests/planted_check.py runs several traces in one): the
 two serial references, one 4-rank launch (the capacity trace, the
-planted bug, the pipeline and sequence parallelism), one 8-rank 2-D launch.
+planted bug, the pipeline, sequence parallelism and dp 4 x ep 2), one 8-rank 2-D launch.
 """
 
 import json
@@ -56,7 +59,8 @@ def traces(tmp_path_factory, corpus_cache):
                ["router-aux-grad", EP + MODEL, "router-aux-grad.h5"],
                ["none", ["--layout", "serial", "--pp", "2", "--dp", "2", "--ep", "2", *MODEL], "pp2-ep2.h5"],
                ["none", ["--layout", "1d", "--cp", "2", "--ep", "2", "--sequence-parallel", "--recompute", "gathers",
-                         *MODEL, *CAP], "sp-cp2-ep2-cap.h5"]])
+                         *MODEL, *CAP], "sp-cp2-ep2-cap.h5"],
+               ["none", ["--layout", "serial", "--dp", "4", "--ep", "2", *MODEL], "dp4-ep2.h5"]])
     launch(8, [["none", ["--layout", "2d", "--dp", "2", "--ep", "2", *MODEL], "2d-ep2.h5"]])
     return runner.cwd
 
@@ -107,9 +111,10 @@ def test_mixtral_trace_holds_the_router_and_its_losses_as_documented(traces):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("ref,other", [("serial-cap.h5", "ep2-cap.h5"), ("serial.h5", "2d-ep2.h5"),
-                                       ("serial.h5", "pp2-ep2.h5"), ("serial-cap.h5", "sp-cp2-ep2-cap.h5")],
+                                       ("serial.h5", "pp2-ep2.h5"), ("serial-cap.h5", "sp-cp2-ep2-cap.h5"),
+                                       ("serial.h5", "dp4-ep2.h5")],
                          ids=["1d-dp2-ep2-capacity-sharded", "2d-dp2-ep2", "pp2-dp2-ep2",
-                              "1d-sp-cp2-ep2-gathers-capacity"])
+                              "1d-sp-cp2-ep2-gathers-capacity", "dp4-ep2-zero0"])
 def test_expert_parallel_traces_equal_serial(traces, ref, other):
     result = compare_traces(traces / ref, traces / other)
     assert result.first_divergence is None, [(r.name, r.note) for r in result.rows if not r.ok][:3]

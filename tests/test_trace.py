@@ -31,6 +31,8 @@ CFG = {"vocab_size": 256, "n_ctx": 8, "n_layer": 2, "n_head": 4, "n_embd": 16}
 MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", "--batch-size", "8",
          "--dtype", "float64", "--dropout", "0.1", "--seed", "5", "--warmup", "2"]
 N_TENSORS = len(computation_order(CFG, STEPS))      # every name a full trace holds
+CFG_ACTS = [n for n in computation_order(CFG, 1) if n.startswith("step_1/act/")]
+GRADS = [n for n in computation_order(CFG, 1) if n.startswith("step_1/grad/")]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +124,79 @@ def test_every_layout_traces_the_serial_steps(runner, serial_trace, ranks, layou
     assert summary["first_divergence"] is None and summary["tensors"] == N_TENSORS
     assert summary["max_rel"] <= 1e-10
     assert "all tensors agree" in r.stdout
+
+
+def test_an_honest_float32_trace_keeps_the_documented_depth_margin(runner, serial_trace):
+    """The depth-aware bound (mpicube/check/tolerance.py) on a pair that
+    differs by rounding only: the same serial steps in float32 and float64.
+    Every activation, logit, loss, gradient and gradient norm of every step
+    stays inside the bound with the margin the module states (at least
+    DOCUMENTED_MARGIN; measured 10 at step 1's first MLP branch, up to
+    thousands), so --tolerance depth passes everything up to the optimizer's
+    update. The updated parameters are the documented exception (AdamW on
+    gradients that are pure rounding noise), named here as the first
+    divergence. A bound that shrank with depth (or grew too slowly) fails."""
+    from mpicube.check.compare import compare_traces
+    from mpicube.check.names import depth
+    from mpicube.check.tolerance import DOCUMENTED_MARGIN
+
+    args = [a if a != "float64" else "float32" for a in MODEL]
+    r = runner.run("trace", "--layout", "serial", *args, "--steps", STEPS, "--out", "f32.h5")
+    assert r.returncode == 0, r
+    result = compare_traces(serial_trace, runner.cwd / "f32.h5", verdict="depth")
+    sharp = [row for row in result.rows if row.compared and row.name.startswith("step_")
+             and row.name.split("/")[1] in ("act", "grad", "logits", "loss", "grad_norm")]
+    assert len(sharp) == STEPS * (len(CFG_ACTS) + len(GRADS) + 3), len(sharp)
+    low = min(sharp, key=lambda row: row.margin)
+    assert low.margin >= DOCUMENTED_MARGIN, (low.name, low.margin, low.rel_fro, low.bound)
+    assert max(depth(row.name, CFG) for row in sharp) >= 30            # the bound grows over three steps
+    assert result.first_divergence.split("/")[1] == "param", result.first_divergence
+
+
+def test_the_activations_inside_a_block_are_recomputed_from_the_format(serial_trace):
+    """Block 1 of step 1, recomputed here with NumPy from the trace's own
+    inputs (its parameters at init, act/h.0 and the dropout masks) as
+    docs/trace-format.md defines each tensor, independently of mpicube's
+    trace collector: ln_1 (LayerNorm), attn (causal attention, the masks on
+    the probabilities and on c_proj's output), ln_2 on the stream after the
+    attention, mlp (tanh GELU). A collector that named one for another
+    (ln_1 <-> ln_2) passes every serial-vs-layout comparison; not this."""
+    p, eps = 0.1, 1e-5
+    with h5py.File(serial_trace, "r") as f:
+        w = {k: f[f"init/h.1.{k}"][()] for k in ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight",
+                                                   "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+                                                   "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                                                   "mlp.c_proj.weight", "mlp.c_proj.bias")}
+        s = f["step_1"]
+        x = s["act/h.0"][()]                                                 # (B, T, h)
+        keep_p, keep_a, keep_m = (s[f"dropout/h.1.{k}"][()].astype(np.float64)
+                                  for k in ("attn", "resid_attn", "resid_mlp"))
+        got = {k: s[f"act/h.1.{k}"][()] for k in ("ln_1", "attn", "ln_2", "mlp")}
+        after = s["act/h.1"][()]                                             # (B, T, h)
+
+    def layer_norm(v, g, b):                                                 # (B, T, h)
+        mu, var = v.mean(-1, keepdims=True), v.var(-1, keepdims=True)
+        return (v - mu) / np.sqrt(var + eps) * g + b
+
+    B, T, h = x.shape
+    nh = CFG["n_head"]
+    want = {"ln_1": layer_norm(x, w["ln_1.weight"], w["ln_1.bias"])}
+    qkv = want["ln_1"] @ w["attn.c_attn.weight"] + w["attn.c_attn.bias"]     # (B, T, 3h)
+    q, k, v = (qkv[..., i * h:(i + 1) * h].reshape(B, T, nh, h // nh).transpose(0, 2, 1, 3) for i in range(3))
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(h // nh)                  # (B, nh, T, T)
+    scores = np.where(np.tril(np.ones((T, T), dtype=bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True) * keep_p / (1 - p)
+    heads = (probs @ v).transpose(0, 2, 1, 3).reshape(B, T, h)              # (B, T, h)
+    want["attn"] = (heads @ w["attn.c_proj.weight"] + w["attn.c_proj.bias"]) * keep_a / (1 - p)
+    want["ln_2"] = layer_norm(x + want["attn"], w["ln_2.weight"], w["ln_2.bias"])
+    u = want["ln_2"] @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]             # (B, T, 4h)
+    gelu = 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u ** 3)))
+    want["mlp"] = (gelu @ w["mlp.c_proj.weight"] + w["mlp.c_proj.bias"]) * keep_m / (1 - p)
+    for name in ("ln_1", "attn", "ln_2", "mlp"):
+        err = np.abs(got[name] - want[name]).max() / np.abs(want[name]).max()
+        assert err < 1e-12, f"act/h.1.{name}: relative error {err:.2e}"
+    assert np.abs(after - (x + want["attn"] + want["mlp"])).max() < 1e-12 * np.abs(after).max()
 
 
 @pytest.mark.timeout(300)

@@ -100,6 +100,25 @@ def test_sigterm_on_one_rank_checkpoints_and_resumes(mpicube, tmp_path):
     assert losses(tmp_path / "run")[:compared] == losses(tmp_path / "whole")
 
 
+def test_ctrl_c_checkpoints_and_exits_75_as_sigterm_does(mpicube, tmp_path):
+    """Ctrl-C (SIGINT on the rank, as a terminal sends it) once interrupted
+    with status 130 and lost every step since the last checkpoint; now the
+    first one checkpoints the last completed step and exits 75."""
+    proc = mpicube.popen("train", *TINY, "--steps", "100000", "--log-every", "1000", "--out", "run")
+    try:
+        _wait_for_steps(proc, tmp_path / "run", 2)
+        pid = rank_pid(proc.pid, 0)
+        assert pid is not None, "rank 0 is not running"
+        os.kill(pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, (out, err)
+    done = len(losses(tmp_path / "run"))
+    assert 2 <= done < 100000 and latest_step(tmp_path / "run") == done, (out, err)
+
+
 def test_time_limit_stops_with_status_75(mpicube, tmp_path):
     r = mpicube.run("train", *TINY, "--steps", "100000", "--time-limit", "0:0.5", "--out", "run")
     assert r.returncode == 75, r

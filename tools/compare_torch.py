@@ -78,7 +78,7 @@ def mpicube_worker(args) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from mpicube.device import fused, threads
+    from mpicube.device import blas_kernel, fused, threads
     from mpicube.training.optim import AdamW
     from mpicube.parallel.planning import resolve
     from mpicube.training.parts import build_parts
@@ -117,6 +117,7 @@ def mpicube_worker(args) -> None:
         "library": f"mpicube {mpicube.__version__}", "first_loss": first, "step_s": times,
         "page_faults_per_step": faults,
         "matmul_flops": _numpy_matmul_rate(args.batch_size * args.seq_len, args.n_embd),
+        "blas": blas_kernel.describe(),
         "threads": f"{threads.current().describe()}; kernels: {fused.describe()}; "
                    f"OPENBLAS_THREAD_TIMEOUT={os.environ.get('OPENBLAS_THREAD_TIMEOUT', '(unset)')}",
         "process_s": time.perf_counter() - t_start}))
@@ -164,6 +165,11 @@ def run_worker(cmd: list, env: dict | None = None) -> dict:
 
 def compare(args) -> None:
     """Write the weights once, then alternate whole runs of the two workers."""
+    from mpicube.device.blas_kernel import pin_warning
+
+    pinned = pin_warning()                 # the workers inherit the pin: say so before any figure
+    if pinned:
+        print(pinned, flush=True)
     shape = ["--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--n-embd", str(args.n_embd),
              "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)]
     timing = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -196,6 +202,7 @@ def report(args, pairs) -> None:
         print(f"{name:<8} step medians {', '.join(f'{v:.1f}' for v in meds)} ms; matmul "
               f"{min(rates):.0f}-{max(rates):.0f} GFLOP/s in its own process; {runs[0]['library']}")
         print(f"{'':<8} threads: {runs[0]['threads']}")
+        print(f"{'':<8} BLAS: {runs[0].get('blas', 'not reported')}")
     print(f"ratios mpicube / torch: {', '.join(f'{r:.3f}' for r in ratios)}")
     print(f"median ratio {statistics.median(ratios):.3f}x, spread {min(ratios):.3f}-{max(ratios):.3f} "
           f"(below 1 = mpicube faster)")

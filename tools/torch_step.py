@@ -109,9 +109,21 @@ def main():
     print(json.dumps({
         "library": f"torch {torch.__version__}", "first_loss": first, "step_s": times,
         "matmul_flops": matmul_rate(B * T, weights["wte"].shape[1]),
+        "blas": blas_kernels(torch),
         "threads": f"torch.get_num_threads() {torch.get_num_threads()}, "
                    f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}",
         "process_s": time.perf_counter() - t_start}))
+
+
+def blas_kernels(torch) -> str:
+    """torch's own BLAS, as its build says (MKL is linked into torch, where
+    threadpoolctl does not see it: it would report NumPy's OpenBLAS), and
+    the CPU capability torch dispatches its kernels for (AVX2, AVX512)."""
+    import re
+
+    found = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return (f"{found.group(1) if found else 'unknown'} (torch's build), "
+            f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 
 if __name__ == "__main__":

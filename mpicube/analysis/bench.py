@@ -179,6 +179,7 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
         "batch_size": B,
         "grad_accum": parts.grad_accum,
         "kernels": kernels.describe(backend.device),
+        "kernel_threads": kernels.fused.threads() if backend.device == "cpu" else None,   # at the end
         "device": backend.device,
         "dtype": backend.dtype.name,
         "tf32": backend.tf32,
@@ -265,7 +266,7 @@ def format_table(results: list, dtype_bytes=None) -> str:
     if results:
         r = results[0]
         lines.append(f"device {r['device']}, {r['dtype']}{' (TF32 GEMMs)' if r['tf32'] else ''}; "
-                     f"kernels: {r['kernels']}; {r['flops_per_s_per_rank'] / 1e12:.3f} model TFLOP/s per rank")
+                     f"kernels: {r['kernels'].split(',')[0]}; {r['flops_per_s_per_rank'] / 1e12:.3f} model TFLOP/s per rank")
         if r["gemm_float32_flops_per_s"] != r["gemm_flops_per_s"]:
             lines.append(f"{r['dtype']} GEMM (float32 accumulation, conversions included) "
                          f"{r['gemm_flops_per_s'] / 1e9:.2f} GFLOP/s, float32 GEMM of the same shape "
@@ -283,3 +284,17 @@ def format_table(results: list, dtype_bytes=None) -> str:
                  + ("; under --pp, fwd is the whole schedule (forwards and backwards interleave), rank 0 is "
                     "stage 0" if any(r.get("pp", 1) > 1 for r in results) else ""))
     return "\n".join(lines)
+
+
+def threads_line(share, ran) -> str:
+    """bench's one word on threads: the share decided for each rank and,
+    when the fused kernels ended the timed steps on another count (the
+    adaptive count lowers it while other processes hold cores), that too,
+    so the report does not say two numbers without saying why."""
+    from ..device.threads import ADAPT_VAR
+
+    line = f"threads: {share.describe()}"
+    if ran is not None and ran != share.threads:
+        line += (f"; the fused kernels ended the timed steps on {ran} (lowered while other processes held "
+                 f"cores; {ADAPT_VAR}=0 keeps {share.threads})")
+    return line

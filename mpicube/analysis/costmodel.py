@@ -9,7 +9,7 @@ Each layout's function walks the same collective sequence its code issues
 (layouts/*.py), with the ring conventions of ``mpicube.parallel.comm``, and returns
 the elements and messages per axis. Tests check that these predictions
 equal the measured counters exactly, so this file and the layouts cannot
-drift apart silently. The formulas of DESIGN.md section 4 fall out as the
+drift apart silently. The formulas of docs/design.md section 4 fall out as the
 linear-layer part of ``cube``.
 
 Bytes follow from what each collective carries (``Widths``): activations,

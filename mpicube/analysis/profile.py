@@ -1,7 +1,7 @@
 """``--profile START:STOP`` on ``train`` and ``bench``: per-rank timelines
 of steps START..STOP (both included, 1-based; bench counts its warm-up
 steps too) written as one Chrome trace event file, ``RUN_DIR/profile.json``,
-and summarised per rank (DESIGN.md section 11; docs/profiling.md).
+and summarised per rank (docs/design.md section 11; docs/profiling.md).
 
 What is recorded (``mpicube.parallel.profiler``): on the compute thread the
 step, its phases (each micro-batch's forward and backward, the gradient

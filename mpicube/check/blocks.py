@@ -9,6 +9,19 @@ import numpy as np
 from ..core.errors import UserError
 
 
+class Problem(str):
+    """A sharded tensor's divergence, said in words, and for replicas that
+    part their largest difference as numbers (``max_abs``, ``max_rel``:
+    inf where there is none, as for elements no rank holds), so that the
+    comparison's row and its --json line report the disagreement's size
+    rather than inf and null."""
+
+    def __new__(cls, text: str, max_abs: float = float("inf"), max_rel: float = float("inf")):
+        made = super().__new__(cls, text)
+        made.max_abs, made.max_rel = max_abs, max_rel
+        return made
+
+
 def logical_shape(group) -> tuple:
     return tuple(int(n) for n in group.attrs.get("shape", ()))
 
@@ -62,8 +75,10 @@ def merge(blocks, group, path, rtol: float, atol: float):
             scale = max(float(np.abs(mine).max()), float(np.abs(theirs).max()))
             if not (np.isfinite(diff).all() and float(diff.max()) <= atol + rtol * scale):
                 other = int(owner[target][again][int(np.argmax(np.where(np.isfinite(diff), diff, np.inf)))])
-                worst = float(np.nanmax(diff)) / scale if scale > 0 else float("inf")
-                problem = f"replicas part: ranks {other} and {rank} differ by max rel {worst:.2e}"
+                largest = float(np.nanmax(diff)) if np.isfinite(diff).any() else float("inf")
+                worst = largest / scale if scale > 0 else float("inf")
+                problem = Problem(f"replicas part: ranks {other} and {rank} differ by max rel {worst:.2e}",
+                                  largest if np.isfinite(scale) else float("inf"), worst)
         fresh = ~again
         if fresh.any():
             block = full[target]
@@ -77,5 +92,5 @@ def merge(blocks, group, path, rtol: float, atol: float):
         raise UserError(f"{path}: {name}: a sharded tensor with no shards")
     if not seen.all() and not problem:
         at = tuple(int(i) for i in np.argwhere(~seen)[0])
-        problem = f"{int((~seen).sum())} elements held by no rank, first {at}"
+        problem = Problem(f"{int((~seen).sum())} elements held by no rank, first {at}")
     return full.reshape(shape), problem

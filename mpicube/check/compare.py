@@ -264,7 +264,9 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, en
     if shards_a or shards_b:                            # a sharded trace's replicas part, or elements are missing
         note = "; ".join(f"{s}: {p}" for s, p in (("A", shards_a), ("B", shards_b)) if p)
         note = "; ".join(filter(None, (note, diagnosis(name, sets, paths, a, b, rtol, atol))))
-        return Row(name, np.shape(a), math.inf, math.inf, False, note, math.inf, math.nan)
+        parted = [p for p in (shards_a, shards_b) if p]            # replicas part by a number; inf: no number
+        return Row(name, np.shape(a), max(getattr(p, "max_abs", math.inf) for p in parted),
+                   max(getattr(p, "max_rel", math.inf) for p in parted), False, note, math.nan, math.nan)
     wrong = [f"{side} stores {arr.dtype}, the format {want}" for side, arr, dt in (("A", a, dtypes[0]),
                                                                                    ("B", b, dtypes[1]))
              if (want := expected_dtype(name, dt)) is not None and arr.dtype != want]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.errors import UserError
-from .blocks import merge, read_blocks
+from .blocks import Problem, merge, read_blocks  # noqa: F401 - Problem: a sharded tensor's divergence
 from .placements import assemble_placed
 
 

@@ -168,9 +168,10 @@ def arch_options(f):
                      help="llama: key/value heads, dividing --n-head (grouped-query attention)  "
                           "[default: --n-head]")(f)
     f = click.option("--arch", type=click.Choice(("gpt2", "llama", "mixtral")), default="gpt2", show_default=True,
-                     help="model family: GPT-2, or Llama (RMSNorm, rotary positions, SwiGLU, "
+                     help="model family: gpt2; llama (RMSNorm, rotary positions, SwiGLU, "
                           "grouped-query attention, untied head, no biases); mixtral: Llama with a mixture of "
-                          "experts (--n-experts 8 --top-k 2 unless given)")(f)
+                          "experts (--n-experts 8 --top-k 2 unless given); with --init-from or --resume: "
+                          "the file's family")(f)
     return f
 
 
@@ -324,7 +325,7 @@ def device_options(f):
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="mpicube")
 def cli():
-    """GPT-2 training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
+    """GPT-2, Llama and Mixtral training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
 
     Run under MPI: mpiexec -n 8 mpicube train --layout 3d
     """

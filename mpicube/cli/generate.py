@@ -40,7 +40,7 @@ class GenerateOptions:
     model: str
     prompt: Optional[str] = None
     prompt_tokens: Optional[str] = None       # "1,2,3"
-    max_new_tokens: int = 32
+    max_new_tokens: Optional[int] = None      # None: up to DEFAULT_NEW_TOKENS, as many as the context holds
     temperature: float = 1.0
     top_k: int = 0                            # 0: the whole vocabulary
     seed: int = 1337
@@ -57,7 +57,7 @@ class GenerateOptions:
     ep: int = 1                               # expert-parallel ranks (a mixture of experts), taken from dp
 
     def validate(self) -> None:
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ConfigError(f"--max-new-tokens must be 0 or more, got {self.max_new_tokens}")
         if not (np.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"--temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
@@ -65,6 +65,30 @@ class GenerateOptions:
             raise ConfigError(f"--top-k must be 0 (no limit) or more, got {self.top_k}")
         if self.prompt is not None and self.prompt_tokens is not None:
             raise ConfigError("give --prompt or --prompt-tokens, not both")
+
+
+DEFAULT_NEW_TOKENS = 64
+
+
+def new_token_count(requested, prompt_len: int, n_ctx: int):
+    """(how many tokens to generate, a note or None). The prompt and the
+    new tokens share the model's n_ctx positions. Without --max-new-tokens
+    the count is DEFAULT_NEW_TOKENS or what the context holds, whichever is
+    fewer, silently; a requested count past the context is clipped to the
+    largest that fits, with a note saying so (the README's quick start
+    asks a 64-position model for 200). Only a prompt that leaves no room
+    is refused, naming the largest count that fits and the longest prompt."""
+    room = n_ctx - prompt_len                           # the largest count that fits
+    if room < 0 or (room == 0 and requested != 0):
+        raise UserError(f"the prompt ({prompt_len} tokens) leaves no room in the model's context of {n_ctx} "
+                        f"positions: the largest --max-new-tokens that fits is 0; a prompt of at most "
+                        f"{n_ctx - 1} tokens leaves room for one")
+    if requested is None:
+        return min(DEFAULT_NEW_TOKENS, room), None
+    if requested > room:
+        return room, (f"--max-new-tokens {requested} clipped to {room}, the largest that fits: the prompt "
+                      f"({prompt_len} tokens) plus the new ones fill the model's context of {n_ctx} positions")
+    return requested, None
 
 
 class Sampler:
@@ -223,12 +247,10 @@ def generate(opts: GenerateOptions, mpi_world) -> dict:
         source = model_file.describe()
         tokenizer_name = tokenizers.name_for(cfg.vocab_size)
         prompt, tokenizer = prompt_ids(opts, cfg.vocab_size, tokenizer_name)
-        if len(prompt) + opts.max_new_tokens > cfg.n_ctx:
-            raise UserError(f"the prompt ({len(prompt)} tokens) plus --max-new-tokens {opts.max_new_tokens} is longer "
-                            f"than the model's context of {cfg.n_ctx} positions")
+        count, clip_note = new_token_count(opts.max_new_tokens, len(prompt), cfg.n_ctx)
         gen = load_generator(model_file, cfg, opts.layout, opts.dp, opts.depth, opts.dtype, opts.device, opts.tf32,
                              mpi_world, opts.pp, opts.pp_schedule, opts.virtual_stages, opts.ep)
-    result = gen.run(prompt, opts.max_new_tokens, Sampler(opts.temperature, opts.top_k, opts.seed), opts.cache)
+    result = gen.run(prompt, count, Sampler(opts.temperature, opts.top_k, opts.seed), opts.cache)
     steps = result.pop("step_times_s")
     result.update({
         "prompt_tokens": prompt,
@@ -238,6 +260,6 @@ def generate(opts: GenerateOptions, mpi_world) -> dict:
         "cache": opts.cache,
         "model": source,
         "layout": gen.parts.layout.describe(),
-        "note": note,
+        "note": "; ".join(n for n in (note, clip_note) if n) or None,
     })
     return result

@@ -5,7 +5,7 @@ they register on the group.
 
 Run it as ``mpiexec -n P mpicube train ...`` (or ``python -m mpicube``).
 
-Errors (DESIGN.md section 7). Bad input - ``UserError`` (``ConfigError`` is
+Errors (docs/design.md section 7). Bad input - ``UserError`` (``ConfigError`` is
 one), ``DataError``, ``CheckpointError``, a click usage error - is reported by
 rank 0 as one line ``error: <message>`` on stderr, without a traceback, and
 the job exits with status 2. Such an error is normally raised by every rank
@@ -26,7 +26,9 @@ signal or ``--time-limit`` with a checkpoint written (resume with
 ``--resume``), 76 no progress: a collective waited, or a step stood still,
 for ``--collective-timeout`` seconds (a rank stopped, died or was cut off);
 the first rank to notice says so in one line and the job is aborted, its
-last checkpoint intact (``mpicube.parallel.watchdog``), 130 interrupted.
+last checkpoint intact (``mpicube.parallel.watchdog``), 130 interrupted
+(a second Ctrl-C while training, which does not wait for the checkpoint
+a first one asks for; or Ctrl-C outside training).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import traceback
 import click
 
 from ..core.errors import UserError
-from . import model, train  # noqa: F401 (the commands register on ``cli`` as they are imported)
+from . import model, pictures, train  # noqa: F401 (the commands register on ``cli`` as they are imported)
 from .common import _mpi, cli, echo
 
 EXIT_USAGE = 2

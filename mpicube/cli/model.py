@@ -22,8 +22,9 @@ from ..core.errors import UserError
 @click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default=None,
               help="also show this layout's sharding plan and cost predictions")
 @click.option("-n", "--world-size", type=int, default=None, help="number of ranks for the plan")
-@click.option("--dp", type=int, default=1, show_default=True)
-@click.option("--depth", type=int, default=1, show_default=True)
+@click.option("--dp", type=int, default=1, show_default=True,
+              help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")
+@click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that the layout accepts]")
 @grad_accum_option("micro-batches per step (activations of one micro-batch, its traffic N times)")
@@ -182,9 +183,10 @@ def _mib(nbytes: int) -> str:
 @click.option("--batch-size", type=int, default=None,
               help="global sequences per step  [default: the smallest of at least 8 that each layout accepts]")
 @grad_accum_option("micro-batches per step: forward+backward on batch/N sequences at a time, one update")
-@click.option("--warmup-steps", type=int, default=2, show_default=True, help="untimed steps first")
+@click.option("--warmup-steps", type=int, default=2, show_default=True,
+              help="untimed steps first (not train's --warmup, the learning rate's warm-up)")
 @click.option("--steps", type=int, default=5, show_default=True, help="timed steps")
-@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options
 @recompute_option
 @click.option("--json", "as_json", is_flag=True, help="end stdout with one JSON object of the results")
@@ -210,7 +212,7 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     memory per rank (rank 0's figures).
     """
     from ..device import threads
-    from ..analysis.bench import bench_layout, format_table
+    from ..analysis.bench import bench_layout, format_table, threads_line
     from ..core.config import ModelConfig
     from ..files.data import VOCAB_SIZE
     from ..model.llama import check_config as check_llama
@@ -230,6 +232,11 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
                       **family_fields(**family))
     if cfg.llama:                           # --n-kv-head dividing --n-head: before any layout says a word
         check_llama(cfg)
+    from ..device import blas_kernel
+
+    pinned = blas_kernel.pin_warning()
+    if pinned:
+        echo(pinned)
     results, noted = [], set()
     with watched(collective_timeout, "bench"):
         for name in layouts or ("auto",):
@@ -255,11 +262,13 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
                     session = _session_factory(parts, profile, where, meta)
                 results.append(bench_layout(parts, seq_len, warmup_steps, steps, seed, session))
     echo(format_table(results, 4 if dtype == "float32" else 8))
-    echo(f"threads: {threads.current().describe()}")
+    echo(threads_line(threads.current(), results[0].get("kernel_threads")))
+    echo(f"BLAS: {blas_kernel.describe()}")
     if as_json:
         first = results[0]
         echo(json.dumps({"step_time_s": first["step_time_s"], "tokens_per_s": first["tokens_per_s"],
                          "gemm_fraction": first["gemm_fraction"], "threads": threads.current().to_dict(),
+                         "blas": blas_kernel.describe(), "blas_pin_warning": pinned,
                          "results": results}))
 
 
@@ -284,26 +293,12 @@ def _session_factory(parts, steps, where, meta):
 
 
 @cli.command()
-@click.argument("run_dir")
-@click.option("--out", metavar="FILE.png",
-              help="the picture to write  [default: RUN_DIR/timeline.png, or TRACE.png beside a trace file]")
-@click.option("--width", type=float, default=12.0, show_default=True, help="inches across")
-def timeline(run_dir, out, width):
-    """Draw RUN_DIR/profile.json (train or bench --profile) as a picture.
-
-    Ranks down, time across; for each rank a lane of compute and one per
-    communication axis, each in its own colour: calls and waits solid,
-    nonblocking calls in flight pale. RUN_DIR may also be the trace file.
-    """
-    from ..analysis.timeline import default_out, draw
-
-    echo(draw(run_dir, out if out is not None else default_out(run_dir), width))
-
-
-@cli.command()
-@click.argument("ckpt")
+@click.argument("ckpt", metavar="MODEL")
 def inspect(ckpt):
     """Report a model file's contents and check it; exit 1 if damaged.
+
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral
+    directory or an llm.c model file, as for eval and generate.
 
     A mpicube checkpoint: every shard's checksum. A Hugging Face GPT-2
     directory or an llm.c model file: its configuration and every tensor,
@@ -327,14 +322,15 @@ def inspect(ckpt):
 @click.argument("dst")
 @click.option("--to", "to", type=click.Choice(["mpicube", "hf", "llmc"]), required=True,
               help="format to write: a mpicube run directory, a Hugging Face directory (GPT2LMHeadModel or "
-                   "LlamaForCausalLM, as the model is) or an llm.c file (GPT-2 only)")
+                   "LlamaForCausalLM or MixtralForCausalLM, as the model is) or an llm.c file (a format that holds "
+                   "GPT-2 only)")
 @click.option("--max-shard-size", type=str, default=None, metavar="SIZE",
               help="hf: split the weights into safetensors files of at most SIZE (e.g. 2GB, 500MB)")
 def convert(src, dst, to, max_shard_size):
     """Convert a model between mpicube, Hugging Face and llm.c formats.
 
     SRC's format is detected: a mpicube checkpoint (run dir, step dir or
-    checkpoint.h5), a Hugging Face GPT-2 or Llama directory (config.json
+    checkpoint.h5), a Hugging Face GPT-2, Llama or Mixtral directory (config.json
     and safetensors) or an llm.c model file. Tensors are copied exactly.
     """
     from ..parallel.comm import on_root
@@ -355,10 +351,12 @@ def convert(src, dst, to, max_shard_size):
 @click.option("--prompt", type=str, default=None, help="text to continue (byte-level or GPT-2 BPE models)")
 @click.option("--prompt-tokens", type=str, default=None, metavar="IDS",
               help="token ids to continue, comma-separated: 1,2,3 (any vocabulary)")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--max-new-tokens", type=int, default=None,
+              help="tokens to generate; more than the model's context holds after the prompt are clipped, "
+                   "with a note  [default: 64, or as many as the context holds]")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy")
 @click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k likeliest (0 = all)")
-@click.option("--seed", type=SEED, default=1337, show_default=True)
+@click.option("--seed", type=SEED, default=1337, show_default=True, help="the sampler's draws")
 @click.option("--cache/--no-cache", default=True, show_default=True,
               help="key/value cache; --no-cache recomputes the whole prefix for every token")
 @layout_options

@@ -15,9 +15,10 @@ from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout
                      arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
                      recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
 from .common import ep_option
+from .sections import TRAIN_EPILOG, SectionedCommand
 
 
-@cli.command()
+@cli.command(cls=SectionedCommand, epilog=TRAIN_EPILOG)
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
               expose_value=False, help="TOML file of option values (keys as option names); "
                                        "options on the command line override it")
@@ -41,7 +42,7 @@ from .common import ep_option
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
               help="sgd: plain SGD (p -= lr g, no momentum, no weight decay), a reference mode in which a wrongly "
                    "scaled gradient moves the parameters by that scale (AdamW divides it out)")
-@click.option("--dropout", type=float, default=0.0, show_default=True)
+@click.option("--dropout", type=float, default=0.0, show_default=True, help="dropout probability (0 = off)")
 @click.option("--seed", type=SEED, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options
 @recompute_option
@@ -60,7 +61,8 @@ from .common import ep_option
 @click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
 @click.option("--init-from", type=str, default=None, metavar="MODEL",
               help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
-                   "run dir, saved on any layout), a Hugging Face GPT-2 or Llama directory or an llm.c model file; "
+                   "run dir, saved on any layout), a Hugging Face GPT-2, Llama or Mixtral directory or an llm.c "
+                   "model file (the family comes from the file unless --arch is given); "
                    "this run starts its own schedule and AdamW moments (with --resume: unless the run "
                    "directory has a checkpoint of its own, which is continued instead)")
 @click.option("--resume", is_flag=True, default=False,
@@ -84,21 +86,22 @@ from .common import ep_option
 @profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
 def train(collective_timeout, profile, **kwargs):
-    """Train a GPT-2 (or, with --arch llama, a Llama) model.
+    """Train a GPT-2, Llama (--arch llama) or Mixtral (--arch mixtral) model.
 
     Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
-    step) and checkpoints in RUN_DIR/ckpt/. SIGTERM or SIGUSR1 on any rank
-    (or --time-limit) writes a checkpoint and exits with status 75;
+    step) and checkpoints in RUN_DIR/ckpt/. SIGTERM, SIGUSR1 or Ctrl-C on
+    any rank (or --time-limit) writes a checkpoint and exits with status 75
+    (a second Ctrl-C: at once, status 130);
     `--resume` continues exactly where it stopped.
     """
     from ..training.hooks import Faults
-    from ..training.launch import SHAPE_OPTIONS
+    from ..training.launch import FAMILY_OPTIONS, SHAPE_OPTIONS
     from ..training.options import TrainOptions
     from ..training.train import Trainer
 
     opts = TrainOptions(**kwargs, **env_settings())
     ctx = click.get_current_context()      # a model file decides the shape options nobody gave
-    opts.given_shape = tuple(k for k in SHAPE_OPTIONS
+    opts.given_shape = tuple(k for k in SHAPE_OPTIONS + FAMILY_OPTIONS
                              if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None))
     faults = Faults.from_environment()           # the test suite's, read here with the rest of the environment
     hooks = [faults] if faults is not None else []
@@ -117,7 +120,7 @@ def train(collective_timeout, profile, **kwargs):
 
 
 @cli.command("eval")
-@click.argument("ckpt")
+@click.argument("ckpt", metavar="MODEL")
 @click.option("--data", type=str, default=None, metavar="PATH",
               help="token shard to evaluate on  [default: the validation shard of the data the checkpoint "
                    "was trained on; the built-in corpus's for a model without one]")
@@ -138,7 +141,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
                  grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
-    CKPT is a mpicube checkpoint, a Hugging Face GPT-2 or Llama directory or an
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral directory or an
     llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
@@ -200,7 +203,7 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedu
                        "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
-@cli.command("trace")
+@cli.command("trace", cls=SectionedCommand)
 @click.option("--steps", type=int, default=3, show_default=True,
               help="training steps to trace (also the length of the LR schedule)")
 @click.option("--out", required=True, metavar="FILE.h5", help="the trace file to write")

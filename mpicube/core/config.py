@@ -28,7 +28,7 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
         stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
         stray += [k for k, v in moe.items() if v not in (None, False)]
         if stray:
-            raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch llama only")
+            raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch llama or mixtral only, not gpt2")
         return {}
     for key, value in given.items():
         if value is not None and not value > 0:
@@ -122,7 +122,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model's hyper-parameters (DESIGN.md section 2): GPT-2's five
+    """The model's hyper-parameters (docs/design.md section 2): GPT-2's five
     sizes, and the settings of the Llama family (``arch`` "llama"). Their
     defaults are GPT-2's, so a GPT-2 configuration reads, prints and stores
     exactly as before the Llama fields existed (``to_dict`` leaves them out).

@@ -1,6 +1,6 @@
 """How much memory a model needs and how much this process may still
 take, so that a size no machine could hold is refused in one line before
-anything is built (DESIGN.md section 6: sizes are checked arithmetically
+anything is built (docs/design.md section 6: sizes are checked arithmetically
 against the file's real size and this rank's memory before allocation).
 
 Every figure here is a lower bound of the need set against an upper bound

@@ -24,6 +24,33 @@ def sync_fd(fd: int) -> None:
             raise
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux says it
+    (/proc/self/status, since 4.7), else set and set back at once."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(fd_or_path, directory: bool = False) -> None:
+    """Give a file made by mkstemp (0600) or a directory made by mkdtemp
+    (0700) the mode open() and mkdir() would have given it: 0666 or 0777
+    less the umask. On a shared cluster colleagues read each other's
+    shards, exports and profiles, as they read checkpoints."""
+    mode = (0o777 if directory else 0o666) & ~current_umask()
+    if isinstance(fd_or_path, int):
+        os.fchmod(fd_or_path, mode)
+    else:
+        os.chmod(fd_or_path, mode)
+
+
 def atomic_write(path, chunks) -> Path:
     """Write the byte chunks (any iterable, consumed lazily) to ``path``
     through a unique temporary file in the same directory, then rename it.
@@ -36,6 +63,7 @@ def atomic_write(path, chunks) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        honour_umask(fd)
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)

@@ -54,17 +54,28 @@ def write_shard(path, tokens) -> None:
     atomic_write(path, [header.tobytes(), body.tobytes()])
 
 
+def prepare_hint(path) -> str:
+    """What to run when ``path`` is not a shard at all (text, most likely):
+    the ``prepare`` that tokenizes it into one beside it."""
+    from pathlib import Path
+
+    shard = Path(path).with_suffix(".bin") if Path(path).suffix != ".bin" else Path(path).with_name(
+        Path(path).stem + "_tokens.bin")
+    return f"; to train on a text file, tokenize it first: mpicube prepare {path} --out {shard}"
+
+
 def parse_header(header: bytes, size: int, path) -> tuple:
     """(token count, token dtype) of a shard whose first bytes are
     ``header`` and whose file holds ``size`` bytes, or a DataError naming
     ``path``: the header is checked arithmetically against the real size
-    before anything is read or allocated (DESIGN.md section 5)."""
+    before anything is read or allocated (docs/design.md section 5)."""
     if size < HEADER_BYTES or len(header) < HEADER_BYTES:
-        raise DataError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header ({size} bytes)")
+        raise DataError(f"{path}: file is shorter than the {HEADER_BYTES}-byte shard header ({size} bytes)"
+                        + prepare_hint(path))
     magic, version, count = (int(v) for v in np.frombuffer(header, dtype="<i4", count=3))
     if magic not in LAYOUTS:
         raise DataError(f"{path}: wrong magic number {magic} (expected {MAGIC} or {WIDE_MAGIC}); "
-                        f"not an llm.c token shard")
+                        f"not an llm.c token shard" + prepare_hint(path))
     want, dtype = LAYOUTS[magic]
     if version != want:
         raise DataError(f"{path}: unsupported shard version {version} (expected {want} with magic {magic})")

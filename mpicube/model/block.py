@@ -22,7 +22,7 @@ from .tape import Micro
 
 class Dropout:
     """Masks that are a pure function of (seed, step, site, global index), so
-    every layout drops the same elements (DESIGN.md section 2). They are
+    every layout drops the same elements (docs/design.md section 2). They are
     drawn where the activations live: on a GPU the hash runs on the device
     and nothing is copied per step but a few small index vectors, once.
     Which step, micro-batch and positions come with each call (``Micro``);

@@ -7,7 +7,8 @@ cross-entropy over a (possibly split) vocabulary and the token embedding
 (``local``, ``vocab``), the counter-based generator behind initial
 values and dropout masks (``rng``), and DeepSeek-V3's pieces, used as
 submodules: multi-head latent attention (``mla``), its router
-(``deepseek_router``) and multi-token prediction (``mtp``). A sum over a dimension that a layout
+(``deepseek_router``), multi-token prediction (``mtp``) and YaRN's
+rotary scaling (``yarn``). A sum over a dimension that a layout
 may have split arrives as a callable (``allsum``, ``allmax``), so the same
 op serves every layout. Each op runs on NumPy or CuPy arrays and lets the
 device layer pick its kernels.

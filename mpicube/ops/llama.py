@@ -1,6 +1,6 @@
 """The Llama family's local ops: RMSNorm, rotary position embeddings and
 the SwiGLU gate, as forward/backward pairs with no communication of their
-own (DESIGN.md section 2 is their numerics contract).
+own (docs/design.md section 2 is their numerics contract).
 
 * RMSNorm's statistics run in float32 or wider whatever the activations'
   format (16-bit inputs are upcast, as Hugging Face does), the weight is
@@ -11,7 +11,8 @@ own (DESIGN.md section 2 is their numerics contract).
   ``x cos + rotate_half(x) sin`` with ``rotate_half(x) = [-x2 | x1]``. The
   angles are computed on the host in float64 from each row's global
   position, so every layout and split of the sequence rotates a row alike;
-  Llama 3's frequency scaling is applied to the inverse frequencies there.
+  Llama 3's frequency scaling is applied to the inverse frequencies there,
+  and so is YaRN's (``ops.yarn``, with its factor on the tables).
 * SwiGLU: silu(gate) * up on the two halves of one linear's output.
 
 Shapes: B rows, T positions, C local hidden width, nh local heads, hd head size.
@@ -24,6 +25,7 @@ import numpy as np
 from ..device.arrays import array_module, identity
 from ..device.precision import is_half, narrow, up
 from .local import column_dots, rowdot
+from .yarn import YarnScaling, yarn_inv_freq
 
 
 # --- RMSNorm -------------------------------------------------------------------
@@ -62,7 +64,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None):
     w = 2 pi / f: w < L / high_freq_factor (fast): f; w > L /
     low_freq_factor (slow): f / factor; between: (1 - s) f / factor + s f,
     s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor),
-    which meets the other two at the band's ends (s = 0 and s = 1)."""
+    which meets the other two at the band's ends (s = 0 and s = 1). With
+    ``scaling`` an ``ops.yarn.YarnScaling``: YaRN's frequencies."""
+    if isinstance(scaling, YarnScaling):
+        return yarn_inv_freq(head_dim, theta, scaling)
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # (hd/2,)
     if scaling is None:
         return inv_freq
@@ -77,10 +82,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None):
 def rope_tables(positions, head_dim: int, theta: float, scaling=None):
     """(cos, sin), each (T, hd) float64 on the host, for the global
     ``positions`` (T,): angle[t, m] = pos[t] * inv_freq[m] for m < hd/2
-    (``rope_inv_freq``), repeated over both halves (Hugging Face's layout)."""
+    (``rope_inv_freq``), repeated over both halves (Hugging Face's layout);
+    YaRN's tables are multiplied by its ``table_factor``."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling)                                  # (hd/2,)
     angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]      # (T, hd/2)
     angles = np.concatenate([angles, angles], axis=1)                                   # (T, hd)
+    if isinstance(scaling, YarnScaling) and scaling.table_factor != 1.0:
+        return np.cos(angles) * scaling.table_factor, np.sin(angles) * scaling.table_factor
     return np.cos(angles), np.sin(angles)
 
 

@@ -41,9 +41,11 @@ columns out in interleaved pairs (x0, x1), (x2, x3), ... (config
 stays in that de-interleaved order for q and k alike, so their dot
 products are those of the interleaved rotation.
 
-Softmax scale: 1/sqrt(dn + dr) (the caller passes it; YaRN's mscale would
-change it). Like ``local.attention_forward``, q is scaled before the
-scores (equal to scaling the scores up to rounding).
+Softmax scale: ``MlaDims.scale`` = softmax_factor / sqrt(dn + dr), the
+factor 1 unless YaRN's mscale_all_dim sets it (``ops.yarn``: DeepSeek-V3's
+released config multiplies the scale by (0.1 ln 40 + 1)^2); a caller may
+still pass its own. Like ``local.attention_forward``, q is scaled before
+the scores (equal to scaling the scores up to rounding).
 
 Generation caches only what kv_down produces, after its norm and rotary:
 c_kv (rkv per token) and the rotated k_pe (dr per token) (``LatentCache``);
@@ -78,13 +80,16 @@ LATENT_EPS = 1e-6
 class MlaDims:
     """Head sizes of MLA: dn (qk_nope_head_dim), dr (qk_rope_head_dim),
     dv (v_head_dim), the latent ranks rq (q_lora_rank, 0: none) and rkv
-    (kv_lora_rank), and whether the rotary columns are interleaved."""
+    (kv_lora_rank), whether the rotary columns are interleaved, and the
+    softmax scale's factor over 1/sqrt(dn + dr) (YaRN's
+    ``ops.yarn.YarnScaling.softmax_factor``; 1 without YaRN)."""
     nope: int
     rope: int
     v: int
     kv_rank: int
     q_rank: int = 0
     interleaved: bool = True
+    softmax_factor: float = 1.0
 
     @property
     def qk(self) -> int:
@@ -93,8 +98,8 @@ class MlaDims:
 
     @property
     def scale(self) -> float:
-        """The softmax scale 1/sqrt(dn + dr)."""
-        return 1.0 / math.sqrt(self.qk)
+        """The softmax scale softmax_factor / sqrt(dn + dr)."""
+        return self.softmax_factor / math.sqrt(self.qk)
 
 
 # --- the kv latent -------------------------------------------------------------
@@ -229,7 +234,8 @@ def pack(q, kv, k_pe, n_head: int, dims: MlaDims, cos, sin):
     that every attention op of the project takes (``ops`` T x T,
     ``ops.attention_blocks``, ``parallel.context.RingAttention``): q and
     k as ``attention_forward`` builds them, v zero-padded from dv to hd
-    columns. Those ops scale by 1/sqrt(hd) = 1/sqrt(dn + dr), MLA's scale,
+    columns. Those ops scale by 1/sqrt(hd) = 1/sqrt(dn + dr), MLA's scale
+    (q is multiplied by ``dims.softmax_factor`` first where YaRN sets one),
     and the padded columns of their output are exactly zero (p @ 0), so
     ``unpack`` gives the same numbers as ``attention_forward`` at the
     price of (dn + dr) / dv times the p @ v work. Needs dv <= dn + dr
@@ -240,6 +246,8 @@ def pack(q, kv, k_pe, n_head: int, dims: MlaDims, cos, sin):
     qh, kh, vh = _heads(q, kv, k_pe, n_head, dims, cos, sin, cos, sin)          # (B, nh, T, .)
     B, _, T, hd = qh.shape
     qkv = xp.zeros((B, T, 3, n_head, hd), dtype=q.dtype)                          # (B, T, 3, nh, hd)
+    if dims.softmax_factor != 1.0:
+        qh = qh * qh.dtype.type(dims.softmax_factor)                             # (B, nh, T, hd)
     qkv[:, :, 0], qkv[:, :, 1] = qh.transpose(0, 2, 1, 3), kh.transpose(0, 2, 1, 3)
     qkv[:, :, 2, :, :dims.v] = vh.transpose(0, 2, 1, 3)
     return qkv.reshape(B, T, 3 * n_head * hd)
@@ -270,6 +278,8 @@ def pack_backward(dqkv, n_head: int, dims: MlaDims, cos, sin):
     dq = xp.empty((B, T, n_head, dims.qk), dtype=dqkv.dtype)                      # (B, T, nh, dn + dr)
     dq[..., :dims.nope] = g[:, :, 0, :, :dims.nope]
     dq[..., dims.nope:] = rotary_backward(g[:, :, 0, :, dims.nope:], cos, sin, dims.interleaved)
+    if dims.softmax_factor != 1.0:
+        dq *= dq.dtype.type(dims.softmax_factor)
     dkv = xp.empty((B, T, n_head, dims.nope + dims.v), dtype=dqkv.dtype)         # (B, T, nh, dn + dv)
     dkv[..., :dims.nope] = g[:, :, 1, :, :dims.nope]
     dkv[..., dims.nope:] = g[:, :, 2, :, :dims.v]

@@ -2,7 +2,7 @@
 (key, global element index).
 
 This is what makes every layout start from the same model and draw the same
-dropout masks (DESIGN.md section 2): a rank evaluates the generator only at the
+dropout masks (docs/design.md section 2): a rank evaluates the generator only at the
 global indices of the block it owns, so no rank ever materialises a whole
 tensor and no sequential stream has to be replayed or split.
 

@@ -10,7 +10,7 @@ from here).
 
 ``Comm`` wraps one mpi4py communicator playing one named role (an *axis* of
 the processor grid, such as ``"j"`` of the 3-D cube or ``"dp"``). Every call
-is counted with the ring-algorithm conventions of DESIGN.md section 4, per
+is counted with the ring-algorithm conventions of docs/design.md section 4, per
 rank:
 
 =================  ===========================  =============

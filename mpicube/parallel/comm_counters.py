@@ -4,7 +4,7 @@ tallied too (``Pending``).
 
 ``Comm`` (``comm.py``) and its function-shaped helpers (``comm_start``,
 ``comm_p2p``, ``comm_wire``, ``comm_alltoall``) add each call's elements,
-bytes, messages and seconds here, with the conventions of DESIGN.md section
+bytes, messages and seconds here, with the conventions of docs/design.md section
 4 listed in ``comm.py``; the cost model, ``bench`` and the profiler read
 them back. Counts are exact ``Fraction``s so the analytic cost model can be
 compared with ``==``.

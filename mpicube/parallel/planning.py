@@ -49,6 +49,7 @@ class Resolved:
     batch_note: Optional[str] = None     # how a default batch was chosen (None: given or kept)
     batch_kept: bool = False             # the saved batch (a resumed run's, a checkpoint's) was kept
     pipeline_note: Optional[str] = None  # a large bubble, said to the user (schedules.check_pipeline)
+    tp_note: Optional[str] = None        # a tensor-parallel layout asked for on one tensor-parallel rank
 
     @property
     def cls(self):
@@ -147,7 +148,24 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     _check_batch(plan, cls, name, run_cfg, tp, batch_size)
     if plan.sequence_parallel:
         check_sequence_parallel(plan, cls, name, run_cfg, tp)
-    return Resolved(plan, cfg, world_size, tp, name, batch_size, seq_len, why, kept, note)
+    return Resolved(plan, cfg, world_size, tp, name, batch_size, seq_len, why, kept, note,
+                    one_rank_note(plan, name, tp, world_size))
+
+
+SMALLEST_TP = {"1d": 2, "2d": 4, "3d": 8}      # 2.5d: 4 x depth (q = 2)
+
+
+def one_rank_note(plan, name: str, tp: int, world_size: int) -> Optional[str]:
+    """A line for ``--layout 1d|2d|2.5d|3d`` that got one tensor-parallel
+    rank (``mpicube train --layout 3d`` without mpiexec runs the serial
+    model and says nothing else): the world it probably meant, the
+    smallest that layout splits (q = 2), times the other axes."""
+    if tp != 1 or plan.layout != name or name not in (*SMALLEST_TP, "2.5d"):
+        return None
+    smallest = SMALLEST_TP.get(name, 4 * plan.depth)
+    others = world_size                       # tp 1: the world is dp x pp x cp
+    return (f"layout {name} on {world_size} rank(s) has 1 tensor-parallel rank: it runs as the serial model; "
+            f"its smallest split takes {smallest} tensor-parallel ranks: mpiexec -n {smallest * others}")
 
 
 def _check_choices(plan: Plan, cfg: ModelConfig, world_size: int) -> tuple:

@@ -1,5 +1,5 @@
 """The span recorder of ``--profile START:STOP`` (part of the comm layer:
-``comm`` calls it, so it sits beside it; DESIGN.md section 11).
+``comm`` calls it, so it sits beside it; docs/design.md section 11).
 
 Why a recorder here and not a sampling profiler: the question is *when*
 each rank computes, talks over which axis, and waits, on one clock for all

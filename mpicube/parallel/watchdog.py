@@ -1,5 +1,5 @@
 """The watchdog: a rank that stops or vanishes must not hang the others
-(DESIGN.md section 7, ``--collective-timeout``).
+(docs/design.md section 7, ``--collective-timeout``).
 
 MPI has no timeout of its own. A rank stopped with SIGSTOP, swapped out,
 or cut off with its node leaves the others waiting in their next

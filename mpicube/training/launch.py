@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from ..core.config import ModelConfig
+from ..core.config import ModelConfig, family_fields
 from ..core.errors import ConfigError, RunDirError, UserError, io_reason
 from ..device import threads
 from ..files import checkpoint, data, formats
@@ -30,6 +30,21 @@ from .step import make_step
 from .. import __version__
 
 SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")   # what a model file given to a run decides
+# The family's options: a model file decides the family (``--arch`` unless given) and these model-defining
+# ones; the mixture's training knobs (capacity, the router losses' weights) given apply to the file's model.
+FAMILY_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k",
+                  "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+TRAINING_KNOBS = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+# a model-defining family option -> its value in a ModelConfig, comparable with the file's
+MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.ffn, "rope_theta": lambda c: c.rope_theta,
+                  "rms_eps": lambda c: c.rms_eps, "tie_embeddings": lambda c: c.tied,
+                  "n_experts": lambda c: c.n_experts, "top_k": lambda c: c.top_k,
+                  "no_norm_topk": lambda c: not c.norm_topk}
+
+
+def family_of(cfg: ModelConfig) -> str:
+    """What --arch names this model: gpt2, llama or mixtral (a Llama with experts)."""
+    return "mixtral" if cfg.moe else cfg.arch
 
 
 class Launch:
@@ -44,7 +59,7 @@ class Launch:
     def setup(self) -> None:
         o = self.opts
         o.validate()
-        self.cfg = o.model_config()
+        self.cfg = None if o.file_decides_family else o.model_config()   # else known once the file is open
         self.batch_note = None                # how a default batch size was chosen, for the console
         self.run = None                       # the resolved plan (parallel/planning.py), once the model is known
         # The plan is resolved once, against the model the run builds: the
@@ -56,7 +71,7 @@ class Launch:
             self._plan_data()
 
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
-            on_root(self.world, lambda: formats.open_model(o.init_from, verify=False).close())
+            on_root(self.world, self._check_init_from)
         if self.run is not None:                         # a model too large for the host: no run directory
             require_host_room(self.run, o.numerics, self.world)
         if self.keep_files:
@@ -70,6 +85,8 @@ class Launch:
         if self.source is not None:           # the model's shape and vocabulary come from the file
             self.model_file = formats.open_everywhere(self.world, self.source)
             self.cfg = self._file_config(self.model_file)
+        elif self.cfg is None:                # --resume of a run without a checkpoint: the options' model
+            self.cfg = o.model_config()
         if self.run is None:
             planned = o.batch_size is not None
             self._resolve()
@@ -80,7 +97,7 @@ class Launch:
             on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
         self.parts = build_parts(self.run, self.world, o.numerics, o.seed, o.dropout,
                                  recorder=self.recorder)
-        for note in (recompute_note(self.parts.layout, o.recompute), self.run.pipeline_note):
+        for note in (recompute_note(self.parts.layout, o.recompute), self.run.pipeline_note, self.run.tp_note):
             if note:                                   # e.g. fewer micro-batches than stages: a large bubble
                 self.notes.append(note)
         self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay,
@@ -172,7 +189,8 @@ class Launch:
         if o.seq_len > cfg.n_ctx:
             raise ConfigError(f"--seq-len {o.seq_len} is longer than the context of {model_file.describe()} "
                               f"({cfg.n_ctx} positions)")
-        wanted = replace(o.model_config(), n_ctx=cfg.n_ctx)
+        # the options' sizes in the file's family (its family options: _file_family)
+        wanted = replace(cfg, vocab_size=o.vocab_size, n_layer=o.n_layer, n_head=o.n_head, n_embd=o.n_embd)
         differ = [k for k in SHAPE_OPTIONS if getattr(wanted, k) != getattr(cfg, k)]
         given = getattr(o, "given_shape", SHAPE_OPTIONS)     # the CLI says which were typed; API callers mean all
         if any(k in given for k in differ):                  # asked for another model than the file holds
@@ -186,12 +204,52 @@ class Launch:
             k = differ[0]
             raise ConfigError(f"{model_file.path}: holds a model with {k} {getattr(cfg, k)}, this run asks for "
                               f"{getattr(wanted, k)} {leave_out}")
+        cfg = self._file_family(model_file.path, cfg)
         if differ:
             differ = [f"--{_dash(k)}" for k in differ]
             self.notes.append(f"note: the model's shape comes from {model_file.path}: n_layer {cfg.n_layer}, "
                               f"n_head {cfg.n_head}, n_embd {cfg.n_embd}, n_ctx {cfg.n_ctx}, vocab {cfg.vocab_size} "
                               f"({', '.join(differ)} not used)")
         return cfg
+
+    def _check_init_from(self) -> None:
+        """Rank 0: --init-from's file opens and its model is the one the
+        options ask for (shape and family), before the run directory is made."""
+        with formats.open_model(self.opts.init_from, verify=False) as model_file:
+            said = list(self.notes)
+            self._file_config(model_file)
+            self.notes[:] = said                   # said again when the run opens the file
+
+    def _file_family(self, path, cfg: ModelConfig) -> ModelConfig:
+        """The file's model under this run's family options: the file
+        decides the family (``--arch`` given must name it) and its
+        model-defining settings (each given must agree, one line naming it,
+        as a differing --n-embd); the mixture's training knobs given
+        (--capacity-factor, --router-aux-loss-coef, --router-z-loss-coef)
+        replace the file's."""
+        o = self.opts
+        if not hasattr(o, "given_shape"):                   # an API caller: the file's model, as always
+            return cfg
+        given = set(o.given_shape)
+        leave_out = "to take the file's model"
+        if "arch" in given:
+            asked = family_of(ModelConfig(**family_fields(**o.family())))
+            if asked != family_of(cfg):
+                raise ConfigError(f"{path}: holds a {family_of(cfg)} model, this run asks for --arch {o.arch} "
+                                  f"(leave out --arch {leave_out})")
+        options = {**o.family(), "arch": family_of(cfg)}
+        if cfg.moe:                                          # the file's experts unless given
+            options["n_experts"] = options["n_experts"] if options["n_experts"] is not None else cfg.n_experts
+            options["top_k"] = options["top_k"] if options["top_k"] is not None else cfg.top_k
+        try:
+            wanted = replace(cfg, **family_fields(**options))
+        except ConfigError as exc:
+            raise ConfigError(f"{path} holds a {family_of(cfg)} model: {exc}") from None
+        for option, value in MODEL_DEFINING.items():
+            if option in given and value(wanted) != value(cfg):
+                raise ConfigError(f"{path}: holds a model with {option} {value(cfg)}, this run asks for "
+                                  f"{value(wanted)} (leave out --{_dash(option)} {leave_out})")
+        return replace(cfg, **{k: getattr(wanted, k) for k in TRAINING_KNOBS if k in given})
 
     def _restore(self) -> int:
         """Load parameters / state as asked; return the last completed step."""

@@ -124,6 +124,15 @@ class TrainOptions:
                            **family_fields(**self.family()))
 
     @property
+    def file_decides_family(self) -> bool:
+        """A model file (--init-from, --resume's checkpoint) decides the
+        family unless --arch was given: the family options are checked
+        against it, not against GPT-2's default (``given_shape``, set by the
+        command line, names the options typed; API callers give all)."""
+        given = getattr(self, "given_shape", None)
+        return given is not None and "arch" not in given and (self.init_from is not None or self.resume)
+
+    @property
     def last_step(self) -> int:
         """The step this invocation stops after (the schedule still spans ``steps``)."""
         return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
@@ -156,6 +165,8 @@ class TrainOptions:
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
+        if self.file_decides_family:       # checked against the model file's family once it is open
+            return
         family_fields(**self.family())
         if self.arch in ("llama", "mixtral"):   # --n-kv-head dividing --n-head, an even head size: before any file
             llama.check_config(self.model_config())

@@ -162,7 +162,7 @@ def attr_dict(value) -> dict:
 @dataclass
 class Saved:
     """What a model file's attributes record of the run that wrote it,
-    every value checked: a checkpoint is untrusted input (DESIGN.md
+    every value checked: a checkpoint is untrusted input (docs/design.md
     section 6), and ``adam_t = "x"`` or ``data.step = -5`` must be one line,
     not a traceback or a run that starts at step -4. A foreign model file
     records nothing, and reads as a fresh start."""

@@ -1,7 +1,8 @@
 """When a run stops early, agreed by every rank at step boundaries.
 
-Four things end a run before ``--steps``: SIGTERM or SIGUSR1 on any rank
-(a scheduler's warning), ``--time-limit`` (judged on rank 0's and every
+Four things end a run before ``--steps``: SIGTERM, SIGUSR1 (a scheduler's
+warning) or SIGINT (Ctrl-C: the first one; a second one interrupts at once,
+exit status 130, losing the steps since the last checkpoint) on any rank, ``--time-limit`` (judged on rank 0's and every
 rank's own clock, with room for one more step and one more checkpoint),
 an I/O failure of the run directory on rank 0 (metrics.jsonl on a full
 disk), and ``--stop-after`` (the loop's own bound). All but the last are
@@ -44,13 +45,17 @@ class EarlyStop:
         return agree_max(self.world, code)
 
     def on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signalled == SIGNAL:    # Ctrl-C twice: stop now, no checkpoint
+            raise KeyboardInterrupt
         self.signalled = SIGNAL
 
     @contextmanager
     def signal_handlers(self):
-        """SIGTERM and SIGUSR1 ask for a checkpoint and exit at the next step boundary."""
+        """SIGTERM, SIGUSR1 and a first SIGINT (Ctrl-C, which a user presses
+        as a cluster's scheduler sends SIGTERM) ask for a checkpoint and exit
+        at the next step boundary."""
         previous = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             try:
                 previous[sig] = signal.signal(sig, self.on_signal)
             except ValueError:      # not the main thread: no handlers
@@ -69,5 +74,8 @@ class EarlyStop:
             # a default SIGUSR1 becomes ignored; a caller's own handler is
             # handed back.
             for sig, handler in previous.items():
+                if sig == signal.SIGINT:            # Ctrl-C while finalising: interrupt as usual
+                    signal.signal(sig, handler)
+                    continue
                 late_warning = sig == signal.SIGUSR1 and handler in (signal.SIG_DFL, None)
                 signal.signal(sig, signal.SIG_IGN if self.signalled or late_warning else handler)

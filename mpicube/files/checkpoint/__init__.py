@@ -1,4 +1,4 @@
-"""HDF5 checkpoints written in parallel, read by anyone (DESIGN.md section 6).
+"""HDF5 checkpoints written in parallel, read by anyone (docs/design.md section 6).
 
 A checkpoint is a directory ``RUN/ckpt/step_%08d/``::
 

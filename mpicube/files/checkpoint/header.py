@@ -3,7 +3,7 @@
 Any value at all may sit in an attribute of a file someone hands us: an
 array where a number belongs, bytes that are not UTF-8, JSON nested a
 thousand deep, a step of 1e300, a model dimension of -4 or 2**80. Each
-attribute is either what DESIGN.md section 6 says it is, or a
+attribute is either what docs/design.md section 6 says it is, or a
 :class:`CheckpointError` naming the file and the attribute; no other
 exception may escape (tests/test_hostile_files.py fuzzes this with
 hypothesis), because a traceback from a bad input file is a crash, not a

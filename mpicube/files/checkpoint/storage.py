@@ -1,4 +1,4 @@
-"""Where a checkpoint's bytes come from: the trust check of DESIGN.md section 6.
+"""Where a checkpoint's bytes come from: the trust check of docs/design.md section 6.
 
 A checkpoint is untrusted input, and HDF5 reads far more than the files a
 checkpoint lists. Left to itself it follows, without a word:

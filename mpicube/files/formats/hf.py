@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import honour_umask
+
 from ...core import memory
 from ...core.config import ModelConfig
 from .base import FormatError, ModelFile, check_shapes, first_missing, gpt2_shapes, model_config
@@ -313,6 +315,7 @@ def write_files(dst: Path, named: list, config: dict, max_shard_bytes: int | Non
         size += array.nbytes
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
+        honour_umask(tmp, directory=True)      # mkdtemp's 0700 would keep the export from colleagues
         files = []
         if len(groups) == 1:
             save_file(dict(groups[0]), str(tmp / SINGLE), metadata={"format": "pt"})
@@ -329,6 +332,8 @@ def write_files(dst: Path, named: list, config: dict, max_shard_bytes: int | Non
             files.append(INDEX)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         files.append(CONFIG)
+        for name in files:                     # safetensors writes its files 0600
+            honour_umask(tmp / name)
         os.replace(tmp, dst)                 # dst does not exist or is an empty directory
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,9 +7,11 @@ the ``--arch deepseek_v3`` options will be), and written back
 Both spellings are read: transformers' (``rope_parameters``,
 ``num_nextn_predict_layers``) and DeepSeek's released config
 (``rope_scaling``, ``scoring_func``, ``topk_method``, ``seq_aux``,
-``aux_loss_alpha``, ``moe_layer_freq``). A configuration this build does
-not compute is refused in one line naming the field: a rope scaling
-(YaRN included), a scoring function other than sigmoid, a top-k method
+``aux_loss_alpha``, ``moe_layer_freq``). The rope is the default one or
+YaRN (the released DeepSeek-V3 config's ``rope_scaling`` type "yarn",
+``ops.yarn``), its fields validated one by one. A configuration this build
+does not compute is refused in one line naming the field: another rope
+scaling, an unknown YaRN field, a scoring function other than sigmoid, a top-k method
 other than the grouped one (``noaux_tc``), attention biases, key/value
 heads fewer than the heads, a batch-wise auxiliary loss, MoE layers not
 on every layer, sizes that do not divide (experts by groups) or
@@ -24,7 +26,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from ...ops.yarn import YarnScaling
 from .base import FormatError
 from .hf import CONFIG, _shown, read_json
 
@@ -60,6 +64,12 @@ class DeepseekV3Shape:
     rope_interleave: bool
     rms_eps: float
     tie_embeddings: bool
+    rope_scaling: Optional[YarnScaling] = None     # YaRN, or None: unscaled rope
+
+    @property
+    def softmax_factor(self) -> float:
+        """MLA's softmax scale over 1/sqrt(qk_head_dim): YaRN's mscale_all_dim correction, or 1."""
+        return 1.0 if self.rope_scaling is None else self.rope_scaling.softmax_factor
 
     @property
     def qk_head_dim(self) -> int:
@@ -102,23 +112,68 @@ def _flag(where, doc, key, default):
     return value
 
 
-def _rope(where, doc) -> float:
-    """rope_theta, refusing any rope scaling (named by its field)."""
-    field = "rope_parameters" if doc.get("rope_parameters") is not None else "rope_scaling"
-    params = doc.get(field) or {}
+YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
+
+
+def _yarn(where, field, params) -> YarnScaling:
+    """The YaRN settings of the rope object ``params`` (``field`` names it),
+    each field checked: finite and positive (factor at least 1, beta_fast
+    above beta_slow), original_max_position_embeddings a positive integer,
+    truncate true or false; mscale, mscale_all_dim, attention_factor,
+    beta_fast and beta_slow may be absent (or null)."""
+    unknown = sorted(set(params) - YARN_KEYS)
+    if unknown:
+        raise FormatError(f"{where}: {field}.{unknown[0]} = {_shown(params[unknown[0]])} is not a YaRN field "
+                          "mpicube computes")
+    values = {}
+    for key in ("factor", "original_max_position_embeddings") + YarnScaling.NUMBERS[1:]:
+        value = params.get(key)
+        if value is None and key not in ("factor", "original_max_position_embeddings"):
+            continue
+        integer = key == "original_max_position_embeddings"
+        kind = int if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind) or not (math.isfinite(value) and value > 0):
+            raise FormatError(f"{where}: {field}.{key} = {_shown(value)} is not a positive "
+                              f"{'integer' if integer else 'number'}")
+        values[key] = value if integer else float(value)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise FormatError(f"{where}: {field}.truncate = {_shown(truncate)} must be true or false")
+    y = YarnScaling(**values, truncate=truncate)
+    if y.factor < 1:
+        raise FormatError(f"{where}: {field}.factor = {_shown(params['factor'])} is below 1 (YaRN stretches the "
+                          "context)")
+    if not y.beta_fast > y.beta_slow:
+        raise FormatError(f"{where}: {field}.beta_fast = {_shown(y.beta_fast)} is not above beta_slow "
+                          f"{_shown(y.beta_slow)}")
+    return y
+
+
+def _rope_of(where, field, params, doc):
+    """(rope_theta, YarnScaling or None) of the rope object ``params``."""
     if not isinstance(params, dict):
         raise FormatError(f"{where}: {field} = {_shown(params)} is not a JSON object")
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
+    if kind not in ("default", "yarn"):
         raise FormatError(f"{where}: {field}.rope_type = {_shown(kind)} is not supported: mpicube's DeepSeek-V3 "
-                          "rotates without scaling (rope type default)")
-    if field == "rope_parameters" and doc.get("rope_scaling"):
-        raise FormatError(f"{where}: rope_scaling = {_shown(doc['rope_scaling'])} is not supported: mpicube's "
-                          "DeepSeek-V3 rotates without scaling")
+                          "rotates unscaled (rope type default) or with YaRN (yarn)")
     theta = params.get("rope_theta", doc.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
         raise FormatError(f"{where}: rope_theta = {_shown(theta)} is not a positive number")
-    return float(theta)
+    return float(theta), (_yarn(where, field, params) if kind == "yarn" else None)
+
+
+def _rope(where, doc):
+    """(rope_theta, YarnScaling or None) from transformers' rope_parameters or
+    DeepSeek's rope_scaling (both present: they must agree)."""
+    field = "rope_parameters" if doc.get("rope_parameters") is not None else "rope_scaling"
+    rope = _rope_of(where, field, doc.get(field) or {}, doc)
+    if field == "rope_parameters" and doc.get("rope_scaling"):
+        if _rope_of(where, "rope_scaling", doc["rope_scaling"], doc)[1] != rope[1]:
+            raise FormatError(f"{where}: rope_scaling = {_shown(doc['rope_scaling'])} disagrees with "
+                              "rope_parameters")
+    return rope
 
 
 def parse_config(path, doc) -> DeepseekV3Shape:
@@ -182,12 +237,13 @@ def parse_config(path, doc) -> DeepseekV3Shape:
     if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
         raise FormatError(f"{where}: {mtp_key} = {_shown(mtp)} is not an integer >= 0")
     coef = _number(where, doc, "aux_loss_alpha", 0.0, positive=False)
+    theta, scaling = _rope(where, doc)
     return DeepseekV3Shape(
         **v, top_k=K, n_groups=G, topk_groups=Kg, norm_topk=_flag(where, doc, "norm_topk_prob", True),
         routed_scaling_factor=_number(where, doc, "routed_scaling_factor", 1.0), seq_aux_loss_coef=coef,
-        mtp_depth=mtp, rope_theta=_rope(where, doc), rope_interleave=_flag(where, doc, "rope_interleave", True),
+        mtp_depth=mtp, rope_theta=theta, rope_interleave=_flag(where, doc, "rope_interleave", True),
         rms_eps=_number(where, doc, "rms_norm_eps", 1e-6),
-        tie_embeddings=_flag(where, doc, "tie_word_embeddings", False))
+        tie_embeddings=_flag(where, doc, "tie_word_embeddings", False), rope_scaling=scaling)
 
 
 def read_config(path) -> DeepseekV3Shape:
@@ -230,7 +286,8 @@ def config_json(d: DeepseekV3Shape, dtype: str = "float32") -> dict:
         "seq_aux": True,
         "aux_loss_alpha": d.seq_aux_loss_coef,
         "num_nextn_predict_layers": d.mtp_depth,
-        "rope_parameters": {"rope_type": "default", "rope_theta": d.rope_theta},
+        "rope_parameters": {**(d.rope_scaling.to_dict() if d.rope_scaling else {"rope_type": "default"}),
+                            "rope_theta": d.rope_theta},
         "rope_interleave": d.rope_interleave,
         "rms_norm_eps": d.rms_eps,
         "hidden_act": "silu",
