@@ -36,6 +36,7 @@ checkpoint that a serial reader must see as the serial model.
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
          zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [ckpt=1]
+         [cpkind=ulysses|hybrid ulysses=U] [opt=muon qkv=split|joint] [hsdp=R]
   (every case's tp x dp x pp x cp must be W)
 Prints one "OK case <words> worst=... (rtol ...) <seconds>s" line per case from rank 0.
 """
@@ -46,7 +47,7 @@ import gc
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from mpi4py import MPI
@@ -54,6 +55,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
+from replicated_check import check_replicated  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
@@ -91,8 +93,14 @@ class Case:
     heads: int = HEADS
     kv: int = 0           # Llama's kv heads (0: as many as heads)
     ckpt: int = 0         # 1: save a checkpoint after the last step and read it as serial (check_checkpoint)
+    cpkind: str = "ring"  # --cp-kind: ring, ulysses or hybrid (parallel/ulysses.py)
+    ulysses: int = 1      # --ulysses under hybrid
+    opt: str = "adamw"    # --optimizer: adamw or muon (training/muon.py)
+    qkv: str = "split"    # --muon-qkv: c_attn's q, k, v orthogonalised split or joint
+    hsdp: int = 1         # --hsdp R: ZeRO-3 in dp/R shard groups, replicas all-reduced
 
-    INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt")
+    INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
+            "ulysses", "hsdp")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -111,7 +119,7 @@ class Case:
     def plan(self) -> Plan:
         return Plan(self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth, pp_schedule=self.schedule,
                     virtual_stages=self.virtual, sequence_parallel=self.sp, zero=self.zero,
-                    recompute=self.recompute, grad_accum=self.accum)
+                    recompute=self.recompute, grad_accum=self.accum, cp_kind=self.cpkind, ulysses=self.ulysses, hsdp=self.hsdp)
 
     def cfg(self) -> ModelConfig:
         if self.arch == "llama":
@@ -144,7 +152,7 @@ class References:
         self.done = {}
 
     def get(self, case: Case, steps: list) -> dict:
-        key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv)
+        key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv, case.opt, case.qkv)
         if key not in self.done:
             self.done[key] = self._run(case, steps)
         return self.done[key]
@@ -153,7 +161,7 @@ class References:
     def _run(case: Case, steps: list) -> dict:
         serial = build_parts(resolve(Plan("serial"), case.cfg(), case.batch, 1), MPI.COMM_SELF,
                              Numerics(case.dtype), seed=SEED, dropout=DROPOUT)
-        opt = make_step(serial.store, serial.layout.axes, weight_decay=0.1)
+        opt = make_step(serial.store, serial.layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
         out = {"loss": [], "norm": [], "grads": []}
         for step, (x, y) in enumerate(steps, start=1):
             serial.store.zero_grad()
@@ -190,9 +198,9 @@ def run_case(case: Case, refs: References) -> None:
     host = layout.backend.to_host
     if pc.HALF:
         pc.RTOL = pc.wire_tolerance(layout, store, case.dtype)
-    problem = pc.problem_of(cfg, layout, plan, case.batch, case.dtype)
+    problem = replace(pc.problem_of(cfg, layout, plan, case.batch, case.dtype), optimizer=case.opt, hsdp=case.hsdp)
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
-    opt = make_step(store, layout.axes, weight_decay=0.1)
+    opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
     for step, (x, y) in enumerate(steps, start=1):
         store.zero_grad()
         counters.reset()
@@ -227,6 +235,8 @@ def run_case(case: Case, refs: References) -> None:
     if parts.pipeline is None:      # generation's key/value cache (kv heads only under GQA) == the model
         caches = sum(c.k.size + c.v.size for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"
+    if not pc.HALF and case.cp == 1:    # the REPLICATED linear kind on this case's layout
+        check_replicated(layout, pc.close)
     if case.ckpt:
         assert any(spec.shared is not None for spec in store.specs), "ckpt=1 is for a layout replicating kv heads"
         check_checkpoint(parts, opt, want["params"])

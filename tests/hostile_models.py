@@ -231,10 +231,16 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cli_cases import run
 
+    import resource
+
+    def cpu():
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        return use.ru_utime + use.ru_stime
+
     results = []
     for argv in json.loads(Path(sys.argv[1]).read_text()):
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), cpu()
         result = run([str(a) for a in argv])
-        result["seconds"] = time.monotonic() - t0
+        result["seconds"], result["cpu"] = time.monotonic() - t0, cpu() - c0
         results.append(result)
     print(json.dumps({"results": results, "vm_peak": vm_peak()}))

@@ -56,7 +56,7 @@ def record_runs(model, n_layer: int) -> list:
     way (analysis/trace_collect.py)."""
     log = [[] for _ in range(n_layer)]
     for i, block in enumerate(model.model.blocks):
-        experts = getattr(block, "block", block).moe.local_experts
+        experts = getattr(block, "block", block).mlp.local_experts
         run = experts._run
 
         def recorded(rows, index, sizes=None, every=False, _run=run, _i=i):
@@ -92,7 +92,7 @@ class StageRuns:
         self.pipe, self.last, self.runs = pipe, {}, {}
         for v in range(pipe.V):
             for block in pipe.chunk_model(v).blocks:
-                moe = getattr(block, "block", block).moe
+                moe = getattr(block, "block", block).mlp
                 experts = moe.local_experts
                 forward = experts.forward
 
@@ -105,7 +105,7 @@ class StageRuns:
 
     def after_forward(self, m: int) -> None:
         for block in self.pipe.current[0].blocks:
-            layer = getattr(block, "block", block).moe.layer
+            layer = getattr(block, "block", block).mlp.layer
             self.runs.setdefault(m, {})[layer] = self.last[layer]
 
     def take(self, ledgers: list) -> tuple:

@@ -140,12 +140,13 @@ from mpicube.analysis.costmemory import (kept_and_rerun_terms, pipeline_peak_act
 from mpicube.cli.common import env_settings
 from mpicube.parallel.grid import build_layout
 from mpicube.parallel.planning import resolve
-from mpicube.parallel.context import local_positions
+from mpicube.parallel.context import local_positions, ulysses_of
 from mpicube.parallel.gridspec import GridSpec
 from mpicube.training.accum import forward_backward
 from mpicube.model.gpt import gpt_params
 from mpicube.training.driver import make_runner
 from moe_costs import check_kept, check_placement, measured_rows, record_runs, take_runs
+from replicated_check import check_replicated
 from mpicube.training.step import make_step
 from mpicube.parallel.fsdp import make_store
 from mpicube.parallel.paramspec import clipped_index, real_mask
@@ -210,7 +211,7 @@ def wire_tolerance(layout, store, dtype=None) -> float:
     for spec in store.specs:
         # 2-D, 2.5-D and 3-D sum weight-gradient partials over q (SUMMA's reduce,
         # the cube's reduce-scatter over i); 1-D's weight gradients are local
-        chain = [(g, True)] if hasattr(layout, "q") and spec.decl.role in ("w_first", "w_second", "wte") else []
+        chain = [(g, True)] if hasattr(layout, "q") and spec.decl.role in ("w_column", "w_row", "wte") else []
         chain.append((spec.grad_comm.size if spec.grad_comm is not None else 1, half_sums))   # replica group
         chain.append((layout.axes.dp.size, half_sums))                                         # data parallelism
         most = max(most, roundings(chain))
@@ -255,7 +256,7 @@ def problem_of(cfg, layout, plan, batch: int, dtype: str = None) -> Problem:
     combo_matrix_check) starts from it, so they price the same run."""
     return Problem(cfg, layout.name, layout.axes.tp.size, plan.dp, plan.depth, batch, cfg.n_ctx,
                    DTYPE if dtype is None else dtype, recompute=plan.recompute, grad_accum=plan.grad_accum,
-                   zero=plan.zero, cp=plan.cp, sequence_parallel=plan.sequence_parallel, pp=plan.pp,
+                   zero=plan.zero, cp=plan.cp, ulysses=plan.ulysses_size, sequence_parallel=plan.sequence_parallel, pp=plan.pp,
                    pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages, stage=layout.axes.pp.rank,
                    ep=layout.axes.ep.size if layout.axes.ep is not None else 1,
                    ep_rank=layout.axes.ep.rank if layout.axes.ep is not None else 0)
@@ -374,7 +375,8 @@ def check_logits(parts, m: int, serial_logits, label: str) -> None:
     seqs = parts.micro_rows(m).start + emb.logit_seqs           # global sequences of these logits
     v0, nv = emb.vocab_start, model.logits.shape[-1]
     real = max(0, min(nv, cfg.vocab_size - v0))
-    pos = local_positions(cfg.n_ctx, parts.layout.axes.cp.size, parts.layout.axes.cp.rank)   # this rank's positions
+    ring = parts.layout.axes.cp
+    pos = local_positions(cfg.n_ctx, ring.size, ring.rank, ulysses_of(ring))   # this rank's positions
     close(label, parts.layout.backend.to_host(model.logits)[..., :real], serial_logits[seqs][:, pos, v0:v0 + real])
 
 
@@ -522,6 +524,9 @@ def main():
             check_traffic(problem, counters)              # the step's all-gather (zero 1) too
     if not HALF:
         check_params(store, host, s_store.data, "after 3 steps")
+    probed = not HALF and CP == 1            # the REPLICATED linear kind on this layout (tests/replicated_check.py)
+    if probed:
+        check_replicated(layout, close)
     padded = MPI.COMM_WORLD.allreduce(PADDED[0])
     generated = ""
     if os.environ.get("MPICUBE_CHECK_GENERATE") == "1":
@@ -530,7 +535,8 @@ def main():
         print(f"OK {layout_name} world={MPI.COMM_WORLD.size} dp={dp} depth={depth} device={DEVICE} "
               f"dtype={DTYPE} recompute={RECOMPUTE} accum={ACCUM} zero={ZERO} cp={CP} loss={s_loss:.12f} "
               f"worst={WORST[0]:.2e} (rtol {RTOL:.1e})" + (" sequence-parallel" if SEQPAR else "") + f" arch={ARCH}"
-              + (f" capacity={CAPACITY} ep={EP} padded={padded}" if ARCH == "mixtral" else "") + generated)
+              + (f" capacity={CAPACITY} ep={EP} padded={padded}" if ARCH == "mixtral" else "") + generated
+              + (" replicated-linear" if probed else ""))
 
 
 if __name__ == "__main__":

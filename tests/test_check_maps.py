@@ -56,6 +56,20 @@ def test_every_map_round_trips_exactly(make):
     assert all(np.array_equal(back[n], trace[n]) for n in trace)
 
 
+@pytest.mark.parametrize("cfg", [CFG, LLAMA_CFG, MIXTRAL_CFG], ids=["gpt2", "llama", "mixtral"])
+def test_each_family_names_the_map_of_its_transformers_class(cfg):
+    """A model family's ``hf_map`` (model/families) is a shipped map whose
+    trace names are exactly the family's parameters, in its order."""
+    from mpicube.core.config import ModelConfig
+    from mpicube.model.families import family_of
+
+    model = ModelConfig.from_dict(cfg)
+    family = family_of(model)
+    m = namemaps.MAPS[family.hf_map](cfg)
+    assert sorted(m.rules) == sorted(family.param_names(model))
+    assert [d.name for d in family.params(model)] == list(family.param_names(model))
+
+
 def test_linear_weights_are_transposed_and_q_k_v_split_by_columns():
     trace = trace_params()
     nano = namemaps.nanogpt(CFG).from_trace(trace)

@@ -170,13 +170,55 @@ LLAMA_CASES = [
 ]
 
 
+# Ulysses and hybrid context parallelism (issue 46): each joins its world size's launch, checked like
+# every case (serial to 1e-10 with dropout, traffic on the "ulysses" and "cp" axes and memory against the
+# cost model). Every layout, GQA with kv heads replicated over the Ulysses ranks, rotary at the group's
+# positions, sequence parallelism, zero 3, a pipeline, recompute with accumulation, the 16-bit wire.
+CP_KIND_CASES = [
+    (4, "layout=1d tp=2 cp=2 cpkind=ulysses batch=8"),
+    (4, "layout=serial tp=1 cp=4 cpkind=hybrid ulysses=2 recompute=blocks accum=2 batch=8"),
+    (8, "layout=2d tp=4 cp=2 cpkind=ulysses batch=8"),
+    (8, f"layout=1d tp=2 cp=4 cpkind=ulysses kv=2 {LLAMA}"),                    # 4 Ulysses ranks over 2 kv heads
+    (8, "layout=1d tp=2 cp=4 sp=1 cpkind=hybrid ulysses=2 dtype=bfloat16 batch=8"),
+    (8, "layout=1d tp=2 cp=2 dp=2 zero=3 cpkind=ulysses batch=8"),
+    (8, "layout=1d tp=2 pp=2 cp=2 accum=2 cpkind=ulysses batch=8"),
+    (16, "layout=3d tp=8 cp=2 cpkind=ulysses batch=8"),
+    (16, "layout=2.5d tp=8 depth=2 cp=2 cpkind=ulysses batch=8"),
+]
+
+# --optimizer muon (issue 46): Newton-Schulz on whole matrices gathered from every layout and ZeRO stage,
+# equal to the serial Muon (which tests/test_muon.py checks against an independent PyTorch Muon), with the
+# gathers' traffic in the cost model. ZeRO 3 on each layout; 1 and 2 with a pipeline, cp (Ulysses), GQA.
+MUON_CASES = [
+    (4, "layout=1d tp=2 dp=2 zero=3 opt=muon batch=8"),
+    (4, "layout=2d tp=4 opt=muon qkv=joint batch=8"),
+    (8, "layout=2d tp=4 dp=2 zero=3 opt=muon qkv=joint batch=8"),
+    (8, "layout=1d tp=2 pp=2 dp=2 zero=2 accum=2 opt=muon batch=8"),
+    (8, f"layout=1d tp=8 kv=2 opt=muon {LLAMA}"),                              # kv heads replicated over 4 ranks
+    (8, "layout=1d tp=2 cp=2 dp=2 zero=1 cpkind=ulysses opt=muon batch=8"),
+    (8, "layout=2.5d tp=8 depth=2 opt=muon dtype=bfloat16 batch=16"),
+    (16, "layout=3d tp=8 dp=2 zero=3 opt=muon batch=8"),
+    (16, "layout=2.5d tp=8 depth=2 dp=2 zero=3 opt=muon batch=16"),
+]
+
+# --hsdp R (issue 46): ZeRO-3 inside dp/R shard groups, the chunks all-reduced over the R replicas (axis
+# hsdp), with a pipeline, cp, Muon, recompute and the 16-bit wire; traffic and memory against the cost model.
+HSDP_CASES = [
+    (4, "layout=serial tp=1 dp=4 zero=3 hsdp=2 dtype=bfloat16 batch=8"),
+    (8, "layout=1d tp=2 dp=4 zero=3 hsdp=2 opt=muon batch=8"),
+    (8, "layout=serial tp=1 pp=2 dp=4 zero=3 hsdp=2 accum=2 batch=8"),
+    (8, "layout=serial tp=1 cp=2 dp=4 zero=3 hsdp=2 recompute=blocks batch=8"),
+]
+
+
 def launches() -> dict:
     """{world size: [case words]}: the covering set grouped by world size,
-    with the 4-axis case once no pairing of it is refused, and the Llama cases."""
+    with the 4-axis case once no pairing of it is refused, the Llama cases,
+    the Ulysses, Muon and HSDP cases."""
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
-    for ranks, words in LLAMA_CASES:
+    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES:
         groups[ranks].append(words)
     return dict(sorted(groups.items()))
 

@@ -80,6 +80,48 @@ def test_ring_attention_equals_serial():
     proc = mpiexec(4, ["-m", "mpi4py", "tests/context_check.py"], timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK ring attention cp=4 T=64 block=4" in proc.stdout
+    assert "OK ulysses 4 x ring 1 T=64 block=4" in proc.stdout      # Ulysses over the 4 ranks
+    assert "OK ulysses 2 x ring 2 T=64 block=4" in proc.stdout      # the hybrid: groups of 2, a ring of 2
+
+
+def test_ulysses_positions_traffic_and_bad_sizes():
+    """--cp-kind ulysses/hybrid: the ranks' runs cover the sequence, a
+    hybrid group's runs are the ring rank's two chunks in order; the
+    all-to-all traffic of the cost model; sizes that do not fit the heads,
+    cp or the sequence refused in one line naming the values that work."""
+    from mpicube.analysis.costmodel import ring_traffic, ulysses_traffic
+    from mpicube.parallel.planning import resolve
+
+    T = 32
+    for C, U in ((4, 4), (8, 2), (4, 1)):
+        runs = [context.local_positions(T, C, r, U) for r in range(C)]
+        assert sorted(np.concatenate(runs)) == list(range(T))
+        for g in range(C // U):
+            group = np.concatenate(runs[g * U:(g + 1) * U])
+            assert list(group) == list(context.local_positions(T, C // U, g))
+    cfg = ModelConfig(vocab_size=61, n_ctx=16, n_layer=2, n_head=4, n_embd=16)
+    p = Problem(cfg, "serial", 1, 1, 1, 4, 16, "float64", cp=4, ulysses=4)
+    slab = 4 * (16 // 4) * (4 // 4) * 4                                  # seqs x T/cp x heads/U x hd
+    t = ulysses_traffic(p)
+    assert t.elems["ulysses"] == 2 * 2 * 3 * (3 + 1) * slab   # layers x (fwd, bwd) x peers x (qkv + y) and t.msgs["ulysses"] == 2 * 4 * 3
+    assert not ring_traffic(p).msgs
+    hybrid = Problem(cfg, "serial", 1, 1, 1, 4, 16, "float64", cp=4, ulysses=2)
+    assert ring_traffic(hybrid).msgs["cp"] == 2 * (2 * 1 + 2)            # a ring of 2 groups
+    bad = [(GridSpec(cp=4, cp_kind="ulysses"), ModelConfig(vocab_size=61, n_ctx=16, n_layer=1, n_head=6, n_embd=24),
+            r"^--cp 4 \(the Ulysses size, --cp-kind ulysses\) must divide the 6 attention heads .*use --cp one of \[1, 2\]$"),
+           (GridSpec(cp=4, cp_kind="hybrid", ulysses=3), cfg, r"^--ulysses 3 must divide --cp 4: use --ulysses one of"),
+           (GridSpec(cp=2, ulysses=2), cfg, r"^--ulysses 2 applies to --cp-kind hybrid only"),
+           (GridSpec(cp=8, cp_kind="ulysses"), ModelConfig(vocab_size=61, n_ctx=12, n_layer=1, n_head=8, n_embd=16,
+                                                           arch="llama", n_kv_head=8, ffn_hidden=8),
+            r"^--seq-len 12 must be divisible by 8"),
+           (GridSpec(layout="1d", cp=4, cp_kind="ulysses"),
+            ModelConfig(vocab_size=61, n_ctx=16, n_layer=1, n_head=8, n_embd=16, arch="llama", n_kv_head=2,
+                        ffn_hidden=8),
+            r"whole kv groups of the 2 kv heads: use --cp one of \[1, 2\]$")]
+    for plan, model, message in bad:
+        world = plan.cp * (4 if plan.layout == "1d" else 1)
+        with pytest.raises(ConfigError, match=message):
+            resolve(plan, model, 8, world)
 
 
 # (ranks, layout, dp, depth, environment): cp 2 with every layout, dp, zero,
@@ -144,6 +186,8 @@ def test_info_table_and_the_pictures_follow_the_code():
     table = context_table(ModelConfig(vocab_size=256, n_ctx=64, n_layer=2, n_head=4, n_embd=16), 4, 4)
     assert len([line for line in table.splitlines() if line.split()[:1] in (["1d"], ["2d"], ["3d"], ["2.5d"])]) == 16
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "tools/cp_pictures.py", "--check", "docs/context-parallelism.md"],
-                          cwd=root, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for tool, page in (("tools/cp_pictures.py", "docs/context-parallelism.md"),
+                       ("tools/ulysses_pictures.py", "docs/ulysses.md")):
+        proc = subprocess.run([sys.executable, tool, "--check", page], cwd=root, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr

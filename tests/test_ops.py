@@ -122,8 +122,8 @@ def test_dense_linear():
     from mpicube.device.backend import make_backend
     from mpicube.parallel.params import ParamDecl, ParamSpec, ParamStore
 
-    specs = [ParamSpec(ParamDecl("l.weight", (4, 5), "w_first", "normal", 1.0), (np.arange(4), np.arange(5))),
-             ParamSpec(ParamDecl("l.bias", (5,), "b_first", "normal", 1.0), (np.arange(5),))]
+    specs = [ParamSpec(ParamDecl("l.weight", (4, 5), "w_column", "normal", 1.0), (np.arange(4), np.arange(5))),
+             ParamSpec(ParamDecl("l.bias", (5,), "b_column", "normal", 1.0), (np.arange(5),))]
     store = ParamStore(specs, make_backend("cpu", "float64"), seed=2)
     store.zero_grad()
     lin = DenseLinear(store, "l")
@@ -192,8 +192,8 @@ def test_row_reductions_are_accurate_in_float32():
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-6
 
     # the same through a layer: the bias gradient of a linear over those rows
-    specs = [ParamSpec(ParamDecl("l.weight", (C, C), "w_first", "normal", 1.0), (np.arange(C), np.arange(C))),
-             ParamSpec(ParamDecl("l.bias", (C,), "b_first", "zeros"), (np.arange(C),))]
+    specs = [ParamSpec(ParamDecl("l.weight", (C, C), "w_column", "normal", 1.0), (np.arange(C), np.arange(C))),
+             ParamSpec(ParamDecl("l.bias", (C,), "b_column", "zeros"), (np.arange(C),))]
     store = ParamStore(specs, make_backend("cpu", "float32"), seed=2)
     store.zero_grad()
     lin = DenseLinear(store, "l")

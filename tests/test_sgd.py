@@ -42,5 +42,5 @@ def test_an_unknown_optimizer_is_refused():
     from mpicube.core.errors import ConfigError
     from mpicube.training.options import TrainOptions
 
-    with pytest.raises(ConfigError, match="--optimizer must be adamw or sgd, got 'lamb'"):
+    with pytest.raises(ConfigError, match="--optimizer must be adamw, sgd or muon, got 'lamb'"):
         TrainOptions(optimizer="lamb").validate()

@@ -67,9 +67,9 @@ def collect(layout_name: str, depth: int, out: str) -> None:
     canon_cols = [int(v) for v in layout.canonical_cols]
     mine = {"rank": world.rank, "coords": coords,
             "X": [seqs, canon_cols],
-            "W": weight("w_first"),
-            "Y": [[int(v) for v in layout.mid_seqs], cols("b_first", H)],
-            "W2": weight("w_second"),
+            "W": weight("w_column"),
+            "Y": [[int(v) for v in layout.mid_seqs], cols("b_column", H)],
+            "W2": weight("w_row"),
             "Y2": [seqs, canon_cols]}
     every = world.gather(mine, root=0)
     if world.rank == 0:

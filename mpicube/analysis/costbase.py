@@ -114,6 +114,9 @@ class Problem:
     stage: int = 0           # the stage this rank runs (0..pp-1); every per-rank figure is for it
     sequence_parallel: bool = False   # 1-D: canonical activations a T/tp shard (parallel/layouts/seqpar.py)
     cp: int = 1              # context-parallel ranks: each holds seq_len / cp positions (parallel.context)
+    ulysses: int = 1         # of them, the Ulysses group size U (parallel.ulysses; the ring runs over cp / U)
+    optimizer: str = "adamw"  # adamw, sgd or muon (training.muon gathers the hidden matrices)
+    hsdp: int = 1            # --hsdp R: ZeRO-3 over dp/R-way shard groups, their chunks all-reduced over R
     ep: int = 1              # expert-parallel ranks (a mixture: E/ep experts a rank, parallel.experts)
     ep_rank: int = 0         # this rank's among them (which of a measured routing's peers is itself)
     routing: tuple = None    # a mixture's measured rows: per micro-batch, per MoE layer (costexperts.Rows)
@@ -166,6 +169,11 @@ class Problem:
     def edp(self) -> int:
         """Ranks holding the same experts (the expert-data group, dp cp / ep)."""
         return self.dp * self.cp // self.ep
+
+    @property
+    def shard_dp(self) -> int:
+        """The replicas ZeRO cuts the state over: dp, or dp / R under --hsdp R."""
+        return self.dp // self.hsdp
 
     @property
     def segmented(self) -> bool:

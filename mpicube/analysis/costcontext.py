@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..core.config import ModelConfig
 from .costflops import step_flops
-from .costmodel import step_traffic
+from .costmodel import ring_traffic, step_traffic, ulysses_traffic
 from .costmemory import step_memory_bytes
 
 CP_SIZES = (1, 2, 4, 8)
@@ -53,4 +53,48 @@ def context_table(cfg: ModelConfig, batch_size: int, tp: int, dp: int = 1, dtype
             lines.append(f"  {label:<10} {cp:>3} {world:>6} {_fmt_bytes(m.total()):>10} "
                          f"{_fmt_bytes(m.activations):>12} {_fmt_bytes(t.bytes.get('cp', 0)):>11} "
                          f"{t.msgs.get('cp', 0):>9} {float(step_flops(p)) / 1e12:>8.4g}")
+    return "\n".join(lines)
+
+
+def context_tables(cfg: ModelConfig, batch_size: int, tp: int, dp: int = 1, dtype: str = "float32",
+                   recompute: str = "none", ep: int = 1, kinds: bool = False) -> str:
+    """``context_table``, and with ``kinds`` (info under --cp > 1, a dense
+    model) ``cp_kind_table`` after it."""
+    text = context_table(cfg, batch_size, tp, dp, dtype, recompute, ep=ep)
+    if kinds and not cfg.moe:
+        text += "\n\n" + cp_kind_table(cfg, batch_size, tp, dp, dtype, recompute)
+    return text
+
+
+def cp_kind_table(cfg: ModelConfig, batch_size: int, tp: int, dp: int = 1, dtype: str = "float32",
+                  recompute: str = "none", cps=CP_SIZES[1:], hybrid: int = 2) -> str:
+    """For each layout on ``tp`` ranks and each cp: the attention traffic
+    per rank per step of the ring (K/V shifts, axis cp), Ulysses (the
+    all-to-alls, axis ulysses) and the hybrid of Ulysses groups of
+    ``hybrid`` ranks with a ring over cp / ``hybrid`` of them: bytes, then
+    messages. n/a where the plan is refused (Ulysses needs cp to divide
+    each tensor-parallel rank's heads). The weights' gradient sum over cp
+    is the same for all three and left out."""
+    from .costreport import _problem, comparison_depth
+
+    def cell(name, depth, cp, kind, u):
+        p = _problem(name, cfg, batch_size, dp * cp * tp, dp, depth, dtype, recompute, cp=cp, cp_kind=kind,
+                     ulysses=u)
+        if isinstance(p, str):
+            return "n/a"
+        t = ring_traffic(p)
+        t.add(ulysses_traffic(p))
+        nbytes = sum(t.bytes.values()) * p.grad_accum
+        return f"{_fmt_bytes(nbytes)} / {sum(t.msgs.values()) * p.grad_accum}"
+
+    lines = [f"context-parallel kinds at seq_len {cfg.n_ctx}, batch {batch_size}, tp {tp}, dp {dp}, {dtype}: "
+             "attention traffic per rank per step (bytes / messages):",
+             f"  {'layout':<10} {'cp':>3} {'ring':>20} {'ulysses':>20} {f'hybrid u={hybrid}':>20}"]
+    for name in ("1d", "2d", "2.5d", "3d"):
+        depth = comparison_depth(tp) if name == "2.5d" else 1
+        label = f"{name} d={depth}" if name == "2.5d" else name
+        for cp in cps:
+            hyb = cell(name, depth, cp, "hybrid", hybrid) if cp > hybrid and cp % hybrid == 0 else "-"
+            lines.append(f"  {label:<10} {cp:>3} {cell(name, depth, cp, 'ring', 1):>20} "
+                         f"{cell(name, depth, cp, 'ulysses', 1):>20} {hyb:>20}")
     return "\n".join(lines)

@@ -124,6 +124,8 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     block = 2 * nc * cc + n * 4 * mid_cols + n * act_kept
     if p.layout == "3d" and not regather and gathered:
         block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
+    elif p.ulysses > 1:                # Ulysses: the op keeps its output at its heads and the group's positions
+        block += n * mid_cols          # (parallel/ulysses.py), beside c_proj's input at this rank's positions
     if p.layout == "3d":
         for h_in, h_out, _ in dense_linears(cfg, q):
             block += n * h_in // q if regather else q * n * h_in // q         # local or gathered X

@@ -189,7 +189,7 @@ def cube_traffic(p: Problem) -> Traffic:
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
     L, embed, head = p.layers, int(p.has_embed), int(p.has_head)
     for h_in, h_out, position in dense_linears(cfg, q) * L:
-        a, b = ("j", "k") if position == "first" else ("k", "j")
+        a, b = ("j", "k") if position == "column" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
         t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=forwards * gathers, width=w.act)   # W over i
         t.reduce_scatter(b, q, n * q * h_out // q, times=forwards, width=w.red)               # Y over b
@@ -244,6 +244,7 @@ def step_traffic(p: Problem) -> Traffic:
     experts = expert_elems(p, sizes)  # --ep > 1: a mixture's experts, summed over the expert-data group
     if p.cp > 1:
         t.add(ring_traffic(p), p.grad_accum)
+        t.add(ulysses_traffic(p), p.grad_accum)
         summed = sum(c for _, _, c, _, x in segments if not x) if segments else params - experts
         t.sum("cp", p.cp, summed, width=w.gsum)                # the weights' gradients over the ring
     group_sizes = defaultdict(int)
@@ -276,6 +277,8 @@ def step_traffic(p: Problem) -> Traffic:
         from .costexpertcomm import moe_traffic
 
         t.add(moe_traffic(p, norm=not p.sharded))
+    if p.optimizer == "muon":
+        t.add(muon_traffic(p, sizes, segments))
     # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
@@ -305,6 +308,26 @@ def attention_split(p: Problem) -> tuple:
     return p.local_batch // rows, p.cfg.n_head // q
 
 
+MUON_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def muon_traffic(p: Problem, sizes: dict, segments) -> Traffic:
+    """--optimizer muon (training.muon), once per step: under --zero 1-3
+    the Nesterov update's chunk all-gathered over dp (C elements, the
+    master's width), then this rank's block of each of the stage's hidden
+    matrices all-gathered over tp (one all-gather a matrix), so every rank
+    holds each whole matrix for Newton-Schulz in turn."""
+    t, w = Traffic(), p.widths
+    if p.sharded:
+        params = sum(n for n, _ in sizes.values())
+        chunk = sum(c for _, _, c, _, _ in segments) if segments else zero.sizes(params, p.dp, p.zero)[1]
+        t.allgather("dp", p.shard_dp, chunk, width=w.grad)
+    for name, (n, _) in sizes.items():                 # one all-gather per matrix
+        if name.endswith(MUON_MATRICES):
+            t.allgather("tp", p.tp, n, width=w.grad)
+    return t
+
+
 def ring_traffic(p: Problem) -> Traffic:
     """One micro-batch of ring attention (parallel.context), per layer: the
     K/V pair of this rank's chunks (2 x seqs x T/cp x h_local elements)
@@ -313,13 +336,35 @@ def ring_traffic(p: Problem) -> Traffic:
     times. One message per shift. Per layer this stage runs (``p.layers``:
     all of them without a pipeline). The K/V rows are the cp rank's T/cp
     positions also under --sequence-parallel (qkv holds the tp group's
-    gathered rows)."""
-    t, w, C = Traffic(), p.widths, p.cp
+    gathered rows). Under the hybrid the ring has C = cp / U ranks and
+    each holds its group's T U/cp positions of h_local / U: the same pair."""
+    t, w, C = Traffic(), p.widths, p.cp // p.ulysses
+    if C == 1:
+        return t
     seqs, heads = attention_split(p)
     kv = 2 * seqs * p.local_seq * heads * p.cfg.head_dim
     forwards = 2 if p.recompute == "blocks" else 1
     t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.layers, w.act)
     t._add("cp", C, kv, 1, C * p.layers, w.stat)
+    return t
+
+
+def ulysses_traffic(p: Problem) -> Traffic:
+    """One micro-batch of Ulysses (parallel.ulysses), per layer, on axis
+    "ulysses" (U ranks): forward sends U-1 of its U head groups of the
+    packed q, k, v (3 x seqs x T/cp x h_local) and of the output y (1 x)
+    back, one message a peer each (twice under --recompute blocks);
+    backward the same for dy and dq, dk, dv, all in the activations'
+    format. Llama's kv heads travel repeated for their query heads (the
+    packed form the op is given)."""
+    t, w, U = Traffic(), p.widths, p.ulysses
+    if U == 1:
+        return t
+    seqs, heads = attention_split(p)
+    slab = seqs * p.local_seq * (heads // U) * p.cfg.head_dim       # one head group of one width's rows
+    forwards = 2 if p.recompute == "blocks" else 1
+    for width, times in ((3, forwards + 1), (1, forwards + 1)):    # qkv / dqkv, y / dy
+        t._add("ulysses", U, (U - 1) * width * slab, U - 1, times * p.layers, w.act)
     return t
 
 
@@ -330,7 +375,7 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     gathered over the expert-data group (axis edp, ``fsdp.SegmentedStore``)."""
     w = p.widths
     segments = segments_of(p, sizes)
-    axis_of = {False: ("dp", p.dp), True: ("edp", p.edp)}
+    axis_of = {False: ("dp", p.shard_dp), True: ("edp", p.edp)}   # --hsdp: the shard group, axis "dp" too
     blocks = [s for s in segments if not zero.is_end(site_of(s[0]))]
     if p.zero == 3 and blocks:
         times = block_gathers(p, sorted({site_of(s[0]) for s in blocks}, key=zero.segment_key))
@@ -364,6 +409,8 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
             mine = [c for _, _, c, _, e in segments if e == x]
             if mine:
                 t.allgather(axis_of[x][0], axis_of[x][1], sum(mine), width=w.act)
+    if p.hsdp > 1:                               # --hsdp: the summed chunk all-reduced over the R replicas
+        t.sum("hsdp", p.hsdp, sum(c for _, _, c, _, _ in segments), width=w.gsum)
     folded = 2 if any(s[4] for s in segments) and p.cp > 1 else 1     # --ep under --cp: [dense, experts]
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
 

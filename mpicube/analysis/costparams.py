@@ -28,8 +28,8 @@ def block_linears(cfg: ModelConfig, split: int = 1):
     h = cfg.n_embd
     if cfg.llama:
         qkv = cfg.n_head * cfg.head_dim + 2 * cfg.head_dim * max(cfg.kv_heads, split)
-        return [(h, qkv, "first"), (h, h, "second"), (h, 2 * cfg.ffn, "first"), (cfg.ffn, h, "second")]
-    return [(h, 3 * h, "first"), (h, h, "second"), (h, 4 * h, "first"), (4 * h, h, "second")]
+        return [(h, qkv, "column"), (h, h, "row"), (h, 2 * cfg.ffn, "column"), (cfg.ffn, h, "row")]
+    return [(h, 3 * h, "column"), (h, h, "row"), (h, 4 * h, "column"), (4 * h, h, "row")]
 
 
 def dense_linears(cfg: ModelConfig, split: int = 1):
@@ -110,14 +110,14 @@ def _local_size(p: Problem, decl):
         numel *= n
     if p.layout == "serial":
         return numel, None
-    if role in ("w_first", "b_first"):     # the head split's share of the columns (whole kv heads, or a copy)
+    if role in ("w_column", "b_column"):     # the head split's share of the columns (whole kv heads, or a copy)
         cols = len(split_decl(decl, head_split(p), 0))
         numel = numel // shape[-1] * cols * head_split(p)
     if p.layout == "1d":
         g = p.tp
         if role == "wte":
             return -(-cfg.vocab_size // g) * cfg.n_embd, None
-        if role in ("w_first", "b_first", "w_second"):
+        if role in ("w_column", "b_column", "w_row"):
             return numel // g, None
         if p.sequence_parallel and role in ("wpe", "norm"):
             return numel, "tp"                 # partial sums from this rank's T/tp positions
@@ -128,17 +128,17 @@ def _local_size(p: Problem, decl):
         on_depth = "depth" if d > 1 else None
         if role == "wte":
             return -(-cfg.vocab_size // q) * cfg.n_embd // q, on_depth
-        if role in ("w_first", "w_second"):
+        if role in ("w_column", "w_row"):
             return numel // (q * q), on_depth
         return numel // q, "col_depth"     # wpe, norm, biases: hidden block c
     q = round(p.tp ** (1 / 3))
     if role == "wte":
         return -(-cfg.vocab_size // q) * cfg.n_embd // (q * q), None
-    if role in ("w_first", "w_second"):
+    if role in ("w_column", "w_row"):
         return numel // (q ** 3), None
-    if role == "b_first":
+    if role == "b_column":
         return numel // q, "ik"
-    return numel // q, "ij"                # wpe, norm, b_second
+    return numel // q, "ij"                # wpe, norm, b_row
 
 
 def _group_size(p: Problem, axis: str) -> int:
@@ -186,6 +186,6 @@ def segments_of(p: Problem, sizes: dict) -> list:
     out = []
     for seg in sorted(totals, key=lambda s: (zero.segment_key(site_of(s)), s != site_of(s))):
         x = seg != site_of(seg)
-        parts = p.edp if x else p.dp
+        parts = p.edp if x else p.shard_dp
         out.append((seg, totals[seg], -(-totals[seg] // parts), parts, x))
     return out

@@ -42,15 +42,20 @@ def _fmt(n) -> str:
 
 
 def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", recompute="none", grad_accum=1,
-             zero=0, cp=1, sequence_parallel=False, ep=1):
+             zero=0, cp=1, sequence_parallel=False, ep=1, cp_kind="ring", ulysses=1, optimizer="adamw", hsdp=1):
     """A validated Problem, or the ConfigError's message (a mixture's
-    plan checked as train checks it: ``planning.check_moe``)."""
+    plan checked as train checks it: ``planning.check_moe``; Ulysses'
+    sizes as ``planning.resolve`` checks them)."""
     from ..core.errors import ConfigError
     from ..parallel.gridspec import Plan
     from ..parallel.planning import check_moe
 
     try:
-        grid = GridSpec(name, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel)
+        grid = GridSpec(name, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel, cp_kind=cp_kind,
+                        ulysses=ulysses, zero=zero, hsdp=hsdp)
+        from ..parallel.planning import validate_hsdp
+
+        validate_hsdp(grid)
         _, resolved, tp = plan(grid, cfg, batch_size, world_size, grad_accum, recompute)
         check_moe(Plan(resolved, dp=dp, cp=cp, depth=depth, sequence_parallel=sequence_parallel, zero=zero,
                        recompute=recompute, grad_accum=grad_accum, ep=ep), cfg, tp, resolved)
@@ -58,12 +63,14 @@ def _problem(name, cfg, batch_size, world_size, dp, depth, dtype="float32", reco
         return str(err)
     return Problem(cfg, resolved, tp, dp, depth if resolved == "2.5d" else 1, batch_size, cfg.n_ctx, dtype,
                    recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
-                   sequence_parallel=sequence_parallel, ep=ep)
+                   sequence_parallel=sequence_parallel, ep=ep, ulysses=grid.ulysses_size, optimizer=optimizer,
+                   hsdp=hsdp)
 
 
 def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int, dp: int = 1,
            depth: int = 1, dtype: str = "float32", recompute: str = "none", grad_accum: int = 1,
-           zero: int = 0, cp: int = 1, sequence_parallel: bool = False, ep: int = 1) -> str:
+           zero: int = 0, cp: int = 1, sequence_parallel: bool = False, ep: int = 1, optimizer: str = "adamw",
+           hsdp: int = 1) -> str:
     """Sharding plan and per-rank predictions for one layout (with the
     ``recompute`` mode's communication, memory and FLOPs, ``grad_accum``
     micro-batches, and with ``zero=1`` the optimizer state sharded over
@@ -75,7 +82,7 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
 
     validate(zero, dp)
     chosen = _problem(layout_name, cfg, batch_size, world_size, dp, depth, dtype, recompute, grad_accum, zero, cp,
-                      sequence_parallel, ep)
+                      sequence_parallel, ep, optimizer=optimizer, hsdp=hsdp)
     if isinstance(chosen, str):
         from ..core.errors import ConfigError
 
@@ -84,6 +91,8 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
              + f" x tp {chosen.tp}" + (f", ep {ep} of dp" + (" x cp" if cp > 1 else "") if ep > 1 else "")
              + (f", depth {chosen.depth}" if chosen.layout == "2.5d" else "")
              + (f", {SHARDED[chosen.zero]} sharded over dp (--zero {chosen.zero})" if chosen.sharded else "")
+             + (f" in {hsdp} replicas of {dp // hsdp}-rank shard groups (--hsdp {hsdp})" if hsdp > 1 else "")
+             + (", Muon (hidden matrices gathered whole over dp and tp)" if optimizer == "muon" else "")
              + (", sequence parallel (LayerNorm, dropout, residuals: T/tp positions)"
                 if chosen.sequence_parallel else ""),
              f"batch {batch_size} sequences x {cfg.n_ctx} tokens per step"

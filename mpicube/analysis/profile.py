@@ -48,8 +48,9 @@ SUMMARY_FILE = "profile-summary.json"
 
 
 # (attribute, GPT-2 name) of a block's layers, in the order a forward calls them
-BLOCK_LAYERS = (("ln_1", "ln_1"), ("c_attn", "attn.c_attn"), ("c_proj", "attn.c_proj"),
-                ("ln_2", "ln_2"), ("c_fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj"))
+# A block's layers a profile times, by their path inside the block (GPT-2's
+# names); a path the block lacks (a mixture's MLP has no c_fc) is skipped.
+BLOCK_LAYERS = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
 EMBEDDING_CALLS = ("embed", "logits", "logits_backward", "embed_backward")   # the tied wte's, lookup and head
 LAYER_CALLS = ("forward", "backward")
 
@@ -61,6 +62,13 @@ def chunk_models(model) -> list:
     if hasattr(model, "chunk_model"):                            # a pipeline stage: one GPT per local chunk
         return [model.chunk_model(v) for v in range(len(model.chunks))]
     return [getattr(model, "model", model)]
+
+
+def _module_at(block, path: str):
+    """The module at the dotted ``path`` inside ``block``, or None."""
+    for attr in path.split("."):
+        block = getattr(block, attr, None)
+    return block
 
 
 def profiled_modules(model) -> list:
@@ -85,8 +93,8 @@ def profiled_modules(model) -> list:
         for i, block in zip(gpt.layers, gpt.blocks):
             inner = getattr(block, "block", block)                  # under a wrapper, the block itself
             add(inner.site, i, block, LAYER_CALLS)
-            for attr, name in BLOCK_LAYERS:
-                add(f"{inner.site}.{name}", i, getattr(inner, attr), LAYER_CALLS)
+            for path in BLOCK_LAYERS:
+                add(f"{inner.site}.{path}", i, _module_at(inner, path), LAYER_CALLS)
         for piece in gpt.back:
             add("ln_f", None, piece.ln_f, LAYER_CALLS)
     return out

@@ -117,6 +117,15 @@ def optimizer_attr(opts, schedule: Schedule, steps: int, decayed: list) -> dict:
     clip = {"max_norm": opts.grad_clip, "eps": CLIP_EPS,
             "rule": "every gradient scaled by min(1, max_norm / (norm + eps)), norm the global L2 "
                     "norm of all gradients; max_norm 0 = no clipping"}
+    if opts.optimizer == "muon":
+        from ..training import muon
+
+        return {"name": "Muon", "lr": lr, "momentum": 0.95, "nesterov": True, "ns_steps": muon.NS_STEPS,
+                "ns_coefficients": list(muon.NS_COEFFICIENTS), "qkv": opts.muon_qkv, "weight_decay": opts.weight_decay,
+                "rule": "hidden matrices (linears' weights): buf = 0.95 buf + 0.05 g; u = 0.05 g + 0.95 buf; "
+                        "p = p (1 - lr wd) - lr NS5(u^T)^T sqrt(max(1, out/in)); the rest: AdamW, betas "
+                        "[0.9, 0.95], eps 1e-8, decoupled decay on 'decay' (training/muon.py)",
+                "decay": decayed, "grad_clip": clip}
     if opts.optimizer == "sgd":
         return {"name": "SGD", "lr": lr, "momentum": 0.0, "weight_decay": 0.0, "decay": [],
                 "rule": "p -= lr * g, g the clipped gradient", "grad_clip": clip}

@@ -124,7 +124,7 @@ class Collector:
         """(T_l,) the global positions of this rank's rows of a T-long
         sequence: all of them, or a cp rank's two chunks."""
         ring = self.layout.axes.cp
-        return context.local_positions(T, ring.size, ring.rank)
+        return context.local_positions(T, ring.size, ring.rank, context.ulysses_of(ring))
 
     def canonical_positions(self, T: int) -> np.ndarray:
         """(T_c,) the global positions of this rank's canonical rows: the
@@ -241,7 +241,7 @@ class Collector:
         store = self.store
         flat = self.host(store.flat_grad)                                    # (P_pad,)
         if store.partition.sharded:
-            chunks = self.layout.axes.dp.mpi.allgather(flat[store.shard])   # dp x (C,)
+            chunks = store.dp.mpi.allgather(flat[store.shard])   # dp x (C,) (--hsdp: the shard group)
             flat = store.partition.assemble(np, np.concatenate(chunks))     # (P_pad,) in buffer order
         if divide != 1.0:
             flat = flat / divide
@@ -298,23 +298,10 @@ class Observed:
 
 
 # the pieces inside a block whose outputs a trace records (names.BLOCK_ACTS), by the block's attribute;
-# the branches' (c_proj, and the MLP or mixture of experts) are recorded before their residual
+# the branches' (the attention, and the MLP or mixture of experts) are recorded before their residual
 # dropout, which Collector applies
-INSIDE = {"ln_1": "ln_1", "c_proj": "attn", "ln_2": "ln_2"}
+INSIDE = {"ln_1": "ln_1", "attn": "attn", "ln_2": "ln_2", "mlp": "mlp"}
 RESIDUAL_MASK = {"attn": "resid_attn", "mlp": "resid_mlp"}
-
-
-def _observe_mlp(block, name: str, sink: dict, gate: list) -> None:
-    """The block's ``mlp_forward`` (dense MLP or mixture of experts: h ->
-    (y, saved)) made to copy its y into ``sink[name]`` while ``gate`` is open."""
-    mlp = block.mlp_forward
-
-    def observed(h, ctx):
-        y, saved = mlp(h, ctx)
-        if gate[0]:
-            sink[name] = y.copy()                           # (B_c, T_c, C_c)
-        return y, saved
-    block.mlp_forward = observed
 
 
 ROUTER_KEY = ".router"          # sink["h.{i}.router"]: (logits (n, E), chosen (n, K), weights (n, K))
@@ -341,11 +328,10 @@ def record_outputs(model, sink: dict) -> None:
     for block in model.blocks:
         inner = getattr(block, "block", block)               # a Recomputed block's Block
         gate = [False]
+        if hasattr(inner.mlp, "observe"):                    # a mixture of experts offers its router's decisions
+            _observe_router(inner.mlp, block.site, sink, gate)
         for attr, name in INSIDE.items():
             setattr(inner, attr, Observed(getattr(inner, attr), f"{block.site}.{name}", sink, gate=gate))
-        _observe_mlp(inner, f"{block.site}.mlp", sink, gate)
-        if getattr(inner, "moe", None) is not None:
-            _observe_router(inner.moe, block.site, sink, gate)
         blocks.append(Observed(block, block.site, sink, opens=gate))
     model.blocks = blocks
     for head in model.back:

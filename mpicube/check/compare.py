@@ -19,10 +19,17 @@ named in the order the computation happens (names.py):
 - a shape mismatch, a tensor stored in another dtype than the format's;
 - a missing required root attribute (``@dtype``, ``@steps``, ``@optimizer``;
   patterns allow them too). Without ``dtype`` the tolerance follows the
-  data's dtype, so a missing attribute never loosens it.
+  data's dtype, so a missing attribute never loosens it;
+- a comparison that compared nothing, or a step both traces hold of which
+  no activation, gradient or parameter was compared (a trace holding only
+  a loss), whatever ``--allow-missing`` allows: an empty comparison
+  proves nothing.
 
 Each compared tensor gets the per-dtype budget and the depth-aware bound
-(tolerance.py); the budget decides unless ``tolerance="depth"``.
+(tolerance.py); the budget decides unless ``tolerance="depth"``. Memory is
+bounded by what the files store, never by what they declare: shapes are
+compared before anything is read, tensors are read in blocks (measure.py),
+and steps declared but held by neither file are reported as ranges.
 """
 
 from __future__ import annotations
@@ -31,38 +38,18 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..core.errors import UserError
 from . import envelope
 from . import tolerance as tol
-from .names import depth, missing_by_version, ordered, step_of
 from .diagnose import notes as diagnosis
+from .measure import Row, measure
+from .names import STEP_KINDS, depth, missing_by_version, ordered, step_of
 from .precision import precision_rows
+from .shards import stored_shape
 from .tracefile import (DTYPES, REQUIRED_ATTRS, datasets, describe, expected_dtype, open_trace, read_config,
-                        read_tensor, steps_present, trace_dtype, version)
+                        reader, steps_present, trace_dtype, version)
 
-
-@dataclass
-class Row:
-    """One tensor, step or attribute of either trace."""
-
-    name: str
-    shape: tuple
-    max_abs: float
-    max_rel: float
-    ok: bool
-    note: str = ""
-    rel_fro: float = math.nan         # relative Frobenius error
-    bound: float = math.nan           # its depth-aware bound
-    compared: bool = True             # False: missing on one side, nothing to measure
-
-    @property
-    def margin(self) -> float:
-        """bound / error: above 1 is within what rounding explains."""
-        if not self.compared or math.isnan(self.rel_fro):
-            return math.nan
-        return math.inf if self.rel_fro == 0 else self.bound / self.rel_fro
+RANGE_CHECKED = 1000        # a range of missing steps longer than this is never allowed (each step is not matched)
 
 
 @dataclass
@@ -93,70 +80,6 @@ class Result:
                 "tensors": sum(r.compared for r in self.rows)}
 
 
-# --------------------------------------------------------------------------- one tensor
-
-
-def _where(mask: np.ndarray) -> tuple:
-    return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(mask)[0]), mask.shape))
-
-
-def nonfinite(a: np.ndarray, b: np.ndarray):
-    """(problem, note, finite mask) for two same-shaped float arrays: a
-    problem when a NaN or infinity stands on one side only or against
-    another non-finite value; otherwise a note on the shared ones (or "")
-    and the mask of the elements left to compare."""
-    fa, fb = np.isfinite(a), np.isfinite(b)
-    if fa.all() and fb.all():
-        return False, "", None
-    same = ~fa & ~fb & ((a == b) | (np.isnan(a) & np.isnan(b)))
-    odd = (~fa | ~fb) & ~same
-    if odd.any():
-        at = _where(odd)
-        return True, f"{a[at]} in A vs {b[at]} in B at {at}", None
-    kinds = sorted({str(v) for v in a[same].tolist()})
-    return False, f"both hold {'/'.join(kinds)} at {int(same.sum())} place(s), first {_where(same)}", fa
-
-
-def measure(name: str, a: np.ndarray, b: np.ndarray, dtype: str, depth_: int, rtol: float, atol: float,
-            verdict: str) -> Row:
-    """The row of a tensor present in both traces with the same shape."""
-    exact = a.dtype.kind not in "fc" and b.dtype.kind not in "fc"       # tokens, masks: integers agree exactly
-    a64, b64 = np.atleast_1d(a).astype(np.float64), np.atleast_1d(b).astype(np.float64)
-    problem, note, keep = nonfinite(a64, b64)
-    bound = tol.depth_bound(dtype, depth_, exact)
-    if problem:
-        return Row(name, a.shape, math.inf, math.inf, False, "non-finite: " + note, math.inf, bound)
-    if keep is not None:
-        a64, b64 = a64[keep], b64[keep]
-    if a64.size == 0:
-        return Row(name, a.shape, 0.0, 0.0, True, note, 0.0, bound)
-    max_abs = float(np.abs(a64 - b64).max())
-    scale = max(float(np.abs(a64).max()), float(np.abs(b64).max()))
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    rel_fro = tol.frobenius_error(a64, b64)
-    if exact:
-        ok = max_abs == 0
-        if not ok and keep is None:
-            note = first_difference(name, a, b)
-    elif verdict == "depth":
-        ok = rel_fro <= bound
-    else:
-        ok = max_abs <= atol + rtol * scale
-    return Row(name, a.shape, max_abs, max_rel, ok, note, rel_fro, bound)
-
-
-def first_difference(name: str, a: np.ndarray, b: np.ndarray) -> str:
-    """Where two integer tensors first differ: for a mixture's chosen
-    experts (B, T, K) the token and both choices, so that a routing that
-    parts is named at the token where it does; else the element."""
-    at = _where(np.asarray(a) != np.asarray(b))
-    if name.endswith(".experts") and "/moe/" in name and a.ndim == 3:
-        b_, t = at[:2]
-        return (f"first differs at token (sequence {b_}, position {t}): experts {a[b_, t].tolist()} in A "
-                f"vs {b[b_, t].tolist()} in B")
-    return f"first differs at {at}: {a[at]} in A vs {b[at]} in B"
-
-
 # --------------------------------------------------------------------------- two traces
 
 
@@ -169,9 +92,12 @@ def missing_rows(side: str, other: str, names: set, other_names: set, patterns) 
     step the other lacks altogether is one row ``step_%d``."""
     rows = []
     whole = steps_present(names) - steps_present(other_names)
+    by_step = {}
+    for n in names:
+        if step_of(n) in whole:
+            by_step.setdefault(step_of(n), []).append(n)
     for s in sorted(whole):
-        of_step = [n for n in names if step_of(n) == s]
-        ok = allowed_by(f"step_{s}", patterns) or all(allowed_by(n, patterns) for n in of_step)
+        ok = allowed_by(f"step_{s}", patterns) or all(allowed_by(n, patterns) for n in by_step[s])
         rows.append(Row(f"step_{s}", (), math.inf, math.inf, ok, f"step {s} only in {side} (missing in {other})",
                         compared=False))
     for n in names:
@@ -211,7 +137,7 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
         atol = d_atol if atol is None else atol
         if not (rtol >= 0 and atol >= 0):
             raise UserError(f"--rtol and --atol must be 0 or more, got {rtol} and {atol}")
-        labels = tuple(describe(files[s]) + ("" if found[s][1] == "attribute" else
+        labels = tuple(describe(files[s], paths[s]) + ("" if found[s][1] == "attribute" else
                                              f" (no dtype attribute: {found[s][0]} from the data)") for s in "AB")
         result = Result(str(path_a), str(path_b), rtol, atol, dtypes, labels, verdict)
 
@@ -224,15 +150,11 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
                                          f"attribute {key} missing in {side}", compared=False))
         names_a, names_b = set(sets["A"]), set(sets["B"])
         rows = {}
+        held = steps_present(names_a | names_b)
         for side in "AB":                               # declared by `steps`, held by neither file
-            held = steps_present(names_a | names_b)
-            for s in range(1, _declared_steps(files[side]) + 1):
-                if s not in held and f"step_{s}" not in rows:
-                    rows[f"step_{s}"] = Row(f"step_{s}", (), math.inf, math.inf,
-                                            allowed_by(f"step_{s}", allow_missing)
-                                            or allowed_by(f"step_{s}/loss", allow_missing),
-                                            f"step {s} declared by {side}'s steps attribute, in neither file",
-                                            compared=False)
+            for lo, hi in unheld_ranges(held, _declared_steps(files[side])):
+                if f"step_{lo}" not in rows:
+                    rows[f"step_{lo}"] = declared_row(side, lo, hi, allow_missing)
         for side, other, mine, theirs in (("A", "B", names_a - names_b, names_b),
                                           ("B", "A", names_b - names_a, names_a)):
             older = missing_by_version(version(files[other]))    # what the other's format version lacks
@@ -243,6 +165,7 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
         env = envelope.read(files, paths) if verdict == "envelope" else None     # (side, envelope)
         for name in names_a & names_b:
             rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict, env)
+        coverage_rows(rows, steps_present(names_a) & steps_present(names_b))
         order = ordered(rows, cfg_a)
         precision_rows(rows, order, sets, paths, dtypes)          # mixed precision off, or on unasked
         result.rows = attr_rows + [rows[n] for n in order]
@@ -255,33 +178,97 @@ def _declared_steps(f) -> int:
     absence is reported as a missing attribute)."""
     try:
         return max(0, int(f.attrs.get("steps", 0)))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0
 
 
+def unheld_ranges(held: set, declared: int) -> list:
+    """[(first, last)] of the steps 1..``declared`` that no file holds, as
+    ranges: as many as the steps held, plus one, however large
+    ``declared`` is (a ``steps`` of 2**40 is one row, not 2**40)."""
+    ranges, after = [], 0
+    for s in sorted(x for x in held if x <= declared) + [declared + 1]:
+        if s > after + 1:
+            ranges.append((after + 1, s - 1))
+        after = s
+    return ranges
+
+
+def declared_row(side: str, lo: int, hi: int, patterns) -> Row:
+    """The row of steps lo..hi that ``side``'s steps attribute declares and
+    neither file holds; allowed only if every one of them is (a range too
+    long to match step by step never is)."""
+    def allowed(s):
+        return allowed_by(f"step_{s}", patterns) or allowed_by(f"step_{s}/loss", patterns)
+    if lo == hi:
+        return Row(f"step_{lo}", (), math.inf, math.inf, allowed(lo),
+                   f"step {lo} declared by {side}'s steps attribute, in neither file", compared=False)
+    ok = hi - lo < RANGE_CHECKED and all(allowed(s) for s in range(lo, hi + 1))
+    return Row(f"step_{lo}", (), math.inf, math.inf, ok,
+               f"steps {lo} to {hi} declared by {side}'s steps attribute, in neither file", compared=False)
+
+
+def coverage_rows(rows: dict, held: set) -> None:
+    """Fail what compared nothing (module docstring): no tensor compared at
+    all, or a step both traces hold (``held``) of which no activation,
+    gradient or parameter was (a step one trace lacks altogether has its
+    own row, allowed only by name);
+    each said in its row (an existing ``step_%d`` row is failed, its note
+    extended)."""
+    compared = {n for n, r in rows.items() if r.compared}
+    if not compared:
+        missing = sum(1 for r in rows.values() if not r.compared)
+        rows["(comparison)"] = Row("(comparison)", (), math.inf, math.inf, False,
+                                   f"nothing was compared: the traces hold no tensor in common ({missing} "
+                                   f"missing from one or the other)", compared=False)
+        return
+    covered = {step_of(n) for n in compared if n.split("/")[1:2] and n.split("/")[1] in STEP_KINDS}
+    for s in sorted(held - covered):
+        what = sorted(n.split("/", 1)[1] for n in compared if step_of(n) == s)
+        note = (f"nothing of step {s}'s activations, gradients and parameters was compared "
+                f"(compared: {', '.join(what[:4]) + (', ...' if len(what) > 4 else '') if what else 'nothing'})")
+        row = rows.get(f"step_{s}")
+        if row is None:
+            rows[f"step_{s}"] = Row(f"step_{s}", (), math.inf, math.inf, False, note, compared=False)
+        else:
+            row.ok, row.note = False, f"{row.note}; {note}"
+
+
 def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, env=None) -> Row:
-    (a, shards_a), (b, shards_b) = (read_tensor(sets[s][name], paths[s], rtol, atol) for s in "AB")
-    if shards_a or shards_b:                            # a sharded trace's replicas part, or elements are missing
-        note = "; ".join(f"{s}: {p}" for s, p in (("A", shards_a), ("B", shards_b)) if p)
-        note = "; ".join(filter(None, (note, diagnosis(name, sets, paths, a, b, rtol, atol))))
-        parted = [p for p in (shards_a, shards_b) if p]            # replicas part by a number; inf: no number
-        return Row(name, np.shape(a), max(getattr(p, "max_abs", math.inf) for p in parted),
-                   max(getattr(p, "max_rel", math.inf) for p in parted), False, note, math.nan, math.nan)
-    wrong = [f"{side} stores {arr.dtype}, the format {want}" for side, arr, dt in (("A", a, dtypes[0]),
-                                                                                   ("B", b, dtypes[1]))
-             if (want := expected_dtype(name, dt)) is not None and arr.dtype != want]
+    """The row of a tensor both traces hold: shapes compared first (from
+    the files' metadata), then the values read block by block."""
+    objs = [sets[s][name] for s in "AB"]
+    shapes = [stored_shape(obj, paths[s]) for obj, s in zip(objs, "AB")]
     note = ""
-    if name == "tokens" and a.ndim == b.ndim == 3 and a.shape[1:] == b.shape[1:] and len(a) != len(b):
-        n = min(len(a), len(b))                         # traces of different lengths: the common steps
-        a, b, note = a[:n], b[:n], f"first {n} steps"
-    if np.shape(a) != np.shape(b):
-        return Row(name, np.shape(a), math.inf, math.inf, False, f"shapes {np.shape(a)} vs {np.shape(b)}",
-                   math.inf, math.nan)
-    row = measure(name, a, b, coarse, depth(name, cfg), rtol, atol, verdict)
+    if name == "tokens" and len(shapes[0]) == len(shapes[1]) == 3 and shapes[0][1:] == shapes[1][1:] \
+            and shapes[0][0] != shapes[1][0]:
+        n = min(shapes[0][0], shapes[1][0])            # traces of different lengths: the common steps
+        shapes, note = [(n,) + shapes[0][1:]] * 2, f"first {n} steps"
+    if shapes[0] != shapes[1]:
+        return Row(name, shapes[0], math.inf, math.inf, False, f"shapes {shapes[0]} vs {shapes[1]}", math.inf,
+                   math.nan)
+    readers, kinds, stored, problems = [], [], [], []
+    for obj, s in zip(objs, "AB"):                      # a sharded trace's replicas part, or elements are missing
+        read, dtype, problem = reader(obj, paths[s], rtol, atol)
+        if problem:
+            problems.append((s, problem))
+        readers.append(read)
+        stored.append(dtype)
+        kinds.append(dtype.kind)
+    if problems:                                       # replicas that part say by how much; inf: no number
+        note = "; ".join(f"{side}: {problem}" for side, problem in problems)
+        note = "; ".join(filter(None, (note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol))))
+        return Row(name, shapes[0], max(getattr(p, "max_abs", math.inf) for _, p in problems),
+                   max(getattr(p, "max_rel", math.inf) for _, p in problems), False, note, math.nan, math.nan)
+    wrong = [f"{side} stores {dt}, the format {want}" for side, dt, tdt in (("A", stored[0], dtypes[0]),
+                                                                            ("B", stored[1], dtypes[1]))
+             if (want := expected_dtype(name, tdt)) is not None and dt != want]
+    row = measure(name, readers[0], readers[1], shapes[0], tuple(kinds), coarse, depth(name, cfg), rtol, atol,
+                  verdict)
     if env is not None:                                 # --tolerance envelope: the measured spread decides
-        envelope.judge(row, name, a, b, env[1], env[0])
-    if not row.ok and a.dtype.kind == "f":              # a wrong value that is the sum of a rank's copies
-        row.note = "; ".join(filter(None, (row.note, diagnosis(name, sets, paths, a, b, rtol, atol))))
+        envelope.judge(row, name, readers, shapes[0], tuple(kinds), env[1], env[0])
+    if not row.ok and kinds[0] == "f":                  # a wrong value that is the sum of a rank's copies
+        row.note = "; ".join(filter(None, (row.note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol))))
     if wrong:
         row.ok, row.note = False, "dtype: " + "; ".join(wrong)
     elif note:

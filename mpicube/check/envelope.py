@@ -48,6 +48,7 @@ import math
 import numpy as np
 
 from ..core.errors import UserError
+from .measure import blocks
 
 K = 4.0
 ATTR = "envelope"
@@ -55,12 +56,23 @@ ATTR = "envelope"
 
 def statistics(a: np.ndarray, b: np.ndarray) -> tuple:
     """(rel_fro, scale) of ``b`` against the reference ``a`` (float64)."""
-    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
-    d = b - a
-    norm = max(float(np.linalg.norm(a)), float(np.linalg.norm(b)))
-    aa = float(a @ a)
-    rel = float(np.linalg.norm(d)) / norm if norm > 0 else (0.0 if not d.any() else math.inf)
-    scale = abs(float(d @ a)) / aa if aa > 0 else rel
+    a, b = np.asarray(a), np.asarray(b)
+    return read_statistics(lambda block: a[block], lambda block: b[block], a.shape)
+
+
+def read_statistics(read_a, read_b, shape: tuple) -> tuple:
+    """``statistics`` of two tensors of ``shape`` given by readers
+    (measure.py's ``read(block)``), accumulated one block at a time: the
+    memory a trace's declared sizes cannot drive."""
+    aa = bb = dd = da = 0.0
+    for block in blocks(shape):
+        a = np.asarray(read_a(block), dtype=np.float64).ravel()
+        b = np.asarray(read_b(block), dtype=np.float64).ravel()
+        d = b - a
+        aa, bb, dd, da = aa + float(a @ a), bb + float(b @ b), dd + float(d @ d), da + float(d @ a)
+    norm = math.sqrt(max(aa, bb))
+    rel = math.sqrt(dd) / norm if norm > 0 else (0.0 if dd == 0 else math.inf)
+    scale = abs(da) / aa if aa > 0 else rel
     return rel, scale
 
 
@@ -95,12 +107,13 @@ def read(files: dict, paths: dict) -> tuple:
                     "mpicube trace --envelope N --dtype DTYPE")
 
 
-def judge(row, name: str, a: np.ndarray, b: np.ndarray, env: dict, side: str) -> None:
-    depth_bound = row.bound                                  # measure's depth-aware bound
+def judge(row, name: str, readers: list, shape: tuple, kinds: tuple, env: dict, side: str) -> None:
     """Set ``row.ok``, ``row.bound`` (k x the envelope's rel_fro, so the
     report's margin is the envelope's) and, on a failure, the note, for a
-    floating tensor compared in both traces."""
-    if not row.compared or np.asarray(a).dtype.kind != "f" or np.asarray(b).dtype.kind != "f":
+    floating tensor compared in both traces (``readers``: A's and B's
+    ``read(block)``, ``kinds`` their dtype kinds)."""
+    depth_bound = row.bound                                  # measure's depth-aware bound
+    if not row.compared or kinds[0] != "f" or kinds[1] != "f":
         return
     k = float(env["k"])
     entry = env["tensors"].get(name)
@@ -108,13 +121,13 @@ def judge(row, name: str, a: np.ndarray, b: np.ndarray, env: dict, side: str) ->
         row.ok, row.bound = False, math.nan
         row.note = "; ".join(filter(None, (row.note, "no envelope for this tensor")))
         return
-    ref, other = (a, b) if side == "A" else (b, a)
-    rel, scale = statistics(ref, other)
+    ref, other = readers if side == "A" else readers[::-1]
+    rel, scale = read_statistics(ref, other, shape)
     row.bound = k * float(entry[0])
     if "/param/" in name:               # AdamW's caveat: no tighter than the depth bound (module docstring)
         row.bound = max(row.bound, depth_bound)
         scale = 0.0
-    scale_bound = k * max(float(entry[1]), float(entry[0]) / math.sqrt(max(1, np.size(a))))
+    scale_bound = k * max(float(entry[1]), float(entry[0]) / math.sqrt(max(1, math.prod(shape))))
     within = rel <= row.bound and scale <= scale_bound
     row.ok = within and math.isfinite(row.max_abs)          # a NaN against a number stays a divergence
     if not within:

@@ -11,6 +11,9 @@ k of them (tolerance.py).
 
 from __future__ import annotations
 
+import math
+import re
+
 FORMAT = "mpicube-trace"
 VERSION = 3                  # 2: the activations inside each block (BLOCK_ACTS); 3: placements, state (STATE)
 READS = (1, 2, 3)            # versions compare reads; an older trace lacks only what later ones added
@@ -45,6 +48,7 @@ NEW_IN = {2: tuple(f"step_*/act/h.*.{a}" for a in BLOCK_ACTS),     # patterns of
 # first), moe/h.{i}.weights (B, T, K) float; per step moe/aux_loss and moe/z_loss, float64 () (before their
 # coefficients; the step's ``loss`` includes coef x each)
 ROUTER = ("logits", "experts", "weights")
+STEP_KINDS = ("act", "grad", "param")                   # of these, every compared step must have something
 MOE_SCALARS = ("moe/aux_loss", "moe/z_loss")
 
 
@@ -56,7 +60,7 @@ def config_of(raw: dict) -> dict:
         raise ValueError(f"lacks one of {', '.join(CONFIG_KEYS)}")
     cfg = {}
     for k in CONFIG_KEYS:
-        if isinstance(raw[k], bool) or not isinstance(raw[k], (int, float)) or int(raw[k]) != raw[k]:
+        if not _typed(raw[k], int):
             raise ValueError(f"holds a size that is not an integer ({k})")
         cfg[k] = int(raw[k])
     arch = raw.get("arch", "gpt2")
@@ -78,9 +82,13 @@ def config_of(raw: dict) -> dict:
 
 
 def _typed(value, kind) -> bool:
+    """Whether ``value`` is a JSON value of ``kind`` (an integral float is an
+    int; a non-finite number is neither)."""
     if kind in (str, bool):
         return isinstance(value, kind)
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and kind(value) == value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or (math.isfinite(value) and kind(value) == value)
 
 
 def moe(cfg: dict) -> bool:
@@ -205,23 +213,36 @@ def step_of(name: str) -> int:
 def ordered(names, cfg: dict) -> list:
     """``names`` in computation order; names the format does not define go
     after everything else of their step (or at the end), alphabetically; a
-    bare ``step_%d`` (a whole step) goes where its step begins."""
+    bare ``step_%d`` (a whole step) goes where its step begins. Costs what
+    the names cost, whatever the config or the step numbers declare: one
+    step's order is built once, for the blocks and experts the names hold."""
     names = list(names)
-    steps = max([step_of(n) for n in names] + [0])
-    rank = {n: i for i, n in enumerate(computation_order(cfg, steps, state=True))}
-    first_of_step, last_of_step = {}, {}
-    for n, i in rank.items():
-        first_of_step.setdefault(step_of(n), i)
-        last_of_step[step_of(n)] = i
+    cfg = _trimmed(cfg, names)
+    head = {n: i for i, n in enumerate(["tokens"] + [f"init/{n}" for n in forward_param_order(cfg)])}
+    within = {n.split("/", 1)[1]: i for i, n in enumerate(step_names(cfg, 1, state=True))}
 
     def key(n):
-        if n in rank:
-            return (rank[n], "")
         s = step_of(n)
-        if s and n == f"step_{s}":                      # a whole step (missing): where the step starts
-            return (first_of_step[s] - 0.5, n)
-        return (last_of_step.get(s, len(rank)) + 0.5 if s else len(rank), n)
+        if not s:
+            return (0, head[n], "") if n in head else (math.inf, 0, n)
+        if n == f"step_{s}":                            # a whole step (missing): where the step starts
+            return (s, -1, n)
+        rest = n.split("/", 1)[1] if "/" in n else None
+        return (s, within[rest], "") if rest in within else (s, len(within), n)
     return sorted(names, key=key)
+
+
+def _trimmed(cfg: dict, names: list) -> dict:
+    """``cfg`` with no more layers and experts than ``names`` mention: the
+    order of the names present is the same, and a config declaring 2**40
+    layers costs nothing."""
+    cfg = dict(cfg)
+    for key, pattern in (("n_layer", r"(?:^|/)h\.(\d+)"), ("n_experts", r"experts\.(\d+)\.")):
+        if key in cfg:
+            found = [int(m) for n in names for m in re.findall(pattern, n)]
+            least = 1 if key == "n_experts" and cfg[key] > 0 else 0      # a mixture stays one
+            cfg[key] = min(cfg[key], max([f + 1 for f in found] + [least]))
+    return cfg
 
 
 # --------------------------------------------------------------------------- depth

@@ -32,7 +32,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..core.errors import UserError
-from .blocks import merge, read_blocks
+from .blocks import is_sharded, merge, read_blocks, stored_shape
+from .measure import measure
 
 REPLICATE, PARTIAL, ABSENT = "R", "P", "-"
 _SHARD = re.compile(r"S\((\d+(?:;\d+)*)\)")
@@ -139,7 +140,7 @@ def read_placed(group, path) -> tuple:
 def assemble_placed(group, path, rtol: float, atol: float):
     """(tensor, problem or "") of a tensor whose blocks carry placements:
     the placements checked (``placement_problem``), each pending sum's
-    parts added, then put together as any sharded tensor (shards.merge:
+    parts added, then put together as any sharded tensor (blocks.merge:
     replicas must agree, every element must be held)."""
     axes, sizes, placed = read_placed(group, path)
     problem = placement_problem(group.name.lstrip("/"), axes, sizes, placed)
@@ -201,26 +202,26 @@ def sum_partials(placed, over) -> list:
 # --------------------------------------------------------------------------- diagnosis
 
 
-def pending_sum_note(group, path, other: np.ndarray, rtol: float, atol: float) -> str:
-    """Where a placed tensor disagrees with ``other`` (the other trace's
-    logical tensor): the axis, if any, over which the sum of its copies
-    that say ``R`` is ``other`` to the budget - a pending sum consumed as
-    replicated - with the ranks that hold it; else ""."""
+def pending_sum_note(group, path, other, shape: tuple, rtol: float, atol: float) -> str:
+    """Where a placed tensor of ``shape`` disagrees with ``other`` (the
+    other trace's tensor of that shape, as a measure.py ``read(block)``,
+    read block by block): the axis, if any, over which the sum of its
+    copies that say ``R`` is ``other`` to the budget - a pending sum
+    consumed as replicated - with the ranks that hold it; else ""."""
     if not any("placement" in group[k].attrs for k in group):
         return ""
     axes, sizes, placed = read_placed(group, path)
-    other = np.asarray(other, dtype=np.float64)
     found = []                      # every axis whose sum is right: identical copies cannot tell them apart
     for a, axis in enumerate(axes):
         if sizes[a] == 1 or not placed or any(p[3][a] != REPLICATE for p in placed):
             continue
         partial = [b for b in range(len(axes)) if placed[0][3][b] == PARTIAL]
         summed, _ = merge(sum_partials(placed, [a, *partial]), group, path, np.inf, np.inf)
-        summed = np.asarray(summed, dtype=np.float64)
-        if summed.shape != other.shape or not np.isfinite(summed).all():
+        if summed is None or summed.shape != shape or not np.isfinite(summed).all():
             continue
-        scale = max(float(np.abs(summed).max(initial=0)), float(np.abs(other).max(initial=0)))
-        if float(np.abs(summed - other).max(initial=0)) <= atol + rtol * scale:
+        summed = np.asarray(summed, dtype=np.float64)
+        if measure("", lambda block, values=summed: values[block], other, shape, ("f", "f"), "float64", 1, rtol, atol,
+                   "budget").ok:
             found.append(axis)
     if not found:
         return ""
@@ -230,17 +231,19 @@ def pending_sum_note(group, path, other: np.ndarray, rtol: float, atol: float) -
             f"is the other trace's tensor")
 
 
-def placement_notes(name: str, sets: dict, paths: dict, a: np.ndarray, b: np.ndarray, rtol: float,
+def placement_notes(name: str, sets: dict, paths: dict, readers: list, shape: tuple, rtol: float,
                     atol: float) -> str:
     """``pending_sum_note`` for a tensor that disagrees, each side's that
-    carries placements tested against the other's tensor ("" otherwise):
-    the one call compare.py makes into this module."""
+    carries placements tested against the other's tensor (``readers``: A's
+    and B's ``read(block)``, None for one that could not be put together;
+    "" otherwise): the one call compare.py makes into this module."""
     notes = []
-    for side, mine, theirs in (("A", "A", b), ("B", "B", a)):
-        dataset = sets[side].get(name)
-        sharded = dataset is not None and not hasattr(dataset, "shape")
-        if sharded and np.shape(theirs) == tuple(dataset.attrs.get("shape", ())):
-            note = pending_sum_note(dataset, paths[side], theirs, rtol, atol)
+    for side, theirs in (("A", readers[1]), ("B", readers[0])):
+        group = sets[side].get(name)
+        if group is None or not is_sharded(group) or theirs is None:
+            continue
+        if stored_shape(group, paths[side]) == shape:
+            note = pending_sum_note(group, paths[side], theirs, shape, rtol, atol)
             if note:
-                notes.append(f"{mine}: {note}")
+                notes.append(f"{side}: {note}")
     return "; ".join(notes)

@@ -18,28 +18,38 @@ from __future__ import annotations
 
 import numpy as np
 
+from .blocks import stored_shape
+from .measure import blocks
 from .names import step_of
-from .tracefile import read_tensor
+from .tracefile import reader
 
 HALF = ("bfloat16", "float16")
 MIN_DISTINCT = 16
 
 
-def on_grid(values: np.ndarray, dtype: str) -> bool:
-    """Whether every finite value of ``values`` is exactly a ``dtype`` number."""
+def _grid(dtype: str):
     import ml_dtypes
 
-    kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
-    a = np.asarray(values, dtype=np.float32)
-    a = a[np.isfinite(a)]
-    return bool(a.size) and bool(np.array_equal(a.astype(kind).astype(np.float32), a))
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
 
 
-def telling(values: np.ndarray) -> bool:
-    """Whether ``values`` being on a 16-bit grid says anything: more than
-    MIN_DISTINCT distinct values (zeros, ones, a constant or a few small
-    integers lie on every grid)."""
-    return np.unique(np.asarray(values)).size > MIN_DISTINCT
+def facts(read, shape: tuple) -> tuple:
+    """({dtype: whether every finite value is exactly a ``dtype`` number,
+    and there is one} for each 16-bit dtype, whether the values are
+    ``telling``: more than MIN_DISTINCT distinct ones - zeros, ones, a
+    constant or a few small integers lie on every grid), read one block at
+    a time (a trace's declared sizes do not drive memory)."""
+    off, finite, distinct = dict.fromkeys(HALF, False), False, np.empty(0)
+    for block in blocks(shape):
+        values = np.asarray(read(block)).ravel()
+        if distinct.size <= MIN_DISTINCT:               # a few more than enough to tell
+            distinct = np.union1d(distinct, np.unique(values))[:MIN_DISTINCT + 1]
+        a = values.astype(np.float32)
+        a = a[np.isfinite(a)]
+        finite = finite or bool(a.size)
+        for h in HALF:
+            off[h] = off[h] or not np.array_equal(a.astype(_grid(h)).astype(np.float32), a)
+    return {h: finite and not off[h] for h in HALF}, distinct.size > MIN_DISTINCT
 
 
 def _computed(name: str) -> bool:
@@ -50,23 +60,31 @@ def _computed(name: str) -> bool:
 def precision_rows(rows: dict, order: list, sets: dict, paths: dict, dtypes: tuple) -> None:
     """Mark, per side and step, the first activation of a step whose
     activations and logits contradict the side's declared dtype (the
-    module docstring): that row fails with the reason in its note."""
+    module docstring): that row fails with the reason in its note. A
+    tensor whose shards hold too little to be put together says nothing
+    (its own row fails)."""
     for side, dtype in zip("AB", dtypes):
         steps = {}
         for name in order:
             if name in sets[side] and _computed(name):
                 steps.setdefault(step_of(name), []).append(name)
         for names in steps.values():
-            values = [read_tensor(sets[side][n], paths[side], np.inf, np.inf)[0] for n in names]
+            found = []                                  # (on each grid, telling) per readable tensor
+            for n in names:
+                read = reader(sets[side][n], paths[side], np.inf, np.inf)[0]
+                if read is not None:
+                    found.append(facts(read, stored_shape(sets[side][n], paths[side])))
+            if not found:
+                continue
             if dtype in HALF:
-                if any(on_grid(v, dtype) for v in values):
+                if any(grids[dtype] for grids, _ in found):
                     continue
                 why = (f"{side}: a {dtype} trace whose activations and logits of this step all lie off the {dtype} "
                        f"grid: computed in float32, mixed precision not in effect")
             else:
-                if not any(telling(v) for v in values):
+                if not any(telling for _, telling in found):
                     continue
-                grid = next((h for h in HALF if all(on_grid(v, h) for v in values)), None)
+                grid = next((h for h in HALF if all(grids[h] for grids, _ in found)), None)
                 if grid is None:
                     continue
                 why = (f"{side}: a {dtype} trace whose activations and logits of this step all lie on the {grid} "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.errors import UserError
-from .blocks import Problem, merge, read_blocks  # noqa: F401 - Problem: a sharded tensor's divergence
+from .blocks import Problem, is_sharded, merge, read_blocks, stored_shape, unheld  # noqa: F401 - the readers' names
 from .placements import assemble_placed
 
 
@@ -46,11 +46,6 @@ class Sharded:
 
     shape: tuple
     shards: list
-
-
-def is_sharded(obj) -> bool:
-    """Whether an h5py object is a sharded tensor's group."""
-    return not hasattr(obj, "shape") and bool(obj.attrs.get("sharded", 0))
 
 
 def write(group_parent, name: str, tensor: Sharded, dtype) -> None:
@@ -80,9 +75,14 @@ def assemble(group, path, rtol: float, atol: float):
     """(tensor, problem or "") from a sharded group: the logical tensor,
     and a divergence to report - elements no rank holds, or replicas that
     part by more than ``atol + rtol * scale`` (naming the ranks). A block
-    that cannot be placed is bad input. Blocks that carry placements
+    that cannot be placed is bad input. Shards that store fewer elements
+    than the group declares give (None, problem), said from the metadata
+    before any block is read (blocks.py). Blocks that carry placements
     (format version 3) go through placements.py, which sums pending sums
     first and checks the placements themselves."""
+    short = unheld(group, path)
+    if short:
+        return None, short
     if any("placement" in group[k].attrs for k in group):
         return assemble_placed(group, path, rtol, atol)
     return merge(read_blocks(group, path), group, path, rtol, atol)

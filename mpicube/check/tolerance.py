@@ -74,7 +74,7 @@ def depth_bound(dtype: str, depth: int, exact: bool = False) -> float:
     input may still differ by its one rounding to the trace's dtype."""
     if exact:
         return 0.0
-    return DEPTH_FACTOR * UNIT_ROUNDOFF[dtype] * max(1, depth)
+    return DEPTH_FACTOR * UNIT_ROUNDOFF[dtype] * max(1, min(depth, 2 ** 64))   # a step 10**30 deep: still a float
 
 
 def frobenius_error(a: np.ndarray, b: np.ndarray) -> float:

@@ -242,6 +242,27 @@ def cp_option(f):
                              "dp x cp x tensor-parallel ranks")(f)
 
 
+def cp_kind_options(f):
+    """``--cp-kind`` and ``--ulysses`` (train, info): how the cp ranks share
+    attention (parallel/context.py, parallel/ulysses.py)."""
+    f = click.option("--ulysses", type=int, default=1, show_default=True,
+                     help="--cp-kind hybrid: Ulysses group size U (consecutive cp ranks); the ring runs over "
+                          "cp / U groups")(f)
+    return click.option("--cp-kind", type=click.Choice(["ring", "ulysses", "hybrid"]), default="ring",
+                        show_default=True,
+                        help="ring: K/V passed round the cp ranks; ulysses: an all-to-all trades sequence shards "
+                             "for head shards before attention and back after (cp must divide the heads); "
+                             "hybrid: Ulysses inside groups of --ulysses ranks, the ring across them")(f)
+
+
+def info_step_options(f):
+    """``--optimizer`` and ``--hsdp`` as info prices them (train's own options)."""
+    f = click.option("--hsdp", type=int, default=1, show_default=True,
+                     help="with --zero 3: dp as R replicas of dp/R-way shard groups (as train --hsdp)")(f)
+    return click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default="adamw", show_default=True,
+                        help="the optimizer step's traffic: muon gathers each hidden matrix over dp (ZeRO) and tp")(f)
+
+
 def recompute_option(f):
     return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
                         help="trade memory for communication and FLOPs: gathers = gather weight and activation "

@@ -197,7 +197,7 @@ class Generator:
         model = self.parts.model
         seq = list(prompt)
         new, step_times = [], []
-        caches = model.new_caches() if cache else None
+        caches = model.new_caches(len(prompt) + max_new_tokens) if cache else None     # (B, nkv, T, hd) per block
         t0 = self._sync()
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             logits = self._forward(seq, 0, caches)

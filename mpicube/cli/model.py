@@ -12,7 +12,8 @@ import click
 
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
                      device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
-                     model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched, zero_option)
+                     model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched,
+                     zero_option, info_step_options)
 from .common import ep_option
 from ..core.errors import UserError
 
@@ -53,9 +54,10 @@ from ..core.errors import UserError
 @click.option("--heads", "show_heads", is_flag=True,
               help="also show which query and kv heads each tensor-parallel rank holds, and which ranks share "
                    "a replicated kv head (needs --layout and/or -n)")
+@info_step_options
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
          vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
-         sequence_parallel, show_heads, ep, show_experts, **family):
+         sequence_parallel, show_heads, ep, show_experts, optimizer, hsdp, **family):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations; with
@@ -99,7 +101,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         # axis against the world, the pipeline, zero and their combinations.
         plan = Plan(layout or "auto", dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=pp_schedule,
                     virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
-                    recompute=recompute, grad_accum=grad_accum, ep=ep)
+                    recompute=recompute, grad_accum=grad_accum, ep=ep, hsdp=hsdp)
         run = resolve(plan, cfg, batch_size, world)
         note = run.pipeline_note
         if show_heads:
@@ -136,17 +138,18 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         else:
             args = (layout or "auto", cfg, batch_size, world, dp, depth)
             options = dict(dtype=dtype, recompute=recompute, grad_accum=grad_accum, zero=zero)
-            echo(report(*args, **options, cp=cp, sequence_parallel=sequence_parallel, ep=ep))
+            echo(report(*args, **options, cp=cp, sequence_parallel=sequence_parallel, ep=ep, optimizer=optimizer,
+                        hsdp=hsdp))
             echo()
             echo(memory_options(cfg, batch_size, world, dp, dtype, grad_accum, ep=ep))
             if dp > 1:
                 echo()
                 echo(zero_options(cfg, batch_size, world, dp, dtype, grad_accum, recompute, ep=ep))
             if world % (dp * cp) == 0:
-                from ..analysis.costcontext import context_table
+                from ..analysis.costcontext import context_tables
 
                 echo()
-                echo(context_table(cfg, batch_size, world // (dp * cp), dp, dtype, recompute, ep=ep))
+                echo(context_tables(cfg, batch_size, world // (dp * cp), dp, dtype, recompute, ep=ep, kinds=cp > 1))
         if pipelines or pp > 1:
             from ..analysis.costpipereport import combinations_report
 
@@ -215,7 +218,7 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     from ..analysis.bench import bench_layout, format_table, threads_line
     from ..core.config import ModelConfig
     from ..files.data import VOCAB_SIZE
-    from ..model.llama import check_config as check_llama
+    from ..model.families import family_of
     from ..parallel.gridspec import Plan
     from ..parallel.planning import resolve
     from ..training.parts import Numerics, build_parts, recompute_note
@@ -230,8 +233,7 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
     profile_dir = _profile_dir(out) if profile is not None else None
     cfg = ModelConfig(vocab_size=VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                       **family_fields(**family))
-    if cfg.llama:                           # --n-kv-head dividing --n-head: before any layout says a word
-        check_llama(cfg)
+    family_of(cfg).check(cfg)               # Llama's --n-kv-head dividing --n-head: before any layout says a word
     from ..device import blas_kernel
 
     pinned = blas_kernel.pin_warning()

@@ -13,7 +13,7 @@ from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
                      env_settings,
                      arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
-                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option)
+                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option, cp_kind_options)
 from .common import ep_option
 from .sections import TRAIN_EPILOG, SectionedCommand
 
@@ -26,6 +26,7 @@ from .sections import TRAIN_EPILOG, SectionedCommand
 @ep_option
 @pipeline_options
 @cp_option
+@cp_kind_options
 @sequence_parallel_option
 @model_options
 @arch_options
@@ -39,9 +40,14 @@ from .sections import TRAIN_EPILOG, SectionedCommand
 @click.option("--warmup", type=int, default=20, show_default=True, help="linear warmup steps, then cosine decay")
 @click.option("--weight-decay", type=float, default=0.1, show_default=True)
 @click.option("--grad-clip", type=float, default=1.0, show_default=True, help="global norm clip (0 = off)")
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd", "muon"]), default="adamw", show_default=True,
               help="sgd: plain SGD (p -= lr g, no momentum, no weight decay), a reference mode in which a wrongly "
-                   "scaled gradient moves the parameters by that scale (AdamW divides it out)")
+                   "scaled gradient moves the parameters by that scale (AdamW divides it out); muon: Newton-Schulz "
+                   "orthogonalised Nesterov momentum for the hidden matrices (gathered whole on every layout and "
+                   "ZeRO stage), AdamW for embeddings, head, norms and biases")
+@click.option("--muon-qkv", type=click.Choice(["split", "joint"]), default="split", show_default=True,
+              help="--optimizer muon: orthogonalise c_attn's q, k, v (and SwiGLU's gate, up) as separate "
+                   "matrices, or as one")
 @click.option("--dropout", type=float, default=0.0, show_default=True, help="dropout probability (0 = off)")
 @click.option("--seed", type=SEED, default=1337, show_default=True, help="initialisation, data order, dropout")
 @device_options
@@ -83,6 +89,9 @@ from .sections import TRAIN_EPILOG, SectionedCommand
              "replicas; gradients reduce-scattered, parameters all-gathered; 2: also the gradients, "
              "reduce-scattered per layer during backward; 3: also the weights, all-gathered per layer "
              "just before it runs")
+@click.option("--hsdp", type=int, default=1, show_default=True,
+              help="with --zero 3: the --dp replicas as R replicas of dp/R-way shard groups (HSDP): weights, "
+                   "gradients and moments sharded inside a group, the gradient chunks all-reduced across groups")
 @profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
 def train(collective_timeout, profile, **kwargs):
@@ -193,7 +202,8 @@ def prepare(inputs, out, val_fraction, tokenizer):
         echo(f"wrote {path}: {len(data.read_shard(path)):,} tokens")
 
 
-TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "depth", "pp", "pp_schedule", "virtual_stages", "n_layer",
+TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hsdp", "muon_qkv", "depth",
+                       "pp", "pp_schedule", "virtual_stages", "n_layer",
                        "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
                        "tf32",

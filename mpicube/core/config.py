@@ -12,6 +12,38 @@ ARCHS = ("gpt2", "llama")
 SIZES = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")   # every architecture's, always stored
 
 
+MAX_DIM = 2**31 - 1        # any one model dimension, at most (shapes are int32-sized everywhere), context included
+
+# Every float of a model config, one rule for each wherever it comes from (the command line, a Hugging
+# Face config.json, a checkpoint's config): finite, and in (low, high), an end included where the flag
+# says. json reads 1e400 as inf and Python's float("inf") is a number: a norm's eps of inf makes every
+# norm output zero, a coefficient of inf a loss of inf, so each is refused by its name.
+FLOAT_RANGES = {                  # field: (low, low included, high, high included)
+    "rms_eps": (0.0, False, 1.0, False),
+    "rope_theta": (1.0, False, math.inf, False),
+    "router_aux_loss_coef": (0.0, True, 1e3, True),
+    "router_z_loss_coef": (0.0, True, 1e3, True),
+}
+
+
+def float_problem(field: str, value) -> str | None:
+    """Why ``value`` cannot be the model config's float ``field``
+    (FLOAT_RANGES), as the end of a sentence naming it ("must be ..., got
+    inf"), or None. The one check of the command line's options, Hugging
+    Face's fields and a checkpoint's config."""
+    low, low_in, high, high_in = FLOAT_RANGES[field]
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and (
+        (value >= low if low_in else value > low) and (value <= high if high_in else value < high))
+    if ok:
+        return None
+    span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+    if isinstance(value, float) and not math.isfinite(value):
+        shown = repr(value)
+    else:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"must be a finite number in {span}, got {shown}"
+
+
 MOE_FIELDS = ("n_experts", "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 MIXTRAL = {"n_experts": 8, "top_k": 2}         # --arch mixtral: Llama with Mixtral's MoE defaults
 
@@ -31,6 +63,8 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
             raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch llama or mixtral only, not gpt2")
         return {}
     for key, value in given.items():
+        if key in FLOAT_RANGES and value is not None and (why := float_problem(key, value)):
+            raise ConfigError(f"--{key.replace('_', '-')} {why}")
         if value is not None and not value > 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {value}")
     return {"arch": "llama", "tie_embeddings": bool(tie_embeddings), **{k: v for k, v in given.items() if v is not None},
@@ -61,8 +95,8 @@ def moe_fields(mixtral=False, n_experts=None, top_k=None, no_norm_topk=False, ca
     if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ConfigError(f"--capacity-factor must be positive (omit it for dropless dispatch), got {capacity_factor}")
     for name, value in (("router_aux_loss_coef", router_aux_loss_coef), ("router_z_loss_coef", router_z_loss_coef)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        if value is not None and (why := float_problem(name, value)):
+            raise ConfigError(f"--{name.replace('_', '-')} {why}")
     out = {"n_experts": n, "top_k": k, "norm_topk": not no_norm_topk}
     if capacity_factor is not None:
         out["capacity_factor"] = float(capacity_factor)
@@ -223,6 +257,8 @@ class ModelConfig:
             for name, kind in (("n_kv_head", int), ("ffn_hidden", int), ("rope_theta", float), ("rms_eps", float),
                                ("tie_embeddings", bool)):
                 value = d.get(name)
+                if name in FLOAT_RANGES and (why := float_problem(name, value)):
+                    raise ValueError(f"{name} {why}")
                 ok = isinstance(value, bool) if kind is bool else (
                     not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
                     and value > 0)
@@ -259,6 +295,8 @@ def _moe_from_dict(d: dict) -> dict:
                      ("router_aux_loss_coef", lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0),
                      ("router_z_loss_coef", lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)):
         value = d.get(name)
+        if name in FLOAT_RANGES and (why := float_problem(name, value)):
+            raise ValueError(f"{name} {why}")
         if (isinstance(value, bool) and name != "norm_topk") or not ok(value):
             raise ValueError(f"{name} is {value!r}, not a valid mixture-of-experts setting")
         out[name] = value

@@ -1,81 +1,44 @@
-"""GPT-2 and Llama, written once against the layout protocol (layouts/base.py).
+"""GPT-2, Llama and Mixtral, written once against the layout protocol
+(layouts/base.py) and the family protocol (``families``).
 
 Nothing here knows which layout it runs on: the layout supplies the linears,
 the tied embedding / LM head and the communicator of the hidden split; the
-model only strings them together with local ops from ``mpicube.ops``.
+model only strings them together with local ops from ``mpicube.ops``. Nor
+which family: ``families.family_of`` picks the family object once, and its
+pieces (norms, attention, MLP, parameter list) are all the model asks of it.
 Shapes use the layout's local sizes: B_c/C_c canonical rows/columns,
 B_m/C_m between paired linears, V_l local vocabulary.
 """
 
 from __future__ import annotations
 
-import math
-
-
-from . import kvcache, llama
+from . import kvcache
 from .. import ops
 from ..core import memory
 from ..core.config import ModelConfig
 from ..parallel.layouts.base import Layout
-from ..parallel.layouts.modules import Panel, make_norm
-from ..parallel.params import ParamDecl, ParamStore
+from ..parallel.layouts.modules import Panel
+from ..parallel.params import ParamStore
 from .block import Block, Dropout, positions
+from .families import Family, family_of
 from .tape import Micro, Tape
 
 
-LAYER_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-                "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                "mlp.c_proj.weight", "mlp.c_proj.bias")     # each block's, in gpt_params' order
-
-
 def param_names(cfg: ModelConfig):
-    """The GPT-2 names of ``gpt_params(cfg)``, in order, one at a time: a
+    """The names of ``gpt_params(cfg)``, in order, one at a time: a
     file reader walks them to find the first one a file lacks without
     building a list as long as its header claims."""
-    if cfg.llama:
-        yield from llama.param_names(cfg)
-        return
-    yield "wte"
-    yield "wpe"
-    for i in range(cfg.n_layer):
-        for suffix in LAYER_PARAMS:
-            yield f"h.{i}.{suffix}"
-    yield "ln_f.weight"
-    yield "ln_f.bias"
+    yield from family_of(cfg).param_names(cfg)
 
 
 def gpt_params(cfg: ModelConfig) -> list:
-    """Every logical parameter under its GPT-2 name, with GPT-2's init.
-    Every model and shape list is built here, so this is where a model
-    whose tensor list alone cannot fit in memory is refused (one line),
-    instead of minutes of building and a MemoryError."""
+    """Every logical parameter of ``cfg``'s family under mpicube's names
+    (GPT-2's where a tensor plays the same part), with its init. Every
+    model and shape list is built here, so this is where a model whose
+    tensor list alone cannot fit in memory is refused (one line), instead
+    of minutes of building and a MemoryError."""
     memory.require_tensors(cfg.n_layer)
-    if cfg.llama:
-        return llama.llama_params(cfg)
-    h, std = cfg.n_embd, 0.02
-    resid_std = std / math.sqrt(2 * cfg.n_layer)   # residual projections
-    decls = [
-        ParamDecl("wte", (cfg.vocab_size, h), "wte", "normal", std),
-        ParamDecl("wpe", (cfg.n_ctx, h), "wpe", "normal", std),
-    ]
-    for i in range(cfg.n_layer):
-        p = f"h.{i}."
-        decls += [
-            ParamDecl(p + "ln_1.weight", (h,), "norm", "ones"),
-            ParamDecl(p + "ln_1.bias", (h,), "norm", "zeros"),
-            ParamDecl(p + "attn.c_attn.weight", (h, 3 * h), "w_first", "normal", std, decay=True, groups=3),
-            ParamDecl(p + "attn.c_attn.bias", (3 * h,), "b_first", "zeros", groups=3),
-            ParamDecl(p + "attn.c_proj.weight", (h, h), "w_second", "normal", resid_std, decay=True),
-            ParamDecl(p + "attn.c_proj.bias", (h,), "b_second", "zeros"),
-            ParamDecl(p + "ln_2.weight", (h,), "norm", "ones"),
-            ParamDecl(p + "ln_2.bias", (h,), "norm", "zeros"),
-            ParamDecl(p + "mlp.c_fc.weight", (h, 4 * h), "w_first", "normal", std, decay=True),
-            ParamDecl(p + "mlp.c_fc.bias", (4 * h,), "b_first", "zeros"),
-            ParamDecl(p + "mlp.c_proj.weight", (4 * h, h), "w_second", "normal", resid_std, decay=True),
-            ParamDecl(p + "mlp.c_proj.bias", (h,), "b_second", "zeros"),
-        ]
-    decls += [ParamDecl("ln_f.weight", (h,), "norm", "ones"), ParamDecl("ln_f.bias", (h,), "norm", "zeros")]
-    return decls
+    return family_of(cfg).params(cfg)
 
 
 class Embeddings:
@@ -85,10 +48,10 @@ class Embeddings:
     ``forward`` takes token ids (B_dp, T_l), already cut by the step driver
     to this rank's positions."""
 
-    def __init__(self, layout: Layout, store: ParamStore, embedding, dropout: Dropout):
+    def __init__(self, layout: Layout, store: ParamStore, embedding, dropout: Dropout, family: Family):
         self.embedding, self.dropout, self.xp = embedding, dropout, layout.backend.xp
         self.wpe = self.dwpe = None
-        if not layout.cfg.llama:
+        if family.position_table:
             self.wpe, self.dwpe = store.work["wpe"], store.grad["wpe"]      # (n_ctx, C_c)
 
     def forward(self, idx, tape: Tape):
@@ -121,8 +84,8 @@ class Head:
     or an untied model's ``lm_head`` (whose gathered panel is the tape's
     ``head_panel``). ``forward`` returns this rank's share of the loss."""
 
-    def __init__(self, layout: Layout, store: ParamStore, embedding):
-        self.ln_f = make_norm(store, "ln_f", layout.cfg, layout.hidden_comm)
+    def __init__(self, layout: Layout, store: ParamStore, embedding, family: Family):
+        self.ln_f = family.norm(store, "ln_f", layout)
         self.loss = layout.loss_head(embedding)
         self.tied = layout.cfg.tied
 
@@ -166,6 +129,7 @@ class GPT:
                  layers: range = None, first: bool = True, last: bool = True):
         self.cfg, self.layout, self.store, self.xp = cfg, layout, store, layout.backend.xp
         self.dropout = dropout                   # the masks' rule, for an observer that draws them again
+        self.family = family = family_of(cfg)    # chosen once: the blocks, embeddings and head take its pieces
         self.layers = range(cfg.n_layer) if layers is None else layers
         self.first, self.last = first, last
         # the tied wte serves the lookup (first chunk) and the head (last chunk);
@@ -174,9 +138,9 @@ class GPT:
         self.head_embedding = None
         if last:
             self.head_embedding = self.embedding if cfg.tied else layout.tied_embedding(store, "lm_head")
-        self.front = [Embeddings(layout, store, self.embedding, dropout)] if first else []
-        self.blocks = [Block(layout, store, i, attention, dropout) for i in self.layers]
-        self.back = [Head(layout, store, self.head_embedding)] if last else []
+        self.front = [Embeddings(layout, store, self.embedding, dropout, family)] if first else []
+        self.blocks = [Block(layout, store, i, attention, dropout, family) for i in self.layers]
+        self.back = [Head(layout, store, self.head_embedding, family)] if last else []
         untied_head = None if cfg.tied else self.head_embedding
         self.tied = [e for e in (self.embedding, untied_head) if e is not None]   # each finishes its backward
         self.sites = [f"h.{i}" for i in self.layers]
@@ -233,12 +197,16 @@ class GPT:
         """The final LayerNorm (None on a chunk without the head)."""
         return self.back[0].ln_f if self.back else None
 
-    def new_caches(self) -> list:
+    def new_caches(self, positions: int = None) -> list:
         """An empty key/value cache per block for this rank's sequences
         and kv heads (``Block.n_local_kv``: under grouped-query attention
-        fewer than its query heads), over the whole context."""
+        fewer than its query heads), over ``positions`` positions: what a
+        generation will use (the prompt plus the new tokens), the whole
+        context when not given. Sized from the context, a Llama declaring
+        2**26 positions would take gigabytes to write two tokens."""
         cfg, layout = self.cfg, self.layout
-        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), block.n_local_kv, cfg.n_ctx, cfg.head_dim,
+        n = cfg.n_ctx if positions is None else min(int(positions), cfg.n_ctx)
+        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), block.n_local_kv, n, cfg.head_dim,
                                 self.layout.backend.dtype) for block in self.blocks]
 
     def decode(self, idx, pos: int, caches: list):

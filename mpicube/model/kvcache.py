@@ -13,7 +13,7 @@ sequences.
 Grouped-query attention (Llama): the cache holds the kv heads only, n_kv
 of them, not one copy per query head; the n_head / n_kv query heads of a
 group are scored against their kv head by broadcasting (query head i reads
-kv head i // (n_head / n_kv), as ``llama.RotaryAttention`` repeats them in
+kv head i // (n_head / n_kv), as ``rotary.RotaryAttention`` repeats them in
 training). That is GQA's memory saving: the cache is n_kv / n_head of
 multi-head attention's.
 """
@@ -28,7 +28,8 @@ from ..device.arrays import array_module
 
 
 class KVCache:
-    """Keys and values of one block for positions 0 .. n_ctx-1:
+    """Keys and values of one block for positions 0 .. n_ctx-1 (``n_ctx``:
+    the positions a generation uses, at most the model's context):
     (B_m, nkv, n_ctx, hd) each, for this rank's sequences and kv heads
     (its query heads under multi-head attention), in the activations' dtype."""
 

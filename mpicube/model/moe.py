@@ -22,6 +22,8 @@ before any backward, and each layer's backward reads the totals.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .. import ops
@@ -30,10 +32,26 @@ from ..device import precision
 from ..device.arrays import array_module
 from ..ops import moe as router_ops
 from ..parallel.experts import Dispatch, local_experts
-from ..parallel.layouts.base import Layout
+from ..parallel.layouts.base import COLUMN, ROW, Layout
 from ..parallel.params import ParamDecl, ParamStore
 from .router import RouterLedger  # noqa: F401 (moe.RouterLedger: the ledger the block's MoE records into)
 from .moe_experts import LocalExperts
+from .tape import Saved
+
+
+@dataclass
+class MoETape(Saved):
+    """What ``MoE`` keeps for backward."""
+
+    x2: object              # (n, h) the routed tokens (whole sequences under a sequence split)
+    route: object           # ops.moe.route's saved (probs, ..., weights, ..., lse)
+    order: object           # (m,) the kept (token, slot) pairs in expert order
+    bounds: object          # (E + 1,) each expert's run of ``order``
+    dispatch: object        # parallel.experts.Dispatch: the all-to-all's counts
+    runs: object            # the local experts' saved activations
+    y_back: object          # (m, h) the experts' outputs, back in ``order``'s order
+    ledger: object          # the micro-batch's RouterLedger, or None
+    shape: tuple            # x's (B, T, h)
 
 
 def expert_names(cfg: ModelConfig, i: int):
@@ -49,9 +67,9 @@ def moe_params(cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
     h, F, p = cfg.n_embd, cfg.ffn, f"h.{i}.moe."
     decls = [ParamDecl(p + "router.weight", (h, cfg.n_experts), "router", "normal", std, decay=True)]
     for e in range(cfg.n_experts):
-        decls += [ParamDecl(f"{p}experts.{e}.c_fc.weight", (h, 2 * F), "w_first", "normal", std, decay=True,
+        decls += [ParamDecl(f"{p}experts.{e}.c_fc.weight", (h, 2 * F), "w_column", "normal", std, decay=True,
                             groups=2),
-                  ParamDecl(f"{p}experts.{e}.c_proj.weight", (F, h), "w_second", "normal", resid_std, decay=True)]
+                  ParamDecl(f"{p}experts.{e}.c_proj.weight", (F, h), "w_row", "normal", resid_std, decay=True)]
     return decls
 
 
@@ -104,8 +122,8 @@ class MoE:
         self.ep = layout.axes.ep if layout.axes.ep is not None else SELF
         self.layout, self.hidden, self.seq = layout, layout.hidden_comm, layout.sequence_comm
         self.local = local_experts(cfg.n_experts, self.ep)                        # this rank's experts
-        self.local_experts = LocalExperts(layout, [(layout.expert_linear(store, f"{p}experts.{e}.c_fc", "first"),
-                                                    layout.expert_linear(store, f"{p}experts.{e}.c_proj", "second"))
+        self.local_experts = LocalExperts(layout, [(layout.expert_linear(store, f"{p}experts.{e}.c_fc", COLUMN),
+                                                    layout.expert_linear(store, f"{p}experts.{e}.c_proj", ROW))
                                                    for e in self.local], store.backend)
 
     def forward(self, x, ctx):
@@ -146,7 +164,7 @@ class MoE:
         for e in range(E):                                                        # each token's sum in expert order
             seg = slice(int(bounds[e]), int(bounds[e + 1]))
             out[order[seg] // K] += w_kept[seg, None] * y_back[seg]
-        saved = (x2, s_route, order, bounds, route, runs, y_back, ledger, x.shape)
+        saved = MoETape(x2, s_route, order, bounds, route, runs, y_back, ledger, x.shape)
         if self.seq is not None:                                                  # partial sums over tp
             out = self.seq.reduce_scatter(out.reshape(B, T, h), axis=1, wire=x.dtype).astype(wide, copy=False)
             return precision.narrow(out, x.dtype), saved                          # (B, T/p, h)
@@ -161,7 +179,8 @@ class MoE:
     def backward(self, dy, saved):
         """dy (B, T, h) -> dx (B, T, h), T/p of them under a sequence split;
         adds every local expert's and the router's gradients."""
-        x2, s_route, order, bounds, route, runs, y_back, ledger, shape = saved
+        x2, s_route, order, bounds = saved.x2, saved.route, saved.order, saved.bounds
+        route, runs, y_back, ledger, shape = saved.dispatch, saved.runs, saved.y_back, saved.ledger, saved.shape
         xp = array_module(dy)
         if self.seq is not None:
             dy = self.seq.allgather(dy, axis=1)                                   # (B, T, h)

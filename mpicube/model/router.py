@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..core.config import ModelConfig
 from ..device.arrays import array_module
-from ..parallel.context import local_positions
+from ..parallel.context import local_positions, ulysses_of
 
 
 class RouterLedger:
@@ -79,10 +79,10 @@ class RouterLedger:
         hits = xp.zeros((B, T, E))                                               # (B, T, E) choosers, all positions
         for c in range(g):
             one = (every[c].reshape(B, Tc, K)[..., None] == xp.arange(E)).sum(axis=2)   # (B, Tc, E)
-            hits[:, xp.asarray(local_positions(T, g, c))] = one
+            hits[:, xp.asarray(local_positions(T, g, c, ulysses_of(ring)))] = one
         flat = hits.reshape(B * T, E)                                            # (B T, E) in global order
         before = (xp.cumsum(flat, axis=0) - flat).reshape(B, T, E)               # choosers before each token
-        mine = before[:, xp.asarray(local_positions(T, g, ring.rank))].reshape(n, E)   # (n, E)
+        mine = before[:, xp.asarray(local_positions(T, g, ring.rank, ulysses_of(ring)))].reshape(n, E)   # (n, E)
         place = xp.take_along_axis(mine, chosen.astype(xp.int64), axis=1)        # (n, K)
         return place.reshape(-1).astype(xp.int64), flat.sum(axis=0)
 

@@ -9,16 +9,28 @@ micro-batch in flight at once (a pipeline stage holds a tape per (chunk,
 micro-batch)), evaluation is the same model with ``Micro.train`` off,
 recompute is a wrapper whose tape keeps only a block's input, and the
 memory a rank holds for backward is read off the tapes (``saved_buffers``).
+
+What one module keeps for its backward is a small dataclass deriving
+from ``Saved`` (the block's ``BlockTape``, attention's ``AttentionTape``,
+the MLP's ``MLPTape``, ...): named fields, never a positional tuple of
+eight or nine items, so a reader (or a memory probe) knows what each
+buffer is, as llm.c names its saved activations.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from ..device import precision
 from ..parallel.layouts.modules import Panel
+
+
+class Saved:
+    """Base of the dataclasses a module's forward returns for its backward:
+    ``saved_buffers`` walks their fields (and nothing else that merely
+    happens to be a dataclass, such as ``Micro``'s router ledger)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,7 @@ class Tape:
 
 def saved_buffers(tape, exclude=()) -> list:
     """The distinct floating-point buffers a tape (or any nest of tuples,
-    lists and tapes) holds, parameters (``exclude``) left out: what a rank
+    lists, tapes and ``Saved`` records) holds, parameters (``exclude``) left out: what a rank
     keeps for backward, to check the analytic memory model against."""
     seen = {}
     params = {id(p) for p in exclude}
@@ -75,6 +87,9 @@ def saved_buffers(tape, exclude=()) -> list:
         elif isinstance(value, (Tape, Panel)):
             for name in value.__slots__:
                 visit(getattr(value, name))
+        elif isinstance(value, Saved):
+            for field in fields(value):
+                visit(getattr(value, field.name))
         elif hasattr(value, "dtype") and hasattr(value, "base") and precision.is_float(value.dtype):
             owner = value
             while owner.base is not None:

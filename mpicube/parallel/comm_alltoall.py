@@ -28,6 +28,7 @@ import numpy as np
 from .comm import Comm, Pending
 from .waiting import complete
 from ..device import precision
+from ..device.arrays import array_module
 
 
 def exchange_counts(comm: Comm, send_counts: np.ndarray) -> np.ndarray:
@@ -79,3 +80,21 @@ def ialltoallv(comm: Comm, x, send_counts: np.ndarray, recv_counts: np.ndarray, 
         return out.view(dtype) if precision.is_half(dtype) else out
 
     return Pending(finish, comm, send, "ialltoallv")
+
+
+def alltoall(comm: Comm, x):
+    """x (g, ...): slab j goes to rank j -> (g, ...): slab j came from
+    rank j (this rank's own slab stays where it is). Equal slabs, one
+    message per peer (Ulysses' exchange of sequence runs for head groups,
+    parallel/ulysses.py); counted as ``ialltoallv`` counts: (g-1) slabs sent."""
+    if comm.size == 1:
+        return x
+    xp = array_module(x)
+    x = xp.ascontiguousarray(x)
+    g, me = comm.size, comm.rank
+    ones = np.ones(g, dtype=np.int64)
+    others = ialltoallv(comm, x, ones, ones).wait()                # (g-1, ...) by source, without this rank
+    out = xp.empty_like(x)
+    out[me] = x[me]
+    out[[j for j in range(g) if j != me]] = others
+    return out

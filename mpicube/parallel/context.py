@@ -42,15 +42,26 @@ from .comm import Comm
 from .comm_p2p import ishift
 
 
-def validate(T: int, cp: int) -> None:
-    """T must split into 2C equal chunks: one line naming the nearest
-    sequence lengths and the cp sizes that would work."""
-    if cp > 1 and T % (2 * cp):
-        below, above = T // (2 * cp) * 2 * cp, (T // (2 * cp) + 1) * 2 * cp
+def validate(T: int, cp: int, ulysses: int = 1) -> None:
+    """T must split into 2R equal chunks (R = cp / ulysses ring steps), and
+    a group's T/R positions into ``ulysses`` equal runs: one line naming the
+    nearest sequence lengths and the cp sizes that would work."""
+    R = cp // ulysses
+    if R > 1 and T % (2 * R):
+        below, above = T // (2 * R) * 2 * R, (T // (2 * R) + 1) * 2 * R
         sizes = " or ".join(str(v) for v in (below, above) if v > 0)
-        cps = [c for c in range(1, T // 2 + 1) if T % (2 * c) == 0]
-        raise ConfigError(f"--seq-len {T} must be divisible by 2 x --cp {cp} = {2 * cp} (each sequence is cut "
-                          f"into 2C chunks): use --seq-len {sizes}, or --cp one of {cps}")
+        if ulysses == 1:
+            cps = [c for c in range(1, T // 2 + 1) if T % (2 * c) == 0]
+            raise ConfigError(f"--seq-len {T} must be divisible by 2 x --cp {cp} = {2 * cp} (each sequence is cut "
+                              f"into 2C chunks): use --seq-len {sizes}, or --cp one of {cps}")
+        raise ConfigError(f"--seq-len {T} must be divisible by 2 x (--cp {cp} / --ulysses {ulysses}) = {2 * R} "
+                          f"(each sequence is cut into 2 chunks per ring step): use --seq-len {sizes}")
+    step = 2 * cp if R > 1 else cp
+    if T % step:
+        below, above = T // step * step, (T // step + 1) * step
+        sizes = " or ".join(str(v) for v in (below, above) if v > 0)
+        raise ConfigError(f"--seq-len {T} must be divisible by {step} (the {ulysses} Ulysses ranks of a group each "
+                          f"hold an equal run of its positions): use --seq-len {sizes}")
 
 
 def chunks(cp: int, r: int) -> tuple:
@@ -58,12 +69,32 @@ def chunks(cp: int, r: int) -> tuple:
     return r, 2 * cp - 1 - r
 
 
-def local_positions(T: int, cp: int, r: int) -> np.ndarray:
-    """(2c,) the global positions of cp rank r's rows, chunk r then chunk 2C-1-r."""
+def ulysses_of(ring) -> int:
+    """The Ulysses group size of a cp communicator (``grid.build_layout``
+    sets it; 1: the plain ring)."""
+    return getattr(ring, "ulysses", 1)
+
+
+def local_positions(T: int, cp: int, r: int, ulysses: int = 1) -> np.ndarray:
+    """(T/cp,) the global positions of cp rank r's rows.
+
+    Ring (``ulysses`` 1): chunk r then chunk 2C-1-r. With Ulysses groups of
+    U = ``ulysses`` consecutive cp ranks, group g = r // U plays ring rank g
+    of R = cp / U (its positions: chunks g and 2R-1-g of 2R, or all T in
+    order when R is 1), and rank u = r % U of the group holds run u of the
+    group's positions: the all-to-all before attention puts the group's U
+    runs back together in that order."""
     if cp == 1:
         return np.arange(T)
-    c = T // (2 * cp)
-    return np.concatenate([np.arange(i * c, (i + 1) * c) for i in chunks(cp, r)])
+    R = cp // ulysses
+    g, u = divmod(r, ulysses)
+    if R == 1:
+        group = np.arange(T)
+    else:
+        c = T // (2 * R)
+        group = np.concatenate([np.arange(i * c, (i + 1) * c) for i in chunks(R, g)])
+    n = len(group) // ulysses
+    return group[u * n:(u + 1) * n]
 
 
 def _pairs(q_chunks, k_chunks, c: int, block: int):

@@ -3,7 +3,8 @@
 Every step sums each rank's partial gradients over every axis that splits
 the work but not the parameters: inside the tensor-parallel group over the
 ranks that replicate a block (a bias replicated over the 3-D cube's (i, k)
-plane, every 1-D LayerNorm), over the ranks that share a replicated kv head
+plane, every 1-D LayerNorm, a REPLICATED linear's whole weight wherever the
+tp ranks hold different canonical blocks), over the ranks that share a replicated kv head
 (grouped-query attention's k and v columns when the head split exceeds the
 kv heads, ``params.SharedColumns``), over the context-parallel ring (each cp rank
 saw other positions), over the tied wte's pair of pipeline stages (the
@@ -83,6 +84,10 @@ class GradientSync:
     ===============  =================================  ==================================
     replica groups   all-reduce of each group's run     per layer and micro-batch, in
                                                         backward (``fsdp.reduce_slot``)
+    replicated       a replica group: the whole tp      as the replica groups
+    linears          group on 2-D, 2.5-D, 3-D and 1-D
+                     --sequence-parallel; none on
+                     serial and 1-D (whole on each)
     tied wte pair    all-reduce of grad["wte"]          all-reduce of the wte chunk (C_wte)
     cp ring          all-reduce of the buffer (P)       all-reduce of the chunk (C)
     dp               all-reduce (0), reduce-scatter     per layer and micro-batch, in
@@ -119,6 +124,9 @@ class GradientSync:
             if ring.size > 1:    # --ep under --cp: the experts' chunks (last, [C_d, C)) are edp's, summed
                 dense = slice(0, store.expert_run.start) if self.folded else slice(0, store.flat_grad.size)
                 store.flat_grad[dense] = ring.allreduce(store.flat_grad[dense], wire=wire)   # (C,) or (C_d,)
+            replicas = getattr(self.axes, "dp_replica", None)    # --hsdp: the same chunk on R replicas
+            if replicas is not None and replicas.size > 1:
+                store.flat_grad[...] = replicas.allreduce(store.flat_grad, wire=wire)          # (C,)
             return
         sync_replica_groups(store)
         if self.tied is not None:

@@ -16,7 +16,7 @@ from mpi4py import MPI
 from ..core.config import ModelConfig
 from ..core.intmath import integer_root  # noqa: F401 (re-exported for tools and reports)
 from .comm import Comm, Counters
-from .gridspec import Plan
+from .gridspec import Plan, hsdp_coords
 from .layouts.base import Axes
 from .planning import (DEFAULT_MIN_BATCH, LAYOUT_CHOICES, Resolved, check_sequence_parallel,  # noqa: F401
                        choose_layout, micro_split, resolve, validate_axes, validate_model)
@@ -80,6 +80,15 @@ def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, r
                 tp=split("tp", (d, p, c, 0), t),
                 pp=split("pp", (d, 0, c, t), p),
                 cp=split("cp", (d, p, 0, t), c))
+    if grid.hsdp > 1:                    # --hsdp R: shard groups of dp/R consecutive replicas, R of them
+        group, shard = hsdp_coords(d, grid.dp, grid.hsdp)
+        axes.dp_shard = axes.dp.split("dp", group, shard)        # ZeRO-3 inside (the "dp" of fsdp's collectives)
+        axes.dp_replica = axes.dp.split("hsdp", shard, group)    # the chunk's all-reduce across replicas
+    U = grid.ulysses_size                # --cp-kind ulysses/hybrid: groups of U consecutive cp ranks
+    axes.cp.ulysses = U                  # read by context.local_positions (through context.ulysses_of)
+    if U > 1:
+        axes.cp_group = axes.cp.split("ulysses", c // U, c % U)   # the all-to-all's ranks (parallel/ulysses.py)
+        axes.cp_ring = axes.cp.split("cp", c % U, c // U)         # the ring over the groups, same heads
     ep = grid.ep                         # --ep: groups of ep consecutive replicas (parallel/experts.py)
     group, ep_rank, edp_rank = ep_coords(grid, d, c)
     if ep > 1 and grid.cp > 1:           # folded into dp x cp, as Megatron does: q = d cp + c

@@ -49,6 +49,7 @@ from ..core.errors import ConfigError
 
 
 ATTENTION_KINDS = ("blocks", "full")   # blockwise (O(T) kept per head) or the whole (T, T) scores
+CP_KINDS = ("ring", "ulysses", "hybrid")   # how the cp ranks share attention (parallel/context.py, ulysses.py)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class Plan:
     overlap: bool = True        # collectives overlapped with GEMMs (False: the blocking path, to compare)
     attention: str = "blocks"   # ATTENTION_KINDS: blockwise attention, or "full" (the (T, T) op)
     ep: int = 1                 # expert-parallel ranks, taken from dp (a mixture of experts; parallel/experts.py)
+    cp_kind: str = "ring"       # CP_KINDS: K/V round a ring, heads by all-to-all (Ulysses), or both
+    ulysses: int = 1            # --cp-kind hybrid: Ulysses group size (cp / ulysses ring steps)
+    hsdp: int = 1               # --hsdp R: dp in R replicas of dp/R-way ZeRO-3 shard groups (parallel/hsdp.py)
 
     @classmethod
     def of(cls, value) -> "Plan":
@@ -87,6 +91,13 @@ class Plan:
     def outer(self) -> int:
         """Ranks per tensor-parallel position: dp x pp x cp."""
         return self.dp * self.pp * self.cp
+
+    @property
+    def ulysses_size(self) -> int:
+        """cp ranks that trade sequence shards for head shards by all-to-all
+        (U): all of cp under ulysses, --ulysses under hybrid, 1 for the ring.
+        The ring then runs over cp / U groups."""
+        return {"ulysses": self.cp, "hybrid": self.ulysses}.get(self.cp_kind, 1)
 
     def tp(self, world_size: int) -> int:
         """Tensor-parallel size for this world, or a ConfigError naming the
@@ -118,10 +129,24 @@ class Plan:
         for n in ("dp", "pp", "cp", "depth"):
             if getattr(self, n) != 1:
                 out += f", {n} {getattr(self, n)}"
+                if n == "dp" and self.hsdp > 1:
+                    out += f" (hsdp {self.hsdp} x {self.dp // self.hsdp})"
+                if n == "cp" and self.cp_kind != "ring":
+                    out += f" ({self.cp_kind}" + (f" {self.ulysses}" if self.cp_kind == "hybrid" else "") + ")"
                 if n == "pp":
                     v = f", V {self.virtual_stages}" if self.virtual_stages != 1 else ""
                     out += f" ({self.pp_schedule}{v})"
         return out
+
+
+def hsdp_coords(d: int, dp: int, replicas: int) -> tuple:
+    """(replica group, rank in it) of data-parallel rank ``d`` under --hsdp
+    ``replicas``: shard groups of dp / R consecutive replicas (consecutive
+    ranks share the faster links), the same position in each group forming
+    the R-rank replica group. Pure: ``grid.build_layout`` splits by it and
+    ``tools/hsdp_pictures.py`` draws it."""
+    shards = dp // replicas
+    return d // shards, d % shards
 
 
 GridSpec = Plan   # the former name (when the value held the axes only)

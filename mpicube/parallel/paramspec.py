@@ -27,8 +27,10 @@ class ParamDecl:
     """A logical parameter as the model sees it.
 
     ``role`` tells the layout how the tensor is used: ``wte``, ``wpe``, ``norm``,
-    ``w_first``/``b_first`` (first linear of a pair, e.g. c_attn, c_fc),
-    ``w_second``/``b_second`` (second linear, e.g. c_proj).
+    ``w_column``/``b_column`` (a column-parallel linear, the first of a
+    pair: c_attn, c_fc), ``w_row``/``b_row`` (a row-parallel one, the second:
+    c_proj), ``w_replicated`` (a small weight every tensor-parallel rank
+    holds whole: layouts/base.LINEAR_KINDS), ``router`` (a mixture's).
     ``groups`` > 1 means the output columns are ``groups`` stacked tensors
     (c_attn's [q | k | v], SwiGLU's [gate | up]) that must each be split
     the same way; a tuple gives their sizes when they differ (grouped-query

@@ -23,7 +23,7 @@ from typing import Optional
 from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..core.intmath import integer_root
-from . import context
+from . import context, ulysses
 from .gridspec import ATTENTION_KINDS, Plan
 from .layouts import LAYOUTS
 from .layouts.base import RECOMPUTE_MODES, nearest_multiples
@@ -88,6 +88,24 @@ def validate_axes(grid: Plan) -> None:
     future refusal of a pairing goes."""
 
 
+def validate_hsdp(plan: Plan) -> None:
+    """--hsdp R: R replicas of dp/R-way ZeRO-3 shard groups (parallel.fsdp
+    inside a group, an all-reduce across them)."""
+    R = plan.hsdp
+    if R == 1:
+        return
+    fits = [r for r in range(2, plan.dp) if plan.dp % r == 0 and plan.dp // r > 1]
+    if R < 1 or plan.dp % R or plan.dp // R < 2:
+        raise ConfigError(f"--hsdp {R} must divide --dp {plan.dp} into replicas of 2 or more shards: use --hsdp "
+                          + (f"one of {fits}" if fits else "1 (--dp has no such split)"))
+    if plan.zero != 3:
+        raise ConfigError(f"--hsdp {R} shards the weights ZeRO-3-wise inside each replica: use --zero 3 "
+                          f"(got --zero {plan.zero})")
+    if plan.ep != 1:
+        raise ConfigError(f"--hsdp {R} with --ep {plan.ep}: the expert-data groups are not split into replicas "
+                          f"here; drop --hsdp or --ep")
+
+
 def validate_model(cfg: ModelConfig) -> None:
     """Sizes that no layout can run."""
     for name in ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd"):
@@ -137,6 +155,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     nearest valid values."""
     plan = Plan.of(plan)
     validate_zero(plan.zero, plan.dp, plan.pp, plan.cp)
+    validate_hsdp(plan)
     validate_axes(plan)
     validate_model(cfg)
     run_cfg = cfg if seq_len is None else replace(cfg, n_ctx=seq_len)    # what the T-dependent sizes see
@@ -176,10 +195,11 @@ def _check_choices(plan: Plan, cfg: ModelConfig, world_size: int) -> tuple:
         raise ConfigError(f"unknown attention {plan.attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     tp = plan.tp(world_size)
     note = check_pipeline(cfg.n_layer, plan.pp, plan.pp_schedule, plan.virtual_stages, plan.grad_accum)
-    context.validate(cfg.n_ctx, plan.cp)
     name = choose_layout(plan.layout, tp, plan.depth)
     if name not in LAYOUTS:
         raise ConfigError(f"unknown layout {plan.layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+    ulysses.validate(plan, cfg, LAYOUTS[name].head_coords(tp, plan.depth, 0)[0])
+    context.validate(cfg.n_ctx, plan.cp, plan.ulysses_size)
     if plan.grad_accum < 1:
         raise ConfigError(f"--grad-accum must be at least 1, got {plan.grad_accum}")
     if plan.depth != 1 and name != "2.5d":

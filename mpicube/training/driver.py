@@ -31,14 +31,18 @@ from ..model.gpt import GPT, Head
 from ..model.router import RouterLedger
 from ..model.tape import Micro, saved_buffers
 from ..parallel import context
+from ..parallel.ulysses import UlyssesAttention
 
 def attention_for(layout):
     """The attention op pair a block calls: a ring over the cp ranks when
     the sequence is split, else blockwise (O(T) kept per head) or, when
     the plan's attention is "full", the op that holds T x T (the
     reference; the memory model counts blockwise only)."""
-    if layout.axes.cp.size > 1:
-        return context.RingAttention(layout.axes.cp)
+    axes = layout.axes
+    if axes.cp_group is not None:        # --cp-kind ulysses or hybrid
+        return UlyssesAttention(axes.cp_group, axes.cp_ring)
+    if axes.cp.size > 1:
+        return context.RingAttention(axes.cp)
     return ops if layout.attention_kind == "full" else attention_blocks
 
 
@@ -73,7 +77,7 @@ def rank_positions(layout, T: int):
     sequence-parallel linears do) restores exactly the cp rank's rows, in
     the order the ring attention expects."""
     ring = layout.axes.cp
-    pos = context.local_positions(T, ring.size, ring.rank) if ring.size > 1 else None   # (T/cp,) or all T
+    pos = context.local_positions(T, ring.size, ring.rank, context.ulysses_of(ring)) if ring.size > 1 else None   # (T/cp,) or all T
     run = layout.seq_positions(T if pos is None else len(pos))     # (T_cp/tp,) indices into those, or None
     if run is None:
         return pos
@@ -99,7 +103,7 @@ def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, 
     ring = layout.axes.cp
     cut = None
     if ring.size > 1:                       # this rank's two chunks of every sequence (parallel.context)
-        cut = context.local_positions(T, ring.size, ring.rank)     # (T/cp,) global positions
+        cut = context.local_positions(T, ring.size, ring.rank, context.ulysses_of(ring))   # (T/cp,) global positions
         idx = np.asarray(idx)[:, cut]
         targets = None if targets is None else np.asarray(targets)[:, cut]
     pos = rank_positions(layout, T)
@@ -178,8 +182,8 @@ class Runner:
     def blocks(self):
         return self.model.blocks
 
-    def new_caches(self) -> list:
-        return self.model.new_caches()
+    def new_caches(self, positions: int = None) -> list:
+        return self.model.new_caches(positions)
 
     def decode(self, idx, pos: int, caches: list):
         return self.model.decode(idx, pos, caches)

@@ -70,8 +70,14 @@ class Launch:
         if o.batch_size is not None:
             self._plan_data()
 
+        vocab = None                                     # the vocabulary the shards are checked against now
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
-            on_root(self.world, self._check_init_from)
+            vocab = on_root(self.world, self._check_init_from)
+        elif self.cfg is not None and not o.resume:
+            vocab = self.cfg.vocab_size
+        self.vocab_checked = False
+        if vocab is not None and o.batch_size is not None:   # a token past the vocabulary: no run directory either
+            self._check_vocab(vocab)
         if self.run is not None:                         # a model too large for the host: no run directory
             require_host_room(self.run, o.numerics, self.world)
         if self.keep_files:
@@ -92,16 +98,15 @@ class Launch:
             self._resolve()
             if not planned:
                 self._plan_data()
-        on_root(self.world, lambda: data.check_vocab(self.train_tokens, self.cfg.vocab_size, self.train_path))
-        if self.eval_batches:
-            on_root(self.world, lambda: data.check_vocab(self.val_tokens, self.cfg.vocab_size, self.val_path))
+        if not self.vocab_checked or vocab != self.cfg.vocab_size:
+            self._check_vocab(self.cfg.vocab_size)
         self.parts = build_parts(self.run, self.world, o.numerics, o.seed, o.dropout,
                                  recorder=self.recorder)
         for note in (recompute_note(self.parts.layout, o.recompute), self.run.pipeline_note, self.run.tp_note):
             if note:                                   # e.g. fewer micro-batches than stages: a large bubble
                 self.notes.append(note)
         self.opt = make_step(self.parts.store, self.parts.layout.axes, weight_decay=o.weight_decay,
-                             optimizer=o.optimizer)
+                             optimizer=o.optimizer, muon_qkv=o.muon_qkv)
         self.scaler = o.loss_scaler()                  # float16 only
         self.schedule = Schedule(o.lr, o.warmup, o.steps)
         self.start_step = self._restore() + 1
@@ -134,6 +139,14 @@ class Launch:
         self.eval_batches = self.data_plan.eval_batches          # 0: no validation
         self.notes += self.data_plan.notes
         self.loader = data.TrainLoader(self.train_tokens, o.batch_size, o.seq_len, o.seed)
+
+    def _check_vocab(self, vocab_size: int) -> None:
+        """Every token id of the training and validation shards inside the
+        model's vocabulary (rank 0 scans; its DataError reaches every rank)."""
+        on_root(self.world, lambda: data.check_vocab(self.train_tokens, vocab_size, self.train_path))
+        if self.eval_batches:
+            on_root(self.world, lambda: data.check_vocab(self.val_tokens, vocab_size, self.val_path))
+        self.vocab_checked = True
 
     def _prepare_run_dir(self) -> tuple:
         """Rank 0: (run directory, this job's name for its temporary files,
@@ -212,13 +225,15 @@ class Launch:
                               f"({', '.join(differ)} not used)")
         return cfg
 
-    def _check_init_from(self) -> None:
+    def _check_init_from(self) -> int:
         """Rank 0: --init-from's file opens and its model is the one the
-        options ask for (shape and family), before the run directory is made."""
+        options ask for (shape and family), before the run directory is
+        made; returns its vocabulary size (the shards are checked against it)."""
         with formats.open_model(self.opts.init_from, verify=False) as model_file:
             said = list(self.notes)
             self._file_config(model_file)
             self.notes[:] = said                   # said again when the run opens the file
+            return model_file.config.vocab_size
 
     def _file_family(self, path, cfg: ModelConfig) -> ModelConfig:
         """The file's model under this run's family options: the file
@@ -281,7 +296,7 @@ class Launch:
     def _changed_options(self, saved: dict) -> list:
         """Options that change the trajectory and differ from a resumed run's."""
         relevant = ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "steps", "lr", "warmup",
-                    "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "dtype", "data")
+                    "weight_decay", "grad_clip", "optimizer", "muon_qkv", "dropout", "seed", "dtype", "data")
         now = self.opts.to_dict()
         return [f"--{_dash(k)} {saved[k]} -> {now[k]}" for k in relevant if k in saved and saved[k] != now[k]]
 

@@ -89,6 +89,11 @@ class AdamW:
         ``grad_scale`` (clipping), without being changed in the buffer."""
         self.store.settle()
         self.t += 1
+        self._adam(self.runs, lr, grad_scale)
+        self.store.params_changed()
+
+    def _adam(self, runs: list, lr: float, grad_scale: float) -> None:
+        """AdamW on the (slice, decayed?) ``runs`` of the chunk, at step ``self.t``."""
         b1, b2 = self.beta1, self.beta2
         # lr m_hat / (sqrt(v_hat) + eps) = step * m / (sqrt(v) + eps'), folding both bias corrections
         sqrt_bias2 = math.sqrt(1.0 - b2 ** self.t)
@@ -97,7 +102,7 @@ class AdamW:
         keep = 1.0 - lr * self.weight_decay
         flat, flat_grad = self.store.master, self.store.grad_chunk                      # (C,) each
         kernels = kernels_for(flat, flat_grad, self.m, self.v)
-        for run, decays in self.runs:
+        for run, decays in runs:
             run_keep = keep if decays else 1.0
             if kernels is not None:
                 kernels.adamw(flat[run], flat_grad[run], self.m[run], self.v[run], b1, b2, step, eps,
@@ -107,7 +112,6 @@ class AdamW:
                 block = slice(lo, min(run.stop, lo + self.block))
                 self._update_block(flat[block], flat_grad[block], self.m[block], self.v[block],
                                    b1, b2, step, eps, run_keep, grad_scale)
-        self.store.params_changed()
 
     # --- the whole moments, for checkpoints ------------------------------------
     # Under --zero 1 each replica holds the moments of its chunk only. A

@@ -12,10 +12,11 @@ from typing import Optional
 from ..files import data
 from ..core.config import ModelConfig, family_fields
 from ..core.errors import ConfigError
-from ..model import llama
+from ..model.families import family_of
 from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
+from . import muon
 
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
@@ -31,6 +32,9 @@ class TrainOptions:
     pp_schedule: str = "1f1b"      # gpipe, 1f1b or interleaved (micro-batches: grad_accum)
     virtual_stages: int = 1        # model chunks per stage under interleaved
     cp: int = 1                    # context-parallel ranks (issue 22)
+    cp_kind: str = "ring"          # ring, ulysses or hybrid (issue 46; parallel/ulysses.py)
+    ulysses: int = 1               # hybrid's Ulysses group size
+    hsdp: int = 1                  # --hsdp R: dp as R replicas of dp/R-way ZeRO-3 shard groups (issue 46)
     sequence_parallel: bool = False   # 1-D: LayerNorm/dropout/residual regions sharded along T (issue 22)
     depth: int = 1
     n_layer: int = 4
@@ -57,7 +61,8 @@ class TrainOptions:
     warmup: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    optimizer: str = "adamw"       # adamw, or sgd: plain SGD, a reference mode (training.optim.SGD)
+    optimizer: str = "adamw"       # adamw, sgd (plain SGD, a reference mode: training.optim.SGD) or muon
+    muon_qkv: str = "split"        # --optimizer muon: q, k, v orthogonalised split or joint (training.muon)
     dropout: float = 0.0
     seed: int = 1337
     dtype: str = "float32"
@@ -88,6 +93,12 @@ class TrainOptions:
         """Every option; a GPT-2 run leaves out the Llama family's (all at their
         defaults), so its config.json and checkpoints read as before they existed."""
         d = asdict(self)
+        if self.optimizer != "muon" and self.muon_qkv == "split":   # stored as before Muon existed
+            d.pop("muon_qkv")
+        if self.hsdp == 1:                                  # stored as before --hsdp existed
+            d.pop("hsdp")
+        if self.cp_kind == "ring" and self.ulysses == 1:   # stored as before the Ulysses options existed
+            d.pop("cp_kind"), d.pop("ulysses")
         if self.arch == "gpt2":
             for key in ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings"):
                 d.pop(key)
@@ -109,7 +120,8 @@ class TrainOptions:
         return Plan(layout=self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth,
                     pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
                     sequence_parallel=self.sequence_parallel, zero=self.zero, recompute=self.recompute,
-                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep)
+                    grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep,
+                    cp_kind=self.cp_kind, ulysses=self.ulysses, hsdp=self.hsdp)
 
     grid = plan     # the former name
 
@@ -156,8 +168,10 @@ class TrainOptions:
                 raise ConfigError(f"--{_dash(name)} must be a finite number >= 0, got {value}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
             raise ConfigError(f"--seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.optimizer not in ("adamw", "sgd", "muon"):
+            raise ConfigError(f"--optimizer must be adamw, sgd or muon, got {self.optimizer!r}")
+        if self.optimizer == "muon":
+            muon.check(self.model_config(), self.muon_qkv)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.stop_after is not None and self.stop_after < 1:
@@ -168,8 +182,8 @@ class TrainOptions:
         if self.file_decides_family:       # checked against the model file's family once it is open
             return
         family_fields(**self.family())
-        if self.arch in ("llama", "mixtral"):   # --n-kv-head dividing --n-head, an even head size: before any file
-            llama.check_config(self.model_config())
+        cfg = self.model_config()        # Llama's --n-kv-head dividing --n-head, an even head size: before any file
+        family_of(cfg).check(cfg)
 
     def loss_scaler(self):
         """A fresh LossScaler for --dtype float16, else None (ConfigError for

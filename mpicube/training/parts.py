@@ -92,12 +92,12 @@ def build_parts(run: Resolved, mpi_world, numerics: Numerics = Numerics(), seed:
     layout = build_layout(run, backend, mpi_world, counters=counters, recorder=recorder)
     if grid.pp > 1:
         virtual = grid.virtual_stages
-        store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=layout.axes.dp, zero=grid.zero,
+        store = make_store(stage_specs(layout, cfg, virtual), backend, seed, dp=shard_group(layout), zero=grid.zero,
                            stages=grid.pp, edp=layout.axes.edp)
         pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=virtual, dropout=dropout,
                         seed=seed, grad_accum=accum)
         return Parts(cfg, backend, counters, layout, store, pipe, accum, pipeline=pipe)
-    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=layout.axes.dp, zero=grid.zero,
+    store = make_store(model_specs(layout, gpt_params(cfg)), backend, seed, dp=shard_group(layout), zero=grid.zero,
                        edp=layout.axes.edp)
     model = Runner(build_gpt(cfg, layout, store, dropout=dropout, seed=seed, grad_accum=accum), layout, accum)
     return Parts(cfg, backend, counters, layout, store, model, accum)
@@ -165,3 +165,10 @@ def recompute_note(layout, recompute: str):
     if recompute == "gathers" and layout.name == "serial":
         return "note: --recompute gathers: nothing is gathered on the serial layout"
     return None
+
+
+def shard_group(layout):
+    """The replicas ZeRO shards over: all of dp, or under --hsdp the
+    rank's shard group (the replica groups' all-reduce is GradientSync's)."""
+    axes = layout.axes
+    return axes.dp_shard if axes.dp_shard is not None else axes.dp

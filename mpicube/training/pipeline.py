@@ -312,9 +312,9 @@ class Pipeline:
         model = self.chunk_model(self.V - 1)
         return model.head_embedding if model.last else None
 
-    def new_caches(self) -> dict:
-        """{local chunk: its blocks' key/value caches}."""
-        return {v: self.chunk_model(v).new_caches() for v in range(self.V)}
+    def new_caches(self, positions: int = None) -> dict:
+        """{local chunk: its blocks' key/value caches} over ``positions`` (GPT.new_caches)."""
+        return {v: self.chunk_model(v).new_caches(positions) for v in range(self.V)}
 
     def decode(self, idx, pos: int, caches: dict):
         """``GPT.decode`` through every stage in turn: logits (B_l, t, V_l)

@@ -22,6 +22,7 @@ import math
 from ..parallel.gradients import GradientSync, SharedSquares, global_grad_norm, weighted_squares
 from ..parallel.params import ParamStore
 from .optim import OPTIMIZERS
+from .muon import Muon
 
 
 class ReplicatedStep:
@@ -31,9 +32,10 @@ class ReplicatedStep:
     same calls as ``ShardedStep``; ``adam`` holds the moments and the
     step count."""
 
-    def __init__(self, store: ParamStore, axes, weight_decay: float = 0.1, optimizer: str = "adamw"):
+    def __init__(self, store: ParamStore, axes, weight_decay: float = 0.1, optimizer: str = "adamw",
+                 muon_qkv: str = "split"):
         self.store, self.axes = store, axes
-        self.adam = OPTIMIZERS[optimizer](store, weight_decay=weight_decay)     # AdamW, or SGD
+        self.adam = build_optimizer(optimizer, store, axes, weight_decay, muon_qkv)   # AdamW, SGD or Muon
         self.sync = GradientSync(store, axes)     # sync(): every axis's sum, the dp all-reduce last
 
     def grad_norm(self) -> float:
@@ -43,12 +45,20 @@ class ReplicatedStep:
         self.adam.step(lr, grad_scale)
 
 
-def make_step(store: ParamStore, axes, weight_decay: float = 0.1, optimizer: str = "adamw"):
+def make_step(store: ParamStore, axes, weight_decay: float = 0.1, optimizer: str = "adamw", muon_qkv: str = "split"):
     """The optimizer step for ``store``: sharded over dp if the store is
-    (``zero=1``), else replicated; ``optimizer`` "adamw" or "sgd"."""
+    (``zero=1``), else replicated; ``optimizer`` "adamw", "sgd" or "muon"
+    (``muon_qkv``: c_attn's q, k, v orthogonalised "split" or "joint")."""
     if store.partition.sharded:
-        return ShardedStep(store, axes, weight_decay, optimizer)
-    return ReplicatedStep(store, axes, weight_decay, optimizer)
+        return ShardedStep(store, axes, weight_decay, optimizer, muon_qkv)
+    return ReplicatedStep(store, axes, weight_decay, optimizer, muon_qkv)
+
+
+def build_optimizer(name: str, store: ParamStore, axes, weight_decay: float, muon_qkv: str = "split"):
+    """AdamW, SGD, or Muon (which gathers each hidden matrix over tp: training.muon)."""
+    if name == "muon":
+        return Muon(store, weight_decay=weight_decay, tp=axes.tp, qkv=muon_qkv)
+    return OPTIMIZERS[name](store, weight_decay=weight_decay)
 
 
 class ShardedStep:
@@ -57,11 +67,11 @@ class ShardedStep:
     ``step``). ``adam`` holds the moments of the owned chunk and the step
     count."""
 
-    def __init__(self, store, axes, weight_decay: float = 0.1, optimizer: str = "adamw"):
-        if not store.partition.sharded or store.dp is not axes.dp:
+    def __init__(self, store, axes, weight_decay: float = 0.1, optimizer: str = "adamw", muon_qkv: str = "split"):
+        if not store.partition.sharded or store.dp not in (axes.dp, getattr(axes, "dp_shard", None)):
             raise ValueError("ShardedStep needs a ParamStore sharded over this layout's dp axis (zero >= 1)")
         self.store, self.axes = store, axes
-        self.adam = OPTIMIZERS[optimizer](store, weight_decay=weight_decay)     # AdamW, or SGD
+        self.adam = build_optimizer(optimizer, store, axes, weight_decay, muon_qkv)   # AdamW, SGD or Muon
         # sync(): every axis's sum; the owned chunk of flat_grad then holds the summed gradient
         # (--zero 1: reduce-scattered over dp here; --zero 2/3: per layer during backward)
         self.sync = GradientSync(store, axes)
@@ -86,7 +96,9 @@ class ShardedStep:
             experts = weighted_squares(xp, chunk, self.expert_runs)                           # (1,)
             both = self.axes.world.allreduce(xp.concatenate([local - experts, experts]))      # (2,)
             return math.sqrt(float(both[0]) / cp + float(both[1]))
-        total = float(self.axes.world.allreduce(local)[0]) / cp   # cp ranks hold the same chunk
+        replicas = getattr(self.axes, "dp_replica", None)
+        copies = cp * (replicas.size if replicas is not None else 1)   # --hsdp: R replicas hold it too
+        total = float(self.axes.world.allreduce(local)[0]) / copies   # cp ranks hold the same chunk
         return math.sqrt(total)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:

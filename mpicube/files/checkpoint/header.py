@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...core.config import MAX_DIM
 from .format import FORMAT, VERSION, CheckpointError, _decode_attr
 from .meta import check_name
 
 CONFIG_KEYS = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")
-MAX_DIM = 2**31 - 1         # any one model dimension, at most (shapes are int32-sized everywhere)
 MAX_STEP = 2**62
 _LISTS = ("tensors", "shard_sha256")
 

@@ -37,12 +37,12 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5d, h5s
+from h5py import h5s
 
+from ...core.h5trust import link_problem, stored_problem  # noqa: F401 - the shared rule, used here and by read.py
 from .format import CheckpointError
 from .meta import check_cover
 
-STORED_LAYOUTS = {h5d.COMPACT: "compact", h5d.CONTIGUOUS: "contiguous", h5d.CHUNKED: "chunked"}
 FILES_OPEN = 64             # listed files Bounds keeps open at once (HDF5 opens the sources again to read them)
 
 
@@ -120,52 +120,6 @@ class Bounds:
         for f in self._open.values():
             f.close()
         self._open.clear()
-
-
-def link_problem(f: h5py.File, name: str, what: str, final_external: bool) -> str | None:
-    """Why the path ``name`` in ``f`` is not all hard links (but for an
-    external link at its end, if ``final_external``), or None; a path that
-    stops short (a missing tensor) is for the caller to report. Each prefix
-    is looked at before HDF5 is let through it: a lookup of ``a/b`` follows
-    whatever link ``a`` is."""
-    parts = name.split("/")
-    for i in range(1, len(parts) + 1):
-        path = "/".join(parts[:i])
-        try:
-            link = f.get(path, getlink=True)
-        except Exception as e:  # noqa: BLE001 - h5py raises KeyError, OSError, RuntimeError...
-            return f"{what}: cannot look up {path!r}: {e}"
-        if link is None:
-            return None
-        if isinstance(link, h5py.HardLink):
-            continue
-        if i == len(parts) and final_external and isinstance(link, h5py.ExternalLink):
-            continue
-        kind = {h5py.ExternalLink: "an external", h5py.SoftLink: "a soft"}.get(type(link), "an unknown")
-        return f"{what}: {path!r} is {kind} link (a checkpoint holds hard links only)"
-    return None
-
-
-def stored_problem(ds: h5py.Dataset, what: str) -> str | None:
-    """Why a non-virtual dataset's bytes are not all in its own file, or None."""
-    dcpl = ds.id.get_create_plist()
-    if dcpl.get_external_count():
-        target = dcpl.get_external(0)[0].decode("utf-8", "replace")
-        return f"{what}: its bytes are stored in the external file {target} (refused)"
-    layout = dcpl.get_layout()
-    if layout not in STORED_LAYOUTS:
-        return f"{what}: storage layout {layout} is not contiguous, chunked or compact"
-    nbytes = ds.size * ds.dtype.itemsize
-    if nbytes == 0 or layout == h5d.COMPACT:
-        return None
-    if layout == h5d.CONTIGUOUS:
-        offset, size = ds.id.get_offset(), ds.id.get_storage_size()
-        if offset is not None and offset + size > ds.file.id.get_filesize():
-            return f"{what}: its storage lies past the end of its file"
-        written = offset is not None and size >= nbytes
-    else:
-        written = ds.id.get_num_chunks() == math.prod(-(-n // c) for n, c in zip(ds.shape, ds.chunks))
-    return None if written else f"{what}: its storage was never (fully) written and would read as zeros"
 
 
 def tensor_problems(bounds: Bounds, holder: str, ds: h5py.Dataset, what: str) -> tuple[list, list]:

@@ -46,9 +46,35 @@ def is_hf_dir(path: Path) -> bool:
     return path.is_dir() and (path / CONFIG).is_file() and ((path / SINGLE).is_file() or (path / INDEX).is_file())
 
 
+def inside(where: Path) -> Path:
+    """``where`` (a file of a model directory) if it may be read, else a
+    FormatError: the file, followed through any symbolic links, must lie
+    inside the model directory, or - Hugging Face's cache, where
+    ``MODEL/snapshots/REV/config.json`` links to ``../../blobs/SHA`` - inside
+    the ``blobs`` directory of the repository that holds the snapshot. A
+    link anywhere else is refused before the file is opened
+    (docs/formats.md, "Symbolic links")."""
+    where = Path(where)
+    folder = os.path.realpath(where.parent)
+    target = os.path.realpath(where)
+    if _within(target, folder):
+        return where
+    snapshots = os.path.dirname(folder)
+    if os.path.basename(snapshots) == "snapshots" and _within(target, os.path.join(os.path.dirname(snapshots),
+                                                                                     "blobs")):
+        return where
+    raise FormatError(f"{where}: a symbolic link to {target}, outside the model directory (mpicube follows links "
+                      f"inside it, and a Hugging Face cache snapshot's links into its ../../blobs only)")
+
+
+def _within(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
 def _safe_open(path: Path):
     from safetensors import safe_open
 
+    inside(path)
     try:
         return safe_open(str(path), framework="numpy")
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
@@ -59,6 +85,7 @@ def read_json(where: Path, what: str):
     """The JSON document of a small file (config.json, the safetensors
     index), or a FormatError: a file larger than MAX_JSON_BYTES, unreadable,
     not JSON, or nested too deeply for the parser."""
+    inside(where)
     try:
         size = where.stat().st_size
         if size <= MAX_JSON_BYTES:
@@ -154,11 +181,12 @@ class HFModel(ModelFile):
             for name in sorted(set(weight_map.values())):
                 if "/" in name or name.startswith(".") or not (self.path / name).is_file():
                     raise FormatError(f"{where}: shard {name!r} is missing")
+            held = {file: set(self._open(file).keys()) for file in set(weight_map.values())}   # each shard's names, once
             for name, file in weight_map.items():
-                if name not in self._open(file).keys():
+                if name not in held[file]:
                     raise FormatError(f"{self.path / file}: has no tensor {name!r}, which {INDEX} places there")
             return dict(weight_map)
-        return {name: SINGLE for name in self._open(SINGLE).keys()}
+        return dict.fromkeys(self._open(SINGLE).keys(), SINGLE)
 
     def _check_described(self, cfg: ModelConfig) -> None:
         """Before the model's tensor list is built: every tensor that

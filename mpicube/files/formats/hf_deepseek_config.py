@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ...core.config import float_problem
 from ...ops.yarn import YarnScaling
 from .base import FormatError
 from .hf import CONFIG, _shown, read_json
@@ -159,8 +160,8 @@ def _rope_of(where, field, params, doc):
         raise FormatError(f"{where}: {field}.rope_type = {_shown(kind)} is not supported: mpicube's DeepSeek-V3 "
                           "rotates unscaled (rope type default) or with YaRN (yarn)")
     theta = params.get("rope_theta", doc.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
-        raise FormatError(f"{where}: rope_theta = {_shown(theta)} is not a positive number")
+    if why := float_problem("rope_theta", theta):              # the rule every path applies (core.config)
+        raise FormatError(f"{where}: rope_theta = {_shown(theta)} is not supported: it {why}")
     return float(theta), (_yarn(where, field, params) if kind == "yarn" else None)
 
 
@@ -174,6 +175,15 @@ def _rope(where, doc):
             raise FormatError(f"{where}: rope_scaling = {_shown(doc['rope_scaling'])} disagrees with "
                               "rope_parameters")
     return rope
+
+
+def _ruled(where, doc, key, default, field) -> float:
+    """``doc[key]`` (or ``default``) checked by the float rule of mpicube's
+    config ``field`` (core.config.FLOAT_RANGES), as Llama's reader does."""
+    value = doc.get(key, default)
+    if why := float_problem(field, value):
+        raise FormatError(f"{where}: {key} = {_shown(value)} is not supported: it {why}")
+    return float(value)
 
 
 def parse_config(path, doc) -> DeepseekV3Shape:
@@ -236,13 +246,13 @@ def parse_config(path, doc) -> DeepseekV3Shape:
     mtp_key = "num_nextn_predict_layers" if "num_nextn_predict_layers" in doc else "num_mtp_layers"
     if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
         raise FormatError(f"{where}: {mtp_key} = {_shown(mtp)} is not an integer >= 0")
-    coef = _number(where, doc, "aux_loss_alpha", 0.0, positive=False)
+    coef = _ruled(where, doc, "aux_loss_alpha", 0.0, "router_aux_loss_coef")
     theta, scaling = _rope(where, doc)
     return DeepseekV3Shape(
         **v, top_k=K, n_groups=G, topk_groups=Kg, norm_topk=_flag(where, doc, "norm_topk_prob", True),
         routed_scaling_factor=_number(where, doc, "routed_scaling_factor", 1.0), seq_aux_loss_coef=coef,
         mtp_depth=mtp, rope_theta=theta, rope_interleave=_flag(where, doc, "rope_interleave", True),
-        rms_eps=_number(where, doc, "rms_norm_eps", 1e-6),
+        rms_eps=_ruled(where, doc, "rms_norm_eps", 1e-6, "rms_eps"),
         tie_embeddings=_flag(where, doc, "tie_word_embeddings", False), rope_scaling=scaling)
 
 

@@ -25,12 +25,11 @@ A configuration mpicube does not compute is refused by the field's name.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
-from ...core.config import ModelConfig, RopeScaling
+from ...core.config import MAX_DIM, ModelConfig, RopeScaling, float_problem
 from .base import FormatError, ModelFile, check_shapes, first_missing, gpt2_shapes
 from .hf import CONFIG, READABLE, HFModel, _shown, read_json, write_files
 
@@ -58,9 +57,9 @@ def _rope(where: Path, doc: dict) -> tuple:
     if not isinstance(params, dict):
         raise FormatError(f"{where}: {field} = {_shown(params)} is not a JSON object")
     theta = params.get("rope_theta", doc.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+    if why := float_problem("rope_theta", theta):
         name = f"{field}.rope_theta" if "rope_theta" in params else "rope_theta"
-        raise FormatError(f"{where}: {name} = {_shown(theta)} is not supported: it must be a positive number")
+        raise FormatError(f"{where}: {name} = {_shown(theta)} is not supported: it {why}")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise FormatError(f"{where}: {field}.rope_type = {_shown(kind)} is not supported: mpicube implements the "
@@ -91,6 +90,9 @@ def parse_config(path: Path, doc) -> ModelConfig:
         value = doc.get(theirs)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise FormatError(f"{where}: {theirs} = {_shown(value)} is not a positive integer")
+        if value > MAX_DIM:                    # a context of 2**40 would convert into a checkpoint nothing reads
+            raise FormatError(f"{where}: {theirs} = {_shown(value)} is more than mpicube holds (at most "
+                              f"{MAX_DIM:,}: shapes are int32-sized)")
         values[ours] = value
     kv = doc.get("num_key_value_heads", values["n_head"])
     if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or values["n_head"] % kv:
@@ -107,8 +109,7 @@ def parse_config(path: Path, doc) -> ModelConfig:
         ("attention_bias", bool(doc.get("attention_bias", False)), "mpicube's Llama attention has no biases"),
         ("mlp_bias", bool(doc.get("mlp_bias", False)), "mpicube's Llama MLP has no biases"),
         ("hidden_act", doc.get("hidden_act", "silu") != "silu", "mpicube's SwiGLU gates with SiLU"),
-        ("rms_norm_eps", isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0,
-         "it must be a positive number"),
+        ("rms_norm_eps", float_problem("rms_eps", eps) is not None, f"it {float_problem('rms_eps', eps)}"),
         ("sliding_window", doc.get("sliding_window") is not None, "mpicube's attention is full causal"),
         ("tie_word_embeddings", not isinstance(doc.get("tie_word_embeddings", False), bool),
          "it must be true or false"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ...core.config import ModelConfig
+from ...core.config import ModelConfig, float_problem
 from .base import FormatError, check_shapes, gpt2_shapes
 from .hf import CONFIG, _shown, read_json, write_files
 from .hf_llama import MODEL, LlamaHFModel, hf_tensors
@@ -73,8 +73,8 @@ def parse_config(path: Path, doc) -> ModelConfig:
     if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= E:
         raise FormatError(f"{where}: num_experts_per_tok = {_shown(K)} must be from 1 to num_local_experts {E}")
     coef = doc.get("router_aux_loss_coef", 0.02)
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
-        raise FormatError(f"{where}: router_aux_loss_coef = {_shown(coef)} is not a number >= 0")
+    if why := float_problem("router_aux_loss_coef", coef):
+        raise FormatError(f"{where}: router_aux_loss_coef = {_shown(coef)} is not supported: it {why}")
     return replace(cfg, n_experts=E, top_k=K, norm_topk=True, router_aux_loss_coef=float(coef))
 
 

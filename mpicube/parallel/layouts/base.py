@@ -55,9 +55,23 @@ class Axes:
     cp: Comm      # this rank's context-parallel ring (size 1 without context parallelism)
     ep: Comm = None    # this rank's expert-parallel group, taken from dp (x cp under --cp; parallel/experts.py)
     edp: Comm = None   # the ranks that hold the same experts (dp cp / ep of them); dp itself with ep 1
+    dp_shard: Comm = None   # --hsdp: this rank's ZeRO-3 shard group (dp/R consecutive replicas), else None
+    dp_replica: Comm = None  # --hsdp: the R ranks of its shard position in the other groups, else None
+    cp_group: Comm = None   # --cp-kind ulysses/hybrid: this rank's Ulysses group (U consecutive cp ranks), else None
+    cp_ring: Comm = None    # ... and the ring over the groups (the cp ranks with its Ulysses rank)
 
 
 RECOMPUTE_MODES = ("none", "gathers", "blocks")
+
+# The kinds of linear a model asks a layout for (``Layout.linear``), named as
+# megatron-core's layer specs name them (docs/model.md, "Linear kinds"); a
+# weight's ParamDecl role is "w_" + its kind (biases "b_column", "b_row").
+COLUMN = "column"         # column-parallel: canonical -> intermediate (c_attn, c_fc)
+ROW = "row"               # row-parallel: intermediate -> canonical (c_proj, mlp.c_proj)
+REPLICATED = "replicated"  # un-sharded: every tp rank holds the whole (small) weight; canonical rows -> every
+                          # output column (MLA's low-rank latent projections); its gradient summed over the
+                          # ranks that share it
+LINEAR_KINDS = (COLUMN, ROW, REPLICATED)
 
 
 class Layout:
@@ -121,11 +135,26 @@ class Layout:
     def shard(self, decl: ParamDecl) -> ParamSpec:
         raise NotImplementedError
 
-    def linear(self, store: ParamStore, prefix: str, position: str, bias: bool = True):
-        """Module for ``prefix.weight``/``prefix.bias``; position "first" maps
-        canonical -> intermediate, "second" intermediate -> canonical;
-        ``bias`` False: the linear has no bias (``prefix.bias`` is not declared)."""
+    def linear(self, store: ParamStore, prefix: str, kind: str, bias: bool = True):
+        """Module for ``prefix.weight``/``prefix.bias`` of linear kind ``kind``
+        (``LINEAR_KINDS``): COLUMN maps canonical -> intermediate, ROW
+        intermediate -> canonical, REPLICATED canonical rows -> all of the
+        (small) output's columns (the same module on every layout:
+        ``modules.replicated_linear``); ``bias`` False: the
+        linear has no bias (``prefix.bias`` is not declared)."""
         raise NotImplementedError
+
+    def replicated_spec(self, decl: ParamDecl, shared: bool) -> ParamSpec:
+        """A "w_replicated" weight: whole on every tensor-parallel rank.
+        ``shared`` False (serial, 1-D: every rank holds the same canonical
+        block, so each computes the whole gradient): counted once, no sum;
+        True: the ranks hold different canonical blocks (rows, columns or
+        both), so their partial gradients are summed over the whole
+        tensor-parallel group."""
+        full = tuple(np.arange(n) for n in decl.shape)
+        tp = self.axes.tp
+        return ParamSpec(decl, full, grad_comm=tp if shared and tp.size > 1 else None, replicas=tp.size,
+                         writer=tp.rank == 0)
 
     def tied_embedding(self, store: ParamStore, name: str = "wte"):
         """The vocabulary-parallel embedding over parameter ``name`` (role
@@ -185,7 +214,7 @@ class Layout:
         self.head_ids = split_index(self.cfg.n_head, split, block)
         self.head_split = (split, block)
         nkv = self.cfg.kv_heads
-        if self.cfg.llama and split > nkv:
+        if split > nkv:                      # only grouped-query attention has fewer kv heads than query heads
             share = split // nkv
             self.kv_comm = tp.split("kv", line * nkv + block // share, block)
         return split, block

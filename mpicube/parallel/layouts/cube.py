@@ -31,7 +31,8 @@ from ...device import precision
 from ..comm import Comm
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
+from .base import COLUMN, REPLICATED, Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
+from .modules import replicated_linear
 
 
 class CubeLayout(Layout):
@@ -96,12 +97,12 @@ class CubeLayout(Layout):
         on_ij = dict(grad_comm=self.ij, replicas=q * q, writer=(i == 0 and j == 0))
         if decl.role == "wte":     # the LM head's W = wte^T as a first linear
             return ParamSpec(decl, (split_index(self.vocab_padded, q, j), split_index(shape[1], q * q, k * q + i)))
-        if decl.role == "w_first":
+        if decl.role == "w_column":
             cols, shared = self.first_columns(decl)
             return ParamSpec(decl, (split_index(shape[0], q * q, k * q + i), cols), shared=shared)
-        if decl.role == "w_second":
+        if decl.role == "w_row":
             return ParamSpec(decl, (split_index(shape[0], q * q, j * q + i), split_index(shape[1], q, k)))
-        if decl.role == "b_first":
+        if decl.role == "b_column":
             cols, shared = self.first_columns(decl)
             return ParamSpec(decl, (cols,), grad_comm=self.ik, replicas=q * q, writer=(i == 0 and k == 0),
                              shared=shared)
@@ -109,11 +110,15 @@ class CubeLayout(Layout):
             return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, k)), **on_ij)
         if decl.role == "router":  # a mixture's router (h, E): hidden block k's rows, like a norm
             return ParamSpec(decl, (split_index(shape[0], q, k), full_index(shape[1])), **on_ij)
-        # norm, b_second: hidden block k
+        if decl.role == "w_replicated":   # whole on every rank; the rank's canonical block's partial gradient
+            return self.replicated_spec(decl, shared=True)
+        # norm, b_row: hidden block k
         return ParamSpec(decl, (split_index(shape[0], q, k),), **on_ij)
 
-    def linear(self, store, prefix, position, bias=True):
-        a, b = (self.cj, self.ck) if position == "first" else (self.ck, self.cj)
+    def linear(self, store, prefix, kind, bias=True):
+        if kind == REPLICATED:
+            return replicated_linear(self, store, prefix, bias)
+        a, b = (self.cj, self.ck) if kind == COLUMN else (self.ck, self.cj)
         return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap,
                           regather=self.recompute == "gathers", bias=bias)
 

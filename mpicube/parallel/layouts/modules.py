@@ -1,9 +1,11 @@
 """The modules every layout builds from, beside its own linears: the dense
 linear with Megatron's two all-reduce hooks (``DenseLinear``, serial's and
-1-D's), a replicated activation kept as a row shard (``RowShard``, 1-D's
+1-D's), the replicated linear every layout returns for that kind
+(``ReplicatedLinear``), a replicated activation kept as a row shard (``RowShard``, 1-D's
 ``--recompute gathers``), a micro-batch's gathered embedding weight
 (``Panel``, which the model's tapes hold) and the norms over a hidden size
-that may be split (``LayerNorm``, ``RMSNorm``, chosen by ``make_norm``).
+that may be split (``LayerNorm``, ``RMSNorm``; a model family picks one,
+``model/families``).
 
 They follow the GEMM and precision conventions of ``base`` (``matmul_rows``,
 ``acc``, the bias helpers): compute with the store's working copy, add into
@@ -13,7 +15,6 @@ its float32 gradients, round to the activation format once.
 from __future__ import annotations
 
 from ... import ops
-from ...core.config import ModelConfig
 from ...device import precision
 from ..comm import Comm
 from ..comm_start import iallreduce
@@ -97,6 +98,58 @@ class DenseLinear:
         return dx
 
 
+class ReplicatedLinear:
+    """y = x @ W for a small weight W (C_in, C_out) that every tensor-parallel
+    rank holds whole (the REPLICATED kind, megatron-core's duplicated linear;
+    MLA's low-rank latent projections): canonical x (B_c, T, C_c) in, y
+    (B_c, T, C_out) out, every output column, for this rank's canonical rows.
+    Where the canonical form splits the hidden size over ``hidden`` (2-D,
+    2.5-D, 3-D), this rank multiplies by its columns' rows ``W[rows]`` and
+    the partial products are all-reduced over ``hidden``. Backward: dy must
+    be complete on every rank holding the rows; dx = dy W[rows]^T needs no
+    sum, and dW[rows] += x^T dy is this rank's canonical block's share,
+    summed over the ranks holding the others by the layout's ParamSpec
+    (``Layout.replicated_spec``: the tensor-parallel group where the
+    blocks differ, nothing on serial and 1-D, where every rank's is whole).
+    No bias, no overlap."""
+
+    def __init__(self, store: ParamStore, prefix: str, rows: slice, hidden: Comm = None):
+        self.w = store.work[prefix + ".weight"][rows]           # (C_c, C_out) view of the whole (C_in, C_out)
+        self.dw = store.grad[prefix + ".weight"][rows]          # (C_c, C_out) its gradient's rows
+        self.hidden = hidden if hidden is not None and hidden.size > 1 else None
+
+    def forward(self, x):
+        """x (B_c, T, C_c) -> (y (B_c, T, C_out), saved: x)."""
+        y = matmul_rows(x, self.w, acc(x))                      # (B_c, T, C_out) partial over the hidden split
+        if self.hidden is not None:
+            y = self.hidden.allreduce(y, wire=x.dtype)
+        return precision.narrow(y, x.dtype), x
+
+    def backward(self, dy, x):
+        """dy (B_c, T, C_out) -> dx (B_c, T, C_c); adds into dW's rows."""
+        x2 = x.reshape(-1, x.shape[-1])                         # (n, C_c)
+        dy2 = dy.reshape(-1, dy.shape[-1])                      # (n, C_out)
+        self.dw += precision.matmul(x2.T, dy2, dtype=self.dw.dtype)
+        return matmul_rows(dy, self.w.T)                        # (B_c, T, C_c)
+
+
+def replicated_linear(layout, store: ParamStore, prefix: str, bias: bool = False) -> ReplicatedLinear:
+    """The REPLICATED kind on ``layout`` (every layout's ``linear`` returns
+    this): the whole weight on every tensor-parallel rank, this rank's
+    canonical rows of x times its canonical columns' rows of W, summed
+    over ``layout.hidden_comm`` where the canonical form splits the hidden
+    size. The layouts' ``shard`` answer role "w_replicated" with the whole
+    tensor and the gradient sum over the ranks holding other canonical
+    blocks (``Layout.replicated_spec``)."""
+    if bias:
+        raise ValueError(f"{prefix}: a replicated linear has no bias (its gradient would be summed "
+                         f"over the hidden group's copies too)")
+    cols = layout.canonical_cols
+    rows = slice(int(cols[0]), int(cols[-1]) + 1)        # a contiguous block of the hidden size
+    assert rows.stop - rows.start == len(cols), "canonical columns must be one contiguous block"
+    return ReplicatedLinear(store, prefix, rows, layout.hidden_comm)
+
+
 class Panel:
     """One micro-batch's gathered embedding weight ``w`` and the float32+
     accumulator ``dw`` of its gradient, shared by the lookup and the LM
@@ -152,9 +205,3 @@ class RMSNorm:
         """dy (B, T, C_c) -> dx (B, T, C_c); adds into the weight's gradient."""
         return ops.rmsnorm_backward(dy, saved, self.gamma, self.dgamma, self.n_hidden, allsum=self.allsum)
 
-
-def make_norm(store: ParamStore, prefix: str, cfg: ModelConfig, comm: Comm = None):
-    """The block's normalisation for the model family: GPT-2's LayerNorm or Llama's RMSNorm."""
-    if cfg.llama:
-        return RMSNorm(store, prefix, cfg.n_embd, comm, cfg.rms_eps)
-    return LayerNorm(store, prefix, cfg.n_embd, comm)

@@ -32,8 +32,8 @@ from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 import math
 
-from .base import Layout, check_head_split, nearest_multiples
-from .modules import DenseLinear, RowShard
+from .base import COLUMN, REPLICATED, Layout, check_head_split, nearest_multiples
+from .modules import DenseLinear, RowShard, replicated_linear
 from .seqpar import SeqLinear, SeqTiedEmbedding
 from .serial import DenseTiedEmbedding
 
@@ -83,18 +83,20 @@ class OneDLayout(Layout):
         p, t, shape = self.p, self.t, decl.shape
         if decl.role == "wte":
             return ParamSpec(decl, (split_index(self.vocab_padded, p, t), full_index(shape[1])))
-        if decl.role == "w_first":
+        if decl.role == "w_column":
             cols, shared = self.first_columns(decl)
             return ParamSpec(decl, (full_index(shape[0]), cols), shared=shared)
-        if decl.role == "b_first":
+        if decl.role == "b_column":
             cols, shared = self.first_columns(decl)
             return ParamSpec(decl, (cols,), shared=shared)
-        if decl.role == "w_second":
+        if decl.role == "w_row":
             return ParamSpec(decl, (split_index(shape[0], p, t), full_index(shape[1])))
+        if decl.role == "w_replicated":   # the same canonical block on every rank, unless the sequence is split
+            return self.replicated_spec(decl, shared=self.sequence_parallel)
         full = tuple(full_index(n) for n in shape)
         if self.sequence_parallel and decl.role in ("wpe", "norm"):   # partial sums from this rank's positions
             return ParamSpec(decl, full, grad_comm=self.axes.tp, replicas=p, writer=(t == 0))
-        # wpe, norm, b_second: replicated, and every rank computes the whole gradient
+        # wpe, norm, b_row: replicated, and every rank computes the whole gradient
         return ParamSpec(decl, full, replicas=p, writer=(t == 0))
 
     def seq_positions(self, T: int):
@@ -107,14 +109,17 @@ class OneDLayout(Layout):
         n = T // self.p
         return np.arange(self.t * n, (self.t + 1) * n)
 
-    def linear(self, store, prefix, position, bias=True):
+    def linear(self, store, prefix, kind, bias=True):
+        if kind == REPLICATED:       # x's canonical rows (T/p of them under --sequence-parallel) times all of W
+            return replicated_linear(self, store, prefix, bias)
+        position = kind
         if self.sequence_parallel:
             return SeqLinear(store, prefix, self.axes.tp, position, overlap=self.overlap,
                              regather=self.recompute == "gathers", bias=bias)
-        if position == "first" and self.recompute == "gathers":   # its replicated input kept as a row shard
+        if position == COLUMN and self.recompute == "gathers":   # its replicated input kept as a row shard
             return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard, overlap=self.overlap,
                                bias=bias)
-        if position == "first":   # column-parallel
+        if position == COLUMN:   # column-parallel
             return DenseLinear(store, prefix, dx_reduce=self.axes.tp, overlap=self.overlap, bias=bias)
         return DenseLinear(store, prefix, out_reduce=self.axes.tp, bias=bias)   # row-parallel
 
@@ -128,7 +133,7 @@ class OneDLayout(Layout):
         shard (the rows padded to a multiple of p: ``expert_rows``)."""
         if not self.sequence_parallel:
             return self.linear(store, prefix, position, bias=False)
-        keep = self.row_shard if position == "first" and self.recompute == "gathers" else None
+        keep = self.row_shard if position == COLUMN and self.recompute == "gathers" else None
         return DenseLinear(store, prefix, shard=keep, bias=False)
 
     def expert_rows(self, held):

@@ -26,17 +26,17 @@ from __future__ import annotations
 
 from ... import ops
 from ...device import precision
-from .base import acc, add_bias, add_bias_grad, bias_views, matmul_rows
+from .base import COLUMN, acc, add_bias, add_bias_grad, bias_views, matmul_rows
 from .serial import DenseTiedEmbedding
 
 SEQ = 1                    # the axis of (B, T, C) the shards split
 
 
 class SeqLinear:
-    """A 1-D linear under sequence parallelism. ``position`` "first"
+    """A 1-D linear under sequence parallelism. ``position`` COLUMN
     (column-parallel): forward all-gathers x along T and keeps the gathered
     x for dW; backward reduce-scatters dX (nonblocking with ``overlap``,
-    while dW is computed). "second" (row-parallel): forward reduce-scatters
+    while dW is computed). ROW (row-parallel): forward reduce-scatters
     the partial output before the bias; backward all-gathers dY."""
 
     def __init__(self, store, prefix: str, comm, position: str, overlap: bool = False, regather: bool = False,
@@ -45,7 +45,7 @@ class SeqLinear:
         self.b, self.db = bias_views(store, prefix, bias)
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)
-        self.comm, self.first, self.overlap = comm, position == "first", overlap
+        self.comm, self.first, self.overlap = comm, position == COLUMN, overlap
         self.regather = regather and self.first     # --recompute gathers: keep the shard, gather it again
 
     def forward(self, x):

@@ -7,8 +7,8 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..params import ParamDecl, ParamSpec, full_index
-from .base import Layout, acc, matmul_rows
-from .modules import DenseLinear
+from .base import REPLICATED, Layout, acc, matmul_rows
+from .modules import DenseLinear, replicated_linear
 
 
 class SerialLayout(Layout):
@@ -29,7 +29,9 @@ class SerialLayout(Layout):
     def shard(self, decl: ParamDecl) -> ParamSpec:
         return ParamSpec(decl, tuple(full_index(n) for n in decl.shape))
 
-    def linear(self, store, prefix, position, bias=True):
+    def linear(self, store, prefix, kind, bias=True):
+        if kind == REPLICATED:
+            return replicated_linear(self, store, prefix, bias)
         return DenseLinear(store, prefix, bias=bias)
 
     def tied_embedding(self, store, name="wte"):

@@ -33,7 +33,8 @@ from ...device import precision
 from ..comm_start import ibcast
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
-from .base import Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
+from .base import REPLICATED, Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
+from .modules import replicated_linear
 
 
 class TesseractLayout(Layout):
@@ -94,19 +95,23 @@ class TesseractLayout(Layout):
         on_plane = dict(grad_comm=self.col_depth, replicas=self.d * q, writer=(self.l == 0 and r == 0))
         if decl.role == "wte":
             return ParamSpec(decl, (split_index(self.vocab_padded, q, r), split_index(shape[1], q, c)), **on_depth)
-        if decl.role in ("w_first", "w_second"):
+        if decl.role in ("w_column", "w_row"):
             cols, shared = self.first_columns(decl)
             return ParamSpec(decl, (split_index(shape[0], q, r), cols), **on_depth, shared=shared)
         if decl.role == "wpe":
             return ParamSpec(decl, (full_index(shape[0]), split_index(shape[1], q, c)), **on_plane)
+        if decl.role == "w_replicated":   # whole on every rank; the rank's canonical block's partial gradient
+            return self.replicated_spec(decl, shared=True)
         if decl.role == "router":   # a mixture's router (h, E): the canonical columns' rows, like a norm
             return ParamSpec(decl, (split_index(shape[0], q, c), full_index(shape[1])), **on_plane)
-        # norm, b_first, b_second: hidden block c, partial gradients over rows
+        # norm, b_column, b_row: hidden block c, partial gradients over rows
         cols, shared = self.first_columns(decl)
         return ParamSpec(decl, (cols,), **on_plane, shared=shared)
 
-    def linear(self, store, prefix, position, bias=True):
-        return SummaLinear(store, prefix, self, bias=bias)
+    def linear(self, store, prefix, kind, bias=True):
+        if kind == REPLICATED:
+            return replicated_linear(self, store, prefix, bias)
+        return SummaLinear(store, prefix, self, bias=bias)      # the same SUMMA for COLUMN and ROW
 
     def expert_rows(self, held):
         """SUMMA moves activations only along the row, whose ranks hold the

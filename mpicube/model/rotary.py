@@ -1,8 +1,7 @@
-"""What the Llama family changes in the shared block (``block.py``), as
-pieces the block plugs in: its parameter list, the attention core with
-rotary embeddings and grouped-query attention, and the SwiGLU activation.
-Norms are the layout's (``layouts/modules.make_norm``); the linears are the
-layout's too, declared without biases.
+"""Llama's attention core: rotary embeddings on q and k and grouped-query
+heads around any of the block's attention ops (``families/llama.py``
+plugs it into ``attention.SelfAttention``; a later family with rotary
+positions can reuse it).
 
 Grouped-query attention: c_attn's output columns are [q | k | v] with
 n_head, n_kv_head and n_kv_head heads of head_dim columns, declared with
@@ -17,82 +16,23 @@ those columns' gradients over exactly those ranks (``params.SharedColumns``).
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import ops
 from ..core.config import ModelConfig
-from ..core.errors import ConfigError
 from ..device.arrays import array_module
 from ..parallel.layouts.base import check_head_split
-from ..parallel.params import ParamDecl
-from .moe import expert_names, moe_params
-
-LAYER_PARAMS = ("ln_1.weight", "attn.c_attn.weight", "attn.c_proj.weight", "ln_2.weight", "mlp.c_fc.weight",
-                "mlp.c_proj.weight")         # each block's, in llama_params' order
-MLP_PARAMS = LAYER_PARAMS[-2:]               # a mixture of experts has moe.expert_names instead
+from .tape import Saved
 
 
-def check_config(cfg: ModelConfig) -> None:
-    """ConfigError naming the setting a Llama configuration gets wrong."""
-    if cfg.n_embd % cfg.n_head:
-        raise ConfigError(f"--n-embd {cfg.n_embd} must be divisible by --n-head {cfg.n_head}")
-    if cfg.head_dim % 2:
-        raise ConfigError(f"rotary embeddings need an even head size; n_embd / n_head = {cfg.head_dim}")
-    if cfg.n_head % cfg.kv_heads:
-        raise ConfigError(f"--n-kv-head {cfg.kv_heads} must divide --n-head {cfg.n_head}")
+@dataclass
+class RotaryTape(Saved):
+    """What ``RotaryAttention`` keeps for backward."""
 
-
-def param_names(cfg: ModelConfig):
-    """The names of ``llama_params(cfg)``, in order, one at a time."""
-    yield "wte"
-    for i in range(cfg.n_layer):
-        for suffix in LAYER_PARAMS[:-2]:
-            yield f"h.{i}.{suffix}"
-        for suffix in (expert_names(cfg, i) if cfg.moe else MLP_PARAMS):
-            yield f"h.{i}.{suffix}"
-    yield "ln_f.weight"
-    if not cfg.tied:
-        yield "lm_head"
-
-
-def llama_params(cfg: ModelConfig) -> list:
-    """Every logical parameter of a Llama model under mpicube's names (GPT-2's
-    where the tensor plays the same part), with GPT-2's init rule: N(0, 0.02),
-    residual projections scaled by 1/sqrt(2 n_layer), norm weights 1."""
-    check_config(cfg)
-    h, std, F, hd = cfg.n_embd, 0.02, cfg.ffn, cfg.head_dim
-    resid_std = std / math.sqrt(2 * cfg.n_layer)
-    qkv = (cfg.n_head * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)    # [q | k | v] column groups
-    decls = [ParamDecl("wte", (cfg.vocab_size, h), "wte", "normal", std)]
-    for i in range(cfg.n_layer):
-        p = f"h.{i}."
-        decls += [
-            ParamDecl(p + "ln_1.weight", (h,), "norm", "ones"),
-            ParamDecl(p + "attn.c_attn.weight", (h, sum(qkv)), "w_first", "normal", std, decay=True, groups=qkv,
-                      heads=(cfg.n_head, cfg.kv_heads, cfg.kv_heads)),
-            ParamDecl(p + "attn.c_proj.weight", (h, h), "w_second", "normal", resid_std, decay=True),
-            ParamDecl(p + "ln_2.weight", (h,), "norm", "ones"),
-        ]
-        if cfg.moe:                           # a router and n_experts SwiGLU MLPs (model/moe.py)
-            decls += moe_params(cfg, i, std, resid_std)
-            continue
-        decls += [
-            ParamDecl(p + "mlp.c_fc.weight", (h, 2 * F), "w_first", "normal", std, decay=True, groups=2),  # [gate|up]
-            ParamDecl(p + "mlp.c_proj.weight", (F, h), "w_second", "normal", resid_std, decay=True),
-        ]
-    decls.append(ParamDecl("ln_f.weight", (h,), "norm", "ones"))
-    if not cfg.tied:
-        decls.append(ParamDecl("lm_head", (cfg.vocab_size, h), "wte", "normal", std))
-    return decls
-
-
-class SwiGLU:
-    """The MLP activation between c_fc ([gate | up]) and c_proj: silu(gate) * up."""
-
-    forward = staticmethod(ops.swiglu_forward)      # (B_m, T, 2 F_m) -> (B_m, T, F_m)
-    backward = staticmethod(ops.swiglu_backward)
+    core: object            # the attention op's own saved activations
+    positions: object       # (T,) the global positions q and k were rotated at
 
 
 class RotaryAttention:
@@ -167,9 +107,8 @@ class RotaryAttention:
     def attention_forward(self, qkv, positions, mask, keep_prob):
         """qkv (B_m, T, (nh + 2 nkv) hd) -> (y (B_m, T, nh hd), saved)."""
         y, s_core = self.attention.attention_forward(self.pack(qkv, positions), self.n_local_heads, mask, keep_prob)
-        return y, (s_core, positions)
+        return y, RotaryTape(s_core, positions)
 
     def attention_backward(self, dy, saved):
         """dy (B_m, T, nh hd) -> dqkv (B_m, T, (nh + 2 nkv) hd)."""
-        s_core, positions = saved
-        return self.unpack_backward(self.attention.attention_backward(dy, s_core), positions)
+        return self.unpack_backward(self.attention.attention_backward(dy, saved.core), saved.positions)
