@@ -33,10 +33,18 @@ head) the same way; where the head split exceeds kv= the layout
 replicates kv heads (params.SharedColumns), and ckpt=1 also saves a
 checkpoint that a serial reader must see as the serial model.
 
+FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
+quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
+in the serial reference alike, accumulate in float64, and must equal
+serial to 1e-12 (the quantized operands are the same bits; only the
+order of float64 sums differs); the cost model does not count their amax
+all-reduces yet, so their traffic is not compared.
+
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
          zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [ckpt=1]
          [cpkind=ulysses|hybrid ulysses=U] [opt=muon qkv=split|joint] [hsdp=R]
+         [fp8=RECIPE fp8block=N steps=N]
   (every case's tp x dp x pp x cp must be W)
 Prints one "OK case <words> worst=... (rtol ...) <seconds>s" line per case from rank 0.
 """
@@ -62,6 +70,7 @@ from mpicube.device.precision import dtype_of, is_half  # noqa: E402
 from mpicube.parallel.gridspec import Plan  # noqa: E402
 from mpicube.parallel.planning import resolve  # noqa: E402
 from mpicube.training.accum import forward_backward  # noqa: E402
+from mpicube.training.fp8_options import fp8_recipe  # noqa: E402
 from mpicube.training.parts import Numerics, build_parts  # noqa: E402
 from mpicube.training.step import make_step  # noqa: E402
 
@@ -98,9 +107,13 @@ class Case:
     opt: str = "adamw"    # --optimizer: adamw or muon (training/muon.py)
     qkv: str = "split"    # --muon-qkv: c_attn's q, k, v orthogonalised split or joint
     hsdp: int = 1         # --hsdp R: ZeRO-3 in dp/R shard groups, replicas all-reduced
+    experts: int = 0      # arch=llama with a mixture of this many experts (top 2; Mixtral's)
+    fp8: str = ""         # an FP8 recipe (--fp8), accumulated in the case's dtype; "" = off
+    fp8block: int = 0     # --fp8-block (0: the recipe's)
+    steps: int = STEPS
 
     INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
-            "ulysses", "hsdp")
+            "ulysses", "hsdp", "fp8block", "steps", "experts")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -119,12 +132,18 @@ class Case:
     def plan(self) -> Plan:
         return Plan(self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth, pp_schedule=self.schedule,
                     virtual_stages=self.virtual, sequence_parallel=self.sp, zero=self.zero,
-                    recompute=self.recompute, grad_accum=self.accum, cp_kind=self.cpkind, ulysses=self.ulysses, hsdp=self.hsdp)
+                    recompute=self.recompute, grad_accum=self.accum, cp_kind=self.cpkind, ulysses=self.ulysses,
+                    hsdp=self.hsdp, fp8=self.recipe())
+
+    def recipe(self):
+        """The case's FP8 Recipe (accumulating in its dtype), or None."""
+        return fp8_recipe(self.fp8, self.dtype, block=self.fp8block or None) if self.fp8 else None
 
     def cfg(self) -> ModelConfig:
         if self.arch == "llama":
+            moe = dict(n_experts=self.experts, top_k=2) if self.experts else {}
             return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,
-                               **LLAMA, n_kv_head=self.kv or self.heads)
+                               **LLAMA, n_kv_head=self.kv or self.heads, **moe)
         return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD)
 
     def words(self) -> str:
@@ -132,8 +151,9 @@ class Case:
 
 
 def COSTED(case: Case) -> bool:
-    """Whether the cost model prices the case: every one (Llama too)."""
-    return True
+    """Whether the cost model prices the case: every one (Llama too) but
+    FP8's, whose amax all-reduces it does not count yet."""
+    return not case.fp8
 
 
 def configure(dtype: str) -> None:
@@ -152,23 +172,28 @@ class References:
         self.done = {}
 
     def get(self, case: Case, steps: list) -> dict:
-        key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv, case.opt, case.qkv)
+        key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv, case.opt, case.qkv, case.fp8,
+               case.fp8block, case.steps, case.experts)
         if key not in self.done:
             self.done[key] = self._run(case, steps)
         return self.done[key]
 
     @staticmethod
     def _run(case: Case, steps: list) -> dict:
-        serial = build_parts(resolve(Plan("serial"), case.cfg(), case.batch, 1), MPI.COMM_SELF,
-                             Numerics(case.dtype), seed=SEED, dropout=DROPOUT)
+        # FP8 scales are the micro-batch's (the GEMM's operand): its reference runs the case's micro-batches
+        accum = case.accum if case.fp8 else 1
+        assert accum == 1 or case.dp == 1, "an FP8 case with accum > 1 runs on dp 1 (its micro-batches are serial's)"
+        serial = build_parts(resolve(Plan("serial", grad_accum=accum, fp8=case.recipe()), case.cfg(), case.batch, 1),
+                             MPI.COMM_SELF, Numerics(case.dtype), seed=SEED, dropout=DROPOUT)
         opt = make_step(serial.store, serial.layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
         out = {"loss": [], "norm": [], "grads": []}
         for step, (x, y) in enumerate(steps, start=1):
             serial.store.zero_grad()
-            out["loss"].append(serial.model.forward(x, y, step=step))
+            logits = []                                                    # (B/N, T, V) per micro-batch
+            out["loss"].append(forward_backward(serial, x, y, step, pc.LOSS_SCALE,
+                                                after_forward=lambda m: logits.append(serial.model.logits.copy())))
             if step == 1:
-                out["logits"] = serial.model.logits.copy()                 # (B, T, V)
-            serial.model.backward(loss_scale=pc.LOSS_SCALE)
+                out["logits"] = np.concatenate(logits)                     # (B, T, V)
             opt.sync()
             norm = opt.grad_norm() / pc.LOSS_SCALE
             out["norm"].append(norm)
@@ -179,16 +204,18 @@ class References:
 
 
 def batches(case: Case) -> list:
-    """STEPS (x, y) global batches of the case's size (the same on every rank)."""
+    """case.steps (x, y) global batches of the case's size (the same on every rank)."""
     rng = np.random.default_rng(3)
     return [(rng.integers(0, VOCAB, (case.batch, SEQ)), rng.integers(0, VOCAB, (case.batch, SEQ)))
-            for _ in range(STEPS)]
+            for _ in range(case.steps)]
 
 
 def run_case(case: Case, refs: References) -> None:
     world = MPI.COMM_WORLD
     assert case.world == world.size, f"{case.words()}: needs {case.world} ranks, launched on {world.size}"
     configure(case.dtype)
+    if case.fp8:                    # FP8 operands are bitwise the serial model's; float64 sums differ in order only
+        pc.RTOL = 1e-12
     steps = batches(case)
     want = refs.get(case, steps)
     plan, cfg = case.plan(), case.cfg()
@@ -231,7 +258,7 @@ def run_case(case: Case, refs: References) -> None:
         if parts.pipeline is not None and COSTED(case):
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
-        pc.check_params(store, host, want["params"], f"after {STEPS} steps")
+        pc.check_params(store, host, want["params"], f"after {case.steps} steps")
     if parts.pipeline is None:      # generation's key/value cache (kv heads only under GQA) == the model
         caches = sum(c.k.size + c.v.size for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"

@@ -170,6 +170,44 @@ LLAMA_CASES = [
 ]
 
 
+# FP8 (issue 45): each joins its world size's launch; 3 steps in float64, equal to
+# serial to 1e-12. Tiles of 4 (--fp8-block) so the small model's shards hold whole ones.
+FP8_CASES = [
+    (4, "layout=1d tp=4 fp8=tensorwise steps=3"),
+    (4, "layout=1d tp=2 dp=2 fp8=rowwise steps=3"),
+    (4, "layout=1d tp=4 sp=1 fp8=blockwise fp8block=4 steps=3"),
+    (4, "layout=1d tp=2 cp=2 fp8=mxfp8 fp8block=4 steps=3"),
+    (4, "layout=2d tp=4 fp8=delayed steps=3"),
+    (4, "layout=2d tp=4 recompute=gathers fp8=tensorwise steps=3"),          # panels gathered again in backward
+    (4, "layout=1d tp=2 dp=2 zero=3 recompute=blocks fp8=tensorwise steps=3"),   # gathered weights, rerun blocks
+    (8, "layout=3d tp=8 fp8=tensorwise steps=3"),
+    (8, "layout=3d tp=8 recompute=gathers fp8=delayed steps=3"),
+    (8, "layout=2.5d tp=8 depth=2 fp8=delayed steps=3"),
+    (8, f"layout=1d tp=4 pp=2 accum=2 kv=4 fp8=rowwise steps=3 {LLAMA}"),
+    (8, "layout=1d tp=2 dp=2 cp=2 zero=1 fp8=blockwise fp8block=4 steps=3"),
+    (8, f"layout=1d tp=4 dp=2 kv=4 fp8=mxfp8 fp8block=2 steps=3 {LLAMA}"),      # a kv head is 2 columns
+    # Mixtral's experts (4, top 2): an expert's token rows come in any number (a short last tile)
+    (4, f"layout=1d tp=4 kv=4 experts=4 fp8=mxfp8 fp8block=2 steps=3 {LLAMA}"),
+    (4, f"layout=2d tp=4 kv=2 experts=4 fp8=delayed steps=3 {LLAMA}"),
+    (4, f"layout=1d tp=2 dp=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),   # every expert runs on every replica
+]
+
+
+def test_fp8_cases_cover_every_recipe_and_layout():
+    """Issue 45: every recipe runs on some layout against serial, the
+    tensor-scaled ones on 2-D, 2.5-D and 3-D too, and the axes a scale
+    must be reduced over (dp, cp, sequence parallelism, pp) each appear."""
+    words = [dict(w.split("=", 1) for w in ws.split()) for _, ws in FP8_CASES]
+    from mpicube.ops.fp8_recipes import RECIPES
+
+    assert {kw["fp8"] for kw in words} == set(RECIPES)
+    assert {kw["layout"] for kw in words} == {"1d", "2d", "2.5d", "3d"}
+    for axis in ("dp", "cp", "sp", "pp"):
+        assert any(axis in kw for kw in words), axis
+    assert all(kw["steps"] == "3" for kw in words)
+    assert any("experts" in kw for kw in words)
+
+
 # Ulysses and hybrid context parallelism (issue 46): each joins its world size's launch, checked like
 # every case (serial to 1e-10 with dropout, traffic on the "ulysses" and "cp" axes and memory against the
 # cost model). Every layout, GQA with kv heads replicated over the Ulysses ranks, rotary at the group's
@@ -214,11 +252,11 @@ HSDP_CASES = [
 def launches() -> dict:
     """{world size: [case words]}: the covering set grouped by world size,
     with the 4-axis case once no pairing of it is refused, the Llama cases,
-    the Ulysses, Muon and HSDP cases."""
+    the Ulysses, Muon, HSDP and FP8 cases."""
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
-    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES:
+    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES + FP8_CASES:
         groups[ranks].append(words)
     return dict(sorted(groups.items()))
 
@@ -247,7 +285,7 @@ def test_every_pair_of_runnable_settings_is_covered():
     assert all(runnable(c) for c in chosen)
     assert covering_set() == chosen                                    # deterministic
     assert len(chosen) < 40, len(chosen)
-    for words in (w for ws in launches().values() for w in ws if "arch=" not in w):
+    for words in (w for ws in launches().values() for w in ws if "arch=" not in w and "fp8=" not in w):
         assert re.search(r"batch=\d+$", words), words
 
 

@@ -49,7 +49,7 @@ def qkv_split() -> str:
     lines = ["columns of each first linear, one letter per matrix Newton-Schulz sees:"]
     for arch, cfg in models.items():
         for decl in gpt_params(cfg):
-            if decl.role != "w_first" or not decl.name.startswith("h.0."):
+            if decl.role != "w_column" or not decl.name.startswith("h.0."):
                 continue
             for mode in muon.QKV_MODES:
                 row = "".join("abc"[k] * (hi - lo)

@@ -106,6 +106,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
         cpu0 = time.process_time()
         marks = [time.perf_counter()]
         store.zero_grad()
+        if parts.layout.fp8 is not None:          # --fp8 delayed: as accum.forward_backward does each step
+            parts.layout.fp8.begin_step(i + 1)
         fwd = bwd = 0.0
         pipe = parts.pipeline
         if pipe is not None:            # --pp: forwards and backwards interleave; "fwd" is the whole schedule

@@ -43,7 +43,7 @@ from ..training.optim import Schedule
 from ..training.options import TrainOptions
 from ..training.train import DivergedError, Trainer
 from ..check.placements import mesh_attr
-from .trace_collect import Collector, gather_pieces, mesh_of, record_outputs
+from .trace_collect import Collector, Fp8Recorder, gather_pieces, mesh_of, record_outputs
 
 DEFAULT_MAX_BYTES = 2 * 10 ** 9
 CLIP_EPS = 1e-6          # clipping scale min(1, max_norm / (norm + CLIP_EPS)), as train does
@@ -161,6 +161,10 @@ class Recorder(StepHooks):
         for model in [pipe.chunk_model(v) for v in range(pipe.V)] if pipe is not None else [trainer.parts.model.model]:
             record_outputs(model, self.sink)
         self.T = trainer.opts.seq_len
+        fp8 = trainer.parts.layout.fp8
+        self.fp8 = None if fp8 is None else Fp8Recorder(trainer.parts.store)   # --fp8: quantized operands
+        if fp8 is not None:
+            fp8.observer = self.fp8
         self.mesh = None                 # rank 0 under --sharded: (sizes, every rank's coords)
         if self.sharded:
             axes, sizes, coords = mesh_of(trainer.parts.layout)
@@ -195,7 +199,8 @@ class Recorder(StepHooks):
 
     def step_done(self, trainer, s, rec) -> None:
         moments = (self.collect.moments(trainer.opt.adam) if self.state and trainer.opts.optimizer != "sgd" else [])
-        tensors = self.gather(self.forward + self.grads + moments + self.collect.params("param"))
+        quantized = self.fp8.take() if self.fp8 is not None else []
+        tensors = self.gather(self.forward + self.grads + quantized + moments + self.collect.params("param"))
         state = self.state_scalars(trainer, s) if self.state else {}
         if self.writer is not None:
             group = f"step_{s}"

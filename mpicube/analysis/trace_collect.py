@@ -336,3 +336,52 @@ def record_outputs(model, sink: dict) -> None:
     model.blocks = blocks
     for head in model.back:
         head.ln_f = Observed(head.ln_f, "ln_f", sink)
+
+
+# --------------------------------------------------------------------------- --fp8's operands
+
+
+ZERO = np.zeros(1, dtype=np.int64)      # the index of a dimension of length 1
+
+
+class Fp8Recorder:
+    """``trace --fp8``: the layout's FP8 observer (``parallel.fp8``),
+    keeping as pieces each linear's quantized weight (its FP8 bytes, as
+    uint8, compared exactly) and scales for every GEMM, and the tensor
+    scales of x and dy (one number each, the same on every rank holding
+    a piece). Names: ``fp8/<linear>/<role>.<gemm>/bytes`` and ``.../scale``.
+    A later micro-batch (or a recomputed forward) replaces an earlier one:
+    the step keeps its last."""
+
+    def __init__(self, store):
+        self.store = store
+        self.pieces = {}
+
+    def __call__(self, name: str, role: str, gemm: str, q) -> None:
+        key = f"fp8/{name}/{role}.{gemm}"
+        scale = np.asarray(q.scale)
+        if q.group == "tensor":
+            self.pieces[key + "/scale"] = Piece(key + "/scale", (1, 1), (ZERO, ZERO), scale.reshape(1, 1).copy())
+        if role != "w":
+            return
+        rows, cols = (np.asarray(ix) for ix in self.store.by_name[name + ".weight"].index)   # W (K_in, K_out)
+        first, second = (cols, rows) if gemm == "forward" else (rows, cols)               # as quantized
+        shape = (int(self.store.by_name[name + ".weight"].decl.shape[1 if gemm == "forward" else 0]),
+                 int(self.store.by_name[name + ".weight"].decl.shape[0 if gemm == "forward" else 1]))
+        self.pieces[key + "/bytes"] = Piece(key + "/bytes", shape, (first, second), q.q.view(np.uint8).copy())
+        if q.group == "tensor":
+            return
+        if q.group == "row":
+            index, gshape = (first, ZERO), (shape[0], 1)
+        elif q.group[0] == "block":
+            b = q.group[1]
+            index, gshape = (first[::b] // b, second[::b] // b), (shape[0] // b, shape[1] // b)
+        else:                                                 # 1 x b tiles or MX blocks along the contraction
+            b = q.group[1]
+            index, gshape = (first, second[::b] // b), (shape[0], shape[1] // b)
+        local = scale.view(np.uint8) if scale.dtype.itemsize == 1 else scale     # MX: the E8M0 bytes
+        self.pieces[key + "/scale"] = Piece(key + "/scale", gshape, index, local.copy())
+
+    def take(self) -> list:
+        out, self.pieces = list(self.pieces.values()), {}
+        return out

@@ -13,8 +13,7 @@ import click
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
                      device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
                      model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched,
-                     zero_option, info_step_options)
-from .common import ep_option
+                     zero_option, info_step_options, ep_option, fp8_recipe_options)
 from ..core.errors import UserError
 
 
@@ -55,9 +54,10 @@ from ..core.errors import UserError
               help="also show which query and kv heads each tensor-parallel rank holds, and which ranks share "
                    "a replicated kv head (needs --layout and/or -n)")
 @info_step_options
+@fp8_recipe_options
 def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_size, grad_accum, dtype,
          vocab_size, zero, recompute, pp, pp_schedule, virtual_stages, pipelines, ranks_per_node, as_json, cp,
-         sequence_parallel, show_heads, ep, show_experts, optimizer, hsdp, **family):
+         sequence_parallel, show_heads, ep, show_experts, optimizer, hsdp, fp8, **family):
     """Model size; with --layout/-n, the sharding plan, per-rank predictions
     and every memory option (--recompute, --zero) with what it costs; with
     --pp, each pipeline stage and the dp x pp x tp combinations; with
@@ -92,7 +92,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
          + (f" (float32 master + {dtype} working copy)" if working else "")
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
     if layout is not None or world_size is not None:
-        from ..analysis.costreport import memory_options, report, summary, zero_options
+        from ..analysis.costreport import fp8_report, memory_options, report, summary, zero_options
         from ..parallel.gridspec import Plan
         from ..parallel.planning import resolve
 
@@ -101,9 +101,10 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         # axis against the world, the pipeline, zero and their combinations.
         plan = Plan(layout or "auto", dp=dp, pp=pp, cp=cp, depth=depth, pp_schedule=pp_schedule,
                     virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
-                    recompute=recompute, grad_accum=grad_accum, ep=ep, hsdp=hsdp)
+                    recompute=recompute, grad_accum=grad_accum, ep=ep, hsdp=hsdp, fp8=fp8)
         run = resolve(plan, cfg, batch_size, world)
-        note = run.pipeline_note
+        notes = (run.pipeline_note, fp8 and fp8_report(fp8, run, cfg) + "\n")   # --fp8: what it quantizes, how
+        note = "\n".join(n for n in notes if n)
         if show_heads:
             from ..analysis.heads import heads_table
 
@@ -166,8 +167,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                 echo(json.dumps(summary(layout or "auto", cfg, batch_size, world, dp, depth, dtype=dtype,
                                         recompute=recompute, grad_accum=grad_accum, zero=zero, cp=cp,
                                         sequence_parallel=sequence_parallel, ep=ep)))
-    elif as_json or show_heads:
-        raise UserError(f"info {'--json' if as_json else '--heads'} describes a layout: give --layout and/or -n")
+    elif as_json or show_heads or fp8:
+        raise UserError(f"info {'--json' if as_json else '--heads' if show_heads else '--fp8'} needs --layout or -n")
 
 
 def _mib(nbytes: int) -> str:
@@ -203,10 +204,11 @@ def _mib(nbytes: int) -> str:
 @click.option("--overlap-both", is_flag=True,
               help="time each layout twice, its collectives blocking (as under MPICUBE_OVERLAP=0) and overlapped, "
                    "to show the exposed communication each leaves")
+@fp8_recipe_options
 @collective_timeout_option
 def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, n_embd, seq_len, batch_size,
           grad_accum, warmup_steps, steps, seed, dtype, device, tf32, recompute, zero, as_json, profile, out, cp,
-          overlap_both, collective_timeout, sequence_parallel, **family):
+          overlap_both, collective_timeout, sequence_parallel, fp8, **family):
     """Time training steps; compare with the cost model and a plain matmul.
 
     Prints the median step time and spread, tokens/s, model FLOP/s and their
@@ -244,7 +246,7 @@ def bench(layouts, dp, depth, pp, pp_schedule, virtual_stages, n_layer, n_head, 
         for name in layouts or ("auto",):
             plan = Plan(name, dp=dp, cp=cp, depth=depth if name in ("2.5d", "auto") else 1, pp=pp,
                         pp_schedule=pp_schedule, virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
-                        zero=zero, recompute=recompute, grad_accum=grad_accum, **env_settings())
+                        zero=zero, recompute=recompute, grad_accum=grad_accum, fp8=fp8, **env_settings())
             run = resolve(plan, cfg, batch_size, _mpi["world"].Get_size(), seq_len=seq_len)
             if batch_size is None:                             # each layout its own smallest batch
                 echo(f"bench {name}: {run.batch_note}")
@@ -413,10 +415,9 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
               help="dataset paths that may be absent from one trace (shell pattern, e.g. 'step_*/act/h.*.attn'; "
                    "'@dtype' for a root attribute); repeatable")
 @click.option("--tolerance", "verdict", type=click.Choice(["budget", "depth", "envelope"]), default="budget",
-              show_default=True,
-              help="what decides: the per-dtype budget (--rtol/--atol), the depth-aware bound "
-                   "(relative Frobenius error <= 16 u depth), or the envelope measured by trace --envelope "
-                   "(k = 4 times each tensor's spread over reruns); budget and depth bound are printed")
+              show_default=True, help="what decides: the per-dtype budget (--rtol/--atol), the depth-aware bound "
+              "(relative Frobenius error <= 16 u depth), or the envelope measured by trace --envelope (k = 4 "
+              "times each tensor's spread over reruns); budget and depth bound are printed")
 @click.option("--json", "as_json", is_flag=True,
               help='end stdout with {"first_divergence": NAME or null, "max_rel": ..., "tensors": N}')
 def compare(trace_a, trace_b, rtol, atol, allow_missing, verdict, as_json):

@@ -13,7 +13,8 @@ from ..core.errors import UserError
 from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
                      env_settings,
                      arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
-                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option, cp_kind_options)
+                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option, cp_kind_options,
+                     fp8_options)
 from .common import ep_option
 from .sections import TRAIN_EPILOG, SectionedCommand
 
@@ -85,6 +86,7 @@ from .sections import TRAIN_EPILOG, SectionedCommand
               help="float16: steps without overflow before the scale doubles  [default: 2000]")
 @click.option("--loss-scale-backoff", type=float, default=None,
               help="float16: factor on the scale after an overflow (the step is skipped)  [default: 0.5]")
+@fp8_options
 @zero_option("1: shard the AdamW moments (and a 16-bit run's float32 master weights) over the --dp "
              "replicas; gradients reduce-scattered, parameters all-gathered; 2: also the gradients, "
              "reduce-scattered per layer during backward; 3: also the weights, all-gathered per layer "
@@ -210,7 +212,8 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hs
                        "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
                        "rope_theta", "rms_eps", "tie_embeddings", "ep", "n_experts", "top_k", "no_norm_topk",
-                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+                       "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "fp8", "fp8_grad_format",
+                       "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block", "fp8_pow2")
 
 
 @cli.command("trace", cls=SectionedCommand)

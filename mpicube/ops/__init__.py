@@ -5,9 +5,11 @@ Forward/backward pairs for LayerNorm, GELU, Llama's RMSNorm, rotary
 embeddings and SwiGLU (``llama``), causal attention, softmax
 cross-entropy over a (possibly split) vocabulary and the token embedding
 (``local``, ``vocab``), the counter-based generator behind initial
-values and dropout masks (``rng``), and DeepSeek-V3's pieces, used as
-submodules: multi-head latent attention (``mla``), its router
-(``deepseek_router``), multi-token prediction (``mtp``) and YaRN's
+values and dropout masks (``rng``), FP8 quantization emulated exactly
+(``fp8``: formats, amax, scales, rounding; ``fp8_recipes``: which group
+and format each recipe gives each GEMM operand), and DeepSeek-V3's
+pieces, used as submodules: multi-head latent attention (``mla``), its
+router (``deepseek_router``), multi-token prediction (``mtp``) and YaRN's
 rotary scaling (``yarn``). A sum over a dimension that a layout
 may have split arrives as a callable (``allsum``, ``allmax``), so the same
 op serves every layout. Each op runs on NumPy or CuPy arrays and lets the

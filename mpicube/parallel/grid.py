@@ -100,7 +100,7 @@ def build_layout(run: Resolved, backend, mpi_world, counters: Counters = None, r
         axes.edp = axes.dp.split("edp", ep_rank, edp_rank) if ep > 1 else axes.dp   # ep 1: every replica
     extra = {"sequence_parallel": True} if grid.sequence_parallel else {}
     return run.cls(run.cfg, axes, run.micro_batch, depth=grid.depth, recompute=grid.recompute,
-                   overlap=grid.overlap, attention=grid.attention, **extra)
+                   overlap=grid.overlap, attention=grid.attention, fp8=grid.fp8, **extra)
 
 
 def ep_coords(grid, d: int, c: int) -> tuple:

@@ -73,6 +73,7 @@ class Plan:
     cp_kind: str = "ring"       # CP_KINDS: K/V round a ring, heads by all-to-all (Ulysses), or both
     ulysses: int = 1            # --cp-kind hybrid: Ulysses group size (cp / ulysses ring steps)
     hsdp: int = 1               # --hsdp R: dp in R replicas of dp/R-way ZeRO-3 shard groups (parallel/hsdp.py)
+    fp8: object = None          # --fp8: an ops.fp8_recipes.Recipe (every linear's GEMMs quantized), or None
 
     @classmethod
     def of(cls, value) -> "Plan":

@@ -24,6 +24,7 @@ from ..core.config import ModelConfig
 from ..core.errors import ConfigError
 from ..core.intmath import integer_root
 from . import context, ulysses
+from .fp8 import check_plan as check_fp8
 from .gridspec import ATTENTION_KINDS, Plan
 from .layouts import LAYOUTS
 from .layouts.base import RECOMPUTE_MODES, nearest_multiples
@@ -167,6 +168,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     _check_batch(plan, cls, name, run_cfg, tp, batch_size)
     if plan.sequence_parallel:
         check_sequence_parallel(plan, cls, name, run_cfg, tp)
+    check_fp8(plan.fp8, run_cfg, cls, tp, plan.depth, plan.cp, plan.dp, plan.cp_kind)
     return Resolved(plan, cfg, world_size, tp, name, batch_size, seq_len, why, kept, note,
                     one_rank_note(plan, name, tp, world_size))
 

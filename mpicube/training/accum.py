@@ -26,6 +26,8 @@ def forward_backward(parts, x, y, step: int, loss_scale: float = 1.0, after_forw
     Returns the step's mean loss, the same on every rank.
     ``after_forward(m)``, if given, runs between micro-batch m's forward
     and its backward (tests/parallel_check.py measures memory there)."""
+    if parts.layout.fp8 is not None:    # --fp8 delayed: last step's amaxes join the histories
+        parts.layout.fp8.begin_step(step)
     if parts.pipeline is not None:      # stages: the schedule runs the micro-batches (training.pipeline)
         return parts.pipeline.forward_backward(parts, x, y, step, loss_scale,
                                                None if after_forward is None else lambda m, v: after_forward(m))
@@ -43,8 +45,16 @@ def forward_loss(parts, model, x, y, step: int = 0) -> float:
     """The step's mean loss of ``model`` (a GPT on ``parts``' layout, e.g.
     the dropout-free view evaluation uses) over the global batch x, y
     (B, T), forward only, one micro-batch at a time. Under pipeline
-    stages ``model`` is the Pipeline, run without dropout."""
-    if parts.pipeline is not None:
-        return parts.pipeline.forward_loss(parts, x, y, step)
-    return sum(model.forward(x[parts.micro_rows(m)], y[parts.micro_rows(m)], step=step, micro=m)
-               for m in range(parts.grad_accum))
+    stages ``model`` is the Pipeline, run without dropout. Under --fp8
+    its amaxes stay out of delayed's histories."""
+    fp8 = parts.layout.fp8
+    if fp8 is not None:
+        fp8.recording = False
+    try:
+        if parts.pipeline is not None:
+            return parts.pipeline.forward_loss(parts, x, y, step)
+        return sum(model.forward(x[parts.micro_rows(m)], y[parts.micro_rows(m)], step=step, micro=m)
+                   for m in range(parts.grad_accum))
+    finally:
+        if fp8 is not None:
+            fp8.recording = True

@@ -16,7 +16,7 @@ X <- a X + (b A + c A A) X, A = X X^T, (a, b, c) = (3.4445, -4.7750,
 bfloat16; "float32 or wider" keeps the float64 check at 1e-10. mpicube
 stores weights as x @ W, W (in, out): the PyTorch matrix is W^T, so
 NS5 runs on W^T and the scale uses out / in. The hidden weights are the
-linears' matrices (roles ``w_first``/``w_second``: c_attn, attn.c_proj,
+linears' matrices (roles ``w_column``/``w_row``: c_attn, attn.c_proj,
 c_fc, mlp.c_proj); embeddings, the head, norms and biases take AdamW
 (``training.optim.AdamW``, whose buffers this shares: ``m`` is Muon's
 momentum where Muon runs, ``v`` stays zero there, so checkpoints carry
@@ -61,7 +61,7 @@ QKV_MODES = ("split", "joint")
 
 def is_hidden_matrix(decl) -> bool:
     """Whether Muon orthogonalises this parameter (a linear's 2-D weight)."""
-    return decl.role in ("w_first", "w_second") and len(decl.shape) == 2
+    return decl.role in ("w_column", "w_row") and len(decl.shape) == 2
 
 
 def newton_schulz(G, steps: int = NS_STEPS):

@@ -17,7 +17,10 @@ from ..parallel.gridspec import Plan
 from .loss_scale import scaler_for
 from .parts import Numerics
 from . import muon
+from .fp8_options import fp8_recipe
 
+FP8_OPTIONS = ("fp8", "fp8_grad_format", "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block",
+               "fp8_pow2")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
@@ -88,6 +91,13 @@ class TrainOptions:
     zero: int = 0                  # 1: AdamW state (and 16-bit runs' master weights) sharded over dp
     overlap: bool = True           # collectives overlapped with GEMMs (the CLI: off under MPICUBE_OVERLAP=0)
     attention: str = "blocks"      # blockwise attention, or "full" (the CLI: MPICUBE_ATTENTION=full)
+    fp8: Optional[str] = None      # an FP8 recipe for every linear's GEMMs (ops/fp8_recipes.py RECIPES), or None
+    fp8_grad_format: Optional[str] = None   # e4m3 or e5m2 for dy; None = the recipe's
+    fp8_accumulate: Optional[str] = None    # float32 or float64; None = --dtype's
+    fp8_amax_history: int = 16     # delayed: steps of amax history
+    fp8_amax_rule: str = "max"     # delayed: the history's max, or its most recent
+    fp8_block: Optional[int] = None   # blockwise/mxfp8: tile length; None = the recipe's (128, 32)
+    fp8_pow2: bool = False         # rowwise: scales rounded down to powers of two
 
     def to_dict(self) -> dict:
         """Every option; a GPT-2 run leaves out the Llama family's (all at their
@@ -105,7 +115,17 @@ class TrainOptions:
         if self.arch == "gpt2" or not self.model_config().moe:      # stored as before the MoE options existed
             for key in MOE_OPTIONS + ("ep",):
                 d.pop(key)
+        if self.fp8 is None:                                        # stored as before --fp8 existed
+            for key in FP8_OPTIONS:
+                d.pop(key)
         return d
+
+    def fp8_recipe(self):
+        """--fp8's Recipe (ops/fp8_recipes.py), or None; ConfigError for
+        a combination it cannot run (pure: every rank agrees)."""
+        return fp8_recipe(self.fp8, self.dtype, grad_format=self.fp8_grad_format, accumulate=self.fp8_accumulate,
+                          history=self.fp8_amax_history, rule=self.fp8_amax_rule, block=self.fp8_block,
+                          power_of_2=self.fp8_pow2, device=self.device, ep=self.ep)
 
     def family(self) -> dict:
         """``family_fields``' keyword arguments from these options."""
@@ -121,7 +141,8 @@ class TrainOptions:
                     pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
                     sequence_parallel=self.sequence_parallel, zero=self.zero, recompute=self.recompute,
                     grad_accum=self.grad_accum, overlap=self.overlap, attention=self.attention, ep=self.ep,
-                    cp_kind=self.cp_kind, ulysses=self.ulysses, hsdp=self.hsdp)
+                    cp_kind=self.cp_kind, ulysses=self.ulysses, hsdp=self.hsdp,
+                    fp8=self.fp8_recipe())
 
     grid = plan     # the former name
 
@@ -179,6 +200,7 @@ class TrainOptions:
         if self.time_limit is not None and not self.time_limit > 0:
             raise ConfigError(f"--time-limit must be positive (seconds), got {self.time_limit}")
         self.loss_scaler()
+        self.fp8_recipe()
         if self.file_decides_family:       # checked against the model file's family once it is open
             return
         family_fields(**self.family())

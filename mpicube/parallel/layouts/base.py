@@ -37,6 +37,7 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..comm import Comm
+from ..fp8 import Fp8Scaling, Splits, check_shard
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore, shared_columns, split_decl, split_index
@@ -90,9 +91,10 @@ class Layout:
     is the plan's attention kind, which the model's blocks read here."""
 
     name = "base"
+    fp8_tensor_only = False     # True: --fp8 with tensor scales only (the GEMMs see gathered panels)
 
     def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none",
-                 overlap: bool = True, attention: str = "blocks"):
+                 overlap: bool = True, attention: str = "blocks", fp8=None):
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"unknown recompute mode {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
         self.recompute = recompute
@@ -104,6 +106,30 @@ class Layout:
         self.batch_size = batch_size                  # global sequences per step
         self.local_batch = batch_size // axes.dp.size  # sequences per dp replica
         self.vocab_padded = cfg.vocab_size
+        self.fp8 = None if fp8 is None else self.fp8_scaling(fp8)
+
+    def fp8_scaling(self, recipe) -> Fp8Scaling:
+        """``--fp8``'s scaling state (``parallel/fp8.py``), with the groups
+        its amaxes are reduced over: the pipeline stage's ranks (a tensor
+        scale), and the ranks holding the other tokens of this
+        tensor-parallel rank's columns (a wgrad row scale: dp x cp).
+        Collective over the world; the plan was checked for the recipe by
+        ``planning.resolve`` (``fp8.check_plan``)."""
+        world, pp, tp = self.axes.world, self.axes.pp, self.axes.tp
+        stage = world.split("fp8", pp.rank, world.rank)
+        tokens = world.split("fp8", pp.rank * tp.size + tp.rank, world.rank)
+        return Fp8Scaling(recipe, stage, tokens)
+
+    def fp8_linear(self, store: ParamStore, prefix: str, splits: Splits = None):
+        """The FP8 operands of linear ``prefix`` (``LinearFp8``), or None
+        without --fp8; refuses a weight shard that is not whole tiles."""
+        if self.fp8 is None:
+            return None
+        spec = store.by_name[prefix + ".weight"]
+        check_shard(self.fp8.recipe, prefix + ".weight", *spec.index)
+        if splits is not None and splits.tokens is None:
+            splits.tokens = self.fp8.tokens
+        return self.fp8.linear(prefix, splits)
 
     # --- what every layout provides (overridden) -------------------------
     canonical_seqs: np.ndarray      # (B_c,) sequences held in canonical form
@@ -176,8 +202,15 @@ class Layout:
         tokens); ``every`` says whether an expert with no rows must still
         run (its linears' collectives span ranks that may hold rows). Here
         (serial, 1-D) every collective joins ranks holding the same
-        tokens: the rows as held, an empty expert skipped."""
-        return held, False
+        tokens: the rows as held, an empty expert skipped, unless --fp8's
+        amax reductions span other tokens (``fp8_every``)."""
+        return held, self.fp8_every()
+
+    def fp8_every(self) -> bool:
+        """Whether --fp8 makes every expert run, with no rows too: its
+        scales' amaxes are reduced over the stage (dp, cp), whose other
+        ranks may hold rows of it."""
+        return self.fp8 is not None and self.fp8.stage.size > self.axes.tp.size
 
     def expert_linear(self, store: ParamStore, prefix: str, position: str):
         """A mixture of experts' seam (model/moe.py): the (bias-free) linear

@@ -37,6 +37,7 @@ from .modules import replicated_linear
 
 class CubeLayout(Layout):
     name = "3d"
+    fp8_tensor_only = True
 
     @classmethod
     def cube_side(cls, tp: int) -> int:
@@ -120,7 +121,7 @@ class CubeLayout(Layout):
             return replicated_linear(self, store, prefix, bias)
         a, b = (self.cj, self.ck) if kind == COLUMN else (self.ck, self.cj)
         return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap,
-                          regather=self.recompute == "gathers", bias=bias)
+                          regather=self.recompute == "gathers", bias=bias, fp8=self.fp8_linear(store, prefix))
 
     def tied_embedding(self, store, name="wte"):
         return CubeTiedEmbedding(store, self, name)
@@ -151,8 +152,9 @@ class CubeLinear:
     gathers X and W again."""
 
     def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True,
-                 regather: bool = False, bias: bool = True):
+                 regather: bool = False, bias: bool = True, fp8=None):
         self.overlap = overlap
+        self.fp8 = fp8                               # --fp8 (tensor scales only: Layout.fp8_tensor_only)
         self.regather = regather
         self.w = store.work[prefix + ".weight"]      # (h_in/q^2, h_out/q)
         self.bias, self.dbias = bias_views(store, prefix, bias)   # (h_out/q,) or None
@@ -162,13 +164,14 @@ class CubeLinear:
 
     def forward(self, x):
         """x (B/q^2, T, h_in/q) -> (y (B/q^2, T, h_out/q), saved (x, X gathered, W gathered))."""
+        x = self.quantized(x, "x")                   # under --fp8 the gathers carry quantized values
         if self.overlap:                             # W travels while X is gathered
-            w_pending = self.wc.iallgather(self.w, axis=0)
+            w_pending = self.wc.iallgather(self.quantized(self.w, "w"), axis=0)
             xg = self.a.allgather(x, axis=0)         # (B/q, T, h_in/q)
             wg = w_pending.wait()                    # (h_in/q, h_out/q)
         else:
             xg = self.a.allgather(x, axis=0)
-            wg = self.wc.allgather(self.w, axis=0)
+            wg = self.wc.allgather(self.quantized(self.w, "w"), axis=0)
         y = self.b.reduce_scatter(matmul_rows(xg, wg, acc(x)), axis=0, wire=x.dtype)  # (B/q^2, T, h_out/q)
         saved = (x, None, None) if self.regather else (None, xg, wg)    # --recompute gathers: the local X only
         add_bias(y, self.bias)
@@ -179,8 +182,8 @@ class CubeLinear:
         x, xg, wg = saved
         if xg is None:                               # --recompute gathers: gather them again (blocking)
             xg = self.a.allgather(x, axis=0)                   # (B/q, T, h_in/q)
-            wg = self.wc.allgather(self.w, axis=0)             # (h_in/q, h_out/q)
-        dyg = self.b.allgather(dy, axis=0)           # (B/q, T, h_out/q)
+            wg = self.wc.allgather(self.quantized(self.w, "w"), axis=0)   # (h_in/q, h_out/q)
+        dyg = self.b.allgather(self.quantized(dy, "dy"), axis=0)   # (B/q, T, h_out/q)
         xg2 = xg.reshape(-1, xg.shape[-1])                     # (N/q, h_in/q)
         dy2 = dyg.reshape(-1, dyg.shape[-1])                   # (N/q, h_out/q)
         dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
@@ -194,6 +197,10 @@ class CubeLinear:
         dx = precision.narrow(dx, dy.dtype)
         add_bias_grad(self.dbias, dy.reshape(-1, dy.shape[-1]))
         return dx
+
+    def quantized(self, a, role):
+        """a under --fp8's tensor scale, or a itself."""
+        return a if self.fp8 is None else self.fp8.tensor(a, role)
 
 
 class CubeTiedEmbedding:

@@ -59,7 +59,7 @@ class DenseLinear:
     do not depend on each other)."""
 
     def __init__(self, store: ParamStore, prefix: str, out_reduce: Comm = None, dx_reduce: Comm = None,
-                 shard: RowShard = None, overlap: bool = False, bias: bool = True):
+                 shard: RowShard = None, overlap: bool = False, bias: bool = True, fp8=None):
         self.w = store.work[prefix + ".weight"]       # (C_in, C_out)
         self.b, self.db = bias_views(store, prefix, bias)   # (C_out,) or None
         self.store, self.w_name = store, prefix + ".weight"
@@ -68,11 +68,13 @@ class DenseLinear:
         self.dx_reduce = dx_reduce
         self.shard = shard
         self.overlap = overlap and dx_reduce is not None
+        self.fp8 = fp8                                # --fp8: each GEMM's quantized operands (parallel/fp8.py)
 
     def forward(self, x):
         """x (B, T, C_in) -> (y (B, T, C_out), saved: x, or its row shard)."""
         saved = x if self.shard is None else self.shard.keep(x)
-        y = matmul_rows(x, self.w, acc(x))            # (B, T, C_out)
+        xg, w = (x, self.w) if self.fp8 is None else self.fp8.forward(x, self.w)   # (B, T, C_in), (C_in, C_out)
+        y = matmul_rows(xg, w, acc(x))                # (B, T, C_out)
         if self.out_reduce is not None:
             y = self.out_reduce.allreduce(y, wire=x.dtype)
         add_bias(y, self.b)
@@ -83,18 +85,22 @@ class DenseLinear:
         x = saved if self.shard is None else self.shard.restore(saved)   # (B, T, C_in)
         x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
+        dyd, w, xw, dyw = dy, self.w, x2, dy2         # the operands of dgrad (dy, W) and wgrad (x, dy)
+        if self.fp8 is not None:
+            dyd, w = self.fp8.dgrad(dy, self.w)       # (B, T, C_out), (C_in, C_out)
+            xw, dyw = self.fp8.wgrad(x2, dy2)         # (B*T, C_in), (B*T, C_out)
         if self.overlap:                              # dX travels while dW and db are computed
-            pending = iallreduce(self.dx_reduce, matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
-            self.store.add_matmul(self.w_name, x2.T, dy2)
+            pending = iallreduce(self.dx_reduce, matmul_rows(dyd, w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
+            self.store.add_matmul(self.w_name, xw.T, dyw)
             add_bias_grad(self.db, dy2)
             return precision.narrow(pending.wait(), dy.dtype)
-        self.store.add_matmul(self.w_name, x2.T, dy2)  # dW (C_in, C_out) += x^T dy
+        self.store.add_matmul(self.w_name, xw.T, dyw)  # dW (C_in, C_out) += x^T dy
         add_bias_grad(self.db, dy2)
         if self.dx_reduce is not None:
-            dx = self.dx_reduce.allreduce(matmul_rows(dy, self.w.T, acc(dy)), wire=dy.dtype)   # (B, T, C_in)
+            dx = self.dx_reduce.allreduce(matmul_rows(dyd, w.T, acc(dy)), wire=dy.dtype)   # (B, T, C_in)
             dx = precision.narrow(dx, dy.dtype)
         else:
-            dx = matmul_rows(dy, self.w.T)            # (B, T, C_in)
+            dx = matmul_rows(dyd, w.T)                # (B, T, C_in)
         return dx
 
 

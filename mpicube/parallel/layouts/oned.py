@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...core.errors import ConfigError
+from ..fp8 import Splits
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 import math
 
@@ -109,19 +110,27 @@ class OneDLayout(Layout):
         n = T // self.p
         return np.arange(self.t * n, (self.t + 1) * n)
 
+    def fp8_splits(self, store, prefix, kind):
+        """--fp8: a column-parallel linear's W and dy columns are split over
+        tp, a row-parallel one's x columns and W rows."""
+        tp = self.axes.tp
+        splits = Splits(w_cols=tp, dy_cols=tp) if kind == COLUMN else Splits(x_cols=tp, w_rows=tp)
+        return self.fp8_linear(store, prefix, splits)
+
     def linear(self, store, prefix, kind, bias=True):
         if kind == REPLICATED:       # x's canonical rows (T/p of them under --sequence-parallel) times all of W
             return replicated_linear(self, store, prefix, bias)
         position = kind
+        fp8 = self.fp8_splits(store, prefix, position)
         if self.sequence_parallel:
             return SeqLinear(store, prefix, self.axes.tp, position, overlap=self.overlap,
-                             regather=self.recompute == "gathers", bias=bias)
+                             regather=self.recompute == "gathers", bias=bias, fp8=fp8)
         if position == COLUMN and self.recompute == "gathers":   # its replicated input kept as a row shard
             return DenseLinear(store, prefix, dx_reduce=self.axes.tp, shard=self.row_shard, overlap=self.overlap,
-                               bias=bias)
+                               bias=bias, fp8=fp8)
         if position == COLUMN:   # column-parallel
-            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, overlap=self.overlap, bias=bias)
-        return DenseLinear(store, prefix, out_reduce=self.axes.tp, bias=bias)   # row-parallel
+            return DenseLinear(store, prefix, dx_reduce=self.axes.tp, overlap=self.overlap, bias=bias, fp8=fp8)
+        return DenseLinear(store, prefix, out_reduce=self.axes.tp, bias=bias, fp8=fp8)   # row-parallel
 
     def expert_linear(self, store, prefix, position):
         """An expert's linear (``Layout.expert_linear``). Under
@@ -134,7 +143,7 @@ class OneDLayout(Layout):
         if not self.sequence_parallel:
             return self.linear(store, prefix, position, bias=False)
         keep = self.row_shard if position == COLUMN and self.recompute == "gathers" else None
-        return DenseLinear(store, prefix, shard=keep, bias=False)
+        return DenseLinear(store, prefix, shard=keep, bias=False, fp8=self.fp8_splits(store, prefix, position))
 
     def expert_rows(self, held):
         """``Layout.expert_rows``: every collective of an expert's linears
@@ -144,8 +153,8 @@ class OneDLayout(Layout):
         padded with zero rows to a multiple of p (exact: a bias-free SwiGLU
         maps a zero row to a zero row and adds nothing to its gradients)."""
         if self.recompute != "gathers" or self.p == 1:
-            return held, False
-        return -(-held // self.p) * self.p, False
+            return held, self.fp8_every()
+        return -(-held // self.p) * self.p, self.fp8_every()
 
     def tied_embedding(self, store, name="wte"):
         if self.sequence_parallel:

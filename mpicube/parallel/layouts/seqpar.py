@@ -40,8 +40,9 @@ class SeqLinear:
     the partial output before the bias; backward all-gathers dY."""
 
     def __init__(self, store, prefix: str, comm, position: str, overlap: bool = False, regather: bool = False,
-                 bias: bool = True):
+                 bias: bool = True, fp8=None):
         self.w = store.work[prefix + ".weight"]       # (C_in, C_out/p) or (C_in/p, C_out)
+        self.fp8 = fp8                                # --fp8: each GEMM's quantized operands (parallel/fp8.py)
         self.b, self.db = bias_views(store, prefix, bias)
         self.store, self.w_name = store, prefix + ".weight"
         store.defer_zero(self.w_name)
@@ -53,10 +54,12 @@ class SeqLinear:
         Returns (y, saved): the input x for dW (its T/p shard under regather)."""
         if self.first:
             shard, x = x, self.comm.allgather(x, axis=SEQ)   # (B, T/p, C), (B, T, C)
-            y = matmul_rows(x, self.w, acc(x))        # (B, T, C_m)
+            xg, w = self.operands(x)                  # (B, T, C), (C, C_m)
+            y = matmul_rows(xg, w, acc(x))            # (B, T, C_m)
             add_bias(y, self.b)
             return precision.narrow(y, x.dtype), (shard if self.regather else x)
-        y = self.comm.reduce_scatter(matmul_rows(x, self.w, acc(x)), axis=SEQ, wire=x.dtype)   # (B, T/p, C)
+        xg, w = self.operands(x)                      # (B, T, C_m), (C_m, C)
+        y = self.comm.reduce_scatter(matmul_rows(xg, w, acc(x)), axis=SEQ, wire=x.dtype)   # (B, T/p, C)
         y = y.astype(acc(x), copy=False)
         add_bias(y, self.b)
         return precision.narrow(y, x.dtype), x
@@ -68,19 +71,27 @@ class SeqLinear:
         x = self.comm.allgather(saved, axis=SEQ) if self.regather else saved   # (B, T, C_in)
         x2 = x.reshape(-1, x.shape[-1])               # (B*T, C_in)
         dy2 = dy.reshape(-1, dy.shape[-1])            # (B*T, C_out)
+        dyd, w, xw, dyw = dy, self.w, x2, dy2         # the operands of dgrad (dy, W) and wgrad (x, dy)
+        if self.fp8 is not None:
+            dyd, w = self.fp8.dgrad(dy, self.w)       # (B, T, C_out), (C_in, C_out)
+            xw, dyw = self.fp8.wgrad(x2, dy2)         # (B*T, C_in), (B*T, C_out)
         if self.first and self.overlap:               # dX travels while dW and db are computed
-            pending = self.comm.ireduce_scatter(matmul_rows(dy, self.w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
-            self.store.add_matmul(self.w_name, x2.T, dy2)
+            pending = self.comm.ireduce_scatter(matmul_rows(dyd, w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
+            self.store.add_matmul(self.w_name, xw.T, dyw)
             add_bias_grad(self.db, dy2)
             return precision.narrow(pending.wait(), dy.dtype)
-        self.store.add_matmul(self.w_name, x2.T, dy2)  # dW += x^T dy
+        self.store.add_matmul(self.w_name, xw.T, dyw)  # dW += x^T dy
         add_bias_grad(self.db, dy2)                   # complete: from all T rows
         if self.first:
-            dx = self.comm.reduce_scatter(matmul_rows(dy, self.w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
+            dx = self.comm.reduce_scatter(matmul_rows(dyd, w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
             dx = precision.narrow(dx, dy.dtype)       # (B, T/p, C)
         else:
-            dx = matmul_rows(dy, self.w.T)            # (B, T, C_m)
+            dx = matmul_rows(dyd, w.T)                # (B, T, C_m)
         return dx
+
+    def operands(self, x):
+        """The forward GEMM's (x, W): themselves, or quantized under --fp8."""
+        return (x, self.w) if self.fp8 is None else self.fp8.forward(x, self.w)
 
 
 class SeqTiedEmbedding(DenseTiedEmbedding):

@@ -6,6 +6,7 @@ import numpy as np
 
 from ... import ops
 from ...device import precision
+from ..fp8 import Splits
 from ..params import ParamDecl, ParamSpec, full_index
 from .base import REPLICATED, Layout, acc, matmul_rows
 from .modules import DenseLinear, replicated_linear
@@ -32,7 +33,7 @@ class SerialLayout(Layout):
     def linear(self, store, prefix, kind, bias=True):
         if kind == REPLICATED:
             return replicated_linear(self, store, prefix, bias)
-        return DenseLinear(store, prefix, bias=bias)
+        return DenseLinear(store, prefix, bias=bias, fp8=self.fp8_linear(store, prefix, Splits()))
 
     def tied_embedding(self, store, name="wte"):
         return DenseTiedEmbedding(store, self, name=name)

@@ -39,6 +39,7 @@ from .modules import replicated_linear
 
 class TesseractLayout(Layout):
     name = "2.5d"
+    fp8_tensor_only = True
 
     @classmethod
     def grid_side(cls, tp: int, depth: int) -> int:
@@ -151,6 +152,7 @@ class SummaLinear:
         self.q, self.r, self.c = layout.q, layout.r, layout.c
         self.xp = layout.backend.xp
         self.overlap = layout.overlap
+        self.fp8 = layout.fp8_linear(store, prefix)   # --fp8 (tensor scales only: fp8_tensor_only)
 
     def panels(self, *sources):
         """For s = 0 .. q-1, the broadcasts from root s of each (comm, array)
@@ -171,9 +173,9 @@ class SummaLinear:
     def forward(self, x):
         """x (B_c, T, h_in/q) -> (y (B_c, T, h_out/q), saved: x as rows (n, h_in/q))."""
         B, T, _ = x.shape
-        x2 = x.reshape(B * T, x.shape[-1])                      # (n, h_in/q); n may be 0 (an expert)
+        x2 = self.quantized(x.reshape(B * T, x.shape[-1]), "x")   # (n, h_in/q); n may be 0 (an expert)
         y = self.xp.zeros((B * T, self.w.shape[1]), dtype=acc(x))   # (n, h_out/q), float32 for 16-bit x
-        for x_panel, w_panel in self.panels((self.row, x2), (self.col, self.w)):
+        for x_panel, w_panel in self.panels((self.row, x2), (self.col, self.quantized(self.w, "w"))):
             # X[r, s] (n, h_in/q), W[s, c] (h_in/q, h_out/q)
             y += precision.matmul(x_panel, w_panel, dtype=y.dtype)
         add_bias(y, self.b)
@@ -183,19 +185,25 @@ class SummaLinear:
         """dy (B_c, T, h_out/q) -> dx (B_c, T, h_in/q)."""
         B, T, _ = dy.shape
         dy2 = dy.reshape(B * T, dy.shape[-1])                   # (n, h_out/q)
+        dyq = self.quantized(dy2, "dy")                         # (n, h_out/q): dy2 itself without --fp8
         dx = None
-        for s, (w_panel,) in enumerate(self.panels((self.col, self.w))):   # dX[r, s] = sum_c dY[r, c] W[s, c]^T
-            part = self.row.reduce(precision.matmul(dy2, w_panel.T, dtype=acc(dy2)), root=s,
+        for s, (w_panel,) in enumerate(self.panels((self.col, self.quantized(self.w, "w")))):
+            # dX[r, s] = sum_c dY[r, c] W[s, c]^T
+            part = self.row.reduce(precision.matmul(dyq, w_panel.T, dtype=acc(dy2)), root=s,
                                    wire=dy.dtype)               # (n, h_in/q)
             if self.c == s:                                     # on column s
                 dx = precision.narrow(part, dy.dtype)
         for s, (x_panel,) in enumerate(self.panels((self.row, x2))):  # dW[s, c] = sum_r X[r, s]^T dY[r, c]
-            part = self.col.reduce(precision.matmul(x_panel.T, dy2, dtype=self.store.flat_grad.dtype),
+            part = self.col.reduce(precision.matmul(x_panel.T, dyq, dtype=self.store.flat_grad.dtype),
                                    root=s, wire=self.w.dtype)   # (h_in/q, h_out/q) on row s
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
         add_bias_grad(self.db, dy2)
         return dx.reshape(B, T, dx.shape[-1])
+
+    def quantized(self, a, role):
+        """a under --fp8's tensor scale (the panels carry quantized values), or a itself."""
+        return a if self.fp8 is None else self.fp8.tensor(a, role)
 
 
 class TesseractTiedEmbedding:

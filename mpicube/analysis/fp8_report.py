@@ -1,0 +1,105 @@
+"""``info --fp8``: what a recipe quantizes in each GEMM, what its scales
+cost, and a picture of its tiles over one sharded weight, drawn from the
+code that places the shards (``parallel.split``) and the recipe's groups
+(``ops.fp8_recipes``), so the picture cannot drift from what runs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..model.gpt import gpt_params
+from ..ops.fp8_recipes import GEMMS, Recipe
+from ..parallel.split import split_decl, split_index
+
+OPERANDS = {"forward": (("x", "x (tokens x K_in)"), ("w", "W^T (K_out x K_in)")),
+            "dgrad": (("dy", "dy (tokens x K_out)"), ("w", "W (K_in x K_out)")),
+            "wgrad": (("x", "x^T (K_in x tokens)"), ("dy", "dy^T (K_out x tokens)"))}
+CONTRACTION = {"forward": "K_in", "dgrad": "K_out", "wgrad": "the tokens"}
+
+
+def group_words(group) -> str:
+    if group == "tensor":
+        return "one scale for the tensor"
+    if group == "row":
+        return "one scale per row"
+    kind, b = group
+    return {"tile": f"1 x {b} tiles", "block": f"{b} x {b} blocks", "mx": f"1 x {b} blocks, E8M0 scale"}[kind]
+
+
+def gemm_lines(recipe: Recipe) -> list:
+    """One line per GEMM: each operand's format and scaling group."""
+    lines = []
+    for gemm in GEMMS:
+        parts = [f"{words} {recipe.format(role).name}, {group_words(recipe.group(role, gemm))}"
+                 for role, words in OPERANDS[gemm]]
+        lines.append(f"  {gemm:8s} (contraction over {CONTRACTION[gemm]}): " + "; ".join(parts))
+    return lines
+
+
+def scale_line(recipe: Recipe) -> str:
+    if recipe.name == "mxfp8":
+        return "  scales: X = 2^(floor(log2 amax) - 8), an E8M0 byte per block (OCP MX v1.0)"
+    if recipe.name == "delayed":
+        return (f"  scales: fmt_max / amax, amax the {recipe.history_rule} of the last {recipe.history} steps' "
+                f"(float32; 1 until there is a history)")
+    pow2 = ", rounded down to a power of two" if recipe.power_of_2 else ""
+    return f"  scales: fmt_max / amax of the group, float32{pow2}"
+
+
+def reduction_line(recipe: Recipe, run) -> str:
+    """Which ranks each scale's amax is reduced over, per linear and micro-batch."""
+    if recipe.name in ("tensorwise", "delayed"):
+        return ("  amax all-reduces: 6 scalars per linear per micro-batch (x, W, dy in forward, dgrad and wgrad) "
+                "over the stage's ranks (tp x cp x dp)")
+    if recipe.name == "rowwise":
+        return ("  amax all-reduces: a row's amax over the ranks holding the rest of the row (1-D: tp for a "
+                "row-split operand; dp x cp for wgrad's token rows)")
+    return "  amax all-reduces: none (a tile or block never straddles a shard, so each rank scales its own)"
+
+
+def owners(n: int, parts: int, index_of) -> np.ndarray:
+    """(n,) the part holding each position of a dimension of length n."""
+    who = np.full(n, -1)
+    for t in range(parts):
+        who[index_of(t)] = t
+    return who
+
+
+def tile_picture(recipe: Recipe, run, cfg) -> list:
+    """The attention's first weight (C x [q | k | v]) on a 1-D layout (or
+    serial), one character per b x b region of its blocks (tiles of x run
+    along its rows, of dy along its columns): the digit is the
+    tensor-parallel rank holding it, '|' a shard boundary."""
+    b = recipe.block
+    decl = next(d for d in gpt_params(cfg) if d.role == "w_column")    # h.0's first linear: c_attn / qkv
+    rows, cols = decl.shape
+    tp = run.tp if run.layout in ("1d", "serial") else 1
+    col_owner = owners(cols, tp, lambda t: split_decl(decl, tp, t))
+    col_owner = col_owner[::b]                                          # one per block of columns
+    cells = "".join(str(o) if o < 10 else chr(ord("a") + o - 10) for o in col_owner)
+    bounds = [0] + [i for i in range(1, len(cells)) if cells[i] != cells[i - 1]] + [len(cells)]
+    row = "|" + "|".join(cells[a:c] for a, c in zip(bounds, bounds[1:])) + "|"
+    lines = [f"  {decl.name} ({rows} x {cols}) on layout {run.layout} tp {tp}: one character per {b} x {b} "
+             f"elements, the digit the rank holding them, '|' a shard boundary"]
+    shown = min(rows // b, 4)
+    for r in range(shown):
+        lines.append(f"    rows {r * b:6d}  {row}")
+    if rows // b > shown:
+        lines.append(f"    ... {rows // b - shown} more rows of blocks alike")
+    runs = len(bounds) - 1
+    lines.append(f"  every block lies inside one shard ({runs} runs of columns, each a multiple of {b})")
+    return lines
+
+
+def fp8_report(recipe: Recipe, run, cfg) -> str:
+    lines = [f"fp8 {recipe.name}: every linear's GEMM operands quantized (x and W in e4m3, dy in "
+             f"{recipe.grad_format}), accumulated in {recipe.accumulate}"]
+    lines += gemm_lines(recipe)
+    lines.append(scale_line(recipe))
+    lines.append(reduction_line(recipe, run))
+    if recipe.block and run.layout in ("1d", "serial"):
+        lines += tile_picture(recipe, run, cfg)
+    return "\n".join(lines)
+
+
+__all__ = ["fp8_report", "split_index"]

@@ -1,0 +1,240 @@
+"""FP8 on every layout: a scale belongs to the logical tensor.
+
+``ops/fp8_recipes.py`` quantizes an operand that one rank holds whole.
+Here a linear's operands are shards, and the quantized values must be the
+serial model's bit for bit, so:
+
+* a tensor scale (tensorwise, delayed) comes from an amax all-reduced
+  (max) over the pipeline stage's ranks: every rank holding a piece of
+  x, W or dy (tp, cp, sequence-parallel and, so that every layout
+  follows serial at the same global batch, dp; max over replicas is
+  harmless: they hold the same values);
+* a row scale (rowwise) from an amax all-reduced over the ranks that hold
+  the other pieces of the row (``Splits``, the linear's own groups);
+* a tile or block (blockwise, MXFP8) never straddles a shard: the layout
+  refuses widths that are not whole tiles (``check_widths``), and each
+  rank quantizes its tiles alone.
+
+A linear asks its ``LinearFp8`` for the operands of each GEMM, in the
+activation format (``Recipe.accumulate``): exact FP8 values times their
+scales. NaN or inf reaching a quantizer stops the run with one line
+naming the linear, the operand and the step (``Fp8NonFinite``).
+``delayed`` scales come from an amax history per (linear, operand),
+pushed once per step (``Fp8Scaling.begin_step``): the step's amax is the
+max over its micro-batches and ranks, so the history is the same on
+every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.errors import ConfigError, UserError
+from ..ops.fp8 import NonFiniteError, current_scale, group_amax, quantize, require_finite
+from ..ops.fp8_recipes import Quantized, Recipe, local_group, pad_tiles, quantize_with
+from .comm import Comm
+
+ROLE_WORDS = {"x": "input x", "w": "weight", "dy": "output gradient dy"}
+
+
+class Fp8NonFinite(UserError):
+    """NaN or inf reached an FP8 quantizer: the step diverged there, and
+    the run stops as a non-finite loss stops it (exit 3, nothing saved
+    from the step)."""
+
+    exit_code = 3       # training.train.EXIT_DIVERGED (the layers above may not be imported here)
+
+
+@dataclass
+class Splits:
+    """The groups holding the other pieces of each operand's rows along a
+    GEMM's contraction (None: this rank holds whole rows): x's columns,
+    W's rows (forward, contraction K_in), W's and dy's columns (dgrad,
+    K_out), and the token rows (wgrad: other tokens of the same columns)."""
+
+    x_cols: Comm = None
+    w_rows: Comm = None
+    w_cols: Comm = None
+    dy_cols: Comm = None
+    tokens: Comm = None
+
+
+class Fp8Scaling:
+    """One per layout: the recipe, the stage's communicator that tensor
+    amaxes are reduced over, the step (for messages), ``delayed``'s
+    histories, and an optional ``observer(name, role, gemm, Quantized)``
+    (trace --fp8)."""
+
+    def __init__(self, recipe: Recipe, stage: Comm, tokens: Comm):
+        self.recipe, self.stage, self.tokens = recipe, stage, tokens
+        self.step = 0
+        self.recording = True               # off while evaluating: no amax joins delayed's history
+        self.history = {}                   # "linear role" -> (L,) float64 amaxes, oldest first
+        self.seen = {}                      # "linear role" -> this step's amax so far
+        self.observer = None
+
+    def begin_step(self, step: int) -> None:
+        """Push the last step's amaxes into the histories (delayed), once per step."""
+        if step == self.step:
+            return
+        for key, amax in self.seen.items():
+            h = self.history.setdefault(key, np.zeros(self.recipe.history))
+            h[:-1], h[-1] = h[1:].copy(), amax
+        self.seen, self.step = {}, step
+
+    def linear(self, name: str, splits: Splits = None) -> "LinearFp8":
+        return LinearFp8(self, name, splits or Splits(tokens=self.tokens))
+
+    def history_amax(self, key: str) -> float:
+        """The amax delayed scales with: the history's max or its most recent (0: no history yet)."""
+        h = self.history.get(key)
+        if h is None:
+            return 0.0
+        return float(h.max() if self.recipe.history_rule == "max" else h[-1])
+
+
+class LinearFp8:
+    """The quantized operands of one linear's three GEMMs (table in
+    ``ops/fp8_recipes.py``). Operands come and go in the linear's own
+    shapes; each is quantized with its contraction on the last axis."""
+
+    def __init__(self, scaling: Fp8Scaling, name: str, splits: Splits):
+        self.s, self.name, self.splits = scaling, name, splits
+
+    # the three GEMMs ---------------------------------------------------------
+    def forward(self, x, w):
+        """x (..., K_in), w (K_in, K_out) -> their quantized values, same shapes."""
+        xv = self.operand(x.reshape(-1, x.shape[-1]), "x", "forward", self.splits.x_cols).reshape(x.shape)
+        wv = self.operand(w.T, "w", "forward", self.splits.w_rows).T
+        return xv, wv
+
+    def dgrad(self, dy, w):
+        """dy (..., K_out), w (K_in, K_out) -> their values for dx = dy w^T."""
+        dyv = self.operand(dy.reshape(-1, dy.shape[-1]), "dy", "dgrad", self.splits.dy_cols).reshape(dy.shape)
+        return dyv, self.operand(w, "w", "dgrad", self.splits.w_cols)
+
+    def wgrad(self, x2, dy2):
+        """x2 (n, K_in), dy2 (n, K_out) -> their values for dW = x2^T dy2."""
+        xv = self.operand(x2.T, "x", "wgrad", self.splits.tokens).T
+        dyv = self.operand(dy2.T, "dy", "wgrad", self.splits.tokens).T
+        return xv, dyv
+
+    def tensor(self, a, role: str):
+        """a (any shape) under a tensor scale, for the layouts whose GEMMs
+        see gathered panels (2-D, 2.5-D, 3-D): tensorwise and delayed
+        quantize every orientation alike, so one quantization at entry
+        serves all three GEMMs."""
+        return self.operand(a.reshape(-1, a.shape[-1]), role, "forward", None).reshape(a.shape)
+
+    # one operand ----------------------------------------------------------------
+    def operand(self, a2, role: str, gemm: str, split: Comm):
+        """a2 (n, K), contraction along K -> its quantized values (n, K)."""
+        r = self.s.recipe
+        what = f"{self.name} {ROLE_WORDS[role]} ({gemm} GEMM) at step {self.s.step}"
+        try:
+            require_finite(a2, what)
+        except NonFiniteError as exc:
+            raise Fp8NonFinite(f"training diverged: --fp8 {r.name}: {exc}; stopped without saving this state "
+                               f"(try a lower --lr or a longer --warmup)") from None
+        group, fmt = r.group(role, gemm), r.format(role)
+        if group == "tensor":
+            q = self.tensor_quantized(a2, role, fmt)
+        else:
+            padded = pad_tiles(a2, group)                       # an expert's tokens: a short last tile
+            amax = group_amax(padded, local_group(group))      # a tile or block never straddles a shard
+            if group == "row" and split is not None and split.size > 1:
+                amax = split.allreduce(amax, op="max")
+            q = quantize_with(padded, amax, group, fmt, r)
+        if self.s.observer is not None:
+            self.s.observer(self.name, role, gemm, q)
+        return q.values(a2.dtype)[:, :a2.shape[1]]
+
+    def tensor_quantized(self, a2, role, fmt) -> Quantized:
+        """A tensor scale: the amax of the whole logical tensor (the stage's
+        max), current (tensorwise) or from the history (delayed)."""
+        amax = self.s.stage.allreduce(group_amax(a2, "tensor"), op="max")   # (1, 1)
+        r = self.s.recipe
+        if r.name == "delayed":
+            key = f"{self.name} {role}"
+            if self.s.recording:
+                self.s.seen[key] = max(self.s.seen.get(key, 0.0), float(amax.max()))
+            past = self.s.history_amax(key)
+            scale = current_scale(np.full((1, 1), past), fmt) if past > 0 else np.ones((1, 1), np.float32)
+            return Quantized(quantize(a2, scale, "tensor", fmt), scale, "tensor")
+        return quantize_with(a2, amax, "tensor", fmt, r)
+
+
+def index_runs(index) -> list:
+    """(start, length) of each run of consecutive global indices."""
+    index = np.asarray(index)
+    if index.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(index) != 1) + 1
+    return [(int(run[0]), len(run)) for run in np.split(index, cuts)]
+
+
+def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
+    """ConfigError unless weight ``name``'s block (global ``rows``,
+    ``cols`` indices) is made of whole tiles and blocks of the recipe: x's
+    tiles run along W's rows, dy's along its columns, W's blocks along
+    both, so every run of consecutive indices must start and end on a
+    multiple of the block."""
+    b = recipe.block
+    if not b:
+        return
+    for axis, index in (("rows", rows), ("columns", cols)):
+        for start, length in index_runs(index):
+            if start % b or length % b:
+                fits = [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d < b and start % d == 0 and length % d == 0]
+                raise ConfigError(f"--fp8 {recipe.name}: this layout gives a rank {length} {axis} of {name} "
+                                  f"(from index {start}), not whole {b}-element "
+                                  f"{'tiles' if recipe.name == 'blockwise' else 'blocks'} (a tile may not straddle "
+                                  f"a shard): use sizes whose shards are multiples of {b}"
+                                  + (f", or --fp8-block {fits[-1]}" if fits else ""))
+
+
+def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1, cp_kind: str = "ring") -> None:
+    """The pure half of the checks (``planning.resolve``, before any file
+    or collective): a layout that quantizes with tensor scales only, kv
+    heads replicated over ranks (each then holds a partial sum of their
+    columns' dy, which no scale may see), and the widths a tile runs along
+    on a 1-D rank (serial is 1-D on one rank): the model's hidden size, a
+    rank's query, kv and MLP columns, a rank's consecutive positions, and
+    an expert's token rows (whole on one replica only). The
+    layouts check their real shards again when they build (``check_shard``)."""
+    if recipe is None:
+        return
+    if cls.fp8_tensor_only and recipe.name not in ("tensorwise", "delayed"):
+        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} quantizes with tensor scales only so far "
+                          f"(tensorwise, delayed); use layout serial or 1d for {recipe.name}")
+    split = cls.head_coords(tp, depth, 0)[0]
+    if split > cfg.kv_heads:
+        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} splits the heads {split} ways over "
+                          f"{cfg.kv_heads} kv heads, so each rank would hold a partial sum of the kv columns' "
+                          f"output gradient, which a scale may not see; use a head split that divides --n-kv-head")
+    b = recipe.block
+    if not b:
+        return
+    if cp > 1 and cp_kind != "ring":
+        raise ConfigError(f"--fp8 {recipe.name} with --cp-kind {cp_kind}: the tiles along a rank's positions are "
+                          f"checked for the ring's chunks only so far; use --cp-kind ring, or tensorwise, delayed "
+                          f"or rowwise")
+    if cfg.moe and dp * cp > 1:
+        raise ConfigError(f"--fp8 {recipe.name} with a mixture of experts on dp x cp = {dp * cp} replicas: an "
+                          f"expert's token rows are spread over them, so its weight gradient's tiles along the "
+                          f"tokens would straddle replicas; use --dp 1 --cp 1, or tensorwise, delayed or rowwise")
+    widths = {"--n-embd": cfg.n_embd,
+              f"a rank's query columns (n_head / {split} x head_dim)": cfg.n_head // split * cfg.head_dim,
+              f"a rank's key and value columns (kv heads / {split} x head_dim)": cfg.kv_heads // split * cfg.head_dim,
+              f"a rank's MLP hidden columns ({cfg.ffn} / {tp})": cfg.ffn // tp,
+              "a rank's consecutive positions of a sequence" + (f" (--seq-len / {2 * cp})" if cp > 1 else
+                                                                " (--seq-len)"): cfg.n_ctx // (2 * cp if cp > 1 else 1)}
+    for what, width in widths.items():
+        if width % b:
+            fits = [d for d in range(1, b) if all(w % d == 0 for w in widths.values())]
+            raise ConfigError(f"--fp8 {recipe.name}: {what} is {width}, not a multiple of the {b}-element "
+                              f"{'tile' if recipe.name == 'blockwise' else 'block'} (a tile may not straddle a "
+                              f"shard): choose sizes whose shards are multiples of {b}"
+                              + (f", or --fp8-block {fits[-1]} for a small model" if fits[-1] > 1 else ""))

@@ -1,0 +1,140 @@
+"""--fp8 on the command line: bad input is one line and exit 2 with no run
+directory left (all in one process through the real entry point,
+tests/cli_cases.py), and NaN reaching a quantizer stops the run as a
+diverged loss does (exit 3, one line naming the tensor and the step,
+nothing saved from that step). The numbers themselves are checked
+against serial in tests/combo_matrix_check.py's FP8 cases and against
+hand-made known answers in tests/test_fp8_quant.py."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from conftest import TINY, paired
+from mpirun import job_env
+
+from mpicube.files import checkpoint
+
+PYTHON = sys.executable
+
+
+def refusal_cases(tmp_path):
+    """(name, argv, expected error line)."""
+    train = ["train", "--layout", "serial", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "32",
+             "--batch-size", "4", "--steps", "1", "--out", tmp_path / "run"]
+    return [
+        ("unknown recipe", train + ["--fp8", "fp4"], r"Invalid value for '--fp8': 'fp4' is not one of 'tensorwise'"),
+        ("float16 master", train + ["--fp8", "tensorwise", "--dtype", "float16"],
+         r"--fp8 tensorwise needs --dtype float32 or float64, not float16"),
+        ("bfloat16 master", train + ["--fp8", "mxfp8", "--dtype", "bfloat16"], r"needs --dtype float32 or float64"),
+        ("accumulate", train + ["--fp8", "rowwise", "--fp8-accumulate", "float64"],
+         r"--fp8-accumulate float64 needs --dtype float64"),
+        ("block no shard fits", train + ["--fp8", "mxfp8"],
+         r"--fp8 mxfp8: --n-embd is 16, not a multiple of the 32-element block .*--fp8-block 16"),
+        ("blockwise tiles", train + ["--fp8", "blockwise"],
+         r"--fp8 blockwise: --n-embd is 16, not a multiple of the 128-element tile"),
+        ("positions", train[:-4] + ["--steps", "1", "--out", tmp_path / "run", "--seq-len", "24", "--fp8", "mxfp8",
+                                    "--fp8-block", "16"],
+         r"a rank's consecutive positions of a sequence \(--seq-len\) is 24, not a multiple of the 16"),
+        ("tensor-only layout", ["train", "--layout", "2d", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+                                "--steps", "1", "--out", tmp_path / "run", "--fp8", "rowwise"],
+         r"layout 2d quantizes with tensor scales only so far"),
+        ("block option", train + ["--fp8", "tensorwise", "--fp8-block", "16"], r"--fp8-block applies to blockwise"),
+        ("pow2 option", train + ["--fp8", "mxfp8", "--fp8-pow2", "--fp8-block", "16"], r"--fp8-pow2 applies to rowwise"),
+        ("history", train + ["--fp8", "delayed", "--fp8-amax-history", "0"], r"--fp8-amax-history must be at least 1"),
+        ("bench float16", ["bench", "--layout", "serial", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+                           "--fp8", "tensorwise", "--dtype", "float16"], r"needs --dtype float32 or float64"),
+    ]
+
+
+def test_fp8_refusals_are_one_line_each(tmp_path, corpus_cache):
+    cases = refusal_cases(tmp_path)
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps([[str(a) for a in argv] for _, argv, _ in cases]))
+    proc = subprocess.run([PYTHON, str(Path(__file__).with_name("cli_cases.py")), str(spec)], cwd=tmp_path,
+                          env=job_env({"MPICUBE_CACHE": str(corpus_cache)}), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (name, _, expect), res in paired(cases, json.loads(proc.stdout.strip().splitlines()[-1])):
+        lines = res["out"] + res["err"]
+        errors = [line for line in lines if line.startswith("error:")]
+        assert res["status"] == 2 and len(errors) == 1, (name, res)
+        assert re.search(expect, errors[0]), (name, errors[0])
+        assert not any("Traceback" in line for line in lines), (name, res)
+    assert not (tmp_path / "run").exists()               # every refusal came before the run directory
+
+
+def test_nan_reaching_a_quantizer_stops_the_run(mpicube, tmp_path):
+    """An absurd learning rate: the step after the first update carries
+    NaN into a linear; its quantizer names the linear, the operand and
+    the step, and the run stops with the divergence status, keeping the
+    last good checkpoint only."""
+    r = mpicube.run("train", *TINY, "--steps", "10", "--lr", "1e30", "--warmup", "0", "--ckpt-every", "1",
+                    "--fp8", "tensorwise", "--out", "run")
+    assert r.returncode == 3, r
+    assert "Traceback" not in r.stdout + r.stderr
+    [line] = r.error_lines()
+    m = re.search(r"--fp8 tensorwise: (NaN|inf) reached the FP8 quantizer of h\.\d+\.\S+ (input x|weight|output "
+                  r"gradient dy) \((forward|dgrad|wgrad) GEMM\) at step (\d+); stopped without saving", line)
+    assert m, line
+    bad = int(m.group(4))
+    assert latest_step(tmp_path / "run") == bad - 1
+    assert not (tmp_path / "run" / "ckpt" / f"step_{bad:08d}").exists()
+
+
+def latest_step(run_dir):
+    path = checkpoint.latest(run_dir)
+    return None if path is None else int(path.name.split("_")[1])
+
+
+def test_plans_fp8_cannot_run_are_refused_before_any_collective():
+    """planning.resolve (pure) refuses what no shard could quantize as the
+    serial model does: kv heads replicated over ranks (their dy is a
+    partial sum on each), an expert's token tiles spread over replicas,
+    a row- or tile-scaled recipe on a layout with tensor scales only."""
+    import pytest
+
+    from mpicube.core.config import ModelConfig
+    from mpicube.core.errors import ConfigError
+    from mpicube.parallel.gridspec import Plan
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.fp8_options import fp8_recipe
+
+    llama = dict(vocab_size=61, n_ctx=16, n_layer=2, n_head=8, n_embd=16, arch="llama", ffn_hidden=24, n_kv_head=2)
+    cases = [
+        (Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 4, "splits the heads 4 ways"),
+        (Plan("1d", dp=2, fp8=fp8_recipe("mxfp8", "float64", block=2)), ModelConfig(**llama, n_experts=4, top_k=2),
+         4, "expert's token rows are spread over them"),
+        (Plan("3d", fp8=fp8_recipe("rowwise", "float64")), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
+                                                                        n_head=4, n_embd=16), 8,
+         "layout 3d quantizes with tensor scales only"),
+    ]
+    for plan, cfg, world, needle in cases:
+        with pytest.raises(ConfigError, match=needle):
+            resolve(plan, cfg, 8, world)
+    resolve(Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 8, 2)   # 2 ways: whole kv heads
+
+
+def test_trace_records_the_quantized_weights_and_scales_alike_on_serial_and_1d(mpicube, tmp_path):
+    """trace --fp8 keeps each linear's quantized weight (its FP8 bytes, as
+    uint8, compared exactly) and scales for forward and dgrad, and the
+    tensor scales of x and dy; serial and 1-D write the same ones."""
+    import h5py
+
+    opts = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16", "--batch-size", "4",
+            "--steps", "2", "--dtype", "float64", "--fp8", "tensorwise"]
+    for layout, n in (("serial", 1), ("1d", 2)):
+        r = mpicube.run("trace", *opts, "--layout", layout, "--out", f"{layout}.h5", n=n)
+        assert r.returncode == 0, r
+    with h5py.File(tmp_path / "serial.h5") as f:
+        got = f["step_1/fp8/h.0.mlp.c_fc"]
+        assert got["w.forward/bytes"].dtype == np.uint8 and got["w.forward/bytes"].shape == (64, 16)
+        assert got["w.dgrad/bytes"].shape == (16, 64) and got["x.forward/scale"].shape == (1, 1)
+        assert (got["w.forward/bytes"][...] == got["w.dgrad/bytes"][...].T).all()   # one tensor scale
+    r = mpicube.run("compare", "serial.h5", "1d.h5", n=1)
+    assert r.returncode == 0, r
+    assert "all tensors agree" in r.stdout
