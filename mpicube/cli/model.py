@@ -13,8 +13,7 @@ import click
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
                      device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
                      model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched,
-                     zero_option, info_step_options)
-from .common import ep_option, fp8_recipe_options
+                     zero_option, info_step_options, ep_option, fp8_recipe_options)
 from ..core.errors import UserError
 
 
@@ -422,9 +421,10 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
 @click.option("--allow-missing", "allow_missing", multiple=True, metavar="GLOB",
               help="dataset paths that may be absent from one trace (shell pattern, e.g. 'step_*/act/h.*.attn'; "
                    "'@dtype' for a root attribute); repeatable")
-@click.option("--tolerance", "verdict", type=click.Choice(["budget", "depth"]), default="budget", show_default=True,
-              help="what decides: the per-dtype budget (--rtol/--atol) or the depth-aware bound "
-                   "(relative Frobenius error <= 16 u depth); both are printed")
+@click.option("--tolerance", "verdict", type=click.Choice(["budget", "depth", "envelope"]), default="budget",
+              show_default=True, help="what decides: the per-dtype budget (--rtol/--atol), the depth-aware bound "
+              "(relative Frobenius error <= 16 u depth), or the envelope measured by trace --envelope (k = 4 "
+              "times each tensor's spread over reruns); budget and depth bound are printed")
 @click.option("--json", "as_json", is_flag=True,
               help='end stdout with {"first_divergence": NAME or null, "max_rel": ..., "tensors": N}')
 def compare(trace_a, trace_b, rtol, atol, allow_missing, verdict, as_json):
