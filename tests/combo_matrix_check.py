@@ -33,6 +33,10 @@ head) the same way; where the head split exceeds kv= the layout
 replicates kv heads (params.SharedColumns), and ckpt=1 also saves a
 checkpoint that a serial reader must see as the serial model.
 
+DeepSeek-V3 cases (arch=deepseek_v3 [qrank=]; test_combo_matrix.DEEPSEEK_CASES) run multi-head
+latent attention (replicated latents, heads split, k_pe's gradient summed over them) with a dense MLP,
+against the serial model only (the cost model does not price MLA yet: ``COSTED``).
+
 FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
 in the serial reference alike, accumulate in float64, and must equal
@@ -42,7 +46,7 @@ all-reduces yet, so their traffic is not compared.
 
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
-         zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [ckpt=1]
+         zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [arch=deepseek_v3 qrank=] [ckpt=1]
          [cpkind=ulysses|hybrid ulysses=U] [opt=muon qkv=split|joint] [hsdp=R]
          [fp8=RECIPE fp8block=N steps=N]
   (every case's tp x dp x pp x cp must be W)
@@ -77,6 +81,9 @@ from mpicube.training.step import make_step  # noqa: E402
 SEED, DROPOUT, LR, STEPS = 7, 0.1, 1e-2, 2
 VOCAB, SEQ, HEADS, EMBD = 61, 16, 4, 16
 LLAMA = dict(arch="llama", ffn_hidden=24, rope_theta=100.0, rms_eps=1e-5)   # arch=llama: heads= and kv= say the rest
+# arch=deepseek_v3: multi-head latent attention (qrank= the q latent's rank, 0: q_proj), v narrower than q/k
+DEEPSEEK = dict(arch="deepseek_v3", ffn_hidden=24, rope_theta=100.0, rms_eps=1e-5, kv_lora_rank=8,
+                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6)
 
 
 @dataclass(frozen=True)
@@ -111,9 +118,10 @@ class Case:
     fp8: str = ""         # an FP8 recipe (--fp8), accumulated in the case's dtype; "" = off
     fp8block: int = 0     # --fp8-block (0: the recipe's)
     steps: int = STEPS
+    qrank: int = 6        # deepseek_v3's q latent rank (0: a plain q_proj)
 
     INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
-            "ulysses", "hsdp", "fp8block", "steps", "experts")
+            "ulysses", "hsdp", "fp8block", "steps", "experts", "qrank")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -140,6 +148,9 @@ class Case:
         return fp8_recipe(self.fp8, self.dtype, block=self.fp8block or None) if self.fp8 else None
 
     def cfg(self) -> ModelConfig:
+        if self.arch == "deepseek_v3":
+            return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,
+                               **DEEPSEEK, q_lora_rank=self.qrank)
         if self.arch == "llama":
             moe = dict(n_experts=self.experts, top_k=2) if self.experts else {}
             return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,
@@ -152,8 +163,9 @@ class Case:
 
 def COSTED(case: Case) -> bool:
     """Whether the cost model prices the case: every one (Llama too) but
-    FP8's, whose amax all-reduces it does not count yet."""
-    return not case.fp8
+    FP8's, whose amax all-reduces it does not count yet, and DeepSeek-V3's latent attention, which it does
+    not price yet."""
+    return not case.fp8 and case.arch != "deepseek_v3"
 
 
 def configure(dtype: str) -> None:
@@ -173,7 +185,7 @@ class References:
 
     def get(self, case: Case, steps: list) -> dict:
         key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv, case.opt, case.qkv, case.fp8,
-               case.fp8block, case.steps, case.experts)
+               case.fp8block, case.steps, case.experts, case.qrank)
         if key not in self.done:
             self.done[key] = self._run(case, steps)
         return self.done[key]
@@ -259,7 +271,7 @@ def run_case(case: Case, refs: References) -> None:
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")
-    if parts.pipeline is None:      # generation's key/value cache (kv heads only under GQA) == the model
+    if parts.pipeline is None and case.arch != "deepseek_v3":   # generation's key/value cache (GQA: kv heads) == the model
         caches = sum(c.k.size + c.v.size for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"
     if not pc.HALF and case.cp == 1:    # the REPLICATED linear kind on this case's layout

@@ -170,6 +170,20 @@ def make_cases(root: Path) -> list:
                       r"first divergence: step_1/act/emb \(A: at least 134,217,727 elements held by no rank"))
     cases.append(Case("sharded-2^27-vs-good", [good, lying], 1,
                       r"first divergence: step_1/act/emb \(shapes \(2, 4, 8\) vs \(134217728,\)"))
+
+    def placed_2_27(f):                      # the same, its block placed on a mesh (format 3, placements.py)
+        declared_2_27(f)
+        f.attrs["mesh"] = json.dumps({"axes": ["tp"], "sizes": [2]})
+        f[TENSOR + "/rank0"].attrs["placement"], f[TENSOR + "/rank0"].attrs["coords"] = "P", np.zeros(1, np.int64)
+    placed = v("placed-2^27", placed_2_27)
+    cases.append(Case("placed-2^27-vs-itself", [placed, placed], 1,
+                      r"first divergence: step_1/act/emb \(A: at least 134,217,727 elements held by no rank"))
+
+    def placed_bad_shape(f):
+        placed_2_27(f)
+        f[TENSOR].attrs["shape"] = np.array([2.5])
+    case("placed-shape-not-sizes", placed_bad_shape, 2,
+         r"sharded tensor step_1/act/emb: its 'shape' attribute .* is not a list of sizes")
     case("shape-differs", lambda f: replace(f, TENSOR, lambda g, n, d: g.create_dataset(
         n, data=np.zeros(2 ** 10))), 1, r"first divergence: step_1/act/emb \(shapes \(2, 4, 8\) vs \(1024,\)")
 

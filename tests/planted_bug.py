@@ -36,6 +36,24 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
   to the loss but its gradient never reaches the router (a detached aux
   loss): the loss and every activation agree, the router's gradient does
   not (transformers #48687's class: router gradients wrong, loss right).
+- ``dp-partial=NAME``: the gradient of parameter NAME is left out of the
+  data-parallel sum: each replica steps on its own share of it, a pending
+  sum consumed as replicated (the missing all-reduce that identical
+  inputs hide; named with the sum over dp that would have been right,
+  check/placements.py).
+- ``moments-dropped=S``: AdamW's moments zeroed before step S, as a
+  resume that lost them would (the step count kept).
+- ``loss-scale-reset=S``: the dynamic loss scaler back at its initial
+  scale before step S, as a resume that did not restore it would.
+- ``replica-skip=S``: the data-parallel replica of dp rank 1 skips step
+  S's update: its weights and moments drift from the others'.
+- ``grads-unapplied``: the gradients are computed, summed and clipped,
+  and never applied (the optimizer step does nothing).
+- ``precision-off``: a 16-bit run computes in float32 (its trace still
+  declares the 16-bit dtype): mixed precision silently off.
+- ``grad-error=NAME``: parameter NAME's summed gradient comes out 1% too
+  large (the envelope's demonstration, docs/trace-format.md: a bfloat16
+  candidate that the depth bound passes and the envelope fails).
 - ``none``: nothing planted (a clean trace in the same launch).
 """
 
@@ -153,9 +171,95 @@ def router_aux_grad(_):
     return _swap(moe.RouterLedger, "dprobs", lambda self: None)
 
 
+def dp_partial(name):
+    from mpicube.parallel import gradients
+
+    call = gradients.GradientSync.__call__
+
+    def planted(self):
+        own = self.store.grad[name].copy()                  # this replica's share, before the dp sum
+        call(self)
+        self.store.grad[name][...] = own
+    return _swap(gradients.GradientSync, "__call__", planted)
+
+
+def _before_step(what):
+    """Trainer.train_step made to call ``what(trainer, s)`` first."""
+    from mpicube.training import train
+
+    step = train.Trainer.train_step
+
+    def planted(self, s):
+        what(self, s)
+        return step(self, s)
+    return _swap(train.Trainer, "train_step", planted)
+
+
+def moments_dropped(at):
+    def drop(trainer, s):
+        if s == int(at):
+            trainer.opt.adam.m[...] = 0
+            trainer.opt.adam.v[...] = 0
+    return _before_step(drop)
+
+
+def loss_scale_reset(at):
+    first = {}
+
+    def reset(trainer, s):
+        first.setdefault("scale", trainer.scaler.scale)
+        if s == int(at):
+            trainer.scaler.scale, trainer.scaler.good_steps = first["scale"], 0
+    return _before_step(reset)
+
+
+def replica_skip(at):
+    def skip(trainer, s):
+        opt = trainer.opt
+        if s == int(at) and trainer.parts.layout.axes.dp.rank == 1:
+            opt.step = lambda *args, **kwargs: vars(opt).pop("step")       # this once: no update
+    return _before_step(skip)
+
+
+def grads_unapplied(_):
+    from mpicube.training import step
+
+    undo = [_swap(cls, "step", lambda self, lr, grad_scale=1.0: None)
+            for cls in (step.ReplicatedStep, step.ShardedStep)]
+    return lambda: [u() for u in undo]
+
+
+def precision_off(_):
+    import numpy as np
+
+    from mpicube.device import backend
+
+    post = backend.Backend.__post_init__
+
+    def planted(self):
+        post(self)
+        if self.dtype.itemsize == 2:                         # a 16-bit run: float32 instead, silently
+            self.dtype = np.dtype(np.float32)
+    return _swap(backend.Backend, "__post_init__", planted)
+
+
+def grad_error(name):
+    from mpicube.parallel import gradients
+
+    call = gradients.GradientSync.__call__
+
+    def planted(self):
+        call(self)
+        self.store.grad[name][...] *= 1.01
+    return _swap(gradients.GradientSync, "__call__", planted)
+
+
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
           "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad,
-          "router-aux-grad": router_aux_grad, "none": lambda _: (lambda: None)}
+          "router-aux-grad": router_aux_grad, "dp-partial": dp_partial,
+          "moments-dropped": moments_dropped, "loss-scale-reset": loss_scale_reset, "replica-skip": replica_skip,
+          "grads-unapplied": grads_unapplied, "precision-off": precision_off,
+          "grad-error": grad_error, "none": lambda _: (lambda: None)}
 
 
 def plant(bug: str):

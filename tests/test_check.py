@@ -36,9 +36,12 @@ def tensors(rng):
     return {n: rng.standard_normal(shape) for n, shape in names.param_shapes(CFG).items()}
 
 
-def write_good(path, dtype="float64", seed=0):
-    """A complete trace of STEPS steps with dropout masks, random values."""
+def write_good(path, dtype="float64", seed=0, state=False):
+    """A complete trace of STEPS steps with dropout masks, random values;
+    with ``state`` the training state too (trace --state), drawn from a
+    generator of its own, so that the rest is the same either way."""
     rng = np.random.default_rng(seed)
+    state_rng = np.random.default_rng(seed + 1000)
     h, nh, L = CFG["n_embd"], CFG["n_head"], CFG["n_layer"]
     with TraceWriter(path, CFG, OPTIMIZER, dtype, {"framework": "test"}, dropout=P, seed=1) as w:
         w.init(tensors(rng))
@@ -51,7 +54,9 @@ def write_good(path, dtype="float64", seed=0):
             acts = {k: rng.standard_normal((B, T, h)) for k in names.act_names(CFG)}
             w.step(s, loss=2.5 + s, lr=OPTIMIZER["lr"]["values"][s - 1], grad_norm=1.5, grads=tensors(rng),
                    params=tensors(rng), acts=acts, logits=rng.standard_normal((B, T, CFG["vocab_size"])),
-                   masks=masks, tokens=rng.integers(0, CFG["vocab_size"], (B, T + 1)))
+                   masks=masks, tokens=rng.integers(0, CFG["vocab_size"], (B, T + 1)),
+                   state={"exp_avg": tensors(state_rng), "exp_avg_sq": {n: v ** 2 for n, v in tensors(state_rng).items()},
+                          "loss_scale": 1024.0 * 2 ** s, "rng_offset": s} if state else None)
     return path
 
 
@@ -258,8 +263,8 @@ def test_bad_files_are_named_in_one_line(tmp_path, good, variant, capsys):
     with h5py.File(other, "w") as f:
         f.attrs["format"] = "mpicube-checkpoint"
     assert "other.h5: not a trace (format 'mpicube-checkpoint'" in one_line_error(capsys, other, good)
-    v3 = variant(lambda f: f.attrs.__setitem__("version", 3))
-    assert "variant.h5: trace version 3, this mpicube reads versions 1, 2 (writes 2)" in one_line_error(capsys, good, v3)
+    v4 = variant(lambda f: f.attrs.__setitem__("version", 4))
+    assert "variant.h5: trace version 4, this mpicube reads versions 1, 2, 3 (writes 3)" in one_line_error(capsys, good, v4)
     cut = tmp_path / "cut.h5"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     assert "cut.h5: truncated or damaged HDF5 file" in one_line_error(capsys, good, cut)

@@ -9,6 +9,7 @@ and batches and must agree with each other.
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -77,6 +78,9 @@ def test_dtensor_shards_agree_with_one_process_and_every_planted_bug_is_named(on
         assert f["step_1/grad/h.0.attn.c_attn.weight/rank1/data"].shape == (8, 12)     # heads 1: [q k v] of head 1
         assert f["step_1/dropout/h.0.attn/rank1/data"].shape == (2, 1, 4, 4)           # the head rank 1 applied
         assert set(f["step_1/grad/h.0.ln_1.weight"]) == {"rank0", "rank1"}             # replicas
+        assert json.loads(f.attrs["mesh"])["sizes"] == [2]                             # placements (issue 47)
+        assert w["rank1"].attrs["placement"] == "S(1)" and list(w["rank1"].attrs["coords"]) == [1]
+        assert f["step_1/grad/h.0.ln_1.weight/rank1"].attrs["placement"] == "R"
     for clean in ("sp-tp.h5", "sp.h5"):
         result = compare_traces(tmp_path / "one.h5", tmp_path / clean)
         assert result.first_divergence is None and result.max_rel < 1e-10, clean
@@ -85,6 +89,7 @@ def test_dtensor_shards_agree_with_one_process_and_every_planted_bug_is_named(on
         assert result.first_divergence == first, bug
         rows = {r.name: r for r in result.rows}
         assert bug != "sp-grad" or "replicas part: ranks 0 and 1" in rows[first].note
+        assert bug != "sp-grad" or "a pending sum over" in rows[first].note, rows[first].note
         if "grad" in first:
             assert rows["step_1/loss"].ok and rows["step_1/act/h.1"].ok, bug                 # the loss agrees
 

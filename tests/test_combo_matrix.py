@@ -249,14 +249,44 @@ HSDP_CASES = [
 ]
 
 
+# DeepSeek-V3's multi-head latent attention (issue 43; dense MLP): each joins its world size's launch,
+# checked against serial to 1e-10 with dropout (not yet against the cost model, which does not price MLA).
+# The latents replicated (on 2-D, 2.5-D and 3-D split as the hidden size before the up-projections), the
+# heads split as each layout splits them with k_pe moved to their rows and its gradient summed over them
+# (Layout.shared_key), sequence parallelism, a pipeline,
+# the cp ring and Ulysses (rotary at global positions), zero 1-3, recompute, the 16-bit wire, q_proj (qrank=0).
+DEEPSEEK = "arch=deepseek_v3"
+DEEPSEEK_CASES = [
+    (4, f"layout=1d tp=4 recompute=blocks accum=2 {DEEPSEEK}"),
+    (4, f"layout=1d tp=2 pp=2 accum=2 {DEEPSEEK}"),
+    (4, f"layout=1d tp=2 cp=2 {DEEPSEEK}"),
+    (4, f"layout=1d tp=2 dp=2 zero=3 qrank=0 {DEEPSEEK}"),
+    (4, f"layout=serial tp=1 dp=2 cp=2 zero=2 {DEEPSEEK}"),
+    (8, f"layout=1d tp=4 dp=2 zero=1 recompute=gathers {DEEPSEEK}"),
+    (8, f"layout=1d tp=2 cp=2 dp=2 qrank=0 {DEEPSEEK}"),
+    (8, f"layout=1d tp=4 pp=2 accum=2 {DEEPSEEK}"),
+    (8, f"layout=1d tp=2 cp=4 cpkind=ulysses heads=8 {DEEPSEEK}"),
+    (8, f"layout=1d tp=4 dp=2 dtype=bfloat16 {DEEPSEEK}"),
+    (4, f"layout=2d tp=4 {DEEPSEEK}"),                                    # latents split as the hidden size
+    (4, f"layout=1d tp=4 sp=1 recompute=gathers {DEEPSEEK}"),             # k_pe gathered, its gradient scattered
+    (4, f"layout=1d tp=2 sp=1 cp=2 qrank=0 {DEEPSEEK}"),
+    (8, f"layout=2.5d tp=8 depth=2 recompute=blocks batch=16 {DEEPSEEK}"),
+    (8, f"layout=2d tp=4 dp=2 zero=3 {DEEPSEEK}"),
+    (8, f"layout=2d tp=4 cp=2 qrank=0 {DEEPSEEK}"),
+    (8, f"layout=2d tp=4 pp=2 accum=2 {DEEPSEEK}"),
+    (8, f"layout=3d tp=8 qrank=8 {DEEPSEEK}"),                            # k_pe moved to the heads' rows
+    (8, f"layout=3d tp=8 qrank=0 recompute=gathers {DEEPSEEK}"),
+]
+
+
 def launches() -> dict:
     """{world size: [case words]}: the covering set grouped by world size,
     with the 4-axis case once no pairing of it is refused, the Llama cases,
-    the Ulysses, Muon, HSDP and FP8 cases."""
+    the Ulysses, Muon, HSDP, FP8 and DeepSeek-V3 cases."""
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
-    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES + FP8_CASES:
+    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES + FP8_CASES + DEEPSEEK_CASES:
         groups[ranks].append(words)
     return dict(sorted(groups.items()))
 

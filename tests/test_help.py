@@ -59,6 +59,7 @@ OWN_MEANING = {("seed", "generate"): "draws tokens", ("steps", "trace"): "steps 
                ("batch_size", "eval"): "default: the checkpoint's", ("data", "eval"): "the shard evaluated",
                ("grad_accum", "eval"): "the pipeline's micro-batches", ("zero", "info"): "priced",
                ("zero", "bench"): "timed", ("grad_accum", "info"): "priced", ("profile", "bench"): "its steps",
+               ("optimizer", "info"): "priced", ("hsdp", "info"): "priced",
                ("layout", "info"): "optional", ("layout", "bench"): "several", ("batch_size", "bench"): "each layout's",
                ("top_k", "generate"): "the sampler's", ("out", "prepare"): "a shard", ("out", "trace"): "a trace",
                ("out", "bench"): "the profile's", ("out", "timeline"): "a picture", ("out", "plot"): "a picture",

@@ -3,11 +3,16 @@ path: each real class of parallel-training bug, planted from outside the
 package by tests/planted_bug.py, is named by `compare` against the serial
 trace at the first tensor it makes wrong - also where the loss still
 agrees, and with the ranks whose replicas part where the bug leaves
-replicated copies different.
+replicated copies different, or with the axis of a pending sum
+consumed as replicated (issue 47: the placements of a sharded trace).
+Issue 47's state bugs (moments dropped, the loss scale reset, a replica
+skipping its update, gradients never applied, mixed precision off) are
+traced with --state over two steps and named at the state tensor or the
+step they spoil.
 
 All the bugs' traces come from one 2-rank launch (tests/planted_check.py
-plants each bug, traces one step of a tiny model, and takes it out again);
-the references are two serial traces. The same bugs planted in a PyTorch DTensor model are in
+plants each bug, traces one or two steps of a tiny model, and takes it out
+again); the references are serial traces (REFERENCES). The same bugs planted in a PyTorch DTensor model are in
 tests/test_check_dtensor.py.
 """
 
@@ -23,6 +28,11 @@ from mpicube.check.compare import compare_traces
 MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", "--batch-size", "8",
          "--dtype", "float64", "--dropout", "0.1", "--seed", "5", "--warmup", "2", "--steps", "1"]
 
+STATE = ["--steps", "2", "--state"]                     # two steps, with the training state
+F16 = ["--dtype", "float16", "--loss-scale", "1024", "--loss-scale-growth-interval", "1"]   # the scale grows each step
+REFERENCES = {"ref.h5": [], "ref257.h5": ["--vocab-size", "257"], "state.h5": STATE, "state16.h5": STATE + F16,
+              "bf16.h5": ["--dtype", "bfloat16"]}
+
 # bug, reference, layout options, the first divergence, rows that must still agree, a note its row must hold
 CATALOGUE = [
     ("sp-grad", "ref.h5", ["--layout", "1d", "--sequence-parallel"], "step_1/grad/ln_f.weight",
@@ -36,20 +46,42 @@ CATALOGUE = [
     ("qkv-split", "ref.h5", ["--layout", "1d"], "step_1/act/h.0.attn",
      ["init/h.0.attn.c_attn.weight", "step_1/act/h.0.ln_1"], ""),
     ("dropout-rank", "ref.h5", ["--layout", "1d", "--dp", "2"], "step_1/dropout/emb", ["tokens"], ""),
+    ("dp-partial=h.1.mlp.c_fc.weight", "ref.h5", ["--layout", "1d", "--dp", "2"], "step_1/grad/h.1.mlp.c_fc.weight",
+     ["step_1/loss", "step_1/grad/h.1.mlp.c_proj.weight"],
+     "a pending sum over dp consumed as replicated: ranks 0, 1 hold parts whose sum over dp"),
+    ("moments-dropped=2", "state.h5", ["--layout", "1d", *STATE], "step_2/state/exp_avg/wte",
+     ["step_1/state/exp_avg/wte", "step_2/loss", "step_2/grad/wte"], ""),
+    ("loss-scale-reset=2", "state16.h5", ["--layout", "1d", *STATE, *F16], "step_2/state/loss_scale",
+     ["step_1/state/loss_scale", "step_2/loss"], ""),
+    ("replica-skip=2", "state.h5", ["--layout", "1d", "--dp", "2", *STATE], "step_2/state/exp_avg/wte",
+     ["step_1/param/wte", "step_2/loss"], "replicas part: ranks 0 and 1"),
+    ("grads-unapplied", "ref.h5", ["--layout", "1d"], "step_1/param/wte", ["step_1/loss", "step_1/grad/wte"],
+     "B: wte is exactly what it was before step 1: its update was not applied"),
+    ("precision-off", "bf16.h5", ["--layout", "1d", "--dtype", "bfloat16"], "step_1/act/emb", ["tokens", "init/wte"],
+     "B: a bfloat16 trace whose activations and logits of this step all lie off the bfloat16 grid"),
     ("vocab-pad", "ref257.h5", ["--layout", "1d", "--vocab-size", "257"], "step_1/loss", ["step_1/logits"], ""),
 ]
 
 
+# issue 47's envelope demonstration (docs/trace-format.md, "Measured tolerances"): bfloat16 candidates on 2 ranks
+BF16_CANDIDATES = [("none", "bf16-good.h5"), ("grad-error=h.1.mlp.c_fc.weight", "bf16-grad.h5")]
+
+
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory, corpus_cache) -> MpiCube:
-    """The two serial references, then every bug's trace from one 2-rank
+    """The serial references, then every bug's trace from one 2-rank
     launch (tests/planted_check.py)."""
     runner = MpiCube(tmp_path_factory.mktemp("planted"), corpus_cache)
     runner.env["MPIEXEC_TIMEOUT"] = "240"
-    for out, extra in (("ref.h5", []), ("ref257.h5", ["--vocab-size", "257"])):
+    for out, extra in REFERENCES.items():
         r = runner.run("trace", "--layout", "serial", *MODEL, *extra, "--out", out)
         assert r.returncode == 0, r
-    cases = json.dumps([[bug, [*MODEL, *options, "--sharded"]] for bug, _, options, *_ in CATALOGUE])
+    r = runner.run("trace", "--layout", "serial", *MODEL, "--dtype", "bfloat16", "--envelope", "4", "--out",
+                   "envelope.h5")
+    assert r.returncode == 0 and "envelope of 4 bfloat16 reruns" in r.stdout, r
+    cases = json.dumps([[bug, [*MODEL, *options, "--sharded"]] for bug, _, options, *_ in CATALOGUE]
+                       + [[bug, [*MODEL, "--layout", "1d", "--dtype", "bfloat16"], out]
+                          for bug, out in BF16_CANDIDATES])
     cmd = runner.command("trace", n=2)
     at = cmd.index("-m")
     cmd[at:] = [str(REPO / "tests" / "planted_check.py"), str(runner.cwd), cases]
@@ -66,3 +98,19 @@ def test_a_planted_bug_is_named_at_the_first_tensor_it_spoils(runner, bug, ref, 
     rows = {r.name: r for r in result.rows}
     assert all(rows[name].ok for name in agree), [(n, rows[n].max_rel) for n in agree]
     assert note in rows[first].note, rows[first].note
+
+
+@pytest.mark.timeout(300)
+def test_the_envelope_passes_a_bf16_candidate_and_fails_a_1_percent_gradient_error(runner):
+    """The serial float64 reference with the envelope of 4 bfloat16 reruns:
+    a correct 2-rank bfloat16 candidate passes it; the same with
+    h.1.mlp.c_fc's gradient 1% too large fails it there, and passes the
+    depth bound."""
+    ref = runner.cwd / "envelope.h5"
+    good = compare_traces(ref, runner.cwd / "bf16-good.h5", verdict="envelope")
+    assert good.first_divergence is None, [(r.name, r.note) for r in good.rows if not r.ok][:3]
+    bad = compare_traces(ref, runner.cwd / "bf16-grad.h5", verdict="envelope")
+    assert bad.first_divergence == "step_1/grad/h.1.mlp.c_fc.weight", [(r.name, r.note) for r in bad.rows if not r.ok]
+    row = next(r for r in bad.rows if r.name == bad.first_divergence)
+    assert "a systematic error along the tensor" in row.note, row.note
+    assert compare_traces(ref, runner.cwd / "bf16-grad.h5", verdict="depth").first_divergence is None

@@ -321,8 +321,11 @@ def train_and_record(model, ref, out, steps, device, layout, after_backward=None
             rec.gradients()                                           # before clipping
             norm = clip_fn(model, max_norm)
             opt.step()
+            state = {}
+            if ref.has_state:            # the moments, and the RNG offset of the masks replayed: the reference's
+                state = {"optimizer": opt, "rng_offset": ref.state(s, "rng_offset")}
             rec.step(s, loss=loss, lr=ref.lr(s), grad_norm=norm, logits=logits,
-                     masks=applied(model, masks) if applied and masks else masks, tokens=ref.tokens[s - 1])
+                     masks=applied(model, masks) if applied and masks else masks, tokens=ref.tokens[s - 1], **state)
             say(f"step {s}/{steps}: loss {loss.item():.6f}, lr {ref.lr(s):.3e}, grad_norm {float(norm):.6f}")
 
 

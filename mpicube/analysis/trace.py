@@ -42,7 +42,8 @@ from ..training.hooks import StepHooks
 from ..training.optim import Schedule
 from ..training.options import TrainOptions
 from ..training.train import DivergedError, Trainer
-from .trace_collect import Collector, Fp8Recorder, gather_pieces, record_outputs
+from ..check.placements import mesh_attr
+from .trace_collect import Collector, Fp8Recorder, gather_pieces, mesh_of, record_outputs
 
 DEFAULT_MAX_BYTES = 2 * 10 ** 9
 CLIP_EPS = 1e-6          # clipping scale min(1, max_norm / (norm + CLIP_EPS)), as train does
@@ -147,9 +148,10 @@ class Recorder(StepHooks):
     gradients before the update and the updated parameters after it.
     Rank 0 assembles and writes; every rank takes part in the gathers."""
 
-    def __init__(self, mpi_world, writer, store_dtype, say, sharded: bool = False):
+    def __init__(self, mpi_world, writer, store_dtype, say, sharded: bool = False, state: bool = False):
         self.world, self.writer, self.store_dtype, self.say = mpi_world, writer, store_dtype, say
         self.sharded = sharded
+        self.state = state               # --state: the moments, loss scale, RNG offset and expert loads too
         self.tokens = []                 # rank 0: (B, T+1) int32 per step
 
     def run_started(self, trainer) -> None:
@@ -163,7 +165,17 @@ class Recorder(StepHooks):
         self.fp8 = None if fp8 is None else Fp8Recorder(trainer.parts.store)   # --fp8: quantized operands
         if fp8 is not None:
             fp8.observer = self.fp8
-        _write(self.writer, gather_pieces(self.world, self.collect.params("init"), self.sharded))
+        self.mesh = None                 # rank 0 under --sharded: (sizes, every rank's coords)
+        if self.sharded:
+            axes, sizes, coords = mesh_of(trainer.parts.layout)
+            everyone = self.world.gather(coords, root=0)
+            if self.writer is not None:
+                self.mesh = (sizes, everyone)
+                self.writer.f.attrs["mesh"] = mesh_attr(axes, sizes)
+        _write(self.writer, self.gather(self.collect.params("init")))
+
+    def gather(self, pieces: list):
+        return gather_pieces(self.world, pieces, self.sharded, self.mesh)
 
     def step_started(self, trainer, s, x, y) -> None:
         self.tokens.append(np.concatenate([x, y[:, -1:]], axis=1).astype(np.int32))   # (B, T+1)
@@ -186,9 +198,10 @@ class Recorder(StepHooks):
         self.norm = norm
 
     def step_done(self, trainer, s, rec) -> None:
+        moments = (self.collect.moments(trainer.opt.adam) if self.state and trainer.opts.optimizer != "sgd" else [])
         quantized = self.fp8.take() if self.fp8 is not None else []
-        tensors = gather_pieces(self.world, self.forward + self.grads + quantized + self.collect.params("param"),
-                                self.sharded)
+        tensors = self.gather(self.forward + self.grads + quantized + moments + self.collect.params("param"))
+        state = self.state_scalars(trainer, s) if self.state else {}
         if self.writer is not None:
             group = f"step_{s}"
             self.writer.write(f"{group}/loss", np.asarray(rec["loss"], dtype=np.float64))
@@ -197,9 +210,28 @@ class Recorder(StepHooks):
             for key in ("aux_loss", "z_loss"):                # a mixture of experts' router losses
                 if f"router_{key}" in rec:
                     self.writer.write(f"{group}/moe/{key}", np.asarray(rec[f"router_{key}"], dtype=np.float64))
-            _write(self.writer, tensors, prefix=group + "/")
+            _write(self.writer, {**tensors, **state}, prefix=group + "/")
         self.say(f"step {s}/{trainer.opts.steps}: loss {rec['loss']:.6f}, lr {rec['lr']:.3e}, "
                  f"grad_norm {self.norm:.6f}")
+
+
+    def state_scalars(self, trainer, s: int) -> dict:
+        """Rank 0's {name: value} of the state beside the moments: the loss
+        scale after step s's update (float16 runs), the RNG offset (the
+        step the next draws are keyed by: mpicube's masks are a function of
+        the step, names.STATE_SCALARS) and a mixture's expert loads,
+        counted from its chosen experts (every rank takes part in the gather)."""
+        chosen = gather_pieces(self.world, [p for p in self.forward if p.name.endswith(".experts")])
+        if self.writer is None:
+            return {}
+        out = {"state/rng_offset": np.asarray(s, dtype=np.int64)}
+        if trainer.scaler is not None:
+            out["state/loss_scale"] = np.asarray(trainer.scaler.scale, dtype=np.float64)
+        for name, experts in chosen.items():                   # moe/h.{i}.experts (B, T, K)
+            site = name[len("moe/"):-len(".experts")]
+            out[f"state/expert_load/{site}"] = np.bincount(experts.ravel(), minlength=trainer.parts.cfg.n_experts
+                                                           ).astype(np.int64)                      # (E,)
+        return out
 
 
 def run_trace(options: dict, mpi_world, say=print) -> dict:
@@ -242,7 +274,8 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
             "seed": opts.seed,
         }
         writer = TraceFile(out, attrs)
-    recorder = Recorder(mpi_world, writer, store_dtype, say, sharded=bool(options.get("sharded")))
+    recorder = Recorder(mpi_world, writer, store_dtype, say, sharded=bool(options.get("sharded")),
+                        state=bool(options.get("state")))
     trainer = Trainer(opts, mpi_world, hooks=[recorder], keep_files=False)
     try:
         status = trainer.run()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..check import shards
+from ..check import placements, shards
 from ..model.gpt import Head
 from ..parallel import context
 from ..training.driver import rank_positions
@@ -32,18 +32,29 @@ class Piece:
     local: np.ndarray     # host array
 
 
-def gather_pieces(mpi_world, pieces: list, sharded: bool = False):
+MESH_AXES = ("pp", "dp", "cp", "tp")        # a sharded trace's mesh (check/placements.py): ep is taken from dp
+
+
+def mesh_of(layout) -> tuple:
+    """(axis names, sizes, this rank's coordinates) of the layout's mesh."""
+    comms = [getattr(layout.axes, a) for a in MESH_AXES]
+    return MESH_AXES, tuple(c.size for c in comms), tuple(c.rank for c in comms)
+
+
+def gather_pieces(mpi_world, pieces: list, sharded: bool = False, mesh=None):
     """Rank 0: {name: full tensor} assembled from every rank's pieces; other
     ranks: None. Replicated blocks simply arrive more than once; an element
     no rank sent is a bug in a layout's bookkeeping, and raises. With
     ``sharded`` (--sharded) each rank's block is kept as it is, with its
     global index (check.shards), for compare to put together and to check
-    the replicas of."""
+    the replicas of, and with ``mesh`` (``(sizes, every rank's coords)``)
+    each block's placement on the mesh, inferred from the indices
+    (check.placements.infer)."""
     received = mpi_world.gather(pieces, root=0)
     if received is None:
         return None
     if sharded:
-        return _as_shards(received)
+        return _as_shards(received, mesh)
     full, seen = {}, {}
     for piece in (p for rank_pieces in received for p in rank_pieces):
         if piece.name not in full:
@@ -59,8 +70,9 @@ def gather_pieces(mpi_world, pieces: list, sharded: bool = False):
     return full
 
 
-def _as_shards(received: list) -> dict:
-    """{name: Sharded} from every rank's pieces, vocabulary padding dropped."""
+def _as_shards(received: list, mesh=None) -> dict:
+    """{name: Sharded} from every rank's pieces, vocabulary padding dropped;
+    with ``mesh`` (sizes, coords by rank), their placements inferred."""
     out = {}
     for rank, rank_pieces in enumerate(received):
         for piece in rank_pieces:
@@ -68,7 +80,9 @@ def _as_shards(received: list) -> dict:
             index = tuple(np.asarray(ix)[r] for ix, r in zip(piece.index, real))
             block = piece.local[np.ix_(*real)] if real else piece.local
             out.setdefault(piece.name, shards.Sharded(piece.shape, [])).shards.append(
-                shards.Shard(rank, index, block))
+                shards.Shard(rank, index, block, coords=None if mesh is None else mesh[1][rank]))
+    if mesh is not None:
+        out = {name: placements.infer(tensor, mesh[0]) for name, tensor in out.items()}
     return out
 
 
@@ -232,6 +246,14 @@ class Collector:
         if divide != 1.0:
             flat = flat / divide
         return self._pieces("grad", store.views(flat))
+
+    def moments(self, adam) -> list:
+        """One copy of AdamW's two moments of every parameter, as the
+        parameters (``full_moments``: under --zero gathered over dp, so
+        every rank calls this)."""
+        m, v = adam.full_moments()                                            # (P_pad,) each
+        return (self._pieces("state/exp_avg", self.store.views(m))
+                + self._pieces("state/exp_avg_sq", self.store.views(v)))
 
     def _pieces(self, prefix: str, views: dict) -> list:
         return [Piece(f"{prefix}/{spec.name}", tuple(spec.decl.shape), spec.index, self.host(views[spec.name]))

@@ -9,8 +9,13 @@ budgets and the depth-aware bound), ``compare`` and ``report`` (tensor by
 tensor, failing closed: ``mpicube compare`` is these modules, and
 ``python -m mpicube.check`` runs them without MPI), ``reference`` (a
 reference trace's config, optimizer, initial parameters, batches and
-masks), ``writer`` (a trace from plain numpy arrays) and ``shards`` (a
-tensor as each rank's blocks with their global index, replicas checked).
+masks), ``writer`` (a trace from plain numpy arrays), ``shards`` (a
+tensor as each rank's blocks with their global index, replicas checked),
+``placements`` (each block's placement on the mesh: replicated, split,
+a pending sum), ``diagnose`` and ``precision`` (what a disagreeing
+tensor's values say: a pending sum consumed as replicated, an update
+never applied, mixed precision off) and ``envelope`` (tolerances measured
+from reruns at the candidate's precision).
 ``namemaps`` turns another codebase's parameter names and layouts into the
 trace's, and ``torch`` records a ``torch.nn.Module`` with them; torch is
 imported there only, and only when it is used (an optional extra: mpicube

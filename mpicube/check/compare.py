@@ -38,15 +38,16 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..core.errors import UserError
+from . import envelope
 from . import tolerance as tol
+from .diagnose import notes as diagnosis
 from .measure import Row, measure
 from .names import STEP_KINDS, depth, missing_by_version, ordered, step_of
-from .shards import is_sharded, stored_shape
-from .tracefile import (DTYPES, REQUIRED_ATTRS, datasets, describe, expected_dtype, open_trace, read_block,
-                        read_config, read_tensor, steps_present, trace_dtype, version)
+from .precision import precision_rows
+from .shards import stored_shape
+from .tracefile import (DTYPES, REQUIRED_ATTRS, datasets, describe, expected_dtype, open_trace, read_config,
+                        reader, steps_present, trace_dtype, version)
 
 RANGE_CHECKED = 1000        # a range of missing steps longer than this is never allowed (each step is not matched)
 
@@ -108,8 +109,8 @@ def missing_rows(side: str, other: str, names: set, other_names: set, patterns) 
 
 def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdict="budget") -> Result:
     """Compare two trace files (see the module docstring); bad input raises UserError."""
-    if verdict not in ("budget", "depth"):
-        raise UserError(f"--tolerance {verdict!r}: use budget or depth")
+    if verdict not in ("budget", "depth", "envelope"):
+        raise UserError(f"--tolerance {verdict!r}: use budget, depth or envelope")
     fa = open_trace(path_a)
     try:
         fb = open_trace(path_b)
@@ -161,10 +162,13 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
                 if older and row.ok and not allowed_by(row.name, allow_missing):
                     row.note += f" (a version {version(files[other])} trace does not hold it)"
                 rows[row.name] = row
+        env = envelope.read(files, paths) if verdict == "envelope" else None     # (side, envelope)
         for name in names_a & names_b:
-            rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict)
+            rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict, env)
         coverage_rows(rows, steps_present(names_a) & steps_present(names_b))
-        result.rows = attr_rows + [rows[n] for n in ordered(rows, cfg_a)]
+        order = ordered(rows, cfg_a)
+        precision_rows(rows, order, sets, paths, dtypes)          # mixed precision off, or on unasked
+        result.rows = attr_rows + [rows[n] for n in order]
         result.allowed = [r.name for r in result.rows if not r.compared and r.ok]
     return result
 
@@ -230,7 +234,7 @@ def coverage_rows(rows: dict, held: set) -> None:
             row.ok, row.note = False, f"{row.note}; {note}"
 
 
-def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) -> Row:
+def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, env=None) -> Row:
     """The row of a tensor both traces hold: shapes compared first (from
     the files' metadata), then the values read block by block."""
     objs = [sets[s][name] for s in "AB"]
@@ -244,19 +248,16 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) ->
         return Row(name, shapes[0], math.inf, math.inf, False, f"shapes {shapes[0]} vs {shapes[1]}", math.inf,
                    math.nan)
     readers, kinds, stored, problems = [], [], [], []
-    for obj, s in zip(objs, "AB"):
-        if is_sharded(obj):                             # a sharded trace's replicas part, or elements are missing
-            values, problem = read_tensor(obj, paths[s], rtol, atol)
-            if problem:
-                problems.append((s, problem))
-            readers.append(lambda block, v=values: v[block])
-            stored.append(np.dtype(values.dtype) if values is not None else np.dtype(np.float64))
-        else:
-            readers.append(lambda block, d=obj, p=paths[s]: read_block(d, p, block))
-            stored.append(obj.dtype)
-        kinds.append(stored[-1].kind)
+    for obj, s in zip(objs, "AB"):                      # a sharded trace's replicas part, or elements are missing
+        read, dtype, problem = reader(obj, paths[s], rtol, atol)
+        if problem:
+            problems.append((s, problem))
+        readers.append(read)
+        stored.append(dtype)
+        kinds.append(dtype.kind)
     if problems:                                       # replicas that part say by how much; inf: no number
         note = "; ".join(f"{side}: {problem}" for side, problem in problems)
+        note = "; ".join(filter(None, (note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol))))
         return Row(name, shapes[0], max(getattr(p, "max_abs", math.inf) for _, p in problems),
                    max(getattr(p, "max_rel", math.inf) for _, p in problems), False, note, math.nan, math.nan)
     wrong = [f"{side} stores {dt}, the format {want}" for side, dt, tdt in (("A", stored[0], dtypes[0]),
@@ -264,6 +265,10 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict) ->
              if (want := expected_dtype(name, tdt)) is not None and dt != want]
     row = measure(name, readers[0], readers[1], shapes[0], tuple(kinds), coarse, depth(name, cfg), rtol, atol,
                   verdict)
+    if env is not None:                                 # --tolerance envelope: the measured spread decides
+        envelope.judge(row, name, readers, shapes[0], tuple(kinds), env[1], env[0])
+    if not row.ok and kinds[0] == "f":                  # a wrong value that is the sum of a rank's copies
+        row.note = "; ".join(filter(None, (row.note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol))))
     if wrong:
         row.ok, row.note = False, "dtype: " + "; ".join(wrong)
     elif note:

@@ -158,3 +158,9 @@ def first_difference(name: str, read_a, read_b, shape: tuple, at: tuple) -> str:
         return (f"first differs at token (sequence {b_}, position {t}): experts "
                 f"{np.asarray(read_a(choice)).tolist()} in A vs {np.asarray(read_b(choice)).tolist()} in B")
     return f"first differs at {at}: {np.asarray(read_a(at))} in A vs {np.asarray(read_b(at))} in B"
+
+
+def equal(read_a, read_b, shape: tuple, limit: int = BLOCK) -> bool:
+    """Whether two tensors of ``shape`` hold the same values, element for
+    element (a NaN equals nothing), read one block at a time."""
+    return all(np.array_equal(np.asarray(read_a(block)), np.asarray(read_b(block))) for block in blocks(shape, limit))

@@ -152,7 +152,7 @@ class NameMap:
                 for s in shards[source]:
                     index, block = rule.shard_to_trace(k, s.index, np.asarray(s.data), tuple(shapes[source]))
                     if block.size or not np.asarray(s.data).size:     # a fused tensor's block of other experts: none
-                        pieces.append(Shard(s.rank, index, block))
+                        pieces.append(Shard(s.rank, index, block, s.placement, s.coords))
             full = [np.asarray(shapes[s]) for s in rule.sources]
             out[name] = Sharded(tuple(rule.to_trace([np.empty(tuple(f)) for f in full]).shape), pieces)
         return out

@@ -15,8 +15,8 @@ import math
 import re
 
 FORMAT = "mpicube-trace"
-VERSION = 2                  # 2: the activations inside each block (BLOCK_ACTS)
-READS = (1, 2)               # versions compare reads; a version 1 trace lacks only what 2 added
+VERSION = 3                  # 2: the activations inside each block (BLOCK_ACTS); 3: placements, state (STATE)
+READS = (1, 2, 3)            # versions compare reads; an older trace lacks only what later ones added
 CONFIG_KEYS = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")
 # a Llama trace's config adds these (mpicube's ModelConfig.to_dict, docs/llama.md); a GPT-2 one has none
 LLAMA_KEYS = {"arch": str, "n_kv_head": int, "ffn_hidden": int, "rope_theta": float, "rms_eps": float,
@@ -34,7 +34,15 @@ MASK_SITES = ("attn", "resid_attn", "resid_mlp")
 # inside block i, in the order computed: act/h.{i}.ln_1 (ln_1's output), act/h.{i}.attn (the attention
 # branch after its residual dropout, before the residual add), act/h.{i}.ln_2, act/h.{i}.mlp (likewise)
 BLOCK_ACTS = ("ln_1", "attn", "ln_2", "mlp")
-NEW_IN = {2: tuple(f"step_*/act/h.*.{a}" for a in BLOCK_ACTS)}     # patterns of what each version added
+# the training state after step s's update (version 3, written on request: ``trace --state``): AdamW's moments
+# per parameter (state/exp_avg/NAME, state/exp_avg_sq/NAME, the parameter's shape), the loss scale the next step
+# multiplies by (state/loss_scale, float64 (), float16 runs), the counter the next step's random draws are keyed
+# by (state/rng_offset, int64 ()), and a mixture's expert loads (state/expert_load/h.{i}, int64 (E,): the tokens
+# routed to each expert in step s, every micro-batch's, each of a token's K choices counted)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_SCALARS = ("state/loss_scale", "state/rng_offset")
+NEW_IN = {2: tuple(f"step_*/act/h.*.{a}" for a in BLOCK_ACTS),     # patterns of what each version added
+          3: ("step_*/state/*",)}
 # a mixture of experts' router, per MoE layer i, in the order computed (between act/h.{i}.ln_2 and
 # act/h.{i}.mlp): moe/h.{i}.logits (B, T, E) float, moe/h.{i}.experts (B, T, K) int32 (the chosen, best
 # first), moe/h.{i}.weights (B, T, K) float; per step moe/aux_loss and moe/z_loss, float64 () (before their
@@ -157,9 +165,11 @@ def act_names(cfg: dict) -> list:
     return names + ["ln_f"]
 
 
-def step_names(cfg: dict, s: int) -> list:
-    """Every name step ``s`` of a full trace holds, in computation order.
-    A dropout mask comes just before the activation it is applied in."""
+def step_names(cfg: dict, s: int, state: bool = False) -> list:
+    """Every name step ``s`` of a full trace holds, in computation order;
+    with ``state`` the training state too (written on request, ``trace
+    --state``). A dropout mask comes just before the activation it is
+    applied in."""
     g = f"step_{s}/"
     order = [g + "dropout/emb", g + "act/emb"]
     for i in range(cfg["n_layer"]):
@@ -171,14 +181,19 @@ def step_names(cfg: dict, s: int) -> list:
     order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else []) + [g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"]
+    if state:
+        order += [g + f"state/{m}/{n}" for n in forward_param_order(cfg) for m in MOMENTS]
+        order += [g + n for n in STATE_SCALARS]
+        order += [g + f"state/expert_load/h.{i}" for i in range(cfg["n_layer"])] if moe(cfg) else []
     return order + [g + f"param/{n}" for n in forward_param_order(cfg)]
 
 
-def computation_order(cfg: dict, steps: int) -> list:
-    """Every name a trace of ``steps`` steps may hold, in the order the computation makes it."""
+def computation_order(cfg: dict, steps: int, state: bool = False) -> list:
+    """Every name a trace of ``steps`` steps may hold, in the order the
+    computation makes it (with ``state``, the training state too)."""
     order = ["tokens"] + [f"init/{n}" for n in forward_param_order(cfg)]
     for s in range(1, steps + 1):
-        order += step_names(cfg, s)
+        order += step_names(cfg, s, state)
     return order
 
 
@@ -204,7 +219,7 @@ def ordered(names, cfg: dict) -> list:
     names = list(names)
     cfg = _trimmed(cfg, names)
     head = {n: i for i, n in enumerate(["tokens"] + [f"init/{n}" for n in forward_param_order(cfg)])}
-    within = {n.split("/", 1)[1]: i for i, n in enumerate(step_names(cfg, 1))}
+    within = {n.split("/", 1)[1]: i for i, n in enumerate(step_names(cfg, 1, state=True))}
 
     def key(n):
         s = step_of(n)

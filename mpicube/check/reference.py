@@ -107,6 +107,18 @@ class Reference:
         group = self._item(f"step_{s}/dropout")
         return {site: read(group[site], self.path) for site in group}
 
+    @property
+    def has_state(self) -> bool:
+        """Whether the reference holds the training state (``trace --state``):
+        a recorder then records it too (``Recorder.step(optimizer=...)``)."""
+        return "step_1/state" in self.f
+
+    def state(self, s: int, name: str):
+        """A ``step_s/state/`` scalar of the reference (``rng_offset``,
+        ``loss_scale``), None when absent."""
+        key = f"step_{s}/state/{name}"
+        return read(self.f[key], self.path)[()] if key in self.f else None
+
     def close(self) -> None:
         self.f.close()
 

@@ -32,7 +32,9 @@ def _margin(x: float) -> str:
 
 def format_report(result: Result) -> str:
     width = max([len(r.name) for r in result.rows] + [6])
-    verdict = ("the budget decides" if result.verdict == "budget" else "the depth bound decides")
+    verdict = {"budget": "the budget decides", "depth": "the depth bound decides",
+               "envelope": f"the measured envelope decides (bound = k x the envelope's rel fro, "
+                           f"and the scale error within k x its own; docs/trace-format.md)"}[result.verdict]
     lines = [f"A: {result.path_a} ({result.labels[0]})", f"B: {result.path_b} ({result.labels[1]})",
              f"budget: |a - b| <= {result.atol:g} + {result.rtol:g} * max(|a|, |b|); "
              f"depth bound: ||a - b||_F / max(||a||_F, ||b||_F) <= {DEPTH_FACTOR:g} u depth; {verdict}",
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--atol", type=float, default=None)
     ap.add_argument("--allow-missing", action="append", default=[], metavar="GLOB",
                     help="dataset paths (step_*/act/h.*.attn) or @attribute that may be absent from one trace")
-    ap.add_argument("--tolerance", choices=("budget", "depth"), default="budget")
+    ap.add_argument("--tolerance", choices=("budget", "depth", "envelope"), default="budget")
     ap.add_argument("--json", dest="as_json", action="store_true")
     args = ap.parse_args(argv)
     try:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.errors import UserError
+from . import placements
 from .namemaps import NameMap
 from .shards import Shard, Sharded
 from .writer import TraceWriter
@@ -71,6 +72,29 @@ def block(t) -> tuple:
     return to_numpy(t.to_local()), tuple(np.arange(s, s + n) for s, n in zip(start, length)), shape
 
 
+def declared(t, n_axes: int):
+    """Per mesh axis ``P`` where a DTensor is ``Partial`` (a pending sum:
+    its local tensor is one part), None elsewhere - ``Replicate`` and
+    ``Shard(d)`` are inferred from the indices once the name map has put
+    them in the trace's dimensions (placements.infer); None for a plain
+    tensor or a DTensor on another mesh."""
+    kinds = getattr(t, "placements", None)
+    if kinds is None or len(kinds) != n_axes:
+        return None
+    return tuple(placements.PARTIAL if k.is_partial() else None for k in kinds)
+
+
+def mesh_of(params: dict, dist) -> tuple:
+    """(axis names, sizes, this rank's coordinates) of the first DTensor
+    parameter's device mesh; a 1-D ``world`` mesh when none is a DTensor."""
+    for p in params.values():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            names = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
+            return tuple(names), tuple(int(n) for n in mesh.shape), tuple(int(c) for c in mesh.get_coordinate())
+    return ("world",), (dist.get_world_size(),), (dist.get_rank(),)
+
+
 class Recorder:
     """Hooks ``model`` and writes its steps to ``path`` in the trace format,
     under ``name_map``'s names; ``reference`` (a ``Reference``) gives the
@@ -97,6 +121,9 @@ class Recorder:
         if self.rank == 0:
             self.writer = TraceWriter(path, reference.config, reference.optimizer, reference.dtype, layout,
                                       reference.dropout, reference.seed)
+        self.mesh = mesh_of(self.params, self.dist) if self.dist else None      # (axes, sizes, my coords)
+        if self.writer is not None and self.mesh is not None:
+            self.writer.f.attrs["mesh"] = placements.mesh_attr(*self.mesh[:2])
         self.captured, self.grads, self.act_index = {}, None, act_index
         self.hooks = []
         for key, module in (acts or name_map.acts).items():
@@ -122,23 +149,31 @@ class Recorder:
         self.dist.gather_object(mine, everyone, dst=0)
         return everyone
 
-    def _sharded(self, blocks: dict) -> dict:
-        """{name: (block, index, shape)} of every rank -> rank 0's {name: Sharded}, others {}."""
+    def _sharded(self, blocks: dict, tensors: dict = None) -> dict:
+        """{name: (block, index, shape)} of every rank -> rank 0's {name:
+        Sharded}, others {}; each block with its rank's mesh coordinates
+        and the placements ``tensors`` (the torch tensors) declare."""
+        n_axes = len(self.mesh[0])
+        mine = {n: (*b, declared((tensors or {}).get(n), n_axes)) for n, b in blocks.items()}
         out = {}
-        for rank, theirs in enumerate(self._gather(blocks) or []):
-            for name, (data, index, shape) in theirs.items():
-                out.setdefault(name, Sharded(shape, [])).shards.append(Shard(rank, index, data))
+        for rank, (coords, theirs) in enumerate(self._gather((self.mesh[2], mine)) or []):
+            for name, (data, index, shape, decl) in theirs.items():
+                out.setdefault(name, Sharded(shape, [])).shards.append(Shard(rank, index, data, decl, coords))
         return out
+
+    def _placed(self, tensors: dict) -> dict:
+        """Rank 0's Sharded tensors with every block's placement inferred."""
+        return {n: placements.infer(t, self.mesh[1]) if isinstance(t, Sharded) else t for n, t in tensors.items()}
 
     def _mapped(self, tensors: dict, what: str) -> dict:
         """{framework name: tensor} -> {trace name: array, or Sharded under torch.distributed}."""
         if not self.dist:
             return self.map.to_trace({n: to_numpy(t) for n, t in tensors.items()}, what)
-        gathered = self._sharded({n: block(t) for n, t in tensors.items()})
+        gathered = self._sharded({n: block(t) for n, t in tensors.items()}, tensors)
         if self.rank != 0:
             return {}
-        return self.map.shards_to_trace({n: s.shards for n, s in gathered.items()},
-                                        {n: s.shape for n, s in gathered.items()}, what)
+        return self._placed(self.map.shards_to_trace({n: s.shards for n, s in gathered.items()},
+                                                     {n: s.shape for n, s in gathered.items()}, what))
 
     def load_init(self) -> None:
         """Copy the reference's initial parameters into the model (each
@@ -166,7 +201,7 @@ class Recorder:
         self.grads = self._mapped(grads, "gradients")
 
     def step(self, s: int, *, loss, lr, grad_norm, logits=None, masks: dict = None, tokens=None,
-             moe: dict = None) -> None:
+             moe: dict = None, optimizer=None, loss_scale=None, rng_offset=None, expert_load: dict = None) -> None:
         """Write step s: the scalars, the gradients taken by ``gradients``,
         the parameters now (after the update), the activations and
         ``logits`` of the last forward (or this rank's block of them, as a
@@ -178,7 +213,13 @@ class Recorder:
         the loss, the norm, the activations, the logits and the masks are
         every rank's, so replicas that part are found too. ``moe``: a
         mixture of experts' router tensors by their ``moe/`` names (whole
-        tensors, rank 0's: TraceWriter.step)."""
+        tensors, rank 0's: TraceWriter.step). The training state after
+        the update, when given (what ``mpicube trace --state`` writes):
+        ``optimizer`` an AdamW whose ``exp_avg``/``exp_avg_sq`` of every
+        parameter are recorded as the parameters are (zeros for one it
+        has not stepped), ``loss_scale`` (a GradScaler's ``get_scale()``),
+        ``rng_offset`` (the counter your next step's draws start from),
+        ``expert_load`` {``h.{i}``: (E,) tokens routed to each expert}."""
         if self.grads is None:
             raise UserError(f"step {s}: call gradients() after backward, before the optimizer step")
         params = self._mapped(self.params, "model")
@@ -189,16 +230,35 @@ class Recorder:
         if logits is not None:
             forward["logits"] = logits if isinstance(logits, tuple) else block(logits)
         if self.dist:
-            forward = self._sharded(forward)
+            forward = self._placed(self._sharded(forward))
         else:
             forward = {k: v[0] for k, v in forward.items()}
+        state = self._state(optimizer, loss_scale, rng_offset, expert_load)
         if self.writer is not None:
             part = lambda kind: {k[len(kind):]: v for k, v in forward.items() if k.startswith(kind)}  # noqa: E731
             self.writer.step(s, loss=forward.pop("loss"), lr=float(to_numpy(lr)),
                              grad_norm=forward.pop("grad_norm"), grads=self.grads, params=params,
                              logits=forward.pop("logits", None), acts=part("act/"), masks=part("mask/"),
-                             tokens=tokens, moe={k: to_numpy(v) for k, v in (moe or {}).items()})
+                             tokens=tokens, moe={k: to_numpy(v) for k, v in (moe or {}).items()}, state=state)
         self.grads, self.captured = None, {}
+
+    def _state(self, optimizer, loss_scale, rng_offset, expert_load) -> dict:
+        """{state name: value} for TraceWriter.step's ``state`` (every rank
+        takes part in the moments' gather)."""
+        torch = _torch()
+        state = {}
+        if optimizer is not None:
+            for key in ("exp_avg", "exp_avg_sq"):
+                held = {n: optimizer.state.get(p, {}).get(key) for n, p in self.params.items()}
+                state[key] = self._mapped({n: (v if v is not None else torch.zeros_like(self.params[n]))
+                                           for n, v in held.items()}, "optimizer state")
+        if loss_scale is not None:
+            state["loss_scale"] = np.asarray(float(to_numpy(loss_scale)), dtype=np.float64)
+        if rng_offset is not None:
+            state["rng_offset"] = np.asarray(int(to_numpy(rng_offset)), dtype=np.int64)
+        for site, load in (expert_load or {}).items():
+            state[f"expert_load/{site}"] = np.asarray(to_numpy(load), dtype=np.int64)
+        return state
 
     def close(self) -> None:
         self.__exit__(None, None, None)

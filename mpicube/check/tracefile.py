@@ -224,6 +224,21 @@ def read_tensor(dataset, path, rtol: float, atol: float) -> tuple:
     return read_block(dataset, path, ()), ""
 
 
+def reader(obj, path, rtol: float, atol: float) -> tuple:
+    """(read, dtype, problem) of a tensor: ``read(block)`` gives its values
+    at ``block`` (a tuple of slices or of indices, measure.py) - a dataset
+    read from the file one block at a time, a sharded tensor put together
+    once (``read_tensor``: its memory is what its shards store); ``problem``
+    as ``read_tensor``'s, and ``read`` None when its shards store fewer
+    elements than it declares (nothing was put together)."""
+    if is_sharded(obj):
+        values, problem = read_tensor(obj, path, rtol, atol)
+        if values is None:
+            return None, np.dtype(np.float64), problem
+        return (lambda block: values[block]), values.dtype, problem
+    return (lambda block: read_block(obj, path, block)), obj.dtype, ""
+
+
 def read_block(dataset, path, block: tuple) -> np.ndarray:
     """``dataset[block]``; one that cannot be read is bad input naming it."""
     return guarded(dataset, path, lambda: dataset[block])

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from . import shards
-from .names import FORMAT, MASK_SITES, MOE_SCALARS, ROUTER, VERSION, config_of, param_shapes
+from .names import FORMAT, MASK_SITES, MOE_SCALARS, MOMENTS, ROUTER, STATE_SCALARS, VERSION, config_of, param_shapes
 from .shards import Sharded
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -87,14 +87,18 @@ class TraceWriter(StagedFile):
         self._params("init", params)
 
     def step(self, s: int, *, loss, lr, grad_norm, grads: dict, params: dict, acts: dict = None,
-             logits=None, masks: dict = None, tokens=None, moe: dict = None) -> None:
+             logits=None, masks: dict = None, tokens=None, moe: dict = None, state: dict = None) -> None:
         """Step ``s`` (1-based, in order): the scalars, the gradients before
         clipping and the parameters after the update; ``acts`` under their
         ``act/`` names (``emb``, ``h.0``, ..., ``ln_f``), ``masks`` the keep
         masks applied (``emb``, ``h.{i}.attn``, ...; 0/1), ``tokens`` the
         (B, T+1) batch; a mixture of experts' ``moe`` tensors under their
         ``moe/`` names (``h.{i}.logits``, ``h.{i}.experts``, ``h.{i}.weights``,
-        ``aux_loss``, ``z_loss``; names.ROUTER)."""
+        ``aux_loss``, ``z_loss``; names.ROUTER); ``state`` the training
+        state after the update under its ``state/`` names (``exp_avg``
+        and ``exp_avg_sq``: {parameter: moment}, every parameter;
+        ``loss_scale``, ``rng_offset``, ``expert_load/h.{i}``;
+        names.MOMENTS, STATE_SCALARS)."""
         if s != self.steps + 1:
             raise UserError(f"{self.path}: step {s} written after step {self.steps}; steps go 1, 2, ... in order")
         for key in moe or {}:                               # before anything of the step is written
@@ -102,6 +106,11 @@ class TraceWriter(StagedFile):
             if "moe/" + key not in MOE_SCALARS and not (site.startswith("h.") and part in ROUTER):
                 raise UserError(f"{self.path}: moe tensor {key!r} is not one of h.{{i}}.{{{','.join(ROUTER)}}}, "
                                 f"aux_loss, z_loss")
+        state = dict(state or {})
+        for key in state:
+            if key not in MOMENTS and "state/" + key not in STATE_SCALARS and not key.startswith("expert_load/h."):
+                raise UserError(f"{self.path}: state {key!r} is not one of {', '.join(MOMENTS)}, loss_scale, "
+                                f"rng_offset, expert_load/h.{{i}}")
         g = f"step_{s}/"
         for key, value in (("loss", loss), ("lr", lr), ("grad_norm", grad_norm)):
             self.put(g + key, value if isinstance(value, Sharded) else float(value), np.float64)
@@ -120,6 +129,12 @@ class TraceWriter(StagedFile):
                                 f"h.{{i}}.{{{','.join(MASK_SITES)}}}")
             self.put(g + "dropout/" + key, value, np.uint8)
         self._params(g + "grad", grads)
+        for key in MOMENTS:
+            if key in state:
+                self._params(g + "state/" + key, state.pop(key))
+        for key, value in state.items():
+            self.put(g + "state/" + key, value if isinstance(value, Sharded) else np.asarray(value),
+                     np.float64 if key == "loss_scale" else np.int64)
         self._params(g + "param", params)
         if tokens is not None:
             self.tokens.append(np.asarray(tokens, dtype=np.int32))

@@ -160,6 +160,7 @@ def arch_options(f):
     """The model family and Llama's settings (train, bench, trace): each
     Llama option is refused under --arch gpt2 (``core.config.family_fields``)."""
     f = moe_options(f)
+    f = mla_options(f)
     f = click.option("--tie-embeddings", is_flag=True, default=False,
                      help="llama: the LM head is the token embedding (GPT-2's always is)")(f)
     f = click.option("--rms-eps", type=float, default=None, help="llama: RMSNorm epsilon  [default: 1e-6]")(f)
@@ -170,10 +171,12 @@ def arch_options(f):
     f = click.option("--n-kv-head", type=int, default=None,
                      help="llama: key/value heads, dividing --n-head (grouped-query attention)  "
                           "[default: --n-head]")(f)
-    f = click.option("--arch", type=click.Choice(("gpt2", "llama", "mixtral")), default="gpt2", show_default=True,
+    f = click.option("--arch", type=click.Choice(("gpt2", "llama", "mixtral", "deepseek_v3")), default="gpt2",
+                     show_default=True,
                      help="model family: gpt2; llama (RMSNorm, rotary positions, SwiGLU, "
                           "grouped-query attention, untied head, no biases); mixtral: Llama with a mixture of "
-                          "experts (--n-experts 8 --top-k 2 unless given); with --init-from or --resume: "
+                          "experts (--n-experts 8 --top-k 2 unless given); deepseek_v3: Llama with multi-head "
+                          "latent attention (dense MLP on every layer so far); with --init-from or --resume: "
                           "the file's family")(f)
     return f
 
@@ -227,9 +230,26 @@ def deepseek_moe_options(f):
     return f
 
 
+def mla_options(f):
+    """deepseek_v3's multi-head latent attention (ops/mla.py)."""
+    f = click.option("--rope-interleave/--no-rope-interleave", default=None,
+                     help="deepseek_v3: the rotary columns come in interleaved pairs, as DeepSeek's "
+                          "checkpoints  [default: interleaved]")(f)
+    f = click.option("--v-head-dim", type=int, default=None, help="deepseek_v3: value width of a head  [default: 16]")(f)
+    f = click.option("--qk-nope-head-dim", type=int, default=None,
+                     help="deepseek_v3: non-rotary query/key width of a head  [default: 16]")(f)
+    f = click.option("--qk-rope-head-dim", type=int, default=None,
+                     help="deepseek_v3: rotary key width, shared by every head  [default: 8]")(f)
+    f = click.option("--kv-lora-rank", type=int, default=None, help="deepseek_v3: the kv latent's rank  [default: 32]")(f)
+    f = click.option("--q-lora-rank", type=int, default=None,
+                     help="deepseek_v3: the q latent's rank, 0: no q compression  [default: 0]")(f)
+    return f
+
+
+MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
                ) + DEEPSEEK_OPTIONS
-ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings") + MOE_OPTIONS
+ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings") + MOE_OPTIONS + MLA_OPTIONS
 
 
 def layout_options(f):

@@ -13,8 +13,7 @@ import click
 from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
                      device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
                      model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched,
-                     zero_option, info_step_options)
-from .common import ep_option, fp8_recipe_options
+                     zero_option, info_step_options, ep_option, fp8_recipe_options)
 from ..core.errors import UserError
 
 
@@ -82,6 +81,10 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     w = Widths.of(dtype)
     family_line = (f"Llama ({cfg.kv_heads} kv heads, SwiGLU {cfg.ffn}, {'tied' if cfg.tied else 'untied'} head)"
                    if cfg.llama else "GPT-2")
+    if cfg.mla:
+        family_line = (f"DeepSeek-V3 (latent attention: q rank {cfg.q_lora_rank or 'none'}, kv rank {cfg.kv_lora_rank}, "
+                       f"rope {cfg.qk_rope_head_dim}, nope {cfg.qk_nope_head_dim}, v {cfg.v_head_dim}; dense SwiGLU "
+                       f"{cfg.ffn}, {'tied' if cfg.tied else 'untied'} head)")
     if cfg.moe:
         family_line += f" with a mixture of {cfg.n_experts} experts, top {cfg.top_k}"
     echo(f"model: {family_line}, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
@@ -92,6 +95,9 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     echo(f"memory: {_mib(n * w.grad + working)} of parameters in {dtype}"
          + (f" (float32 master + {dtype} working copy)" if working else "")
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
+    if (layout is not None or world_size is not None) and cfg.mla:
+        raise UserError("info --arch deepseek_v3 gives the model's size only: the cost model does not price "
+                        "multi-head latent attention yet (drop --layout and -n)")
     if layout is not None or world_size is not None:
         from ..analysis.costreport import fp8_report, memory_options, report, summary, zero_options
         from ..parallel.gridspec import Plan
@@ -415,9 +421,10 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
 @click.option("--allow-missing", "allow_missing", multiple=True, metavar="GLOB",
               help="dataset paths that may be absent from one trace (shell pattern, e.g. 'step_*/act/h.*.attn'; "
                    "'@dtype' for a root attribute); repeatable")
-@click.option("--tolerance", "verdict", type=click.Choice(["budget", "depth"]), default="budget", show_default=True,
-              help="what decides: the per-dtype budget (--rtol/--atol) or the depth-aware bound "
-                   "(relative Frobenius error <= 16 u depth); both are printed")
+@click.option("--tolerance", "verdict", type=click.Choice(["budget", "depth", "envelope"]), default="budget",
+              show_default=True, help="what decides: the per-dtype budget (--rtol/--atol), the depth-aware bound "
+              "(relative Frobenius error <= 16 u depth), or the envelope measured by trace --envelope (k = 4 "
+              "times each tensor's spread over reruns); budget and depth bound are printed")
 @click.option("--json", "as_json", is_flag=True,
               help='end stdout with {"first_divergence": NAME or null, "max_rel": ..., "tensors": N}')
 def compare(trace_a, trace_b, rtol, atol, allow_missing, verdict, as_json):

@@ -15,7 +15,8 @@ from ..core.config import DEEPSEEK_OPTIONS
 TRAIN_SECTIONS = (
     ("Model", ("arch", "n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "n_kv_head", "ffn_hidden",
                "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k", "no_norm_topk", "capacity_factor",
-               "router_aux_loss_coef", "router_z_loss_coef") + DEEPSEEK_OPTIONS + ("dropout",)),
+               "router_aux_loss_coef", "router_z_loss_coef") + DEEPSEEK_OPTIONS + ("q_lora_rank", "kv_lora_rank",
+               "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave", "dropout")),
     ("Parallelism", ("layout", "dp", "depth", "ep", "pp", "pp_schedule", "virtual_stages", "cp",
                      "cp_kind", "ulysses", "sequence_parallel", "zero", "hsdp", "recompute")),
     ("Optimisation", ("batch_size", "grad_accum", "steps", "lr", "warmup", "weight_decay", "grad_clip",
@@ -23,7 +24,9 @@ TRAIN_SECTIONS = (
     ("Data and checkpoints", ("config", "data", "val_data", "out", "init_from", "resume", "ckpt_every", "keep",
                               "stop_after", "time_limit", "force_unlock", "eval_every", "eval_batches",
                               "max_bytes", "sharded")),
-    ("Numerics", ("dtype", "device", "tf32", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff")),
+    ("Numerics", ("dtype", "device", "tf32", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
+                  "fp8", "fp8_grad_format", "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block",
+                  "fp8_pow2")),
     ("Diagnostics", ("log_every", "profile", "collective_timeout", "help")),
 )
 

@@ -214,7 +214,8 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hs
                        "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
                        "rope_theta", "rms_eps", "tie_embeddings", "ep", "n_experts", "top_k", "no_norm_topk",
                        "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "fp8", "fp8_grad_format",
-                       "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block", "fp8_pow2"
+                       "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block", "fp8_pow2", "q_lora_rank",
+                       "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"
                        ) + DEEPSEEK_OPTIONS
 
 
@@ -226,7 +227,19 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hs
               help="refuse a trace larger than this (bytes, or a number with K, M or G)")
 @click.option("--sharded", is_flag=True, default=False,
               help="write each rank's block of every tensor with its global index, replicas included, instead of "
-                   "the assembled tensors; compare puts them together and checks that replicas agree")
+                   "the assembled tensors, with each block's placement on the mesh (pp, dp, cp, tp); compare puts "
+                   "them together, sums pending sums and checks that replicas agree")
+@click.option("--state", is_flag=True, default=False,
+              help="also write per step the training state after the update: AdamW's moments, the loss scale, "
+                   "the RNG offset and a mixture's expert loads")
+@click.option("--envelope", type=click.IntRange(min=0), default=0, metavar="N",
+              help="on one rank: write the float64 reference with per-tensor tolerances measured from N reruns at "
+                   "--dtype with the reduction orders varied (--grad-accum, attention), for compare --tolerance "
+                   "envelope")
+@click.option("--suite", type=click.Choice(["edge"]), default=None,
+              help="write the reference traces of the configurations that have broken frameworks (ragged "
+                   "batches, an indivisible vocabulary, idle experts, tp x cp, ragged pipelines) into the folder "
+                   "--out, on one rank")
 def trace_command(**kwargs):
     """Run N training steps and write every tensor of them to a trace.
 
@@ -235,12 +248,22 @@ def trace_command(**kwargs):
     tensors: the batches, the initial parameters and, per step, the
     activations inside and after each block, a mixture's router logits,
     chosen experts and weights, logits, loss, gradients (every expert's),
-    updated parameters and dropout masks (format mpicube-trace v2,
+    updated parameters and dropout masks (format mpicube-trace v3,
     docs/trace-format.md). Check it against
     another trace with `mpicube compare`.
     """
     from ..analysis.trace import run_trace
 
+    if kwargs.get("suite"):
+        from ..analysis.suite import run_suite
+
+        run_suite({**kwargs, **env_settings()}, _mpi["world"], say=echo)
+        return
+    if kwargs.get("envelope"):
+        from ..analysis.envelope import run_envelope
+
+        run_envelope({**kwargs, **env_settings()}, _mpi["world"], say=echo)
+        return
     run_trace({**kwargs, **env_settings()}, _mpi["world"], say=echo)
 
 

@@ -8,7 +8,8 @@ from typing import Optional
 
 from .errors import ConfigError
 
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "deepseek_v3")
+LLAMA_LIKE = ("llama", "deepseek_v3")    # RMSNorm, rotary positions, SwiGLU, no biases, untied head
 SIZES = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")   # every architecture's, always stored
 
 
@@ -47,6 +48,7 @@ def float_problem(field: str, value) -> str | None:
     return f"must be a finite number in {span}, got {shown}"
 
 
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 MOE_FIELDS = ("n_experts", "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 MIXTRAL = {"n_experts": 8, "top_k": 2}         # --arch mixtral: Llama with Mixtral's MoE defaults
 # DeepSeekMoE's options of the mixture (docs/moe.md, "DeepSeekMoE"): stored only where they differ from
@@ -62,13 +64,32 @@ SIGMOID_ONLY = ("n_groups", "topk_groups", "routed_scaling_factor", "bias_update
 
 
 def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None, rms_eps=None,
-                  tie_embeddings=False, **moe) -> dict:
+                  tie_embeddings=False, q_lora_rank=None, kv_lora_rank=None, qk_rope_head_dim=None,
+                  qk_nope_head_dim=None, v_head_dim=None, rope_interleave=None, **moe) -> dict:
     """ModelConfig's keyword arguments for the command line's family options
     (None: not given), or a ConfigError (exit 2) naming an option that does
     not apply to the family or is not positive. ``moe``: the mixture of
     experts' options (``MOE_FIELDS``; ``--arch mixtral`` is llama with
     ``MIXTRAL``'s defaults), checked by ``moe_fields``."""
     given = dict(n_kv_head=n_kv_head, ffn_hidden=ffn_hidden, rope_theta=rope_theta, rms_eps=rms_eps)
+    mla = dict(q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+               qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, rope_interleave=rope_interleave)
+    if arch != "deepseek_v3" and (stray := [k for k, v in mla.items() if v is not None]):
+        raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch deepseek_v3 only, not {arch}")
+    if arch == "deepseek_v3":
+        if n_kv_head is not None:
+            raise ConfigError("--n-kv-head does not apply to --arch deepseek_v3 (its heads share one latent)")
+        stray = [k for k, v in moe.items() if v not in (None, False)]
+        if stray:
+            raise ConfigError(f"--{stray[0].replace('_', '-')}: --arch deepseek_v3's experts are not built yet "
+                              f"(every layer has a dense SwiGLU MLP)")
+        for key, value in given.items():
+            if key in FLOAT_RANGES and value is not None and (why := float_problem(key, value)):
+                raise ConfigError(f"--{key.replace('_', '-')} {why}")
+            if value is not None and not value > 0:
+                raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {value}")
+        return {"arch": "deepseek_v3", "tie_embeddings": bool(tie_embeddings),
+                **{k: v for k, v in given.items() if v is not None}, **mla_fields(**mla)}
     if arch not in ("llama", "mixtral"):
         stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
         stray += [k for k, v in moe.items() if v not in (None, False)]
@@ -82,6 +103,26 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {value}")
     return {"arch": "llama", "tie_embeddings": bool(tie_embeddings), **{k: v for k, v in given.items() if v is not None},
             **moe_fields(arch == "mixtral", **moe)}
+
+
+MLA_DEFAULTS = {"q_lora_rank": 0, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                "v_head_dim": 16, "rope_interleave": True}     # --arch deepseek_v3's, for a small model
+
+
+def mla_fields(**given) -> dict:
+    """ModelConfig's multi-head latent attention fields from the command
+    line's options (None: ``MLA_DEFAULTS``), or a ConfigError naming the
+    option: ranks and head sizes positive (the q rank may be 0: no q
+    compression), the rotary size even."""
+    out = {k: (MLA_DEFAULTS[k] if given.get(k) is None else given[k]) for k in MLA_FIELDS}
+    for key in MLA_FIELDS[:5]:
+        value, low = out[key], 0 if key == "q_lora_rank" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_DIM:
+            raise ConfigError(f"--{key.replace('_', '-')} must be an integer of at least {low}, got {value!r}")
+    if out["qk_rope_head_dim"] % 2:
+        raise ConfigError(f"--qk-rope-head-dim must be even (rotary pairs), got {out['qk_rope_head_dim']}")
+    out["rope_interleave"] = bool(out["rope_interleave"])
+    return out
 
 
 def moe_fields(mixtral=False, n_experts=None, top_k=None, no_norm_topk=False, capacity_factor=None,
@@ -270,6 +311,12 @@ class ModelConfig:
     bias_update_rate: float = 0.0       # aux-loss-free balancing: bias += rate sign(mean load - load) a step
     bias_update: str = "plain"          # plain (the report's) or centred (torchtitan's, zero-mean update)
     seq_aux_loss_coef: float = 0.0      # the sequence-wise auxiliary loss's weight (sigmoid router)
+    q_lora_rank: int = 0                # deepseek_v3's multi-head latent attention (ops/mla.py): 0, no q latent
+    kv_lora_rank: int = 0               # the kv latent's rank
+    qk_rope_head_dim: int = 0           # the rotary key part shared by every head
+    qk_nope_head_dim: int = 0           # each head's non-rotary query/key part
+    v_head_dim: int = 0                 # each head's value width
+    rope_interleave: bool = True        # the rotary columns in interleaved pairs (DeepSeek's checkpoints)
 
     @property
     def moe(self) -> bool:
@@ -291,7 +338,13 @@ class ModelConfig:
 
     @property
     def llama(self) -> bool:
-        return self.arch == "llama"
+        """Llama-like: RMSNorm, rotary positions, SwiGLU, no biases, an untied head (llama, deepseek_v3)."""
+        return self.arch in LLAMA_LIKE
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (deepseek_v3)."""
+        return self.arch == "deepseek_v3"
 
     @property
     def kv_heads(self) -> int:
@@ -331,6 +384,9 @@ class ModelConfig:
         for key, default in DEEPSEEK_MOE.items():   # a Mixtral stores as before DeepSeek's options existed
             if not self.moe or d[key] == default:
                 d.pop(key)
+        if not self.mla:                 # a Llama stores as before the MLA fields existed
+            for key in MLA_FIELDS:
+                d.pop(key)
         return d
 
     @classmethod
@@ -350,7 +406,7 @@ class ModelConfig:
         arch = d.get("arch", "gpt2")
         if arch not in ARCHS:
             raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-        if arch == "llama":
+        if arch in LLAMA_LIKE:
             for name, kind in (("n_kv_head", int), ("ffn_hidden", int), ("rope_theta", float), ("rms_eps", float),
                                ("tie_embeddings", bool)):
                 value = d.get(name)
@@ -364,7 +420,14 @@ class ModelConfig:
                                      f"got {value!r}")
                 values[name] = value
             if d.get("rope_scaling") is not None:
+                if arch == "deepseek_v3":
+                    raise ValueError("rope_scaling of a deepseek_v3 model (YaRN) is not stored in checkpoints yet")
                 values["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
+            if arch == "deepseek_v3":
+                try:
+                    values.update(mla_fields(**{k: d.get(k) for k in MLA_FIELDS}))
+                except ConfigError as exc:
+                    raise ValueError(str(exc).replace("--", "").replace("-", "_")) from None
             values["arch"] = arch
             if d.get("n_experts"):
                 values.update(_moe_from_dict(d))
@@ -373,6 +436,13 @@ class ModelConfig:
     def n_params(self) -> int:
         """Logical parameter count (tied head counted once)."""
         h, L = self.n_embd, self.n_layer
+        if self.mla:       # the latent projections and their norms, c_proj, two norms, a SwiGLU MLP
+            nh, qk, rq, rkv = self.n_head, self.qk_nope_head_dim + self.qk_rope_head_dim, self.q_lora_rank, \
+                self.kv_lora_rank
+            q = (h * rq + rq + rq * nh * qk) if rq else h * nh * qk
+            kv = h * (rkv + self.qk_rope_head_dim) + rkv + rkv * nh * (self.qk_nope_head_dim + self.v_head_dim)
+            per_layer = 2 * h + q + kv + nh * self.v_head_dim * h + 3 * h * self.ffn
+            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + h
         if self.llama:     # no biases, no position table; two RMSNorm weights per layer, three MLP matrices
             kv = self.kv_heads * self.head_dim
             dense = 3 * h * self.ffn                                                 # a dense block's MLP

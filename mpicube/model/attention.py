@@ -3,8 +3,9 @@ attention core between them, the row-parallel c_proj (``SelfAttention``),
 and GPT-2's core (``PlainAttention``). A family picks the core (Llama's is
 ``rotary.RotaryAttention``) and whether the linears have biases; a family
 whose attention is shaped otherwise (latent projections, say) supplies
-its own module with the same four calls: ``forward(h, ctx)``,
-``backward(dy, saved)``, ``decode(h, cache, pos)`` and ``n_local_kv``.
+its own module with the same calls: ``forward(h, ctx)``,
+``backward(dy, saved)``, ``new_cache(xp, positions, dtype)``,
+``decode(h, cache, pos)`` and ``n_local_kv``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class SelfAttention:
         self.core, self.dropout, self.site = core, dropout, site
         self.n_local_heads, self.n_local_kv = core.n_local_heads, core.n_local_kv   # GQA: fewer kv heads
         self.full_masks = attention is ops                  # the T x T op takes whole masks, the others blocks
+        self.n_seqs, self.head_dim = len(layout.mid_seqs), layout.cfg.head_dim
 
     def forward(self, h, ctx: Micro):
         """h (B_c, T, C_c) -> (y (B_c, T, C_c), AttentionTape)."""
@@ -80,6 +82,10 @@ class SelfAttention:
         da = self.c_proj.backward(dy, saved.c_proj)
         dqkv = self.core.attention_backward(da, saved.core)
         return self.c_attn.backward(dqkv, saved.c_attn)
+
+    def new_cache(self, xp, positions: int, dtype):
+        """An empty key/value cache of this rank's sequences and kv heads over ``positions`` positions."""
+        return kvcache.KVCache(xp, self.n_seqs, self.n_local_kv, positions, self.head_dim, dtype)
 
     def decode(self, h, cache, pos: int):
         """Inference on positions pos .. pos+t-1 with a key/value cache

@@ -77,6 +77,11 @@ class Block:
         dy = dx if saved.keep_resid_attn is None else dx * saved.keep_resid_attn
         return dx + self.ln_1.backward(self.attn.backward(dy, saved.attn), saved.ln_1)
 
+    def new_cache(self, xp, positions: int, dtype):
+        """An empty generation cache of ``positions`` positions for this
+        block's attention branch (its own kind: keys and values, or MLA's latent)."""
+        return self.attn.new_cache(xp, positions, dtype)
+
     def decode(self, x, cache, pos: int):
         """Inference on positions pos .. pos+t-1 with a key/value cache
         (mpicube.model.kvcache), no dropout: x (B_c, t, C_c) -> (B_c, t, C_c)."""
@@ -107,6 +112,9 @@ class Recomputed:
         if self.probe is not None:
             self.probe(rebuilt)
         return self.block.backward(dx, rebuilt)
+
+    def new_cache(self, xp, positions: int, dtype):
+        return self.block.new_cache(xp, positions, dtype)
 
     def decode(self, x, cache, pos: int):
         return self.block.decode(x, cache, pos)

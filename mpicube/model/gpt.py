@@ -206,8 +206,7 @@ class GPT:
         2**26 positions would take gigabytes to write two tokens."""
         cfg, layout = self.cfg, self.layout
         n = cfg.n_ctx if positions is None else min(int(positions), cfg.n_ctx)
-        return [kvcache.KVCache(self.xp, len(layout.mid_seqs), block.n_local_kv, n, cfg.head_dim,
-                                self.layout.backend.dtype) for block in self.blocks]
+        return [block.new_cache(self.xp, n, self.layout.backend.dtype) for block in self.blocks]
 
     def decode(self, idx, pos: int, caches: list):
         """Logits of positions pos .. pos+t-1 given their tokens idx (B_dp, t)

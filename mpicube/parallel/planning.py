@@ -145,6 +145,29 @@ def check_moe(plan: Plan, cfg: ModelConfig, tp: int, name: str = "serial") -> No
                           + f"): use --ep {' or '.join(map(str, fits))}")
 
 
+LATENT_LAYOUTS = ("serial", "1d", "2d", "2.5d", "3d")      # where --arch deepseek_v3's latent attention runs so far
+
+
+def check_latent(plan: Plan, cfg: ModelConfig, tp: int, name: str) -> None:
+    """Multi-head latent attention (--arch deepseek_v3) runs on every
+    layout (heads split as each splits them; on 2-D, 2.5-D and 3-D the
+    latents split as the hidden size, so their ranks must divide), with
+    dp, pp, cp, zero and 1-D's --sequence-parallel."""
+    if not cfg.mla:
+        return
+    if tp > 1 and name not in LATENT_LAYOUTS:
+        raise ConfigError(f"--arch deepseek_v3 runs on layouts {', '.join(LATENT_LAYOUTS)} (with --dp, --pp, "
+                          f"--cp, --zero) so far, not {name}: use --layout 1d, 2d or 2.5d")
+    if name in ("2d", "2.5d", "3d") and tp > 1:     # the latents split as the hidden size: q ways (3-D's weights q^2)
+        q = math.isqrt(tp // plan.depth) if name != "3d" else round(tp ** (1 / 3))
+        split = q * q if name == "3d" else q
+        for option, rank in (("--kv-lora-rank", cfg.kv_lora_rank), ("--q-lora-rank", cfg.q_lora_rank)):
+            if rank % split:
+                raise ConfigError(f"{option} {rank} must be divisible by {split} on layout {name} "
+                                  f"(a latent is split as the hidden size is): use {option} "
+                                  f"{nearest_multiples(rank, split)}")
+
+
 def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, *, seq_len: Optional[int] = None,
             saved: Optional[int] = None, at_least: int = DEFAULT_MIN_BATCH) -> Resolved:
     """The single validation of a run: ``plan`` (a Plan or a layout name)
@@ -162,6 +185,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     run_cfg = cfg if seq_len is None else replace(cfg, n_ctx=seq_len)    # what the T-dependent sizes see
     cls, name, tp, note = _check_choices(plan, run_cfg, world_size)
     check_moe(plan, cfg, tp, name)
+    check_latent(plan, cfg, tp, name)
     kept, why = False, None
     if batch_size is None:
         batch_size, kept, why = _choose_batch(plan, cls, name, run_cfg, tp, saved, at_least)

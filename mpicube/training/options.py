@@ -19,6 +19,7 @@ from .parts import Numerics
 from . import muon
 from .fp8_options import fp8_recipe
 
+MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 FP8_OPTIONS = ("fp8", "fp8_grad_format", "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block",
                "fp8_pow2")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
@@ -66,6 +67,12 @@ class TrainOptions:
     bias_update_rate: Optional[float] = None
     bias_update: Optional[str] = None
     seq_aux_loss_coef: Optional[float] = None
+    q_lora_rank: Optional[int] = None        # deepseek_v3's multi-head latent attention; None = its default
+    kv_lora_rank: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    rope_interleave: Optional[bool] = None
     seq_len: int = 64
     vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
     batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits
@@ -129,6 +136,9 @@ class TrainOptions:
         for key in DEEPSEEK_OPTIONS:                               # stored as before DeepSeek's options existed
             if d.get(key, 0) is None:
                 d.pop(key)
+        if self.arch != "deepseek_v3":                               # stored as before the MLA options existed
+            for key in MLA_OPTIONS:
+                d.pop(key)
         if self.fp8 is None:                                        # stored as before --fp8 existed
             for key in FP8_OPTIONS:
                 d.pop(key)
@@ -145,7 +155,7 @@ class TrainOptions:
         """``family_fields``' keyword arguments from these options."""
         return dict(arch=self.arch, n_kv_head=self.n_kv_head, ffn_hidden=self.ffn_hidden, rope_theta=self.rope_theta,
                     rms_eps=self.rms_eps, tie_embeddings=self.tie_embeddings,
-                    **{k: getattr(self, k) for k in MOE_OPTIONS})
+                    **{k: getattr(self, k) for k in MOE_OPTIONS + MLA_OPTIONS})
 
     @property
     def plan(self) -> Plan:

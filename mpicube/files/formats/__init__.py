@@ -70,12 +70,14 @@ def open_model(path, verify: bool = True) -> ModelFile:
     read data (checkpoint checksums, an HF head tied to wte); one rank
     does them, the others open with ``verify=False``."""
     from .. import checkpoint
-    from . import hf, hf_llama, hf_mixtral, llmc, native
+    from . import hf, hf_deepseek_model, hf_llama, hf_mixtral, llmc, native
 
     kind = detect(path)
     if kind == "hf":
         p = Path(path)
         p = p if p.is_dir() else p.parent
+        if hf_deepseek_model.is_deepseek_dir(p):   # before Mixtral's, which its shared experts would match
+            return hf_deepseek_model.DeepseekHFModel(p, check_head=verify)
         if hf_mixtral.is_mixtral_dir(p):
             return hf_mixtral.MixtralHFModel(p, check_head=verify)
         if hf_llama.is_llama_dir(p):              # config.json's model_type says which reader

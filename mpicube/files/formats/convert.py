@@ -30,7 +30,7 @@ def _check_destination(dst: Path, to: str) -> None:
 def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
     """Convert ``src`` (any format) to ``dst`` in format ``to``; returns a
     summary: source description, what was written, notes."""
-    from . import hf, hf_llama, hf_mixtral, llmc
+    from . import hf, hf_deepseek_model, hf_llama, hf_mixtral, llmc
 
     dst = Path(dst)
     if to not in ("mpicube", "hf", "llmc"):
@@ -54,7 +54,8 @@ def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
         notes.append(f"note: MixtralForCausalLM computes every routed token: the capacity factor "
                      f"{cfg.capacity_factor:g} is not in config.json")
     if to == "hf":
-        writer = hf_mixtral.write if cfg.moe else hf_llama.write if cfg.llama else hf.write
+        writer = hf_deepseek_model.write if cfg.mla else hf_mixtral.write if cfg.moe else \
+            hf_llama.write if cfg.llama else hf.write
         written = writer(dst, tensors, cfg, max_shard_bytes=max_shard_bytes)
     elif to == "llmc":
         written = [llmc.write(dst, tensors, cfg)]

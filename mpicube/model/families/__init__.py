@@ -11,16 +11,19 @@ from __future__ import annotations
 
 from ...core.config import ModelConfig
 from .base import Family
+from .deepseek_v3 import DeepseekV3
 from .gpt2 import GPT2
 from .llama import Llama
 from .mixtral import Mixtral
 
-__all__ = ["Family", "GPT2", "Llama", "Mixtral", "family_of"]
+__all__ = ["DeepseekV3", "Family", "GPT2", "Llama", "Mixtral", "family_of"]
 
 
 def family_of(cfg: ModelConfig) -> Family:
     """The family of ``cfg``: its ``arch``, and for a Llama with experts
-    (``--arch mixtral``, or --n-experts) Mixtral."""
+    (``--arch mixtral``, or --n-experts) Mixtral; deepseek_v3 its own."""
+    if cfg.arch == "deepseek_v3":
+        return DeepseekV3()
     if cfg.arch == "llama":
         return Mixtral() if cfg.moe else Llama()
     return GPT2()

@@ -141,6 +141,8 @@ class Layout:
     token_comm = None               # Comm of the tp ranks holding the replica's other sequences at these hidden
                                     # columns, ranked in sequence order (2-D, 2.5-D, 3-D), or None
     sequence_comm = None            # Comm splitting the canonical sequence (1-D --sequence-parallel), or None
+    head_comm = None                # Comm of the ranks holding the same rows and the other heads (1-D: tp), or
+                                    # None: what a gradient shared by every head (MLA's k_pe) is summed over
 
     @classmethod
     def head_coords(cls, tp: int, depth: int, rank: int) -> tuple:
@@ -258,6 +260,36 @@ class Layout:
         bias): whole query heads with their kv heads (params.split_decl)."""
         split, block = self.head_split
         return split_decl(decl, split, block), shared_columns(decl, split, block, self.kv_comm)
+
+    def canonical_block(self, n: int):
+        """(n_c,) the columns of an n-wide canonical activation this rank
+        holds, split as the hidden size is (``canonical_cols``, over
+        ``hidden_comm``): all n where the canonical form holds every
+        column (serial, 1-D). MLA's latents come out of a REPLICATED
+        linear whole; a COLUMN up-projection takes this block of them."""
+        return np.arange(n)
+
+    def shared_key(self, k):
+        """k (B_c, T_c, w), a per-token tensor every head reads (MLA's rotary
+        key k_pe), on the canonical rows -> (B_m, T, w) on the rows this
+        rank's heads attend over: as it is, or all-gathered along the
+        sequence under 1-D's --sequence-parallel (3-D moves rows: cube.py)."""
+        if self.sequence_comm is not None:
+            return self.sequence_comm.allgather(self.backend.xp.ascontiguousarray(k), axis=1)
+        return k
+
+    def shared_key_backward(self, dk):
+        """dk (B_m, T, w), summed over this rank's heads only -> (B_c, T_c, w),
+        summed over every head, on every rank holding those canonical rows:
+        all-reduced over ``head_comm`` (the ranks holding the same rows and
+        the other heads), or reduce-scattered along the sequence under
+        --sequence-parallel (the same sum, each rank keeping its positions)."""
+        dk = self.backend.xp.ascontiguousarray(dk)
+        if self.sequence_comm is not None:
+            return self.sequence_comm.reduce_scatter(dk, axis=1)
+        if self.head_comm is not None:
+            return self.head_comm.allreduce(dk)
+        return dk
 
     def seq_positions(self, T: int):
         """(T_c,) global positions of the canonical rows of a T-long

@@ -93,6 +93,29 @@ class CubeLayout(Layout):
         self.canonical_cols = split_index(cfg.n_embd, q, k)
         self.place_heads(depth)                          # heads split over j
 
+    def canonical_block(self, n):
+        return split_index(n, self.q, self.k)
+
+    def shared_key(self, k):
+        """``Layout.shared_key``: the heads of rank (i, j, k) attend over the
+        intermediate rows i q + k, held in canonical form by the ranks
+        (i, k, *): gathered over j (ranks (i, *, k), the plane's row blocks
+        in order), block k kept."""
+        rows = k.shape[0]
+        every = self.cj.allgather(self.backend.xp.ascontiguousarray(k), axis=0)   # (q B_c, T, w) rows i q + 0..q-1
+        return every[self.k * rows:(self.k + 1) * rows]                            # (B_m, T, w) rows i q + k
+
+    def shared_key_backward(self, dk):
+        """The adjoint of ``shared_key`` with the sum over heads: dk into
+        slot k of the plane's row blocks, reduce-scattered over j (the
+        ranks (i, *, k) of the same rows and the other heads): rank
+        (i, j, j) receives rows i q + j summed over every head, the others
+        zero; all-reduced over k, every rank holding rows i q + j has them."""
+        xp, rows = self.backend.xp, dk.shape[0]
+        slots = xp.zeros((self.q * rows,) + tuple(dk.shape[1:]), dtype=dk.dtype)   # (q B_m, T, w)
+        slots[self.k * rows:(self.k + 1) * rows] = dk
+        return self.ck.allreduce(self.cj.reduce_scatter(slots, axis=0))           # (B_c, T, w)
+
     def shard(self, decl: ParamDecl) -> ParamSpec:
         q, i, j, k, shape = self.q, self.i, self.j, self.k, decl.shape
         on_ij = dict(grad_comm=self.ij, replicas=q * q, writer=(i == 0 and j == 0))

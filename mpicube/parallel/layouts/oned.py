@@ -73,6 +73,7 @@ class OneDLayout(Layout):
         self.p, self.t = p, t
         self.sequence_parallel = sequence_parallel and p > 1
         self.sequence_comm = axes.tp if self.sequence_parallel else None
+        self.head_comm = axes.tp if p > 1 else None        # every rank the same rows, its own heads
         self.row_shard = RowShard(axes.tp)
         self.vocab_padded = self.pad_to(cfg.vocab_size, p)
         self.canonical_seqs = np.arange(self.local_batch)

@@ -83,12 +83,16 @@ class TesseractLayout(Layout):
         self.depth = tp.split("depth", r * q + c, l)            # varies l
         self.col_depth = tp.split("col_depth", c, l * q + r)    # varies r, l
         self.hidden_comm = self.row
+        self.head_comm = self.row                               # the same rows (mid = canonical), other heads
         self.token_comm = self.col_depth                        # ranked l q + r: the canonical sequence blocks
         self.vocab_padded = self.pad_to(cfg.vocab_size, q)
         self.canonical_seqs = split_index(self.local_batch, depth * q, l * q + r)
         self.mid_seqs = self.canonical_seqs
         self.canonical_cols = split_index(cfg.n_embd, q, c)
         self.place_heads(depth)                         # heads split over the grid's columns c
+
+    def canonical_block(self, n):
+        return split_index(n, self.q, self.c)
 
     def shard(self, decl: ParamDecl) -> ParamSpec:
         q, r, c, shape = self.q, self.r, self.c, decl.shape

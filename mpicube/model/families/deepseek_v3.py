@@ -1,0 +1,96 @@
+"""DeepSeek-V3: Llama's skeleton (RMSNorm, SwiGLU, no biases, an untied
+head) with multi-head latent attention (``latent_attention.LatentAttention``,
+``ops.mla``). Parameters under the names ``files.formats.hf_deepseek``
+maps to Hugging Face's DeepseekV3, with their linear kinds: q_down and
+kv_down REPLICATED (small low-rank projections every tp rank holds whole),
+q_up / q_proj and kv_up COLUMN by heads (each head's columns contiguous),
+c_proj ROW.
+
+The MLP is the dense SwiGLU on every layer for now (HF's
+``first_k_dense_replace`` = ``num_hidden_layers``); ``mlp`` and
+``mlp_params`` / ``mlp_names`` are the hook where DeepSeekMoE (routed
+and shared experts) plugs in, as Mixtral's mixture does in Llama's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...core.config import ModelConfig
+from ...core.errors import ConfigError
+from ...parallel.layouts.modules import RMSNorm
+from ...parallel.params import ParamDecl
+from ..latent_attention import LatentAttention
+from .llama import Llama
+
+
+def attention_names(cfg: ModelConfig) -> tuple:
+    """Block i's attention suffixes (after ``h.{i}.``), in hf_deepseek's order."""
+    q = ("attn.q_down.weight", "attn.q_norm.weight", "attn.q_up.weight") if cfg.q_lora_rank else \
+        ("attn.q_proj.weight",)
+    return ("ln_1.weight",) + q + ("attn.kv_down.weight", "attn.kv_norm.weight", "attn.kv_up.weight",
+                                   "attn.c_proj.weight", "ln_2.weight")
+
+
+class DeepseekV3(Llama):
+    name = "deepseek_v3"
+    hf_map = ""                 # no trace-checker name map for HF DeepseekV3 yet
+
+    def check(self, cfg):
+        if cfg.v_head_dim > cfg.qk_nope_head_dim + cfg.qk_rope_head_dim:
+            raise ConfigError(f"--v-head-dim {cfg.v_head_dim} must be at most --qk-nope-head-dim + "
+                              f"--qk-rope-head-dim {cfg.qk_nope_head_dim + cfg.qk_rope_head_dim}")
+
+    def param_names(self, cfg):
+        yield "wte"
+        for i in range(cfg.n_layer):
+            for suffix in attention_names(cfg) + tuple(self.mlp_names(cfg, i)):
+                yield f"h.{i}.{suffix}"
+        yield "ln_f.weight"
+        if not cfg.tied:
+            yield "lm_head"
+
+    def attention_params(self, cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
+        """Block i's MLA projections and latent norms (ops/mla.py's shapes)."""
+        h, nh, p = cfg.n_embd, cfg.n_head, f"h.{i}.attn."
+        qk, kv_head, rq, rkv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, \
+            cfg.q_lora_rank, cfg.kv_lora_rank
+        if rq:
+            decls = [ParamDecl(p + "q_down.weight", (h, rq), "w_replicated", "normal", std, decay=True),
+                     ParamDecl(p + "q_norm.weight", (rq,), "norm", "ones"),
+                     ParamDecl(p + "q_up.weight", (rq, nh * qk), "w_column", "normal", std, decay=True)]
+        else:
+            decls = [ParamDecl(p + "q_proj.weight", (h, nh * qk), "w_column", "normal", std, decay=True)]
+        return decls + [
+            ParamDecl(p + "kv_down.weight", (h, rkv + cfg.qk_rope_head_dim), "w_replicated", "normal", std,
+                      decay=True),
+            ParamDecl(p + "kv_norm.weight", (rkv,), "norm", "ones"),
+            ParamDecl(p + "kv_up.weight", (rkv, nh * kv_head), "w_column", "normal", std, decay=True),
+            ParamDecl(p + "c_proj.weight", (nh * cfg.v_head_dim, h), "w_row", "normal", resid_std, decay=True),
+        ]
+
+    def params(self, cfg):
+        """N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer), norm weights 1 (Llama's rule)."""
+        self.check(cfg)
+        h, std = cfg.n_embd, 0.02
+        resid_std = std / math.sqrt(2 * cfg.n_layer)
+        decls = [ParamDecl("wte", (cfg.vocab_size, h), "wte", "normal", std)]
+        for i in range(cfg.n_layer):
+            decls.append(ParamDecl(f"h.{i}.ln_1.weight", (h,), "norm", "ones"))
+            decls += self.attention_params(cfg, i, std, resid_std)
+            decls.append(ParamDecl(f"h.{i}.ln_2.weight", (h,), "norm", "ones"))
+            decls += self.mlp_params(cfg, i, std, resid_std)
+        decls.append(ParamDecl("ln_f.weight", (h,), "norm", "ones"))
+        if not cfg.tied:
+            decls.append(ParamDecl("lm_head", (cfg.vocab_size, h), "wte", "normal", std))
+        return decls
+
+    def norm(self, store, prefix, layout):
+        cfg = layout.cfg
+        return RMSNorm(store, prefix, cfg.n_embd, layout.hidden_comm, cfg.rms_eps)
+
+    def attention(self, layout, store, i, attention, dropout):
+        return LatentAttention(layout, store, f"h.{i}.attn", attention, dropout, f"h.{i}")
+
+    # mlp_names / mlp_params / mlp: Llama's dense SwiGLU on every layer. DeepSeekMoE's hook: override these
+    # three (block i dense below first_k_dense, the mixture above), as families/mixtral.py does.

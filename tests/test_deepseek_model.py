@@ -1,0 +1,116 @@
+"""--arch deepseek_v3 as a model (multi-head latent attention, the dense
+SwiGLU MLP on every layer) in float64: the whole serial model's gradient
+against central differences (q latent on and off, interleaved rotary on
+and off, dropout on), its loss equal to the serial NumPy reference built
+from the ops (tests/deepseek_reference.py, itself checked against
+transformers), the configuration's round trip and parameter count, and
+the command line's refusals."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import deepseek_reference as ref
+from mpicube.core.config import ModelConfig
+from mpicube.core.errors import ConfigError
+from test_ops import check_whole_model_gradient
+
+rng = np.random.default_rng(43)
+
+
+def small_deepseek(**kw) -> ModelConfig:
+    sizes = dict(vocab_size=11, n_ctx=5, n_layer=2, n_head=4, n_embd=8, arch="deepseek_v3", ffn_hidden=6,
+                 rope_theta=50.0, rms_eps=1e-5, q_lora_rank=5, kv_lora_rank=6, qk_rope_head_dim=4,
+                 qk_nope_head_dim=2, v_head_dim=3)
+    return ModelConfig(**{**sizes, **kw})
+
+
+@pytest.mark.parametrize("q_rank, interleave", [(5, True), (0, False)])
+def test_whole_deepseek_gradient(q_rank, interleave):
+    """d loss / d every parameter of the serial DeepSeek-V3 (MLA, untied head, dropout on)."""
+    cfg = small_deepseek(q_lora_rank=q_rank, rope_interleave=interleave)
+    assert check_whole_model_gradient(cfg) == cfg.n_params()
+
+
+def test_config_round_trips_and_counts():
+    from mpicube.model.gpt import gpt_params, param_names
+
+    cfg = small_deepseek()
+    assert ModelConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    decls = gpt_params(cfg)
+    assert [d.name for d in decls] == list(param_names(cfg))
+    assert sum(int(np.prod(d.shape)) for d in decls) == cfg.n_params()
+    kinds = {d.name[len("h.0.attn."):]: d.role for d in decls if d.name.startswith("h.0.attn.")}
+    assert kinds == {"q_down.weight": "w_replicated", "q_norm.weight": "norm", "q_up.weight": "w_column",
+                     "kv_down.weight": "w_replicated", "kv_norm.weight": "norm", "kv_up.weight": "w_column",
+                     "c_proj.weight": "w_row"}
+
+
+def shape_of(cfg: ModelConfig):
+    """The reference's DeepseekV3Shape of ``cfg`` (every layer dense, no MTP)."""
+    from mpicube.files.formats.hf_deepseek_config import DeepseekV3Shape
+
+    return DeepseekV3Shape(
+        vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, ffn_hidden=cfg.ffn,
+        n_ctx=cfg.n_ctx, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
+        n_routed_experts=0, moe_ffn_hidden=1, n_shared_experts=0, first_k_dense=cfg.n_layer, top_k=1, n_groups=1,
+        topk_groups=1, norm_topk=True, routed_scaling_factor=1.0, seq_aux_loss_coef=0.0, mtp_depth=0,
+        rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave, rms_eps=cfg.rms_eps,
+        tie_embeddings=cfg.tied)
+
+
+@pytest.mark.parametrize("q_rank, interleave", [(5, True), (0, False)])
+def test_serial_loss_equals_reference(q_rank, interleave):
+    """The model's loss equals the reference forward on the same tensors, to 1e-12 (blockwise attention)."""
+    from mpi4py import MPI
+
+    from mpicube.device.backend import make_backend
+    from mpicube.model.gpt import gpt_params
+    from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.params import ParamStore
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.driver import make_runner
+
+    cfg = small_deepseek(q_lora_rank=q_rank, rope_interleave=interleave, n_ctx=7)
+    layout = build_layout(resolve("serial", cfg, 2, 1), make_backend("cpu", "float64"), MPI.COMM_SELF)
+    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], make_backend("cpu", "float64"), seed=1)
+    store.flat[:] += rng.normal(0, 0.3, store.flat.shape)
+    tensors = {name: np.array(store.work[name]) for name in store.work}
+    idx, tgt = rng.integers(0, cfg.vocab_size, (2, 7)), rng.integers(0, cfg.vocab_size, (2, 7))
+    got = make_runner(cfg, layout, store).forward(idx, tgt, step=1)
+    want = ref.forward(tensors, shape_of(cfg), idx, tgt)[0]
+    assert abs(got - want) <= 1e-12 * abs(want), (got, want)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--q-lora-rank", "-1"], "--q-lora-rank must be an integer of at least 0"),
+    (["--kv-lora-rank", "0"], "--kv-lora-rank must be an integer of at least 1"),
+    (["--qk-rope-head-dim", "3"], "--qk-rope-head-dim must be even"),
+    (["--v-head-dim", "40"], "--v-head-dim 40 must be at most"),
+    (["--n-kv-head", "2"], "--n-kv-head does not apply to --arch deepseek_v3"),
+    (["--layout", "3d"], "--kv-lora-rank 6 must be divisible by 4 on layout 3d"),
+])
+def test_bad_options_are_refused_by_name(args, words):
+    from mpicube.core.config import family_fields
+    from mpicube.parallel.planning import resolve
+
+    opts = {"--q-lora-rank": "q_lora_rank", "--kv-lora-rank": "kv_lora_rank", "--qk-rope-head-dim":
+            "qk_rope_head_dim", "--v-head-dim": "v_head_dim", "--n-kv-head": "n_kv_head"}
+    with pytest.raises(ConfigError, match=words):
+        if args[0] == "--layout":
+            resolve("3d", small_deepseek(), 8, 8)
+        else:
+            cfg = ModelConfig(n_head=4, n_embd=8, **family_fields(arch="deepseek_v3", **{opts[args[0]]: int(args[1])}))
+            from mpicube.model.gpt import gpt_params
+            gpt_params(cfg)
+
+
+def test_other_families_refuse_the_latent_options():
+    from mpicube.core.config import family_fields
+
+    with pytest.raises(ConfigError, match="--kv-lora-rank applies to --arch deepseek_v3 only"):
+        family_fields(arch="llama", kv_lora_rank=8)
+    assert dataclasses.asdict(ModelConfig(arch="llama", n_head=2, n_embd=8)).keys() >= {"kv_lora_rank"}
+    assert "kv_lora_rank" not in ModelConfig(arch="llama", n_head=2, n_embd=8).to_dict()
