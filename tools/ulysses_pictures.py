@@ -14,11 +14,12 @@ draws now (tests/test_context.py runs it).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import doc_pictures  # noqa: E402 (tools/, beside this file)
 
 from mpicube.parallel import context, ulysses  # noqa: E402
 
@@ -60,23 +61,5 @@ def pictures() -> dict:
     return {"ulysses": picture(4, 4), "hybrid": picture(4, 2)}
 
 
-def check(doc: Path) -> int:
-    text = doc.read_text()
-    missing = [name for name, pic in pictures().items() if f"```\n{pic}\n```" not in text]
-    for name in missing:
-        print(f"{doc}: the {name} picture differs from what the code draws now; rerun tools/ulysses_pictures.py")
-    return 1 if missing else 0
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", type=Path, default=None)
-    a = ap.parse_args()
-    if a.check:
-        sys.exit(check(a.check))
-    for name, pic in pictures().items():
-        print(f"[{name}]\n```\n{pic}\n```\n")
-
-
 if __name__ == "__main__":
-    main()
+    doc_pictures.main(__doc__, pictures, "tools/ulysses_pictures.py")
