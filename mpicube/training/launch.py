@@ -47,8 +47,8 @@ MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.f
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """What --arch names this model: gpt2, llama or mixtral (a Llama with experts)."""
-    return "mixtral" if cfg.moe else cfg.arch
+    """What --arch names this model: gpt2, llama, mixtral (a Llama with experts) or deepseek_v3."""
+    return "mixtral" if cfg.moe and cfg.arch == "llama" else cfg.arch
 
 
 class Launch:
