@@ -280,7 +280,8 @@ class ModelConfig:
             for key in MOE_FIELDS:
                 d.pop(key)
         for key, default in DEEPSEEK_MOE.items():   # a Mixtral stores as before DeepSeek's options existed
-            if not self.moe or d[key] == default:
+            kept_groups = key == "topk_groups" and self.moe and self.n_groups != 1   # its default is n_groups
+            if not kept_groups and (not self.moe or d[key] == default):
                 d.pop(key)
         if not self.mla:                 # a Llama stores as before the MLA fields existed
             for key in MLA_FIELDS:
