@@ -189,6 +189,34 @@ def test_moe_convert_both_ways_keeps_the_bias(hf, tmp_path):
         pytest.approx(hf_loss(torch, loaded(tmp_path / "moe"), ids, targets), rel=1e-12)
 
 
+def test_moe_init_from_takes_the_bias_and_the_training_knobs(hf, tmp_path):
+    """``train --init-from`` a DeepseekV3 directory with experts starts from
+    its biases and applies --bias-update-rate (a training knob) to them; a
+    differing --n-groups is refused by name, exit 2, no run directory."""
+    from mpicube.files import formats
+
+    torch, transformers, _ = hf
+    moe_model(torch, transformers, tmp_path / "moe", vocab_size=256)          # the built-in corpus's bytes
+    run = [sys.executable, "-m", "mpicube", "train", "--init-from", str(tmp_path / "moe"), "--steps", "2",
+           "--seq-len", "8", "--batch-size", "4"]
+    out = subprocess.run(run + ["--bias-update-rate", "0.001", "--out", str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    with formats.open_model(tmp_path / "moe") as f:
+        start = f.read_buffers()
+    with formats.open_model(tmp_path / "run") as f:
+        assert f.config.bias_update_rate == 0.001 and f.config.n_groups == 4
+        moved = {name: bias - start[name] for name, bias in f.read_buffers().items()}
+    assert sorted(moved) == sorted(start)
+    for step in moved.values():                     # two updates of +-rate each (float32): 0, 1 or 2 rates
+        assert np.abs(np.abs(step)[:, None] - 0.001 * np.arange(3)).min(axis=1).max() < 1e-6
+        assert np.abs(step).max() > 0.0005
+    out = subprocess.run(run + ["--n-groups", "2", "--out", str(tmp_path / "bad")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "holds a model with n_groups 4, this run asks for 2" in out.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_greedy_tokens_through_the_latent_cache_equal_transformers(hf, tmp_path):
     """``generate`` on the directory (serial, 1-D tp 2, 2-D tp 4, 3-D tp 8: the
     latent cache holding this rank's block of the normed kv latent and the
