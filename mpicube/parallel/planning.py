@@ -224,13 +224,13 @@ def _check_choices(plan: Plan, cfg: ModelConfig, world_size: int) -> tuple:
     name = choose_layout(plan.layout, tp, plan.depth)
     if name not in LAYOUTS:
         raise ConfigError(f"unknown layout {plan.layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")
+    if plan.depth != 1 and name != "2.5d":          # before anything asks the layout for its grid
+        raise ConfigError(f"--depth {plan.depth} applies to the 2.5d layout only (layout {name}): "
+                          f"drop --depth, or use --layout 2.5d")
     ulysses.validate(plan, cfg, LAYOUTS[name].head_coords(tp, plan.depth, 0)[0])
     context.validate(cfg.n_ctx, plan.cp, plan.ulysses_size)
     if plan.grad_accum < 1:
         raise ConfigError(f"--grad-accum must be at least 1, got {plan.grad_accum}")
-    if plan.depth != 1 and name != "2.5d":
-        raise ConfigError(f"--depth {plan.depth} applies to the 2.5d layout only (layout {name}): "
-                          f"drop --depth, or use --layout 2.5d")
     return LAYOUTS[name], name, tp, note
 
 
