@@ -33,9 +33,10 @@ head) the same way; where the head split exceeds kv= the layout
 replicates kv heads (params.SharedColumns), and ckpt=1 also saves a
 checkpoint that a serial reader must see as the serial model.
 
-DeepSeek-V3 cases (arch=deepseek_v3 [qrank=]; test_combo_matrix.DEEPSEEK_CASES) run multi-head
-latent attention (replicated latents, heads split, k_pe's gradient summed over them) with a dense MLP,
-against the serial model only (the cost model does not price MLA yet: ``COSTED``).
+DeepSeek-V3 cases (arch=deepseek_v3 [qrank=] [experts= ep=]; test_combo_matrix.DEEPSEEK_CASES) run
+multi-head latent attention (replicated latents, heads split, k_pe's gradient summed over them) with a
+dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``; ep= of the dp replicas
+hold the experts), against the serial model only (the cost model does not price MLA yet: ``COSTED``).
 
 FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
@@ -46,7 +47,8 @@ all-reduces yet, so their traffic is not compared.
 
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
-         zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [arch=deepseek_v3 qrank=] [ckpt=1]
+         zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [arch=deepseek_v3 qrank=]
+         [experts= ep=] [ckpt=1]
          [cpkind=ulysses|hybrid ulysses=U] [opt=muon qkv=split|joint] [hsdp=R]
          [fp8=RECIPE fp8block=N steps=N]
   (every case's tp x dp x pp x cp must be W)
@@ -84,6 +86,11 @@ LLAMA = dict(arch="llama", ffn_hidden=24, rope_theta=100.0, rms_eps=1e-5)   # ar
 # arch=deepseek_v3: multi-head latent attention (qrank= the q latent's rank, 0: q_proj), v narrower than q/k
 DEEPSEEK = dict(arch="deepseek_v3", ffn_hidden=24, rope_theta=100.0, rms_eps=1e-5, kv_lora_rank=8,
                 qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6)
+# arch=deepseek_v3 experts=E: DeepSeekMoE after the first (dense) block: the sigmoid router, E experts in 4
+# groups, top 2 within 2 groups, scaled 2.5, one shared expert, the sequence-wise auxiliary loss
+DEEPSEEK_MOE = dict(top_k=2, router="sigmoid", n_groups=4, topk_groups=2, routed_scaling_factor=2.5,
+                    n_shared_experts=1, moe_ffn_hidden=8, first_k_dense=1, seq_aux_loss_coef=0.01,
+                    router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
 
 
 @dataclass(frozen=True)
@@ -119,9 +126,10 @@ class Case:
     fp8block: int = 0     # --fp8-block (0: the recipe's)
     steps: int = STEPS
     qrank: int = 6        # deepseek_v3's q latent rank (0: a plain q_proj)
+    ep: int = 1           # --ep: expert-parallel ranks taken from dp (a case with experts)
 
     INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
-            "ulysses", "hsdp", "fp8block", "steps", "experts", "qrank")
+            "ulysses", "hsdp", "fp8block", "steps", "experts", "qrank", "ep")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -141,7 +149,7 @@ class Case:
         return Plan(self.layout, dp=self.dp, pp=self.pp, cp=self.cp, depth=self.depth, pp_schedule=self.schedule,
                     virtual_stages=self.virtual, sequence_parallel=self.sp, zero=self.zero,
                     recompute=self.recompute, grad_accum=self.accum, cp_kind=self.cpkind, ulysses=self.ulysses,
-                    hsdp=self.hsdp, fp8=self.recipe())
+                    hsdp=self.hsdp, fp8=self.recipe(), ep=self.ep)
 
     def recipe(self):
         """The case's FP8 Recipe (accumulating in its dtype), or None."""
@@ -149,8 +157,9 @@ class Case:
 
     def cfg(self) -> ModelConfig:
         if self.arch == "deepseek_v3":
+            moe = dict(DEEPSEEK_MOE, n_experts=self.experts) if self.experts else {}
             return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,
-                               **DEEPSEEK, q_lora_rank=self.qrank)
+                               **DEEPSEEK, q_lora_rank=self.qrank, **moe)
         if self.arch == "llama":
             moe = dict(n_experts=self.experts, top_k=2) if self.experts else {}
             return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,

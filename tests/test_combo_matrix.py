@@ -249,7 +249,7 @@ HSDP_CASES = [
 ]
 
 
-# DeepSeek-V3's multi-head latent attention (issue 43; dense MLP): each joins its world size's launch,
+# DeepSeek-V3's multi-head latent attention (issue 43; dense MLP, or experts=): each joins its world size's launch,
 # checked against serial to 1e-10 with dropout (not yet against the cost model, which does not price MLA).
 # The latents replicated (on 2-D, 2.5-D and 3-D split as the hidden size before the up-projections), the
 # heads split as each layout splits them with k_pe moved to their rows and its gradient summed over them
@@ -276,6 +276,12 @@ DEEPSEEK_CASES = [
     (8, f"layout=2d tp=4 pp=2 accum=2 {DEEPSEEK}"),
     (8, f"layout=3d tp=8 qrank=8 {DEEPSEEK}"),                            # k_pe moved to the heads' rows
     (8, f"layout=3d tp=8 qrank=0 recompute=gathers {DEEPSEEK}"),
+    # with DeepSeekMoE after the first block (combo_matrix_check.DEEPSEEK_MOE: sigmoid router, 8 experts in 4
+    # groups, top 2 within 2, a shared expert, the sequence-wise loss), the experts over ep of the dp replicas
+    (4, f"layout=1d tp=2 dp=2 ep=2 experts=8 layers=3 {DEEPSEEK}"),
+    (8, f"layout=2d tp=4 dp=2 ep=2 experts=8 layers=3 {DEEPSEEK}"),
+    (8, f"layout=1d tp=2 dp=2 ep=2 pp=2 accum=2 experts=8 layers=4 {DEEPSEEK}"),
+    (8, f"layout=3d tp=8 qrank=8 experts=8 layers=3 {DEEPSEEK}"),           # the router's columns split 2 ways
 ]
 
 

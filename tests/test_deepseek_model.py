@@ -114,3 +114,45 @@ def test_other_families_refuse_the_latent_options():
         family_fields(arch="llama", kv_lora_rank=8)
     assert dataclasses.asdict(ModelConfig(arch="llama", n_head=2, n_embd=8)).keys() >= {"kv_lora_rank"}
     assert "kv_lora_rank" not in ModelConfig(arch="llama", n_head=2, n_embd=8).to_dict()
+
+
+# DeepSeekMoE in the deepseek_v3 family (issue 43): block 0 dense, block 1 the mixture (sigmoid router,
+# 4 experts in 2 groups, top 2 within 1 group, scaled 2.5, one shared expert, the sequence-wise loss)
+MOE = dict(n_experts=4, top_k=2, router="sigmoid", n_groups=2, topk_groups=1, routed_scaling_factor=2.5,
+           n_shared_experts=1, moe_ffn_hidden=3, first_k_dense=1, seq_aux_loss_coef=0.01, router_aux_loss_coef=0.0,
+           router_z_loss_coef=0.0)
+
+
+def test_whole_deepseek_moe_gradient():
+    """d loss / d every parameter of the serial DeepSeek-V3 with a DeepSeekMoE block after a dense one."""
+    cfg = small_deepseek(**MOE)
+    assert check_whole_model_gradient(cfg) == cfg.n_params()
+
+
+def test_moe_config_round_trips_and_counts():
+    from mpicube.model.gpt import gpt_params, param_names
+
+    cfg = small_deepseek(**MOE)
+    stored = cfg.to_dict()
+    assert ModelConfig.from_dict(stored).to_dict() == stored and stored["topk_groups"] == 1   # not n_groups'
+    decls = gpt_params(cfg)
+    assert [d.name for d in decls] == list(param_names(cfg))
+    assert sum(int(np.prod(d.shape)) for d in decls) == cfg.n_params()
+    names = {d.name for d in decls}
+    assert "h.0.mlp.c_fc.weight" in names and "h.1.mlp.c_fc.weight" not in names
+    assert {"h.1.moe.router.weight", "h.1.moe.experts.3.c_proj.weight", "h.1.moe.shared.c_fc.weight"} <= names
+
+
+def test_moe_options_take_the_sigmoid_router_by_default():
+    from mpicube.core.config import family_fields
+
+    got = family_fields(arch="deepseek_v3", n_experts=8, top_k=2, n_groups=4, topk_groups=2, n_shared_experts=1,
+                        first_k_dense=1)
+    assert (got["n_experts"], got["router"], got["n_groups"], got["topk_groups"], got["n_shared_experts"],
+            got["first_k_dense"], got["router_aux_loss_coef"]) == (8, "sigmoid", 4, 2, 1, 1, 0.0)
+    assert family_fields(arch="deepseek_v3", n_experts=4, router="softmax")["n_experts"] == 4
+    assert "n_experts" not in family_fields(arch="deepseek_v3")                  # dense without --n-routed-experts
+    with pytest.raises(ConfigError, match="--n-groups needs --n-experts"):
+        family_fields(arch="deepseek_v3", n_groups=2)
+    with pytest.raises(ConfigError, match="--router-aux-loss-coef applies to --router softmax only"):
+        family_fields(arch="deepseek_v3", n_experts=4, router_aux_loss_coef=0.1)

@@ -1,11 +1,12 @@
-"""--arch deepseek_v3's model on Hugging Face DeepseekV3 directories (every
-layer dense, as the model builds so far): a directory transformers saved
+"""--arch deepseek_v3's model on Hugging Face DeepseekV3 directories, dense
+and with DeepSeekMoE layers (the router's e_score_correction_bias its
+bias buffer): a directory transformers saved
 is read through ``formats.open_model`` and the mpicube model's float64
 loss equals transformers' (float64 internals, tests/hf_float64.py) to
 1e-12; ``convert`` to a mpicube checkpoint and back to a Hugging Face
 directory gives one transformers loads, with the same loss; ``eval`` and
-``train --init-from`` take the directory on the command line; a file
-with mixture-of-experts layers is refused by its field."""
+``train --init-from`` take the directory on the command line, ``eval``
+on every layout and dp x ep with transformers' loss."""
 
 import json
 import subprocess
@@ -40,7 +41,10 @@ def mpicube_loss(model_file, ids, targets, layout="serial"):
     store = ParamStore([lay.shard(d) for d in gpt_params(cfg)], backend, seed=1)
     for name, t in tensors.items():
         store.work[name][...] = t
-    return make_runner(cfg, lay, store).forward(ids, targets, step=1)
+    runner = make_runner(cfg, lay, store)                # builds the routers, which register their biases
+    for name, t in model_file.read_buffers().items():
+        store.persistent[name][...] = t
+    return runner.forward(ids, targets, step=1)
 
 
 def saved_model(torch, transformers, path, **over):
@@ -100,14 +104,117 @@ def test_eval_and_init_from_take_the_directory(hf, tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["arch"] == "deepseek_v3"
 
 
-def test_moe_layers_are_refused_by_field(hf, tmp_path):
+def moe_model(torch, transformers, path, **over):
+    """A random DeepseekV3ForCausalLM with experts (hf_config's: 8 routed in 4
+    groups, top-2 within 2, 1 shared, first layer dense, a non-zero
+    e_score_correction_bias), saved at ``path``."""
+    model = randomise(torch, transformers.DeepseekV3ForCausalLM(hf_config(transformers, **over)).double().eval())
+    model.save_pretrained(str(path))
+    return model
+
+
+def test_moe_directory_reads_the_experts_and_the_bias(hf, tmp_path):
+    """The mixture layers become --arch deepseek_v3's DeepSeekMoE (sigmoid
+    router, groups, shared expert), each e_score_correction_bias the
+    router's bias buffer; the serial float64 loss equals transformers'."""
     from mpicube.files import formats
-    from mpicube.files.formats.base import FormatError
 
     torch, transformers, _ = hf
-    transformers.DeepseekV3ForCausalLM(hf_config(transformers)).save_pretrained(str(tmp_path / "moe"))
-    with pytest.raises(FormatError, match="first_k_dense_replace = 1 is below num_hidden_layers 3"):
-        formats.open_model(tmp_path / "moe")
+    model = moe_model(torch, transformers, tmp_path / "moe")
+    ids, targets = tokens(2)
+    with formats.open_model(tmp_path / "moe") as f:
+        cfg = f.config
+        assert (cfg.n_experts, cfg.top_k, cfg.router, cfg.n_groups, cfg.topk_groups, cfg.n_shared_experts,
+                cfg.first_k_dense, cfg.moe_ffn, cfg.routed_scaling_factor) == (8, 2, "sigmoid", 4, 2, 1, 1, 6, 2.5)
+        biases = f.read_buffers()
+        assert sorted(biases) == ["h.1.moe.router.score_bias", "h.2.moe.router.score_bias"]
+        want_bias = model.model.layers[1].mlp.gate.e_score_correction_bias.detach().numpy()
+        assert np.abs(want_bias).min() > 0 and np.array_equal(biases["h.1.moe.router.score_bias"], want_bias)
+        got = mpicube_loss(f, ids, targets)
+    assert got == pytest.approx(hf_loss(torch, model, ids, targets), rel=1e-12)
+
+
+def test_moe_eval_on_every_layout_equals_transformers(hf, tmp_path):
+    """``mpicube eval`` on the directory in float64, serial, 1-D tp 2, 2-D
+    tp 4 and dp 2 x ep 2 (the experts split over the replicas): its loss
+    equals transformers' float64 loss on the same rows to 1e-12."""
+    from mpirun import mpiexec
+
+    from mpicube.files.shards import write_shard
+
+    torch, transformers, _ = hf
+    model = moe_model(torch, transformers, tmp_path / "moe", q_lora_rank=8, kv_lora_rank=8)   # 2-D splits ranks 2 ways
+    stream = np.random.default_rng(3).integers(0, V, size=B * T + 1)
+    write_shard(tmp_path / "tokens.bin", stream)
+    rows = np.stack([stream[r * T:r * T + T + 1] for r in range(B)])     # eval's batch 0: row r from r T
+    want = hf_loss(torch, model, rows[:, :-1], rows[:, 1:])
+    args = ["-m", "mpicube", "eval", tmp_path / "moe", "--data", tmp_path / "tokens.bin", "--batches", 1,
+            "--batch-size", B, "--seq-len", T, "--dtype", "float64"]
+    for ranks, extra in ((1, ["--layout", "serial"]), (2, ["--layout", "1d"]), (4, ["--layout", "2d"]),
+                         (4, ["--layout", "1d", "--dp", 2, "--ep", 2])):
+        out = mpiexec(ranks, args + extra, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])["loss"]
+        assert got == pytest.approx(want, rel=1e-12), extra
+
+
+def test_moe_convert_both_ways_keeps_the_bias(hf, tmp_path):
+    """HF -> mpicube checkpoint (the biases under buffers/) -> HF: the
+    experts and e_score_correction_bias come back bit for bit, the
+    checkpoint's float64 loss is transformers', and transformers loads the
+    written directory with the source's loss."""
+    from safetensors.numpy import load_file
+
+    from mpicube.files import formats
+    from mpicube.files.formats.convert import convert
+
+    torch, transformers, _ = hf
+    model = moe_model(torch, transformers, tmp_path / "moe")
+    convert(tmp_path / "moe", tmp_path / "run", "mpicube")
+    convert(tmp_path / "run", tmp_path / "back", "hf")
+    source, back = load_file(str(tmp_path / "moe" / "model.safetensors")), \
+        load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(source) == sorted(back)
+    for name in source:
+        assert np.array_equal(source[name], back[name]), name
+    ids, targets = tokens(4)
+    with formats.open_model(tmp_path / "run") as f:                  # the checkpoint holds the biases
+        assert mpicube_loss(f, ids, targets) == pytest.approx(hf_loss(torch, model, ids, targets), rel=1e-12)
+
+    def loaded(path):  # transformers keeps gate.weight and e_score_correction_bias in float32 when it loads
+        return transformers.DeepseekV3ForCausalLM.from_pretrained(
+            str(path), attn_implementation="eager", experts_implementation="eager").double().eval()
+
+    assert hf_loss(torch, loaded(tmp_path / "back"), ids, targets) == \
+        pytest.approx(hf_loss(torch, loaded(tmp_path / "moe"), ids, targets), rel=1e-12)
+
+
+def test_moe_init_from_takes_the_bias_and_the_training_knobs(hf, tmp_path):
+    """``train --init-from`` a DeepseekV3 directory with experts starts from
+    its biases and applies --bias-update-rate (a training knob) to them; a
+    differing --n-groups is refused by name, exit 2, no run directory."""
+    from mpicube.files import formats
+
+    torch, transformers, _ = hf
+    moe_model(torch, transformers, tmp_path / "moe", vocab_size=256)          # the built-in corpus's bytes
+    run = [sys.executable, "-m", "mpicube", "train", "--init-from", str(tmp_path / "moe"), "--steps", "2",
+           "--seq-len", "8", "--batch-size", "4"]
+    out = subprocess.run(run + ["--bias-update-rate", "0.001", "--out", str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    with formats.open_model(tmp_path / "moe") as f:
+        start = f.read_buffers()
+    with formats.open_model(tmp_path / "run") as f:
+        assert f.config.bias_update_rate == 0.001 and f.config.n_groups == 4
+        moved = {name: bias - start[name] for name, bias in f.read_buffers().items()}
+    assert sorted(moved) == sorted(start)
+    for step in moved.values():                     # two updates of +-rate each (float32): 0, 1 or 2 rates
+        assert np.abs(np.abs(step)[:, None] - 0.001 * np.arange(3)).min(axis=1).max() < 1e-6
+        assert np.abs(step).max() > 0.0005
+    out = subprocess.run(run + ["--n-groups", "2", "--out", str(tmp_path / "bad")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "holds a model with n_groups 4, this run asks for 2" in out.stderr
+    assert not (tmp_path / "bad").exists()
 
 
 def test_greedy_tokens_through_the_latent_cache_equal_transformers(hf, tmp_path):

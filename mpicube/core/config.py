@@ -40,17 +40,15 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
     if arch == "deepseek_v3":
         if n_kv_head is not None:
             raise ConfigError("--n-kv-head does not apply to --arch deepseek_v3 (its heads share one latent)")
-        stray = [k for k, v in moe.items() if v not in (None, False)]
-        if stray:
-            raise ConfigError(f"--{stray[0].replace('_', '-')}: --arch deepseek_v3's experts are not built yet "
-                              f"(every layer has a dense SwiGLU MLP)")
+        if moe.get("n_experts") is not None and moe.get("router") is None:
+            moe = {**moe, "router": "sigmoid"}      # DeepSeekMoE's router is this family's default
         for key, value in given.items():
             if key in FLOAT_RANGES and value is not None and (why := float_problem(key, value)):
                 raise ConfigError(f"--{key.replace('_', '-')} {why}")
             if value is not None and not value > 0:
                 raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {value}")
         return {"arch": "deepseek_v3", "tie_embeddings": bool(tie_embeddings),
-                **{k: v for k, v in given.items() if v is not None}, **mla_fields(**mla)}
+                **{k: v for k, v in given.items() if v is not None}, **mla_fields(**mla), **moe_fields(**moe)}
     if arch not in ("llama", "mixtral"):
         stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
         stray += [k for k, v in moe.items() if v not in (None, False)]
@@ -282,7 +280,8 @@ class ModelConfig:
             for key in MOE_FIELDS:
                 d.pop(key)
         for key, default in DEEPSEEK_MOE.items():   # a Mixtral stores as before DeepSeek's options existed
-            if not self.moe or d[key] == default:
+            kept_groups = key == "topk_groups" and self.moe and self.n_groups != 1   # its default is n_groups
+            if not kept_groups and (not self.moe or d[key] == default):
                 d.pop(key)
         if not self.mla:                 # a Llama stores as before the MLA fields existed
             for key in MLA_FIELDS:
@@ -333,6 +332,13 @@ class ModelConfig:
                 values.update(_moe_from_dict(d))
         return cls(**values)
 
+    def _mlp_params(self) -> int:
+        """Every block's MLP parameters: a dense SwiGLU, or a mixture (router, routed and shared experts)."""
+        h = self.n_embd
+        dense = 3 * h * self.ffn
+        mixture = 3 * h * self.moe_ffn * (self.n_experts + self.n_shared_experts) + h * self.n_experts
+        return sum(mixture if self.is_moe(i) else dense for i in range(self.n_layer))
+
     def n_params(self) -> int:
         """Logical parameter count (tied head counted once)."""
         h, L = self.n_embd, self.n_layer
@@ -341,15 +347,12 @@ class ModelConfig:
                 self.kv_lora_rank
             q = (h * rq + rq + rq * nh * qk) if rq else h * nh * qk
             kv = h * (rkv + self.qk_rope_head_dim) + rkv + rkv * nh * (self.qk_nope_head_dim + self.v_head_dim)
-            per_layer = 2 * h + q + kv + nh * self.v_head_dim * h + 3 * h * self.ffn
-            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + h
+            per_layer = 2 * h + q + kv + nh * self.v_head_dim * h
+            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h
         if self.llama:     # no biases, no position table; two RMSNorm weights per layer, three MLP matrices
             kv = self.kv_heads * self.head_dim
-            dense = 3 * h * self.ffn                                                 # a dense block's MLP
-            mixture = 3 * h * self.moe_ffn * (self.n_experts + self.n_shared_experts) + h * self.n_experts
             per_layer = 2 * h + h * (h + 2 * kv) + h * h
-            mlps = sum(mixture if self.is_moe(i) else dense for i in range(L))
-            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + mlps + h
+            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h
         per_layer = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
         return self.vocab_size * h + self.n_ctx * h + L * per_layer + 2 * h
 

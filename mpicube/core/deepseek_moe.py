@@ -20,6 +20,15 @@ SIGMOID_ONLY = ("n_groups", "topk_groups", "routed_scaling_factor", "bias_update
                 "seq_aux_loss_coef")
 
 
+def bias_names(cfg) -> list:
+    """The names of a ModelConfig's router bias buffers (``h.{i}.moe.router.score_bias``,
+    one per mixture block under the sigmoid router; none under softmax):
+    what a model file holds besides its parameters."""
+    if cfg.router != "sigmoid":
+        return []
+    return [f"h.{i}.moe.router.score_bias" for i in range(cfg.n_layer) if cfg.is_moe(i)]
+
+
 def deepseek_fields(n: int, k: int, given: dict, router=None, n_groups=None, topk_groups=None,
                     routed_scaling_factor=None, n_shared_experts=None, moe_ffn_hidden=None, first_k_dense=None,
                     bias_update_rate=None, bias_update=None, seq_aux_loss_coef=None) -> dict:

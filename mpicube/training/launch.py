@@ -31,24 +31,30 @@ from .. import __version__
 
 SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")   # what a model file given to a run decides
 # The family's options: a model file decides the family (``--arch`` unless given) and these model-defining
-# ones; the mixture's training knobs (capacity, the router losses' weights) given apply to the file's model.
+# ones; the mixture's training knobs (capacity, the router losses' weights, the sigmoid router's bias update
+# and sequence-wise loss) given apply to the file's model.
 FAMILY_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k",
                   "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "q_lora_rank",
                   "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"
                   ) + DEEPSEEK_OPTIONS
-TRAINING_KNOBS = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+TRAINING_KNOBS = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "bias_update_rate", "bias_update",
+                  "seq_aux_loss_coef")
 # a model-defining family option -> its value in a ModelConfig, comparable with the file's
 MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.ffn, "rope_theta": lambda c: c.rope_theta,
                   "rms_eps": lambda c: c.rms_eps, "tie_embeddings": lambda c: c.tied,
                   "n_experts": lambda c: c.n_experts, "top_k": lambda c: c.top_k,
                   "no_norm_topk": lambda c: not c.norm_topk,
                   **{k: (lambda c, k=k: getattr(c, k)) for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
-                                                                 "qk_nope_head_dim", "v_head_dim", "rope_interleave")}}
+                                                                 "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+                                                                 "router", "n_groups", "topk_groups",
+                                                                 "routed_scaling_factor", "n_shared_experts",
+                                                                 "first_k_dense")},
+                  "moe_ffn_hidden": lambda c: c.moe_ffn}
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """What --arch names this model: gpt2, llama or mixtral (a Llama with experts)."""
-    return "mixtral" if cfg.moe else cfg.arch
+    """What --arch names this model: gpt2, llama, mixtral (a Llama with experts) or deepseek_v3."""
+    return "mixtral" if cfg.moe and cfg.arch == "llama" else cfg.arch
 
 
 class Launch:

@@ -80,6 +80,14 @@ class ModelFile:
         file holds none (the model keeps its initial value)."""
         return None
 
+    def read_buffers(self) -> dict:
+        """{name: whole tensor} of the configuration's buffers the file holds
+        (``core.deepseek_moe.bias_names``: the sigmoid routers' biases)."""
+        from ...core.deepseek_moe import bias_names
+
+        held = {name: self.buffer(name) for name in bias_names(self.config)}
+        return {name: value for name, value in held.items() if value is not None}
+
     def close(self) -> None:
         pass
 

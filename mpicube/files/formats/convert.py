@@ -44,6 +44,7 @@ def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
                               "not to llmc (llm.c's GPT-2 file has no place for Llama's tensors)")
         model.require_memory(whole=True)         # every tensor is held at once
         tensors = model.read_all()
+        buffers = model.read_buffers()           # a sigmoid router's bias: the file's, else the model's zeros
         source = model.describe()
         kind = model.kind
         step = model.step
@@ -54,25 +55,30 @@ def convert(src, dst, to: str, max_shard_bytes: int | None = None) -> dict:
         notes.append(f"note: MixtralForCausalLM computes every routed token: the capacity factor "
                      f"{cfg.capacity_factor:g} is not in config.json")
     if to == "hf":
-        writer = hf_deepseek_model.write if cfg.mla else hf_mixtral.write if cfg.moe else \
-            hf_llama.write if cfg.llama else hf.write
-        written = writer(dst, tensors, cfg, max_shard_bytes=max_shard_bytes)
+        if cfg.mla:
+            written = hf_deepseek_model.write(dst, tensors, cfg, max_shard_bytes=max_shard_bytes, buffers=buffers)
+        else:
+            writer = hf_mixtral.write if cfg.moe else hf_llama.write if cfg.llama else hf.write
+            written = writer(dst, tensors, cfg, max_shard_bytes=max_shard_bytes)
     elif to == "llmc":
         written = [llmc.write(dst, tensors, cfg)]
     else:
-        written = [write_mpicube(dst, tensors, cfg, step, {"format": kind, "path": str(Path(src))})]
+        written = [write_mpicube(dst, tensors, cfg, step, {"format": kind, "path": str(Path(src))}, buffers)]
     return {"source": source, "source_format": kind, "to": to, "destination": str(dst),
             "files": [str(p) for p in written], "config": cfg.to_dict(), "dtypes": dtypes, "notes": notes}
 
 
-def write_mpicube(run_dir: Path, tensors: dict, cfg, step: int, source: dict) -> Path:
+def write_mpicube(run_dir: Path, tensors: dict, cfg, step: int, source: dict, buffers: dict = None) -> Path:
     """A one-process mpicube checkpoint of whole tensors: ``run_dir``
     becomes a run directory whose ``ckpt/latest`` names it, so ``eval``,
-    ``generate`` and ``train --init-from`` take ``run_dir`` itself."""
+    ``generate`` and ``train --init-from`` take ``run_dir`` itself.
+    ``buffers`` ({name: whole tensor}, a router's bias) go where training
+    writes them (``buffers/``)."""
     from .. import checkpoint
 
-    blocks = [checkpoint.Block(name=f"model/{name}", local=np.asarray(t), shape=t.shape,
-                               index=tuple(np.arange(n) for n in t.shape)) for name, t in tensors.items()]
+    blocks = [checkpoint.Block(name=f"{prefix}/{name}", local=np.asarray(t), shape=t.shape,
+                               index=tuple(np.arange(n) for n in t.shape))
+              for prefix, held in (("model", tensors), ("buffers", buffers or {})) for name, t in held.items()]
     attrs = {"config": json.dumps(cfg.to_dict()), "layout": json.dumps({"layout": "converted"}),
              "converted_from": json.dumps(source), "mpicube_version": __version__}
     return checkpoint.save(run_dir, step, blocks, attrs)

@@ -4,18 +4,22 @@
 ``convert --to hf`` writes: the config reader (``hf_deepseek_config``)
 and the name table (``hf_deepseek.sources``) joined to the ModelConfig.
 
-What the model builds so far is multi-head latent attention with a dense
-SwiGLU MLP on every layer; a file with mixture-of-experts layers
-(``first_k_dense_replace`` below ``num_hidden_layers``) is refused by
-that field. MTP modules a file stores are refused as stray tensors
-(transformers' own saves hold none).
+Layers from ``first_k_dense_replace`` on are DeepSeekMoE (``moe.MoE``
+with the sigmoid router); each router's ``e_score_correction_bias`` is
+the model's bias buffer ``h.{i}.moe.router.score_bias`` (``buffer``,
+which ``load_params`` reads), written back by ``write``. MTP modules a
+file stores are refused as stray tensors (transformers' own saves hold
+none).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ...core.config import ModelConfig
+from ...core.deepseek_moe import bias_names
 from .base import FormatError, check_shapes, gpt2_shapes
 from .hf import CONFIG, write_files
 from .hf_deepseek import sources as deepseek_sources
@@ -24,31 +28,43 @@ from .hf_llama import LlamaHFModel, hf_tensors
 
 
 def config_of(d: DeepseekV3Shape, where) -> ModelConfig:
-    """The ModelConfig of a DeepseekV3Shape, or a FormatError naming the
-    field this build does not compute yet (MoE layers)."""
-    if d.first_k_dense < d.n_layer:
-        raise FormatError(f"{where}: first_k_dense_replace = {d.first_k_dense} is below num_hidden_layers "
-                          f"{d.n_layer}: mpicube's deepseek_v3 builds dense layers only so far (no DeepSeekMoE)")
+    """The ModelConfig of a DeepseekV3Shape: MLA on every layer, DeepSeekMoE
+    (the sigmoid router, its groups, shared experts) from layer
+    ``first_k_dense`` on, none where every layer is dense."""
+    moe = {} if d.first_k_dense >= d.n_layer else dict(
+        n_experts=d.n_routed_experts, top_k=d.top_k, norm_topk=d.norm_topk, router="sigmoid", n_groups=d.n_groups,
+        topk_groups=d.topk_groups, routed_scaling_factor=d.routed_scaling_factor,
+        n_shared_experts=d.n_shared_experts, moe_ffn_hidden=d.moe_ffn_hidden, first_k_dense=d.first_k_dense,
+        seq_aux_loss_coef=d.seq_aux_loss_coef, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
     return ModelConfig(vocab_size=d.vocab_size, n_ctx=d.n_ctx, n_layer=d.n_layer, n_head=d.n_head, n_embd=d.n_embd,
                        arch="deepseek_v3", ffn_hidden=d.ffn_hidden, rope_theta=d.rope_theta, rms_eps=d.rms_eps,
                        tie_embeddings=d.tie_embeddings, rope_scaling=d.rope_scaling, q_lora_rank=d.q_lora_rank,
                        kv_lora_rank=d.kv_lora_rank, qk_rope_head_dim=d.qk_rope_head_dim,
                        qk_nope_head_dim=d.qk_nope_head_dim, v_head_dim=d.v_head_dim,
-                       rope_interleave=d.rope_interleave)
+                       rope_interleave=d.rope_interleave, **moe)
 
 
 def shape_of(cfg: ModelConfig) -> DeepseekV3Shape:
-    """The DeepseekV3Shape of a dense deepseek_v3 ModelConfig: every layer
-    dense (``first_k_dense`` = n_layer), so the routing fields are inert
-    placeholders that the config reader accepts (two experts in one group)."""
+    """The DeepseekV3Shape of a deepseek_v3 ModelConfig. Without experts
+    every layer is dense (``first_k_dense`` = n_layer) and the routing
+    fields are inert placeholders that the config reader accepts (two
+    experts in one group). A FormatError for a mixture transformers'
+    DeepseekV3 does not compute (the softmax router)."""
+    if cfg.moe and cfg.router != "sigmoid":
+        raise FormatError(f"a deepseek_v3 model with --router {cfg.router} has no Hugging Face DeepseekV3 form "
+                          "(its router is the sigmoid one)")
+    moe = dict(n_routed_experts=cfg.n_experts, moe_ffn_hidden=cfg.moe_ffn, n_shared_experts=cfg.n_shared_experts,
+               first_k_dense=min(cfg.first_k_dense, cfg.n_layer), top_k=cfg.top_k, n_groups=cfg.n_groups,
+               topk_groups=cfg.topk_groups, norm_topk=cfg.norm_topk, routed_scaling_factor=cfg.routed_scaling_factor,
+               seq_aux_loss_coef=cfg.seq_aux_loss_coef) if cfg.moe else \
+        dict(n_routed_experts=2, moe_ffn_hidden=1, n_shared_experts=0, first_k_dense=cfg.n_layer, top_k=1, n_groups=1,
+             topk_groups=1, norm_topk=True, routed_scaling_factor=1.0, seq_aux_loss_coef=0.0)
     return DeepseekV3Shape(
         vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, ffn_hidden=cfg.ffn,
         n_ctx=cfg.n_ctx, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
         qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
-        n_routed_experts=2, moe_ffn_hidden=1, n_shared_experts=0, first_k_dense=cfg.n_layer, top_k=1, n_groups=1,
-        topk_groups=1, norm_topk=True, routed_scaling_factor=1.0, seq_aux_loss_coef=0.0, mtp_depth=0,
-        rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave, rms_eps=cfg.rms_eps,
-        tie_embeddings=cfg.tied, rope_scaling=cfg.rope_scaling)
+        mtp_depth=0, rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave, rms_eps=cfg.rms_eps,
+        tie_embeddings=cfg.tied, rope_scaling=cfg.rope_scaling, **moe)
 
 
 def parse_config(path: Path, doc) -> ModelConfig:
@@ -61,25 +77,32 @@ def sources(cfg: ModelConfig, name: str) -> tuple:
     return deepseek_sources(shape_of(cfg), name)
 
 
-def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = None) -> list:
+def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = None, buffers: dict = None) -> list:
     """Write a ``DeepseekV3ForCausalLM`` directory ``dst`` from {mpicube name:
-    whole tensor} (every layer dense); returns the files written."""
+    whole tensor} and the routers' biases ``buffers`` ({buffer name: (E,)};
+    zeros for one not given, as a fresh model's); returns the files written."""
     dst = Path(dst)
     check_shapes(dst, {n: t.shape for n, t in tensors.items()}, gpt2_shapes(cfg))
+    d = shape_of(cfg)
     dtypes = sorted({str(t.dtype) for t in tensors.values()})
-    return write_files(dst, hf_tensors(cfg, tensors, sources), config_json(shape_of(cfg), dtypes[-1]),
-                       max_shard_bytes)
+    biases = [(sources(cfg, name)[0][0][0], np.asarray((buffers or {}).get(name, np.zeros(cfg.n_experts)),
+                                                       dtype=dtypes[-1])) for name in bias_names(cfg)]
+    return write_files(dst, hf_tensors(cfg, tensors, sources) + biases, config_json(d, dtypes[-1]), max_shard_bytes)
 
 
 class DeepseekHFModel(LlamaHFModel):
-    """A ``DeepseekV3ForCausalLM`` directory (every layer dense) as a ModelFile."""
+    """A ``DeepseekV3ForCausalLM`` directory as a ModelFile, the routers'
+    ``e_score_correction_bias`` its buffers."""
 
     parse = staticmethod(parse_config)
     table = staticmethod(sources)
+
+    def buffer_sources(self) -> dict:
+        cfg = self.config
+        return {name: (sources(cfg, name)[0][0][0], (cfg.n_experts,)) for name in bias_names(cfg)}
 
     def describe(self) -> str:
         return super().describe().replace("Hugging Face Llama", "Hugging Face DeepseekV3")
 
 
 __all__ = ["DeepseekHFModel", "config_of", "is_deepseek_dir", "parse_config", "shape_of", "sources", "write"]
-

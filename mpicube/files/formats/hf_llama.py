@@ -187,6 +187,15 @@ class LlamaHFModel(HFModel):
                 want = (shape[0],) if width is None else (width, shape[0]) if transposed else (shape[0], width)
                 found[fname] = tuple(sl.get_shape())
                 check_shapes(self.path, {fname: found[fname]}, {fname: want})
+        for name, (fname, shape) in self.buffer_sources().items():
+            if fname not in self._map:
+                raise FormatError(f"{self.path}: missing tensor {fname!r} (mpicube's buffer {name})")
+            sl = self._open(self._map[fname]).get_slice(fname)
+            if sl.get_dtype() not in READABLE:
+                raise FormatError(f"{self._where(fname)}: tensor {fname!r} has dtype {sl.get_dtype()}; mpicube "
+                                  f"reads {', '.join(READABLE)} (save the model in float32)")
+            found[fname] = tuple(sl.get_shape())
+            check_shapes(self.path, {fname: found[fname]}, {fname: shape})
         for fname in self._map:
             if fname not in found:
                 why = "the model ties lm_head to embed_tokens (tie_word_embeddings)" if fname == "lm_head.weight" \
@@ -208,6 +217,16 @@ class LlamaHFModel(HFModel):
                 pieces.append(self._slice(fname, (local, rows)).T if transposed else self._slice(fname, (rows, local)))
             start += width
         return np.concatenate(pieces, axis=1)
+
+    def buffer_sources(self) -> dict:
+        """{mpicube buffer name: (HF tensor name, shape)} of the persistent
+        tensors that are not parameters (a family with a router bias gives
+        its own; a Llama has none)."""
+        return {}
+
+    def buffer(self, name: str):
+        table = self.buffer_sources()
+        return self._slice(table[name][0], (slice(None),)) if name in table else None
 
     def _slice(self, fname: str, box: tuple) -> np.ndarray:
         try:

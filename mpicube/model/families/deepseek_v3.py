@@ -6,10 +6,11 @@ kv_down REPLICATED (small low-rank projections every tp rank holds whole),
 q_up / q_proj and kv_up COLUMN by heads (each head's columns contiguous),
 c_proj ROW.
 
-The MLP is the dense SwiGLU on every layer for now (HF's
-``first_k_dense_replace`` = ``num_hidden_layers``); ``mlp`` and
-``mlp_params`` / ``mlp_names`` are the hook where DeepSeekMoE (routed
-and shared experts) plugs in, as Mixtral's mixture does in Llama's.
+The MLP: Llama's dense SwiGLU on the first ``first_k_dense`` blocks
+(every block without --n-routed-experts), DeepSeekMoE after them: the
+mixture block ``moe.MoE`` with its sigmoid router (this family's default,
+``core.config.family_fields``), groups and shared experts, plugged in as
+Mixtral's is.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ...core.errors import ConfigError
 from ...parallel.layouts.modules import RMSNorm
 from ...parallel.params import ParamDecl
 from ..latent_attention import LatentAttention
+from ..moe import MoE, expert_names, moe_params
 from .llama import Llama
 
 
@@ -92,5 +94,11 @@ class DeepseekV3(Llama):
     def attention(self, layout, store, i, attention, dropout):
         return LatentAttention(layout, store, f"h.{i}.attn", attention, dropout, f"h.{i}")
 
-    # mlp_names / mlp_params / mlp: Llama's dense SwiGLU on every layer. DeepSeekMoE's hook: override these
-    # three (block i dense below first_k_dense, the mixture above), as families/mixtral.py does.
+    def mlp_names(self, cfg, i):
+        return expert_names(cfg, i) if cfg.is_moe(i) else super().mlp_names(cfg, i)
+
+    def mlp_params(self, cfg, i, std, resid_std):
+        return moe_params(cfg, i, std, resid_std) if cfg.is_moe(i) else super().mlp_params(cfg, i, std, resid_std)
+
+    def mlp(self, layout, store, i):
+        return MoE(layout, store, i) if layout.cfg.is_moe(i) else super().mlp(layout, store, i)
