@@ -28,10 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
-E8M0 = ml_dtypes.float8_e8m0fnu
+try:
+    import ml_dtypes
+except ImportError:      # a core dependency; without it mpicube runs until --fp8 (or bfloat16) is asked for
+    ml_dtypes = None
+
+E8M0 = ml_dtypes.float8_e8m0fnu if ml_dtypes else None
 E8M0_BIAS = 127
 AMAX_FLOOR = 1e-12          # torchao's EPS: an all-zero group gets the scale fmt_max / 1e-12
 
@@ -48,8 +52,8 @@ class Fp8Format:
     emax: int
 
 
-E4M3 = Fp8Format("e4m3", ml_dtypes.float8_e4m3fn, 448.0, 8)        # no inf; 0x7f/0xff are NaN
-E5M2 = Fp8Format("e5m2", ml_dtypes.float8_e5m2, 57344.0, 15)       # IEEE-like, with inf
+E4M3 = Fp8Format("e4m3", ml_dtypes.float8_e4m3fn if ml_dtypes else None, 448.0, 8)   # no inf; 0x7f/0xff NaN
+E5M2 = Fp8Format("e5m2", ml_dtypes.float8_e5m2 if ml_dtypes else None, 57344.0, 15)  # IEEE-like, with inf
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 
 

@@ -41,6 +41,10 @@ def fp8_recipe(name, dtype: str, grad_format=None, accumulate=None, history: int
         raise ConfigError(f"--fp8-amax-rule must be max or recent, got {rule!r}")
     if device != "cpu":
         raise ConfigError(f"--fp8 runs on the CPU so far (ml_dtypes' formats), not --device {device}")
+    from ..ops import fp8
+    if fp8.ml_dtypes is None:
+        raise ConfigError("--fp8 needs the ml_dtypes package (its FP8 formats): pip install ml_dtypes "
+                          "(or reinstall mpicube)")
     if ep > 1:
         raise ConfigError("--fp8 with --ep > 1 is not supported yet (an expert's scale would have to be reduced "
                           "over the ranks that hold its tokens); use --ep 1")
