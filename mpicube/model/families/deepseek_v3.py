@@ -19,11 +19,9 @@ import math
 
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
-from ...parallel.layouts.modules import RMSNorm
 from ...parallel.params import ParamDecl
 from ..latent_attention import LatentAttention
-from ..moe import MoE, expert_names, moe_params
-from .llama import Llama
+from .mixtral import Mixtral
 
 
 def attention_names(cfg: ModelConfig) -> tuple:
@@ -34,7 +32,7 @@ def attention_names(cfg: ModelConfig) -> tuple:
                                    "attn.c_proj.weight", "ln_2.weight")
 
 
-class DeepseekV3(Llama):
+class DeepseekV3(Mixtral):
     name = "deepseek_v3"
     hf_map = ""                 # no trace-checker name map for HF DeepseekV3 yet
 
@@ -87,18 +85,5 @@ class DeepseekV3(Llama):
             decls.append(ParamDecl("lm_head", (cfg.vocab_size, h), "wte", "normal", std))
         return decls
 
-    def norm(self, store, prefix, layout):
-        cfg = layout.cfg
-        return RMSNorm(store, prefix, cfg.n_embd, layout.hidden_comm, cfg.rms_eps)
-
     def attention(self, layout, store, i, attention, dropout):
         return LatentAttention(layout, store, f"h.{i}.attn", attention, dropout, f"h.{i}")
-
-    def mlp_names(self, cfg, i):
-        return expert_names(cfg, i) if cfg.is_moe(i) else super().mlp_names(cfg, i)
-
-    def mlp_params(self, cfg, i, std, resid_std):
-        return moe_params(cfg, i, std, resid_std) if cfg.is_moe(i) else super().mlp_params(cfg, i, std, resid_std)
-
-    def mlp(self, layout, store, i):
-        return MoE(layout, store, i) if layout.cfg.is_moe(i) else super().mlp(layout, store, i)
