@@ -215,6 +215,8 @@ class ModelConfig:
     qk_nope_head_dim: int = 0           # each head's non-rotary query/key part
     v_head_dim: int = 0                 # each head's value width
     rope_interleave: bool = True        # the rotary columns in interleaved pairs (DeepSeek's checkpoints)
+    mtp_depth: int = 0                  # deepseek_v3's multi-token prediction modules (ops/mtp.py); 0: none
+    mtp_loss_weight: float = 0.3        # their losses' weight: main + weight / depth * sum (the report's first 0.3)
 
     @property
     def moe(self) -> bool:
@@ -286,6 +288,8 @@ class ModelConfig:
         if not self.mla:                 # a Llama stores as before the MLA fields existed
             for key in MLA_FIELDS:
                 d.pop(key)
+        if not self.mtp_depth:           # a model without MTP stores as before its fields existed
+            del d["mtp_depth"], d["mtp_loss_weight"]
         return d
 
     @classmethod
@@ -328,6 +332,8 @@ class ModelConfig:
                 except ConfigError as exc:
                     raise ValueError(str(exc).replace("--", "").replace("-", "_")) from None
             values["arch"] = arch
+            if arch == "deepseek_v3" and d.get("mtp_depth"):
+                values.update(_mtp_from_dict(d))
             if d.get("n_experts"):
                 values.update(_moe_from_dict(d))
         return cls(**values)
@@ -355,6 +361,16 @@ class ModelConfig:
             return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h
         per_layer = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
         return self.vocab_size * h + self.n_ctx * h + L * per_layer + 2 * h
+
+
+def _mtp_from_dict(d: dict) -> dict:
+    """A stored configuration's multi-token prediction fields, checked as damaged-file errors."""
+    depth, weight = d.get("mtp_depth"), d.get("mtp_loss_weight", 0.3)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"mtp_depth must be a non-negative integer, got {depth!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"mtp_loss_weight must be a finite number of at least 0, got {weight!r}")
+    return {"mtp_depth": depth, "mtp_loss_weight": float(weight)}
 
 
 def _moe_from_dict(d: dict) -> dict:
