@@ -14,6 +14,7 @@ import pytest
 import deepseek_reference as ref
 from mpicube.core.config import ModelConfig
 from mpicube.core.errors import ConfigError
+from mpicube.core.yarn_scaling import YarnScaling
 from test_ops import check_whole_model_gradient
 
 rng = np.random.default_rng(43)
@@ -41,6 +42,12 @@ def test_config_round_trips_and_counts():
     decls = gpt_params(cfg)
     assert [d.name for d in decls] == list(param_names(cfg))
     assert sum(int(np.prod(d.shape)) for d in decls) == cfg.n_params()
+    yarn = small_deepseek(rope_scaling=YarnScaling(40.0, 64, mscale=1.0, mscale_all_dim=0.8, truncate=False))
+    assert ModelConfig.from_dict(yarn.to_dict()).rope_scaling == yarn.rope_scaling     # stored (core.yarn_scaling)
+    for bad, words in (({"rope_type": "llama3"}, "rope_type must be 'yarn'"), ({"beta_slow": 64.0}, "beta_fast"),
+                       ({"low_freq_factor": 1}, "rope_scaling.low_freq_factor is not a YaRN field")):
+        with pytest.raises(ValueError, match=words):
+            ModelConfig.from_dict({**yarn.to_dict(), "rope_scaling": {**yarn.to_dict()["rope_scaling"], **bad}})
     kinds = {d.name[len("h.0.attn."):]: d.role for d in decls if d.name.startswith("h.0.attn.")}
     assert kinds == {"q_down.weight": "w_replicated", "q_norm.weight": "norm", "q_up.weight": "w_column",
                      "kv_down.weight": "w_replicated", "kv_norm.weight": "norm", "kv_up.weight": "w_column",

@@ -91,17 +91,28 @@ def test_convert_both_ways_loads_in_transformers(hf, tmp_path):
 
 
 def test_eval_and_init_from_take_the_directory(hf, tmp_path):
+    """A directory with YaRN's rope (DeepSeek-V3's released scaling):
+    ``train --init-from`` takes it (``eval`` of a directory: the MoE tests below); the run's checkpoint keeps
+    the scaling (core.yarn_scaling), so ``eval`` on the run gives the
+    directory's loss for the trained weights and ``--resume`` goes on."""
     torch, transformers, _ = hf
-    saved_model(torch, transformers, tmp_path / "ds", vocab_size=256)    # the built-in corpus's bytes
+    saved_model(torch, transformers, tmp_path / "ds", vocab_size=256, **with_rope(YARN))   # the corpus's bytes
     run = [sys.executable, "-m", "mpicube"]
-    out = subprocess.run(run + ["eval", str(tmp_path / "ds"), "--batches", "1", "--seq-len", "8"],
+    train = run + ["train", "--init-from", str(tmp_path / "ds"), "--seq-len", "8", "--out", str(tmp_path / "run"),
+                   "--log-every", "1", "--ckpt-every", "1"]
+    out = subprocess.run(train + ["--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    model = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert model["arch"] == "deepseek_v3" and model["rope_scaling"] == {**YARN, "factor": 40.0}
+    out = subprocess.run(run + ["eval", str(tmp_path / "run"), "--batches", "1", "--seq-len", "8"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    out = subprocess.run(run + ["train", "--init-from", str(tmp_path / "ds"), "--steps", "2", "--seq-len", "8",
-                                "--out", str(tmp_path / "run"), "--log-every", "1"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["arch"] == "deepseek_v3"
+    out = subprocess.run(train + ["--steps", "3", "--resume"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "step 3" in out.stdout + out.stderr, out.stderr
+    from mpicube.files import formats
+
+    with formats.open_model(tmp_path / "run") as f:
+        assert f.config.rope_scaling.factor == 40.0 and f.config.rope_scaling.softmax_factor > 1.8
 
 
 def moe_model(torch, transformers, path, **over):

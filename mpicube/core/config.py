@@ -9,6 +9,7 @@ from typing import Optional
 from .deepseek_moe import BIAS_UPDATES, DEEPSEEK_MOE, DEEPSEEK_OPTIONS, ROUTERS, deepseek_fields  # noqa: F401
 from .errors import ConfigError
 from .floats import FLOAT_RANGES, float_problem  # noqa: F401 (config.float_problem: the checks' callers)
+from .yarn_scaling import YarnScaling
 
 ARCHS = ("gpt2", "llama", "deepseek_v3")
 LLAMA_LIKE = ("llama", "deepseek_v3")    # RMSNorm, rotary positions, SwiGLU, no biases, untied head
@@ -178,8 +179,9 @@ class ModelConfig:
     ``n_kv_head`` 0 means as many key/value heads as query heads;
     ``ffn_hidden`` 0 means the architecture's rule (``ffn``);
     ``tie_embeddings`` None means the architecture's default (``tied``);
-    ``rope_scaling`` None means plain rotary frequencies (Llama 3's scaling
-    comes from a Hugging Face config.json only)."""
+    ``rope_scaling`` None means plain rotary frequencies (Llama 3's scaling,
+    a ``RopeScaling``, or a deepseek_v3 model's YaRN, a ``YarnScaling``,
+    come from a Hugging Face config.json and are stored in checkpoints)."""
 
     vocab_size: int = 256
     n_ctx: int = 64
@@ -323,9 +325,7 @@ class ModelConfig:
                                      f"got {value!r}")
                 values[name] = value
             if d.get("rope_scaling") is not None:
-                if arch == "deepseek_v3":
-                    raise ValueError("rope_scaling of a deepseek_v3 model (YaRN) is not stored in checkpoints yet")
-                values["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
+                values["rope_scaling"] = _scaling_from_dict(arch, d["rope_scaling"])
             if arch == "deepseek_v3":
                 try:
                     values.update(mla_fields(**{k: d.get(k) for k in MLA_FIELDS}))
@@ -361,6 +361,25 @@ class ModelConfig:
             return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h
         per_layer = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
         return self.vocab_size * h + self.n_ctx * h + L * per_layer + 2 * h
+
+
+# each family's rotary scaling: (its rope_type, the value class); a stored config's rope_scaling is one of these
+SCALINGS = {"llama": ("llama3", RopeScaling), "deepseek_v3": ("yarn", YarnScaling)}
+
+
+def _scaling_from_dict(arch: str, d) -> object:
+    """A stored configuration's rope_scaling: Llama 3's (``RopeScaling``) for
+    a Llama, YaRN's (``YarnScaling``) for a deepseek_v3 model; a ValueError
+    names the field (a rope_type of the other family's included)."""
+    kind, cls = SCALINGS[arch]
+    if isinstance(d, dict) and d.get("rope_type", kind) != kind:
+        raise ValueError(f"rope_scaling.rope_type must be {kind!r} for an {arch} model, got {d.get('rope_type')!r}")
+    if cls is YarnScaling and isinstance(d, dict):
+        d = {k: v for k, v in d.items() if k != "rope_type"}
+        unknown = sorted(set(d) - set(YarnScaling.REQUIRED + YarnScaling.NUMBERS + ("truncate",)))
+        if unknown:
+            raise ValueError(f"rope_scaling.{unknown[0]} is not a YaRN field")
+    return cls.from_dict(d, "rope_scaling")
 
 
 def _mtp_from_dict(d: dict) -> dict:

@@ -25,66 +25,19 @@ on the host in float64 beside Llama 3's scaling (``ops.llama.rope_inv_freq``).
   the softmax scale by (0.1 ln 40 + 1)^2 ~ 1.87.
 
 These are Hugging Face's ``rope_type`` "yarn" semantics (field names
-included); ``files.formats.hf_deepseek_config`` reads them.
+included); ``files.formats.hf_deepseek_config`` reads them. The settings
+and the two scalar factors are a value of the configuration
+(``core.yarn_scaling.YarnScaling``: checkpoints store it); the tables
+are computed here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
-
-def mscale(scale: float, m: float = 1.0) -> float:
-    """YaRN's attention temperature correction 0.1 m ln(scale) + 1 (1 for scale <= 1)."""
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN's settings, in Hugging Face's field names. ``mscale``,
-    ``mscale_all_dim`` and ``attention_factor`` None: not set."""
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: Optional[float] = None
-    mscale_all_dim: Optional[float] = None
-    attention_factor: Optional[float] = None
-    truncate: bool = True
-
-    NUMBERS = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
-
-    @property
-    def table_factor(self) -> float:
-        """What cos and sin are multiplied by (HF's ``attention_factor``)."""
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
-        return mscale(self.factor)
-
-    @property
-    def softmax_factor(self) -> float:
-        """What MLA's softmax scale 1/sqrt(dn + dr) is multiplied by."""
-        if not self.mscale_all_dim:
-            return 1.0
-        m = mscale(self.factor, self.mscale_all_dim)
-        return m * m
-
-    def to_dict(self) -> dict:
-        """As Hugging Face writes it (``rope_type`` first, unset fields left out)."""
-        out = {"rope_type": "yarn", "factor": self.factor,
-               "original_max_position_embeddings": self.original_max_position_embeddings,
-               "beta_fast": self.beta_fast, "beta_slow": self.beta_slow}
-        for key in ("mscale", "mscale_all_dim", "attention_factor"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if not self.truncate:
-            out["truncate"] = False
-        return out
+from ..core.yarn_scaling import YarnScaling, mscale  # noqa: F401 (the settings' value lives in core: config stores it)
 
 
 def correction_dim(rotations: float, dim: int, theta: float, context: int) -> float:

@@ -127,28 +127,10 @@ def _yarn(where, field, params) -> YarnScaling:
     if unknown:
         raise FormatError(f"{where}: {field}.{unknown[0]} = {_shown(params[unknown[0]])} is not a YaRN field "
                           "mpicube computes")
-    values = {}
-    for key in ("factor", "original_max_position_embeddings") + YarnScaling.NUMBERS[1:]:
-        value = params.get(key)
-        if value is None and key not in ("factor", "original_max_position_embeddings"):
-            continue
-        integer = key == "original_max_position_embeddings"
-        kind = int if integer else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kind) or not (math.isfinite(value) and value > 0):
-            raise FormatError(f"{where}: {field}.{key} = {_shown(value)} is not a positive "
-                              f"{'integer' if integer else 'number'}")
-        values[key] = value if integer else float(value)
-    truncate = params.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise FormatError(f"{where}: {field}.truncate = {_shown(truncate)} must be true or false")
-    y = YarnScaling(**values, truncate=truncate)
-    if y.factor < 1:
-        raise FormatError(f"{where}: {field}.factor = {_shown(params['factor'])} is below 1 (YaRN stretches the "
-                          "context)")
-    if not y.beta_fast > y.beta_slow:
-        raise FormatError(f"{where}: {field}.beta_fast = {_shown(y.beta_fast)} is not above beta_slow "
-                          f"{_shown(y.beta_slow)}")
-    return y
+    try:
+        return YarnScaling.from_dict(params, field, shown=_shown)
+    except ValueError as e:
+        raise FormatError(f"{where}: {e}") from None
 
 
 def _rope_of(where, field, params, doc):
