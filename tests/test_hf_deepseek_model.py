@@ -226,6 +226,20 @@ def test_moe_init_from_takes_the_bias_and_the_training_knobs(hf, tmp_path):
                          timeout=300)
     assert out.returncode == 2 and "holds a model with n_groups 4, this run asks for 2" in out.stderr
     assert not (tmp_path / "bad").exists()
+    # a config this build does not compute (issue 43's bad input): one line naming the field, exit 2, nothing
+    # written, through train --init-from and convert (every field's message: test_hf_deepseek's refusals)
+    doc, bad, cli = json.loads((tmp_path / "moe" / "config.json").read_text()), tmp_path / "bad-cfg", run[:3]
+    bad.mkdir()
+    for f in (tmp_path / "moe").iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    for field, value, command in (
+            ("scoring_func", "softmax", ["train", "--init-from", str(bad), "--steps", "1", "--out", str(tmp_path / "bad")]),
+            ("topk_method", "greedy", ["convert", str(bad), str(tmp_path / "bad"), "--to", "mpicube"]),
+            ("rope_scaling", {"type": "dynamic", "factor": 4.0}, ["eval", str(bad)])):
+        (bad / "config.json").write_text(json.dumps({**doc, field: value}))
+        out = subprocess.run(cli + command, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and field in out.stderr, (field, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists(), out.stderr
 
 
 def test_greedy_tokens_through_the_latent_cache_equal_transformers(hf, tmp_path):
