@@ -263,8 +263,9 @@ def test_bad_files_are_named_in_one_line(tmp_path, good, variant, capsys):
     with h5py.File(other, "w") as f:
         f.attrs["format"] = "mpicube-checkpoint"
     assert "other.h5: not a trace (format 'mpicube-checkpoint'" in one_line_error(capsys, other, good)
-    v4 = variant(lambda f: f.attrs.__setitem__("version", 4))
-    assert "variant.h5: trace version 4, this mpicube reads versions 1, 2, 3 (writes 3)" in one_line_error(capsys, good, v4)
+    v5 = variant(lambda f: f.attrs.__setitem__("version", 5))
+    assert "variant.h5: trace version 5, this mpicube reads versions 1, 2, 3, 4 (writes 4)" in \
+        one_line_error(capsys, good, v5)
     cut = tmp_path / "cut.h5"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     assert "cut.h5: truncated or damaged HDF5 file" in one_line_error(capsys, good, cut)

@@ -34,7 +34,22 @@ MIXTRAL_CFG = {**LLAMA_CFG, "n_experts": 4, "top_k": 2, "norm_topk": True, "capa
                "router_aux_loss_coef": 0.02, "router_z_loss_coef": 0.0}
 
 
+# a DeepSeek-V3 (what names.config_of reads from an HF DeepseekV3 directory of these sizes): MLA with a q rank,
+# the first block dense, then 8 routed experts in 4 groups (sigmoid router) and one shared expert
+DEEPSEEK_CFG = {"vocab_size": 61, "n_ctx": 8, "n_layer": 2, "n_head": 4, "n_embd": 16, "arch": "deepseek_v3",
+                "n_kv_head": 4, "ffn_hidden": 24, "rope_theta": 50.0, "rms_eps": 1e-05, "tie_embeddings": False,
+                "q_lora_rank": 5, "kv_lora_rank": 6, "qk_rope_head_dim": 4, "qk_nope_head_dim": 2, "v_head_dim": 3,
+                "rope_interleave": True, "n_experts": 8, "top_k": 2, "norm_topk": True, "capacity_factor": 0.0,
+                "router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0, "router": "sigmoid", "n_groups": 4,
+                "topk_groups": 2, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "moe_ffn_hidden": 6,
+                "first_k_dense": 1, "bias_update_rate": 0.0, "bias_update": "plain", "seq_aux_loss_coef": 0.0}
+# without a q rank (q_proj), every block dense
+DEEPSEEK_DENSE_CFG = {k: v for k, v in DEEPSEEK_CFG.items() if k in list(DEEPSEEK_CFG)[:17]} | {"q_lora_rank": 0}
+
+
 def cfg_of(make):
+    if make in (namemaps.hf_deepseek_v3, namemaps.hf_deepseek_v3_hub):
+        return DEEPSEEK_CFG
     if make in (namemaps.hf_mixtral, namemaps.hf_mixtral_hub):
         return MIXTRAL_CFG
     return LLAMA_CFG if make is namemaps.hf_llama else CFG
@@ -56,7 +71,8 @@ def test_every_map_round_trips_exactly(make):
     assert all(np.array_equal(back[n], trace[n]) for n in trace)
 
 
-@pytest.mark.parametrize("cfg", [CFG, LLAMA_CFG, MIXTRAL_CFG], ids=["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("cfg", [CFG, LLAMA_CFG, MIXTRAL_CFG, DEEPSEEK_CFG, DEEPSEEK_DENSE_CFG],
+                         ids=["gpt2", "llama", "mixtral", "deepseek_v3", "deepseek_v3-dense"])
 def test_each_family_names_the_map_of_its_transformers_class(cfg):
     """A model family's ``hf_map`` (model/families) is a shipped map whose
     trace names are exactly the family's parameters, in its order."""
@@ -296,3 +312,54 @@ def test_hf_mixtral_maps_cover_transformers_mixtral_in_memory_and_on_file(tmp_pa
     with torch.no_grad():
         theirs = hf.model.layers[1].mlp.gate(torch.as_tensor(x))[0].numpy()
     assert np.abs(theirs - logits).max() <= 1e-12 * np.abs(logits).max()
+
+
+def test_hf_deepseek_maps_cover_transformers_deepseek_and_agree_with_the_file_reader(tmp_path):
+    """hf_deepseek_v3 uses every parameter of a random transformers
+    DeepseekV3ForCausalLM (MLA with a q rank, a dense first block, fused
+    routed experts, a shared expert; every activation module present),
+    hf_deepseek_v3_hub every tensor of its save_pretrained files, both give
+    the same trace tensors, and those are what mpicube's own reader of the
+    directory gives (files/formats/hf_deepseek.py: an independent table),
+    its config read as the trace's (names.config_of). kv_a_proj_with_mqa
+    maps whole onto kv_down: the latent's rows its first columns, k_pe's
+    its last; e_score_correction_bias is the buffer of the record
+    moe/h.1.bias. Skipped without torch and transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.numpy")
+    from mpicube.files import formats
+
+    cfg = DEEPSEEK_CFG
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **hf_llama_shape(cfg), moe_intermediate_size=cfg["moe_ffn_hidden"], n_shared_experts=1, n_routed_experts=8,
+        kv_lora_rank=6, q_lora_rank=5, qk_rope_head_dim=4, v_head_dim=3, qk_nope_head_dim=2, n_group=4,
+        topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 50.0})).double().eval()
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.linspace(-0.1, 0.1, 8))
+    fused = namemaps.hf_deepseek_v3(cfg)
+    ours = fused.to_trace({n: p.detach().numpy() for n, p in hf.named_parameters()})    # every name used
+    fused.check_names(hf.state_dict())                                                    # the buffer too
+    assert list(ours) == names.forward_param_order(cfg)
+    assert all(hf.get_submodule(path) is not None for path in fused.acts.values())
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert fused.buffers == {bias: "moe/h.1.bias"}
+    kv = hf.model.layers[1].self_attn.kv_a_proj_with_mqa.weight.detach().numpy()         # (rkv + dr, h)
+    assert np.array_equal(ours["h.1.attn.kv_down.weight"][:, :6], kv[:6].T)              # the kv latent's
+    assert np.array_equal(ours["h.1.attn.kv_down.weight"][:, 6:], kv[6:].T)              # k_pe's
+    hf.save_pretrained(tmp_path)
+    on_file = {k: v for f in sorted(tmp_path.glob("*.safetensors")) for k, v in safetensors.load_file(f).items()}
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in on_file, sorted(on_file)[:8]
+    hub = namemaps.hf_deepseek_v3_hub(cfg)
+    mapped = hub.to_trace(on_file, "file")
+    assert list(mapped) == list(ours) and all(np.array_equal(mapped[n], ours[n]) for n in ours)
+    with formats.open_model(tmp_path) as model_file:
+        assert names.config_of(model_file.config.to_dict()) == cfg
+        read = model_file.read_all()
+        assert sorted(read) == sorted(ours) and all(np.array_equal(read[n], ours[n]) for n in ours)
+        assert np.array_equal(model_file.read_buffers()["h.1.moe.router.score_bias"], on_file[bias])
+    with pytest.raises(UserError, match="not a DeepSeek-V3"):
+        namemaps.hf_deepseek_v3(MIXTRAL_CFG)
+    with pytest.raises(UserError, match="not a Llama"):
+        namemaps.hf_llama(cfg)

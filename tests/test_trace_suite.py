@@ -23,7 +23,7 @@ def test_the_edge_suite_is_written_and_a_parallel_run_agrees_with_it(tmp_path, c
         loads = [f[f"step_1/state/expert_load/h.{i}"][()] for i in range(2)]
     assert all(load.sum() == 4 and (load == 0).sum() >= 4 for load in loads), loads     # 4 tokens, top-1 of 8
     with h5py.File(tmp_path / "suite" / "vocab-257.h5", "r") as f:
-        assert f["step_1/logits"].shape[-1] == 257 and f.attrs["version"] == 3
+        assert f["step_1/logits"].shape[-1] == 257 and f.attrs["version"] == 4
     r = runner.run("trace", "--layout", "1d", "--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8",
                    "--batch-size", "8", "--dtype", "float64", "--dropout", "0.1", "--steps", "2", "--state",
                    "--vocab-size", "257", "--out", "tp2.h5", n=2)

@@ -43,7 +43,7 @@ from ..training.optim import Schedule
 from ..training.options import TrainOptions
 from ..training.train import DivergedError, Trainer
 from ..check.placements import mesh_attr
-from .trace_collect import Collector, Fp8Recorder, gather_pieces, mesh_of, record_outputs
+from .trace_collect import Collector, Fp8Recorder, Piece, gather_pieces, mesh_of, record_outputs
 
 DEFAULT_MAX_BYTES = 2 * 10 ** 9
 CLIP_EPS = 1e-6          # clipping scale min(1, max_norm / (norm + CLIP_EPS)), as train does
@@ -70,8 +70,8 @@ def trace_bytes(cfg, batch: int, seq_len: int, steps: int, dropout: float, items
     B, T, h, L = batch, seq_len, cfg.n_embd, cfg.n_layer
     params = cfg.n_params()
     per_step = (2 * params + (5 * L + 2) * B * T * h + B * T * cfg.vocab_size + 3) * itemsize
-    if cfg.moe:                                           # router logits, weights; int32 chosen experts
-        per_step += L * B * T * (cfg.n_experts + cfg.top_k) * itemsize + L * B * T * cfg.top_k * 4
+    if cfg.moe:                                           # router logits (and scores), weights; int32 chosen experts
+        per_step += L * B * T * (2 * cfg.n_experts + cfg.top_k) * itemsize + L * B * T * cfg.top_k * 4
     if dropout > 0:                                       # uint8 keep masks
         per_step += (2 * L + 1) * B * T * h + L * B * cfg.n_head * T * T
     return steps * B * (T + 1) * 4 + params * itemsize + steps * per_step
@@ -181,6 +181,7 @@ class Recorder(StepHooks):
         self.tokens.append(np.concatenate([x, y[:, -1:]], axis=1).astype(np.int32))   # (B, T+1)
         self.forward = []
         self.sink.clear()
+        self.biases = router_biases(trainer.parts.store, np.float64)      # {layer site: (E,)} before the step
 
     def forward_done(self, trainer, s, micro) -> None:
         parts, collect = trainer.parts, self.collect
@@ -200,7 +201,8 @@ class Recorder(StepHooks):
     def step_done(self, trainer, s, rec) -> None:
         moments = (self.collect.moments(trainer.opt.adam) if self.state and trainer.opts.optimizer != "sgd" else [])
         quantized = self.fp8.take() if self.fp8 is not None else []
-        tensors = self.gather(self.forward + self.grads + quantized + moments + self.collect.params("param"))
+        updates = bias_updates(self.biases, router_biases(trainer.parts.store, np.float64), self.store_dtype)
+        tensors = self.gather(self.forward + self.grads + quantized + moments + updates + self.collect.params("param"))
         state = self.state_scalars(trainer, s) if self.state else {}
         if self.writer is not None:
             group = f"step_{s}"
@@ -232,6 +234,26 @@ class Recorder(StepHooks):
             out[f"state/expert_load/{site}"] = np.bincount(experts.ravel(), minlength=trainer.parts.cfg.n_experts
                                                            ).astype(np.int64)                      # (E,)
         return out
+
+
+BIAS_SUFFIX = ".moe.router.score_bias"      # a sigmoid router's bias buffer in the store (model/routers.py)
+
+
+def router_biases(store, dtype) -> dict:
+    """{"h.{i}": (E,) host copy} of the sigmoid routers' biases this rank's
+    store holds (a pipeline stage: its own layers'), at this moment."""
+    return {name[:-len(BIAS_SUFFIX)]: np.array(store.backend.to_host(value), dtype=dtype)      # a copy
+            for name, value in store.persistent.items() if name.endswith(BIAS_SUFFIX)}
+
+
+def bias_updates(before: dict, after: dict, dtype) -> list:
+    """Pieces ``moe/h.{i}.bias_update`` (E,): what the step's aux-loss-free
+    update added to each bias (after - before, in float64 then the trace's
+    dtype). Every rank holds the whole bias and gives its copy: a rank
+    that updated from other loads than the others shows as replicas that
+    part in a sharded trace."""
+    return [Piece(f"moe/{site}.bias_update", bias.shape, (np.arange(bias.shape[0]),),
+                  (after[site] - bias).astype(dtype)) for site, bias in sorted(before.items())]
 
 
 def run_trace(options: dict, mpi_world, say=print) -> dict:

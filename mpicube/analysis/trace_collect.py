@@ -162,7 +162,9 @@ class Collector:
         """Pieces of a mixture of experts' router decisions captured in
         block i (``_observe_router``): ``moe/h.{i}.logits`` (B, T, E),
         ``moe/h.{i}.experts`` (B, T, K) int32 and ``moe/h.{i}.weights``
-        (B, T, K), on the rows the mixture ran on: the canonical rows, or
+        (B, T, K), a sigmoid router's ``moe/h.{i}.scores`` (B, T, E) and
+        ``moe/h.{i}.bias`` (E,) (the bias it chose with: whole on every
+        rank), on the rows the mixture ran on: the canonical rows, or
         under --sequence-parallel those the tp group holds together (the
         mixture routes the gathered sequences). Every column of E and K is
         on every rank (the logits are summed over the hidden group), so
@@ -172,12 +174,16 @@ class Collector:
         for key, captured in capture.items():
             if not key.endswith(ROUTER_KEY):
                 continue
-            site, (logits, chosen, weights) = key[:-len(ROUTER_KEY)], captured
+            site, (logits, chosen, weights, scores, bias) = key[:-len(ROUTER_KEY)], captured
             b = len(self.canonical_seqs)
             rows = (self.canonical_seqs, canonical if logits.shape[0] == b * len(canonical) else gathered)
             t = len(rows[1])
-            for part, value, dtype in (("logits", logits, None), ("experts", chosen, np.int32),
-                                       ("weights", weights, None)):
+            parts = [("logits", logits, None), ("experts", chosen, np.int32), ("weights", weights, None)]
+            if scores is not None:                           # the sigmoid router's (check/deepseek_names.py)
+                parts.insert(1, ("scores", scores, None))
+                E = bias.shape[0]
+                pieces.append(Piece(f"moe/{site}.bias", (E,), (np.arange(E),), self.host(bias)))   # (E,) in use
+            for part, value, dtype in parts:
                 width = value.shape[-1]
                 pieces.append(Piece(f"moe/{site}.{part}", (self.B, T, width), (*rows, np.arange(width)),
                                     self.host(value, dtype).reshape(b, t, width)))      # (B_c, T_c, width)
@@ -304,16 +310,20 @@ INSIDE = {"ln_1": "ln_1", "attn": "attn", "ln_2": "ln_2", "mlp": "mlp"}
 RESIDUAL_MASK = {"attn": "resid_attn", "mlp": "resid_mlp"}
 
 
-ROUTER_KEY = ".router"          # sink["h.{i}.router"]: (logits (n, E), chosen (n, K), weights (n, K))
+ROUTER_KEY = ".router"          # sink["h.{i}.router"]: (logits (n, E), chosen (n, K), weights (n, K), scores, bias)
 
 
 def _observe_router(moe, site: str, sink: dict, gate: list) -> None:
     """A mixture of experts' router decisions (``MoE.observe``, called in
     its forward) copied into ``sink[site + ".router"]`` while ``gate`` is
-    open (not in a --recompute rerun)."""
-    def observed(logits, chosen, weights):
+    open (not in a --recompute rerun); a sigmoid router's scores (n, E)
+    from its tape and the bias (E,) it chose with, else None for both."""
+    def observed(logits, chosen, weights, route=None):
         if gate[0]:
-            sink[site + ROUTER_KEY] = (logits.copy(), chosen.copy(), weights.copy())
+            scores = getattr(route, "scores", None)
+            bias = getattr(moe.router, "bias", None)
+            sink[site + ROUTER_KEY] = (logits.copy(), chosen.copy(), weights.copy(),
+                                       None if scores is None else scores.copy(), None if bias is None else bias.copy())
     moe.observe = observed
 
 

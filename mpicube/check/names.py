@@ -14,9 +14,12 @@ from __future__ import annotations
 import math
 import re
 
+from . import deepseek_names as ds
+
 FORMAT = "mpicube-trace"
-VERSION = 3                  # 2: the activations inside each block (BLOCK_ACTS); 3: placements, state (STATE)
-READS = (1, 2, 3)            # versions compare reads; an older trace lacks only what later ones added
+VERSION = 4                  # 2: the activations inside each block (BLOCK_ACTS); 3: placements, state (STATE);
+#                              4: the sigmoid router's bias, scores and bias update (deepseek_names)
+READS = (1, 2, 3, 4)            # versions compare reads; an older trace lacks only what later ones added
 CONFIG_KEYS = ("vocab_size", "n_ctx", "n_layer", "n_head", "n_embd")
 # a Llama trace's config adds these (mpicube's ModelConfig.to_dict, docs/llama.md); a GPT-2 one has none
 LLAMA_KEYS = {"arch": str, "n_kv_head": int, "ffn_hidden": int, "rope_theta": float, "rms_eps": float,
@@ -42,12 +45,14 @@ BLOCK_ACTS = ("ln_1", "attn", "ln_2", "mlp")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_SCALARS = ("state/loss_scale", "state/rng_offset")
 NEW_IN = {2: tuple(f"step_*/act/h.*.{a}" for a in BLOCK_ACTS),     # patterns of what each version added
-          3: ("step_*/state/*",)}
+          3: ("step_*/state/*",),
+          4: ("step_*/moe/h.*.bias", "step_*/moe/h.*.scores", "step_*/moe/h.*.bias_update")}
 # a mixture of experts' router, per MoE layer i, in the order computed (between act/h.{i}.ln_2 and
 # act/h.{i}.mlp): moe/h.{i}.logits (B, T, E) float, moe/h.{i}.experts (B, T, K) int32 (the chosen, best
 # first), moe/h.{i}.weights (B, T, K) float; per step moe/aux_loss and moe/z_loss, float64 () (before their
 # coefficients; the step's ``loss`` includes coef x each)
 ROUTER = ("logits", "experts", "weights")
+ROUTER_PARTS = ds.SIGMOID_ROUTER + (ds.BIAS_UPDATE,)      # any router's moe/h.{i}.* (a sigmoid router's: deepseek_names)
 STEP_KINDS = ("act", "grad", "param")                   # of these, every compared step must have something
 MOE_SCALARS = ("moe/aux_loss", "moe/z_loss")
 
@@ -66,18 +71,28 @@ def config_of(raw: dict) -> dict:
     arch = raw.get("arch", "gpt2")
     if arch == "gpt2":
         return cfg
-    if arch != "llama":
-        raise ValueError(f"has arch {arch!r}, not gpt2 or llama")
+    if arch not in ("llama", "deepseek_v3"):
+        raise ValueError(f"has arch {arch!r}, not gpt2, llama or deepseek_v3")
     for k, kind in LLAMA_KEYS.items():
         value = raw.get(k)
         if not _typed(value, kind):
             raise ValueError(f"lacks {k} or holds it not as {kind.__name__} (a Llama config)")
         cfg[k] = kind(value)
+    cfg["arch"] = arch
+    for k, kind in ds.MLA_KEYS.items() if arch == "deepseek_v3" else ():
+        if not _typed(raw.get(k), kind):
+            raise ValueError(f"lacks {k} or holds it not as {kind.__name__} (a deepseek_v3 config)")
+        cfg[k] = kind(raw[k])
     if raw.get("n_experts", 0):
         for k, kind in MOE_KEYS.items():
             if not _typed(raw.get(k), kind):
                 raise ValueError(f"lacks {k} or holds it not as {kind.__name__} (a mixture of experts' config)")
             cfg[k] = kind(raw[k])
+        for k, default in ds.MOE_DEFAULTS.items():          # stored where they differ from the defaults
+            kind = type(default)
+            if k in raw and not _typed(raw[k], kind):
+                raise ValueError(f"holds {k} not as {kind.__name__} (a mixture of experts' config)")
+            cfg[k] = kind(raw[k]) if k in raw else default
     return cfg
 
 
@@ -97,7 +112,8 @@ def moe(cfg: dict) -> bool:
 
 
 def llama(cfg: dict) -> bool:
-    return cfg.get("arch", "gpt2") == "llama"
+    """Llama-like: RMSNorm, rotary, SwiGLU, no biases (llama, and deepseek_v3 with its latent attention)."""
+    return cfg.get("arch", "gpt2") in ("llama", "deepseek_v3")
 
 
 def tied(cfg: dict) -> bool:
@@ -105,14 +121,12 @@ def tied(cfg: dict) -> bool:
     return cfg.get("tie_embeddings", True) if llama(cfg) else True
 
 
-def block_params(cfg: dict) -> tuple:
-    """A block's parameter suffixes in declaration order; a mixture of
-    experts' MLP is its router, then per expert ``c_fc`` and ``c_proj``
-    (model/moe.py's ``expert_names``)."""
-    if moe(cfg):
-        experts = [f"moe.experts.{e}.{w}.weight" for e in range(cfg["n_experts"]) for w in ("c_fc", "c_proj")]
-        return LLAMA_BLOCK_PARAMS[:4] + ("moe.router.weight", *experts)
-    return LLAMA_BLOCK_PARAMS if llama(cfg) else BLOCK_PARAMS
+def block_params(cfg: dict, i: int = 0) -> tuple:
+    """Block i's parameter suffixes in declaration order; a mixture of
+    experts' MLP is its router, then per expert ``c_fc`` and ``c_proj``,
+    then the shared experts (model/moe.py's ``expert_names``); deepseek_v3's
+    attention is MLA's (deepseek_names)."""
+    return tuple(block_shapes(cfg, i)) if llama(cfg) else BLOCK_PARAMS
 
 
 def forward_param_order(cfg: dict) -> list:
@@ -121,7 +135,7 @@ def forward_param_order(cfg: dict) -> list:
     ``lm_head`` when the head is not tied)."""
     names = ["wte"] if llama(cfg) else ["wte", "wpe"]
     for i in range(cfg["n_layer"]):
-        names += [f"h.{i}.{s}" for s in block_params(cfg)]
+        names += [f"h.{i}.{s}" for s in block_params(cfg, i)]
     if llama(cfg):
         return names + ["ln_f.weight"] + ([] if tied(cfg) else ["lm_head"])
     return names + ["ln_f.weight", "ln_f.bias"]
@@ -135,7 +149,7 @@ def backward_param_order(cfg: dict) -> list:
     if llama(cfg):
         names = ([] if tied(cfg) else ["lm_head"]) + ["ln_f.weight"]
         for i in reversed(range(cfg["n_layer"])):
-            names += [f"h.{i}.{s}" for s in _backward_block(cfg)]
+            names += [f"h.{i}.{s}" for s in _backward_block(cfg, i)]
         return names + ["wte"]
     names = ["ln_f.weight", "ln_f.bias"]
     pairs = [BLOCK_PARAMS[k:k + 2] for k in range(0, len(BLOCK_PARAMS), 2)]
@@ -144,15 +158,15 @@ def backward_param_order(cfg: dict) -> list:
     return names + ["wpe", "wte"]
 
 
-def _backward_block(cfg: dict) -> list:
-    """A Llama block's parameters in the order backward completes them: the
-    MLP's back to ``ln_1``; a mixture's experts from the last to the first
-    (each ``c_proj`` then ``c_fc``), then its router (whose gradient needs
-    every expert's output gradient)."""
-    if not moe(cfg):
-        return list(reversed(LLAMA_BLOCK_PARAMS))
-    experts = [f"moe.experts.{e}.{w}.weight" for e in reversed(range(cfg["n_experts"])) for w in ("c_proj", "c_fc")]
-    return experts + ["moe.router.weight"] + list(reversed(LLAMA_BLOCK_PARAMS[:4]))
+def _backward_block(cfg: dict, i: int = 0) -> list:
+    """Block i's parameters (a Llama-like block's) in the order backward
+    completes them: the MLP's back to ``ln_2`` (a mixture's:
+    deepseek_names.mixture_backward), then the attention's back to
+    ``ln_1`` (MLA's: deepseek_names.attention_backward)."""
+    mlp = ds.mixture_backward(cfg) if ds.is_moe(cfg, i) else ["mlp.c_proj.weight", "mlp.c_fc.weight"]
+    attention = ds.attention_backward(cfg) if ds.mla(cfg) else ["attn.c_proj.weight", "attn.c_attn.weight",
+                                                                "ln_1.weight"]
+    return mlp + ["ln_2.weight"] + attention
 
 
 def act_names(cfg: dict) -> list:
@@ -176,15 +190,15 @@ def step_names(cfg: dict, s: int, state: bool = False) -> list:
         b = f"h.{i}"
         order += [g + f"act/{b}.ln_1", g + f"dropout/{b}.attn", g + f"dropout/{b}.resid_attn", g + f"act/{b}.attn",
                   g + f"act/{b}.ln_2"]
-        order += [g + f"moe/{b}.{r}" for r in ROUTER] if moe(cfg) else []
+        order += [g + f"moe/{b}.{r}" for r in ds.router_parts(cfg)] if ds.is_moe(cfg, i) else []
         order += [g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
     order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else []) + [g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
-    order += [g + "grad_norm", g + "lr"]
+    order += [g + "grad_norm", g + "lr"] + [g + n for n in ds.bias_update_names(cfg)]
     if state:
         order += [g + f"state/{m}/{n}" for n in forward_param_order(cfg) for m in MOMENTS]
         order += [g + n for n in STATE_SCALARS]
-        order += [g + f"state/expert_load/h.{i}" for i in range(cfg["n_layer"])] if moe(cfg) else []
+        order += [g + f"state/expert_load/h.{i}" for i in range(cfg["n_layer"]) if ds.is_moe(cfg, i)]
     return order + [g + f"param/{n}" for n in forward_param_order(cfg)]
 
 
@@ -299,24 +313,32 @@ def _block(what: str) -> int:
     return int(part) if part.isdigit() else 0
 
 
+def block_shapes(cfg: dict, i: int) -> dict:
+    """{suffix: shape} of a Llama-like block i's parameters in declaration
+    order: c_attn (h, (n_head + 2 n_kv_head) hd) or MLA's projections
+    (deepseek_names.attention_shapes), then c_fc (h, 2 F) and c_proj (F, h)
+    or a mixture's router, experts and shared experts."""
+    h = cfg["n_embd"]
+    if ds.mla(cfg):
+        block = ds.attention_shapes(cfg)
+    else:
+        hd = h // cfg["n_head"]
+        qkv = (cfg["n_head"] + 2 * cfg["n_kv_head"]) * hd
+        block = {"ln_1.weight": (h,), "attn.c_attn.weight": (h, qkv), "attn.c_proj.weight": (h, h), "ln_2.weight": (h,)}
+    F = cfg["ffn_hidden"]
+    mlp = ds.mixture_shapes(cfg) if ds.is_moe(cfg, i) else {"mlp.c_fc.weight": (h, 2 * F), "mlp.c_proj.weight": (F, h)}
+    return {**block, **mlp}
+
+
 def param_shapes(cfg: dict) -> dict:
     """{name: shape} of every parameter, in declaration order, weights
     (in, out) as GPT-2's Conv1D holds them (Llama's too: c_attn (h, (n_head
     + 2 n_kv_head) hd), c_fc (h, 2 F), lm_head (V, h) as wte)."""
     V, C, h = cfg["vocab_size"], cfg["n_ctx"], cfg["n_embd"]
     if llama(cfg):
-        hd, F = h // cfg["n_head"], cfg["ffn_hidden"]
-        qkv = (cfg["n_head"] + 2 * cfg["n_kv_head"]) * hd
-        block = {"ln_1.weight": (h,), "attn.c_attn.weight": (h, qkv), "attn.c_proj.weight": (h, h),
-                 "ln_2.weight": (h,), "mlp.c_fc.weight": (h, 2 * F), "mlp.c_proj.weight": (F, h)}
-        if moe(cfg):            # the router (h, E), each expert a SwiGLU MLP's two weights
-            block = {k: v for k, v in block.items() if not k.startswith("mlp.")}
-            block["moe.router.weight"] = (h, cfg["n_experts"])
-            for e in range(cfg["n_experts"]):
-                block.update({f"moe.experts.{e}.c_fc.weight": (h, 2 * F), f"moe.experts.{e}.c_proj.weight": (F, h)})
         shapes = {"wte": (V, h)}
         for i in range(cfg["n_layer"]):
-            shapes.update({f"h.{i}.{k}": v for k, v in block.items()})
+            shapes.update({f"h.{i}.{k}": v for k, v in block_shapes(cfg, i).items()})
         return {**shapes, "ln_f.weight": (h,), **({} if tied(cfg) else {"lm_head": (V, h)})}
     block = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
              "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from . import shards
-from .names import FORMAT, MASK_SITES, MOE_SCALARS, MOMENTS, ROUTER, STATE_SCALARS, VERSION, config_of, param_shapes
+from .names import FORMAT, MASK_SITES, MOE_SCALARS, MOMENTS, ROUTER_PARTS, STATE_SCALARS, VERSION, config_of, param_shapes
 from .shards import Sharded
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -94,7 +94,7 @@ class TraceWriter(StagedFile):
         masks applied (``emb``, ``h.{i}.attn``, ...; 0/1), ``tokens`` the
         (B, T+1) batch; a mixture of experts' ``moe`` tensors under their
         ``moe/`` names (``h.{i}.logits``, ``h.{i}.experts``, ``h.{i}.weights``,
-        ``aux_loss``, ``z_loss``; names.ROUTER); ``state`` the training
+        ``aux_loss``, ``z_loss``; names.ROUTER_PARTS); ``state`` the training
         state after the update under its ``state/`` names (``exp_avg``
         and ``exp_avg_sq``: {parameter: moment}, every parameter;
         ``loss_scale``, ``rng_offset``, ``expert_load/h.{i}``;
@@ -103,8 +103,8 @@ class TraceWriter(StagedFile):
             raise UserError(f"{self.path}: step {s} written after step {self.steps}; steps go 1, 2, ... in order")
         for key in moe or {}:                               # before anything of the step is written
             site, _, part = key.rpartition(".")
-            if "moe/" + key not in MOE_SCALARS and not (site.startswith("h.") and part in ROUTER):
-                raise UserError(f"{self.path}: moe tensor {key!r} is not one of h.{{i}}.{{{','.join(ROUTER)}}}, "
+            if "moe/" + key not in MOE_SCALARS and not (site.startswith("h.") and part in ROUTER_PARTS):
+                raise UserError(f"{self.path}: moe tensor {key!r} is not one of h.{{i}}.{{{','.join(ROUTER_PARTS)}}}, "
                                 f"aux_loss, z_loss")
         state = dict(state or {})
         for key in state:

@@ -164,7 +164,7 @@ class MoE:
         logits = self._logits(x2, wide)                                           # (n, E) float32+
         ledger = getattr(ctx, "router", None)
         chosen, weights, s_route = self.router.route(logits, ctx)                 # (n, K) each
-        self.observe(logits, chosen, weights)
+        self.observe(logits, chosen, weights, s_route)
         cap = offset = None
         if cfg.capacity_factor:
             counts = xp.bincount(chosen.reshape(-1), minlength=E)                 # (E,)
@@ -197,10 +197,11 @@ class MoE:
             y = precision.narrow(out, x.dtype).reshape(B, T, h)
         return (y if shared_y is None else y + shared_y), saved
 
-    def observe(self, logits, chosen, weights) -> None:
+    def observe(self, logits, chosen, weights, route=None) -> None:
         """The router's decisions of this forward - logits (n, E), chosen
-        (n, K), weights (n, K) - offered to an observer: nothing here; a
-        trace replaces it on the instance (analysis/trace_collect.py) to
+        (n, K), weights (n, K) and the router's tape ``route`` (a sigmoid
+        router's holds its scores) - offered to an observer: nothing here;
+        a trace replaces it on the instance (analysis/trace_collect.py) to
         record them without the model knowing it is watched."""
 
     def backward(self, dy, saved):

@@ -34,7 +34,7 @@ def attention_names(cfg: ModelConfig) -> tuple:
 
 class DeepseekV3(Mixtral):
     name = "deepseek_v3"
-    hf_map = ""                 # no trace-checker name map for HF DeepseekV3 yet
+    hf_map = "hf_deepseek_v3_hub"
 
     def check(self, cfg):
         if cfg.v_head_dim > cfg.qk_nope_head_dim + cfg.qk_rope_head_dim:
