@@ -54,6 +54,18 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
 - ``grad-error=NAME``: parameter NAME's summed gradient comes out 1% too
   large (the envelope's demonstration, docs/trace-format.md: a bfloat16
   candidate that the depth bound passes and the envelope fails).
+- ``kpe-grad-tp`` (issue 43, torchtitan PR #1373's review): MLA's rotary
+  key k_pe, which every head reads, has its gradient left unsummed over
+  the tensor-parallel ranks holding the other heads: each rank's
+  kv_down steps on its own heads' share of k_pe's gradient.
+- ``ep-grad-doubled`` (pytorch #160285): under --ep every expert's
+  summed gradient comes out twice as large (the loss curve stays the
+  same).
+- ``bias-local-loads``: the aux-loss-free bias is updated from this
+  rank's last micro-batch's loads instead of the whole global batch's
+  (every dp, cp and ep rank, every micro-batch): replicas part.
+- ``bias-sign``: the bias update's sign flipped (torchtitan #1506): an
+  overloaded expert's bias rises.
 - ``none``: nothing planted (a clean trace in the same launch).
 """
 
@@ -254,12 +266,61 @@ def grad_error(name):
     return _swap(gradients.GradientSync, "__call__", planted)
 
 
+def kpe_grad_tp(_):
+    from mpicube.parallel.layouts import base
+
+    return _swap(base.Layout, "shared_key_backward", lambda self, dk: self.backend.xp.ascontiguousarray(dk))
+
+
+def ep_grad_doubled(_):
+    from mpicube.parallel import gradients
+
+    call = gradients.GradientSync.__call__
+
+    def planted(self):
+        call(self)
+        if self.axes.ep is not None and self.axes.ep.size > 1:
+            for spec in self.store.specs:
+                if spec.expert:
+                    self.store.grad[spec.name][...] *= 2
+    return _swap(gradients.GradientSync, "__call__", planted)
+
+
+def bias_local_loads(_):
+    import numpy as np
+
+    from mpicube.training import driver
+
+    take = driver.RouterLog.take
+
+    def planted(self):
+        last = self.ledgers[-1] if self.ledgers else None
+        rec = take(self)
+        if last is not None:                             # this rank's own counts (before the ledger's sums)
+            E = last.cfg.n_experts
+            self.loads = {layer: np.asarray(self.to_host(last.stats[layer][:E]), dtype=np.float64)
+                          for layer in last.layers}
+        return rec
+    return _swap(driver.RouterLog, "take", planted)
+
+
+def bias_sign(_):
+    from mpicube.ops import deepseek_router
+
+    update = deepseek_router.bias_update
+
+    def planted(bias, loads, rate, centred=False):
+        return 2 * bias - update(bias, loads, rate, centred)        # bias - delta
+    return _swap(deepseek_router, "bias_update", planted)
+
+
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
           "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad,
           "router-aux-grad": router_aux_grad, "dp-partial": dp_partial,
           "moments-dropped": moments_dropped, "loss-scale-reset": loss_scale_reset, "replica-skip": replica_skip,
           "grads-unapplied": grads_unapplied, "precision-off": precision_off,
-          "grad-error": grad_error, "none": lambda _: (lambda: None)}
+          "grad-error": grad_error, "kpe-grad-tp": kpe_grad_tp, "ep-grad-doubled": ep_grad_doubled,
+          "bias-local-loads": bias_local_loads, "bias-sign": bias_sign, "none": lambda _: (lambda: None)}
 
 
 def plant(bug: str):

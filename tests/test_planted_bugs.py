@@ -8,7 +8,11 @@ consumed as replicated (issue 47: the placements of a sharded trace).
 Issue 47's state bugs (moments dropped, the loss scale reset, a replica
 skipping its update, gradients never applied, mixed precision off) are
 traced with --state over two steps and named at the state tensor or the
-step they spoil.
+step they spoil. Issue 43's DeepSeek-V3 bugs (k_pe's gradient not summed
+over tp, expert gradients doubled under --ep, the router bias updated
+from one rank's loads or with the wrong sign) are named at kv_down's
+gradient (its rotary key's columns), the last expert's and the bias
+update of the step.
 
 All the bugs' traces come from one 2-rank launch (tests/planted_check.py
 plants each bug, traces one or two steps of a tiny model, and takes it out
@@ -30,8 +34,14 @@ MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", 
 
 STATE = ["--steps", "2", "--state"]                     # two steps, with the training state
 F16 = ["--dtype", "float16", "--loss-scale", "1024", "--loss-scale-growth-interval", "1"]   # the scale grows each step
+# issue 43's DeepSeek-V3: MLA with a q rank, the first block dense, then 8 routed experts in 4 groups (top 2 in 2),
+# a shared expert and the aux-loss-free bias update; no dropout
+DS = ["--arch", "deepseek_v3", "--dropout", "0", "--n-routed-experts", "8", "--top-k", "2", "--n-groups", "4",
+      "--topk-groups", "2", "--moe-ffn-hidden", "8", "--n-shared-experts", "1", "--first-k-dense", "1",
+      "--bias-update-rate", "0.01", "--kv-lora-rank", "8", "--q-lora-rank", "8", "--qk-rope-head-dim", "4",
+      "--qk-nope-head-dim", "4", "--v-head-dim", "4"]
 REFERENCES = {"ref.h5": [], "ref257.h5": ["--vocab-size", "257"], "state.h5": STATE, "state16.h5": STATE + F16,
-              "bf16.h5": ["--dtype", "bfloat16"]}
+              "bf16.h5": ["--dtype", "bfloat16"], "ds.h5": DS}
 
 # bug, reference, layout options, the first divergence, rows that must still agree, a note its row must hold
 CATALOGUE = [
@@ -60,6 +70,18 @@ CATALOGUE = [
     ("precision-off", "bf16.h5", ["--layout", "1d", "--dtype", "bfloat16"], "step_1/act/emb", ["tokens", "init/wte"],
      "B: a bfloat16 trace whose activations and logits of this step all lie off the bfloat16 grid"),
     ("vocab-pad", "ref257.h5", ["--layout", "1d", "--vocab-size", "257"], "step_1/loss", ["step_1/logits"], ""),
+    # issue 43: named where each starts, the loss of the step agreeing
+    ("kpe-grad-tp", "ds.h5", [*DS, "--layout", "1d"], "step_1/grad/h.1.attn.kv_down.weight",
+     ["step_1/loss", "step_1/grad/h.1.attn.kv_up.weight", "step_1/grad/h.1.attn.q_down.weight"],
+     "only the rotary key's columns differ ([8:], k_pe"),
+    ("ep-grad-doubled", "ds.h5", [*DS, "--layout", "1d", "--dp", "2", "--ep", "2"],
+     "step_1/grad/h.1.moe.experts.7.c_proj.weight",
+     ["step_1/loss", "step_1/moe/h.1.experts", "step_1/grad/h.1.moe.shared.c_proj.weight"], ""),
+    ("bias-local-loads", "ds.h5", [*DS, "--layout", "1d", "--dp", "2", "--grad-accum", "2"],
+     "step_1/moe/h.1.bias_update", ["step_1/loss", "step_1/moe/h.1.bias", "step_1/param/h.1.moe.router.weight"],
+     "replicas part: ranks 0 and 1"),
+    ("bias-sign", "ds.h5", [*DS, "--layout", "1d"], "step_1/moe/h.1.bias_update",
+     ["step_1/loss", "step_1/moe/h.1.scores", "step_1/grad/h.1.moe.router.weight"], "B is A negated"),
 ]
 
 

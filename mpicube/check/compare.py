@@ -257,7 +257,7 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, en
         kinds.append(dtype.kind)
     if problems:                                       # replicas that part say by how much; inf: no number
         note = "; ".join(f"{side}: {problem}" for side, problem in problems)
-        note = "; ".join(filter(None, (note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol))))
+        note = "; ".join(filter(None, (note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol, cfg))))
         return Row(name, shapes[0], max(getattr(p, "max_abs", math.inf) for _, p in problems),
                    max(getattr(p, "max_rel", math.inf) for _, p in problems), False, note, math.nan, math.nan)
     wrong = [f"{side} stores {dt}, the format {want}" for side, dt, tdt in (("A", stored[0], dtypes[0]),
@@ -268,7 +268,7 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, en
     if env is not None:                                 # --tolerance envelope: the measured spread decides
         envelope.judge(row, name, readers, shapes[0], tuple(kinds), env[1], env[0])
     if not row.ok and kinds[0] == "f":                  # a wrong value that is the sum of a rank's copies
-        row.note = "; ".join(filter(None, (row.note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol))))
+        row.note = "; ".join(filter(None, (row.note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol, cfg))))
     if wrong:
         row.ok, row.note = False, "dtype: " + "; ".join(wrong)
     elif note:
