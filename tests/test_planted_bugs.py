@@ -22,12 +22,15 @@ tests/test_check_dtensor.py.
 
 import json
 
+import h5py
+import numpy as np
 import pytest
 from conftest import MpiCube
 
 from test_trace import REPO
 
 from mpicube.check.compare import compare_traces
+from mpicube.check.names import computation_order, config_of
 
 MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", "--batch-size", "8",
          "--dtype", "float64", "--dropout", "0.1", "--seed", "5", "--warmup", "2", "--steps", "1"]
@@ -72,11 +75,13 @@ CATALOGUE = [
     ("vocab-pad", "ref257.h5", ["--layout", "1d", "--vocab-size", "257"], "step_1/loss", ["step_1/logits"], ""),
     # issue 43: named where each starts, the loss of the step agreeing
     ("kpe-grad-tp", "ds.h5", [*DS, "--layout", "1d"], "step_1/grad/h.1.attn.kv_down.weight",
-     ["step_1/loss", "step_1/grad/h.1.attn.kv_up.weight", "step_1/grad/h.1.attn.q_down.weight"],
+     ["step_1/loss", "step_1/grad/h.1.attn.kv_up.weight", "step_1/grad/h.1.attn.q_down.weight",
+      "step_1/moe/h.1.bias_update"],
      "only the rotary key's columns differ ([8:], k_pe"),
     ("ep-grad-doubled", "ds.h5", [*DS, "--layout", "1d", "--dp", "2", "--ep", "2"],
      "step_1/grad/h.1.moe.experts.7.c_proj.weight",
-     ["step_1/loss", "step_1/moe/h.1.experts", "step_1/grad/h.1.moe.shared.c_proj.weight"], ""),
+     ["step_1/loss", "step_1/moe/h.1.experts", "step_1/grad/h.1.moe.shared.c_proj.weight",
+      "step_1/moe/h.1.bias_update"], ""),
     ("bias-local-loads", "ds.h5", [*DS, "--layout", "1d", "--dp", "2", "--grad-accum", "2"],
      "step_1/moe/h.1.bias_update", ["step_1/loss", "step_1/moe/h.1.bias", "step_1/param/h.1.moe.router.weight"],
      "replicas part: ranks 0 and 1"),
@@ -136,3 +141,35 @@ def test_the_envelope_passes_a_bf16_candidate_and_fails_a_1_percent_gradient_err
     row = next(r for r in bad.rows if r.name == bad.first_divergence)
     assert "a systematic error along the tensor" in row.note, row.note
     assert compare_traces(ref, runner.cwd / "bf16-grad.h5", verdict="depth").first_divergence is None
+
+
+def test_a_deepseek_trace_holds_the_sigmoid_router_as_documented(runner):
+    """The serial DeepSeek-V3 reference (docs/trace-format.md, "DeepSeek-V3"):
+    every name of the format in computation order (block 0 dense, block 1
+    a mixture with a shared expert); per token the scores are the
+    sigmoid of the logits, the experts the top 2 of score + bias among the
+    2 of 4 groups with the best two-expert sums, their weights the scores
+    renormalised (--routed-scaling-factor 1); the bias update is 0.01 sign(mean load - load)
+    over the step's tokens."""
+    with h5py.File(runner.cwd / "ds.h5", "r") as f:
+        cfg = config_of(json.loads(f.attrs["config"]))
+        names = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+        assert sorted(names) == sorted(n for n in computation_order(cfg, 1) if "/dropout/" not in n)   # none
+        assert "init/h.0.mlp.c_fc.weight" in names and f["init/h.1.moe.shared.c_fc.weight"].shape == (16, 16)
+        g = f["step_1/moe"]
+        logits, scores, bias = g["h.1.logits"][()], g["h.1.scores"][()], g["h.1.bias"][()]   # (B, T, E), (E,)
+        chosen, weights = g["h.1.experts"][()].astype(np.int64), g["h.1.weights"][()]        # (B, T, K)
+        update = g["h.1.bias_update"][()]                                                     # (E,)
+    assert np.abs(scores - 1 / (1 + np.exp(-logits))).max() <= 1e-15 and not bias.any()      # step 1: no update yet
+    biased = (scores + bias).reshape(-1, 4, 2)                                               # (n, groups, 2)
+    best = np.argsort(-biased.sum(axis=-1), axis=-1, kind="stable")[:, :2]                  # (n, 2) kept groups
+    kept = np.full(biased.shape, -np.inf)
+    np.put_along_axis(kept, best[..., None], np.take_along_axis(biased, best[..., None], axis=1), axis=1)
+    want = np.argsort(-kept.reshape(-1, 8), axis=-1, kind="stable")[:, :2]                  # (n, 2)
+    assert np.array_equal(chosen.reshape(-1, 2), want)
+    top = np.take_along_axis(scores, chosen, axis=-1)
+    assert cfg["routed_scaling_factor"] == 1.0
+    assert np.abs(weights - top / top.sum(axis=-1, keepdims=True)).max() <= 1e-14
+    load = np.bincount(chosen.ravel(), minlength=8)
+    assert np.array_equal(update, 0.01 * np.sign(load.mean() - load)) and update.any()

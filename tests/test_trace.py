@@ -67,7 +67,7 @@ def test_serial_trace_holds_the_steps_it_ran(serial_trace, corpus_cache):
     from mpicube.training.train import build_parts
 
     with h5py.File(serial_trace, "r") as f:
-        assert f.attrs["format"] == "mpicube-trace" and f.attrs["version"] == 3 and f.attrs["steps"] == STEPS
+        assert f.attrs["format"] == "mpicube-trace" and f.attrs["version"] == 4 and f.attrs["steps"] == STEPS
         assert json.loads(f.attrs["config"]) == CFG and f.attrs["dtype"] == "float64"
         assert json.loads(f.attrs["layout"])["layout"] == "serial"
         opt = json.loads(f.attrs["optimizer"])
