@@ -443,7 +443,7 @@ def device_options(f):
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="mpicube")
 def cli():
-    """GPT-2, Llama and Mixtral training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
+    """GPT-2, Llama, Mixtral and DeepSeek-V3 training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
 
     Run under MPI: mpiexec -n 8 mpicube train --layout 3d
     """

@@ -333,7 +333,7 @@ def inspect(ckpt):
 @click.argument("dst")
 @click.option("--to", "to", type=click.Choice(["mpicube", "hf", "llmc"]), required=True,
               help="format to write: a mpicube run directory, a Hugging Face directory (GPT2LMHeadModel or "
-                   "LlamaForCausalLM or MixtralForCausalLM, as the model is) or an llm.c file (a format that holds "
+                   "LlamaForCausalLM, MixtralForCausalLM or DeepseekV3ForCausalLM, as the model is) or an llm.c file (a format that holds "
                    "GPT-2 only)")
 @click.option("--max-shard-size", type=str, default=None, metavar="SIZE",
               help="hf: split the weights into safetensors files of at most SIZE (e.g. 2GB, 500MB)")
