@@ -176,7 +176,7 @@ def arch_options(f):
                      help="model family: gpt2; llama (RMSNorm, rotary positions, SwiGLU, "
                           "grouped-query attention, untied head, no biases); mixtral: Llama with a mixture of "
                           "experts (--n-experts 8 --top-k 2 unless given); deepseek_v3: Llama with multi-head "
-                          "latent attention (dense MLP on every layer so far); with --init-from or --resume: "
+                          "latent attention, and DeepSeekMoE with --n-routed-experts; with --init-from or --resume: "
                           "the file's family")(f)
     return f
 

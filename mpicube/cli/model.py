@@ -308,8 +308,8 @@ def _session_factory(parts, steps, where, meta):
 def inspect(ckpt):
     """Report a model file's contents and check it; exit 1 if damaged.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral
-    directory or an llm.c model file, as for eval and generate.
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama, Mixtral or
+    DeepseekV3 directory or an llm.c model file, as for eval and generate.
 
     A mpicube checkpoint: every shard's checksum. A Hugging Face GPT-2
     directory or an llm.c model file: its configuration and every tensor,
@@ -341,7 +341,7 @@ def convert(src, dst, to, max_shard_size):
     """Convert a model between mpicube, Hugging Face and llm.c formats.
 
     SRC's format is detected: a mpicube checkpoint (run dir, step dir or
-    checkpoint.h5), a Hugging Face GPT-2, Llama or Mixtral directory (config.json
+    checkpoint.h5), a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory (config.json
     and safetensors) or an llm.c model file. Tensors are copied exactly.
     """
     from ..parallel.comm import on_root
@@ -379,8 +379,8 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
              pp, pp_schedule, virtual_stages, dtype, device, tf32, as_json):
     """Continue a prompt with any model file, on any layout.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral
-    directory or an llm.c model file (a mixture takes --ep over --dp, as in
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama, Mixtral or
+    DeepseekV3 directory or an llm.c model file (a mixture takes --ep over --dp, as in
     training). Without a prompt, generation starts from a newline
     (byte-level models) or <|endoftext|> (GPT-2's vocabulary). The same
     seed gives the same tokens on every layout and world size.

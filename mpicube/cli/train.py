@@ -153,7 +153,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
                  grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral directory or an
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory or an
     llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
