@@ -14,7 +14,7 @@ import pytest
 import deepseek_reference as ref
 from mpicube.core.config import ModelConfig
 from mpicube.core.errors import ConfigError
-from mpicube.core.yarn_scaling import YarnScaling
+from mpicube.core.rope_scaling import YarnScaling
 from test_ops import check_whole_model_gradient
 
 rng = np.random.default_rng(43)
@@ -43,7 +43,7 @@ def test_config_round_trips_and_counts():
     assert [d.name for d in decls] == list(param_names(cfg))
     assert sum(int(np.prod(d.shape)) for d in decls) == cfg.n_params()
     yarn = small_deepseek(rope_scaling=YarnScaling(40.0, 64, mscale=1.0, mscale_all_dim=0.8, truncate=False))
-    assert ModelConfig.from_dict(yarn.to_dict()).rope_scaling == yarn.rope_scaling     # stored (core.yarn_scaling)
+    assert ModelConfig.from_dict(yarn.to_dict()).rope_scaling == yarn.rope_scaling     # stored (core.rope_scaling)
     for bad, words in (({"rope_type": "llama3"}, "rope_type must be 'yarn'"), ({"beta_slow": 64.0}, "beta_fast"),
                        ({"low_freq_factor": 1}, "rope_scaling.low_freq_factor is not a YaRN field")):
         with pytest.raises(ValueError, match=words):

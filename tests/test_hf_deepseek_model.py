@@ -93,7 +93,7 @@ def test_convert_both_ways_loads_in_transformers(hf, tmp_path):
 def test_eval_and_init_from_take_the_directory(hf, tmp_path):
     """A directory with YaRN's rope (DeepSeek-V3's released scaling):
     ``train --init-from`` takes it (``eval`` of a directory: the MoE tests below); the run's checkpoint keeps
-    the scaling (core.yarn_scaling), so ``eval`` on the run gives the
+    the scaling (core.rope_scaling), so ``eval`` on the run gives the
     directory's loss for the trained weights and ``--resume`` goes on."""
     torch, transformers, _ = hf
     saved_model(torch, transformers, tmp_path / "ds", vocab_size=256, **with_rope(YARN))   # the corpus's bytes

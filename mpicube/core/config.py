@@ -9,7 +9,7 @@ from typing import Optional
 from .deepseek_moe import BIAS_UPDATES, DEEPSEEK_MOE, DEEPSEEK_OPTIONS, ROUTERS, deepseek_fields  # noqa: F401
 from .errors import ConfigError
 from .floats import FLOAT_RANGES, float_problem  # noqa: F401 (config.float_problem: the checks' callers)
-from .yarn_scaling import YarnScaling
+from .rope_scaling import RopeScaling, YarnScaling, scaling_from_dict  # noqa: F401 (config.RopeScaling)
 
 ARCHS = ("gpt2", "llama", "deepseek_v3")
 LLAMA_LIKE = ("llama", "deepseek_v3")    # RMSNorm, rotary positions, SwiGLU, no biases, untied head
@@ -123,53 +123,6 @@ def moe_fields(mixtral=False, n_experts=None, top_k=None, no_norm_topk=False, ca
 
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3's rotary frequency scaling (Hugging Face's ``rope_type``
-    "llama3"): wavelengths longer than ``original_max_position_embeddings``
-    / ``low_freq_factor`` are stretched ``factor`` times, those shorter than
-    it / ``high_freq_factor`` are kept, and the band between is blended
-    smoothly (``ops.llama.rope_inv_freq``). Held as a value so that a
-    configuration stays hashable and prints by name."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-    @classmethod
-    def from_dict(cls, d, where: str = "rope_scaling") -> "RopeScaling":
-        """The scaling of a JSON object holding the four KEYS (and perhaps
-        rope_type "llama3", rope_theta), or a ValueError naming the field
-        ``where.key`` that is missing or out of range."""
-        if not isinstance(d, dict):
-            raise ValueError(f"{where} must be a JSON object, got {d!r}")
-        values = {}
-        for key in cls.KEYS:
-            value = d.get(key)
-            kind = int if key == "original_max_position_embeddings" else (int, float)
-            if isinstance(value, bool) or not isinstance(value, kind) or not (math.isfinite(value) and value > 0):
-                what = "a positive integer" if kind is int else "a positive number"
-                raise ValueError(f"{where}.{key} must be {what}, got {value!r}")
-            values[key] = value if kind is int else float(value)
-        if values["factor"] < 1:
-            raise ValueError(f"{where}.factor must be at least 1 (it stretches wavelengths), got {values['factor']!r}")
-        if not values["low_freq_factor"] < values["high_freq_factor"]:
-            raise ValueError(f"{where}.low_freq_factor {values['low_freq_factor']!r} must be less than "
-                             f"high_freq_factor {values['high_freq_factor']!r}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        """As Hugging Face writes it (``rope_type`` first)."""
-        return {"rope_type": "llama3", **{k: getattr(self, k) for k in self.KEYS}}
-
-    def as_tuple(self) -> tuple:
-        """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), for ``ops``."""
-        return tuple(getattr(self, k) for k in self.KEYS)
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     """The model's hyper-parameters (docs/design.md section 2): GPT-2's five
     sizes, and the settings of the Llama family (``arch`` "llama"). Their
@@ -194,7 +147,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     tie_embeddings: Optional[bool] = None
-    rope_scaling: Optional[RopeScaling] = None
+    rope_scaling: Optional[object] = None    # RopeScaling (llama) or YarnScaling (deepseek_v3), or None
     n_experts: int = 0                  # 0: a dense SwiGLU MLP; else a mixture of experts (docs/moe.md)
     top_k: int = 2                      # experts per token
     norm_topk: bool = True              # Mixtral: the top-k probabilities renormalised to sum to 1
@@ -325,7 +278,7 @@ class ModelConfig:
                                      f"got {value!r}")
                 values[name] = value
             if d.get("rope_scaling") is not None:
-                values["rope_scaling"] = _scaling_from_dict(arch, d["rope_scaling"])
+                values["rope_scaling"] = scaling_from_dict(arch, d["rope_scaling"])
             if arch == "deepseek_v3":
                 try:
                     values.update(mla_fields(**{k: d.get(k) for k in MLA_FIELDS}))
@@ -361,25 +314,6 @@ class ModelConfig:
             return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h
         per_layer = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
         return self.vocab_size * h + self.n_ctx * h + L * per_layer + 2 * h
-
-
-# each family's rotary scaling: (its rope_type, the value class); a stored config's rope_scaling is one of these
-SCALINGS = {"llama": ("llama3", RopeScaling), "deepseek_v3": ("yarn", YarnScaling)}
-
-
-def _scaling_from_dict(arch: str, d) -> object:
-    """A stored configuration's rope_scaling: Llama 3's (``RopeScaling``) for
-    a Llama, YaRN's (``YarnScaling``) for a deepseek_v3 model; a ValueError
-    names the field (a rope_type of the other family's included)."""
-    kind, cls = SCALINGS[arch]
-    if isinstance(d, dict) and d.get("rope_type", kind) != kind:
-        raise ValueError(f"rope_scaling.rope_type must be {kind!r} for an {arch} model, got {d.get('rope_type')!r}")
-    if cls is YarnScaling and isinstance(d, dict):
-        d = {k: v for k, v in d.items() if k != "rope_type"}
-        unknown = sorted(set(d) - set(YarnScaling.REQUIRED + YarnScaling.NUMBERS + ("truncate",)))
-        if unknown:
-            raise ValueError(f"rope_scaling.{unknown[0]} is not a YaRN field")
-    return cls.from_dict(d, "rope_scaling")
 
 
 def _mtp_from_dict(d: dict) -> dict:

@@ -27,7 +27,7 @@ on the host in float64 beside Llama 3's scaling (``ops.llama.rope_inv_freq``).
 These are Hugging Face's ``rope_type`` "yarn" semantics (field names
 included); ``files.formats.hf_deepseek_config`` reads them. The settings
 and the two scalar factors are a value of the configuration
-(``core.yarn_scaling.YarnScaling``: checkpoints store it); the tables
+(``core.rope_scaling.YarnScaling``: checkpoints store it); the tables
 are computed here.
 """
 
@@ -37,7 +37,7 @@ import math
 
 import numpy as np
 
-from ..core.yarn_scaling import YarnScaling, mscale  # noqa: F401 (the settings' value lives in core: config stores it)
+from ..core.rope_scaling import YarnScaling, mscale  # noqa: F401 (the settings' value lives in core: config stores it)
 
 
 def correction_dim(rotations: float, dim: int, theta: float, context: int) -> float:
