@@ -189,6 +189,8 @@ def _span(steps: set) -> str:
     if not steps:
         return "none"
     lo, hi = min(steps), max(steps)
+    if lo == hi:
+        return str(lo)
     return f"{lo}-{hi}" if steps == set(range(lo, hi + 1)) else ", ".join(map(str, sorted(steps)))
 
 
