@@ -145,7 +145,8 @@ def test_the_envelope_of_an_fp8_reference_passes_an_fp8_candidate_and_fails_a_1_
     attention's order only (its scales follow the micro-batch) and floors
     each bound at u depth; a correct 2-rank candidate passes it over
     three steps, its FP8 weight codes included, and the 1% gradient error
-    fails it at the gradient, along the tensor."""
+    fails it at the gradient (at float32 by its size alone: the floor,
+    u depth, is about 1e-6)."""
     import h5py
 
     ref = runner.cwd / "fp8-envelope.h5"
@@ -160,4 +161,4 @@ def test_the_envelope_of_an_fp8_reference_passes_an_fp8_candidate_and_fails_a_1_
     bad = compare_traces(ref, runner.cwd / "fp8-grad.h5", verdict="envelope")
     assert bad.first_divergence == "step_1/grad/h.1.mlp.c_fc.weight", [(r.name, r.note) for r in bad.rows if not r.ok]
     row = next(r for r in bad.rows if r.name == bad.first_divergence)
-    assert "a systematic error along the tensor" in row.note, row.note
+    assert "> 4 x envelope" in row.note and row.rel_fro > 1000 * row.bound, row.note   # float32: its size alone

@@ -82,12 +82,11 @@ def _parsed(argv: list, label: str) -> dict:
                    "(resumed.h5), the run directory (run/) and compare's report (compare.txt)")
 @click.option("--mpiexec", default=None, metavar="LAUNCHER",
               help="what starts a parallel run, followed by -n N  [default: the mpiexec beside this Python]")
-@click.option("--print-commands", "mode", flag_value="print", help="print the three runs' command lines, run nothing")
-@click.option("--compare-only", "mode", flag_value="compare",
-              help="compare the traces the printed commands wrote into --out")
+@click.option("--print-commands", is_flag=True, help="print the three runs' command lines, run nothing")
+@click.option("--compare-only", is_flag=True, help="compare the traces the printed commands wrote into --out")
 @click.option("--json", "as_json", is_flag=True, help="end stdout with the verdict as JSON")
-def check_resume(from_layout, from_ranks, from_args, to_layout, to_ranks, to_args, a, b, dtype, out, mpiexec, mode,
-                 as_json, **common):
+def check_resume(from_layout, from_ranks, from_args, to_layout, to_ranks, to_args, a, b, dtype, out, mpiexec,
+                 print_commands, compare_only, as_json, **common):
     """Save on one layout, resume on another, compare with the serial run.
 
     Runs steps 1..A on --from-layout (--from-ranks ranks) and saves a
@@ -101,6 +100,9 @@ def check_resume(from_layout, from_ranks, from_args, to_layout, to_ranks, to_arg
     """
     from ..analysis.resume import RunFailed, Run, run_check_resume
 
+    if print_commands and compare_only:
+        raise UserError("--print-commands and --compare-only: give one (print the runs, or compare what they wrote)")
+    mode = "print" if print_commands else "compare" if compare_only else "run"
     if _mpi["world"] is not None and _mpi["world"].Get_size() > 1:
         raise UserError("check-resume launches its own ranks: run it as one process, not under mpiexec")
     if common.get("batch_size") is None:
@@ -117,7 +119,7 @@ def check_resume(from_layout, from_ranks, from_args, to_layout, to_ranks, to_arg
         argv = ["trace", "--layout", layout, *side, *shared, "--steps", str(n), *extra, "--out", str(out / f"{label}.h5")]
         runs[label] = Run(label, ranks, argv, _parsed(argv[1:], label))
     try:
-        result = run_check_resume(runs, a, b, out, mpiexec, mode or "run", say=echo)
+        result = run_check_resume(runs, a, b, out, mpiexec, mode, say=echo)
     except RunFailed as exc:
         echo(f"check-resume: FAILED: {exc}")
         return exc.exit_code
