@@ -13,13 +13,13 @@ by neither side, parameters read back wrongly; and the refusals of bad
 input, each one line and nothing left behind.
 """
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 
 import h5py
-import numpy as np
 import pytest
 from conftest import MpiCube, last_json
 
@@ -177,3 +177,46 @@ def test_bad_input_is_one_line_and_leaves_nothing(gpt2_dir, tmp_path, capsys):
     assert " -n 8 " in out[1] and "--layout 3d" in out[1] and "--stop-after 2 --run-dir" in out[1]
     assert " -n 2 " in out[2] and "--layout 1d" in out[2] and "--resume --run-dir" in out[2]
     assert os.path.basename(out[1].split()[0]) == "mpiexec"
+
+
+def _rewritten(src, dst):
+    """``src`` (a resumed run's trace) written again through TraceWriter
+    from ``first_step``: what a framework's recorder writes for the run it
+    resumed from its own checkpoint."""
+    from mpicube.check.writer import TraceWriter
+
+    with h5py.File(src, "r") as f:
+        def group(path):
+            return {k: f[path][k][()] for k in f[path]} if path in f else {}
+        attrs = {k: f.attrs[k] for k in ("config", "optimizer", "dtype", "dropout", "seed")}
+        steps = sorted(int(k[5:]) for k in f if k.startswith("step_"))
+        with TraceWriter(dst, json.loads(attrs["config"]), json.loads(attrs["optimizer"]), str(attrs["dtype"]),
+                         {"framework": "test"}, float(attrs["dropout"]), int(attrs["seed"]),
+                         first_step=steps[0]) as w:
+            w.init(group("init"))
+            for i, s in enumerate(steps):
+                g = f"step_{s}/"
+                state = {m: group(g + "state/" + m) for m in ("exp_avg", "exp_avg_sq")}
+                state["rng_offset"] = f[g + "state/rng_offset"][()]
+                w.step(s, loss=f[g + "loss"][()], lr=f[g + "lr"][()], grad_norm=f[g + "grad_norm"][()],
+                       grads=group(g + "grad"), params=group(g + "param"), acts=group(g + "act"),
+                       logits=f[g + "logits"][()], masks=group(g + "dropout"), tokens=f["tokens"][i], state=state)
+
+
+def test_a_frameworks_resumed_trace_stands_in_for_the_second_run(gpt2_dir, tmp_path, capsys):
+    """TraceWriter (and so the torch recorder) writes a resumed run's trace
+    from ``first_step``; check-resume --compare-only takes it for the
+    second run, and a writer that starts at step 1 is refused."""
+    from mpicube.check.writer import TraceWriter
+
+    d = _doctored(gpt2_dir[0], tmp_path / "framework", lambda d: None)
+    _rewritten(gpt2_dir[0] / "second.h5", d / "second.h5")
+    with h5py.File(d / "second.h5", "r") as f:
+        assert f.attrs["first_step"] == 3 and f.attrs["steps"] == 4
+    status = _in_process("--out", d, "--compare-only")
+    assert status == 0 and "check-resume: OK: " in capsys.readouterr().out
+    with h5py.File(d / "first.h5", "r") as f:
+        cfg, opt = json.loads(f.attrs["config"]), json.loads(f.attrs["optimizer"])
+    with pytest.raises(UserError, match="step 3 written after step 0"):
+        with TraceWriter(tmp_path / "x.h5", cfg, opt, "float64", {}) as w:
+            w.step(3, loss=1.0, lr=0.1, grad_norm=1.0, grads={}, params={})
