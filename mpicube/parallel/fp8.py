@@ -121,6 +121,32 @@ class LinearFp8:
         dyv = self.operand(dy2.T, "dy", "wgrad", self.splits.tokens).T
         return xv, dyv
 
+    # one operand as one GEMM quantizes it, in the operand's own shape --------------
+    TRANSPOSED = {("w", "forward"), ("x", "wgrad"), ("dy", "wgrad")}    # contraction on the first axis
+    SPLIT_OF = {("x", "forward"): "x_cols", ("w", "forward"): "w_rows", ("dy", "dgrad"): "dy_cols",
+                ("w", "dgrad"): "w_cols", ("x", "wgrad"): "tokens", ("dy", "wgrad"): "tokens"}
+
+    @property
+    def tensor_scaled(self) -> bool:
+        """Whether one quantization serves all three GEMMs (a tensor scale
+        has no orientation); otherwise each GEMM quantizes along its own
+        contraction (``oriented``)."""
+        return self.s.recipe.name in ("tensorwise", "delayed")
+
+    def oriented(self, a, role: str, gemm: str):
+        """a in the linear's own shape (x, dy: (..., K); w: (K_in, K_out))
+        -> its values as ``gemm`` quantizes it (the table in
+        ``ops/fp8_recipes.py``), same shape. For the layouts whose GEMMs see
+        broadcast or gathered panels (2-D, 2.5-D, 3-D): each rank quantizes
+        the shard it owns before it travels, so a panel carries the serial
+        model's values (a tile never straddles a shard; a row's amax is
+        reduced over ``Splits``)."""
+        a2 = a.reshape(-1, a.shape[-1])                                    # (n, K)
+        split = getattr(self.splits, self.SPLIT_OF[(role, gemm)])
+        if (role, gemm) in self.TRANSPOSED:
+            return self.operand(a2.T, role, gemm, split).T.reshape(a.shape)
+        return self.operand(a2, role, gemm, split).reshape(a.shape)
+
     def tensor(self, a, role: str):
         """a (any shape) under a tensor scale, for the layouts whose GEMMs
         see gathered panels (2-D, 2.5-D, 3-D): tensorwise and delayed
@@ -206,9 +232,10 @@ def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int =
     layouts check their real shards again when they build (``check_shard``)."""
     if recipe is None:
         return
-    if cls.fp8_tensor_only and recipe.name not in ("tensorwise", "delayed"):
-        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} quantizes with tensor scales only so far "
-                          f"(tensorwise, delayed); use layout serial or 1d for {recipe.name}")
+    if recipe.name in cls.fp8_tensor_only:
+        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} does not quantize with {recipe.name} scales "
+                          f"yet (a row of x and a row of dy span different planes of its ranks); use tensorwise, "
+                          f"delayed, blockwise or mxfp8, or layout serial, 1d, 2d or 2.5d for {recipe.name}")
     split = cls.head_coords(tp, depth, 0)[0]
     if split > cfg.kv_heads:
         raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} splits the heads {split} ways over "
@@ -221,14 +248,12 @@ def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int =
         raise ConfigError(f"--fp8 {recipe.name} with --cp-kind {cp_kind}: the tiles along a rank's positions are "
                           f"checked for the ring's chunks only so far; use --cp-kind ring, or tensorwise, delayed "
                           f"or rowwise")
-    if cfg.moe and dp * cp > 1:
-        raise ConfigError(f"--fp8 {recipe.name} with a mixture of experts on dp x cp = {dp * cp} replicas: an "
-                          f"expert's token rows are spread over them, so its weight gradient's tiles along the "
-                          f"tokens would straddle replicas; use --dp 1 --cp 1, or tensorwise, delayed or rowwise")
-    widths = {"--n-embd": cfg.n_embd,
-              f"a rank's query columns (n_head / {split} x head_dim)": cfg.n_head // split * cfg.head_dim,
-              f"a rank's key and value columns (kv heads / {split} x head_dim)": cfg.kv_heads // split * cfg.head_dim,
-              f"a rank's MLP hidden columns ({cfg.ffn} / {tp})": cfg.ffn // tp,
+    if cfg.moe and (dp * cp > 1 or cls.token_split):
+        where = f"dp x cp = {dp * cp} replicas" if dp * cp > 1 else f"the token blocks of layout {cls.name}"
+        raise ConfigError(f"--fp8 {recipe.name} with a mixture of experts on {where}: an expert's token rows are "
+                          f"spread over them, so its weight gradient's tiles along the tokens would straddle "
+                          f"ranks; use layout 1d with --dp 1 --cp 1, or tensorwise, delayed or rowwise")
+    widths = {**cls.fp8_widths(cfg, tp, depth),
               "a rank's consecutive positions of a sequence" + (f" (--seq-len / {2 * cp})" if cp > 1 else
                                                                 " (--seq-len)"): cfg.n_ctx // (2 * cp if cp > 1 else 1)}
     for what, width in widths.items():
