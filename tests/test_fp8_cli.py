@@ -52,15 +52,34 @@ def refusal_cases(tmp_path):
     ]
 
 
+# --fp8 delayed's amax histories in the checkpoint: 4 steps straight, and 2 then --resume for 2 more
+DELAYED = ["train", "--layout", "serial", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16",
+           "--batch-size", "4", "--steps", "4", "--fp8", "delayed", "--fp8-amax-history", "4", "--log-every", "1"]
+RESUME_RUNS = [DELAYED + ["--out", "whole"], DELAYED + ["--out", "split", "--stop-after", "2"],
+               DELAYED + ["--out", "split", "--resume"]]
+
+
 def test_fp8_refusals_are_one_line_each(tmp_path, corpus_cache):
+    """The refusals, and in the same process (the session's start-up paid
+    once) a delayed run stopped after 2 steps and resumed: its losses are
+    the uninterrupted run's bit for bit, which needs the amax histories
+    from the checkpoint (restarted empty, step 3's scales differ)."""
     cases = refusal_cases(tmp_path)
     spec = tmp_path / "cases.json"
-    spec.write_text(json.dumps([[str(a) for a in argv] for _, argv, _ in cases]))
+    spec.write_text(json.dumps([[str(a) for a in argv] for _, argv, _ in cases] + RESUME_RUNS))
     proc = subprocess.run([PYTHON, str(Path(__file__).with_name("cli_cases.py")), str(spec)], cwd=tmp_path,
                           env=job_env({"MPICUBE_CACHE": str(corpus_cache)}), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for (name, _, expect), res in paired(cases, json.loads(proc.stdout.strip().splitlines()[-1])):
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["status"] for r in results[len(cases):]] == [0, 0, 0], results[len(cases):]
+    assert any("resuming from" in line for line in results[-1]["out"]), results[-1]
+    with checkpoint.open_checkpoint(tmp_path / "split") as ck:
+        assert dict(ck.attrs["fp8"])["step"] == 4                   # the histories of the last step saved
+    losses = {run: [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                    if '"loss"' in line] for run in ("whole", "split")}
+    assert len(losses["whole"]) == 4 and losses["split"] == losses["whole"], losses
+    for (name, _, expect), res in paired(cases, results[:len(cases)]):
         lines = res["out"] + res["err"]
         errors = [line for line in lines if line.startswith("error:")]
         assert res["status"] == 2 and len(errors) == 1, (name, res)

@@ -87,6 +87,31 @@ class Fp8Scaling:
     def linear(self, name: str, splits: Splits = None) -> "LinearFp8":
         return LinearFp8(self, name, splits or Splits(tokens=self.tokens))
 
+    def state(self, mpi_world) -> dict:
+        """``delayed``'s histories as a checkpoint keeps them (collective
+        over ``mpi_world``, an mpi4py communicator): every stage's linears (a pipeline stage knows its
+        own only), the step they belong to and that step's amaxes not yet
+        pushed. JSON numbers: Python writes a float64 so that it reads back
+        the same bits, and the resumed run scales as the uninterrupted one."""
+        merged = {"step": self.step, "length": self.recipe.history, "history": {}, "seen": {}}
+        for part in mpi_world.allgather({"history": {k: [float(a) for a in h] for k, h in self.history.items()},
+                                         "seen": dict(self.seen)}):
+            merged["history"].update(part["history"])
+            merged["seen"].update(part["seen"])
+        return merged
+
+    def restore(self, doc: dict) -> None:
+        """The histories of ``state``; one saved with another
+        --fp8-amax-history keeps its most recent amaxes (zeros before them:
+        a zero is no amax)."""
+        self.step, self.seen = int(doc["step"]), {k: float(v) for k, v in doc["seen"].items()}
+        self.history = {}
+        for key, saved in doc["history"].items():
+            h = np.zeros(self.recipe.history)
+            recent = np.asarray(saved, dtype=np.float64)[-self.recipe.history:]
+            h[h.size - recent.size:] = recent
+            self.history[key] = h
+
     def history_amax(self, key: str) -> float:
         """The amax delayed scales with: the history's max or its most recent (0: no history yet)."""
         h = self.history.get(key)
