@@ -197,6 +197,9 @@ FP8_CASES = [
     (8, "layout=3d tp=8 fp8=blockwise fp8block=4 steps=3"),
     (8, "layout=3d tp=8 recompute=gathers fp8=mxfp8 fp8block=4 steps=3"),
     (8, "layout=2d tp=4 cp=2 fp8=rowwise steps=3"),
+    # DeepSeek-V3's REPLICATED latent projections: every rank quantizes the whole W it holds and keeps its rows
+    (4, "layout=1d tp=2 dp=2 fp8=mxfp8 fp8block=2 steps=3 arch=deepseek_v3"),
+    (4, "layout=2d tp=4 fp8=rowwise steps=3 arch=deepseek_v3"),             # x's rows over the hidden split
 ]
 
 
