@@ -56,7 +56,8 @@ def reduction_line(recipe: Recipe, run) -> str:
                 f"(one per quantization of x, W or dy) over the stage's ranks (tp x cp x dp; axis fp8)")
     if recipe.name == "rowwise":
         return ("  amax all-reduces: a row's amax over the ranks holding the rest of the row (1-D: tp for a "
-                "row-split operand; dp x cp for wgrad's token rows)")
+                "row-split operand, dp x cp for wgrad's token rows; 2-D, 2.5-D: the grid's row or column, and "
+                "its column's depth slices, rows and dp x cp replicas for the token rows)")
     return "  amax all-reduces: none (a tile or block never straddles a shard, so each rank scales its own)"
 
 

@@ -248,13 +248,15 @@ def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
 
 def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1, cp_kind: str = "ring") -> None:
     """The pure half of the checks (``planning.resolve``, before any file
-    or collective): a layout that quantizes with tensor scales only, kv
-    heads replicated over ranks (each then holds a partial sum of their
-    columns' dy, which no scale may see), and the widths a tile runs along
-    on a 1-D rank (serial is 1-D on one rank): the model's hidden size, a
-    rank's query, kv and MLP columns, a rank's consecutive positions, and
-    an expert's token rows (whole on one replica only). The
-    layouts check their real shards again when they build (``check_shard``)."""
+    or collective): a recipe the layout does not quantize with yet (its
+    ``fp8_tensor_only``: rowwise on 3-D), kv heads replicated over ranks
+    (each then holds a partial sum of their columns' dy, which no scale
+    may see), and the widths a tile runs along on a rank (the layout's
+    ``fp8_widths``: the hidden size, a rank's query, kv and MLP columns,
+    a 3-D weight's rows; serial is 1-D on one rank), a rank's consecutive
+    positions, and an expert's token rows (whole on one 1-D replica only).
+    The layouts check their real shards again when they build
+    (``check_shard``)."""
     if recipe is None:
         return
     if recipe.name in cls.fp8_tensor_only:
