@@ -5,7 +5,10 @@ trace at the first tensor it makes wrong - also where the loss still
 agrees, and with the ranks whose replicas part where the bug leaves
 replicated copies different, or with the axis of a pending sum
 consumed as replicated (issue 47: the placements of a sharded trace).
-Issue 47's state bugs (moments dropped, the loss scale reset, a replica
+Issue 45's FP8 bugs (an amax per shard, the scale inverted, gradients
+in e4m3 where the recipe says e5m2) are traced with --fp8 tensorwise and
+named at the scale or the FP8 bytes they spoil (trace --fp8 orders a
+linear's operands before what its GEMM makes). Issue 47's state bugs (moments dropped, the loss scale reset, a replica
 skipping its update, gradients never applied, mixed precision off) are
 traced with --state over two steps and named at the state tensor or the
 step they spoil.
@@ -32,7 +35,8 @@ MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", 
 STATE = ["--steps", "2", "--state"]                     # two steps, with the training state
 F16 = ["--dtype", "float16", "--loss-scale", "1024", "--loss-scale-growth-interval", "1"]   # the scale grows each step
 REFERENCES = {"ref.h5": [], "ref257.h5": ["--vocab-size", "257"], "state.h5": STATE, "state16.h5": STATE + F16,
-              "bf16.h5": ["--dtype", "bfloat16"]}
+              "bf16.h5": ["--dtype", "bfloat16"], "fp8.h5": ["--fp8", "tensorwise"]}
+FP8 = ["--fp8", "tensorwise"]
 
 # bug, reference, layout options, the first divergence, rows that must still agree, a note its row must hold
 CATALOGUE = [
@@ -61,6 +65,14 @@ CATALOGUE = [
     ("precision-off", "bf16.h5", ["--layout", "1d", "--dtype", "bfloat16"], "step_1/act/emb", ["tokens", "init/wte"],
      "B: a bfloat16 trace whose activations and logits of this step all lie off the bfloat16 grid"),
     ("vocab-pad", "ref257.h5", ["--layout", "1d", "--vocab-size", "257"], "step_1/loss", ["step_1/logits"], ""),
+    # issue 45's FP8 bugs, named at step 1 at the scale or FP8 bytes they spoil, before any activation moves
+    ("fp8-amax-shard", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/w.forward/scale",
+     ["step_1/act/h.0.ln_1", "step_1/fp8/h.0.attn.c_attn/x.forward/scale"], "replicas part: ranks 0 and 1"),
+    ("fp8-scale-inverted", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/w.forward/bytes",
+     ["step_1/fp8/h.0.attn.c_attn/x.forward/scale", "step_1/fp8/h.0.attn.c_attn/w.forward/scale"],
+     "first differs at"),
+    ("fp8-grad-e4m3", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.1.mlp.c_proj/dy.dgrad/scale",
+     ["step_1/loss", "step_1/grad/ln_f.weight", "step_1/fp8/h.1.mlp.c_proj/w.dgrad/bytes"], ""),
 ]
 
 
