@@ -18,6 +18,7 @@ from .costexperts import chunk_moe_terms
 from .costmodel import Problem, attention_split, dense_linears, local_param_sizes
 from .costparams import segments_of, site_of
 from .costpipe import peak_over_schedule
+from .costwgrad import weight_phase_terms
 
 
 @dataclass
@@ -317,7 +318,8 @@ def pipeline_peak_activations(p: Problem, stage: int = None, dropout: bool = Fal
     if p.pp == 1:
         return activation_terms(p, dropout)
     stage = p.stage if stage is None else stage
-    return peak_over_schedule(p, stage, *_stage_terms(p, stage, dropout), lambda t: sum(t.values()))[1]
+    return peak_over_schedule(p, stage, *_stage_terms(p, stage, dropout), lambda t: sum(t.values()),
+                              _weight_terms(p, stage))[1]
 
 
 def pipeline_peak_activation_bytes(p: Problem, stage: int = None, dropout: bool = False) -> int:
@@ -330,5 +332,12 @@ def pipeline_peak_activation_bytes(p: Problem, stage: int = None, dropout: bool 
     w = p.widths
     width = {"act": w.act, "stat": w.stat, "grad": w.grad}
     return peak_over_schedule(p, stage, *_stage_terms(p, stage, dropout),
-                              lambda t: sum(n * width[k] for k, n in t.items()))[0]
+                              lambda t: sum(n * width[k] for k, n in t.items()), _weight_terms(p, stage))[0]
+
+
+def _weight_terms(p: Problem, stage: int) -> dict:
+    """{(micro-batch, local chunk): what its weight phase holds} (``costwgrad``)."""
+    split = p.chunk_layers
+    chunks = [weight_phase_terms(p, len(split[v * p.pp + stage])) for v in range(p.virtual_stages)]
+    return {(m, v): chunks[v] for m in range(p.grad_accum) for v in range(p.virtual_stages)}
 

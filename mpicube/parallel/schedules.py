@@ -31,10 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.errors import ConfigError
+from .schedules_zb import ZB_SCHEDULES, zb_bubble_fraction, zb_order
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")               # one backward action per chunk and micro-batch
+ALL_SCHEDULES = SCHEDULES + ZB_SCHEDULES                    # and those that split it (schedules_zb.py)
 DEFAULT_SCHEDULE = "1f1b"
-OPS = ("forward", "backward", "send_act", "recv_act", "send_grad", "recv_grad")
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
+OPS = COMPUTE + ("send_act", "recv_act", "send_grad", "recv_grad")
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,8 @@ def check_pipeline(n_layer: int, pp: int, schedule: str = DEFAULT_SCHEDULE, virt
     the user (a large bubble) or None. Raises ConfigError, one line naming
     the nearest valid values. Pure, so every rank refuses the same way
     before any communicator exists."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"unknown --pp-schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule not in ALL_SCHEDULES:
+        raise ConfigError(f"unknown --pp-schedule {schedule!r}; choose one of {', '.join(ALL_SCHEDULES)}")
     if pp < 1:
         raise ConfigError(f"--pp must be at least 1, got {pp}")
     if grad_accum < 1:
@@ -77,6 +80,9 @@ def check_pipeline(n_layer: int, pp: int, schedule: str = DEFAULT_SCHEDULE, virt
     if pp > n_layer:
         raise ConfigError(f"--pp {pp} exceeds n_layer {n_layer} (every stage needs a layer): "
                           f"use --pp {n_layer} or less, or --n-layer {pp} or more")
+    if schedule in ZB_SCHEDULES and pp < 2:
+        raise ConfigError(f"--pp-schedule {schedule} needs --pp 2 or more (one stage has no bubble to fill): "
+                          f"use --pp 2 or more, or --pp-schedule 1f1b")
     if virtual != 1 and schedule != "interleaved":
         raise ConfigError(f"--virtual-stages {virtual} applies to --pp-schedule interleaved only "
                           f"(schedule {schedule}): drop --virtual-stages, or use --pp-schedule interleaved")
@@ -136,6 +142,8 @@ def bubble_fraction(schedule: str, stages: int, micro_batches: int, virtual: int
     (P-1)/(V*N + P-1) - the bubble over the ideal time, (P-1)/(V*N), is
     1F1B's (P-1)/N divided by V. ``simulate`` measures the same number from
     the schedule itself (tests/test_schedules.py holds the two equal)."""
+    if schedule in ZB_SCHEDULES:
+        return zb_bubble_fraction(schedule, stages, micro_batches)
     p, n, v = stages, micro_batches, (virtual if schedule == "interleaved" else 1)
     return (p - 1) / (v * n + p - 1)
 
@@ -172,8 +180,8 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1)
     needs N a multiple of P and P >= 2; V > 1 only under interleaved (with
     V = 1 interleaved is 1F1B)."""
     P, N, V = stages, micro_batches, virtual
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown --pp-schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name not in ALL_SCHEDULES:
+        raise ConfigError(f"unknown --pp-schedule {name!r}; choose one of {', '.join(ALL_SCHEDULES)}")
     if P < 1 or N < 1 or V < 1:
         raise ConfigError(f"stages {P}, micro-batches {N} and virtual stages {V} must be at least 1")
     if V > 1 and name != "interleaved":
@@ -182,9 +190,10 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1)
         raise ConfigError(f"interleaved needs at least 2 stages and micro-batches a multiple of {P}, got {N}")
     last = P * V - 1
     out = []
+    orders = zb_order(name, P, N) if name in ZB_SCHEDULES else [_order(name, p, P, N, V) for p in range(P)]
     for p in range(P):
         acts = []
-        for op, m, v in _order(name, p, P, N, V):
+        for op, m, v in orders[p]:
             k = v * P + p                                  # model chunk
             if op == "forward":
                 if k > 0:
@@ -192,10 +201,12 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1)
                 acts.append(Action("forward", m, v))
                 if k < last:
                     acts.append(Action("send_act", m, v, (k + 1) % P))
-            else:
+            elif op == "backward_weight":                   # W: local, nothing sent or received
+                acts.append(Action(op, m, v))
+            else:                                           # a whole backward, or its input part B
                 if k < last:
                     acts.append(Action("recv_grad", m, v, (k + 1) % P))
-                acts.append(Action("backward", m, v))
+                acts.append(Action(op, m, v))
                 if k > 0:
                     acts.append(Action("send_grad", m, v, (k - 1) % P))
         out.append(acts)
@@ -210,7 +221,22 @@ def in_flight(actions: list) -> list:
     for a in actions:
         if a.op == "forward":
             live = live + [(a.micro, a.chunk)]
-        elif a.op == "backward":
+        elif a.op in ("backward", "backward_input"):
+            live = [x for x in live if x != (a.micro, a.chunk)]
+        out.append(tuple(live))
+    return out
+
+
+def in_weight_phase(actions: list) -> list:
+    """After each action of one stage, the (micro, chunk) pairs whose input
+    gradient B has run and whose weight gradient W has not: the pairs whose
+    filed weight work (the linears' saved inputs and output gradients,
+    ``parallel.wgrad``) the stage holds. Empty under unsplit schedules."""
+    live, out = [], []
+    for a in actions:
+        if a.op == "backward_input":
+            live = live + [(a.micro, a.chunk)]
+        elif a.op == "backward_weight":
             live = [x for x in live if x != (a.micro, a.chunk)]
         out.append(tuple(live))
     return out
@@ -271,8 +297,9 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
         for p in range(P):
             while pos[p] < len(schedule[p]):
                 a = schedule[p][pos[p]]
-                if a.op in ("forward", "backward"):
-                    dt = forward_time if a.op == "forward" else backward_time
+                if a.op in COMPUTE:
+                    # a split backward: B and W half of a whole one each (F = B = W at backward_time = 2)
+                    dt = {"forward": forward_time, "backward": backward_time}.get(a.op, backward_time / 2)
                     timeline[p].append((clock[p], clock[p] + dt, a))
                     clock[p] += dt
                     busy[p] += dt

@@ -116,6 +116,7 @@ class Pipeline:
                                                                            virtual)[self.stage]
         self.models = {}                        # v -> the GPT of local chunk v (one for every micro-batch)
         self.tapes = {}                         # (v, micro) -> the tape of a forward whose backward has not run
+        self.filed = {}                         # (v, micro) -> the weight work its B filed, until its W runs
         # (elements, bytes) the most held for backward at once, when measured: after
         # every forward, and under --recompute blocks during a backward's rerun
         self.peak_saved = (0, 0)
@@ -208,7 +209,9 @@ class Pipeline:
                 if after_forward is not None:
                     after_forward(m, v)
                     self._measure(live)
-            elif a.op == "backward":
+            elif a.op == "backward_weight":               # W: the weight work B filed (parallel/wgrad.py)
+                self.store.wgrads.run(self.filed.pop((v, m)))
+            elif a.op in ("backward", "backward_input"):
                 model = self.chunk_model(v)
                 dout = loss_scale if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
                 held = self._saved(live) if after_forward is not None else (0, 0)
@@ -217,22 +220,28 @@ class Pipeline:
                 if tape.ctx.router is not None:
                     tape.ctx.router.wait()
                     tape.ctx.router.scale = loss_scale
-                dx = model.backward(dout, tape)
+                if a.op == "backward":
+                    dx = model.backward(dout, tape)
+                else:                                   # B: dX now, the linears' dW filed for W
+                    with self.store.wgrads.collect() as self.filed[v, m]:
+                        dx = model.backward(dout, tape)
                 live.discard((v, m))
                 self.recompute_peak_elements = max(self.recompute_peak_elements, self._rerun[0])
                 self.recompute_peak_bytes = max(self.recompute_peak_bytes, self._rerun[1])
                 if after_forward is not None and self._rerun[0]:
                     # --recompute blocks: a rerun block's caches on top of what was held before
                     self._peak((held[0] + self._rerun[0], held[1] + self._rerun[1]))
+                if after_forward is not None and a.op == "backward_input":
+                    self._measure(live)                 # the tapes left and every filed weight phase
                 if not model.first:
                     outbox["send_grad", m, v] = dx                               # (B_c, T, C_c)
             else:
                 raise ValueError(f"unknown pipeline action {a}")
         for pending in sends:
             pending.wait()
-        if posted or inbox or outbox:
+        if posted or inbox or outbox or self.filed:
             raise RuntimeError(f"stage {self.stage}: the action list left messages unused: "
-                               f"{sorted(set(posted) | set(inbox) | set(outbox))[:3]}")
+                               f"{sorted(set(posted) | set(inbox) | set(outbox) | set(self.filed))[:3]}")
         ledgers = [self.ledgers.pop((True, m)) for m in sorted(m for t, m in self.ledgers if t)]
         self.ledgers.clear()
         axes = self.layout.axes
@@ -247,10 +256,14 @@ class Pipeline:
         self._peak(self._saved(live))
 
     def _saved(self, live) -> tuple:
-        """(elements, bytes) the live (chunk, micro-batch) pairs hold for backward."""
+        """(elements, bytes) the live (chunk, micro-batch) pairs hold for
+        backward, and the weight work filed for a later W (its operands:
+        the linears' saved inputs and output gradients)."""
         elems = nbytes = 0
-        for v, m in live:
-            buffers = saved_buffers(self.tapes[v, m], self.store.buffers())
+        params = self.store.buffers()
+        held = [self.tapes[v, m] for v, m in live] + [[ops for _, ops in f] for f in self.filed.values()]
+        for item in held:
+            buffers = saved_buffers(item, params)
             elems += sum(b.size for b in buffers)
             nbytes += sum(b.nbytes for b in buffers)
         return elems, nbytes
