@@ -170,6 +170,18 @@ LLAMA_CASES = [
 ]
 
 
+# Zero-bubble ZB-H1 (issue 46 item 2): each joins its world size's launch; B and W split at the
+# linears (parallel/wgrad.py), against serial with dropout and the cost model's peak of tapes and
+# filed weight phases per stage, on tensor-parallel layouts with dp, zero 1, cp, sp and recompute.
+ZB_CASES = [
+    (4, "layout=1d tp=2 pp=2 schedule=zb-h1 accum=2"),
+    (8, "layout=1d tp=2 dp=2 pp=2 schedule=zb-h1 zero=1 accum=4 recompute=blocks batch=16"),
+    (8, "layout=2d tp=4 pp=2 schedule=zb-h1 accum=2"),
+    (8, "layout=1d tp=2 pp=2 cp=2 sp=1 schedule=zb-h1 accum=2 recompute=gathers"),
+    (8, f"layout=1d tp=4 pp=2 schedule=zb-h1 accum=2 kv=2 {LLAMA}"),
+]
+
+
 # FP8 (issue 45): each joins its world size's launch; 3 steps in float64, equal to
 # serial to 1e-12. Tiles of 4 (--fp8-block) so the small model's shards hold whole ones.
 FP8_CASES = [
@@ -292,7 +304,8 @@ def launches() -> dict:
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
-    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES + FP8_CASES + DEEPSEEK_CASES:
+    for ranks, words in (LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES + FP8_CASES + DEEPSEEK_CASES
+                         + ZB_CASES):
         groups[ranks].append(words)
     return dict(sorted(groups.items()))
 

@@ -174,3 +174,53 @@ def test_check_pipeline_accepts_and_notes():
     assert check_pp_world(16, 2, 2) == 4
     with pytest.raises(ConfigError, match="--pp 3 must divide the world size 16 / --dp 2: use --pp 2 or 4"):
         check_pp_world(16, 3, 2)
+
+
+# --------------------------------------------------------------------------- zero bubble
+
+def test_zero_bubble_h1_splits_every_backward_and_beats_1f1b():
+    """ZB-H1 (schedules_zb.py) for P 2..5, N 1..9: every micro-batch runs
+    forward, B, W in that order on every stage, W in B's order (so each
+    weight gradient's sum order is the unsplit one); a receive sits right
+    before its compute and a send right after; tapes in flight are 1F1B's
+    min(P - p, N) and filed weight phases at most min(p + 1, N); the simulated
+    bubble (F = B = W) equals zb_bubble_fraction exactly and is below
+    1F1B's from N >= 2."""
+    from mpicube.parallel.schedules import in_weight_phase
+
+    for P, N in itertools.product(range(2, 6), range(1, 10)):
+        sched = build_schedule("zb-h1", P, N)
+        for p, acts in enumerate(sched):
+            compute = [a for a in acts if a.op in ("forward", "backward_input", "backward_weight")]
+            for m in range(N):
+                assert [a.op for a in compute if a.micro == m] == ["forward", "backward_input", "backward_weight"]
+            bs = [a.micro for a in compute if a.op == "backward_input"]
+            assert bs == sorted(bs) and [a.micro for a in compute if a.op == "backward_weight"] == bs, (P, N, p)
+            for i, a in enumerate(acts):
+                if a.op == "recv_grad":
+                    assert (acts[i + 1].op, acts[i + 1].micro) == ("backward_input", a.micro)
+                if a.op == "send_grad":
+                    assert (acts[i - 1].op, acts[i - 1].micro) == ("backward_input", a.micro)
+            assert peak_in_flight(acts) == min(P - p, N), (P, N, p)
+            assert max(len(x) for x in in_weight_phase(acts)) <= min(p + 1, N), (P, N, p)
+            assert in_weight_phase(acts)[-1] == () and in_flight(acts)[-1] == ()
+        zb = simulate(sched, 1, 2)
+        assert zb["bubble"] == pytest.approx(bubble_fraction("zb-h1", P, N), abs=1e-12), (P, N)
+        assert zb["busy"] == [3 * N] * P
+        one = simulate(build_schedule("1f1b", P, N), 1, 2)["bubble"]
+        assert one == pytest.approx(bubble_fraction("1f1b", P, N), abs=1e-12)
+        if N >= 2:
+            assert zb["bubble"] < one, (P, N)
+    assert bubble_fraction("zb-h1", 4, 8) == pytest.approx(3 / 27)       # (P-1)/(3N+P-1) against 1F1B's 3/11
+
+
+def test_zero_bubble_bad_input_names_the_option():
+    """A schedule that does not fit --pp or --virtual-stages: one line naming the option and what works."""
+    from mpicube.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--pp-schedule zb-h1 needs --pp 2 or more"):
+        check_pipeline(4, 1, "zb-h1")
+    with pytest.raises(ConfigError, match=r"--virtual-stages 2 applies to --pp-schedule interleaved only"):
+        check_pipeline(4, 2, "zb-h1", virtual=2)
+    with pytest.raises(ConfigError, match=r"unknown --pp-schedule 'zb'; choose one of .*zb-h1"):
+        check_pipeline(4, 2, "zb")
