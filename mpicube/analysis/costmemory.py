@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..parallel import zero
+from ..parallel.schedules import model_chunk
 from .costexperts import chunk_moe_terms
 from .costmodel import Problem, attention_split, dense_linears, local_param_sizes
 from .costparams import segments_of, site_of
@@ -292,7 +293,7 @@ def _stage_terms(p: Problem, stage: int, dropout: bool) -> tuple:
     for m in range(p.grad_accum if measured else 1):
         first = 0                                              # the chunk's first layer among the stage's
         for v in range(p.virtual_stages):
-            k = v * p.pp + stage
+            k = model_chunk(p.pp_schedule, stage, v, p.pp)
             kept, panel, chunk_rerun = chunk_terms(p, len(split[k]), k == 0, k == last, dropout, m, first)
             first += len(split[k])
             # each micro-batch in flight on the end chunks holds its own wte panel and
@@ -338,6 +339,7 @@ def pipeline_peak_activation_bytes(p: Problem, stage: int = None, dropout: bool 
 def _weight_terms(p: Problem, stage: int) -> dict:
     """{(micro-batch, local chunk): what its weight phase holds} (``costwgrad``)."""
     split = p.chunk_layers
-    chunks = [weight_phase_terms(p, len(split[v * p.pp + stage])) for v in range(p.virtual_stages)]
+    chunks = [weight_phase_terms(p, len(split[model_chunk(p.pp_schedule, stage, v, p.pp)]))
+              for v in range(p.virtual_stages)]
     return {(m, v): chunks[v] for m in range(p.grad_accum) for v in range(p.virtual_stages)}
 

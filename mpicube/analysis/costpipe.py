@@ -109,7 +109,7 @@ def bubble(p: Problem) -> float:
 def measured_bubble(p: Problem, forward_time: float = 1.0, backward_time: float = 2.0) -> float:
     """The idle share measured by simulating the schedule with unit-time
     chunk forwards (and backwards ``backward_time``), free communication."""
-    return simulate([list(acts) for acts in schedule_of(p)], forward_time, backward_time)["bubble"]
+    return simulate([list(acts) for acts in schedule_of(p)], forward_time, backward_time, p.pp_schedule)["bubble"]
 
 
 def peak_over_schedule(p: Problem, stage: int, per_micro: dict, step: dict, rerun: dict, weigh,

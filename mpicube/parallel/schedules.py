@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.errors import ConfigError
-from .schedules_zb import ZB_SCHEDULES, zb_bubble_fraction, zb_order
+from .schedules_zb import VEE_SCHEDULES, ZB_SCHEDULES, chunk_place, model_chunk, zb_bubble_fraction, zb_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")               # one backward action per chunk and micro-batch
 ALL_SCHEDULES = SCHEDULES + ZB_SCHEDULES                    # and those that split it (schedules_zb.py)
@@ -83,7 +83,14 @@ def check_pipeline(n_layer: int, pp: int, schedule: str = DEFAULT_SCHEDULE, virt
     if schedule in ZB_SCHEDULES and pp < 2:
         raise ConfigError(f"--pp-schedule {schedule} needs --pp 2 or more (one stage has no bubble to fill): "
                           f"use --pp 2 or more, or --pp-schedule 1f1b")
-    if virtual != 1 and schedule != "interleaved":
+    if schedule in VEE_SCHEDULES:
+        if virtual != 2:
+            raise ConfigError(f"--pp-schedule {schedule} runs two chunks a stage (a V): use --virtual-stages 2 "
+                              f"(got {virtual})")
+        if 2 * pp > n_layer:
+            raise ConfigError(f"--pp {pp} x 2 chunks of --pp-schedule {schedule} exceeds n_layer {n_layer}: "
+                              f"use --pp {max(1, n_layer // 2)} or less, or --n-layer {2 * pp} or more")
+    elif virtual != 1 and schedule != "interleaved":
         raise ConfigError(f"--virtual-stages {virtual} applies to --pp-schedule interleaved only "
                           f"(schedule {schedule}): drop --virtual-stages, or use --pp-schedule interleaved")
     if schedule == "interleaved":
@@ -184,7 +191,9 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1)
         raise ConfigError(f"unknown --pp-schedule {name!r}; choose one of {', '.join(ALL_SCHEDULES)}")
     if P < 1 or N < 1 or V < 1:
         raise ConfigError(f"stages {P}, micro-batches {N} and virtual stages {V} must be at least 1")
-    if V > 1 and name != "interleaved":
+    if name in VEE_SCHEDULES and V != 2:
+        raise ConfigError(f"{name} runs two chunks a stage (a V): virtual stages 2, got {V}")
+    if V > 1 and name not in ("interleaved",) + VEE_SCHEDULES:
         raise ConfigError(f"virtual stages {V} apply to the interleaved schedule only")
     if name == "interleaved" and V > 1 and (P < 2 or N % P):
         raise ConfigError(f"interleaved needs at least 2 stages and micro-batches a multiple of {P}, got {N}")
@@ -194,21 +203,23 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1)
     for p in range(P):
         acts = []
         for op, m, v in orders[p]:
-            k = v * P + p                                  # model chunk
+            k = model_chunk(name, p, v, P)
+            prev = chunk_place(name, k - 1, P)[0] if k > 0 else None      # the stages of the neighbours,
+            after = chunk_place(name, k + 1, P)[0] if k < last else None  # None past the model's ends
             if op == "forward":
-                if k > 0:
-                    acts.append(Action("recv_act", m, v, (k - 1) % P))
+                if prev not in (None, p):                  # a V's turn (chunks P-1, P) stays on its stage
+                    acts.append(Action("recv_act", m, v, prev))
                 acts.append(Action("forward", m, v))
-                if k < last:
-                    acts.append(Action("send_act", m, v, (k + 1) % P))
+                if after not in (None, p):
+                    acts.append(Action("send_act", m, v, after))
             elif op == "backward_weight":                   # W: local, nothing sent or received
                 acts.append(Action(op, m, v))
             else:                                           # a whole backward, or its input part B
-                if k < last:
-                    acts.append(Action("recv_grad", m, v, (k + 1) % P))
+                if after not in (None, p):
+                    acts.append(Action("recv_grad", m, v, after))
                 acts.append(Action(op, m, v))
-                if k > 0:
-                    acts.append(Action("send_grad", m, v, (k - 1) % P))
+                if prev not in (None, p):
+                    acts.append(Action("send_grad", m, v, prev))
         out.append(acts)
     return out
 
@@ -253,27 +264,30 @@ class Deadlock(RuntimeError):
     """``simulate`` found stages that wait on each other forever."""
 
 
-def message_source(a: Action, stage: int, stages: int) -> tuple:
+def message_source(a: Action, stage: int, stages: int, schedule: str = DEFAULT_SCHEDULE) -> tuple:
     """(kind, micro, model chunk that sent it) of a send or receive: the
     identity of the message at both ends. Under interleaved one pair of
     stages exchanges several chunks of one micro-batch, so the micro alone
-    cannot tell them apart."""
+    cannot tell them apart. ``schedule`` places the chunks (``model_chunk``:
+    a V under zbv)."""
     kind = a.op.split("_")[1]                             # "act" | "grad"
-    k = a.chunk * stages + stage                          # this end's model chunk
+    k = model_chunk(schedule, stage, a.chunk, stages)     # this end's model chunk
     if a.op.startswith("recv"):
         k = k - 1 if kind == "act" else k + 1             # the sender's model chunk
     return kind, a.micro, k
 
 
-def message_tag(a: Action, stage: int, stages: int, virtual: int, micro_batches: int) -> int:
+def message_tag(a: Action, stage: int, stages: int, virtual: int, micro_batches: int,
+                schedule: str = DEFAULT_SCHEDULE) -> int:
     """A nonnegative MPI tag unique to the message within one step: the two
     ends of a message compute the same tag, and no two messages share one,
     so order between two peers cannot mismatch."""
-    kind, m, k = message_source(a, stage, stages)
+    kind, m, k = message_source(a, stage, stages, schedule)
     return ((0 if kind == "act" else 1) * stages * virtual + k) * micro_batches + m
 
 
-def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1.0) -> dict:
+def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1.0,
+             name: str = DEFAULT_SCHEDULE) -> dict:
     """Run every stage's list with the executor's semantics: a send never
     blocks (nonblocking, receives posted early), a receive blocks until the
     peer has sent, compute takes ``forward_time`` / ``backward_time`` per
@@ -304,12 +318,12 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
                     clock[p] += dt
                     busy[p] += dt
                 elif a.op.startswith("send"):
-                    key = message_source(a, p, P) + (p, a.peer)
+                    key = message_source(a, p, P, name) + (p, a.peer)
                     if key in sent:
                         raise Deadlock(f"stage {p} sends {key[:3]} twice")
                     sent[key] = clock[p]
                 else:
-                    key = message_source(a, p, P) + (a.peer, p)
+                    key = message_source(a, p, P, name) + (a.peer, p)
                     if key not in sent or key in taken:
                         break                                   # blocked: not sent (or received already)
                     taken.add(key)

@@ -48,20 +48,23 @@ from ..model.tape import saved_buffers
 from .driver import RouterLog, build_gpt, canonical_length, last_logits, micro_context
 from ..parallel.comm_p2p import irecv, isend
 from ..parallel.experts import model_specs
-from ..parallel.schedules import Action, build_schedule, layer_split, message_tag
+from ..parallel.schedules import (DEFAULT_SCHEDULE, VEE_SCHEDULES, Action, build_schedule, chunk_place,
+                                  layer_split, message_tag, model_chunk)
 
 
-def stage_chunks(n_layer: int, stages: int, stage: int, virtual: int = 1) -> list:
-    """(local chunk v, model chunk k, layers) of every chunk stage ``stage`` holds."""
+def stage_chunks(n_layer: int, stages: int, stage: int, virtual: int = 1, schedule: str = DEFAULT_SCHEDULE) -> list:
+    """(local chunk v, model chunk k, layers) of every chunk stage ``stage``
+    holds, in the schedule's placement (``schedules.model_chunk``: a V under zbv)."""
     split = layer_split(n_layer, stages * virtual)
-    return [(v, v * stages + stage, split[v * stages + stage]) for v in range(virtual)]
+    return [(v, model_chunk(schedule, stage, v, stages), split[model_chunk(schedule, stage, v, stages)])
+            for v in range(virtual)]
 
 
-def stage_names(cfg, stages: int, stage: int, virtual: int = 1) -> set:
+def stage_names(cfg, stages: int, stage: int, virtual: int = 1, schedule: str = DEFAULT_SCHEDULE) -> set:
     """The parameter names stage ``stage`` holds."""
     last = stages * virtual - 1
     names = set()
-    for _, k, layers in stage_chunks(cfg.n_layer, stages, stage, virtual):
+    for _, k, layers in stage_chunks(cfg.n_layer, stages, stage, virtual, schedule):
         names.update(f"h.{i}." for i in layers)
         if k == 0:
             names.update(("wte", "wpe"))
@@ -70,18 +73,18 @@ def stage_names(cfg, stages: int, stage: int, virtual: int = 1) -> set:
     return names
 
 
-def stage_specs(layout, cfg, virtual: int = 1) -> list:
+def stage_specs(layout, cfg, virtual: int = 1, schedule: str = DEFAULT_SCHEDULE) -> list:
     """This rank's ParamSpecs: its stage's parameters only. With more than
     one stage the tied ``wte`` is held twice (stage 0 and stage P-1), so each
     copy declares twice the layout's replicas (the norm counts it once) and
     only stage 0's copy writes it to a checkpoint."""
     pp = layout.axes.pp
-    keep = stage_names(cfg, pp.size, pp.rank, virtual)
+    keep = stage_names(cfg, pp.size, pp.rank, virtual, schedule)
     decls = [d for d in gpt_params(cfg) if any(d.name == k or (k.endswith(".") and d.name.startswith(k)) for k in keep)]
     specs = []
     for spec in model_specs(layout, decls):     # a mixture's experts: this ep rank's only
         name = spec.name
-        if name == "wte" and pp.size > 1 and cfg.tied:
+        if name == "wte" and pp.size > 1 and cfg.tied and schedule not in VEE_SCHEDULES:   # a V: both on stage 0
             spec = dataclasses.replace(spec, replicas=2 * spec.replicas, writer=spec.writer and pp.rank == 0,
                                        tied_pair=True)
         specs.append(spec)
@@ -109,8 +112,12 @@ class Pipeline:
         self.stage = self.pp.rank
         self.schedule = schedule
         self.dropout, self.seed = dropout, seed
-        self.chunks = stage_chunks(cfg.n_layer, self.P, self.stage, virtual)     # (v, k, layers)
+        self.chunks = stage_chunks(cfg.n_layer, self.P, self.stage, virtual, schedule)     # (v, k, layers)
         self.last_chunk = self.P * virtual - 1
+        # local chunk -> the local chunk that feeds it (a V's turn: chunks P-1 and P on the last stage), or None
+        self.local_prev = {v: chunk_place(schedule, k - 1, self.P)[1] for v, k, _ in self.chunks
+                           if k > 0 and chunk_place(schedule, k - 1, self.P)[0] == self.stage}
+        self.local_next = {w: v for v, w in self.local_prev.items()}
         # the action list: the schedule's, or one a test plants
         self.actions = actions if actions is not None else build_schedule(schedule, self.P, grad_accum,
                                                                            virtual)[self.stage]
@@ -163,7 +170,7 @@ class Pipeline:
         return float(self.layout.backend.to_host(out)[0]) / ctx.n_tokens
 
     def _tag(self, a) -> int:
-        return message_tag(a, self.stage, self.P, self.V, self.N)
+        return message_tag(a, self.stage, self.P, self.V, self.N, self.schedule)
 
     def _block_shape(self, T: int) -> tuple:
         """(B_c, T_c, C_c): one micro-batch's canonical activation block on
@@ -197,7 +204,12 @@ class Pipeline:
                 sends.append(isend(self.pp, outbox.pop((a.op, m, v)), a.peer, self._tag(a)))
             elif a.op == "forward":
                 model = self.chunk_model(v)
-                inp = None if model.first else inbox.pop(("recv_act", m, v))
+                if model.first:
+                    inp = None
+                elif v in self.local_prev:                          # the chunk before, on this stage
+                    inp = outbox.pop(("send_act", m, self.local_prev[v]))
+                else:
+                    inp = inbox.pop(("recv_act", m, v))
                 out, self.tapes[v, m], ctx = self._run_forward(model, v, m, parts, x, y, step, inp)
                 if ctx.router is not None and v == self.V - 1:
                     ctx.router.start(self.layout.axes.world, same_tokens(self.layout))   # waited in backward
@@ -213,7 +225,12 @@ class Pipeline:
                 self.store.wgrads.run(self.filed.pop((v, m)))
             elif a.op in ("backward", "backward_input"):
                 model = self.chunk_model(v)
-                dout = loss_scale if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
+                if model.last:
+                    dout = loss_scale
+                elif v in self.local_next:                          # the chunk after, on this stage
+                    dout = outbox.pop(("send_grad", m, self.local_next[v]))                # (B_c, T, C_c)
+                else:
+                    dout = inbox.pop(("recv_grad", m, v))                                 # (B_c, T, C_c)
                 held = self._saved(live) if after_forward is not None else (0, 0)
                 self._rerun = (0, 0)
                 tape = self.tapes.pop((v, m))
@@ -245,7 +262,8 @@ class Pipeline:
         ledgers = [self.ledgers.pop((True, m)) for m in sorted(m for t, m in self.ledgers if t)]
         self.ledgers.clear()
         axes = self.layout.axes
-        once = self.stage == self.P - 1 and axes.tp.rank == axes.dp.rank == axes.cp.rank == 0
+        head_stage = chunk_place(self.schedule, self.last_chunk, self.P)[0]
+        once = self.stage == head_stage and axes.tp.rank == axes.dp.rank == axes.cp.rank == 0
         for ledger in ledgers:                  # the router losses, once in the world (its totals are global)
             self.router_log.add(ledger)
             if once:
@@ -287,11 +305,11 @@ class Pipeline:
         P, last, out = self.P, self.last_chunk, []
         for m in range(self.N):
             for v, k, _ in self.chunks:
-                if k > 0:
-                    out.append(Action("recv_act", m, v, (k - 1) % P))
+                if k > 0 and v not in self.local_prev:
+                    out.append(Action("recv_act", m, v, chunk_place(self.schedule, k - 1, P)[0]))
                 out.append(Action("forward", m, v))
-                if k < last:
-                    out.append(Action("send_act", m, v, (k + 1) % P))
+                if k < last and v not in self.local_next:
+                    out.append(Action("send_act", m, v, chunk_place(self.schedule, k + 1, P)[0]))
         return out
 
     def forward_loss(self, parts, x, y, step: int = 0) -> float:
@@ -308,6 +326,8 @@ class Pipeline:
                 sends.append(isend(self.pp, outbox.pop((m, v)), a.peer, self._tag(a)))
             else:
                 model = self.chunk_model(v)
+                if v in self.local_prev:                            # the chunk before, on this stage
+                    inp = outbox.pop((m, self.local_prev[v]))
                 out, _, ctx = self._run_forward(model, v, m, parts, x, y, step, None if model.first else inp,
                                                 train=False)
                 if model.last:
@@ -352,21 +372,25 @@ class Pipeline:
         before it (one micro-batch: nothing to overlap). ``rows``: the
         positions of the activation a chunk passes on (decode's t new
         ones, or a training forward's canonical rows)."""
-        result, sends = None, []
+        result, carry, sends = None, None, []
         for v, k, _ in self.chunks:
             model = self.chunk_model(v)
             if k == 0:
                 x = idx
+            elif v in self.local_prev:                              # the chunk before, on this stage
+                x = carry
             else:
-                a = Action("recv_act", 0, v, (k - 1) % self.P)
+                a = Action("recv_act", 0, v, chunk_place(self.schedule, k - 1, self.P)[0])
                 shape = (len(self.layout.canonical_seqs), rows, len(self.layout.canonical_cols))
                 x = irecv(self.pp, shape, self.layout.backend.dtype, a.peer, self._tag(a)).wait()   # (B_c, t, C_c)
             out = fn(model, v, x)
-            if k < self.last_chunk:
-                a = Action("send_act", 0, v, (k + 1) % self.P)
-                sends.append(isend(self.pp, out, a.peer, self._tag(a)))
-            else:
+            if k == self.last_chunk:
                 result = out
+            elif v in self.local_next:
+                carry = out
+            else:
+                a = Action("send_act", 0, v, chunk_place(self.schedule, k + 1, self.P)[0])
+                sends.append(isend(self.pp, out, a.peer, self._tag(a)))
         for pending in sends:
             pending.wait()
         return result
