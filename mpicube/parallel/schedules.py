@@ -90,6 +90,9 @@ def check_pipeline(n_layer: int, pp: int, schedule: str = DEFAULT_SCHEDULE, virt
         if 2 * pp > n_layer:
             raise ConfigError(f"--pp {pp} x 2 chunks of --pp-schedule {schedule} exceeds n_layer {n_layer}: "
                               f"use --pp {max(1, n_layer // 2)} or less, or --n-layer {2 * pp} or more")
+        if schedule == "dualpipev" and grad_accum < 2 * pp:
+            raise ConfigError(f"--pp-schedule dualpipev needs at least 2 x --pp {pp} micro-batches: "
+                              f"--grad-accum {grad_accum}: use --grad-accum {2 * pp} or more")
     elif virtual != 1 and schedule != "interleaved":
         raise ConfigError(f"--virtual-stages {virtual} applies to --pp-schedule interleaved only "
                           f"(schedule {schedule}): drop --virtual-stages, or use --pp-schedule interleaved")
@@ -195,6 +198,8 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1)
         raise ConfigError(f"{name} runs two chunks a stage (a V): virtual stages 2, got {V}")
     if V > 1 and name not in ("interleaved",) + VEE_SCHEDULES:
         raise ConfigError(f"virtual stages {V} apply to the interleaved schedule only")
+    if name == "dualpipev" and N < 2 * P:
+        raise ConfigError(f"dualpipev needs at least 2P = {2 * P} micro-batches, got {N}")
     if name == "interleaved" and V > 1 and (P < 2 or N % P):
         raise ConfigError(f"interleaved needs at least 2 stages and micro-batches a multiple of {P}, got {N}")
     last = P * V - 1

@@ -46,8 +46,10 @@ of the unsplit backward (``parallel.wgrad``).
 
 from __future__ import annotations
 
-ZB_SCHEDULES = ("zb-h1", "zbv")
-VEE_SCHEDULES = ("zbv",)                      # two chunks a stage, placed in a V
+from .schedules_dualpipe import dualpipev_order
+
+ZB_SCHEDULES = ("zb-h1", "zbv", "dualpipev")
+VEE_SCHEDULES = ("zbv", "dualpipev")          # two chunks a stage, placed in a V
 
 
 def model_chunk(name: str, stage: int, v: int, stages: int) -> int:
@@ -87,6 +89,8 @@ def zb_order(name: str, stages: int, micro_batches: int) -> list:
     """Stage p's compute order: a list of (op, micro, local chunk), op in
     "forward", "backward_input", "backward_weight" (module docstring)."""
     P, N = stages, micro_batches
+    if name == "dualpipev":                    # written out in steps, not found greedily
+        return dualpipev_order(P, N)
     V = 2 if name in VEE_SCHEDULES else 1
     last = P * V - 1
     caps, wcaps = zb_caps(name, P, N), zb_weight_caps(name, P, N)
@@ -142,6 +146,8 @@ def zb_bubble_fraction(name: str, stages: int, micro_batches: int) -> float:
     a backward twice a forward, split evenly), in F units per stage
     (module docstring): (P-1 + max(0, P-N)) / (3N + P-1 + max(0, P-N))."""
     p, n = stages, micro_batches
+    if name == "dualpipev":                    # N >= 2P: no shortfall term (schedules_dualpipe)
+        return (p - 1) / (6 * n + p - 1)
     if name in VEE_SCHEDULES:                  # in chunk-times (half a stage's F): 6N of work a stage
         idle = p - 1 + 3 * max(0, p - n)
         return idle / (6 * n + idle)
