@@ -170,15 +170,16 @@ LLAMA_CASES = [
 ]
 
 
-# Zero-bubble ZB-H1 (issue 46 item 2): each joins its world size's launch; B and W split at the
-# linears (parallel/wgrad.py), against serial with dropout and the cost model's peak of tapes and
-# filed weight phases per stage, on tensor-parallel layouts with dp, zero 1, cp, sp and recompute.
+# Zero-bubble schedules (issue 46 item 2: ZB-H1, ZBV, DualPipeV): each joins its world size's launch;
+# B and W split at the linears (parallel/wgrad.py), against serial with dropout, traffic and the cost
+# model's peak of tapes and filed weight phases per stage, on tensor-parallel layouts with dp, zero 1,
+# cp, sp, recompute, a 16-bit format and Llama's untied head (on stage 0 in a V).
 ZB_CASES = [
-    (4, "layout=1d tp=2 pp=2 schedule=zb-h1 accum=2"),
-    (8, "layout=1d tp=2 dp=2 pp=2 schedule=zb-h1 zero=1 accum=4 recompute=blocks batch=16"),
-    (8, "layout=2d tp=4 pp=2 schedule=zb-h1 accum=2"),
-    (8, "layout=1d tp=2 pp=2 cp=2 sp=1 schedule=zb-h1 accum=2 recompute=gathers"),
-    (8, f"layout=1d tp=4 pp=2 schedule=zb-h1 accum=2 kv=2 {LLAMA}"),
+    (4, "layout=1d tp=2 pp=2 schedule=zb-h1 accum=2 dtype=bfloat16 batch=8"),
+    (8, "layout=1d tp=2 dp=2 pp=2 schedule=zbv virtual=2 layers=4 zero=1 accum=4 recompute=blocks batch=16"),
+    (8, "layout=2d tp=4 pp=2 schedule=dualpipev virtual=2 layers=4 accum=4 batch=8"),
+    (8, "layout=1d tp=2 pp=2 cp=2 sp=1 schedule=zb-h1 accum=2 recompute=gathers batch=8"),
+    (8, f"layout=1d tp=4 pp=2 schedule=zbv virtual=2 layers=4 accum=2 kv=2 {LLAMA}"),
 ]
 
 

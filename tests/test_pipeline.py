@@ -36,8 +36,14 @@ def run_cases(ranks, cases, tmp_path=None, timeout=240):
 
 @pytest.mark.timeout(300)
 def test_four_stages_with_fewer_micro_batches_follow_serial():
-    """4 ranks: pp 4 under 1F1B with 3 micro-batches (fewer than stages)."""
-    run_cases(4, ["serial 1 1 4 1f1b 1 3"])
+    """4 ranks: pp 4 under 1F1B with 3 micro-batches (fewer than stages);
+    ZB-H1 with 4, its raw gradients bitwise 1F1B's; DualPipeV over 8
+    chunks (its V turning on stage 3) with 8 micro-batches: equal to
+    serial, traffic and each stage's peak of tapes and filed weight phases
+    the cost model's."""
+    out = run_cases(4, ["serial 1 1 4 1f1b 1 3", "serial 1 1 4 zb-h1 1 4 bitwise=1",
+                        "serial 1 1 4 dualpipev 2 8 layers=8"])
+    assert "bitwise equal to 1F1B's gradients" in out
 
 
 @pytest.mark.timeout(200)

@@ -224,3 +224,54 @@ def test_zero_bubble_bad_input_names_the_option():
         check_pipeline(4, 2, "zb-h1", virtual=2)
     with pytest.raises(ConfigError, match=r"unknown --pp-schedule 'zb'; choose one of .*zb-h1"):
         check_pipeline(4, 2, "zb")
+
+
+def test_vee_schedules_turn_on_the_last_stage_and_beat_zb_h1():
+    """ZBV (P 2..5, N 1..9) and DualPipeV (N >= 2P): stage p holds model
+    chunks p and 2P-1-p; the turn (chunks P-1, P) and nothing else stays
+    on a stage without a message; each (micro, chunk) runs forward then a
+    whole backward or B then W; a chunk's backwards (whole or B) and Ws
+    run in micro-batch order; every message has its receive; the
+    simulated bubble equals bubble_fraction exactly, is below ZB-H1's for
+    N >= P, and the tapes stay within 2 min(P, N) chunk-tapes (ZBV) or
+    2P + 1 (DualPipeV, the DualPipe paper's PP + 1)."""
+    from mpicube.parallel.schedules import in_weight_phase, model_chunk
+
+    cases = [("zbv", P, N) for P in range(2, 6) for N in range(1, 10)]
+    cases += [("dualpipev", P, N) for P in range(2, 6) for N in range(2 * P, 2 * P + 4)]
+    for name, P, N in cases:
+        sched = build_schedule(name, P, N, 2)
+        assert [model_chunk(name, p, v, P) for p in range(P) for v in (0, 1)] == \
+            [k for p in range(P) for k in (p, 2 * P - 1 - p)]
+        sends = sum(a.op.startswith("send") for acts in sched for a in acts)
+        assert sends == 2 * N * (2 * P - 2), (name, P, N)          # every boundary but the turn, both ways
+        for p, acts in enumerate(sched):
+            for v in (0, 1):
+                ops = [a for a in acts if a.chunk == v and a.op in
+                       ("forward", "backward", "backward_input", "backward_weight")]
+                for m in range(N):
+                    mine = [a.op for a in ops if a.micro == m]
+                    assert mine in (["forward", "backward"], ["forward", "backward_input", "backward_weight"])
+                backs = [a.micro for a in ops if a.op in ("backward", "backward_input")]
+                weights = [a.micro for a in ops if a.op in ("backward", "backward_weight")]
+                assert backs == sorted(backs) and weights == sorted(weights), (name, P, N, p, v)
+            cap = 2 * min(P, N) if name == "zbv" else 2 * P + 1
+            assert peak_in_flight(acts) <= cap and in_flight(acts)[-1] == () and in_weight_phase(acts)[-1] == ()
+        result = simulate(sched, 0.5, 1.0, name)                   # a chunk: half a stage's F, B + W = 2F
+        assert result["bubble"] == pytest.approx(bubble_fraction(name, P, N, 2), abs=1e-12), (name, P, N)
+        if N >= P:
+            assert result["bubble"] < bubble_fraction("zb-h1", P, N) < bubble_fraction("1f1b", P, N)
+    assert bubble_fraction("zbv", 4, 8, 2) == pytest.approx(3 / 51)            # (P-1)/(6N+P-1)
+
+
+def test_vee_bad_input_names_the_option():
+    from mpicube.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--pp-schedule zbv runs two chunks a stage \(a V\): use --virtual-stages 2"):
+        check_pipeline(8, 2, "zbv", virtual=1, grad_accum=4)
+    with pytest.raises(ConfigError, match=r"--pp 4 x 2 chunks of --pp-schedule zbv exceeds n_layer 6: use --pp 3"):
+        check_pipeline(6, 4, "zbv", virtual=2, grad_accum=4)
+    with pytest.raises(ConfigError, match=r"dualpipev needs at least 2 x --pp 2 micro-batches: --grad-accum 3: "
+                                          r"use --grad-accum 4 or more"):
+        check_pipeline(4, 2, "dualpipev", virtual=2, grad_accum=3)
+    assert check_pipeline(4, 2, "dualpipev", virtual=2, grad_accum=4) is None
