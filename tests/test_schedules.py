@@ -275,3 +275,17 @@ def test_vee_bad_input_names_the_option():
                                           r"use --grad-accum 4 or more"):
         check_pipeline(4, 2, "dualpipev", virtual=2, grad_accum=3)
     assert check_pipeline(4, 2, "dualpipev", virtual=2, grad_accum=4) is None
+
+
+def test_pipeline_page_holds_the_bubble_table_the_schedules_give():
+    """docs/pipeline.md's bubble table (formula, simulated, tapes, weight
+    phases of every schedule at P 4, N 8) is what tools/pipeline_pictures.py
+    computes from the schedules now (its --check: no drawing)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "tools/pipeline_pictures.py", "--check", "docs/pipeline.md"], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
