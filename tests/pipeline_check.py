@@ -67,8 +67,8 @@ def build_pipeline(grid, cfg, batch, dropout):
     counters = Counters()
     layout = build_layout(resolve(grid, cfg, batch, MPI.COMM_WORLD.Get_size()), backend, MPI.COMM_WORLD,
                           counters=counters)
-    store = make_store(stage_specs(layout, cfg, grid.virtual_stages, grid.pp_schedule), backend, 7, dp=layout.axes.dp, zero=grid.zero,
-                       stages=grid.pp, edp=layout.axes.edp)
+    store = make_store(stage_specs(layout, cfg, grid.virtual_stages, grid.pp_schedule), backend, 7, dp=layout.axes.dp,
+                       zero=grid.zero, stages=grid.pp, edp=layout.axes.edp)
     pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=grid.virtual_stages, dropout=dropout,
                     seed=7, grad_accum=grid.grad_accum)
     return Parts(cfg, backend, counters, layout, store, pipe, grid.grad_accum, pipeline=pipe)

@@ -28,7 +28,8 @@ LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
 RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")   # ops/fp8_recipes.py RECIPES
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # parallel/schedules.py ALL_SCHEDULES (default 1f1b)
+# parallel/schedules.py ALL_SCHEDULES (default 1f1b)
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 
 # --seed: NumPy's generators take any non-negative integer; -1 would be a traceback at the first batch
 SEED = click.IntRange(0, 2 ** 64 - 1)

@@ -2,7 +2,10 @@
 
 A schedule is a pure function of (name, P stages, N micro-batches, V
 virtual chunks per stage) that returns, for each stage, the forwards,
-backwards, sends and receives it performs in one optimizer step. Why data
+backwards, sends and receives it performs in one optimizer step. The
+zero-bubble schedules (``schedules_zb``: zb-h1, zbv, dualpipev) split a
+backward into ``backward_input`` (B, dX) and ``backward_weight`` (W, the
+linears' dW filed by ``parallel.wgrad``), and may mix whole backwards in. Why data
 and not code: the same lists are run by the executor, checked for deadlock
 freedom and dependency order without MPI (tests/test_schedules.py), measured
 for their bubble and in-flight activations by the cost model, and drawn
@@ -12,8 +15,10 @@ runs.
 Model chunk k (0..P*V-1) holds a contiguous run of layers (``layer_split``);
 chunk 0 also holds the embeddings, chunk P*V-1 the final LayerNorm and the
 LM head. Stage p holds chunks p, P + p, ..., (V-1)*P + p: its local chunk v
-is model chunk ``v * P + p``. Activations of micro-batch m flow from chunk k
-to k+1 (stage k % P to stage (k+1) % P), their gradients back.
+is model chunk ``v * P + p``, except in a V (zbv, dualpipev: chunks p and
+2P-1-p, ``model_chunk``). Activations of micro-batch m flow from chunk k
+to k+1 (from the stage holding k to the one holding k+1; a V's turn, P-1
+to P, stays on the last stage with no message), their gradients back.
 
 A ``recv_*`` sits right before the compute that consumes it and a
 ``send_*`` right after the compute that produced it. The executor posts

@@ -28,16 +28,23 @@ time a stage would otherwise idle.
   fewer micro-batches than stages: (P-1 + 3 max(0, P-N)) / (6N + P-1 +
   3 max(0, P-N)) of the step, below ZB-H1's.
 
-Why generated rather than written out: the paper's schedules are the
-result of a greedy list scheduler under a memory cap, and so are these.
+* ``dualpipev``: the same V, its order written out in DeepSeek's eight
+  steps (``schedules_dualpipe``); ``zb_order`` hands it over.
+
+Why generated rather than written out: the paper finds its schedules with
+a list scheduler under a memory limit (its ZB-H1 and ZB-V figures are the
+hand-tidied results), and a greedy one gives the bubbles above exactly
+for every P and N (tests/test_schedules.py), with no special case per
+size.
 ``zb_order`` steps a clock in unit times (F = B = W = 1 chunk-time, free
 communication); at every tick each idle stage starts, in this priority,
 the oldest B whose gradient has arrived (if its cap allows another
 filed weight phase), else the first F by (micro-batch, chunk) whose input
-has arrived (if its cap allows another tape), else the oldest deferred W. The orders it returns are then fixed: the executor runs them
-with whatever the real times are, the simulator measures them, the
-pictures draw them (``schedules.build_schedule`` adds the sends and
-receives as for every schedule).
+has arrived (if its cap allows another tape), else the oldest deferred
+W. The orders it returns are then fixed: the executor runs them with
+whatever the real times are, the simulator measures them, the pictures
+draw them (``schedules.build_schedule`` adds the sends and receives as
+for every schedule).
 
 Every W of a chunk runs after its own B and in the order of that chunk's
 Bs (micro-batch order), which keeps each weight gradient's sum order that

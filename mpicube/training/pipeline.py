@@ -22,7 +22,13 @@ receive, which the watchdog (``--collective-timeout``) names and ends.
 
 Each chunk is one ``GPT``; each (chunk, micro-batch) in flight has its own
 tape (``self.tapes``): under 1F1B up to P micro-batches of a chunk are
-between their forward and their backward on one stage at once.
+between their forward and their backward on one stage at once. A
+zero-bubble schedule's ``backward_input`` runs the same ``GPT.backward``
+inside ``store.wgrads.collect()``, so the linears file their dW work
+(``self.filed``) and its ``backward_weight`` runs it (``parallel.wgrad``);
+the model does not know which. In a V (zbv, dualpipev) chunks P-1 and P
+share the last stage: the activation and its gradient are handed over in
+the stage's outbox, with no message.
 
 The numerics are those of the same step without a pipeline: micro-batch m
 is ``Parts.micro_rows(m)`` of the step's batch, dropout masks are drawn at
