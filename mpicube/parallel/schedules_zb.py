@@ -10,8 +10,10 @@ time a stage would otherwise idle.
   and their W (only the linears' inputs and output gradients, filed by
   ``parallel.wgrad``): the stages near the end, which hold the fewest
   tapes, defer the most Ws, and the drain, where 1F1B waits for
-  gradients, runs them. With F = B = W the idle time per stage falls from
-  1F1B's (P-1)(F+B+W) to (P-1)(F+B-W), plus (P-N)W with fewer
+  gradients, runs them. (Counted in micro-batches the two together reach
+  P + 1 on every stage, against 1F1B's P on stage 0: capping them at P
+  costs bubble with this scheduler.) With F = B = W the idle time per
+  stage falls from 1F1B's (P-1)(F+B+W) to (P-1)(F+B-W), plus (P-N)W with fewer
   micro-batches than stages (too few Ws to fill the drain): a bubble of
   (P-1 + max(0, P-N)) / (3N + P-1 + max(0, P-N)) of the step against
   1F1B's (P-1)/(N + P-1).
