@@ -337,9 +337,17 @@ def pipeline_peak_activation_bytes(p: Problem, stage: int = None, dropout: bool 
 
 
 def _weight_terms(p: Problem, stage: int) -> dict:
-    """{(micro-batch, local chunk): what its weight phase holds} (``costwgrad``)."""
+    """{(micro-batch, local chunk): what its weight phase holds} (``costwgrad``;
+    a mixture's at the rows of each micro-batch, as ``_stage_terms``)."""
     split = p.chunk_layers
-    chunks = [weight_phase_terms(p, len(split[model_chunk(p.pp_schedule, stage, v, p.pp)]))
-              for v in range(p.virtual_stages)]
-    return {(m, v): chunks[v] for m in range(p.grad_accum) for v in range(p.virtual_stages)}
+    if p.routing is not None and stage != p.stage:             # the routing is p.stage's: price another's expected
+        p = dataclasses.replace(p, routing=None)
+    out = {}
+    for m in range(p.grad_accum):
+        first = 0
+        for v in range(p.virtual_stages):
+            layers = len(split[model_chunk(p.pp_schedule, stage, v, p.pp)])
+            out[m, v] = weight_phase_terms(p, layers, m, first)
+            first += layers
+    return out
 

@@ -20,19 +20,28 @@ of the layout (``costmemory.chunk_terms``' n):
 * 3-D: the gathered X (q n x h_in/q), the gathered dY (q n x h_out/q) and
   the rank's own dY (n x h_out/q, for the bias).
 
-A mixture's experts are not priced here (the zero-bubble cases run dense
-blocks).
+A mixture's experts: every batch of M rows an expert runs
+(``costexperts.Rows.experts``: on serial and 1-D its own rows and the
+others', up to two; on the 2-D grids all its rows at once, padded) files
+c_fc's input (M x the canonical width, whole again under --recompute
+gathers) and its SwiGLU's gradient (M x 2F over the head split), c_proj's
+input (M x F over the split) and its output gradient (M x the canonical
+width): R (2 c + 3 F_l) over the layer's R run rows, at the rows the
+stage measured (``p.routing``) or expects. 3-D's gathered expert panels
+are not priced yet.
 """
 
 from __future__ import annotations
 
 from .costbase import Problem
+from .costexperts import layer_rows
 from .costparams import dense_linears
 
 
-def weight_phase_terms(p: Problem, L: int) -> dict:
-    """{"act", "stat", "grad": elements} one micro-batch's weight phase
-    holds on a chunk of ``L`` blocks (module docstring)."""
+def weight_phase_terms(p: Problem, L: int, micro: int = 0, first: int = 0) -> dict:
+    """{"act", "stat", "grad": elements} micro-batch ``micro``'s weight
+    phase holds on a chunk of ``L`` blocks, the ``first``-th of the
+    stage's layers onwards (module docstring)."""
     cfg, T, h = p.cfg, p.local_seq, p.cfg.n_embd
     if p.layout in ("serial", "1d"):
         heads, split_rows, cc = (p.tp if p.layout == "1d" else 1), 1, h
@@ -51,4 +60,7 @@ def weight_phase_terms(p: Problem, L: int) -> dict:
             per_block += n * cc + n * h_out // heads
         else:
             per_block += n * h_in // heads + n * cc
-    return {"act": L * per_block, "stat": 0, "grad": 0}
+    experts = 0
+    if cfg.moe and p.layout != "3d":
+        experts = sum(rows.run * (2 * cc + 3 * (cfg.ffn // heads)) for rows in layer_rows(p, L, micro, first))
+    return {"act": L * per_block + experts, "stat": 0, "grad": 0}
