@@ -109,7 +109,7 @@ class Problem:
     zero: int = 0            # 1: optimizer state (and a 16-bit run's master) sharded over dp (mpicube.parallel.zero)
     grad_accum: int = 1      # micro-batches per step (mpicube.training.accum)
     pp: int = 1              # pipeline stages (mpicube.parallel.schedules); world = dp x pp x tp
-    pp_schedule: str = "1f1b"   # gpipe, 1f1b or interleaved
+    pp_schedule: str = "1f1b"   # gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev (schedules.ALL_SCHEDULES)
     virtual_stages: int = 1  # chunks per stage under interleaved
     stage: int = 0           # the stage this rank runs (0..pp-1); every per-rank figure is for it
     sequence_parallel: bool = False   # 1-D: canonical activations a T/tp shard (parallel/layouts/seqpar.py)

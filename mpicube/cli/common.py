@@ -273,9 +273,11 @@ def pipeline_options(f):
     """``--pp``, ``--pp-schedule`` and ``--virtual-stages`` (train, eval,
     bench, trace, generate): pipeline stages around the tensor-parallel layout."""
     f = click.option("--virtual-stages", type=int, default=1, show_default=True,
-                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V)")(f)
+                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V); "
+                          "2 under zbv and dualpipev (a V of chunks)")(f)
     f = click.option("--pp-schedule", type=click.Choice(SCHEDULE_CHOICES), default="1f1b", show_default=True,
-                     help="pipeline schedule over the --grad-accum micro-batches")(f)
+                     help="pipeline schedule over the --grad-accum micro-batches; zb-h1, zbv and dualpipev split "
+                          "each backward and defer its weight gradients into the bubble (docs/pipeline.md)")(f)
     f = click.option("--pp", type=int, default=1, show_default=True,
                      help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
     return f

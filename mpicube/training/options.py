@@ -34,7 +34,7 @@ class TrainOptions:
     dp: int = 1
     ep: int = 1                    # expert-parallel ranks taken from dp (a mixture of experts)
     pp: int = 1                    # pipeline stages
-    pp_schedule: str = "1f1b"      # gpipe, 1f1b or interleaved (micro-batches: grad_accum)
+    pp_schedule: str = "1f1b"      # gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev (micro-batches: grad_accum)
     virtual_stages: int = 1        # model chunks per stage under interleaved
     cp: int = 1                    # context-parallel ranks (issue 22)
     cp_kind: str = "ring"          # ring, ulysses or hybrid (issue 46; parallel/ulysses.py)
