@@ -28,8 +28,7 @@ LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
 RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")   # ops/fp8_recipes.py RECIPES
-# parallel/schedules.py ALL_SCHEDULES (default 1f1b)
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # schedules.ALL_SCHEDULES
 
 # --seed: NumPy's generators take any non-negative integer; -1 would be a traceback at the first batch
 SEED = click.IntRange(0, 2 ** 64 - 1)
@@ -273,11 +272,9 @@ def pipeline_options(f):
     """``--pp``, ``--pp-schedule`` and ``--virtual-stages`` (train, eval,
     bench, trace, generate): pipeline stages around the tensor-parallel layout."""
     f = click.option("--virtual-stages", type=int, default=1, show_default=True,
-                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V); "
-                          "2 under zbv and dualpipev (a V of chunks)")(f)
+                     help="model chunks per stage: interleaved's V (pp x V divides n_layer); 2 for zbv, dualpipev")(f)
     f = click.option("--pp-schedule", type=click.Choice(SCHEDULE_CHOICES), default="1f1b", show_default=True,
-                     help="pipeline schedule over the --grad-accum micro-batches; zb-h1, zbv and dualpipev split "
-                          "each backward and defer its weight gradients into the bubble (docs/pipeline.md)")(f)
+                     help="schedule over the --grad-accum micro-batches (zero-bubble: zb-h1, zbv, dualpipev)")(f)
     f = click.option("--pp", type=int, default=1, show_default=True,
                      help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
     return f
