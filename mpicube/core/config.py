@@ -228,6 +228,12 @@ class ModelConfig:
         return self.moe and layer >= self.first_k_dense
 
     @property
+    def n_blocks(self) -> int:
+        """The transformer blocks the model holds: n_layer, and one per
+        multi-token prediction depth after them (``h.{n_layer + k - 1}``)."""
+        return self.n_layer + self.mtp_depth
+
+    @property
     def moe_ffn(self) -> int:
         """A routed expert's SwiGLU width (--moe-ffn-hidden; else ffn)."""
         return self.moe_ffn_hidden or self.ffn
@@ -343,7 +349,7 @@ class ModelConfig:
         h = self.n_embd
         dense = 3 * h * self.ffn
         mixture = 3 * h * self.moe_ffn * (self.n_experts + self.n_shared_experts) + h * self.n_experts
-        return sum(mixture if self.is_moe(i) else dense for i in range(self.n_layer))
+        return sum(mixture if self.is_moe(i) else dense for i in range(self.n_blocks))
 
     def n_params(self) -> int:
         """Logical parameter count (tied head counted once)."""
@@ -354,7 +360,8 @@ class ModelConfig:
             q = (h * rq + rq + rq * nh * qk) if rq else h * nh * qk
             kv = h * (rkv + self.qk_rope_head_dim) + rkv + rkv * nh * (self.qk_nope_head_dim + self.v_head_dim)
             per_layer = 2 * h + q + kv + nh * self.v_head_dim * h
-            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h
+            mtp = self.mtp_depth * (per_layer + 3 * h + 2 * h * h)    # a block, three norms and W (2C, C) a depth
+            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h + mtp
         if self.llama:     # no biases, no position table; two RMSNorm weights per layer, three MLP matrices
             kv = self.kv_heads * self.head_dim
             per_layer = 2 * h + h * (h + 2 * kv) + h * h
