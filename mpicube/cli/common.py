@@ -243,10 +243,16 @@ def mla_options(f):
     f = click.option("--kv-lora-rank", type=int, default=None, help="deepseek_v3: the kv latent's rank  [default: 32]")(f)
     f = click.option("--q-lora-rank", type=int, default=None,
                      help="deepseek_v3: the q latent's rank, 0: no q compression  [default: 0]")(f)
+    f = click.option("--mtp-loss-weight", type=float, default=None,
+                     help="deepseek_v3: the MTP losses' weight W: loss = main + W / D x their sum  [default: 0.3]")(f)
+    f = click.option("--mtp-depth", type=int, default=None,
+                     help="deepseek_v3: multi-token prediction depths D (a block each, sharing the "
+                          "embedding and head)  [default: 0]")(f)
     return f
 
 
-MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
+MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+               "mtp_depth", "mtp_loss_weight")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
                ) + DEEPSEEK_OPTIONS
 ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings") + MOE_OPTIONS + MLA_OPTIONS

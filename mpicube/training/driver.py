@@ -151,6 +151,8 @@ class Runner:
         loss, main, depths = mtp.loss_terms(self.layout.cfg, sums, ctx.n_tokens, ctx.mtp_counts)
         if depths and self.train:
             self.mtp_log.add(main, depths)
+        if not self.train:                   # evaluation: the model's cross-entropy, the MTP depths left out
+            loss = main
         if ctx.router is not None:           # the router losses, summed over the replicas before any backward
             router_loss = ctx.router.finish()
             if self.train:

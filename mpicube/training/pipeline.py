@@ -269,14 +269,15 @@ class Pipeline:
         """The last stage's loss shares (1 + D,) summed over every rank (the
         other stages add zero): one float64 all-reduce per step. The step's
         loss is main + (W / D) sum_k L_k; a training step's main and depth
-        losses go to ``mtp_log``."""
+        losses go to ``mtp_log``; an evaluation's loss is the main one."""
         xp = self.layout.backend.xp
         sums = self.layout.backend.to_host(self.layout.axes.world.allreduce(xp.asarray(np.asarray(share))))
         if len(sums) == 1:
             return float(sums[0])
         main, depths = float(sums[0]), [float(v) for v in sums[1:]]
-        if train:
-            self.mtp_log.add(main, depths)
+        if not train:                           # evaluation: the model's cross-entropy, as the Runner's
+            return main
+        self.mtp_log.add(main, depths)
         return main + self.cfg.mtp_loss_weight / self.cfg.mtp_depth * sum(depths)
 
     # --- forward only (evaluation) --------------------------------------------

@@ -150,7 +150,7 @@ def sources(d: DeepseekV3Shape, name: str) -> tuple:
     if head == "mtp":
         extra = {"enorm.weight": ([(p + "enorm.weight", None)], False),
                  "hnorm.weight": ([(p + "hnorm.weight", None)], False),
-                 "proj.weight": ([(p + "eh_proj.weight", 2 * d.n_embd)], True),
+                 "proj.weight": ([(p + "eh_proj.weight", d.n_embd)], True),        # width: mpicube's columns (C)
                  "ln_f.weight": ([(p + "shared_head.norm.weight", None)], False)}
         if suffix in extra:
             return extra[suffix]
