@@ -54,6 +54,10 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
 - ``grad-error=NAME``: parameter NAME's summed gradient comes out 1% too
   large (the envelope's demonstration, docs/trace-format.md: a bfloat16
   candidate that the depth bound passes and the envelope fails).
+- ``mtp-local``: each multi-token prediction depth's loss normalised by
+  the token count of this rank's micro-batch (its valid positions)
+  instead of the whole step's (Megatron #2417, #1532): equal on one
+  rank, off by the replica count under dp.
 - ``none``: nothing planted (a clean trace in the same launch).
 """
 
@@ -254,12 +258,26 @@ def grad_error(name):
     return _swap(gradients.GradientSync, "__call__", planted)
 
 
+def mtp_local(_):
+    import dataclasses as dc
+
+    from mpicube.training import driver
+
+    context = driver.micro_context
+
+    def planted(*args, **kwargs):
+        idx, targets, ctx = context(*args, **kwargs)
+        local = tuple(int(valid.sum()) for _, _, valid in ctx.mtp)          # this rank's rows and positions
+        return idx, targets, dc.replace(ctx, mtp_counts=local)
+    return _swap_everywhere(driver, "micro_context", planted)
+
+
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
           "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad,
           "router-aux-grad": router_aux_grad, "dp-partial": dp_partial,
           "moments-dropped": moments_dropped, "loss-scale-reset": loss_scale_reset, "replica-skip": replica_skip,
           "grads-unapplied": grads_unapplied, "precision-off": precision_off,
-          "grad-error": grad_error, "none": lambda _: (lambda: None)}
+          "grad-error": grad_error, "mtp-local": mtp_local, "none": lambda _: (lambda: None)}
 
 
 def plant(bug: str):

@@ -31,7 +31,7 @@ MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", 
 STATE = ["--steps", "2", "--state"]                     # two steps, with the training state
 F16 = ["--dtype", "float16", "--loss-scale", "1024", "--loss-scale-growth-interval", "1"]   # the scale grows each step
 REFERENCES = {"ref.h5": [], "ref257.h5": ["--vocab-size", "257"], "state.h5": STATE, "state16.h5": STATE + F16,
-              "bf16.h5": ["--dtype", "bfloat16"]}
+              "bf16.h5": ["--dtype", "bfloat16"], "mtp.h5": ["--arch", "deepseek_v3", "--mtp-depth", "1"]}
 
 # bug, reference, layout options, the first divergence, rows that must still agree, a note its row must hold
 CATALOGUE = [
@@ -60,6 +60,10 @@ CATALOGUE = [
     ("precision-off", "bf16.h5", ["--layout", "1d", "--dtype", "bfloat16"], "step_1/act/emb", ["tokens", "init/wte"],
      "B: a bfloat16 trace whose activations and logits of this step all lie off the bfloat16 grid"),
     ("vocab-pad", "ref257.h5", ["--layout", "1d", "--vocab-size", "257"], "step_1/loss", ["step_1/logits"], ""),
+    # issue 43: DeepSeek-V3's MTP depth normalised by this rank's tokens (Megatron #2417): named at the depth's
+    # loss, its block's activations (h.2) and the main loss still agreeing
+    ("mtp-local", "mtp.h5", ["--arch", "deepseek_v3", "--mtp-depth", "1", "--layout", "1d", "--dp", "2"],
+     "step_1/mtp/loss_1", ["step_1/act/h.2", "step_1/logits", "step_1/mtp/main_loss"], ""),
 ]
 
 
