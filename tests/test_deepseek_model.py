@@ -107,6 +107,22 @@ def test_bad_options_are_refused_by_name(args, words):
             gpt_params(cfg)
 
 
+@pytest.mark.parametrize("kw, words", [
+    (dict(arch="llama", mtp_depth=1), "--mtp-depth applies to --arch deepseek_v3 only, not llama"),
+    (dict(arch="gpt2", mtp_loss_weight=0.1), "--mtp-loss-weight applies to --arch deepseek_v3 only, not gpt2"),
+    (dict(arch="deepseek_v3", mtp_depth=-1), "--mtp-depth must be an integer of at least 0"),
+    (dict(arch="deepseek_v3", mtp_loss_weight=0.1), "--mtp-loss-weight needs --mtp-depth"),
+    (dict(arch="deepseek_v3", mtp_depth=1, mtp_loss_weight=float("nan")), "--mtp-loss-weight must be a finite"),
+])
+def test_mtp_options_are_refused_by_name(kw, words):
+    from mpicube.core.config import family_fields
+
+    with pytest.raises(ConfigError, match=words):
+        family_fields(**kw)
+    cfg = ModelConfig(n_head=4, n_embd=8, **family_fields(arch="deepseek_v3", mtp_depth=2, mtp_loss_weight=0.5))
+    assert (cfg.mtp_depth, cfg.mtp_loss_weight) == (2, 0.5) and ModelConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
 def test_other_families_refuse_the_latent_options():
     from mpicube.core.config import family_fields
 

@@ -161,6 +161,7 @@ def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path, args, layers):
     (["--router", "softmax", "--n-groups", "2"], "--n-groups needs --router sigmoid"),
     (["--router-z-loss-coef", "0.1"], "--router-z-loss-coef applies to --router softmax only"),
     (["--bias-update-rate", "-1"], "--bias-update-rate must be a finite number in [0, 1]"),
+    (["--mtp-depth", "1"], "--mtp-depth applies to --arch deepseek_v3 only, not mixtral"),
 ])
 def test_bad_deepseek_options_are_one_line(args, message, tmp_path):
     base = ["--arch", "mixtral", "--n-routed-experts", "8", "--router", "sigmoid"]
