@@ -176,7 +176,7 @@ def arch_options(f):
                      help="model family: gpt2; llama (RMSNorm, rotary positions, SwiGLU, "
                           "grouped-query attention, untied head, no biases); mixtral: Llama with a mixture of "
                           "experts (--n-experts 8 --top-k 2 unless given); deepseek_v3: Llama with multi-head "
-                          "latent attention (dense MLP on every layer so far); with --init-from or --resume: "
+                          "latent attention, and DeepSeekMoE with --n-routed-experts; with --init-from or --resume: "
                           "the file's family")(f)
     return f
 
@@ -449,7 +449,7 @@ def device_options(f):
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="mpicube")
 def cli():
-    """GPT-2, Llama and Mixtral training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
+    """GPT-2, Llama, Mixtral and DeepSeek-V3 training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
 
     Run under MPI: mpiexec -n 8 mpicube train --layout 3d
     """

@@ -69,7 +69,7 @@ from .sections import TRAIN_EPILOG, SectionedCommand
 @click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
 @click.option("--init-from", type=str, default=None, metavar="MODEL",
               help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
-                   "run dir, saved on any layout), a Hugging Face GPT-2, Llama or Mixtral directory or an llm.c "
+                   "run dir, saved on any layout), a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory or an llm.c "
                    "model file (the family comes from the file unless --arch is given); "
                    "this run starts its own schedule and AdamW moments (with --resume: unless the run "
                    "directory has a checkpoint of its own, which is continued instead)")
@@ -98,7 +98,7 @@ from .sections import TRAIN_EPILOG, SectionedCommand
 @profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
 def train(collective_timeout, profile, **kwargs):
-    """Train a GPT-2, Llama (--arch llama) or Mixtral (--arch mixtral) model.
+    """Train a GPT-2, Llama (--arch llama), Mixtral (--arch mixtral) or DeepSeek-V3 (--arch deepseek_v3) model.
 
     Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
     step) and checkpoints in RUN_DIR/ckpt/. SIGTERM, SIGUSR1 or Ctrl-C on
@@ -153,7 +153,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
                  grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral directory or an
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory or an
     llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a

@@ -42,7 +42,7 @@ def fp8_recipe(name, dtype: str, grad_format=None, accumulate=None, history: int
     if device != "cpu":
         raise ConfigError(f"--fp8 runs on the CPU so far (ml_dtypes' formats), not --device {device}")
     from ..ops import fp8
-    if fp8.ml_dtypes is None:
+    if fp8.ml_dtypes() is None:
         raise ConfigError("--fp8 needs the ml_dtypes package (its FP8 formats): pip install ml_dtypes "
                           "(or reinstall mpicube)")
     if ep > 1:

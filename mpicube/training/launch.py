@@ -82,7 +82,12 @@ class Launch:
 
         vocab = None                                     # the vocabulary the shards are checked against now
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
-            vocab = on_root(self.world, self._check_init_from)
+            file_cfg = on_root(self.world, self._check_init_from)
+            vocab = file_cfg.vocab_size
+            if o.batch_size is None:                     # the file's model sets the default batch: plan the
+                self.cfg = file_cfg                      # data now, so a bad token id leaves no directory either
+                self._resolve()
+                self._plan_data()
         elif self.cfg is not None and not o.resume:
             vocab = self.cfg.vocab_size
         self.vocab_checked = False
@@ -235,15 +240,16 @@ class Launch:
                               f"({', '.join(differ)} not used)")
         return cfg
 
-    def _check_init_from(self) -> int:
+    def _check_init_from(self) -> ModelConfig:
         """Rank 0: --init-from's file opens and its model is the one the
         options ask for (shape and family), before the run directory is
-        made; returns its vocabulary size (the shards are checked against it)."""
+        made; returns the model it holds under this run's options (its
+        vocabulary checks the shards; its shape sets a default batch)."""
         with formats.open_model(self.opts.init_from, verify=False) as model_file:
             said = list(self.notes)
-            self._file_config(model_file)
+            cfg = self._file_config(model_file)
             self.notes[:] = said                   # said again when the run opens the file
-            return model_file.config.vocab_size
+            return cfg
 
     def _file_family(self, path, cfg: ModelConfig) -> ModelConfig:
         """The file's model under this run's family options: the file
