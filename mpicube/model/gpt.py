@@ -170,8 +170,9 @@ class GPT:
         """inputs: token ids (B_dp, T_l) on a chunk with the embeddings, else
         the previous chunk's output (B_c, T_c, C_c); targets (B_dp, T_l) or
         None. Returns (out, tape): on a chunk with the head, this rank's
-        share of the loss summed over its rows ((1,), on the device), else
-        the chunk's output (B_c, T_c, C_c)."""
+        share of the loss summed over its rows ((1,), on the device; (1 +
+        D,) with D multi-token prediction depths: the main sum, then each
+        depth's), else the chunk's output (B_c, T_c, C_c)."""
         self.store.refresh_work()            # the 16-bit working copy, after an optimizer step or a load
         resident = self.store.layers("forward", self.sites, self.has_ends)   # the store brings each block's weights in
         tape, x = Tape(ctx, targets), inputs

@@ -144,6 +144,9 @@ class Runner:
         return Runner(self.model, self.layout, self.grad_accum, train=False)
 
     def forward(self, idx, targets, step: int = 0, micro: int = 0) -> float:
+        """The micro-batch's share of the step's loss: with MTP, main + (W /
+        D) sum_k L_k, each over its global count (``mtp.loss_terms``; the
+        parts go to ``mtp_log``); evaluation's is the main loss alone."""
         idx, targets, ctx = micro_context(self.layout, idx, targets, step, micro, self.grad_accum, self.train)
         share, self.tape = self.model.forward(idx, targets, ctx)            # (1,) or (1 + D,) with MTP
         self.logits = Head.logits(self.tape)
