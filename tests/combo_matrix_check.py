@@ -44,8 +44,9 @@ FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
 in the serial reference alike, accumulate in float64, and must equal
 serial to 1e-12 (the quantized operands are the same bits; only the
-order of float64 sums differs); the cost model does not count their amax
-all-reduces yet, so their traffic is not compared.
+order of float64 sums differs); the tensor-scaled recipes' dense cases
+compare their traffic with the cost model too, amax all-reduces included
+(axis "fp8", analysis/costfp8.py), not yet their memory.
 
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
@@ -72,6 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
 from replicated_check import check_replicated  # noqa: E402
+from mpicube.analysis.costfp8 import TENSOR_SCALED  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
@@ -177,9 +179,11 @@ class Case:
 
 def COSTED(case: Case) -> bool:
     """Whether the cost model prices the case: every one (Llama too) but
-    FP8's, whose amax all-reduces it does not count yet, and DeepSeek-V3's latent attention, which it does
-    not price yet."""
-    return not case.fp8 and case.arch != "deepseek_v3"
+    DeepSeek-V3's latent attention, which it does not price yet, and FP8's other than the tensor-scaled
+    recipes' dense blocks (analysis/costfp8.py: their amax all-reduces on axis "fp8")."""
+    if case.fp8:
+        return case.fp8 in TENSOR_SCALED and not case.experts and case.arch != "deepseek_v3"
+    return case.arch != "deepseek_v3"
 
 
 def configure(dtype: str) -> None:
@@ -296,7 +300,7 @@ def run_case(case: Case, refs: References) -> None:
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
         if parts.pipeline is None:
             assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-            if COSTED(case):
+            if COSTED(case) and not case.fp8:       # FP8's saved quantized copies: not in the memory model yet
                 pc.check_memory(problem, True, store, model, kept[0], opt.adam, where)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
@@ -310,7 +314,7 @@ def run_case(case: Case, refs: References) -> None:
             assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
         if COSTED(case):
             pc.check_traffic(problem, counters, where)               # the step's all-gathers too
-        if parts.pipeline is not None and COSTED(case):
+        if parts.pipeline is not None and COSTED(case) and not case.fp8:
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")

@@ -190,12 +190,22 @@ FP8_CASES = [
     (4, f"layout=1d tp=4 kv=4 experts=4 fp8=mxfp8 fp8block=2 steps=3 {LLAMA}"),
     (4, f"layout=2d tp=4 kv=2 experts=4 fp8=delayed steps=3 {LLAMA}"),
     (4, f"layout=1d tp=2 dp=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),   # every expert runs on every replica
+    # the tile recipes on 2-D, 2.5-D and 3-D: each rank quantizes its own shard along each GEMM's contraction
+    # before the panel travels; rowwise on 2-D with its row amaxes over the grid's rows, columns and cp
+    (4, "layout=2d tp=4 fp8=blockwise fp8block=4 steps=3"),
+    (8, "layout=2.5d tp=8 depth=2 fp8=mxfp8 fp8block=4 steps=3"),
+    (8, "layout=3d tp=8 fp8=blockwise fp8block=4 steps=3"),
+    (8, "layout=3d tp=8 recompute=gathers fp8=mxfp8 fp8block=4 steps=3"),
+    (8, "layout=2d tp=4 cp=2 fp8=rowwise steps=3"),
+    # DeepSeek-V3's REPLICATED latent projections: every rank quantizes the whole W it holds and keeps its rows
+    (4, "layout=1d tp=2 dp=2 fp8=mxfp8 fp8block=2 steps=3 arch=deepseek_v3"),
+    (4, "layout=2d tp=4 fp8=rowwise steps=3 arch=deepseek_v3"),             # x's rows over the hidden split
 ]
 
 
 def test_fp8_cases_cover_every_recipe_and_layout():
     """Issue 45: every recipe runs on some layout against serial, the
-    tensor-scaled ones on 2-D, 2.5-D and 3-D too, and the axes a scale
+    tile ones (and the tensor-scaled) on 2-D, 2.5-D and 3-D too, and the axes a scale
     must be reduced over (dp, cp, sequence parallelism, pp) each appear."""
     words = [dict(w.split("=", 1) for w in ws.split()) for _, ws in FP8_CASES]
     from mpicube.ops.fp8_recipes import RECIPES
@@ -206,6 +216,8 @@ def test_fp8_cases_cover_every_recipe_and_layout():
         assert any(axis in kw for kw in words), axis
     assert all(kw["steps"] == "3" for kw in words)
     assert any("experts" in kw for kw in words)
+    for layout in ("2d", "2.5d", "3d"):             # the tile recipes on every panel layout
+        assert {kw["fp8"] for kw in words if kw["layout"] == layout} & {"blockwise", "mxfp8"}, layout
 
 
 # Ulysses and hybrid context parallelism (issue 46): each joins its world size's launch, checked like

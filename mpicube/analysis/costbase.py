@@ -120,6 +120,7 @@ class Problem:
     ep: int = 1              # expert-parallel ranks (a mixture: E/ep experts a rank, parallel.experts)
     ep_rank: int = 0         # this rank's among them (which of a measured routing's peers is itself)
     routing: tuple = None    # a mixture's measured rows: per micro-batch, per MoE layer (costexperts.Rows)
+    fp8: str = ""            # --fp8's recipe name ("" off): its amax all-reduces (costfp8)
 
     @property
     def local_seq(self) -> int:

@@ -75,6 +75,7 @@ from ..parallel import fsdp, zero
 from ..parallel.schedules import build_schedule
 from ..core.config import ModelConfig
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
+from .costfp8 import fp8_traffic
 from .costpipe import pipeline_traffic
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
                          head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
@@ -236,6 +237,8 @@ def step_traffic(p: Problem) -> Traffic:
     t = Traffic()
     t.add(TRAFFIC[p.layout](replace(p, seq_len=p.local_seq, cp=1)), p.grad_accum)   # on this rank's positions
     t.add(pipeline_traffic(p))
+    if p.fp8:                        # --fp8: the tensor scales' amax all-reduces (costfp8)
+        t.add(fp8_traffic(p), p.grad_accum)
     sizes = local_param_sizes(p)
     params = sum(n for n, _ in sizes.values())
     w = p.widths

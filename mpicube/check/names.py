@@ -230,6 +230,8 @@ def ordered(names, cfg: dict) -> list:
     head = {n: i for i, n in enumerate(["tokens"] + [f"init/{n}" for n in forward_param_order(cfg)])}
     within = {n.split("/", 1)[1]: i for i, n in enumerate(step_names(cfg, 1, state=True))}
 
+    weights = {n: i for i, n in enumerate(forward_param_order(cfg))}
+
     def key(n):
         s = step_of(n)
         if not s:
@@ -237,8 +239,31 @@ def ordered(names, cfg: dict) -> list:
         if n == f"step_{s}":                            # a whole step (missing): where the step starts
             return (s, -1, n)
         rest = n.split("/", 1)[1] if "/" in n else None
+        anchor = fp8_anchor(rest or "")
+        if anchor in within:                            # just before what the quantized GEMM makes
+            _, linear, operand, what = (rest.split("/") + [""])[:4]
+            role = operand.partition(".")[0]              # x before w before dy, a scale before its bytes
+            return (s, within[anchor] - 0.5, f"{weights.get(linear + '.weight', 0):06d} "
+                                             f"{'xwd'.find(role[:1])} {what != 'scale':d} {rest}")
         return (s, within[rest], "") if rest in within else (s, len(within), n)
     return sorted(names, key=key)
+
+
+def fp8_anchor(rest: str):
+    """The traced name an FP8 operand (``fp8/<linear>/<role>.<gemm>/...``,
+    ``trace --fp8``) is computed just before, or None for any other name:
+    a forward GEMM's operands before the block's attention or MLP output
+    that the linear makes, dgrad's and wgrad's before the linear weight's
+    gradient. So ``compare`` names a wrong scale or quantized byte as the
+    first divergence, ahead of the activation it spoils."""
+    parts = rest.split("/")
+    if len(parts) < 3 or parts[0] != "fp8":
+        return None
+    linear, gemm = parts[1], parts[2].partition(".")[2]
+    if gemm != "forward":
+        return f"grad/{linear}.weight"
+    part = "attn" if ".attn." in linear else "mlp"
+    return f"act/h.{_block(linear)}.{part}"
 
 
 def _trimmed(cfg: dict, names: list) -> dict:
@@ -281,6 +306,9 @@ def depth(name: str, cfg: dict) -> int:
     if s == 0:
         return 0
     rest = name.split("/", 1)[1] if "/" in name else ""
+    anchor = fp8_anchor(rest)
+    if anchor is not None:                            # an FP8 operand: at the depth of what its GEMM makes
+        return depth(f"step_{s}/{anchor}", cfg)
     base = (s - 1) * step_depth(cfg)
     kind, _, what = rest.partition("/")
     if kind == "dropout":

@@ -24,7 +24,7 @@ TRAIN_SECTIONS = (
                       "optimizer", "muon_qkv", "seed")),
     ("Data and checkpoints", ("config", "data", "val_data", "out", "init_from", "resume", "ckpt_every", "keep",
                               "stop_after", "time_limit", "force_unlock", "eval_every", "eval_batches",
-                              "max_bytes", "sharded")),
+                              "max_bytes", "sharded", "run_dir")),
     ("Numerics", ("dtype", "device", "tf32", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                   "fp8", "fp8_grad_format", "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block",
                   "fp8_pow2")),

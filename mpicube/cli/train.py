@@ -210,7 +210,7 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hs
                        "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
                        "tf32",
-                       "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
+                       "data", "init_from", "stop_after", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
                        "rope_theta", "rms_eps", "tie_embeddings", "ep", "n_experts", "top_k", "no_norm_topk",
                        "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "fp8", "fp8_grad_format",
@@ -236,6 +236,13 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hs
               help="on one rank: write the float64 reference with per-tensor tolerances measured from N reruns at "
                    "--dtype with the reduction orders varied (--grad-accum, attention), for compare --tolerance "
                    "envelope")
+@click.option("--run-dir", "run_dir", default=None, metavar="RUN_DIR",
+              help="also keep a run directory, as train --out does: its config, metrics and a checkpoint after "
+                   "the last step traced (--stop-after); with --resume, continue its latest checkpoint and trace "
+                   "the steps after it (what check-resume runs)")
+@click.option("--resume", is_flag=True, default=False,
+              help="continue --run-dir's latest checkpoint on this layout and world size (refused when it has "
+                   "none)")
 @click.option("--suite", type=click.Choice(["edge"]), default=None,
               help="write the reference traces of the configurations that have broken frameworks (ragged "
                    "batches, an indivisible vocabulary, idle experts, tp x cp, ragged pipelines) into the folder "

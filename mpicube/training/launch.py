@@ -304,6 +304,12 @@ class Launch:
             self.opt.adam.t = saved.adam_t
             if self.scaler is not None and saved.loss_scale is not None:
                 self.scaler.restore(saved.loss_scale)   # scale and counters: resume stays exact
+            fp8 = self.parts.layout.fp8
+            if fp8 is not None and fp8.recipe.name == "delayed":
+                if saved.fp8 is not None:
+                    fp8.restore(saved.fp8)              # the amax histories: delayed's scales resume exactly
+                else:
+                    self.notes.append(f"note: {ck.path} holds no --fp8 delayed amax history: it starts empty")
             step = saved.step
             self.notes.append(f"resuming from {ck.path} at step {step}")
             changed = self._changed_options(saved.train)

@@ -18,6 +18,7 @@ from ... import ops
 from ...device import precision
 from ..comm import Comm
 from ..comm_start import iallreduce
+from ..fp8 import Splits
 from ..params import ParamStore
 from .base import acc, add_bias, add_bias_grad, bias_views, matmul_rows
 
@@ -117,16 +118,28 @@ class ReplicatedLinear:
     summed over the ranks holding the others by the layout's ParamSpec
     (``Layout.replicated_spec``: the tensor-parallel group where the
     blocks differ, nothing on serial and 1-D, where every rank's is whole).
-    No bias, no overlap."""
+    No bias, no overlap.
 
-    def __init__(self, store: ParamStore, prefix: str, rows: slice, hidden: Comm = None):
-        self.w = store.work[prefix + ".weight"][rows]           # (C_c, C_out) view of the whole (C_in, C_out)
+    Under --fp8 (``fp8``, a ``LinearFp8``) every rank quantizes the whole W
+    it holds, for each GEMM, and keeps its rows: the serial model's values
+    with no reduction and no tile to straddle; x's and dy's rows and
+    scales are reduced where their pieces lie (``Splits``)."""
+
+    def __init__(self, store: ParamStore, prefix: str, rows: slice, hidden: Comm = None, fp8=None):
+        self.whole = store.work[prefix + ".weight"]             # (C_in, C_out)
+        self.rows = rows
+        self.w = self.whole[rows]                               # (C_c, C_out) view of the whole (C_in, C_out)
         self.dw = store.grad[prefix + ".weight"][rows]          # (C_c, C_out) its gradient's rows
         self.hidden = hidden if hidden is not None and hidden.size > 1 else None
+        self.fp8 = fp8
 
     def forward(self, x):
         """x (B_c, T, C_c) -> (y (B_c, T, C_out), saved: x)."""
-        y = matmul_rows(x, self.w, acc(x))                      # (B_c, T, C_out) partial over the hidden split
+        xq, w = x, self.w                                       # (B_c, T, C_c), (C_c, C_out)
+        if self.fp8 is not None:
+            xq = self.fp8.oriented(x, "x", "forward")
+            w = self.fp8.oriented(self.whole, "w", "forward")[self.rows]
+        y = matmul_rows(xq, w, acc(x))                          # (B_c, T, C_out) partial over the hidden split
         if self.hidden is not None:
             y = self.hidden.allreduce(y, wire=x.dtype)
         return precision.narrow(y, x.dtype), x
@@ -135,8 +148,12 @@ class ReplicatedLinear:
         """dy (B_c, T, C_out) -> dx (B_c, T, C_c); adds into dW's rows."""
         x2 = x.reshape(-1, x.shape[-1])                         # (n, C_c)
         dy2 = dy.reshape(-1, dy.shape[-1])                      # (n, C_out)
-        self.dw += precision.matmul(x2.T, dy2, dtype=self.dw.dtype)
-        return matmul_rows(dy, self.w.T)                        # (B_c, T, C_c)
+        dyd, w, xw, dyw = dy, self.w, x2, dy2
+        if self.fp8 is not None:                                # each GEMM's own quantization
+            dyd, w = self.fp8.oriented(dy, "dy", "dgrad"), self.fp8.oriented(self.whole, "w", "dgrad")[self.rows]
+            xw, dyw = self.fp8.oriented(x2, "x", "wgrad"), self.fp8.oriented(dy2, "dy", "wgrad")
+        self.dw += precision.matmul(xw.T, dyw, dtype=self.dw.dtype)
+        return matmul_rows(dyd, w.T)                            # (B_c, T, C_c)
 
 
 def replicated_linear(layout, store: ParamStore, prefix: str, bias: bool = False) -> ReplicatedLinear:
@@ -153,7 +170,11 @@ def replicated_linear(layout, store: ParamStore, prefix: str, bias: bool = False
     cols = layout.canonical_cols
     rows = slice(int(cols[0]), int(cols[-1]) + 1)        # a contiguous block of the hidden size
     assert rows.stop - rows.start == len(cols), "canonical columns must be one contiguous block"
-    return ReplicatedLinear(store, prefix, rows, layout.hidden_comm)
+    fp8 = None
+    if layout.fp8 is not None:       # x's columns over the hidden split; its tokens over the stage under sp
+        tokens = layout.fp8.stage if layout.sequence_comm is not None else None
+        fp8 = layout.fp8_linear(store, prefix, Splits(x_cols=layout.hidden_comm, tokens=tokens))
+    return ReplicatedLinear(store, prefix, rows, layout.hidden_comm, fp8)
 
 
 class Panel:
