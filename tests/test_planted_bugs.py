@@ -35,7 +35,8 @@ MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", 
 STATE = ["--steps", "2", "--state"]                     # two steps, with the training state
 F16 = ["--dtype", "float16", "--loss-scale", "1024", "--loss-scale-growth-interval", "1"]   # the scale grows each step
 REFERENCES = {"ref.h5": [], "ref257.h5": ["--vocab-size", "257"], "state.h5": STATE, "state16.h5": STATE + F16,
-              "bf16.h5": ["--dtype", "bfloat16"], "fp8.h5": ["--fp8", "tensorwise"]}
+              "bf16.h5": ["--dtype", "bfloat16"], "fp8.h5": ["--fp8", "tensorwise"],
+              "mtp.h5": ["--arch", "deepseek_v3", "--mtp-depth", "1"]}
 FP8 = ["--fp8", "tensorwise"]
 
 # bug, reference, layout options, the first divergence, rows that must still agree, a note its row must hold
@@ -73,6 +74,10 @@ CATALOGUE = [
      "first differs at"),
     ("fp8-grad-e4m3", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.1.mlp.c_proj/dy.dgrad/scale",
      ["step_1/loss", "step_1/grad/ln_f.weight", "step_1/fp8/h.1.mlp.c_proj/w.dgrad/bytes"], ""),
+    # issue 43: DeepSeek-V3's MTP depth normalised by this rank's tokens (Megatron #2417): named at the depth's
+    # loss, its block's activations (h.2) and the main loss still agreeing
+    ("mtp-local", "mtp.h5", ["--arch", "deepseek_v3", "--mtp-depth", "1", "--layout", "1d", "--dp", "2"],
+     "step_1/mtp/loss_1", ["step_1/act/h.2", "step_1/logits", "step_1/mtp/main_loss"], ""),
 ]
 
 

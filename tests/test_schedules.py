@@ -289,3 +289,18 @@ def test_pipeline_page_holds_the_bubble_table_the_schedules_give():
     proc = subprocess.run([sys.executable, "tools/pipeline_pictures.py", "--check", "docs/pipeline.md"], cwd=root,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mtp_is_refused_where_a_v_folds_the_model_end_onto_stage_0():
+    """MTP's depths sit on the last stage; zbv and dualpipev put the last chunk on stage 0."""
+    from mpicube.core.config import ModelConfig
+    from mpicube.core.errors import ConfigError
+    from mpicube.parallel.gridspec import Plan
+    from mpicube.parallel.planning import resolve
+
+    cfg = ModelConfig(arch="deepseek_v3", n_layer=4, n_head=2, n_embd=16, kv_lora_rank=8, qk_rope_head_dim=4,
+                      qk_nope_head_dim=8, v_head_dim=8, mtp_depth=1)
+    for schedule in ("zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match=rf"--mtp-depth .* --pp-schedule {schedule} folds .* zb-h1 or 1f1b"):
+            resolve(Plan(pp=2, pp_schedule=schedule, virtual_stages=2, grad_accum=4), cfg, 8, 2)
+    assert resolve(Plan(pp=2, pp_schedule="zb-h1", grad_accum=4), cfg, 8, 2).plan.pp == 2

@@ -66,8 +66,15 @@ def config_of(raw: dict) -> dict:
     arch = raw.get("arch", "gpt2")
     if arch == "gpt2":
         return cfg
+    if arch == "deepseek_v3":
+        # its activations in the format's block order; its own parameter names (MLA's, DeepSeekMoE's) have no
+        # place in the orders here yet and sort after each step's known names; its MTP depths' losses do
+        depth = raw.get("mtp_depth", 0)
+        if not _typed(depth, int) or depth < 0:
+            raise ValueError("holds mtp_depth not as an integer of at least 0 (a deepseek_v3 config)")
+        return {**cfg, "arch": arch, "mtp_depth": int(depth)}
     if arch != "llama":
-        raise ValueError(f"has arch {arch!r}, not gpt2 or llama")
+        raise ValueError(f"has arch {arch!r}, not gpt2, llama or deepseek_v3")
     for k, kind in LLAMA_KEYS.items():
         value = raw.get(k)
         if not _typed(value, kind):
@@ -178,7 +185,9 @@ def step_names(cfg: dict, s: int, state: bool = False) -> list:
                   g + f"act/{b}.ln_2"]
         order += [g + f"moe/{b}.{r}" for r in ROUTER] if moe(cfg) else []
         order += [g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
-    order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else []) + [g + "loss"]
+    order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else [])
+    mtp = int(cfg.get("mtp_depth") or 0)           # multi-token prediction: the main loss, then each depth's
+    order += ([g + "mtp/main_loss"] + [g + f"mtp/loss_{k}" for k in range(1, mtp + 1)] if mtp else []) + [g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"]
     if state:

@@ -18,6 +18,7 @@ import click
 from .. import __version__
 from ..core.config import BIAS_UPDATES, DEEPSEEK_OPTIONS, ROUTERS
 from ..core.config import family_fields  # noqa: F401 (the family options' meaning, for the commands)
+from .latent_options import MLA_OPTIONS, mla_options  # noqa: F401 (deepseek_v3's, apart for length)
 
 try:                                    # Python >= 3.11
     import tomllib
@@ -230,23 +231,6 @@ def deepseek_moe_options(f):
     return f
 
 
-def mla_options(f):
-    """deepseek_v3's multi-head latent attention (ops/mla.py)."""
-    f = click.option("--rope-interleave/--no-rope-interleave", default=None,
-                     help="deepseek_v3: the rotary columns come in interleaved pairs, as DeepSeek's "
-                          "checkpoints  [default: interleaved]")(f)
-    f = click.option("--v-head-dim", type=int, default=None, help="deepseek_v3: value width of a head  [default: 16]")(f)
-    f = click.option("--qk-nope-head-dim", type=int, default=None,
-                     help="deepseek_v3: non-rotary query/key width of a head  [default: 16]")(f)
-    f = click.option("--qk-rope-head-dim", type=int, default=None,
-                     help="deepseek_v3: rotary key width, shared by every head  [default: 8]")(f)
-    f = click.option("--kv-lora-rank", type=int, default=None, help="deepseek_v3: the kv latent's rank  [default: 32]")(f)
-    f = click.option("--q-lora-rank", type=int, default=None,
-                     help="deepseek_v3: the q latent's rank, 0: no q compression  [default: 0]")(f)
-    return f
-
-
-MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
                ) + DEEPSEEK_OPTIONS
 ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings") + MOE_OPTIONS + MLA_OPTIONS

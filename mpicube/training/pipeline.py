@@ -51,7 +51,7 @@ import numpy as np
 from ..model.block import Recomputed
 from ..model.gpt import GPT, gpt_params  # noqa: F401 (GPT: tests plant faults on it)
 from ..model.tape import saved_buffers
-from .driver import RouterLog, build_gpt, canonical_length, last_logits, micro_context
+from .driver import MtpLog, RouterLog, build_gpt, canonical_length, last_logits, micro_context
 from ..parallel.comm_p2p import irecv, isend
 from ..parallel.experts import model_specs
 from ..parallel.schedules import (DEFAULT_SCHEDULE, VEE_SCHEDULES, Action, build_schedule, chunk_place,
@@ -76,6 +76,8 @@ def stage_names(cfg, stages: int, stage: int, virtual: int = 1, schedule: str = 
             names.update(("wte", "wpe"))
         if k == last:
             names.update(("wte" if cfg.tied else "lm_head", "ln_f."))   # an untied head (Llama): its own
+            if cfg.mtp_depth:               # multi-token prediction: its blocks, tensors and a wte for its lookup
+                names.update(["wte", "mtp."] + [f"h.{i}." for i in range(cfg.n_layer, cfg.n_blocks)])
     return names
 
 
@@ -90,7 +92,8 @@ def stage_specs(layout, cfg, virtual: int = 1, schedule: str = DEFAULT_SCHEDULE)
     specs = []
     for spec in model_specs(layout, decls):     # a mixture's experts: this ep rank's only
         name = spec.name
-        if name == "wte" and pp.size > 1 and cfg.tied and schedule not in VEE_SCHEDULES:   # a V: both on stage 0
+        if name == "wte" and pp.size > 1 and (cfg.tied or cfg.mtp_depth) and schedule not in VEE_SCHEDULES:
+            # held by stages 0 and P-1 (the head's or the MTP depths' lookup); a V keeps both ends on stage 0
             spec = dataclasses.replace(spec, replicas=2 * spec.replicas, writer=spec.writer and pp.rank == 0,
                                        tied_pair=True)
         specs.append(spec)
@@ -138,6 +141,7 @@ class Pipeline:
         self.current = None                     # (chunk, tape) of the last forward
         self.ledgers = {}                       # (train, micro) -> a mixture's RouterLedger this step
         self.router_log = RouterLog(layout.backend.to_host)
+        self.mtp_log = MtpLog()                 # multi-token prediction's losses, per step
         for v in range(len(self.chunks)):       # built now: their persistent buffers (a router's bias) are in
             self.chunk_model(v)                 # the store before a checkpoint is read into it
 
@@ -171,9 +175,12 @@ class Pipeline:
         self.current = (model, tape)            # for an observer (a trace) after the forward
         return out, tape, ctx
 
-    def _share(self, out, ctx) -> float:
-        """A last chunk's loss share on this rank as a float, divided by the step's tokens."""
-        return float(self.layout.backend.to_host(out)[0]) / ctx.n_tokens
+    def _share(self, out, ctx) -> np.ndarray:
+        """A last chunk's loss shares on this rank (1 + D,): the main
+        cross-entropy's divided by the step's tokens, each MTP depth's by
+        its own global count (model/mtp.py)."""
+        sums = self.layout.backend.to_host(out).astype(np.float64)                 # (1 + D,)
+        return np.array([sums[0] / ctx.n_tokens] + [s / n for s, n in zip(sums[1:], ctx.mtp_counts)])
 
     def _tag(self, a) -> int:
         return message_tag(a, self.stage, self.P, self.V, self.N, self.schedule)
@@ -198,7 +205,7 @@ class Pipeline:
         measure memory there); ``peak_saved`` is then the most this stage
         held for backward at once."""
         posted = self._post_receives(self.actions, x.shape[1])
-        inbox, outbox, sends, loss = {}, {}, [], 0.0
+        inbox, outbox, sends, loss = {}, {}, [], np.zeros(1 + self.cfg.mtp_depth)   # main, then each MTP depth
         live = set()
         self.peak_saved = (0, 0)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
@@ -273,8 +280,8 @@ class Pipeline:
         for ledger in ledgers:                  # the router losses, once in the world (its totals are global)
             self.router_log.add(ledger)
             if once:
-                loss += ledger.aux_term() + ledger.z_term() + ledger.seq_aux_term()
-        return self._step_loss(loss)
+                loss[0] += ledger.aux_term() + ledger.z_term() + ledger.seq_aux_term()
+        return self._step_loss(loss, train=True)
 
     def _measure(self, live) -> None:
         self._peak(self._saved(live))
@@ -296,11 +303,20 @@ class Pipeline:
         """Elements and bytes peak apart (the peak of one need not be the other's)."""
         self.peak_saved = (max(self.peak_saved[0], held[0]), max(self.peak_saved[1], held[1]))
 
-    def _step_loss(self, share: float) -> float:
-        """The last stage's loss shares summed over every rank (the other
-        stages add zero): one float64 all-reduce per step."""
+    def _step_loss(self, share, train: bool = False) -> float:
+        """The last stage's loss shares (1 + D,) summed over every rank (the
+        other stages add zero): one float64 all-reduce per step. The step's
+        loss is main + (W / D) sum_k L_k; a training step's main and depth
+        losses go to ``mtp_log``; an evaluation's loss is the main one."""
         xp = self.layout.backend.xp
-        return float(self.layout.axes.world.allreduce(xp.asarray(np.array([share])))[0])
+        sums = self.layout.backend.to_host(self.layout.axes.world.allreduce(xp.asarray(np.asarray(share))))
+        if len(sums) == 1:
+            return float(sums[0])
+        main, depths = float(sums[0]), [float(v) for v in sums[1:]]
+        if not train:                           # evaluation: the model's cross-entropy, as the Runner's
+            return main
+        self.mtp_log.add(main, depths)
+        return main + self.cfg.mtp_loss_weight / self.cfg.mtp_depth * sum(depths)
 
     # --- forward only (evaluation) --------------------------------------------
     def forward_actions(self) -> list:
@@ -323,7 +339,7 @@ class Pipeline:
         only and without dropout (evaluation's view)."""
         actions = self.forward_actions()
         posted = self._post_receives(actions, x.shape[1])
-        sends, outbox, loss = [], {}, 0.0
+        sends, outbox, loss = [], {}, np.zeros(1 + self.cfg.mtp_depth)
         for a in actions:
             m, v = a.micro, a.chunk
             if a.op == "recv_act":
