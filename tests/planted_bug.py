@@ -73,6 +73,10 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
   multiplying (Q = x / s): the scales agree, the FP8 bytes do not.
 - ``fp8-grad-e4m3``: the output gradients quantized in e4m3 where the
   recipe says e5m2 (tensorwise's default): named at the first dy scale.
+- ``mtp-local``: each multi-token prediction depth's loss normalised by
+  the token count of this rank's micro-batch (its valid positions)
+  instead of the whole step's (Megatron #2417, #1532): equal on one
+  rank, off by the replica count under dp.
 - ``none``: nothing planted (a clean trace in the same launch).
 """
 
@@ -357,6 +361,20 @@ def fp8_grad_e4m3(_):
     return _swap(fp8_recipes.Recipe, "format", lambda self, role: fp8.E4M3)
 
 
+def mtp_local(_):
+    import dataclasses as dc
+
+    from mpicube.training import driver
+
+    context = driver.micro_context
+
+    def planted(*args, **kwargs):
+        idx, targets, ctx = context(*args, **kwargs)
+        local = tuple(int(valid.sum()) for _, _, valid in ctx.mtp)          # this rank's rows and positions
+        return idx, targets, dc.replace(ctx, mtp_counts=local)
+    return _swap_everywhere(driver, "micro_context", planted)
+
+
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
           "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad,
           "router-aux-grad": router_aux_grad, "dp-partial": dp_partial,
@@ -364,7 +382,8 @@ PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-repl
           "grads-unapplied": grads_unapplied, "precision-off": precision_off,
           "grad-error": grad_error, "kpe-grad-tp": kpe_grad_tp, "ep-grad-doubled": ep_grad_doubled,
           "bias-local-loads": bias_local_loads, "bias-sign": bias_sign, "fp8-amax-shard": fp8_amax_shard,
-          "fp8-scale-inverted": fp8_scale_inverted, "fp8-grad-e4m3": fp8_grad_e4m3, "none": lambda _: (lambda: None)}
+          "fp8-scale-inverted": fp8_scale_inverted, "fp8-grad-e4m3": fp8_grad_e4m3, "mtp-local": mtp_local,
+          "none": lambda _: (lambda: None)}
 
 
 def plant(bug: str):

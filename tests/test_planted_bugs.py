@@ -48,7 +48,8 @@ DS = ["--arch", "deepseek_v3", "--dropout", "0", "--n-routed-experts", "8", "--t
       "--bias-update-rate", "0.01", "--kv-lora-rank", "8", "--q-lora-rank", "8", "--qk-rope-head-dim", "4",
       "--qk-nope-head-dim", "4", "--v-head-dim", "4"]
 REFERENCES = {"ref.h5": [], "ref257.h5": ["--vocab-size", "257"], "state.h5": STATE, "state16.h5": STATE + F16,
-              "bf16.h5": ["--dtype", "bfloat16"], "fp8.h5": ["--fp8", "tensorwise"], "ds.h5": DS}
+              "bf16.h5": ["--dtype", "bfloat16"], "fp8.h5": ["--fp8", "tensorwise"], "ds.h5": DS,
+              "mtp.h5": ["--arch", "deepseek_v3", "--mtp-depth", "1"]}
 FP8 = ["--fp8", "tensorwise"]
 
 # bug, reference, layout options, the first divergence, rows that must still agree, a note its row must hold
@@ -100,6 +101,10 @@ CATALOGUE = [
      "first differs at"),
     ("fp8-grad-e4m3", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.1.mlp.c_proj/dy.dgrad/scale",
      ["step_1/loss", "step_1/grad/ln_f.weight", "step_1/fp8/h.1.mlp.c_proj/w.dgrad/bytes"], ""),
+    # issue 43: DeepSeek-V3's MTP depth normalised by this rank's tokens (Megatron #2417): named at the depth's
+    # loss, its block's activations (h.2) and the main loss still agreeing
+    ("mtp-local", "mtp.h5", ["--arch", "deepseek_v3", "--mtp-depth", "1", "--layout", "1d", "--dp", "2"],
+     "step_1/mtp/loss_1", ["step_1/act/h.2", "step_1/logits", "step_1/mtp/main_loss"], ""),
 ]
 
 

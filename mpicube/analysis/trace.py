@@ -221,6 +221,9 @@ class Recorder(StepHooks):
             for key in ("aux_loss", "z_loss"):                # a mixture of experts' router losses
                 if f"router_{key}" in rec:
                     self.writer.write(f"{group}/moe/{key}", np.asarray(rec[f"router_{key}"], dtype=np.float64))
+            for key in [k for k in rec if k == "main_loss" or k.startswith("mtp_loss_")]:   # --mtp-depth's
+                self.writer.write(f"{group}/mtp/{key[4:] if key.startswith('mtp_') else key}",
+                                  np.asarray(rec[key], dtype=np.float64))
             _write(self.writer, {**tensors, **state}, prefix=group + "/")
         self.say(f"step {s}/{trainer.opts.steps}: loss {rec['loss']:.6f}, lr {rec['lr']:.3e}, "
                  f"grad_norm {self.norm:.6f}")

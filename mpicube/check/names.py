@@ -83,6 +83,11 @@ def config_of(raw: dict) -> dict:
         if not _typed(raw.get(k), kind):
             raise ValueError(f"lacks {k} or holds it not as {kind.__name__} (a deepseek_v3 config)")
         cfg[k] = kind(raw[k])
+    if arch == "deepseek_v3" and raw.get("mtp_depth", 0):     # its MTP depths' losses are traced (step_names);
+        depth = raw["mtp_depth"]                             # the depths' own parameters sort after a step's
+        if not _typed(depth, int) or depth < 0:
+            raise ValueError("holds mtp_depth not as an integer of at least 0 (a deepseek_v3 config)")
+        cfg["mtp_depth"] = int(depth)
     if raw.get("n_experts", 0):
         for k, kind in MOE_KEYS.items():
             if not _typed(raw.get(k), kind):
@@ -192,7 +197,9 @@ def step_names(cfg: dict, s: int, state: bool = False) -> list:
                   g + f"act/{b}.ln_2"]
         order += [g + f"moe/{b}.{r}" for r in ds.router_parts(cfg)] if ds.is_moe(cfg, i) else []
         order += [g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
-    order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else []) + [g + "loss"]
+    order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else [])
+    mtp = int(cfg.get("mtp_depth") or 0)           # multi-token prediction: the main loss, then each depth's
+    order += ([g + "mtp/main_loss"] + [g + f"mtp/loss_{k}" for k in range(1, mtp + 1)] if mtp else []) + [g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"] + [g + n for n in ds.bias_update_names(cfg)]
     if state:

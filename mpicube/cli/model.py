@@ -75,7 +75,9 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     sizes = {d.name: d.shape[0] * (d.shape[1] if len(d.shape) > 1 else 1) for d in gpt_params(cfg)}
     embed = sum(v for k, v in sizes.items() if k in ("wte", "wpe", "lm_head"))
     final = sum(v for k, v in sizes.items() if k.startswith("ln_f"))
-    per_layer = (n - embed - final) // cfg.n_layer
+    mtp = sum(v for k, v in sizes.items() if k.startswith("mtp.") or
+              (k.startswith("h.") and int(k.split(".")[1]) >= cfg.n_layer))   # the MTP depths' blocks and tensors
+    per_layer = (n - embed - final - mtp) // cfg.n_layer
     from ..analysis.costmodel import Widths
 
     w = Widths.of(dtype)
@@ -90,7 +92,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     echo(f"model: {family_line}, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
          f"vocab {cfg.vocab_size}")
     echo(f"parameters: {n:,} ({'embeddings and head' if cfg.llama and not cfg.tied else 'embeddings'} {embed:,}, "
-         f"{cfg.n_layer} layers x {per_layer:,}, {'norm' if cfg.llama else 'ln_f'} {final:,})")
+         f"{cfg.n_layer} layers x {per_layer:,}, {'norm' if cfg.llama else 'ln_f'} {final:,}"
+         + (f", MTP {cfg.mtp_depth} depth(s) {mtp:,}" if mtp else "") + ")")
     working = n * w.act if w.act != w.grad else 0           # mixed precision: a 16-bit working copy too
     echo(f"memory: {_mib(n * w.grad + working)} of parameters in {dtype}"
          + (f" (float32 master + {dtype} working copy)" if working else "")

@@ -215,8 +215,8 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hs
                        "rope_theta", "rms_eps", "tie_embeddings", "ep", "n_experts", "top_k", "no_norm_topk",
                        "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "fp8", "fp8_grad_format",
                        "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block", "fp8_pow2", "q_lora_rank",
-                       "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"
-                       ) + DEEPSEEK_OPTIONS
+                       "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+                       "mtp_depth", "mtp_loss_weight") + DEEPSEEK_OPTIONS
 
 
 @cli.command("trace", cls=SectionedCommand)

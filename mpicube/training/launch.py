@@ -35,10 +35,10 @@ SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")   # what a model f
 # and sequence-wise loss) given apply to the file's model.
 FAMILY_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k",
                   "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "q_lora_rank",
-                  "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"
-                  ) + DEEPSEEK_OPTIONS
+                  "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+                  "mtp_depth", "mtp_loss_weight") + DEEPSEEK_OPTIONS
 TRAINING_KNOBS = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "bias_update_rate", "bias_update",
-                  "seq_aux_loss_coef")
+                  "seq_aux_loss_coef", "mtp_loss_weight")
 # a model-defining family option -> its value in a ModelConfig, comparable with the file's
 MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.ffn, "rope_theta": lambda c: c.rope_theta,
                   "rms_eps": lambda c: c.rms_eps, "tie_embeddings": lambda c: c.tied,
@@ -48,7 +48,7 @@ MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.f
                                                                  "qk_nope_head_dim", "v_head_dim", "rope_interleave",
                                                                  "router", "n_groups", "topk_groups",
                                                                  "routed_scaling_factor", "n_shared_experts",
-                                                                 "first_k_dense")},
+                                                                 "first_k_dense", "mtp_depth")},
                   "moe_ffn_hidden": lambda c: c.moe_ffn}
 
 

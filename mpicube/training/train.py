@@ -230,6 +230,8 @@ class Trainer(Launch):
             "comm_bytes": float(p.counters.total_bytes()),
             "comm_msgs": int(p.counters.total_msgs()),
         }
+        if hasattr(p.model, "mtp_log"):                      # multi-token prediction: main_loss, mtp_loss_{k}
+            rec.update(p.model.mtp_log.take())
         if hasattr(p.model, "router_log"):                   # a mixture of experts: router losses, tokens per expert
             rec.update(p.model.router_log.take())
             if not skipped:                                  # the aux-loss-free bias, from the step's global loads

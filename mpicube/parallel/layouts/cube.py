@@ -237,18 +237,24 @@ class CubeLinear:
                 wg = self.wc.allgather(self.quantized(self.w, "w"), axis=0)   # (h_in/q, h_out/q)
             dyg = dyw = self.b.allgather(self.quantized(dy, "dy"), axis=0)   # (B/q, T, h_out/q)
         xg2 = xg.reshape(-1, xg.shape[-1])                     # (N/q, h_in/q)
-        dy2 = dyw.reshape(-1, dyw.shape[-1])                   # (N/q, h_out/q)
-        dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
-        if self.overlap:                             # dW travels while dX is computed and reduced
+        dy2 = dyw.reshape(-1, dyw.shape[-1])                   # (N/q, h_out/q) wgrad's dY
+        if self.overlap and not self.store.wgrads.deferring:   # dW travels while dX is computed and reduced
+            dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
             dw_pending = self.wc.ireduce_scatter(dwg, axis=0, wire=self.w.dtype)
             dx = self.a.reduce_scatter(matmul_rows(dyg, wg.T, acc(dy)), axis=0, wire=dy.dtype)  # (B/q^2,T,h_in/q)
             self.store.add_grad(self.w_name, dw_pending.wait())
+            add_bias_grad(self.dbias, dy.reshape(-1, dy.shape[-1]))
         else:
             dx = self.a.reduce_scatter(matmul_rows(dyg, wg.T, acc(dy)), axis=0, wire=dy.dtype)
-            self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0, wire=self.w.dtype))
-        dx = precision.narrow(dx, dy.dtype)
+            self.store.wgrads.add(self.backward_weight, xg2, dy2, dy)   # now, or filed (parallel/wgrad.py)
+        return precision.narrow(dx, dy.dtype)
+
+    def backward_weight(self, xg2, dy2, dy):
+        """The weight phase: dW's gathered block (h_in/q, h_out/q) reduce-
+        scattered over the weight's group, db from this rank's dy."""
+        dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
+        self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0, wire=self.w.dtype))
         add_bias_grad(self.dbias, dy.reshape(-1, dy.shape[-1]))
-        return dx
 
     def quantized(self, a, role):
         """a under --fp8's tensor scale, or a itself."""

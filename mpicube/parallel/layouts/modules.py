@@ -90,19 +90,24 @@ class DenseLinear:
         if self.fp8 is not None:
             dyd, w = self.fp8.dgrad(dy, self.w)       # (B, T, C_out), (C_in, C_out)
             xw, dyw = self.fp8.wgrad(x2, dy2)         # (B*T, C_in), (B*T, C_out)
+        # dW and db (now, or filed for a zero-bubble schedule's weight phase: parallel/wgrad.py)
         if self.overlap:                              # dX travels while dW and db are computed
             pending = iallreduce(self.dx_reduce, matmul_rows(dyd, w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
-            self.store.add_matmul(self.w_name, xw.T, dyw)
-            add_bias_grad(self.db, dy2)
+            self.store.wgrads.add(self.backward_weight, xw, dyw, dy2)
             return precision.narrow(pending.wait(), dy.dtype)
-        self.store.add_matmul(self.w_name, xw.T, dyw)  # dW (C_in, C_out) += x^T dy
-        add_bias_grad(self.db, dy2)
+        self.store.wgrads.add(self.backward_weight, xw, dyw, dy2)
         if self.dx_reduce is not None:
             dx = self.dx_reduce.allreduce(matmul_rows(dyd, w.T, acc(dy)), wire=dy.dtype)   # (B, T, C_in)
             dx = precision.narrow(dx, dy.dtype)
         else:
             dx = matmul_rows(dyd, w.T)                # (B, T, C_in)
         return dx
+
+    def backward_weight(self, xw, dyw, dy2):
+        """dW (C_in, C_out) += x^T dy and db += the column sums of dy: the
+        weight phase, from the operands the input phase kept."""
+        self.store.add_matmul(self.w_name, xw.T, dyw)
+        add_bias_grad(self.db, dy2)
 
 
 class ReplicatedLinear:
@@ -131,6 +136,7 @@ class ReplicatedLinear:
         self.w = self.whole[rows]                               # (C_c, C_out) view of the whole (C_in, C_out)
         self.dw = store.grad[prefix + ".weight"][rows]          # (C_c, C_out) its gradient's rows
         self.hidden = hidden if hidden is not None and hidden.size > 1 else None
+        self.wgrads = store.wgrads                              # dW now, or filed (parallel/wgrad.py)
         self.fp8 = fp8
 
     def forward(self, x):
@@ -152,8 +158,12 @@ class ReplicatedLinear:
         if self.fp8 is not None:                                # each GEMM's own quantization
             dyd, w = self.fp8.oriented(dy, "dy", "dgrad"), self.fp8.oriented(self.whole, "w", "dgrad")[self.rows]
             xw, dyw = self.fp8.oriented(x2, "x", "wgrad"), self.fp8.oriented(dy2, "dy", "wgrad")
-        self.dw += precision.matmul(xw.T, dyw, dtype=self.dw.dtype)
+        self.wgrads.add(self.backward_weight, xw, dyw)          # now, or filed (parallel/wgrad.py)
         return matmul_rows(dyd, w.T)                            # (B_c, T, C_c)
+
+    def backward_weight(self, x2, dy2):
+        """dW[rows] += x^T dy (the weight phase: parallel/wgrad.py)."""
+        self.dw += precision.matmul(x2.T, dy2, dtype=self.dw.dtype)
 
 
 def replicated_linear(layout, store: ParamStore, prefix: str, bias: bool = False) -> ReplicatedLinear:

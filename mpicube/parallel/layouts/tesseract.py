@@ -233,13 +233,20 @@ class SummaLinear:
                                    wire=dy.dtype)               # (n, h_in/q)
             if self.c == s:                                     # on column s
                 dx = precision.narrow(part, dy.dtype)
-        for s, (x_panel,) in enumerate(self.panels((self.row, xw))):  # dW[s, c] = sum_r X[r, s]^T dY[r, c]
+        self.store.wgrads.add(self.backward_weight, xw, dyw, dy2)   # now, or filed (parallel/wgrad.py)
+        return dx.reshape(B, T, dx.shape[-1])
+
+    def backward_weight(self, xw, dyw, dy2):
+        """The weight phase: dW[s, c] = sum_r X[r, s]^T dY[r, c] over wgrad's
+        operands (quantized along the tokens under --fp8's tiles; broadcasts
+        over the row, reduces over the column: every rank of the grid runs
+        the same weight phases in the same order), db from dy's columns."""
+        for s, (x_panel,) in enumerate(self.panels((self.row, xw))):
             part = self.col.reduce(precision.matmul(x_panel.T, dyw, dtype=self.store.flat_grad.dtype),
                                    root=s, wire=self.w.dtype)   # (h_in/q, h_out/q) on row s
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
         add_bias_grad(self.db, dy2)
-        return dx.reshape(B, T, dx.shape[-1])
 
     def quantized(self, a, role):
         """a under --fp8's tensor scale (the panels carry quantized values), or a itself."""
