@@ -26,18 +26,42 @@ def block_linears(cfg: ModelConfig, split: int = 1):
     ``params.SharedColumns``); its c_fc is SwiGLU's [gate | up] (2 F) and
     its mlp.c_proj F x h."""
     h = cfg.n_embd
+    if cfg.mla:                      # q_up (q_proj), kv_up, c_proj (costmla); then Llama's SwiGLU
+        from .costmla import attention_linears
+
+        return attention_linears(cfg) + [(h, 2 * cfg.ffn, "column"), (cfg.ffn, h, "row")]
     if cfg.llama:
         qkv = cfg.n_head * cfg.head_dim + 2 * cfg.head_dim * max(cfg.kv_heads, split)
         return [(h, qkv, "column"), (h, h, "row"), (h, 2 * cfg.ffn, "column"), (cfg.ffn, h, "row")]
     return [(h, 3 * h, "column"), (h, h, "row"), (h, 4 * h, "column"), (4 * h, h, "row")]
 
 
-def dense_linears(cfg: ModelConfig, split: int = 1):
-    """The linears every token of a block goes through: all four, or under
-    a mixture of experts the attention's two (the experts' are priced by
-    the rows they receive, ``costexperts``)."""
+def dense_linears(cfg: ModelConfig, split: int = 1, layer: int = None):
+    """The sharded linears every token of a block goes through: all of them,
+    or in a mixture's block (``layer`` a MoE layer, or any layer of a
+    mixture when ``layer`` is None) the attention's only (the experts' are
+    priced by the rows they receive, ``costexperts``)."""
     linears = block_linears(cfg, split)
-    return linears[:2] if cfg.moe else linears
+    mixture = cfg.is_moe(layer) if layer is not None else cfg.moe
+    return linears[:-2] if mixture else linears
+
+
+def stage_layers(p: Problem) -> list:
+    """The global indices of this stage's blocks, in the order it runs them."""
+    split = p.chunk_layers
+    return [i for k in p.stage_chunks for i in split[k]]
+
+
+def stage_linears(p: Problem, split: int = 1) -> list:
+    """``dense_linears`` of every block of this stage, in turn: a dense
+    block's MLP included, a mixture's left to ``costexperts`` (the first
+    ``first_k_dense`` blocks of a DeepSeekMoE model are dense)."""
+    return [lin for i in stage_layers(p) for lin in dense_linears(p.cfg, split, i)]
+
+
+def moe_layers(p: Problem, layers: list = None) -> int:
+    """How many of ``layers`` (default: this stage's) have a mixture MLP."""
+    return sum(p.cfg.is_moe(i) for i in (stage_layers(p) if layers is None else layers))
 
 
 def head_split(p: Problem) -> int:
@@ -110,6 +134,9 @@ def _local_size(p: Problem, decl):
         numel *= n
     if p.layout == "serial":
         return numel, None
+    if role == "w_replicated":               # MLA's latent projections: whole on every rank, summed over tp
+        shared = p.layout != "1d" or p.sequence_parallel   # where the ranks hold other canonical blocks
+        return numel, ("tp" if shared and p.tp > 1 else None)
     if role in ("w_column", "b_column"):     # the head split's share of the columns (whole kv heads, or a copy)
         cols = len(split_decl(decl, head_split(p), 0))
         numel = numel // shape[-1] * cols * head_split(p)
