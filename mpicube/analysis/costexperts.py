@@ -116,7 +116,9 @@ def layer_rows(p: Problem, count: int, micro: int = 0, first: int = 0) -> list:
     dispatch or the bound of a capacity."""
     if p.routing is not None:
         rows = p.routing[micro % len(p.routing)]
-        assert len(rows) == p.layers, f"routing of {len(rows)} layers for {p.layers}"
+        from .costparams import moe_layers
+
+        assert len(rows) == moe_layers(p), f"routing of {len(rows)} layers for {moe_layers(p)} MoE layers"
         return list(rows[first:first + count])
     one = capacity_rows(p) if p.cfg.capacity_factor else expected_rows(p)
     return [one] * count

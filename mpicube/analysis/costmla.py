@@ -162,9 +162,10 @@ def attention_terms(p: Problem, n: int, nc: int, split_cols: int, heads: int, q:
     shard; each latent its norm's normalised rows and 1/rms and its
     up-projection's input (a row shard of it, a gathered copy on 3-D);
     the attention op its packed [q | k | v] and scaled q (4 n nh_l qk),
-    its output (n nh_l qk, which c_proj reads as a view) and log-sum-exp;
-    3-D's c_proj its gathered input (q n nh dv / q) and the gathered W
-    panels of the three sharded linears."""
+    its output (n nh_l qk) and log-sum-exp; c_proj its input, each head's
+    first dv columns of that output (``ops.mla.unpack``: a view of it for
+    one head or dv = qk, else a copy; 3-D: its gathered input, q n nh dv
+    / q), and on 3-D the gathered W panels of the three sharded linears."""
     cfg, regather = p.cfg, p.recompute == "gathers"
     h = cfg.n_embd
     cc = h // split_cols
@@ -193,6 +194,8 @@ def attention_terms(p: Problem, n: int, nc: int, split_cols: int, heads: int, q:
     act += 5 * n * nh_l * width                                   # [q | k | v], scaled q, the op's output
     if cube and not regather:
         act += q * n * (cfg.n_head * cfg.v_head_dim) // q          # c_proj's gathered input
+    elif nh_l > 1 and cfg.v_head_dim != width:                     # c_proj's input: the op's output's first dv
+        act += n * nh_l * cfg.v_head_dim                           # columns of each head, a copy (one head: a view)
     if cube and not regather and gathered:
         act += sum((h_in // q) * (h_out // q) for h_in, h_out, _ in attention_linears(cfg))
     return act, stat
