@@ -36,7 +36,8 @@ checkpoint that a serial reader must see as the serial model.
 DeepSeek-V3 cases (arch=deepseek_v3 [qrank=] [experts= ep=]; test_combo_matrix.DEEPSEEK_CASES) run
 multi-head latent attention (replicated latents, heads split, k_pe's gradient summed over them) with a
 dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``; ep= of the dp replicas
-hold the experts), against the serial model only (the cost model does not price MLA yet: ``COSTED``).
+hold the experts); the dense ones' traffic, memory and latent cache (the kv latent and k_pe per token)
+equal the cost model's MLA terms (analysis/costmla.py) as the others' do (``COSTED``).
 
 FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
@@ -171,10 +172,12 @@ class Case:
 
 
 def COSTED(case: Case) -> bool:
-    """Whether the cost model prices the case: every one (Llama too) but
-    FP8's, whose amax all-reduces it does not count yet, and DeepSeek-V3's latent attention, which it does
-    not price yet."""
-    return not case.fp8 and case.arch != "deepseek_v3"
+    """Whether the cost model's exact check applies to the case: every one
+    (Llama, DeepSeek-V3's MLA too) but FP8's, whose amax all-reduces it does
+    not count yet, and DeepSeekMoE's (experts= with arch=deepseek_v3): the
+    sigmoid router's tape, the shared experts and the measured routing of
+    this launch are not priced exactly yet (issue 43 item 7, left open)."""
+    return not case.fp8 and not (case.arch == "deepseek_v3" and case.experts)
 
 
 def configure(dtype: str) -> None:
@@ -280,8 +283,9 @@ def run_case(case: Case, refs: References) -> None:
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")
-    if parts.pipeline is None and case.arch != "deepseek_v3":   # generation's key/value cache (GQA: kv heads) == the model
-        caches = sum(c.k.size + c.v.size for c in model.new_caches())
+    if parts.pipeline is None:      # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model
+        caches = sum(c.c_kv.size + c.k_pe.size if hasattr(c, "c_kv") else c.k.size + c.v.size
+                     for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"
     if not pc.HALF and case.cp == 1:    # the REPLICATED linear kind on this case's layout
         check_replicated(layout, pc.close)

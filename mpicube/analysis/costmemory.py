@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..parallel import zero
 from .costexperts import chunk_moe_terms
-from .costmla import attention_terms, cache_elems, op_head_dim
+from .costmla import attention_terms, cache_elems
 from .costmodel import Problem, attention_split, local_param_sizes
 from .costparams import block_linears, moe_layers, segments_of, site_of, stage_layers
 from .costpipe import peak_over_schedule
@@ -138,8 +138,6 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
             block += sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in attn_linears)
         else:
             block += (n * cc // shard if regather else n * cc) + n * mid_cols     # c_attn's input, c_proj's
-    if cfg.mla and p.ulysses > 1:      # the op's output at its heads and the group's positions, at qk
-        block += n * (cfg.n_head // heads) * op_head_dim(cfg)
     mlp = n * act_kept
     if p.layout == "3d":
         mlp += sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in mlp_linears)

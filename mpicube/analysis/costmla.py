@@ -165,7 +165,9 @@ def attention_terms(p: Problem, n: int, nc: int, split_cols: int, heads: int, q:
     its output (n nh_l qk) and log-sum-exp; c_proj its input, each head's
     first dv columns of that output (``ops.mla.unpack``: a view of it for
     one head or dv = qk, else a copy; 3-D: its gathered input, q n nh dv
-    / q), and on 3-D the gathered W panels of the three sharded linears."""
+    / q; under Ulysses the view is of the output brought back to this
+    rank's positions, which the op did not keep), and on 3-D the gathered
+    W panels of the three sharded linears."""
     cfg, regather = p.cfg, p.recompute == "gathers"
     h = cfg.n_embd
     cc = h // split_cols
@@ -196,6 +198,8 @@ def attention_terms(p: Problem, n: int, nc: int, split_cols: int, heads: int, q:
         act += q * n * (cfg.n_head * cfg.v_head_dim) // q          # c_proj's gathered input
     elif nh_l > 1 and cfg.v_head_dim != width:                     # c_proj's input: the op's output's first dv
         act += n * nh_l * cfg.v_head_dim                           # columns of each head, a copy (one head: a view)
+    elif p.ulysses > 1:                # a view of the output brought back to this rank's positions: the op kept
+        act += n * nh_l * width        # its own at its heads and the group's positions
     if cube and not regather and gathered:
         act += sum((h_in // q) * (h_out // q) for h_in, h_out, _ in attention_linears(cfg))
     return act, stat
