@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from .costbase import Problem, Traffic
 from .costexperts import ep_traffic, grid, layer_rows
+from .costparams import moe_layers
 
 
 def token_axis(p: Problem) -> tuple:
@@ -74,7 +75,7 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
     float64 sum over ep (without --zero)."""
     t, cfg, w = Traffic(), p.cfg, p.widths
     n, c, _, _ = grid(p)
-    E, K, L = cfg.n_experts, cfg.top_k, p.layers
+    E, K, L = cfg.n_experts, cfg.top_k, moe_layers(p)      # the stage's blocks with a mixture
     forwards = 2 if p.recompute == "blocks" else 1
     hidden, tokens = hidden_axis(p), token_axis(p)
     sequence = p.layout == "1d" and p.sequence_parallel and p.tp > 1
@@ -114,7 +115,7 @@ def expert_linears(p: Problem, rows: int, forwards: int) -> Traffic:
     this rank, forward ``forwards`` times and backward once, as the
     layout's linears move an MLP's (``costmodel``'s per-linear terms)."""
     t, cfg, w = Traffic(), p.cfg, p.widths
-    h, F = cfg.n_embd, cfg.ffn
+    h, F = cfg.n_embd, cfg.moe_ffn
     if p.layout == "1d":
         if not p.sequence_parallel:      # (under it, partial sums: the mixture's one reduce-scatter)
             t.sum("tp", p.tp, rows * h, times=forwards + 1, width=w.red)  # c_proj's Y; c_fc's dX

@@ -17,7 +17,7 @@ from ..parallel import zero
 from .costexperts import chunk_moe_terms
 from .costmla import attention_terms, cache_elems
 from .costmodel import Problem, attention_split, local_param_sizes
-from .costparams import block_linears, moe_layers, segments_of, site_of, stage_layers
+from .costparams import block_linears, moe_layers, segments_of, shared_linears, site_of, stage_layers
 from .costpipe import peak_over_schedule
 
 
@@ -138,11 +138,14 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
             block += sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in attn_linears)
         else:
             block += (n * cc // shard if regather else n * cc) + n * mid_cols     # c_attn's input, c_proj's
-    mlp = n * act_kept
-    if p.layout == "3d":
-        mlp += sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in mlp_linears)
-    else:
-        mlp += (n * cc // shard if regather else n * cc) + n * mlp_in              # c_fc's input, mlp.c_proj's
+    def swiglu(linears, kept, inputs):  # a dense MLP: its activation's cache, its two linears' inputs (and W)
+        if p.layout == "3d":
+            return n * kept + sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in linears)
+        return n * kept + (n * cc // shard if regather else n * cc) + n * inputs   # c_fc's input, mlp.c_proj's
+
+    mlp = swiglu(mlp_linears, act_kept, mlp_in)
+    S = cfg.n_shared_experts * cfg.moe_ffn // heads            # a DeepSeekMoE block's shared experts, per rank
+    shared = swiglu(shared_linears(cfg), 5 * S, S) if cfg.moe and S else 0
     if dropout:
         block += 2 * nc * cc           # residual masks; attention's are drawn block by block, never kept
     layers = stage_layers(p)[first:first + L]
@@ -174,10 +177,10 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     if mode == "blocks":
         kept = {"act": L * n * cc // shard + outside, "stat": nc * head, "grad": 0}
         reruns = ([{"act": block + mlp, "stat": stat}] if n_moe < L else []) + \
-                 ([{"act": block + moe_most["act"], "stat": stat + moe_most["stat"]}] if n_moe else [])
+                 ([{"act": block + shared + moe_most["act"], "stat": stat + moe_most["stat"]}] if n_moe else [])
         rerun = max(reruns, key=lambda r: r["act"] + r["stat"]) if L else none
         return kept, step, {**rerun, "grad": 0}
-    kept = {"act": L * block + (L - n_moe) * mlp + outside + moe["act"],
+    kept = {"act": L * block + (L - n_moe) * mlp + n_moe * shared + outside + moe["act"],
             "stat": L * stat + head * nc + moe["stat"], "grad": 0}
     return kept, step, none
 

@@ -43,7 +43,19 @@ def dense_linears(cfg: ModelConfig, split: int = 1, layer: int = None):
     priced by the rows they receive, ``costexperts``)."""
     linears = block_linears(cfg, split)
     mixture = cfg.is_moe(layer) if layer is not None else cfg.moe
-    return linears[:-2] if mixture else linears
+    if not mixture:
+        return linears
+    return linears[:-2] + shared_linears(cfg)
+
+
+def shared_linears(cfg: ModelConfig) -> list:
+    """A DeepSeekMoE block's shared experts: one dense SwiGLU of width
+    S = n_shared x moe_ffn on the layout's COLUMN and ROW linears
+    (``moe.shared``), every token through it."""
+    if not cfg.n_shared_experts:
+        return []
+    S = cfg.n_shared_experts * cfg.moe_ffn
+    return [(cfg.n_embd, 2 * S, "column"), (S, cfg.n_embd, "row")]
 
 
 def stage_layers(p: Problem) -> list:
