@@ -387,14 +387,15 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
         for seg, _, chunk, parts, x in blocks:
             if site_of(seg) == site_of(blocks[0][0]):       # every block's pieces are alike
                 t.allgather(axis_of[x][0], parts, chunk, times=times, width=w.act)
+    by_segment = defaultdict(lambda: defaultdict(int))   # {segment: {axis: elements}} of the summed tensors
+    for name, (n, axis) in sizes.items():
+        if axis is not None:
+            by_segment[segment_name(p, name)][axis] += n
     for site in dict.fromkeys(site_of(s[0]) for s in segments):
         pieces = [s for s in segments if site_of(s[0]) == site]
         runs, end = [], None                     # (axis, elements) runs of the site's slot, merged when adjacent
         for seg, size, chunk, parts, x in pieces:
-            groups = defaultdict(int)
-            for name, (n, axis) in sizes.items():
-                if axis is not None and segment_name(p, name) == seg:
-                    groups[axis] += n
+            groups = by_segment.get(seg, {})
             for k, axis in enumerate(sorted(groups)):
                 if runs and runs[-1][0] == axis and k == 0 and end:
                     runs[-1] = (axis, runs[-1][1] + groups[axis])

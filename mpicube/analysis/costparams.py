@@ -10,6 +10,8 @@ re-exports them."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
 from ..parallel import zero
@@ -76,6 +78,21 @@ def moe_layers(p: Problem, layers: list = None) -> int:
     return sum(p.cfg.is_moe(i) for i in (stage_layers(p) if layers is None else layers))
 
 
+@lru_cache(maxsize=8)
+def model_decls(cfg: ModelConfig) -> tuple:
+    """``gpt_params(cfg)``, built once per configuration: the cost model
+    walks them for every plan it prices, and a DeepSeek-V3 of 61 blocks x
+    256 experts declares some 30,000 tensors (``info`` prices dozens of
+    plans)."""
+    return tuple(gpt_params(cfg))
+
+
+@lru_cache(maxsize=8)
+def headed_decls(cfg: ModelConfig) -> tuple:
+    """The declarations with heads (Llama's c_attn): the only ones whose kv columns a split may share."""
+    return tuple(d for d in model_decls(cfg) if d.heads)
+
+
 def head_split(p: Problem) -> int:
     """The ways the layout splits the heads (each layout's ``head_coords``)."""
     if p.layout == "1d":
@@ -94,7 +111,7 @@ def local_param_sizes(p: Problem) -> dict:
     as ``ParamStore`` lays them out."""
     cfg, out, experts, seen = p.cfg, {}, {}, {}
     mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
-    for decl in gpt_params(cfg):
+    for decl in model_decls(cfg):
         e = expert_of(decl.name)
         if e is not None and e >= cfg.n_experts // p.ep:
             continue
@@ -131,7 +148,7 @@ def kv_param_sizes(p: Problem) -> dict:
     exceeds the kv heads), summed over the ``share`` ranks of axis "kv"."""
     split, out = head_split(p), {}
     mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
-    for decl in gpt_params(p.cfg):
+    for decl in headed_decls(p.cfg):
         width, share = shared_width(decl, split)
         if width and on_stage(p, decl.name, mine):
             n, _ = _local_size(p, decl)
