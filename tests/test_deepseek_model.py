@@ -175,7 +175,6 @@ def test_published_shape_parameter_counts():
     14B of MTP module (with its copies of the embedding and the head); the
     first 3 blocks dense, the other 58 DeepSeekMoE, each counted as its kind."""
     from mpicube.analysis.param_counts import param_counts, params_line
-    from mpicube.cli.main import cli  # noqa: F401 (the info command below)
 
     cfg = ModelConfig(vocab_size=129280, n_ctx=4096, n_layer=61, n_head=128, n_embd=7168, arch="deepseek_v3",
                       ffn_hidden=18432, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
@@ -194,22 +193,19 @@ def test_published_shape_parameter_counts():
     assert "3 dense layers x " in line and "58 MoE layers x " in line and "multi-token prediction: 1 depth" in line
 
 
-def test_info_prices_the_published_shape():
+def test_info_prices_the_published_shape(mpicube):
     """info --arch deepseek_v3 at the published shape prints the parameters
     per block kind, the traffic per axis (tp, dp, ep), the memory and the
     FLOPs per rank (64 ranks, serially, no mpiexec); the same figures at
-    512 and 2048 ranks from the cost model's functions (the whole info
-    report there walks every layout and option: minutes)."""
-    from click.testing import CliRunner
-
+    512 and 2048 ranks from the cost model's functions (the whole report
+    there prices every layout and option again: tens of seconds each)."""
     from mpicube.analysis.costflops import step_flops
     from mpicube.analysis.costmemory import step_memory_bytes
     from mpicube.analysis.costmodel import Problem, step_traffic
-    from mpicube.cli.main import cli
 
-    out = CliRunner().invoke(cli, ["info"] + V3_SHAPE + V3_PLANS[64])
-    assert out.exit_code == 0, out.output
-    text = out.output
+    out = mpicube.run("info", *V3_SHAPE, *V3_PLANS[64])
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
     assert "3 dense layers x 583,483,392, 58 MoE layers x 11,507,286,016" in text
     for want in ("communication per rank per step", "memory per rank", "GEMM and attention FLOPs per rank",
                  "all-to-all per rank per step (axis ep"):
