@@ -33,23 +33,25 @@ head) the same way; where the head split exceeds kv= the layout
 replicates kv heads (params.SharedColumns), and ckpt=1 also saves a
 checkpoint that a serial reader must see as the serial model.
 
-DeepSeek-V3 cases (arch=deepseek_v3 [qrank=] [experts= ep=]; test_combo_matrix.DEEPSEEK_CASES) run
+DeepSeek-V3 cases (arch=deepseek_v3 [qrank=] [experts= ep=] [mtp=]; test_combo_matrix.DEEPSEEK_CASES) run
 multi-head latent attention (replicated latents, heads split, k_pe's gradient summed over them) with a
 dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``; ep= of the dp replicas
-hold the experts); the dense ones' traffic, memory and latent cache (the kv latent and k_pe per token)
-equal the cost model's MLA terms (analysis/costmla.py) as the others' do (``COSTED``).
+hold the experts), and mtp= multi-token prediction depths (model/mtp.py: on a pipeline's last stage, its
+wte copy summed with stage 0's); the dense ones' traffic, memory and latent cache (the kv latent and k_pe
+per token) equal the cost model's MLA terms (analysis/costmla.py) as the others' do (``COSTED``).
 
 FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
 in the serial reference alike, accumulate in float64, and must equal
 serial to 1e-12 (the quantized operands are the same bits; only the
-order of float64 sums differs); the cost model does not count their amax
-all-reduces yet, so their traffic is not compared.
+order of float64 sums differs); the tensor-scaled recipes' dense cases
+compare their traffic with the cost model too, amax all-reduces included
+(axis "fp8", analysis/costfp8.py), not yet their memory.
 
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
          zero= recompute= accum= dtype= layers= batch= [arch=llama heads= kv=] [arch=deepseek_v3 qrank=]
-         [experts= ep=] [ckpt=1]
+         [experts= ep=] [mtp=] [ckpt=1]
          [cpkind=ulysses|hybrid ulysses=U] [opt=muon qkv=split|joint] [hsdp=R]
          [fp8=RECIPE fp8block=N steps=N]
   (every case's tp x dp x pp x cp must be W)
@@ -71,6 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
 from replicated_check import check_replicated  # noqa: E402
+from mpicube.analysis.costfp8 import TENSOR_SCALED  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
@@ -128,9 +131,11 @@ class Case:
     steps: int = STEPS
     qrank: int = 6        # deepseek_v3's q latent rank (0: a plain q_proj)
     ep: int = 1           # --ep: expert-parallel ranks taken from dp (a case with experts)
+    mtp: int = 0          # deepseek_v3's multi-token prediction depths (--mtp-depth; weight 0.5)
+    bias: int = 0         # 1: the aux-loss-free bias update (rate 0.01) after every step, from random biases
 
     INTS = ("tp", "depth", "dp", "pp", "virtual", "cp", "zero", "accum", "layers", "batch", "heads", "kv", "ckpt",
-            "ulysses", "hsdp", "fp8block", "steps", "experts", "qrank", "ep")
+            "ulysses", "hsdp", "fp8block", "steps", "experts", "qrank", "ep", "mtp", "bias")
 
     @classmethod
     def parse(cls, words: list) -> "Case":
@@ -158,9 +163,10 @@ class Case:
 
     def cfg(self) -> ModelConfig:
         if self.arch == "deepseek_v3":
-            moe = dict(DEEPSEEK_MOE, n_experts=self.experts) if self.experts else {}
+            moe = dict(DEEPSEEK_MOE, n_experts=self.experts, bias_update_rate=0.01 * self.bias) if self.experts else {}
+            mtp = dict(mtp_depth=self.mtp, mtp_loss_weight=0.5) if self.mtp else {}
             return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,
-                               **DEEPSEEK, q_lora_rank=self.qrank, **moe)
+                               **DEEPSEEK, q_lora_rank=self.qrank, **moe, **mtp)
         if self.arch == "llama":
             moe = dict(n_experts=self.experts, top_k=2) if self.experts else {}
             return ModelConfig(vocab_size=VOCAB, n_ctx=SEQ, n_layer=self.layers, n_head=self.heads, n_embd=EMBD,
@@ -173,11 +179,15 @@ class Case:
 
 def COSTED(case: Case) -> bool:
     """Whether the cost model's exact check applies to the case: every one
-    (Llama, DeepSeek-V3's MLA too) but FP8's, whose amax all-reduces it does
-    not count yet, and DeepSeekMoE's (experts= with arch=deepseek_v3): the
-    sigmoid router's tape, the shared experts and the measured routing of
-    this launch are not priced exactly yet (issue 43 item 7, left open)."""
-    return not case.fp8 and not (case.arch == "deepseek_v3" and case.experts)
+    (Llama, DeepSeek-V3's MLA too) but FP8's other than the tensor-scaled
+    recipes' dense blocks (analysis/costfp8.py: their amax all-reduces on
+    axis "fp8"), and DeepSeek-V3 with experts= or mtp=: the sigmoid
+    router's tape, the shared experts and the measured routing of this
+    launch are not priced exactly yet, and MTP's depths are priced from the
+    configuration (``info``) but not compared here yet (issue 43 item 7)."""
+    if case.fp8:
+        return case.fp8 in TENSOR_SCALED and not case.experts and case.arch != "deepseek_v3"
+    return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
 
 
 def configure(dtype: str) -> None:
@@ -197,7 +207,7 @@ class References:
 
     def get(self, case: Case, steps: list) -> dict:
         key = (case.layers, case.dtype, case.batch, case.arch, case.heads, case.kv, case.opt, case.qkv, case.fp8,
-               case.fp8block, case.steps, case.experts, case.qrank)
+               case.fp8block, case.steps, case.experts, case.qrank, case.mtp, case.bias)
         if key not in self.done:
             self.done[key] = self._run(case, steps)
         return self.done[key]
@@ -210,7 +220,8 @@ class References:
         serial = build_parts(resolve(Plan("serial", grad_accum=accum, fp8=case.recipe()), case.cfg(), case.batch, 1),
                              MPI.COMM_SELF, Numerics(case.dtype), seed=SEED, dropout=DROPOUT)
         opt = make_step(serial.store, serial.layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
-        out = {"loss": [], "norm": [], "grads": []}
+        out = {"loss": [], "norm": [], "grads": [], "bias": []}
+        random_biases(serial.store)
         for step, (x, y) in enumerate(steps, start=1):
             serial.store.zero_grad()
             logits = []                                                    # (B/N, T, V) per micro-batch
@@ -223,8 +234,31 @@ class References:
             out["norm"].append(norm)
             out["grads"].append({n: g.copy() for n, g in serial.store.grad.items()})
             opt.step(LR, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+            out["bias"].append(update_biases(serial, case))
         out["params"] = {n: d.copy() for n, d in serial.store.data.items()}
         return out
+
+
+def random_biases(store) -> None:
+    """The same random bias in every sigmoid router of ``store`` on every
+    rank, drawn by layer (a pipeline stage holds some of them)."""
+    for name, bias in store.persistent.items():
+        rng = np.random.default_rng([11, int(name.split(".")[1])])
+        bias[...] = store.backend.asarray(rng.normal(0, 0.05, bias.shape), dtype=bias.dtype)
+
+
+def update_biases(parts, case: Case) -> dict:
+    """bias=1: the trainer's aux-loss-free update after the step (the loads
+    of the whole global batch, every replica and micro-batch: an MTP
+    depth's mixture among them) -> {name: bias} this rank holds, on the host."""
+    from mpicube.model.routers import balance
+
+    if not case.bias:
+        return {}
+    log = parts.model.router_log
+    log.take()
+    balance(parts.store, parts.cfg, log.loads)
+    return {n: parts.layout.backend.to_host(b).copy() for n, b in parts.store.persistent.items()}
 
 
 def batches(case: Case) -> list:
@@ -252,6 +286,7 @@ def run_case(case: Case, refs: References) -> None:
     problem = replace(pc.problem_of(cfg, layout, plan, case.batch, case.dtype), optimizer=case.opt, hsdp=case.hsdp)
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
     opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
+    random_biases(store)
     for step, (x, y) in enumerate(steps, start=1):
         store.zero_grad()
         counters.reset()
@@ -269,7 +304,7 @@ def run_case(case: Case, refs: References) -> None:
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
         if parts.pipeline is None:
             assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-            if COSTED(case):
+            if COSTED(case) and not case.fp8:       # FP8's saved quantized copies: not in the memory model yet
                 pc.check_memory(problem, True, store, model, kept[0], opt.adam, where)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
@@ -277,13 +312,17 @@ def run_case(case: Case, refs: References) -> None:
         if step == 1 or not pc.HALF:        # after an AdamW step 16-bit gradients are not comparable
             pc.check_gradients(store, host, want["grads"][step - 1], f"step {step}")
         opt.step(LR, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        biases = update_biases(parts, case)
+        assert not case.bias or biases, f"{where}: bias=1 but no router bias here"
+        for name, bias in biases.items():               # bit for bit: integers' signs, whatever the ep size
+            assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
         if COSTED(case):
             pc.check_traffic(problem, counters, where)               # the step's all-gathers too
-        if parts.pipeline is not None and COSTED(case):
+        if parts.pipeline is not None and COSTED(case) and not case.fp8:
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")
-    if parts.pipeline is None:      # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model
+    if parts.pipeline is None and COSTED(case):      # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model
         caches = sum(c.c_kv.size + c.k_pe.size if hasattr(c, "c_kv") else c.k.size + c.v.size
                      for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"

@@ -133,7 +133,8 @@ def forward(t, d, ids, targets, mtp_depth=0, mtp_weight=0.3, record=None):
         tok, tgt, valid = mtp.depth_tokens(targets, k + 1)
         u, _ = mtp.input_forward(prev, t["wte"][tok], t[pre + "hnorm.weight"], t[pre + "enorm.weight"], d.n_embd,
                                  d.rms_eps)
-        z = block_forward(mtp.project_forward(u, t[pre + "proj.weight"]), t, pre, d, d.n_layer + k, cos, sin)
+        z = block_forward(mtp.project_forward(u, t[pre + "proj.weight"]), t, f"h.{d.n_layer + k}.", d, d.n_layer + k,
+                          cos, sin, record)
         prev = rms(z, t[pre + "ln_f.weight"], d.rms_eps)
         s, n = mean_ce(logits_of(prev, t, d), tgt, valid)
         sums.append(s)

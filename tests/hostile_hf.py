@@ -163,6 +163,11 @@ def make_cases(root: Path, out: Path) -> list:
         "train", "--init-from", llama, "--seq-len", "16", "--batch-size", "4", "--steps", "1",
         "--data", root / "bad-uint16.bin", "--out", run],
         r"bad-uint16.bin: token 300 at position 1,000 is outside the model's vocabulary", [run]))
+    run = out / "vocab-init-from-default-batch"     # the batch from the file's model: planned before --out
+    cases.append(Case("token 300 in the train shard (uint16), --init-from, default batch", [
+        "train", "--init-from", llama, "--seq-len", "16", "--steps", "1",
+        "--data", root / "bad-uint16.bin", "--out", run],
+        r"bad-uint16.bin: token 300 at position 1,000 is outside the model's vocabulary", [run]))
     return cases
 
 

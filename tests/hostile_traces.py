@@ -26,6 +26,7 @@ import shutil
 import sys
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,6 +241,23 @@ def make_cases(root: Path) -> list:
             o.copy(f[grad + "/rank1"], "rank1")
         del f[grad + "/rank1"]
         f[grad + "/rank1"] = h5py.ExternalLink(str(outer_h5), "rank1")
+    def member_compressed(f):                # 2^31 zeros in 256 gzip chunks of 64 MiB: 16 GiB in about 16 MiB
+        grad = "step_1/grad/h.0.attn.c_attn.weight"
+        rows, cols, chunk_rows = 2 ** 15, 2 ** 16, 128
+        f[grad].attrs["shape"] = np.array([rows, cols], np.int64)
+        for key in list(f[grad]):
+            del f[grad + "/" + key]
+        member = f.create_group(grad + "/rank0")
+        member.attrs["rank"] = 0
+        data = member.create_dataset("data", shape=(rows, cols), dtype="f8", chunks=(chunk_rows, cols),
+                                     compression="gzip")
+        zeros = zlib.compress(bytes(8 * chunk_rows * cols))
+        for start in range(0, rows, chunk_rows):
+            data.id.write_direct_chunk((start, 0), zeros)
+        member["index_0"], member["index_1"] = np.arange(rows), np.arange(cols)
+    bomb = variant(sharded, root / "member-gzip.h5", member_compressed)
+    cases.append(Case("sharded-member-compressed-2^31-vs-itself", [bomb, bomb], 2,
+                      r"step_1/grad/h.0.attn.c_attn.weight/rank0: its block is stored compressed"))
     cases.append(Case("sharded-member-external-link", [good, variant(sharded, root / "member-elink.h5",
                                                                      member_elink)], 2,
                       r"step_1/grad/h.0.attn.c_attn.weight/rank1 is an external link"))

@@ -277,7 +277,8 @@ def problem_of(cfg, layout, plan, batch: int, dtype: str = None) -> Problem:
                    zero=plan.zero, cp=plan.cp, ulysses=plan.ulysses_size, sequence_parallel=plan.sequence_parallel, pp=plan.pp,
                    pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages, stage=layout.axes.pp.rank,
                    ep=layout.axes.ep.size if layout.axes.ep is not None else 1,
-                   ep_rank=layout.axes.ep.rank if layout.axes.ep is not None else 0)
+                   ep_rank=layout.axes.ep.rank if layout.axes.ep is not None else 0,
+                   fp8=plan.fp8.name if getattr(plan, "fp8", None) is not None else "")
 
 
 def check_traffic(problem, counters, where: str = None) -> None:

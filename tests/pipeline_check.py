@@ -12,7 +12,10 @@ activations a stage holds equal the cost model's.
 
 Usage: python -m mpi4py tests/pipeline_check.py CASE [-- CASE ...]
   CASE = LAYOUT DP DEPTH PP SCHEDULE V ACCUM [dropout=0.1] [batch=B] [steps=3] [dtype=float64]
-         [recompute=none] [zero=0] [layers=4] [cp=1] [sp=0] [ckpt=DIR] [moe=CAPACITY] [ep=1]
+         [recompute=none] [zero=0] [layers=4] [cp=1] [sp=0] [ckpt=DIR] [moe=CAPACITY] [ep=1] [bitwise=1]
+
+bitwise=1 (a zero-bubble schedule on one chunk a stage): step 1's raw
+gradients also equal, bitwise, those of the same grid under 1F1B.
 
 moe=F: a mixture of 4 experts, top 2 (F the capacity factor, 0 dropless),
 with --ep; its router losses count one micro-batch of every replica, so
@@ -64,8 +67,8 @@ def build_pipeline(grid, cfg, batch, dropout):
     counters = Counters()
     layout = build_layout(resolve(grid, cfg, batch, MPI.COMM_WORLD.Get_size()), backend, MPI.COMM_WORLD,
                           counters=counters)
-    store = make_store(stage_specs(layout, cfg, grid.virtual_stages), backend, 7, dp=layout.axes.dp, zero=grid.zero,
-                       stages=grid.pp, edp=layout.axes.edp)
+    store = make_store(stage_specs(layout, cfg, grid.virtual_stages, grid.pp_schedule), backend, 7, dp=layout.axes.dp,
+                       zero=grid.zero, stages=grid.pp, edp=layout.axes.edp)
     pipe = Pipeline(cfg, layout, store, schedule=grid.pp_schedule, virtual=grid.virtual_stages, dropout=dropout,
                     seed=7, grad_accum=grid.grad_accum)
     return Parts(cfg, backend, counters, layout, store, pipe, grid.grad_accum, pipeline=pipe)
@@ -99,6 +102,22 @@ def check_costs(parts, cfg, batch, grid, adam, dropout: bool, routing=None):
     if got != model:
         raise AssertionError(f"{where}: measured (params, grads, optimizer, then their bytes) {got}, "
                              f"model predicts {model}")
+
+
+def same_as_unsplit(twin, parts, x, y) -> None:
+    """bitwise=1: the zero-bubble step's raw gradients (before any sum over
+    ranks) are bitwise those of 1F1B on the same grid, whose backward is
+    whole: splitting B from W moves no addition (parallel/wgrad.py)."""
+    twin.store.zero_grad()
+    forward_backward(twin, x, y, 1, pc.LOSS_SCALE)
+    host = parts.layout.backend.to_host
+    for spec in parts.store.specs:
+        got, want = host(parts.store.grad[spec.name]), host(twin.store.grad[spec.name])
+        if not np.array_equal(got, want):
+            raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {spec.name}'s gradient differs from 1F1B's "
+                                 f"(worst {np.abs(got - want).max():.2e})")
+    if MPI.COMM_WORLD.rank == 0:
+        print("bitwise equal to 1F1B's gradients", flush=True)
 
 
 def save(parts, opt, path, comm):
@@ -261,12 +280,17 @@ def run_case(words: list, options: dict):
         if serial is not None:
             pc.random_biases(serial.parts.store)
     runs = StageRuns(parts.pipeline) if moe and priced else None
+    twin = None                     # bitwise=1: the same grid under 1F1B (the backward unsplit), step 1 compared
+    if options.get("bitwise") == "1":
+        twin = build_pipeline(dataclasses.replace(grid, pp_schedule="1f1b"), cfg, batch, dropout)
     for step, (x, y) in enumerate(steps, start=1):
         ref = serial.step(x, y, step, grads=step == 1 or not HALF) if serial is not None else None
         store.zero_grad()
         counters.reset()
         loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE,
                                 after_forward=runs.after_forward if runs is not None else lambda m: None)
+        if twin is not None and step == 1:
+            same_as_unsplit(twin, parts, x, y)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
         s_loss, s_norm, s_grads, s_biases = world.bcast(ref, root=0)       # rank 0's serial step

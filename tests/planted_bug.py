@@ -54,6 +54,17 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
 - ``grad-error=NAME``: parameter NAME's summed gradient comes out 1% too
   large (the envelope's demonstration, docs/trace-format.md: a bfloat16
   candidate that the depth bound passes and the envelope fails).
+- ``fp8-amax-shard``: ``--fp8``'s tensor scales from each rank's own
+  shard: the amax all-reduce over the stage left out (named at the first
+  scale of a split tensor, a weight's on 1-D).
+- ``fp8-scale-inverted``: the quantizer divides by the scale instead of
+  multiplying (Q = x / s): the scales agree, the FP8 bytes do not.
+- ``fp8-grad-e4m3``: the output gradients quantized in e4m3 where the
+  recipe says e5m2 (tensorwise's default): named at the first dy scale.
+- ``mtp-local``: each multi-token prediction depth's loss normalised by
+  the token count of this rank's micro-batch (its valid positions)
+  instead of the whole step's (Megatron #2417, #1532): equal on one
+  rank, off by the replica count under dp.
 - ``none``: nothing planted (a clean trace in the same launch).
 """
 
@@ -254,12 +265,63 @@ def grad_error(name):
     return _swap(gradients.GradientSync, "__call__", planted)
 
 
+def fp8_amax_shard(_):
+    from mpicube.parallel import fp8
+
+    quantized = fp8.LinearFp8.tensor_quantized
+
+    class OwnShard:
+        """The stage's communicator with its max-reduce left out."""
+
+        def allreduce(self, a, **kwargs):
+            return a
+
+    def planted(self, a2, role, fmt):
+        stage, self.s.stage = self.s.stage, OwnShard()
+        try:
+            return quantized(self, a2, role, fmt)
+        finally:
+            self.s.stage = stage
+    return _swap(fp8.LinearFp8, "tensor_quantized", planted)
+
+
+def fp8_scale_inverted(_):
+    from mpicube.ops import fp8
+
+    quantize = fp8.quantize
+
+    def planted(x, scale, group, fmt):
+        return quantize(x, (1 / scale.astype("float64")).astype(scale.dtype), group, fmt)
+    return _swap_everywhere(fp8, "quantize", planted)
+
+
+def fp8_grad_e4m3(_):
+    from mpicube.ops import fp8, fp8_recipes
+
+    return _swap(fp8_recipes.Recipe, "format", lambda self, role: fp8.E4M3)
+
+
+def mtp_local(_):
+    import dataclasses as dc
+
+    from mpicube.training import driver
+
+    context = driver.micro_context
+
+    def planted(*args, **kwargs):
+        idx, targets, ctx = context(*args, **kwargs)
+        local = tuple(int(valid.sum()) for _, _, valid in ctx.mtp)          # this rank's rows and positions
+        return idx, targets, dc.replace(ctx, mtp_counts=local)
+    return _swap_everywhere(driver, "micro_context", planted)
+
+
 PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-replicas": norm_replicas,
           "tied-order": tied_order, "qkv-split": qkv_split, "dropout-rank": dropout_rank, "vocab-pad": vocab_pad,
           "router-aux-grad": router_aux_grad, "dp-partial": dp_partial,
           "moments-dropped": moments_dropped, "loss-scale-reset": loss_scale_reset, "replica-skip": replica_skip,
           "grads-unapplied": grads_unapplied, "precision-off": precision_off,
-          "grad-error": grad_error, "none": lambda _: (lambda: None)}
+          "grad-error": grad_error, "fp8-amax-shard": fp8_amax_shard, "fp8-scale-inverted": fp8_scale_inverted,
+          "fp8-grad-e4m3": fp8_grad_e4m3, "mtp-local": mtp_local, "none": lambda _: (lambda: None)}
 
 
 def plant(bug: str):

@@ -23,3 +23,28 @@ def test_the_scale_finds_a_one_percent_error_that_noise_of_its_size_hides():
 def test_envelope_without_an_envelope_is_bad_input(good, capsys):
     status, _, err, _ = run(capsys, good, good, "--tolerance", "envelope")
     assert status == 2 and "--tolerance envelope: neither trace holds an envelope" in err
+
+
+def test_fp8_codes_may_lie_one_step_from_the_reference_and_no_further():
+    """Under the envelope an FP8 weight's codes (sign bit, magnitude code)
+    and MXFP8's E8M0 scale bytes may each sit one step from the
+    reference's, a value at a rounding boundary of the grid; two steps, or
+    a sign flipped on anything but the smallest values, fail."""
+    from mpicube.check.measure import Row
+
+    def judged(a, b, name="step_2/fp8/h.0.mlp.c_fc/w.forward/bytes"):
+        a, b = np.asarray(a, np.uint8), np.asarray(b, np.uint8)
+        row = Row(name, a.shape, 1.0, 1.0, False)
+        envelope.codes(row, name, [lambda block: a[block], lambda block: b[block]], a.shape)
+        return row
+
+    ref = [[0x45, 0xC5, 0x00, 0x7E]]
+    assert judged(ref, ref).ok and judged(ref, ref).note == ""
+    row = judged(ref, [[0x46, 0xC4, 0x80, 0x7E]])          # +1, -1 in magnitude, +0 vs -0
+    assert row.ok and row.note == "2 of 4 codes one FP8 step apart (a rounding boundary)", row.note
+    assert judged([[0x00]], [[0x81]]).ok                    # the smallest values either side of zero
+    row = judged(ref, [[0x45, 0xC5, 0x00, 0x7C]])
+    assert not row.ok and row.note == "codes more than one FP8 step apart, first at (0, 3): 126 vs 124", row.note
+    assert not judged([[0x01]], [[0x81]]).ok                # a sign flip of a non-zero value
+    scale = "step_1/fp8/h.0.mlp.c_fc/w.forward/scale"       # E8M0 exponents: one code is a factor 2
+    assert judged([[127, 130]], [[128, 130]], scale).ok and not judged([[127]], [[129]], scale).ok

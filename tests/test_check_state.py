@@ -60,6 +60,28 @@ def test_state_that_parts_is_named_at_its_step(stateful, tmp_path, capsys):
         assert status == 1 and summary["first_divergence"] == name, out
 
 
+def test_state_stored_in_another_dtype_is_named(stateful, tmp_path, capsys):
+    """The state's datasets have their format's dtypes (moments as the
+    parameters, the loss scale float64, the offset and loads int64): one
+    stored otherwise is a divergence naming the dtype, even with equal
+    values (a moment in float32 in a float64 trace has lost its digits; a
+    count as a float is not one)."""
+    import h5py
+
+    for name, dtype, want in (("step_2/state/exp_avg_sq/wte", np.float32, "float64"),
+                              ("step_1/state/rng_offset", np.float64, "int64"),
+                              ("step_2/state/loss_scale", np.float32, "float64")):
+        b = tmp_path / "b.h5"
+        b.write_bytes(stateful.read_bytes())
+        with h5py.File(b, "r+") as f:
+            value = f[name][()]
+            del f[name]
+            f.create_dataset(name, data=np.asarray(value).astype(dtype))
+        status, out, _, summary = run(capsys, stateful, b)
+        assert status == 1 and summary["first_divergence"] == name, out
+        assert f"dtype: B stores {np.dtype(dtype)}, the format {want}" in out, out
+
+
 def test_the_writer_refuses_state_it_does_not_know(tmp_path):
     with pytest.raises(UserError, match="state 'momentum' is not one of exp_avg, exp_avg_sq, loss_scale"):
         with TraceWriter(tmp_path / "x.h5", CFG, OPTIMIZER, "float64", {}) as w:

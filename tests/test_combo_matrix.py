@@ -170,6 +170,19 @@ LLAMA_CASES = [
 ]
 
 
+# Zero-bubble schedules (issue 46 item 2: ZB-H1, ZBV, DualPipeV): each joins its world size's launch;
+# B and W split at the linears (parallel/wgrad.py), against serial with dropout, traffic and the cost
+# model's peak of tapes and filed weight phases per stage, on tensor-parallel layouts with dp, zero 1,
+# cp, sp, recompute, a 16-bit format and Llama's untied head (on stage 0 in a V).
+ZB_CASES = [
+    (4, "layout=1d tp=2 pp=2 schedule=zb-h1 accum=2 dtype=bfloat16 batch=8"),
+    (8, "layout=1d tp=2 dp=2 pp=2 schedule=zbv virtual=2 layers=4 zero=1 accum=4 recompute=blocks batch=16"),
+    (8, "layout=2d tp=4 pp=2 schedule=dualpipev virtual=2 layers=4 accum=4 batch=8"),
+    (8, "layout=1d tp=2 pp=2 cp=2 sp=1 schedule=zb-h1 accum=2 recompute=gathers batch=8"),
+    (8, f"layout=1d tp=4 pp=2 schedule=zbv virtual=2 layers=4 accum=2 kv=2 {LLAMA}"),
+]
+
+
 # FP8 (issue 45): each joins its world size's launch; 3 steps in float64, equal to
 # serial to 1e-12. Tiles of 4 (--fp8-block) so the small model's shards hold whole ones.
 FP8_CASES = [
@@ -190,12 +203,22 @@ FP8_CASES = [
     (4, f"layout=1d tp=4 kv=4 experts=4 fp8=mxfp8 fp8block=2 steps=3 {LLAMA}"),
     (4, f"layout=2d tp=4 kv=2 experts=4 fp8=delayed steps=3 {LLAMA}"),
     (4, f"layout=1d tp=2 dp=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),   # every expert runs on every replica
+    # the tile recipes on 2-D, 2.5-D and 3-D: each rank quantizes its own shard along each GEMM's contraction
+    # before the panel travels; rowwise on 2-D with its row amaxes over the grid's rows, columns and cp
+    (4, "layout=2d tp=4 fp8=blockwise fp8block=4 steps=3"),
+    (8, "layout=2.5d tp=8 depth=2 fp8=mxfp8 fp8block=4 steps=3"),
+    (8, "layout=3d tp=8 fp8=blockwise fp8block=4 steps=3"),
+    (8, "layout=3d tp=8 recompute=gathers fp8=mxfp8 fp8block=4 steps=3"),
+    (8, "layout=2d tp=4 cp=2 fp8=rowwise steps=3"),
+    # DeepSeek-V3's REPLICATED latent projections: every rank quantizes the whole W it holds and keeps its rows
+    (4, "layout=1d tp=2 dp=2 fp8=mxfp8 fp8block=2 steps=3 arch=deepseek_v3"),
+    (4, "layout=2d tp=4 fp8=rowwise steps=3 arch=deepseek_v3"),             # x's rows over the hidden split
 ]
 
 
 def test_fp8_cases_cover_every_recipe_and_layout():
     """Issue 45: every recipe runs on some layout against serial, the
-    tensor-scaled ones on 2-D, 2.5-D and 3-D too, and the axes a scale
+    tile ones (and the tensor-scaled) on 2-D, 2.5-D and 3-D too, and the axes a scale
     must be reduced over (dp, cp, sequence parallelism, pp) each appear."""
     words = [dict(w.split("=", 1) for w in ws.split()) for _, ws in FP8_CASES]
     from mpicube.ops.fp8_recipes import RECIPES
@@ -206,6 +229,8 @@ def test_fp8_cases_cover_every_recipe_and_layout():
         assert any(axis in kw for kw in words), axis
     assert all(kw["steps"] == "3" for kw in words)
     assert any("experts" in kw for kw in words)
+    for layout in ("2d", "2.5d", "3d"):             # the tile recipes on every panel layout
+        assert {kw["fp8"] for kw in words if kw["layout"] == layout} & {"blockwise", "mxfp8"}, layout
 
 
 # Ulysses and hybrid context parallelism (issue 46): each joins its world size's launch, checked like
@@ -254,34 +279,42 @@ HSDP_CASES = [
 # The latents replicated (on 2-D, 2.5-D and 3-D split as the hidden size before the up-projections), the
 # heads split as each layout splits them with k_pe moved to their rows and its gradient summed over them
 # (Layout.shared_key), sequence parallelism, a pipeline,
-# the cp ring and Ulysses (rotary at global positions), zero 1-3, recompute, the 16-bit wire, q_proj (qrank=0).
+# the cp ring and Ulysses (rotary at global positions), zero 1-3, recompute, the 16-bit wire, q_proj (qrank=0);
+# mtp= multi-token prediction depths (model/mtp.py) on half of them, a mixture's block among them under experts=.
 DEEPSEEK = "arch=deepseek_v3"
+# the issue's training target: the aux-loss-free bias update (bias=1) and MTP on for 5 steps, equal to serial
+# (the biases bit for bit after every step, so the same for ep 1, 2 and 4: one serial reference for all
+# the layers=3 cases) on 3-D, 2-D x ep, 1-D x pp x ep, cp, zero 3
+BIASED = f"bias=1 steps=5 qrank=8 {DEEPSEEK}"      # qrank 8: the cube splits the q latent 4 ways
 DEEPSEEK_CASES = [
     (4, f"layout=1d tp=4 recompute=blocks accum=2 {DEEPSEEK}"),
-    (4, f"layout=1d tp=2 pp=2 accum=2 {DEEPSEEK}"),
-    (4, f"layout=1d tp=2 cp=2 {DEEPSEEK}"),
-    (4, f"layout=1d tp=2 dp=2 zero=3 qrank=0 {DEEPSEEK}"),
+    (4, f"layout=1d tp=2 pp=2 accum=2 mtp=2 {DEEPSEEK}"),         # MTP on the last stage, wte summed
+    (4, f"layout=1d tp=2 cp=2 mtp=2 {DEEPSEEK}"),                  # depth tokens shifted, then cut
+    (4, f"layout=1d tp=2 dp=2 zero=3 qrank=0 mtp=1 {DEEPSEEK}"),
     (4, f"layout=serial tp=1 dp=2 cp=2 zero=2 {DEEPSEEK}"),
     (8, f"layout=1d tp=4 dp=2 zero=1 recompute=gathers {DEEPSEEK}"),
     (8, f"layout=1d tp=2 cp=2 dp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=1d tp=4 pp=2 accum=2 {DEEPSEEK}"),
     (8, f"layout=1d tp=2 cp=4 cpkind=ulysses heads=8 {DEEPSEEK}"),
     (8, f"layout=1d tp=4 dp=2 dtype=bfloat16 {DEEPSEEK}"),
-    (4, f"layout=2d tp=4 {DEEPSEEK}"),                                    # latents split as the hidden size
-    (4, f"layout=1d tp=4 sp=1 recompute=gathers {DEEPSEEK}"),             # k_pe gathered, its gradient scattered
+    (4, f"layout=2d tp=4 mtp=2 {DEEPSEEK}"),                       # latents split as the hidden size
+    (4, f"layout=1d tp=4 sp=1 recompute=gathers mtp=1 {DEEPSEEK}"),      # k_pe gathered, its gradient scattered
     (4, f"layout=1d tp=2 sp=1 cp=2 qrank=0 {DEEPSEEK}"),
-    (8, f"layout=2.5d tp=8 depth=2 recompute=blocks batch=16 {DEEPSEEK}"),
-    (8, f"layout=2d tp=4 dp=2 zero=3 {DEEPSEEK}"),
+    (8, f"layout=2.5d tp=8 depth=2 recompute=blocks batch=16 mtp=2 {DEEPSEEK}"),
+    (8, f"layout=2d tp=4 dp=2 zero=3 mtp=1 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 cp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 pp=2 accum=2 {DEEPSEEK}"),
     (8, f"layout=3d tp=8 qrank=8 {DEEPSEEK}"),                            # k_pe moved to the heads' rows
     (8, f"layout=3d tp=8 qrank=0 recompute=gathers {DEEPSEEK}"),
     # with DeepSeekMoE after the first block (combo_matrix_check.DEEPSEEK_MOE: sigmoid router, 8 experts in 4
     # groups, top 2 within 2, a shared expert, the sequence-wise loss), the experts over ep of the dp replicas
-    (4, f"layout=1d tp=2 dp=2 ep=2 experts=8 layers=3 {DEEPSEEK}"),
-    (8, f"layout=2d tp=4 dp=2 ep=2 experts=8 layers=3 {DEEPSEEK}"),
-    (8, f"layout=1d tp=2 dp=2 ep=2 pp=2 accum=2 experts=8 layers=4 {DEEPSEEK}"),
-    (8, f"layout=3d tp=8 qrank=8 experts=8 layers=3 {DEEPSEEK}"),           # the router's columns split 2 ways
+    (4, f"layout=1d tp=2 dp=2 ep=2 experts=8 layers=3 mtp=1 {BIASED}"),
+    (8, f"layout=2d tp=4 dp=2 ep=2 experts=8 layers=3 mtp=1 {BIASED}"),
+    (8, f"layout=1d tp=2 dp=2 ep=2 pp=2 accum=2 experts=8 layers=4 mtp=1 {BIASED}"),
+    (8, f"layout=3d tp=8 experts=8 layers=3 mtp=1 {BIASED}"),             # the router's columns split 2 ways
+    (4, f"layout=1d tp=2 cp=2 experts=8 layers=3 mtp=1 {BIASED}"),
+    (4, f"layout=serial tp=1 dp=4 ep=2 zero=3 experts=8 layers=3 mtp=1 {BIASED}"),
+    (8, f"layout=1d tp=2 dp=4 ep=4 experts=8 layers=3 mtp=1 {BIASED}"),
 ]
 
 
@@ -292,7 +325,8 @@ def launches() -> dict:
     groups = defaultdict(list)
     for combo in covering_set() + ([FOUR_AXES] if not refused_by(FOUR_AXES) else []):
         groups[world(combo)].append(resolved_words(combo))
-    for ranks, words in LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES + FP8_CASES + DEEPSEEK_CASES:
+    for ranks, words in (LLAMA_CASES + CP_KIND_CASES + MUON_CASES + HSDP_CASES + FP8_CASES + DEEPSEEK_CASES
+                         + ZB_CASES):
         groups[ranks].append(words)
     return dict(sorted(groups.items()))
 

@@ -48,15 +48,15 @@ def test_config_round_trips_and_counts():
 
 
 def shape_of(cfg: ModelConfig):
-    """The reference's DeepseekV3Shape of ``cfg`` (every layer dense, no MTP)."""
+    """The reference's DeepseekV3Shape of ``cfg`` (every layer dense, MTP depths included)."""
     from mpicube.files.formats.hf_deepseek_config import DeepseekV3Shape
 
     return DeepseekV3Shape(
         vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, ffn_hidden=cfg.ffn,
         n_ctx=cfg.n_ctx, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
         qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
-        n_routed_experts=0, moe_ffn_hidden=1, n_shared_experts=0, first_k_dense=cfg.n_layer, top_k=1, n_groups=1,
-        topk_groups=1, norm_topk=True, routed_scaling_factor=1.0, seq_aux_loss_coef=0.0, mtp_depth=0,
+        n_routed_experts=0, moe_ffn_hidden=1, n_shared_experts=0, first_k_dense=cfg.n_blocks, top_k=1, n_groups=1,
+        topk_groups=1, norm_topk=True, routed_scaling_factor=1.0, seq_aux_loss_coef=0.0, mtp_depth=cfg.mtp_depth,
         rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave, rms_eps=cfg.rms_eps,
         tie_embeddings=cfg.tied)
 
@@ -107,6 +107,22 @@ def test_bad_options_are_refused_by_name(args, words):
             gpt_params(cfg)
 
 
+@pytest.mark.parametrize("kw, words", [
+    (dict(arch="llama", mtp_depth=1), "--mtp-depth applies to --arch deepseek_v3 only, not llama"),
+    (dict(arch="gpt2", mtp_loss_weight=0.1), "--mtp-loss-weight applies to --arch deepseek_v3 only, not gpt2"),
+    (dict(arch="deepseek_v3", mtp_depth=-1), "--mtp-depth must be an integer of at least 0"),
+    (dict(arch="deepseek_v3", mtp_loss_weight=0.1), "--mtp-loss-weight needs --mtp-depth"),
+    (dict(arch="deepseek_v3", mtp_depth=1, mtp_loss_weight=float("nan")), "--mtp-loss-weight must be a finite"),
+])
+def test_mtp_options_are_refused_by_name(kw, words):
+    from mpicube.core.config import family_fields
+
+    with pytest.raises(ConfigError, match=words):
+        family_fields(**kw)
+    cfg = ModelConfig(n_head=4, n_embd=8, **family_fields(arch="deepseek_v3", mtp_depth=2, mtp_loss_weight=0.5))
+    assert (cfg.mtp_depth, cfg.mtp_loss_weight) == (2, 0.5) and ModelConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
 def test_other_families_refuse_the_latent_options():
     from mpicube.core.config import family_fields
 
@@ -124,8 +140,12 @@ MOE = dict(n_experts=4, top_k=2, router="sigmoid", n_groups=2, topk_groups=1, ro
 
 
 def test_whole_deepseek_moe_gradient():
-    """d loss / d every parameter of the serial DeepSeek-V3 with a DeepSeekMoE block after a dense one."""
-    cfg = small_deepseek(**MOE)
+    """d loss / d every parameter of the serial DeepSeek-V3 with DeepSeekMoE
+    after a dense block, and two multi-token prediction depths (their
+    blocks h.1, h.2 mixtures too; the loss main + (W/D) sum_k L_k): the
+    depths' norms, projections and blocks, the chain from depth 1 to 2 and
+    the shared embedding and head, one check (the suite's budget)."""
+    cfg = small_deepseek(**MOE, n_layer=1, mtp_depth=2, mtp_loss_weight=0.5)
     assert check_whole_model_gradient(cfg) == cfg.n_params()
 
 
@@ -218,3 +238,32 @@ def test_info_prices_the_published_shape(mpicube):
         p = Problem(cfg, "1d", 8, dp, 1, world // 8, 4096, "bfloat16", zero=1, ep=dp)
         t, m = step_traffic(p), step_memory_bytes(p)
         assert all(t.bytes[axis] > 0 for axis in ("tp", "dp", "ep")) and m.total() > 0 and step_flops(p) > 0
+
+
+# multi-token prediction (issue 43): D depths after the main model, each a block named h.{L + k - 1}
+def test_mtp_loss_equals_reference_and_logs_each_depth():
+    """The model's loss, main loss and each depth's equal the reference's
+    (depth k over the B (T - k) positions with a target), to 1e-12."""
+    from mpi4py import MPI
+
+    from mpicube.device.backend import make_backend
+    from mpicube.model.gpt import gpt_params
+    from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.params import ParamStore
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.driver import make_runner
+
+    cfg = small_deepseek(n_ctx=7, mtp_depth=2, mtp_loss_weight=0.4)
+    layout = build_layout(resolve("serial", cfg, 2, 1), make_backend("cpu", "float64"), MPI.COMM_SELF)
+    store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], make_backend("cpu", "float64"), seed=1)
+    store.flat[:] += rng.normal(0, 0.3, store.flat.shape)
+    tensors = {name: np.array(store.work[name]) for name in store.work}
+    idx, tgt = rng.integers(0, cfg.vocab_size, (2, 7)), rng.integers(0, cfg.vocab_size, (2, 7))
+    runner = make_runner(cfg, layout, store)
+    got = runner.forward(idx, tgt, step=1)
+    want, main, depths = ref.forward(tensors, shape_of(cfg), idx, tgt, mtp_depth=2, mtp_weight=0.4)
+    assert abs(got - want) <= 1e-12 * abs(want), (got, want)
+    log = runner.mtp_log.take()
+    assert set(log) == {"main_loss", "mtp_loss_1", "mtp_loss_2"}
+    np.testing.assert_allclose([log["main_loss"], log["mtp_loss_1"], log["mtp_loss_2"]], [main] + depths, rtol=1e-12)
+    assert abs(want - main - 0.2 * sum(depths)) <= 1e-12 * want

@@ -76,40 +76,52 @@ SMALL = ["--arch", "mixtral", "--n-experts", "8", "--top-k", "2", "--router", "s
          "--seq-len", "8", "--batch-size", "4", "--dtype", "float64", "--steps", "4", "--ckpt-every", "2"]
 
 
-def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path):
+# --arch deepseek_v3 with the same mixture and one multi-token prediction depth (its block h.3 a mixture
+# too, its bias updated as the others'): the issue's "a checkpoint resumes bitwise" with MTP on
+DS_SMALL = ["--arch", "deepseek_v3"] + SMALL[2:SMALL.index("--n-kv-head")] + SMALL[SMALL.index("--n-kv-head") + 2:] + [
+    "--kv-lora-rank", "8", "--qk-rope-head-dim", "4", "--qk-nope-head-dim", "4", "--v-head-dim", "4",
+    "--mtp-depth", "1", "--mtp-loss-weight", "0.5"]
+
+
+@pytest.mark.parametrize("args,layers", [(SMALL, (1, 2)), (DS_SMALL, (1, 2, 3))], ids=["mixtral", "deepseek-mtp"])
+def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path, args, layers):
     """4 steps in one run, and 2 + 2 with --resume: every tensor of the last
     checkpoint equal bit for bit, the router biases (buffers/) included;
-    each bias moved by rate x (sign sum) from the logged loads."""
+    each bias moved by rate x (sign sum) from the logged loads. With MTP:
+    its depth's block and tensors too, its losses in metrics.jsonl."""
     import json
 
     from mpicube.files.checkpoint import open_checkpoint
     from mpicube.ops.deepseek_router import bias_update
 
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert run_cli("train", *SMALL, "--out", str(whole)).returncode == 0
-    assert run_cli("train", *SMALL, "--out", str(part), "--stop-after", "2").returncode == 0
-    proc = run_cli("train", *SMALL, "--out", str(part), "--resume")
+    assert run_cli("train", *args, "--out", str(whole)).returncode == 0
+    assert run_cli("train", *args, "--out", str(part), "--stop-after", "2").returncode == 0
+    proc = run_cli("train", *args, "--out", str(part), "--resume")
     assert proc.returncode == 0, proc.stderr
     with open_checkpoint(whole / "ckpt" / "step_00000004") as a, open_checkpoint(part / "ckpt" / "step_00000004") as b:
         names = list(a.names())
         assert sorted(n for n in names if n.startswith("buffers/")) == [
-            "buffers/h.1.moe.router.score_bias", "buffers/h.2.moe.router.score_bias"]
+            f"buffers/h.{i}.moe.router.score_bias" for i in layers]
+        assert (len(layers) == 3) == ("model/mtp.0.proj.weight" in names)
         for n in names:
             assert np.array_equal(a.read(n), b.read(n)), n
-        got = {i: a.read(f"buffers/h.{i}.moe.router.score_bias") for i in (1, 2)}
+        got = {i: a.read(f"buffers/h.{i}.moe.router.score_bias") for i in layers}
         assert not any(n.startswith("model/h.") and "score_bias" in n for n in names)     # not a parameter
         assert not any("optimizer" in n and "score_bias" in n for n in names)
     records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
     records = [r for r in records if "expert_tokens" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    want = {i: np.zeros(8) for i in (1, 2)}
+    want = {i: np.zeros(8) for i in layers}
     for r in records:                                   # the bias after each step, from that step's loads
         loads = np.array(r["expert_tokens"])            # (MoE layers, E)
-        assert loads.shape == (2, 8) and (loads.sum(1) == 4 * 8 * 2).all()
+        assert loads.shape == (len(layers), 8) and (loads.sum(1) == 4 * 8 * 2).all()
         assert r["seq_aux_loss"] > 0 and r["router_aux_loss"] == 0
-        for row, i in enumerate((1, 2)):
+        if len(layers) == 3:                            # MTP: loss = main + 0.5 / 1 x depth 1's
+            assert abs(r["loss"] - r["main_loss"] - r["seq_aux_loss"] - 0.5 * r["mtp_loss_1"]) < 1e-12 * r["loss"]
+        for row, i in enumerate(layers):
             want[i] = bias_update(want[i], loads[row], 0.01)
-    for i in (1, 2):
+    for i in layers:
         assert np.array_equal(got[i], want[i]), (i, got[i], want[i])
         assert np.abs(got[i]).max() > 0
     # eval, --init-from and generate read a checkpoint's biases with its parameters (formats.load_params)
@@ -126,12 +138,15 @@ def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path):
     with formats.open_model(whole / "ckpt" / "step_00000004") as model_file:
         cfg = model_file.config
         assert (cfg.router, cfg.n_groups, cfg.first_k_dense, cfg.bias_update_rate) == ("sigmoid", 4, 1, 0.01)
+        assert cfg.mtp_depth == len(layers) - 2
         layout = build_layout(resolve("serial", cfg, 4, 1), make_backend("cpu", "float64"), MPI.COMM_SELF)
         store = ParamStore([layout.shard(d) for d in gpt_params(cfg)], layout.backend, seed=1)
         make_runner(cfg, layout, store)
         formats.load_params(model_file, store)
-    for i in (1, 2):
+    for i in layers:
         assert np.array_equal(store.persistent[f"h.{i}.moe.router.score_bias"], got[i])
+    if len(layers) == 3:                                # deepseek_v3 has a Hugging Face form (test_hf_deepseek_model)
+        return
     # no MixtralForCausalLM form: one line, exit 2, nothing written
     proc = run_cli("convert", str(whole / "ckpt" / "step_00000004"), str(tmp_path / "hf"), "--to", "hf")
     assert proc.returncode == 2 and "--router sigmoid (DeepSeekMoE's) has no MixtralForCausalLM form" in proc.stderr
@@ -146,6 +161,7 @@ def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path):
     (["--router", "softmax", "--n-groups", "2"], "--n-groups needs --router sigmoid"),
     (["--router-z-loss-coef", "0.1"], "--router-z-loss-coef applies to --router softmax only"),
     (["--bias-update-rate", "-1"], "--bias-update-rate must be a finite number in [0, 1]"),
+    (["--mtp-depth", "1"], "--mtp-depth applies to --arch deepseek_v3 only, not mixtral"),
 ])
 def test_bad_deepseek_options_are_one_line(args, message, tmp_path):
     base = ["--arch", "mixtral", "--n-routed-experts", "8", "--router", "sigmoid"]

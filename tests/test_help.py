@@ -63,7 +63,9 @@ OWN_MEANING = {("seed", "generate"): "draws tokens", ("steps", "trace"): "steps 
                ("layout", "info"): "optional", ("layout", "bench"): "several", ("batch_size", "bench"): "each layout's",
                ("top_k", "generate"): "the sampler's", ("out", "prepare"): "a shard", ("out", "trace"): "a trace",
                ("out", "bench"): "the profile's", ("out", "timeline"): "a picture", ("out", "plot"): "a picture",
-               ("width", "plot"): "its own picture", ("steps", "plot"): "", ("as_json", "*"): "each its own"}
+               ("width", "plot"): "its own picture", ("steps", "plot"): "", ("as_json", "*"): "each its own",
+               ("dtype", "check-resume"): "float64: it checks", ("out", "check-resume"): "a folder of traces",
+               ("resume", "trace"): "refused without a checkpoint"}
 
 
 def test_a_shared_option_means_one_thing():

@@ -194,7 +194,7 @@ def test_mtp_module_equals_transformers_mtp_layer(hf):
     prefix, F = f"model.layers.{d.n_layer}.", d.moe_ffn_hidden
     t = {}
     for name, shape in hf_deepseek.param_shapes(d, mtp_depth=1).items():
-        if not name.startswith("mtp.0."):
+        if not name.startswith(("mtp.0.", f"h.{d.n_layer}.")):
             continue
         parts, transposed = hf_deepseek.sources(d, name)
         pieces = []
@@ -220,7 +220,7 @@ def test_mtp_module_equals_transformers_mtp_layer(hf):
     cos, sin = ref.rope_tables(d, np.arange(T))
     u, _ = mtp.input_forward(prev.numpy(), emb.numpy(), t["mtp.0.hnorm.weight"], t["mtp.0.enorm.weight"], d.n_embd,
                              d.rms_eps)
-    z = ref.block_forward(mtp.project_forward(u, t["mtp.0.proj.weight"]), t, "mtp.0.", d, d.n_layer, cos, sin)
+    z = ref.block_forward(mtp.project_forward(u, t["mtp.0.proj.weight"]), t, f"h.{d.n_layer}.", d, d.n_layer, cos, sin)
     got = ref.rms(z, t["mtp.0.ln_f.weight"], d.rms_eps)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
 

@@ -23,8 +23,9 @@ def dense_config(transformers, **over):
     return hf_config(transformers, first_k_dense_replace=3, **over)
 
 
-def mpicube_loss(model_file, ids, targets, layout="serial"):
-    """The serial float64 model's loss on ``model_file``'s tensors."""
+def mpicube_loss(model_file, ids, targets, layout="serial", evaluate=False):
+    """The serial float64 model's loss on ``model_file``'s tensors
+    (``evaluate``: evaluation's, the main loss without MTP's)."""
     from mpi4py import MPI
 
     from mpicube.device.backend import make_backend
@@ -44,7 +45,7 @@ def mpicube_loss(model_file, ids, targets, layout="serial"):
     runner = make_runner(cfg, lay, store)                # builds the routers, which register their biases
     for name, t in model_file.read_buffers().items():
         store.persistent[name][...] = t
-    return runner.forward(ids, targets, step=1)
+    return (runner.evaluation() if evaluate else runner).forward(ids, targets, step=1)
 
 
 def saved_model(torch, transformers, path, **over):
@@ -180,6 +181,52 @@ def test_moe_convert_both_ways_keeps_the_bias(hf, tmp_path):
     ids, targets = tokens(4)
     with formats.open_model(tmp_path / "run") as f:                  # the checkpoint holds the biases
         assert mpicube_loss(f, ids, targets) == pytest.approx(hf_loss(torch, model, ids, targets), rel=1e-12)
+
+    def loaded(path):  # transformers keeps gate.weight and e_score_correction_bias in float32 when it loads
+        return transformers.DeepseekV3ForCausalLM.from_pretrained(
+            str(path), attn_implementation="eager", experts_implementation="eager").double().eval()
+
+    assert hf_loss(torch, loaded(tmp_path / "back"), ids, targets) == \
+        pytest.approx(hf_loss(torch, loaded(tmp_path / "moe"), ids, targets), rel=1e-12)
+
+
+def test_mtp_layer_converts_both_ways_bitwise(hf, tmp_path):
+    """A DeepseekV3 directory with its MTP layer (model.layers.{L}: enorm,
+    hnorm, eh_proj, a MoE block, shared_head.norm, the embedding and head
+    copies) -> mpicube checkpoint (--mtp-depth 1) -> directory: every
+    tensor back bit for bit; transformers (which skips the MTP layer)
+    loads the written directory and gives the source's loss (both with
+    its float32 router); the checkpoint's main loss (evaluation's) is the
+    float64 model's, to 1e-12."""
+    from safetensors.numpy import load_file
+
+    from mpicube.files import formats
+    from mpicube.files.formats import hf_deepseek
+    from mpicube.files.formats.convert import convert
+
+    torch, transformers, _ = hf
+    model = moe_model(torch, transformers, tmp_path / "moe")
+    d, tensors = hf_deepseek.read_tensors(tmp_path / "moe")
+    rng = np.random.default_rng(5)
+    for name, shape in hf_deepseek.param_shapes(d, mtp_depth=1).items():
+        if name not in tensors:                                  # the MTP layer: random, norms near 1
+            tensors[name] = (1.0 + 0.2 * rng.normal(size=shape)) if "norm" in name or "ln_" in name \
+                else 0.3 * rng.normal(size=shape)
+    tensors[f"h.{d.n_layer}.moe.router.score_bias"] = 0.1 * rng.normal(size=d.n_routed_experts)
+    hf_deepseek.write(tmp_path / "src", tensors, d, mtp_depth=1)
+    convert(tmp_path / "src", tmp_path / "run", "mpicube")
+    convert(tmp_path / "run", tmp_path / "back", "hf")
+    with formats.open_model(tmp_path / "run") as f:
+        assert f.config.mtp_depth == 1 and "mtp.0.proj.weight" in f.read_all()
+        ids, targets = tokens(6)
+        main = mpicube_loss(f, ids, targets, evaluate=True)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    source, back = load_file(str(tmp_path / "src" / "model.safetensors")), \
+        load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(source) == sorted(back) and f"model.layers.{d.n_layer}.eh_proj.weight" in back
+    for name in source:
+        assert np.array_equal(source[name], back[name]), name
+    assert main == pytest.approx(hf_loss(torch, model, ids, targets), rel=1e-12)
 
     def loaded(path):  # transformers keeps gate.weight and e_score_correction_bias in float32 when it loads
         return transformers.DeepseekV3ForCausalLM.from_pretrained(

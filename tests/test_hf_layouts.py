@@ -168,7 +168,7 @@ def deepseek_layout(d, t: dict) -> dict:
     for i in range(d.n_layer):
         block(f"model.layers.{i}.", f"h.{i}.", i >= d.first_k_dense)
     p = f"model.layers.{d.n_layer}."
-    block(p, "mtp.0.", True)
+    block(p, f"h.{d.n_layer}.", True)          # the MTP depth's block, named as the model names it
     want.update({p + "enorm.weight": t["mtp.0.enorm.weight"], p + "hnorm.weight": t["mtp.0.hnorm.weight"],
                  p + "eh_proj.weight": t["mtp.0.proj.weight"].T, p + "shared_head.norm.weight": t["mtp.0.ln_f.weight"],
                  p + "embed_tokens.weight": t["wte"], p + "shared_head.head.weight": t["lm_head"]})

@@ -222,7 +222,8 @@ def test_moe_pipelines_match_serial():
     over the expert-data group); pp 2 x dp 2 under 1F1B with --zero 3,
     dropless; pp 2 x cp 2 x ep 2 (capacity: the ring's drop order under
     stages); pp 2 x 1-D (tp 2) under --sequence-parallel and --recompute
-    gathers (capacity); and two with DeepSeekMoE's options. Each stage's chunks share a micro-batch's router
+    gathers (capacity); and two with DeepSeekMoE's options; ZBV over pp 2 x
+    dp 2 x ep 2 (the experts' deferred weight phases priced, costwgrad). Each stage's chunks share a micro-batch's router
     ledger, summed over the world between its last forward and first
     backward; against the serial model accumulating the same micro-batch
     groups, to 1e-10."""
@@ -235,12 +236,14 @@ def test_moe_pipelines_match_serial():
                        "--", "1d", 1, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0.8", "sp=1", "recompute=gathers",
                        "--", "serial", 2, 1, 2, "interleaved", 2, 2, "dropout=0.0", "moe=0.8", "ep=2",
                        "recompute=blocks", "zero=2", "deepseek=1",
-                       "--", "serial", 1, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0.8", "ep=2", "cp=2", "deepseek=1"],
+                       "--", "serial", 1, 1, 2, "1f1b", 1, 2, "dropout=0.0", "moe=0.8", "ep=2", "cp=2", "deepseek=1",
+                       "--", "serial", 2, 1, 2, "zbv", 2, 2, "dropout=0.0", "moe=0", "ep=2"],
                    timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "schedule=interleaved V=2 accum=2" in proc.stdout and "recompute=blocks zero=2 cp=1 sp=0 moe=0.8 ep=2" \
         in proc.stdout
     assert "schedule=1f1b V=1 accum=2" in proc.stdout and "zero=3 cp=1 sp=0 moe=0 ep=1" in proc.stdout
+    assert "schedule=zbv V=2 accum=2" in proc.stdout
     # DeepSeekMoE's options (parallel_check.DEEPSEEK) on pp 2 x dp 2 x ep 2 and pp 2 x cp 2 x ep 2: the
     # stages' biases updated from the world's loads, equal to serial's bit for bit after every step
     assert "zero=2 cp=1 sp=0 moe=0.8 ep=2 deepseek" in proc.stdout and "cp=2 sp=0 moe=0.8 ep=2 deepseek" in proc.stdout

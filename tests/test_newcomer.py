@@ -129,5 +129,7 @@ def test_help_and_messages_name_every_family():
     stale = re.compile(r"GPT-2 or Llama|GPT-2 training|--arch llama only|\(or, with --arch llama", re.IGNORECASE)
     assert not [n for n, t in texts.items() if stale.search(" ".join(t.split()))], \
         {n: stale.findall(" ".join(t.split())) for n, t in texts.items()}
-    for name in ("train", "eval", "convert", "generate"):
+    for name in ("train", "eval", "convert", "generate", "inspect"):
         assert "Mixtral" in texts[name], (name, texts[name][:500])
+        assert "DeepseekV3" in texts[name] or "DeepSeek-V3" in texts[name], (name, texts[name][:500])
+    assert "so far" not in texts["train"], texts["train"]          # no stale "not yet" in a family's line

@@ -36,8 +36,14 @@ def run_cases(ranks, cases, tmp_path=None, timeout=240):
 
 @pytest.mark.timeout(300)
 def test_four_stages_with_fewer_micro_batches_follow_serial():
-    """4 ranks: pp 4 under 1F1B with 3 micro-batches (fewer than stages)."""
-    run_cases(4, ["serial 1 1 4 1f1b 1 3"])
+    """4 ranks: pp 4 under 1F1B with 3 micro-batches (fewer than stages);
+    ZB-H1 with 4, its raw gradients bitwise 1F1B's; DualPipeV over 8
+    chunks (its V turning on stage 3) with 8 micro-batches: equal to
+    serial, traffic and each stage's peak of tapes and filed weight phases
+    the cost model's."""
+    out = run_cases(4, ["serial 1 1 4 1f1b 1 3", "serial 1 1 4 zb-h1 1 4 bitwise=1",
+                        "serial 1 1 4 dualpipev 2 8 layers=8"])
+    assert "bitwise equal to 1F1B's gradients" in out
 
 
 @pytest.mark.timeout(200)
@@ -149,12 +155,16 @@ def test_commands_take_pp(tmp_path):
 @pytest.mark.timeout(120)
 def test_bad_pipeline_input_is_one_line(tmp_path):
     """--pp that does not divide the world or exceeds n_layer, virtual
-    stages without interleaved, interleaved with N not a multiple of pp:
-    one line from rank 0 naming the nearest valid values, exit 2."""
+    stages without interleaved, interleaved with N not a multiple of pp,
+    DualPipeV with fewer than 2 pp micro-batches (the other zero-bubble
+    refusals: tests/test_schedules.py): one line from rank 0 naming the
+    nearest valid values, exit 2."""
     cases = [(["--pp", "3"], "--pp 3 must divide the world size 2"),
              (["--pp", "2", "--n-layer", "1"], "--pp 2 exceeds n_layer 1"),
              (["--pp", "2", "--virtual-stages", "2"], "applies to --pp-schedule interleaved only"),
-             (["--pp", "2", "--pp-schedule", "interleaved", "--grad-accum", "3"], "multiple of 2")]
+             (["--pp", "2", "--pp-schedule", "interleaved", "--grad-accum", "3"], "multiple of 2"),
+             (["--pp", "2", "--pp-schedule", "dualpipev", "--virtual-stages", "2", "--grad-accum", "3"],
+              "--pp-schedule dualpipev needs at least 2 x --pp 2 micro-batches: --grad-accum 3: use --grad-accum 4")]
     for extra, words in cases:
         proc = mpiexec(2, CLI + ["train", "--steps", "1", "--out", str(tmp_path / "bad"), *extra])
         lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -5,7 +5,10 @@ trace at the first tensor it makes wrong - also where the loss still
 agrees, and with the ranks whose replicas part where the bug leaves
 replicated copies different, or with the axis of a pending sum
 consumed as replicated (issue 47: the placements of a sharded trace).
-Issue 47's state bugs (moments dropped, the loss scale reset, a replica
+Issue 45's FP8 bugs (an amax per shard, the scale inverted, gradients
+in e4m3 where the recipe says e5m2) are traced with --fp8 tensorwise and
+named at the scale or the FP8 bytes they spoil (trace --fp8 orders a
+linear's operands before what its GEMM makes). Issue 47's state bugs (moments dropped, the loss scale reset, a replica
 skipping its update, gradients never applied, mixed precision off) are
 traced with --state over two steps and named at the state tensor or the
 step they spoil.
@@ -24,6 +27,7 @@ from conftest import MpiCube
 from test_trace import REPO
 
 from mpicube.check.compare import compare_traces
+from mpicube.files import data
 
 MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", "--batch-size", "8",
          "--dtype", "float64", "--dropout", "0.1", "--seed", "5", "--warmup", "2", "--steps", "1"]
@@ -31,7 +35,9 @@ MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--seq-len", "8", 
 STATE = ["--steps", "2", "--state"]                     # two steps, with the training state
 F16 = ["--dtype", "float16", "--loss-scale", "1024", "--loss-scale-growth-interval", "1"]   # the scale grows each step
 REFERENCES = {"ref.h5": [], "ref257.h5": ["--vocab-size", "257"], "state.h5": STATE, "state16.h5": STATE + F16,
-              "bf16.h5": ["--dtype", "bfloat16"]}
+              "bf16.h5": ["--dtype", "bfloat16"], "fp8.h5": ["--fp8", "tensorwise"],
+              "mtp.h5": ["--arch", "deepseek_v3", "--mtp-depth", "1"]}
+FP8 = ["--fp8", "tensorwise"]
 
 # bug, reference, layout options, the first divergence, rows that must still agree, a note its row must hold
 CATALOGUE = [
@@ -60,11 +66,41 @@ CATALOGUE = [
     ("precision-off", "bf16.h5", ["--layout", "1d", "--dtype", "bfloat16"], "step_1/act/emb", ["tokens", "init/wte"],
      "B: a bfloat16 trace whose activations and logits of this step all lie off the bfloat16 grid"),
     ("vocab-pad", "ref257.h5", ["--layout", "1d", "--vocab-size", "257"], "step_1/loss", ["step_1/logits"], ""),
+    # issue 45's FP8 bugs, named at step 1 at the scale or FP8 bytes they spoil, before any activation moves
+    ("fp8-amax-shard", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/w.forward/scale",
+     ["step_1/act/h.0.ln_1", "step_1/fp8/h.0.attn.c_attn/x.forward/scale"], "replicas part: ranks 0 and 1"),
+    ("fp8-scale-inverted", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/w.forward/bytes",
+     ["step_1/fp8/h.0.attn.c_attn/x.forward/scale", "step_1/fp8/h.0.attn.c_attn/w.forward/scale"],
+     "first differs at"),
+    ("fp8-grad-e4m3", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.1.mlp.c_proj/dy.dgrad/scale",
+     ["step_1/loss", "step_1/grad/ln_f.weight", "step_1/fp8/h.1.mlp.c_proj/w.dgrad/bytes"], ""),
+    # issue 43: DeepSeek-V3's MTP depth normalised by this rank's tokens (Megatron #2417): named at the depth's
+    # loss, its block's activations (h.2) and the main loss still agreeing
+    ("mtp-local", "mtp.h5", ["--arch", "deepseek_v3", "--mtp-depth", "1", "--layout", "1d", "--dp", "2"],
+     "step_1/mtp/loss_1", ["step_1/act/h.2", "step_1/logits", "step_1/mtp/main_loss"], ""),
 ]
 
 
 # issue 47's envelope demonstration (docs/trace-format.md, "Measured tolerances"): bfloat16 candidates on 2 ranks
 BF16_CANDIDATES = [("none", "bf16-good.h5"), ("grad-error=h.1.mlp.c_fc.weight", "bf16-grad.h5")]
+# and under FP8 (float32 master weights, tensorwise scales), two steps so that step 2's weight codes come from
+# rounded updates; the envelope of the serial reference is measured in this process (no launch of its own)
+FP8 = ["--dtype", "float32", "--fp8", "tensorwise", "--steps", "2", "--dropout", "0"]
+FP8_CANDIDATES = [("none", "fp8-good.h5"), ("grad-error=h.1.mlp.c_fc.weight", "fp8-grad.h5")]
+
+
+def fp8_envelope(out, corpus) -> None:
+    """``mpicube trace --layout serial MODEL FP8 --envelope 2 --out OUT``
+    run in this process on one rank (MPI.COMM_SELF)."""
+    from mpi4py import MPI
+
+    from mpicube.analysis.envelope import run_envelope
+    from mpicube.cli.common import env_settings
+    from mpicube.cli.train import trace_command
+
+    argv = ["--layout", "serial", *MODEL, *FP8, "--data", str(corpus), "--envelope", "2", "--out", str(out)]
+    options = trace_command.make_context("trace", argv).params
+    run_envelope({**options, **env_settings()}, MPI.COMM_SELF, say=lambda *a, **k: None)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +115,13 @@ def runner(tmp_path_factory, corpus_cache) -> MpiCube:
     r = runner.run("trace", "--layout", "serial", *MODEL, "--dtype", "bfloat16", "--envelope", "4", "--out",
                    "envelope.h5")
     assert r.returncode == 0 and "envelope of 4 bfloat16 reruns" in r.stdout, r
+    corpus = data.builtin_corpus(corpus_cache)[0]
+    fp8_envelope(runner.cwd / "fp8-envelope.h5", corpus)
     cases = json.dumps([[bug, [*MODEL, *options, "--sharded"]] for bug, _, options, *_ in CATALOGUE]
                        + [[bug, [*MODEL, "--layout", "1d", "--dtype", "bfloat16"], out]
-                          for bug, out in BF16_CANDIDATES])
+                          for bug, out in BF16_CANDIDATES]
+                       + [[bug, [*MODEL, "--layout", "1d", *FP8, "--data", str(corpus)], out]
+                          for bug, out in FP8_CANDIDATES])
     cmd = runner.command("trace", n=2)
     at = cmd.index("-m")
     cmd[at:] = [str(REPO / "tests" / "planted_check.py"), str(runner.cwd), cases]
@@ -114,3 +154,28 @@ def test_the_envelope_passes_a_bf16_candidate_and_fails_a_1_percent_gradient_err
     row = next(r for r in bad.rows if r.name == bad.first_divergence)
     assert "a systematic error along the tensor" in row.note, row.note
     assert compare_traces(ref, runner.cwd / "bf16-grad.h5", verdict="depth").first_divergence is None
+
+
+@pytest.mark.timeout(300)
+def test_the_envelope_of_an_fp8_reference_passes_an_fp8_candidate_and_fails_a_1_percent_gradient_error(runner):
+    """--fp8 tensorwise, float32 master weights: the envelope varies the
+    attention's order only (its scales follow the micro-batch) and floors
+    each bound at u depth; a correct 2-rank candidate passes it over
+    two steps, its FP8 weight codes included, and the 1% gradient error
+    fails it at the gradient (at float32 by its size alone: the floor,
+    u depth, is about 1e-6)."""
+    import h5py
+
+    ref = runner.cwd / "fp8-envelope.h5"
+    with h5py.File(ref, "r") as f:
+        env = json.loads(f.attrs["envelope"])
+        assert env["fp8"] == "tensorwise" and env["runs"] == 2 and env["dtype"] == "float32"
+        assert [o["grad_accum"] for o in env["orders"]] == [1, 1]
+        assert any("/fp8/" in name for name in env["tensors"])            # the scales are measured too
+    good = compare_traces(ref, runner.cwd / "fp8-good.h5", verdict="envelope")
+    assert good.first_divergence is None, [(r.name, r.note) for r in good.rows if not r.ok][:3]
+    assert sum(r.compared and r.name.endswith("/bytes") for r in good.rows) > 0
+    bad = compare_traces(ref, runner.cwd / "fp8-grad.h5", verdict="envelope")
+    assert bad.first_divergence == "step_1/grad/h.1.mlp.c_fc.weight", [(r.name, r.note) for r in bad.rows if not r.ok]
+    row = next(r for r in bad.rows if r.name == bad.first_divergence)
+    assert "> 4 x envelope" in row.note and row.rel_fro > 1000 * row.bound, row.note   # float32: its size alone

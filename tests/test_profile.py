@@ -91,10 +91,20 @@ def test_bench_profile_on_8_ranks_accounts_for_every_step(mpicube):
 
 
 def test_train_profile_and_a_range_outside_the_run(mpicube):
-    r = mpicube.run("train", *TINY[2:], "--layout", "1d", "--steps", "4", "--profile", "2:3", "--out", "run", n=2)
+    """2 ranks as two ZB-H1 stages: the trace holds each deferred weight
+    phase ("backward weight", between forwards and backwards), and the
+    timeline measures the pipeline's bubble from it."""
+    r = mpicube.run("train", *TINY[2:], "--layout", "1d", "--steps", "4", "--profile", "2:3", "--out", "run",
+                    "--n-layer", "2", "--pp", "2", "--pp-schedule", "zb-h1", "--grad-accum", "2", n=2)
     assert r.returncode == 0, r
     doc = json.loads((mpicube.cwd / "run" / "profile.json").read_text())
     assert validate(doc) == []
+    from mpicube.analysis.timeline import draw, pipeline_bubble
+
+    weights = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"] == "backward weight"]
+    assert len(weights) == 2 * 2 * 2                 # 2 steps x 2 stages x 2 micro-batches
+    assert doc["otherData"]["pp_schedule"] == "zb-h1" and 0 < pipeline_bubble(doc) < 1
+    assert "pipeline bubble" in draw(mpicube.cwd / "run", mpicube.cwd / "run" / "t.png")
     summary = summarize(doc)
     assert sorted(summary["ranks"]) == [0, 1]
     assert all(sorted(rank["steps"]) == [2, 3] for rank in summary["ranks"].values())

@@ -174,3 +174,133 @@ def test_check_pipeline_accepts_and_notes():
     assert check_pp_world(16, 2, 2) == 4
     with pytest.raises(ConfigError, match="--pp 3 must divide the world size 16 / --dp 2: use --pp 2 or 4"):
         check_pp_world(16, 3, 2)
+
+
+# --------------------------------------------------------------------------- zero bubble
+
+def test_zero_bubble_h1_splits_every_backward_and_beats_1f1b():
+    """ZB-H1 (schedules_zb.py) for P 2..5, N 1..9: every micro-batch runs
+    forward, B, W in that order on every stage, W in B's order (so each
+    weight gradient's sum order is the unsplit one); a receive sits right
+    before its compute and a send right after; tapes in flight are 1F1B's
+    min(P - p, N) and filed weight phases at most min(p + 1, N); the simulated
+    bubble (F = B = W) equals zb_bubble_fraction exactly and is below
+    1F1B's from N >= 2."""
+    from mpicube.parallel.schedules import in_weight_phase
+
+    for P, N in itertools.product(range(2, 6), range(1, 10)):
+        sched = build_schedule("zb-h1", P, N)
+        for p, acts in enumerate(sched):
+            compute = [a for a in acts if a.op in ("forward", "backward_input", "backward_weight")]
+            for m in range(N):
+                assert [a.op for a in compute if a.micro == m] == ["forward", "backward_input", "backward_weight"]
+            bs = [a.micro for a in compute if a.op == "backward_input"]
+            assert bs == sorted(bs) and [a.micro for a in compute if a.op == "backward_weight"] == bs, (P, N, p)
+            for i, a in enumerate(acts):
+                if a.op == "recv_grad":
+                    assert (acts[i + 1].op, acts[i + 1].micro) == ("backward_input", a.micro)
+                if a.op == "send_grad":
+                    assert (acts[i - 1].op, acts[i - 1].micro) == ("backward_input", a.micro)
+            assert peak_in_flight(acts) == min(P - p, N), (P, N, p)
+            assert max(len(x) for x in in_weight_phase(acts)) <= min(p + 1, N), (P, N, p)
+            assert in_weight_phase(acts)[-1] == () and in_flight(acts)[-1] == ()
+        zb = simulate(sched, 1, 2)
+        assert zb["bubble"] == pytest.approx(bubble_fraction("zb-h1", P, N), abs=1e-12), (P, N)
+        assert zb["busy"] == [3 * N] * P
+        one = simulate(build_schedule("1f1b", P, N), 1, 2)["bubble"]
+        assert one == pytest.approx(bubble_fraction("1f1b", P, N), abs=1e-12)
+        if N >= 2:
+            assert zb["bubble"] < one, (P, N)
+    assert bubble_fraction("zb-h1", 4, 8) == pytest.approx(3 / 27)       # (P-1)/(3N+P-1) against 1F1B's 3/11
+
+
+def test_zero_bubble_bad_input_names_the_option():
+    """A schedule that does not fit --pp or --virtual-stages: one line naming the option and what works."""
+    from mpicube.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--pp-schedule zb-h1 needs --pp 2 or more"):
+        check_pipeline(4, 1, "zb-h1")
+    with pytest.raises(ConfigError, match=r"--virtual-stages 2 applies to --pp-schedule interleaved only"):
+        check_pipeline(4, 2, "zb-h1", virtual=2)
+    with pytest.raises(ConfigError, match=r"unknown --pp-schedule 'zb'; choose one of .*zb-h1"):
+        check_pipeline(4, 2, "zb")
+
+
+def test_vee_schedules_turn_on_the_last_stage_and_beat_zb_h1():
+    """ZBV (P 2..5, N 1..9) and DualPipeV (N >= 2P): stage p holds model
+    chunks p and 2P-1-p; the turn (chunks P-1, P) and nothing else stays
+    on a stage without a message; each (micro, chunk) runs forward then a
+    whole backward or B then W; a chunk's backwards (whole or B) and Ws
+    run in micro-batch order; every message has its receive; the
+    simulated bubble equals bubble_fraction exactly, is below ZB-H1's for
+    N >= P, and the tapes stay within 2 min(P, N) chunk-tapes (ZBV) or
+    2P + 1 (DualPipeV, the DualPipe paper's PP + 1)."""
+    from mpicube.parallel.schedules import in_weight_phase, model_chunk
+
+    cases = [("zbv", P, N) for P in range(2, 6) for N in range(1, 10)]
+    cases += [("dualpipev", P, N) for P in range(2, 6) for N in range(2 * P, 2 * P + 4)]
+    for name, P, N in cases:
+        sched = build_schedule(name, P, N, 2)
+        assert [model_chunk(name, p, v, P) for p in range(P) for v in (0, 1)] == \
+            [k for p in range(P) for k in (p, 2 * P - 1 - p)]
+        sends = sum(a.op.startswith("send") for acts in sched for a in acts)
+        assert sends == 2 * N * (2 * P - 2), (name, P, N)          # every boundary but the turn, both ways
+        for p, acts in enumerate(sched):
+            for v in (0, 1):
+                ops = [a for a in acts if a.chunk == v and a.op in
+                       ("forward", "backward", "backward_input", "backward_weight")]
+                for m in range(N):
+                    mine = [a.op for a in ops if a.micro == m]
+                    assert mine in (["forward", "backward"], ["forward", "backward_input", "backward_weight"])
+                backs = [a.micro for a in ops if a.op in ("backward", "backward_input")]
+                weights = [a.micro for a in ops if a.op in ("backward", "backward_weight")]
+                assert backs == sorted(backs) and weights == sorted(weights), (name, P, N, p, v)
+            cap = 2 * min(P, N) if name == "zbv" else 2 * P + 1
+            assert peak_in_flight(acts) <= cap and in_flight(acts)[-1] == () and in_weight_phase(acts)[-1] == ()
+        result = simulate(sched, 0.5, 1.0, name)                   # a chunk: half a stage's F, B + W = 2F
+        assert result["bubble"] == pytest.approx(bubble_fraction(name, P, N, 2), abs=1e-12), (name, P, N)
+        if N >= P:
+            assert result["bubble"] < bubble_fraction("zb-h1", P, N) < bubble_fraction("1f1b", P, N)
+    assert bubble_fraction("zbv", 4, 8, 2) == pytest.approx(3 / 51)            # (P-1)/(6N+P-1)
+
+
+def test_vee_bad_input_names_the_option():
+    from mpicube.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--pp-schedule zbv runs two chunks a stage \(a V\): use --virtual-stages 2"):
+        check_pipeline(8, 2, "zbv", virtual=1, grad_accum=4)
+    with pytest.raises(ConfigError, match=r"--pp 4 x 2 chunks of --pp-schedule zbv exceeds n_layer 6: use --pp 3"):
+        check_pipeline(6, 4, "zbv", virtual=2, grad_accum=4)
+    with pytest.raises(ConfigError, match=r"dualpipev needs at least 2 x --pp 2 micro-batches: --grad-accum 3: "
+                                          r"use --grad-accum 4 or more"):
+        check_pipeline(4, 2, "dualpipev", virtual=2, grad_accum=3)
+    assert check_pipeline(4, 2, "dualpipev", virtual=2, grad_accum=4) is None
+
+
+def test_pipeline_page_holds_the_bubble_table_the_schedules_give():
+    """docs/pipeline.md's bubble table (formula, simulated, tapes, weight
+    phases of every schedule at P 4, N 8) is what tools/pipeline_pictures.py
+    computes from the schedules now (its --check: no drawing)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "tools/pipeline_pictures.py", "--check", "docs/pipeline.md"], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mtp_is_refused_where_a_v_folds_the_model_end_onto_stage_0():
+    """MTP's depths sit on the last stage; zbv and dualpipev put the last chunk on stage 0."""
+    from mpicube.core.config import ModelConfig
+    from mpicube.core.errors import ConfigError
+    from mpicube.parallel.gridspec import Plan
+    from mpicube.parallel.planning import resolve
+
+    cfg = ModelConfig(arch="deepseek_v3", n_layer=4, n_head=2, n_embd=16, kv_lora_rank=8, qk_rope_head_dim=4,
+                      qk_nope_head_dim=8, v_head_dim=8, mtp_depth=1)
+    for schedule in ("zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match=rf"--mtp-depth .* --pp-schedule {schedule} folds .* zb-h1 or 1f1b"):
+            resolve(Plan(pp=2, pp_schedule=schedule, virtual_stages=2, grad_accum=4), cfg, 8, 2)
+    assert resolve(Plan(pp=2, pp_schedule="zb-h1", grad_accum=4), cfg, 8, 2).plan.pp == 2

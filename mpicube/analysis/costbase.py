@@ -13,7 +13,7 @@ from fractions import Fraction
 from ..core.config import ModelConfig
 from ..device.precision import gradient_wire_name
 from ..parallel.comm_counters import Totals
-from ..parallel.schedules import layer_split
+from ..parallel.schedules import VEE_SCHEDULES, chunk_place, layer_split, model_chunk
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class Problem:
     zero: int = 0            # 1: optimizer state (and a 16-bit run's master) sharded over dp (mpicube.parallel.zero)
     grad_accum: int = 1      # micro-batches per step (mpicube.training.accum)
     pp: int = 1              # pipeline stages (mpicube.parallel.schedules); world = dp x pp x tp
-    pp_schedule: str = "1f1b"   # gpipe, 1f1b or interleaved
+    pp_schedule: str = "1f1b"   # gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev (schedules.ALL_SCHEDULES)
     virtual_stages: int = 1  # chunks per stage under interleaved
     stage: int = 0           # the stage this rank runs (0..pp-1); every per-rank figure is for it
     sequence_parallel: bool = False   # 1-D: canonical activations a T/tp shard (parallel/layouts/seqpar.py)
@@ -120,6 +120,7 @@ class Problem:
     ep: int = 1              # expert-parallel ranks (a mixture: E/ep experts a rank, parallel.experts)
     ep_rank: int = 0         # this rank's among them (which of a measured routing's peers is itself)
     routing: tuple = None    # a mixture's measured rows: per micro-batch, per MoE layer (costexperts.Rows)
+    fp8: str = ""            # --fp8's recipe name ("" off): its amax all-reduces (costfp8)
 
     @property
     def local_seq(self) -> int:
@@ -128,8 +129,9 @@ class Problem:
 
     @property
     def stage_chunks(self) -> list:
-        """Model chunks on this stage: stage + v * pp for v < virtual_stages."""
-        return [v * self.pp + self.stage for v in range(self.virtual_stages)]
+        """Model chunks on this stage: stage + v * pp for v < virtual_stages
+        (stage and 2 pp - 1 - stage in zbv's V: ``schedules.model_chunk``)."""
+        return [model_chunk(self.pp_schedule, self.stage, v, self.pp) for v in range(self.virtual_stages)]
 
     @property
     def chunk_layers(self) -> list:
@@ -147,8 +149,12 @@ class Problem:
         return self.stage == 0
 
     @property
-    def has_head(self) -> bool:       # the last chunk: ln_f and the LM head (tied wte)
-        return self.stage == self.pp - 1
+    def has_head(self) -> bool:       # the last chunk: ln_f and the LM head (tied wte); stage 0 in a V
+        return self.stage == chunk_place(self.pp_schedule, self.pp * self.virtual_stages - 1, self.pp)[0]
+
+    @property
+    def tied_pair(self) -> bool:      # the tied wte held on two stages (not in a V, whose ends share stage 0)
+        return self.pp > 1 and self.cfg.tied and self.pp_schedule not in VEE_SCHEDULES
 
     @property
     def local_batch(self):

@@ -14,11 +14,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..parallel import zero
+from ..parallel.schedules import model_chunk
 from .costexperts import chunk_moe_terms
 from .costmla import attention_terms, cache_elems
 from .costmodel import Problem, attention_split, local_param_sizes
 from .costparams import block_linears, moe_layers, segments_of, shared_linears, site_of, stage_layers
 from .costpipe import peak_over_schedule
+from .costwgrad import weight_phase_terms
 
 
 @dataclass
@@ -319,7 +321,7 @@ def _stage_terms(p: Problem, stage: int, dropout: bool) -> tuple:
     for m in range(p.grad_accum if measured else 1):
         first = 0                                              # the chunk's first layer among the stage's
         for v in range(p.virtual_stages):
-            k = v * p.pp + stage
+            k = model_chunk(p.pp_schedule, stage, v, p.pp)
             kept, panel, chunk_rerun = chunk_terms(p, len(split[k]), k == 0, k == last, dropout, m, first)
             first += len(split[k])
             # each micro-batch in flight on the end chunks holds its own wte panel and
@@ -345,7 +347,8 @@ def pipeline_peak_activations(p: Problem, stage: int = None, dropout: bool = Fal
     if p.pp == 1:
         return activation_terms(p, dropout)
     stage = p.stage if stage is None else stage
-    return peak_over_schedule(p, stage, *_stage_terms(p, stage, dropout), lambda t: sum(t.values()))[1]
+    return peak_over_schedule(p, stage, *_stage_terms(p, stage, dropout), lambda t: sum(t.values()),
+                              _weight_terms(p, stage))[1]
 
 
 def pipeline_peak_activation_bytes(p: Problem, stage: int = None, dropout: bool = False) -> int:
@@ -358,5 +361,21 @@ def pipeline_peak_activation_bytes(p: Problem, stage: int = None, dropout: bool 
     w = p.widths
     width = {"act": w.act, "stat": w.stat, "grad": w.grad}
     return peak_over_schedule(p, stage, *_stage_terms(p, stage, dropout),
-                              lambda t: sum(n * width[k] for k, n in t.items()))[0]
+                              lambda t: sum(n * width[k] for k, n in t.items()), _weight_terms(p, stage))[0]
+
+
+def _weight_terms(p: Problem, stage: int) -> dict:
+    """{(micro-batch, local chunk): what its weight phase holds} (``costwgrad``;
+    a mixture's at the rows of each micro-batch, as ``_stage_terms``)."""
+    split = p.chunk_layers
+    if p.routing is not None and stage != p.stage:             # the routing is p.stage's: price another's expected
+        p = dataclasses.replace(p, routing=None)
+    out = {}
+    for m in range(p.grad_accum):
+        first = 0
+        for v in range(p.virtual_stages):
+            layers = len(split[model_chunk(p.pp_schedule, stage, v, p.pp)])
+            out[m, v] = weight_phase_terms(p, layers, m, first)
+            first += layers
+    return out
 

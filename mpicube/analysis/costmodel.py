@@ -72,9 +72,10 @@ from collections import defaultdict
 from dataclasses import replace
 
 from ..parallel import fsdp, zero
-from ..parallel.schedules import build_schedule
+from ..parallel.schedules import VEE_SCHEDULES, build_schedule
 from ..core.config import ModelConfig
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
+from .costfp8 import fp8_traffic
 from .costpipe import pipeline_traffic
 from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums, op_head_dim
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
@@ -101,9 +102,11 @@ def _norm_stats_again(cfg: ModelConfig) -> int:
 def _embedding_uses(p: Problem) -> tuple:
     """(gathers, gradient reductions) of the embedding panels a stage
     holds: the tied wte serves the lookup and the head with one panel;
-    an untied model's lookup (wte) and head (lm_head) have one each."""
+    an untied model's lookup (wte) and head (lm_head) have one each, and
+    so do the two ends of zbv's V on stage 0 (two chunks: a panel each)."""
     embed, head = int(p.has_embed), int(p.has_head)
-    n = int(embed or head) if p.cfg.tied else embed + head
+    one_model = p.pp == 1 or p.pp_schedule not in VEE_SCHEDULES
+    n = int(embed or head) if p.cfg.tied and one_model else embed + head
     return n, n
 
 
@@ -241,6 +244,8 @@ def step_traffic(p: Problem) -> Traffic:
     t.add(TRAFFIC[p.layout](local), p.grad_accum)
     t.add(latent_traffic(local), p.grad_accum)                      # MLA's latents and shared key
     t.add(pipeline_traffic(p))
+    if p.fp8:                        # --fp8: the tensor scales' amax all-reduces (costfp8)
+        t.add(fp8_traffic(p), p.grad_accum)
     sizes = local_param_sizes(p)
     params = sum(n for n, _ in sizes.values())
     w = p.widths
@@ -256,7 +261,7 @@ def step_traffic(p: Problem) -> Traffic:
     for n, axis in sizes.values():
         if axis is not None:
             group_sizes[axis] += n
-    if p.pp > 1 and (p.has_embed or p.has_head) and p.cfg.tied:   # wte's two copies, before the optimizer
+    if p.tied_pair and (p.has_embed or p.has_head):   # wte's two copies, before the optimizer
         tied = next(c for seg, _, c, _, _ in segments if seg == zero.TIED) if segments else sizes["wte"][0]
         t.sum("tied", 2, tied, width=w.gsum)
     if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead

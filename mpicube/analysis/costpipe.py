@@ -109,33 +109,45 @@ def bubble(p: Problem) -> float:
 def measured_bubble(p: Problem, forward_time: float = 1.0, backward_time: float = 2.0) -> float:
     """The idle share measured by simulating the schedule with unit-time
     chunk forwards (and backwards ``backward_time``), free communication."""
-    return simulate([list(acts) for acts in schedule_of(p)], forward_time, backward_time)["bubble"]
+    return simulate([list(acts) for acts in schedule_of(p)], forward_time, backward_time, p.pp_schedule)["bubble"]
 
 
-def peak_over_schedule(p: Problem, stage: int, per_micro: dict, step: dict, rerun: dict, weigh) -> tuple:
+def peak_over_schedule(p: Problem, stage: int, per_micro: dict, step: dict, rerun: dict, weigh,
+                       weight_phase: dict = None) -> tuple:
     """(peak of ``weigh(terms)``, the terms there) over ``stage``'s schedule:
     after every forward, ``step`` plus ``per_micro[micro, chunk]`` for each
     live (micro-batch, chunk); at every backward, the pairs live before it
     plus ``rerun[micro, chunk]`` of the pair taken back under --recompute
     blocks (its rerun block's caches sit on top of what the micro-batch
-    still holds). Keyed by micro-batch too, as a mixture's measured routing
-    differs between them. The terms themselves are ``costmemory``'s
-    (``pipeline_peak_activations``)."""
+    still holds). Under a zero-bubble schedule a ``backward_input`` lets
+    its pair's tape go and files ``weight_phase[micro, chunk]``
+    (``costwgrad``), which its ``backward_weight`` lets go: the peak is
+    also taken after every B. Keyed by micro-batch too, as a mixture's
+    measured routing differs between them. The terms themselves are
+    ``costmemory``'s (``pipeline_peak_activations``)."""
     best, best_terms = -1, None
     live = dict(step)                                   # running sum over the live pairs, plus step
-    for a in schedule_of(p)[stage]:
-        if a.op not in ("forward", "backward"):
-            continue
-        if a.op == "forward":
-            live = {kind: live[kind] + per_micro[a.micro, a.chunk][kind] for kind in live}
-            terms = live
-        else:
-            again = rerun[a.micro, a.chunk] if p.recompute == "blocks" else {}
-            terms = {kind: live[kind] + again.get(kind, 0) for kind in live}
-            live = {kind: live[kind] - per_micro[a.micro, a.chunk][kind] for kind in live}
+
+    def consider(terms):
+        nonlocal best, best_terms
         value = weigh(terms)
         if value > best:
             best, best_terms = value, dict(terms)
+
+    for a in schedule_of(p)[stage]:
+        key = a.micro, a.chunk
+        if a.op == "forward":
+            live = {kind: live[kind] + per_micro[key][kind] for kind in live}
+            consider(live)
+        elif a.op in ("backward", "backward_input"):
+            again = rerun[key] if p.recompute == "blocks" else {}
+            consider({kind: live[kind] + again.get(kind, 0) for kind in live})
+            live = {kind: live[kind] - per_micro[key][kind] for kind in live}
+            if a.op == "backward_input":
+                live = {kind: live[kind] + weight_phase[key][kind] for kind in live}
+                consider(live)
+        elif a.op == "backward_weight":
+            live = {kind: live[kind] - weight_phase[key][kind] for kind in live}
     return best, best_terms
 
 

@@ -127,9 +127,10 @@ def stages_report(p: Problem, ranks_per_node: int = RANKS_PER_NODE) -> str:
              + (f"{'cp bytes':>9} " if ring else "") + f"{'pp bytes':>9} {'dp bytes':>9} {'cross-node':>10}"]
     split = p.chunk_layers
     for f in stage_figures(p, ranks_per_node):
-        chunks = [split[v * p.pp + f["stage"]] for v in range(p.virtual_stages)]
+        sp = stage_problem(p, f["stage"])
+        chunks = [split[k] for k in sp.stage_chunks]
         layers = ",".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in chunks)
-        extra = ("+embed" if f["stage"] == 0 else "") + ("+head" if f["stage"] == p.pp - 1 else "")
+        extra = ("+embed" if sp.has_embed else "") + ("+head" if sp.has_head else "")
         b = f["bytes"]
         lines.append(f"  {f['stage']:<6} {layers + extra:<14} {f['in_flight']:>9} {_fmt(f['memory']) + 'B':>9} "
                      f"{_fmt(b['tp']) + 'B':>9} " + (f"{_fmt(b['cp']) + 'B':>9} " if ring else "")

@@ -26,9 +26,21 @@ from .trace import run_trace
 ATTENTION = ("blocks", "full")
 
 
-def orders(batch: int) -> list:
-    """[(grad_accum, attention)] a one-rank rerun can vary, in the order taken."""
-    return [(g, a) for g in range(1, batch + 1) if batch % g == 0 for a in ATTENTION]
+# FP8 recipes whose quantized operands do not depend on how the batch is cut into micro-batches: delayed
+# scales from the history of whole steps; the others' amaxes (tensorwise's of x and dy, rowwise's, a tile's or
+# a block's along the tokens of wgrad) are a micro-batch's, so --grad-accum changes what is computed, not only
+# the order of its sums, and their envelope varies the attention's order alone
+FP8_ACCUM_FREE = ("delayed",)
+
+
+def orders(batch: int, fp8=None) -> list:
+    """[(grad_accum, attention)] a one-rank rerun can vary, in the order
+    taken; under an FP8 recipe whose scales follow the micro-batch, the
+    attention's order only."""
+    accums = [g for g in range(1, batch + 1) if batch % g == 0]
+    if fp8 is not None and fp8 not in FP8_ACCUM_FREE:
+        accums = [1]
+    return [(g, a) for g in accums for a in ATTENTION]
 
 
 def _tensors(path) -> dict:
@@ -54,9 +66,13 @@ def run_envelope(options: dict, mpi_world, say=print) -> dict:
     batch = options.get("batch_size")
     if not batch:
         raise UserError("--envelope needs --batch-size (the reruns split the batch into micro-batches)")
-    chosen = orders(int(batch))
+    fp8 = options.get("fp8")
+    chosen = orders(int(batch), fp8)
     if not 1 <= n <= len(chosen):
-        raise UserError(f"--envelope {n}: a batch of {batch} allows 1 to {len(chosen)} reduction orders on one rank")
+        why = (f" under --fp8 {fp8} (its scales follow the micro-batch: --grad-accum changes what is computed, "
+               "so only the attention's order varies)" if fp8 is not None and fp8 not in FP8_ACCUM_FREE else "")
+        raise UserError(f"--envelope {n}: a batch of {batch} allows 1 to {len(chosen)} reduction orders on one "
+                        f"rank{why}")
     chosen = chosen[:n]
     out = Path(options["out"])
     scratch = out.parent / f".{out.name}.envelope"
@@ -77,7 +93,7 @@ def run_envelope(options: dict, mpi_world, say=print) -> dict:
 
         with h5py.File(out, "r+") as f:
             f.attrs[envelope.ATTR] = json.dumps({
-                "k": envelope.K, "runs": n, "dtype": dtype,
+                "k": envelope.K, "runs": n, "dtype": dtype, **({"fp8": fp8} if fp8 else {}),
                 "orders": [{"grad_accum": g, "attention": a} for g, a in chosen],
                 "tensors": measured})
     except BaseException:

@@ -10,6 +10,7 @@ import numpy as np
 from ..model.gpt import gpt_params
 from ..ops.fp8_recipes import GEMMS, Recipe
 from ..parallel.split import split_decl, split_index
+from .costfp8 import PER_LINEAR
 
 OPERANDS = {"forward": (("x", "x (tokens x K_in)"), ("w", "W^T (K_out x K_in)")),
             "dgrad": (("dy", "dy (tokens x K_out)"), ("w", "W (K_in x K_out)")),
@@ -49,12 +50,66 @@ def scale_line(recipe: Recipe) -> str:
 def reduction_line(recipe: Recipe, run) -> str:
     """Which ranks each scale's amax is reduced over, per linear and micro-batch."""
     if recipe.name in ("tensorwise", "delayed"):
-        return ("  amax all-reduces: 6 scalars per linear per micro-batch (x, W, dy in forward, dgrad and wgrad) "
-                "over the stage's ranks (tp x cp x dp)")
+        per = PER_LINEAR[run.layout] + (run.layout == "3d" and run.plan.recompute == "gathers")
+        per += 2 if run.plan.recompute == "blocks" else 0
+        return (f"  amax all-reduces: {per} float32 scalars per linear per micro-batch on layout {run.layout} "
+                f"(one per quantization of x, W or dy) over the stage's ranks (tp x cp x dp; axis fp8)")
     if recipe.name == "rowwise":
         return ("  amax all-reduces: a row's amax over the ranks holding the rest of the row (1-D: tp for a "
-                "row-split operand; dp x cp for wgrad's token rows)")
+                "row-split operand, dp x cp for wgrad's token rows; 2-D, 2.5-D: the grid's row or column, and "
+                "its column's depth slices, rows and dp x cp replicas for the token rows)")
     return "  amax all-reduces: none (a tile or block never straddles a shard, so each rank scales its own)"
+
+
+def scale_count(recipe: Recipe, role: str, gemm: str, rows: int, k: int) -> int:
+    """Scales of one operand (rows, k), contraction along k, as ``gemm`` quantizes it."""
+    group = recipe.group(role, gemm)
+    if group == "tensor":
+        return 1
+    if group == "row":
+        return rows
+    kind, b = group
+    return -(-rows // b) * -(-k // b) if kind == "block" else rows * -(-k // b)
+
+
+def cost_lines(recipe: Recipe, run, cfg) -> list:
+    """The logical model's FP8 figures for one micro-batch (all ranks
+    together): the GEMM operands' bytes in FP8 against the master format,
+    the scales' bytes, and delayed's amax histories (float64, per linear
+    and operand), over the dense blocks' linears (``block_linears``)."""
+    from ..analysis.costparams import block_linears
+
+    if cfg.moe or cfg.mla:
+        return ["  costs: priced for dense GPT-2 and Llama blocks only (not a mixture's experts or MLA yet)"]
+    n = run.micro_batch * (run.seq_len or cfg.n_ctx)                     # tokens of one micro-batch
+    linears = [(k_in, k_out) for k_in, k_out, _ in block_linears(cfg)] * cfg.n_layer
+    shape = {("x", "forward"): lambda a, b: (n, a), ("w", "forward"): lambda a, b: (b, a),
+             ("dy", "dgrad"): lambda a, b: (n, b), ("w", "dgrad"): lambda a, b: (a, b),
+             ("x", "wgrad"): lambda a, b: (a, n), ("dy", "wgrad"): lambda a, b: (b, n)}
+    elems = scales = 0
+    for k_in, k_out in linears:
+        for (role, gemm), of in shape.items():
+            rows, k = of(k_in, k_out)
+            elems += rows * k
+            scales += scale_count(recipe, role, gemm, rows, k)
+    scale_bytes = scales * (1 if recipe.mx else 4)
+    lines = [f"  costs, one micro-batch of {n:,} tokens over {len(linears)} linears (all ranks together):",
+             f"    FP8 operands {human(elems)}B quantized (6 per linear: x, W, dy twice each), "
+             f"{human(elems * 2)}B in bfloat16, {human(elems * 4)}B in float32",
+             f"    scales {human(scale_bytes)}B ({scales:,} of {'1 byte, E8M0' if recipe.mx else '4 bytes'})"]
+    if recipe.name == "delayed":
+        history = len(linears) * 3 * recipe.history * 8
+        lines.append(f"    amax histories {human(history)}B kept (and checkpointed): {len(linears)} linears x "
+                     f"x, W, dy x {recipe.history} steps, float64")
+    return lines
+
+
+def human(n: float) -> str:
+    """1234567 -> '1.23M' (as the cost report writes sizes)."""
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
 
 
 def owners(n: int, parts: int, index_of) -> np.ndarray:
@@ -99,6 +154,7 @@ def fp8_report(recipe: Recipe, run, cfg) -> str:
     lines.append(reduction_line(recipe, run))
     if recipe.block and run.layout in ("1d", "serial"):
         lines += tile_picture(recipe, run, cfg)
+    lines += cost_lines(recipe, run, cfg)
     return "\n".join(lines)
 
 

@@ -102,10 +102,14 @@ def profiled_modules(model) -> list:
 
 def phase_calls(model, opt) -> list:
     """(object, method, phase name) of a step's phases: the model's forward
-    and backward (a pipeline's: each chunk's), the gradient sync, the
-    gradient norm and the optimizer step."""
+    and backward (a pipeline's: each chunk's; under a zero-bubble schedule
+    its input part B), a pipeline's deferred weight phases W ("backward
+    weight": ``parallel.wgrad``, run by the schedule's W actions), the
+    gradient sync, the gradient norm and the optimizer step."""
     runs = chunk_models(model) if hasattr(model, "chunk_model") else [model]
     calls = [(m, method, method) for method in ("forward", "backward") for m in runs]
+    if hasattr(model, "chunk_model"):
+        calls.append((model.store.wgrads, "run", "backward weight"))
     return calls + [(opt, "sync", "gradient sync"), (opt, "grad_norm", "gradient norm"),
                     (opt, "step", "optimizer step")]
 
@@ -263,6 +267,9 @@ class ProfileHooks(StepHooks):
             return
         steps = (max(first, start), last)
         meta = {"command": "train", **trainer.parts.layout.describe()}
+        pipe = getattr(trainer.parts, "pipeline", None)
+        if pipe is not None:                 # the timeline measures the bubble of these
+            meta.update(pp=pipe.P, pp_schedule=pipe.schedule, virtual_stages=pipe.V, micro_batches=pipe.N)
         self.session = ProfileSession(trainer.parts, trainer.opt, trainer.world, steps, trainer.run_dir,
                                       self.say, meta)
         self.session.align()                 # before the steps, so no step's time holds it

@@ -20,8 +20,9 @@ from pathlib import Path
 from ..core.errors import UserError
 from .profile_summary import _top_level
 
-PHASE_SHADES = {"forward": "#1f5fa8", "backward": "#4a90d9", "gradient sync": "#7fb2e5",
-                "gradient norm": "#a9cbee", "optimizer step": "#0b3b73"}
+PHASE_SHADES = {"forward": "#1f5fa8", "backward": "#4a90d9", "backward weight": "#2f9e8f",
+                "gradient sync": "#7fb2e5", "gradient norm": "#a9cbee", "optimizer step": "#0b3b73"}
+PIPELINE_PHASES = ("forward", "backward", "backward weight")
 AXIS_COLOURS = ["#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 
 
@@ -37,6 +38,33 @@ def load(run_dir) -> dict:
                         f"or `mpicube bench --profile START:STOP`)") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not a JSON trace: {exc}") from None
+
+
+def pipeline_bubble(doc: dict) -> float:
+    """The measured bubble of a profiled pipeline run: per profiled step,
+    the window from the first forward to the last backward (or weight
+    phase) of any rank, and on each rank the time its forward, backward
+    and weight-phase spans cover in that window; the idle share is 1 -
+    covered / (ranks x window), summed over the steps. What the schedule's
+    formula (``schedules.bubble_fraction``) predicts for equal work per
+    layer and free communication, measured instead: stage-boundary waits,
+    uneven stages (the embeddings, the head) and the layout's collectives
+    all count as idle. None when the trace holds no pipeline phases."""
+    spans = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X"]
+    steps = [e for e in spans if e.get("cat") == "step"]
+    work = [e for e in spans if e.get("cat") == "compute" and e["name"] in PIPELINE_PHASES]
+    ranks = sorted({e["pid"] for e in spans})
+    idle = total = 0.0
+    for s in {e["args"]["step"]: e for e in steps}.values():
+        mine = [e for e in work if s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
+        if not mine:
+            continue
+        t0, t1 = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
+        for rank in ranks:
+            busy = sum(e["dur"] for e in _top_level([e for e in mine if e["pid"] == rank]))
+            idle += (t1 - t0) - busy
+            total += t1 - t0
+    return idle / total if total else None
 
 
 def default_out(run_dir) -> Path:
@@ -115,4 +143,7 @@ def draw(run_dir, out, width: float = 12.0) -> str:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    return f"wrote {out}: {len(ranks)} rank(s), {len(threads) - 1} communication axis(es)"
+    bubble = pipeline_bubble(doc) if other.get("pp", 1) > 1 else None
+    return (f"wrote {out}: {len(ranks)} rank(s), {len(threads) - 1} communication axis(es)"
+            + (f"; pipeline bubble {bubble:.1%} of the stages' time (forward to last backward, "
+               f"measured)" if bubble is not None else ""))

@@ -103,6 +103,15 @@ def _check_out(path: Path) -> str:
     return str(path)
 
 
+def _check_resumable(run_dir: Path) -> None:
+    """--resume: a trace continues a checkpoint or nothing (train would
+    start afresh, and a trace of steps 1.. would pass for a resumed one)."""
+    from ..files import checkpoint
+
+    if checkpoint.latest(run_dir) is None:
+        raise UserError(f"--run-dir {run_dir}: no checkpoint to resume (trace --resume continues one)")
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -210,6 +219,9 @@ class Recorder(StepHooks):
             for key in ("aux_loss", "z_loss"):                # a mixture of experts' router losses
                 if f"router_{key}" in rec:
                     self.writer.write(f"{group}/moe/{key}", np.asarray(rec[f"router_{key}"], dtype=np.float64))
+            for key in [k for k in rec if k == "main_loss" or k.startswith("mtp_loss_")]:   # --mtp-depth's
+                self.writer.write(f"{group}/mtp/{key[4:] if key.startswith('mtp_') else key}",
+                                  np.asarray(rec[key], dtype=np.float64))
             _write(self.writer, {**tensors, **state}, prefix=group + "/")
         self.say(f"step {s}/{trainer.opts.steps}: loss {rec['loss']:.6f}, lr {rec['lr']:.3e}, "
                  f"grad_norm {self.norm:.6f}")
@@ -243,6 +255,10 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
     known = {f.name for f in fields(TrainOptions)}
     opts = TrainOptions(**{k: v for k, v in options.items() if k in known and k != "out"})
     out, max_bytes = Path(options["out"]), parse_bytes(options.get("max_bytes", DEFAULT_MAX_BYTES))
+    run_dir = options.get("run_dir")
+    if opts.resume and run_dir is None:
+        raise UserError("trace --resume continues a run directory's checkpoint: give --run-dir RUN_DIR")
+    opts.out = run_dir                          # --run-dir: config, metrics and checkpoints, as train --out
     opts.validate()
     cfg = opts.model_config()
     if opts.init_from is not None:              # the model's shape comes from the file, as in train
@@ -257,6 +273,8 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
         raise UserError(f"the trace would hold {size / 1e6:,.0f} MB, more than --max-bytes {max_bytes / 1e6:,.0f} MB: "
                         f"trace fewer --steps or a smaller model (traces are for small models)")
     on_root(mpi_world, lambda: _check_out(out))
+    if opts.resume:
+        on_root(mpi_world, lambda: _check_resumable(Path(run_dir)))
     rank = mpi_world.Get_rank()
 
     writer = None
@@ -276,15 +294,20 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
         writer = TraceFile(out, attrs)
     recorder = Recorder(mpi_world, writer, store_dtype, say, sharded=bool(options.get("sharded")),
                         state=bool(options.get("state")))
-    trainer = Trainer(opts, mpi_world, hooks=[recorder], keep_files=False)
+    trainer = Trainer(opts, mpi_world, hooks=[recorder], keep_files=run_dir is not None)
     try:
         status = trainer.run()
         if status != 0:
             raise UserError(f"trace: stopped early (exit status {status}); nothing written")
-        layout = trainer.parts.layout
+        layout, first = trainer.parts.layout, trainer.start_step
+        if first > opts.last_step:
+            raise UserError(f"trace: --run-dir {run_dir} is already at step {first - 1}: no step left to trace "
+                            f"up to {opts.last_step}; nothing written")
         if writer is not None:
             writer.f.attrs["layout"] = json.dumps({**layout.describe(), "world_size": mpi_world.Get_size(),
                                                    "device": opts.device, "producer": f"mpicube {__version__}"})
+            if first > 1:                       # a resumed run's: init/ holds the parameters it read back
+                writer.f.attrs["first_step"] = first
             writer.write("tokens", np.stack(recorder.tokens))                # (N, B, T+1)
             writer.commit()
     except BaseException:
@@ -292,8 +315,10 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
             writer.discard()
         raise
     size = out.stat().st_size if rank == 0 else 0
-    say(f"wrote {out}: {N} steps of {layout.name} on {mpi_world.Get_size()} rank(s), {size / 1e6:.1f} MB")
-    return {"path": str(out), "steps": N, "bytes": size, "layout": layout.describe()}
+    traced = f"{N} steps" if (first, opts.last_step) == (1, N) else f"steps {first} to {opts.last_step} of {N}"
+    say(f"wrote {out}: {traced} of {layout.name} on {mpi_world.Get_size()} rank(s), {size / 1e6:.1f} MB")
+    return {"path": str(out), "steps": N, "first": first, "last": opts.last_step, "bytes": size,
+            "layout": layout.describe()}
 
 
 def _write(writer, tensors, prefix: str = "") -> None:

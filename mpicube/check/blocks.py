@@ -10,7 +10,8 @@ is read (``stored_shape``), each member from its metadata alone
 declares is a divergence said from that metadata (``unheld``), before
 any block is read or anything of the declared size allocated; ``merge``
 allocates the declared size only for blocks that hold at least as many
-elements, so every reader's memory is what the file stores.
+elements, so every reader's memory is what the file stores (which is
+why a shard's block may not be compressed: ``members``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def members(group, path) -> tuple:
             raise UserError(f"{path}: {name}/{key}: no 'data' in a shard")
         if member["data"].ndim != len(shape):
             raise UserError(f"{path}: {name}/{key}: a {member['data'].ndim}-d block of a {len(shape)}-d tensor")
+        if member["data"].id.get_create_plist().get_nfilters():   # a few KiB could declare any size
+            raise UserError(f"{path}: {name}/{key}: its block is stored compressed (refused: a shard holds its "
+                            "bytes uncompressed, so that putting a tensor together costs what the file holds)")
         try:
             rank = int(member.attrs.get("rank", -1))
         except (TypeError, ValueError, OverflowError):

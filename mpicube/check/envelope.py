@@ -31,6 +31,21 @@ margin). The envelope is the reference trace's root attribute
 ``envelope``: JSON ``{"k": 4, "runs": N, "dtype": "bfloat16", "orders":
 [...], "tensors": {name: [rel_fro, scale]}}`` (docs/trace-format.md).
 
+Under ``--fp8`` the envelope says so (``"fp8": RECIPE``), and two things
+change. A recipe whose scales follow the micro-batch (all but delayed)
+leaves one rank only the attention's order to vary (analysis/envelope.py),
+two reruns, too thin a sample of another layout's rounding (measured: a
+2-rank 1-D float32 tensorwise candidate parts from 2 serial reruns'
+envelope in step 2's loss by 85 times it), so both bounds are at least one
+rounding per stage, the depth bound without its factor: u depth, still
+far below a 1% error at float32. The scale's floor is not divided by
+sqrt(n): a tensor scale rounded one ulp apart multiplies a whole GEMM's
+output, so FP8's rounding has a direction (measured: the same candidate's
+step-3 gradient of c_attn lies 2.6e-07 along itself, its dy scale one
+float32 ulp, 2.65e-07, from the reference's).
+And the quantized weights' FP8 codes (``fp8/.../bytes``, uint8, exact
+elsewhere) may each lie one step from the reference's (``codes``).
+
 The updated parameters (``param/``) are held to the larger of the
 envelope and the depth bound, on rel_fro alone: where a gradient element
 is rounding noise, AdamW turns it into a step of size lr whose sign is
@@ -49,6 +64,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from .measure import blocks
+from .tolerance import DEPTH_FACTOR
 
 K = 4.0
 ATTR = "envelope"
@@ -113,6 +129,9 @@ def judge(row, name: str, readers: list, shape: tuple, kinds: tuple, env: dict, 
     floating tensor compared in both traces (``readers``: A's and B's
     ``read(block)``, ``kinds`` their dtype kinds)."""
     depth_bound = row.bound                                  # measure's depth-aware bound
+    if row.compared and kinds == ("u", "u") and "/fp8/" in name:
+        codes(row, name, readers, shape)
+        return
     if not row.compared or kinds[0] != "f" or kinds[1] != "f":
         return
     k = float(env["k"])
@@ -123,14 +142,49 @@ def judge(row, name: str, readers: list, shape: tuple, kinds: tuple, env: dict, 
         return
     ref, other = readers if side == "A" else readers[::-1]
     rel, scale = read_statistics(ref, other, shape)
-    row.bound = k * float(entry[0])
+    root_n = math.sqrt(max(1, math.prod(shape)))
+    floor = depth_bound / DEPTH_FACTOR if env.get("fp8") else 0.0     # FP8's thin sample (module docstring)
+    row.bound = max(k * float(entry[0]), floor)
     if "/param/" in name:               # AdamW's caveat: no tighter than the depth bound (module docstring)
         row.bound = max(row.bound, depth_bound)
         scale = 0.0
-    scale_bound = k * max(float(entry[1]), float(entry[0]) / math.sqrt(max(1, math.prod(shape))))
+    scale_bound = max(k * max(float(entry[1]), float(entry[0]) / root_n), floor)
     within = rel <= row.bound and scale <= scale_bound
     row.ok = within and math.isfinite(row.max_abs)          # a NaN against a number stays a divergence
     if not within:
+        by = "its floor, u depth" if floor and scale_bound == floor else f"{k:g} x its envelope"
         why = (f"rel fro {rel:.2e} > {k:g} x envelope {float(entry[0]):.2e}" if rel > row.bound else
-               f"scale {scale:.2e} > {scale_bound:.2e} = {k:g} x its envelope (a systematic error along the tensor)")
+               f"scale {scale:.2e} > {scale_bound:.2e} = {by} (a systematic error along the tensor)")
         row.note = "; ".join(filter(None, (row.note, why)))
+
+
+def codes(row, name: str, readers: list, shape: tuple) -> None:
+    """``--fp8``'s quantized weights (``fp8/.../bytes``: sign and magnitude
+    codes) and MXFP8's E8M0 scales (``fp8/.../scale`` as uint8: exponent
+    codes) under the envelope: each code within one step of the
+    reference's. A correct candidate's weight differs from the float64
+    reference's by rounding, and an element that lies at a rounding
+    boundary of the FP8 grid then lands on the neighbouring code - rarely,
+    so no number of reruns samples it, and exactness would fail a correct
+    candidate. A wrong scale or a wrong weight moves codes further, and the
+    tensor's scale row (a float, held to its envelope) moves too."""
+    apart = total = 0
+    for block in blocks(shape):
+        a = np.asarray(readers[0](block)).astype(np.int16)
+        b = np.asarray(readers[1](block)).astype(np.int16)
+        if name.endswith("/scale"):                          # E8M0: an exponent, one code = a factor 2
+            steps = np.abs(a - b)
+        else:                                                # sign bit, then the magnitude's code
+            sa, sb, ma, mb = a >> 7, b >> 7, a & 0x7F, b & 0x7F
+            steps = np.where(sa == sb, np.abs(ma - mb), ma + mb)   # across zero: both magnitudes' steps
+        far = steps > 1
+        if far.any():
+            at = tuple(int(i) + (s.start or 0) for i, s in zip(np.unravel_index(int(np.flatnonzero(far)[0]),
+                                                                                 far.shape), block))
+            row.ok = False
+            row.note = f"codes more than one FP8 step apart, first at {at}: {int(a[far][0])} vs {int(b[far][0])}"
+            return
+        apart += int((steps == 1).sum())
+        total += steps.size
+    row.ok = True
+    row.note = f"{apart} of {total} codes one FP8 step apart (a rounding boundary)" if apart else ""

@@ -66,8 +66,15 @@ def config_of(raw: dict) -> dict:
     arch = raw.get("arch", "gpt2")
     if arch == "gpt2":
         return cfg
+    if arch == "deepseek_v3":
+        # its activations in the format's block order; its own parameter names (MLA's, DeepSeekMoE's) have no
+        # place in the orders here yet and sort after each step's known names; its MTP depths' losses do
+        depth = raw.get("mtp_depth", 0)
+        if not _typed(depth, int) or depth < 0:
+            raise ValueError("holds mtp_depth not as an integer of at least 0 (a deepseek_v3 config)")
+        return {**cfg, "arch": arch, "mtp_depth": int(depth)}
     if arch != "llama":
-        raise ValueError(f"has arch {arch!r}, not gpt2 or llama")
+        raise ValueError(f"has arch {arch!r}, not gpt2, llama or deepseek_v3")
     for k, kind in LLAMA_KEYS.items():
         value = raw.get(k)
         if not _typed(value, kind):
@@ -178,7 +185,9 @@ def step_names(cfg: dict, s: int, state: bool = False) -> list:
                   g + f"act/{b}.ln_2"]
         order += [g + f"moe/{b}.{r}" for r in ROUTER] if moe(cfg) else []
         order += [g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
-    order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else []) + [g + "loss"]
+    order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else [])
+    mtp = int(cfg.get("mtp_depth") or 0)           # multi-token prediction: the main loss, then each depth's
+    order += ([g + "mtp/main_loss"] + [g + f"mtp/loss_{k}" for k in range(1, mtp + 1)] if mtp else []) + [g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"]
     if state:
@@ -221,6 +230,8 @@ def ordered(names, cfg: dict) -> list:
     head = {n: i for i, n in enumerate(["tokens"] + [f"init/{n}" for n in forward_param_order(cfg)])}
     within = {n.split("/", 1)[1]: i for i, n in enumerate(step_names(cfg, 1, state=True))}
 
+    weights = {n: i for i, n in enumerate(forward_param_order(cfg))}
+
     def key(n):
         s = step_of(n)
         if not s:
@@ -228,8 +239,31 @@ def ordered(names, cfg: dict) -> list:
         if n == f"step_{s}":                            # a whole step (missing): where the step starts
             return (s, -1, n)
         rest = n.split("/", 1)[1] if "/" in n else None
+        anchor = fp8_anchor(rest or "")
+        if anchor in within:                            # just before what the quantized GEMM makes
+            _, linear, operand, what = (rest.split("/") + [""])[:4]
+            role = operand.partition(".")[0]              # x before w before dy, a scale before its bytes
+            return (s, within[anchor] - 0.5, f"{weights.get(linear + '.weight', 0):06d} "
+                                             f"{'xwd'.find(role[:1])} {what != 'scale':d} {rest}")
         return (s, within[rest], "") if rest in within else (s, len(within), n)
     return sorted(names, key=key)
+
+
+def fp8_anchor(rest: str):
+    """The traced name an FP8 operand (``fp8/<linear>/<role>.<gemm>/...``,
+    ``trace --fp8``) is computed just before, or None for any other name:
+    a forward GEMM's operands before the block's attention or MLP output
+    that the linear makes, dgrad's and wgrad's before the linear weight's
+    gradient. So ``compare`` names a wrong scale or quantized byte as the
+    first divergence, ahead of the activation it spoils."""
+    parts = rest.split("/")
+    if len(parts) < 3 or parts[0] != "fp8":
+        return None
+    linear, gemm = parts[1], parts[2].partition(".")[2]
+    if gemm != "forward":
+        return f"grad/{linear}.weight"
+    part = "attn" if ".attn." in linear else "mlp"
+    return f"act/h.{_block(linear)}.{part}"
 
 
 def _trimmed(cfg: dict, names: list) -> dict:
@@ -272,6 +306,9 @@ def depth(name: str, cfg: dict) -> int:
     if s == 0:
         return 0
     rest = name.split("/", 1)[1] if "/" in name else ""
+    anchor = fp8_anchor(rest)
+    if anchor is not None:                            # an FP8 operand: at the depth of what its GEMM makes
+        return depth(f"step_{s}/{anchor}", cfg)
     base = (s - 1) * step_depth(cfg)
     kind, _, what = rest.partition("/")
     if kind == "dropout":

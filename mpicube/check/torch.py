@@ -104,10 +104,12 @@ class Recorder:
     ``act_index(key, output)``, when given, says where a plain tensor that
     is one rank's block of an activation lies, as ``(global index per
     dimension, logical shape)``, or None for a whole one: a sequence-parallel
-    rank's rows (a DTensor output says it itself)."""
+    rank's rows (a DTensor output says it itself). A run resumed from the
+    framework's own checkpoint records from ``first_step`` on, after
+    ``record_init`` (``mpicube check-resume --compare-only``)."""
 
     def __init__(self, model, name_map: NameMap, path, reference, layout: dict = None, acts: dict = None,
-                 act_index=None):
+                 act_index=None, first_step: int = 1):
         torch = _torch()
         self.model, self.map, self.ref = model, name_map, reference
         self.params = dict(model.named_parameters())            # a tied head appears once
@@ -120,7 +122,7 @@ class Recorder:
         self.writer = None
         if self.rank == 0:
             self.writer = TraceWriter(path, reference.config, reference.optimizer, reference.dtype, layout,
-                                      reference.dropout, reference.seed)
+                                      reference.dropout, reference.seed, first_step)
         self.mesh = mesh_of(self.params, self.dist) if self.dist else None      # (axes, sizes, my coords)
         if self.writer is not None and self.mesh is not None:
             self.writer.f.attrs["mesh"] = placements.mesh_attr(*self.mesh[:2])
@@ -189,6 +191,14 @@ class Recorder:
                 _, index, _ = block(p)
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(torch.as_tensor(value[np.ix_(*index)] if index else value, dtype=p.dtype))
+        mapped = self._mapped(self.params, "model")
+        if self.writer is not None:
+            self.writer.init(mapped)
+
+    def record_init(self) -> None:
+        """Record the model's parameters as they are, as ``init/``: a
+        resumed run's, read back from the framework's own checkpoint
+        (check-resume holds them to the ones saved, bit for bit)."""
         mapped = self._mapped(self.params, "model")
         if self.writer is not None:
             self.writer.init(mapped)

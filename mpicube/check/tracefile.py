@@ -27,7 +27,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from ..core.h5trust import link_kind, self_contained_problem
-from .names import FORMAT, MOE_SCALARS, READS, SCALARS, VERSION, config_of, step_of
+from .names import FORMAT, MOE_SCALARS, MOMENTS, READS, SCALARS, VERSION, config_of, step_of
 from .shards import assemble, is_sharded
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -278,7 +278,8 @@ def expected_dtype(name: str, trace_dtype: str):
     scalars float64, every other tensor float64 in a float64 trace and
     float32 otherwise (float16 and bfloat16 runs are stored as float32);
     a mixture's chosen experts (``moe/h.{i}.experts``) int32 and its
-    router losses (``moe/aux_loss``, ``moe/z_loss``) float64."""
+    router losses (``moe/aux_loss``, ``moe/z_loss``) float64; the state
+    (``_state_dtype``) as names.py lists it."""
     if name == "tokens":
         return np.dtype(np.int32)
     kind = name.split("/")[1] if step_of(name) else name.split("/")[0]
@@ -288,6 +289,26 @@ def expected_dtype(name: str, trace_dtype: str):
         return np.dtype(np.float64)
     if kind == "moe" and name.endswith(".experts"):
         return np.dtype(np.int32)
+    if kind == "state":
+        return _state_dtype(name.split("/", 2)[2], trace_dtype)
     if kind in ("init", "act", "logits", "grad", "param", "moe"):
         return np.dtype(np.float64 if trace_dtype == "float64" else np.float32)
+    return None
+
+
+def _state_dtype(what: str, trace_dtype: str):
+    """The dtype of ``step_%d/state/<what>``: AdamW's moments as the
+    parameters (float64, or float32: a 16-bit run's moments are float32,
+    as its master weights), the loss scale float64, the RNG offset and the
+    expert loads int64 (counts: an offset or a load stored as float32
+    loses its exactness past 2**24, and a float64 moment where the format
+    says float32 may hide a run that never used its precision); None for
+    a name the format does not give (compared as it is)."""
+    head = what.split("/", 1)[0]
+    if head in MOMENTS and "/" in what:
+        return np.dtype(np.float64 if trace_dtype == "float64" else np.float32)
+    if what == "loss_scale":
+        return np.dtype(np.float64)
+    if what == "rng_offset" or (head == "expert_load" and "/" in what):
+        return np.dtype(np.int64)
     return None

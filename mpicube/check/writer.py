@@ -57,10 +57,13 @@ class StagedFile:
 class TraceWriter(StagedFile):
     """Write one trace: ``init`` once, ``step`` for steps 1, 2, ... in
     order, then ``close`` (or use it as a context manager, which discards
-    the file when the block raises)."""
+    the file when the block raises). A resumed run's trace starts at
+    ``first_step`` (its ``init`` the parameters it read back; the root
+    attribute ``first_step``), for ``mpicube check-resume --compare-only``
+    to put after the trace of the steps before the checkpoint."""
 
     def __init__(self, path, config: dict, optimizer: dict, dtype: str, layout: dict,
-                 dropout: float = 0.0, seed=None):
+                 dropout: float = 0.0, seed=None, first_step: int = 1):
         if dtype not in FLOAT_DTYPES:
             raise UserError(f"{path}: dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
         try:
@@ -76,8 +79,12 @@ class TraceWriter(StagedFile):
                  "dropout": self.dropout, "steps": 0}
         if seed is not None:
             attrs["seed"] = int(seed)
+        if int(first_step) < 1:
+            raise UserError(f"{path}: first_step {first_step}: steps are numbered from 1")
+        if int(first_step) > 1:
+            attrs["first_step"] = int(first_step)
         self.f.attrs.update(attrs)
-        self.steps = 0
+        self.steps = int(first_step) - 1
         self.tokens = []
 
     # ---- what a step holds

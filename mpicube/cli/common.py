@@ -18,6 +18,7 @@ import click
 from .. import __version__
 from ..core.config import BIAS_UPDATES, DEEPSEEK_OPTIONS, ROUTERS
 from ..core.config import family_fields  # noqa: F401 (the family options' meaning, for the commands)
+from .latent_options import MLA_OPTIONS, mla_options  # noqa: F401 (deepseek_v3's, apart for length)
 
 try:                                    # Python >= 3.11
     import tomllib
@@ -28,7 +29,7 @@ LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
 DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
 RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")   # ops/fp8_recipes.py RECIPES
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved")  # parallel/schedules.py SCHEDULES (default 1f1b)
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # schedules.ALL_SCHEDULES
 
 # --seed: NumPy's generators take any non-negative integer; -1 would be a traceback at the first batch
 SEED = click.IntRange(0, 2 ** 64 - 1)
@@ -176,7 +177,7 @@ def arch_options(f):
                      help="model family: gpt2; llama (RMSNorm, rotary positions, SwiGLU, "
                           "grouped-query attention, untied head, no biases); mixtral: Llama with a mixture of "
                           "experts (--n-experts 8 --top-k 2 unless given); deepseek_v3: Llama with multi-head "
-                          "latent attention (dense MLP on every layer so far); with --init-from or --resume: "
+                          "latent attention, and DeepSeekMoE with --n-routed-experts; with --init-from or --resume: "
                           "the file's family")(f)
     return f
 
@@ -230,23 +231,6 @@ def deepseek_moe_options(f):
     return f
 
 
-def mla_options(f):
-    """deepseek_v3's multi-head latent attention (ops/mla.py)."""
-    f = click.option("--rope-interleave/--no-rope-interleave", default=None,
-                     help="deepseek_v3: the rotary columns come in interleaved pairs, as DeepSeek's "
-                          "checkpoints  [default: interleaved]")(f)
-    f = click.option("--v-head-dim", type=int, default=None, help="deepseek_v3: value width of a head  [default: 16]")(f)
-    f = click.option("--qk-nope-head-dim", type=int, default=None,
-                     help="deepseek_v3: non-rotary query/key width of a head  [default: 16]")(f)
-    f = click.option("--qk-rope-head-dim", type=int, default=None,
-                     help="deepseek_v3: rotary key width, shared by every head  [default: 8]")(f)
-    f = click.option("--kv-lora-rank", type=int, default=None, help="deepseek_v3: the kv latent's rank  [default: 32]")(f)
-    f = click.option("--q-lora-rank", type=int, default=None,
-                     help="deepseek_v3: the q latent's rank, 0: no q compression  [default: 0]")(f)
-    return f
-
-
-MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
                ) + DEEPSEEK_OPTIONS
 ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings") + MOE_OPTIONS + MLA_OPTIONS
@@ -272,9 +256,9 @@ def pipeline_options(f):
     """``--pp``, ``--pp-schedule`` and ``--virtual-stages`` (train, eval,
     bench, trace, generate): pipeline stages around the tensor-parallel layout."""
     f = click.option("--virtual-stages", type=int, default=1, show_default=True,
-                     help="model chunks per stage under --pp-schedule interleaved (n_layer divisible by pp x V)")(f)
+                     help="model chunks per stage: interleaved's V (pp x V divides n_layer); 2 for zbv, dualpipev")(f)
     f = click.option("--pp-schedule", type=click.Choice(SCHEDULE_CHOICES), default="1f1b", show_default=True,
-                     help="pipeline schedule over the --grad-accum micro-batches")(f)
+                     help="schedule over the --grad-accum micro-batches (zero-bubble: zb-h1, zbv, dualpipev)")(f)
     f = click.option("--pp", type=int, default=1, show_default=True,
                      help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
     return f
@@ -443,7 +427,7 @@ def device_options(f):
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="mpicube")
 def cli():
-    """GPT-2, Llama and Mixtral training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
+    """GPT-2, Llama, Mixtral and DeepSeek-V3 training with 1-D, 2-D, 2.5-D and 3-D tensor parallelism, in NumPy/CuPy over MPI.
 
     Run under MPI: mpiexec -n 8 mpicube train --layout 3d
     """

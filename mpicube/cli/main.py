@@ -41,7 +41,7 @@ import traceback
 import click
 
 from ..core.errors import UserError
-from . import check, model, pictures, train  # noqa: F401 (the commands register on ``cli`` as they are imported)
+from . import check, model, pictures, resume, train  # noqa: F401 (the commands register on ``cli`` as they are imported)
 from .common import _mpi, cli, echo
 
 EXIT_USAGE = 2

@@ -300,8 +300,8 @@ def _session_factory(parts, steps, where, meta):
 def inspect(ckpt):
     """Report a model file's contents and check it; exit 1 if damaged.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral
-    directory or an llm.c model file, as for eval and generate.
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama, Mixtral or
+    DeepseekV3 directory or an llm.c model file, as for eval and generate.
 
     A mpicube checkpoint: every shard's checksum. A Hugging Face GPT-2
     directory or an llm.c model file: its configuration and every tensor,
@@ -325,7 +325,7 @@ def inspect(ckpt):
 @click.argument("dst")
 @click.option("--to", "to", type=click.Choice(["mpicube", "hf", "llmc"]), required=True,
               help="format to write: a mpicube run directory, a Hugging Face directory (GPT2LMHeadModel or "
-                   "LlamaForCausalLM or MixtralForCausalLM, as the model is) or an llm.c file (a format that holds "
+                   "LlamaForCausalLM, MixtralForCausalLM or DeepseekV3ForCausalLM, as the model is) or an llm.c file (a format that holds "
                    "GPT-2 only)")
 @click.option("--max-shard-size", type=str, default=None, metavar="SIZE",
               help="hf: split the weights into safetensors files of at most SIZE (e.g. 2GB, 500MB)")
@@ -333,7 +333,7 @@ def convert(src, dst, to, max_shard_size):
     """Convert a model between mpicube, Hugging Face and llm.c formats.
 
     SRC's format is detected: a mpicube checkpoint (run dir, step dir or
-    checkpoint.h5), a Hugging Face GPT-2, Llama or Mixtral directory (config.json
+    checkpoint.h5), a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory (config.json
     and safetensors) or an llm.c model file. Tensors are copied exactly.
     """
     from ..parallel.comm import on_root
@@ -371,8 +371,8 @@ def generate(model, prompt, prompt_tokens, max_new_tokens, temperature, top_k, s
              pp, pp_schedule, virtual_stages, dtype, device, tf32, as_json):
     """Continue a prompt with any model file, on any layout.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral
-    directory or an llm.c model file (a mixture takes --ep over --dp, as in
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama, Mixtral or
+    DeepseekV3 directory or an llm.c model file (a mixture takes --ep over --dp, as in
     training). Without a prompt, generation starts from a newline
     (byte-level models) or <|endoftext|> (GPT-2's vocabulary). The same
     seed gives the same tokens on every layout and world size.

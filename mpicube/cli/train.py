@@ -69,7 +69,7 @@ from .sections import TRAIN_EPILOG, SectionedCommand
 @click.option("--log-every", type=int, default=10, show_default=True, help="console line every N steps")
 @click.option("--init-from", type=str, default=None, metavar="MODEL",
               help="model to take the parameters and shape from: a checkpoint (step dir, checkpoint.h5 or "
-                   "run dir, saved on any layout), a Hugging Face GPT-2, Llama or Mixtral directory or an llm.c "
+                   "run dir, saved on any layout), a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory or an llm.c "
                    "model file (the family comes from the file unless --arch is given); "
                    "this run starts its own schedule and AdamW moments (with --resume: unless the run "
                    "directory has a checkpoint of its own, which is continued instead)")
@@ -98,7 +98,7 @@ from .sections import TRAIN_EPILOG, SectionedCommand
 @profile_option("steps START to STOP into RUN_DIR/profile.json (draw it with `mpicube timeline RUN_DIR`)")
 @collective_timeout_option
 def train(collective_timeout, profile, **kwargs):
-    """Train a GPT-2, Llama (--arch llama) or Mixtral (--arch mixtral) model.
+    """Train a GPT-2, Llama (--arch llama), Mixtral (--arch mixtral) or DeepSeek-V3 (--arch deepseek_v3) model.
 
     Writes RUN_DIR/config.json, RUN_DIR/metrics.jsonl (one JSON object per
     step) and checkpoints in RUN_DIR/ckpt/. SIGTERM, SIGUSR1 or Ctrl-C on
@@ -153,7 +153,7 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
                  grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
-    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama or Mixtral directory or an
+    MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory or an
     llm.c model file.
 
     Batch k, row r starts at token (k*B + r)*T. The last line of stdout is a
@@ -210,13 +210,13 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hs
                        "n_head", "n_embd", "seq_len", "batch_size",
                        "lr", "warmup", "weight_decay", "grad_clip", "optimizer", "dropout", "seed", "device", "dtype",
                        "tf32",
-                       "data", "init_from", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
+                       "data", "init_from", "stop_after", "loss_scale", "loss_scale_growth_interval", "loss_scale_backoff",
                        "grad_accum", "recompute", "zero", "sequence_parallel", "vocab_size", "arch", "n_kv_head", "ffn_hidden",
                        "rope_theta", "rms_eps", "tie_embeddings", "ep", "n_experts", "top_k", "no_norm_topk",
                        "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "fp8", "fp8_grad_format",
                        "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block", "fp8_pow2", "q_lora_rank",
-                       "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"
-                       ) + DEEPSEEK_OPTIONS
+                       "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+                       "mtp_depth", "mtp_loss_weight") + DEEPSEEK_OPTIONS
 
 
 @cli.command("trace", cls=SectionedCommand)
@@ -236,6 +236,13 @@ TRACE_TRAIN_OPTIONS = ("config", "layout", "dp", "cp", "cp_kind", "ulysses", "hs
               help="on one rank: write the float64 reference with per-tensor tolerances measured from N reruns at "
                    "--dtype with the reduction orders varied (--grad-accum, attention), for compare --tolerance "
                    "envelope")
+@click.option("--run-dir", "run_dir", default=None, metavar="RUN_DIR",
+              help="also keep a run directory, as train --out does: its config, metrics and a checkpoint after "
+                   "the last step traced (--stop-after); with --resume, continue its latest checkpoint and trace "
+                   "the steps after it (what check-resume runs)")
+@click.option("--resume", is_flag=True, default=False,
+              help="continue --run-dir's latest checkpoint on this layout and world size (refused when it has "
+                   "none)")
 @click.option("--suite", type=click.Choice(["edge"]), default=None,
               help="write the reference traces of the configurations that have broken frameworks (ragged "
                    "batches, an indivisible vocabulary, idle experts, tp x cp, ragged pipelines) into the folder "

@@ -26,7 +26,8 @@ MIXTRAL = {"n_experts": 8, "top_k": 2}         # --arch mixtral: Llama with Mixt
 
 def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None, rms_eps=None,
                   tie_embeddings=False, q_lora_rank=None, kv_lora_rank=None, qk_rope_head_dim=None,
-                  qk_nope_head_dim=None, v_head_dim=None, rope_interleave=None, **moe) -> dict:
+                  qk_nope_head_dim=None, v_head_dim=None, rope_interleave=None, mtp_depth=None,
+                  mtp_loss_weight=None, **moe) -> dict:
     """ModelConfig's keyword arguments for the command line's family options
     (None: not given), or a ConfigError (exit 2) naming an option that does
     not apply to the family or is not positive. ``moe``: the mixture of
@@ -35,7 +36,8 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
     given = dict(n_kv_head=n_kv_head, ffn_hidden=ffn_hidden, rope_theta=rope_theta, rms_eps=rms_eps)
     mla = dict(q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
                qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, rope_interleave=rope_interleave)
-    if arch != "deepseek_v3" and (stray := [k for k, v in mla.items() if v is not None]):
+    mtp = dict(mtp_depth=mtp_depth, mtp_loss_weight=mtp_loss_weight)
+    if arch != "deepseek_v3" and (stray := [k for k, v in {**mla, **mtp}.items() if v is not None]):
         raise ConfigError(f"--{stray[0].replace('_', '-')} applies to --arch deepseek_v3 only, not {arch}")
     if arch == "deepseek_v3":
         if n_kv_head is not None:
@@ -48,7 +50,8 @@ def family_fields(arch="gpt2", n_kv_head=None, ffn_hidden=None, rope_theta=None,
             if value is not None and not value > 0:
                 raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {value}")
         return {"arch": "deepseek_v3", "tie_embeddings": bool(tie_embeddings),
-                **{k: v for k, v in given.items() if v is not None}, **mla_fields(**mla), **moe_fields(**moe)}
+                **{k: v for k, v in given.items() if v is not None}, **mla_fields(**mla), **moe_fields(**moe),
+                **mtp_fields(**mtp)}
     if arch not in ("llama", "mixtral"):
         stray = [k for k, v in given.items() if v is not None] + (["tie_embeddings"] if tie_embeddings else [])
         stray += [k for k, v in moe.items() if v not in (None, False)]
@@ -81,6 +84,25 @@ def mla_fields(**given) -> dict:
     if out["qk_rope_head_dim"] % 2:
         raise ConfigError(f"--qk-rope-head-dim must be even (rotary pairs), got {out['qk_rope_head_dim']}")
     out["rope_interleave"] = bool(out["rope_interleave"])
+    return out
+
+
+def mtp_fields(mtp_depth=None, mtp_loss_weight=None) -> dict:
+    """ModelConfig's multi-token prediction fields from --mtp-depth and
+    --mtp-loss-weight (None: not given), or a ConfigError naming the
+    option: a depth of at least 0, a finite weight of at least 0 that only
+    means something with a depth."""
+    if mtp_depth is not None and (isinstance(mtp_depth, bool) or not isinstance(mtp_depth, int)
+                                  or not 0 <= mtp_depth <= MAX_DIM):
+        raise ConfigError(f"--mtp-depth must be an integer of at least 0, got {mtp_depth!r}")
+    if mtp_loss_weight is not None:
+        if not mtp_depth:
+            raise ConfigError("--mtp-loss-weight needs --mtp-depth (at least 1 multi-token prediction depth)")
+        if not (math.isfinite(mtp_loss_weight) and mtp_loss_weight >= 0):
+            raise ConfigError(f"--mtp-loss-weight must be a finite number of at least 0, got {mtp_loss_weight}")
+    out = {"mtp_depth": mtp_depth} if mtp_depth else {}
+    if mtp_loss_weight is not None:
+        out["mtp_loss_weight"] = float(mtp_loss_weight)
     return out
 
 
@@ -228,6 +250,12 @@ class ModelConfig:
         return self.moe and layer >= self.first_k_dense
 
     @property
+    def n_blocks(self) -> int:
+        """The transformer blocks the model holds: n_layer, and one per
+        multi-token prediction depth after them (``h.{n_layer + k - 1}``)."""
+        return self.n_layer + self.mtp_depth
+
+    @property
     def moe_ffn(self) -> int:
         """A routed expert's SwiGLU width (--moe-ffn-hidden; else ffn)."""
         return self.moe_ffn_hidden or self.ffn
@@ -343,7 +371,7 @@ class ModelConfig:
         h = self.n_embd
         dense = 3 * h * self.ffn
         mixture = 3 * h * self.moe_ffn * (self.n_experts + self.n_shared_experts) + h * self.n_experts
-        return sum(mixture if self.is_moe(i) else dense for i in range(self.n_layer))
+        return sum(mixture if self.is_moe(i) else dense for i in range(self.n_blocks))
 
     def n_params(self) -> int:
         """Logical parameter count (tied head counted once)."""
@@ -354,7 +382,8 @@ class ModelConfig:
             q = (h * rq + rq + rq * nh * qk) if rq else h * nh * qk
             kv = h * (rkv + self.qk_rope_head_dim) + rkv + rkv * nh * (self.qk_nope_head_dim + self.v_head_dim)
             per_layer = 2 * h + q + kv + nh * self.v_head_dim * h
-            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h
+            mtp = self.mtp_depth * (per_layer + 3 * h + 2 * h * h)    # a block, three norms and W (2C, C) a depth
+            return self.vocab_size * h * (1 if self.tied else 2) + L * per_layer + self._mlp_params() + h + mtp
         if self.llama:     # no biases, no position table; two RMSNorm weights per layer, three MLP matrices
             kv = self.kv_heads * self.head_dim
             per_layer = 2 * h + h * (h + 2 * kv) + h * h

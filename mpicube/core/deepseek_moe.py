@@ -22,11 +22,12 @@ SIGMOID_ONLY = ("n_groups", "topk_groups", "routed_scaling_factor", "bias_update
 
 def bias_names(cfg) -> list:
     """The names of a ModelConfig's router bias buffers (``h.{i}.moe.router.score_bias``,
-    one per mixture block under the sigmoid router; none under softmax):
+    one per mixture block under the sigmoid router, an MTP depth's block
+    included; none under softmax):
     what a model file holds besides its parameters."""
     if cfg.router != "sigmoid":
         return []
-    return [f"h.{i}.moe.router.score_bias" for i in range(cfg.n_layer) if cfg.is_moe(i)]
+    return [f"h.{i}.moe.router.score_bias" for i in range(cfg.n_blocks) if cfg.is_moe(i)]
 
 
 def deepseek_fields(n: int, k: int, given: dict, router=None, n_groups=None, topk_groups=None,

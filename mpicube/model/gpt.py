@@ -21,6 +21,7 @@ from ..parallel.layouts.modules import Panel
 from ..parallel.params import ParamStore
 from .block import Block, Dropout, positions
 from .families import Family, family_of
+from .mtp import MultiTokenPrediction, mtp_blocks
 from .tape import Micro, Tape
 
 
@@ -82,33 +83,44 @@ class Head:
     """The back of the model: the final norm, then the layout's LM head and
     cross-entropy (``Layout.loss_head``) over ``embedding``: the tied wte,
     or an untied model's ``lm_head`` (whose gathered panel is the tape's
-    ``head_panel``). ``forward`` returns this rank's share of the loss."""
+    ``head_panel``). ``forward`` returns this rank's share of the loss;
+    with multi-token prediction (``mtp``, model/mtp.py) the depths run on
+    the final-normed state right after, and the share is (1 + D,): the
+    main cross-entropy sum, then each depth's."""
 
-    def __init__(self, layout: Layout, store: ParamStore, embedding, family: Family):
+    def __init__(self, layout: Layout, store: ParamStore, embedding, family: Family, mtp=None):
         self.ln_f = family.norm(store, "ln_f", layout)
         self.loss = layout.loss_head(embedding)
         self.tied = layout.cfg.tied
+        self.mtp = mtp
+        self.xp = layout.backend.xp
 
     def panel(self, tape: Tape) -> Panel:
         return tape.panel if self.tied else tape.head_panel
 
     def forward(self, x, tape: Tape):
-        """x (B_c, T_c, C_c) -> (loss share (1,), saved)."""
+        """x (B_c, T_c, C_c) -> (loss share (1,) or (1 + D,), saved)."""
         h, s_ln = self.ln_f.forward(x)                                      # (B_c, T_c, C_c)
         share, s_loss = self.loss.forward(h, tape.targets, self.panel(tape), tape.ctx.n_tokens)
-        return share, (s_ln, s_loss)
+        s_mtp = None
+        if self.mtp is not None:
+            depths, s_mtp = self.mtp.forward(h, tape, self.panel(tape))      # (D,)
+            share = self.xp.concatenate([share, depths])                    # (1 + D,)
+        return share, (s_ln, s_loss, s_mtp)
 
     @staticmethod
     def logits(tape: Tape):
         """The logits (B_l, T, V_l) the head saved in ``tape`` (its entry is
-        (norm's, (logits, ...)): ``LossHead.forward``), for an observer."""
-        s_ln, s_loss = tape.back[0]
-        return s_loss[0]
+        (norm's, (logits, ...), MTP's): ``LossHead.forward``), for an observer."""
+        return tape.back[0][1][0]
 
     def backward(self, loss_scale: float, saved, tape: Tape):
         """The gradient of loss_scale x (mean loss) -> dx (B_c, T_c, C_c)."""
-        s_ln, s_loss = saved
-        return self.ln_f.backward(self.loss.backward(loss_scale, s_loss, self.panel(tape)), s_ln)
+        s_ln, s_loss, s_mtp = saved
+        dh = self.loss.backward(loss_scale, s_loss, self.panel(tape))       # (B_c, T_c, C_c)
+        if s_mtp is not None:
+            dh = dh + self.mtp.backward(loss_scale, s_mtp, tape, self.panel(tape))
+        return self.ln_f.backward(dh, s_ln)
 
 
 class GPT:
@@ -133,32 +145,43 @@ class GPT:
         self.layers = range(cfg.n_layer) if layers is None else layers
         self.first, self.last = first, last
         # the tied wte serves the lookup (first chunk) and the head (last chunk);
-        # an untied model's head is a second embedding over lm_head, used only as a head
-        self.embedding = layout.tied_embedding(store) if first or (last and cfg.tied) else None
+        # an untied model's head is a second embedding over lm_head, used only as a head;
+        # multi-token prediction looks tokens up on the last chunk too (model/mtp.py)
+        self.embedding = layout.tied_embedding(store) if first or (last and (cfg.tied or cfg.mtp_depth)) else None
         self.head_embedding = None
         if last:
             self.head_embedding = self.embedding if cfg.tied else layout.tied_embedding(store, "lm_head")
         self.front = [Embeddings(layout, store, self.embedding, dropout, family)] if first else []
         self.blocks = [Block(layout, store, i, attention, dropout, family) for i in self.layers]
-        self.back = [Head(layout, store, self.head_embedding, family)] if last else []
+        mtp = None
+        self.n_main = len(self.blocks)           # the main blocks; MTP depths' blocks follow them in ``blocks``
+        if last and cfg.mtp_depth:
+            self.blocks += [Block(layout, store, i, attention, dropout, family) for i in mtp_blocks(cfg)]
+            mtp = MultiTokenPrediction(layout, store, family, self.embedding, layout.loss_head(self.head_embedding),
+                                       [], self.n_main)
+        self.mtp = mtp
+        self.back = [Head(layout, store, self.head_embedding, family, mtp)] if last else []
         untied_head = None if cfg.tied else self.head_embedding
         self.tied = [e for e in (self.embedding, untied_head) if e is not None]   # each finishes its backward
-        self.sites = [f"h.{i}" for i in self.layers]
+        self.sites = [f"h.{i}" for i in self.layers] + [f"h.{i}" for i in (mtp_blocks(cfg) if mtp else ())]
         self.has_ends = first or last            # the store streams the ends' parameters only for such a chunk
 
     def forward(self, inputs, targets, ctx: Micro):
         """inputs: token ids (B_dp, T_l) on a chunk with the embeddings, else
         the previous chunk's output (B_c, T_c, C_c); targets (B_dp, T_l) or
         None. Returns (out, tape): on a chunk with the head, this rank's
-        share of the loss summed over its rows ((1,), on the device), else
-        the chunk's output (B_c, T_c, C_c)."""
+        share of the loss summed over its rows ((1,), on the device; (1 +
+        D,) with D multi-token prediction depths: the main sum, then each
+        depth's), else the chunk's output (B_c, T_c, C_c)."""
         self.store.refresh_work()            # the 16-bit working copy, after an optimizer step or a load
         resident = self.store.layers("forward", self.sites, self.has_ends)   # the store brings each block's weights in
         tape, x = Tape(ctx, targets), inputs
+        if self.mtp is not None:                 # the depths' blocks, as wrapped now, streamed after the main ones
+            self.mtp.blocks, self.mtp.resident = self.blocks[self.n_main:], resident
         for piece in self.front:
             x, saved = piece.forward(x, tape)
             tape.front.append(saved)
-        for k, block in enumerate(self.blocks):
+        for k, block in enumerate(self.blocks[:self.n_main]):
             resident.enter(k)
             x, saved = block.forward(x, ctx)                    # (B_c, T_c, C_c)
             resident.leave(k)
@@ -178,9 +201,11 @@ class GPT:
         input (B_c, T_c, C_c), or None on a chunk with the embeddings."""
         resident = self.store.layers("backward", self.sites, self.has_ends)  # the store sends each block's gradients
         dx = dout
+        if self.mtp is not None:
+            self.mtp.blocks, self.mtp.resident = self.blocks[self.n_main:], resident
         for piece in reversed(self.back):
             dx = piece.backward(dx, tape.back.pop(), tape)
-        for k in reversed(range(len(self.blocks))):
+        for k in reversed(range(self.n_main)):
             resident.enter(k)                                   # a rerun shares the backward's gather
             dx = self.blocks[k].backward(dx, tape.blocks.pop())
             resident.leave(k)
@@ -206,7 +231,7 @@ class GPT:
         2**26 positions would take gigabytes to write two tokens."""
         cfg, layout = self.cfg, self.layout
         n = cfg.n_ctx if positions is None else min(int(positions), cfg.n_ctx)
-        return [block.new_cache(self.xp, n, self.layout.backend.dtype) for block in self.blocks]
+        return [block.new_cache(self.xp, n, self.layout.backend.dtype) for block in self.blocks[:self.n_main]]
 
     def decode(self, idx, pos: int, caches: list):
         """Logits of positions pos .. pos+t-1 given their tokens idx (B_dp, t)

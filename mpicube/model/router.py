@@ -120,9 +120,9 @@ class RouterLedger:
 
         xp = array_module(next(iter(self.stats.values())))
         some = next(iter(self.stats.values()))
-        rows = [self.stats.get(k, xp.zeros_like(some)) for k in range(self.cfg.n_layer)]
+        rows = [self.stats.get(k, xp.zeros_like(some)) for k in range(self.cfg.n_blocks)]   # MTP's blocks too
         self._pending, self._replicas = iallreduce(comm, xp.stack(rows)), replicas    # (L, 2 E + 2)
-        self.layers = list(range(self.cfg.n_layer))
+        self.layers = list(range(self.cfg.n_blocks))
 
     def wait(self) -> None:
         """The totals of ``start``'s sum (once; later calls do nothing)."""

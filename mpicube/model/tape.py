@@ -45,7 +45,8 @@ class Micro:
     the rows the tp ranks hold together under --sequence-parallel (what
     attention and rotary embeddings see: the cp rank's under --cp).
     ``n_tokens`` is the whole step's token
-    count (every replica and micro-batch), the loss's divisor."""
+    count (every replica and micro-batch), the loss's divisor; each
+    multi-token prediction depth has its own (``mtp_counts``)."""
 
     step: int = 0
     micro: int = 0                     # which micro-batch of the step (dropout masks follow its rows)
@@ -55,6 +56,8 @@ class Micro:
     n_tokens: int = 1                  # N of the whole step
     train: bool = True                 # dropout on (training) or off (evaluation, generation)
     router: object = None              # a mixture of experts' router.RouterLedger for this micro-batch, or None
+    mtp: tuple = ()                    # per MTP depth k: (ids, targets, valid) (B_dp, T_l) each (model/mtp.py)
+    mtp_counts: tuple = ()             # per MTP depth k: its token count over the whole step, B (T - k)
 
 
 class Tape:

@@ -30,30 +30,45 @@ from dataclasses import dataclass
 
 import numpy as np
 
-try:
-    import ml_dtypes
-except ImportError:      # a core dependency; without it mpicube runs until --fp8 (or bfloat16) is asked for
-    ml_dtypes = None
+_ML_DTYPES = []              # [the module, or None where it is not installed], once looked for
 
-E8M0 = ml_dtypes.float8_e8m0fnu if ml_dtypes else None
+
+def ml_dtypes():
+    """ml_dtypes (a core dependency), imported on first use; None without
+    it, so that mpicube runs until --fp8 (or bfloat16) is asked for. Not
+    at import: it costs about half a CPU second, which every command on
+    every rank would pay though only FP8 runs use it."""
+    if not _ML_DTYPES:
+        try:
+            import ml_dtypes as module
+        except ImportError:
+            module = None
+        _ML_DTYPES.append(module)
+    return _ML_DTYPES[0]
+
+
 E8M0_BIAS = 127
 AMAX_FLOOR = 1e-12          # torchao's EPS: an all-zero group gets the scale fmt_max / 1e-12
 
 
 @dataclass(frozen=True)
 class Fp8Format:
-    """One FP8 element format: its ml_dtypes type, its largest finite
+    """One FP8 element format: its ml_dtypes type (``dtype``), its largest finite
     value (the saturation bound) and the exponent of that value's leading
     power of two (``emax``, the MX scale rule's subtrahend)."""
 
     name: str
-    dtype: type
+    type_name: str          # ml_dtypes' name of the type
     max: float
     emax: int
 
+    @property
+    def dtype(self) -> type:
+        return getattr(ml_dtypes(), self.type_name)
 
-E4M3 = Fp8Format("e4m3", ml_dtypes.float8_e4m3fn if ml_dtypes else None, 448.0, 8)   # no inf; 0x7f/0xff NaN
-E5M2 = Fp8Format("e5m2", ml_dtypes.float8_e5m2 if ml_dtypes else None, 57344.0, 15)  # IEEE-like, with inf
+
+E4M3 = Fp8Format("e4m3", "float8_e4m3fn", 448.0, 8)     # no inf; 0x7f/0xff NaN
+E5M2 = Fp8Format("e5m2", "float8_e5m2", 57344.0, 15)    # IEEE-like, with inf
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 
 
@@ -126,7 +141,7 @@ def mx_scale(amax, fmt: Fp8Format = E4M3):
     unbiased = exp_field.astype(np.int32) - 127 - fmt.emax
     biased = np.clip(unbiased, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
     biased = np.where(np.isfinite(a), biased, 0xFF).astype(np.uint8)
-    return biased.view(E8M0)
+    return biased.view(ml_dtypes().float8_e8m0fnu)
 
 
 def mx_scale_value(scale_e8m0):

@@ -19,9 +19,12 @@ over dp for --zero 1 (per layer for 2 and 3); ``fsdp`` is the store of
 its weights as the model walks its blocks (``fsdp_stream`` that walk);
 ``profiler`` records the spans of ``--profile`` (``comm`` hands it every
 call, ``comm_counters`` every wait); ``schedules``
-holds the pipeline schedules as pure data (GPipe, 1F1B, interleaved), the
-layer split and the validation of the pipeline options, with a simulator
-that checks them without MPI.
+holds the pipeline schedules as pure data (GPipe, 1F1B, interleaved; the
+zero-bubble ZB-H1, ZBV and DualPipeV of ``schedules_zb`` and
+``schedules_dualpipe``), the layer split and the validation of the
+pipeline options, with a simulator that checks them without MPI;
+``wgrad`` is the seam between a backward's input and weight phases, which
+every layout's linear hands its dW to.
 
 May import: ``core``, ``device``, ``ops``.
 """

@@ -87,6 +87,31 @@ class Fp8Scaling:
     def linear(self, name: str, splits: Splits = None) -> "LinearFp8":
         return LinearFp8(self, name, splits or Splits(tokens=self.tokens))
 
+    def state(self, mpi_world) -> dict:
+        """``delayed``'s histories as a checkpoint keeps them (collective
+        over ``mpi_world``, an mpi4py communicator): every stage's linears (a pipeline stage knows its
+        own only), the step they belong to and that step's amaxes not yet
+        pushed. JSON numbers: Python writes a float64 so that it reads back
+        the same bits, and the resumed run scales as the uninterrupted one."""
+        merged = {"step": self.step, "length": self.recipe.history, "history": {}, "seen": {}}
+        for part in mpi_world.allgather({"history": {k: [float(a) for a in h] for k, h in self.history.items()},
+                                         "seen": dict(self.seen)}):
+            merged["history"].update(part["history"])
+            merged["seen"].update(part["seen"])
+        return merged
+
+    def restore(self, doc: dict) -> None:
+        """The histories of ``state``; one saved with another
+        --fp8-amax-history keeps its most recent amaxes (zeros before them:
+        a zero is no amax)."""
+        self.step, self.seen = int(doc["step"]), {k: float(v) for k, v in doc["seen"].items()}
+        self.history = {}
+        for key, saved in doc["history"].items():
+            h = np.zeros(self.recipe.history)
+            recent = np.asarray(saved, dtype=np.float64)[-self.recipe.history:]
+            h[h.size - recent.size:] = recent
+            self.history[key] = h
+
     def history_amax(self, key: str) -> float:
         """The amax delayed scales with: the history's max or its most recent (0: no history yet)."""
         h = self.history.get(key)
@@ -120,6 +145,32 @@ class LinearFp8:
         xv = self.operand(x2.T, "x", "wgrad", self.splits.tokens).T
         dyv = self.operand(dy2.T, "dy", "wgrad", self.splits.tokens).T
         return xv, dyv
+
+    # one operand as one GEMM quantizes it, in the operand's own shape --------------
+    TRANSPOSED = {("w", "forward"), ("x", "wgrad"), ("dy", "wgrad")}    # contraction on the first axis
+    SPLIT_OF = {("x", "forward"): "x_cols", ("w", "forward"): "w_rows", ("dy", "dgrad"): "dy_cols",
+                ("w", "dgrad"): "w_cols", ("x", "wgrad"): "tokens", ("dy", "wgrad"): "tokens"}
+
+    @property
+    def tensor_scaled(self) -> bool:
+        """Whether one quantization serves all three GEMMs (a tensor scale
+        has no orientation); otherwise each GEMM quantizes along its own
+        contraction (``oriented``)."""
+        return self.s.recipe.name in ("tensorwise", "delayed")
+
+    def oriented(self, a, role: str, gemm: str):
+        """a in the linear's own shape (x, dy: (..., K); w: (K_in, K_out))
+        -> its values as ``gemm`` quantizes it (the table in
+        ``ops/fp8_recipes.py``), same shape. For the layouts whose GEMMs see
+        broadcast or gathered panels (2-D, 2.5-D, 3-D): each rank quantizes
+        the shard it owns before it travels, so a panel carries the serial
+        model's values (a tile never straddles a shard; a row's amax is
+        reduced over ``Splits``)."""
+        a2 = a.reshape(-1, a.shape[-1])                                    # (n, K)
+        split = getattr(self.splits, self.SPLIT_OF[(role, gemm)])
+        if (role, gemm) in self.TRANSPOSED:
+            return self.operand(a2.T, role, gemm, split).T.reshape(a.shape)
+        return self.operand(a2, role, gemm, split).reshape(a.shape)
 
     def tensor(self, a, role: str):
         """a (any shape) under a tensor scale, for the layouts whose GEMMs
@@ -197,18 +248,21 @@ def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
 
 def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1, cp_kind: str = "ring") -> None:
     """The pure half of the checks (``planning.resolve``, before any file
-    or collective): a layout that quantizes with tensor scales only, kv
-    heads replicated over ranks (each then holds a partial sum of their
-    columns' dy, which no scale may see), and the widths a tile runs along
-    on a 1-D rank (serial is 1-D on one rank): the model's hidden size, a
-    rank's query, kv and MLP columns, a rank's consecutive positions, and
-    an expert's token rows (whole on one replica only). The
-    layouts check their real shards again when they build (``check_shard``)."""
+    or collective): a recipe the layout does not quantize with yet (its
+    ``fp8_tensor_only``: rowwise on 3-D), kv heads replicated over ranks
+    (each then holds a partial sum of their columns' dy, which no scale
+    may see), and the widths a tile runs along on a rank (the layout's
+    ``fp8_widths``: the hidden size, a rank's query, kv and MLP columns,
+    a 3-D weight's rows; serial is 1-D on one rank), a rank's consecutive
+    positions, and an expert's token rows (whole on one 1-D replica only).
+    The layouts check their real shards again when they build
+    (``check_shard``)."""
     if recipe is None:
         return
-    if cls.fp8_tensor_only and recipe.name not in ("tensorwise", "delayed"):
-        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} quantizes with tensor scales only so far "
-                          f"(tensorwise, delayed); use layout serial or 1d for {recipe.name}")
+    if recipe.name in cls.fp8_tensor_only:
+        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} does not quantize with {recipe.name} scales "
+                          f"yet (a row of x and a row of dy span different planes of its ranks); use tensorwise, "
+                          f"delayed, blockwise or mxfp8, or layout serial, 1d, 2d or 2.5d for {recipe.name}")
     split = cls.head_coords(tp, depth, 0)[0]
     if split > cfg.kv_heads:
         raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} splits the heads {split} ways over "
@@ -221,14 +275,12 @@ def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int =
         raise ConfigError(f"--fp8 {recipe.name} with --cp-kind {cp_kind}: the tiles along a rank's positions are "
                           f"checked for the ring's chunks only so far; use --cp-kind ring, or tensorwise, delayed "
                           f"or rowwise")
-    if cfg.moe and dp * cp > 1:
-        raise ConfigError(f"--fp8 {recipe.name} with a mixture of experts on dp x cp = {dp * cp} replicas: an "
-                          f"expert's token rows are spread over them, so its weight gradient's tiles along the "
-                          f"tokens would straddle replicas; use --dp 1 --cp 1, or tensorwise, delayed or rowwise")
-    widths = {"--n-embd": cfg.n_embd,
-              f"a rank's query columns (n_head / {split} x head_dim)": cfg.n_head // split * cfg.head_dim,
-              f"a rank's key and value columns (kv heads / {split} x head_dim)": cfg.kv_heads // split * cfg.head_dim,
-              f"a rank's MLP hidden columns ({cfg.ffn} / {tp})": cfg.ffn // tp,
+    if cfg.moe and (dp * cp > 1 or cls.token_split):
+        where = f"dp x cp = {dp * cp} replicas" if dp * cp > 1 else f"the token blocks of layout {cls.name}"
+        raise ConfigError(f"--fp8 {recipe.name} with a mixture of experts on {where}: an expert's token rows are "
+                          f"spread over them, so its weight gradient's tiles along the tokens would straddle "
+                          f"ranks; use layout 1d with --dp 1 --cp 1, or tensorwise, delayed or rowwise")
+    widths = {**cls.fp8_widths(cfg, tp, depth),
               "a rank's consecutive positions of a sequence" + (f" (--seq-len / {2 * cp})" if cp > 1 else
                                                                 " (--seq-len)"): cfg.n_ctx // (2 * cp if cp > 1 else 1)}
     for what, width in widths.items():

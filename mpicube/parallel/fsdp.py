@@ -66,6 +66,7 @@ from .comm import Comm
 from .gradients import sync_shared
 from .fsdp_stream import BlockStream, block_gathers, pass_gathers, slot_key  # noqa: F401 (*_gathers: the cost model's)
 from .params import ParamStore
+from .wgrad import WeightGrads
 from .zero import EXPERTS, TIED, Segments, is_end, segment_key, segment_of
 
 
@@ -163,6 +164,7 @@ class SegmentedStore(ParamStore):
         # --ep: the experts' part of the (C,) chunk gradient (the cp ring's sum skips it), or None
         self.expert_run = slice(self.partition.expert_at, C) if split else None
         self._deferred, self._unwritten, self._eager_runs = set(), set(), None
+        self.wgrads = WeightGrads()          # the linears' dW: always at once here (zero-bubble refuses --zero 2/3)
         self.decay_slices = self._runs([s for s in self.specs if s.decl.decay])
         self.replica_runs = [(r, run) for r in sorted({s.replicas for s in self.specs})
                              for run in self._runs([s for s in self.specs if s.replicas == r])]

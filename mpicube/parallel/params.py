@@ -32,6 +32,7 @@ from ..device import fused, precision
 from ..device.backend import Backend
 from .comm import Comm
 from .paramspec import ParamDecl, ParamSpec, init_block  # noqa: F401 (ParamDecl, ParamSpec re-exported)
+from .wgrad import WeightGrads
 from .split import SharedColumns, full_index, shared_columns, split_decl, split_index  # noqa: F401 (re-exported)
 from .zero import ExpertPartition, Partition
 
@@ -121,6 +122,7 @@ class ParamStore:
         experts = self._runs([s for s in self.specs if s.expert])
         self.expert_run = experts[0] if experts else None    # the experts' slice of the buffer (--ep), or None
         self._deferred, self._unwritten = set(), set()    # see defer_zero
+        self.wgrads = WeightGrads()                       # the linears' dW: now, or filed (wgrad.py)
         self._eager_runs = None
         self.decay_slices = self._runs([s for s in self.specs if s.decl.decay])
         # (replicas, flat slice) runs: the gradient norm counts each replicated block once

@@ -28,7 +28,7 @@ from .fp8 import check_plan as check_fp8
 from .gridspec import ATTENTION_KINDS, Plan
 from .layouts import LAYOUTS
 from .layouts.base import RECOMPUTE_MODES, nearest_multiples
-from .schedules import check_pipeline
+from .schedules import VEE_SCHEDULES, ZB_SCHEDULES, check_pipeline
 from .zero import validate as validate_zero
 
 LAYOUT_CHOICES = ("auto",) + tuple(LAYOUTS)
@@ -221,6 +221,13 @@ def _check_choices(plan: Plan, cfg: ModelConfig, world_size: int) -> tuple:
         raise ConfigError(f"unknown attention {plan.attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
     tp = plan.tp(world_size)
     note = check_pipeline(cfg.n_layer, plan.pp, plan.pp_schedule, plan.virtual_stages, plan.grad_accum)
+    if plan.pp_schedule in ZB_SCHEDULES and plan.zero >= 2:
+        raise ConfigError(f"--pp-schedule {plan.pp_schedule} defers weight gradients past the block's backward, "
+                          f"where --zero {plan.zero} reduce-scatters them: use --zero 0 or 1, or --pp-schedule 1f1b")
+    if cfg.mtp_depth and plan.pp > 1 and plan.pp_schedule in VEE_SCHEDULES:
+        raise ConfigError(f"--mtp-depth runs its modules on the last pipeline stage, and --pp-schedule "
+                          f"{plan.pp_schedule} folds the model's end back onto stage 0: use --pp-schedule zb-h1 "
+                          f"or 1f1b")
     name = choose_layout(plan.layout, tp, plan.depth)
     if name not in LAYOUTS:
         raise ConfigError(f"unknown layout {plan.layout!r}; choose one of {', '.join(LAYOUT_CHOICES)}")

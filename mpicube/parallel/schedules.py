@@ -2,7 +2,10 @@
 
 A schedule is a pure function of (name, P stages, N micro-batches, V
 virtual chunks per stage) that returns, for each stage, the forwards,
-backwards, sends and receives it performs in one optimizer step. Why data
+backwards, sends and receives it performs in one optimizer step. The
+zero-bubble schedules (``schedules_zb``: zb-h1, zbv, dualpipev) split a
+backward into ``backward_input`` (B, dX) and ``backward_weight`` (W, the
+linears' dW filed by ``parallel.wgrad``), and may mix whole backwards in. Why data
 and not code: the same lists are run by the executor, checked for deadlock
 freedom and dependency order without MPI (tests/test_schedules.py), measured
 for their bubble and in-flight activations by the cost model, and drawn
@@ -12,8 +15,10 @@ runs.
 Model chunk k (0..P*V-1) holds a contiguous run of layers (``layer_split``);
 chunk 0 also holds the embeddings, chunk P*V-1 the final LayerNorm and the
 LM head. Stage p holds chunks p, P + p, ..., (V-1)*P + p: its local chunk v
-is model chunk ``v * P + p``. Activations of micro-batch m flow from chunk k
-to k+1 (stage k % P to stage (k+1) % P), their gradients back.
+is model chunk ``v * P + p``, except in a V (zbv, dualpipev: chunks p and
+2P-1-p, ``model_chunk``). Activations of micro-batch m flow from chunk k
+to k+1 (from the stage holding k to the one holding k+1; a V's turn, P-1
+to P, stays on the last stage with no message), their gradients back.
 
 A ``recv_*`` sits right before the compute that consumes it and a
 ``send_*`` right after the compute that produced it. The executor posts
@@ -31,10 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.errors import ConfigError
+from .schedules_zb import VEE_SCHEDULES, ZB_SCHEDULES, chunk_place, model_chunk, zb_bubble_fraction, zb_order
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")               # one backward action per chunk and micro-batch
+ALL_SCHEDULES = SCHEDULES + ZB_SCHEDULES                    # and those that split it (schedules_zb.py)
 DEFAULT_SCHEDULE = "1f1b"
-OPS = ("forward", "backward", "send_act", "recv_act", "send_grad", "recv_grad")
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
+OPS = COMPUTE + ("send_act", "recv_act", "send_grad", "recv_grad")
 
 
 @dataclass(frozen=True)
@@ -66,8 +74,8 @@ def check_pipeline(n_layer: int, pp: int, schedule: str = DEFAULT_SCHEDULE, virt
     the user (a large bubble) or None. Raises ConfigError, one line naming
     the nearest valid values. Pure, so every rank refuses the same way
     before any communicator exists."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"unknown --pp-schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule not in ALL_SCHEDULES:
+        raise ConfigError(f"unknown --pp-schedule {schedule!r}; choose one of {', '.join(ALL_SCHEDULES)}")
     if pp < 1:
         raise ConfigError(f"--pp must be at least 1, got {pp}")
     if grad_accum < 1:
@@ -77,7 +85,20 @@ def check_pipeline(n_layer: int, pp: int, schedule: str = DEFAULT_SCHEDULE, virt
     if pp > n_layer:
         raise ConfigError(f"--pp {pp} exceeds n_layer {n_layer} (every stage needs a layer): "
                           f"use --pp {n_layer} or less, or --n-layer {pp} or more")
-    if virtual != 1 and schedule != "interleaved":
+    if schedule in ZB_SCHEDULES and pp < 2:
+        raise ConfigError(f"--pp-schedule {schedule} needs --pp 2 or more (one stage has no bubble to fill): "
+                          f"use --pp 2 or more, or --pp-schedule 1f1b")
+    if schedule in VEE_SCHEDULES:
+        if virtual != 2:
+            raise ConfigError(f"--pp-schedule {schedule} runs two chunks a stage (a V): use --virtual-stages 2 "
+                              f"(got {virtual})")
+        if 2 * pp > n_layer:
+            raise ConfigError(f"--pp {pp} x 2 chunks of --pp-schedule {schedule} exceeds n_layer {n_layer}: "
+                              f"use --pp {max(1, n_layer // 2)} or less, or --n-layer {2 * pp} or more")
+        if schedule == "dualpipev" and grad_accum < 2 * pp:
+            raise ConfigError(f"--pp-schedule dualpipev needs at least 2 x --pp {pp} micro-batches: "
+                              f"--grad-accum {grad_accum}: use --grad-accum {2 * pp} or more")
+    elif virtual != 1 and schedule != "interleaved":
         raise ConfigError(f"--virtual-stages {virtual} applies to --pp-schedule interleaved only "
                           f"(schedule {schedule}): drop --virtual-stages, or use --pp-schedule interleaved")
     if schedule == "interleaved":
@@ -136,6 +157,8 @@ def bubble_fraction(schedule: str, stages: int, micro_batches: int, virtual: int
     (P-1)/(V*N + P-1) - the bubble over the ideal time, (P-1)/(V*N), is
     1F1B's (P-1)/N divided by V. ``simulate`` measures the same number from
     the schedule itself (tests/test_schedules.py holds the two equal)."""
+    if schedule in ZB_SCHEDULES:
+        return zb_bubble_fraction(schedule, stages, micro_batches)
     p, n, v = stages, micro_batches, (virtual if schedule == "interleaved" else 1)
     return (p - 1) / (v * n + p - 1)
 
@@ -172,32 +195,41 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1)
     needs N a multiple of P and P >= 2; V > 1 only under interleaved (with
     V = 1 interleaved is 1F1B)."""
     P, N, V = stages, micro_batches, virtual
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown --pp-schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name not in ALL_SCHEDULES:
+        raise ConfigError(f"unknown --pp-schedule {name!r}; choose one of {', '.join(ALL_SCHEDULES)}")
     if P < 1 or N < 1 or V < 1:
         raise ConfigError(f"stages {P}, micro-batches {N} and virtual stages {V} must be at least 1")
-    if V > 1 and name != "interleaved":
+    if name in VEE_SCHEDULES and V != 2:
+        raise ConfigError(f"{name} runs two chunks a stage (a V): virtual stages 2, got {V}")
+    if V > 1 and name not in ("interleaved",) + VEE_SCHEDULES:
         raise ConfigError(f"virtual stages {V} apply to the interleaved schedule only")
+    if name == "dualpipev" and N < 2 * P:
+        raise ConfigError(f"dualpipev needs at least 2P = {2 * P} micro-batches, got {N}")
     if name == "interleaved" and V > 1 and (P < 2 or N % P):
         raise ConfigError(f"interleaved needs at least 2 stages and micro-batches a multiple of {P}, got {N}")
     last = P * V - 1
     out = []
+    orders = zb_order(name, P, N) if name in ZB_SCHEDULES else [_order(name, p, P, N, V) for p in range(P)]
     for p in range(P):
         acts = []
-        for op, m, v in _order(name, p, P, N, V):
-            k = v * P + p                                  # model chunk
+        for op, m, v in orders[p]:
+            k = model_chunk(name, p, v, P)
+            prev = chunk_place(name, k - 1, P)[0] if k > 0 else None      # the stages of the neighbours,
+            after = chunk_place(name, k + 1, P)[0] if k < last else None  # None past the model's ends
             if op == "forward":
-                if k > 0:
-                    acts.append(Action("recv_act", m, v, (k - 1) % P))
+                if prev not in (None, p):                  # a V's turn (chunks P-1, P) stays on its stage
+                    acts.append(Action("recv_act", m, v, prev))
                 acts.append(Action("forward", m, v))
-                if k < last:
-                    acts.append(Action("send_act", m, v, (k + 1) % P))
-            else:
-                if k < last:
-                    acts.append(Action("recv_grad", m, v, (k + 1) % P))
-                acts.append(Action("backward", m, v))
-                if k > 0:
-                    acts.append(Action("send_grad", m, v, (k - 1) % P))
+                if after not in (None, p):
+                    acts.append(Action("send_act", m, v, after))
+            elif op == "backward_weight":                   # W: local, nothing sent or received
+                acts.append(Action(op, m, v))
+            else:                                           # a whole backward, or its input part B
+                if after not in (None, p):
+                    acts.append(Action("recv_grad", m, v, after))
+                acts.append(Action(op, m, v))
+                if prev not in (None, p):
+                    acts.append(Action("send_grad", m, v, prev))
         out.append(acts)
     return out
 
@@ -210,7 +242,22 @@ def in_flight(actions: list) -> list:
     for a in actions:
         if a.op == "forward":
             live = live + [(a.micro, a.chunk)]
-        elif a.op == "backward":
+        elif a.op in ("backward", "backward_input"):
+            live = [x for x in live if x != (a.micro, a.chunk)]
+        out.append(tuple(live))
+    return out
+
+
+def in_weight_phase(actions: list) -> list:
+    """After each action of one stage, the (micro, chunk) pairs whose input
+    gradient B has run and whose weight gradient W has not: the pairs whose
+    filed weight work (the linears' saved inputs and output gradients,
+    ``parallel.wgrad``) the stage holds. Empty under unsplit schedules."""
+    live, out = [], []
+    for a in actions:
+        if a.op == "backward_input":
+            live = live + [(a.micro, a.chunk)]
+        elif a.op == "backward_weight":
             live = [x for x in live if x != (a.micro, a.chunk)]
         out.append(tuple(live))
     return out
@@ -227,27 +274,30 @@ class Deadlock(RuntimeError):
     """``simulate`` found stages that wait on each other forever."""
 
 
-def message_source(a: Action, stage: int, stages: int) -> tuple:
+def message_source(a: Action, stage: int, stages: int, schedule: str = DEFAULT_SCHEDULE) -> tuple:
     """(kind, micro, model chunk that sent it) of a send or receive: the
     identity of the message at both ends. Under interleaved one pair of
     stages exchanges several chunks of one micro-batch, so the micro alone
-    cannot tell them apart."""
+    cannot tell them apart. ``schedule`` places the chunks (``model_chunk``:
+    a V under zbv)."""
     kind = a.op.split("_")[1]                             # "act" | "grad"
-    k = a.chunk * stages + stage                          # this end's model chunk
+    k = model_chunk(schedule, stage, a.chunk, stages)     # this end's model chunk
     if a.op.startswith("recv"):
         k = k - 1 if kind == "act" else k + 1             # the sender's model chunk
     return kind, a.micro, k
 
 
-def message_tag(a: Action, stage: int, stages: int, virtual: int, micro_batches: int) -> int:
+def message_tag(a: Action, stage: int, stages: int, virtual: int, micro_batches: int,
+                schedule: str = DEFAULT_SCHEDULE) -> int:
     """A nonnegative MPI tag unique to the message within one step: the two
     ends of a message compute the same tag, and no two messages share one,
     so order between two peers cannot mismatch."""
-    kind, m, k = message_source(a, stage, stages)
+    kind, m, k = message_source(a, stage, stages, schedule)
     return ((0 if kind == "act" else 1) * stages * virtual + k) * micro_batches + m
 
 
-def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1.0) -> dict:
+def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1.0,
+             name: str = DEFAULT_SCHEDULE) -> dict:
     """Run every stage's list with the executor's semantics: a send never
     blocks (nonblocking, receives posted early), a receive blocks until the
     peer has sent, compute takes ``forward_time`` / ``backward_time`` per
@@ -271,18 +321,19 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
         for p in range(P):
             while pos[p] < len(schedule[p]):
                 a = schedule[p][pos[p]]
-                if a.op in ("forward", "backward"):
-                    dt = forward_time if a.op == "forward" else backward_time
+                if a.op in COMPUTE:
+                    # a split backward: B and W half of a whole one each (F = B = W at backward_time = 2)
+                    dt = {"forward": forward_time, "backward": backward_time}.get(a.op, backward_time / 2)
                     timeline[p].append((clock[p], clock[p] + dt, a))
                     clock[p] += dt
                     busy[p] += dt
                 elif a.op.startswith("send"):
-                    key = message_source(a, p, P) + (p, a.peer)
+                    key = message_source(a, p, P, name) + (p, a.peer)
                     if key in sent:
                         raise Deadlock(f"stage {p} sends {key[:3]} twice")
                     sent[key] = clock[p]
                 else:
-                    key = message_source(a, p, P) + (a.peer, p)
+                    key = message_source(a, p, P, name) + (a.peer, p)
                     if key not in sent or key in taken:
                         break                                   # blocked: not sent (or received already)
                     taken.add(key)

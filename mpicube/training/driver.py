@@ -27,6 +27,7 @@ import numpy as np
 from .. import ops
 from ..ops import attention_blocks
 from ..model.block import Dropout, Recomputed
+from ..model import mtp
 from ..model.gpt import GPT, Head
 from ..model.router import RouterLedger
 from ..model.tape import Micro, saved_buffers
@@ -100,19 +101,23 @@ def micro_context(layout, idx, targets, step: int, micro: int, grad_accum: int, 
     canonical rows' (``rank_positions``)."""
     T = idx.shape[1]
     n_tokens = layout.batch_size * grad_accum * T                  # N, global, of the whole step
+    cfg = layout.cfg
+    depths = mtp.depth_inputs(cfg, targets) if cfg.mtp_depth and targets is not None else ()
     ring = layout.axes.cp
     cut = None
     if ring.size > 1:                       # this rank's two chunks of every sequence (parallel.context)
         cut = context.local_positions(T, ring.size, ring.rank, context.ulysses_of(ring))   # (T/cp,) global positions
         idx = np.asarray(idx)[:, cut]
         targets = None if targets is None else np.asarray(targets)[:, cut]
+        depths = tuple(tuple(a[:, cut] for a in depth) for depth in depths)   # shifted first, then cut
     pos = rank_positions(layout, T)
     # a mixture of experts' router losses and capacity count the micro-batch's tokens over the dp replicas
     # (and the tp ranks with other sequences, the cp ranks with other positions)
     ledger = (RouterLedger(layout.cfg, layout.axes.dp, layout.batch_size * T, grad_accum, tokens=layout.token_comm,
                            ring=layout.axes.cp, seq_len=T) if layout.cfg.moe else None)
+    counts = mtp.depth_counts(cfg, layout.batch_size * grad_accum, T)   # each depth's, global, of the whole step
     return idx, targets, Micro(step=step, micro=micro, positions=pos, gathered=cut, n_tokens=n_tokens, train=train,
-                               router=ledger)
+                               router=ledger, mtp=depths, mtp_counts=counts)
 
 
 class Runner:
@@ -126,6 +131,7 @@ class Runner:
         self.tape = None
         self.logits = None                   # the last forward's logits (B_l, T, V_l), until its backward
         self.router_log = RouterLog(layout.backend.to_host)   # a mixture of experts' statistics since the last take()
+        self.mtp_log = MtpLog()                  # multi-token prediction's losses since the last take()
         # --recompute blocks: the most one rerun block held during the last backward (elements, bytes)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
         for block in model.blocks if train else []:     # an evaluation runs no backward: no rerun to watch
@@ -138,10 +144,18 @@ class Runner:
         return Runner(self.model, self.layout, self.grad_accum, train=False)
 
     def forward(self, idx, targets, step: int = 0, micro: int = 0) -> float:
+        """The micro-batch's share of the step's loss: with MTP, main + (W /
+        D) sum_k L_k, each over its global count (``mtp.loss_terms``; the
+        parts go to ``mtp_log``); evaluation's is the main loss alone."""
         idx, targets, ctx = micro_context(self.layout, idx, targets, step, micro, self.grad_accum, self.train)
-        share, self.tape = self.model.forward(idx, targets, ctx)
+        share, self.tape = self.model.forward(idx, targets, ctx)            # (1,) or (1 + D,) with MTP
         self.logits = Head.logits(self.tape)
-        loss = float(self.layout.axes.world.allreduce(share)[0]) / ctx.n_tokens
+        sums = self.layout.backend.to_host(self.layout.axes.world.allreduce(share))
+        loss, main, depths = mtp.loss_terms(self.layout.cfg, sums, ctx.n_tokens, ctx.mtp_counts)
+        if depths and self.train:
+            self.mtp_log.add(main, depths)
+        if not self.train:                   # evaluation: the model's cross-entropy, the MTP depths left out
+            loss = main
         if ctx.router is not None:           # the router losses, summed over the replicas before any backward
             router_loss = ctx.router.finish()
             if self.train:
@@ -233,3 +247,24 @@ class RouterLog:
                 "router_z_loss": sum(led.z_loss() for led in ledgers) / n,
                 "expert_tokens": [[int(round(c)) for c in row] for row in counts.tolist()],
                 "expert_dropped": [int(round(d)) for d in dropped.tolist()]}
+
+
+class MtpLog:
+    """Multi-token prediction's per-step record for metrics.jsonl: the
+    main cross-entropy and each depth's (``mtp_loss_{k}``), summed over
+    the step's micro-batches (each already divided by the step's count,
+    so the sum is the step's); ``take`` returns it and starts afresh."""
+
+    def __init__(self):
+        self.main, self.depths = 0.0, []
+
+    def add(self, main: float, depths: list) -> None:
+        self.main += main
+        self.depths = [a + b for a, b in zip(self.depths, depths)] if self.depths else list(depths)
+
+    def take(self) -> dict:
+        if not self.depths:
+            return {}
+        out = {"main_loss": self.main, **{f"mtp_loss_{k}": v for k, v in enumerate(self.depths, start=1)}}
+        self.main, self.depths = 0.0, []
+        return out

@@ -42,11 +42,12 @@ def fp8_recipe(name, dtype: str, grad_format=None, accumulate=None, history: int
     if device != "cpu":
         raise ConfigError(f"--fp8 runs on the CPU so far (ml_dtypes' formats), not --device {device}")
     from ..ops import fp8
-    if fp8.ml_dtypes is None:
+    if fp8.ml_dtypes() is None:
         raise ConfigError("--fp8 needs the ml_dtypes package (its FP8 formats): pip install ml_dtypes "
                           "(or reinstall mpicube)")
     if ep > 1:
-        raise ConfigError("--fp8 with --ep > 1 is not supported yet (an expert's scale would have to be reduced "
-                          "over the ranks that hold its tokens); use --ep 1")
+        raise ConfigError("--fp8 with --ep > 1 is not supported yet: an expert's scales would have to be reduced "
+                          "over the ranks that dispatched its tokens, and its token tiles would straddle them "
+                          "(docs/fp8.md, Refused); use --ep 1")
     return Recipe(name, grad_format=grad_format, block=block, power_of_2=power_of_2, history=history,
                   history_rule=rule, accumulate=accumulate)

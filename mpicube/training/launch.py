@@ -35,10 +35,10 @@ SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "vocab_size")   # what a model f
 # and sequence-wise loss) given apply to the file's model.
 FAMILY_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings", "n_experts", "top_k",
                   "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "q_lora_rank",
-                  "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"
-                  ) + DEEPSEEK_OPTIONS
+                  "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+                  "mtp_depth", "mtp_loss_weight") + DEEPSEEK_OPTIONS
 TRAINING_KNOBS = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "bias_update_rate", "bias_update",
-                  "seq_aux_loss_coef")
+                  "seq_aux_loss_coef", "mtp_loss_weight")
 # a model-defining family option -> its value in a ModelConfig, comparable with the file's
 MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.ffn, "rope_theta": lambda c: c.rope_theta,
                   "rms_eps": lambda c: c.rms_eps, "tie_embeddings": lambda c: c.tied,
@@ -48,7 +48,7 @@ MODEL_DEFINING = {"n_kv_head": lambda c: c.kv_heads, "ffn_hidden": lambda c: c.f
                                                                  "qk_nope_head_dim", "v_head_dim", "rope_interleave",
                                                                  "router", "n_groups", "topk_groups",
                                                                  "routed_scaling_factor", "n_shared_experts",
-                                                                 "first_k_dense")},
+                                                                 "first_k_dense", "mtp_depth")},
                   "moe_ffn_hidden": lambda c: c.moe_ffn}
 
 
@@ -82,7 +82,12 @@ class Launch:
 
         vocab = None                                     # the vocabulary the shards are checked against now
         if o.init_from is not None and not o.resume:     # a model file refused leaves no run directory behind
-            vocab = on_root(self.world, self._check_init_from)
+            file_cfg = on_root(self.world, self._check_init_from)
+            vocab = file_cfg.vocab_size
+            if o.batch_size is None:                     # the file's model sets the default batch: plan the
+                self.cfg = file_cfg                      # data now, so a bad token id leaves no directory either
+                self._resolve()
+                self._plan_data()
         elif self.cfg is not None and not o.resume:
             vocab = self.cfg.vocab_size
         self.vocab_checked = False
@@ -235,15 +240,16 @@ class Launch:
                               f"({', '.join(differ)} not used)")
         return cfg
 
-    def _check_init_from(self) -> int:
+    def _check_init_from(self) -> ModelConfig:
         """Rank 0: --init-from's file opens and its model is the one the
         options ask for (shape and family), before the run directory is
-        made; returns its vocabulary size (the shards are checked against it)."""
+        made; returns the model it holds under this run's options (its
+        vocabulary checks the shards; its shape sets a default batch)."""
         with formats.open_model(self.opts.init_from, verify=False) as model_file:
             said = list(self.notes)
-            self._file_config(model_file)
+            cfg = self._file_config(model_file)
             self.notes[:] = said                   # said again when the run opens the file
-            return model_file.config.vocab_size
+            return cfg
 
     def _file_family(self, path, cfg: ModelConfig) -> ModelConfig:
         """The file's model under this run's family options: the file
@@ -298,6 +304,12 @@ class Launch:
             self.opt.adam.t = saved.adam_t
             if self.scaler is not None and saved.loss_scale is not None:
                 self.scaler.restore(saved.loss_scale)   # scale and counters: resume stays exact
+            fp8 = self.parts.layout.fp8
+            if fp8 is not None and fp8.recipe.name == "delayed":
+                if saved.fp8 is not None:
+                    fp8.restore(saved.fp8)              # the amax histories: delayed's scales resume exactly
+                else:
+                    self.notes.append(f"note: {ck.path} holds no --fp8 delayed amax history: it starts empty")
             step = saved.step
             self.notes.append(f"resuming from {ck.path} at step {step}")
             changed = self._changed_options(saved.train)

@@ -19,7 +19,8 @@ from .parts import Numerics
 from . import muon
 from .fp8_options import fp8_recipe
 
-MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
+MLA_OPTIONS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+               "mtp_depth", "mtp_loss_weight")
 FP8_OPTIONS = ("fp8", "fp8_grad_format", "fp8_accumulate", "fp8_amax_history", "fp8_amax_rule", "fp8_block",
                "fp8_pow2")
 MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"
@@ -34,7 +35,7 @@ class TrainOptions:
     dp: int = 1
     ep: int = 1                    # expert-parallel ranks taken from dp (a mixture of experts)
     pp: int = 1                    # pipeline stages
-    pp_schedule: str = "1f1b"      # gpipe, 1f1b or interleaved (micro-batches: grad_accum)
+    pp_schedule: str = "1f1b"      # gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev (micro-batches: grad_accum)
     virtual_stages: int = 1        # model chunks per stage under interleaved
     cp: int = 1                    # context-parallel ranks (issue 22)
     cp_kind: str = "ring"          # ring, ulysses or hybrid (issue 46; parallel/ulysses.py)
@@ -73,6 +74,8 @@ class TrainOptions:
     qk_nope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
     rope_interleave: Optional[bool] = None
+    mtp_depth: Optional[int] = None          # deepseek_v3's multi-token prediction (model/mtp.py); None = 0
+    mtp_loss_weight: Optional[float] = None
     seq_len: int = 64
     vocab_size: int = data.VOCAB_SIZE   # a model given by --init-from or --resume brings its own
     batch_size: Optional[int] = None   # global sequences per step; None = the smallest of at least 8 that fits

@@ -22,7 +22,13 @@ receive, which the watchdog (``--collective-timeout``) names and ends.
 
 Each chunk is one ``GPT``; each (chunk, micro-batch) in flight has its own
 tape (``self.tapes``): under 1F1B up to P micro-batches of a chunk are
-between their forward and their backward on one stage at once.
+between their forward and their backward on one stage at once. A
+zero-bubble schedule's ``backward_input`` runs the same ``GPT.backward``
+inside ``store.wgrads.collect()``, so the linears file their dW work
+(``self.filed``) and its ``backward_weight`` runs it (``parallel.wgrad``);
+the model does not know which. In a V (zbv, dualpipev) chunks P-1 and P
+share the last stage: the activation and its gradient are handed over in
+the stage's outbox, with no message.
 
 The numerics are those of the same step without a pipeline: micro-batch m
 is ``Parts.micro_rows(m)`` of the step's batch, dropout masks are drawn at
@@ -45,43 +51,49 @@ import numpy as np
 from ..model.block import Recomputed
 from ..model.gpt import GPT, gpt_params  # noqa: F401 (GPT: tests plant faults on it)
 from ..model.tape import saved_buffers
-from .driver import RouterLog, build_gpt, canonical_length, last_logits, micro_context
+from .driver import MtpLog, RouterLog, build_gpt, canonical_length, last_logits, micro_context
 from ..parallel.comm_p2p import irecv, isend
 from ..parallel.experts import model_specs
-from ..parallel.schedules import Action, build_schedule, layer_split, message_tag
+from ..parallel.schedules import (DEFAULT_SCHEDULE, VEE_SCHEDULES, Action, build_schedule, chunk_place,
+                                  layer_split, message_tag, model_chunk)
 
 
-def stage_chunks(n_layer: int, stages: int, stage: int, virtual: int = 1) -> list:
-    """(local chunk v, model chunk k, layers) of every chunk stage ``stage`` holds."""
+def stage_chunks(n_layer: int, stages: int, stage: int, virtual: int = 1, schedule: str = DEFAULT_SCHEDULE) -> list:
+    """(local chunk v, model chunk k, layers) of every chunk stage ``stage``
+    holds, in the schedule's placement (``schedules.model_chunk``: a V under zbv)."""
     split = layer_split(n_layer, stages * virtual)
-    return [(v, v * stages + stage, split[v * stages + stage]) for v in range(virtual)]
+    return [(v, model_chunk(schedule, stage, v, stages), split[model_chunk(schedule, stage, v, stages)])
+            for v in range(virtual)]
 
 
-def stage_names(cfg, stages: int, stage: int, virtual: int = 1) -> set:
+def stage_names(cfg, stages: int, stage: int, virtual: int = 1, schedule: str = DEFAULT_SCHEDULE) -> set:
     """The parameter names stage ``stage`` holds."""
     last = stages * virtual - 1
     names = set()
-    for _, k, layers in stage_chunks(cfg.n_layer, stages, stage, virtual):
+    for _, k, layers in stage_chunks(cfg.n_layer, stages, stage, virtual, schedule):
         names.update(f"h.{i}." for i in layers)
         if k == 0:
             names.update(("wte", "wpe"))
         if k == last:
             names.update(("wte" if cfg.tied else "lm_head", "ln_f."))   # an untied head (Llama): its own
+            if cfg.mtp_depth:               # multi-token prediction: its blocks, tensors and a wte for its lookup
+                names.update(["wte", "mtp."] + [f"h.{i}." for i in range(cfg.n_layer, cfg.n_blocks)])
     return names
 
 
-def stage_specs(layout, cfg, virtual: int = 1) -> list:
+def stage_specs(layout, cfg, virtual: int = 1, schedule: str = DEFAULT_SCHEDULE) -> list:
     """This rank's ParamSpecs: its stage's parameters only. With more than
     one stage the tied ``wte`` is held twice (stage 0 and stage P-1), so each
     copy declares twice the layout's replicas (the norm counts it once) and
     only stage 0's copy writes it to a checkpoint."""
     pp = layout.axes.pp
-    keep = stage_names(cfg, pp.size, pp.rank, virtual)
+    keep = stage_names(cfg, pp.size, pp.rank, virtual, schedule)
     decls = [d for d in gpt_params(cfg) if any(d.name == k or (k.endswith(".") and d.name.startswith(k)) for k in keep)]
     specs = []
     for spec in model_specs(layout, decls):     # a mixture's experts: this ep rank's only
         name = spec.name
-        if name == "wte" and pp.size > 1 and cfg.tied:
+        if name == "wte" and pp.size > 1 and (cfg.tied or cfg.mtp_depth) and schedule not in VEE_SCHEDULES:
+            # held by stages 0 and P-1 (the head's or the MTP depths' lookup); a V keeps both ends on stage 0
             spec = dataclasses.replace(spec, replicas=2 * spec.replicas, writer=spec.writer and pp.rank == 0,
                                        tied_pair=True)
         specs.append(spec)
@@ -109,13 +121,18 @@ class Pipeline:
         self.stage = self.pp.rank
         self.schedule = schedule
         self.dropout, self.seed = dropout, seed
-        self.chunks = stage_chunks(cfg.n_layer, self.P, self.stage, virtual)     # (v, k, layers)
+        self.chunks = stage_chunks(cfg.n_layer, self.P, self.stage, virtual, schedule)     # (v, k, layers)
         self.last_chunk = self.P * virtual - 1
+        # local chunk -> the local chunk that feeds it (a V's turn: chunks P-1 and P on the last stage), or None
+        self.local_prev = {v: chunk_place(schedule, k - 1, self.P)[1] for v, k, _ in self.chunks
+                           if k > 0 and chunk_place(schedule, k - 1, self.P)[0] == self.stage}
+        self.local_next = {w: v for v, w in self.local_prev.items()}
         # the action list: the schedule's, or one a test plants
         self.actions = actions if actions is not None else build_schedule(schedule, self.P, grad_accum,
                                                                            virtual)[self.stage]
         self.models = {}                        # v -> the GPT of local chunk v (one for every micro-batch)
         self.tapes = {}                         # (v, micro) -> the tape of a forward whose backward has not run
+        self.filed = {}                         # (v, micro) -> the weight work its B filed, until its W runs
         # (elements, bytes) the most held for backward at once, when measured: after
         # every forward, and under --recompute blocks during a backward's rerun
         self.peak_saved = (0, 0)
@@ -124,6 +141,7 @@ class Pipeline:
         self.current = None                     # (chunk, tape) of the last forward
         self.ledgers = {}                       # (train, micro) -> a mixture's RouterLedger this step
         self.router_log = RouterLog(layout.backend.to_host)
+        self.mtp_log = MtpLog()                 # multi-token prediction's losses, per step
         for v in range(len(self.chunks)):       # built now: their persistent buffers (a router's bias) are in
             self.chunk_model(v)                 # the store before a checkpoint is read into it
 
@@ -157,12 +175,15 @@ class Pipeline:
         self.current = (model, tape)            # for an observer (a trace) after the forward
         return out, tape, ctx
 
-    def _share(self, out, ctx) -> float:
-        """A last chunk's loss share on this rank as a float, divided by the step's tokens."""
-        return float(self.layout.backend.to_host(out)[0]) / ctx.n_tokens
+    def _share(self, out, ctx) -> np.ndarray:
+        """A last chunk's loss shares on this rank (1 + D,): the main
+        cross-entropy's divided by the step's tokens, each MTP depth's by
+        its own global count (model/mtp.py)."""
+        sums = self.layout.backend.to_host(out).astype(np.float64)                 # (1 + D,)
+        return np.array([sums[0] / ctx.n_tokens] + [s / n for s, n in zip(sums[1:], ctx.mtp_counts)])
 
     def _tag(self, a) -> int:
-        return message_tag(a, self.stage, self.P, self.V, self.N)
+        return message_tag(a, self.stage, self.P, self.V, self.N, self.schedule)
 
     def _block_shape(self, T: int) -> tuple:
         """(B_c, T_c, C_c): one micro-batch's canonical activation block on
@@ -184,7 +205,7 @@ class Pipeline:
         measure memory there); ``peak_saved`` is then the most this stage
         held for backward at once."""
         posted = self._post_receives(self.actions, x.shape[1])
-        inbox, outbox, sends, loss = {}, {}, [], 0.0
+        inbox, outbox, sends, loss = {}, {}, [], np.zeros(1 + self.cfg.mtp_depth)   # main, then each MTP depth
         live = set()
         self.peak_saved = (0, 0)
         self.recompute_peak_elements = self.recompute_peak_bytes = 0
@@ -196,7 +217,12 @@ class Pipeline:
                 sends.append(isend(self.pp, outbox.pop((a.op, m, v)), a.peer, self._tag(a)))
             elif a.op == "forward":
                 model = self.chunk_model(v)
-                inp = None if model.first else inbox.pop(("recv_act", m, v))
+                if model.first:
+                    inp = None
+                elif v in self.local_prev:                          # the chunk before, on this stage
+                    inp = outbox.pop(("send_act", m, self.local_prev[v]))
+                else:
+                    inp = inbox.pop(("recv_act", m, v))
                 out, self.tapes[v, m], ctx = self._run_forward(model, v, m, parts, x, y, step, inp)
                 if ctx.router is not None and v == self.V - 1:
                     ctx.router.start(self.layout.axes.world, same_tokens(self.layout))   # waited in backward
@@ -208,49 +234,67 @@ class Pipeline:
                 if after_forward is not None:
                     after_forward(m, v)
                     self._measure(live)
-            elif a.op == "backward":
+            elif a.op == "backward_weight":               # W: the weight work B filed (parallel/wgrad.py)
+                self.store.wgrads.run(self.filed.pop((v, m)))
+            elif a.op in ("backward", "backward_input"):
                 model = self.chunk_model(v)
-                dout = loss_scale if model.last else inbox.pop(("recv_grad", m, v))     # (B_c, T, C_c)
+                if model.last:
+                    dout = loss_scale
+                elif v in self.local_next:                          # the chunk after, on this stage
+                    dout = outbox.pop(("send_grad", m, self.local_next[v]))                # (B_c, T, C_c)
+                else:
+                    dout = inbox.pop(("recv_grad", m, v))                                 # (B_c, T, C_c)
                 held = self._saved(live) if after_forward is not None else (0, 0)
                 self._rerun = (0, 0)
                 tape = self.tapes.pop((v, m))
                 if tape.ctx.router is not None:
                     tape.ctx.router.wait()
                     tape.ctx.router.scale = loss_scale
-                dx = model.backward(dout, tape)
+                if a.op == "backward":
+                    dx = model.backward(dout, tape)
+                else:                                   # B: dX now, the linears' dW filed for W
+                    with self.store.wgrads.collect() as self.filed[v, m]:
+                        dx = model.backward(dout, tape)
                 live.discard((v, m))
                 self.recompute_peak_elements = max(self.recompute_peak_elements, self._rerun[0])
                 self.recompute_peak_bytes = max(self.recompute_peak_bytes, self._rerun[1])
                 if after_forward is not None and self._rerun[0]:
                     # --recompute blocks: a rerun block's caches on top of what was held before
                     self._peak((held[0] + self._rerun[0], held[1] + self._rerun[1]))
+                if after_forward is not None and a.op == "backward_input":
+                    self._measure(live)                 # the tapes left and every filed weight phase
                 if not model.first:
                     outbox["send_grad", m, v] = dx                               # (B_c, T, C_c)
             else:
                 raise ValueError(f"unknown pipeline action {a}")
         for pending in sends:
             pending.wait()
-        if posted or inbox or outbox:
+        if posted or inbox or outbox or self.filed:
             raise RuntimeError(f"stage {self.stage}: the action list left messages unused: "
-                               f"{sorted(set(posted) | set(inbox) | set(outbox))[:3]}")
+                               f"{sorted(set(posted) | set(inbox) | set(outbox) | set(self.filed))[:3]}")
         ledgers = [self.ledgers.pop((True, m)) for m in sorted(m for t, m in self.ledgers if t)]
         self.ledgers.clear()
         axes = self.layout.axes
-        once = self.stage == self.P - 1 and axes.tp.rank == axes.dp.rank == axes.cp.rank == 0
+        head_stage = chunk_place(self.schedule, self.last_chunk, self.P)[0]
+        once = self.stage == head_stage and axes.tp.rank == axes.dp.rank == axes.cp.rank == 0
         for ledger in ledgers:                  # the router losses, once in the world (its totals are global)
             self.router_log.add(ledger)
             if once:
-                loss += ledger.aux_term() + ledger.z_term() + ledger.seq_aux_term()
-        return self._step_loss(loss)
+                loss[0] += ledger.aux_term() + ledger.z_term() + ledger.seq_aux_term()
+        return self._step_loss(loss, train=True)
 
     def _measure(self, live) -> None:
         self._peak(self._saved(live))
 
     def _saved(self, live) -> tuple:
-        """(elements, bytes) the live (chunk, micro-batch) pairs hold for backward."""
+        """(elements, bytes) the live (chunk, micro-batch) pairs hold for
+        backward, and the weight work filed for a later W (its operands:
+        the linears' saved inputs and output gradients)."""
         elems = nbytes = 0
-        for v, m in live:
-            buffers = saved_buffers(self.tapes[v, m], self.store.buffers())
+        params = self.store.buffers()
+        held = [self.tapes[v, m] for v, m in live] + [[ops for _, ops in f] for f in self.filed.values()]
+        for item in held:
+            buffers = saved_buffers(item, params)
             elems += sum(b.size for b in buffers)
             nbytes += sum(b.nbytes for b in buffers)
         return elems, nbytes
@@ -259,11 +303,20 @@ class Pipeline:
         """Elements and bytes peak apart (the peak of one need not be the other's)."""
         self.peak_saved = (max(self.peak_saved[0], held[0]), max(self.peak_saved[1], held[1]))
 
-    def _step_loss(self, share: float) -> float:
-        """The last stage's loss shares summed over every rank (the other
-        stages add zero): one float64 all-reduce per step."""
+    def _step_loss(self, share, train: bool = False) -> float:
+        """The last stage's loss shares (1 + D,) summed over every rank (the
+        other stages add zero): one float64 all-reduce per step. The step's
+        loss is main + (W / D) sum_k L_k; a training step's main and depth
+        losses go to ``mtp_log``; an evaluation's loss is the main one."""
         xp = self.layout.backend.xp
-        return float(self.layout.axes.world.allreduce(xp.asarray(np.array([share])))[0])
+        sums = self.layout.backend.to_host(self.layout.axes.world.allreduce(xp.asarray(np.asarray(share))))
+        if len(sums) == 1:
+            return float(sums[0])
+        main, depths = float(sums[0]), [float(v) for v in sums[1:]]
+        if not train:                           # evaluation: the model's cross-entropy, as the Runner's
+            return main
+        self.mtp_log.add(main, depths)
+        return main + self.cfg.mtp_loss_weight / self.cfg.mtp_depth * sum(depths)
 
     # --- forward only (evaluation) --------------------------------------------
     def forward_actions(self) -> list:
@@ -274,11 +327,11 @@ class Pipeline:
         P, last, out = self.P, self.last_chunk, []
         for m in range(self.N):
             for v, k, _ in self.chunks:
-                if k > 0:
-                    out.append(Action("recv_act", m, v, (k - 1) % P))
+                if k > 0 and v not in self.local_prev:
+                    out.append(Action("recv_act", m, v, chunk_place(self.schedule, k - 1, P)[0]))
                 out.append(Action("forward", m, v))
-                if k < last:
-                    out.append(Action("send_act", m, v, (k + 1) % P))
+                if k < last and v not in self.local_next:
+                    out.append(Action("send_act", m, v, chunk_place(self.schedule, k + 1, P)[0]))
         return out
 
     def forward_loss(self, parts, x, y, step: int = 0) -> float:
@@ -286,7 +339,7 @@ class Pipeline:
         only and without dropout (evaluation's view)."""
         actions = self.forward_actions()
         posted = self._post_receives(actions, x.shape[1])
-        sends, outbox, loss = [], {}, 0.0
+        sends, outbox, loss = [], {}, np.zeros(1 + self.cfg.mtp_depth)
         for a in actions:
             m, v = a.micro, a.chunk
             if a.op == "recv_act":
@@ -295,6 +348,8 @@ class Pipeline:
                 sends.append(isend(self.pp, outbox.pop((m, v)), a.peer, self._tag(a)))
             else:
                 model = self.chunk_model(v)
+                if v in self.local_prev:                            # the chunk before, on this stage
+                    inp = outbox.pop((m, self.local_prev[v]))
                 out, _, ctx = self._run_forward(model, v, m, parts, x, y, step, None if model.first else inp,
                                                 train=False)
                 if model.last:
@@ -339,21 +394,25 @@ class Pipeline:
         before it (one micro-batch: nothing to overlap). ``rows``: the
         positions of the activation a chunk passes on (decode's t new
         ones, or a training forward's canonical rows)."""
-        result, sends = None, []
+        result, carry, sends = None, None, []
         for v, k, _ in self.chunks:
             model = self.chunk_model(v)
             if k == 0:
                 x = idx
+            elif v in self.local_prev:                              # the chunk before, on this stage
+                x = carry
             else:
-                a = Action("recv_act", 0, v, (k - 1) % self.P)
+                a = Action("recv_act", 0, v, chunk_place(self.schedule, k - 1, self.P)[0])
                 shape = (len(self.layout.canonical_seqs), rows, len(self.layout.canonical_cols))
                 x = irecv(self.pp, shape, self.layout.backend.dtype, a.peer, self._tag(a)).wait()   # (B_c, t, C_c)
             out = fn(model, v, x)
-            if k < self.last_chunk:
-                a = Action("send_act", 0, v, (k + 1) % self.P)
-                sends.append(isend(self.pp, out, a.peer, self._tag(a)))
-            else:
+            if k == self.last_chunk:
                 result = out
+            elif v in self.local_next:
+                carry = out
+            else:
+                a = Action("send_act", 0, v, chunk_place(self.schedule, k + 1, self.P)[0])
+                sends.append(isend(self.pp, out, a.peer, self._tag(a)))
         for pending in sends:
             pending.wait()
         return result

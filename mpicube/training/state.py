@@ -187,6 +187,7 @@ class Saved:
     train: dict = field(default_factory=dict)      # the saving run's options, as recorded
     data: dict = field(default_factory=dict)       # path, val (str or absent), builtin (bool)
     loss_scale: Optional[dict] = None   # float16: scale, good_steps, skipped
+    fp8: Optional[dict] = None          # --fp8 delayed: step, history {key: [amax]}, seen {key: amax}
 
 
 def saved_state(model_file) -> Saved:
@@ -232,4 +233,19 @@ def saved_state(model_file) -> Saved:
             raise bad("'loss_scale' scale", scale, "a finite number > 0")
         for key in ("good_steps", "skipped"):
             integer(f"'loss_scale' {key}", loss_scale.get(key), 0, 1 << 62)
-    return Saved(step=step, adam_t=adam_t, batch_size=batch, train=train, data=data, loss_scale=loss_scale)
+    fp8 = None
+    if "fp8" in attrs:
+        fp8 = document("fp8")
+        integer("'fp8' step", fp8.get("step"), 0, MAX_STEP)
+        for part in ("history", "seen"):
+            amaxes = fp8.get(part)
+            if not isinstance(amaxes, dict):
+                raise bad(f"'fp8' {part}", amaxes, "a JSON object")
+            for key, value in amaxes.items():
+                values = value if part == "history" and isinstance(value, list) else [value]
+                if part == "history" and not isinstance(value, list) or not all(
+                        not isinstance(a, bool) and isinstance(a, (int, float)) and math.isfinite(a) and a >= 0
+                        for a in values):
+                    raise bad(f"'fp8' {part} of {key}", value, "finite amaxes >= 0")
+    return Saved(step=step, adam_t=adam_t, batch_size=batch, train=train, data=data, loss_scale=loss_scale,
+                 fp8=fp8)

@@ -230,6 +230,8 @@ class Trainer(Launch):
             "comm_bytes": float(p.counters.total_bytes()),
             "comm_msgs": int(p.counters.total_msgs()),
         }
+        if hasattr(p.model, "mtp_log"):                      # multi-token prediction: main_loss, mtp_loss_{k}
+            rec.update(p.model.mtp_log.take())
         if hasattr(p.model, "router_log"):                   # a mixture of experts: router losses, tokens per expert
             rec.update(p.model.router_log.take())
             if not skipped:                                  # the aux-loss-free bias, from the step's global loads
@@ -272,6 +274,7 @@ class Trainer(Launch):
             "layout": json.dumps(p.layout.describe()),
             "adam_t": int(self.opt.adam.t),
             **({"loss_scale": self.scaler.to_json()} if self.scaler is not None else {}),
+            **({"fp8": json.dumps(p.layout.fp8.state(self.world))} if delayed(p.layout.fp8) else {}),
             "data": json.dumps({"step": s, "path": self.train_path, "val": self.val_path,
                                 "builtin": self.data_plan.builtin, "batch_size": o.batch_size,
                                 "seq_len": o.seq_len, "seed": o.seed}),
@@ -293,6 +296,13 @@ class Trainer(Launch):
         self.stop.ckpt_seconds = time.monotonic() - t0
         self.console.say(f"checkpoint {path}")
         return path
+
+
+def delayed(fp8) -> bool:
+    """Whether --fp8's scaling state carries amax histories (the delayed
+    recipe), which a checkpoint keeps so that a resumed run scales as the
+    uninterrupted one."""
+    return fp8 is not None and fp8.recipe.name == "delayed"
 
 
 def train(opts: TrainOptions, mpi_world=None) -> int:

@@ -97,7 +97,8 @@ FAMILY_KEYS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_
                "top_k", "norm_topk", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef",
                "router", "n_groups", "topk_groups", "routed_scaling_factor", "n_shared_experts", "moe_ffn_hidden",
                "first_k_dense", "bias_update_rate", "bias_update", "seq_aux_loss_coef",   # core.config.DEEPSEEK_MOE
-               "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
+               "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+               "mtp_depth", "mtp_loss_weight")                  # deepseek_v3's multi-token prediction
 
 
 def model_config(value, file) -> dict:

@@ -49,7 +49,7 @@ def detect(path) -> str:
             raise FormatError(f"{p}: has {hf.CONFIG} but no {hf.SINGLE} or {hf.INDEX} "
                               f"(mpicube reads safetensors only; found {', '.join(found) or 'no weights'})")
         raise FormatError(f"{p}: not a model directory (expected a mpicube run or checkpoint directory, "
-                          f"or a Hugging Face GPT-2, Llama or Mixtral directory with {hf.CONFIG} and {hf.SINGLE})")
+                          f"or a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory with {hf.CONFIG} and {hf.SINGLE})")
     if p.name == hf.CONFIG or p.suffix == ".safetensors" or p.name == hf.INDEX:
         if hf.is_hf_dir(p.parent):
             return "hf"

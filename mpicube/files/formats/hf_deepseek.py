@@ -33,12 +33,12 @@ rotary columns stay interleaved when ``rope_interleave`` says so
 
 MTP module k (0-based; DeepSeek's checkpoint stores it as layer
 L + k = ``model.layers.{L+k}.``, which transformers' DeepseekV3 skips on
-load), ``mtp.{k}.``:
+load): its block is mpicube's ``h.{L+k}.`` (the layer table above, as
+the model names it: model/mtp.py), its own tensors ``mtp.{k}.``:
 
     enorm.weight / hnorm.weight (C,)        enorm / hnorm
     proj.weight             (2C, C)         eh_proj^T (rows [embedding | hidden])
     ln_f.weight             (C,)            shared_head.norm
-    <block>                                 the layer table above at layer L + k
 
 plus ``embed_tokens.weight`` and ``shared_head.head.weight``, copies of
 the shared embedding and head: read only to check they equal wte and
@@ -96,11 +96,10 @@ def param_shapes(d: DeepseekV3Shape, mtp_depth: int = None) -> dict:
     shapes["ln_f.weight"] = (C,)
     if not d.tie_embeddings:
         shapes["lm_head"] = (d.vocab_size, C)
-    for k in range(mtp_depth):
+    for k in range(mtp_depth):              # the model's order: the depth's block, then its own tensors
+        shapes.update({f"h.{d.n_layer + k}.{s}": v for s, v in _block_names(d, d.n_layer + k).items()})
         shapes.update({f"mtp.{k}.enorm.weight": (C,), f"mtp.{k}.hnorm.weight": (C,),
-                       f"mtp.{k}.proj.weight": (2 * C, C)})
-        shapes.update({f"mtp.{k}.{s}": v for s, v in _block_names(d, d.n_layer + k).items()})
-        shapes[f"mtp.{k}.ln_f.weight"] = (C,)
+                       f"mtp.{k}.proj.weight": (2 * C, C), f"mtp.{k}.ln_f.weight": (C,)})
     return shapes
 
 
@@ -151,7 +150,7 @@ def sources(d: DeepseekV3Shape, name: str) -> tuple:
     if head == "mtp":
         extra = {"enorm.weight": ([(p + "enorm.weight", None)], False),
                  "hnorm.weight": ([(p + "hnorm.weight", None)], False),
-                 "proj.weight": ([(p + "eh_proj.weight", 2 * d.n_embd)], True),
+                 "proj.weight": ([(p + "eh_proj.weight", d.n_embd)], True),        # width: mpicube's columns (C)
                  "ln_f.weight": ([(p + "shared_head.norm.weight", None)], False)}
         if suffix in extra:
             return extra[suffix]

@@ -7,13 +7,17 @@ and the name table (``hf_deepseek.sources``) joined to the ModelConfig.
 Layers from ``first_k_dense_replace`` on are DeepSeekMoE (``moe.MoE``
 with the sigmoid router); each router's ``e_score_correction_bias`` is
 the model's bias buffer ``h.{i}.moe.router.score_bias`` (``buffer``,
-which ``load_params`` reads), written back by ``write``. MTP modules a
-file stores are refused as stray tensors (transformers' own saves hold
-none).
+which ``load_params`` reads), written back by ``write``. The MTP modules
+(``num_nextn_predict_layers``) are read where the file stores them
+(their ``eh_proj`` present; transformers' own saves hold none, and the
+model then has none: ``stored_config``), their copies of the embedding
+and head accepted by shape and not read (the model shares wte and
+lm_head), and written with those copies.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +26,7 @@ from ...core.config import ModelConfig
 from ...core.deepseek_moe import bias_names
 from .base import FormatError, check_shapes, gpt2_shapes
 from .hf import CONFIG, write_files
-from .hf_deepseek import sources as deepseek_sources
+from .hf_deepseek import mtp_copies, sources as deepseek_sources, stored_mtp_depth
 from .hf_deepseek_config import DeepseekV3Shape, config_json, is_deepseek_dir, parse_config as parse_shape
 from .hf_llama import LlamaHFModel, hf_tensors
 
@@ -41,7 +45,7 @@ def config_of(d: DeepseekV3Shape, where) -> ModelConfig:
                        tie_embeddings=d.tie_embeddings, rope_scaling=d.rope_scaling, q_lora_rank=d.q_lora_rank,
                        kv_lora_rank=d.kv_lora_rank, qk_rope_head_dim=d.qk_rope_head_dim,
                        qk_nope_head_dim=d.qk_nope_head_dim, v_head_dim=d.v_head_dim,
-                       rope_interleave=d.rope_interleave, **moe)
+                       rope_interleave=d.rope_interleave, mtp_depth=d.mtp_depth, **moe)
 
 
 def shape_of(cfg: ModelConfig) -> DeepseekV3Shape:
@@ -63,7 +67,7 @@ def shape_of(cfg: ModelConfig) -> DeepseekV3Shape:
         vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, ffn_hidden=cfg.ffn,
         n_ctx=cfg.n_ctx, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
         qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
-        mtp_depth=0, rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave, rms_eps=cfg.rms_eps,
+        mtp_depth=cfg.mtp_depth, rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave, rms_eps=cfg.rms_eps,
         tie_embeddings=cfg.tied, rope_scaling=cfg.rope_scaling, **moe)
 
 
@@ -87,7 +91,9 @@ def write(dst, tensors: dict, cfg: ModelConfig, max_shard_bytes: int | None = No
     dtypes = sorted({str(t.dtype) for t in tensors.values()})
     biases = [(sources(cfg, name)[0][0][0], np.asarray((buffers or {}).get(name, np.zeros(cfg.n_experts)),
                                                        dtype=dtypes[-1])) for name in bias_names(cfg)]
-    return write_files(dst, hf_tensors(cfg, tensors, sources) + biases, config_json(d, dtypes[-1]), max_shard_bytes)
+    copies = [(fname, tensors[ours]) for fname, ours in mtp_copies(d, cfg.mtp_depth)]   # the MTP layers' own copies
+    return write_files(dst, hf_tensors(cfg, tensors, sources) + biases + copies, config_json(d, dtypes[-1]),
+                       max_shard_bytes)
 
 
 class DeepseekHFModel(LlamaHFModel):
@@ -96,6 +102,14 @@ class DeepseekHFModel(LlamaHFModel):
 
     parse = staticmethod(parse_config)
     table = staticmethod(sources)
+
+    def stored_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The MTP depths the file stores (a transformers save: none, whatever its config says)."""
+        return replace(cfg, mtp_depth=stored_mtp_depth(shape_of(cfg), self._map)) if cfg.mtp_depth else cfg
+
+    def copies(self, cfg: ModelConfig) -> dict:
+        head = (cfg.vocab_size, cfg.n_embd)
+        return {fname: head for fname, _ in mtp_copies(shape_of(cfg), cfg.mtp_depth)}
 
     def buffer_sources(self) -> dict:
         cfg = self.config

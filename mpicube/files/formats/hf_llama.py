@@ -161,6 +161,7 @@ class LlamaHFModel(HFModel):
         self.path, self._files = path, {}
         try:
             self._map = self._weight_map()
+            cfg = self.stored_config(cfg)
             missing = first_missing(cfg, lambda n: all(f in self._map for f, _ in self.table(cfg, n)[0]))
             if missing is not None:
                 absent = next(f for f, _ in self.table(cfg, missing)[0] if f not in self._map)
@@ -196,6 +197,10 @@ class LlamaHFModel(HFModel):
                                   f"reads {', '.join(READABLE)} (save the model in float32)")
             found[fname] = tuple(sl.get_shape())
             check_shapes(self.path, {fname: found[fname]}, {fname: shape})
+        for fname, shape in self.copies(cfg).items():          # stored copies of tensors read elsewhere
+            if fname in self._map:
+                found[fname] = tuple(self._open(self._map[fname]).get_slice(fname).get_shape())
+                check_shapes(self.path, {fname: found[fname]}, {fname: shape})
         for fname in self._map:
             if fname not in found:
                 why = "the model ties lm_head to embed_tokens (tie_word_embeddings)" if fname == "lm_head.weight" \
@@ -217,6 +222,18 @@ class LlamaHFModel(HFModel):
                 pieces.append(self._slice(fname, (local, rows)).T if transposed else self._slice(fname, (rows, local)))
             start += width
         return np.concatenate(pieces, axis=1)
+
+    def stored_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The configuration as the file's tensors hold it (``self._map``
+        known): a family whose config.json counts modules a save may leave
+        out (DeepSeek's MTP) gives its own; a Llama's is its config's."""
+        return cfg
+
+    def copies(self, cfg: ModelConfig) -> dict:
+        """{HF tensor name: shape} of tensors a file may store as copies of
+        others mpicube reads (DeepSeek's MTP embedding and head): accepted,
+        not read. A Llama has none."""
+        return {}
 
     def buffer_sources(self) -> dict:
         """{mpicube buffer name: (HF tensor name, shape)} of the persistent

@@ -21,6 +21,7 @@ from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ...parallel.params import ParamDecl
 from ..latent_attention import LatentAttention
+from ..mtp import MTP_OWN, mtp_blocks, own_params
 from .mixtral import Mixtral
 
 
@@ -49,6 +50,11 @@ class DeepseekV3(Mixtral):
         yield "ln_f.weight"
         if not cfg.tied:
             yield "lm_head"
+        for j, i in enumerate(mtp_blocks(cfg)):      # the MTP depths: a block each, then their own tensors
+            for suffix in attention_names(cfg) + tuple(self.mlp_names(cfg, i)):
+                yield f"h.{i}.{suffix}"
+            for suffix in MTP_OWN:
+                yield f"mtp.{j}.{suffix}"
 
     def attention_params(self, cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
         """Block i's MLA projections and latent norms (ops/mla.py's shapes)."""
@@ -76,14 +82,19 @@ class DeepseekV3(Mixtral):
         resid_std = std / math.sqrt(2 * cfg.n_layer)
         decls = [ParamDecl("wte", (cfg.vocab_size, h), "wte", "normal", std)]
         for i in range(cfg.n_layer):
-            decls.append(ParamDecl(f"h.{i}.ln_1.weight", (h,), "norm", "ones"))
-            decls += self.attention_params(cfg, i, std, resid_std)
-            decls.append(ParamDecl(f"h.{i}.ln_2.weight", (h,), "norm", "ones"))
-            decls += self.mlp_params(cfg, i, std, resid_std)
+            decls += self.block_params(cfg, i, std, resid_std)
         decls.append(ParamDecl("ln_f.weight", (h,), "norm", "ones"))
         if not cfg.tied:
             decls.append(ParamDecl("lm_head", (cfg.vocab_size, h), "wte", "normal", std))
+        for j, i in enumerate(mtp_blocks(cfg)):          # after the main model: older files' order unchanged
+            decls += self.block_params(cfg, i, std, resid_std) + own_params(cfg, j, std)
         return decls
+
+    def block_params(self, cfg: ModelConfig, i: int, std: float, resid_std: float) -> list:
+        """Block i's norms, MLA and MLP (a main block, or an MTP depth's at i >= n_layer)."""
+        h = cfg.n_embd
+        return ([ParamDecl(f"h.{i}.ln_1.weight", (h,), "norm", "ones")] + self.attention_params(cfg, i, std, resid_std)
+                + [ParamDecl(f"h.{i}.ln_2.weight", (h,), "norm", "ones")] + self.mlp_params(cfg, i, std, resid_std))
 
     def attention(self, layout, store, i, attention, dropout):
         return LatentAttention(layout, store, f"h.{i}.attn", attention, dropout, f"h.{i}")

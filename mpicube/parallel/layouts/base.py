@@ -91,7 +91,8 @@ class Layout:
     is the plan's attention kind, which the model's blocks read here."""
 
     name = "base"
-    fp8_tensor_only = False     # True: --fp8 with tensor scales only (the GEMMs see gathered panels)
+    fp8_tensor_only = ()        # --fp8 recipes this layout refuses (parallel/fp8.check_plan names them)
+    token_split = False         # True: tp splits the tokens too (2-D, 2.5-D, 3-D; an expert's rows spread)
 
     def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none",
                  overlap: bool = True, attention: str = "blocks", fp8=None):
@@ -154,6 +155,22 @@ class Layout:
         builds ``head_ids`` and ``kv_comm`` from it, and
         ``analysis.heads`` draws the placement from it without MPI."""
         return 1, 0, 0
+
+    @classmethod
+    def fp8_widths(cls, cfg: ModelConfig, tp: int, depth: int) -> dict:
+        """{what: width} of the shard widths an FP8 tile or block runs along
+        on this layout (``parallel/fp8.check_plan`` refuses a width that is
+        not whole tiles): the hidden size, a rank's query, kv and MLP
+        columns as the heads and columns are split. Pure (no MPI)."""
+        return {**cls.fp8_head_widths(cfg, tp, depth), f"a rank's MLP hidden columns ({cfg.ffn} / {tp})": cfg.ffn // tp}
+
+    @classmethod
+    def fp8_head_widths(cls, cfg: ModelConfig, tp: int, depth: int) -> dict:
+        """The hidden size and a rank's query and kv columns (``fp8_widths``)."""
+        split = cls.head_coords(tp, depth, 0)[0]
+        return {"--n-embd": cfg.n_embd,
+                f"a rank's query columns (n_head / {split} x head_dim)": cfg.n_head // split * cfg.head_dim,
+                f"a rank's key and value columns (kv heads / {split} x head_dim)": cfg.kv_heads // split * cfg.head_dim}
 
     @classmethod
     def validate(cls, cfg: ModelConfig, tp: int, local_batch: int, depth: int, recompute: str = "none") -> None:

@@ -37,7 +37,22 @@ from .modules import replicated_linear
 
 class CubeLayout(Layout):
     name = "3d"
-    fp8_tensor_only = True
+    fp8_tensor_only = ("rowwise",)   # a row of x and one of dy would span different planes: not yet
+    token_split = True
+
+    @classmethod
+    def fp8_widths(cls, cfg, tp, depth):
+        """``Layout.fp8_widths``: activations split q ways by columns,
+        weight rows q^2 ways (a sub-block of a row block): the hidden size,
+        the MLP's and the heads' widths over q and over q^2."""
+        q = cls.cube_side(tp)
+        heads = cfg.n_head * cfg.head_dim
+        return {**cls.fp8_head_widths(cfg, tp, depth),
+                f"a rank's hidden columns (--n-embd / {q})": cfg.n_embd // q,
+                f"a rank's MLP hidden columns ({cfg.ffn} / {q})": cfg.ffn // q,
+                f"a rank's weight rows (--n-embd / {q * q})": cfg.n_embd // (q * q),
+                f"a rank's weight rows ({cfg.ffn} / {q * q})": cfg.ffn // (q * q),
+                f"a rank's weight rows ({heads} / {q * q})": heads // (q * q)}
 
     @classmethod
     def cube_side(cls, tp: int) -> int:
@@ -177,7 +192,8 @@ class CubeLinear:
     def __init__(self, store, prefix, a: Comm, b: Comm, weight_comm: Comm, overlap: bool = True,
                  regather: bool = False, bias: bool = True, fp8=None):
         self.overlap = overlap
-        self.fp8 = fp8                               # --fp8 (tensor scales only: Layout.fp8_tensor_only)
+        self.fp8 = fp8                               # --fp8 (parallel/fp8.py LinearFp8), or None
+        self.oriented = fp8 is not None and not fp8.tensor_scaled   # tiles: each GEMM quantizes its own way
         self.regather = regather
         self.w = store.work[prefix + ".weight"]      # (h_in/q^2, h_out/q)
         self.bias, self.dbias = bias_views(store, prefix, bias)   # (h_out/q,) or None
@@ -187,39 +203,58 @@ class CubeLinear:
 
     def forward(self, x):
         """x (B/q^2, T, h_in/q) -> (y (B/q^2, T, h_out/q), saved (x, X gathered, W gathered))."""
-        x = self.quantized(x, "x")                   # under --fp8 the gathers carry quantized values
+        raw = x                                      # (B/q^2, T, h_in/q)
+        if self.oriented:                            # tiles: W and x are quantized again for backward's GEMMs
+            x, w = self.fp8.oriented(x, "x", "forward"), self.fp8.oriented(self.w, "w", "forward")
+        else:                                        # under --fp8 the gathers carry quantized values
+            x, w = self.quantized(x, "x"), self.quantized(self.w, "w")
         if self.overlap:                             # W travels while X is gathered
-            w_pending = self.wc.iallgather(self.quantized(self.w, "w"), axis=0)
+            w_pending = self.wc.iallgather(w, axis=0)
             xg = self.a.allgather(x, axis=0)         # (B/q, T, h_in/q)
             wg = w_pending.wait()                    # (h_in/q, h_out/q)
         else:
             xg = self.a.allgather(x, axis=0)
-            wg = self.wc.allgather(self.quantized(self.w, "w"), axis=0)
+            wg = self.wc.allgather(w, axis=0)
         y = self.b.reduce_scatter(matmul_rows(xg, wg, acc(x)), axis=0, wire=x.dtype)  # (B/q^2, T, h_out/q)
-        saved = (x, None, None) if self.regather else (None, xg, wg)    # --recompute gathers: the local X only
+        if self.oriented:                            # backward gathers its own quantizations of the local X, W
+            saved = (raw, None, None)
+        else:                                        # --recompute gathers: the local X only
+            saved = (x, None, None) if self.regather else (None, xg, wg)
         add_bias(y, self.bias)
         return precision.narrow(y, x.dtype), saved
 
     def backward(self, dy, saved):
         """dy (B/q^2, T, h_out/q) -> dx (B/q^2, T, h_in/q)."""
         x, xg, wg = saved
-        if xg is None:                               # --recompute gathers: gather them again (blocking)
-            xg = self.a.allgather(x, axis=0)                   # (B/q, T, h_in/q)
-            wg = self.wc.allgather(self.quantized(self.w, "w"), axis=0)   # (h_in/q, h_out/q)
-        dyg = self.b.allgather(self.quantized(dy, "dy"), axis=0)   # (B/q, T, h_out/q)
+        if self.oriented:                            # --fp8 tiles: wgrad's x and dy along the tokens, dgrad's along K_out
+            xg = self.a.allgather(self.fp8.oriented(x, "x", "wgrad"), axis=0)              # (B/q, T, h_in/q)
+            wg = self.wc.allgather(self.fp8.oriented(self.w, "w", "dgrad"), axis=0)        # (h_in/q, h_out/q)
+            dyg = self.b.allgather(self.fp8.oriented(dy, "dy", "dgrad"), axis=0)           # (B/q, T, h_out/q)
+            dyw = self.b.allgather(self.fp8.oriented(dy, "dy", "wgrad"), axis=0)           # (B/q, T, h_out/q)
+        else:
+            if xg is None:                           # --recompute gathers: gather them again (blocking)
+                xg = self.a.allgather(x, axis=0)                   # (B/q, T, h_in/q)
+                wg = self.wc.allgather(self.quantized(self.w, "w"), axis=0)   # (h_in/q, h_out/q)
+            dyg = dyw = self.b.allgather(self.quantized(dy, "dy"), axis=0)   # (B/q, T, h_out/q)
         xg2 = xg.reshape(-1, xg.shape[-1])                     # (N/q, h_in/q)
-        dy2 = dyg.reshape(-1, dyg.shape[-1])                   # (N/q, h_out/q)
-        dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
-        if self.overlap:                             # dW travels while dX is computed and reduced
+        dy2 = dyw.reshape(-1, dyw.shape[-1])                   # (N/q, h_out/q) wgrad's dY
+        if self.overlap and not self.store.wgrads.deferring:   # dW travels while dX is computed and reduced
+            dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
             dw_pending = self.wc.ireduce_scatter(dwg, axis=0, wire=self.w.dtype)
             dx = self.a.reduce_scatter(matmul_rows(dyg, wg.T, acc(dy)), axis=0, wire=dy.dtype)  # (B/q^2,T,h_in/q)
             self.store.add_grad(self.w_name, dw_pending.wait())
+            add_bias_grad(self.dbias, dy.reshape(-1, dy.shape[-1]))
         else:
             dx = self.a.reduce_scatter(matmul_rows(dyg, wg.T, acc(dy)), axis=0, wire=dy.dtype)
-            self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0, wire=self.w.dtype))
-        dx = precision.narrow(dx, dy.dtype)
+            self.store.wgrads.add(self.backward_weight, xg2, dy2, dy)   # now, or filed (parallel/wgrad.py)
+        return precision.narrow(dx, dy.dtype)
+
+    def backward_weight(self, xg2, dy2, dy):
+        """The weight phase: dW's gathered block (h_in/q, h_out/q) reduce-
+        scattered over the weight's group, db from this rank's dy."""
+        dwg = precision.matmul(xg2.T, dy2, dtype=self.store.flat_grad.dtype)   # (h_in/q, h_out/q)
+        self.store.add_grad(self.w_name, self.wc.reduce_scatter(dwg, axis=0, wire=self.w.dtype))
         add_bias_grad(self.dbias, dy.reshape(-1, dy.shape[-1]))
-        return dx
 
     def quantized(self, a, role):
         """a under --fp8's tensor scale, or a itself."""

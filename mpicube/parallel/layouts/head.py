@@ -25,20 +25,31 @@ class LossHead:
         self.allmax = (lambda a: comm.allreduce(a, "max")) if comm is not None else ops.identity
         self.allsum = comm.allreduce if comm is not None else ops.identity
 
-    def forward(self, x, targets, panel, n_tokens: int):
+    def forward(self, x, targets, panel, n_tokens: int, valid=None, weight: float = 1.0):
         """x (B_c, T, C_c) final-normed activations, targets (B_dp, T) global
-        ids -> (loss share (1,), saved)."""
+        ids -> (loss share (1,), saved). ``valid`` (B_dp, T) bool, when
+        given, keeps only those positions' losses (a multi-token prediction
+        depth: its last positions have no target); backward then takes the
+        gradient of ``weight`` x (sum of the kept losses) / ``n_tokens``."""
         xp, emb = self.xp, self.embedding
         logits, s_logits = emb.logits(x, panel)                             # (B_l, T, V_l)
-        tgt = xp.asarray(targets)[xp.asarray(emb.logit_seqs)].reshape(-1)    # (B_l*T,)
+        rows = xp.asarray(emb.logit_seqs)
+        tgt = xp.asarray(targets)[rows].reshape(-1)                          # (B_l*T,)
         row_loss, s_ce = ops.cross_entropy_forward(logits.reshape(-1, logits.shape[-1]), tgt, emb.vocab_start,
                                                    self.vocab_size, self.allmax, self.allsum)
+        keep = None
+        if valid is not None:
+            keep = xp.asarray(valid)[rows].reshape(-1).astype(row_loss.dtype)   # (B_l*T,) 1 or 0
+            row_loss = row_loss * keep
         share = row_loss.sum(dtype=xp.float64).reshape(1) / emb.row_replicas  # (1,) on the device
-        return share, (logits, s_logits, s_ce, n_tokens)
+        return share, (logits, s_logits, s_ce, n_tokens, keep, weight)
 
     def backward(self, loss_scale: float, saved, panel):
         """The gradient of loss_scale x (the step's mean loss) with respect
         to x (B_c, T, C_c); adds into wte's gradient."""
-        logits, s_logits, s_ce, n_tokens = saved
-        dlogits = ops.cross_entropy_backward(loss_scale / n_tokens, s_ce).reshape(logits.shape)  # (B_l, T, V_l)
-        return self.embedding.logits_backward(dlogits, s_logits, panel)
+        logits, s_logits, s_ce, n_tokens, keep, weight = saved
+        scale = loss_scale / n_tokens if keep is None else loss_scale * weight / n_tokens
+        dlogits = ops.cross_entropy_backward(scale, s_ce)                   # (B_l*T, V_l)
+        if keep is not None:
+            dlogits *= keep[:, None].astype(dlogits.dtype)
+        return self.embedding.logits_backward(dlogits.reshape(logits.shape), s_logits, panel)

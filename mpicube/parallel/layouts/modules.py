@@ -18,6 +18,7 @@ from ... import ops
 from ...device import precision
 from ..comm import Comm
 from ..comm_start import iallreduce
+from ..fp8 import Splits
 from ..params import ParamStore
 from .base import acc, add_bias, add_bias_grad, bias_views, matmul_rows
 
@@ -89,19 +90,24 @@ class DenseLinear:
         if self.fp8 is not None:
             dyd, w = self.fp8.dgrad(dy, self.w)       # (B, T, C_out), (C_in, C_out)
             xw, dyw = self.fp8.wgrad(x2, dy2)         # (B*T, C_in), (B*T, C_out)
+        # dW and db (now, or filed for a zero-bubble schedule's weight phase: parallel/wgrad.py)
         if self.overlap:                              # dX travels while dW and db are computed
             pending = iallreduce(self.dx_reduce, matmul_rows(dyd, w.T, acc(dy)), wire=dy.dtype)  # (B, T, C_in)
-            self.store.add_matmul(self.w_name, xw.T, dyw)
-            add_bias_grad(self.db, dy2)
+            self.store.wgrads.add(self.backward_weight, xw, dyw, dy2)
             return precision.narrow(pending.wait(), dy.dtype)
-        self.store.add_matmul(self.w_name, xw.T, dyw)  # dW (C_in, C_out) += x^T dy
-        add_bias_grad(self.db, dy2)
+        self.store.wgrads.add(self.backward_weight, xw, dyw, dy2)
         if self.dx_reduce is not None:
             dx = self.dx_reduce.allreduce(matmul_rows(dyd, w.T, acc(dy)), wire=dy.dtype)   # (B, T, C_in)
             dx = precision.narrow(dx, dy.dtype)
         else:
             dx = matmul_rows(dyd, w.T)                # (B, T, C_in)
         return dx
+
+    def backward_weight(self, xw, dyw, dy2):
+        """dW (C_in, C_out) += x^T dy and db += the column sums of dy: the
+        weight phase, from the operands the input phase kept."""
+        self.store.add_matmul(self.w_name, xw.T, dyw)
+        add_bias_grad(self.db, dy2)
 
 
 class ReplicatedLinear:
@@ -117,16 +123,29 @@ class ReplicatedLinear:
     summed over the ranks holding the others by the layout's ParamSpec
     (``Layout.replicated_spec``: the tensor-parallel group where the
     blocks differ, nothing on serial and 1-D, where every rank's is whole).
-    No bias, no overlap."""
+    No bias, no overlap.
 
-    def __init__(self, store: ParamStore, prefix: str, rows: slice, hidden: Comm = None):
-        self.w = store.work[prefix + ".weight"][rows]           # (C_c, C_out) view of the whole (C_in, C_out)
+    Under --fp8 (``fp8``, a ``LinearFp8``) every rank quantizes the whole W
+    it holds, for each GEMM, and keeps its rows: the serial model's values
+    with no reduction and no tile to straddle; x's and dy's rows and
+    scales are reduced where their pieces lie (``Splits``)."""
+
+    def __init__(self, store: ParamStore, prefix: str, rows: slice, hidden: Comm = None, fp8=None):
+        self.whole = store.work[prefix + ".weight"]             # (C_in, C_out)
+        self.rows = rows
+        self.w = self.whole[rows]                               # (C_c, C_out) view of the whole (C_in, C_out)
         self.dw = store.grad[prefix + ".weight"][rows]          # (C_c, C_out) its gradient's rows
         self.hidden = hidden if hidden is not None and hidden.size > 1 else None
+        self.wgrads = store.wgrads                              # dW now, or filed (parallel/wgrad.py)
+        self.fp8 = fp8
 
     def forward(self, x):
         """x (B_c, T, C_c) -> (y (B_c, T, C_out), saved: x)."""
-        y = matmul_rows(x, self.w, acc(x))                      # (B_c, T, C_out) partial over the hidden split
+        xq, w = x, self.w                                       # (B_c, T, C_c), (C_c, C_out)
+        if self.fp8 is not None:
+            xq = self.fp8.oriented(x, "x", "forward")
+            w = self.fp8.oriented(self.whole, "w", "forward")[self.rows]
+        y = matmul_rows(xq, w, acc(x))                          # (B_c, T, C_out) partial over the hidden split
         if self.hidden is not None:
             y = self.hidden.allreduce(y, wire=x.dtype)
         return precision.narrow(y, x.dtype), x
@@ -135,8 +154,16 @@ class ReplicatedLinear:
         """dy (B_c, T, C_out) -> dx (B_c, T, C_c); adds into dW's rows."""
         x2 = x.reshape(-1, x.shape[-1])                         # (n, C_c)
         dy2 = dy.reshape(-1, dy.shape[-1])                      # (n, C_out)
+        dyd, w, xw, dyw = dy, self.w, x2, dy2
+        if self.fp8 is not None:                                # each GEMM's own quantization
+            dyd, w = self.fp8.oriented(dy, "dy", "dgrad"), self.fp8.oriented(self.whole, "w", "dgrad")[self.rows]
+            xw, dyw = self.fp8.oriented(x2, "x", "wgrad"), self.fp8.oriented(dy2, "dy", "wgrad")
+        self.wgrads.add(self.backward_weight, xw, dyw)          # now, or filed (parallel/wgrad.py)
+        return matmul_rows(dyd, w.T)                            # (B_c, T, C_c)
+
+    def backward_weight(self, x2, dy2):
+        """dW[rows] += x^T dy (the weight phase: parallel/wgrad.py)."""
         self.dw += precision.matmul(x2.T, dy2, dtype=self.dw.dtype)
-        return matmul_rows(dy, self.w.T)                        # (B_c, T, C_c)
 
 
 def replicated_linear(layout, store: ParamStore, prefix: str, bias: bool = False) -> ReplicatedLinear:
@@ -153,7 +180,11 @@ def replicated_linear(layout, store: ParamStore, prefix: str, bias: bool = False
     cols = layout.canonical_cols
     rows = slice(int(cols[0]), int(cols[-1]) + 1)        # a contiguous block of the hidden size
     assert rows.stop - rows.start == len(cols), "canonical columns must be one contiguous block"
-    return ReplicatedLinear(store, prefix, rows, layout.hidden_comm)
+    fp8 = None
+    if layout.fp8 is not None:       # x's columns over the hidden split; its tokens over the stage under sp
+        tokens = layout.fp8.stage if layout.sequence_comm is not None else None
+        fp8 = layout.fp8_linear(store, prefix, Splits(x_cols=layout.hidden_comm, tokens=tokens))
+    return ReplicatedLinear(store, prefix, rows, layout.hidden_comm, fp8)
 
 
 class Panel:

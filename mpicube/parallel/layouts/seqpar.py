@@ -75,19 +75,23 @@ class SeqLinear:
         if self.fp8 is not None:
             dyd, w = self.fp8.dgrad(dy, self.w)       # (B, T, C_out), (C_in, C_out)
             xw, dyw = self.fp8.wgrad(x2, dy2)         # (B*T, C_in), (B*T, C_out)
+        # dW and db (now, or filed for a zero-bubble schedule's weight phase: parallel/wgrad.py)
         if self.first and self.overlap:               # dX travels while dW and db are computed
             pending = self.comm.ireduce_scatter(matmul_rows(dyd, w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
-            self.store.add_matmul(self.w_name, xw.T, dyw)
-            add_bias_grad(self.db, dy2)
+            self.store.wgrads.add(self.backward_weight, xw, dyw, dy2)
             return precision.narrow(pending.wait(), dy.dtype)
-        self.store.add_matmul(self.w_name, xw.T, dyw)  # dW += x^T dy
-        add_bias_grad(self.db, dy2)                   # complete: from all T rows
+        self.store.wgrads.add(self.backward_weight, xw, dyw, dy2)
         if self.first:
             dx = self.comm.reduce_scatter(matmul_rows(dyd, w.T, acc(dy)), axis=SEQ, wire=dy.dtype)
             dx = precision.narrow(dx, dy.dtype)       # (B, T/p, C)
         else:
             dx = matmul_rows(dyd, w.T)                # (B, T, C_m)
         return dx
+
+    def backward_weight(self, xw, dyw, dy2):
+        """dW += x^T dy, db += the column sums of dy (complete: from all T rows)."""
+        self.store.add_matmul(self.w_name, xw.T, dyw)
+        add_bias_grad(self.db, dy2)
 
     def operands(self, x):
         """The forward GEMM's (x, W): themselves, or quantized under --fp8."""

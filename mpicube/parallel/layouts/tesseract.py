@@ -35,11 +35,22 @@ from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 from .base import REPLICATED, Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
 from .modules import replicated_linear
+from ..fp8 import Fp8Scaling, Splits
 
 
 class TesseractLayout(Layout):
     name = "2.5d"
-    fp8_tensor_only = True
+    token_split = True
+
+    @classmethod
+    def fp8_widths(cls, cfg, tp, depth):
+        """``Layout.fp8_widths``: the hidden size, the MLP's and a rank's
+        heads' columns, each split q ways (weights by row block r and
+        column block c, activations by column block c)."""
+        q = cls.grid_side(tp, depth)
+        return {**cls.fp8_head_widths(cfg, tp, depth),
+                f"a rank's hidden columns (--n-embd / {q})": cfg.n_embd // q,
+                f"a rank's MLP hidden columns ({cfg.ffn} / {q})": cfg.ffn // q}
 
     @classmethod
     def grid_side(cls, tp: int, depth: int) -> int:
@@ -71,8 +82,8 @@ class TesseractLayout(Layout):
         check_head_split(cfg, q)
 
     def __init__(self, cfg, axes, batch_size, depth=1, recompute="none", **settings):
+        self.d = depth                                  # before Layout's __init__: fp8_scaling reads it
         super().__init__(cfg, axes, batch_size, recompute=recompute, **settings)
-        self.d = depth
         self.q = q = self.grid_side(axes.tp.size, depth)
         self.l, rest = divmod(axes.tp.rank, q * q)
         self.r, self.c = divmod(rest, q)
@@ -93,6 +104,18 @@ class TesseractLayout(Layout):
 
     def canonical_block(self, n):
         return split_index(n, self.q, self.c)
+
+    def fp8_scaling(self, recipe) -> Fp8Scaling:
+        """``Layout.fp8_scaling`` with the token group of a grid column: the
+        other tokens of this rank's columns (a wgrad row scale, rowwise)
+        lie on every depth slice and grid row with the same column c, and
+        on the dp x cp replicas. Called from ``Layout.__init__``, before
+        the grid coordinates are set."""
+        world, pp, tp = self.axes.world, self.axes.pp, self.axes.tp
+        q = self.grid_side(tp.size, self.d)
+        stage = world.split("fp8", pp.rank, world.rank)
+        tokens = world.split("fp8", pp.rank * q + tp.rank % q, world.rank)
+        return Fp8Scaling(recipe, stage, tokens)
 
     def shard(self, decl: ParamDecl) -> ParamSpec:
         q, r, c, shape = self.q, self.r, self.c, decl.shape
@@ -156,7 +179,10 @@ class SummaLinear:
         self.q, self.r, self.c = layout.q, layout.r, layout.c
         self.xp = layout.backend.xp
         self.overlap = layout.overlap
-        self.fp8 = layout.fp8_linear(store, prefix)   # --fp8 (tensor scales only: fp8_tensor_only)
+        # --fp8: a row of x, dy or W (along K_out) is split over the grid's row, a column of W over its column
+        self.fp8 = layout.fp8_linear(store, prefix, Splits(x_cols=self.row, w_rows=self.col, w_cols=self.row,
+                                                           dy_cols=self.row))
+        self.oriented = self.fp8 is not None and not self.fp8.tensor_scaled   # each GEMM quantizes its own way
 
     def panels(self, *sources):
         """For s = 0 .. q-1, the broadcasts from root s of each (comm, array)
@@ -177,9 +203,14 @@ class SummaLinear:
     def forward(self, x):
         """x (B_c, T, h_in/q) -> (y (B_c, T, h_out/q), saved: x as rows (n, h_in/q))."""
         B, T, _ = x.shape
-        x2 = self.quantized(x.reshape(B * T, x.shape[-1]), "x")   # (n, h_in/q); n may be 0 (an expert)
+        x2 = x.reshape(B * T, x.shape[-1])                      # (n, h_in/q); n may be 0 (an expert)
+        if self.oriented:                                       # saved raw: wgrad quantizes it along the tokens
+            xf, wf = self.fp8.oriented(x2, "x", "forward"), self.fp8.oriented(self.w, "w", "forward")
+        else:                                                   # one quantization serves every GEMM
+            x2 = xf = self.quantized(x2, "x")
+            wf = self.quantized(self.w, "w")                    # (h_in/q, h_out/q)
         y = self.xp.zeros((B * T, self.w.shape[1]), dtype=acc(x))   # (n, h_out/q), float32 for 16-bit x
-        for x_panel, w_panel in self.panels((self.row, x2), (self.col, self.quantized(self.w, "w"))):
+        for x_panel, w_panel in self.panels((self.row, xf), (self.col, wf)):
             # X[r, s] (n, h_in/q), W[s, c] (h_in/q, h_out/q)
             y += precision.matmul(x_panel, w_panel, dtype=y.dtype)
         add_bias(y, self.b)
@@ -189,21 +220,33 @@ class SummaLinear:
         """dy (B_c, T, h_out/q) -> dx (B_c, T, h_in/q)."""
         B, T, _ = dy.shape
         dy2 = dy.reshape(B * T, dy.shape[-1])                   # (n, h_out/q)
-        dyq = self.quantized(dy2, "dy")                         # (n, h_out/q): dy2 itself without --fp8
+        if self.oriented:                                       # (n, h_out/q) twice, (h_in/q, h_out/q), (n, h_in/q)
+            dyd, wd = self.fp8.oriented(dy2, "dy", "dgrad"), self.fp8.oriented(self.w, "w", "dgrad")
+            dyw, xw = self.fp8.oriented(dy2, "dy", "wgrad"), self.fp8.oriented(x2, "x", "wgrad")
+        else:                                                   # dy2, W, x2 themselves without --fp8
+            dyd = dyw = self.quantized(dy2, "dy")
+            wd, xw = self.quantized(self.w, "w"), x2
         dx = None
-        for s, (w_panel,) in enumerate(self.panels((self.col, self.quantized(self.w, "w")))):
+        for s, (w_panel,) in enumerate(self.panels((self.col, wd))):
             # dX[r, s] = sum_c dY[r, c] W[s, c]^T
-            part = self.row.reduce(precision.matmul(dyq, w_panel.T, dtype=acc(dy2)), root=s,
+            part = self.row.reduce(precision.matmul(dyd, w_panel.T, dtype=acc(dy2)), root=s,
                                    wire=dy.dtype)               # (n, h_in/q)
             if self.c == s:                                     # on column s
                 dx = precision.narrow(part, dy.dtype)
-        for s, (x_panel,) in enumerate(self.panels((self.row, x2))):  # dW[s, c] = sum_r X[r, s]^T dY[r, c]
-            part = self.col.reduce(precision.matmul(x_panel.T, dyq, dtype=self.store.flat_grad.dtype),
+        self.store.wgrads.add(self.backward_weight, xw, dyw, dy2)   # now, or filed (parallel/wgrad.py)
+        return dx.reshape(B, T, dx.shape[-1])
+
+    def backward_weight(self, xw, dyw, dy2):
+        """The weight phase: dW[s, c] = sum_r X[r, s]^T dY[r, c] over wgrad's
+        operands (quantized along the tokens under --fp8's tiles; broadcasts
+        over the row, reduces over the column: every rank of the grid runs
+        the same weight phases in the same order), db from dy's columns."""
+        for s, (x_panel,) in enumerate(self.panels((self.row, xw))):
+            part = self.col.reduce(precision.matmul(x_panel.T, dyw, dtype=self.store.flat_grad.dtype),
                                    root=s, wire=self.w.dtype)   # (h_in/q, h_out/q) on row s
             if self.r == s:
                 self.store.add_grad(self.w_name, part)
         add_bias_grad(self.db, dy2)
-        return dx.reshape(B, T, dx.shape[-1])
 
     def quantized(self, a, role):
         """a under --fp8's tensor scale (the panels carry quantized values), or a itself."""
