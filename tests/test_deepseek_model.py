@@ -183,7 +183,7 @@ V3_SHAPE = ["--arch", "deepseek_v3", "--n-layer", "61", "--n-embd", "7168", "--n
             "--kv-lora-rank", "512", "--qk-rope-head-dim", "64", "--qk-nope-head-dim", "128", "--v-head-dim", "128",
             "--ffn-hidden", "18432", "--n-routed-experts", "256", "--moe-ffn-hidden", "2048", "--n-shared-experts", "1",
             "--top-k", "8", "--n-groups", "8", "--topk-groups", "4", "--first-k-dense", "3", "--vocab-size", "129280",
-            "--seq-len", "4096", "--dtype", "bfloat16", "--zero", "1"]
+            "--seq-len", "4096", "--dtype", "bfloat16", "--zero", "1", "--mtp-depth", "1"]
 # tp 8 inside a node (MLA's 128 heads, 16 a rank), the experts over ep of the dp replicas, ZeRO-1 over dp
 V3_PLANS = {64: ["-n", "64", "--layout", "1d", "--dp", "8", "--ep", "8", "--batch-size", "64"],
             512: ["-n", "512", "--layout", "1d", "--dp", "64", "--ep", "64", "--batch-size", "512"],
@@ -226,7 +226,9 @@ def test_info_prices_the_published_shape(mpicube):
     out = mpicube.run("info", *V3_SHAPE, *V3_PLANS[64])
     assert out.returncode == 0, out.stderr
     text = out.stdout
+    assert "parameters: 671,026,404,352 (" in text and "active per token 37,552,282,624" in text
     assert "3 dense layers x 583,483,392, 58 MoE layers x 11,507,286,016" in text
+    assert "multi-token prediction: 1 depth, 11,610," in text
     for want in ("communication per rank per step", "memory per rank", "GEMM and attention FLOPs per rank",
                  "all-to-all per rank per step (axis ep"):
         assert want in text, want

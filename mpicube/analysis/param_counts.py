@@ -73,9 +73,9 @@ def params_line(cfg: ModelConfig, c: ParamCounts) -> str:
     """``info``'s parameters line: per block kind, and a mixture's active share."""
     blocks = []
     if c.n_dense:
-        blocks.append(f"{c.n_dense} {'dense ' if c.n_moe else ''}layers x {c.dense_block:,}")
+        blocks.append(f"{c.n_dense} {'dense ' if c.n_moe else ''}layer{'s' if c.n_dense != 1 else ''} x {c.dense_block:,}")
     if c.n_moe:
-        blocks.append(f"{c.n_moe} MoE layers x {c.moe_block:,}")
+        blocks.append(f"{c.n_moe} MoE layer{'s' if c.n_moe != 1 else ''} x {c.moe_block:,}")
     line = (f"parameters: {c.total:,} ({'embeddings and head' if cfg.llama and not cfg.tied else 'embeddings'} "
             f"{c.embed:,}, {', '.join(blocks)}, {'norm' if cfg.llama else 'ln_f'} {c.final:,})")
     if cfg.moe:
