@@ -37,8 +37,8 @@ DeepSeek-V3 cases (arch=deepseek_v3 [qrank=] [experts= ep=] [mtp=]; test_combo_m
 multi-head latent attention (replicated latents, heads split, k_pe's gradient summed over them) with a
 dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``; ep= of the dp replicas
 hold the experts), and mtp= multi-token prediction depths (model/mtp.py: on a pipeline's last stage, its
-wte copy summed with stage 0's), against the serial model only (the cost model does not price MLA yet:
-``COSTED``).
+wte copy summed with stage 0's); the dense ones' traffic, memory and latent cache (the kv latent and k_pe
+per token) equal the cost model's MLA terms (analysis/costmla.py) as the others' do (``COSTED``).
 
 FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
@@ -178,12 +178,16 @@ class Case:
 
 
 def COSTED(case: Case) -> bool:
-    """Whether the cost model prices the case: every one (Llama too) but
-    DeepSeek-V3's latent attention, which it does not price yet, and FP8's other than the tensor-scaled
-    recipes' dense blocks (analysis/costfp8.py: their amax all-reduces on axis "fp8")."""
+    """Whether the cost model's exact check applies to the case: every one
+    (Llama, DeepSeek-V3's MLA too) but FP8's other than the tensor-scaled
+    recipes' dense blocks (analysis/costfp8.py: their amax all-reduces on
+    axis "fp8"), and DeepSeek-V3 with experts= or mtp=: the sigmoid
+    router's tape, the shared experts and the measured routing of this
+    launch are not priced exactly yet, and MTP's depths are priced from the
+    configuration (``info``) but not compared here yet (issue 43 item 7)."""
     if case.fp8:
         return case.fp8 in TENSOR_SCALED and not case.experts and case.arch != "deepseek_v3"
-    return case.arch != "deepseek_v3"
+    return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
 
 
 def configure(dtype: str) -> None:
@@ -318,8 +322,9 @@ def run_case(case: Case, refs: References) -> None:
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")
-    if parts.pipeline is None and case.arch != "deepseek_v3":   # generation's key/value cache (GQA: kv heads) == the model
-        caches = sum(c.k.size + c.v.size for c in model.new_caches())
+    if parts.pipeline is None and COSTED(case):      # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model
+        caches = sum(c.c_kv.size + c.k_pe.size if hasattr(c, "c_kv") else c.k.size + c.v.size
+                     for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"
     if not pc.HALF and case.cp == 1:    # the REPLICATED linear kind on this case's layout
         check_replicated(layout, pc.close)

@@ -185,6 +185,70 @@ def test_moe_options_take_the_sigmoid_router_by_default():
         family_fields(arch="deepseek_v3", n_experts=4, router_aux_loss_coef=0.1)
 
 
+# DeepSeek-V3's published shape (the report's Table / HF config.json): info prices it on these plans
+V3_SHAPE = ["--arch", "deepseek_v3", "--n-layer", "61", "--n-embd", "7168", "--n-head", "128", "--q-lora-rank", "1536",
+            "--kv-lora-rank", "512", "--qk-rope-head-dim", "64", "--qk-nope-head-dim", "128", "--v-head-dim", "128",
+            "--ffn-hidden", "18432", "--n-routed-experts", "256", "--moe-ffn-hidden", "2048", "--n-shared-experts", "1",
+            "--top-k", "8", "--n-groups", "8", "--topk-groups", "4", "--first-k-dense", "3", "--vocab-size", "129280",
+            "--seq-len", "4096", "--dtype", "bfloat16", "--zero", "1", "--mtp-depth", "1"]
+# tp 8 inside a node (MLA's 128 heads, 16 a rank), the experts over ep of the dp replicas, ZeRO-1 over dp
+V3_PLANS = {64: ["-n", "64", "--layout", "1d", "--dp", "8", "--ep", "8", "--batch-size", "64"],
+            512: ["-n", "512", "--layout", "1d", "--dp", "64", "--ep", "64", "--batch-size", "512"],
+            2048: ["-n", "2048", "--layout", "1d", "--dp", "256", "--ep", "256", "--batch-size", "2048"]}
+
+
+def test_published_shape_parameter_counts():
+    """DeepSeek-V3's report: 671B parameters, 37B activated per token, and
+    14B of MTP module (with its copies of the embedding and the head); the
+    first 3 blocks dense, the other 58 DeepSeekMoE, each counted as its kind."""
+    from mpicube.analysis.param_counts import param_counts, params_line
+
+    cfg = ModelConfig(vocab_size=129280, n_ctx=4096, n_layer=61, n_head=128, n_embd=7168, arch="deepseek_v3",
+                      ffn_hidden=18432, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                      v_head_dim=128, n_experts=256, moe_ffn_hidden=2048, n_shared_experts=1, top_k=8, n_groups=8,
+                      topk_groups=4, first_k_dense=3, router="sigmoid", mtp_depth=1)
+    c = param_counts(cfg)
+    assert abs(c.total - 671e9) < 0.5e9, c.total                       # 671,026,404,352
+    assert abs(c.active - 37e9) < 0.6e9, c.active                      # 37,552,282,624 (embedding and head in)
+    assert 13.4e9 < c.mtp_stored < 14.5e9, c.mtp_stored                 # the report's 14B (its copies included)
+    attention = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert (c.n_dense, c.n_moe) == (3, 58)
+    assert c.dense_block == 2 * 7168 + attention + 3 * 7168 * 18432
+    assert c.moe_block == 2 * 7168 + attention + 257 * 3 * 7168 * 2048 + 7168 * 256
+    assert c.total == c.embed + c.final + 3 * c.dense_block + 58 * c.moe_block
+    line = params_line(cfg, c)
+    assert "3 dense layers x " in line and "58 MoE layers x " in line and "multi-token prediction: 1 depth" in line
+
+
+def test_info_prices_the_published_shape(mpicube):
+    """info --arch deepseek_v3 at the published shape prints the parameters
+    per block kind, the traffic per axis (tp, dp, ep), the memory and the
+    FLOPs per rank (64 ranks, serially, no mpiexec); the same figures at
+    512 and 2048 ranks from the cost model's functions (the whole report
+    there prices every layout and option again: tens of seconds each)."""
+    from mpicube.analysis.costflops import step_flops
+    from mpicube.analysis.costmemory import step_memory_bytes
+    from mpicube.analysis.costmodel import Problem, step_traffic
+
+    out = mpicube.run("info", *V3_SHAPE, *V3_PLANS[64])
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "parameters: 671,026,404,352 (" in text and "active per token 37,552,282,624" in text
+    assert "3 dense layers x 583,483,392, 58 MoE layers x 11,507,286,016" in text
+    assert "multi-token prediction: 1 depth, 11,610," in text
+    for want in ("communication per rank per step", "memory per rank", "GEMM and attention FLOPs per rank",
+                 "all-to-all per rank per step (axis ep"):
+        assert want in text, want
+    cfg = ModelConfig(vocab_size=129280, n_ctx=4096, n_layer=61, n_head=128, n_embd=7168, arch="deepseek_v3",
+                      ffn_hidden=18432, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                      v_head_dim=128, n_experts=256, moe_ffn_hidden=2048, n_shared_experts=1, top_k=8, n_groups=8,
+                      topk_groups=4, first_k_dense=3, router="sigmoid")
+    for world, dp in ((512, 64), (2048, 256)):
+        p = Problem(cfg, "1d", 8, dp, 1, world // 8, 4096, "bfloat16", zero=1, ep=dp)
+        t, m = step_traffic(p), step_memory_bytes(p)
+        assert all(t.bytes[axis] > 0 for axis in ("tp", "dp", "ep")) and m.total() > 0 and step_flops(p) > 0
+
+
 # multi-token prediction (issue 43): D depths after the main model, each a block named h.{L + k - 1}
 def test_mtp_loss_equals_reference_and_logs_each_depth():
     """The model's loss, main loss and each depth's equal the reference's

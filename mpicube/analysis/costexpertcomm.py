@@ -42,8 +42,11 @@ world (``RouterLedger.start``; tests/pipeline_check.py compares it).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .costbase import Problem, Traffic
 from .costexperts import ep_traffic, grid, layer_rows
+from .costparams import moe_layers
 
 
 def token_axis(p: Problem) -> tuple:
@@ -74,11 +77,11 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
     float64 sum over ep (without --zero)."""
     t, cfg, w = Traffic(), p.cfg, p.widths
     n, c, _, _ = grid(p)
-    E, K, L = cfg.n_experts, cfg.top_k, p.layers
+    E, K, L = cfg.n_experts, cfg.top_k, moe_layers(p)      # the stage's blocks with a mixture
     forwards = 2 if p.recompute == "blocks" else 1
     hidden, tokens = hidden_axis(p), token_axis(p)
     sequence = p.layout == "1d" and p.sequence_parallel and p.tp > 1
-    routes = []
+    routes, batches = [], Counter()   # the experts' batches by their rows: each size's linears priced once
     for m in range(p.grad_accum):
         rows = layer_rows(p, L, m)
         routes += [(r.sent_to, r.received) for r in rows]
@@ -98,13 +101,14 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
                 t.allgather("tp", p.tp, n // p.tp * c, times=forwards + 1, width=w.act)    # x; backward dy
                 t.reduce_scatter("tp", p.tp, n * c, times=forwards + 1, width=w.red)       # y; backward dx
                 t.allgather("tp", p.tp, n * K, width=w.stat)                               # d weights
-            for size in r.experts:
-                t.add(expert_linears(p, size, forwards))
+            batches.update(r.experts)
         if p.pp > 1:                 # every stage's rows (zeros for the others' layers) over the world
             t.allreduce("world", p.tp * p.dp * p.pp * p.cp, cfg.n_layer * (2 * E + 2), width=w.stat)
             continue
         for axis, g in ([tokens] if tokens else []) + [("cp", p.cp), ("dp", p.dp)]:
             t.allreduce(axis, g, L * (2 * E + 2), width=w.stat)
+    for size, count in batches.items():
+        t.add(expert_linears(p, size, forwards), count)
     t.add(ep_traffic(routes, p.ep, p.ep_rank, E, c, w.act, forwards=forwards, norm=norm))
     return t
 
@@ -114,7 +118,7 @@ def expert_linears(p: Problem, rows: int, forwards: int) -> Traffic:
     this rank, forward ``forwards`` times and backward once, as the
     layout's linears move an MLP's (``costmodel``'s per-linear terms)."""
     t, cfg, w = Traffic(), p.cfg, p.widths
-    h, F = cfg.n_embd, cfg.ffn
+    h, F = cfg.n_embd, cfg.moe_ffn
     if p.layout == "1d":
         if not p.sequence_parallel:      # (under it, partial sums: the mixture's one reduce-scatter)
             t.sum("tp", p.tp, rows * h, times=forwards + 1, width=w.red)  # c_proj's Y; c_fc's dX

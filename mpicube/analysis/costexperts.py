@@ -116,7 +116,9 @@ def layer_rows(p: Problem, count: int, micro: int = 0, first: int = 0) -> list:
     dispatch or the bound of a capacity."""
     if p.routing is not None:
         rows = p.routing[micro % len(p.routing)]
-        assert len(rows) == p.layers, f"routing of {len(rows)} layers for {p.layers}"
+        from .costparams import moe_layers
+
+        assert len(rows) == moe_layers(p), f"routing of {len(rows)} layers for {moe_layers(p)} MoE layers"
         return list(rows[first:first + count])
     one = capacity_rows(p) if p.cfg.capacity_factor else expected_rows(p)
     return [one] * count
@@ -127,7 +129,7 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
     rank (module docstring), by what holds it."""
     cfg, regather = p.cfg, p.recompute == "gathers"
     n, c, split, q = grid(p)
-    E, K, F = cfg.n_experts, cfg.top_k, cfg.ffn
+    E, K, F = cfg.n_experts, cfg.top_k, cfg.moe_ffn
     R, F_l = rows.run, F // split
     # the outputs brought back, in the sent order; where every expert runs on all its rows at once (2-D,
     # 2.5-D, 3-D) and none left the rank, they are a view of those experts' whole output (received rows)
@@ -176,7 +178,7 @@ def moe_linear_flops(p: Problem, N: int) -> int:
     linears on the K N rows balanced routing sends them."""
     cfg = p.cfg
     router = 2 * N * cfg.n_embd * cfg.n_experts * (p.tp if p.layout == "1d" else 1)
-    return router + cfg.top_k * 2 * N * 3 * cfg.n_embd * cfg.ffn
+    return router + cfg.top_k * 2 * N * 3 * cfg.n_embd * cfg.moe_ffn
 
 
 def ep_traffic(routes, g: int, rank: int, n_experts: int, row: int, width: int, forwards: int = 1,

@@ -7,7 +7,9 @@ from fractions import Fraction
 
 from ..parallel.context import ring_scores
 from .costexperts import moe_linear_flops
-from .costmodel import Problem, dense_linears, head_split
+from .costmla import qk, replicated_flops_share, replicated_outputs
+from .costmodel import Problem, head_split
+from .costparams import moe_layers, stage_linears
 
 
 def step_flops(p: Problem) -> Fraction:
@@ -26,10 +28,16 @@ def step_flops(p: Problem) -> Fraction:
     are priced for balanced routing (``costexperts.moe_linear_flops``)."""
     cfg, L, h, T = p.cfg, p.layers, p.cfg.n_embd, p.seq_len
     N = p.local_batch * T                                            # tokens per replica and micro-batch
-    linears = sum(2 * N * h_in * h_out for h_in, h_out, _ in dense_linears(cfg, head_split(p)))   # kv copies too
-    if cfg.moe:                        # the router, and each token's K experts under balanced routing
-        linears += moe_linear_flops(p, N)
-    attention = 2 * 2 * p.local_batch * ring_scores(T, p.cp) * h     # q k^T and probs v on the computed blocks
+    # per block on average: the sharded linears (kv copies too; a dense block's MLP, a DeepSeekMoE
+    # block's shared experts), MLA's REPLICATED projections (whole on every 1-D rank), the router
+    # and each token's K experts under balanced routing in the blocks with a mixture
+    linears = Fraction(sum(2 * N * h_in * h_out for h_in, h_out, _ in stage_linears(p, head_split(p))), max(L, 1))
+    if cfg.mla:
+        linears += 2 * N * h * sum(replicated_outputs(cfg)) * p.tp * replicated_flops_share(p)
+    if cfg.moe:
+        linears += Fraction(moe_layers(p) * moe_linear_flops(p, N), max(L, 1))
+    width = cfg.n_head * qk(cfg) if cfg.mla else h   # MLA: both products at qk (the op pads v to it)
+    attention = 2 * 2 * p.local_batch * ring_scores(T, p.cp) * width   # q k^T and probs v on the computed blocks
     head = 2 * N * h * _padded_vocab(p) if p.has_head else 0
     forwards = 2 if p.recompute == "blocks" else 1
     work = 3 * (L * linears + head) + (forwards - 1) * L * linears + L * Fraction(2 * forwards + 5, 2) * attention

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from ..parallel import zero
 from ..parallel.schedules import model_chunk
 from .costexperts import chunk_moe_terms
-from .costmodel import Problem, attention_split, dense_linears, local_param_sizes
-from .costparams import segments_of, site_of
+from .costmla import attention_terms, cache_elems
+from .costmodel import Problem, attention_split, local_param_sizes
+from .costparams import block_linears, moe_layers, segments_of, shared_linears, site_of, stage_layers
 from .costpipe import peak_over_schedule
 from .costwgrad import weight_phase_terms
 
@@ -116,28 +117,41 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     # Llama: RMSNorm's xhat (x2); the rotated and repeated [q | k | v] the attention op sees
     # (n_head heads each, whatever the kv heads) and its scaled q; SwiGLU's [gate | up], sigmoid
     # and silu (4 F_m) and mlp.c_proj's input (F_m) instead of GELU's 4 h_m pair and input.
-    # A mixture: the router and experts instead (``costexperts.layer_terms``, added per layer below).
-    if cfg.moe:
-        act_kept, mlp_in = 0, 0
-    elif cfg.llama:
+    # DeepSeek-V3: MLA's branch (``costmla.attention_terms``) instead of the attention's.
+    # A mixture's block: the router and experts instead of the MLP (``costexperts.layer_terms``,
+    # added per MoE layer below; the first ``first_k_dense`` blocks keep the dense ``mlp``).
+    if cfg.llama:
         act_kept, mlp_in = 4 * (cfg.ffn // heads), cfg.ffn // heads
     else:
         act_kept, mlp_in = 2 * 4 * mid_cols, 4 * mid_cols
-    block = 2 * nc * cc + n * 4 * mid_cols + n * act_kept
-    if p.layout == "3d" and not regather and gathered:
-        block += n * mid_cols          # the attention output: c_proj keeps its gathered input instead
-    elif p.ulysses > 1:                # Ulysses: the op keeps its output at its heads and the group's positions
-        block += n * mid_cols          # (parallel/ulysses.py), beside c_proj's input at this rank's positions
-    if p.layout == "3d":
-        for h_in, h_out, _ in dense_linears(cfg, q):
-            block += n * h_in // q if regather else q * n * h_in // q         # local or gathered X
-            block += 0 if regather else gathered * (h_in // q) * (h_out // q)   # gathered W
+    linears = block_linears(cfg, q)
+    attn_linears, mlp_linears = linears[:-2], linears[-2:]
+    latent_stat = 0
+    if cfg.mla:
+        attn, latent_stat = attention_terms(p, n, nc, split_cols, heads, q, shard)
+        block = 2 * nc * cc + attn
     else:
-        firsts = 1 if cfg.moe else 2                                       # c_attn (, c_fc)
-        first_inputs = firsts * n * cc // shard if regather else firsts * n * cc
-        block += first_inputs + n * mid_cols + n * mlp_in                  # c_proj, mlp.c_proj
+        block = 2 * nc * cc + n * 4 * mid_cols
+        if p.layout == "3d" and not regather and gathered:
+            block += n * mid_cols      # the attention output: c_proj keeps its gathered input instead
+        elif p.ulysses > 1:            # Ulysses: the op keeps its output at its heads and the group's positions
+            block += n * mid_cols      # (parallel/ulysses.py), beside c_proj's input at this rank's positions
+        if p.layout == "3d":
+            block += sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in attn_linears)
+        else:
+            block += (n * cc // shard if regather else n * cc) + n * mid_cols     # c_attn's input, c_proj's
+    def swiglu(linears, kept, inputs):  # a dense MLP: its activation's cache, its two linears' inputs (and W)
+        if p.layout == "3d":
+            return n * kept + sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in linears)
+        return n * kept + (n * cc // shard if regather else n * cc) + n * inputs   # c_fc's input, mlp.c_proj's
+
+    mlp = swiglu(mlp_linears, act_kept, mlp_in)
+    S = cfg.n_shared_experts * cfg.moe_ffn // heads            # a DeepSeekMoE block's shared experts, per rank
+    shared = swiglu(shared_linears(cfg), 5 * S, S) if cfg.moe and S else 0
     if dropout:
         block += 2 * nc * cc           # residual masks; attention's are drawn block by block, never kept
+    layers = stage_layers(p)[first:first + L]
+    n_moe = moe_layers(p, layers)      # blocks with a mixture: the rest keep ``mlp``
     # outside the blocks: ln_f xhat, logits and softmax, head input (head); embedding mask (lookup);
     # the wte panel and its gradient (either)
     outside, panel, grad = 0, 0, 0
@@ -159,14 +173,26 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         outside += nc * cc
     step = {"act": panel, "stat": 0, "grad": grad}
     none = {"act": 0, "stat": 0, "grad": 0}
-    moe, moe_most = chunk_moe_terms(p, L, micro, first) if cfg.moe else (none, none)
+    moe_first = moe_layers(p, stage_layers(p)[:first])                  # the stage's MoE layers before the chunk
+    moe, moe_most = chunk_moe_terms(p, n_moe, micro, moe_first) if n_moe else (none, none)
+    stat = 2 * nc + lse + latent_stat                                    # a block's rstd of norms, lse
     if mode == "blocks":
         kept = {"act": L * n * cc // shard + outside, "stat": nc * head, "grad": 0}
-        rerun = {"act": block + moe_most["act"], "stat": 2 * nc + lse + moe_most["stat"], "grad": 0}
-        return kept, step, rerun if L else none
-    kept = {"act": L * block + outside + moe["act"], "stat": (2 * L + head) * nc + L * lse + moe["stat"],
-            "grad": 0}                                                   # rstd of LNs, lse
+        reruns = ([{"act": block + mlp, "stat": stat}] if n_moe < L else []) + \
+                 ([{"act": block + shared + moe_most["act"], "stat": stat + moe_most["stat"]}] if n_moe else [])
+        rerun = max(reruns, key=lambda r: r["act"] + r["stat"]) if L else none
+        return kept, step, {**rerun, "grad": 0}
+    kept = {"act": L * block + (L - n_moe) * mlp + n_moe * shared + outside + moe["act"],
+            "stat": L * stat + head * nc + moe["stat"], "grad": 0}
     return kept, step, none
+
+
+def _cube_linear(n: int, q: int, h_in: int, h_out: int, regather: bool, gathered: bool) -> int:
+    """What a 3-D linear keeps: its X, local (--recompute gathers) or
+    gathered over q, and its gathered W panel (none on a grid of one rank)."""
+    if regather:
+        return n * h_in // q
+    return q * n * h_in // q + gathered * (h_in // q) * (h_out // q)
 
 
 def kv_cache_elems(p: Problem) -> int:
@@ -177,6 +203,8 @@ def kv_cache_elems(p: Problem) -> int:
     of the kv head its queries read when the head split exceeds them."""
     seqs, heads = attention_split(p)
     cfg = p.cfg
+    if cfg.mla:                        # the kv latent and the rotated k_pe (``costmla.cache_elems``)
+        return cache_elems(p, seqs)
     kv = max(1, cfg.kv_heads * heads // cfg.n_head) if cfg.llama else heads
     return p.layers * 2 * seqs * kv * cfg.n_ctx * cfg.head_dim
 

@@ -77,9 +77,10 @@ from ..core.config import ModelConfig
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
 from .costfp8 import fp8_traffic
 from .costpipe import pipeline_traffic
+from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums, op_head_dim
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
                          head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
-                         segment_name)
+                         segment_name, stage_linears)
 
 
 def _layernorm(t: Traffic, axis, g, rows, count, width, rms: bool = False):  # statistics: width is Widths.stat
@@ -118,38 +119,40 @@ def serial_traffic(p: Problem) -> Traffic:
 
 
 def oned_traffic(p: Problem) -> Traffic:
+    """1-D: each block's sharded linears (``stage_linears``: a ROW sums its
+    output, a COLUMN its input gradient; ``costmla.oned_linear_sums``),
+    the lookup's and the LM head's sums, the cross-entropy's statistics;
+    --sequence-parallel: ``oned_sequence_traffic``."""
     t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
     L, head = p.layers, int(p.has_head)
     if head:
         _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
-    per = 2 if p.cfg.moe else 4       # a mixture: the attention's two; the experts' follow their rows
     if p.sequence_parallel:
         t.add(oned_sequence_traffic(p, act))
         return t
-    t.sum("tp", g, act, times=per * L, width=w.red)       # 2 forward (row-split), 2 backward
+    t.add(oned_linear_sums(p, stage_linears(p)))          # 2 forward (row-split), 2 backward a dense block
     t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
-    if p.recompute == "gathers":                          # c_attn, c_fc and LM head inputs from row shards
-        t.allgather("tp", g, act // g, times=per // 2 * L + head, width=w.act)   # (a mixture: c_attn, head)
-    if p.recompute == "blocks":                           # block inputs from row shards, forwards again
+    if p.recompute == "gathers":                          # the LM head's input from its row shards
+        t.allgather("tp", g, act // g, times=head, width=w.act)
+    if p.recompute == "blocks":                           # block inputs from row shards (forwards again: above)
         t.allgather("tp", g, act // g, times=L, width=w.act)
-        t.sum("tp", g, act, times=per // 2 * L, width=w.red)
     return t
 
 
 def oned_sequence_traffic(p: Problem, act: int) -> Traffic:
     """1-D under --sequence-parallel (layouts/seqpar.py): every all-reduce
     of ``act`` as its two halves along T, an all-gather of the T/tp shard
-    and a reduce-scatter; --recompute gathers gathers the column-parallel
-    and head inputs again, --recompute blocks reruns each block's forward
-    (its input is already a shard: nothing to restore)."""
+    and a reduce-scatter (``costmla.oned_sequence_sums`` for the blocks'
+    linears); --recompute gathers gathers the column-parallel and head
+    inputs again, --recompute blocks reruns each block's forward (its
+    input is already a shard: nothing to restore)."""
     t, g, w = Traffic(), p.tp, p.widths
-    L, head = p.layers, int(p.has_head)
-    per = 1 if p.cfg.moe else 2      # a mixture's gathers and reduce-scatters: costexpertcomm
-    firsts, seconds = per * L + head, per * L + int(p.has_embed)   # column-parallel (+ head), row (+ lookup)
-    again = {"gathers": (per * L + head, 0), "blocks": (per * L, per * L)}.get(p.recompute, (0, 0))
-    t.allgather("tp", g, act // g, times=firsts + seconds + again[0], width=w.act)   # inputs, backward dY
-    t.reduce_scatter("tp", g, act, times=seconds + firsts + again[1], width=w.red)   # outputs, backward dX
+    head, embed = int(p.has_head), int(p.has_embed)
+    t.add(oned_sequence_sums(p, stage_linears(p)))
+    again = head if p.recompute == "gathers" else 0
+    t.allgather("tp", g, act // g, times=head + embed + again, width=w.act)   # head input, lookup backward dY
+    t.reduce_scatter("tp", g, act, times=embed + head, width=w.red)          # lookup output, head backward dX
     return t
 
 
@@ -160,7 +163,7 @@ def tesseract_traffic(p: Problem) -> Traffic:
     V = -(-cfg.vocab_size // q) * q
     forwards = 2 if p.recompute == "blocks" else 1            # blocks: each block's forward again
     L, head = p.layers, int(p.has_head)
-    for h_in, h_out, _ in dense_linears(cfg, q) * L:
+    for h_in, h_out, _ in stage_linears(p, q):
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
         t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
         t.reduce_onto("row", q, x_panel, times=q, width=w.red)  # dX
@@ -191,7 +194,7 @@ def cube_traffic(p: Problem) -> Traffic:
     gathers = 2 if p.recompute == "gathers" else 1     # gathers: X and W again in backward
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
     L, embed, head = p.layers, int(p.has_embed), int(p.has_head)
-    for h_in, h_out, position in dense_linears(cfg, q) * L:
+    for h_in, h_out, position in stage_linears(p, q):
         a, b = ("j", "k") if position == "column" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
         t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=forwards * gathers, width=w.act)   # W over i
@@ -237,7 +240,9 @@ def step_traffic(p: Problem) -> Traffic:
     over "pp" after "tp" (one float64 each). Under --zero 2 and 3 the ring's
     and the pair's sums move the owned chunks (C, C_wte) instead."""
     t = Traffic()
-    t.add(TRAFFIC[p.layout](replace(p, seq_len=p.local_seq, cp=1)), p.grad_accum)   # on this rank's positions
+    local = replace(p, seq_len=p.local_seq, cp=1)                  # on this rank's positions
+    t.add(TRAFFIC[p.layout](local), p.grad_accum)
+    t.add(latent_traffic(local), p.grad_accum)                      # MLA's latents and shared key
     t.add(pipeline_traffic(p))
     if p.fp8:                        # --fp8: the tensor scales' amax all-reduces (costfp8)
         t.add(fp8_traffic(p), p.grad_accum)
@@ -347,7 +352,7 @@ def ring_traffic(p: Problem) -> Traffic:
     if C == 1:
         return t
     seqs, heads = attention_split(p)
-    kv = 2 * seqs * p.local_seq * heads * p.cfg.head_dim
+    kv = 2 * seqs * p.local_seq * heads * op_head_dim(p.cfg)     # MLA: k and v at qk
     forwards = 2 if p.recompute == "blocks" else 1
     t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.layers, w.act)
     t._add("cp", C, kv, 1, C * p.layers, w.stat)
@@ -366,7 +371,7 @@ def ulysses_traffic(p: Problem) -> Traffic:
     if U == 1:
         return t
     seqs, heads = attention_split(p)
-    slab = seqs * p.local_seq * (heads // U) * p.cfg.head_dim       # one head group of one width's rows
+    slab = seqs * p.local_seq * (heads // U) * op_head_dim(p.cfg)      # one head group of one width's rows
     forwards = 2 if p.recompute == "blocks" else 1
     for width, times in ((3, forwards + 1), (1, forwards + 1)):    # qkv / dqkv, y / dy
         t._add("ulysses", U, (U - 1) * width * slab, U - 1, times * p.layers, w.act)
@@ -387,14 +392,15 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
         for seg, _, chunk, parts, x in blocks:
             if site_of(seg) == site_of(blocks[0][0]):       # every block's pieces are alike
                 t.allgather(axis_of[x][0], parts, chunk, times=times, width=w.act)
+    by_segment = defaultdict(lambda: defaultdict(int))   # {segment: {axis: elements}} of the summed tensors
+    for name, (n, axis) in sizes.items():
+        if axis is not None:
+            by_segment[segment_name(p, name)][axis] += n
     for site in dict.fromkeys(site_of(s[0]) for s in segments):
         pieces = [s for s in segments if site_of(s[0]) == site]
         runs, end = [], None                     # (axis, elements) runs of the site's slot, merged when adjacent
         for seg, size, chunk, parts, x in pieces:
-            groups = defaultdict(int)
-            for name, (n, axis) in sizes.items():
-                if axis is not None and segment_name(p, name) == seg:
-                    groups[axis] += n
+            groups = by_segment.get(seg, {})
             for k, axis in enumerate(sorted(groups)):
                 if runs and runs[-1][0] == axis and k == 0 and end:
                     runs[-1] = (axis, runs[-1][1] + groups[axis])

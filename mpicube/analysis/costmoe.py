@@ -44,7 +44,7 @@ def moe_report(cfg, batch_size: int, world: int, dp: int, ep: int, tp: int, widt
     chooses; a capacity bounds it), and, given the ``layout``, the experts'
     memory per rank (``expert_memory``). Under ``cp`` > 1 the ep ranks
     come from dp x cp and a rank routes its T/cp positions."""
-    E, K, L, h, F = cfg.n_experts, cfg.top_k, cfg.n_layer, cfg.n_embd, cfg.ffn
+    E, K, L, h, F = cfg.n_experts, cfg.top_k, cfg.n_layer - min(cfg.first_k_dense, cfg.n_layer), cfg.n_embd, cfg.moe_ffn
     per = E // ep
     expert = 3 * h * F                                   # one expert's parameters
     tokens = batch_size // dp * cfg.n_ctx // cp          # this rank's tokens per step (its positions under cp)
@@ -103,6 +103,7 @@ def expert_memory(p) -> list:
     from ..parallel.experts import expert_of
     from .costexperts import capacity_rows, expected_rows, layer_parts
     from .costmodel import local_param_sizes
+    from .costparams import moe_layers
 
     w, cfg = p.widths, p.cfg
     sizes = local_param_sizes(p)
@@ -127,7 +128,7 @@ def expert_memory(p) -> list:
                  f"{rows.run} run by its {cfg.n_experts // p.ep} expert{'s' if cfg.n_experts // p.ep > 1 else ''}): "
                  f"{_size(total)}B = "
                  + ", ".join(f"{name} {_size(n * width[k])}B" for name, (k, n) in parts.items())
-                 + f"; {p.layers} layer{'s' if p.layers != 1 else ''}" + (" of stage 0" if p.pp > 1 else "")
-                 + f" {_size(p.layers * total)}B"
+                 + f"; {moe_layers(p)} MoE layer{'s' if moe_layers(p) != 1 else ''}"
+                 + (" of stage 0" if p.pp > 1 else "") + f" {_size(moe_layers(p) * total)}B"
                  + (" (--recompute blocks: one layer's at a time)" if p.recompute == "blocks" else ""))
     return lines

@@ -10,6 +10,8 @@ re-exports them."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..core.config import ModelConfig
 from ..model.gpt import gpt_params
 from ..parallel import zero
@@ -26,18 +28,69 @@ def block_linears(cfg: ModelConfig, split: int = 1):
     ``params.SharedColumns``); its c_fc is SwiGLU's [gate | up] (2 F) and
     its mlp.c_proj F x h."""
     h = cfg.n_embd
+    if cfg.mla:                      # q_up (q_proj), kv_up, c_proj (costmla); then Llama's SwiGLU
+        from .costmla import attention_linears
+
+        return attention_linears(cfg) + [(h, 2 * cfg.ffn, "column"), (cfg.ffn, h, "row")]
     if cfg.llama:
         qkv = cfg.n_head * cfg.head_dim + 2 * cfg.head_dim * max(cfg.kv_heads, split)
         return [(h, qkv, "column"), (h, h, "row"), (h, 2 * cfg.ffn, "column"), (cfg.ffn, h, "row")]
     return [(h, 3 * h, "column"), (h, h, "row"), (h, 4 * h, "column"), (4 * h, h, "row")]
 
 
-def dense_linears(cfg: ModelConfig, split: int = 1):
-    """The linears every token of a block goes through: all four, or under
-    a mixture of experts the attention's two (the experts' are priced by
-    the rows they receive, ``costexperts``)."""
+def dense_linears(cfg: ModelConfig, split: int = 1, layer: int = None):
+    """The sharded linears every token of a block goes through: all of them,
+    or in a mixture's block (``layer`` a MoE layer, or any layer of a
+    mixture when ``layer`` is None) the attention's only (the experts' are
+    priced by the rows they receive, ``costexperts``)."""
     linears = block_linears(cfg, split)
-    return linears[:2] if cfg.moe else linears
+    mixture = cfg.is_moe(layer) if layer is not None else cfg.moe
+    if not mixture:
+        return linears
+    return linears[:-2] + shared_linears(cfg)
+
+
+def shared_linears(cfg: ModelConfig) -> list:
+    """A DeepSeekMoE block's shared experts: one dense SwiGLU of width
+    S = n_shared x moe_ffn on the layout's COLUMN and ROW linears
+    (``moe.shared``), every token through it."""
+    if not cfg.n_shared_experts:
+        return []
+    S = cfg.n_shared_experts * cfg.moe_ffn
+    return [(cfg.n_embd, 2 * S, "column"), (S, cfg.n_embd, "row")]
+
+
+def stage_layers(p: Problem) -> list:
+    """The global indices of this stage's blocks, in the order it runs them."""
+    split = p.chunk_layers
+    return [i for k in p.stage_chunks for i in split[k]]
+
+
+def stage_linears(p: Problem, split: int = 1) -> list:
+    """``dense_linears`` of every block of this stage, in turn: a dense
+    block's MLP included, a mixture's left to ``costexperts`` (the first
+    ``first_k_dense`` blocks of a DeepSeekMoE model are dense)."""
+    return [lin for i in stage_layers(p) for lin in dense_linears(p.cfg, split, i)]
+
+
+def moe_layers(p: Problem, layers: list = None) -> int:
+    """How many of ``layers`` (default: this stage's) have a mixture MLP."""
+    return sum(p.cfg.is_moe(i) for i in (stage_layers(p) if layers is None else layers))
+
+
+@lru_cache(maxsize=8)
+def model_decls(cfg: ModelConfig) -> tuple:
+    """``gpt_params(cfg)``, built once per configuration: the cost model
+    walks them for every plan it prices, and a DeepSeek-V3 of 61 blocks x
+    256 experts declares some 30,000 tensors (``info`` prices dozens of
+    plans)."""
+    return tuple(gpt_params(cfg))
+
+
+@lru_cache(maxsize=8)
+def headed_decls(cfg: ModelConfig) -> tuple:
+    """The declarations with heads (Llama's c_attn): the only ones whose kv columns a split may share."""
+    return tuple(d for d in model_decls(cfg) if d.heads)
 
 
 def head_split(p: Problem) -> int:
@@ -58,7 +111,7 @@ def local_param_sizes(p: Problem) -> dict:
     as ``ParamStore`` lays them out."""
     cfg, out, experts, seen = p.cfg, {}, {}, {}
     mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
-    for decl in gpt_params(cfg):
+    for decl in model_decls(cfg):
         e = expert_of(decl.name)
         if e is not None and e >= cfg.n_experts // p.ep:
             continue
@@ -95,7 +148,7 @@ def kv_param_sizes(p: Problem) -> dict:
     exceeds the kv heads), summed over the ``share`` ranks of axis "kv"."""
     split, out = head_split(p), {}
     mine = {i for k in p.stage_chunks for i in p.chunk_layers[k]} if p.pp > 1 else None
-    for decl in gpt_params(p.cfg):
+    for decl in headed_decls(p.cfg):
         width, share = shared_width(decl, split)
         if width and on_stage(p, decl.name, mine):
             n, _ = _local_size(p, decl)
@@ -110,6 +163,9 @@ def _local_size(p: Problem, decl):
         numel *= n
     if p.layout == "serial":
         return numel, None
+    if role == "w_replicated":               # MLA's latent projections: whole on every rank, summed over tp
+        shared = p.layout != "1d" or p.sequence_parallel   # where the ranks hold other canonical blocks
+        return numel, ("tp" if shared and p.tp > 1 else None)
     if role in ("w_column", "b_column"):     # the head split's share of the columns (whole kv heads, or a copy)
         cols = len(split_decl(decl, head_split(p), 0))
         numel = numel // shape[-1] * cols * head_split(p)

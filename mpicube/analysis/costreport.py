@@ -136,7 +136,8 @@ def report(layout_name: str, cfg: ModelConfig, batch_size: int, world_size: int,
     cache = kv_cache_elems(chosen)
     lines.append(f"generation's key/value cache per rank ({attention_split(chosen)[0]} of the {batch_size} "
                  f"sequences x {cfg.n_ctx} positions"
-                 + (f", {cfg.kv_heads} kv heads" if cfg.llama else "") + f"): {_fmt(cache)} elements, "
+                 + (f", the kv latent {cfg.kv_lora_rank} and k_pe {cfg.qk_rope_head_dim} a token" if cfg.mla else
+                    f", {cfg.kv_heads} kv heads" if cfg.llama else "") + f"): {_fmt(cache)} elements, "
                  f"{_fmt(cache * chosen.widths.act)}B")
     lines += ["", compare(cfg, batch_size, world_size, dp, dtype, grad_accum, zero, ep)]
     return "\n".join(lines)

@@ -64,7 +64,6 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     --heads, each rank's query and kv heads."""
     from ..core.config import ModelConfig, family_fields
     from ..files.data import VOCAB_SIZE
-    from ..model.gpt import gpt_params
     from ..parallel.grid import validate_model
 
     cfg = ModelConfig(vocab_size=vocab_size or VOCAB_SIZE, n_ctx=seq_len, n_layer=n_layer, n_head=n_head,
@@ -72,13 +71,8 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
     validate_model(cfg)
     n = cfg.n_params()
     h = cfg.n_embd
-    sizes = {d.name: d.shape[0] * (d.shape[1] if len(d.shape) > 1 else 1) for d in gpt_params(cfg)}
-    embed = sum(v for k, v in sizes.items() if k in ("wte", "wpe", "lm_head"))
-    final = sum(v for k, v in sizes.items() if k.startswith("ln_f"))
-    mtp = sum(v for k, v in sizes.items() if k.startswith("mtp.") or
-              (k.startswith("h.") and int(k.split(".")[1]) >= cfg.n_layer))   # the MTP depths' blocks and tensors
-    per_layer = (n - embed - final - mtp) // cfg.n_layer
     from ..analysis.costmodel import Widths
+    from ..analysis.param_counts import param_counts, params_line
 
     w = Widths.of(dtype)
     family_line = (f"Llama ({cfg.kv_heads} kv heads, SwiGLU {cfg.ffn}, {'tied' if cfg.tied else 'untied'} head)"
@@ -91,16 +85,11 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
         family_line += f" with a mixture of {cfg.n_experts} experts, top {cfg.top_k}"
     echo(f"model: {family_line}, n_layer {cfg.n_layer}, n_head {cfg.n_head}, n_embd {h}, n_ctx {cfg.n_ctx}, "
          f"vocab {cfg.vocab_size}")
-    echo(f"parameters: {n:,} ({'embeddings and head' if cfg.llama and not cfg.tied else 'embeddings'} {embed:,}, "
-         f"{cfg.n_layer} layers x {per_layer:,}, {'norm' if cfg.llama else 'ln_f'} {final:,}"
-         + (f", MTP {cfg.mtp_depth} depth(s) {mtp:,}" if mtp else "") + ")")
+    echo(params_line(cfg, param_counts(cfg)))
     working = n * w.act if w.act != w.grad else 0           # mixed precision: a 16-bit working copy too
     echo(f"memory: {_mib(n * w.grad + working)} of parameters in {dtype}"
          + (f" (float32 master + {dtype} working copy)" if working else "")
          + f"; {_mib(4 * n * w.grad + working)} with gradients and AdamW moments (before sharding)")
-    if (layout is not None or world_size is not None) and cfg.mla:
-        raise UserError("info --arch deepseek_v3 gives the model's size only: the cost model does not price "
-                        "multi-head latent attention yet (drop --layout and -n)")
     if layout is not None or world_size is not None:
         from ..analysis.costreport import fp8_report, memory_options, report, summary, zero_options
         from ..parallel.gridspec import Plan
