@@ -4,7 +4,8 @@
 #                           CPU kernels, compiled into numba's cache here) and pytest
 #   make install-site-mpi   .venv with mpi4py built against the `mpicc` on PATH (clusters)
 #   make train              train the default small model; TRAIN_ARGS="--steps 50" overrides
-#   make test               run the test suite
+#   make test               run the test suite in TEST_WORKERS pytest-xdist workers (2: one a core
+#                           of the 2-core reference machine), each test file whole on one worker
 #   make mutants            plant tools/mutants.py's bugs one at a time in a copy; say which survive
 #   make bench              run `mpicube bench`; ARGS="..." appends options
 #   make clean              remove the venv and build files (runs/ is kept)
@@ -22,6 +23,7 @@ TRAIN_DEFAULTS = --n-layer 4 --n-head 12 --n-embd 144 --seq-len 64 --batch-size 
 TRAIN_ARGS ?=
 ARGS ?=
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 MUTANTS ?=
 
 # The venv's bin first on PATH, so `mpiexec` is the one that matches its mpi4py.
@@ -54,7 +56,7 @@ train: install
 	$(WITH_VENV) $(BIN)/mpicube train $(TRAIN_DEFAULTS) $(TRAIN_ARGS)
 
 test: install
-	$(WITH_VENV) $(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+	$(WITH_VENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 # MUTANTS="shards-sorted ..." runs some of the catalogue (python tools/mutants.py --list)
 mutants: install
