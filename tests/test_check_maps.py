@@ -45,10 +45,14 @@ DEEPSEEK_CFG = {"vocab_size": 61, "n_ctx": 8, "n_layer": 2, "n_head": 4, "n_embd
                 "first_k_dense": 1, "bias_update_rate": 0.0, "bias_update": "plain", "seq_aux_loss_coef": 0.0}
 # without a q rank (q_proj), every block dense
 DEEPSEEK_DENSE_CFG = {k: v for k, v in DEEPSEEK_CFG.items() if k in list(DEEPSEEK_CFG)[:17]} | {"q_lora_rank": 0}
+# with one multi-token prediction depth: its block h.2 (a mixture, as HF's layer 2) and mtp.0.*
+DEEPSEEK_MTP_CFG = {**DEEPSEEK_CFG, "mtp_depth": 1}
 
 
 def cfg_of(make):
-    if make in (namemaps.hf_deepseek_v3, namemaps.hf_deepseek_v3_hub):
+    if make is namemaps.hf_deepseek_v3_hub:          # a hub file: the MTP layer with its copies
+        return DEEPSEEK_MTP_CFG
+    if make is namemaps.hf_deepseek_v3:
         return DEEPSEEK_CFG
     if make in (namemaps.hf_mixtral, namemaps.hf_mixtral_hub):
         return MIXTRAL_CFG
@@ -65,17 +69,21 @@ def test_every_map_round_trips_exactly(make):
     m = make(cfg_of(make))
     trace = trace_params(cfg=cfg_of(make))
     theirs = m.from_trace(trace)
-    assert set(theirs) == m.sources()
+    assert set(theirs) == m.sources() | set(m.copies)
     back = m.to_trace(theirs)
     assert list(back) == names.forward_param_order(cfg_of(make))
     assert all(np.array_equal(back[n], trace[n]) for n in trace)
 
 
-@pytest.mark.parametrize("cfg", [CFG, LLAMA_CFG, MIXTRAL_CFG, DEEPSEEK_CFG, DEEPSEEK_DENSE_CFG],
-                         ids=["gpt2", "llama", "mixtral", "deepseek_v3", "deepseek_v3-dense"])
+@pytest.mark.parametrize("cfg", [CFG, LLAMA_CFG, MIXTRAL_CFG, DEEPSEEK_CFG, DEEPSEEK_DENSE_CFG, DEEPSEEK_MTP_CFG,
+                                 {**DEEPSEEK_DENSE_CFG, "mtp_depth": 2}],
+                         ids=["gpt2", "llama", "mixtral", "deepseek_v3", "deepseek_v3-dense", "deepseek_v3-mtp",
+                              "deepseek_v3-dense-mtp2"])
 def test_each_family_names_the_map_of_its_transformers_class(cfg):
     """A model family's ``hf_map`` (model/families) is a shipped map whose
-    trace names are exactly the family's parameters, in its order."""
+    trace names are exactly the family's parameters, in its order; the
+    checker's names (names.forward_param_order, param_shapes) are the
+    family's declarations, the MTP depths' included."""
     from mpicube.core.config import ModelConfig
     from mpicube.model.families import family_of
 
@@ -84,6 +92,8 @@ def test_each_family_names_the_map_of_its_transformers_class(cfg):
     m = namemaps.MAPS[family.hf_map](cfg)
     assert sorted(m.rules) == sorted(family.param_names(model))
     assert [d.name for d in family.params(model)] == list(family.param_names(model))
+    assert {d.name: tuple(d.shape) for d in family.params(model)} == names.param_shapes(cfg)
+    assert list(names.param_shapes(cfg)) == names.forward_param_order(cfg)
 
 
 def test_linear_weights_are_transposed_and_q_k_v_split_by_columns():
@@ -363,3 +373,86 @@ def test_hf_deepseek_maps_cover_transformers_deepseek_and_agree_with_the_file_re
         namemaps.hf_deepseek_v3(MIXTRAL_CFG)
     with pytest.raises(UserError, match="not a Llama"):
         namemaps.hf_llama(cfg)
+
+
+def test_deepseek_mtp_depths_are_ordered_after_the_head_forward_and_first_backward():
+    """With --mtp-depth D the trace's parameters end with each depth's
+    block h.{L+k-1} and mtp.{k-1}.* (the model's declaration order), and
+    backward completes the depths first, from depth D: its output norm,
+    its block, the projection, the two input norms; the untied head with
+    depth 1 (its last use), then the main model's ln_f and blocks, wte
+    last. The depths' blocks run after the main logits (their records
+    before the losses), and their routers' bias updates follow lr."""
+    cfg = {**DEEPSEEK_CFG, "mtp_depth": 2}
+    own = ["enorm.weight", "hnorm.weight", "proj.weight", "ln_f.weight"]
+    block = [s for s in names.block_params(cfg, 1)]                   # the mixture's (h.2, h.3 are mixtures too)
+    forward = names.forward_param_order(cfg)
+    assert forward[forward.index("lm_head") + 1:] == ([f"h.2.{s}" for s in block] + [f"mtp.0.{s}" for s in own]
+                                                      + [f"h.3.{s}" for s in block] + [f"mtp.1.{s}" for s in own])
+    back = names.backward_param_order(cfg)
+    depth = [f"h.{{i}}.{s}" for s in names._backward_block(cfg, 1)]
+    tail = ["proj.weight", "enorm.weight", "hnorm.weight"]
+    assert back[:back.index("ln_f.weight")] == (["mtp.1.ln_f.weight"] + [n.format(i=3) for n in depth]
+                                                + [f"mtp.1.{s}" for s in tail] + ["lm_head", "mtp.0.ln_f.weight"]
+                                                + [n.format(i=2) for n in depth] + [f"mtp.0.{s}" for s in tail])
+    assert back[-1] == "wte" and sorted(back) == sorted(forward)
+    step = names.step_names(cfg, 1, state=True)
+    at = {n.split("/", 1)[1]: i for i, n in enumerate(step)}
+    assert at["logits"] < at["act/h.2.ln_1"] < at["moe/h.2.scores"] < at["act/h.3"] < at["moe/aux_loss"] \
+        < at["mtp/main_loss"] < at["mtp/loss_2"] < at["loss"] < at["grad/mtp.1.ln_f.weight"]
+    assert at["lr"] < at["moe/h.1.bias_update"] < at["moe/h.3.bias_update"] < at["state/exp_avg/mtp.1.proj.weight"]
+    assert "state/expert_load/h.3" in at
+    shuffled = sorted(step, key=lambda n: n[::-1])
+    assert names.ordered(shuffled, cfg) == step                       # compare's order puts each where it belongs
+    hostile = {**cfg, "mtp_depth": 2 ** 40}                               # costs what the names cost
+    assert names.ordered(["step_1/grad/wte", "step_1/grad/mtp.0.proj.weight", "step_1/mtp/loss_1"], hostile) == \
+        ["step_1/mtp/loss_1", "step_1/grad/mtp.0.proj.weight", "step_1/grad/wte"]
+    # the tolerances' depths: the chain runs through both depths' blocks
+    assert [names.depth(f"step_1/{n}", cfg) for n in ("act/h.1", "act/ln_f", "act/h.2", "act/h.3", "mtp/loss_2",
+                                                       "loss", "grad/mtp.1.ln_f.weight", "grad/lm_head",
+                                                       "grad/ln_f.weight", "grad/wte")] == [3, 4, 5, 6, 7, 8, 10, 10,
+                                                                                              11, 15]
+
+
+def test_hf_deepseek_hub_map_covers_the_mtp_layer_mpicube_writes(tmp_path):
+    """A DeepseekV3 directory with its MTP layer, as mpicube's own writer
+    makes it (files/formats/hf_deepseek_model.py: layer L's enorm, hnorm,
+    eh_proj, shared_head.norm, the block's tensors and the copies of the
+    embedding and head), maps through hf_deepseek_v3_hub to exactly the
+    trace tensors it was written from, every file tensor used (the
+    routers' biases as buffers, the MTP block's too); back, the map gives
+    the writer's names and values. A copy that differs from the shared
+    tensor is bad input naming it."""
+    from safetensors.numpy import load_file
+
+    from mpicube.core.config import ModelConfig
+    from mpicube.files import formats
+    from mpicube.files.formats import hf_deepseek_model
+
+    cfg = DEEPSEEK_MTP_CFG
+    trace = trace_params(4, cfg)
+    hf_deepseek_model.write(tmp_path / "ds", trace, ModelConfig.from_dict(cfg))
+    on_file = {k: v for f in sorted((tmp_path / "ds").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.shared_head.head.weight",
+            "model.layers.2.embed_tokens.weight", "model.layers.2.mlp.experts.7.down_proj.weight"} <= set(on_file)
+    hub = namemaps.hf_deepseek_v3_hub(cfg)
+    hub.check_names(on_file, "file")
+    assert hub.buffers == {f"model.layers.{i}.mlp.gate.e_score_correction_bias": f"moe/h.{i}.bias" for i in (1, 2)}
+    assert hub.copies == {"model.layers.2.embed_tokens.weight": "model.embed_tokens.weight",
+                          "model.layers.2.shared_head.head.weight": "lm_head.weight"}
+    mapped = hub.to_trace(on_file, "file")
+    assert list(mapped) == names.forward_param_order(cfg) and all(np.array_equal(mapped[n], trace[n]) for n in trace)
+    assert np.array_equal(on_file["model.layers.2.eh_proj.weight"], trace["mtp.0.proj.weight"].T)   # (C, 2C)
+    theirs = hub.from_trace(trace)
+    assert sorted(theirs) == sorted(set(on_file) - set(hub.buffers))
+    assert all(np.array_equal(theirs[n], on_file[n]) for n in theirs)
+    with formats.open_model(tmp_path / "ds") as model_file:
+        assert names.config_of(model_file.config.to_dict()) == cfg
+    on_file["model.layers.2.shared_head.head.weight"] = on_file["model.layers.2.shared_head.head.weight"] + 1.0
+    with pytest.raises(UserError, match="'model.layers.2.shared_head.head.weight' differs from 'lm_head.weight'"):
+        hub.to_trace(on_file, "file")
+    del on_file["model.layers.2.shared_head.head.weight"], on_file["model.layers.2.embed_tokens.weight"]
+    assert list(hub.to_trace(on_file, "file")) == list(mapped)          # the copies are optional
+    del on_file["model.layers.2.eh_proj.weight"]
+    with pytest.raises(UserError, match="has no 'model.layers.2.eh_proj.weight'"):
+        hub.to_trace(on_file, "file")

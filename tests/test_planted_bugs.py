@@ -215,6 +215,36 @@ def test_a_deepseek_trace_holds_the_sigmoid_router_as_documented(runner):
     assert np.array_equal(update, 0.01 * np.sign(load.mean() - load)) and update.any()
 
 
+def test_a_deepseek_mtp_trace_orders_the_depths_as_documented(runner):
+    """The serial --mtp-depth 1 reference (docs/trace-format.md,
+    "DeepSeek-V3"): every name it holds is one of the format's, in the
+    format's shapes; the depth's block h.2 and mtp.0.* follow the head
+    among the parameters, its block's records follow the main logits,
+    and its gradients come first in backward (the head with it, the
+    main model's ln_f after), which is the order compare reads in."""
+    from mpicube.check.names import ordered, param_shapes
+
+    with h5py.File(runner.cwd / "mtp.h5", "r") as f:
+        cfg = config_of(json.loads(f.attrs["config"]))
+        held = []
+        f.visititems(lambda n, o: held.append(n) if isinstance(o, h5py.Dataset) else None)
+        shapes = {n: f[n].shape for n in held}
+    assert cfg["mtp_depth"] == 1 and cfg["n_layer"] == 2
+    order = computation_order(cfg, 1)
+    assert ordered(held, cfg) == [n for n in order if n in set(held)] and set(held) <= set(order)
+    params = list(param_shapes(cfg))
+    assert sorted(n[5:] for n in held if n.startswith("init/")) == sorted(params)
+    assert params[params.index("lm_head") + 1:params.index("lm_head") + 2] == ["h.2.ln_1.weight"]
+    assert params[-4:] == ["mtp.0.enorm.weight", "mtp.0.hnorm.weight", "mtp.0.proj.weight", "mtp.0.ln_f.weight"]
+    assert all(shapes[f"init/{n}"] == s and shapes[f"step_1/grad/{n}"] == s for n, s in param_shapes(cfg).items())
+    step = [n[7:] for n in ordered(held, cfg) if n.startswith("step_1/")]
+    assert step.index("logits") < step.index("act/h.2.ln_1") < step.index("act/h.2") < step.index("mtp/loss_1")
+    grads = [n[5:] for n in step if n.startswith("grad/")]
+    assert grads[:3] == ["lm_head", "mtp.0.ln_f.weight", "h.2.mlp.c_proj.weight"]
+    assert grads[grads.index("h.2.ln_1.weight") + 1:grads.index("ln_f.weight") + 1] == \
+        ["mtp.0.proj.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight", "ln_f.weight"]
+
+
 @pytest.mark.timeout(300)
 def test_the_envelope_of_an_fp8_reference_passes_an_fp8_candidate_and_fails_a_1_percent_gradient_error(runner):
     """--fp8 tensorwise, float32 master weights: the envelope varies the

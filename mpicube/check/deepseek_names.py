@@ -105,7 +105,58 @@ def router_parts(cfg: dict) -> tuple:
 
 
 def bias_update_names(cfg: dict) -> list:
-    """``moe/h.{i}.bias_update`` of every sigmoid-routed layer (none under softmax)."""
+    """``moe/h.{i}.bias_update`` of every sigmoid-routed layer, the MTP
+    depths' blocks included (none under softmax)."""
     if not sigmoid(cfg):
         return []
-    return [f"moe/h.{i}.{BIAS_UPDATE}" for i in range(cfg["n_layer"]) if is_moe(cfg, i)]
+    return [f"moe/h.{i}.{BIAS_UPDATE}" for i in range(n_blocks(cfg)) if is_moe(cfg, i)]
+
+
+# --------------------------------------------------------------------------- multi-token prediction
+
+MTP_OWN = ("enorm.weight", "hnorm.weight", "proj.weight", "ln_f.weight")   # a depth's own tensors (model/mtp.py)
+
+
+def mtp_depth(cfg: dict) -> int:
+    """D, the multi-token prediction depths of a deepseek_v3 trace (0 without)."""
+    return int(cfg.get("mtp_depth") or 0) if mla(cfg) else 0
+
+
+def n_blocks(cfg: dict) -> int:
+    """The blocks a step runs: the L main ones, then depth k's ``h.{L+k-1}``."""
+    return cfg["n_layer"] + mtp_depth(cfg)
+
+
+def mtp_shapes(cfg: dict, j: int) -> dict:
+    """{name: shape} of depth j + 1's own tensors, in declaration order:
+    the embedding's and the hidden state's norms, the projection W (2C, C)
+    (rows [embedding | hidden]) and the output norm."""
+    h, p = cfg["n_embd"], f"mtp.{j}."
+    return {p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "proj.weight": (2 * h, h),
+            p + "ln_f.weight": (h,)}
+
+
+def mtp_params(cfg: dict, block) -> list:
+    """The depths' parameters in the model's declaration order (after the
+    main model's head): per depth k, its block ``h.{L+k-1}`` (``block(cfg,
+    i)`` its suffixes), then ``mtp.{k-1}.*`` (model/families/deepseek_v3.py)."""
+    L, names = cfg["n_layer"], []
+    for j in range(mtp_depth(cfg)):
+        names += [f"h.{L + j}.{s}" for s in block(cfg, L + j)] + list(mtp_shapes(cfg, j))
+    return names
+
+
+def mtp_backward(cfg: dict, block_backward, head: list) -> list:
+    """The depths' gradients in the order backward completes them, before
+    the main model's ``ln_f``: from depth D back to depth 1, each its
+    output norm, its block (``block_backward(cfg, i)``), the projection,
+    the embedding's norm (whose gradient then joins wte's), the hidden
+    state's norm. ``head`` (an untied ``lm_head``, or nothing) completes
+    at depth 1's loss, the last of the head's D + 1 uses, so it goes just
+    before depth 1's tensors (first of all with D = 0)."""
+    L, names = cfg["n_layer"], []
+    for j in reversed(range(mtp_depth(cfg))):
+        p = f"mtp.{j}."
+        names += (head if j == 0 else []) + [p + "ln_f.weight"] + [f"h.{L + j}.{s}" for s in block_backward(cfg, L + j)]
+        names += [p + "proj.weight", p + "enorm.weight", p + "hnorm.weight"]
+    return names if names else list(head)

@@ -97,8 +97,10 @@ class Rule:
 class NameMap:
     """{trace name: Rule} over a model config, plus the framework names that
     alias another (a tied LM head) and so map to nothing, and those of
-    buffers (``buffers``: present or not, never a parameter). ``acts`` names
-    the modules whose outputs are the trace's activations."""
+    buffers (``buffers``: present or not, never a parameter) and those of
+    stored copies of a shared tensor (``copies``: present or not, equal
+    to it where present). ``acts`` names the modules whose outputs are
+    the trace's activations."""
 
     name: str
     rules: dict
@@ -107,6 +109,10 @@ class NameMap:
     # {framework name: the trace's per-step record} of tensors that are state, not parameters: a sigmoid
     # router's bias (HF's ``mlp.gate.e_score_correction_bias`` -> ``moe/h.{i}.bias``), recorded each step
     buffers: dict = field(default_factory=dict)
+    # {framework name: the framework name it copies} of stored duplicates of a shared tensor (a DeepSeek-V3 file's
+    # MTP layer holds its own embed_tokens and shared_head.head, copies of the shared embedding and head): optional,
+    # but where present they must equal what they copy (to_trace checks), and from_trace writes them
+    copies: dict = field(default_factory=dict)
 
     def sources(self, names=None) -> set:
         """The framework names the rules of ``names`` (default: all) read,
@@ -119,20 +125,27 @@ class NameMap:
         missing = sorted(self.sources() - have)
         if missing:
             raise UserError(f"name map {self.name}: the {what} has no {missing[0]!r}")
-        unused = sorted(have - self.sources() - set(self.aliases) - set(self.buffers))
+        unused = sorted(have - self.sources() - set(self.aliases) - set(self.buffers) - set(self.copies))
         if unused:
             raise UserError(f"name map {self.name}: the {what}'s {unused[0]!r} maps to no trace tensor")
 
     def to_trace(self, tensors: dict, what: str = "model") -> dict:
-        """{framework name: array} -> {trace name: array}, declaration order."""
+        """{framework name: array} -> {trace name: array}, declaration order;
+        bad input naming a stored copy that differs from what it copies."""
         self.check_names(tensors, what)
+        for copy, of in self.copies.items():
+            if copy in tensors and not np.array_equal(np.asarray(tensors[copy]), np.asarray(tensors[of])):
+                raise UserError(f"name map {self.name}: the {what}'s {copy!r} differs from {of!r}, the shared "
+                                f"tensor it should copy")
         return {name: rule.to_trace([np.asarray(tensors[s]) for s in rule.sources])
                 for name, rule in self.rules.items()}
 
     def shards_to_trace(self, shards: dict, shapes: dict, what: str = "model") -> dict:
         """{framework name: [Shard]} with their logical ``shapes`` -> {trace
         name: Sharded}: each rank's blocks under the trace's names and
-        indices, for compare to put together (shards.py)."""
+        indices, for compare to put together (shards.py). Stored copies
+        (``copies``) are not read: one rank's block of each is not the
+        whole tensor to check."""
         self.check_names(shards, what)
         out = {}
         for name, rule in self.rules.items():
@@ -159,4 +172,4 @@ class NameMap:
             out.update(zip(rule.sources, parts))
         for source, slices in fused.items():                # (E, out, in), experts in order
             out[source] = np.stack([slices[e] for e in range(len(slices))])
-        return out
+        return {**out, **{copy: out[of] for copy, of in self.copies.items()}}

@@ -39,12 +39,34 @@ reads a hub file's per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj``,
 ``hf_deepseek_v3`` transformers 5's in-memory fused
 ``mlp.experts.gate_up_proj`` (E, 2F, h), rows [gate | up], and
 ``mlp.experts.down_proj`` (E, h, F).
+
+With ``mtp_depth`` D, MTP depth k is HF's layer L + k - 1 (DeepSeek's
+checkpoints; transformers' DeepseekV3 skips it on load), with q =
+``model.layers.{L+k-1}.``:
+
+    h.{L+k-1}.*                 q ...: the layer table above, the block's own
+    mtp.{k-1}.enorm.weight      q enorm.weight
+    mtp.{k-1}.hnorm.weight      q hnorm.weight
+    mtp.{k-1}.proj.weight       q eh_proj.weight^T       (2C, C): rows [embedding | hidden]
+    mtp.{k-1}.ln_f.weight       q shared_head.norm.weight
+    (a copy, checked)           q embed_tokens.weight       = model.embed_tokens.weight
+    (a copy, checked)           q shared_head.head.weight   = lm_head.weight (embed_tokens tied)
+
+The depth shares the embedding and the head with the main model (the
+DeepSeek-V3 report; mpicube's wte and lm_head get every depth's gradient),
+so the file's two copies are no trace tensors of their own: they are the
+map's ``copies``, optional, checked equal to the shared tensor where
+present (a copy that differs is a different model, which mapping it
+would hide; two rules onto one trace name would also split a shared
+gradient between them), and written by ``from_trace``, as
+files/formats/hf_deepseek.py reads and writes them. transformers has no
+module of the MTP layer, so the map's ``acts`` are the main blocks'.
 """
 
 from __future__ import annotations
 
 from ..core.errors import UserError
-from .deepseek_names import is_moe, mla
+from .deepseek_names import is_moe, mla, mtp_depth, n_blocks
 from .namemap import NameMap, Rule
 from .names import forward_param_order, tied
 
@@ -85,22 +107,33 @@ def _deepseek(cfg: dict, name: str, expert_rules) -> NameMap:
     if not mla(cfg):
         raise UserError(f"name map {name}: the trace's model is not a DeepSeek-V3 (its config has no arch "
                         f"deepseek_v3)")
-    blocks = [_rules(cfg, i, expert_rules) for i in range(cfg["n_layer"])]
+    L = cfg["n_layer"]
+    blocks = [_rules(cfg, i, expert_rules) for i in range(n_blocks(cfg))]      # the MTP depths' blocks too
     top = {"wte": Rule(("model.embed_tokens.weight",)), "ln_f.weight": Rule(("model.norm.weight",)),
            "lm_head": Rule(("lm_head.weight",))}
+    head = "model.embed_tokens.weight" if tied(cfg) else "lm_head.weight"
+    copies = {}
+    for j in range(mtp_depth(cfg)):               # MTP depth j + 1 is HF's layer L + j
+        p = f"model.layers.{L + j}."
+        top.update({f"mtp.{j}.enorm.weight": Rule((p + "enorm.weight",)),
+                    f"mtp.{j}.hnorm.weight": Rule((p + "hnorm.weight",)),
+                    f"mtp.{j}.proj.weight": Rule((p + "eh_proj.weight",), "transpose"),    # rows [emb | hidden]
+                    f"mtp.{j}.ln_f.weight": Rule((p + "shared_head.norm.weight",))})
+        copies.update({p + "embed_tokens.weight": "model.embed_tokens.weight", p + "shared_head.head.weight": head})
     rules = {}
     for n in forward_param_order(cfg):
-        head, _, rest = n.partition(".")
-        rules[n] = blocks[int(rest.split(".", 1)[0])][rest.split(".", 1)[1]] if head == "h" else top[n]
+        kind, _, rest = n.partition(".")
+        rules[n] = blocks[int(rest.split(".", 1)[0])][rest.split(".", 1)[1]] if kind == "h" else top[n]
     acts = {"emb": "model.embed_tokens", "ln_f": "model.norm"}
     buffers = {}
-    for i in range(cfg["n_layer"]):
+    for i in range(n_blocks(cfg)):
         p = f"model.layers.{i}."
-        acts.update({f"h.{i}.ln_1": p + "input_layernorm", f"h.{i}.attn": p + "self_attn",
-                     f"h.{i}.ln_2": p + "post_attention_layernorm", f"h.{i}.mlp": p + "mlp", f"h.{i}": p[:-1]})
+        if i < L:                                 # transformers has no module of an MTP layer to hook
+            acts.update({f"h.{i}.ln_1": p + "input_layernorm", f"h.{i}.attn": p + "self_attn",
+                         f"h.{i}.ln_2": p + "post_attention_layernorm", f"h.{i}.mlp": p + "mlp", f"h.{i}": p[:-1]})
         if is_moe(cfg, i):
             buffers[p + "mlp.gate.e_score_correction_bias"] = f"moe/h.{i}.bias"
-    return NameMap(name, rules, ("lm_head.weight",) if tied(cfg) else (), acts, buffers)
+    return NameMap(name, rules, ("lm_head.weight",) if tied(cfg) else (), acts, buffers, copies)
 
 
 def hf_deepseek_v3_hub(cfg: dict) -> NameMap:

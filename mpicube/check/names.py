@@ -137,22 +137,24 @@ def block_params(cfg: dict, i: int = 0) -> tuple:
 def forward_param_order(cfg: dict) -> list:
     """Parameter names in the model's declaration order (as checkpoints list
     them): GPT-2's, or Llama's (``wte``, the blocks, ``ln_f.weight``, and
-    ``lm_head`` when the head is not tied)."""
+    ``lm_head`` when the head is not tied; then DeepSeek-V3's MTP depths,
+    deepseek_names.mtp_params)."""
     names = ["wte"] if llama(cfg) else ["wte", "wpe"]
     for i in range(cfg["n_layer"]):
         names += [f"h.{i}.{s}" for s in block_params(cfg, i)]
-    if llama(cfg):
-        return names + ["ln_f.weight"] + ([] if tied(cfg) else ["lm_head"])
+    if llama(cfg):       # then a deepseek_v3's MTP depths, each its block h.{L+k-1} and mtp.{k-1}.*
+        return names + ["ln_f.weight"] + ([] if tied(cfg) else ["lm_head"]) + ds.mtp_params(cfg, block_params)
     return names + ["ln_f.weight", "ln_f.bias"]
 
 
 def backward_param_order(cfg: dict) -> list:
     """Parameter names in the order backward completes their gradients:
-    an untied ``lm_head``, ln_f, the blocks from last to first (each from
+    a DeepSeek-V3's MTP depths from the last (an untied ``lm_head`` just
+    before depth 1's), else an untied ``lm_head``; ln_f, the blocks from last to first (each from
     mlp.c_proj back to ln_1, weight before bias), then wpe, and wte last
     (the LM head, when tied, and the lookup both add to it)."""
-    if llama(cfg):
-        names = ([] if tied(cfg) else ["lm_head"]) + ["ln_f.weight"]
+    if llama(cfg):       # the MTP depths' first (deepseek_names.mtp_backward), an untied head among them
+        names = ds.mtp_backward(cfg, _backward_block, [] if tied(cfg) else ["lm_head"]) + ["ln_f.weight"]
         for i in reversed(range(cfg["n_layer"])):
             names += [f"h.{i}.{s}" for s in _backward_block(cfg, i)]
         return names + ["wte"]
@@ -190,23 +192,33 @@ def step_names(cfg: dict, s: int, state: bool = False) -> list:
     --state``). A dropout mask comes just before the activation it is
     applied in."""
     g = f"step_{s}/"
+    L, mtp = cfg["n_layer"], ds.mtp_depth(cfg)
     order = [g + "dropout/emb", g + "act/emb"]
-    for i in range(cfg["n_layer"]):
-        b = f"h.{i}"
-        order += [g + f"act/{b}.ln_1", g + f"dropout/{b}.attn", g + f"dropout/{b}.resid_attn", g + f"act/{b}.attn",
-                  g + f"act/{b}.ln_2"]
-        order += [g + f"moe/{b}.{r}" for r in ds.router_parts(cfg)] if ds.is_moe(cfg, i) else []
-        order += [g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
-    order += [g + "act/ln_f", g + "logits"] + ([g + n for n in MOE_SCALARS] if moe(cfg) else [])
-    mtp = int(cfg.get("mtp_depth") or 0)           # multi-token prediction: the main loss, then each depth's
+    for i in range(L):
+        order += _block_step_names(cfg, i, g)
+    order += [g + "act/ln_f", g + "logits"]
+    for i in range(L, L + mtp):                    # the MTP depths' blocks h.{L+k-1}, after the main head's logits
+        order += _block_step_names(cfg, i, g)
+    order += [g + n for n in MOE_SCALARS] if moe(cfg) else []
+    # multi-token prediction: the main loss, then each depth's
     order += ([g + "mtp/main_loss"] + [g + f"mtp/loss_{k}" for k in range(1, mtp + 1)] if mtp else []) + [g + "loss"]
     order += [g + f"grad/{n}" for n in backward_param_order(cfg)]
     order += [g + "grad_norm", g + "lr"] + [g + n for n in ds.bias_update_names(cfg)]
     if state:
         order += [g + f"state/{m}/{n}" for n in forward_param_order(cfg) for m in MOMENTS]
         order += [g + n for n in STATE_SCALARS]
-        order += [g + f"state/expert_load/h.{i}" for i in range(cfg["n_layer"]) if ds.is_moe(cfg, i)]
+        order += [g + f"state/expert_load/h.{i}" for i in range(ds.n_blocks(cfg)) if ds.is_moe(cfg, i)]
     return order + [g + f"param/{n}" for n in forward_param_order(cfg)]
+
+
+def _block_step_names(cfg: dict, i: int, g: str) -> list:
+    """Block i's names of a step (``g`` its ``step_%d/``), in computation
+    order: its norms, dropout masks, branches and router records."""
+    b = f"h.{i}"
+    order = [g + f"act/{b}.ln_1", g + f"dropout/{b}.attn", g + f"dropout/{b}.resid_attn", g + f"act/{b}.attn",
+             g + f"act/{b}.ln_2"]
+    order += [g + f"moe/{b}.{r}" for r in ds.router_parts(cfg)] if ds.is_moe(cfg, i) else []
+    return order + [g + f"dropout/{b}.resid_mlp", g + f"act/{b}.mlp", g + f"act/{b}"]
 
 
 def computation_order(cfg: dict, steps: int, state: bool = False) -> list:
@@ -283,6 +295,11 @@ def _trimmed(cfg: dict, names: list) -> dict:
     order of the names present is the same, and a config declaring 2**40
     layers costs nothing."""
     cfg = dict(cfg)
+    if cfg.get("mtp_depth"):     # MTP depths: those whose block (h.{L+k-1}), tensors (mtp.{k-1}.) or loss appear
+        blocks = [int(m) - cfg["n_layer"] + 1 for n in names for m in re.findall(r"(?:^|/)h\.(\d+)", n)]
+        own = [int(m) + 1 for n in names for m in re.findall(r"(?:^|/)mtp\.(\d+)\.", n)]
+        losses = [int(m) for n in names for m in re.findall(r"/mtp/loss_(\d+)$", n)]
+        cfg["mtp_depth"] = min(cfg["mtp_depth"], max(blocks + own + losses + [0]))
     for key, pattern in (("n_layer", r"(?:^|/)h\.(\d+)"), ("n_experts", r"experts\.(\d+)\.")):
         if key in cfg:
             found = [int(m) for n in names for m in re.findall(pattern, n)]
@@ -296,8 +313,9 @@ def _trimmed(cfg: dict, names: list) -> dict:
 
 def step_depth(cfg: dict) -> int:
     """Depth units one training step adds: the embedding, L blocks, ln_f,
-    the head, the loss; backward back through them; the norm; the update."""
-    return 2 * cfg["n_layer"] + 9
+    the head, the loss; backward back through them; the norm; the update.
+    A DeepSeek-V3's MTP depths lengthen the chain by a block each."""
+    return 2 * ds.n_blocks(cfg) + 9
 
 
 def depth(name: str, cfg: dict) -> int:
@@ -312,8 +330,15 @@ def depth(name: str, cfg: dict) -> int:
     ``ln_f`` L+5, of block i L+5+(L-i), ``wpe`` 2L+6, ``wte`` 2L+7;
     ``grad_norm`` 2L+8; the updated parameters 2L+9 = one step. Step s
     adds (s-1) steps. ``lr`` is a formula of s (depth 1); names outside
-    the format count as the end of their step."""
-    L = cfg["n_layer"]
+    the format count as the end of their step.
+
+    With D multi-token prediction depths the chain is B = L + D blocks
+    long: depth k's block (``h.{L+k-1}``) runs after the main ``logits``,
+    at L+2+k, ``mtp/loss_k`` at L+3+k, ``loss`` at B+4; backward meets the
+    depths first (block i, ``mtp.{j}.*`` as its block ``h.{L+j}``:
+    B+5+(B-i)), an untied ``lm_head`` with depth 1 (B+5+D-1), ``ln_f``
+    after them (B+5+D), and every later figure above has B for L."""
+    L, B = cfg["n_layer"], ds.n_blocks(cfg)
     s = step_of(name)
     if s == 0:
         return 0
@@ -327,16 +352,18 @@ def depth(name: str, cfg: dict) -> int:
         return 0
     if rest == "lr":
         return 1
-    local = {"act/emb": 1, "act/ln_f": L + 2, "logits": L + 3, "loss": L + 4, "grad_norm": 2 * L + 8,
-             **dict.fromkeys(MOE_SCALARS, L + 4)}.get(rest)
+    local = {"act/emb": 1, "act/ln_f": L + 2, "logits": L + 3, "loss": B + 4, "grad_norm": 2 * B + 8,
+             "mtp/main_loss": L + 4, **{f"mtp/loss_{k}": L + 3 + k for k in range(1, B - L + 1)},
+             **dict.fromkeys(MOE_SCALARS, B + 4)}.get(rest)
     if local is None and kind in ("act", "moe") and what.startswith("h."):
-        local = _block(what) + 2
+        i = _block(what)
+        local = i + 2 if i < L else i + 3                         # an MTP depth's block runs after ln_f
     elif local is None and kind == "grad":
-        if what.startswith("h."):
-            local = L + 5 + (L - _block(what))
+        if what.startswith("h.") or what.startswith("mtp."):
+            local = B + 5 + (B - (_block(what) + (L if what.startswith("mtp.") else 0)))
         else:
-            local = {"lm_head": L + 5, "ln_f.weight": L + 5, "ln_f.bias": L + 5, "wpe": 2 * L + 6,
-                     "wte": 2 * L + 7}.get(what)
+            local = {"lm_head": max(B + 5, 2 * B - L + 4), "ln_f.weight": 2 * B - L + 5, "ln_f.bias": L + 5, "wpe": 2 * B + 6,
+                     "wte": 2 * B + 7}.get(what)
     elif local is None and kind == "param":
         local = step_depth(cfg)
     return base + (local if local is not None else step_depth(cfg))
@@ -374,7 +401,11 @@ def param_shapes(cfg: dict) -> dict:
         shapes = {"wte": (V, h)}
         for i in range(cfg["n_layer"]):
             shapes.update({f"h.{i}.{k}": v for k, v in block_shapes(cfg, i).items()})
-        return {**shapes, "ln_f.weight": (h,), **({} if tied(cfg) else {"lm_head": (V, h)})}
+        shapes = {**shapes, "ln_f.weight": (h,), **({} if tied(cfg) else {"lm_head": (V, h)})}
+        for j, i in enumerate(range(cfg["n_layer"], ds.n_blocks(cfg))):      # MTP depth j + 1's block and tensors
+            shapes.update({f"h.{i}.{k}": v for k, v in block_shapes(cfg, i).items()})
+            shapes.update(ds.mtp_shapes(cfg, j))
+        return shapes
     block = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
              "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
              "mlp.c_fc.weight": (h, 4 * h), "mlp.c_fc.bias": (4 * h,), "mlp.c_proj.weight": (4 * h, h),
