@@ -180,6 +180,8 @@ ZB_CASES = [
     (8, "layout=2d tp=4 pp=2 schedule=dualpipev virtual=2 layers=4 accum=4 batch=8"),
     (8, "layout=1d tp=2 pp=2 cp=2 sp=1 schedule=zb-h1 accum=2 recompute=gathers batch=8"),
     (8, f"layout=1d tp=4 pp=2 schedule=zbv virtual=2 layers=4 accum=2 kv=2 {LLAMA}"),
+    (16, "layout=3d tp=8 pp=2 schedule=zb-h1 accum=2 batch=8"),                  # the cube's deferred W
+    (16, "layout=2.5d tp=8 depth=2 pp=2 schedule=zbv virtual=2 layers=4 accum=2 batch=16"),
 ]
 
 
