@@ -180,6 +180,8 @@ ZB_CASES = [
     (8, "layout=2d tp=4 pp=2 schedule=dualpipev virtual=2 layers=4 accum=4 batch=8"),
     (8, "layout=1d tp=2 pp=2 cp=2 sp=1 schedule=zb-h1 accum=2 recompute=gathers batch=8"),
     (8, f"layout=1d tp=4 pp=2 schedule=zbv virtual=2 layers=4 accum=2 kv=2 {LLAMA}"),
+    (16, "layout=3d tp=8 pp=2 schedule=zb-h1 accum=2 batch=8"),                  # the cube's deferred W
+    (16, "layout=2.5d tp=8 depth=2 pp=2 schedule=zbv virtual=2 layers=4 accum=2 batch=16"),
 ]
 
 
@@ -284,7 +286,7 @@ HSDP_CASES = [
 DEEPSEEK = "arch=deepseek_v3"
 # the training target: the aux-loss-free bias update (bias=1) and MTP on for 5 steps, equal to serial
 # (the biases bit for bit after every step, so the same for ep 1, 2 and 4: one serial reference for all
-# the layers=3 cases) on 3-D, 2-D x ep, 1-D x pp x ep, cp, zero 3
+# the layers=3 cases) on 3-D (and 3-D x ep in the world-16 launch), 2-D x ep, 1-D x pp x ep, cp, zero 3
 BIASED = f"bias=1 steps=5 qrank=8 {DEEPSEEK}"      # qrank 8: the cube splits the q latent 4 ways
 DEEPSEEK_CASES = [
     (4, f"layout=1d tp=4 recompute=blocks accum=2 {DEEPSEEK}"),
@@ -312,6 +314,7 @@ DEEPSEEK_CASES = [
     (8, f"layout=2d tp=4 dp=2 ep=2 experts=8 layers=3 mtp=1 {BIASED}"),
     (8, f"layout=1d tp=2 dp=2 ep=2 pp=2 accum=2 experts=8 layers=4 mtp=1 {BIASED}"),
     (8, f"layout=3d tp=8 experts=8 layers=3 mtp=1 {BIASED}"),             # the router's columns split 2 ways
+    (16, f"layout=3d tp=8 dp=2 ep=2 experts=8 layers=3 mtp=1 {BIASED}"),  # the 3-D x ep
     (4, f"layout=1d tp=2 cp=2 experts=8 layers=3 mtp=1 {BIASED}"),
     (4, f"layout=serial tp=1 dp=4 ep=2 zero=3 experts=8 layers=3 mtp=1 {BIASED}"),
     (8, f"layout=1d tp=2 dp=4 ep=4 experts=8 layers=3 mtp=1 {BIASED}"),

@@ -149,8 +149,8 @@ def test_trace_train_eval_and_bad_input(mpicube, tiny_shard):
     """trace --cp 2 (1-D on 4 ranks, --recompute blocks, dropout, float64)
     agrees with a serial trace tensor by tensor (full logical tensors,
     dropout masks included); train --cp 2 saves a checkpoint that
-    evaluates to the same loss with and without --cp; a cp that does not
-    divide the world is one line and exit 2."""
+    evaluates to the same loss with --cp 2 (ring and Ulysses) and without;
+    a cp that does not divide the world is one line and exit 2."""
     args = [*TINY[2:], "--dtype", "float64", "--dropout", "0.1", "--steps", "2", "--data", str(tiny_shard)]
     for name, n, extra in (("cp.h5", 4, ["--cp", "2", "--layout", "1d", "--recompute", "blocks"]),
                            ("serial.h5", 1, ["--layout", "serial"])):
@@ -161,11 +161,11 @@ def test_trace_train_eval_and_bad_input(mpicube, tiny_shard):
     r = mpicube.run("train", *args, "--layout", "serial", "--cp", "2", "--out", "run", n=2)
     assert r.returncode == 0, r
     losses = []
-    for n, extra in ((2, ["--cp", "2"]), (1, [])):
+    for n, extra in ((2, ["--cp", "2"]), (2, ["--cp", "2", "--cp-kind", "ulysses"]), (1, [])):
         r = mpicube.run("eval", "run", "--batches", "2", "--dtype", "float64", *extra, n=n)
         assert r.returncode == 0, r
         losses.append(json.loads(r.stdout.splitlines()[-1])["loss"])
-    assert abs(losses[0] - losses[1]) <= 1e-10 * abs(losses[1])
+    assert all(abs(loss - losses[-1]) <= 1e-10 * abs(losses[-1]) for loss in losses[:-1]), losses
     r = mpicube.run("train", *args, "--cp", "2", "--out", "bad", n=1)
     assert r.returncode == 2 and r.error_lines() == ["error: --cp 2 must divide the world size 1; choose one of [1]"]
 

@@ -54,6 +54,20 @@ def test_config_round_trips_and_counts():
                      "c_proj.weight": "w_row"}
 
 
+
+def test_the_placement_pictures_show_what_the_code_draws():
+    """docs/deepseek.md's pictures of which rank holds which block of MLA's
+    projections and the shared experts on each layout are what
+    tools/mla_pictures.py draws from the layouts' ``shard`` now."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "tools/mla_pictures.py", "--check", "docs/deepseek.md"], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
 def shape_of(cfg: ModelConfig):
     """The reference's DeepseekV3Shape of ``cfg`` (every layer dense, MTP depths included)."""
     from mpicube.files.formats.hf_deepseek_config import DeepseekV3Shape

@@ -226,3 +226,80 @@ def test_mx_bytes_equal_torchao_to_mx():
     ours = quantize_operand(x, "x", "forward", Recipe("mxfp8", grad_format="e4m3", block=32))
     np.testing.assert_array_equal(fp8.fp8_bytes(ours.scale), bits(ref_s).reshape(8, 4))
     np.testing.assert_array_equal(fp8.fp8_bytes(ours.q), bits(ref_q))
+
+
+# --- float32 accumulation: the bound between layouts' summation orders (docs/fp8.md) ---
+
+UNIT_F32 = 2.0 ** -24                            # float32's unit roundoff
+
+
+def gamma(n):
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n float32 roundings."""
+    return n * UNIT_F32 / (1 - n * UNIT_F32)
+
+
+def order_bound(k, chunks):
+    """docs/fp8.md's bound on |GEMM in one order - GEMM split into ``chunks`` pieces
+    of the contraction k|, per unit of sum_k |a_k b_k|: gamma_k (one BLAS sum)
+    plus gamma_{k/chunks + chunks - 1} (each piece's BLAS sum, then the
+    pieces in any order)."""
+    return gamma(k) + gamma(k // chunks + chunks - 1)
+
+
+def split_orders(a, b, chunks):
+    """a (n, K) @ b (N, K)^T in float32, the contraction cut into ``chunks``
+    pieces, each piece a BLAS GEMM (as a rank's or a panel's), summed as the
+    layouts sum them: one after another in rank order (SUMMA's panels, a
+    16-bit wire's sums, DeepSeek's promotions) and, for 4, pairwise (MPI's
+    recursive doubling)."""
+    m = a.shape[1] // chunks
+    parts = [a[:, i * m:(i + 1) * m] @ b[:, i * m:(i + 1) * m].T for i in range(chunks)]   # chunks x (n, N)
+    in_rank_order = parts[0]
+    for part in parts[1:]:
+        in_rank_order = in_rank_order + part                                                # (n, N) float32
+    orders = [in_rank_order]
+    if chunks == 4:
+        orders.append((parts[0] + parts[1]) + (parts[2] + parts[3]))
+    return orders
+
+
+@pytest.mark.parametrize("recipe", [Recipe("tensorwise"), Recipe("delayed"),
+                                    Recipe("rowwise", grad_format="e4m3"),
+                                    Recipe("rowwise", grad_format="e4m3", power_of_2=True),
+                                    Recipe("blockwise", grad_format="e4m3", block=128),
+                                    Recipe("mxfp8", grad_format="e4m3", block=32)],
+                         ids=lambda r: r.name + ("-pow2" if r.power_of_2 else ""))
+def test_float32_summation_orders_agree_within_the_documented_bound(recipe):
+    """The same quantized operands (as every layout has them), their GEMM in
+    float32 unsplit and split as 1-D's row-parallel linear, SUMMA's panels
+    and DeepSeek's 128-element promotion split it: every output within
+    docs/fp8.md's bound. Not vacuous: the orders do differ, by at least a
+    thousandth of the bound somewhere, and one FP8 code changed in one
+    operand (a quantization difference, not an order one) exceeds it."""
+    k = 1024
+    x, w = sample((32, k), seed=3), sample((k, 128), seed=4)           # (n, K), (K, N)
+    qx = quantize_operand(x, "x", "forward", recipe)
+    qw = quantize_operand(w.T.copy(), "w", "forward", recipe)         # W^T (N, K)
+    a, b = qx.values(np.float32), qw.values(np.float32)               # (n, K), (N, K): the layouts' bits
+    unsplit = (a @ b.T).astype(np.float64)                            # (n, N)
+    abs_sum = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64).T   # (n, N): sum_k |a_k b_k|, to 1e-13 relative
+    worst = 0.0
+    for chunks in (2, 4, k // 128):                                   # 1-D over 2 and 4 ranks; 128-element promotions
+        bound = order_bound(k, chunks) * abs_sum                      # (n, N)
+        for split in split_orders(a, b, chunks):
+            diff = np.abs(split.astype(np.float64) - unsplit)         # (n, N)
+            assert (diff <= bound).all(), (chunks, (diff / bound).max())
+            worst = max(worst, (diff / bound).max())
+    assert worst >= 1e-3, worst
+
+    # a one-code change of the largest product's x element moves that output beyond the bound
+    i, j = 0, 0
+    kk = int(np.argmax(np.abs(a[i] * b[j])))
+    q = qx.q.copy()
+    q.view(np.uint8)[i, kk] -= 1                                       # the next FP8 code toward zero (never NaN)
+    flipped = type(qx)(q, qx.scale, qx.group).values(np.float32)      # (n, K)
+    moved = abs(float((flipped[i] @ b[j]) - (a[i] @ b[j])))
+    flip_bound = order_bound(k, 2) * abs_sum[i, j]
+    assert moved > flip_bound, (moved, flip_bound)
+    print(f"{recipe.name}{'-pow2' if recipe.power_of_2 else ''}: the orders differ by up to {worst:.1%} of the "
+          f"bound; one FP8 code moves an output {moved / flip_bound:.0f} times past it")

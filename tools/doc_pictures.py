@@ -1,5 +1,5 @@
 """The shared command line of the tools that draw a docs page's pictures
-from the code (cp_, ulysses_, muon_, hsdp_pictures.py): print them, or
+from the code (cp_, ulysses_, muon_, hsdp_, mla_pictures.py): print them, or
 ``--check PAGE``, which fails when a picture on the page is not what the
 code draws now (the tests run it, so a page cannot go stale)."""
 

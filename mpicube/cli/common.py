@@ -324,7 +324,7 @@ def fp8_recipe_options(f):
 
 
 def cp_kind_options(f):
-    """``--cp-kind`` and ``--ulysses`` (train, info): how the cp ranks share
+    """``--cp-kind`` and ``--ulysses`` (train, eval, info): how the cp ranks share
     attention (parallel/context.py, parallel/ulysses.py)."""
     f = click.option("--ulysses", type=int, default=1, show_default=True,
                      help="--cp-kind hybrid: Ulysses group size U (consecutive cp ranks); the ring runs over "

@@ -144,13 +144,14 @@ def train(collective_timeout, profile, **kwargs):
 @ep_option
 @pipeline_options
 @cp_option
+@cp_kind_options
 @sequence_parallel_option
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="micro-batches per batch (the pipeline's; the loss is the same)")
 @device_options
 @collective_timeout_option
 def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp, pp_schedule, virtual_stages, cp,
-                 grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
+                 cp_kind, ulysses, grad_accum, dtype, device, tf32, collective_timeout, sequence_parallel, ep):
     """Mean cross-entropy of a model on a token shard.
 
     MODEL is a mpicube checkpoint, a Hugging Face GPT-2, Llama, Mixtral or DeepseekV3 directory or an
@@ -165,8 +166,9 @@ def eval_command(ckpt, data, batch_size, seq_len, batches, layout, dp, depth, pp
     from ..training.state import describe_layout
 
     with watched(collective_timeout, "evaluation"):
-        plan = Plan(layout, dp=dp, cp=cp, depth=depth, pp=pp, pp_schedule=pp_schedule, virtual_stages=virtual_stages,
-                    sequence_parallel=sequence_parallel, grad_accum=grad_accum, ep=ep, **env_settings())
+        plan = Plan(layout, dp=dp, cp=cp, cp_kind=cp_kind, ulysses=ulysses, depth=depth, pp=pp, pp_schedule=pp_schedule,
+                    virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, grad_accum=grad_accum, ep=ep,
+                    **env_settings())
         result = evaluate_checkpoint(ckpt, plan, Numerics(dtype, device, tf32), _mpi["world"],
                                      EvalData(data, batch_size, seq_len, batches))
     if result.get("note"):
