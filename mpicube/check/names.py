@@ -362,8 +362,8 @@ def depth(name: str, cfg: dict) -> int:
         if what.startswith("h.") or what.startswith("mtp."):
             local = B + 5 + (B - (_block(what) + (L if what.startswith("mtp.") else 0)))
         else:
-            local = {"lm_head": max(B + 5, 2 * B - L + 4), "ln_f.weight": 2 * B - L + 5, "ln_f.bias": L + 5, "wpe": 2 * B + 6,
-                     "wte": 2 * B + 7}.get(what)
+            local = {"lm_head": max(B + 5, 2 * B - L + 4), "ln_f.weight": 2 * B - L + 5, "ln_f.bias": L + 5,
+                     "wpe": 2 * B + 6, "wte": 2 * B + 7}.get(what)
     elif local is None and kind == "param":
         local = step_depth(cfg)
     return base + (local if local is not None else step_depth(cfg))
