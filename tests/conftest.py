@@ -194,3 +194,21 @@ def pytest_collection_modifyitems(config, items):
     """Move LONG_FILES' tests to the front, in that order; every file keeps its own order (a stable sort)."""
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions():
+    """Each test starts and ends with the signal dispositions the session
+    had. mpicube run in this process leaves SIGUSR1 ignored after a run
+    (training/stopping.py: a finished rank must not die of a scheduler's
+    late warning), and an ignored signal is inherited through exec: a job
+    script that a later test starts in the same worker could then not trap
+    SIGUSR1 at all (bash cannot trap what was ignored on entry), and the
+    job tests' stop requests would vanish."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
