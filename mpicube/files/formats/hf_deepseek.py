@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import hf_llama
 from .base import FormatError, check_shapes
 from .hf import CONFIG, write_files
 from .hf_deepseek_config import DeepseekV3Shape, config_json, read_config
@@ -169,17 +170,7 @@ def hf_tensors(d: DeepseekV3Shape, tensors: dict, mtp_depth: int = None) -> list
     """[(HF name, array)] of mpicube's whole ``tensors`` ({name: array}),
     the table run backwards; MTP modules with their embedding/head copies."""
     mtp_depth = d.mtp_depth if mtp_depth is None else mtp_depth
-    named = []
-    for name in param_shapes(d, mtp_depth):
-        parts, transposed = sources(d, name)
-        start = 0
-        for fname, width in parts:
-            t = tensors[name]
-            if width is not None:                                 # (in, out) columns [start, start + width)
-                t = t[:, start:start + width]
-                t = t.T if transposed else t
-                start += width
-            named.append((fname, t))
+    named = hf_llama.hf_tensors(d, tensors, sources, names=param_shapes(d, mtp_depth))
     return named + [(fname, tensors[ours]) for fname, ours in mtp_copies(d, mtp_depth)]
 
 

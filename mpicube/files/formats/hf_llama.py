@@ -291,14 +291,16 @@ def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
     }
 
 
-def hf_tensors(cfg: ModelConfig, tensors: dict, table=sources) -> list:
+def hf_tensors(cfg: ModelConfig, tensors: dict, table=sources, names=None) -> list:
     """[(HF name, array)] of mpicube's whole ``tensors``, by the table the
     reader uses (``sources``) run backwards: each HF tensor is its column
     range of the mpicube tensor, transposed back to (out, in) where
     transformers' ``nn.Linear`` stores it so. No other permutation.
-    ``table``: a family built on Llama's gives its own (``hf_mixtral``)."""
+    ``table``: a family built on Llama's gives its own (``hf_mixtral``,
+    ``hf_deepseek``), and ``names`` the tensors it writes (default: the
+    model's ``gpt2_shapes``)."""
     named = []
-    for name in gpt2_shapes(cfg):
+    for name in (gpt2_shapes(cfg) if names is None else names):
         parts, transposed = table(cfg, name)
         start = 0
         for fname, width in parts:
