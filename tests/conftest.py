@@ -7,6 +7,7 @@ so a hung job is killed by the launcher, a subprocess timeout on top of that.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -196,19 +197,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
 
 
-@pytest.fixture(autouse=True)
-def _signal_dispositions():
-    """Each test starts and ends with the signal dispositions the session
-    had. mpicube run in this process leaves SIGUSR1 ignored after a run
-    (training/stopping.py: a finished rank must not die of a scheduler's
-    late warning), and an ignored signal is inherited through exec: a job
-    script that a later test starts in the same worker could then not trap
-    SIGUSR1 at all (bash cannot trap what was ignored on entry), and the
-    job tests' stop requests would vanish."""
-    import signal
+# The dispositions this pytest process started with, before any test or fixture ran.
+_SESSION_SIGNALS = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
+
+def _restore_session_signals():
+    for sig, handler in _SESSION_SIGNALS.items():
         if handler is not None:
             signal.signal(sig, handler)
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions():
+    """Each test starts and ends with the signal dispositions the process
+    started with. mpicube run in this process leaves SIGUSR1 ignored after a
+    run (training/stopping.py: a finished rank must not die of a scheduler's
+    late warning), and an ignored signal is inherited through exec: a job
+    script that a later test starts in the same worker could then not trap
+    SIGUSR1 at all (bash cannot trap what was ignored on entry). The values
+    are those of conftest's import, not of the test's start: a module-scoped
+    fixture that ran mpicube has already changed them by then."""
+    _restore_session_signals()
+    yield
+    _restore_session_signals()

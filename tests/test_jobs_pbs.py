@@ -89,11 +89,16 @@ class PbsJob:
         return self.env(**{**run, **variables})
 
     def start(self, env: dict, script: Path = ROOT / "jobs" / "pbs_8gpu.sh") -> subprocess.Popen:
-        """Start the script, its output going to a new log file (``log()``) as PBS's -j oe would."""
+        """Start the script, its output going to a new log file (``log()``) as PBS's -j oe would.
+
+        The job shell starts with the default action for every signal, as
+        pbs_mom starts it, whatever this test process inherited or ignores
+        (``env --default-signal``: an ignored SIGUSR1 would pass through exec
+        and bash could not trap it)."""
         self.logs = getattr(self, "logs", 0) + 1
         with open(self.log_path(), "w") as log:
-            return subprocess.Popen(["bash", str(script)], cwd=self.dir, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT)
+            return subprocess.Popen(["env", "--default-signal", "bash", str(script)], cwd=self.dir, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT)
 
     def log_path(self) -> Path:
         return self.dir / f"job{self.logs}.log"
