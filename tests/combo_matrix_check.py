@@ -187,6 +187,8 @@ def COSTED(case: Case) -> bool:
     configuration (``info``) but not compared here yet (issue 43 item 7)."""
     if case.fp8:
         return case.fp8 in TENSOR_SCALED and not case.experts and case.arch != "deepseek_v3"
+    if case.arch == "deepseek_v3" and case.mtp and not case.experts:      # MTP's depths: analysis/costmtp.py
+        return True
     return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
 
 

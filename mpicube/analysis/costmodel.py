@@ -78,6 +78,7 @@ from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (th
 from .costfp8 import fp8_traffic
 from .costpipe import pipeline_traffic
 from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums, op_head_dim
+from .costmtp import projection_traffic
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
                          head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
                          segment_name, stage_linears)
@@ -103,15 +104,28 @@ def _embedding_uses(p: Problem) -> tuple:
     """(gathers, gradient reductions) of the embedding panels a stage
     holds: the tied wte serves the lookup and the head with one panel;
     an untied model's lookup (wte) and head (lm_head) have one each, and
-    so do the two ends of zbv's V on stage 0 (two chunks: a panel each)."""
+    so do the two ends of zbv's V on stage 0 (two chunks: a panel each).
+    MTP depths look up in the wte panel of the head's chunk (a panel of
+    its own on a last stage without the lookup, or in a V's last chunk),
+    each gathering it again, as every lookup gathers its panel."""
     embed, head = int(p.has_embed), int(p.has_head)
     one_model = p.pp == 1 or p.pp_schedule not in VEE_SCHEDULES
     n = int(embed or head) if p.cfg.tied and one_model else embed + head
-    return n, n
+    own = int(p.mtp > 0 and not p.cfg.tied and not (embed and one_model))   # the depths' wte panel on the head's chunk
+    # every lookup gathers the wte panel afresh (the layouts' ``embed``): each depth's once more
+    return n + p.mtp, n + own
 
 
-def _cross_entropy(t: Traffic, axis, g, rows, width):
-    t.allreduce(axis, g, rows, times=3, width=width)   # max, sum of exp, target logit
+def _ends(p: Problem) -> tuple:
+    """(lookups, heads) one micro-batch runs on this stage: the main
+    model's where the stage has them, and one of each per MTP depth on the
+    stage with the head (model/mtp.py: each depth looks up its tokens in
+    wte and computes its loss through the LM head)."""
+    return int(p.has_embed) + p.mtp, int(p.has_head) + p.mtp
+
+
+def _cross_entropy(t: Traffic, axis, g, rows, width, times: int = 1):
+    t.allreduce(axis, g, rows, times=3 * times, width=width)   # max, sum of exp, target logit (per head)
 
 
 def serial_traffic(p: Problem) -> Traffic:
@@ -125,14 +139,13 @@ def oned_traffic(p: Problem) -> Traffic:
     --sequence-parallel: ``oned_sequence_traffic``."""
     t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
-    L, head = p.layers, int(p.has_head)
-    if head:
-        _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
+    (L, (lookups, head)) = p.blocks, _ends(p)
+    _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat, times=head)
     if p.sequence_parallel:
         t.add(oned_sequence_traffic(p, act))
         return t
     t.add(oned_linear_sums(p, stage_linears(p)))          # 2 forward (row-split), 2 backward a dense block
-    t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
+    t.sum("tp", g, act, times=lookups + head, width=w.red)   # embedding lookups, LM heads' backward
     if p.recompute == "gathers":                          # the LM head's input from its row shards
         t.allgather("tp", g, act // g, times=head, width=w.act)
     if p.recompute == "blocks":                           # block inputs from row shards (forwards again: above)
@@ -148,7 +161,7 @@ def oned_sequence_traffic(p: Problem, act: int) -> Traffic:
     inputs again, --recompute blocks reruns each block's forward (its
     input is already a shard: nothing to restore)."""
     t, g, w = Traffic(), p.tp, p.widths
-    head, embed = int(p.has_head), int(p.has_embed)
+    embed, head = _ends(p)
     t.add(oned_sequence_sums(p, stage_linears(p)))
     again = head if p.recompute == "gathers" else 0
     t.allgather("tp", g, act // g, times=head + embed + again, width=w.act)   # head input, lookup backward dY
@@ -162,14 +175,14 @@ def tesseract_traffic(p: Problem) -> Traffic:
     n = p.local_batch * p.seq_len // (d * q)              # activation rows per rank
     V = -(-cfg.vocab_size // q) * q
     forwards = 2 if p.recompute == "blocks" else 1            # blocks: each block's forward again
-    L, head = p.layers, int(p.has_head)
+    (L, (_, head)) = p.blocks, _ends(p)
     for h_in, h_out, _ in stage_linears(p, q):
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
         t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
         t.reduce_onto("row", q, x_panel, times=q, width=w.red)  # dX
         t.bcast("col", q, w_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dX
         t.reduce_onto("col", q, w_panel, times=q, width=w.red)  # dW
-    _layernorm(t, "row", q, n, 2 * L + head, w.stat, rms=cfg.llama)
+    _layernorm(t, "row", q, n, 2 * L + head + 2 * p.mtp, w.stat, rms=cfg.llama)   # MTP: enorm, hnorm too
     if forwards == 2:
         t.allreduce("row", q, n, times=_norm_stats_again(cfg) * L, width=w.stat)   # ln_1, ln_2 statistics again
     # A stage holding wte gathers it at its first use (an untied head its lm_head too);
@@ -180,8 +193,7 @@ def tesseract_traffic(p: Problem) -> Traffic:
     t.reduce_scatter("row", q, n * V, times=head, width=w.red)    # LM head forward
     t.allgather("row", q, n * V // q, times=head, width=w.act)    # LM head backward
     t.reduce_scatter("col", q, V * (cfg.n_embd // q), times=grads, width=w.red)    # wte (lm_head) gradient
-    if head:
-        _cross_entropy(t, "row", q, n, w.stat)
+    _cross_entropy(t, "row", q, n, w.stat, times=head)
     return t
 
 
@@ -193,7 +205,7 @@ def cube_traffic(p: Problem) -> Traffic:
     V = -(-cfg.vocab_size // q) * q
     gathers = 2 if p.recompute == "gathers" else 1     # gathers: X and W again in backward
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
-    L, embed, head = p.layers, int(p.has_embed), int(p.has_head)
+    (L, (embed, head)) = p.blocks, _ends(p)
     for h_in, h_out, position in stage_linears(p, q):
         a, b = ("j", "k") if position == "column" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
@@ -202,7 +214,7 @@ def cube_traffic(p: Problem) -> Traffic:
         t.allgather(b, q, n * h_out // q, width=w.act)                        # dY over b
         t.reduce_scatter(a, q, n * q * h_in // q, width=w.red)                # dX over a
         t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.red)     # dW over i
-    _layernorm(t, "k", q, n, 2 * L + head, w.stat, rms=cfg.llama)
+    _layernorm(t, "k", q, n, 2 * L + head + 2 * p.mtp, w.stat, rms=cfg.llama)    # MTP: enorm, hnorm too
     if forwards == 2:
         t.allreduce("k", q, n, times=_norm_stats_again(cfg) * L, width=w.stat)      # ln_1, ln_2 statistics again
     wte, grads = _embedding_uses(p)                    # a stage gathers each panel at its first use
@@ -214,8 +226,7 @@ def cube_traffic(p: Problem) -> Traffic:
     t.reduce_scatter("j", q, n * q * h // q, times=head, width=w.red)         # head backward: dX
     t.allgather("j", q, n * h // q, times=embed, width=w.act)                  # lookup backward: dX
     t.reduce_scatter("i", q, (V // q) * (h // q), times=grads, width=w.red)    # wte (lm_head) gradient
-    if head:
-        _cross_entropy(t, "j", q, n, w.stat)
+    _cross_entropy(t, "j", q, n, w.stat, times=head)
     return t
 
 
@@ -243,6 +254,7 @@ def step_traffic(p: Problem) -> Traffic:
     local = replace(p, seq_len=p.local_seq, cp=1)                  # on this rank's positions
     t.add(TRAFFIC[p.layout](local), p.grad_accum)
     t.add(latent_traffic(local), p.grad_accum)                      # MLA's latents and shared key
+    t.add(projection_traffic(local), p.grad_accum)                  # MTP depths' projections
     t.add(pipeline_traffic(p))
     if p.fp8:                        # --fp8: the tensor scales' amax all-reduces (costfp8)
         t.add(fp8_traffic(p), p.grad_accum)
@@ -289,8 +301,10 @@ def step_traffic(p: Problem) -> Traffic:
         t.add(moe_traffic(p, norm=not p.sharded))
     if p.optimizer == "muon":
         t.add(muon_traffic(p, sizes, segments))
-    # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
-    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
+    # reported loss (the main share and each MTP depth's): per micro-batch; a pipeline sums its last
+    # stage's shares once per step
+    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1 + p.cfg.mtp_depth, times=p.grad_accum if p.pp == 1 else 1,
+                width=w.scalar)
     return t
 
 
@@ -354,8 +368,8 @@ def ring_traffic(p: Problem) -> Traffic:
     seqs, heads = attention_split(p)
     kv = 2 * seqs * p.local_seq * heads * op_head_dim(p.cfg)     # MLA: k and v at qk
     forwards = 2 if p.recompute == "blocks" else 1
-    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.layers, w.act)
-    t._add("cp", C, kv, 1, C * p.layers, w.stat)
+    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.blocks, w.act)
+    t._add("cp", C, kv, 1, C * p.blocks, w.stat)
     return t
 
 
@@ -374,7 +388,7 @@ def ulysses_traffic(p: Problem) -> Traffic:
     slab = seqs * p.local_seq * (heads // U) * op_head_dim(p.cfg)      # one head group of one width's rows
     forwards = 2 if p.recompute == "blocks" else 1
     for width, times in ((3, forwards + 1), (1, forwards + 1)):    # qkv / dqkv, y / dy
-        t._add("ulysses", U, (U - 1) * width * slab, U - 1, times * p.layers, w.act)
+        t._add("ulysses", U, (U - 1) * width * slab, U - 1, times * p.blocks, w.act)
     return t
 
 
