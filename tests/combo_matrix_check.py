@@ -38,7 +38,8 @@ multi-head latent attention (replicated latents, heads split, k_pe's gradient su
 dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``; ep= of the dp replicas
 hold the experts), and mtp= multi-token prediction depths (model/mtp.py: on a pipeline's last stage, its
 wte copy summed with stage 0's); the dense ones' traffic, memory and latent cache (the kv latent and k_pe
-per token) equal the cost model's MLA terms (analysis/costmla.py) as the others' do (``COSTED``).
+per token) equal the cost model's MLA terms (analysis/costmla.py) and MTP depths (analysis/costmtp.py) as the
+others' do (``COSTED``).
 
 FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
@@ -187,8 +188,8 @@ def COSTED(case: Case) -> bool:
     configuration (``info``) but not compared here yet (issue 43 item 7)."""
     if case.fp8:
         return case.fp8 in TENSOR_SCALED and not case.experts and case.arch != "deepseek_v3"
-    if case.arch == "deepseek_v3" and case.mtp and not case.experts:      # MTP's depths: analysis/costmtp.py
-        return True
+    if case.arch == "deepseek_v3" and case.mtp and not case.experts:      # dense MTP depths: priced exactly
+        return True                                                       # (analysis/costmtp.py)
     return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
 
 

@@ -306,7 +306,7 @@ DEEPSEEK_CASES = [
     (8, f"layout=2d tp=4 dp=2 zero=3 mtp=1 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 cp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 pp=2 accum=2 {DEEPSEEK}"),
-    (8, f"layout=3d tp=8 qrank=8 {DEEPSEEK}"),                            # k_pe moved to the heads' rows
+    (8, f"layout=3d tp=8 qrank=8 mtp=1 {DEEPSEEK}"),                      # k_pe moved to the heads' rows
     (8, f"layout=3d tp=8 qrank=0 recompute=gathers {DEEPSEEK}"),
     # with DeepSeekMoE after the first block (combo_matrix_check.DEEPSEEK_MOE: sigmoid router, 8 experts in 4
     # groups, top 2 within 2, a shared expert, the sequence-wise loss), the experts over ep of the dp replicas
