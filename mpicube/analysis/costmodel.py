@@ -78,7 +78,7 @@ from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (th
 from .costfp8 import fp8_traffic
 from .costpipe import pipeline_traffic
 from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums, op_head_dim
-from .costmtp import projection_traffic
+from .costmtp import ends, projection_traffic
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
                          head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
                          segment_name, stage_linears)
@@ -104,24 +104,14 @@ def _embedding_uses(p: Problem) -> tuple:
     """(gathers, gradient reductions) of the embedding panels a stage
     holds: the tied wte serves the lookup and the head with one panel;
     an untied model's lookup (wte) and head (lm_head) have one each, and
-    so do the two ends of zbv's V on stage 0 (two chunks: a panel each).
-    MTP depths look up in the wte panel of the head's chunk (a panel of
-    its own on a last stage without the lookup, or in a V's last chunk),
-    each gathering it again, as every lookup gathers its panel."""
+    so do the two ends of zbv's V on stage 0 (two chunks: a panel each);
+    MTP depths: ``costmtp`` (each lookup gathers the wte panel afresh)."""
     embed, head = int(p.has_embed), int(p.has_head)
     one_model = p.pp == 1 or p.pp_schedule not in VEE_SCHEDULES
     n = int(embed or head) if p.cfg.tied and one_model else embed + head
     own = int(p.mtp > 0 and not p.cfg.tied and not (embed and one_model))   # the depths' wte panel on the head's chunk
-    # every lookup gathers the wte panel afresh (the layouts' ``embed``): each depth's once more
     return n + p.mtp, n + own
 
-
-def _ends(p: Problem) -> tuple:
-    """(lookups, heads) one micro-batch runs on this stage: the main
-    model's where the stage has them, and one of each per MTP depth on the
-    stage with the head (model/mtp.py: each depth looks up its tokens in
-    wte and computes its loss through the LM head)."""
-    return int(p.has_embed) + p.mtp, int(p.has_head) + p.mtp
 
 
 def _cross_entropy(t: Traffic, axis, g, rows, width, times: int = 1):
@@ -139,7 +129,7 @@ def oned_traffic(p: Problem) -> Traffic:
     --sequence-parallel: ``oned_sequence_traffic``."""
     t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
-    (L, (lookups, head)) = p.blocks, _ends(p)
+    L, (lookups, head) = p.blocks, ends(p)
     _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat, times=head)
     if p.sequence_parallel:
         t.add(oned_sequence_traffic(p, act))
@@ -161,7 +151,7 @@ def oned_sequence_traffic(p: Problem, act: int) -> Traffic:
     inputs again, --recompute blocks reruns each block's forward (its
     input is already a shard: nothing to restore)."""
     t, g, w = Traffic(), p.tp, p.widths
-    embed, head = _ends(p)
+    embed, head = ends(p)
     t.add(oned_sequence_sums(p, stage_linears(p)))
     again = head if p.recompute == "gathers" else 0
     t.allgather("tp", g, act // g, times=head + embed + again, width=w.act)   # head input, lookup backward dY
@@ -175,7 +165,7 @@ def tesseract_traffic(p: Problem) -> Traffic:
     n = p.local_batch * p.seq_len // (d * q)              # activation rows per rank
     V = -(-cfg.vocab_size // q) * q
     forwards = 2 if p.recompute == "blocks" else 1            # blocks: each block's forward again
-    (L, (_, head)) = p.blocks, _ends(p)
+    L, (_, head) = p.blocks, ends(p)
     for h_in, h_out, _ in stage_linears(p, q):
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
         t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
@@ -205,7 +195,7 @@ def cube_traffic(p: Problem) -> Traffic:
     V = -(-cfg.vocab_size // q) * q
     gathers = 2 if p.recompute == "gathers" else 1     # gathers: X and W again in backward
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
-    (L, (embed, head)) = p.blocks, _ends(p)
+    L, (embed, head) = p.blocks, ends(p)
     for h_in, h_out, position in stage_linears(p, q):
         a, b = ("j", "k") if position == "column" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a

@@ -7,9 +7,10 @@ first):
 
 * a lookup of its tokens in wte and, after its block, a loss through the
   LM head: the layouts' own lookup and head collectives once more per
-  depth (``costmodel._ends``; the wte panel is the chunk's, gathered at
-  its first use; a last stage without the lookup holds a copy of wte for
-  them, summed with stage 0's over the tied pair, ``Problem.tied_pair``);
+  depth (``ends``). The wte panel is the chunk's, and on 2-D, 2.5-D and
+  3-D every lookup gathers it afresh (``costmodel._embedding_uses``); a
+  last stage without the lookup holds a copy of wte for them, summed
+  with stage 0's over the tied pair (``Problem.tied_pair``);
 * three RMSNorms (enorm, hnorm, its output norm): on the layouts that
   split the hidden size, their statistics are all-reduced as every norm's
   (``costmodel``'s norm counts);
@@ -32,6 +33,13 @@ from __future__ import annotations
 
 from .costbase import Problem, Traffic
 from .costmla import _geometry
+
+
+def ends(p: Problem) -> tuple:
+    """(lookups, heads) one micro-batch runs on this stage: the main
+    model's where the stage has them, and one of each per MTP depth on the
+    stage with the head."""
+    return int(p.has_embed) + p.mtp, int(p.has_head) + p.mtp
 
 
 def projection_traffic(p: Problem) -> Traffic:
