@@ -299,7 +299,7 @@ DEEPSEEK_CASES = [
     (8, f"layout=1d tp=4 pp=2 accum=2 {DEEPSEEK}"),
     (8, f"layout=1d tp=2 cp=4 cpkind=ulysses heads=8 {DEEPSEEK}"),
     (8, f"layout=1d tp=4 dp=2 dtype=bfloat16 {DEEPSEEK}"),
-    (4, f"layout=2d tp=4 mtp=2 {DEEPSEEK}"),                       # latents split as the hidden size
+    (4, f"layout=2d tp=4 recompute=gathers mtp=2 {DEEPSEEK}"),     # latents split as the hidden size
     (4, f"layout=1d tp=4 sp=1 recompute=gathers mtp=1 {DEEPSEEK}"),      # k_pe gathered, its gradient scattered
     (4, f"layout=1d tp=2 sp=1 cp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=2.5d tp=8 depth=2 recompute=blocks batch=16 mtp=2 {DEEPSEEK}"),
@@ -307,7 +307,7 @@ DEEPSEEK_CASES = [
     (8, f"layout=2d tp=4 cp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 pp=2 accum=2 {DEEPSEEK}"),
     (8, f"layout=3d tp=8 qrank=8 mtp=1 {DEEPSEEK}"),                      # k_pe moved to the heads' rows
-    (8, f"layout=3d tp=8 qrank=0 recompute=gathers {DEEPSEEK}"),
+    (8, f"layout=3d tp=8 qrank=0 recompute=gathers mtp=1 {DEEPSEEK}"),  # each depth's head gathers lm_head again
     # with DeepSeekMoE after the first block (combo_matrix_check.DEEPSEEK_MOE: sigmoid router, 8 experts in 4
     # groups, top 2 within 2, a shared expert, the sequence-wise loss), the experts over ep of the dp replicas
     (4, f"layout=1d tp=2 dp=2 ep=2 experts=8 layers=3 mtp=1 {BIASED}"),

@@ -110,7 +110,8 @@ def _embedding_uses(p: Problem) -> tuple:
     one_model = p.pp == 1 or p.pp_schedule not in VEE_SCHEDULES
     n = int(embed or head) if p.cfg.tied and one_model else embed + head
     own = int(p.mtp > 0 and not p.cfg.tied and not (embed and one_model))   # the depths' wte panel on the head's chunk
-    return n + p.mtp, n + own
+    again = p.mtp if p.recompute == "gathers" and not p.cfg.tied else 0   # each depth's head: lm_head let go
+    return n + p.mtp + again, n + own
 
 
 
@@ -176,9 +177,9 @@ def tesseract_traffic(p: Problem) -> Traffic:
     if forwards == 2:
         t.allreduce("row", q, n, times=_norm_stats_again(cfg) * L, width=w.stat)   # ln_1, ln_2 statistics again
     # A stage holding wte gathers it at its first use (an untied head its lm_head too);
-    # gathers: the head's again for its backward.
+    # gathers: the head's again for its backward (once: MTP's heads run backward on the panel the last gathered).
     panels, grads = _embedding_uses(p)
-    gathers = panels + (head if p.recompute == "gathers" else 0)
+    gathers = panels + (min(head, 1) if p.recompute == "gathers" else 0)
     t.allgather("col", q, (V // q) * (cfg.n_embd // q), times=gathers, width=w.act)   # wte[:, block c]
     t.reduce_scatter("row", q, n * V, times=head, width=w.red)    # LM head forward
     t.allgather("row", q, n * V // q, times=head, width=w.act)    # LM head backward
