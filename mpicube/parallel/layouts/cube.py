@@ -46,13 +46,19 @@ class CubeLayout(Layout):
         weight rows q^2 ways (a sub-block of a row block): the hidden size,
         the MLP's and the heads' widths over q and over q^2."""
         q = cls.cube_side(tp)
-        heads = cfg.n_head * cfg.head_dim
+        heads = cfg.n_head * (cfg.v_head_dim if cfg.mla else cfg.head_dim)    # c_proj's input
         return {**cls.fp8_head_widths(cfg, tp, depth),
                 f"a rank's hidden columns (--n-embd / {q})": cfg.n_embd // q,
                 f"a rank's MLP hidden columns ({cfg.ffn} / {q})": cfg.ffn // q,
                 f"a rank's weight rows (--n-embd / {q * q})": cfg.n_embd // (q * q),
                 f"a rank's weight rows ({cfg.ffn} / {q * q})": cfg.ffn // (q * q),
                 f"a rank's weight rows ({heads} / {q * q})": heads // (q * q)}
+
+    @classmethod
+    def fp8_latent_splits(cls, tp, depth):
+        """``Layout.fp8_latent_splits``: activations' columns q ways, weights' rows q^2 ways."""
+        q = cls.cube_side(tp)
+        return q, q * q
 
     @classmethod
     def cube_side(cls, tp: int) -> int:
