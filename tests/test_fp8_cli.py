@@ -124,9 +124,10 @@ def latest_step(run_dir):
 def test_plans_fp8_cannot_run_are_refused_before_any_collective():
     """planning.resolve (pure) refuses what no shard could quantize as the
     serial model does: kv heads replicated over ranks (their dy is a
-    partial sum on each), an expert's token tiles spread over replicas,
-    rowwise on 3-D (a row of x and one of dy span different planes), a
-    3-D weight shard's rows (a q^2-th of the hidden size) not whole tiles."""
+    partial sum on each), an expert's token tiles spread over replicas, a
+    3-D weight shard's rows (a q^2-th of the hidden size) not whole tiles,
+    DeepSeek-V3's latent and head widths on 2-D and 3-D; rowwise on 3-D
+    is planned."""
     import pytest
 
     from mpicube.core.config import ModelConfig
@@ -142,9 +143,6 @@ def test_plans_fp8_cannot_run_are_refused_before_any_collective():
         (Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 4, "splits the heads 4 ways"),
         (Plan("1d", dp=2, fp8=fp8_recipe("mxfp8", "float64", block=2)), ModelConfig(**llama, n_experts=4, top_k=2),
          4, "expert's token rows are spread over them"),
-        (Plan("3d", fp8=fp8_recipe("rowwise", "float64")), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
-                                                                        n_head=4, n_embd=16), 8,
-         "layout 3d does not quantize with rowwise scales yet"),
         (Plan("3d", fp8=fp8_recipe("mxfp8", "float64", block=8)), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
                                                                               n_head=4, n_embd=16), 8,
          r"a rank's weight rows \(--n-embd / 4\) is 4, not a multiple of the 8-element block.*--fp8-block 4"),
@@ -159,6 +157,8 @@ def test_plans_fp8_cannot_run_are_refused_before_any_collective():
         with pytest.raises(ConfigError, match=needle):
             resolve(plan, cfg, 8, world)
     resolve(Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 8, 2)   # 2 ways: whole kv heads
+    resolve(Plan("3d", fp8=fp8_recipe("rowwise", "float64")), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
+                                                                          n_head=4, n_embd=16), 8, 8)   # rowwise: 3-D
 
 
 def test_trace_records_the_quantized_weights_and_scales_alike_on_serial_and_1d(mpicube, tmp_path):

@@ -17,9 +17,10 @@ linear makes per micro-batch is fixed by its layout's code:
 and ``--recompute blocks`` reruns each block's forward (2 more a linear).
 Priced for the dense blocks (GPT-2, Llama). The tile recipes (blockwise,
 MXFP8) reduce nothing; on 3-D their backward gathers X and W again and
-dY twice (``cube_tile_gathers``). Not priced yet: rowwise's row amaxes
-(they ride the layouts' own axes), a mixture's experts under FP8 and
-MLA's REPLICATED linears under a tensor scale.
+dY twice (``cube_tile_gathers``), as rowwise's does, whose row amaxes
+ride the layouts' own axes (``row_amaxes``). Not priced yet (``priced``):
+rowwise under --sequence-parallel, a mixture's experts under FP8 and
+MLA's REPLICATED linears under a tensor or row scale.
 
 Memory (``costmemory`` asks here): what a recipe changes in what a layout
 keeps for backward (``keeps_local_input``, ``quantized_copy_kept``) and
@@ -35,13 +36,22 @@ from .costmla import replicated_outputs
 from .costparams import block_linears, dense_linears, stage_layers, stage_linears
 
 TENSOR_SCALED = ("tensorwise", "delayed")
-PRICED = TENSOR_SCALED + ("blockwise", "mxfp8")    # recipes whose traffic fp8_traffic prices exactly
+PRICED = TENSOR_SCALED + ("blockwise", "mxfp8", "rowwise")    # recipes fp8_traffic prices (``priced``)
 PER_LINEAR = {"serial": 6, "1d": 6, "2d": 4, "2.5d": 4, "3d": 3}    # quantizations per linear, micro-batch
 
 
 def priced(p: Problem) -> bool:
     """Whether ``fp8_traffic`` prices the FP8 run ``p`` (see the module docstring)."""
-    return p.fp8 in PRICED and not p.cfg.moe and not (p.cfg.mla and p.fp8 in TENSOR_SCALED)
+    return priced_recipe(p.fp8, p.cfg, p.sequence_parallel)
+
+
+def priced_recipe(recipe: str, cfg, sequence_parallel: bool = False) -> bool:
+    """``priced`` from the recipe's name, the model and --sequence-parallel."""
+    if recipe not in PRICED or cfg.moe:
+        return False
+    if recipe == "rowwise":
+        return not cfg.mla and not sequence_parallel
+    return not (cfg.mla and recipe in TENSOR_SCALED)
 
 
 def keeps_local_input(p: Problem) -> bool:
@@ -103,11 +113,78 @@ def fp8_traffic(p: Problem) -> Traffic:
         t.allreduce("fp8", p.tp * p.dp * p.cp, 1, times=quantizations(p), width=4)
     if keeps_local_input(p):
         t.add(cube_tile_gathers(replace(p, seq_len=p.local_seq, cp=1)))
+    if p.fp8 == "rowwise":
+        t.add(row_amaxes(p))
+    return t
+
+
+def row_amaxes(p: Problem) -> Traffic:
+    """rowwise's amax all-reduces in one micro-batch (float32, one per row
+    of an operand whose row is split): per linear, forward's x and W^T
+    (again under --recompute blocks), dgrad's dy and W, each over the
+    ranks holding the rest of its row along the contraction, and wgrad's
+    x^T and dy^T, whose rows run along the tokens, over the ranks holding
+    the other tokens of their columns (axis "fp8": the replicas, and on
+    2-D, 2.5-D and 3-D the grid's ranks with the same columns). Which
+    group holds the rest of each row is the layouts' ``Splits``:
+
+    * 1-D: a COLUMN linear's W and dy columns over tp, a ROW one's x
+      columns and W rows;
+    * 2-D, 2.5-D: x's, dy's and W's columns over the grid row, W's rows
+      over its column;
+    * 3-D (a, b = j, k for a COLUMN linear, k, j for a ROW one): x's
+      columns over b, W's rows over the plane of b and i, dy's and W's
+      columns over a."""
+    t = Traffic()
+    local = replace(p, seq_len=p.local_seq, cp=1)
+    forwards = 2 if p.recompute == "blocks" else 1
+    replicas = p.dp * p.cp
+
+    def reduce(axis, g, rows, times=1):
+        if g > 1:
+            t.allreduce(axis, g, rows, times=times, width=4)
+
+    if p.layout in ("serial", "1d"):
+        n, g = local.local_batch * local.seq_len, p.tp
+        for h_in, h_out, position in stage_linears(local):
+            if position == "column":
+                reduce("tp", g, n)                               # dgrad: dy's rows
+                reduce("tp", g, h_in)                            # dgrad: W's rows
+                reduce("fp8", replicas, h_in)                    # wgrad: x^T's rows
+                reduce("fp8", replicas, h_out // g)              # wgrad: dy^T's rows
+            else:
+                reduce("tp", g, n, times=forwards)               # forward: x's rows
+                reduce("tp", g, h_out, times=forwards)           # forward: W^T's rows
+                reduce("fp8", replicas, h_in // g)
+                reduce("fp8", replicas, h_out)
+    elif p.layout in ("2d", "2.5d"):
+        q = round((p.tp // p.depth) ** 0.5)
+        n = local.local_batch * local.seq_len // (p.depth * q)
+        tokens = p.depth * q * replicas                          # a grid column's ranks, every replica
+        for h_in, h_out, _ in stage_linears(local, q):
+            reduce("row", q, n, times=forwards)
+            reduce("col", q, h_out // q, times=forwards)
+            reduce("row", q, n)
+            reduce("row", q, h_in // q)
+            reduce("fp8", tokens, h_in // q)
+            reduce("fp8", tokens, h_out // q)
+    else:
+        q = round(p.tp ** (1 / 3))
+        n = local.local_batch * local.seq_len // (q * q)
+        tokens = q * q * replicas                                # a plane of the cube, every replica
+        for h_in, h_out, position in stage_linears(local, q):
+            a, b, plane = ("j", "k", "ik") if position == "column" else ("k", "j", "ij")
+            reduce(b, q, n, times=forwards)
+            reduce(plane, q * q, h_out // q, times=forwards)
+            reduce(a, q, n)
+            reduce(a, q, h_in // (q * q))
+            reduce("fp8", tokens, h_in // q)
+            reduce("fp8", tokens, h_out // q)
     return t
 
 
 def cube_tile_gathers(p: Problem) -> Traffic:
-    """3-D under a tile recipe (``CubeLinear``, oriented): each GEMM
+    """3-D under a tile or row recipe (``CubeLinear``, oriented): each GEMM
     gathers its own quantization, so backward gathers X over a and W over
     i again (wgrad's tiles run along the tokens, dgrad's along K_out;
     already so under --recompute gathers, which the layout's traffic

@@ -59,7 +59,8 @@ def reduction_line(recipe: Recipe, run) -> str:
     if recipe.name == "rowwise":
         return ("  amax all-reduces: a row's amax over the ranks holding the rest of the row (1-D: tp for a "
                 "row-split operand, dp x cp for wgrad's token rows; 2-D, 2.5-D: the grid's row or column, and "
-                "its column's depth slices, rows and dp x cp replicas for the token rows)")
+                "its column's depth slices, rows and dp x cp replicas for the token rows; 3-D: a line of the "
+                "cube for x and dy, a plane for W^T, and a plane with the dp x cp replicas for the token rows)")
     return "  amax all-reduces: none (a tile or block never straddles a shard, so each rank scales its own)"
 
 

@@ -91,7 +91,6 @@ class Layout:
     is the plan's attention kind, which the model's blocks read here."""
 
     name = "base"
-    fp8_tensor_only = ()        # --fp8 recipes this layout refuses (parallel/fp8.check_plan names them)
     token_split = False         # True: tp splits the tokens too (2-D, 2.5-D, 3-D; an expert's rows spread)
 
     def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none",
