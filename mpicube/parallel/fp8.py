@@ -256,12 +256,36 @@ def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
                                   + (f", or --fp8-block {fits[-1]}" if fits else ""))
 
 
+def latent_widths(cfg, split: int, columns: int, rows: int) -> dict:
+    """Multi-head latent attention's widths a tile runs along on a rank,
+    the heads split ``split`` ways: q_up's (q_proj's) query columns
+    (dn + dr a head), kv_up's (dn + dv a head), c_proj's input (dv a
+    head); the latents q_up and kv_up read, split ``columns`` ways as
+    the hidden size (2-D, 2.5-D, 3-D: the REPLICATED down-projections'
+    outputs are whole, their last tile padded); and on 3-D the weight
+    rows, ``rows`` ways, of q_up, kv_up and c_proj."""
+    nh, dn, dr, dv = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    out = {f"a rank's query columns (n_head / {split} x (qk_nope + qk_rope))": nh // split * (dn + dr),
+           f"a rank's kv_up columns (n_head / {split} x (qk_nope + v_head_dim))": nh // split * (dn + dv),
+           f"a rank's c_proj input columns (n_head / {split} x v_head_dim)": nh // split * dv}
+    latents = {"--q-lora-rank": cfg.q_lora_rank, "--kv-lora-rank": cfg.kv_lora_rank}
+    for option, rank in latents.items():
+        if rank and columns > 1:
+            out[f"a rank's latent columns ({option} / {columns})"] = rank // columns
+        if rank and rows > columns:
+            out[f"a rank's weight rows ({option} / {rows})"] = rank // rows
+    if rows > columns:
+        out[f"a rank's c_proj weight rows (n_head x v_head_dim / {rows})"] = nh * dv // rows
+    return out
+
+
 def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1, cp_kind: str = "ring") -> None:
     """The pure half of the checks (``planning.resolve``, before any file
     or collective): kv heads replicated over ranks
     (each then holds a partial sum of their columns' dy, which no scale
     may see), and the widths a tile runs along on a rank (the layout's
-    ``fp8_widths``: the hidden size, a rank's query, kv and MLP columns,
+    ``fp8_widths``: the hidden size, a rank's query, kv and MLP columns
+    (DeepSeek-V3's: ``latent_widths``),
     a 3-D weight's rows; serial is 1-D on one rank), a rank's consecutive
     positions, and an expert's token rows (whole on one 1-D replica only).
     The layouts check their real shards again when they build

@@ -37,7 +37,7 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..comm import Comm
-from ..fp8 import Fp8Scaling, Splits, check_shard
+from ..fp8 import Fp8Scaling, Splits, check_shard, latent_widths
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore, shared_columns, split_decl, split_index
@@ -166,10 +166,10 @@ class Layout:
     @classmethod
     def fp8_head_widths(cls, cfg: ModelConfig, tp: int, depth: int) -> dict:
         """The hidden size and a rank's query and kv columns (``fp8_widths``;
-        DeepSeek-V3's: ``fp8_latent_widths``)."""
+        DeepSeek-V3's: ``fp8.latent_widths``)."""
         split = cls.head_coords(tp, depth, 0)[0]
         if cfg.mla:
-            return {"--n-embd": cfg.n_embd, **cls.fp8_latent_widths(cfg, split, *cls.fp8_latent_splits(tp, depth))}
+            return {"--n-embd": cfg.n_embd, **latent_widths(cfg, split, *cls.fp8_latent_splits(tp, depth))}
         return {"--n-embd": cfg.n_embd,
                 f"a rank's query columns (n_head / {split} x head_dim)": cfg.n_head // split * cfg.head_dim,
                 f"a rank's key and value columns (kv heads / {split} x head_dim)": cfg.kv_heads // split * cfg.head_dim}
@@ -179,29 +179,6 @@ class Layout:
         """(ways the hidden columns of an activation are split, ways a
         weight's rows are split) on this layout: whole on serial and 1-D."""
         return 1, 1
-
-    @staticmethod
-    def fp8_latent_widths(cfg: ModelConfig, split: int, columns: int, rows: int) -> dict:
-        """Multi-head latent attention's widths a tile runs along on a rank,
-        the heads split ``split`` ways: q_up's (q_proj's) query columns
-        (dn + dr a head), kv_up's (dn + dv a head), c_proj's input (dv a
-        head); the latents q_up and kv_up read, split ``columns`` ways as
-        the hidden size (2-D, 2.5-D, 3-D: the REPLICATED down-projections'
-        outputs are whole, their last tile padded); and on 3-D the weight
-        rows, ``rows`` ways, of q_up, kv_up and c_proj."""
-        nh, dn, dr, dv = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        out = {f"a rank's query columns (n_head / {split} x (qk_nope + qk_rope))": nh // split * (dn + dr),
-               f"a rank's kv_up columns (n_head / {split} x (qk_nope + v_head_dim))": nh // split * (dn + dv),
-               f"a rank's c_proj input columns (n_head / {split} x v_head_dim)": nh // split * dv}
-        latents = {"--q-lora-rank": cfg.q_lora_rank, "--kv-lora-rank": cfg.kv_lora_rank}
-        for option, rank in latents.items():
-            if rank and columns > 1:
-                out[f"a rank's latent columns ({option} / {columns})"] = rank // columns
-            if rank and rows > columns:
-                out[f"a rank's weight rows ({option} / {rows})"] = rank // rows
-        if rows > columns:
-            out[f"a rank's c_proj weight rows (n_head x v_head_dim / {rows})"] = nh * dv // rows
-        return out
 
     @classmethod
     def validate(cls, cfg: ModelConfig, tp: int, local_batch: int, depth: int, recompute: str = "none") -> None:
