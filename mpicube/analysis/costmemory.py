@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..parallel import zero
 from ..parallel.schedules import model_chunk
 from .costexperts import chunk_moe_terms
+from .costfp8 import keeps_local_input, quantized_copy_kept
 from .costmla import attention_terms, cache_elems
 from .costmodel import Problem, attention_split, local_param_sizes
 from .costparams import block_linears, moe_layers, segments_of, shared_linears, site_of, stage_layers
@@ -111,6 +112,8 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
     gathered = q > 1
     regather = mode == "gathers"
+    # 3-D under a tile or row recipe: a linear keeps its local X raw, as under --recompute gathers (costfp8)
+    local_x = regather or keeps_local_input(p)
 
     # one block: LN xhat (x2), qkv and the scaled copy of q, GELU input and tanh; blockwise
     # attention keeps no probabilities (ops.attention_blocks), only lse and its output.
@@ -128,21 +131,24 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     attn_linears, mlp_linears = linears[:-2], linears[-2:]
     latent_stat = 0
     if cfg.mla:
-        attn, latent_stat = attention_terms(p, n, nc, split_cols, heads, q, shard)
+        mla_p = dataclasses.replace(p, recompute="gathers") if local_x and not regather else p
+        attn, latent_stat = attention_terms(mla_p, n, nc, split_cols, heads, q, shard)
         block = 2 * nc * cc + attn
     else:
         block = 2 * nc * cc + n * 4 * mid_cols
-        if p.layout == "3d" and not regather and gathered:
+        if p.layout == "3d" and not local_x and gathered:
             block += n * mid_cols      # the attention output: c_proj keeps its gathered input instead
-        elif p.ulysses > 1:            # Ulysses: the op keeps its output at its heads and the group's positions
-            block += n * mid_cols      # (parallel/ulysses.py), beside c_proj's input at this rank's positions
+        else:                          # Ulysses: the op keeps its output at its heads and the group's positions
+            # (parallel/ulysses.py), beside c_proj's input at this rank's positions; a tensor-scaled --fp8 on
+            # a grid: beside c_proj's quantized copy of it (costfp8)
+            block += ((p.ulysses > 1) + quantized_copy_kept(p)) * n * mid_cols
         if p.layout == "3d":
-            block += sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in attn_linears)
+            block += sum(_cube_linear(n, q, h_in, h_out, local_x, gathered) for h_in, h_out, _ in attn_linears)
         else:
             block += (n * cc // shard if regather else n * cc) + n * mid_cols     # c_attn's input, c_proj's
     def swiglu(linears, kept, inputs):  # a dense MLP: its activation's cache, its two linears' inputs (and W)
         if p.layout == "3d":
-            return n * kept + sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in linears)
+            return n * kept + sum(_cube_linear(n, q, h_in, h_out, local_x, gathered) for h_in, h_out, _ in linears)
         return n * kept + (n * cc // shard if regather else n * cc) + n * inputs   # c_fc's input, mlp.c_proj's
 
     mlp = swiglu(mlp_linears, act_kept, mlp_in)
