@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, default=None, help="where the profiled runs are (or go, with --train)")
     parser.add_argument("--train", action="store_true", help="train the four profiled runs first (mpiexec -n 2)")
-    parser.add_argument("--check", type=Path, default=None, help="exit 1 unless PAGE holds the formula and model columns")
+    parser.add_argument("--check", type=Path, default=None,
+                        help="exit 1 unless PAGE holds the formula and model columns")
     args = parser.parse_args(argv)
     if args.check is not None:
         return check(args.check)

@@ -53,7 +53,7 @@ def chunk_phase_flops(p: Problem, chunk: int) -> dict:
     head's two products (its gradient stays in B, ``parallel.wgrad``) and
     under --recompute blocks the rerun forward; W each linear's dW GEMM. A
     whole backward is B + W. Over a stage's chunks and the micro-batches
-    the three add up to ``step_flops`` (tests/test_costbubble.py)."""
+    the three add up to ``step_flops`` (tests/test_costpipe.py)."""
     cfg, h, T = p.cfg, p.cfg.n_embd, p.seq_len
     N = p.local_batch * T                                            # tokens per replica and micro-batch
     layers = p.chunk_layers[chunk]
