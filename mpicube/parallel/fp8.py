@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.errors import ConfigError, UserError
+from ..device.arrays import array_module
 from ..ops.fp8 import NonFiniteError, current_scale, group_amax, quantize, require_finite
 from ..ops.fp8_recipes import Quantized, Recipe, local_group, pad_tiles, quantize_with
 from .comm import Comm
@@ -209,11 +210,13 @@ class LinearFp8:
         r = self.s.recipe
         if r.name == "delayed":
             key = f"{self.name} {role}"
-            if self.s.recording:
-                self.s.seen[key] = max(self.s.seen.get(key, 0.0), float(amax.max()))
+            xp = array_module(a2)
+            if self.s.recording:                                # the history is host numbers: one comes back
+                seen = float(amax.max()) if xp is np else float(xp.asnumpy(amax).max())
+                self.s.seen[key] = max(self.s.seen.get(key, 0.0), seen)
             past = self.s.history_amax(key)
-            scale = current_scale(np.full((1, 1), past), fmt) if past > 0 else np.ones((1, 1), np.float32)
-            return Quantized(quantize(a2, scale, "tensor", fmt), scale, "tensor")
+            scale = current_scale(xp.full((1, 1), past), fmt) if past > 0 else xp.ones((1, 1), xp.float32)
+            return Quantized(quantize(a2, scale, "tensor", fmt), scale, "tensor", fmt)
         return quantize_with(a2, amax, "tensor", fmt, r)
 
 
