@@ -72,6 +72,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
+from moe_costs import StageRuns, check_kept, measured_rows, record_runs, take_runs  # noqa: E402
 from replicated_check import check_replicated  # noqa: E402
 from mpicube.analysis.costfp8 import TENSOR_SCALED  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
@@ -181,13 +182,13 @@ def COSTED(case: Case) -> bool:
     """Whether the cost model's exact check applies to the case: every one
     (Llama, DeepSeek-V3's MLA too) but FP8's other than the tensor-scaled
     recipes' dense blocks (analysis/costfp8.py: their amax all-reduces on
-    axis "fp8"), and DeepSeek-V3 with experts= or mtp=: the sigmoid
-    router's tape, the shared experts and the measured routing of this
-    launch are not priced exactly yet, and MTP's depths are priced from the
-    configuration (``info``) but not compared here yet (issue 43 item 7)."""
+    axis "fp8"), and DeepSeek-V3 with mtp=: MTP's depths are priced from
+    the configuration (``info``) but not compared here yet (issue 43 item
+    7). A mixture (experts=: DeepSeekMoE's sigmoid router, shared experts
+    and dense first blocks too) is priced for the routing it recorded."""
     if case.fp8:
         return case.fp8 in TENSOR_SCALED and not case.experts and case.arch != "deepseek_v3"
-    return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
+    return not (case.arch == "deepseek_v3" and case.mtp)
 
 
 def configure(dtype: str) -> None:
@@ -287,25 +288,46 @@ def run_case(case: Case, refs: References) -> None:
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
     opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
     random_biases(store)
+    priced = COSTED(case)
+    # a mixture is priced for the routing each layer recorded (tests/moe_costs.py: the ledgers' routes and
+    # each local expert's runs), per micro-batch; under pp the stage's chunks' (StageRuns)
+    ran = runs = None
+    if priced and case.experts:
+        ran, runs = (record_runs(model), None) if parts.pipeline is None else (None, StageRuns(parts.pipeline))
     for step, (x, y) in enumerate(steps, start=1):
         store.zero_grad()
         counters.reset()
         kept = []                                                    # (elements, bytes) per micro-batch
+        routing = []                                                 # a mixture's Rows per layer, per micro-batch
+        if ran is not None:
+            take_runs(ran)                                           # the last step's reruns (--recompute blocks)
 
         def after_forward(m):
             """Between micro-batch m's forward and its backward (under pp the
             pipeline measures its own peak when this is given)."""
+            if runs is not None:
+                runs.after_forward(m)
             if parts.pipeline is None:
                 kept.append((model.saved_elements(), model.saved_bytes()))
+                if ran is not None:                                  # this forward's runs of each layer
+                    routing.append(measured_rows(model.router_log.ledgers[-1], take_runs(ran)))
                 if step == 1:
                     pc.check_logits(parts, m, want["logits"], f"logits of micro-batch {m}")
 
         loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=after_forward)
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
+        if runs is not None:                                         # the stage's ledgers, before the bias update
+            routing = list(runs.take(parts.pipeline.router_log.ledgers))
+        priced_here = replace(problem, routing=tuple(routing)) if routing else problem
         if parts.pipeline is None:
-            assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-            if COSTED(case) and not case.fp8:       # FP8's saved quantized copies: not in the memory model yet
-                pc.check_memory(problem, True, store, model, kept[0], opt.adam, where)
+            assert len(set(kept)) == 1 or case.experts, f"micro-batches kept different amounts: {kept}"
+            if priced and not case.fp8:             # FP8's saved quantized copies: not in the memory model yet
+                assert case.accum == 1 or case.recompute != "blocks" or not case.experts, \
+                    "the rerun peak is priced for micro-batch 0's routing"
+                for m in range(1, len(kept)):       # a mixture's micro-batches keep what their routing asks
+                    check_kept(replace(priced_here, routing=(routing[m],)), True, kept[m], f"micro-batch {m}")
+                pc.check_memory(replace(priced_here, routing=tuple(routing[:1])) if routing else problem, True,
+                                store, model, kept[0], opt.adam, where)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
         pc.close(f"step {step} grad norm", [norm], [want["norm"][step - 1]])
@@ -316,10 +338,12 @@ def run_case(case: Case, refs: References) -> None:
         assert not case.bias or biases, f"{where}: bias=1 but no router bias here"
         for name, bias in biases.items():               # bit for bit: integers' signs, whatever the ep size
             assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
-        if COSTED(case):
-            pc.check_traffic(problem, counters, where)               # the step's all-gathers too
-        if parts.pipeline is not None and COSTED(case) and not case.fp8:
-            pc.check_pipeline_memory(problem, parts.pipeline, where)
+        if priced:
+            pc.check_traffic(priced_here, counters, where)           # the step's all-gathers too
+        if parts.pipeline is not None and priced and not case.fp8:
+            pc.check_pipeline_memory(priced_here, parts.pipeline, where)
+        if case.experts:                                             # the step's ledgers (update_biases took them)
+            model.router_log.take_ledgers()
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")
     if parts.pipeline is None and COSTED(case):      # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model

@@ -47,15 +47,19 @@ def measured_rows(ledger, runs: list) -> tuple:
     return tuple(out)
 
 
-def record_runs(model, n_layer: int) -> list:
+def record_runs(model) -> list:
     """Wrap each MoE layer's ``LocalExperts._run`` on its instance (the
     step where an expert's linears run on one batch of rows,
     model/moe_experts.py) to record the rows of every run, per layer:
     returns a list whose entry i is the list of layer i's runs since it
-    was last cleared (``take_runs``). A trace observes the router the same
+    was last cleared (``take_runs``), the dense blocks (DeepSeek-V3's
+    first ``first_k_dense``) left out, so entry i is the i-th MoE layer's
+    as the ledger's routes list them (an MTP depth's block after the
+    main ones, as its layer number follows theirs). A trace observes the router the same
     way (analysis/trace_collect.py)."""
-    log = [[] for _ in range(n_layer)]
-    for i, block in enumerate(model.model.blocks):
+    moe = [b for b in model.model.blocks if hasattr(getattr(b, "block", b).mlp, "local_experts")]
+    log = [[] for _ in moe]
+    for i, block in enumerate(moe):
         experts = getattr(block, "block", block).mlp.local_experts
         run = experts._run
 

@@ -389,9 +389,8 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     blocks = [s for s in segments if not zero.is_end(site_of(s[0]))]
     if p.zero == 3 and blocks:
         times = block_gathers(p, sorted({site_of(s[0]) for s in blocks}, key=zero.segment_key))
-        for seg, _, chunk, parts, x in blocks:
-            if site_of(seg) == site_of(blocks[0][0]):       # every block's pieces are alike
-                t.allgather(axis_of[x][0], parts, chunk, times=times, width=w.act)
+        for seg, _, chunk, parts, x in blocks:           # a block's pieces, as often as the block is gathered
+            t.allgather(axis_of[x][0], parts, chunk, times=times[site_of(seg)], width=w.act)
     by_segment = defaultdict(lambda: defaultdict(int))   # {segment: {axis: elements}} of the summed tensors
     for name, (n, axis) in sizes.items():
         if axis is not None:
@@ -426,17 +425,20 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
 
 
-def block_gathers(p: Problem, blocks: list) -> int:
-    """Block all-gathers per step under --zero 3 on this rank's store of
-    ``blocks`` (segment names): without stages every pass walks all of them
-    (``fsdp.block_gathers``); a pipeline stage walks one chunk per forward
-    or backward in its schedule's order, replayed by ``fsdp.pass_gathers``."""
+def block_gathers(p: Problem, blocks: list) -> dict:
+    """{block segment: its all-gathers per step} under --zero 3 on this
+    rank's store of ``blocks`` (segment names), per block because blocks
+    need not be alike (DeepSeek-V3's first dense ones): without stages
+    every pass walks all of them, forward then backward per micro-batch
+    (in all ``fsdp.block_gathers``); a pipeline stage walks one chunk per
+    forward or backward in its schedule's order; both replayed by
+    ``fsdp.gathers_by_block``."""
     if p.pp == 1:
-        return fsdp.block_gathers(len(blocks), 2 * p.grad_accum)
-    split = p.chunk_layers
-    passes = []
-    for a in build_schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)[p.stage]:
-        if a.op in ("forward", "backward"):
-            walk = [f"h.{i}" for i in split[a.chunk * p.pp + p.stage]]
-            passes.append(walk if a.op == "forward" else walk[::-1])
-    return fsdp.pass_gathers(passes, blocks)
+        passes = [blocks, blocks[::-1]] * p.grad_accum
+    else:
+        split, passes = p.chunk_layers, []
+        for a in build_schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)[p.stage]:
+            if a.op in ("forward", "backward"):
+                walk = [f"h.{i}" for i in split[a.chunk * p.pp + p.stage]]
+                passes.append(walk if a.op == "forward" else walk[::-1])
+    return fsdp.gathers_by_block(passes, blocks)
