@@ -140,7 +140,8 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
              "input": ("act", n * c),
              "outputs back": ("act", back * c)}
     if q == 1:                                                       # c_fc's input: the rows received (1-D under
-        parts["rows in"] = ("act", R * c // split if regather else R * c)   # gathers: a row shard of them)
+        parts["rows in"] = ("act", R * c // split if regather and p.layout == "1d" else R * c)   # gathers: a row
+                                                                     # shard; SUMMA keeps its local X anyway)
         parts["swiglu"] = ("act", 4 * F_l * R + R * F_l)            # [gate | up], sigmoid, silu; c_proj's input
     else:                                                            # the cube: gathered X (and W, per expert)
         (h, two_f), (f, h_out) = (cfg.n_embd, 2 * F), (F, cfg.n_embd)
