@@ -257,17 +257,14 @@ def step_traffic(p: Problem) -> Traffic:
         t.add(ulysses_traffic(p), p.grad_accum)
         summed = sum(c for _, _, c, _, x in segments if not x) if segments else params - experts
         t.sum("cp", p.cp, summed, width=w.gsum)                # the weights' gradients over the ring
-    group_sizes = defaultdict(int)
-    for n, axis in sizes.values():
-        if axis is not None:
-            group_sizes[axis] += n
+    group_runs = grad_runs(p, sizes)
     if p.tied_pair and (p.has_embed or p.has_head):   # wte's two copies, before the optimizer
         tied = next(c for seg, _, c, _, _ in segments if seg == zero.TIED) if segments else sizes["wte"][0]
         t.sum("tied", 2, tied, width=w.gsum)
     if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
         segmented_traffic(p, t, sizes)
     elif p.sharded:
-        _group_sums(p, t, group_sizes)
+        _group_sums(p, t, group_runs)
         _kv_sums(p, t, kv_param_sizes(p))
         for axis, g, n in (("dp", p.dp, params - experts), ("edp", p.edp, experts))[:2 if experts else 1]:
             padded, chunk = zero.sizes(n, g, p.zero)
@@ -276,7 +273,7 @@ def step_traffic(p: Problem) -> Traffic:
         folded = 2 if experts and p.cp > 1 else 1            # --ep under --cp: [dense, experts] squares
         t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
     else:
-        _group_sums(p, t, group_sizes)
+        _group_sums(p, t, group_runs)
         _kv_sums(p, t, kv_param_sizes(p))
         t.sum("dp", p.dp, params - experts, width=w.gsum)
         if experts:
@@ -294,9 +291,32 @@ def step_traffic(p: Problem) -> Traffic:
     return t
 
 
-def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
-    """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
-    for axis, n in group_sizes.items():
+def grad_runs(p: Problem, sizes: dict) -> list:
+    """[(axis, elements)] of the replica groups' gradient sums: one
+    all-reduce per run of adjacent tensors summed over one axis
+    (``ParamStore.grad_groups``). The store orders its tensors by (expert,
+    axis), so each axis is one run of the dense tensors and one of a
+    mixture's experts (kept last), the two merged where they meet (and no
+    --zero 1 padding parts them, ``zero.ExpertPartition``)."""
+    from ..parallel.experts import expert_of
+
+    ordered = sorted(((expert_of(name) is not None, axis or ""), n) for name, (n, axis) in sizes.items())
+    dense = sum(n for (x, _), n in ordered if not x)
+    gap = p.sharded and p.cfg.moe and p.ep > 1 and zero.Partition(dense, p.dp).padded > dense
+    runs, last = [], None
+    for (x, axis), n in ordered:
+        key = (x if gap else False, axis)
+        if axis and key == last:
+            runs[-1] = (axis, runs[-1][1] + n)
+        elif axis:
+            runs.append((axis, n))
+        last = key
+    return runs
+
+
+def _group_sums(p: Problem, t: Traffic, group_runs: list) -> None:
+    """Once per step, each replica group's gradients summed (one all-reduce per run, ``grad_runs``)."""
+    for axis, n in group_runs:
         t.sum(axis, _group_size(p, axis), n, width=p.widths.gsum)
 
 
