@@ -79,7 +79,7 @@ from .costfp8 import fp8_traffic
 from .costpipe import pipeline_traffic
 from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums, op_head_dim
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
-                         head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
+                         grad_runs, head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
                          segment_name, stage_linears)
 
 
@@ -289,29 +289,6 @@ def step_traffic(p: Problem) -> Traffic:
     # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
     return t
-
-
-def grad_runs(p: Problem, sizes: dict) -> list:
-    """[(axis, elements)] of the replica groups' gradient sums: one
-    all-reduce per run of adjacent tensors summed over one axis
-    (``ParamStore.grad_groups``). The store orders its tensors by (expert,
-    axis), so each axis is one run of the dense tensors and one of a
-    mixture's experts (kept last), the two merged where they meet (and no
-    --zero 1 padding parts them, ``zero.ExpertPartition``)."""
-    from ..parallel.experts import expert_of
-
-    ordered = sorted(((expert_of(name) is not None, axis or ""), n) for name, (n, axis) in sizes.items())
-    dense = sum(n for (x, _), n in ordered if not x)
-    gap = p.sharded and p.cfg.moe and p.ep > 1 and zero.Partition(dense, p.dp).padded > dense
-    runs, last = [], None
-    for (x, axis), n in ordered:
-        key = (x if gap else False, axis)
-        if axis and key == last:
-            runs[-1] = (axis, runs[-1][1] + n)
-        elif axis:
-            runs.append((axis, n))
-        last = key
-    return runs
 
 
 def _group_sums(p: Problem, t: Traffic, group_runs: list) -> None:
