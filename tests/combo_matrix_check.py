@@ -38,7 +38,10 @@ multi-head latent attention (replicated latents, heads split, k_pe's gradient su
 dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``; ep= of the dp replicas
 hold the experts), and mtp= multi-token prediction depths (model/mtp.py: on a pipeline's last stage, its
 wte copy summed with stage 0's); the dense ones' traffic, memory and latent cache (the kv latent and k_pe
-per token) equal the cost model's MLA terms (analysis/costmla.py) as the others' do (``COSTED``).
+per token) equal the cost model's MLA terms (analysis/costmla.py) as the others' do (``COSTED``), and
+without mtp= the DeepSeekMoE ones' too, priced for the routing each micro-batch recorded (the ledger's
+routes and each local expert's runs: tests/moe_costs.py, ``StageRuns`` under pp), as parallel_check
+prices Mixtral's.
 
 FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
@@ -318,15 +321,15 @@ def run_case(case: Case, refs: References) -> None:
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
         if runs is not None:                                         # the stage's ledgers, before the bias update
             routing = list(runs.take(parts.pipeline.router_log.ledgers))
-        priced_here = replace(problem, routing=tuple(routing)) if routing else problem
+        routed = replace(problem, routing=tuple(routing)) if routing else problem   # priced for its routing
         if parts.pipeline is None:
             assert len(set(kept)) == 1 or case.experts, f"micro-batches kept different amounts: {kept}"
             if priced and not case.fp8:             # FP8's saved quantized copies: not in the memory model yet
                 assert case.accum == 1 or case.recompute != "blocks" or not case.experts, \
                     "the rerun peak is priced for micro-batch 0's routing"
-                for m in range(1, len(kept)):       # a mixture's micro-batches keep what their routing asks
-                    check_kept(replace(priced_here, routing=(routing[m],)), True, kept[m], f"micro-batch {m}")
-                pc.check_memory(replace(priced_here, routing=tuple(routing[:1])) if routing else problem, True,
+                for m in range(1, len(routing)):    # a mixture's micro-batches keep what their routing asks
+                    check_kept(replace(routed, routing=(routing[m],)), True, kept[m], f"micro-batch {m}")
+                pc.check_memory(replace(routed, routing=tuple(routing[:1])) if routing else problem, True,
                                 store, model, kept[0], opt.adam, where)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
@@ -339,9 +342,9 @@ def run_case(case: Case, refs: References) -> None:
         for name, bias in biases.items():               # bit for bit: integers' signs, whatever the ep size
             assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
         if priced:
-            pc.check_traffic(priced_here, counters, where)           # the step's all-gathers too
+            pc.check_traffic(routed, counters, where)           # the step's all-gathers too
         if parts.pipeline is not None and priced and not case.fp8:
-            pc.check_pipeline_memory(priced_here, parts.pipeline, where)
+            pc.check_pipeline_memory(routed, parts.pipeline, where)
         if case.experts:                                             # the step's ledgers (update_biases took them)
             model.router_log.take_ledgers()
     if not pc.HALF:
