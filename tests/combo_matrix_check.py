@@ -47,9 +47,12 @@ FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
 in the serial reference alike, accumulate in float64, and must equal
 serial to 1e-12 (the quantized operands are the same bits; only the
-order of float64 sums differs); the tensor-scaled recipes' dense cases
-compare their traffic with the cost model too, amax all-reduces included
-(axis "fp8", analysis/costfp8.py), not yet their memory.
+order of float64 sums differs); every one compares its memory with the
+model (the quantized copies a grid layout keeps under a tensor scale,
+3-D's local X under a tile recipe, delayed's amax histories:
+analysis/costfp8.py), and the dense ones their traffic too (``COSTED``:
+amax all-reduces on axis "fp8", rowwise's row amaxes on the layouts' axes,
+3-D's second gathers under a tile or row recipe).
 
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
@@ -77,7 +80,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
 from moe_costs import StageRuns, check_kept, measured_rows, record_runs, take_runs  # noqa: E402
 from replicated_check import check_replicated  # noqa: E402
-from mpicube.analysis.costfp8 import TENSOR_SCALED  # noqa: E402
+from mpicube.analysis.costfp8 import history_elems, priced_recipe  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
@@ -182,15 +185,22 @@ class Case:
 
 
 def COSTED(case: Case) -> bool:
-    """Whether the cost model's exact check applies to the case: every one
-    (Llama, DeepSeek-V3's MLA too) but FP8's other than the tensor-scaled
-    recipes' dense blocks (analysis/costfp8.py: their amax all-reduces on
-    axis "fp8"), and DeepSeek-V3 with mtp=: MTP's depths are priced from
-    the configuration (``info``) but not compared here yet (issue 43 item
-    7). A mixture (experts=: DeepSeekMoE's sigmoid router, shared experts
-    and dense first blocks too) is priced for the routing it recorded."""
-    if case.fp8:
-        return case.fp8 in TENSOR_SCALED and not case.experts and case.arch != "deepseek_v3"
+    """Whether the cost model's exact traffic check applies to the case:
+    every one (Llama, DeepSeek-V3's MLA too) but the FP8 ones
+    analysis/costfp8.py does not price yet (``priced_recipe``: experts=,
+    rowwise with sp=1 or MLA, MLA under a tensor scale), and DeepSeek-V3
+    with mtp=: MTP's depths are priced from the configuration (``info``)
+    but not compared here yet (issue 43 item 7). A mixture (experts=:
+    DeepSeekMoE's sigmoid router, shared experts and dense first blocks
+    too) is priced for the routing it recorded."""
+    if case.fp8 and not priced_recipe(case.fp8, case.cfg(), case.sp):
+        return False
+    return not (case.arch == "deepseek_v3" and case.mtp)
+
+
+def MEMORY(case: Case) -> bool:
+    """Whether the memory model's exact check applies: as ``COSTED``, and
+    every FP8 case (analysis/costfp8.py prices what each recipe keeps)."""
     return not (case.arch == "deepseek_v3" and case.mtp)
 
 
@@ -291,11 +301,11 @@ def run_case(case: Case, refs: References) -> None:
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
     opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
     random_biases(store)
-    priced = COSTED(case)
+    costed, memory = COSTED(case), MEMORY(case)
     # a mixture is priced for the routing each layer recorded (tests/moe_costs.py: the ledgers' routes and
     # each local expert's runs), per micro-batch; under pp the stage's chunks' (StageRuns)
     ran = runs = None
-    if priced and case.experts:
+    if case.experts and (costed or memory):
         ran, runs = (record_runs(model), None) if parts.pipeline is None else (None, StageRuns(parts.pipeline))
     for step, (x, y) in enumerate(steps, start=1):
         store.zero_grad()
@@ -324,7 +334,7 @@ def run_case(case: Case, refs: References) -> None:
         routed = replace(problem, routing=tuple(routing)) if routing else problem   # priced for its routing
         if parts.pipeline is None:
             assert len(set(kept)) == 1 or case.experts, f"micro-batches kept different amounts: {kept}"
-            if priced and not case.fp8:             # FP8's saved quantized copies: not in the memory model yet
+            if memory:
                 assert case.accum == 1 or case.recompute != "blocks" or not case.experts, \
                     "the rerun peak is priced for micro-batch 0's routing"
                 for m in range(1, len(routing)):    # a mixture's micro-batches keep what their routing asks
@@ -341,9 +351,13 @@ def run_case(case: Case, refs: References) -> None:
         assert not case.bias or biases, f"{where}: bias=1 but no router bias here"
         for name, bias in biases.items():               # bit for bit: integers' signs, whatever the ep size
             assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
-        if priced:
-            pc.check_traffic(routed, counters, where)           # the step's all-gathers too
-        if parts.pipeline is not None and priced and not case.fp8:
+        if costed:
+            pc.check_traffic(routed, counters, where)                # the step's all-gathers too
+        if case.fp8 and step > 1:       # delayed's amax histories (one pushed per step): the memory model's
+            held = sum(h.size for h in layout.fp8.history.values())
+            want_held = history_elems(problem, layout.fp8.recipe.history)
+            assert held == want_held, f"{where}: amax histories hold {held} amaxes, model {want_held}"
+        if parts.pipeline is not None and memory:
             pc.check_pipeline_memory(routed, parts.pipeline, where)
         if case.experts:                                             # the step's ledgers (update_biases took them)
             model.router_log.take_ledgers()

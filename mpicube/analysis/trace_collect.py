@@ -369,7 +369,7 @@ class Fp8Recorder:
 
     def __call__(self, name: str, role: str, gemm: str, q) -> None:
         key = f"fp8/{name}/{role}.{gemm}"
-        scale = np.asarray(q.scale)
+        scale = q.host_scale()                                # host numbers, from a CPU or a GPU run
         if q.group == "tensor":
             self.pieces[key + "/scale"] = Piece(key + "/scale", (1, 1), (ZERO, ZERO), scale.reshape(1, 1).copy())
         if role != "w":
@@ -378,7 +378,7 @@ class Fp8Recorder:
         first, second = (cols, rows) if gemm == "forward" else (rows, cols)               # as quantized
         shape = (int(self.store.by_name[name + ".weight"].decl.shape[1 if gemm == "forward" else 0]),
                  int(self.store.by_name[name + ".weight"].decl.shape[0 if gemm == "forward" else 1]))
-        self.pieces[key + "/bytes"] = Piece(key + "/bytes", shape, (first, second), q.q.view(np.uint8).copy())
+        self.pieces[key + "/bytes"] = Piece(key + "/bytes", shape, (first, second), q.host_bytes().copy())
         if q.group == "tensor":
             return
         if q.group == "row":
