@@ -280,7 +280,7 @@ HSDP_CASES = [
 
 
 # DeepSeek-V3's multi-head latent attention (issue 43; dense MLP, or experts=): each joins its world size's launch,
-# checked against serial to 1e-10 with dropout (not yet against the cost model, which does not price MLA).
+# checked against serial to 1e-10 with dropout, and (not yet with mtp=) against the cost model.
 # The latents replicated (on 2-D, 2.5-D and 3-D split as the hidden size before the up-projections), the
 # heads split as each layout splits them with k_pe moved to their rows and its gradient summed over them
 # (Layout.shared_key), sequence parallelism, a pipeline,
@@ -321,6 +321,11 @@ DEEPSEEK_CASES = [
     (4, f"layout=1d tp=2 cp=2 experts=8 layers=3 mtp=1 {BIASED}"),
     (4, f"layout=serial tp=1 dp=4 ep=2 zero=3 experts=8 layers=3 mtp=1 {BIASED}"),
     (8, f"layout=1d tp=2 dp=4 ep=4 experts=8 layers=3 mtp=1 {BIASED}"),
+    # without MTP, so that their traffic and memory meet the cost model for the routing they recorded
+    # (combo_matrix_check.COSTED): the sigmoid router's tape, the shared experts, the dense first block
+    (4, f"layout=2d tp=4 recompute=gathers experts=8 layers=3 {DEEPSEEK}"),
+    (4, f"layout=1d tp=2 cp=2 sp=1 ep=2 experts=8 layers=3 {DEEPSEEK}"),     # the sequence-wise loss's ring sum
+    (8, f"layout=2.5d tp=8 depth=2 batch=16 recompute=blocks experts=8 layers=3 {DEEPSEEK}"),
 ]
 
 

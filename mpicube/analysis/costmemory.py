@@ -157,8 +157,12 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         return n * kept + (n * cc // shard if regather else n * cc) + n * inputs   # c_fc's input, mlp.c_proj's
 
     mlp = swiglu(mlp_linears, act_kept, mlp_in)
-    S = cfg.n_shared_experts * cfg.moe_ffn // heads            # a DeepSeekMoE block's shared experts, per rank
-    shared = swiglu(shared_linears(cfg), 5 * S, S) if cfg.moe and S else 0
+    # a DeepSeekMoE block's shared experts (S per rank): a dense SwiGLU, whose c_fc keeps the very rows the
+    # mixture keeps as its input (``costexperts``' "input") wherever the layout's linear keeps its X as given
+    S = cfg.n_shared_experts * cfg.moe_ffn // heads
+    same_input = (regather if p.layout == "3d" else
+                  not (p.layout == "1d" and (regather or p.sequence_parallel)))
+    shared = swiglu(shared_linears(cfg), 4 * S, S) - same_input * n * cc if cfg.moe and S else 0
     if dropout:
         block += 2 * nc * cc           # residual masks; attention's are drawn block by block, never kept
     layers = stage_layers(p)[first:first + L]

@@ -80,7 +80,7 @@ from .costpipe import pipeline_traffic
 from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums, op_head_dim
 from .costmtp import ends, projection_traffic
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
-                         head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
+                         grad_runs, head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
                          segment_name, stage_linears)
 
 
@@ -260,17 +260,14 @@ def step_traffic(p: Problem) -> Traffic:
         t.add(ulysses_traffic(p), p.grad_accum)
         summed = sum(c for _, _, c, _, x in segments if not x) if segments else params - experts
         t.sum("cp", p.cp, summed, width=w.gsum)                # the weights' gradients over the ring
-    group_sizes = defaultdict(int)
-    for n, axis in sizes.values():
-        if axis is not None:
-            group_sizes[axis] += n
+    group_runs = grad_runs(p, sizes)
     if p.tied_pair and (p.has_embed or p.has_head):   # wte's two copies, before the optimizer
         tied = next(c for seg, _, c, _, _ in segments if seg == zero.TIED) if segments else sizes["wte"][0]
         t.sum("tied", 2, tied, width=w.gsum)
     if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
         segmented_traffic(p, t, sizes)
     elif p.sharded:
-        _group_sums(p, t, group_sizes)
+        _group_sums(p, t, group_runs)
         _kv_sums(p, t, kv_param_sizes(p))
         for axis, g, n in (("dp", p.dp, params - experts), ("edp", p.edp, experts))[:2 if experts else 1]:
             padded, chunk = zero.sizes(n, g, p.zero)
@@ -279,7 +276,7 @@ def step_traffic(p: Problem) -> Traffic:
         folded = 2 if experts and p.cp > 1 else 1            # --ep under --cp: [dense, experts] squares
         t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
     else:
-        _group_sums(p, t, group_sizes)
+        _group_sums(p, t, group_runs)
         _kv_sums(p, t, kv_param_sizes(p))
         t.sum("dp", p.dp, params - experts, width=w.gsum)
         if experts:
@@ -299,9 +296,9 @@ def step_traffic(p: Problem) -> Traffic:
     return t
 
 
-def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
-    """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
-    for axis, n in group_sizes.items():
+def _group_sums(p: Problem, t: Traffic, group_runs: list) -> None:
+    """Once per step, each replica group's gradients summed (one all-reduce per run, ``grad_runs``)."""
+    for axis, n in group_runs:
         t.sum(axis, _group_size(p, axis), n, width=p.widths.gsum)
 
 
@@ -394,9 +391,8 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     blocks = [s for s in segments if not zero.is_end(site_of(s[0]))]
     if p.zero == 3 and blocks:
         times = block_gathers(p, sorted({site_of(s[0]) for s in blocks}, key=zero.segment_key))
-        for seg, _, chunk, parts, x in blocks:
-            if site_of(seg) == site_of(blocks[0][0]):       # every block's pieces are alike
-                t.allgather(axis_of[x][0], parts, chunk, times=times, width=w.act)
+        for seg, _, chunk, parts, x in blocks:           # a block's pieces, as often as the block is gathered
+            t.allgather(axis_of[x][0], parts, chunk, times=times[site_of(seg)], width=w.act)
     by_segment = defaultdict(lambda: defaultdict(int))   # {segment: {axis: elements}} of the summed tensors
     for name, (n, axis) in sizes.items():
         if axis is not None:
@@ -431,17 +427,20 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
 
 
-def block_gathers(p: Problem, blocks: list) -> int:
-    """Block all-gathers per step under --zero 3 on this rank's store of
-    ``blocks`` (segment names): without stages every pass walks all of them
-    (``fsdp.block_gathers``); a pipeline stage walks one chunk per forward
-    or backward in its schedule's order, replayed by ``fsdp.pass_gathers``."""
+def block_gathers(p: Problem, blocks: list) -> dict:
+    """{block segment: its all-gathers per step} under --zero 3 on this
+    rank's store of ``blocks`` (segment names), per block because blocks
+    need not be alike (DeepSeek-V3's first dense ones): without stages
+    every pass walks all of them, forward then backward per micro-batch
+    (in all ``fsdp.block_gathers``); a pipeline stage walks one chunk per
+    forward or backward in its schedule's order; both replayed by
+    ``fsdp.gathers_by_block``."""
     if p.pp == 1:
-        return fsdp.block_gathers(len(blocks), 2 * p.grad_accum)
-    split = p.chunk_layers
-    passes = []
-    for a in build_schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)[p.stage]:
-        if a.op in ("forward", "backward"):
-            walk = [f"h.{i}" for i in split[a.chunk * p.pp + p.stage]]
-            passes.append(walk if a.op == "forward" else walk[::-1])
-    return fsdp.pass_gathers(passes, blocks)
+        passes = [blocks, blocks[::-1]] * p.grad_accum
+    else:
+        split, passes = p.chunk_layers, []
+        for a in build_schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)[p.stage]:
+            if a.op in ("forward", "backward"):
+                walk = [f"h.{i}" for i in split[a.chunk * p.pp + p.stage]]
+                passes.append(walk if a.op == "forward" else walk[::-1])
+    return fsdp.gathers_by_block(passes, blocks)

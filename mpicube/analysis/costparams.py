@@ -251,3 +251,24 @@ def segments_of(p: Problem, sizes: dict) -> list:
         parts = p.edp if x else p.shard_dp
         out.append((seg, totals[seg], -(-totals[seg] // parts), parts, x))
     return out
+
+
+def grad_runs(p: Problem, sizes: dict) -> list:
+    """[(axis, elements)] of the replica groups' gradient sums: one
+    all-reduce per run of adjacent tensors summed over one axis
+    (``ParamStore.grad_groups``). The store orders its tensors by (expert,
+    axis), so each axis is one run of the dense tensors and one of a
+    mixture's experts (kept last), the two merged where they meet (and no
+    --zero 1 padding parts them, ``zero.ExpertPartition``)."""
+    ordered = sorted(((expert_of(name) is not None, axis or ""), n) for name, (n, axis) in sizes.items())
+    dense = sum(n for (x, _), n in ordered if not x)
+    gap = p.sharded and p.cfg.moe and p.ep > 1 and zero.Partition(dense, p.dp).padded > dense
+    runs, last = [], None
+    for (x, axis), n in ordered:
+        key = (x if gap else False, axis)
+        if axis and key == last:
+            runs[-1] = (axis, runs[-1][1] + n)
+        elif axis:
+            runs.append((axis, n))
+        last = key
+    return runs
