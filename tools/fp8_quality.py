@@ -35,11 +35,14 @@ RUNS = [  # (label, extra options)
     ("fp8 rowwise", ["--dtype", "float32", "--fp8", "rowwise"]),
     ("fp8 blockwise, block 4", ["--dtype", "float32", "--fp8", "blockwise", "--fp8-block", "4"]),
     ("fp8 mxfp8, block 4", ["--dtype", "float32", "--fp8", "mxfp8", "--fp8-block", "4"]),
+    # the spread between seeds, for scale: the runs above all start from --seed 1337 (the default)
+    ("float32, --seed 1", ["--dtype", "float32", "--seed", "1"]),
+    ("float32, --seed 2", ["--dtype", "float32", "--seed", "2"]),
 ]
 
 
 def folder(out: Path, label: str) -> Path:
-    return out / label.replace(" ", "_").replace(",", "")
+    return out / label.replace(" ", "_").replace(",", "").replace("-", "")
 
 
 def records(run: Path):
