@@ -171,7 +171,7 @@ class Recorder(StepHooks):
             record_outputs(model, self.sink)
         self.T = trainer.opts.seq_len
         fp8 = trainer.parts.layout.fp8
-        self.fp8 = None if fp8 is None else Fp8Recorder(trainer.parts.store)   # --fp8: quantized operands
+        self.fp8 = None if fp8 is None else Fp8Recorder(trainer.parts.store, self.collect, self.T)   # --fp8: quantized operands
         if fp8 is not None:
             fp8.observer = self.fp8
         self.mesh = None                 # rank 0 under --sharded: (sizes, every rank's coords)

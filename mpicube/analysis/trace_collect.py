@@ -14,6 +14,7 @@ import numpy as np
 from ..check import placements, shards
 from ..model.gpt import Head
 from ..parallel import context
+from ..parallel.fp8 import CANONICAL
 from ..training.driver import rank_positions
 
 
@@ -356,42 +357,84 @@ ZERO = np.zeros(1, dtype=np.int64)      # the index of a dimension of length 1
 
 class Fp8Recorder:
     """``trace --fp8``: the layout's FP8 observer (``parallel.fp8``),
-    keeping as pieces each linear's quantized weight (its FP8 bytes, as
-    uint8, compared exactly) and scales for every GEMM, and the tensor
-    scales of x and dy (one number each, the same on every rank holding
-    a piece). Names: ``fp8/<linear>/<role>.<gemm>/bytes`` and ``.../scale``.
-    A later micro-batch (or a recomputed forward) replaces an earlier one:
-    the step keeps its last."""
+    keeping as pieces each linear's quantized operands for every GEMM:
+    x, W and dy as their FP8 bytes (uint8, compared exactly) and their
+    scales in the recipe's groups (one number, one per row, per tile or
+    per block; MX's E8M0 as bytes). Each is oriented as its GEMM
+    quantizes it, the contraction last (``ops/fp8_recipes.py``): x
+    (N, K_in) forward, x^T (K_in, N) wgrad, W^T (K_out, K_in) forward, W
+    (K_in, K_out) dgrad, dy (N, K_out) dgrad, dy^T (K_out, N) wgrad, N =
+    B T the step's tokens (sequence-major). A tensor scale quantizes every
+    orientation alike, so its operands are kept once, as the layouts with
+    panels quantize them (``parallel.fp8.CANONICAL``). Names:
+    ``fp8/<linear>/<role>.<gemm>/bytes`` and ``.../scale``. Where x and dy
+    lie comes from the linear (``OperandIndex``) and the ``Collector``'s
+    sequences and positions of the micro-batch; an expert's x and dy
+    (rows dispatched to it) keep their tensor scales only. A later
+    micro-batch (or a recomputed forward) replaces an earlier one: the
+    step keeps its last, resolved against the last micro-batch the
+    collector was pointed at."""
 
-    def __init__(self, store):
-        self.store = store
-        self.pieces = {}
+    def __init__(self, store, collect: Collector, T: int):
+        self.store, self.collect, self.T = store, collect, T
+        self.seen = {}                 # "fp8/<linear>/<role>.<gemm>" -> (Quantized, OperandIndex, name, role, gemm)
 
-    def __call__(self, name: str, role: str, gemm: str, q) -> None:
-        key = f"fp8/{name}/{role}.{gemm}"
-        scale = np.asarray(q.scale)
-        if q.group == "tensor":
-            self.pieces[key + "/scale"] = Piece(key + "/scale", (1, 1), (ZERO, ZERO), scale.reshape(1, 1).copy())
-        if role != "w":
-            return
-        rows, cols = (np.asarray(ix) for ix in self.store.by_name[name + ".weight"].index)   # W (K_in, K_out)
-        first, second = (cols, rows) if gemm == "forward" else (rows, cols)               # as quantized
-        shape = (int(self.store.by_name[name + ".weight"].decl.shape[1 if gemm == "forward" else 0]),
-                 int(self.store.by_name[name + ".weight"].decl.shape[0 if gemm == "forward" else 1]))
-        self.pieces[key + "/bytes"] = Piece(key + "/bytes", shape, (first, second), q.q.view(np.uint8).copy())
-        if q.group == "tensor":
-            return
-        if q.group == "row":
-            index, gshape = (first, ZERO), (shape[0], 1)
-        elif q.group[0] == "block":
-            b = q.group[1]
-            index, gshape = (first[::b] // b, second[::b] // b), (shape[0] // b, shape[1] // b)
-        else:                                                 # 1 x b tiles or MX blocks along the contraction
-            b = q.group[1]
-            index, gshape = (first, second[::b] // b), (shape[0], shape[1] // b)
-        local = scale.view(np.uint8) if scale.dtype.itemsize == 1 else scale     # MX: the E8M0 bytes
-        self.pieces[key + "/scale"] = Piece(key + "/scale", gshape, index, local.copy())
+    def __call__(self, name: str, role: str, gemm: str, q, index=None) -> None:
+        if q.group == "tensor" and CANONICAL[role] != gemm:
+            return                     # the same bytes as the canonical orientation's, transposed
+        self.seen[f"fp8/{name}/{role}.{gemm}"] = (q, index, name, role, gemm)
 
     def take(self) -> list:
-        out, self.pieces = list(self.pieces.values()), {}
+        out = []
+        for key, (q, index, name, role, gemm) in self.seen.items():
+            out += self.pieces(key, q, index, name, role, gemm)
+        self.seen = {}
+        return out
+
+    def tokens(self, rows: tuple) -> np.ndarray:
+        """(n,) the global token index (sequence T + position) of each row
+        of a (B_l, T_l, K) operand flattened to (B_l T_l, K)."""
+        c, T = self.collect, self.T
+        seqs = c.canonical_seqs if rows[0] == "canonical" else c.mid_seqs
+        pos = c.positions(T) if rows[1] == "gathered" else c.canonical_positions(T)
+        return (np.asarray(seqs)[:, None] * T + np.asarray(pos)[None, :]).ravel()
+
+    def pieces(self, key, q, index, name, role, gemm) -> list:
+        """The bytes and scale pieces of one quantized operand, or only a
+        tensor scale where the operand's place is not known (an expert's)."""
+        scale = np.asarray(q.scale)
+        if q.group == "tensor":
+            out = [Piece(key + "/scale", (1, 1), (ZERO, ZERO), scale.reshape(1, 1).copy())]
+        else:
+            out = []
+        decl = self.store.by_name[name + ".weight"].decl.shape              # W (K_in, K_out)
+        if role == "w":
+            rows, cols = (np.asarray(ix) for ix in self.store.by_name[name + ".weight"].index)
+            first, second = (cols, rows) if gemm == "forward" else (rows, cols)
+            shape = (int(decl[1]), int(decl[0])) if gemm == "forward" else (int(decl[0]), int(decl[1]))
+        elif index is None:
+            return out
+        else:
+            cols, width = (index.x_cols, decl[0]) if role == "x" else (index.dy_cols, decl[1])
+            tokens = self.tokens(index.x_rows if role == "x" else index.dy_rows)
+            n = q.q.shape[1] if gemm == "wgrad" else q.q.shape[0]
+            if n != len(tokens):                              # a layout's bookkeeping, not the user's input
+                raise RuntimeError(f"trace --fp8: {key} has {n} token rows on this rank, its index {len(tokens)}")
+            N = self.collect.B * self.T
+            first, second = (np.asarray(cols), tokens) if gemm == "wgrad" else (tokens, np.asarray(cols))
+            shape = (int(width), N) if gemm == "wgrad" else (N, int(width))
+        local = q.q[:len(first), :len(second)].view(np.uint8).copy()          # a short last tile's padding dropped
+        out.append(Piece(key + "/bytes", shape, (first, second), local))
+        if q.group == "tensor":
+            return out
+        if q.group == "row":
+            sindex, gshape = (first, ZERO), (shape[0], 1)
+        elif q.group[0] == "block":
+            b = q.group[1]
+            sindex, gshape = (first[::b] // b, second[::b] // b), (-(-shape[0] // b), -(-shape[1] // b))
+        else:                                                 # 1 x b tiles or MX blocks along the contraction
+            b = q.group[1]
+            sindex, gshape = (first, second[::b] // b), (shape[0], -(-shape[1] // b))
+        scale = scale.view(np.uint8) if scale.dtype.itemsize == 1 else scale     # MX: the E8M0 bytes
+        out.append(Piece(key + "/scale", gshape, sindex, scale[:len(sindex[0]), :len(sindex[1])].copy()))
         return out

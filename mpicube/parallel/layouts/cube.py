@@ -33,6 +33,7 @@ from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 from .base import COLUMN, REPLICATED, Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
 from .modules import replicated_linear
+from ..fp8 import OperandIndex
 
 
 class CubeLayout(Layout):
@@ -159,7 +160,22 @@ class CubeLayout(Layout):
             return replicated_linear(self, store, prefix, bias)
         a, b = (self.cj, self.ck) if kind == COLUMN else (self.ck, self.cj)
         return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap,
-                          regather=self.recompute == "gathers", bias=bias, fp8=self.fp8_linear(store, prefix))
+                          regather=self.recompute == "gathers", bias=bias,
+                          fp8=self.fp8_linear(store, prefix, index=self.fp8_index(store, prefix, kind)))
+
+    def fp8_index(self, store, prefix, kind):
+        """``OperandIndex`` of a cube linear: x holds input rows sub-block
+        a and K_in block b (W's rows gathered over i), dy output rows
+        sub-block b and W's columns; a first linear's (a, b) are (j, k):
+        canonical rows in, intermediate (mid) rows out; a second's the
+        reverse."""
+        if self.fp8 is None:
+            return None
+        spec = store.by_name[prefix + ".weight"]
+        q, block = self.q, self.k if kind == COLUMN else self.j
+        x_cols = np.concatenate([split_index(spec.decl.shape[0], q * q, block * q + i) for i in range(q)])
+        rows = [("canonical", "gathered"), ("mid", "gathered")]
+        return OperandIndex(x_cols, np.asarray(spec.index[1]), *(rows if kind == COLUMN else rows[::-1]))
 
     def tied_embedding(self, store, name="wte"):
         return CubeTiedEmbedding(store, self, name)
