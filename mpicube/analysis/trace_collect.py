@@ -364,7 +364,8 @@ class Fp8Recorder:
     quantizes it, the contraction last (``ops/fp8_recipes.py``): x
     (N, K_in) forward, x^T (K_in, N) wgrad, W^T (K_out, K_in) forward, W
     (K_in, K_out) dgrad, dy (N, K_out) dgrad, dy^T (K_out, N) wgrad, N =
-    B T the step's tokens (sequence-major). A tensor scale quantizes every
+    the tokens of the step's last micro-batch over every replica
+    (sequence-major; B T without --grad-accum). A tensor scale quantizes every
     orientation alike, so its operands are kept once, as the layouts with
     panels quantize them (``parallel.fp8.CANONICAL``). Names:
     ``fp8/<linear>/<role>.<gemm>/bytes`` and ``.../scale``. Where x and dy
@@ -372,8 +373,7 @@ class Fp8Recorder:
     sequences and positions of the micro-batch; an expert's x and dy
     (rows dispatched to it) keep their tensor scales only. A later
     micro-batch (or a recomputed forward) replaces an earlier one: the
-    step keeps its last, resolved against the last micro-batch the
-    collector was pointed at."""
+    step keeps its last."""
 
     def __init__(self, store, collect: Collector, T: int):
         self.store, self.collect, self.T = store, collect, T
@@ -391,13 +391,22 @@ class Fp8Recorder:
         self.seen = {}
         return out
 
+    def micro_batch(self) -> tuple:
+        """(this replica's index, sequences per replica's micro-batch, replicas)."""
+        parts = self.collect.parts
+        per_replica = parts.rows.stop - parts.rows.start                   # B / (dp cp-free replicas)
+        return parts.rows.start // per_replica, parts.layout.local_batch, self.collect.B // per_replica
+
     def tokens(self, rows: tuple) -> np.ndarray:
-        """(n,) the global token index (sequence T + position) of each row
-        of a (B_l, T_l, K) operand flattened to (B_l T_l, K)."""
-        c, T = self.collect, self.T
-        seqs = c.canonical_seqs if rows[0] == "canonical" else c.mid_seqs
+        """(n,) the token index (sequence T + position) of each row of a
+        (B_l, T_l, K) operand flattened to (B_l T_l, K), the sequence
+        counted in the step's last micro-batch over every replica (the
+        step's own without --grad-accum)."""
+        c, T, layout = self.collect, self.T, self.collect.layout
+        replica, b, _ = self.micro_batch()
+        seqs = replica * b + np.asarray(layout.canonical_seqs if rows[0] == "canonical" else layout.mid_seqs)
         pos = c.positions(T) if rows[1] == "gathered" else c.canonical_positions(T)
-        return (np.asarray(seqs)[:, None] * T + np.asarray(pos)[None, :]).ravel()
+        return (seqs[:, None] * T + np.asarray(pos)[None, :]).ravel()
 
     def pieces(self, key, q, index, name, role, gemm) -> list:
         """The bytes and scale pieces of one quantized operand, or only a
@@ -420,7 +429,8 @@ class Fp8Recorder:
             n = q.q.shape[1] if gemm == "wgrad" else q.q.shape[0]
             if n != len(tokens):                              # a layout's bookkeeping, not the user's input
                 raise RuntimeError(f"trace --fp8: {key} has {n} token rows on this rank, its index {len(tokens)}")
-            N = self.collect.B * self.T
+            _, b, replicas = self.micro_batch()
+            N = replicas * b * self.T                         # a micro-batch's tokens over every replica
             first, second = (np.asarray(cols), tokens) if gemm == "wgrad" else (tokens, np.asarray(cols))
             shape = (int(width), N) if gemm == "wgrad" else (N, int(width))
         local = q.q[:len(first), :len(second)].view(np.uint8).copy()          # a short last tile's padding dropped
