@@ -98,16 +98,17 @@ CATALOGUE = [
     # issue 45's FP8 bugs, named at step 1 at the scale or FP8 bytes they spoil, before any activation moves
     ("fp8-amax-shard", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/w.forward/scale",
      ["step_1/act/h.0.ln_1", "step_1/fp8/h.0.attn.c_attn/x.forward/scale"], "replicas part: ranks 0 and 1"),
-    ("fp8-scale-inverted", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/w.forward/bytes",
+    ("fp8-scale-inverted", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/x.forward/bytes",
      ["step_1/fp8/h.0.attn.c_attn/x.forward/scale", "step_1/fp8/h.0.attn.c_attn/w.forward/scale"],
      "first differs at"),
     ("fp8-grad-e4m3", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.1.mlp.c_proj/dy.dgrad/scale",
      ["step_1/loss", "step_1/grad/ln_f.weight", "step_1/fp8/h.1.mlp.c_proj/w.forward/bytes"], ""),
     # a 16-wide MX block cut by 1-D's row split of the attention's output projection (8 columns a rank): the
-    # scale of its input x, each rank's from its own half; the linear before it and its own weight agree
+    # scale of its input x, each rank's from its own half (its W^T's blocks straddle too, after it); the
+    # linear before it agrees
     ("fp8-block-straddle", "fp8mx.h5", ["--layout", "1d", *MX], "step_1/fp8/h.0.attn.c_proj/x.forward/scale",
-     ["step_1/fp8/h.0.attn.c_attn/x.forward/bytes", "step_1/fp8/h.0.attn.c_attn/w.forward/bytes",
-      "step_1/fp8/h.0.attn.c_proj/w.forward/scale"], "replicas part: ranks 0 and 1"),
+     ["step_1/fp8/h.0.attn.c_attn/x.forward/bytes", "step_1/fp8/h.0.attn.c_attn/w.forward/bytes"],
+     "replicas part: ranks 0 and 1"),
     # issue 43: DeepSeek-V3's MTP depth normalised by this rank's tokens (Megatron #2417): named at the depth's
     # loss, its block's activations (h.2) and the main loss still agreeing
     ("mtp-local", "mtp.h5", ["--arch", "deepseek_v3", "--mtp-depth", "1", "--layout", "1d", "--dp", "2"],
