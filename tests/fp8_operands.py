@@ -2,7 +2,7 @@
 for bit (issue 45: "quantized operands and scales of every linear are
 bitwise identical across serial, 1-D, 2-D, 2.5-D and 3-D"), for
 tests/combo_matrix_check.py's FP8 cases, in their launches: the trace's
-own recorder (``analysis.trace_collect.Fp8Recorder``) watches step 1 of
+own recorder (``analysis.trace_fp8.Fp8Recorder``) watches step 1 of
 the reference and of the case, and the pieces are assembled to the
 logical tensors as ``trace --fp8`` writes them.
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpicube.analysis.trace_collect import Collector, Fp8Recorder, gather_pieces
+from mpicube.analysis.trace_collect import Collector, gather_pieces
+from mpicube.analysis.trace_fp8 import Fp8Recorder
 
 
 def watch(parts, batch: int, seq: int) -> Fp8Recorder:
