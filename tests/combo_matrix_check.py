@@ -46,9 +46,12 @@ in the serial reference alike, accumulate in float64, and must equal
 serial to 1e-12 (the quantized operands are the same bits; only the
 order of float64 sums differs; step 1's quantized x, W and dy of every
 GEMM and their scales are compared bit for bit, assembled as trace --fp8
-writes them: tests/fp8_operands.py); the tensor-scaled recipes' dense cases
-compare their traffic with the cost model too, amax all-reduces included
-(axis "fp8", analysis/costfp8.py), not yet their memory.
+writes them: tests/fp8_operands.py); every one compares its memory with the
+model (the quantized copies a grid layout keeps under a tensor scale,
+3-D's local X under a tile recipe, delayed's amax histories:
+analysis/costfp8.py), and the dense ones their traffic too (``COSTED``:
+amax all-reduces on axis "fp8", rowwise's row amaxes on the layouts' axes,
+3-D's second gathers under a tile or row recipe).
 
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
@@ -76,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fp8_operands  # noqa: E402
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
 from replicated_check import check_replicated  # noqa: E402
-from mpicube.analysis.costfp8 import TENSOR_SCALED  # noqa: E402
+from mpicube.analysis.costfp8 import history_elems, priced_recipe  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
@@ -181,15 +184,22 @@ class Case:
 
 
 def COSTED(case: Case) -> bool:
-    """Whether the cost model's exact check applies to the case: every one
-    (Llama, DeepSeek-V3's MLA too) but FP8's other than the tensor-scaled
-    recipes' dense blocks (analysis/costfp8.py: their amax all-reduces on
-    axis "fp8"), and DeepSeek-V3 with experts= or mtp=: the sigmoid
+    """Whether the cost model's exact traffic check applies to the case:
+    every one (Llama, DeepSeek-V3's MLA too) but the FP8 ones
+    analysis/costfp8.py does not price yet (``priced_recipe``: experts=,
+    rowwise with sp=1 or MLA, MLA under a tensor scale), and DeepSeek-V3 with
+    experts= or mtp=: the sigmoid
     router's tape, the shared experts and the measured routing of this
     launch are not priced exactly yet, and MTP's depths are priced from the
     configuration (``info``) but not compared here yet (issue 43 item 7)."""
-    if case.fp8:
-        return case.fp8 in TENSOR_SCALED and not case.experts and case.arch != "deepseek_v3"
+    if case.fp8 and not priced_recipe(case.fp8, case.cfg(), case.sp):
+        return False
+    return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
+
+
+def MEMORY(case: Case) -> bool:
+    """Whether the memory model's exact check applies: as ``COSTED``, and
+    every FP8 case (analysis/costfp8.py prices what each recipe keeps)."""
     return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
 
 
@@ -316,7 +326,7 @@ def run_case(case: Case, refs: References) -> None:
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
         if parts.pipeline is None:
             assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-            if COSTED(case) and not case.fp8:       # FP8's saved quantized copies: not in the memory model yet
+            if MEMORY(case):
                 pc.check_memory(problem, True, store, model, kept[0], opt.adam, where)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
@@ -330,7 +340,11 @@ def run_case(case: Case, refs: References) -> None:
             assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
         if COSTED(case):
             pc.check_traffic(problem, counters, where)               # the step's all-gathers too
-        if parts.pipeline is not None and COSTED(case) and not case.fp8:
+        if case.fp8 and step > 1:       # delayed's amax histories (one pushed per step): the memory model's
+            held = sum(h.size for h in layout.fp8.history.values())
+            want_held = history_elems(problem, layout.fp8.recipe.history)
+            assert held == want_held, f"{where}: amax histories hold {held} amaxes, model {want_held}"
+        if parts.pipeline is not None and MEMORY(case):
             pc.check_pipeline_memory(problem, parts.pipeline, where)
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")

@@ -212,6 +212,8 @@ FP8_CASES = [
     (8, "layout=3d tp=8 fp8=blockwise fp8block=4 steps=3"),
     (8, "layout=3d tp=8 recompute=gathers fp8=mxfp8 fp8block=4 steps=3"),
     (8, "layout=2d tp=4 cp=2 fp8=rowwise steps=3"),
+    # rowwise on 3-D: a row's amax over a line (x, dy) or a plane (W) of the cube, wgrad's over a plane
+    (8, "layout=3d tp=8 recompute=blocks fp8=rowwise steps=3"),
     # DeepSeek-V3's REPLICATED latent projections: every rank quantizes the whole W it holds and keeps its rows
     (4, "layout=1d tp=2 dp=2 fp8=mxfp8 fp8block=2 steps=3 arch=deepseek_v3"),
     (4, "layout=2d tp=4 fp8=rowwise steps=3 arch=deepseek_v3"),             # x's rows over the hidden split
@@ -233,6 +235,7 @@ def test_fp8_cases_cover_every_recipe_and_layout():
     assert any("experts" in kw for kw in words)
     for layout in ("2d", "2.5d", "3d"):             # the tile recipes on every panel layout
         assert {kw["fp8"] for kw in words if kw["layout"] == layout} & {"blockwise", "mxfp8"}, layout
+    assert {kw["layout"] for kw in words if kw["fp8"] == "rowwise"} >= {"1d", "2d", "3d"}
 
 
 # Ulysses and hybrid context parallelism (issue 46): each joins its world size's launch, checked like

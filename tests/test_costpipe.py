@@ -212,3 +212,59 @@ def test_job_scripts_pipelines_pay(script, world):
     flat = worst(pipeline_problem(v["LAYOUT"], cfg, int(v["BATCH_SIZE"]), world, 1, 1, 1, "1f1b", 1, v["DTYPE"],
                                   grad_accum=4), ranks_per_node=4)
     assert pipe["cross_node"] < flat["cross_node"] / 2 and pipe["bubble"] < 0.35
+
+
+# ------------------------------------------------- the cost model's bubble of a run (analysis/costbubble.py)
+
+@pytest.mark.parametrize("layout,tp,depth", LAYOUTS)
+def test_phase_flops_add_up_to_the_step(layout, tp, depth):
+    """Each chunk's F, B and W (``chunk_phase_flops``), over a stage's
+    chunks and the micro-batches, are ``step_flops`` of the stage: the
+    modelled bubble prices the same work the FLOP count does, split as a
+    zero-bubble schedule splits it (W: the linears' dW only)."""
+    from mpicube.analysis.costbubble import stage_work
+    from mpicube.analysis.costflops import chunk_phase_flops, step_flops
+
+    for schedule, v, recompute in (("1f1b", 1, "none"), ("zbv", 2, "blocks"), ("interleaved", 3, "none")):
+        p = problem(layout, tp, depth, pp=2, schedule=schedule, v=v, recompute=recompute)
+        for s, work in enumerate(stage_work(p)):
+            assert sum(work.values()) == step_flops(stage_problem(p, s)), (layout, schedule, s)
+        if schedule == "1f1b":                                 # 3 layers each: the head is the difference
+            first, last = chunk_phase_flops(p, 0), chunk_phase_flops(p, 1)
+            assert last["forward"] > first["forward"] and last["backward_input"] > first["backward_input"]
+            assert last["backward_weight"] == first["backward_weight"]
+
+
+def test_modelled_bubble_weighs_the_stages_and_the_transfers():
+    """The model's bubble of a run: with transfers free it is the
+    simulator's idle share at the FLOPs' phase times, above the formula
+    for 1F1B (the head's stage is longer) and for ZB-H1 (W, the dW GEMMs,
+    is shorter than F = B = W says); a slower link only adds to it; and
+    every zero-bubble schedule stays below 1F1B's on the same run."""
+    from mpicube.analysis.costbubble import modelled_bubble, phase_seconds
+
+    cfg = ModelConfig(vocab_size=256, n_ctx=128, n_layer=8, n_head=8, n_embd=256)
+    runs = {s: Problem(cfg, "serial", 1, 1, 1, 16, 128, grad_accum=8, pp=2, pp_schedule=s,
+                       virtual_stages=2 if s in ("zbv", "dualpipev") else 1)
+            for s in ("1f1b", "zb-h1", "zbv", "dualpipev")}
+    free = {s: modelled_bubble(p, bandwidth=float("inf"), latency=0.0) for s, p in runs.items()}
+    assert free["1f1b"] > bubble(runs["1f1b"]) and free["zb-h1"] > bubble(runs["zb-h1"])
+    seconds = phase_seconds(runs["zb-h1"])
+    assert seconds[0, "backward_weight"] < seconds[0, "forward"] < seconds[0, "backward_input"]
+    for s, p in runs.items():
+        assert free[s] <= modelled_bubble(p) < modelled_bubble(p, bandwidth=1e6), s
+        assert s == "1f1b" or modelled_bubble(p) < modelled_bubble(runs["1f1b"]), s
+
+
+def test_pipeline_page_holds_the_modelled_bubbles():
+    """docs/pipeline.md's measured-bubble table: its formula and model
+    columns are what ``info`` computes for those runs now
+    (tools/bubble_table.py --check; the measured columns are a run's)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bubble_table", root / "tools" / "bubble_table.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)                                  # in process: no second interpreter to start
+    assert tool.check(root / "docs" / "pipeline.md") == 0

@@ -44,6 +44,13 @@ def refusal_cases(tmp_path):
                               "16", "--seq-len", "16", "--batch-size", "8", "--fp8", "blockwise", "--fp8-block", "16"],
          r"--fp8 blockwise: a rank's query columns \(n_head / 2 x head_dim\) is 8, not a multiple of the "
          r"16-element tile .*--fp8-block 8"),
+        ("MLA latent widths", ["info", "--arch", "deepseek_v3", "--layout", "2d", "-n", "4", "--n-layer", "1",
+                               "--n-head", "4", "--n-embd", "32", "--kv-lora-rank", "12", "--q-lora-rank", "8",
+                               "--qk-nope-head-dim", "4", "--qk-rope-head-dim", "4", "--v-head-dim", "4",
+                               "--ffn-hidden", "32", "--seq-len", "16", "--batch-size", "8", "--fp8", "blockwise",
+                               "--fp8-block", "4"],
+         r"--fp8 blockwise: a rank's latent columns \(--kv-lora-rank / 2\) is 6, not a multiple of the 4-element "
+         r"tile .*--fp8-block 2"),
         ("expert parallel", train + ["--arch", "mixtral", "--n-experts", "4", "--ep", "2", "--fp8", "tensorwise"],
          r"--fp8 with --ep > 1 is not supported yet: an expert's scales would have to be reduced over the ranks "
          r"that dispatched its tokens"),
@@ -117,9 +124,10 @@ def latest_step(run_dir):
 def test_plans_fp8_cannot_run_are_refused_before_any_collective():
     """planning.resolve (pure) refuses what no shard could quantize as the
     serial model does: kv heads replicated over ranks (their dy is a
-    partial sum on each), an expert's token tiles spread over replicas,
-    rowwise on 3-D (a row of x and one of dy span different planes), a
-    3-D weight shard's rows (a q^2-th of the hidden size) not whole tiles."""
+    partial sum on each), an expert's token tiles spread over replicas, a
+    3-D weight shard's rows (a q^2-th of the hidden size) not whole tiles,
+    DeepSeek-V3's latent and head widths on 2-D and 3-D; rowwise on 3-D
+    is planned."""
     import pytest
 
     from mpicube.core.config import ModelConfig
@@ -129,23 +137,28 @@ def test_plans_fp8_cannot_run_are_refused_before_any_collective():
     from mpicube.training.fp8_options import fp8_recipe
 
     llama = dict(vocab_size=61, n_ctx=16, n_layer=2, n_head=8, n_embd=16, arch="llama", ffn_hidden=24, n_kv_head=2)
+    deepseek = dict(vocab_size=61, n_ctx=16, n_layer=1, n_head=4, n_embd=32, arch="deepseek_v3", ffn_hidden=32,
+                    q_lora_rank=8, kv_lora_rank=16, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
     cases = [
         (Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 4, "splits the heads 4 ways"),
         (Plan("1d", dp=2, fp8=fp8_recipe("mxfp8", "float64", block=2)), ModelConfig(**llama, n_experts=4, top_k=2),
          4, "expert's token rows are spread over them"),
-        (Plan("3d", fp8=fp8_recipe("rowwise", "float64")), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
-                                                                        n_head=4, n_embd=16), 8,
-         "layout 3d does not quantize with rowwise scales yet"),
         (Plan("3d", fp8=fp8_recipe("mxfp8", "float64", block=8)), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
                                                                               n_head=4, n_embd=16), 8,
          r"a rank's weight rows \(--n-embd / 4\) is 4, not a multiple of the 8-element block.*--fp8-block 4"),
         (Plan("2d", fp8=fp8_recipe("blockwise", "float64", block=4)), ModelConfig(**llama, n_experts=4, top_k=2),
          4, "the token blocks of layout 2d"),
+        (Plan("3d", fp8=fp8_recipe("mxfp8", "float64", block=4)), ModelConfig(**deepseek), 8,    # MLA's widths
+         r"a rank's weight rows \(--q-lora-rank / 4\) is 2, not a multiple of the 4-element block.*--fp8-block 2"),
+        (Plan("2d", fp8=fp8_recipe("blockwise", "float64", block=4)), ModelConfig(**{**deepseek, "v_head_dim": 3}), 4,
+         r"a rank's kv_up columns \(n_head / 2 x \(qk_nope \+ v_head_dim\)\) is 14, not.*--fp8-block 2"),
     ]
     for plan, cfg, world, needle in cases:
         with pytest.raises(ConfigError, match=needle):
             resolve(plan, cfg, 8, world)
     resolve(Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 8, 2)   # 2 ways: whole kv heads
+    resolve(Plan("3d", fp8=fp8_recipe("rowwise", "float64")), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
+                                                                          n_head=4, n_embd=16), 8, 8)   # rowwise: 3-D
 
 
 def test_trace_records_the_quantized_weights_and_scales_alike_on_serial_and_1d(mpicube, tmp_path):

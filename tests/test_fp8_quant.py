@@ -303,3 +303,29 @@ def test_float32_summation_orders_agree_within_the_documented_bound(recipe):
     assert moved > flip_bound, (moved, flip_bound)
     print(f"{recipe.name}{'-pow2' if recipe.power_of_2 else ''}: the orders differ by up to {worst:.1%} of the "
           f"bound; one FP8 code moves an output {moved / flip_bound:.0f} times past it")
+
+
+@pytest.mark.parametrize("fmt", [E4, E5], ids=["e4m3", "e5m2"])
+def test_gpu_rounding_is_ml_dtypes_cast_on_every_tie_and_edge(fmt):
+    """round_to_format (what a GPU run rounds with: CuPy has no FP8 type)
+    against ml_dtypes' cast, bit for bit, on the values where a rounding
+    can go wrong: every value of the format, every midpoint between two
+    neighbours (a tie) and the float32 numbers either side of it, the
+    subnormals and the float32 subnormals below them, +-0, the bound and
+    NaN; then a million random magnitudes across the whole range."""
+    codes = np.arange(256, dtype=np.uint8).view(fmt.dtype).astype(np.float32)      # every value, NaN too
+    finite = np.unique(np.abs(codes[np.isfinite(codes)]))                            # 0 .. max, ascending
+    mid = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)     # exact: one more bit
+    near = np.concatenate([mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf)),
+                           finite, np.nextafter(finite, np.float32(np.inf))])
+    tiny = np.array([1e-45, 1e-40, 1e-38, np.finfo(np.float32).tiny], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    random = np.exp2(rng.uniform(-30, np.log2(fmt.max), 1_000_000)).astype(np.float32)
+    magnitudes = np.concatenate([near, tiny, random])
+    v = np.clip(np.concatenate([magnitudes, -magnitudes, [0.0, -0.0, np.nan]]).astype(np.float32),
+                -fmt.max, fmt.max)
+    want = v.astype(fmt.dtype).astype(np.float32)
+    got = fp8.round_to_format(v, fmt)
+    assert got.dtype == np.float32 and mid.size > 100
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+        v[got.view(np.uint32) != want.view(np.uint32)][:5]

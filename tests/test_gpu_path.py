@@ -140,6 +140,35 @@ def test_staging_buffers_are_reused_across_steps(ranks, layout):
     assert after[1] == after[3], after              # and nothing new was pinned after the second step
 
 
+FP8_RECIPES = [["tensorwise"], ["delayed"], ["rowwise", "--fp8-pow2"], ["blockwise", "--fp8-block", "4"],
+               ["mxfp8", "--fp8-block", "4"]]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("recipe", FP8_RECIPES, ids=[r[0] for r in FP8_RECIPES])
+def test_gpu_fp8_operands_are_the_cpus_bytes(mpicube, recipe):
+    """--fp8 on the GPU path: CuPy has no FP8 type, so its values are
+    rounded by ops/fp8.round_to_format's bit arithmetic (float32 holding
+    FP8 values, E8M0 scales as bytes). Every linear's quantized bytes and
+    scales in a 2-step trace equal the CPU's (ml_dtypes' casts) exactly,
+    and everything else to compare's float64 budget."""
+    common = ["trace", *TINY, "--arch", "llama", "--dtype", "float64", "--steps", "2", "--fp8", *recipe]
+    cpu = mpicube.run(*common, "--out", "cpu.h5")
+    gpu = mpicube.run(*common, "--out", "gpu.h5", "--device", "gpu", env=FAKE_GPU)
+    assert cpu.returncode == 0 and gpu.returncode == 0, (cpu, gpu)
+    compared = mpicube.run("compare", "cpu.h5", "gpu.h5")
+    assert compared.returncode == 0 and "all tensors agree" in compared.stdout, compared
+    import h5py
+
+    with h5py.File(mpicube.cwd / "cpu.h5") as a, h5py.File(mpicube.cwd / "gpu.h5") as b:
+        names = []
+        a.visit(lambda name: names.append(name) if "/fp8/" in f"/{name}" and isinstance(a[name], h5py.Dataset)
+                else None)
+        assert len(names) >= 8, names                   # bytes and scales of the block's linears
+        for name in names:
+            assert a[name].dtype == b[name].dtype and (a[name][()] == b[name][()]).all(), name
+
+
 def _error(result):
     lines = result.error_lines()
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result

@@ -129,6 +129,48 @@ def test_muon_equals_an_independent_pytorch_muon(arch, qkv):
         assert np.abs(opt.adam.m[lo:hi] - want).max() < 1e-10 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("arch,qkv", [("gpt2", "split"), ("llama", "split")])
+def test_muon_temporaries_are_in_the_memory_model(arch, qkv):
+    """The memory model prices Muon's step temporaries with the optimizer
+    state (``analysis.costmuon``: the Nesterov update and the update
+    buffer, one whole matrix, its result and Newton-Schulz's workspace):
+    within 10 % of the peak tracemalloc sees during ``Muon._muon`` on a
+    serial float64 store, and the optimizer state is the moments plus it."""
+    import tracemalloc
+
+    from mpi4py import MPI
+
+    from mpicube.analysis.costbase import Problem
+    from mpicube.analysis.costmemory import step_memory
+    from mpicube.analysis.costmuon import muon_workspace
+    from mpicube.parallel.gridspec import Plan
+    from mpicube.parallel.planning import resolve
+    from mpicube.training.parts import Numerics, build_parts
+    from mpicube.training.step import make_step
+
+    extra = dict(arch="llama", n_kv_head=2, ffn_hidden=24, rope_theta=100.0, rms_eps=1e-5) if arch == "llama" else {}
+    cfg = ModelConfig(vocab_size=61, n_ctx=16, n_layer=2, n_head=4, n_embd=16, **extra)
+    parts = build_parts(resolve(Plan("serial"), cfg, 4, 1), MPI.COMM_SELF, Numerics("float64"), seed=7)
+    opt = make_step(parts.store, parts.layout.axes, weight_decay=WD, optimizer="muon", muon_qkv=qkv)
+    x = np.random.default_rng(3).integers(0, 61, (2, 4, 16))
+    parts.model.forward(x[0], x[1], step=1)
+    parts.model.backward(loss_scale=1.0)
+    opt.sync()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        opt.adam._muon(LR, 1.0)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    p = Problem(cfg, "serial", 1, 1, 1, 4, 16, "float64", optimizer="muon")
+    model = muon_workspace(p, qkv) * 8
+    params = sum(s.size for s in parts.store.specs)
+    assert model > 2 * params * 8                       # more than the two flat buffers: the matrices count
+    assert abs(model - peak) <= 0.1 * peak, (model, peak)
+    assert step_memory(p).optimizer == 2 * params + muon_workspace(p)
+
+
 def test_resume_carries_the_momentum_and_bad_input(mpicube, tiny_shard):
     """train --optimizer muon for 3 steps equals 1 step, a checkpoint and a
     resumed 2 (the momentum travels in optimizer/m, on a 2-rank 1-D run

@@ -217,3 +217,20 @@ def test_validate_finds_what_breaks_the_format():
                                "dur": 30.0})
     assert validate(doc)
     assert summarize(doc)["ranks"][0]["steps"][1]["accounting_error"] > 0.05
+
+
+def test_pipeline_bubble_takes_each_rank_s_own_step_span():
+    """The ranks enter a step at different times: stage 0's first forward
+    starts before stage 1's span of the step does, and still counts (it
+    once fell outside the one span taken for all ranks, which dropped it
+    from the window and from stage 0's work). Worked by hand: window 1..35,
+    stage 0 busy 4 + 10, stage 1 busy 8 + 10, idle (34 - 14) + (34 - 18)."""
+    from mpicube.analysis.timeline import pipeline_bubble
+
+    def span(pid, name, ts, end, cat="compute"):
+        return {"ph": "X", "pid": pid, "tid": 0, "cat": cat, "name": name, "ts": ts, "dur": end - ts,
+                "args": {"step": 1} if cat == "step" else {}}
+
+    events = [span(0, "step 1", 0, 40, "step"), span(0, "forward", 1, 5), span(0, "backward", 25, 35),
+              span(1, "step 1", 3, 40, "step"), span(1, "forward", 6, 14), span(1, "backward", 14, 24)]
+    assert pipeline_bubble({"traceEvents": events}) == pytest.approx(36 / 68)

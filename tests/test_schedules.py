@@ -100,6 +100,28 @@ def test_simulation_completes_with_the_model_bubble():
             assert result["busy"] == [N * V * sum(fb)] * P
 
 
+def test_simulation_with_unequal_stages_and_transfers():
+    """The cost model's bubble of a run (``analysis.costbubble``) feeds the
+    simulator per-stage times and transfer delays. 1F1B, P 2, N 2, the last
+    stage three times as slow (F 3, B 6 against 1 and 2), each message d
+    late: stage 1 ends its B1 at 19 + d, stage 0 gets that gradient at
+    19 + 2d and ends at 21 + 2d, busy 6 and 18 of 2 (21 + 2d) - worked by
+    hand. Uniform ``times`` give the plain run's figures exactly."""
+    sched = build_schedule("1f1b", 2, 2)
+    slow = {"forward": (1.0, 3.0), "backward": (2.0, 6.0)}
+    for d, bubble in ((0.0, 18 / 42), (0.5, 20 / 44)):
+        r = simulate(sched, times=lambda p, a: slow[a.op][p], transfer=lambda p, a: d)
+        assert r["time"] == pytest.approx(21 + 2 * d) and r["busy"] == [6.0, 18.0]
+        assert r["bubble"] == pytest.approx(bubble, abs=1e-12)
+        assert [(s, a.op, a.micro) for s, _, a in r["timeline"][0]][2] == (10 + 2 * d, "backward", 0)
+    zb = build_schedule("zb-h1", 4, 8)
+    even = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0}
+    assert simulate(zb, times=lambda p, a: even[a.op], name="zb-h1")["bubble"] == pytest.approx(
+        simulate(zb, 1, 2, "zb-h1")["bubble"], abs=1e-12)
+    late = simulate(zb, times=lambda p, a: even[a.op], transfer=lambda p, a: 0.25, name="zb-h1")
+    assert late["bubble"] > bubble_fraction("zb-h1", 4, 8)        # transfers only ever add idle time
+
+
 def test_interleaving_shrinks_the_bubble():
     assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction("gpipe", 4, 8) == bubble_fraction("1f1b", 4, 8)

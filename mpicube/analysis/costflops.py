@@ -9,7 +9,7 @@ from ..parallel.context import ring_scores
 from .costexperts import moe_linear_flops
 from .costmla import qk, replicated_flops_share, replicated_outputs
 from .costmodel import Problem, head_split
-from .costparams import moe_layers, stage_linears
+from .costparams import dense_linears, moe_layers, stage_linears
 
 
 def step_flops(p: Problem) -> Fraction:
@@ -42,6 +42,35 @@ def step_flops(p: Problem) -> Fraction:
     forwards = 2 if p.recompute == "blocks" else 1
     work = 3 * (L * linears + head) + (forwards - 1) * L * linears + L * Fraction(2 * forwards + 5, 2) * attention
     return Fraction(p.grad_accum * work, p.tp * p.cp)                 # N micro-batches
+
+
+def chunk_phase_flops(p: Problem, chunk: int) -> dict:
+    """{"forward", "backward_input", "backward_weight": FLOPs} one rank
+    spends on model chunk ``chunk`` for one micro-batch, the terms of
+    ``step_flops`` split as a zero-bubble schedule splits the work: F the
+    forward (and the head on the last chunk); B, the input gradient, each
+    linear's dX GEMM, all of attention's backward (it has no weights), the
+    head's two products (its gradient stays in B, ``parallel.wgrad``) and
+    under --recompute blocks the rerun forward; W each linear's dW GEMM. A
+    whole backward is B + W. Over a stage's chunks and the micro-batches
+    the three add up to ``step_flops`` (tests/test_costpipe.py)."""
+    cfg, h, T = p.cfg, p.cfg.n_embd, p.seq_len
+    N = p.local_batch * T                                            # tokens per replica and micro-batch
+    layers = p.chunk_layers[chunk]
+    linears = Fraction(sum(2 * N * h_in * h_out for i in layers for h_in, h_out, _ in
+                           dense_linears(cfg, head_split(p), i)))
+    if cfg.mla:
+        linears += len(layers) * 2 * N * h * sum(replicated_outputs(cfg)) * p.tp * replicated_flops_share(p)
+    if cfg.moe:
+        linears += sum(cfg.is_moe(i) for i in layers) * moe_linear_flops(p, N)
+    width = cfg.n_head * qk(cfg) if cfg.mla else h
+    attention = len(layers) * 2 * 2 * p.local_batch * ring_scores(T, p.cp) * width
+    head = 2 * N * h * _padded_vocab(p) if chunk == p.pp * p.virtual_stages - 1 else 0
+    rerun = linears + attention if p.recompute == "blocks" else 0
+    split = p.tp * p.cp
+    return {"forward": Fraction(linears + attention + head, split),
+            "backward_input": Fraction(linears + Fraction(5, 2) * attention + 2 * head + rerun, split),
+            "backward_weight": Fraction(linears, split)}
 
 
 def _padded_vocab(p: Problem) -> int:

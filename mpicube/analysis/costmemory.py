@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from ..parallel import zero
 from ..parallel.schedules import model_chunk
 from .costexperts import chunk_moe_terms
+from .costfp8 import keeps_local_input, quantized_copy_kept
 from .costmla import attention_terms, cache_elems
+from .costmuon import muon_workspace
 from .costmodel import Problem, attention_split, local_param_sizes
 from .costparams import block_linears, moe_layers, segments_of, shared_linears, site_of, stage_layers
 from .costpipe import peak_over_schedule
@@ -111,6 +113,8 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     # On a grid of one rank (q = 1) a "gathered" weight is the parameter itself, not a copy.
     gathered = q > 1
     regather = mode == "gathers"
+    # 3-D under a tile or row recipe: a linear keeps its local X raw, as under --recompute gathers (costfp8)
+    local_x = regather or keeps_local_input(p)
 
     # one block: LN xhat (x2), qkv and the scaled copy of q, GELU input and tanh; blockwise
     # attention keeps no probabilities (ops.attention_blocks), only lse and its output.
@@ -128,21 +132,24 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     attn_linears, mlp_linears = linears[:-2], linears[-2:]
     latent_stat = 0
     if cfg.mla:
-        attn, latent_stat = attention_terms(p, n, nc, split_cols, heads, q, shard)
+        mla_p = dataclasses.replace(p, recompute="gathers") if local_x and not regather else p
+        attn, latent_stat = attention_terms(mla_p, n, nc, split_cols, heads, q, shard)
         block = 2 * nc * cc + attn
     else:
         block = 2 * nc * cc + n * 4 * mid_cols
-        if p.layout == "3d" and not regather and gathered:
+        if p.layout == "3d" and not local_x and gathered:
             block += n * mid_cols      # the attention output: c_proj keeps its gathered input instead
-        elif p.ulysses > 1:            # Ulysses: the op keeps its output at its heads and the group's positions
-            block += n * mid_cols      # (parallel/ulysses.py), beside c_proj's input at this rank's positions
+        else:                          # Ulysses: the op keeps its output at its heads and the group's positions
+            # (parallel/ulysses.py), beside c_proj's input at this rank's positions; a tensor-scaled --fp8 on
+            # a grid: beside c_proj's quantized copy of it (costfp8)
+            block += ((p.ulysses > 1) + quantized_copy_kept(p)) * n * mid_cols
         if p.layout == "3d":
-            block += sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in attn_linears)
+            block += sum(_cube_linear(n, q, h_in, h_out, local_x, gathered) for h_in, h_out, _ in attn_linears)
         else:
             block += (n * cc // shard if regather else n * cc) + n * mid_cols     # c_attn's input, c_proj's
     def swiglu(linears, kept, inputs):  # a dense MLP: its activation's cache, its two linears' inputs (and W)
         if p.layout == "3d":
-            return n * kept + sum(_cube_linear(n, q, h_in, h_out, regather, gathered) for h_in, h_out, _ in linears)
+            return n * kept + sum(_cube_linear(n, q, h_in, h_out, local_x, gathered) for h_in, h_out, _ in linears)
         return n * kept + (n * cc // shard if regather else n * cc) + n * inputs   # c_fc's input, mlp.c_proj's
 
     mlp = swiglu(mlp_linears, act_kept, mlp_in)
@@ -211,7 +218,9 @@ def kv_cache_elems(p: Problem) -> int:
 
 def step_memory(p: Problem, dropout: bool = False) -> Memory:
     """Elements per rank. Under --zero 1 the buffers are padded to P_pad (a
-    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp); --zero 2
+    multiple of dp) and AdamW keeps 2 C moments (C = P_pad / dp), to which
+    Muon adds its step's temporaries (``costmuon``: the gathered update
+    and one whole matrix with its Newton-Schulz workspace); --zero 2
     and 3: ``segmented_memory``. Under a pipeline: this stage's parameters,
     and its peak saved activations over the schedule
     (``pipeline_peak_activations``)."""
@@ -225,8 +234,8 @@ def step_memory(p: Problem, dropout: bool = False) -> Memory:
         return Memory(padded, padded + chunk, 2 * chunk, acts)
     if p.sharded:
         padded, chunk = zero.sizes(params, p.dp, p.zero)
-        return Memory(padded, padded, 2 * chunk, acts)
-    return Memory(params, params, 2 * params, acts)
+        return Memory(padded, padded, 2 * chunk + muon_workspace(p), acts)
+    return Memory(params, params, 2 * params + muon_workspace(p), acts)
 
 
 def _expert_split(p: Problem) -> bool:
@@ -266,12 +275,12 @@ def step_memory_bytes(p: Problem, dropout: bool = False) -> Memory:
         chunk = elems.optimizer // 2
         return Memory(elems.params * w.act + chunk * w.grad, elems.grads * w.grad, elems.optimizer * w.grad, acts)
     if p.sharded:   # the full buffer is the 16-bit working copy, the float32 master only the chunk
-        chunk = elems.optimizer // 2
+        chunk = (elems.optimizer - muon_workspace(p)) // 2
         params = elems.params * w.act + (chunk * w.grad if w.act != w.grad else 0)
         return Memory(params, elems.grads * w.grad, elems.optimizer * w.grad, acts)
     params = elems.params
     working = params * w.act if w.act != w.grad else 0
-    return Memory(params * w.grad + working, params * w.grad, 2 * params * w.grad, acts)
+    return Memory(params * w.grad + working, params * w.grad, elems.optimizer * w.grad, acts)
 
 
 def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
@@ -295,15 +304,16 @@ def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
     slots = ends + min(2, len(blocks)) * max([sites[b] for b in blocks], default=0)
     mixed = w.act != w.grad
     grads = chunk + slots
+    state = 2 * chunk + muon_workspace(p)          # the moments, and Muon's temporaries (costmuon)
     if p.zero == 2:
         whole = sum(padded.values())
-        elems = Memory(whole + chunk, grads, 2 * chunk, _stage_activations(p, dropout, bytes_=False))
-        size = Memory(whole * w.act + chunk * w.grad, grads * w.grad, 2 * chunk * w.grad,
+        elems = Memory(whole + chunk, grads, state, _stage_activations(p, dropout, bytes_=False))
+        size = Memory(whole * w.act + chunk * w.grad, grads * w.grad, state * w.grad,
                       _stage_activations(p, dropout, bytes_=True))
         return elems, size
     rounded = chunk if mixed else 0
-    elems = Memory(chunk + rounded + slots, grads, 2 * chunk, _stage_activations(p, dropout, bytes_=False))
-    size = Memory(chunk * w.grad + (rounded + slots) * w.act, grads * w.grad, 2 * chunk * w.grad,
+    elems = Memory(chunk + rounded + slots, grads, state, _stage_activations(p, dropout, bytes_=False))
+    size = Memory(chunk * w.grad + (rounded + slots) * w.act, grads * w.grad, state * w.grad,
                   _stage_activations(p, dropout, bytes_=True))
     return elems, size
 

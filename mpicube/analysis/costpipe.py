@@ -19,6 +19,8 @@ lists the executor runs, so the model counts what the code sends.
   communication, (P-1)/(N+P-1) for GPipe and 1F1B, (P-1)/(V N + P-1) under
   interleaved (bubble over ideal time (P-1)/(V N): 1F1B's divided by V);
   ``measured_bubble`` simulates the schedule and tests hold the two equal.
+  The bubble of a run, at its own work per stage and phase and its own
+  transfers, is ``costbubble.modelled_bubble`` (``info``'s last line).
 * Peak saved activations of a stage (``costmemory.pipeline_peak_activations``
   over ``peak_over_schedule`` here): walk its action list; after every
   forward the live (micro-batch, chunk) pairs each hold one micro-batch's

@@ -28,6 +28,7 @@ from ..parallel.planning import check_moe
 from ..parallel.schedules import check_pipeline, check_pp_world
 from .costmemory import step_memory_bytes
 from .costmodel import Problem, step_traffic
+from .costbubble import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RATE, DEFAULT_LATENCY, modelled_bubble
 from .costpipe import bubble, peak_in_flight, stage_problem
 from .costreport import SHARDED
 
@@ -135,6 +136,9 @@ def stages_report(p: Problem, ranks_per_node: int = RANKS_PER_NODE) -> str:
         lines.append(f"  {f['stage']:<6} {layers + extra:<14} {f['in_flight']:>9} {_fmt(f['memory']) + 'B':>9} "
                      f"{_fmt(b['tp']) + 'B':>9} " + (f"{_fmt(b['cp']) + 'B':>9} " if ring else "")
                      + f"{_fmt(b['pp']) + 'B':>9} {_fmt(b['dp']) + 'B':>9} {_fmt(f['cross_node']) + 'B':>10}")
+    lines.append(f"  modelled bubble {modelled_bubble(p):.1%} of the step (this run's F, B and W FLOPs per stage, "
+                 f"embeddings and head included, at {DEFAULT_FLOP_RATE / 1e9:g} GFLOP/s a rank; messages at "
+                 f"{DEFAULT_BANDWIDTH / 1e9:g} GB/s + {DEFAULT_LATENCY * 1e6:g} us)")
     return "\n".join(lines)
 
 
@@ -248,5 +252,6 @@ def pipeline_summary(layout: str, cfg: ModelConfig, batch_size: int, world_size:
             "sequence_parallel": p.sequence_parallel, "depth": p.depth, "pp_schedule": p.pp_schedule,
             "virtual_stages": p.virtual_stages, "batch_size": p.batch, "seq_len": p.seq_len, "dtype": p.dtype,
             "recompute": p.recompute, "zero": p.zero, "grad_accum": p.grad_accum, "bubble": w["bubble"],
+            "modelled_bubble": modelled_bubble(p),
             "memory_bytes_per_rank": int(w["memory"]), "cross_node_bytes_per_rank": float(w["cross_node"]),
             "comm_bytes_by_class": {c: float(b) for c, b in w["bytes"].items()}, "stages": stages}

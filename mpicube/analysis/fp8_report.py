@@ -5,6 +5,8 @@ code that places the shards (``parallel.split``) and the recipe's groups
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..model.gpt import gpt_params
@@ -57,7 +59,8 @@ def reduction_line(recipe: Recipe, run) -> str:
     if recipe.name == "rowwise":
         return ("  amax all-reduces: a row's amax over the ranks holding the rest of the row (1-D: tp for a "
                 "row-split operand, dp x cp for wgrad's token rows; 2-D, 2.5-D: the grid's row or column, and "
-                "its column's depth slices, rows and dp x cp replicas for the token rows)")
+                "its column's depth slices, rows and dp x cp replicas for the token rows; 3-D: a line of the "
+                "cube for x and dy, a plane for W^T, and a plane with the dp x cp replicas for the token rows)")
     return "  amax all-reduces: none (a tile or block never straddles a shard, so each rank scales its own)"
 
 
@@ -104,6 +107,35 @@ def cost_lines(recipe: Recipe, run, cfg) -> list:
     return lines
 
 
+def memory_lines(recipe: Recipe, run, cfg, dtype: str) -> list:
+    """What the recipe changes in one rank's memory (pipeline stage 0), as
+    the memory model prices it (``costmemory``, ``costfp8``; the combo
+    launches hold it equal to what every FP8 case keeps): the activations
+    kept for backward with and without the recipe (a grid layout's
+    quantized copies under a tensor scale; 3-D's local X in place of the
+    gathered X and W under a tile or row recipe), and delayed's amax
+    histories. Quantized values are held in the activation format, as the
+    emulation computes with them."""
+    from ..analysis.costbase import Problem
+    from ..analysis.costfp8 import history_elems
+    from ..analysis.costmemory import step_memory_bytes
+
+    plan = run.plan
+    p = Problem(cfg, run.layout, run.tp, plan.dp, plan.depth if run.layout == "2.5d" else 1, run.batch_size,
+                run.seq_len or cfg.n_ctx, dtype, recompute=plan.recompute, grad_accum=plan.grad_accum,
+                zero=plan.zero, pp=plan.pp, pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages,
+                sequence_parallel=plan.sequence_parallel, cp=plan.cp, ulysses=plan.ulysses_size, ep=plan.ep,
+                hsdp=plan.hsdp, fp8=recipe.name)
+    with_fp8 = step_memory_bytes(p, dropout=False).activations
+    without = step_memory_bytes(replace(p, fp8=""), dropout=False).activations
+    change = with_fp8 - without
+    held = history_elems(p, recipe.history) * 8
+    words = "the same" if change == 0 else f"{'+' if change > 0 else '-'}{human(abs(change))}B"
+    return [f"  memory per rank ({run.layout}, stage 0, {dtype}, no dropout): activations kept for backward "
+            f"{human(with_fp8)}B ({words} against no --fp8), amax histories {human(held)}B"
+            + (" (float64)" if held else "")]
+
+
 def human(n: float) -> str:
     """1234567 -> '1.23M' (as the cost report writes sizes)."""
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -146,7 +178,7 @@ def tile_picture(recipe: Recipe, run, cfg) -> list:
     return lines
 
 
-def fp8_report(recipe: Recipe, run, cfg) -> str:
+def fp8_report(recipe: Recipe, run, cfg, dtype: str = None) -> str:
     lines = [f"fp8 {recipe.name}: every linear's GEMM operands quantized (x and W in e4m3, dy in "
              f"{recipe.grad_format}), accumulated in {recipe.accumulate}"]
     lines += gemm_lines(recipe)
@@ -155,6 +187,8 @@ def fp8_report(recipe: Recipe, run, cfg) -> str:
     if recipe.block and run.layout in ("1d", "serial"):
         lines += tile_picture(recipe, run, cfg)
     lines += cost_lines(recipe, run, cfg)
+    if dtype is not None:
+        lines += memory_lines(recipe, run, cfg, dtype)
     return "\n".join(lines)
 
 

@@ -51,17 +51,22 @@ def pipeline_bubble(doc: dict) -> float:
     uneven stages (the embeddings, the head) and the layout's collectives
     all count as idle. None when the trace holds no pipeline phases."""
     spans = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X"]
-    steps = [e for e in spans if e.get("cat") == "step"]
+    # each rank's own span of each step: the ranks enter a step at different times, and a
+    # stage's first forward can start before another rank's span of the same step does
+    steps = {(e["pid"], e["args"]["step"]): e for e in spans if e.get("cat") == "step"}
     work = [e for e in spans if e.get("cat") == "compute" and e["name"] in PIPELINE_PHASES]
     ranks = sorted({e["pid"] for e in spans})
     idle = total = 0.0
-    for s in {e["args"]["step"]: e for e in steps}.values():
-        mine = [e for e in work if s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
-        if not mine:
+    for step in sorted({n for _, n in steps}):
+        mine = {rank: [e for e in work if e["pid"] == rank and (rank, step) in steps
+                       and steps[rank, step]["ts"] <= e["ts"] <= steps[rank, step]["ts"] + steps[rank, step]["dur"]]
+                for rank in ranks}
+        every = [e for spans_of in mine.values() for e in spans_of]
+        if not every:
             continue
-        t0, t1 = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
+        t0, t1 = min(e["ts"] for e in every), max(e["ts"] + e["dur"] for e in every)
         for rank in ranks:
-            busy = sum(e["dur"] for e in _top_level([e for e in mine if e["pid"] == rank]))
+            busy = sum(e["dur"] for e in _top_level(mine[rank]))
             idle += (t1 - t0) - busy
             total += t1 - t0
     return idle / total if total else None

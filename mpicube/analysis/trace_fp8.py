@@ -69,7 +69,7 @@ class Fp8Recorder:
     def pieces(self, key, q, index, name, role, gemm) -> list:
         """The bytes and scale pieces of one quantized operand, or only a
         tensor scale where the operand's place is not known (an expert's)."""
-        scale = np.asarray(q.scale)
+        scale = q.host_scale()                                # host numbers, from a CPU or a GPU run
         if q.group == "tensor":
             out = [Piece(key + "/scale", (1, 1), (ZERO, ZERO), scale.reshape(1, 1).copy())]
         else:
@@ -84,14 +84,14 @@ class Fp8Recorder:
         else:
             cols, width = (index.x_cols, decl[0]) if role == "x" else (index.dy_cols, decl[1])
             tokens = self.tokens(index.x_rows if role == "x" else index.dy_rows)
-            n = q.q.shape[1] if gemm == "wgrad" else q.q.shape[0]
+            n = q.q.shape[1 if gemm == "wgrad" else 0]
             if n != len(tokens):                              # a layout's bookkeeping, not the user's input
                 raise RuntimeError(f"trace --fp8: {key} has {n} token rows on this rank, its index {len(tokens)}")
             _, b, replicas = self.micro_batch()
             N = replicas * b * self.T                         # a micro-batch's tokens over every replica
             first, second = (np.asarray(cols), tokens) if gemm == "wgrad" else (tokens, np.asarray(cols))
             shape = (int(width), N) if gemm == "wgrad" else (N, int(width))
-        local = q.q[:len(first), :len(second)].view(np.uint8).copy()          # a short last tile's padding dropped
+        local = q.host_bytes()[:len(first), :len(second)].copy()          # a short last tile's padding dropped
         out.append(Piece(key + "/bytes", shape, (first, second), local))
         if q.group == "tensor":
             return out
@@ -103,6 +103,5 @@ class Fp8Recorder:
         else:                                                 # 1 x b tiles or MX blocks along the contraction
             b = q.group[1]
             sindex, gshape = (first, second[::b] // b), (shape[0], -(-shape[1] // b))
-        scale = scale.view(np.uint8) if scale.dtype.itemsize == 1 else scale     # MX: the E8M0 bytes
         out.append(Piece(key + "/scale", gshape, sindex, scale[:len(sindex[0]), :len(sindex[1])].copy()))
         return out

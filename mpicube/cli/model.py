@@ -102,7 +102,7 @@ def info(n_layer, n_head, n_embd, seq_len, layout, world_size, dp, depth, batch_
                     virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
                     recompute=recompute, grad_accum=grad_accum, ep=ep, hsdp=hsdp, fp8=fp8)
         run = resolve(plan, cfg, batch_size, world)
-        notes = (run.pipeline_note, fp8 and fp8_report(fp8, run, cfg) + "\n")   # --fp8: what it quantizes, how
+        notes = (run.pipeline_note, fp8 and fp8_report(fp8, run, cfg, dtype) + "\n")   # --fp8: what it quantizes, how
         note = "\n".join(n for n in notes if n)
         if show_heads:
             from ..analysis.heads import heads_table

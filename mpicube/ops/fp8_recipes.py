@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fp8 import E4M3, FORMATS, current_scale, dequantize, group_amax, mx_dequantize, mx_quantize, mx_scale, quantize
+from ..device.arrays import array_module
+from .fp8 import (E4M3, FORMATS, Fp8Format, current_scale, dequantize, fp8_bytes, group_amax, mx_dequantize,
+                  mx_quantize, mx_scale, quantize)
 
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
 ROLES = ("x", "w", "dy")                 # the three tensors a linear quantizes
@@ -95,11 +97,26 @@ def local_group(group):
 @dataclass
 class Quantized:
     """One quantized operand: its FP8 elements ``q`` (n, K), its scales
-    (float32 multipliers, or E8M0 for MX) and the group they scale."""
+    (float32 multipliers, or E8M0 for MX), the group they scale and the
+    elements' format. On a GPU ``q`` holds the FP8 values in float32 and
+    MX scales are their bytes (``ops/fp8.py``): ``host_bytes`` and
+    ``host_scale`` are what a trace records, the same from either."""
 
     q: np.ndarray
     scale: np.ndarray
     group: object
+    fmt: Fp8Format = E4M3
+
+    def host_bytes(self) -> np.ndarray:
+        """The elements' FP8 bytes (n, K) uint8, on the host."""
+        return fp8_bytes(self.q, self.fmt)
+
+    def host_scale(self) -> np.ndarray:
+        """The scales on the host: float32 multipliers, or MX's E8M0 bytes as uint8."""
+        if isinstance(self.group, tuple) and self.group[0] == "mx":
+            return fp8_bytes(self.scale)
+        xp = array_module(self.scale)
+        return self.scale if xp is np else xp.asnumpy(self.scale)
 
     def values(self, dtype):
         """The operand the GEMM multiplies, in ``dtype``: q / scale (q * X for MX)."""
@@ -120,8 +137,8 @@ def quantize_with(a, amax, group, fmt, recipe: Recipe) -> Quantized:
     ``group_amax`` gives them for ``local_group(group)``)."""
     scale = scale_from_amax(amax, group, fmt, recipe)
     if isinstance(group, tuple) and group[0] == "mx":
-        return Quantized(mx_quantize(a, scale, group[1], fmt), scale, group)
-    return Quantized(quantize(a, scale, group, fmt), scale, group)
+        return Quantized(mx_quantize(a, scale, group[1], fmt), scale, group, fmt)
+    return Quantized(quantize(a, scale, group, fmt), scale, group, fmt)
 
 
 def pad_tiles(a, group):
@@ -130,9 +147,9 @@ def pad_tiles(a, group):
     no amax), or a itself."""
     if not isinstance(group, tuple) or group[0] == "block" or a.shape[1] % group[1] == 0:
         return a
-    b = group[1]
-    pad = np.zeros((a.shape[0], -a.shape[1] % b), dtype=a.dtype)   # (n, pad)
-    return np.concatenate([a, pad], axis=1)                        # (n, K rounded up to b)
+    b, xp = group[1], array_module(a)
+    pad = xp.zeros((a.shape[0], -a.shape[1] % b), dtype=a.dtype)   # (n, pad)
+    return xp.concatenate([a, pad], axis=1)                        # (n, K rounded up to b)
 
 
 def quantize_operand(a, role: str, gemm: str, recipe: Recipe) -> Quantized:

@@ -10,7 +10,9 @@ serial model's bit for bit, so:
   follows serial at the same global batch, dp; max over replicas is
   harmless: they hold the same values);
 * a row scale (rowwise) from an amax all-reduced over the ranks that hold
-  the other pieces of the row (``Splits``, the linear's own groups);
+  the other pieces of the row (``Splits``, the linear's own groups; on
+  3-D a row of x, W or dy along K spans a line or a plane of the cube,
+  and a column of x or dy along the tokens a plane and the replicas);
 * a tile or block (blockwise, MXFP8) never straddles a shard: the layout
   refuses widths that are not whole tiles (``check_widths``), and each
   rank quantizes its tiles alone.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.errors import ConfigError, UserError
+from ..device.arrays import array_module
 from ..ops.fp8 import NonFiniteError, current_scale, group_amax, quantize, require_finite
 from ..ops.fp8_recipes import Quantized, Recipe, local_group, pad_tiles, quantize_with
 from .comm import Comm
@@ -53,13 +56,16 @@ class Splits:
     """The groups holding the other pieces of each operand's rows along a
     GEMM's contraction (None: this rank holds whole rows): x's columns,
     W's rows (forward, contraction K_in), W's and dy's columns (dgrad,
-    K_out), and the token rows (wgrad: other tokens of the same columns)."""
+    K_out), and the token rows (wgrad: other tokens of the same columns;
+    dy's, ``dy_tokens``, are x's unless a layout holds them elsewhere, as
+    3-D does)."""
 
     x_cols: Comm = None
     w_rows: Comm = None
     w_cols: Comm = None
     dy_cols: Comm = None
     tokens: Comm = None
+    dy_tokens: Comm = None
 
 
 @dataclass
@@ -147,6 +153,8 @@ class LinearFp8:
     def __init__(self, scaling: Fp8Scaling, name: str, splits: Splits, index: OperandIndex = None):
         self.s, self.name, self.splits = scaling, name, splits
         self.index = index              # x's and dy's place in the logical tensors (an observer's), or None
+        if splits.dy_tokens is None:
+            splits.dy_tokens = splits.tokens
 
     # the three GEMMs ---------------------------------------------------------
     def forward(self, x, w):
@@ -163,13 +171,13 @@ class LinearFp8:
     def wgrad(self, x2, dy2):
         """x2 (n, K_in), dy2 (n, K_out) -> their values for dW = x2^T dy2."""
         xv = self.operand(x2.T, "x", "wgrad", self.splits.tokens).T
-        dyv = self.operand(dy2.T, "dy", "wgrad", self.splits.tokens).T
+        dyv = self.operand(dy2.T, "dy", "wgrad", self.splits.dy_tokens).T
         return xv, dyv
 
     # one operand as one GEMM quantizes it, in the operand's own shape --------------
     TRANSPOSED = {("w", "forward"), ("x", "wgrad"), ("dy", "wgrad")}    # contraction on the first axis
     SPLIT_OF = {("x", "forward"): "x_cols", ("w", "forward"): "w_rows", ("dy", "dgrad"): "dy_cols",
-                ("w", "dgrad"): "w_cols", ("x", "wgrad"): "tokens", ("dy", "wgrad"): "tokens"}
+                ("w", "dgrad"): "w_cols", ("x", "wgrad"): "tokens", ("dy", "wgrad"): "dy_tokens"}
 
     @property
     def tensor_scaled(self) -> bool:
@@ -234,11 +242,13 @@ class LinearFp8:
         r = self.s.recipe
         if r.name == "delayed":
             key = f"{self.name} {role}"
-            if self.s.recording:
-                self.s.seen[key] = max(self.s.seen.get(key, 0.0), float(amax.max()))
+            xp = array_module(a2)
+            if self.s.recording:                                # the history is host numbers: one comes back
+                seen = float(amax.max()) if xp is np else float(xp.asnumpy(amax).max())
+                self.s.seen[key] = max(self.s.seen.get(key, 0.0), seen)
             past = self.s.history_amax(key)
-            scale = current_scale(np.full((1, 1), past), fmt) if past > 0 else np.ones((1, 1), np.float32)
-            return Quantized(quantize(a2, scale, "tensor", fmt), scale, "tensor")
+            scale = current_scale(xp.full((1, 1), past), fmt) if past > 0 else xp.ones((1, 1), xp.float32)
+            return Quantized(quantize(a2, scale, "tensor", fmt), scale, "tensor", fmt)
         return quantize_with(a2, amax, "tensor", fmt, r)
 
 
@@ -271,23 +281,42 @@ def check_shard(recipe: Recipe, name: str, rows, cols) -> None:
                                   + (f", or --fp8-block {fits[-1]}" if fits else ""))
 
 
+def latent_widths(cfg, split: int, columns: int, rows: int) -> dict:
+    """Multi-head latent attention's widths a tile runs along on a rank,
+    the heads split ``split`` ways: q_up's (q_proj's) query columns
+    (dn + dr a head), kv_up's (dn + dv a head), c_proj's input (dv a
+    head); the latents q_up and kv_up read, split ``columns`` ways as
+    the hidden size (2-D, 2.5-D, 3-D: the REPLICATED down-projections'
+    outputs are whole, their last tile padded); and on 3-D the weight
+    rows, ``rows`` ways, of q_up, kv_up and c_proj."""
+    nh, dn, dr, dv = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    out = {f"a rank's query columns (n_head / {split} x (qk_nope + qk_rope))": nh // split * (dn + dr),
+           f"a rank's kv_up columns (n_head / {split} x (qk_nope + v_head_dim))": nh // split * (dn + dv),
+           f"a rank's c_proj input columns (n_head / {split} x v_head_dim)": nh // split * dv}
+    latents = {"--q-lora-rank": cfg.q_lora_rank, "--kv-lora-rank": cfg.kv_lora_rank}
+    for option, rank in latents.items():
+        if rank and columns > 1:
+            out[f"a rank's latent columns ({option} / {columns})"] = rank // columns
+        if rank and rows > columns:
+            out[f"a rank's weight rows ({option} / {rows})"] = rank // rows
+    if rows > columns:
+        out[f"a rank's c_proj weight rows (n_head x v_head_dim / {rows})"] = nh * dv // rows
+    return out
+
+
 def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1, cp_kind: str = "ring") -> None:
     """The pure half of the checks (``planning.resolve``, before any file
-    or collective): a recipe the layout does not quantize with yet (its
-    ``fp8_tensor_only``: rowwise on 3-D), kv heads replicated over ranks
+    or collective): kv heads replicated over ranks
     (each then holds a partial sum of their columns' dy, which no scale
     may see), and the widths a tile runs along on a rank (the layout's
-    ``fp8_widths``: the hidden size, a rank's query, kv and MLP columns,
+    ``fp8_widths``: the hidden size, a rank's query, kv and MLP columns
+    (DeepSeek-V3's: ``latent_widths``),
     a 3-D weight's rows; serial is 1-D on one rank), a rank's consecutive
     positions, and an expert's token rows (whole on one 1-D replica only).
     The layouts check their real shards again when they build
     (``check_shard``)."""
     if recipe is None:
         return
-    if recipe.name in cls.fp8_tensor_only:
-        raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} does not quantize with {recipe.name} scales "
-                          f"yet (a row of x and a row of dy span different planes of its ranks); use tensorwise, "
-                          f"delayed, blockwise or mxfp8, or layout serial, 1d, 2d or 2.5d for {recipe.name}")
     split = cls.head_coords(tp, depth, 0)[0]
     if split > cfg.kv_heads:
         raise ConfigError(f"--fp8 {recipe.name}: layout {cls.name} splits the heads {split} ways over "

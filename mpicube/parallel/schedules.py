@@ -297,11 +297,16 @@ def message_tag(a: Action, stage: int, stages: int, virtual: int, micro_batches:
 
 
 def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1.0,
-             name: str = DEFAULT_SCHEDULE) -> dict:
+             name: str = DEFAULT_SCHEDULE, times=None, transfer=None) -> dict:
     """Run every stage's list with the executor's semantics: a send never
     blocks (nonblocking, receives posted early), a receive blocks until the
-    peer has sent, compute takes ``forward_time`` / ``backward_time`` per
-    chunk and communication is free. Returns {"finish": per-stage end time,
+    peer's message has arrived, compute takes ``forward_time`` /
+    ``backward_time`` per chunk (a split backward's B and W half of it each)
+    and communication is free. Unequal stages and real transfers (the cost
+    model's bubble of a run, ``analysis.costbubble``): ``times(stage,
+    action)`` gives each compute action its own duration, and
+    ``transfer(stage, action)`` each send the time its message takes to
+    arrive (it does not hold the sender). Returns {"finish": per-stage end time,
     "busy": per-stage compute time, "time": the step, "bubble": idle share
     of P x step, "timeline": per stage the (start, end, Action) of every
     compute, which tools/pipeline_pictures.py draws}; raises Deadlock
@@ -313,7 +318,7 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
     P = len(schedule)
     pos, clock, busy = [0] * P, [0.0] * P, [0.0] * P
     timeline: list = [[] for _ in range(P)]
-    sent: dict = {}           # (kind, micro, chunk, from, to) -> send time
+    sent: dict = {}           # (kind, micro, chunk, from, to) -> arrival time at the receiver
     taken: set = set()
     progress = True
     while progress:
@@ -323,7 +328,10 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
                 a = schedule[p][pos[p]]
                 if a.op in COMPUTE:
                     # a split backward: B and W half of a whole one each (F = B = W at backward_time = 2)
-                    dt = {"forward": forward_time, "backward": backward_time}.get(a.op, backward_time / 2)
+                    if times is not None:
+                        dt = times(p, a)
+                    else:
+                        dt = {"forward": forward_time, "backward": backward_time}.get(a.op, backward_time / 2)
                     timeline[p].append((clock[p], clock[p] + dt, a))
                     clock[p] += dt
                     busy[p] += dt
@@ -331,7 +339,7 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
                     key = message_source(a, p, P, name) + (p, a.peer)
                     if key in sent:
                         raise Deadlock(f"stage {p} sends {key[:3]} twice")
-                    sent[key] = clock[p]
+                    sent[key] = clock[p] + (transfer(p, a) if transfer is not None else 0.0)   # arrival
                 else:
                     key = message_source(a, p, P, name) + (a.peer, p)
                     if key not in sent or key in taken:

@@ -12,7 +12,7 @@ MASTER_TYPES = ("float32", "float64")     # what the emulated GEMMs accumulate i
 
 
 def fp8_recipe(name, dtype: str, grad_format=None, accumulate=None, history: int = 16, rule: str = "max",
-               block=None, power_of_2: bool = False, device: str = "cpu", ep: int = 1):
+               block=None, power_of_2: bool = False, ep: int = 1):
     """The Recipe of ``--fp8 name`` and its options, or None without --fp8."""
     if name is None:
         return None
@@ -39,8 +39,6 @@ def fp8_recipe(name, dtype: str, grad_format=None, accumulate=None, history: int
         raise ConfigError(f"--fp8-amax-history must be at least 1, got {history}")
     if rule not in ("max", "recent"):
         raise ConfigError(f"--fp8-amax-rule must be max or recent, got {rule!r}")
-    if device != "cpu":
-        raise ConfigError(f"--fp8 runs on the CPU so far (ml_dtypes' formats), not --device {device}")
     from ..ops import fp8
     if fp8.ml_dtypes() is None:
         raise ConfigError("--fp8 needs the ml_dtypes package (its FP8 formats): pip install ml_dtypes "

@@ -39,7 +39,8 @@ assembles the whole matrix, runs NS5 on it (redundantly over tp, dp and
 cp, which the reference trades for simplicity) and keeps its own block of
 the result. One whole matrix (and NS5's temporaries) is held at a time,
 beside the (P_pad,) gathered update under ZeRO: the step's temporaries,
-which the memory model, counting what persists between steps, leaves out.
+which the memory model prices with the optimizer state
+(``analysis.costmuon``: they set the step's peak).
 The cost model counts both all-gathers (``costmodel.muon_traffic``).
 """
 

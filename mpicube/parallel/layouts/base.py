@@ -37,7 +37,7 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..comm import Comm
-from ..fp8 import Fp8Scaling, OperandIndex, Splits, check_shard
+from ..fp8 import Fp8Scaling, OperandIndex, Splits, check_shard, latent_widths
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore, shared_columns, split_decl, split_index
@@ -91,7 +91,6 @@ class Layout:
     is the plan's attention kind, which the model's blocks read here."""
 
     name = "base"
-    fp8_tensor_only = ()        # --fp8 recipes this layout refuses (parallel/fp8.check_plan names them)
     token_split = False         # True: tp splits the tokens too (2-D, 2.5-D, 3-D; an expert's rows spread)
 
     def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none",
@@ -175,11 +174,20 @@ class Layout:
 
     @classmethod
     def fp8_head_widths(cls, cfg: ModelConfig, tp: int, depth: int) -> dict:
-        """The hidden size and a rank's query and kv columns (``fp8_widths``)."""
+        """The hidden size and a rank's query and kv columns (``fp8_widths``;
+        DeepSeek-V3's: ``fp8.latent_widths``)."""
         split = cls.head_coords(tp, depth, 0)[0]
+        if cfg.mla:
+            return {"--n-embd": cfg.n_embd, **latent_widths(cfg, split, *cls.fp8_latent_splits(tp, depth))}
         return {"--n-embd": cfg.n_embd,
                 f"a rank's query columns (n_head / {split} x head_dim)": cfg.n_head // split * cfg.head_dim,
                 f"a rank's key and value columns (kv heads / {split} x head_dim)": cfg.kv_heads // split * cfg.head_dim}
+
+    @classmethod
+    def fp8_latent_splits(cls, tp: int, depth: int) -> tuple:
+        """(ways the hidden columns of an activation are split, ways a
+        weight's rows are split) on this layout: whole on serial and 1-D."""
+        return 1, 1
 
     @classmethod
     def validate(cls, cfg: ModelConfig, tp: int, local_batch: int, depth: int, recompute: str = "none") -> None:

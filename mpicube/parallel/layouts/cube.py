@@ -32,13 +32,12 @@ from ..comm import Comm
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 from .base import COLUMN, REPLICATED, Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
+from ..fp8 import Fp8Scaling, OperandIndex, Splits
 from .modules import replicated_linear
-from ..fp8 import OperandIndex
 
 
 class CubeLayout(Layout):
     name = "3d"
-    fp8_tensor_only = ("rowwise",)   # a row of x and one of dy would span different planes: not yet
     token_split = True
 
     @classmethod
@@ -47,13 +46,19 @@ class CubeLayout(Layout):
         weight rows q^2 ways (a sub-block of a row block): the hidden size,
         the MLP's and the heads' widths over q and over q^2."""
         q = cls.cube_side(tp)
-        heads = cfg.n_head * cfg.head_dim
+        heads = cfg.n_head * (cfg.v_head_dim if cfg.mla else cfg.head_dim)    # c_proj's input
         return {**cls.fp8_head_widths(cfg, tp, depth),
                 f"a rank's hidden columns (--n-embd / {q})": cfg.n_embd // q,
                 f"a rank's MLP hidden columns ({cfg.ffn} / {q})": cfg.ffn // q,
                 f"a rank's weight rows (--n-embd / {q * q})": cfg.n_embd // (q * q),
                 f"a rank's weight rows ({cfg.ffn} / {q * q})": cfg.ffn // (q * q),
                 f"a rank's weight rows ({heads} / {q * q})": heads // (q * q)}
+
+    @classmethod
+    def fp8_latent_splits(cls, tp, depth):
+        """``Layout.fp8_latent_splits``: activations' columns q ways, weights' rows q^2 ways."""
+        q = cls.cube_side(tp)
+        return q, q * q
 
     @classmethod
     def cube_side(cls, tp: int) -> int:
@@ -155,13 +160,38 @@ class CubeLayout(Layout):
         # norm, b_row: hidden block k
         return ParamSpec(decl, (split_index(shape[0], q, k),), **on_ij)
 
+    def fp8_scaling(self, recipe) -> Fp8Scaling:
+        """``Layout.fp8_scaling`` with the cube's token groups (a wgrad row
+        scale, rowwise): the other tokens of a column block lie on the
+        plane of ranks sharing its column coordinate and on the dp x cp
+        replicas, so one group per coordinate: ``tokens`` the ranks with
+        this rank's k (a canonical activation's columns), ``fp8_tokens_j``
+        with its j (an intermediate one's). Called from
+        ``Layout.__init__``, before the cube coordinates are set."""
+        world, pp, tp = self.axes.world, self.axes.pp, self.axes.tp
+        q = self.cube_side(tp.size)
+        j, k = divmod(tp.rank % (q * q), q)
+        stage = world.split("fp8", pp.rank, world.rank)
+        tokens = world.split("fp8", pp.rank * q + k, world.rank)
+        self.fp8_tokens_j = world.split("fp8", pp.rank * q + j, world.rank)
+        return Fp8Scaling(recipe, stage, tokens)
+
     def linear(self, store, prefix, kind, bias=True):
         if kind == REPLICATED:
             return replicated_linear(self, store, prefix, bias)
         a, b = (self.cj, self.ck) if kind == COLUMN else (self.ck, self.cj)
+        fp8 = None
+        if self.fp8 is not None:
+            # --fp8 rowwise: K_in runs over b (x's columns) and over b and i (W's rows: plane ik or ij), K_out
+            # over a (dy's and W's columns); the tokens of x's columns over the plane with its b coordinate
+            # fixed, of dy's with its a coordinate fixed (and the replicas)
+            by = {"k": self.fp8.tokens, "j": self.fp8_tokens_j}
+            first = kind == COLUMN
+            fp8 = self.fp8_linear(store, prefix, Splits(x_cols=b, w_rows=self.ik if first else self.ij, w_cols=a,
+                                                        dy_cols=a, tokens=by[b.axis], dy_tokens=by[a.axis]),
+                                  self.fp8_index(store, prefix, kind))
         return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap,
-                          regather=self.recompute == "gathers", bias=bias,
-                          fp8=self.fp8_linear(store, prefix, index=self.fp8_index(store, prefix, kind)))
+                          regather=self.recompute == "gathers", bias=bias, fp8=fp8)
 
     def fp8_index(self, store, prefix, kind):
         """``OperandIndex`` of a cube linear: x holds input rows sub-block

@@ -55,6 +55,12 @@ class TesseractLayout(Layout):
                 f"a rank's MLP hidden columns ({cfg.ffn} / {q})": cfg.ffn // q}
 
     @classmethod
+    def fp8_latent_splits(cls, tp, depth):
+        """``Layout.fp8_latent_splits``: activations' and weights' rows by the grid's side q."""
+        q = cls.grid_side(tp, depth)
+        return q, q
+
+    @classmethod
     def grid_side(cls, tp: int, depth: int) -> int:
         from ...core.intmath import integer_root
 

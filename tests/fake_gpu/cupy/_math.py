@@ -37,8 +37,8 @@ class ufunc:
         if self.nout == 1:
             result = self._ufunc(*inputs, out=out_array(out), dtype=dtype, casting=casting)
             return out if out is not None else wrap(result)
-        outs = tuple(out_array(o) for o in out) if out is not None else None
-        results = self._ufunc(*inputs, out=outs, dtype=dtype, casting=casting)
+        outs = {"out": tuple(out_array(o) for o in out)} if out is not None else {}   # NumPy refuses out=None here
+        results = self._ufunc(*inputs, **outs, dtype=dtype, casting=casting)
         return out if out is not None else tuple(wrap(r) for r in results)
 
 
