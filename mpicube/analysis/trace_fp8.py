@@ -52,7 +52,7 @@ class Fp8Recorder:
     def micro_batch(self) -> tuple:
         """(this replica's index, sequences per replica's micro-batch, replicas)."""
         parts = self.collect.parts
-        per_replica = parts.rows.stop - parts.rows.start                   # B / (dp cp-free replicas)
+        per_replica = parts.rows.stop - parts.rows.start                   # B / dp sequences
         return parts.rows.start // per_replica, parts.layout.local_batch, self.collect.B // per_replica
 
     def tokens(self, rows: tuple) -> np.ndarray:
