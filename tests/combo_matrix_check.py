@@ -37,8 +37,11 @@ DeepSeek-V3 cases (arch=deepseek_v3 [qrank=] [experts= ep=] [mtp=]; test_combo_m
 multi-head latent attention (replicated latents, heads split, k_pe's gradient summed over them) with a
 dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``; ep= of the dp replicas
 hold the experts), and mtp= multi-token prediction depths (model/mtp.py: on a pipeline's last stage, its
-wte copy summed with stage 0's); the dense ones' traffic, memory and latent cache (the kv latent and k_pe
-per token) equal the cost model's MLA terms (analysis/costmla.py) as the others' do (``COSTED``).
+wte copy summed with stage 0's); their traffic, memory and latent cache (the kv latent and k_pe per
+token) equal the cost model's MLA terms (analysis/costmla.py) and MTP depths (analysis/costmtp.py) as the
+others' do (``COSTED``), a DeepSeekMoE's priced for the routing each micro-batch recorded (the ledger's
+routes and each local expert's runs: tests/moe_costs.py, ``StageRuns`` under pp), as parallel_check
+prices Mixtral's.
 
 FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
@@ -78,6 +81,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8_operands  # noqa: E402
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
+from moe_costs import StageRuns, check_kept, measured_rows, record_runs, take_runs  # noqa: E402
 from replicated_check import check_replicated  # noqa: E402
 from mpicube.analysis.costfp8 import history_elems, priced_recipe  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
@@ -187,20 +191,11 @@ def COSTED(case: Case) -> bool:
     """Whether the cost model's exact traffic check applies to the case:
     every one (Llama, DeepSeek-V3's MLA too) but the FP8 ones
     analysis/costfp8.py does not price yet (``priced_recipe``: experts=,
-    rowwise with sp=1 or MLA, MLA under a tensor scale), and DeepSeek-V3 with
-    experts= or mtp=: the sigmoid
-    router's tape, the shared experts and the measured routing of this
-    launch are not priced exactly yet, and MTP's depths are priced from the
-    configuration (``info``) but not compared here yet (issue 43 item 7)."""
-    if case.fp8 and not priced_recipe(case.fp8, case.cfg(), case.sp):
-        return False
-    return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
-
-
-def MEMORY(case: Case) -> bool:
-    """Whether the memory model's exact check applies: as ``COSTED``, and
-    every FP8 case (analysis/costfp8.py prices what each recipe keeps)."""
-    return not (case.arch == "deepseek_v3" and (case.experts or case.mtp))
+    rowwise with sp=1 or MLA, MLA under a tensor scale). A mixture
+    (experts=: DeepSeekMoE's sigmoid router, shared experts and dense
+    first blocks too) is priced for the routing it recorded; MTP's depths
+    (mtp=) from the configuration (analysis/costmtp.py)."""
+    return not case.fp8 or priced_recipe(case.fp8, case.cfg(), case.sp)
 
 
 def configure(dtype: str) -> None:
@@ -303,16 +298,29 @@ def run_case(case: Case, refs: References) -> None:
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
     opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
     random_biases(store)
+    costed = COSTED(case)               # memory: every case (analysis/costfp8.py prices what each recipe keeps)
+    # a mixture is priced for the routing each layer recorded (tests/moe_costs.py: the ledgers' routes and
+    # each local expert's runs), per micro-batch; under pp the stage's chunks' (StageRuns)
+    ran = runs = None
+    if case.experts:
+        ran, runs = (record_runs(model), None) if parts.pipeline is None else (None, StageRuns(parts.pipeline))
     for step, (x, y) in enumerate(steps, start=1):
         store.zero_grad()
         counters.reset()
         kept = []                                                    # (elements, bytes) per micro-batch
+        routing = []                                                 # a mixture's Rows per layer, per micro-batch
+        if ran is not None:
+            take_runs(ran)                                           # the last step's reruns (--recompute blocks)
 
         def after_forward(m):
             """Between micro-batch m's forward and its backward (under pp the
             pipeline measures its own peak when this is given)."""
+            if runs is not None:
+                runs.after_forward(m)
             if parts.pipeline is None:
                 kept.append((model.saved_elements(), model.saved_bytes()))
+                if ran is not None:                                  # this forward's runs of each layer
+                    routing.append(measured_rows(model.router_log.ledgers[-1], take_runs(ran)))
                 if step == 1:
                     pc.check_logits(parts, m, want["logits"], f"logits of micro-batch {m}")
 
@@ -324,10 +332,17 @@ def run_case(case: Case, refs: References) -> None:
             wrong = world.bcast(wrong, root=0)
             assert not wrong, f"step 1 FP8 operands: {wrong[:3]} ({len(wrong)} in all)"
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
+        if runs is not None:                                         # the stage's ledgers, before the bias update
+            routing = list(runs.take(parts.pipeline.router_log.ledgers))
+        routed = replace(problem, routing=tuple(routing)) if routing else problem   # priced for its routing
         if parts.pipeline is None:
-            assert len(set(kept)) == 1, f"micro-batches kept different amounts: {kept}"
-            if MEMORY(case):
-                pc.check_memory(problem, True, store, model, kept[0], opt.adam, where)
+            assert len(set(kept)) == 1 or case.experts, f"micro-batches kept different amounts: {kept}"
+            assert case.accum == 1 or case.recompute != "blocks" or not case.experts, \
+                "the rerun peak is priced for micro-batch 0's routing"
+            for m in range(1, len(routing)):        # a mixture's micro-batches keep what their routing asks
+                check_kept(replace(routed, routing=(routing[m],)), True, kept[m], f"micro-batch {m}")
+            pc.check_memory(replace(routed, routing=tuple(routing[:1])) if routing else problem, True,
+                            store, model, kept[0], opt.adam, where)
         opt.sync()
         norm = opt.grad_norm() / pc.LOSS_SCALE
         pc.close(f"step {step} grad norm", [norm], [want["norm"][step - 1]])
@@ -338,14 +353,16 @@ def run_case(case: Case, refs: References) -> None:
         assert not case.bias or biases, f"{where}: bias=1 but no router bias here"
         for name, bias in biases.items():               # bit for bit: integers' signs, whatever the ep size
             assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
-        if COSTED(case):
-            pc.check_traffic(problem, counters, where)               # the step's all-gathers too
+        if costed:
+            pc.check_traffic(routed, counters, where)                # the step's all-gathers too
         if case.fp8 and step > 1:       # delayed's amax histories (one pushed per step): the memory model's
             held = sum(h.size for h in layout.fp8.history.values())
             want_held = history_elems(problem, layout.fp8.recipe.history)
             assert held == want_held, f"{where}: amax histories hold {held} amaxes, model {want_held}"
-        if parts.pipeline is not None and MEMORY(case):
-            pc.check_pipeline_memory(problem, parts.pipeline, where)
+        if parts.pipeline is not None:
+            pc.check_pipeline_memory(routed, parts.pipeline, where)
+        if case.experts:                                             # the step's ledgers (update_biases took them)
+            model.router_log.take_ledgers()
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")
     if parts.pipeline is None and COSTED(case):      # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model

@@ -47,16 +47,27 @@ def measured_rows(ledger, runs: list) -> tuple:
     return tuple(out)
 
 
-def record_runs(model, n_layer: int) -> list:
+def mixtures(blocks) -> list:
+    """The MoE layers (``model.moe.MoE``) of ``blocks`` in order, the dense
+    blocks' MLPs (DeepSeek-V3's first ``first_k_dense``) left out."""
+    mlps = [getattr(b, "block", b).mlp for b in blocks]
+    return [m for m in mlps if hasattr(m, "local_experts")]
+
+
+def record_runs(model) -> list:
     """Wrap each MoE layer's ``LocalExperts._run`` on its instance (the
     step where an expert's linears run on one batch of rows,
     model/moe_experts.py) to record the rows of every run, per layer:
     returns a list whose entry i is the list of layer i's runs since it
-    was last cleared (``take_runs``). A trace observes the router the same
+    was last cleared (``take_runs``), the dense blocks (DeepSeek-V3's
+    first ``first_k_dense``) left out, so entry i is the i-th MoE layer's
+    as the ledger's routes list them (an MTP depth's block after the
+    main ones, as its layer number follows theirs). A trace observes the router the same
     way (analysis/trace_collect.py)."""
-    log = [[] for _ in range(n_layer)]
-    for i, block in enumerate(model.model.blocks):
-        experts = getattr(block, "block", block).mlp.local_experts
+    moe = mixtures(model.model.blocks)
+    log = [[] for _ in moe]
+    for i, layer in enumerate(moe):
+        experts = layer.local_experts
         run = experts._run
 
         def recorded(rows, index, sizes=None, every=False, _run=run, _i=i):
@@ -91,8 +102,7 @@ class StageRuns:
     def __init__(self, pipe):
         self.pipe, self.last, self.runs = pipe, {}, {}
         for v in range(pipe.V):
-            for block in pipe.chunk_model(v).blocks:
-                moe = getattr(block, "block", block).mlp
+            for moe in mixtures(pipe.chunk_model(v).blocks):
                 experts = moe.local_experts
                 forward = experts.forward
 
@@ -104,9 +114,8 @@ class StageRuns:
                 experts.forward = recorded
 
     def after_forward(self, m: int) -> None:
-        for block in self.pipe.current[0].blocks:
-            layer = getattr(block, "block", block).mlp.layer
-            self.runs.setdefault(m, {})[layer] = self.last[layer]
+        for moe in mixtures(self.pipe.current[0].blocks):
+            self.runs.setdefault(m, {})[moe.layer] = self.last[moe.layer]
 
     def take(self, ledgers: list) -> tuple:
         """The step's routing from its ledgers (one per micro-batch, in

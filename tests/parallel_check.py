@@ -507,7 +507,7 @@ def run_case(cfg, layout_name, dp, depth, dropout, batch, deepseek=False):
     start_biases = [b.copy() for b in s_store.persistent.values()]
 
     problem = problem_of(cfg, layout, grid_of(layout_name, dp, depth), batch)
-    ran = record_runs(model, cfg.n_layer) if ARCH == "mixtral" else None
+    ran = record_runs(model) if ARCH == "mixtral" else None
     if ARCH == "mixtral" and priced:                        # info --experts' table, every layout
         check_placement(resolve(GridSpec(layout_name, dp=dp, cp=CP, ep=EP, depth=depth, grad_accum=ACCUM,
                                          recompute=RECOMPUTE, zero=ZERO), cfg, batch, MPI.COMM_WORLD.size), store)

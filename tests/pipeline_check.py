@@ -23,7 +23,10 @@ the reference is the serial model accumulating those same groups (rows
 permuted; dropout=0.0 needed, as the serial masks follow row positions).
 Its costs are compared for the routing the stage's layers recorded
 (tests/moe_costs.StageRuns: the ledgers' routes and each expert's runs,
-per micro-batch), the traffic of the ledgers' world sum included.
+per micro-batch), the traffic of the ledgers' world sum included;
+deepseek=1 gives the mixture DeepSeekMoE's options (parallel_check.DEEPSEEK:
+the sigmoid router with its bias and sequence-wise loss, groups, a shared
+expert), priced the same way.
 
 zero, recompute and dtype as MPICUBE_CHECK_ZERO, MPICUBE_CHECK_RECOMPUTE
 and MPICUBE_CHECK_DTYPE in tests/parallel_check.py. ckpt=DIR then moves
@@ -274,12 +277,11 @@ def run_case(words: list, options: dict):
     serial = SerialReference(cfg, batch, dropout, (dp, accum) if moe else None) if world.rank == 0 else None
     opt = make_step(store, layout.axes, weight_decay=0.1)
     host = layout.backend.to_host
-    priced = not deepseek             # the cost model prices Mixtral's mixture only (parallel_check.DEEPSEEK)
     if deepseek:
         pc.random_biases(store)
         if serial is not None:
             pc.random_biases(serial.parts.store)
-    runs = StageRuns(parts.pipeline) if moe and priced else None
+    runs = StageRuns(parts.pipeline) if moe else None
     twin = None                     # bitwise=1: the same grid under 1F1B (the backward unsplit), step 1 compared
     if options.get("bitwise") == "1":
         twin = build_pipeline(dataclasses.replace(grid, pp_schedule="1f1b"), cfg, batch, dropout)
@@ -299,14 +301,14 @@ def run_case(words: list, options: dict):
         if s_grads is not None:
             pc.check_gradients(store, host, s_grads, f"step {step}")
         opt.step(1e-2, grad_scale=min(1.0, 1.0 / norm) / pc.LOSS_SCALE)
+        routing = runs.take(parts.pipeline.router_log.ledgers) if moe else None
         if deepseek:                          # the bias update from the world's loads, equal to serial's bitwise
             parts.pipeline.router_log.take()
             balance(store, cfg, parts.pipeline.router_log.loads)
             assert store.persistent and set(store.persistent) <= set(s_biases)
             for name, bias in store.persistent.items():
                 assert np.array_equal(host(bias), s_biases[name]), f"step {step} {name}"
-            continue
-        routing = runs.take(parts.pipeline.router_log.take_ledgers()) if moe else None
+        parts.pipeline.router_log.take_ledgers()
         check_costs(parts, cfg, batch, grid, opt.adam, dropout > 0, routing)   # the step's all-gather too
     s_params = world.bcast({n: a.copy() for n, a in serial.parts.store.data.items()} if serial is not None else None)
     if not HALF:

@@ -280,7 +280,7 @@ HSDP_CASES = [
 
 
 # DeepSeek-V3's multi-head latent attention (issue 43; dense MLP, or experts=): each joins its world size's launch,
-# checked against serial to 1e-10 with dropout (not yet against the cost model, which does not price MLA).
+# checked against serial to 1e-10 with dropout, and (not yet with mtp=) against the cost model.
 # The latents replicated (on 2-D, 2.5-D and 3-D split as the hidden size before the up-projections), the
 # heads split as each layout splits them with k_pe moved to their rows and its gradient summed over them
 # (Layout.shared_key), sequence parallelism, a pipeline,
@@ -302,15 +302,15 @@ DEEPSEEK_CASES = [
     (8, f"layout=1d tp=4 pp=2 accum=2 {DEEPSEEK}"),
     (8, f"layout=1d tp=2 cp=4 cpkind=ulysses heads=8 {DEEPSEEK}"),
     (8, f"layout=1d tp=4 dp=2 dtype=bfloat16 {DEEPSEEK}"),
-    (4, f"layout=2d tp=4 mtp=2 {DEEPSEEK}"),                       # latents split as the hidden size
+    (4, f"layout=2d tp=4 recompute=gathers mtp=2 {DEEPSEEK}"),     # latents split as the hidden size
     (4, f"layout=1d tp=4 sp=1 recompute=gathers mtp=1 {DEEPSEEK}"),      # k_pe gathered, its gradient scattered
     (4, f"layout=1d tp=2 sp=1 cp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=2.5d tp=8 depth=2 recompute=blocks batch=16 mtp=2 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 dp=2 zero=3 mtp=1 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 cp=2 qrank=0 {DEEPSEEK}"),
     (8, f"layout=2d tp=4 pp=2 accum=2 {DEEPSEEK}"),
-    (8, f"layout=3d tp=8 qrank=8 {DEEPSEEK}"),                            # k_pe moved to the heads' rows
-    (8, f"layout=3d tp=8 qrank=0 recompute=gathers {DEEPSEEK}"),
+    (8, f"layout=3d tp=8 qrank=8 mtp=1 {DEEPSEEK}"),                      # k_pe moved to the heads' rows
+    (8, f"layout=3d tp=8 qrank=0 recompute=gathers mtp=1 {DEEPSEEK}"),  # each depth's head gathers lm_head again
     # with DeepSeekMoE after the first block (combo_matrix_check.DEEPSEEK_MOE: sigmoid router, 8 experts in 4
     # groups, top 2 within 2, a shared expert, the sequence-wise loss), the experts over ep of the dp replicas
     (4, f"layout=1d tp=2 dp=2 ep=2 experts=8 layers=3 mtp=1 {BIASED}"),
@@ -321,6 +321,11 @@ DEEPSEEK_CASES = [
     (4, f"layout=1d tp=2 cp=2 experts=8 layers=3 mtp=1 {BIASED}"),
     (4, f"layout=serial tp=1 dp=4 ep=2 zero=3 experts=8 layers=3 mtp=1 {BIASED}"),
     (8, f"layout=1d tp=2 dp=4 ep=4 experts=8 layers=3 mtp=1 {BIASED}"),
+    # without MTP, so that their traffic and memory meet the cost model for the routing they recorded
+    # (combo_matrix_check.COSTED): the sigmoid router's tape, the shared experts, the dense first block
+    (4, f"layout=2d tp=4 recompute=gathers experts=8 layers=3 {DEEPSEEK}"),
+    (4, f"layout=1d tp=2 cp=2 sp=1 ep=2 experts=8 layers=3 {DEEPSEEK}"),     # the sequence-wise loss's ring sum
+    (8, f"layout=2.5d tp=8 depth=2 batch=16 recompute=blocks experts=8 layers=3 {DEEPSEEK}"),
 ]
 
 

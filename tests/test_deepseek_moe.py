@@ -146,11 +146,46 @@ def test_bias_moves_by_the_loads_and_resumes_bitwise(tmp_path, args, layers):
     for i in layers:
         assert np.array_equal(store.persistent[f"h.{i}.moe.router.score_bias"], got[i])
     if len(layers) == 3:                                # deepseek_v3 has a Hugging Face form (test_hf_deepseek_model)
+        init_from_starts_the_missing_depths_fresh(tmp_path, args, whole / "ckpt" / "step_00000004")
         return
     # no MixtralForCausalLM form: one line, exit 2, nothing written
     proc = run_cli("convert", str(whole / "ckpt" / "step_00000004"), str(tmp_path / "hf"), "--to", "hf")
     assert proc.returncode == 2 and "--router sigmoid (DeepSeekMoE's) has no MixtralForCausalLM form" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
+
+
+def init_from_starts_the_missing_depths_fresh(tmp_path, args, source):
+    """``train --init-from`` a checkpoint with MTP depth 1 and --mtp-depth 2
+    (at --lr 0, so the step changes no parameter): depth 2 (its block h.4 and
+    mtp.1.*) starts as a fresh run with the same --seed initialises it
+    (``ParamStore``'s initialisation, from global indices only), said in
+    one note line; every other tensor is the file's."""
+    from mpi4py import MPI
+
+    from mpicube.device.backend import make_backend
+    from mpicube.files import formats
+    from mpicube.model.gpt import gpt_params
+    from mpicube.parallel.grid import build_layout
+    from mpicube.parallel.params import ParamStore
+    from mpicube.parallel.planning import resolve
+
+    proc = run_cli("train", *args, "--init-from", str(source), "--mtp-depth", "2", "--steps", "1", "--lr", "0",
+                   "--seed", "5", "--out", str(tmp_path / "deeper"))
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "start" in line and "fresh" in line]
+    assert said == [f"note: {source} holds 1 multi-token prediction depth: MTP depth 2 of --mtp-depth 2 starts "
+                    "fresh (initialised as a fresh run with --seed 5 initialises it)"], said
+    with formats.open_model(source) as old, formats.open_model(tmp_path / "deeper") as new:
+        cfg, held, got = new.config, old.read_all(), new.read_all()
+        held_buffers, got_buffers = old.read_buffers(), new.read_buffers()
+    assert cfg.mtp_depth == 2 and set(held) < set(got)
+    layout = build_layout(resolve("serial", cfg, 4, 1), make_backend("cpu", "float64"), MPI.COMM_SELF)
+    fresh = ParamStore([layout.shard(d) for d in gpt_params(cfg)], layout.backend, seed=5)
+    new_names = sorted(set(got) - set(held))
+    assert new_names and all(n.startswith(("h.4.", "mtp.1.")) for n in new_names), new_names
+    for name, value in got.items():
+        assert np.array_equal(value, fresh.data[name] if name in new_names else held[name]), name
+    assert sorted(got_buffers) == sorted(held_buffers) + ["h.4.moe.router.score_bias"]   # depth 2's router too
 
 
 @pytest.mark.parametrize("args,message", [

@@ -95,16 +95,22 @@ def test_eval_and_init_from_take_the_directory(hf, tmp_path):
     """A directory with YaRN's rope (DeepSeek-V3's released scaling):
     ``train --init-from`` takes it (``eval`` of a directory: the MoE tests below); the run's checkpoint keeps
     the scaling (core.rope_scaling), so ``eval`` on the run gives the
-    directory's loss for the trained weights and ``--resume`` goes on."""
+    directory's loss for the trained weights and ``--resume`` goes on.
+    The directory holds no MTP layer: --mtp-depth 1 starts one fresh, said
+    in one note line (its values: test_deepseek_moe)."""
     torch, transformers, _ = hf
     saved_model(torch, transformers, tmp_path / "ds", vocab_size=256, **with_rope(YARN))   # the corpus's bytes
     run = [sys.executable, "-m", "mpicube"]
     train = run + ["train", "--init-from", str(tmp_path / "ds"), "--seq-len", "8", "--out", str(tmp_path / "run"),
-                   "--log-every", "1", "--ckpt-every", "1"]
+                   "--log-every", "1", "--ckpt-every", "1", "--mtp-depth", "1"]
     out = subprocess.run(train + ["--steps", "2"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "fresh" in line]
+    assert said == [f"note: {tmp_path / 'ds'} holds no multi-token prediction depths: MTP depth 1 of --mtp-depth 1 "
+                    "starts fresh (initialised as a fresh run with --seed 1337 initialises it)"], said
     model = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
     assert model["arch"] == "deepseek_v3" and model["rope_scaling"] == {**YARN, "factor": 40.0}
+    assert model["mtp_depth"] == 1
     out = subprocess.run(run + ["eval", str(tmp_path / "run"), "--batches", "1", "--seq-len", "8"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

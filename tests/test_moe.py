@@ -245,7 +245,8 @@ def test_moe_pipelines_match_serial():
     assert "schedule=1f1b V=1 accum=2" in proc.stdout and "zero=3 cp=1 sp=0 moe=0 ep=1" in proc.stdout
     assert "schedule=zbv V=2 accum=2" in proc.stdout
     # DeepSeekMoE's options (parallel_check.DEEPSEEK) on pp 2 x dp 2 x ep 2 and pp 2 x cp 2 x ep 2: the
-    # stages' biases updated from the world's loads, equal to serial's bit for bit after every step
+    # stages' biases updated from the world's loads, equal to serial's bit for bit after every step, and
+    # each stage's traffic and memory equal to the cost model for its recorded routing
     assert "zero=2 cp=1 sp=0 moe=0.8 ep=2 deepseek" in proc.stdout and "cp=2 sp=0 moe=0.8 ep=2 deepseek" in proc.stdout
     assert "OK pp serial world=4 dp=1" in proc.stdout and "zero=0 cp=2 sp=0 moe=0.8 ep=2" in proc.stdout
     assert "OK pp 1d world=4 dp=1" in proc.stdout and "recompute=gathers zero=0 cp=1 sp=1 moe=0.8 ep=1" in proc.stdout

@@ -140,9 +140,20 @@ class Problem:
 
     @property
     def layers(self) -> int:
-        """Transformer blocks this stage runs (n_layer without a pipeline)."""
+        """The main model's transformer blocks on this stage (n_layer without a pipeline)."""
         split = self.chunk_layers
         return sum(len(split[k]) for k in self.stage_chunks)
+
+    @property
+    def mtp(self) -> int:
+        """Multi-token prediction depths this stage runs: all of them on the
+        stage with the head (model/mtp.py), none elsewhere."""
+        return self.cfg.mtp_depth if self.has_head else 0
+
+    @property
+    def blocks(self) -> int:
+        """Transformer blocks this stage runs: its layers and each MTP depth's block."""
+        return self.layers + self.mtp
 
     @property
     def has_embed(self) -> bool:      # chunk 0: the lookup of wte and wpe
@@ -153,8 +164,11 @@ class Problem:
         return self.stage == chunk_place(self.pp_schedule, self.pp * self.virtual_stages - 1, self.pp)[0]
 
     @property
-    def tied_pair(self) -> bool:      # the tied wte held on two stages (not in a V, whose ends share stage 0)
-        return self.pp > 1 and self.cfg.tied and self.pp_schedule not in VEE_SCHEDULES
+    def tied_pair(self) -> bool:
+        """Whether wte is held on two stages and summed over the pair: tied to
+        the head, or looked up by the MTP depths on the last stage (not in
+        a V, whose ends share stage 0)."""
+        return self.pp > 1 and (self.cfg.tied or self.cfg.mtp_depth > 0) and self.pp_schedule not in VEE_SCHEDULES
 
     @property
     def local_batch(self):

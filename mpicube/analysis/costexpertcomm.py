@@ -11,6 +11,10 @@ blocks, whose rerun repeats the forward):
   row; 3-D: k), an all-gather of every rank's (n, E) partial product in
   the compute format (``MoE._hidden_sum``); backward gathers the routing
   weights' (n, K) gradient partials the same way;
+* DeepSeek-V3's sequence-wise auxiliary loss under --cp: each of the
+  rank's n / T_l sequences' choice counts and normalised score sums (2 E
+  each, the compute format) all-reduced over the ring
+  (``routers.SigmoidRouter._seq_aux``);
 * under a capacity, the drop order's counts (``RouterLedger.offsets``):
   one all-gather of E float64 over the tp ranks with the replica's other
   sequences (2-D, 2.5-D: column x depth; 3-D: the (i, j) plane) and one
@@ -81,6 +85,7 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
     forwards = 2 if p.recompute == "blocks" else 1
     hidden, tokens = hidden_axis(p), token_axis(p)
     sequence = p.layout == "1d" and p.sequence_parallel and p.tp > 1
+    seq_aux_ring = cfg.router == "sigmoid" and cfg.seq_aux_loss_coef and p.cp > 1
     routes, batches = [], Counter()   # the experts' batches by their rows: each size's linears priced once
     for m in range(p.grad_accum):
         rows = layer_rows(p, L, m)
@@ -89,6 +94,8 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
             if hidden:
                 t.allgather(hidden[0], hidden[1], n * E, times=forwards, width=w.stat)   # logits
                 t.allgather(hidden[0], hidden[1], n * K, width=w.stat)                  # d weights
+            if seq_aux_ring:         # a sequence's choice counts and score sums over its chunks
+                t.allreduce("cp", p.cp, 2 * (n // p.local_seq) * E, times=forwards, width=w.stat)
             if cfg.capacity_factor:
                 if p.cp > 1:
                     t.allgather("cp", p.cp, n * K, times=forwards, width=8)
@@ -103,7 +110,7 @@ def moe_traffic(p: Problem, norm: bool = True) -> Traffic:
                 t.allgather("tp", p.tp, n * K, width=w.stat)                               # d weights
             batches.update(r.experts)
         if p.pp > 1:                 # every stage's rows (zeros for the others' layers) over the world
-            t.allreduce("world", p.tp * p.dp * p.pp * p.cp, cfg.n_layer * (2 * E + 2), width=w.stat)
+            t.allreduce("world", p.tp * p.dp * p.pp * p.cp, cfg.n_blocks * (2 * E + 2), width=w.stat)   # MTP's blocks too
             continue
         for axis, g in ([tokens] if tokens else []) + [("cp", p.cp), ("dp", p.dp)]:
             t.allreduce(axis, g, L * (2 * E + 2), width=w.stat)

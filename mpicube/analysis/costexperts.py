@@ -21,10 +21,11 @@ is a function of the routing. Three routings are priced:
   sends at most min(n K, E min(C, n)).
 
 What a MoE layer keeps (``moe.MoE.forward``'s ``saved``), per rank with n
-token rows of canonical width c: its input (n c), the router's
-probabilities (n E), the chosen weights (n K), their sum (n, Mixtral's
-renormalisation) and the log-sum-exp (n), these four in the compute
-format; the expert outputs brought back (sent rows x c); and for the R
+token rows of canonical width c: its input (n c), the router's tape in
+the compute format (``router_elems``: Mixtral's probabilities (n E), the
+chosen weights (n K), their sum (n, its renormalisation) and the
+log-sum-exp (n); DeepSeek-V3's sigmoid scores, weights and their sum,
+and the sequence-wise loss's normalised scores); the expert outputs brought back (sent rows x c); and for the R
 rows its experts run on, what the layout's two linears and SwiGLU keep of
 an MLP on R rows (1-D, 2-D, 2.5-D: the c_fc input R c, [gate | up],
 sigmoid and silu 4 R F_l, the c_proj input R F_l; 3-D: the gathered
@@ -135,11 +136,12 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
     # 2.5-D, 3-D) and none left the rank, they are a view of those experts' whole output (received rows)
     away = rows.sent - rows.sent_to[p.ep_rank]
     back = sum(rows.received) if p.layout not in ("serial", "1d") and not away else rows.sent
-    parts = {"router": ("stat", n * (E + K + 1) + (n if cfg.norm_topk else 0)),   # probs, weights, lse, their sum
+    parts = {"router": ("stat", router_elems(p, n)),
              "input": ("act", n * c),
              "outputs back": ("act", back * c)}
     if q == 1:                                                       # c_fc's input: the rows received (1-D under
-        parts["rows in"] = ("act", R * c // split if regather else R * c)   # gathers: a row shard of them)
+        parts["rows in"] = ("act", R * c // split if regather and p.layout == "1d" else R * c)   # gathers: a row
+                                                                     # shard; SUMMA keeps its local X anyway)
         parts["swiglu"] = ("act", 4 * F_l * R + R * F_l)            # [gate | up], sigmoid, silu; c_proj's input
     else:                                                            # the cube: gathered X (and W, per expert)
         (h, two_f), (f, h_out) = (cfg.n_embd, 2 * F), (F, cfg.n_embd)
@@ -149,6 +151,25 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
         if not regather:
             parts["weights gathered"] = ("act", E // p.ep * ((h // q) * (two_f // q) + (f // q) * (h_out // q)))
     return parts
+
+
+def router_elems(p: Problem, n: int) -> int:
+    """What one MoE layer's router keeps for backward on n token rows, in
+    the compute format (``routers``' tapes). Softmax (Mixtral's): the
+    probabilities (n E), the chosen weights (n K), the log-sum-exp (n) and,
+    under norm_topk, their sum (n). Sigmoid (DeepSeek-V3's): the scores
+    (n E), the weights (n K), under norm_topk their sum (n); with the
+    sequence-wise auxiliary loss (training only: it needs the ledger) the
+    scores normalised over all experts (n E), their sums (n) and each of
+    the rank's sequences' choice fractions f (E per sequence of this
+    rank's n / T_l)."""
+    cfg = p.cfg
+    E, K = cfg.n_experts, cfg.top_k
+    topk_sum = n if cfg.norm_topk else 0
+    if cfg.router != "sigmoid":
+        return n * (E + K + 1) + topk_sum
+    seq_aux = n * (E + 1) + n // p.local_seq * E if cfg.seq_aux_loss_coef else 0
+    return n * (E + K) + topk_sum + seq_aux
 
 
 def layer_terms(p: Problem, rows: Rows) -> dict:

@@ -25,8 +25,11 @@ def step_flops(p: Problem) -> Fraction:
     its tensor-parallel ranks, and context parallelism over its cp ranks,
     so one rank does 1/(tp cp) of its replica's work; under a pipeline, of
     its stage's layers (and the head on the last). A mixture's experts
-    are priced for balanced routing (``costexperts.moe_linear_flops``)."""
-    cfg, L, h, T = p.cfg, p.layers, p.cfg.n_embd, p.seq_len
+    are priced for balanced routing (``costexperts.moe_linear_flops``).
+    MTP depths (on the stage with the head): a block each among the
+    stage's, a head each, and the 2C x C projection (REPLICATED: whole on
+    every 1-D rank, as MLA's latents)."""
+    cfg, L, h, T = p.cfg, p.blocks, p.cfg.n_embd, p.seq_len
     N = p.local_batch * T                                            # tokens per replica and micro-batch
     # per block on average: the sharded linears (kv copies too; a dense block's MLP, a DeepSeekMoE
     # block's shared experts), MLA's REPLICATED projections (whole on every 1-D rank), the router
@@ -38,7 +41,8 @@ def step_flops(p: Problem) -> Fraction:
         linears += Fraction(moe_layers(p) * moe_linear_flops(p, N), max(L, 1))
     width = cfg.n_head * qk(cfg) if cfg.mla else h   # MLA: both products at qk (the op pads v to it)
     attention = 2 * 2 * p.local_batch * ring_scores(T, p.cp) * width   # q k^T and probs v on the computed blocks
-    head = 2 * N * h * _padded_vocab(p) if p.has_head else 0
+    head = 2 * N * h * _padded_vocab(p) * (1 + p.mtp) if p.has_head else 0
+    head += 2 * N * 2 * h * h * p.mtp * p.tp * replicated_flops_share(p)     # MTP projections
     forwards = 2 if p.recompute == "blocks" else 1
     work = 3 * (L * linears + head) + (forwards - 1) * L * linears + L * Fraction(2 * forwards + 5, 2) * attention
     return Fraction(p.grad_accum * work, p.tp * p.cp)                 # N micro-batches

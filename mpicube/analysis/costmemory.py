@@ -18,6 +18,7 @@ from ..parallel.schedules import model_chunk
 from .costexperts import chunk_moe_terms
 from .costfp8 import keeps_local_input, quantized_copy_kept
 from .costmla import attention_terms, cache_elems
+from .costmtp import depth_terms
 from .costmuon import muon_workspace
 from .costmodel import Problem, attention_split, local_param_sizes
 from .costparams import block_linears, moe_layers, segments_of, shared_linears, site_of, stage_layers
@@ -80,7 +81,8 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
                 first: int = 0) -> tuple:
     """({kind: elements} one micro-batch keeps for backward on a chunk of
     ``L`` blocks, with the lookup if ``embed`` and ln_f and the LM head if
-    ``head``; {kind: elements} the chunk holds once per step however many
+    ``head`` (and then the MTP depths: their blocks among the chunk's,
+    ``costmtp.depth_terms`` each); {kind: elements} the chunk holds once per step however many
     micro-batches are in flight: the gathered wte panel and its gradient,
     from the first use of wte to the end of backward; {kind: elements} of
     one rerun block under --recompute blocks). A stage that only looks up
@@ -89,6 +91,8 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
     for micro-batch ``micro``'s rows of the stage's layers from the
     ``first``-th (``costexperts.layer_rows``)."""
     cfg, T, h, mode = p.cfg, p.local_seq, p.cfg.n_embd, p.recompute   # T: this rank's positions
+    depths = cfg.mtp_depth if head else 0
+    L += depths                        # each MTP depth's block runs on the chunk with the head, after the main ones
     if p.layout in ("serial", "1d"):
         q, split_rows, split_cols, heads = 1, 1, 1, (p.tp if p.layout == "1d" else 1)
         V = -(-cfg.vocab_size // heads) * heads // heads
@@ -153,8 +157,12 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
         return n * kept + (n * cc // shard if regather else n * cc) + n * inputs   # c_fc's input, mlp.c_proj's
 
     mlp = swiglu(mlp_linears, act_kept, mlp_in)
-    S = cfg.n_shared_experts * cfg.moe_ffn // heads            # a DeepSeekMoE block's shared experts, per rank
-    shared = swiglu(shared_linears(cfg), 5 * S, S) if cfg.moe and S else 0
+    # a DeepSeekMoE block's shared experts (S per rank): a dense SwiGLU, whose c_fc keeps the very rows the
+    # mixture keeps as its input (``costexperts``' "input") wherever the layout's linear keeps its X as given
+    S = cfg.n_shared_experts * cfg.moe_ffn // heads
+    same_input = (regather if p.layout == "3d" else
+                  not (p.layout == "1d" and (regather or p.sequence_parallel)))
+    shared = swiglu(shared_linears(cfg), 4 * S, S) - same_input * n * cc if cfg.moe and S else 0
     if dropout:
         block += 2 * nc * cc           # residual masks; attention's are drawn block by block, never kept
     layers = stage_layers(p)[first:first + L]
@@ -178,19 +186,26 @@ def chunk_terms(p: Problem, L: int, embed: bool, head: bool, dropout: bool = Fal
             grad = wte_panel * (int(embed) + int(head))
     if dropout and embed:
         outside += nc * cc
+    outside_stat = 0
+    if depths:                         # each depth's norms, projection inputs, output norm and loss head
+        mtp_act, mtp_stat = depth_terms(p, n, nc, cc, q, V, shard)
+        outside, outside_stat = outside + depths * mtp_act, depths * mtp_stat
+        if p.layout in ("2d", "2.5d", "3d") and not cfg.tied and not embed:   # the depths' own wte panel
+            panel += gathered * wte_panel
+            grad += wte_panel
     step = {"act": panel, "stat": 0, "grad": grad}
     none = {"act": 0, "stat": 0, "grad": 0}
     moe_first = moe_layers(p, stage_layers(p)[:first])                  # the stage's MoE layers before the chunk
     moe, moe_most = chunk_moe_terms(p, n_moe, micro, moe_first) if n_moe else (none, none)
     stat = 2 * nc + lse + latent_stat                                    # a block's rstd of norms, lse
     if mode == "blocks":
-        kept = {"act": L * n * cc // shard + outside, "stat": nc * head, "grad": 0}
+        kept = {"act": L * n * cc // shard + outside, "stat": nc * head + outside_stat, "grad": 0}
         reruns = ([{"act": block + mlp, "stat": stat}] if n_moe < L else []) + \
                  ([{"act": block + shared + moe_most["act"], "stat": stat + moe_most["stat"]}] if n_moe else [])
         rerun = max(reruns, key=lambda r: r["act"] + r["stat"]) if L else none
         return kept, step, {**rerun, "grad": 0}
     kept = {"act": L * block + (L - n_moe) * mlp + n_moe * shared + outside + moe["act"],
-            "stat": L * stat + head * nc + moe["stat"], "grad": 0}
+            "stat": L * stat + head * nc + outside_stat + moe["stat"], "grad": 0}
     return kept, step, none
 
 

@@ -91,7 +91,7 @@ def latent_traffic(p: Problem) -> Traffic:
     if not cfg.mla or p.layout == "serial":
         return t
     n, q, hidden = _geometry(p)
-    L, dr = p.layers, cfg.qk_rope_head_dim
+    L, dr = p.blocks, cfg.qk_rope_head_dim
     forwards = 2 if p.recompute == "blocks" else 1
     if hidden:
         for r in replicated_outputs(cfg):

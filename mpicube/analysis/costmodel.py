@@ -78,8 +78,9 @@ from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (th
 from .costfp8 import fp8_traffic
 from .costpipe import pipeline_traffic
 from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums, op_head_dim
+from .costmtp import ends, projection_traffic
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
-                         head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
+                         grad_runs, head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
                          segment_name, stage_linears)
 
 
@@ -103,15 +104,19 @@ def _embedding_uses(p: Problem) -> tuple:
     """(gathers, gradient reductions) of the embedding panels a stage
     holds: the tied wte serves the lookup and the head with one panel;
     an untied model's lookup (wte) and head (lm_head) have one each, and
-    so do the two ends of zbv's V on stage 0 (two chunks: a panel each)."""
+    so do the two ends of zbv's V on stage 0 (two chunks: a panel each);
+    MTP depths: ``costmtp`` (each lookup gathers the wte panel afresh)."""
     embed, head = int(p.has_embed), int(p.has_head)
     one_model = p.pp == 1 or p.pp_schedule not in VEE_SCHEDULES
     n = int(embed or head) if p.cfg.tied and one_model else embed + head
-    return n, n
+    own = int(p.mtp > 0 and not p.cfg.tied and not (embed and one_model))   # the depths' wte panel on the head's chunk
+    again = p.mtp if p.recompute == "gathers" and not p.cfg.tied else 0   # each depth's head: lm_head let go
+    return n + p.mtp + again, n + own
 
 
-def _cross_entropy(t: Traffic, axis, g, rows, width):
-    t.allreduce(axis, g, rows, times=3, width=width)   # max, sum of exp, target logit
+
+def _cross_entropy(t: Traffic, axis, g, rows, width, times: int = 1):
+    t.allreduce(axis, g, rows, times=3 * times, width=width)   # max, sum of exp, target logit (per head)
 
 
 def serial_traffic(p: Problem) -> Traffic:
@@ -125,14 +130,13 @@ def oned_traffic(p: Problem) -> Traffic:
     --sequence-parallel: ``oned_sequence_traffic``."""
     t, g, w = Traffic(), p.tp, p.widths
     act = p.local_batch * p.seq_len * p.cfg.n_embd       # a replicated activation
-    L, head = p.layers, int(p.has_head)
-    if head:
-        _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat)
+    L, (lookups, head) = p.blocks, ends(p)
+    _cross_entropy(t, "tp", g, p.local_batch * p.seq_len, w.stat, times=head)
     if p.sequence_parallel:
         t.add(oned_sequence_traffic(p, act))
         return t
     t.add(oned_linear_sums(p, stage_linears(p)))          # 2 forward (row-split), 2 backward a dense block
-    t.sum("tp", g, act, times=int(p.has_embed) + head, width=w.red)   # embedding lookup, LM head backward
+    t.sum("tp", g, act, times=lookups + head, width=w.red)   # embedding lookups, LM heads' backward
     if p.recompute == "gathers":                          # the LM head's input from its row shards
         t.allgather("tp", g, act // g, times=head, width=w.act)
     if p.recompute == "blocks":                           # block inputs from row shards (forwards again: above)
@@ -148,7 +152,7 @@ def oned_sequence_traffic(p: Problem, act: int) -> Traffic:
     inputs again, --recompute blocks reruns each block's forward (its
     input is already a shard: nothing to restore)."""
     t, g, w = Traffic(), p.tp, p.widths
-    head, embed = int(p.has_head), int(p.has_embed)
+    embed, head = ends(p)
     t.add(oned_sequence_sums(p, stage_linears(p)))
     again = head if p.recompute == "gathers" else 0
     t.allgather("tp", g, act // g, times=head + embed + again, width=w.act)   # head input, lookup backward dY
@@ -162,26 +166,25 @@ def tesseract_traffic(p: Problem) -> Traffic:
     n = p.local_batch * p.seq_len // (d * q)              # activation rows per rank
     V = -(-cfg.vocab_size // q) * q
     forwards = 2 if p.recompute == "blocks" else 1            # blocks: each block's forward again
-    L, head = p.layers, int(p.has_head)
+    L, (_, head) = p.blocks, ends(p)
     for h_in, h_out, _ in stage_linears(p, q):
         x_panel, w_panel = n * h_in // q, (h_in // q) * (h_out // q)
         t.bcast("row", q, x_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dW
         t.reduce_onto("row", q, x_panel, times=q, width=w.red)  # dX
         t.bcast("col", q, w_panel, times=(forwards + 1) * q, width=w.act)   # forward, and again for dX
         t.reduce_onto("col", q, w_panel, times=q, width=w.red)  # dW
-    _layernorm(t, "row", q, n, 2 * L + head, w.stat, rms=cfg.llama)
+    _layernorm(t, "row", q, n, 2 * L + head + 2 * p.mtp, w.stat, rms=cfg.llama)   # MTP: enorm, hnorm too
     if forwards == 2:
         t.allreduce("row", q, n, times=_norm_stats_again(cfg) * L, width=w.stat)   # ln_1, ln_2 statistics again
     # A stage holding wte gathers it at its first use (an untied head its lm_head too);
-    # gathers: the head's again for its backward.
+    # gathers: the head's again for its backward (once: MTP's heads run backward on the panel the last gathered).
     panels, grads = _embedding_uses(p)
-    gathers = panels + (head if p.recompute == "gathers" else 0)
+    gathers = panels + (min(head, 1) if p.recompute == "gathers" else 0)
     t.allgather("col", q, (V // q) * (cfg.n_embd // q), times=gathers, width=w.act)   # wte[:, block c]
     t.reduce_scatter("row", q, n * V, times=head, width=w.red)    # LM head forward
     t.allgather("row", q, n * V // q, times=head, width=w.act)    # LM head backward
     t.reduce_scatter("col", q, V * (cfg.n_embd // q), times=grads, width=w.red)    # wte (lm_head) gradient
-    if head:
-        _cross_entropy(t, "row", q, n, w.stat)
+    _cross_entropy(t, "row", q, n, w.stat, times=head)
     return t
 
 
@@ -193,7 +196,7 @@ def cube_traffic(p: Problem) -> Traffic:
     V = -(-cfg.vocab_size // q) * q
     gathers = 2 if p.recompute == "gathers" else 1     # gathers: X and W again in backward
     forwards = 2 if p.recompute == "blocks" else 1     # blocks: each block's forward again
-    L, embed, head = p.layers, int(p.has_embed), int(p.has_head)
+    L, (embed, head) = p.blocks, ends(p)
     for h_in, h_out, position in stage_linears(p, q):
         a, b = ("j", "k") if position == "column" else ("k", "j")
         t.allgather(a, q, n * h_in // q, times=forwards * gathers, width=w.act)                        # X over a
@@ -202,7 +205,7 @@ def cube_traffic(p: Problem) -> Traffic:
         t.allgather(b, q, n * h_out // q, width=w.act)                        # dY over b
         t.reduce_scatter(a, q, n * q * h_in // q, width=w.red)                # dX over a
         t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.red)     # dW over i
-    _layernorm(t, "k", q, n, 2 * L + head, w.stat, rms=cfg.llama)
+    _layernorm(t, "k", q, n, 2 * L + head + 2 * p.mtp, w.stat, rms=cfg.llama)    # MTP: enorm, hnorm too
     if forwards == 2:
         t.allreduce("k", q, n, times=_norm_stats_again(cfg) * L, width=w.stat)      # ln_1, ln_2 statistics again
     wte, grads = _embedding_uses(p)                    # a stage gathers each panel at its first use
@@ -214,8 +217,7 @@ def cube_traffic(p: Problem) -> Traffic:
     t.reduce_scatter("j", q, n * q * h // q, times=head, width=w.red)         # head backward: dX
     t.allgather("j", q, n * h // q, times=embed, width=w.act)                  # lookup backward: dX
     t.reduce_scatter("i", q, (V // q) * (h // q), times=grads, width=w.red)    # wte (lm_head) gradient
-    if head:
-        _cross_entropy(t, "j", q, n, w.stat)
+    _cross_entropy(t, "j", q, n, w.stat, times=head)
     return t
 
 
@@ -243,6 +245,7 @@ def step_traffic(p: Problem) -> Traffic:
     local = replace(p, seq_len=p.local_seq, cp=1)                  # on this rank's positions
     t.add(TRAFFIC[p.layout](local), p.grad_accum)
     t.add(latent_traffic(local), p.grad_accum)                      # MLA's latents and shared key
+    t.add(projection_traffic(local), p.grad_accum)                  # MTP depths' projections
     t.add(pipeline_traffic(p))
     if p.fp8:                        # --fp8: the tensor scales' amax all-reduces (costfp8)
         t.add(fp8_traffic(p), p.grad_accum)
@@ -257,17 +260,14 @@ def step_traffic(p: Problem) -> Traffic:
         t.add(ulysses_traffic(p), p.grad_accum)
         summed = sum(c for _, _, c, _, x in segments if not x) if segments else params - experts
         t.sum("cp", p.cp, summed, width=w.gsum)                # the weights' gradients over the ring
-    group_sizes = defaultdict(int)
-    for n, axis in sizes.values():
-        if axis is not None:
-            group_sizes[axis] += n
+    group_runs = grad_runs(p, sizes)
     if p.tied_pair and (p.has_embed or p.has_head):   # wte's two copies, before the optimizer
         tied = next(c for seg, _, c, _, _ in segments if seg == zero.TIED) if segments else sizes["wte"][0]
         t.sum("tied", 2, tied, width=w.gsum)
     if p.segmented:                  # replica groups and dp summed per layer and micro-batch instead
         segmented_traffic(p, t, sizes)
     elif p.sharded:
-        _group_sums(p, t, group_sizes)
+        _group_sums(p, t, group_runs)
         _kv_sums(p, t, kv_param_sizes(p))
         for axis, g, n in (("dp", p.dp, params - experts), ("edp", p.edp, experts))[:2 if experts else 1]:
             padded, chunk = zero.sizes(n, g, p.zero)
@@ -276,7 +276,7 @@ def step_traffic(p: Problem) -> Traffic:
         folded = 2 if experts and p.cp > 1 else 1            # --ep under --cp: [dense, experts] squares
         t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
     else:
-        _group_sums(p, t, group_sizes)
+        _group_sums(p, t, group_runs)
         _kv_sums(p, t, kv_param_sizes(p))
         t.sum("dp", p.dp, params - experts, width=w.gsum)
         if experts:
@@ -289,14 +289,16 @@ def step_traffic(p: Problem) -> Traffic:
         t.add(moe_traffic(p, norm=not p.sharded))
     if p.optimizer == "muon":
         t.add(muon_traffic(p, sizes, segments))
-    # reported loss: per micro-batch; a pipeline sums its last stage's shares once per step
-    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1, times=p.grad_accum if p.pp == 1 else 1, width=w.scalar)
+    # reported loss (the main share and each MTP depth's): per micro-batch; a pipeline sums its last
+    # stage's shares once per step
+    t.allreduce("world", p.tp * p.dp * p.pp * p.cp, 1 + p.cfg.mtp_depth, times=p.grad_accum if p.pp == 1 else 1,
+                width=w.scalar)
     return t
 
 
-def _group_sums(p: Problem, t: Traffic, group_sizes: dict) -> None:
-    """Once per step, each replica group's gradients summed (one all-reduce per axis)."""
-    for axis, n in group_sizes.items():
+def _group_sums(p: Problem, t: Traffic, group_runs: list) -> None:
+    """Once per step, each replica group's gradients summed (one all-reduce per run, ``grad_runs``)."""
+    for axis, n in group_runs:
         t.sum(axis, _group_size(p, axis), n, width=p.widths.gsum)
 
 
@@ -354,8 +356,8 @@ def ring_traffic(p: Problem) -> Traffic:
     seqs, heads = attention_split(p)
     kv = 2 * seqs * p.local_seq * heads * op_head_dim(p.cfg)     # MLA: k and v at qk
     forwards = 2 if p.recompute == "blocks" else 1
-    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.layers, w.act)
-    t._add("cp", C, kv, 1, C * p.layers, w.stat)
+    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.blocks, w.act)
+    t._add("cp", C, kv, 1, C * p.blocks, w.stat)
     return t
 
 
@@ -374,7 +376,7 @@ def ulysses_traffic(p: Problem) -> Traffic:
     slab = seqs * p.local_seq * (heads // U) * op_head_dim(p.cfg)      # one head group of one width's rows
     forwards = 2 if p.recompute == "blocks" else 1
     for width, times in ((3, forwards + 1), (1, forwards + 1)):    # qkv / dqkv, y / dy
-        t._add("ulysses", U, (U - 1) * width * slab, U - 1, times * p.layers, w.act)
+        t._add("ulysses", U, (U - 1) * width * slab, U - 1, times * p.blocks, w.act)
     return t
 
 
@@ -389,9 +391,8 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     blocks = [s for s in segments if not zero.is_end(site_of(s[0]))]
     if p.zero == 3 and blocks:
         times = block_gathers(p, sorted({site_of(s[0]) for s in blocks}, key=zero.segment_key))
-        for seg, _, chunk, parts, x in blocks:
-            if site_of(seg) == site_of(blocks[0][0]):       # every block's pieces are alike
-                t.allgather(axis_of[x][0], parts, chunk, times=times, width=w.act)
+        for seg, _, chunk, parts, x in blocks:           # a block's pieces, as often as the block is gathered
+            t.allgather(axis_of[x][0], parts, chunk, times=times[site_of(seg)], width=w.act)
     by_segment = defaultdict(lambda: defaultdict(int))   # {segment: {axis: elements}} of the summed tensors
     for name, (n, axis) in sizes.items():
         if axis is not None:
@@ -426,17 +427,20 @@ def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:
     t.allreduce("world", p.tp * p.dp * p.pp * p.cp, folded, width=w.scalar)   # gradient norm
 
 
-def block_gathers(p: Problem, blocks: list) -> int:
-    """Block all-gathers per step under --zero 3 on this rank's store of
-    ``blocks`` (segment names): without stages every pass walks all of them
-    (``fsdp.block_gathers``); a pipeline stage walks one chunk per forward
-    or backward in its schedule's order, replayed by ``fsdp.pass_gathers``."""
+def block_gathers(p: Problem, blocks: list) -> dict:
+    """{block segment: its all-gathers per step} under --zero 3 on this
+    rank's store of ``blocks`` (segment names), per block because blocks
+    need not be alike (DeepSeek-V3's first dense ones): without stages
+    every pass walks all of them, forward then backward per micro-batch
+    (in all ``fsdp.block_gathers``); a pipeline stage walks one chunk per
+    forward or backward in its schedule's order; both replayed by
+    ``fsdp.gathers_by_block``."""
     if p.pp == 1:
-        return fsdp.block_gathers(len(blocks), 2 * p.grad_accum)
-    split = p.chunk_layers
-    passes = []
-    for a in build_schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)[p.stage]:
-        if a.op in ("forward", "backward"):
-            walk = [f"h.{i}" for i in split[a.chunk * p.pp + p.stage]]
-            passes.append(walk if a.op == "forward" else walk[::-1])
-    return fsdp.pass_gathers(passes, blocks)
+        passes = [blocks, blocks[::-1]] * p.grad_accum
+    else:
+        split, passes = p.chunk_layers, []
+        for a in build_schedule(p.pp_schedule, p.pp, p.grad_accum, p.virtual_stages)[p.stage]:
+            if a.op in ("forward", "backward"):
+                walk = [f"h.{i}" for i in split[a.chunk * p.pp + p.stage]]
+                passes.append(walk if a.op == "forward" else walk[::-1])
+    return fsdp.gathers_by_block(passes, blocks)

@@ -61,9 +61,11 @@ def shared_linears(cfg: ModelConfig) -> list:
 
 
 def stage_layers(p: Problem) -> list:
-    """The global indices of this stage's blocks, in the order it runs them."""
+    """The global indices of this stage's blocks, in the order it runs them:
+    its chunks' layers, then on the stage with the head each MTP depth's
+    block (n_layer + k - 1, run after the main loss: model/mtp.py)."""
     split = p.chunk_layers
-    return [i for k in p.stage_chunks for i in split[k]]
+    return [i for k in p.stage_chunks for i in split[k]] + list(range(p.cfg.n_layer, p.cfg.n_layer + p.mtp))
 
 
 def stage_linears(p: Problem, split: int = 1) -> list:
@@ -129,16 +131,20 @@ def on_stage(p: Problem, name: str, layers: set = None) -> bool:
     """Whether parameter ``name`` lives on this stage: a block's on the stage
     of its chunk (``layers``: this stage's, computed once by the caller),
     wpe on the first, ln_f (and an untied lm_head) on the last, and wte on
-    the first, and on the last too where the LM head is tied to the lookup
-    (each end holds a copy; ``pipeline.stage_names``)."""
+    the first, and on the last too where the LM head is tied to the lookup or
+    MTP depths look tokens up there (each end holds a copy;
+    ``pipeline.stage_names``); an MTP depth's block and tensors with the head."""
     if p.pp == 1:
         return True
     if name.startswith("h."):
+        i = int(name.split(".")[1])
+        if i >= p.cfg.n_layer:               # an MTP depth's block: with the head
+            return p.has_head
         if layers is None:
             layers = {i for k in p.stage_chunks for i in p.chunk_layers[k]}
-        return int(name.split(".")[1]) in layers
-    if name == "wte":
-        return p.has_embed or (p.has_head and p.cfg.tied)
+        return i in layers
+    if name == "wte":                        # the head's (tied) or the MTP depths' lookup on the last stage
+        return p.has_embed or (p.has_head and (p.cfg.tied or p.cfg.mtp_depth > 0))
     return p.has_embed if name == "wpe" else p.has_head
 
 
@@ -245,3 +251,24 @@ def segments_of(p: Problem, sizes: dict) -> list:
         parts = p.edp if x else p.shard_dp
         out.append((seg, totals[seg], -(-totals[seg] // parts), parts, x))
     return out
+
+
+def grad_runs(p: Problem, sizes: dict) -> list:
+    """[(axis, elements)] of the replica groups' gradient sums: one
+    all-reduce per run of adjacent tensors summed over one axis
+    (``ParamStore.grad_groups``). The store orders its tensors by (expert,
+    axis), so each axis is one run of the dense tensors and one of a
+    mixture's experts (kept last), the two merged where they meet (and no
+    --zero 1 padding parts them, ``zero.ExpertPartition``)."""
+    ordered = sorted(((expert_of(name) is not None, axis or ""), n) for name, (n, axis) in sizes.items())
+    dense = sum(n for (x, _), n in ordered if not x)
+    gap = p.sharded and p.cfg.moe and p.ep > 1 and zero.Partition(dense, p.dp).padded > dense
+    runs, last = [], None
+    for (x, axis), n in ordered:
+        key = (x if gap else False, axis)
+        if axis and key == last:
+            runs[-1] = (axis, runs[-1][1] + n)
+        elif axis:
+            runs.append((axis, n))
+        last = key
+    return runs

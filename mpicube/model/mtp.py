@@ -101,7 +101,8 @@ class DepthTape(Saved):
     """What one depth keeps for backward."""
 
     lookup: object          # the embedding lookup's (its local rows)
-    inputs: object          # ops.mtp.MtpInputTape: both norms' statistics
+    emb_norm: object        # RMSNorm_e's (xhat, 1/rms); fields of their own, not ops.mtp.MtpInputTape,
+    hid_norm: object        # so that ``tape.saved_buffers`` counts them (it walks Saved records)
     u_emb: object           # (B_c, T, C_c) RMSNorm_e(emb): the projection's input, embedding half
     u_hid: object           # (B_c, T, C_c) RMSNorm_h(h): the other half
     block: object           # the block's tape
@@ -144,7 +145,7 @@ class MtpDepth:
         z, s_block = self.block.forward(x, ctx)                                    # (B_c, T, C_c)
         out, s_ln = self.ln_f.forward(z)                                           # (B_c, T, C_c)
         share, s_loss = self.loss.forward(out, targets, panels, count, valid=valid, weight=weight)
-        tape = DepthTape(s_lookup, mtp_ops.MtpInputTape(s_e, s_h), e, g, s_block, s_ln, s_loss)
+        tape = DepthTape(s_lookup, s_e, s_h, e, g, s_block, s_ln, s_loss)
         return out, share, tape
 
     def backward(self, dout, loss_scale: float, tape: DepthTape, panels, lookup_backward):
@@ -162,8 +163,8 @@ class MtpDepth:
             dy = self.hidden.allreduce(dy)
         de = self.proj_emb.backward(dy, tape.u_emb)                               # (B_c, T, C_c)
         dg = self.proj_hid.backward(dy, tape.u_hid)                               # (B_c, T, C_c)
-        lookup_backward(self.enorm.backward(de, tape.inputs.emb_norm), tape.lookup)
-        return self.hnorm.backward(dg, tape.inputs.hid_norm)                       # (B_c, T, C_c)
+        lookup_backward(self.enorm.backward(de, tape.emb_norm), tape.lookup)
+        return self.hnorm.backward(dg, tape.hid_norm)                       # (B_c, T, C_c)
 
 
 class MultiTokenPrediction:

@@ -64,7 +64,8 @@ from contextlib import contextmanager
 from ..device import precision
 from .comm import Comm
 from .gradients import sync_shared
-from .fsdp_stream import BlockStream, block_gathers, pass_gathers, slot_key  # noqa: F401 (*_gathers: the cost model's)
+from .fsdp_stream import (BlockStream, block_gathers, gathers_by_block, pass_gathers,  # noqa: F401 (*_gathers:
+                          slot_key)                                                    # the cost model's)
 from .params import ParamStore
 from .wgrad import WeightGrads
 from .zero import EXPERTS, TIED, Segments, is_end, segment_key, segment_of

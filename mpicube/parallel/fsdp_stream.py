@@ -38,12 +38,19 @@ def pass_gathers(passes, blocks: list) -> int:
     gathered unless its slot (``slot_key``) still holds it. This is what
     ``SegmentedStore.fetch`` does, replayed without arrays (the cost model's
     count; ``block_gathers`` is its closed form for one chunk)."""
-    held, count = {}, 0
+    return sum(gathers_by_block(passes, blocks).values())
+
+
+def gathers_by_block(passes, blocks: list) -> dict:
+    """{block segment: its all-gathers} of ``pass_gathers``' walk: what
+    each block costs, where blocks differ (DeepSeek-V3's first dense
+    blocks beside its mixtures)."""
+    held, count = {}, {}
     for walk in passes:
         for segment in walk:
             key = slot_key(segment, blocks)
             if held.get(key) != segment:
-                held[key], count = segment, count + 1
+                held[key], count[segment] = segment, count.get(segment, 0) + 1
     return count
 
 

@@ -279,11 +279,31 @@ class Launch:
             wanted = replace(cfg, **family_fields(**options))
         except ConfigError as exc:
             raise ConfigError(f"{path} holds a {family_of(cfg)} model: {exc}") from None
+        self.fresh_depths = ()
+        if "mtp_depth" in given and wanted.mtp_depth > cfg.mtp_depth and not getattr(self, "full_state", False):
+            # --init-from a model with fewer MTP depths: those it lacks start fresh (a resume stays refused)
+            self.fresh_depths = tuple(range(cfg.mtp_depth, wanted.mtp_depth))
+            self._fresh_note(path, cfg.mtp_depth, wanted.mtp_depth)
+            cfg = replace(cfg, mtp_depth=wanted.mtp_depth)
         for option, value in MODEL_DEFINING.items():
             if option in given and value(wanted) != value(cfg):
                 raise ConfigError(f"{path}: holds a model with {option} {value(cfg)}, this run asks for "
                                   f"{value(wanted)} (leave out --{_dash(option)} {leave_out})")
         return replace(cfg, **{k: getattr(wanted, k) for k in TRAINING_KNOBS if k in given})
+
+    def _fresh_note(self, path, held: int, asked: int) -> None:
+        """The one line saying which MTP depths start fresh (``fresh_depths``)."""
+        new = f"depth {asked}" if asked - held == 1 else f"depths {held + 1}-{asked}"
+        what = "no multi-token prediction depths" if not held else f"{held} multi-token prediction depth" + \
+            ("s" * (held > 1))
+        verb = "starts" if asked - held == 1 else "start"
+        self.notes.append(f"note: {path} holds {what}: MTP {new} of --mtp-depth {asked} {verb} fresh (initialised "
+                          f"as a fresh run with --seed {self.opts.seed} initialises {'it' if asked - held == 1 else 'them'})")
+
+    def fresh_prefixes(self) -> tuple:
+        """The parameter name prefixes of the MTP depths --init-from's file lacks."""
+        L = self.cfg.n_layer
+        return tuple(p for k in getattr(self, "fresh_depths", ()) for p in (f"mtp.{k}.", f"h.{L + k}."))
 
     def _restore(self) -> int:
         """Load parameters / state as asked; return the last completed step."""
@@ -292,7 +312,7 @@ class Launch:
         full = self.full_state
         with self.model_file as model_file:
             if model_file.kind != "mpicube" or not full:
-                formats.load_params(model_file, self.parts.store)
+                formats.load_params(model_file, self.parts.store, fresh=self.fresh_prefixes(), seed=self.opts.seed)
                 if full:
                     self.notes.append(f"note: {model_file.path} holds no optimizer state: starting at step 0 "
                                       "with fresh AdamW moments")

@@ -110,19 +110,27 @@ def open_everywhere(mpi_world, path) -> ModelFile:
     return open_model(resolved, verify=False)
 
 
-def load_params(model: ModelFile, store) -> None:
+def load_params(model: ModelFile, store, fresh: tuple = (), seed: int = 0) -> None:
     """Read exactly this rank's block of every parameter of ``store`` from
-    ``model`` (any format), after checking every shape."""
+    ``model`` (any format), after checking every shape. Parameters whose
+    names start with one of ``fresh`` (MTP depths the file lacks:
+    ``train --mtp-depth`` over a model without them) are not read: they
+    get the initialisation ``store.initialize(seed)`` gives them, which
+    depends on their global indices only, not on the layout."""
+    from ...parallel.paramspec import init_block
     from .base import check_shapes
 
+    new = {spec.name for spec in store.specs if spec.name.startswith(tuple(fresh))} if fresh else set()
     check_shapes(model.path, {n: model.shape(n) for n in model.names()},
-                 {spec.name: tuple(spec.decl.shape) for spec in store.specs}, what="parameter")
+                 {spec.name: tuple(spec.decl.shape) for spec in store.specs if spec.name not in new},
+                 what="parameter")
     backend = store.backend
     with store.writing_master() as flat:        # rounds the 16-bit working copy afresh; --zero 1 keeps a chunk
         master = flat.dtype                     # master weights: float32 under 16-bit storage
         for spec in store.specs:
             lo, hi = store.offsets[spec.name]
-            block = model.read(spec.name, index=spec.index, dtype=master)
+            block = init_block(spec, seed) if spec.name in new else model.read(spec.name, index=spec.index,
+                                                                               dtype=master)
             flat[lo:hi] = backend.asarray(block.reshape(-1), dtype=master)
     for name, value in store.persistent.items():     # buffers (a router's bias), bit for bit where the file has them
         held = model.buffer(name)

@@ -350,6 +350,8 @@ class CubeTiedEmbedding:
         i, sub-block k; vocabulary block j."""
         if panel.dw is None:              # a pipeline's last stage: the head without the lookup
             self._gather(panel)
+        elif panel.w is None:             # let go by an earlier head of this pass (--recompute gathers, MTP)
+            panel.w = self.ci.allgather(self.wte, axis=1)         # (V/q, h/q)
         xg = self.cj.allgather(x, axis=0)                         # (B/q, T, h/q)
         logits = self.ck.reduce_scatter(matmul_rows(xg, panel.w.T, acc(x)), axis=0, wire=x.dtype)
         if self.regather:                 # --recompute gathers: both gathered again in logits_backward

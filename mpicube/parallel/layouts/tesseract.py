@@ -300,6 +300,8 @@ class TesseractTiedEmbedding:
         """x (B_c, T, h/q) -> (logits (B_c, T, V/q), vocabulary block c; saved: x)."""
         if panel.dw is None:              # a pipeline's last stage: the head without the lookup
             self._gather(panel)
+        elif panel.w is None:             # let go by an earlier head of this pass (--recompute gathers, MTP)
+            panel.w = self.col.allgather(self.wte, axis=0)       # (V, h/q)
         partial = matmul_rows(x, panel.w.T, acc(x))             # (B_c, T, V) partial over c
         if self.regather:                                       # gathered again in logits_backward
             panel.w = None
