@@ -47,7 +47,9 @@ FP8 cases (fp8=RECIPE [fp8block=N] steps=3; test_combo_matrix.FP8_CASES)
 quantize every linear's GEMM operands (parallel/fp8.py) on the layout and
 in the serial reference alike, accumulate in float64, and must equal
 serial to 1e-12 (the quantized operands are the same bits; only the
-order of float64 sums differs); every one compares its memory with the
+order of float64 sums differs; step 1's quantized x, W and dy of every
+GEMM and their scales are compared bit for bit, assembled as trace --fp8
+writes them: tests/fp8_operands.py); every one compares its memory with the
 model (the quantized copies a grid layout keeps under a tensor scale,
 3-D's local X under a tile recipe, delayed's amax histories:
 analysis/costfp8.py), and the dense ones their traffic too (``COSTED``:
@@ -77,6 +79,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import fp8_operands  # noqa: E402
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
 from moe_costs import StageRuns, check_kept, measured_rows, record_runs, take_runs  # noqa: E402
 from replicated_check import check_replicated  # noqa: E402
@@ -230,8 +233,11 @@ class References:
         for step, (x, y) in enumerate(steps, start=1):
             serial.store.zero_grad()
             logits = []                                                    # (B/N, T, V) per micro-batch
+            watched = fp8_operands.watch(serial, case.batch, SEQ) if case.fp8 and step == 1 else None
             out["loss"].append(forward_backward(serial, x, y, step, pc.LOSS_SCALE,
                                                 after_forward=lambda m: logits.append(serial.model.logits.copy())))
+            if watched is not None:                                        # step 1's quantized operands
+                out["fp8"] = fp8_operands.collected(serial, watched, accum, MPI.COMM_SELF)
             if step == 1:
                 out["logits"] = np.concatenate(logits)                     # (B, T, V)
             opt.sync()
@@ -318,7 +324,13 @@ def run_case(case: Case, refs: References) -> None:
                 if step == 1:
                     pc.check_logits(parts, m, want["logits"], f"logits of micro-batch {m}")
 
+        watched = fp8_operands.watch(parts, case.batch, SEQ) if case.fp8 and step == 1 else None
         loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=after_forward)
+        if watched is not None:             # step 1's FP8 bytes and scales: serial's bit for bit
+            got = fp8_operands.collected(parts, watched, case.accum, world)
+            wrong = fp8_operands.differences(got, want["fp8"], case.recipe()) if world.rank == 0 else None
+            wrong = world.bcast(wrong, root=0)
+            assert not wrong, f"step 1 FP8 operands: {wrong[:3]} ({len(wrong)} in all)"
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])
         if runs is not None:                                         # the stage's ledgers, before the bias update
             routing = list(runs.take(parts.pipeline.router_log.ledgers))

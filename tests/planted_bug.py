@@ -73,6 +73,16 @@ one of the catalogue of issue 35 (one per real class of parallel bug):
   multiplying (Q = x / s): the scales agree, the FP8 bytes do not.
 - ``fp8-grad-e4m3``: the output gradients quantized in e4m3 where the
   recipe says e5m2 (tensorwise's default): named at the first dy scale.
+- ``fp8-block-straddle``: a layout's shard boundary cuts through an
+  --fp8-block tile or block, and each rank takes the block's scale from
+  its own piece (the zero-padded rest of the block). mpicube's layouts
+  refuse such a plan (``parallel/fp8.py``: ``check_plan`` while
+  resolving, ``check_shard`` as they build); the plant turns both checks
+  off, only while it is planted, so the layout quantizes the straddling
+  block from the local piece as such a framework does: on 1-D tp 2 with
+  --fp8 mxfp8 --fp8-block 16 and --n-embd 16, the attention's output
+  projection's input x (8 of a block's 16 columns per rank), named at its
+  scale.
 - ``mtp-local``: each multi-token prediction depth's loss normalised by
   the token count of this rank's micro-batch (its valid positions)
   instead of the whole step's (Megatron #2417, #1532): equal on one
@@ -361,6 +371,14 @@ def fp8_grad_e4m3(_):
     return _swap(fp8_recipes.Recipe, "format", lambda self, role: fp8.E4M3)
 
 
+def fp8_block_straddle(_):
+    from mpicube.parallel import fp8, planning
+
+    off = lambda *args, **kwargs: None                      # noqa: E731 - no refusal: the straddle runs
+    undo = [_swap_everywhere(fp8, "check_shard", off), _swap(planning, "check_fp8", off)]
+    return lambda: [u() for u in undo]
+
+
 def mtp_local(_):
     import dataclasses as dc
 
@@ -382,7 +400,8 @@ PLANTS = {"cube-axis": cube_axis, "sp-grad": sp_grad, "scale": scale, "norm-repl
           "grads-unapplied": grads_unapplied, "precision-off": precision_off,
           "grad-error": grad_error, "kpe-grad-tp": kpe_grad_tp, "ep-grad-doubled": ep_grad_doubled,
           "bias-local-loads": bias_local_loads, "bias-sign": bias_sign, "fp8-amax-shard": fp8_amax_shard,
-          "fp8-scale-inverted": fp8_scale_inverted, "fp8-grad-e4m3": fp8_grad_e4m3, "mtp-local": mtp_local,
+          "fp8-scale-inverted": fp8_scale_inverted, "fp8-grad-e4m3": fp8_grad_e4m3,
+          "fp8-block-straddle": fp8_block_straddle, "mtp-local": mtp_local,
           "none": lambda _: (lambda: None)}
 
 

@@ -46,5 +46,8 @@ def test_fp8_codes_may_lie_one_step_from_the_reference_and_no_further():
     row = judged(ref, [[0x45, 0xC5, 0x00, 0x7C]])
     assert not row.ok and row.note == "codes more than one FP8 step apart, first at (0, 3): 126 vs 124", row.note
     assert not judged([[0x01]], [[0x81]]).ok                # a sign flip of a non-zero value
+    dy = "step_1/fp8/h.0.attn.c_attn/dy.dgrad/bytes"       # a gradient's subnormals: noise around a zero
+    assert judged([[0x00, 0x83]], [[0x03, 0x01]], dy).ok and not judged([[0x00]], [[0x03]]).ok
+    assert not judged([[0x00]], [[0x04]], dy).ok and not judged([[0x01]], [[0x85]], dy).ok
     scale = "step_1/fp8/h.0.mlp.c_fc/w.forward/scale"       # E8M0 exponents: one code is a factor 2
     assert judged([[127, 130]], [[128, 130]], scale).ok and not judged([[127]], [[129]], scale).ok

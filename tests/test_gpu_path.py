@@ -151,22 +151,31 @@ def test_gpu_fp8_operands_are_the_cpus_bytes(mpicube, recipe):
     rounded by ops/fp8.round_to_format's bit arithmetic (float32 holding
     FP8 values, E8M0 scales as bytes). Every linear's quantized bytes and
     scales in a 2-step trace equal the CPU's (ml_dtypes' casts) exactly,
-    and everything else to compare's float64 budget."""
+    and everything else to compare's float64 budget - but for the
+    elements of rounding noise around an exact zero (causal attention's
+    first-query gradient in dy, which the GPU's attention sums in another
+    order: tests/fp8_operands.py, docs/fp8.md "Across layouts")."""
+    import h5py
+    from fp8_operands import differences
+
+    from mpicube.check.compare import compare_traces
+    from mpicube.training.fp8_options import fp8_recipe
+
     common = ["trace", *TINY, "--arch", "llama", "--dtype", "float64", "--steps", "2", "--fp8", *recipe]
     cpu = mpicube.run(*common, "--out", "cpu.h5")
     gpu = mpicube.run(*common, "--out", "gpu.h5", "--device", "gpu", env=FAKE_GPU)
     assert cpu.returncode == 0 and gpu.returncode == 0, (cpu, gpu)
-    compared = mpicube.run("compare", "cpu.h5", "gpu.h5")
-    assert compared.returncode == 0 and "all tensors agree" in compared.stdout, compared
-    import h5py
-
+    off = [r.name for r in compare_traces(mpicube.cwd / "cpu.h5", mpicube.cwd / "gpu.h5").rows if not r.ok]
+    assert all("/fp8/" in name and "/dy." in name for name in off), off
     with h5py.File(mpicube.cwd / "cpu.h5") as a, h5py.File(mpicube.cwd / "gpu.h5") as b:
         names = []
         a.visit(lambda name: names.append(name) if "/fp8/" in f"/{name}" and isinstance(a[name], h5py.Dataset)
                 else None)
         assert len(names) >= 8, names                   # bytes and scales of the block's linears
-        for name in names:
-            assert a[name].dtype == b[name].dtype and (a[name][()] == b[name][()]).all(), name
+        block = int(recipe[recipe.index("--fp8-block") + 1]) if "--fp8-block" in recipe else None
+        wrong = differences({n: b[n][()] for n in names}, {n: a[n][()] for n in names},
+                            fp8_recipe(recipe[0], "float64", block=block))
+        assert not wrong, wrong[:3]
 
 
 def _error(result):

@@ -6,8 +6,9 @@ agrees, and with the ranks whose replicas part where the bug leaves
 replicated copies different, or with the axis of a pending sum
 consumed as replicated (issue 47: the placements of a sharded trace).
 Issue 45's FP8 bugs (an amax per shard, the scale inverted, gradients
-in e4m3 where the recipe says e5m2) are traced with --fp8 tensorwise and
-named at the scale or the FP8 bytes they spoil (trace --fp8 orders a
+in e4m3 where the recipe says e5m2) are traced with --fp8 tensorwise, a
+block straddling a shard with --fp8 mxfp8 (the layout's refusal bypassed
+by the plant), and named at the scale or the FP8 bytes they spoil (trace --fp8 orders a
 linear's operands before what its GEMM makes). Issue 47's state bugs (moments dropped, the loss scale reset, a replica
 skipping its update, gradients never applied, mixed precision off) are
 traced with --state over two steps and named at the state tensor or the
@@ -51,6 +52,7 @@ REFERENCES = {"ref.h5": [], "ref257.h5": ["--vocab-size", "257"], "state.h5": ST
               "bf16.h5": ["--dtype", "bfloat16"], "fp8.h5": ["--fp8", "tensorwise"], "ds.h5": DS,
               "mtp.h5": ["--arch", "deepseek_v3", "--mtp-depth", "1"]}
 FP8 = ["--fp8", "tensorwise"]
+MX = ["--fp8", "mxfp8", "--fp8-block", "16", "--seq-len", "16"]      # (the reference: in this process, mx_reference)
 
 # bug, reference, layout options, the first divergence, rows that must still agree, a note its row must hold
 CATALOGUE = [
@@ -96,11 +98,17 @@ CATALOGUE = [
     # issue 45's FP8 bugs, named at step 1 at the scale or FP8 bytes they spoil, before any activation moves
     ("fp8-amax-shard", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/w.forward/scale",
      ["step_1/act/h.0.ln_1", "step_1/fp8/h.0.attn.c_attn/x.forward/scale"], "replicas part: ranks 0 and 1"),
-    ("fp8-scale-inverted", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/w.forward/bytes",
+    ("fp8-scale-inverted", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.0.attn.c_attn/x.forward/bytes",
      ["step_1/fp8/h.0.attn.c_attn/x.forward/scale", "step_1/fp8/h.0.attn.c_attn/w.forward/scale"],
      "first differs at"),
     ("fp8-grad-e4m3", "fp8.h5", ["--layout", "1d", *FP8], "step_1/fp8/h.1.mlp.c_proj/dy.dgrad/scale",
-     ["step_1/loss", "step_1/grad/ln_f.weight", "step_1/fp8/h.1.mlp.c_proj/w.dgrad/bytes"], ""),
+     ["step_1/loss", "step_1/grad/ln_f.weight", "step_1/fp8/h.1.mlp.c_proj/w.forward/bytes"], ""),
+    # a 16-wide MX block cut by 1-D's row split of the attention's output projection (8 columns a rank): the
+    # scale of its input x, each rank's from its own half (its W^T's blocks straddle too, after it); the
+    # linear before it agrees
+    ("fp8-block-straddle", "fp8mx.h5", ["--layout", "1d", *MX], "step_1/fp8/h.0.attn.c_proj/x.forward/scale",
+     ["step_1/fp8/h.0.attn.c_attn/x.forward/bytes", "step_1/fp8/h.0.attn.c_attn/w.forward/bytes"],
+     "replicas part: ranks 0 and 1"),
     # issue 43: DeepSeek-V3's MTP depth normalised by this rank's tokens (Megatron #2417): named at the depth's
     # loss, its block's activations (h.2) and the main loss still agreeing
     ("mtp-local", "mtp.h5", ["--arch", "deepseek_v3", "--mtp-depth", "1", "--layout", "1d", "--dp", "2"],
@@ -130,6 +138,21 @@ def fp8_envelope(out, corpus) -> None:
     run_envelope({**options, **env_settings()}, MPI.COMM_SELF, say=lambda *a, **k: None)
 
 
+def mx_reference(out, corpus) -> None:
+    """``mpicube trace --layout serial MODEL MX --out OUT`` run in this
+    process on one rank (MPI.COMM_SELF): the block-straddle plant's
+    serial reference, without a launch of its own."""
+    from mpi4py import MPI
+
+    from mpicube.analysis.trace import run_trace
+    from mpicube.cli.common import env_settings
+    from mpicube.cli.train import trace_command
+
+    argv = ["--layout", "serial", *MODEL, *MX, "--data", str(corpus), "--out", str(out)]
+    options = trace_command.make_context("trace", argv).params
+    run_trace({**options, **env_settings()}, MPI.COMM_SELF, say=lambda *a, **k: None)
+
+
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory, corpus_cache) -> MpiCube:
     """The serial references, then every bug's trace from one 2-rank
@@ -144,6 +167,7 @@ def runner(tmp_path_factory, corpus_cache) -> MpiCube:
     assert r.returncode == 0 and "envelope of 4 bfloat16 reruns" in r.stdout, r
     corpus = data.builtin_corpus(corpus_cache)[0]
     fp8_envelope(runner.cwd / "fp8-envelope.h5", corpus)
+    mx_reference(runner.cwd / "fp8mx.h5", corpus)
     cases = json.dumps([[bug, [*MODEL, *options, "--sharded"]] for bug, _, options, *_ in CATALOGUE]
                        + [[bug, [*MODEL, "--layout", "1d", "--dtype", "bfloat16"], out]
                           for bug, out in BF16_CANDIDATES]

@@ -43,7 +43,8 @@ from ..training.optim import Schedule
 from ..training.options import TrainOptions
 from ..training.train import DivergedError, Trainer
 from ..check.placements import mesh_attr
-from .trace_collect import Collector, Fp8Recorder, Piece, gather_pieces, mesh_of, record_outputs
+from .trace_collect import Collector, Piece, gather_pieces, mesh_of, record_outputs
+from .trace_fp8 import Fp8Recorder
 
 DEFAULT_MAX_BYTES = 2 * 10 ** 9
 CLIP_EPS = 1e-6          # clipping scale min(1, max_norm / (norm + CLIP_EPS)), as train does
@@ -171,7 +172,7 @@ class Recorder(StepHooks):
             record_outputs(model, self.sink)
         self.T = trainer.opts.seq_len
         fp8 = trainer.parts.layout.fp8
-        self.fp8 = None if fp8 is None else Fp8Recorder(trainer.parts.store)   # --fp8: quantized operands
+        self.fp8 = None if fp8 is None else Fp8Recorder(trainer.parts.store, self.collect, self.T)   # --fp8's operands
         if fp8 is not None:
             fp8.observer = self.fp8
         self.mesh = None                 # rank 0 under --sharded: (sizes, every rank's coords)

@@ -39,6 +39,7 @@ from ..ops.fp8 import NonFiniteError, current_scale, group_amax, quantize, requi
 from ..ops.fp8_recipes import Quantized, Recipe, local_group, pad_tiles, quantize_with
 from .comm import Comm
 
+CANONICAL = {"x": "forward", "w": "forward", "dy": "dgrad"}   # the GEMM a tensor scale's quantization is named by
 ROLE_WORDS = {"x": "input x", "w": "weight", "dy": "output gradient dy"}
 
 
@@ -67,11 +68,29 @@ class Splits:
     dy_tokens: Comm = None
 
 
+@dataclass
+class OperandIndex:
+    """Where a linear's x and dy live in the logical tensors, for an
+    observer (``trace --fp8`` reassembles their quantized bytes and scales
+    as it does any traced tensor): the global K_in columns of this rank's
+    x and K_out columns of its dy (each as the GEMM sees the block before
+    it travels), and which token rows each holds, as the trace's
+    ``Collector`` names them: (sequences "canonical" or "mid", positions
+    "gathered" (every position of the rank's cp chunks) or "canonical"
+    (the canonical form's: T/p of them under --sequence-parallel)). None
+    for an expert's linear, whose rows are the tokens dispatched to it."""
+
+    x_cols: object                       # (K_in_l,) global indices
+    dy_cols: object                      # (K_out_l,) global indices
+    x_rows: tuple = ("canonical", "gathered")
+    dy_rows: tuple = ("canonical", "gathered")
+
+
 class Fp8Scaling:
     """One per layout: the recipe, the stage's communicator that tensor
     amaxes are reduced over, the step (for messages), ``delayed``'s
-    histories, and an optional ``observer(name, role, gemm, Quantized)``
-    (trace --fp8)."""
+    histories, and an optional ``observer(name, role, gemm, Quantized,
+    OperandIndex)`` (trace --fp8)."""
 
     def __init__(self, recipe: Recipe, stage: Comm, tokens: Comm):
         self.recipe, self.stage, self.tokens = recipe, stage, tokens
@@ -90,8 +109,8 @@ class Fp8Scaling:
             h[:-1], h[-1] = h[1:].copy(), amax
         self.seen, self.step = {}, step
 
-    def linear(self, name: str, splits: Splits = None) -> "LinearFp8":
-        return LinearFp8(self, name, splits or Splits(tokens=self.tokens))
+    def linear(self, name: str, splits: Splits = None, index: OperandIndex = None) -> "LinearFp8":
+        return LinearFp8(self, name, splits or Splits(tokens=self.tokens), index)
 
     def state(self, mpi_world) -> dict:
         """``delayed``'s histories as a checkpoint keeps them (collective
@@ -131,8 +150,9 @@ class LinearFp8:
     ``ops/fp8_recipes.py``). Operands come and go in the linear's own
     shapes; each is quantized with its contraction on the last axis."""
 
-    def __init__(self, scaling: Fp8Scaling, name: str, splits: Splits):
+    def __init__(self, scaling: Fp8Scaling, name: str, splits: Splits, index: OperandIndex = None):
         self.s, self.name, self.splits = scaling, name, splits
+        self.index = index              # x's and dy's place in the logical tensors (an observer's), or None
         if splits.dy_tokens is None:
             splits.dy_tokens = splits.tokens
 
@@ -181,11 +201,16 @@ class LinearFp8:
         return self.operand(a2, role, gemm, split).reshape(a.shape)
 
     def tensor(self, a, role: str):
-        """a (any shape) under a tensor scale, for the layouts whose GEMMs
-        see gathered panels (2-D, 2.5-D, 3-D): tensorwise and delayed
-        quantize every orientation alike, so one quantization at entry
-        serves all three GEMMs."""
-        return self.operand(a.reshape(-1, a.shape[-1]), role, "forward", None).reshape(a.shape)
+        """a (x, dy: (..., K); w: (K_in, K_out)) under a tensor scale, for
+        the layouts whose GEMMs see gathered panels (2-D, 2.5-D, 3-D):
+        tensorwise and delayed quantize every orientation alike, so one
+        quantization at entry serves all three GEMMs. It is named and
+        oriented as the first GEMM that uses it quantizes it (``CANONICAL``:
+        x and W^T for forward, dy for dgrad), as serial's are, so an
+        observer sees the same operands on every layout."""
+        if role == "w":
+            return self.operand(a.T, "w", "forward", None).T
+        return self.operand(a.reshape(-1, a.shape[-1]), role, CANONICAL[role], None).reshape(a.shape)
 
     # one operand ----------------------------------------------------------------
     def operand(self, a2, role: str, gemm: str, split: Comm):
@@ -207,7 +232,7 @@ class LinearFp8:
                 amax = split.allreduce(amax, op="max")
             q = quantize_with(padded, amax, group, fmt, r)
         if self.s.observer is not None:
-            self.s.observer(self.name, role, gemm, q)
+            self.s.observer(self.name, role, gemm, q, self.index)
         return q.values(a2.dtype)[:, :a2.shape[1]]
 
     def tensor_quantized(self, a2, role, fmt) -> Quantized:

@@ -37,7 +37,7 @@ import numpy as np
 from ... import ops
 from ...device import precision
 from ..comm import Comm
-from ..fp8 import Fp8Scaling, Splits, check_shard, latent_widths
+from ..fp8 import Fp8Scaling, OperandIndex, Splits, check_shard, latent_widths
 from ...core.config import ModelConfig
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, ParamStore, shared_columns, split_decl, split_index
@@ -120,16 +120,25 @@ class Layout:
         tokens = world.split("fp8", pp.rank * tp.size + tp.rank, world.rank)
         return Fp8Scaling(recipe, stage, tokens)
 
-    def fp8_linear(self, store: ParamStore, prefix: str, splits: Splits = None):
+    def fp8_linear(self, store: ParamStore, prefix: str, splits: Splits = None, index: OperandIndex = None):
         """The FP8 operands of linear ``prefix`` (``LinearFp8``), or None
-        without --fp8; refuses a weight shard that is not whole tiles."""
+        without --fp8; refuses a weight shard that is not whole tiles.
+        ``index``: where its x and dy lie (for trace --fp8); by default
+        x's columns are W's rows and dy's W's columns, on the canonical
+        sequences at every position of the rank's cp chunks (serial, 1-D
+        with or without --sequence-parallel, whose linears see the
+        gathered sequence); none for an expert's linear."""
         if self.fp8 is None:
             return None
         spec = store.by_name[prefix + ".weight"]
         check_shard(self.fp8.recipe, prefix + ".weight", *spec.index)
         if splits is not None and splits.tokens is None:
             splits.tokens = self.fp8.tokens
-        return self.fp8.linear(prefix, splits)
+        if spec.expert:
+            index = None
+        elif index is None:
+            index = OperandIndex(np.asarray(spec.index[0]), np.asarray(spec.index[1]))
+        return self.fp8.linear(prefix, splits, index)
 
     # --- what every layout provides (overridden) -------------------------
     canonical_seqs: np.ndarray      # (B_c,) sequences held in canonical form

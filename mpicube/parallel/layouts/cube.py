@@ -32,7 +32,7 @@ from ..comm import Comm
 from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 from .base import COLUMN, REPLICATED, Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
-from ..fp8 import Fp8Scaling, Splits
+from ..fp8 import Fp8Scaling, OperandIndex, Splits
 from .modules import replicated_linear
 
 
@@ -188,9 +188,24 @@ class CubeLayout(Layout):
             by = {"k": self.fp8.tokens, "j": self.fp8_tokens_j}
             first = kind == COLUMN
             fp8 = self.fp8_linear(store, prefix, Splits(x_cols=b, w_rows=self.ik if first else self.ij, w_cols=a,
-                                                        dy_cols=a, tokens=by[b.axis], dy_tokens=by[a.axis]))
+                                                        dy_cols=a, tokens=by[b.axis], dy_tokens=by[a.axis]),
+                                  self.fp8_index(store, prefix, kind))
         return CubeLinear(store, prefix, a=a, b=b, weight_comm=self.ci, overlap=self.overlap,
                           regather=self.recompute == "gathers", bias=bias, fp8=fp8)
+
+    def fp8_index(self, store, prefix, kind):
+        """``OperandIndex`` of a cube linear: x holds input rows sub-block
+        a and K_in block b (W's rows gathered over i), dy output rows
+        sub-block b and W's columns; a first linear's (a, b) are (j, k):
+        canonical rows in, intermediate (mid) rows out; a second's the
+        reverse."""
+        if self.fp8 is None:
+            return None
+        spec = store.by_name[prefix + ".weight"]
+        q, block = self.q, self.k if kind == COLUMN else self.j
+        x_cols = np.concatenate([split_index(spec.decl.shape[0], q * q, block * q + i) for i in range(q)])
+        rows = [("canonical", "gathered"), ("mid", "gathered")]
+        return OperandIndex(x_cols, np.asarray(spec.index[1]), *(rows if kind == COLUMN else rows[::-1]))
 
     def tied_embedding(self, store, name="wte"):
         return CubeTiedEmbedding(store, self, name)

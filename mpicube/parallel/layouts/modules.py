@@ -14,11 +14,13 @@ its float32 gradients, round to the activation format once.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ... import ops
 from ...device import precision
 from ..comm import Comm
 from ..comm_start import iallreduce
-from ..fp8 import Splits
+from ..fp8 import OperandIndex, Splits
 from ..params import ParamStore
 from .base import acc, add_bias, add_bias_grad, bias_views, matmul_rows
 
@@ -183,7 +185,9 @@ def replicated_linear(layout, store: ParamStore, prefix: str, bias: bool = False
     fp8 = None
     if layout.fp8 is not None:       # x's columns over the hidden split; its tokens over the stage under sp
         tokens = layout.fp8.stage if layout.sequence_comm is not None else None
-        fp8 = layout.fp8_linear(store, prefix, Splits(x_cols=layout.hidden_comm, tokens=tokens))
+        width = store.by_name[prefix + ".weight"].decl.shape[1]            # x (B_c, T_c, C_c) -> dy (B_c, T_c, C_out)
+        where = OperandIndex(np.asarray(cols), np.arange(width), ("canonical", "canonical"), ("canonical", "canonical"))
+        fp8 = layout.fp8_linear(store, prefix, Splits(x_cols=layout.hidden_comm, tokens=tokens), where)
     return ReplicatedLinear(store, prefix, rows, layout.hidden_comm, fp8)
 
 

@@ -28,6 +28,8 @@ wte[:, block c] after the LM head's forward GEMM and gathers it again in
 
 from __future__ import annotations
 
+import numpy as np
+
 from ... import ops
 from ...device import precision
 from ..comm_start import ibcast
@@ -35,7 +37,7 @@ from ...core.errors import ConfigError
 from ..params import ParamDecl, ParamSpec, full_index, split_index
 from .base import REPLICATED, Layout, acc, check_head_split, add_bias, add_bias_grad, bias_views, matmul_rows
 from .modules import replicated_linear
-from ..fp8 import Fp8Scaling, Splits
+from ..fp8 import Fp8Scaling, OperandIndex, Splits
 
 
 class TesseractLayout(Layout):
@@ -186,8 +188,11 @@ class SummaLinear:
         self.xp = layout.backend.xp
         self.overlap = layout.overlap
         # --fp8: a row of x, dy or W (along K_out) is split over the grid's row, a column of W over its column
+        # x (B_c, T, h_in/q) holds K_in block c (W's rows on grid row c), dy W's columns
+        k_in = store.by_name[self.w_name].decl.shape[0]
+        where = OperandIndex(split_index(k_in, self.q, self.c), np.asarray(store.by_name[self.w_name].index[1]))
         self.fp8 = layout.fp8_linear(store, prefix, Splits(x_cols=self.row, w_rows=self.col, w_cols=self.row,
-                                                           dy_cols=self.row))
+                                                           dy_cols=self.row), where)
         self.oriented = self.fp8 is not None and not self.fp8.tensor_scaled   # each GEMM quantizes its own way
 
     def panels(self, *sources):
