@@ -261,7 +261,7 @@ def roundings(chain) -> int:
 def close(name, got, want, scale=None):
     got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     scale = np.abs(want).max() if scale is None else scale
-    err = np.abs(got - want).max() / max(scale, 1e-300) if got.size else 0.0
+    err = np.abs(got - want).max() / max(float(scale), 1e-300) if got.size else 0.0   # float: a 16-bit 0 scale
     WORST[0] = max(WORST[0], err)
     if not err <= RTOL:
         raise AssertionError(f"rank {MPI.COMM_WORLD.rank}: {name} differs from serial by {err:.3e} (relative)")

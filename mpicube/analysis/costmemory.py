@@ -316,7 +316,8 @@ def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
         sites[site_of(seg)] = sites.get(site_of(seg), 0) + n
     blocks = [site for site in sites if not zero.is_end(site)]
     ends = sum(n for site, n in sites.items() if zero.is_end(site))     # outside (and the tied wte's own)
-    slots = ends + min(2, len(blocks)) * max([sites[b] for b in blocks], default=0)
+    # block k's slot is k mod 2 (fsdp_stream.slot_key), each as wide as the widest block it serves
+    slots = ends + sum(max(sites[b] for b in blocks[parity::2]) for parity in (0, 1) if blocks[parity::2])
     mixed = w.act != w.grad
     grads = chunk + slots
     state = 2 * chunk + muon_workspace(p)          # the moments, and Muon's temporaries (costmuon)
