@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..parallel import zero
+from ..parallel.fsdp_stream import slot_key
 from ..parallel.schedules import model_chunk
 from .costexperts import chunk_moe_terms
 from .costfp8 import keeps_local_input, quantized_copy_kept
@@ -315,9 +316,11 @@ def segmented_memory(p: Problem, dropout: bool = False) -> tuple:
     for seg, n in padded.items():
         sites[site_of(seg)] = sites.get(site_of(seg), 0) + n
     blocks = [site for site in sites if not zero.is_end(site)]
-    ends = sum(n for site, n in sites.items() if zero.is_end(site))     # outside (and the tied wte's own)
-    # block k's slot is k mod 2 (fsdp_stream.slot_key), each as wide as the widest block it serves
-    slots = ends + sum(max(sites[b] for b in blocks[parity::2]) for parity in (0, 1) if blocks[parity::2])
+    widths = {}                                  # slot -> its width, as parallel/fsdp.py allocates them:
+    for site, n in sites.items():                # each end its own, block k slot k mod 2 (its widest block)
+        key = slot_key(site, blocks)
+        widths[key] = max(widths.get(key, 0), n)
+    slots = sum(widths.values())
     mixed = w.act != w.grad
     grads = chunk + slots
     state = 2 * chunk + muon_workspace(p)          # the moments, and Muon's temporaries (costmuon)
