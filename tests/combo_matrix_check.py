@@ -190,12 +190,12 @@ class Case:
 def COSTED(case: Case) -> bool:
     """Whether the cost model's exact traffic check applies to the case:
     every one (Llama, DeepSeek-V3's MLA too) but the FP8 ones
-    analysis/costfp8.py does not price yet (``priced_recipe``: experts=,
-    rowwise with sp=1 or MLA, MLA under a tensor scale). A mixture
+    analysis/costfp8.py does not price yet (``priced_recipe``: experts=
+    (ep= > 1 among them), rowwise with sp=1 or MLA, MLA under a tensor scale). A mixture
     (experts=: DeepSeekMoE's sigmoid router, shared experts and dense
     first blocks too) is priced for the routing it recorded; MTP's depths
     (mtp=) from the configuration (analysis/costmtp.py)."""
-    return not case.fp8 or priced_recipe(case.fp8, case.cfg(), case.sp)
+    return not case.fp8 or priced_recipe(case.fp8, case.cfg(), case.sp, case.ep)
 
 
 def configure(dtype: str) -> None:

@@ -205,6 +205,13 @@ FP8_CASES = [
     (4, f"layout=1d tp=4 kv=4 experts=4 fp8=mxfp8 fp8block=2 steps=3 {LLAMA}"),
     (4, f"layout=2d tp=4 kv=2 experts=4 fp8=delayed steps=3 {LLAMA}"),
     (4, f"layout=1d tp=2 dp=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),   # every expert runs on every replica
+    # --ep: an expert's amaxes over the ranks holding it (its expert-data group and their tp ranks); a tile
+    # recipe where one ep group spans dp (the expert's rank receives its rows in serial's token order)
+    (4, f"layout=1d tp=2 dp=2 ep=2 kv=2 experts=4 fp8=tensorwise steps=3 {LLAMA}"),
+    (4, f"layout=1d tp=2 dp=2 ep=2 kv=2 experts=4 fp8=blockwise fp8block=2 steps=3 {LLAMA}"),
+    (4, "layout=1d tp=2 dp=2 ep=2 experts=8 fp8=mxfp8 fp8block=2 steps=3 arch=deepseek_v3"),
+    (8, f"layout=1d tp=2 dp=4 ep=2 kv=2 experts=4 fp8=delayed steps=3 {LLAMA}"),   # two expert-data replicas
+    (8, f"layout=2d tp=4 dp=2 ep=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),   # wgrad rows over a grid column
     # the tile recipes on 2-D, 2.5-D and 3-D: each rank quantizes its own shard along each GEMM's contraction
     # before the panel travels; rowwise on 2-D with its row amaxes over the grid's rows, columns and cp
     (4, "layout=2d tp=4 fp8=blockwise fp8block=4 steps=3"),
@@ -223,7 +230,8 @@ FP8_CASES = [
 def test_fp8_cases_cover_every_recipe_and_layout():
     """Issue 45: every recipe runs on some layout against serial, the
     tile ones (and the tensor-scaled) on 2-D, 2.5-D and 3-D too, and the axes a scale
-    must be reduced over (dp, cp, sequence parallelism, pp) each appear."""
+    must be reduced over (dp, cp, sequence parallelism, pp) each appear; every recipe
+    also under --ep > 1."""
     words = [dict(w.split("=", 1) for w in ws.split()) for _, ws in FP8_CASES]
     from mpicube.ops.fp8_recipes import RECIPES
 
@@ -233,6 +241,8 @@ def test_fp8_cases_cover_every_recipe_and_layout():
         assert any(axis in kw for kw in words), axis
     assert all(kw["steps"] == "3" for kw in words)
     assert any("experts" in kw for kw in words)
+    assert {kw["fp8"] for kw in words if int(kw.get("ep", 1)) > 1} >= {"tensorwise", "delayed", "rowwise",
+                                                                      "blockwise", "mxfp8"}
     for layout in ("2d", "2.5d", "3d"):             # the tile recipes on every panel layout
         assert {kw["fp8"] for kw in words if kw["layout"] == layout} & {"blockwise", "mxfp8"}, layout
     assert {kw["layout"] for kw in words if kw["fp8"] == "rowwise"} >= {"1d", "2d", "3d"}

@@ -51,9 +51,11 @@ def refusal_cases(tmp_path):
                                "--fp8-block", "4"],
          r"--fp8 blockwise: a rank's latent columns \(--kv-lora-rank / 2\) is 6, not a multiple of the 4-element "
          r"tile .*--fp8-block 2"),
-        ("expert parallel", train + ["--arch", "mixtral", "--n-experts", "4", "--ep", "2", "--fp8", "tensorwise"],
-         r"--fp8 with --ep > 1 is not supported yet: an expert's scales would have to be reduced over the ranks "
-         r"that dispatched its tokens"),
+        ("expert tiles", ["info", "--layout", "1d", "-n", "8", "--dp", "4", "--ep", "2", "--arch", "mixtral",
+                          "--n-experts", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--ffn-hidden",
+                          "16", "--seq-len", "16", "--batch-size", "8", "--fp8", "blockwise", "--fp8-block", "4"],
+         r"--fp8 blockwise with a mixture of experts on --dp 4 --cp 1 --ep 2: an expert's token rows are spread "
+         r"over ranks .*use layout 1d with --ep equal to --dp and --cp 1"),
         ("block option", train + ["--fp8", "tensorwise", "--fp8-block", "16"], r"--fp8-block applies to blockwise"),
         ("pow2 option", train + ["--fp8", "mxfp8", "--fp8-pow2", "--fp8-block", "16"], r"--fp8-pow2 applies to rowwise"),
         ("history", train + ["--fp8", "delayed", "--fp8-amax-history", "0"], r"--fp8-amax-history must be at least 1"),

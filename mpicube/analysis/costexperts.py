@@ -66,11 +66,19 @@ class Rows:
         ``run`` over the local experts: on serial and 1-D each expert's
         own rows (1/ep of them) and the others' in two batches."""
         g, local = p.ep, p.cfg.n_experts // p.ep
-        if p.layout not in ("serial", "1d"):
+        if every_expert_runs(p):
             return cls((sent // g,) * g, (sent // g,) * g, (run // local,) * local)
         own = run // g // local
         batches = [b for b in (own, run // local - own) if b]
         return cls((sent // g,) * g, (sent // g,) * g, tuple(b for _ in range(local) for b in batches))
+
+
+def every_expert_runs(p: Problem) -> bool:
+    """Whether each local expert runs once, on all its rows, empty ones
+    too (``Layout.expert_rows``'s ``every``): on 2-D, 2.5-D and 3-D, and
+    under --fp8 wherever an expert's amaxes span dp x cp replicas
+    (``Layout.fp8_every``)."""
+    return p.layout not in ("serial", "1d") or (bool(p.fp8) and p.dp * p.cp > 1)
 
 
 def grid(p: Problem) -> tuple:
@@ -133,9 +141,10 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
     E, K, F = cfg.n_experts, cfg.top_k, cfg.moe_ffn
     R, F_l = rows.run, F // split
     # the outputs brought back, in the sent order; where every expert runs on all its rows at once (2-D,
-    # 2.5-D, 3-D) and none left the rank, they are a view of those experts' whole output (received rows)
+    # 2.5-D, 3-D, --fp8 over replicas: every_expert_runs) and none left the rank, they are a view of those
+    # experts' whole output (received rows)
     away = rows.sent - rows.sent_to[p.ep_rank]
-    back = sum(rows.received) if p.layout not in ("serial", "1d") and not away else rows.sent
+    back = sum(rows.received) if every_expert_runs(p) and not away else rows.sent
     parts = {"router": ("stat", router_elems(p, n)),
              "input": ("act", n * c),
              "outputs back": ("act", back * c)}

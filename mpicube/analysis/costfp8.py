@@ -42,11 +42,14 @@ PER_LINEAR = {"serial": 6, "1d": 6, "2d": 4, "2.5d": 4, "3d": 3}    # quantizati
 
 def priced(p: Problem) -> bool:
     """Whether ``fp8_traffic`` prices the FP8 run ``p`` (see the module docstring)."""
-    return priced_recipe(p.fp8, p.cfg, p.sequence_parallel)
+    return priced_recipe(p.fp8, p.cfg, p.sequence_parallel, p.ep)
 
 
-def priced_recipe(recipe: str, cfg, sequence_parallel: bool = False) -> bool:
-    """``priced`` from the recipe's name, the model and --sequence-parallel."""
+def priced_recipe(recipe: str, cfg, sequence_parallel: bool = False, ep: int = 1) -> bool:
+    """``priced`` from the recipe's name, the model, --sequence-parallel
+    and --ep (an expert's amaxes over its holders under --ep > 1: not priced)."""
+    if ep > 1:
+        return False
     if recipe not in PRICED or cfg.moe:
         return False
     if recipe == "rowwise":

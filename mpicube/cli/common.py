@@ -316,8 +316,7 @@ def fp8_recipe_options(f):
                                     "fp8_amax_rule", "fp8_block", "fp8_pow2")}
         kw["fp8"] = fp8_recipe(o["fp8"], kw.get("dtype") or "float32", grad_format=o["fp8_grad_format"],
                                accumulate=o["fp8_accumulate"], history=o["fp8_amax_history"],
-                               rule=o["fp8_amax_rule"], block=o["fp8_block"], power_of_2=o["fp8_pow2"],
-                               ep=kw.get("ep") or 1)
+                               rule=o["fp8_amax_rule"], block=o["fp8_block"], power_of_2=o["fp8_pow2"])
         return f(**kw)
 
     return fp8_options(command)

@@ -92,8 +92,16 @@ class Fp8Scaling:
     histories, and an optional ``observer(name, role, gemm, Quantized,
     OperandIndex)`` (trace --fp8)."""
 
-    def __init__(self, recipe: Recipe, stage: Comm, tokens: Comm):
+    def __init__(self, recipe: Recipe, stage: Comm, tokens: Comm, ep: Comm = None, more_tokens: tuple = ()):
         self.recipe, self.stage, self.tokens = recipe, stage, tokens
+        # --ep > 1: an expert lives on the ranks of one ep rank (its expert-data group, with their tp ranks),
+        # so its amaxes are reduced over the part of each group that holds it: id(group) -> that part.
+        # Collective over each group, in the same order on every rank (stage, tokens, then the layout's others)
+        self.expert_parts = {}
+        if ep is not None and ep.size > 1:
+            for group in (stage, tokens, *more_tokens):
+                if id(group) not in self.expert_parts:
+                    self.expert_parts[id(group)] = group.split("fp8", ep.rank, group.rank)
         self.step = 0
         self.recording = True               # off while evaluating: no amax joins delayed's history
         self.history = {}                   # "linear role" -> (L,) float64 amaxes, oldest first
@@ -109,8 +117,25 @@ class Fp8Scaling:
             h[:-1], h[-1] = h[1:].copy(), amax
         self.seen, self.step = {}, step
 
-    def linear(self, name: str, splits: Splits = None, index: OperandIndex = None) -> "LinearFp8":
-        return LinearFp8(self, name, splits or Splits(tokens=self.tokens), index)
+    def linear(self, name: str, splits: Splits = None, index: OperandIndex = None,
+               expert: bool = False) -> "LinearFp8":
+        """The FP8 seam of linear ``name``. An ``expert``'s under --ep > 1
+        reduces its tensor amax, and its wgrad token rows' amaxes, over the
+        ranks holding that expert only (``expert_part``): the tokens
+        dispatched to it from every replica of its ep group lie there, and
+        the other ep ranks hold other experts, whose amaxes are not its own."""
+        splits = splits or Splits(tokens=self.tokens)
+        if splits.dy_tokens is None:
+            splits.dy_tokens = splits.tokens
+        if not expert:
+            return LinearFp8(self, name, splits, index)
+        splits.tokens, splits.dy_tokens = self.expert_part(splits.tokens), self.expert_part(splits.dy_tokens)
+        return LinearFp8(self, name, splits, index, stage=self.expert_part(self.stage))
+
+    def expert_part(self, group: Comm) -> Comm:
+        """The ranks of ``group`` that hold this rank's experts (``group``
+        itself without --ep or where it is not a token or stage group)."""
+        return self.expert_parts.get(id(group), group) if group is not None else None
 
     def state(self, mpi_world) -> dict:
         """``delayed``'s histories as a checkpoint keeps them (collective
@@ -150,9 +175,11 @@ class LinearFp8:
     ``ops/fp8_recipes.py``). Operands come and go in the linear's own
     shapes; each is quantized with its contraction on the last axis."""
 
-    def __init__(self, scaling: Fp8Scaling, name: str, splits: Splits, index: OperandIndex = None):
+    def __init__(self, scaling: Fp8Scaling, name: str, splits: Splits, index: OperandIndex = None,
+                 stage: Comm = None):
         self.s, self.name, self.splits = scaling, name, splits
         self.index = index              # x's and dy's place in the logical tensors (an observer's), or None
+        self.stage = stage if stage is not None else scaling.stage   # the ranks holding pieces of x, W, dy
         if splits.dy_tokens is None:
             splits.dy_tokens = splits.tokens
 
@@ -236,9 +263,9 @@ class LinearFp8:
         return q.values(a2.dtype)[:, :a2.shape[1]]
 
     def tensor_quantized(self, a2, role, fmt) -> Quantized:
-        """A tensor scale: the amax of the whole logical tensor (the stage's
-        max), current (tensorwise) or from the history (delayed)."""
-        amax = self.s.stage.allreduce(group_amax(a2, "tensor"), op="max")   # (1, 1)
+        """A tensor scale: the amax of the whole logical tensor (the max
+        over the stage, or over an expert's holders in it), current (tensorwise) or from the history (delayed)."""
+        amax = self.stage.allreduce(group_amax(a2, "tensor"), op="max")     # (1, 1)
         r = self.s.recipe
         if r.name == "delayed":
             key = f"{self.name} {role}"
@@ -304,7 +331,19 @@ def latent_widths(cfg, split: int, columns: int, rows: int) -> dict:
     return out
 
 
-def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1, cp_kind: str = "ring") -> None:
+def expert_rows_whole(cls, dp: int, cp: int, ep: int) -> bool:
+    """Whether each expert's token rows are whole on the ranks that run it,
+    in the serial model's order, so that a tile along its tokens (wgrad)
+    holds serial's tokens: a layout that does not split the tokens over
+    tp, no --cp (the ring's chunks interleave a sequence's positions
+    across ranks), and one ep group spanning every replica (--ep equal to
+    --dp: an expert then lives on one ep rank, which receives its rows
+    from replicas 0, 1, ... in turn, the global batch's token order)."""
+    return not cls.token_split and cp == 1 and ep == dp
+
+
+def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int = 1, cp_kind: str = "ring",
+               ep: int = 1) -> None:
     """The pure half of the checks (``planning.resolve``, before any file
     or collective): kv heads replicated over ranks
     (each then holds a partial sum of their columns' dy, which no scale
@@ -312,7 +351,9 @@ def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int =
     ``fp8_widths``: the hidden size, a rank's query, kv and MLP columns
     (DeepSeek-V3's: ``latent_widths``),
     a 3-D weight's rows; serial is 1-D on one rank), a rank's consecutive
-    positions, and an expert's token rows (whole on one 1-D replica only).
+    positions, and an expert's token rows (whole, in the serial model's
+    order, on one 1-D replica, or under --ep equal to --dp without --cp
+    on the ep rank that holds the expert: ``expert_rows_whole``).
     The layouts check their real shards again when they build
     (``check_shard``)."""
     if recipe is None:
@@ -329,11 +370,13 @@ def check_plan(recipe: Recipe, cfg, cls, tp: int, depth: int, cp: int, dp: int =
         raise ConfigError(f"--fp8 {recipe.name} with --cp-kind {cp_kind}: the tiles along a rank's positions are "
                           f"checked for the ring's chunks only so far; use --cp-kind ring, or tensorwise, delayed "
                           f"or rowwise")
-    if cfg.moe and (dp * cp > 1 or cls.token_split):
-        where = f"dp x cp = {dp * cp} replicas" if dp * cp > 1 else f"the token blocks of layout {cls.name}"
+    if cfg.moe and not expert_rows_whole(cls, dp, cp, ep):
+        where = (f"the token blocks of layout {cls.name}" if cls.token_split else
+                 f"--dp {dp} --cp {cp} --ep {ep}")
         raise ConfigError(f"--fp8 {recipe.name} with a mixture of experts on {where}: an expert's token rows are "
-                          f"spread over them, so its weight gradient's tiles along the tokens would straddle "
-                          f"ranks; use layout 1d with --dp 1 --cp 1, or tensorwise, delayed or rowwise")
+                          f"spread over ranks (or come in another order than serial's), so its weight gradient's "
+                          f"tiles along the tokens would straddle them; use layout 1d with --ep equal to --dp and "
+                          f"--cp 1 (--dp 1 --ep 1 among them), or tensorwise, delayed or rowwise")
     widths = {**cls.fp8_widths(cfg, tp, depth),
               "a rank's consecutive positions of a sequence" + (f" (--seq-len / {2 * cp})" if cp > 1 else
                                                                 " (--seq-len)"): cfg.n_ctx // (2 * cp if cp > 1 else 1)}

@@ -192,7 +192,7 @@ def resolve(plan, cfg: ModelConfig, batch_size: Optional[int], world_size: int, 
     _check_batch(plan, cls, name, run_cfg, tp, batch_size)
     if plan.sequence_parallel:
         check_sequence_parallel(plan, cls, name, run_cfg, tp)
-    check_fp8(plan.fp8, run_cfg, cls, tp, plan.depth, plan.cp, plan.dp, plan.cp_kind)
+    check_fp8(plan.fp8, run_cfg, cls, tp, plan.depth, plan.cp, plan.dp, plan.cp_kind, plan.ep)
     return Resolved(plan, cfg, world_size, tp, name, batch_size, seq_len, why, kept, note,
                     one_rank_note(plan, name, tp, world_size))
 

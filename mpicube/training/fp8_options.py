@@ -12,7 +12,7 @@ MASTER_TYPES = ("float32", "float64")     # what the emulated GEMMs accumulate i
 
 
 def fp8_recipe(name, dtype: str, grad_format=None, accumulate=None, history: int = 16, rule: str = "max",
-               block=None, power_of_2: bool = False, ep: int = 1):
+               block=None, power_of_2: bool = False):
     """The Recipe of ``--fp8 name`` and its options, or None without --fp8."""
     if name is None:
         return None
@@ -43,9 +43,5 @@ def fp8_recipe(name, dtype: str, grad_format=None, accumulate=None, history: int
     if fp8.ml_dtypes() is None:
         raise ConfigError("--fp8 needs the ml_dtypes package (its FP8 formats): pip install ml_dtypes "
                           "(or reinstall mpicube)")
-    if ep > 1:
-        raise ConfigError("--fp8 with --ep > 1 is not supported yet: an expert's scales would have to be reduced "
-                          "over the ranks that dispatched its tokens, and its token tiles would straddle them "
-                          "(docs/fp8.md, Refused); use --ep 1")
     return Recipe(name, grad_format=grad_format, block=block, power_of_2=power_of_2, history=history,
                   history_rule=rule, accumulate=accumulate)

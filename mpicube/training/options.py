@@ -152,7 +152,7 @@ class TrainOptions:
         a combination it cannot run (pure: every rank agrees)."""
         return fp8_recipe(self.fp8, self.dtype, grad_format=self.fp8_grad_format, accumulate=self.fp8_accumulate,
                           history=self.fp8_amax_history, rule=self.fp8_amax_rule, block=self.fp8_block,
-                          power_of_2=self.fp8_pow2, ep=self.ep)
+                          power_of_2=self.fp8_pow2)
 
     def family(self) -> dict:
         """``family_fields``' keyword arguments from these options."""

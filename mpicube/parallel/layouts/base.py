@@ -118,7 +118,7 @@ class Layout:
         world, pp, tp = self.axes.world, self.axes.pp, self.axes.tp
         stage = world.split("fp8", pp.rank, world.rank)
         tokens = world.split("fp8", pp.rank * tp.size + tp.rank, world.rank)
-        return Fp8Scaling(recipe, stage, tokens)
+        return Fp8Scaling(recipe, stage, tokens, self.axes.ep)
 
     def fp8_linear(self, store: ParamStore, prefix: str, splits: Splits = None, index: OperandIndex = None):
         """The FP8 operands of linear ``prefix`` (``LinearFp8``), or None
@@ -138,7 +138,7 @@ class Layout:
             index = None
         elif index is None:
             index = OperandIndex(np.asarray(spec.index[0]), np.asarray(spec.index[1]))
-        return self.fp8.linear(prefix, splits, index)
+        return self.fp8.linear(prefix, splits, index, expert=bool(spec.expert))
 
     # --- what every layout provides (overridden) -------------------------
     canonical_seqs: np.ndarray      # (B_c,) sequences held in canonical form

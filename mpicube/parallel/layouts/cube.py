@@ -174,7 +174,7 @@ class CubeLayout(Layout):
         stage = world.split("fp8", pp.rank, world.rank)
         tokens = world.split("fp8", pp.rank * q + k, world.rank)
         self.fp8_tokens_j = world.split("fp8", pp.rank * q + j, world.rank)
-        return Fp8Scaling(recipe, stage, tokens)
+        return Fp8Scaling(recipe, stage, tokens, self.axes.ep, (self.fp8_tokens_j,))
 
     def linear(self, store, prefix, kind, bias=True):
         if kind == REPLICATED:

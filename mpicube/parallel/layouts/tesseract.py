@@ -123,7 +123,7 @@ class TesseractLayout(Layout):
         q = self.grid_side(tp.size, self.d)
         stage = world.split("fp8", pp.rank, world.rank)
         tokens = world.split("fp8", pp.rank * q + tp.rank % q, world.rank)
-        return Fp8Scaling(recipe, stage, tokens)
+        return Fp8Scaling(recipe, stage, tokens, self.axes.ep)
 
     def shard(self, decl: ParamDecl) -> ParamSpec:
         q, r, c, shape = self.q, self.r, self.c, decl.shape
