@@ -8,14 +8,18 @@ serial model's bit for bit, so:
   (max) over the pipeline stage's ranks: every rank holding a piece of
   x, W or dy (tp, cp, sequence-parallel and, so that every layout
   follows serial at the same global batch, dp; max over replicas is
-  harmless: they hold the same values);
+  harmless: they hold the same values); an expert's under --ep > 1 over
+  the ranks holding it only (its expert-data group and their tp ranks:
+  ``Fp8Scaling.expert_parts``), which hold every row serial runs it on;
 * a row scale (rowwise) from an amax all-reduced over the ranks that hold
   the other pieces of the row (``Splits``, the linear's own groups; on
   3-D a row of x, W or dy along K spans a line or a plane of the cube,
   and a column of x or dy along the tokens a plane and the replicas);
 * a tile or block (blockwise, MXFP8) never straddles a shard: the layout
   refuses widths that are not whole tiles (``check_widths``), and each
-  rank quantizes its tiles alone.
+  rank quantizes its tiles alone; an expert's tiles along its tokens
+  hold serial's tokens only where one rank holds all its rows in serial's
+  order (``expert_rows_whole``), elsewhere the plan is refused.
 
 A linear asks its ``LinearFp8`` for the operands of each GEMM, in the
 activation format (``Recipe.accumulate``): exact FP8 values times their
