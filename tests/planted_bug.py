@@ -347,11 +347,11 @@ def fp8_amax_shard(_):
             return a
 
     def planted(self, a2, role, fmt):
-        stage, self.s.stage = self.s.stage, OwnShard()
+        stage, self.stage = self.stage, OwnShard()
         try:
             return quantized(self, a2, role, fmt)
         finally:
-            self.s.stage = stage
+            self.stage = stage
     return _swap(fp8.LinearFp8, "tensor_quantized", planted)
 
 
