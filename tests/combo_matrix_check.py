@@ -83,7 +83,7 @@ import fp8_operands  # noqa: E402
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
 from moe_costs import StageRuns, check_kept, measured_rows, record_runs, take_runs  # noqa: E402
 from replicated_check import check_replicated  # noqa: E402
-from mpicube.analysis.costfp8 import history_elems, priced_recipe  # noqa: E402
+from mpicube.analysis.costfp8 import history_elems  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
@@ -187,17 +187,6 @@ class Case:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in vars(self).items())
 
 
-def COSTED(case: Case) -> bool:
-    """Whether the cost model's exact traffic check applies to the case:
-    every one (Llama, DeepSeek-V3's MLA too) but the FP8 ones
-    analysis/costfp8.py does not price yet (``priced_recipe``: experts=,
-    rowwise with sp=1 or MLA, MLA under a tensor scale). A mixture
-    (experts=: DeepSeekMoE's sigmoid router, shared experts and dense
-    first blocks too) is priced for the routing it recorded; MTP's depths
-    (mtp=) from the configuration (analysis/costmtp.py)."""
-    return not case.fp8 or priced_recipe(case.fp8, case.cfg(), case.sp)
-
-
 def configure(dtype: str) -> None:
     """parallel_check's globals for a case in ``dtype`` (its helpers read them)."""
     pc.DTYPE, pc.HALF = dtype, is_half(dtype_of(dtype))
@@ -298,7 +287,6 @@ def run_case(case: Case, refs: References) -> None:
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
     opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
     random_biases(store)
-    costed = COSTED(case)               # memory: every case (analysis/costfp8.py prices what each recipe keeps)
     # a mixture is priced for the routing each layer recorded (tests/moe_costs.py: the ledgers' routes and
     # each local expert's runs), per micro-batch; under pp the stage's chunks' (StageRuns)
     ran = runs = None
@@ -353,8 +341,7 @@ def run_case(case: Case, refs: References) -> None:
         assert not case.bias or biases, f"{where}: bias=1 but no router bias here"
         for name, bias in biases.items():               # bit for bit: integers' signs, whatever the ep size
             assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
-        if costed:
-            pc.check_traffic(routed, counters, where)                # the step's all-gathers too
+        pc.check_traffic(routed, counters, where)                    # the step's all-gathers too
         if case.fp8 and step > 1:       # delayed's amax histories (one pushed per step): the memory model's
             held = sum(h.size for h in layout.fp8.history.values())
             want_held = history_elems(problem, layout.fp8.recipe.history)
@@ -365,7 +352,7 @@ def run_case(case: Case, refs: References) -> None:
             model.router_log.take_ledgers()
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")
-    if parts.pipeline is None and COSTED(case):      # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model
+    if parts.pipeline is None:          # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model
         caches = sum(c.c_kv.size + c.k_pe.size if hasattr(c, "c_kv") else c.k.size + c.v.size
                      for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"
