@@ -39,7 +39,7 @@ dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``;
 hold the experts), and mtp= multi-token prediction depths (model/mtp.py: on a pipeline's last stage, its
 wte copy summed with stage 0's); their traffic, memory and latent cache (the kv latent and k_pe per
 token) equal the cost model's MLA terms (analysis/costmla.py) and MTP depths (analysis/costmtp.py) as the
-others' do (``COSTED``), a DeepSeekMoE's priced for the routing each micro-batch recorded (the ledger's
+others' do, a DeepSeekMoE's priced for the routing each micro-batch recorded (the ledger's
 routes and each local expert's runs: tests/moe_costs.py, ``StageRuns`` under pp), as parallel_check
 prices Mixtral's.
 
@@ -52,9 +52,10 @@ GEMM and their scales are compared bit for bit, assembled as trace --fp8
 writes them: tests/fp8_operands.py); every one compares its memory with the
 model (the quantized copies a grid layout keeps under a tensor scale,
 3-D's local X under a tile recipe, delayed's amax histories:
-analysis/costfp8.py), and the dense ones their traffic too (``COSTED``:
-amax all-reduces on axis "fp8", rowwise's row amaxes on the layouts' axes,
-3-D's second gathers under a tile or row recipe).
+analysis/costfp8.py) and its traffic (amax all-reduces on axis "fp8",
+rowwise's row amaxes on the layouts' axes, 3-D's second gathers under a
+tile or row recipe; a mixture's experts on every batch of rows they ran
+on, MLA's replicated down-projections).
 
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1

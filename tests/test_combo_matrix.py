@@ -334,7 +334,7 @@ DEEPSEEK_CASES = [
     (4, f"layout=serial tp=1 dp=4 ep=2 zero=3 experts=8 layers=3 mtp=1 {BIASED}"),
     (8, f"layout=1d tp=2 dp=4 ep=4 experts=8 layers=3 mtp=1 {BIASED}"),
     # without MTP, so that their traffic and memory meet the cost model for the routing they recorded
-    # (combo_matrix_check.COSTED): the sigmoid router's tape, the shared experts, the dense first block
+    # (combo_matrix_check checks both): the sigmoid router's tape, the shared experts, the dense first block
     (4, f"layout=2d tp=4 recompute=gathers experts=8 layers=3 {DEEPSEEK}"),
     (4, f"layout=1d tp=2 cp=2 sp=1 ep=2 experts=8 layers=3 {DEEPSEEK}"),     # the sequence-wise loss's ring sum
     (8, f"layout=2.5d tp=8 depth=2 batch=16 recompute=blocks experts=8 layers=3 {DEEPSEEK}"),
