@@ -10,12 +10,11 @@ import math
 import click
 
 from ..core.errors import UserError
-from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
-                     env_settings,
-                     arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
-                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option, cp_kind_options,
-                     fp8_options)
-from .common import ep_option
+from .common import (SEED, Duration, _load_config, _mpi, arch_options, cli, collective_timeout_option, echo,
+                     env_settings, model_options, profile_option, watched)
+from .parallel_options import (cp_kind_options, cp_option, ep_option, grad_accum_option, layout_options,
+                               pipeline_options, recompute_option, sequence_parallel_option, zero_option)
+from .precision_options import device_options, fp8_options
 from ..core.config import DEEPSEEK_OPTIONS
 from .sections import TRAIN_EPILOG, SectionedCommand
 
