@@ -97,3 +97,12 @@ def zero_option(help_text: str):
 def grad_accum_option(help_text: str):
     """``--grad-accum N`` (train, bench, info; each says what it does there)."""
     return click.option("--grad-accum", type=int, default=1, show_default=True, help=help_text)
+
+
+def sharing_options(f):
+    """The layout, expert, pipeline, context and sequence options at once,
+    in the order ``--help`` lists them (train and eval share the stack)."""
+    for option in (sequence_parallel_option, cp_kind_options, cp_option, pipeline_options, ep_option,
+                   layout_options):
+        f = option(f)
+    return f
