@@ -217,6 +217,9 @@ FP8_CASES = [
     # DeepSeek-V3's REPLICATED latent projections: every rank quantizes the whole W it holds and keeps its rows
     (4, "layout=1d tp=2 dp=2 fp8=mxfp8 fp8block=2 steps=3 arch=deepseek_v3"),
     (4, "layout=2d tp=4 fp8=rowwise steps=3 arch=deepseek_v3"),             # x's rows over the hidden split
+    # DeepSeekMoE over dp under delayed scaling: an expert that gets no token runs anyway, on every layout and
+    # serial alike (Layout.fp8_every), so its W's quantization and amax histories are serial's
+    (4, "layout=1d tp=2 dp=2 fp8=delayed steps=3 experts=8 layers=3 arch=deepseek_v3"),
     # the cost model's remaining FP8 terms (analysis/costfp8.py): rowwise under sequence parallelism (a
     # replicated linear's token rows over the stage), MLA's replicated linears under a tensor scale with
     # their forward rerun, an expert's row amaxes and second gathers on the cube
