@@ -6,13 +6,16 @@ own recorder (``analysis.trace_fp8.Fp8Recorder``) watches step 1 of
 the reference and of the case, and the pieces are assembled to the
 logical tensors as ``trace --fp8`` writes them.
 
-Step 1 only, and not quite every bit: the float64 sums of two layouts
-differ in their last bits (their order differs), so an operand whose
-exact value is zero (causal attention's first query's gradient: dP - D
-with D summed another way) comes out as rounding noise (~1e-22) that
-differs between layouts, and so do its FP8 codes and, for a tile of it,
-its scale. Those elements, and only those (both sides within ``NOISE``
-of the tensor's largest value), may differ (docs/fp8.md)."""
+Step 1, every byte and scale, with one reading: FP8's two zeros (0x00
+and 0x80) are the same number. The float64 sums of two layouts differ in
+their last bits (their order differs), and rounding into FP8 hides that
+everywhere but at the sign of a value that rounds to zero (a GELU of a
+large negative input, a gradient that is an exact zero computed as a
+difference). Causal attention's first-query gradient, such a zero in every
+sequence, is made an exact zero on every layout
+(ops/attention_blocks.first_query_exact), so under a tile scale its tile
+is not a block of noise with a scale of its own (docs/fp8.md, "Across
+layouts")"""
 
 from __future__ import annotations
 
@@ -37,9 +40,6 @@ def collected(parts, recorder: Fp8Recorder, micro_batches: int, comm) -> dict:
     return gather_pieces(comm, recorder.take())
 
 
-NOISE = 1e-10      # of a tensor's largest |value|: float64 rounding noise of an exact zero, not a quantization
-
-
 def values(name: str, tensors: dict, recipe) -> np.ndarray:
     """The operand ``name`` (``fp8/<linear>/<role>.<gemm>/bytes``) as its
     GEMM multiplies it, in float64: its FP8 codes over (times, for MX)
@@ -58,13 +58,27 @@ def values(name: str, tensors: dict, recipe) -> np.ndarray:
     return q / scale.astype(np.float64)
 
 
-def differences(got: dict, want: dict, recipe) -> list:
+def folded(codes: np.ndarray) -> np.ndarray:
+    """FP8 codes with negative zero (0x80) read as 0x00: both formats'
+    sign-and-magnitude zeros are one number, and which of them a value that
+    rounds to zero lands on is the sign of its float64 rounding noise."""
+    return np.where(codes == 0x80, np.uint8(0), codes)
+
+
+def differences(got: dict, want: dict, recipe, noise: float = 0.0) -> list:
     """What differs between a layout's operands and serial's: names one
-    side lacks, then tensors whose bytes or scales are not the same bits,
-    except where both sides' values lie within ``NOISE`` of the tensor's
-    largest (a tile of rounding noise around an exact zero: its scale
-    comes from the noise, and so differs too). A case whose linears record
-    no x or dy bytes is a failure too (the check would hold nothing)."""
+    side lacks, then tensors whose scales are not the same bits or whose
+    codes are not the same numbers (``folded``), with the first element
+    that differs. A case whose linears record no x or dy bytes is a
+    failure too (the check would hold nothing).
+
+    ``noise`` > 0 (a fraction of a tensor's largest value) lets elements
+    differ where both sides' values lie below it, scales included: for two
+    implementations of attention (the GPU path's array code against the
+    CPU's numba kernels) that sum in different orders, an exact zero that is
+    a difference of sums (a sequence that repeats a token has equal value
+    rows, so a query's score gradients cancel) is rounding noise on one and
+    zero on the other, and a tile of it gets a scale of its own."""
     out = [f"missing on the layout: {n}" for n in sorted(set(want) - set(got))]
     out += [f"not in serial: {n}" for n in sorted(set(got) - set(want))]
     for name in sorted(n for n in set(got) & set(want) if n.endswith("/bytes")):
@@ -72,13 +86,23 @@ def differences(got: dict, want: dict, recipe) -> list:
         if got[name].shape != want[name].shape or got[scale].shape != want[scale].shape:
             out.append(f"{name}: shape {got[name].shape}, serial's {want[name].shape}")
             continue
-        if got[name].tobytes() == want[name].tobytes() and got[scale].tobytes() == want[scale].tobytes():
+        bits = [np.ascontiguousarray(side[scale]) for side in (got, want)]
+        scales_off = np.argwhere(bits[0].view(f"u{bits[0].itemsize}") != bits[1].view(f"u{bits[1].itemsize}"))
+        codes_off = np.argwhere(folded(got[name]) != folded(want[name]))
+        if not len(scales_off) and not len(codes_off):
             continue
         a, b = values(name, got, recipe), values(name, want, recipe)
-        off = (a != b) & (np.maximum(abs(a), abs(b)) > NOISE * abs(b).max())
-        if off.any():
-            out.append(f"{name} or its scale differs (at {np.argwhere(off)[0].tolist()}: {a[off][0]!r} vs "
-                       f"serial's {b[off][0]!r})")
+        if noise > 0:
+            off = (a != b) & (np.maximum(abs(a), abs(b)) > noise * abs(b).max())
+            if off.any():
+                at = tuple(np.argwhere(off)[0])
+                out.append(f"{name} or its scale differs (at {list(at)}: {a[at]!r} vs serial's {b[at]!r})")
+        elif len(scales_off):
+            at = tuple(scales_off[0])
+            out.append(f"{scale} differs (at {list(at)}: {bits[0][at]!r} vs serial's {bits[1][at]!r})")
+        else:
+            at = tuple(codes_off[0])
+            out.append(f"{name} differs (at {list(at)}: {a[at]!r} vs serial's {b[at]!r})")
     if not any(n.endswith("/x.forward/bytes") for n in want) or not any("/dy." in n and n.endswith("/bytes")
                                                                       for n in want):
         out.append("no x or dy bytes recorded")

@@ -174,8 +174,9 @@ def codes(row, name: str, readers: list, shape: tuple) -> None:
     activation's or gradient's codes (x, dy) may also differ further where
     both are subnormal (magnitude code below ``SUBNORMAL``, below the
     smallest normal of e5m2 and of e4m3): float32 rounding noise around an
-    exact zero, which a layout's other summation order changes (causal
-    attention's first-query gradient, docs/fp8.md "Across layouts")."""
+    exact zero computed as a difference, which another summation order
+    changes (a query's score gradients where a sequence repeats a token,
+    docs/fp8.md "Across layouts")."""
     apart = total = 0
     noisy = name.rsplit("/", 2)[-2].split(".")[0] in ("x", "dy")      # an activation's or a gradient's codes
     for block in blocks(shape):

@@ -183,6 +183,8 @@ def pair_backward(qb, kb, vb, dyb, lse_b, d_b, q0, k0, mask, keep_prob, store_dt
         dp *= 1.0 / keep_prob
     else:
         used = p
+    if q0 == 0 and k0 == 0:
+        d_b = first_query_exact(d_b, dp)
     dv = batched_matmul(narrow(used, store_dtype).swapaxes(-1, -2), dyb, out=out[2])   # (B, nh, bk, hd)
     if fused_attention.takes(dp, p, d_b):
         fused_attention.scores_grad(dp, p, d_b)                         # ds = p (dp - D)
@@ -191,6 +193,24 @@ def pair_backward(qb, kb, vb, dyb, lse_b, d_b, q0, k0, mask, keep_prob, store_dt
         dp *= p
     ds = narrow(dp, store_dtype)
     return batched_matmul(ds, kb, out=out[0]), batched_matmul(ds.swapaxes(-1, -2), qb, out=out[1]), dv
+
+
+def first_query_exact(d_b, dp):
+    """d_b (B, nh, bq, 1) with its first row replaced by dp_00, for the pair
+    at global position (0, 0).
+
+    The sequence's first query sees key 0 only, so its probability there is
+    exactly 1, D = rowsum(dp * p) is exactly dp_00, and its score gradient
+    p (dp - D) is exactly zero. D = rowdot(dy, y) sums the same products as
+    dp_00 in another order, which leaves float64 noise (about 1e-22) that
+    differs between layouts whose dy differ in their last bits; a
+    tile-scaled FP8 quantizer blows that noise up to full codes (docs/fp8.md,
+    "Across layouts"). With D = dp_00 (the exact value, whatever rounding p_00
+    carries from the recomputed score) the row's gradient is an exact zero
+    on every layout, as the full op's is."""
+    d_b = d_b.copy()
+    d_b[:, :, :1] = dp[:, :, :1, :1]                                    # (B, nh, 1, 1): the one visible key
+    return d_b
 
 
 def attention_backward(dy, cache):
