@@ -295,6 +295,8 @@ def test_elementwise_passes_follow_the_shapes():
     assert dropped["forward"] == middle["forward"] + N * 2 * 6 * C + 6 * S
     assert dropped["backward_input"] == middle["backward_input"] + N * 2 * 3 * C + 11 * S
     assert dropped["backward_weight"] == middle["backward_weight"]
+    rerun = chunk_phase_elements(dataclasses.replace(p, recompute="blocks"), 1)
+    assert rerun["backward_input"] == middle["backward_input"] + middle["forward"]
     llama = ModelConfig(vocab_size=64, n_ctx=16, n_layer=3, n_head=4, n_embd=32, arch="llama")
     lp = dataclasses.replace(p, cfg=llama)
     assert chunk_phase_elements(lp, 1)["backward_weight"] == 3 * chunk_phase_flops(lp, 1)["backward_weight"] / (

@@ -188,9 +188,9 @@ def action_time(runs: Path) -> float:
 def measure_rates(runs: Path) -> Rates:
     """The machine's rates, measured now (the stated transfer rates kept:
     at these sizes they move the bubble by under 0.1 point)."""
-    from mpicube.device import threads
-
     from threadpoolctl import threadpool_limits
+
+    from mpicube.device import threads
 
     threads.set_pool_threads(1)
     with threadpool_limits(1):                                     # the BLAS too, as each rank runs it

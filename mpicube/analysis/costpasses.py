@@ -42,7 +42,8 @@ cross-entropy      10 V (copy, max, shift, exp, sum,      2 V (probabilities x s
 
 (C the hidden size, F Llama's MLP width, V the padded vocabulary; scores
 per sequence and head: ``parallel.context.ring_scores``, whole blocks at
-and below the diagonal.) The split over ranks follows the FLOPs' (tp cp),
+and below the diagonal.) Under --recompute blocks, B makes the blocks'
+forward passes again. The split over ranks follows the FLOPs' (tp cp),
 except that under 1-D tensor parallelism without --sequence-parallel the
 canonical region (norms, residuals, embeddings) is whole on every tp rank.
 A mixture's experts and MLA's latents are priced as the dense MLP and
@@ -85,7 +86,7 @@ def chunk_phase_elements(p: Problem, chunk: int, dropout: float = 0.0) -> dict:
     fc_out = 2 * hidden if llama else hidden
     scores = p.local_batch * cfg.n_head * ring_scores(T, p.cp)       # per replica and micro-batch
     on = dropout > 0
-    f = b = w = mid_f = mid_b = Fraction(0)
+    f = b = w = Fraction(0)
     layers = len(p.chunk_layers[chunk])
     norm_f, norm_b = NORM[llama]
     act_f, act_b = ACTIVATION[llama]
@@ -104,6 +105,8 @@ def chunk_phase_elements(p: Problem, chunk: int, dropout: float = 0.0) -> dict:
     mid_b = layers * (tokens * block_mid_b + scores * (SCORE[1] + (DROPOUT_SCORE[1] if on else 0)))
     f += Fraction(mid_f, split)
     b += Fraction(mid_b, split)
+    if p.recompute == "blocks":                                      # B reruns the blocks' forward first
+        b += f
     w += Fraction(layers * tokens * biases, split)                    # the bias sums travel with dW
     weights = sum(h_in * h_out for i in p.chunk_layers[chunk] for h_in, h_out, _ in
                   dense_linears(cfg, head_split(p), i))                # the chunk's linears, whole
