@@ -14,7 +14,8 @@ wait on a late sender, a loaded machine's time slices).
 The rates (``measure_rates``, printed above the table) are taken before
 the trainings, on one thread (the BLAS's and the fused kernels'), as
 each rank of the runs has one core: the GEMM rate from the run's own
-GEMMs (a block's four linears, forward, dX and dW, at the run's shapes);
+GEMMs (a block's four linears, forward, dX and dW, at the run's shapes,
+through the code's own fixed-panel GEMM);
 the memory rate from elementwise passes the model counts (a block's
 forward passes but attention's, at the run's shapes, over their bytes as
 ``analysis.costpasses`` counts them: arrays of this size sit in cache,
@@ -116,8 +117,12 @@ def compute_rates(repeats: int = 40) -> tuple:
 def gemm_work() -> tuple:
     """(run, FLOPs): one thread's work on the run's GEMMs: a GPT-2 block's four
     linears (c_attn, attn c_proj, c_fc, mlp c_proj) at one micro-batch's
-    tokens, forward (X W), dX (dY W^T) and dW (X^T dY)."""
+    tokens, forward (X W), dX (dY W^T) and dW (X^T dY), through the code's
+    own GEMM (``precision.matmul``: fixed panels, ``device.gemm_threads``),
+    which runs below a whole one-call GEMM of the same shape."""
     import numpy as np
+
+    from mpicube.device.precision import matmul
 
     rng = np.random.default_rng(0)
     C = CFG.n_embd
@@ -128,9 +133,9 @@ def gemm_work() -> tuple:
 
     def run():
         for x, w, dy in zip(xs, ws, dys):
-            x @ w
-            dy @ w.T
-            x.T @ dy
+            matmul(x, w)
+            matmul(dy, w.T)
+            matmul(x.T, dy)
     return run, sum(3 * 2 * TOKENS * i * o for i, o in shapes)
 
 
