@@ -12,7 +12,8 @@ per action, and each phase's work at the rates of its two kinds.
   last, at ``flop_rate``; plus ``costpasses.chunk_phase_bytes``, the
   elementwise passes between the GEMMs (norms, activation, softmax,
   dropout, residuals, biases, the cross-entropy over the vocabulary:
-  nearly all of it in F and B, in W only the bias sums), at
+  nearly all of it in F and B, in W the bias sums and the adding of
+  each dW into the step's gradient), at
   ``memory_rate``.
 * Actions: before every action the executor runs (compute, send and
   receive) its own time ``action_time`` passes, idle as a profile counts
