@@ -339,6 +339,7 @@ def main(argv=None) -> int:
     elif args.runs is not None and (args.runs / "bubble-rates.json").exists():
         rates = Rates(**json.loads((args.runs / "bubble-rates.json").read_text()))
     if rates is not None:
+        rates = page_rates(rates_line(rates))       # as printed, so that --check recomputes the same column
         print(rates_line(rates) + "\n")
     print(table(args.runs, rates))
     return 0
