@@ -72,7 +72,8 @@ CALIBRATION = ["--layout", "serial", "--pp", "2", "--pp-schedule", "zbv", "--vir
                "--n-layer", "8", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "16",
                "--grad-accum", "8", "--steps", "3", "--profile", "2:3"]
 CALIBRATION_CFG = ModelConfig(n_layer=8, n_embd=32, n_head=2, n_ctx=16)
-RATES_LINE = re.compile(r"Rates measured[^:]*: ([0-9.]+) GFLOP/s, ([0-9.]+) GB/s, ([0-9.]+) us an action")
+RATES_LINE = re.compile(r"Rates measured[^:]*: ([0-9.]+), ([0-9.]+) and ([0-9.]+) GFLOP/s [^,]*, ([0-9.]+) GB/s, "
+                        r"([0-9.]+) us an action")
 PHASE_OF = {"forward": "forward", "backward": "backward", "backward_input": "backward",
             "backward_weight": "backward weight"}
 
@@ -98,28 +99,32 @@ def _launch(options: list, out: Path) -> None:
 
 
 def compute_rates(repeats: int = 40) -> tuple:
-    """(FLOP/s, B/s) of one thread: ``gemm_work`` and ``passes_work``
-    timed in turn, the median of each, so that both see the same
-    moments of the machine's load and their ratio (all the bubble sees)
-    holds better than either."""
-    (gemm, flops), (passes, nbytes) = gemm_work(), passes_work()
-    gemm(), passes()                                                 # warm: caches, numba's compiled kernels
-    times = ([], [])
+    """(F's, B's and W's GEMM FLOP/s, the passes' B/s) of one thread:
+    ``gemm_work``'s three kinds and ``passes_work`` timed in turn, the
+    median of each, so that all see the same moments of the machine's load
+    and their ratios (all the bubble sees) hold better than any one."""
+    gemms, (passes, nbytes) = gemm_work(), passes_work()
+    work = [run for run, _ in gemms] + [passes]
+    for fn in work:
+        fn()                                                         # warm: caches, numba's compiled kernels
+    times = [[] for _ in work]
     for _ in range(repeats):
-        for fn, out in ((gemm, times[0]), (passes, times[1])):
+        for fn, out in zip(work, times):
             t = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t)
     median = [sorted(t)[len(t) // 2] for t in times]
-    return flops / median[0], nbytes / median[1]
+    return tuple(flops / m for (_, flops), m in zip(gemms, median)) + (nbytes / median[-1],)
 
 
-def gemm_work() -> tuple:
-    """(run, FLOPs): one thread's work on the run's GEMMs: a GPT-2 block's four
-    linears (c_attn, attn c_proj, c_fc, mlp c_proj) at one micro-batch's
-    tokens, forward (X W), dX (dY W^T) and dW (X^T dY), through the code's
-    own GEMM (``precision.matmul``: fixed panels, ``device.gemm_threads``),
-    which runs below a whole one-call GEMM of the same shape."""
+def gemm_work() -> list:
+    """[(run, FLOPs)] for F, B and W: one thread's GEMMs of a GPT-2 block's
+    four linears (c_attn, attn c_proj, c_fc, mlp c_proj) at one
+    micro-batch's tokens, forward (X W), dX (dY W^T) and dW (X^T dY) apart,
+    through the code's own GEMM (``precision.matmul``: fixed panels,
+    ``device.gemm_threads``), which runs below a whole one-call GEMM of
+    the same shape. A BLAS packs transposed operands otherwise, so the
+    three kinds of the same sizes run at different rates."""
     import numpy as np
 
     from mpicube.device.precision import matmul
@@ -130,13 +135,11 @@ def gemm_work() -> tuple:
     xs = [rng.standard_normal((TOKENS, i), dtype=np.float32) for i, _ in shapes]        # (N, in)
     ws = [rng.standard_normal(s, dtype=np.float32) for s in shapes]                     # (in, out)
     dys = [rng.standard_normal((TOKENS, o), dtype=np.float32) for _, o in shapes]       # (N, out)
-
-    def run():
-        for x, w, dy in zip(xs, ws, dys):
-            matmul(x, w)
-            matmul(dy, w.T)
-            matmul(x.T, dy)
-    return run, sum(3 * 2 * TOKENS * i * o for i, o in shapes)
+    flops = sum(2 * TOKENS * i * o for i, o in shapes)
+    operands = list(zip(xs, ws, dys))
+    return [(lambda: [matmul(x, w) for x, w, _ in operands], flops),
+            (lambda: [matmul(dy, w.T) for _, w, dy in operands], flops),
+            (lambda: [matmul(x.T, dy) for x, _, dy in operands], flops)]
 
 
 def passes_work() -> tuple:
@@ -199,12 +202,15 @@ def measure_rates(runs: Path) -> Rates:
 
     threads.set_pool_threads(1)
     with threadpool_limits(1):                                     # the BLAS too, as each rank runs it
-        flop_rate, memory_rate = compute_rates()
-    return Rates(flop_rate=flop_rate, memory_rate=memory_rate, action_time=action_time(runs))
+        forward, dgrad, wgrad, memory_rate = compute_rates()
+    return Rates(flop_rate=forward, dgrad_rate=dgrad, wgrad_rate=wgrad, memory_rate=memory_rate,
+                 action_time=action_time(runs))
 
 
 def rates_line(rates: Rates) -> str:
-    return (f"Rates measured before the runs: {rates.flop_rate / 1e9:.1f} GFLOP/s, "
+    return (f"Rates measured before the runs: {rates.flop_rate / 1e9:.1f}, "
+            f"{rates.phase_rate('backward_input') / 1e9:.1f} and {rates.phase_rate('backward_weight') / 1e9:.1f} "
+            f"GFLOP/s (F's X W, B's dY W^T, W's X^T dY), "
             f"{rates.memory_rate / 1e9:.1f} GB/s, {rates.action_time * 1e6:.0f} us an action "
             f"(messages at the stated {rates.bandwidth / 1e9:g} GB/s + {rates.latency * 1e6:g} us)")
 
@@ -214,7 +220,8 @@ def page_rates(text: str):
     m = RATES_LINE.search(text)
     if m is None:
         return None
-    return Rates(flop_rate=float(m[1]) * 1e9, memory_rate=float(m[2]) * 1e9, action_time=float(m[3]) * 1e-6)
+    return Rates(flop_rate=float(m[1]) * 1e9, dgrad_rate=float(m[2]) * 1e9, wgrad_rate=float(m[3]) * 1e9,
+                 memory_rate=float(m[4]) * 1e9, action_time=float(m[5]) * 1e-6)
 
 
 def replay(doc: dict, p) -> float:

@@ -34,11 +34,13 @@ message (an MPI message between two cores of one node, through shared
 memory). ``tools/bubble_table.py`` measures the four on the machine
 before its runs and prices them with those.
 
-What it still leaves out, so that a measured bubble can sit above it:
-a loaded machine's uneven time slices (each stretch of one rank is idle
-time on the others), GEMMs of different shapes running at different rates
-(attention's small batched products, a dX against a dW), and the passes
-the counting leaves out (``costpasses``).
+Measured rates may give each phase's GEMMs their own (``dgrad_rate``,
+``wgrad_rate``): the same sizes run at different rates as X W, dY W^T and
+X^T dY. What the model still leaves out, so that a measured bubble can sit
+above it: a loaded machine's uneven time slices (each stretch of one rank
+is idle time on the others), attention's small batched products at
+the linears' rates, and the passes the counting leaves out
+(``costpasses``).
 """
 
 from __future__ import annotations
@@ -59,15 +61,28 @@ class Rates:
     message's latency and bandwidth; the defaults are stated, module
     docstring)."""
 
-    flop_rate: float = 1e11        # FLOP/s per rank, the GEMMs
+    flop_rate: float = 1e11        # FLOP/s per rank, F's GEMMs (X W)
     memory_rate: float = 1e10      # B/s per rank, the elementwise passes
     action_time: float = 2e-4      # s the executor spends on each action
     bandwidth: float = 5e9         # B/s between two stages
     latency: float = 5e-6          # s a message
+    dgrad_rate: float = None       # FLOP/s of B's GEMMs (dY W^T); None: flop_rate
+    wgrad_rate: float = None       # FLOP/s of W's GEMMs (X^T dY); None: flop_rate
+
+    def phase_rate(self, op: str) -> float:
+        """The GEMM rate of a phase's FLOPs: a BLAS runs X W, dY W^T and
+        X^T dY of the same sizes at different rates (the transposed
+        operands' packing), so a measured machine gives each its own."""
+        rate = {"backward_input": self.dgrad_rate, "backward_weight": self.wgrad_rate}.get(op)
+        return self.flop_rate if rate is None else rate
 
     def describe(self) -> str:
         """The rates as ``info``'s modelled-bubble line states them."""
-        return (f"{self.flop_rate / 1e9:g} GFLOP/s and {self.memory_rate / 1e9:g} GB/s a rank, "
+        gemms = f"{self.flop_rate / 1e9:g} GFLOP/s"
+        if (self.dgrad_rate, self.wgrad_rate) != (None, None):
+            gemms = "/".join(f"{self.phase_rate(op) / 1e9:g}" for op in ("forward", "backward_input",
+                                                                         "backward_weight")) + " GFLOP/s (F/B/W)"
+        return (f"{gemms} and {self.memory_rate / 1e9:g} GB/s a rank, "
                 f"{self.action_time * 1e6:g} us an action; messages at {self.bandwidth / 1e9:g} GB/s + "
                 f"{self.latency * 1e6:g} us")
 
@@ -77,13 +92,13 @@ DEFAULT_RATES = Rates()
 
 def phase_seconds(p: Problem, rates: Rates = DEFAULT_RATES, dropout: float = 0.0) -> dict:
     """{(model chunk, op): seconds} of one micro-batch's F, B, W and whole
-    backward on every model chunk of the run: FLOPs at the GEMM rate plus
-    the elementwise passes' bytes at the memory rate."""
+    backward on every model chunk of the run: FLOPs at the phase's GEMM
+    rate plus the elementwise passes' bytes at the memory rate."""
     out = {}
     for k in range(p.pp * p.virtual_stages):
         f, m = chunk_phase_flops(p, k), chunk_phase_bytes(p, k, dropout)
         for op in list(f):
-            out[k, op] = float(f[op]) / rates.flop_rate + float(m[op]) / rates.memory_rate
+            out[k, op] = float(f[op]) / rates.phase_rate(op) + float(m[op]) / rates.memory_rate
         out[k, "backward"] = out[k, "backward_input"] + out[k, "backward_weight"]
     return out
 
