@@ -58,19 +58,6 @@ def values(name: str, tensors: dict, recipe) -> np.ndarray:
     return q / scale.astype(np.float64)
 
 
-def linear_of(name: str) -> str:
-    """``fp8/<linear>/<role>.<gemm>/...`` -> <linear>."""
-    return name.split("/")[1]
-
-
-def unrouted(name: str, ran: set) -> bool:
-    """Whether ``name`` is an operand of an expert that serial never ran
-    (no token was routed to it: serial skips it, while a layout whose
-    experts' amaxes span ranks runs every expert, with no rows too, and
-    quantizes its W for nothing)."""
-    return ".moe.experts." in name and linear_of(name) not in ran
-
-
 def folded(codes: np.ndarray) -> np.ndarray:
     """FP8 codes with negative zero (0x80) read as 0x00: both formats'
     sign-and-magnitude zeros are one number, and which of them a value that
@@ -82,8 +69,7 @@ def differences(got: dict, want: dict, recipe, noise: float = 0.0) -> list:
     """What differs between a layout's operands and serial's: names one
     side lacks, then tensors whose scales are not the same bits or whose
     codes are not the same numbers (``folded``), with the first element
-    that differs; an expert serial never ran may appear on the layout only
-    (``unrouted``). A case whose linears record no x or dy bytes is a
+    that differs. A case whose linears record no x or dy bytes is a
     failure too (the check would hold nothing).
 
     ``noise`` > 0 (a fraction of a tensor's largest value) lets elements
@@ -94,8 +80,7 @@ def differences(got: dict, want: dict, recipe, noise: float = 0.0) -> list:
     rows, so a query's score gradients cancel) is rounding noise on one and
     zero on the other, and a tile of it gets a scale of its own."""
     out = [f"missing on the layout: {n}" for n in sorted(set(want) - set(got))]
-    ran = {linear_of(n) for n in want}
-    out += [f"not in serial: {n}" for n in sorted(set(got) - set(want)) if not unrouted(n, ran)]
+    out += [f"not in serial: {n}" for n in sorted(set(got) - set(want))]
     for name in sorted(n for n in set(got) & set(want) if n.endswith("/bytes")):
         scale = name[:-len("bytes")] + "scale"
         if got[name].shape != want[name].shape or got[scale].shape != want[scale].shape:

@@ -40,6 +40,7 @@ from fractions import Fraction
 
 from ..ops.moe import capacity
 from .costbase import Problem, Traffic
+from .costfp8 import keeps_local_input
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,9 @@ class Rows:
 def every_expert_runs(p: Problem) -> bool:
     """Whether each local expert runs once, on all its rows, empty ones
     too (``Layout.expert_rows``'s ``every``): on 2-D, 2.5-D and 3-D, and
-    under --fp8 wherever an expert's amaxes span dp x cp replicas
-    (``Layout.fp8_every``)."""
-    return p.layout not in ("serial", "1d") or (bool(p.fp8) and p.dp * p.cp > 1)
+    under --fp8 on every layout (``Layout.fp8_every``: one quantization
+    of its x, as serial's; at --ep 1 its own rows are all it has)."""
+    return p.layout not in ("serial", "1d") or bool(p.fp8)
 
 
 def grid(p: Problem) -> tuple:
@@ -141,7 +142,7 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
     E, K, F = cfg.n_experts, cfg.top_k, cfg.moe_ffn
     R, F_l = rows.run, F // split
     # the outputs brought back, in the sent order; where every expert runs on all its rows at once (2-D,
-    # 2.5-D, 3-D, --fp8 over replicas: every_expert_runs) and none left the rank, they are a view of those
+    # 2.5-D, 3-D, --fp8: every_expert_runs) and none left the rank, they are a view of those
     # experts' whole output (received rows)
     away = rows.sent - rows.sent_to[p.ep_rank]
     back = sum(rows.received) if every_expert_runs(p) and not away else rows.sent
@@ -154,10 +155,11 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
         parts["swiglu"] = ("act", 4 * F_l * R + R * F_l)            # [gate | up], sigmoid, silu; c_proj's input
     else:                                                            # the cube: gathered X (and W, per expert)
         (h, two_f), (f, h_out) = (cfg.n_embd, 2 * F), (F, cfg.n_embd)
-        x_fc, x_proj = (R * h // q, R * f // q) if regather else (q * R * h // q, q * R * f // q)
+        local_x = regather or keeps_local_input(p)                  # --fp8 tiles or rows: as under gathers
+        x_fc, x_proj = (R * h // q, R * f // q) if local_x else (q * R * h // q, q * R * f // q)
         parts["rows in"] = ("act", x_fc)
         parts["swiglu"] = ("act", 4 * F_l * R + x_proj)
-        if not regather:
+        if not local_x:
             parts["weights gathered"] = ("act", E // p.ep * ((h // q) * (two_f // q) + (f // q) * (h_out // q)))
     return parts
 
