@@ -202,3 +202,47 @@ def test_trace_records_the_quantized_weights_and_scales_alike_on_serial_and_1d(m
         rows = {r.name: r.ok for r in compare_traces(tmp_path / "serial.h5", tmp_path / "edited.h5").rows}
         assert rows[name] is agrees and all(ok for n, ok in rows.items() if n != name), (code, rows[name])
     assert len(result.rows) > 100 and "step_2/fp8/h.0.mlp.c_proj/dy.dgrad/bytes" in {r.name for r in result.rows}
+
+
+FLOAT32_FP8 = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--seq-len", "32", "--batch-size", "8",
+               "--steps", "1", "--dtype", "float32", "--fp8", "tensorwise"]
+
+
+def test_float32_fp8_layouts_agree_under_the_fp8_unit_and_a_bug_still_fails(mpicube, tmp_path):
+    """With float32 accumulation the layouts' quantizer inputs differ by
+    float32 rounding, so a few codes flip where a value lay at a rounding
+    midpoint, and from there the difference cascades to FP8's own noise
+    (docs/fp8.md, "FP8 in the depth-aware tolerance"). The default verdict
+    allows the first flips their derived count, then holds every tensor to
+    the format's step and, before the step's update, to the test along
+    itself: serial and 1-D agree (2-D too, in the docs' measurement), while
+    a gradient 1% off and a scale off by a factor 2 fail."""
+    import shutil
+
+    import h5py
+
+    from mpicube.check.compare import compare_traces
+
+    for layout, n in (("serial", 1), ("1d", 2)):
+        r = mpicube.run("trace", *FLOAT32_FP8, "--layout", layout, "--out", f"{layout}.h5", n=n)
+        assert r.returncode == 0, r
+    with h5py.File(tmp_path / "serial.h5") as f:
+        assert json.loads(f.attrs["fp8"]) == {"recipe": "tensorwise", "grad_format": "e5m2", "accumulate": "float32",
+                                              "block": 0, "pow2": False}
+    rows = compare_traces(tmp_path / "serial.h5", tmp_path / "1d.h5").rows
+    off = [(r.name, r.note) for r in rows if not r.ok]
+    assert not off, off[:3]
+    flipped = [r for r in rows if "codes one FP8 step apart" in r.note]
+    assert len(flipped) == 1 and "float32 rounding allows" in flipped[0].note, flipped      # the first flip
+    assert sum("FP8 cascade" in r.note for r in rows) > 10                                  # and its cascade
+    first = next(i for i, r in enumerate(rows) if "codes one FP8 step apart" in r.note)
+    grad = next(r.name for r in rows[first:] if r.name.startswith("step_1/grad/h.0.attn.c_attn.weight"))
+    for name, factor, why in ((grad, 1.01, "along itself"), ("step_1/fp8/h.0.mlp.c_fc/dy.dgrad/scale", 2.0,
+                                                               "rel fro 5.00e-01 > 0.25")):
+        shutil.copy(tmp_path / "1d.h5", tmp_path / "planted.h5")
+        with h5py.File(tmp_path / "planted.h5", "r+") as f:
+            f[name][...] = f[name][...] * np.float32(factor)
+        result = compare_traces(tmp_path / "serial.h5", tmp_path / "planted.h5")
+        assert result.first_divergence == name, (name, result.first_divergence)
+        row = next(r for r in result.rows if r.name == name)
+        assert why in row.note, row.note

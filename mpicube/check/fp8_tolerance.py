@@ -1,0 +1,180 @@
+"""The default verdict's FP8 unit: two traces made with ``--fp8`` and
+float32 accumulation (docs/fp8.md, "FP8 in the depth-aware tolerance").
+
+Layouts add a linear's products in other orders, so a quantizer's input
+differs between them by float32 rounding, relative ``d`` (the depth
+bound at the operand's depth: ``tolerance.depth_bound``). An element
+whose scaled value lies within ``d |v|`` of a rounding midpoint of the
+FP8 grid lands on the neighbouring code. Where its place inside its
+grid cell is spread evenly (the float32 noise is 2^20 times finer than
+the cell), that happens with probability ``d |v| / cell <= 2^(m+1) d``
+(m the format's significand bits, 3 for e4m3, 2 for e5m2; |v| / cell
+lies in [2^m, 2^(m+1))). Over n elements the flips are then a sum of
+independent trials of mean ``mu <= 2^(m+1) d n``, and a correct pair
+holds more than ``allowed(mu)`` of them with probability below
+``CONFIDENCE`` (Chernoff's bound for a sum of independent trials:
+``P(N >= a) <= exp(-mu) (e mu / a)^a``).
+
+That allowance holds until the first flip. A flipped code moves its
+element by one FP8 step, a relative 2^-m, so the rows of the GEMM output
+it feeds move by about 2^-m / sqrt(K) relative - far above float32's
+rounding - and the next quantizer's inputs in those rows flip with
+probability about 2 / sqrt(K): the difference cascades, through the
+residual rows, attention (which mixes a sequence's tokens), the weight
+gradients' sums over tokens and then AdamW's update, until the two runs
+differ by FP8's own quantization noise (measured in the docs: 1 flip in
+65,536 codes at step 1, a quarter of the codes at step 2). There the
+unit is the format's relative step: each operand differs by at most one
+step per element where the inputs agree to a step, so a tensor
+downstream of a flip is held to ``rel_fro <= 2^-m`` of the coarsest
+format in use, and, because that is larger than a 1% bug, to a second
+test that noise passes and a systematic error does not: the part of the
+difference along the tensor itself, ``|<b - a, a>| / <a, a>``, within
+``Z`` times what noise of that size projects onto one direction
+(``rel_fro / sqrt(n)``). A gradient 1% off lies 1e-2 along itself; the
+cascade's noise, at most a few times rel_fro / sqrt(n).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from .envelope import read_statistics
+from .measure import blocks
+
+CONFIDENCE = 1e-6           # a correct pair's chance of more flips than allowed, per tensor
+Z = 16.0                    # noise's projection onto one direction, in units of rel_fro / sqrt(n)
+SIGNIFICAND = {"e4m3": 3, "e5m2": 2, "e8m0": 0}      # m: the relative step of the format is 2^-m
+SUBNORMAL = 4               # magnitude codes below it: subnormal in both formats (envelope.SUBNORMAL)
+
+
+def unit_of(files: dict, paths: dict):
+    """The recipe both traces were made with (their ``fp8`` attribute,
+    trace.py) when both accumulate in float32, else None: float64
+    accumulation makes every layout quantize the same bits, and exactness
+    stays the rule."""
+    found = []
+    for side in "AB":
+        raw = files[side].attrs.get("fp8")
+        if raw is None:
+            return None
+        try:
+            found.append(json.loads(raw.decode() if isinstance(raw, bytes) else str(raw)))
+        except ValueError:
+            return None
+    a, b = found
+    if not all(isinstance(x, dict) and x.get("accumulate") == "float32" for x in found):
+        return None
+    if (a.get("recipe"), a.get("grad_format")) != (b.get("recipe"), b.get("grad_format")):
+        return None
+    return {"recipe": a.get("recipe"), "grad_format": a.get("grad_format") or "e5m2"}
+
+
+def format_of(name: str, unit: dict, scale_codes: bool = False) -> str:
+    """e4m3 for x and W, the recipe's gradient format for dy; an MX scale's E8M0."""
+    if scale_codes:
+        return "e8m0"
+    role = name.rsplit("/", 2)[-2].split(".")[0]
+    return unit["grad_format"] if role == "dy" else "e4m3"
+
+
+def cascade_unit(unit: dict) -> float:
+    """The relative step of the coarsest format the recipe uses."""
+    return 2.0 ** -min(SIGNIFICAND["e4m3"], SIGNIFICAND[unit["grad_format"]])
+
+
+def allowed(mu: float) -> int:
+    """The least count a > mu with exp(-mu) (e mu / a)^a below CONFIDENCE."""
+    a = max(1, math.ceil(mu))
+    while a * math.log(a / max(mu, 1e-300)) - a + mu < -math.log(CONFIDENCE):
+        a += 1
+    return a
+
+
+def code_stats(name: str, readers: list, shape: tuple, fmt: str, d: float) -> dict:
+    """Flips between A's and B's codes (sign and magnitude, or E8M0
+    exponents), the allowance before a cascade, and the decoded values'
+    (rel_fro, along) for after one."""
+    one = far = total = 0
+    for block in blocks(shape):
+        a = np.asarray(readers[0](block)).astype(np.int16)
+        b = np.asarray(readers[1](block)).astype(np.int16)
+        if fmt == "e8m0":
+            steps = np.abs(a - b)
+        else:
+            sa, sb, ma, mb = a >> 7, b >> 7, a & 0x7F, b & 0x7F
+            steps = np.where(sa == sb, np.abs(ma - mb), ma + mb)       # across zero: both magnitudes
+            steps = np.where((ma < SUBNORMAL) & (mb < SUBNORMAL), np.minimum(steps, 1), steps)
+        one += int((steps == 1).sum())
+        far += int((steps > 1).sum())
+        total += steps.size
+    mu = 2.0 ** (SIGNIFICAND[fmt] + 1) * d * total
+    stats = {"kind": "codes", "one": one, "far": far, "total": total, "mu": mu, "allowed": allowed(mu)}
+    if fmt != "e8m0":
+        decode = _decoder(fmt)
+        stats["rel"], stats["along"] = read_statistics(lambda blk: decode(readers[0](blk)),
+                                                       lambda blk: decode(readers[1](blk)), shape)
+    return stats
+
+
+def _decoder(fmt: str):
+    import ml_dtypes
+    kind = ml_dtypes.float8_e4m3fn if fmt == "e4m3" else ml_dtypes.float8_e5m2
+    return lambda codes: np.asarray(codes, dtype=np.uint8).view(kind).astype(np.float64)
+
+
+def float_stats(readers: list, shape: tuple) -> dict:
+    rel, along = read_statistics(readers[0], readers[1], shape)
+    return {"kind": "float", "rel": rel, "along": along}
+
+
+def judge(rows: list, unit: dict) -> None:
+    """Walk ``rows`` in computation order: codes before the first flip
+    hold to the allowance; after it, every tensor the budget failed (codes
+    decoded) holds to the cascade's unit, and a floating tensor of the
+    step the first flip happened in, before its update, also to the test
+    along itself (module docstring)."""
+    first = updated = None              # the first row with a flipped code; the first update after it
+    for row in rows:
+        st = getattr(row, "fp8", None)
+        if first is not None and updated is None and "/param/" in row.name:
+            updated = row.name
+        if st is None or (st["kind"] == "float" and not math.isfinite(row.max_abs)):
+            continue
+        if st["kind"] == "codes" and first is None:
+            row.ok = st["far"] == 0 and st["one"] <= st["allowed"]
+            if st["one"] or st["far"]:
+                first = row.name
+                row.note = (f"{st['one']} of {st['total']} codes one FP8 step apart, {st['far']} further "
+                            f"(float32 rounding allows {st['allowed']} one-step flips: mean at most "
+                            f"{st['mu']:.2g})")
+            continue
+        if first is None or row.ok:
+            continue
+        cascade = f"FP8 cascade after {first}"
+        if "rel" not in st:                                   # E8M0 scales: one step is a factor 2
+            row.ok = st["far"] == 0
+            row.note = f"{cascade}: E8M0 codes " + ("within one step" if row.ok else
+                                                     f"{st['far']} more than one step apart")
+            continue
+        operand = "/fp8/" in f"/{row.name}"                   # its codes or its scales: the format's step
+        bound = unit_step(row.name, unit) if operand else cascade_unit(unit)
+        row.ok = st["rel"] <= bound
+        why = f"rel fro {st['rel']:.2e} {'<=' if row.ok else '>'} {bound:g}"
+        n = math.prod(row.shape)
+        if not operand and updated is None and n > 1:             # before the update: along itself too
+            along_bound = Z * st["rel"] / math.sqrt(n)
+            row.ok = row.ok and st["along"] <= along_bound
+            why += (f", along itself {st['along']:.2e} {'<=' if st['along'] <= along_bound else '>'} "
+                    f"{along_bound:.2e} = {Z:g} rel fro / sqrt(n)")
+        elif not operand and updated is not None:
+            why += f" (after {updated.split('/', 1)[0]}'s update: a 1% error is not resolvable here)"
+        row.note = "; ".join(filter(None, (row.note, f"{cascade}: {why}")))
+
+
+def unit_step(name: str, unit: dict) -> float:
+    """The relative step of the format a codes tensor (or its scale) is in."""
+    return 2.0 ** -SIGNIFICAND[format_of(name, unit)]
