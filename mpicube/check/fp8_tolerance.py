@@ -46,16 +46,17 @@ from .envelope import read_statistics
 from .measure import blocks
 
 CONFIDENCE = 1e-6           # a correct pair's chance of more flips than allowed, per tensor
-Z = 16.0                    # noise's projection onto one direction, in units of rel_fro / sqrt(n)
+Z = 32.0                   # noise's projection onto one direction, in units of rel_fro / sqrt(n)
 SIGNIFICAND = {"e4m3": 3, "e5m2": 2, "e8m0": 0}      # m: the relative step of the format is 2^-m
 SUBNORMAL = 4               # magnitude codes below it: subnormal in both formats (envelope.SUBNORMAL)
 
 
 def unit_of(files: dict, paths: dict):
     """The recipe both traces were made with (their ``fp8`` attribute,
-    trace.py) when both accumulate in float32, else None: float64
-    accumulation makes every layout quantize the same bits, and exactness
-    stays the rule."""
+    trace.py, writer.py) when either accumulates in float32 (a float64
+    reference against a framework's float32 run included), else None:
+    float64 accumulation on both sides makes every layout quantize the same
+    bits, and exactness stays the rule."""
     found = []
     for side in "AB":
         raw = files[side].attrs.get("fp8")
@@ -65,12 +66,15 @@ def unit_of(files: dict, paths: dict):
             found.append(json.loads(raw.decode() if isinstance(raw, bytes) else str(raw)))
         except ValueError:
             return None
-    a, b = found
-    if not all(isinstance(x, dict) and x.get("accumulate") == "float32" for x in found):
+    a, b = found              # a malformed attribute gives no unit: exactness, the stricter verdict
+    if not all(isinstance(x, dict) and x.get("accumulate") in ("float32", "float64")
+               and x.get("grad_format") in ("e4m3", "e5m2") for x in found):
+        return None
+    if "float32" not in (a["accumulate"], b["accumulate"]):      # both float64: the same bits, exactness
         return None
     if (a.get("recipe"), a.get("grad_format")) != (b.get("recipe"), b.get("grad_format")):
         return None
-    return {"recipe": a.get("recipe"), "grad_format": a.get("grad_format") or "e5m2"}
+    return {"recipe": a.get("recipe"), "grad_format": a["grad_format"]}
 
 
 def format_of(name: str, unit: dict, scale_codes: bool = False) -> str:
