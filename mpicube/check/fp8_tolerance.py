@@ -1,38 +1,39 @@
-"""The default verdict's FP8 unit: two traces made with ``--fp8`` and
-float32 accumulation (docs/fp8.md, "FP8 in the depth-aware tolerance").
+"""The default verdict's FP8 unit: two traces made with ``--fp8`` (the
+``fp8`` root attribute) of which either accumulates in float32
+(docs/fp8.md, "FP8 in the depth-aware tolerance", holds the derivation
+and the measurements).
 
-Layouts add a linear's products in other orders, so a quantizer's input
-differs between them by float32 rounding, relative ``d`` (the depth
-bound at the operand's depth: ``tolerance.depth_bound``). An element
-whose scaled value lies within ``d |v|`` of a rounding midpoint of the
-FP8 grid lands on the neighbouring code. Where its place inside its
-grid cell is spread evenly (the float32 noise is 2^20 times finer than
-the cell), that happens with probability ``d |v| / cell <= 2^(m+1) d``
-(m the format's significand bits, 3 for e4m3, 2 for e5m2; |v| / cell
-lies in [2^m, 2^(m+1))). Over n elements the flips are then a sum of
-independent trials of mean ``mu <= 2^(m+1) d n``, and a correct pair
-holds more than ``allowed(mu)`` of them with probability below
-``CONFIDENCE`` (Chernoff's bound for a sum of independent trials:
-``P(N >= a) <= exp(-mu) (e mu / a)^a``).
+Before the first flip. Layouts add a linear's products in other orders,
+so a quantizer's input differs between them by float32 rounding, relative
+``d`` (the depth bound at the operand's depth, ``tolerance.depth_bound``).
+An element whose scaled value v lies within ``d |v|`` of a rounding
+midpoint lands on the neighbouring code. Its place inside its grid cell
+is spread evenly (the float32 noise is 2^20 times finer than the cell),
+so that happens with probability ``d |v| / cell <= 2^(m+1) d`` (m the
+significand bits: 3 for e4m3, 2 for e5m2; |v| / cell lies in [2^m,
+2^(m+1))). Over n elements the flips are a sum of independent trials of
+mean ``mu <= 2^(m+1) d n``, and a correct pair holds more than
+``allowed(mu)`` with probability below ``CONFIDENCE`` (Chernoff:
+``P(N >= a) <= exp(-mu) (e mu / a)^a``). Every other code must agree.
 
-That allowance holds until the first flip. A flipped code moves its
-element by one FP8 step, a relative 2^-m, so the rows of the GEMM output
-it feeds move by about 2^-m / sqrt(K) relative - far above float32's
-rounding - and the next quantizer's inputs in those rows flip with
-probability about 2 / sqrt(K): the difference cascades, through the
-residual rows, attention (which mixes a sequence's tokens), the weight
-gradients' sums over tokens and then AdamW's update, until the two runs
-differ by FP8's own quantization noise (measured in the docs: 1 flip in
-65,536 codes at step 1, a quarter of the codes at step 2). There the
-unit is the format's relative step: each operand differs by at most one
-step per element where the inputs agree to a step, so a tensor
-downstream of a flip is held to ``rel_fro <= 2^-m`` of the coarsest
-format in use, and, because that is larger than a 1% bug, to a second
-test that noise passes and a systematic error does not: the part of the
-difference along the tensor itself, ``|<b - a, a>| / <a, a>``, within
-``Z`` times what noise of that size projects onto one direction
-(``rel_fro / sqrt(n)``). A gradient 1% off lies 1e-2 along itself; the
-cascade's noise, at most a few times rel_fro / sqrt(n).
+After it. A flipped code moves its element by one FP8 step, a relative
+2^-m, so the GEMM output rows it feeds move by about 2^-m / sqrt(K),
+far above float32's rounding, and the next quantizer's inputs in those
+rows flip with probability about 2 / sqrt(K): the difference cascades
+(through the residual rows, attention, the weight gradients' sums over
+tokens, AdamW's update) until the two runs differ by FP8's own
+quantization noise. There a tensor the budget fails holds to
+``rel_fro <= 2^-m`` (its own format's for codes, decoded, and scales; the
+coarsest format's for the rest), and, before the first flip's step
+updates the parameters, a floating tensor also to a test that noise
+passes and a systematic error does not: the part of the difference along
+the tensor itself, ``|<b - a, a>| / <a, a>``, within ``Z`` times what
+noise of that size would project onto one direction if it were spread
+over the n elements (``rel_fro / sqrt(n)``). The cascade's noise starts
+in a few tokens' rows, so it projects more than that: measured up to
+17.6 of those units, hence Z = 32. After the update the runs are at
+different parameters, and a 1% error is not resolvable by two traces:
+``--fp8-accumulate float64`` is the exact check.
 """
 
 from __future__ import annotations
