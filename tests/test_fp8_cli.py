@@ -248,3 +248,28 @@ def test_float32_fp8_layouts_agree_under_the_fp8_unit_and_a_bug_still_fails(mpic
         assert result.first_divergence == name, (name, result.first_divergence)
         row = next(r for r in result.rows if r.name == name)
         assert why in row.note, row.note
+
+
+def test_fp8_unit_decodes_every_code_and_allows_what_chernoff_says():
+    """compare's FP8 unit (check/fp8_tolerance.py) decodes codes with its
+    own table (the check package reads traces without ml_dtypes): every
+    one of the 256 codes of e4m3 and e5m2 as ml_dtypes reads it, NaN and
+    infinity included; and its allowance is the least count whose
+    Chernoff tail exp(-mu) (e mu / a)^a is below 1e-6."""
+    import math
+
+    import ml_dtypes
+
+    from mpicube.check.fp8_tolerance import _decoder, allowed
+
+    codes = np.arange(256, dtype=np.uint8)
+    for fmt, kind in (("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2)):
+        assert np.array_equal(_decoder(fmt)(codes), codes.view(kind).astype(np.float64), equal_nan=True), fmt
+
+    def tail(mu, a):
+        return math.exp(-mu + a * (1 + math.log(mu / a)))
+
+    for mu in (1e-3, 0.5, 4.0, 100.0):
+        a = allowed(mu)
+        assert a > mu and tail(mu, a) <= 1e-6 and (a - 1 <= mu or tail(mu, a - 1) > 1e-6), (mu, a)
+    assert (allowed(0.5), allowed(4.0)) == (8, 19)
