@@ -39,7 +39,7 @@ dense MLP, or with experts= DeepSeekMoE after the first block (``DEEPSEEK_MOE``;
 hold the experts), and mtp= multi-token prediction depths (model/mtp.py: on a pipeline's last stage, its
 wte copy summed with stage 0's); their traffic, memory and latent cache (the kv latent and k_pe per
 token) equal the cost model's MLA terms (analysis/costmla.py) and MTP depths (analysis/costmtp.py) as the
-others' do (``COSTED``), a DeepSeekMoE's priced for the routing each micro-batch recorded (the ledger's
+others' do, a DeepSeekMoE's priced for the routing each micro-batch recorded (the ledger's
 routes and each local expert's runs: tests/moe_costs.py, ``StageRuns`` under pp), as parallel_check
 prices Mixtral's.
 
@@ -52,9 +52,10 @@ GEMM and their scales are compared bit for bit, assembled as trace --fp8
 writes them: tests/fp8_operands.py); every one compares its memory with the
 model (the quantized copies a grid layout keeps under a tensor scale,
 3-D's local X under a tile recipe, delayed's amax histories:
-analysis/costfp8.py), and the dense ones their traffic too (``COSTED``:
-amax all-reduces on axis "fp8", rowwise's row amaxes on the layouts' axes,
-3-D's second gathers under a tile or row recipe).
+analysis/costfp8.py) and its traffic (amax all-reduces on axis "fp8",
+rowwise's row amaxes on the layouts' axes, 3-D's second gathers under a
+tile or row recipe; a mixture's experts on every batch of rows they ran
+on, MLA's replicated down-projections).
 
 Usage: mpiexec -n W python -m mpi4py tests/combo_matrix_check.py CASE [-- CASE ...]
   CASE = key=value words: layout= tp= depth= dp= pp= schedule= virtual= cp= sp=0|1
@@ -83,7 +84,7 @@ import fp8_operands  # noqa: E402
 import parallel_check as pc  # noqa: E402  (the shared checks; they read its DTYPE/HALF/RTOL/LOSS_SCALE)
 from moe_costs import StageRuns, check_kept, measured_rows, record_runs, take_runs  # noqa: E402
 from replicated_check import check_replicated  # noqa: E402
-from mpicube.analysis.costfp8 import history_elems, priced_recipe  # noqa: E402
+from mpicube.analysis.costfp8 import history_elems  # noqa: E402
 from mpicube.analysis.costmemory import kv_cache_elems  # noqa: E402
 from mpicube.core.config import ModelConfig  # noqa: E402
 from mpicube.device.precision import dtype_of, is_half  # noqa: E402
@@ -187,17 +188,6 @@ class Case:
         return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in vars(self).items())
 
 
-def COSTED(case: Case) -> bool:
-    """Whether the cost model's exact traffic check applies to the case:
-    every one (Llama, DeepSeek-V3's MLA too) but the FP8 ones
-    analysis/costfp8.py does not price yet (``priced_recipe``: experts=,
-    rowwise with sp=1 or MLA, MLA under a tensor scale). A mixture
-    (experts=: DeepSeekMoE's sigmoid router, shared experts and dense
-    first blocks too) is priced for the routing it recorded; MTP's depths
-    (mtp=) from the configuration (analysis/costmtp.py)."""
-    return not case.fp8 or priced_recipe(case.fp8, case.cfg(), case.sp)
-
-
 def configure(dtype: str) -> None:
     """parallel_check's globals for a case in ``dtype`` (its helpers read them)."""
     pc.DTYPE, pc.HALF = dtype, is_half(dtype_of(dtype))
@@ -298,7 +288,6 @@ def run_case(case: Case, refs: References) -> None:
     where = f"rank {world.rank} (stage {layout.axes.pp.rank})"
     opt = make_step(store, layout.axes, weight_decay=0.1, optimizer=case.opt, muon_qkv=case.qkv)
     random_biases(store)
-    costed = COSTED(case)               # memory: every case (analysis/costfp8.py prices what each recipe keeps)
     # a mixture is priced for the routing each layer recorded (tests/moe_costs.py: the ledgers' routes and
     # each local expert's runs), per micro-batch; under pp the stage's chunks' (StageRuns)
     ran = runs = None
@@ -353,8 +342,7 @@ def run_case(case: Case, refs: References) -> None:
         assert not case.bias or biases, f"{where}: bias=1 but no router bias here"
         for name, bias in biases.items():               # bit for bit: integers' signs, whatever the ep size
             assert np.array_equal(bias, want["bias"][step - 1][name]), f"{where}: step {step} {name}"
-        if costed:
-            pc.check_traffic(routed, counters, where)                # the step's all-gathers too
+        pc.check_traffic(routed, counters, where)                    # the step's all-gathers too
         if case.fp8 and step > 1:       # delayed's amax histories (one pushed per step): the memory model's
             held = sum(h.size for h in layout.fp8.history.values())
             want_held = history_elems(problem, layout.fp8.recipe.history)
@@ -365,7 +353,7 @@ def run_case(case: Case, refs: References) -> None:
             model.router_log.take_ledgers()
     if not pc.HALF:
         pc.check_params(store, host, want["params"], f"after {case.steps} steps")
-    if parts.pipeline is None and COSTED(case):      # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model
+    if parts.pipeline is None:          # generation's cache (GQA: kv heads; MLA: latent and k_pe) == the model
         caches = sum(c.c_kv.size + c.k_pe.size if hasattr(c, "c_kv") else c.k.size + c.v.size
                      for c in model.new_caches())
         assert caches == kv_cache_elems(problem), f"{where}: KV cache {caches}, model {kv_cache_elems(problem)}"

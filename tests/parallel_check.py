@@ -290,12 +290,15 @@ def check_traffic(problem, counters, where: str = None) -> None:
 def assert_traffic(want, counters, where: str) -> None:
     """Every axis's measured elements, bytes and messages (``counters``)
     equal the cost model's ``want`` (a Traffic); ``where`` names the rank."""
-    for axis in set(want.elems) | set(counters.elems):
+    wrong = []
+    for axis in sorted(set(want.elems) | set(counters.elems)):
         got = counters.elems.get(axis, 0), counters.bytes.get(axis, 0), counters.msgs.get(axis, 0)
         model = want.elems.get(axis, 0), want.bytes.get(axis, 0), want.msgs.get(axis, 0)
         if got != model:
-            raise AssertionError(f"{where}: axis {axis}: measured {got[0]} elements / {got[1]} bytes / "
-                                 f"{got[2]} messages, model predicts {model[0]} / {model[1]} / {model[2]}")
+            wrong.append(f"axis {axis}: measured {got[0]} elements / {got[1]} bytes / {got[2]} messages, "
+                         f"model predicts {model[0]} / {model[1]} / {model[2]}")
+    if wrong:               # every axis that differs: which ones do tells what the model misses
+        raise AssertionError(f"{where}: " + "; ".join(wrong))
 
 
 def check_memory(problem, dropout: bool, store, model, kept, adam, where: str = None) -> None:

@@ -217,6 +217,15 @@ FP8_CASES = [
     # DeepSeek-V3's REPLICATED latent projections: every rank quantizes the whole W it holds and keeps its rows
     (4, "layout=1d tp=2 dp=2 fp8=mxfp8 fp8block=2 steps=3 arch=deepseek_v3"),
     (4, "layout=2d tp=4 fp8=rowwise steps=3 arch=deepseek_v3"),             # x's rows over the hidden split
+    # DeepSeekMoE over dp under delayed scaling: an expert that gets no token runs anyway, on every layout and
+    # serial alike (Layout.fp8_every), so its W's quantization and amax histories are serial's
+    (4, "layout=1d tp=2 dp=2 fp8=delayed steps=3 experts=8 layers=3 arch=deepseek_v3"),
+    # the cost model's remaining FP8 terms (analysis/costfp8.py): rowwise under sequence parallelism (a
+    # replicated linear's token rows over the stage), MLA's replicated linears under a tensor scale with
+    # their forward rerun, an expert's row amaxes and second gathers on the cube
+    (4, "layout=1d tp=4 sp=1 fp8=rowwise steps=3 arch=deepseek_v3"),
+    (4, "layout=2d tp=4 recompute=blocks fp8=tensorwise steps=3 arch=deepseek_v3"),
+    (8, f"layout=3d tp=8 kv=2 experts=4 recompute=blocks fp8=rowwise steps=3 {LLAMA}"),
 ]
 
 
@@ -236,6 +245,12 @@ def test_fp8_cases_cover_every_recipe_and_layout():
     for layout in ("2d", "2.5d", "3d"):             # the tile recipes on every panel layout
         assert {kw["fp8"] for kw in words if kw["layout"] == layout} & {"blockwise", "mxfp8"}, layout
     assert {kw["layout"] for kw in words if kw["fp8"] == "rowwise"} >= {"1d", "2d", "3d"}
+    # every path of the FP8 cost model, whose traffic every case checks: rowwise under sp, MLA's replicated
+    # linears and a mixture's experts under a tensor and a row scale
+    assert any(kw["fp8"] == "rowwise" and kw.get("sp") == "1" for kw in words)
+    for kind in ("arch", "experts"):
+        scales = {kw["fp8"] for kw in words if kind in kw and (kind != "arch" or kw[kind] == "deepseek_v3")}
+        assert scales & {"tensorwise", "delayed"} and "rowwise" in scales, kind
 
 
 # Ulysses and hybrid context parallelism (issue 46): each joins its world size's launch, checked like
@@ -322,7 +337,7 @@ DEEPSEEK_CASES = [
     (4, f"layout=serial tp=1 dp=4 ep=2 zero=3 experts=8 layers=3 mtp=1 {BIASED}"),
     (8, f"layout=1d tp=2 dp=4 ep=4 experts=8 layers=3 mtp=1 {BIASED}"),
     # without MTP, so that their traffic and memory meet the cost model for the routing they recorded
-    # (combo_matrix_check.COSTED): the sigmoid router's tape, the shared experts, the dense first block
+    # (combo_matrix_check checks both): the sigmoid router's tape, the shared experts, the dense first block
     (4, f"layout=2d tp=4 recompute=gathers experts=8 layers=3 {DEEPSEEK}"),
     (4, f"layout=1d tp=2 cp=2 sp=1 ep=2 experts=8 layers=3 {DEEPSEEK}"),     # the sequence-wise loss's ring sum
     (8, f"layout=2.5d tp=8 depth=2 batch=16 recompute=blocks experts=8 layers=3 {DEEPSEEK}"),

@@ -235,25 +235,76 @@ def test_phase_flops_add_up_to_the_step(layout, tp, depth):
             assert last["backward_weight"] == first["backward_weight"]
 
 
-def test_modelled_bubble_weighs_the_stages_and_the_transfers():
-    """The model's bubble of a run: with transfers free it is the
-    simulator's idle share at the FLOPs' phase times, above the formula
-    for 1F1B (the head's stage is longer) and for ZB-H1 (W, the dW GEMMs,
-    is shorter than F = B = W says); a slower link only adds to it; and
-    every zero-bubble schedule stays below 1F1B's on the same run."""
-    from mpicube.analysis.costbubble import modelled_bubble, phase_seconds
+def test_modelled_bubble_weighs_the_stages_the_actions_and_the_transfers():
+    """The model's bubble of a run: with actions, elementwise passes and
+    transfers free it is the simulator's idle share at the FLOPs' phase
+    times, above the formula for 1F1B (the head's stage is longer) and for
+    ZB-H1 (W, the dW GEMMs, is shorter than F = B = W says); the
+    elementwise passes shorten W against F and B, and raise ZB-H1's
+    bubble; a slower link and a costlier action only add to it; and at
+    the stated rates every zero-bubble schedule stays below 1F1B's."""
+    from mpicube.analysis.costbubble import DEFAULT_RATES, Rates, modelled_bubble, phase_seconds
 
     cfg = ModelConfig(vocab_size=256, n_ctx=128, n_layer=8, n_head=8, n_embd=256)
     runs = {s: Problem(cfg, "serial", 1, 1, 1, 16, 128, grad_accum=8, pp=2, pp_schedule=s,
                        virtual_stages=2 if s in ("zbv", "dualpipev") else 1)
             for s in ("1f1b", "zb-h1", "zbv", "dualpipev")}
-    free = {s: modelled_bubble(p, bandwidth=float("inf"), latency=0.0) for s, p in runs.items()}
+    flops_only = Rates(memory_rate=float("inf"), action_time=0.0, bandwidth=float("inf"), latency=0.0)
+    free = {s: modelled_bubble(p, flops_only) for s, p in runs.items()}
     assert free["1f1b"] > bubble(runs["1f1b"]) and free["zb-h1"] > bubble(runs["zb-h1"])
-    seconds = phase_seconds(runs["zb-h1"])
-    assert seconds[0, "backward_weight"] < seconds[0, "forward"] < seconds[0, "backward_input"]
+    gemms, both = phase_seconds(runs["zb-h1"], flops_only), phase_seconds(runs["zb-h1"])
+    assert gemms[0, "backward_weight"] < gemms[0, "forward"] < gemms[0, "backward_input"]
+    assert both[0, "backward_weight"] / both[0, "forward"] < gemms[0, "backward_weight"] / gemms[0, "forward"]
+    passes = dataclasses.replace(flops_only, memory_rate=DEFAULT_RATES.memory_rate)
+    assert modelled_bubble(runs["zb-h1"], passes) > free["zb-h1"]
     for s, p in runs.items():
-        assert free[s] <= modelled_bubble(p) < modelled_bubble(p, bandwidth=1e6), s
+        slow_link = dataclasses.replace(DEFAULT_RATES, bandwidth=1e6)
+        slow_action = dataclasses.replace(DEFAULT_RATES, action_time=2 * DEFAULT_RATES.action_time)
+        assert modelled_bubble(p, passes) < modelled_bubble(p) < modelled_bubble(p, slow_link), s
+        assert modelled_bubble(p) < modelled_bubble(p, slow_action), s
         assert s == "1f1b" or modelled_bubble(p) < modelled_bubble(runs["1f1b"]), s
+
+
+def test_elementwise_passes_follow_the_shapes():
+    """``costpasses``: one GPT-2 block's F, B and W elements are the
+    docstring's table at its shapes (written out here per pass); W holds
+    the bias sums (none for Llama, which has no biases) and the
+    gradients' accumulation, 3 per weight element on all micro-batches
+    but the step's first (the weights: W's FLOPs over 2 tokens); the last
+    chunk adds ln_f and the cross-entropy over the vocabulary, chunk 0 the
+    lookup; dropout adds to F and B only; and 1-D without
+    --sequence-parallel keeps the canonical region whole on each tp rank."""
+    from mpicube.analysis.costflops import chunk_phase_flops
+    from mpicube.analysis.costpasses import chunk_phase_elements
+
+    cfg = ModelConfig(vocab_size=64, n_ctx=16, n_layer=3, n_head=4, n_embd=32)
+    p = Problem(cfg, "serial", 1, 1, 1, 8, 16, grad_accum=2, pp=3)     # a block a stage
+    N, C, S = 4 * 16, 32, 4 * 4 * (16 * 16)                            # tokens, width, scores (one 16-block)
+    middle = chunk_phase_elements(p, 1)
+    biases = 3 * C + C + 4 * C + C
+    assert middle["forward"] == N * (2 * 5 * C + 2 * 3 * C + 2 * C + 2 * C + 7 * 4 * C + 2 * biases) + 5 * S
+    assert middle["backward_input"] == N * (2 * 8 * C + 2 * 3 * C + 2 * C + 2 * C + 4 * 4 * C) + 7 * S
+    accumulate = 3 * 12 * C * C * Fraction(1, 2)                      # 2 micro-batches: the second adds
+    assert middle["backward_weight"] == N * biases + accumulate
+    assert 12 * C * C == chunk_phase_flops(p, 1)["backward_weight"] / (2 * N)
+    first, last = chunk_phase_elements(p, 0), chunk_phase_elements(p, 2)
+    assert first["forward"] - middle["forward"] == N * 5 * C and first["backward_weight"] == N * biases + accumulate
+    assert last["forward"] - middle["forward"] == N * (5 * C + 10 * 64)
+    assert last["backward_input"] - middle["backward_input"] == N * (8 * C + 2 * 64)
+    dropped = chunk_phase_elements(p, 1, dropout=0.1)
+    assert dropped["forward"] == middle["forward"] + N * 2 * 6 * C + 6 * S
+    assert dropped["backward_input"] == middle["backward_input"] + N * 2 * 3 * C + 11 * S
+    assert dropped["backward_weight"] == middle["backward_weight"]
+    rerun = chunk_phase_elements(dataclasses.replace(p, recompute="blocks"), 1)
+    assert rerun["backward_input"] == middle["backward_input"] + middle["forward"]
+    llama = ModelConfig(vocab_size=64, n_ctx=16, n_layer=3, n_head=4, n_embd=32, arch="llama")
+    lp = dataclasses.replace(p, cfg=llama)
+    assert chunk_phase_elements(lp, 1)["backward_weight"] == 3 * chunk_phase_flops(lp, 1)["backward_weight"] / (
+        2 * N) / 2
+    tp1d, seqpar = (Problem(cfg, "1d", 4, 1, 1, 8, 16, grad_accum=2, pp=3, sequence_parallel=sp) for sp in (0, 1))
+    canonical = N * (2 * 5 * C + 2 * 3 * C)                           # a block's norms and residual adds
+    assert chunk_phase_elements(tp1d, 1)["forward"] - chunk_phase_elements(seqpar, 1)["forward"] == (
+        canonical - Fraction(canonical, 4))
 
 
 def test_pipeline_page_holds_the_modelled_bubbles():

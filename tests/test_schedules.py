@@ -120,6 +120,15 @@ def test_simulation_with_unequal_stages_and_transfers():
         simulate(zb, 1, 2, "zb-h1")["bubble"], abs=1e-12)
     late = simulate(zb, times=lambda p, a: even[a.op], transfer=lambda p, a: 0.25, name="zb-h1")
     assert late["bubble"] > bubble_fraction("zb-h1", 4, 8)        # transfers only ever add idle time
+    # the executor's time before each action (idle): 1F1B, P 2, N 1, F 1, B 2, each action a = 0.5
+    # first: stage 0 starts F0 at a, sends at 1 + 2a; stage 1 receives at 1 + 2a, runs F0 from 1 + 3a,
+    # B0 from 2 + 4a to 4 + 4a, sends at 4 + 5a; stage 0 runs B0 from 4 + 6a to 6 + 6a. The step as a
+    # profile measures it, first phase to last, is 6 + 5a; busy 3 of it on each stage
+    one = build_schedule("1f1b", 2, 1)
+    r = simulate(one, 1, 2, overhead=lambda p, a: 0.5)
+    assert r["time"] == pytest.approx(8.5) and r["busy"] == [3.0, 3.0]
+    assert r["bubble"] == pytest.approx(11 / 17, abs=1e-12)
+    assert [(s, a.op) for s, _, a in r["timeline"][0]] == [(0.5, "forward"), (7.0, "backward")]
 
 
 def test_interleaving_shrinks_the_bubble():

@@ -20,8 +20,13 @@ numpy and h5py, not MPI.
     python tools/torch_trace.py ref.h5 --out torch.h5
     mpicube compare ref.h5 torch.h5
 
+``--torchao-fp8 tensorwise|rowwise`` trains the blocks' linears with
+torchao's float8 training (emulated), for a reference traced with ``--fp8``
+(docs/fp8.md, "Against torchao, one training step").
+
 torch is not a dependency of mpicube: install it into the environment that
-runs this tool (``pip install torch``; the CPU build is enough).
+runs this tool (``pip install torch``; the CPU build is enough; torchao for
+``--torchao-fp8``).
 """
 
 from __future__ import annotations
@@ -329,12 +334,32 @@ def train_and_record(model, ref, out, steps, device, layout, after_backward=None
             say(f"step {s}/{steps}: loss {loss.item():.6f}, lr {ref.lr(s):.3e}, grad_norm {float(norm):.6f}")
 
 
+def float8_blocks(model, recipe: str) -> None:
+    """torchao's float8 training on every nn.Linear but the head (mpicube's
+    --fp8 quantizes the blocks' linears; the head is the tied embedding or
+    kept in --dtype), emulated: the quantized operands are dequantized and
+    multiplied in the model's dtype, so a float64 model checks the
+    recipe's quantization, not a GPU's FP8 GEMM. ``recipe``: torchao's
+    tensorwise (x and W e4m3, dy e5m2) or rowwise (e4m3 throughout, scales
+    rounded down to powers of two: mpicube's --fp8 rowwise --fp8-pow2)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=dataclasses.replace(config, emulate=True),
+                               module_filter_fn=lambda module, fqn: fqn != "lm_head")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("reference", help="trace to take config, optimizer, initial parameters, batches and masks from")
     ap.add_argument("--out", required=True, help="trace file to write")
     ap.add_argument("--steps", type=int, default=None, help="steps to run (default: all the reference's)")
     ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    ap.add_argument("--torchao-fp8", choices=("tensorwise", "rowwise"), default=None,
+                    help="convert the blocks' nn.Linear layers with torchao's float8 training recipe, emulated\n"
+                         "(for a reference traced with --fp8 tensorwise, or --fp8 rowwise --fp8-pow2)")
     args = ap.parse_args(argv)
     try:
         ref = Reference(args.reference)
@@ -344,6 +369,8 @@ def main(argv=None) -> int:
     dtype, device = (torch.float64 if ref.dtype == "float64" else torch.float32), torch.device(args.device)
     model, name_map = model_for(ref.config, ref.dropout)
     model = model.to(device=device, dtype=dtype)
+    if args.torchao_fp8:
+        float8_blocks(model, args.torchao_fp8)
     steps = min(args.steps or ref.steps, ref.steps)
     with ref:
         train_and_record(model, ref, args.out, steps, device,

@@ -150,7 +150,8 @@ def bench_layout(parts, seq_len: int, warmup: int, steps: int, seed: int = 0, pr
     problem = Problem(cfg, layout.name, layout.axes.tp.size, layout.axes.dp.size,
                       layout.describe().get("depth", 1), B, seq_len, backend.dtype.name, layout.recompute,
                       zero=store.zero, grad_accum=parts.grad_accum, cp=layout.axes.cp.size,
-                      sequence_parallel=getattr(layout, "sequence_parallel", False), **_pipeline_terms(parts))
+                      sequence_parallel=getattr(layout, "sequence_parallel", False), **_pipeline_terms(parts),
+                      fp8=layout.fp8.recipe.name if layout.fp8 is not None else "")   # --fp8's amaxes (costfp8)
     predicted, memory, memory_bytes = step_traffic(problem), step_memory(problem), step_memory_bytes(problem)
     mixed = any(profiled) and not all(profiled)
     if mixed:                                     # the figures from the steps run as without --profile

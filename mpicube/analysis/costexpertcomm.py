@@ -33,7 +33,8 @@ blocks, whose rerun repeats the forward):
   --sequence-parallel), and under --recompute gathers gathers c_fc's
   input rows again from their shards in backward; SUMMA broadcasts and
   reduces X and W panels along the row and column; the cube gathers and
-  reduce-scatters over i, j, k; once per batch (``Rows.experts``: where
+  reduce-scatters over i, j, k; under --fp8 their quantizers' amaxes
+  come on top (``costfp8.expert_fp8``); once per batch (``Rows.experts``: where
   every expert runs, one batch each, empty ones too, as their
   collectives span ranks that may hold rows; on serial and 1-D its own
   rows and the others' apart, computed while the others travel).
@@ -50,6 +51,7 @@ from collections import Counter
 
 from .costbase import Problem, Traffic
 from .costexperts import ep_traffic, grid, layer_rows
+from .costfp8 import expert_fp8
 from .costparams import moe_layers
 
 
@@ -149,4 +151,6 @@ def expert_linears(p: Problem, rows: int, forwards: int) -> Traffic:
             t.allgather(b, q, rows * h_out // q, width=w.act)
             t.reduce_scatter(a, q, rows * q * h_in // q, width=w.red)
             t.reduce_scatter("i", q, (h_in // q) * (h_out // q), width=w.red)
+    if p.fp8:                            # --fp8: its quantizers' amaxes (and 3-D's second gathers)
+        t.add(expert_fp8(p, rows))
     return t

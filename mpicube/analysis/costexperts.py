@@ -40,6 +40,7 @@ from fractions import Fraction
 
 from ..ops.moe import capacity
 from .costbase import Problem, Traffic
+from .costfp8 import keeps_local_input
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,11 @@ def layer_parts(p: Problem, rows: Rows) -> dict:
         parts["swiglu"] = ("act", 4 * F_l * R + R * F_l)            # [gate | up], sigmoid, silu; c_proj's input
     else:                                                            # the cube: gathered X (and W, per expert)
         (h, two_f), (f, h_out) = (cfg.n_embd, 2 * F), (F, cfg.n_embd)
-        x_fc, x_proj = (R * h // q, R * f // q) if regather else (q * R * h // q, q * R * f // q)
+        local_x = regather or keeps_local_input(p)                  # --fp8 tiles or rows: as under gathers
+        x_fc, x_proj = (R * h // q, R * f // q) if local_x else (q * R * h // q, q * R * f // q)
         parts["rows in"] = ("act", x_fc)
         parts["swiglu"] = ("act", 4 * F_l * R + x_proj)
-        if not regather:
+        if not local_x:
             parts["weights gathered"] = ("act", E // p.ep * ((h // q) * (two_f // q) + (f // q) * (h_out // q)))
     return parts
 

@@ -1,10 +1,18 @@
 """The traffic ``--fp8`` adds to a step: the amax all-reduces of the
-tensor-scaled recipes (``parallel/fp8.py``).
+tensor-scaled recipes and rowwise's row amaxes (``parallel/fp8.py``),
+and the second gathers of 3-D's tile and row recipes.
+
+Each linear is priced for the rows it runs on (``linear_fp8``): the
+stage's sharded linears (``fp8_traffic``, per micro-batch: attention,
+a dense or shared-expert MLP, an MTP depth's block), MLA's REPLICATED
+down-projections (``replicated_fp8``) and a mixture's experts, on every
+batch of rows their linears ran on (``expert_fp8``, which
+``costexpertcomm.expert_linears`` adds per batch: at --ep 1).
 
 A tensor scale belongs to the logical tensor, so each quantization of
 x, W or dy under tensorwise or delayed all-reduces (max) one float32 amax
 over the pipeline stage's ranks (tp x dp x cp; axis "fp8"). How many a
-linear makes per micro-batch is fixed by its layout's code:
+linear makes per batch of rows is fixed by its layout's code:
 
 * serial, 1-D (``DenseLinear``, ``SeqLinear``): forward x and W, dgrad
   dy and W, wgrad x and dy: 6;
@@ -13,14 +21,14 @@ linear makes per micro-batch is fixed by its layout's code:
   the W it broadcasts again: 4;
 * 3-D (``CubeLinear``): forward x and W, backward dy: 3, and W once more
   under ``--recompute gathers`` (it gathers W again): 4;
+* MLA's ``ReplicatedLinear`` quantizes each GEMM's operands as it uses
+  them on every layout: 6;
 
 and ``--recompute blocks`` reruns each block's forward (2 more a linear).
-Priced for the dense blocks (GPT-2, Llama). The tile recipes (blockwise,
-MXFP8) reduce nothing; on 3-D their backward gathers X and W again and
-dY twice (``cube_tile_gathers``), as rowwise's does, whose row amaxes
-ride the layouts' own axes (``row_amaxes``). Not priced yet (``priced``):
-rowwise under --sequence-parallel, a mixture's experts under FP8 and
-MLA's REPLICATED linears under a tensor or row scale.
+The tile recipes (blockwise, MXFP8) reduce nothing; on 3-D their
+backward gathers X and W again and dY twice (``cube_tile_gathers``), as
+rowwise's does, whose row amaxes ride the layouts' own axes
+(``row_amaxes``; a replicated linear's: ``replicated_fp8``).
 
 Memory (``costmemory`` asks here): what a recipe changes in what a layout
 keeps for backward (``keeps_local_input``, ``quantized_copy_kept``) and
@@ -33,25 +41,11 @@ from dataclasses import replace
 
 from .costbase import Problem, Traffic
 from .costmla import replicated_outputs
-from .costparams import block_linears, dense_linears, stage_layers, stage_linears
+from .costparams import dense_linears, head_split, stage_layers, stage_linears
 
 TENSOR_SCALED = ("tensorwise", "delayed")
-PRICED = TENSOR_SCALED + ("blockwise", "mxfp8", "rowwise")    # recipes fp8_traffic prices (``priced``)
 PER_LINEAR = {"serial": 6, "1d": 6, "2d": 4, "2.5d": 4, "3d": 3}    # quantizations per linear, micro-batch
-
-
-def priced(p: Problem) -> bool:
-    """Whether ``fp8_traffic`` prices the FP8 run ``p`` (see the module docstring)."""
-    return priced_recipe(p.fp8, p.cfg, p.sequence_parallel)
-
-
-def priced_recipe(recipe: str, cfg, sequence_parallel: bool = False) -> bool:
-    """``priced`` from the recipe's name, the model and --sequence-parallel."""
-    if recipe not in PRICED or cfg.moe:
-        return False
-    if recipe == "rowwise":
-        return not cfg.mla and not sequence_parallel
-    return not (cfg.mla and recipe in TENSOR_SCALED)
+REPLICATED_PER_LINEAR = 6         # ReplicatedLinear: each GEMM's two operands, on every layout
 
 
 def keeps_local_input(p: Problem) -> bool:
@@ -97,30 +91,73 @@ def stage_linear_count(p: Problem) -> int:
     return count
 
 
-def quantizations(p: Problem) -> int:
-    """Tensor quantizations (one amax all-reduce each) of one micro-batch on this rank's stage."""
+def per_linear(p: Problem) -> int:
+    """Tensor quantizations (one amax all-reduce each) of one of the
+    layout's linears on one batch of rows (the module docstring)."""
     per = PER_LINEAR[p.layout] + (p.layout == "3d" and p.recompute == "gathers")
-    per += 2 if p.recompute == "blocks" else 0
-    layers = sum(len(p.chunk_layers[k]) for k in p.stage_chunks)
-    return layers * len(block_linears(p.cfg)) * per
+    return per + (2 if p.recompute == "blocks" else 0)
 
 
 def fp8_traffic(p: Problem) -> Traffic:
-    """One micro-batch's amax all-reduces (one float32 each over the
-    stage), and on 3-D under a tile recipe the gathers backward adds."""
+    """One micro-batch's FP8 traffic on this rank: every sharded linear of
+    the stage's blocks (a mixture's experts apart: ``expert_fp8``) on the
+    rank's rows, and MLA's replicated ones."""
     t = Traffic()
-    if p.fp8 in TENSOR_SCALED:
-        t.allreduce("fp8", p.tp * p.dp * p.cp, 1, times=quantizations(p), width=4)
-    if keeps_local_input(p):
-        t.add(cube_tile_gathers(replace(p, seq_len=p.local_seq, cp=1)))
-    if p.fp8 == "rowwise":
-        t.add(row_amaxes(p))
+    local = replace(p, seq_len=p.local_seq, cp=1)                 # on this rank's positions
+    n = dense_rows(local)
+    for h_in, h_out, position in stage_linears(local, head_split(p)):
+        t.add(linear_fp8(p, n, h_in, h_out, position))
+    t.add(replicated_fp8(p))
     return t
 
 
-def row_amaxes(p: Problem) -> Traffic:
-    """rowwise's amax all-reduces in one micro-batch (float32, one per row
-    of an operand whose row is split): per linear, forward's x and W^T
+def dense_rows(p: Problem) -> int:
+    """Token rows a sharded linear's x holds on this rank (``p`` at its
+    positions): the gathered sequences on serial and 1-D (under
+    --sequence-parallel too), the grid's or the cube's share of them."""
+    n = p.local_batch * p.seq_len
+    if p.layout in ("2d", "2.5d"):
+        return n // (p.depth * grid_side(p))
+    return n // grid_side(p) ** 2 if p.layout == "3d" else n
+
+
+def grid_side(p: Problem) -> int:
+    """q: the side of the 2-D / 2.5-D grid or of the cube (1 on serial and 1-D)."""
+    if p.layout in ("2d", "2.5d"):
+        return round((p.tp // p.depth) ** 0.5)
+    return round(p.tp ** (1 / 3)) if p.layout == "3d" else 1
+
+
+def expert_fp8(p: Problem, rows: int) -> Traffic:
+    """One expert's c_fc (h -> 2F, COLUMN) and c_proj (F -> h, ROW) on one
+    batch of ``rows`` rows of this rank (``costexperts.Rows.experts``; an
+    empty batch too where every expert runs, ``fp8_every``): the layout's
+    own linears, priced as a block's are."""
+    t, h, F = Traffic(), p.cfg.n_embd, p.cfg.moe_ffn
+    t.add(linear_fp8(p, rows, h, 2 * F, "column"))
+    t.add(linear_fp8(p, rows, F, h, "row"))
+    return t
+
+
+def linear_fp8(p: Problem, n: int, h_in: int, h_out: int, position: str) -> Traffic:
+    """One linear of the layout (``position`` COLUMN or ROW, ``h_out`` as
+    the layout's head split holds it in all) on ``n`` token rows of this
+    rank, one forward (two under --recompute blocks) and its backward:
+    the tensor amaxes, rowwise's row amaxes, 3-D's second gathers under a
+    tile or row recipe."""
+    t, replicas = Traffic(), p.dp * p.cp            # the ranks holding other tokens
+    if p.fp8 in TENSOR_SCALED:
+        t.allreduce("fp8", p.tp * replicas, 1, times=per_linear(p), width=4)
+    elif p.fp8 == "rowwise":
+        t.add(row_amaxes(p, n, h_in, h_out, position, replicas))
+    if keeps_local_input(p):
+        t.add(cube_tile_gathers(p, n, h_in, h_out, position))
+    return t
+
+
+def row_amaxes(p: Problem, n: int, h_in: int, h_out: int, position: str, replicas: int) -> Traffic:
+    """rowwise's amax all-reduces of one linear on ``n`` rows (float32,
+    one per row of an operand whose row is split): forward's x and W^T
     (again under --recompute blocks), dgrad's dy and W, each over the
     ranks holding the rest of its row along the contraction, and wgrad's
     x^T and dy^T, whose rows run along the tokens, over the ranks holding
@@ -129,74 +166,101 @@ def row_amaxes(p: Problem) -> Traffic:
     group holds the rest of each row is the layouts' ``Splits``:
 
     * 1-D: a COLUMN linear's W and dy columns over tp, a ROW one's x
-      columns and W rows;
+      columns and W rows (the same under --sequence-parallel, whose
+      linears see the gathered sequence);
     * 2-D, 2.5-D: x's, dy's and W's columns over the grid row, W's rows
       over its column;
     * 3-D (a, b = j, k for a COLUMN linear, k, j for a ROW one): x's
       columns over b, W's rows over the plane of b and i, dy's and W's
       columns over a."""
     t = Traffic()
-    local = replace(p, seq_len=p.local_seq, cp=1)
     forwards = 2 if p.recompute == "blocks" else 1
-    replicas = p.dp * p.cp
 
     def reduce(axis, g, rows, times=1):
         if g > 1:
             t.allreduce(axis, g, rows, times=times, width=4)
 
+    q = grid_side(p)
     if p.layout in ("serial", "1d"):
-        n, g = local.local_batch * local.seq_len, p.tp
-        for h_in, h_out, position in stage_linears(local):
-            if position == "column":
-                reduce("tp", g, n)                               # dgrad: dy's rows
-                reduce("tp", g, h_in)                            # dgrad: W's rows
-                reduce("fp8", replicas, h_in)                    # wgrad: x^T's rows
-                reduce("fp8", replicas, h_out // g)              # wgrad: dy^T's rows
-            else:
-                reduce("tp", g, n, times=forwards)               # forward: x's rows
-                reduce("tp", g, h_out, times=forwards)           # forward: W^T's rows
-                reduce("fp8", replicas, h_in // g)
-                reduce("fp8", replicas, h_out)
+        g = p.tp
+        if position == "column":
+            reduce("tp", g, n)                                   # dgrad: dy's rows
+            reduce("tp", g, h_in)                                # dgrad: W's rows
+            reduce("fp8", replicas, h_in)                        # wgrad: x^T's rows
+            reduce("fp8", replicas, h_out // g)                  # wgrad: dy^T's rows
+        else:
+            reduce("tp", g, n, times=forwards)                   # forward: x's rows
+            reduce("tp", g, h_out, times=forwards)               # forward: W^T's rows
+            reduce("fp8", replicas, h_in // g)
+            reduce("fp8", replicas, h_out)
     elif p.layout in ("2d", "2.5d"):
-        q = round((p.tp // p.depth) ** 0.5)
-        n = local.local_batch * local.seq_len // (p.depth * q)
         tokens = p.depth * q * replicas                          # a grid column's ranks, every replica
-        for h_in, h_out, _ in stage_linears(local, q):
-            reduce("row", q, n, times=forwards)
-            reduce("col", q, h_out // q, times=forwards)
-            reduce("row", q, n)
-            reduce("row", q, h_in // q)
-            reduce("fp8", tokens, h_in // q)
-            reduce("fp8", tokens, h_out // q)
+        reduce("row", q, n, times=forwards)
+        reduce("col", q, h_out // q, times=forwards)
+        reduce("row", q, n)
+        reduce("row", q, h_in // q)
+        reduce("fp8", tokens, h_in // q)
+        reduce("fp8", tokens, h_out // q)
     else:
-        q = round(p.tp ** (1 / 3))
-        n = local.local_batch * local.seq_len // (q * q)
         tokens = q * q * replicas                                # a plane of the cube, every replica
-        for h_in, h_out, position in stage_linears(local, q):
-            a, b, plane = ("j", "k", "ik") if position == "column" else ("k", "j", "ij")
-            reduce(b, q, n, times=forwards)
-            reduce(plane, q * q, h_out // q, times=forwards)
-            reduce(a, q, n)
-            reduce(a, q, h_in // (q * q))
-            reduce("fp8", tokens, h_in // q)
-            reduce("fp8", tokens, h_out // q)
+        a, b, plane = ("j", "k", "ik") if position == "column" else ("k", "j", "ij")
+        reduce(b, q, n, times=forwards)
+        reduce(plane, q * q, h_out // q, times=forwards)
+        reduce(a, q, n)
+        reduce(a, q, h_in // (q * q))
+        reduce("fp8", tokens, h_in // q)
+        reduce("fp8", tokens, h_out // q)
     return t
 
 
-def cube_tile_gathers(p: Problem) -> Traffic:
-    """3-D under a tile or row recipe (``CubeLinear``, oriented): each GEMM
-    gathers its own quantization, so backward gathers X over a and W over
-    i again (wgrad's tiles run along the tokens, dgrad's along K_out;
-    already so under --recompute gathers, which the layout's traffic
-    prices), and dY twice over b (dgrad's and wgrad's). ``p`` on this
-    rank's positions."""
-    t, w = Traffic(), p.widths
-    q = round(p.tp ** (1 / 3))
-    n = p.local_batch * p.seq_len // (q * q)              # canonical rows per rank
-    again = p.recompute != "gathers"
-    for h_in, h_out, position in stage_linears(p, q):
-        a, b = ("j", "k") if position == "column" else ("k", "j")
-        t.allgather(a, q, n * h_in // q, times=int(again), width=w.act)                   # X over a
-        t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=int(again), width=w.act)   # W over i
-        t.allgather(b, q, n * h_out // q, width=w.act)                                    # wgrad's dY over b
+def cube_tile_gathers(p: Problem, n: int, h_in: int, h_out: int, position: str) -> Traffic:
+    """3-D under a tile or row recipe (``CubeLinear``, oriented), one
+    linear on ``n`` rows: each GEMM gathers its own quantization, so
+    backward gathers X over a and W over i again (wgrad's tiles run along
+    the tokens, dgrad's along K_out; already so under --recompute
+    gathers, which the layout's traffic prices), and dY twice over b
+    (dgrad's and wgrad's)."""
+    t, w, q = Traffic(), p.widths, grid_side(p)
+    again = int(p.recompute != "gathers")
+    a, b = ("j", "k") if position == "column" else ("k", "j")
+    t.allgather(a, q, n * h_in // q, times=again, width=w.act)                          # X over a
+    t.allgather("i", q, (h_in // (q * q)) * (h_out // q), times=again, width=w.act)     # W over i
+    t.allgather(b, q, n * h_out // q, width=w.act)                                      # wgrad's dY over b
+    return t
+
+
+def replicated_fp8(p: Problem) -> Traffic:
+    """MLA's REPLICATED down-projections (q_down if a q latent, kv_down)
+    in one micro-batch, on every block of the stage (``ReplicatedLinear``:
+    the whole W on every rank, this rank's canonical rows of x times its
+    columns' rows of W). A tensor scale: 6 quantizations each (8 under
+    --recompute blocks) over the stage. rowwise: W's rows and dy's are
+    whole on every rank, so only x's rows along its columns (forward,
+    over the hidden split: 2-D, 2.5-D's grid row, 3-D's k) and wgrad's
+    x^T and dy^T rows along the tokens (over the ranks with the rest of
+    the tokens at those columns: the layout's token group, and under
+    --sequence-parallel, whose canonical rows are T/tp, the stage)."""
+    t, cfg = Traffic(), p.cfg
+    if not cfg.mla or p.fp8 not in TENSOR_SCALED + ("rowwise",):
+        return t
+    forwards = 2 if p.recompute == "blocks" else 1
+    outs, L = replicated_outputs(cfg), len(stage_layers(p))
+    stage = p.tp * p.dp * p.cp
+    if p.fp8 in TENSOR_SCALED:
+        t.allreduce("fp8", stage, 1, times=(REPLICATED_PER_LINEAR + 2 * (forwards - 1)) * len(outs) * L, width=4)
+        return t
+    local = replace(p, seq_len=p.local_seq, cp=1)
+    q, replicas = grid_side(p), p.dp * p.cp
+    n = dense_rows(local)                                               # canonical rows, as x's
+    if p.layout == "1d" and p.sequence_parallel:
+        n, tokens = n // p.tp, stage
+    else:
+        tokens = {"2d": p.depth * q, "2.5d": p.depth * q, "3d": q * q}.get(p.layout, 1) * replicas
+    hidden = {"2d": "row", "2.5d": "row", "3d": "k"}.get(p.layout)
+    for r in outs:
+        if hidden and q > 1:
+            t.allreduce(hidden, q, n, times=forwards * L, width=4)          # forward: x's rows
+        for rows in (cfg.n_embd // q, r):                                   # wgrad: x^T's, dy^T's rows
+            if tokens > 1:
+                t.allreduce("fp8", tokens, rows, times=L, width=4)
     return t

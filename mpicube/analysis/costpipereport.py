@@ -28,7 +28,7 @@ from ..parallel.planning import check_moe
 from ..parallel.schedules import check_pipeline, check_pp_world
 from .costmemory import step_memory_bytes
 from .costmodel import Problem, step_traffic
-from .costbubble import DEFAULT_BANDWIDTH, DEFAULT_FLOP_RATE, DEFAULT_LATENCY, modelled_bubble
+from .costbubble import DEFAULT_RATES, modelled_bubble
 from .costpipe import bubble, peak_in_flight, stage_problem
 from .costreport import SHARDED
 
@@ -136,9 +136,9 @@ def stages_report(p: Problem, ranks_per_node: int = RANKS_PER_NODE) -> str:
         lines.append(f"  {f['stage']:<6} {layers + extra:<14} {f['in_flight']:>9} {_fmt(f['memory']) + 'B':>9} "
                      f"{_fmt(b['tp']) + 'B':>9} " + (f"{_fmt(b['cp']) + 'B':>9} " if ring else "")
                      + f"{_fmt(b['pp']) + 'B':>9} {_fmt(b['dp']) + 'B':>9} {_fmt(f['cross_node']) + 'B':>10}")
-    lines.append(f"  modelled bubble {modelled_bubble(p):.1%} of the step (this run's F, B and W FLOPs per stage, "
-                 f"embeddings and head included, at {DEFAULT_FLOP_RATE / 1e9:g} GFLOP/s a rank; messages at "
-                 f"{DEFAULT_BANDWIDTH / 1e9:g} GB/s + {DEFAULT_LATENCY * 1e6:g} us)")
+    lines.append(f"  modelled bubble {modelled_bubble(p):.1%} of the step (this run's F, B and W FLOPs and "
+                 f"elementwise bytes per stage, embeddings and head included, at stated rates: "
+                 f"{DEFAULT_RATES.describe()})")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from ..model.gpt import gpt_params
 from ..ops.fp8_recipes import GEMMS, Recipe
 from ..parallel.split import split_decl, split_index
-from .costfp8 import PER_LINEAR
+from .costfp8 import PER_LINEAR, REPLICATED_PER_LINEAR
 
 OPERANDS = {"forward": (("x", "x (tokens x K_in)"), ("w", "W^T (K_out x K_in)")),
             "dgrad": (("dy", "dy (tokens x K_out)"), ("w", "W (K_in x K_out)")),
@@ -51,16 +51,23 @@ def scale_line(recipe: Recipe) -> str:
 
 def reduction_line(recipe: Recipe, run) -> str:
     """Which ranks each scale's amax is reduced over, per linear and micro-batch."""
+    cfg, blocks = run.cfg, run.plan.recompute == "blocks"
+    experts = "; a mixture's experts as the layout's linears, on every batch of rows they run on" if cfg.moe else ""
     if recipe.name in ("tensorwise", "delayed"):
-        per = PER_LINEAR[run.layout] + (run.layout == "3d" and run.plan.recompute == "gathers")
-        per += 2 if run.plan.recompute == "blocks" else 0
+        per = PER_LINEAR[run.layout] + (run.layout == "3d" and run.plan.recompute == "gathers") + 2 * blocks
+        latent = (f"; {REPLICATED_PER_LINEAR + 2 * blocks} for each of MLA's replicated down-projections"
+                  if cfg.mla else "")
         return (f"  amax all-reduces: {per} float32 scalars per linear per micro-batch on layout {run.layout} "
-                f"(one per quantization of x, W or dy) over the stage's ranks (tp x cp x dp; axis fp8)")
+                f"(one per quantization of x, W or dy) over the stage's ranks (tp x cp x dp; axis fp8)"
+                + latent + experts)
     if recipe.name == "rowwise":
+        latent = ("; MLA's replicated down-projections: x's rows over the hidden split, wgrad's token rows "
+                  "(the stage's ranks under --sequence-parallel)" if cfg.mla else "")
         return ("  amax all-reduces: a row's amax over the ranks holding the rest of the row (1-D: tp for a "
                 "row-split operand, dp x cp for wgrad's token rows; 2-D, 2.5-D: the grid's row or column, and "
                 "its column's depth slices, rows and dp x cp replicas for the token rows; 3-D: a line of the "
-                "cube for x and dy, a plane for W^T, and a plane with the dp x cp replicas for the token rows)")
+                "cube for x and dy, a plane for W^T, and a plane with the dp x cp replicas for the token rows)"
+                + latent + experts)
     return "  amax all-reduces: none (a tile or block never straddles a shard, so each rank scales its own)"
 
 
@@ -75,28 +82,45 @@ def scale_count(recipe: Recipe, role: str, gemm: str, rows: int, k: int) -> int:
     return -(-rows // b) * -(-k // b) if kind == "block" else rows * -(-k // b)
 
 
+def logical_linears(cfg, n: int) -> list:
+    """(tokens, K_in, K_out) of every quantized linear of the logical model
+    in one micro-batch of ``n`` tokens: each block's sharded linears (an
+    MTP depth's block too; a mixture's attention and shared experts), MLA's
+    REPLICATED down-projections, and a mixture's experts under balanced
+    routing (each of the E runs on n K / E tokens)."""
+    from ..analysis.costmla import replicated_outputs
+    from ..analysis.costparams import dense_linears
+
+    out = []
+    for i in range(cfg.n_blocks):
+        out += [(n, k_in, k_out) for k_in, k_out, _ in dense_linears(cfg, 1, i)]
+        out += [(n, cfg.n_embd, r) for r in (replicated_outputs(cfg) if cfg.mla else [])]
+        if cfg.is_moe(i):
+            rows, h, F = n * cfg.top_k // cfg.n_experts, cfg.n_embd, cfg.moe_ffn
+            out += [(rows, h, 2 * F), (rows, F, h)] * cfg.n_experts
+    return out
+
+
 def cost_lines(recipe: Recipe, run, cfg) -> list:
     """The logical model's FP8 figures for one micro-batch (all ranks
     together): the GEMM operands' bytes in FP8 against the master format,
     the scales' bytes, and delayed's amax histories (float64, per linear
-    and operand), over the dense blocks' linears (``block_linears``)."""
-    from ..analysis.costparams import block_linears
-
-    if cfg.moe or cfg.mla:
-        return ["  costs: priced for dense GPT-2 and Llama blocks only (not a mixture's experts or MLA yet)"]
+    and operand), over every quantized linear (``logical_linears``)."""
     n = run.micro_batch * (run.seq_len or cfg.n_ctx)                     # tokens of one micro-batch
-    linears = [(k_in, k_out) for k_in, k_out, _ in block_linears(cfg)] * cfg.n_layer
-    shape = {("x", "forward"): lambda a, b: (n, a), ("w", "forward"): lambda a, b: (b, a),
-             ("dy", "dgrad"): lambda a, b: (n, b), ("w", "dgrad"): lambda a, b: (a, b),
-             ("x", "wgrad"): lambda a, b: (a, n), ("dy", "wgrad"): lambda a, b: (b, n)}
+    linears = logical_linears(cfg, n)
+    shape = {("x", "forward"): lambda t, a, b: (t, a), ("w", "forward"): lambda t, a, b: (b, a),
+             ("dy", "dgrad"): lambda t, a, b: (t, b), ("w", "dgrad"): lambda t, a, b: (a, b),
+             ("x", "wgrad"): lambda t, a, b: (a, t), ("dy", "wgrad"): lambda t, a, b: (b, t)}
     elems = scales = 0
-    for k_in, k_out in linears:
+    for tokens, k_in, k_out in linears:
         for (role, gemm), of in shape.items():
-            rows, k = of(k_in, k_out)
+            rows, k = of(tokens, k_in, k_out)
             elems += rows * k
             scales += scale_count(recipe, role, gemm, rows, k)
     scale_bytes = scales * (1 if recipe.mx else 4)
-    lines = [f"  costs, one micro-batch of {n:,} tokens over {len(linears)} linears (all ranks together):",
+    routed = (f"; a mixture's experts under balanced routing, {n * cfg.top_k // cfg.n_experts:,} tokens each"
+              if cfg.moe else "")
+    lines = [f"  costs, one micro-batch of {n:,} tokens over {len(linears):,} linears (all ranks together{routed}):",
              f"    FP8 operands {human(elems)}B quantized (6 per linear: x, W, dy twice each), "
              f"{human(elems * 2)}B in bfloat16, {human(elems * 4)}B in float32",
              f"    scales {human(scale_bytes)}B ({scales:,} of {'1 byte, E8M0' if recipe.mx else '4 bytes'})"]
@@ -105,6 +129,39 @@ def cost_lines(recipe: Recipe, run, cfg) -> list:
         lines.append(f"    amax histories {human(history)}B kept (and checkpointed): {len(linears)} linears x "
                      f"x, W, dy x {recipe.history} steps, float64")
     return lines
+
+
+def run_problem(recipe: Recipe, run, cfg, dtype: str):
+    """The cost model's Problem of ``run`` (stage 0) for model ``cfg`` under ``recipe``."""
+    from ..analysis.costbase import Problem
+
+    plan = run.plan
+    return Problem(cfg, run.layout, run.tp, plan.dp, plan.depth if run.layout == "2.5d" else 1, run.batch_size,
+                   run.seq_len or cfg.n_ctx, dtype, recompute=plan.recompute, grad_accum=plan.grad_accum,
+                   zero=plan.zero, pp=plan.pp, pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages,
+                   sequence_parallel=plan.sequence_parallel, cp=plan.cp, ulysses=plan.ulysses_size, ep=plan.ep,
+                   hsdp=plan.hsdp, fp8=recipe.name)
+
+
+def traffic_lines(recipe: Recipe, run, cfg, dtype: str) -> list:
+    """What the recipe adds to one rank's step traffic (stage 0), axis by
+    axis, as the cost model prices it (``costfp8``: the amax all-reduces
+    of every quantized linear, a mixture's experts on balanced routing
+    and MLA's replicated ones included, and 3-D's second gathers; the
+    combo launches hold every FP8 case's measured counters to it)."""
+    from ..analysis.costmodel import step_traffic
+
+    p = run_problem(recipe, run, cfg, dtype)
+    with_fp8, without = step_traffic(p), step_traffic(replace(p, fp8=""))
+    added = []
+    for axis in sorted(set(with_fp8.elems) | set(without.elems)):
+        elems = with_fp8.elems.get(axis, 0) - without.elems.get(axis, 0)
+        msgs = with_fp8.msgs.get(axis, 0) - without.msgs.get(axis, 0)
+        size = with_fp8.bytes.get(axis, 0) - without.bytes.get(axis, 0)
+        if elems or msgs:
+            added.append(f"{axis} {human(float(elems))} elements, {human(float(size))}B, {msgs:,} messages")
+    return [f"  traffic the recipe adds per rank per step ({run.layout}, stage 0, {dtype}; the cost model's): "
+            + ("; ".join(added) or "none")]
 
 
 def memory_lines(recipe: Recipe, run, cfg, dtype: str) -> list:
@@ -116,16 +173,10 @@ def memory_lines(recipe: Recipe, run, cfg, dtype: str) -> list:
     gathered X and W under a tile or row recipe), and delayed's amax
     histories. Quantized values are held in the activation format, as the
     emulation computes with them."""
-    from ..analysis.costbase import Problem
     from ..analysis.costfp8 import history_elems
     from ..analysis.costmemory import step_memory_bytes
 
-    plan = run.plan
-    p = Problem(cfg, run.layout, run.tp, plan.dp, plan.depth if run.layout == "2.5d" else 1, run.batch_size,
-                run.seq_len or cfg.n_ctx, dtype, recompute=plan.recompute, grad_accum=plan.grad_accum,
-                zero=plan.zero, pp=plan.pp, pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages,
-                sequence_parallel=plan.sequence_parallel, cp=plan.cp, ulysses=plan.ulysses_size, ep=plan.ep,
-                hsdp=plan.hsdp, fp8=recipe.name)
+    p = run_problem(recipe, run, cfg, dtype)
     with_fp8 = step_memory_bytes(p, dropout=False).activations
     without = step_memory_bytes(replace(p, fp8=""), dropout=False).activations
     change = with_fp8 - without
@@ -189,6 +240,7 @@ def fp8_report(recipe: Recipe, run, cfg, dtype: str = None) -> str:
     lines += cost_lines(recipe, run, cfg)
     if dtype is not None:
         lines += memory_lines(recipe, run, cfg, dtype)
+        lines += traffic_lines(recipe, run, cfg, dtype)
     return "\n".join(lines)
 
 

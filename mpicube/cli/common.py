@@ -1,5 +1,7 @@
-"""What the commands share: the ``mpicube`` group, the options several
-commands take, rank 0's ``echo`` and the MPI world they run in.
+"""What the commands share: the ``mpicube`` group, the model's options
+several commands take, rank 0's ``echo`` and the MPI world they run in.
+How ranks share the model is said by ``cli.parallel_options``, the number
+formats by ``cli.precision_options``.
 
 The commands live in ``cli.train`` (train, eval, prepare, trace) and
 ``cli.model`` (info, bench, inspect, convert, generate, compare); each
@@ -9,7 +11,6 @@ runs the group under the error handling every command shares.
 
 from __future__ import annotations
 
-import functools
 import os
 from contextlib import contextmanager
 
@@ -26,10 +27,6 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
     import tomli as tomllib
 
 LAYOUT_CHOICES = ("auto", "serial", "1d", "2d", "2.5d", "3d")
-DTYPE_CHOICES = ("float32", "float64", "float16", "bfloat16")
-RECOMPUTE_CHOICES = ("none", "gathers", "blocks")   # layouts/base.py RECOMPUTE_MODES
-FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")   # ops/fp8_recipes.py RECIPES
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # schedules.ALL_SCHEDULES
 
 # --seed: NumPy's generators take any non-negative integer; -1 would be a traceback at the first batch
 SEED = click.IntRange(0, 2 ** 64 - 1)
@@ -236,127 +233,6 @@ MOE_OPTIONS = ("n_experts", "top_k", "no_norm_topk", "capacity_factor", "router_
 ARCH_OPTIONS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "rms_eps", "tie_embeddings") + MOE_OPTIONS + MLA_OPTIONS
 
 
-def layout_options(f):
-    f = click.option("--depth", type=int, default=1, show_default=True, help="depth d of the 2.5d layout")(f)
-    f = click.option("--dp", type=int, default=1, show_default=True,
-                     help="data-parallel replicas; the world splits into dp x tensor-parallel ranks")(f)
-    f = click.option("--layout", type=click.Choice(LAYOUT_CHOICES), default="auto", show_default=True,
-                     help="tensor-parallel scheme; auto: 2.5d with --depth, else 3d on a cube, 2d on a "
-                          "square, 1d otherwise")(f)
-    return f
-
-
-def ep_option(f):
-    """``--ep`` (train, eval): a mixture of experts' expert-parallel ranks, taken from --dp (docs/moe.md)."""
-    return click.option("--ep", type=int, default=1, show_default=True,
-                        help="moe: expert-parallel ranks taken from the --dp replicas; each holds E/ep experts")(f)
-
-
-def pipeline_options(f):
-    """``--pp``, ``--pp-schedule`` and ``--virtual-stages`` (train, eval,
-    bench, trace, generate): pipeline stages around the tensor-parallel layout."""
-    f = click.option("--virtual-stages", type=int, default=1, show_default=True,
-                     help="model chunks per stage: interleaved's V (pp x V divides n_layer); 2 for zbv, dualpipev")(f)
-    f = click.option("--pp-schedule", type=click.Choice(SCHEDULE_CHOICES), default="1f1b", show_default=True,
-                     help="schedule over the --grad-accum micro-batches (zero-bubble: zb-h1, zbv, dualpipev)")(f)
-    f = click.option("--pp", type=int, default=1, show_default=True,
-                     help="pipeline stages; the world splits into dp x pp x tensor-parallel ranks")(f)
-    return f
-
-
-def sequence_parallel_option(f):
-    """``--sequence-parallel`` (train, eval, bench, trace, info): 1-D's
-    canonical form sharded along the sequence (parallel/layouts/seqpar.py)."""
-    return click.option("--sequence-parallel", is_flag=True, default=False,
-                        help="1d layout: LayerNorm, dropout and residual regions hold T/tp positions of every "
-                             "sequence; each all-reduce becomes an all-gather + reduce-scatter (same bytes, "
-                             "1/tp of those activations)")(f)
-
-
-def cp_option(f):
-    """``--cp C`` (train, eval, bench): context-parallel ranks (parallel/context.py)."""
-    return click.option("--cp", type=int, default=1, show_default=True,
-                        help="context-parallel ranks: each sequence cut into 2C chunks, rank r holding chunks r "
-                             "and 2C-1-r, attention by a ring passing K and V; the world splits into "
-                             "dp x cp x tensor-parallel ranks")(f)
-
-
-def fp8_options(f):
-    """``--fp8 RECIPE`` and its options (train, trace, bench, info): every
-    linear's GEMMs quantized to FP8, emulated exactly (docs/fp8.md)."""
-    f = click.option("--fp8-pow2", is_flag=True, default=False,
-                     help="fp8 rowwise: scales rounded down to powers of two")(f)
-    f = click.option("--fp8-block", type=int, default=None,
-                     help="fp8 blockwise/mxfp8: tile length along the contraction  [default: 128, 32]; smaller "
-                          "only to test small models")(f)
-    f = click.option("--fp8-amax-rule", type=click.Choice(["max", "recent"]), default="max", show_default=True,
-                     help="fp8 delayed: scale from the history's max or its most recent amax")(f)
-    f = click.option("--fp8-amax-history", type=int, default=16, show_default=True,
-                     help="fp8 delayed: steps of amax history")(f)
-    f = click.option("--fp8-accumulate", type=click.Choice(["float32", "float64"]), default=None,
-                     help="fp8: the emulated GEMMs' accumulation (must match --dtype)  [default: --dtype]")(f)
-    f = click.option("--fp8-grad-format", type=click.Choice(["e4m3", "e5m2"]), default=None,
-                     help="fp8: format of the output gradient dy  [default: e5m2 for tensorwise and delayed, "
-                          "else e4m3]")(f)
-    f = click.option("--fp8", type=click.Choice(FP8_RECIPES), default=None, metavar="RECIPE",
-                     help="quantize every linear's GEMM operands to FP8: tensorwise, delayed, rowwise, "
-                          "blockwise (DeepSeek-V3), mxfp8 (OCP MX)  [default: off]")(f)
-    return f
-
-
-def fp8_recipe_options(f):
-    """``fp8_options`` handed to the command as one value, ``fp8``: the
-    Recipe (or None), built with the command's --dtype, --device and --ep
-    (bench, info; train keeps the options apart, in its TrainOptions)."""
-    from ..training.fp8_options import fp8_recipe
-
-    @functools.wraps(f)
-    def command(**kw):
-        o = {k: kw.pop(k) for k in ("fp8", "fp8_grad_format", "fp8_accumulate", "fp8_amax_history",
-                                    "fp8_amax_rule", "fp8_block", "fp8_pow2")}
-        kw["fp8"] = fp8_recipe(o["fp8"], kw.get("dtype") or "float32", grad_format=o["fp8_grad_format"],
-                               accumulate=o["fp8_accumulate"], history=o["fp8_amax_history"],
-                               rule=o["fp8_amax_rule"], block=o["fp8_block"], power_of_2=o["fp8_pow2"],
-                               ep=kw.get("ep") or 1)
-        return f(**kw)
-
-    return fp8_options(command)
-
-
-def cp_kind_options(f):
-    """``--cp-kind`` and ``--ulysses`` (train, eval, info): how the cp ranks share
-    attention (parallel/context.py, parallel/ulysses.py)."""
-    f = click.option("--ulysses", type=int, default=1, show_default=True,
-                     help="--cp-kind hybrid: Ulysses group size U (consecutive cp ranks); the ring runs over "
-                          "cp / U groups")(f)
-    return click.option("--cp-kind", type=click.Choice(["ring", "ulysses", "hybrid"]), default="ring",
-                        show_default=True,
-                        help="ring: K/V passed round the cp ranks; ulysses: an all-to-all trades sequence shards "
-                             "for head shards before attention and back after (cp must divide the heads); "
-                             "hybrid: Ulysses inside groups of --ulysses ranks, the ring across them")(f)
-
-
-def info_step_options(f):
-    """``--optimizer`` and ``--hsdp`` as info prices them (train's own options)."""
-    f = click.option("--hsdp", type=int, default=1, show_default=True,
-                     help="with --zero 3: dp as R replicas of dp/R-way shard groups (as train --hsdp)")(f)
-    return click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default="adamw", show_default=True,
-                        help="the optimizer step's traffic: muon gathers each hidden matrix over dp (ZeRO) and tp")(f)
-
-
-def recompute_option(f):
-    return click.option("--recompute", type=click.Choice(RECOMPUTE_CHOICES), default="none", show_default=True,
-                        help="trade memory for communication and FLOPs: gathers = gather weight and activation "
-                             "panels again in backward instead of keeping them; blocks = keep only each "
-                             "block's input and rerun its forward in backward")(f)
-
-
-def zero_option(help_text: str):
-    """``--zero {0,1,2,3}`` as an int (train, bench, info; each says what it does there)."""
-    return click.option("--zero", type=click.Choice(["0", "1", "2", "3"]), default="0", show_default=True,
-                        callback=lambda ctx, param, value: int(value), help=help_text)
-
-
 class StepRange(click.ParamType):
     """``START:STOP``, 1 <= START <= STOP: the steps START to STOP, both
     included (one step: ``N`` or ``N:N``)."""
@@ -382,11 +258,6 @@ def profile_option(help_text: str):
                         help="record a timeline of compute and communication on every rank for " + help_text)
 
 
-def grad_accum_option(help_text: str):
-    """``--grad-accum N`` (train, bench, info; each says what it does there)."""
-    return click.option("--grad-accum", type=int, default=1, show_default=True, help=help_text)
-
-
 def collective_timeout_option(f):
     """``--collective-timeout SECONDS``: every command that communicates
     (train, eval, bench) runs under the watchdog (``parallel.watchdog``)."""
@@ -408,20 +279,6 @@ def watched(timeout: float, phase: str):
 
     with watching(_mpi["world"], timeout, phase):
         yield
-
-
-def device_options(f):
-    f = click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
-                     help="NumPy on CPUs or CuPy, one GPU per rank")(f)
-    f = click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
-                     help="float64 verifies, float32 trains; float16 and bfloat16 train in mixed precision "
-                          "(16-bit activations and communication, float32 master weights)")(f)
-    f = click.option("--tf32", is_flag=True, default=False,
-                     help="GPU: float32 GEMMs on tensor cores (TF32 inputs, float32 accumulation)")(f)
-    return f
-
-
-# --------------------------------------------------------------------------- commands
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import click
 
-from .common import (DTYPE_CHOICES, LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option,
-                     device_options, echo, env_settings, family_fields, grad_accum_option, cp_option, layout_options,
-                     model_options, pipeline_options, profile_option, recompute_option, sequence_parallel_option, watched,
-                     zero_option, info_step_options, ep_option, fp8_recipe_options)
+from .common import (LAYOUT_CHOICES, SEED, _mpi, arch_options, cli, collective_timeout_option, echo, env_settings,
+                     family_fields, model_options, profile_option, watched)
+from .parallel_options import (cp_option, ep_option, grad_accum_option, info_step_options, layout_options,
+                               pipeline_options, recompute_option, sequence_parallel_option, zero_option)
+from .precision_options import DTYPE_CHOICES, device_options, fp8_recipe_options
 from ..core.errors import UserError
 
 

@@ -10,12 +10,10 @@ import math
 import click
 
 from ..core.errors import UserError
-from .common import (SEED, Duration, _load_config, _mpi, cli, collective_timeout_option, device_options, echo,
-                     env_settings,
-                     arch_options, grad_accum_option, layout_options, model_options, pipeline_options, profile_option,
-                     recompute_option, watched, zero_option, cp_option, sequence_parallel_option, cp_kind_options,
-                     fp8_options)
-from .common import ep_option
+from .common import (SEED, Duration, _load_config, _mpi, arch_options, cli, collective_timeout_option, echo,
+                     env_settings, model_options, profile_option, watched)
+from .parallel_options import grad_accum_option, recompute_option, sharing_options, zero_option
+from .precision_options import device_options, fp8_options
 from ..core.config import DEEPSEEK_OPTIONS
 from .sections import TRAIN_EPILOG, SectionedCommand
 
@@ -24,12 +22,7 @@ from .sections import TRAIN_EPILOG, SectionedCommand
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
               expose_value=False, help="TOML file of option values (keys as option names); "
                                        "options on the command line override it")
-@layout_options
-@ep_option
-@pipeline_options
-@cp_option
-@cp_kind_options
-@sequence_parallel_option
+@sharing_options
 @model_options
 @arch_options
 @click.option("--vocab-size", type=int, default=256, show_default=True,
@@ -140,12 +133,7 @@ def train(collective_timeout, profile, **kwargs):
               help="sequences per batch  [default: the checkpoint's training batch size]")
 @click.option("--seq-len", type=int, default=None, help="sequence length  [default: the model's context]")
 @click.option("--batches", type=int, default=8, show_default=True, help="evaluation batches (0 = all)")
-@layout_options
-@ep_option
-@pipeline_options
-@cp_option
-@cp_kind_options
-@sequence_parallel_option
+@sharing_options
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="micro-batches per batch (the pipeline's; the loss is the same)")
 @device_options

@@ -297,7 +297,7 @@ def message_tag(a: Action, stage: int, stages: int, virtual: int, micro_batches:
 
 
 def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1.0,
-             name: str = DEFAULT_SCHEDULE, times=None, transfer=None) -> dict:
+             name: str = DEFAULT_SCHEDULE, times=None, transfer=None, overhead=None) -> dict:
     """Run every stage's list with the executor's semantics: a send never
     blocks (nonblocking, receives posted early), a receive blocks until the
     peer's message has arrived, compute takes ``forward_time`` /
@@ -306,7 +306,9 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
     model's bubble of a run, ``analysis.costbubble``): ``times(stage,
     action)`` gives each compute action its own duration, and
     ``transfer(stage, action)`` each send the time its message takes to
-    arrive (it does not hold the sender). Returns {"finish": per-stage end time,
+    arrive (it does not hold the sender), and ``overhead(stage, action)``
+    the executor's own time before each action (idle, as a profile counts
+    it: neither a phase nor a wait). Returns {"finish": per-stage end time,
     "busy": per-stage compute time, "time": the step, "bubble": idle share
     of P x step, "timeline": per stage the (start, end, Action) of every
     compute, which tools/pipeline_pictures.py draws}; raises Deadlock
@@ -326,7 +328,9 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
         for p in range(P):
             while pos[p] < len(schedule[p]):
                 a = schedule[p][pos[p]]
+                before = overhead(p, a) if overhead is not None else 0.0
                 if a.op in COMPUTE:
+                    clock[p] += before
                     # a split backward: B and W half of a whole one each (F = B = W at backward_time = 2)
                     if times is not None:
                         dt = times(p, a)
@@ -339,13 +343,14 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
                     key = message_source(a, p, P, name) + (p, a.peer)
                     if key in sent:
                         raise Deadlock(f"stage {p} sends {key[:3]} twice")
+                    clock[p] += before
                     sent[key] = clock[p] + (transfer(p, a) if transfer is not None else 0.0)   # arrival
                 else:
                     key = message_source(a, p, P, name) + (a.peer, p)
                     if key not in sent or key in taken:
                         break                                   # blocked: not sent (or received already)
                     taken.add(key)
-                    clock[p] = max(clock[p], sent[key])
+                    clock[p] = max(clock[p] + before, sent[key])
                 pos[p] += 1
                 progress = True
     stuck = [p for p in range(P) if pos[p] < len(schedule[p])]
@@ -354,7 +359,10 @@ def simulate(schedule: list, forward_time: float = 1.0, backward_time: float = 1
     unmatched = sorted(set(sent) - taken)
     if unmatched:
         raise Deadlock(f"messages sent and never received: {unmatched[:3]}")
-    step = max(clock) if clock else 0.0
+    # the step as a profile measures it: from the first compute's start to the last's end (with no
+    # overhead, 0 to the last clock: stage 0 starts with a forward, every list ends with compute or a send)
+    spans = [t for lane in timeline for t in lane]
+    step = max(e for _, e, _ in spans) - min(s for s, _, _ in spans) if spans else 0.0
     idle = sum(step - b for b in busy)
     return {"finish": clock, "busy": busy, "time": step, "bubble": idle / (P * step) if step else 0.0,
             "timeline": timeline}

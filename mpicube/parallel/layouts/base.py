@@ -243,10 +243,14 @@ class Layout:
         return held, self.fp8_every()
 
     def fp8_every(self) -> bool:
-        """Whether --fp8 makes every expert run, with no rows too: its
-        scales' amaxes are reduced over the stage (dp, cp), whose other
-        ranks may hold rows of it."""
-        return self.fp8 is not None and self.fp8.stage.size > self.axes.tp.size
+        """Whether --fp8 makes every expert run, with no rows too: on every
+        layout, serial included. Its scales' amaxes are reduced over the
+        stage (dp, cp), whose other ranks may hold rows of it, so on such a
+        layout it must run; and an expert that got no token anywhere then
+        quantizes its W (and pushes delayed's histories) there, so serial
+        runs it too, and the layouts' FP8 operands and histories stay
+        serial's, expert by expert."""
+        return self.fp8 is not None
 
     def expert_linear(self, store: ParamStore, prefix: str, position: str):
         """A mixture of experts' seam (model/moe.py): the (bias-free) linear
