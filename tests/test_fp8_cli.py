@@ -286,6 +286,29 @@ def test_fp8_unit_decodes_every_code_and_allows_what_chernoff_says():
     assert (allowed(0.5), allowed(4.0)) == (8, 19)
 
 
+def test_a_framework_trace_declares_its_fp8_recipe(tmp_path):
+    """TraceWriter(fp8=...) writes the ``fp8`` root attribute compare's
+    FP8 unit reads (a recipe, e4m3 or e5m2 gradients, float32 or float64
+    accumulation); anything else is bad input naming the field, and no
+    file is left."""
+    import h5py
+    import pytest
+
+    from hostile_traces import CFG, OPTIMIZER
+
+    from mpicube.check.writer import TraceWriter
+    from mpicube.core.errors import UserError
+
+    declared = {"recipe": "tensorwise", "grad_format": "e5m2", "accumulate": "float32"}
+    with TraceWriter(tmp_path / "a.h5", CFG, OPTIMIZER, "float32", {"framework": "test"}, fp8=declared) as w:
+        pass                                               # no steps: the attribute is what matters
+    with h5py.File(tmp_path / "a.h5") as f:
+        assert json.loads(f.attrs["fp8"]) == declared
+    with pytest.raises(UserError, match=r"fp8 needs grad_format \(e4m3 or e5m2\), got 'e3m4'"):
+        TraceWriter(tmp_path / "b.h5", CFG, OPTIMIZER, "float32", {}, fp8={**declared, "grad_format": "e3m4"})
+    assert not (tmp_path / "b.h5").exists()
+
+
 @pytest.mark.parametrize("recipe", [["tensorwise"], ["rowwise", "--fp8-pow2"]], ids=["tensorwise", "rowwise"])
 def test_torchao_float8_training_agrees_with_the_reference(mpicube, tmp_path, monkeypatch, recipe):
     """torchao's float8 training (Float8LinearConfig from its recipe name,

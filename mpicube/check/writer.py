@@ -61,8 +61,8 @@ def fp8_attr(fp8: dict, path) -> dict:
     for key, kind in want.items():
         value = fp8.get(key) if isinstance(fp8, dict) else None
         if not (isinstance(value, kind) if isinstance(kind, type) else value in kind):
-            raise UserError(f"{path}: fp8 needs {key} ({kind.__name__ if isinstance(kind, type) else ' or '.join(kind)})"
-                            f", got {value!r}")
+            allowed = kind.__name__ if isinstance(kind, type) else " or ".join(kind)
+            raise UserError(f"{path}: fp8 needs {key} ({allowed}), got {value!r}")
     return dict(fp8)
 
 
@@ -82,6 +82,7 @@ class TraceWriter(StagedFile):
             self.cfg = config_of(config)
         except ValueError as exc:
             raise UserError(f"{path}: config {exc}") from None
+        declared_fp8 = None if fp8 is None else json.dumps(fp8_attr(fp8, path))     # checked before any file
         self.shapes = param_shapes(self.cfg)
         self.store = np.float64 if dtype == "float64" else np.float32
         self.dropout = float(dropout)
@@ -92,7 +93,7 @@ class TraceWriter(StagedFile):
         if seed is not None:
             attrs["seed"] = int(seed)
         if fp8 is not None:             # a framework's FP8 recipe: compare's FP8 unit needs it (fp8_tolerance.py)
-            attrs["fp8"] = json.dumps(fp8_attr(fp8, path))
+            attrs["fp8"] = declared_fp8
         if int(first_step) < 1:
             raise UserError(f"{path}: first_step {first_step}: steps are numbered from 1")
         if int(first_step) > 1:
