@@ -89,7 +89,7 @@ def test_ulysses_positions_traffic_and_bad_sizes():
     hybrid group's runs are the ring rank's two chunks in order; the
     all-to-all traffic of the cost model; sizes that do not fit the heads,
     cp or the sequence refused in one line naming the values that work."""
-    from mpicube.analysis.costmodel import ring_traffic, ulysses_traffic
+    from mpicube.analysis.costcp import ring_traffic, ulysses_traffic
     from mpicube.parallel.planning import resolve
 
     T = 32

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from ..core.config import ModelConfig
 from .costflops import step_flops
-from .costmodel import ring_traffic, step_traffic, ulysses_traffic
+from .costcp import ring_traffic, ulysses_traffic
+from .costmodel import step_traffic
 from .costmemory import step_memory_bytes
 
 CP_SIZES = (1, 2, 4, 8)

@@ -21,7 +21,8 @@ from .costfp8 import keeps_local_input, quantized_copy_kept
 from .costmla import attention_terms, cache_elems
 from .costmtp import depth_terms
 from .costmuon import muon_workspace
-from .costmodel import Problem, attention_split, local_param_sizes
+from .costcp import attention_split
+from .costmodel import Problem, local_param_sizes
 from .costparams import block_linears, moe_layers, segments_of, shared_linears, site_of, stage_layers
 from .costpipe import peak_over_schedule
 from .costwgrad import weight_phase_terms

@@ -77,8 +77,10 @@ from ..core.config import ModelConfig
 from .costbase import STORAGE_BYTES, Problem, Traffic, Widths   # noqa: F401 (their home for every caller)
 from .costfp8 import fp8_traffic
 from .costpipe import pipeline_traffic
-from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums, op_head_dim
+from .costcp import ring_traffic, ulysses_traffic
+from .costmla import latent_traffic, oned_linear_sums, oned_sequence_sums
 from .costmtp import ends, projection_traffic
+from .costmuon import muon_traffic
 from .costparams import (_group_size, block_linears, dense_linears, expert_elems,  # noqa: F401 (re-exported)
                          grad_runs, head_split, kv_param_sizes, local_param_sizes, on_stage, segments_of, site_of,
                          segment_name, stage_linears)
@@ -112,7 +114,6 @@ def _embedding_uses(p: Problem) -> tuple:
     own = int(p.mtp > 0 and not p.cfg.tied and not (embed and one_model))   # the depths' wte panel on the head's chunk
     again = p.mtp if p.recompute == "gathers" and not p.cfg.tied else 0   # each depth's head: lm_head let go
     return n + p.mtp + again, n + own
-
 
 
 def _cross_entropy(t: Traffic, axis, g, rows, width, times: int = 1):
@@ -308,76 +309,6 @@ def _kv_sums(p: Problem, t: Traffic, kv_sizes: dict, times: int = 1) -> None:
     if kv_sizes:
         share = next(iter(kv_sizes.values()))[1]
         t.sum("kv", share, sum(n for n, _ in kv_sizes.values()), times=times, width=p.widths.gsum)
-
-
-def attention_split(p: Problem) -> tuple:
-    """(sequences, heads) of one rank's attention: the rows and heads of
-    the layout's intermediate activation (between paired linears)."""
-    if p.layout in ("serial", "1d"):
-        return p.local_batch, p.cfg.n_head // (p.tp if p.layout == "1d" else 1)
-    q = round((p.tp // p.depth) ** 0.5) if p.layout in ("2d", "2.5d") else round(p.tp ** (1 / 3))
-    rows = p.depth * q if p.layout in ("2d", "2.5d") else q * q
-    return p.local_batch // rows, p.cfg.n_head // q
-
-
-MUON_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def muon_traffic(p: Problem, sizes: dict, segments) -> Traffic:
-    """--optimizer muon (training.muon), once per step: under --zero 1-3
-    the Nesterov update's chunk all-gathered over dp (C elements, the
-    master's width), then this rank's block of each of the stage's hidden
-    matrices all-gathered over tp (one all-gather a matrix), so every rank
-    holds each whole matrix for Newton-Schulz in turn."""
-    t, w = Traffic(), p.widths
-    if p.sharded:
-        params = sum(n for n, _ in sizes.values())
-        chunk = sum(c for _, _, c, _, _ in segments) if segments else zero.sizes(params, p.dp, p.zero)[1]
-        t.allgather("dp", p.shard_dp, chunk, width=w.grad)
-    for name, (n, _) in sizes.items():                 # one all-gather per matrix
-        if name.endswith(MUON_MATRICES):
-            t.allgather("tp", p.tp, n, width=w.grad)
-    return t
-
-
-def ring_traffic(p: Problem) -> Traffic:
-    """One micro-batch of ring attention (parallel.context), per layer: the
-    K/V pair of this rank's chunks (2 x seqs x T/cp x h_local elements)
-    shifted C-1 times in forward (twice under --recompute blocks), and in
-    backward C-1 times more, with the dK/dV pair in the compute format C
-    times. One message per shift. Per layer this stage runs (``p.layers``:
-    all of them without a pipeline). The K/V rows are the cp rank's T/cp
-    positions also under --sequence-parallel (qkv holds the tp group's
-    gathered rows). Under the hybrid the ring has C = cp / U ranks and
-    each holds its group's T U/cp positions of h_local / U: the same pair."""
-    t, w, C = Traffic(), p.widths, p.cp // p.ulysses
-    if C == 1:
-        return t
-    seqs, heads = attention_split(p)
-    kv = 2 * seqs * p.local_seq * heads * op_head_dim(p.cfg)     # MLA: k and v at qk
-    forwards = 2 if p.recompute == "blocks" else 1
-    t._add("cp", C, kv, 1, (forwards + 1) * (C - 1) * p.blocks, w.act)
-    t._add("cp", C, kv, 1, C * p.blocks, w.stat)
-    return t
-
-
-def ulysses_traffic(p: Problem) -> Traffic:
-    """One micro-batch of Ulysses (parallel.ulysses), per layer, on axis
-    "ulysses" (U ranks): forward sends U-1 of its U head groups of the
-    packed q, k, v (3 x seqs x T/cp x h_local) and of the output y (1 x)
-    back, one message a peer each (twice under --recompute blocks);
-    backward the same for dy and dq, dk, dv, all in the activations'
-    format. Llama's kv heads travel repeated for their query heads (the
-    packed form the op is given)."""
-    t, w, U = Traffic(), p.widths, p.ulysses
-    if U == 1:
-        return t
-    seqs, heads = attention_split(p)
-    slab = seqs * p.local_seq * (heads // U) * op_head_dim(p.cfg)      # one head group of one width's rows
-    forwards = 2 if p.recompute == "blocks" else 1
-    for width, times in ((3, forwards + 1), (1, forwards + 1)):    # qkv / dqkv, y / dy
-        t._add("ulysses", U, (U - 1) * width * slab, U - 1, times * p.blocks, w.act)
-    return t
 
 
 def segmented_traffic(p: Problem, t: Traffic, sizes: dict) -> None:

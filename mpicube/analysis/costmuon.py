@@ -31,7 +31,7 @@ second packing copy make up the rest).
 from __future__ import annotations
 
 from ..parallel import zero
-from .costbase import Problem
+from .costbase import Problem, Traffic
 from .costparams import local_param_sizes, model_decls, segments_of
 
 
@@ -71,3 +71,23 @@ def muon_workspace(p: Problem, qkv: str = "split") -> int:
         one = max(one, before + block + gathered + 2 * n_in * n_out + ns)
         before = n_in * n_out                      # its result lives on until the next matrix's returns
     return flat + one
+
+
+MUON_MATRICES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def muon_traffic(p: Problem, sizes: dict, segments) -> Traffic:
+    """--optimizer muon (training.muon), once per step: under --zero 1-3
+    the Nesterov update's chunk all-gathered over dp (C elements, the
+    master's width), then this rank's block of each of the stage's hidden
+    matrices all-gathered over tp (one all-gather a matrix), so every rank
+    holds each whole matrix for Newton-Schulz in turn."""
+    t, w = Traffic(), p.widths
+    if p.sharded:
+        params = sum(n for n, _ in sizes.values())
+        chunk = sum(c for _, _, c, _, _ in segments) if segments else zero.sizes(params, p.dp, p.zero)[1]
+        t.allgather("dp", p.shard_dp, chunk, width=w.grad)
+    for name, (n, _) in sizes.items():                 # one all-gather per matrix
+        if name.endswith(MUON_MATRICES):
+            t.allgather("tp", p.tp, n, width=w.grad)
+    return t

@@ -9,7 +9,8 @@ import re
 
 from ..core.config import ModelConfig
 from .costflops import step_flops
-from .costmodel import Problem, attention_split, kv_param_sizes, local_param_sizes, step_traffic
+from .costcp import attention_split
+from .costmodel import Problem, kv_param_sizes, local_param_sizes, step_traffic
 from .costmemory import kv_cache_elems, step_memory, step_memory_bytes
 from .fp8_report import fp8_report  # noqa: F401 (info --fp8's section, imported with the others)
 from ..parallel.gridspec import GridSpec

@@ -41,7 +41,7 @@ the result. One whole matrix (and NS5's temporaries) is held at a time,
 beside the (P_pad,) gathered update under ZeRO: the step's temporaries,
 which the memory model prices with the optimizer state
 (``analysis.costmuon``: they set the step's peak).
-The cost model counts both all-gathers (``costmodel.muon_traffic``).
+The cost model counts both all-gathers (``costmuon.muon_traffic``).
 """
 
 from __future__ import annotations
