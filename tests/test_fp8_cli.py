@@ -207,6 +207,110 @@ def test_trace_records_the_quantized_weights_and_scales_alike_on_serial_and_1d(m
     assert len(result.rows) > 100 and "step_2/fp8/h.0.mlp.c_proj/dy.dgrad/bytes" in {r.name for r in result.rows}
 
 
+FLOAT32_FP8 = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--seq-len", "32", "--batch-size", "8",
+               "--steps", "1", "--dtype", "float32", "--fp8", "tensorwise"]
+
+
+def test_float32_fp8_layouts_agree_under_the_fp8_unit_and_a_bug_still_fails(mpicube, tmp_path, corpus_cache):
+    """With float32 accumulation the layouts' quantizer inputs differ by
+    float32 rounding, so a few codes flip where a value lay at a rounding
+    midpoint, and from there the difference cascades to FP8's own noise
+    (docs/fp8.md, "FP8 in the depth-aware tolerance"). The default verdict
+    allows the first flips their derived count, then holds every tensor to
+    the format's step and, before the step's update, to the test along
+    itself: serial and 1-D agree (2-D too, in the docs' measurement), while
+    a gradient 1% off and a scale off by a factor 2 fail."""
+    import shutil
+
+    import h5py
+
+    from mpicube.check.compare import compare_traces
+
+    from mpi4py import MPI
+
+    from mpicube.analysis.trace import run_trace
+    from mpicube.cli.common import env_settings
+    from mpicube.cli.train import trace_command
+    from mpicube.files import data
+
+    corpus = str(data.builtin_corpus(corpus_cache)[0])
+    argv = [*FLOAT32_FP8, "--data", corpus, "--layout", "serial", "--out", str(tmp_path / "serial.h5")]
+    options = trace_command.make_context("trace", argv).params        # serial in this process: no launch
+    run_trace({**options, **env_settings()}, MPI.COMM_SELF, say=lambda *a, **k: None)
+    r = mpicube.run("trace", *FLOAT32_FP8, "--data", corpus, "--layout", "1d", "--out", "1d.h5", n=2)
+    assert r.returncode == 0, r
+    with h5py.File(tmp_path / "serial.h5") as f:
+        assert json.loads(f.attrs["fp8"]) == {"recipe": "tensorwise", "grad_format": "e5m2", "accumulate": "float32",
+                                              "block": 0, "pow2": False}
+    rows = compare_traces(tmp_path / "serial.h5", tmp_path / "1d.h5").rows
+    off = [(r.name, r.note) for r in rows if not r.ok]
+    assert not off, off[:3]
+    flipped = [r for r in rows if "codes one FP8 step apart" in r.note]
+    assert len(flipped) == 1 and "float32 rounding allows" in flipped[0].note, flipped      # the first flip
+    assert sum("FP8 cascade" in r.note for r in rows) > 10                                  # and its cascade
+    first = next(i for i, r in enumerate(rows) if "codes one FP8 step apart" in r.note)
+    before = [r.name for r in rows[:first] if r.name.startswith("step_1/grad/") and r.name.endswith(".weight")]
+    assert before and "step_1/grad/wte" in {r.name for r in rows[first:]}
+    for name, factor, why in ((before[-1], 1.01, ""),                   # before the first flip: float32's budget
+                              ("step_1/grad/wte", 1.01, "along itself"),  # after it: the test along itself
+                              ("step_1/fp8/h.0.mlp.c_fc/dy.dgrad/scale", 2.0, "rel fro 5.00e-01 > 0.25")):
+        shutil.copy(tmp_path / "1d.h5", tmp_path / "planted.h5")
+        with h5py.File(tmp_path / "planted.h5", "r+") as f:
+            f[name][...] = f[name][...] * np.float32(factor)
+        result = compare_traces(tmp_path / "serial.h5", tmp_path / "planted.h5")
+        assert result.first_divergence == name, (name, result.first_divergence)
+        row = next(r for r in result.rows if r.name == name)
+        assert why in row.note, row.note
+
+
+def test_fp8_unit_decodes_every_code_and_allows_what_chernoff_says():
+    """compare's FP8 unit (check/fp8_tolerance.py) decodes codes with its
+    own table (the check package reads traces without ml_dtypes): every
+    one of the 256 codes of e4m3 and e5m2 as ml_dtypes reads it, NaN and
+    infinity included; and its allowance is the least count whose
+    Chernoff tail exp(-mu) (e mu / a)^a is below 1e-6."""
+    import math
+
+    import ml_dtypes
+
+    from mpicube.check.fp8_tolerance import _decoder, allowed
+
+    codes = np.arange(256, dtype=np.uint8)
+    for fmt, kind in (("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2)):
+        assert np.array_equal(_decoder(fmt)(codes), codes.view(kind).astype(np.float64), equal_nan=True), fmt
+
+    def tail(mu, a):
+        return math.exp(-mu + a * (1 + math.log(mu / a)))
+
+    for mu in (1e-3, 0.5, 4.0, 100.0):
+        a = allowed(mu)
+        assert a > mu and tail(mu, a) <= 1e-6 and (a - 1 <= mu or tail(mu, a - 1) > 1e-6), (mu, a)
+    assert (allowed(0.5), allowed(4.0)) == (8, 19)
+
+
+def test_a_framework_trace_declares_its_fp8_recipe(tmp_path):
+    """TraceWriter(fp8=...) writes the ``fp8`` root attribute compare's
+    FP8 unit reads (a recipe, e4m3 or e5m2 gradients, float32 or float64
+    accumulation); anything else is bad input naming the field, and no
+    file is left."""
+    import h5py
+    import pytest
+
+    from hostile_traces import CFG, OPTIMIZER
+
+    from mpicube.check.writer import TraceWriter
+    from mpicube.core.errors import UserError
+
+    declared = {"recipe": "tensorwise", "grad_format": "e5m2", "accumulate": "float32"}
+    with TraceWriter(tmp_path / "a.h5", CFG, OPTIMIZER, "float32", {"framework": "test"}, fp8=declared) as w:
+        pass                                               # no steps: the attribute is what matters
+    with h5py.File(tmp_path / "a.h5") as f:
+        assert json.loads(f.attrs["fp8"]) == declared
+    with pytest.raises(UserError, match=r"fp8 needs grad_format \(e4m3 or e5m2\), got 'e3m4'"):
+        TraceWriter(tmp_path / "b.h5", CFG, OPTIMIZER, "float32", {}, fp8={**declared, "grad_format": "e3m4"})
+    assert not (tmp_path / "b.h5").exists()
+
+
 @pytest.mark.parametrize("recipe", [["tensorwise"], ["rowwise", "--fp8-pow2"]], ids=["tensorwise", "rowwise"])
 def test_torchao_float8_training_agrees_with_the_reference(mpicube, tmp_path, monkeypatch, recipe):
     """torchao's float8 training (Float8LinearConfig from its recipe name,

@@ -314,6 +314,11 @@ def run_trace(options: dict, mpi_world, say=print) -> dict:
             "dropout": opts.dropout,
             "seed": opts.seed,
         }
+        recipe = opts.fp8_recipe()
+        if recipe is not None:          # what compare's FP8 unit needs (check/fp8_tolerance.py)
+            attrs["fp8"] = json.dumps({"recipe": recipe.name, "grad_format": recipe.grad_format,
+                                       "accumulate": recipe.accumulate, "block": recipe.block,
+                                       "pow2": recipe.power_of_2})
         writer = TraceFile(out, attrs)
     recorder = Recorder(mpi_world, writer, store_dtype, say, sharded=bool(options.get("sharded")),
                         state=bool(options.get("state")))

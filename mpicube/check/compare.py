@@ -43,6 +43,7 @@ import numpy as np
 
 from ..core.errors import UserError
 from . import envelope
+from . import fp8_tolerance
 from . import tolerance as tol
 from .diagnose import notes as diagnosis
 from .measure import Row, measure
@@ -166,10 +167,13 @@ def compare_traces(path_a, path_b, rtol=None, atol=None, allow_missing=(), verdi
                     row.note += f" (a version {version(files[other])} trace does not hold it)"
                 rows[row.name] = row
         env = envelope.read(files, paths) if verdict == "envelope" else None     # (side, envelope)
+        fp8 = fp8_tolerance.unit_of(files, paths) if verdict == "budget" else None   # float32 FP8's unit
         for name in names_a & names_b:
-            rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict, env)
+            rows[name] = _compare_one(name, sets, paths, dtypes, coarse, cfg_a, rtol, atol, verdict, env, fp8)
         coverage_rows(rows, steps_present(names_a) & steps_present(names_b))
         order = ordered(rows, cfg_a)
+        if fp8 is not None:
+            fp8_tolerance.judge([rows[n] for n in order], fp8)
         precision_rows(rows, order, sets, paths, dtypes)          # mixed precision off, or on unasked
         result.rows = attr_rows + [rows[n] for n in order]
         result.allowed = [r.name for r in result.rows if not r.compared and r.ok]
@@ -253,7 +257,7 @@ def zeros_folded(read):
     return read_folded
 
 
-def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, env=None) -> Row:
+def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, env=None, fp8=None) -> Row:
     """The row of a tensor both traces hold: shapes compared first (from
     the files' metadata), then the values read block by block."""
     objs = [sets[s][name] for s in "AB"]
@@ -288,6 +292,14 @@ def _compare_one(name, sets, paths, dtypes, coarse, cfg, rtol, atol, verdict, en
                   verdict)
     if env is not None:                                 # --tolerance envelope: the measured spread decides
         envelope.judge(row, name, readers, shapes[0], tuple(kinds), env[1], env[0])
+    if fp8 is not None and not wrong and math.isfinite(row.max_abs):   # float32 FP8: fp8_tolerance.judge decides
+        mx_scale = name.endswith("/scale") and "/fp8/" in name and kinds == ["u", "u"]
+        if FP8_CODES.fullmatch(name) or mx_scale:
+            row.fp8 = fp8_tolerance.code_stats(name, readers, shapes[0],
+                                               fp8_tolerance.format_of(name, fp8, mx_scale),
+                                               tol.depth_bound("float32", depth(name, cfg)))
+        elif not row.ok and kinds == ["f", "f"]:
+            row.fp8 = fp8_tolerance.float_stats(readers, shapes[0])
     if not row.ok and kinds[0] == "f":                  # a wrong value that is the sum of a rank's copies
         row.note = "; ".join(filter(None, (row.note, diagnosis(name, sets, paths, readers, shapes[0], rtol, atol, cfg))))
     if wrong:

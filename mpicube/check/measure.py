@@ -34,6 +34,7 @@ class Row:
     rel_fro: float = math.nan         # relative Frobenius error
     bound: float = math.nan           # its depth-aware bound
     compared: bool = True             # False: missing on one side, nothing to measure
+    fp8: dict = None                  # the FP8 unit's statistics (fp8_tolerance.py), float32 FP8 traces only
 
     @property
     def margin(self) -> float:

@@ -54,6 +54,18 @@ class StagedFile:
             self.tmp.unlink(missing_ok=True)
 
 
+def fp8_attr(fp8: dict, path) -> dict:
+    """The ``fp8`` root attribute (docs/trace-format.md): the recipe, the
+    gradients' format and the accumulation format, checked."""
+    want = {"recipe": str, "grad_format": ("e4m3", "e5m2"), "accumulate": ("float32", "float64")}
+    for key, kind in want.items():
+        value = fp8.get(key) if isinstance(fp8, dict) else None
+        if not (isinstance(value, kind) if isinstance(kind, type) else value in kind):
+            allowed = kind.__name__ if isinstance(kind, type) else " or ".join(kind)
+            raise UserError(f"{path}: fp8 needs {key} ({allowed}), got {value!r}")
+    return dict(fp8)
+
+
 class TraceWriter(StagedFile):
     """Write one trace: ``init`` once, ``step`` for steps 1, 2, ... in
     order, then ``close`` (or use it as a context manager, which discards
@@ -63,13 +75,14 @@ class TraceWriter(StagedFile):
     to put after the trace of the steps before the checkpoint."""
 
     def __init__(self, path, config: dict, optimizer: dict, dtype: str, layout: dict,
-                 dropout: float = 0.0, seed=None, first_step: int = 1):
+                 dropout: float = 0.0, seed=None, first_step: int = 1, fp8: dict = None):
         if dtype not in FLOAT_DTYPES:
             raise UserError(f"{path}: dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
         try:
             self.cfg = config_of(config)
         except ValueError as exc:
             raise UserError(f"{path}: config {exc}") from None
+        declared_fp8 = None if fp8 is None else json.dumps(fp8_attr(fp8, path))     # checked before any file
         self.shapes = param_shapes(self.cfg)
         self.store = np.float64 if dtype == "float64" else np.float32
         self.dropout = float(dropout)
@@ -79,6 +92,8 @@ class TraceWriter(StagedFile):
                  "dropout": self.dropout, "steps": 0}
         if seed is not None:
             attrs["seed"] = int(seed)
+        if fp8 is not None:             # a framework's FP8 recipe: compare's FP8 unit needs it (fp8_tolerance.py)
+            attrs["fp8"] = declared_fp8
         if int(first_step) < 1:
             raise UserError(f"{path}: first_step {first_step}: steps are numbered from 1")
         if int(first_step) > 1:
