@@ -69,10 +69,10 @@ RUN = ["--layout", "serial", "--pp", "2", "--batch-size", "16", "--grad-accum", 
 CFG = ModelConfig(n_layer=8, n_embd=256, n_head=8, n_ctx=128)
 TOKENS = 16 // 8 * 128                 # one micro-batch's tokens on a rank: batch / grad-accum x seq-len
 CALIBRATION = ["--layout", "serial", "--pp", "2", "--pp-schedule", "zbv", "--virtual-stages", "2",
-               "--n-layer", "8", "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "16",
+               "--n-layer", "4", "--n-embd", "256", "--n-head", "8", "--seq-len", "128", "--batch-size", "16",
                "--grad-accum", "8", "--steps", "3", "--profile", "2:3"]
-CALIBRATION_CFG = ModelConfig(n_layer=8, n_embd=32, n_head=2, n_ctx=16)
-RATES_LINE = re.compile(r"Rates measured[^:]*: ([0-9.]+), ([0-9.]+) and ([0-9.]+) GFLOP/s [^,]*, ([0-9.]+) GB/s, "
+CALIBRATION_CFG = ModelConfig(n_layer=4, n_embd=256, n_head=8, n_ctx=128)
+RATES_LINE = re.compile(r"Rates measured[^:]*: ([0-9.]+), ([0-9.]+) and ([0-9.]+) GFLOP/s \([^)]*\), ([0-9.]+) GB/s, "
                         r"([0-9.]+) us an action")
 PHASE_OF = {"forward": "forward", "backward": "backward", "backward_input": "backward",
             "backward_weight": "backward weight"}
@@ -310,6 +310,9 @@ def check(page: Path) -> int:
     content = page.read_text()
     text = content.splitlines()
     rates = page_rates(content)
+    if rates is None and "Rates measured" in content:
+        print(f"{page}: its 'Rates measured' line is not in the form rates_line prints; paste the tool's line")
+        return 1
     cells = 4 if rates is not None else 3
     bad = []
     for row in table(rates=rates).splitlines()[2:]:
