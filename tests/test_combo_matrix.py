@@ -213,6 +213,8 @@ FP8_CASES = [
     (8, f"layout=1d tp=2 dp=4 ep=2 kv=2 experts=4 fp8=delayed steps=3 {LLAMA}"),   # two expert-data replicas
     (8, f"layout=2d tp=4 dp=2 ep=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),   # wgrad rows over a grid column
     (8, f"layout=1d tp=2 dp=2 cp=2 ep=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),   # ep folded into dp x cp
+    (16, f"layout=3d tp=8 dp=2 ep=2 kv=2 experts=4 fp8=tensorwise steps=3 {LLAMA}"),  # the cube's experts' holders
+    (16, f"layout=2.5d tp=8 depth=2 dp=2 ep=2 kv=2 experts=4 fp8=rowwise steps=3 {LLAMA}"),
     # the tile recipes on 2-D, 2.5-D and 3-D: each rank quantizes its own shard along each GEMM's contraction
     # before the panel travels; rowwise on 2-D with its row amaxes over the grid's rows, columns and cp
     (4, "layout=2d tp=4 fp8=blockwise fp8block=4 steps=3"),
