@@ -145,7 +145,7 @@ def test_plans_fp8_cannot_run_are_refused_before_any_collective():
     cases = [
         (Plan("1d", fp8=fp8_recipe("tensorwise", "float64")), ModelConfig(**llama), 4, "splits the heads 4 ways"),
         (Plan("1d", dp=2, fp8=fp8_recipe("mxfp8", "float64", block=2)), ModelConfig(**llama, n_experts=4, top_k=2),
-         4, "expert's token rows are spread over them"),
+         4, "expert's token rows are spread over ranks"),
         (Plan("3d", fp8=fp8_recipe("mxfp8", "float64", block=8)), ModelConfig(vocab_size=61, n_ctx=16, n_layer=2,
                                                                               n_head=4, n_embd=16), 8,
          r"a rank's weight rows \(--n-embd / 4\) is 4, not a multiple of the 8-element block.*--fp8-block 4"),

@@ -52,7 +52,9 @@ def scale_line(recipe: Recipe) -> str:
 def reduction_line(recipe: Recipe, run) -> str:
     """Which ranks each scale's amax is reduced over, per linear and micro-batch."""
     cfg, blocks = run.cfg, run.plan.recompute == "blocks"
-    experts = "; a mixture's experts as the layout's linears, on every batch of rows they run on" if cfg.moe else ""
+    holders = ", their amaxes over the ranks holding the expert (its tp group and expert-data replicas)"
+    experts = ("; a mixture's experts as the layout's linears, on every batch of rows they run on"
+               + (holders if run.plan.ep > 1 else "") if cfg.moe else "")
     if recipe.name in ("tensorwise", "delayed"):
         per = PER_LINEAR[run.layout] + (run.layout == "3d" and run.plan.recompute == "gathers") + 2 * blocks
         latent = (f"; {REPLICATED_PER_LINEAR + 2 * blocks} for each of MLA's replicated down-projections"
