@@ -168,13 +168,15 @@ class Recorder(StepHooks):
         self.collect = Collector(trainer.parts, self.store_dtype, trainer.opts.batch_size, self.sharded)
         self.sink = {}                   # each micro-batch's outputs of the embeddings, blocks and ln_f
         pipe = trainer.parts.pipeline
-        for model in [pipe.chunk_model(v) for v in range(pipe.V)] if pipe is not None else [trainer.parts.model.model]:
+        models = [pipe.chunk_model(v) for v in range(pipe.V)] if pipe is not None else [trainer.parts.model.model]
+        for model in models:
             record_outputs(model, self.sink)
         self.T = trainer.opts.seq_len
         fp8 = trainer.parts.layout.fp8
         self.fp8 = None if fp8 is None else Fp8Recorder(trainer.parts.store, self.collect, self.T)   # --fp8's operands
         if fp8 is not None:
             fp8.observer = self.fp8
+            self.fp8.watch(models)                           # where an expert's rows lie among serial's
         self.mesh = None                 # rank 0 under --sharded: (sizes, every rank's coords)
         if self.sharded:
             axes, sizes, coords = mesh_of(trainer.parts.layout)
@@ -210,7 +212,7 @@ class Recorder(StepHooks):
 
     def step_done(self, trainer, s, rec) -> None:
         moments = (self.collect.moments(trainer.opt.adam) if self.state and trainer.opts.optimizer != "sgd" else [])
-        quantized = self.fp8.take() if self.fp8 is not None else []
+        quantized = self.fp8.take(self.world) if self.fp8 is not None else []
         updates = bias_updates(self.biases, router_biases(trainer.parts.store, np.float64), self.store_dtype)
         tensors = self.gather(self.forward + self.grads + quantized + moments + updates + self.collect.params("param"))
         state = self.state_scalars(trainer, s) if self.state else {}

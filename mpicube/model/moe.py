@@ -177,6 +177,7 @@ class MoE:
         if ledger is not None:
             self.router.record(ledger, counts, s_route, n * K - order.shape[0])
         kept = np.asarray(self.store.backend.to_host(xp.bincount(expert, minlength=E)), dtype=np.int64)  # (E,)
+        self.observe_dispatch(order, kept, n)
         route = Dispatch(self.ep, kept, E)
         if ledger is not None:
             ledger.routes[self.layer] = (route.send_counts, route.recv_counts)
@@ -203,6 +204,14 @@ class MoE:
         router's holds its scores) - offered to an observer: nothing here;
         a trace replaces it on the instance (analysis/trace_collect.py) to
         record them without the model knowing it is watched."""
+
+    def observe_dispatch(self, order, kept, n: int) -> None:
+        """The rows this forward sends to the experts - ``order`` (m,) the
+        kept (token, slot) pairs in expert order (token = entry // top_k,
+        a row of this rank's (n, h) routed tokens), ``kept`` (E,) each
+        expert's run of them - offered to an observer: nothing here; trace
+        --fp8 replaces it on the instance (analysis/trace_fp8.py) to place
+        each expert's quantized rows among the tokens serial routes to it."""
 
     def backward(self, dy, saved):
         """dy (B, T, h) -> dx (B, T, h), T/p of them under a sequence split;

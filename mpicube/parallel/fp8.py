@@ -81,13 +81,17 @@ class OperandIndex:
     it travels), and which token rows each holds, as the trace's
     ``Collector`` names them: (sequences "canonical" or "mid", positions
     "gathered" (every position of the rank's cp chunks) or "canonical"
-    (the canonical form's: T/p of them under --sequence-parallel)). None
-    for an expert's linear, whose rows are the tokens dispatched to it."""
+    (the canonical form's: T/p of them under --sequence-parallel)). An
+    expert's linear (``expert``) runs on the rows dispatched to it, which
+    the observer places from the routing (analysis/trace_fp8.py); None
+    where the layout splits an expert's rows over tp (2-D, 2.5-D, 3-D:
+    not placed yet)."""
 
     x_cols: object                       # (K_in_l,) global indices
     dy_cols: object                      # (K_out_l,) global indices
     x_rows: tuple = ("canonical", "gathered")
     dy_rows: tuple = ("canonical", "gathered")
+    expert: bool = False                 # rows: the tokens routed to the expert, in the order it ran them
 
 
 class Fp8Scaling:

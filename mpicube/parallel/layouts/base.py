@@ -30,7 +30,7 @@ rounded to the activation format (``narrow``), once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -92,6 +92,7 @@ class Layout:
 
     name = "base"
     token_split = False         # True: tp splits the tokens too (2-D, 2.5-D, 3-D; an expert's rows spread)
+    fp8_expert_rows = True      # trace --fp8 places an expert's x and dy rows (OperandIndex.expert); not on 3-D
 
     def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none",
                  overlap: bool = True, attention: str = "blocks", fp8=None):
@@ -127,17 +128,19 @@ class Layout:
         x's columns are W's rows and dy's W's columns, on the canonical
         sequences at every position of the rank's cp chunks (serial, 1-D
         with or without --sequence-parallel, whose linears see the
-        gathered sequence); none for an expert's linear."""
+        gathered sequence); an expert's rows are the tokens routed to it
+        (``OperandIndex.expert``), none where the layout does not place
+        them (``fp8_expert_rows``)."""
         if self.fp8 is None:
             return None
         spec = store.by_name[prefix + ".weight"]
         check_shard(self.fp8.recipe, prefix + ".weight", *spec.index)
         if splits is not None and splits.tokens is None:
             splits.tokens = self.fp8.tokens
-        if spec.expert:
-            index = None
-        elif index is None:
+        if index is None:
             index = OperandIndex(np.asarray(spec.index[0]), np.asarray(spec.index[1]))
+        if spec.expert:
+            index = replace(index, expert=True) if self.fp8_expert_rows else None
         return self.fp8.linear(prefix, splits, index, expert=bool(spec.expert))
 
     # --- what every layout provides (overridden) -------------------------
