@@ -80,8 +80,8 @@ def differences(got: dict, want: dict, recipe, noise: float = 0.0, experts_place
     that differs. A case whose linears record no x or dy bytes is a
     failure too (the check would hold nothing), and so is one with experts
     that records none of theirs (serial places every expert's rows).
-    ``experts_placed`` False (a layout that splits an expert's rows over
-    tp: 2-D, 2.5-D, 3-D, ``Layout.fp8_expert_rows``): the trace keeps an
+    ``experts_placed`` False (a layout that does not place an expert's
+    rows: 3-D, ``Layout.fp8_expert_rows``): the trace keeps an
     expert's W and tensor scales only there, and serial's expert x and dy
     bytes and their finer scales are left out.
 

@@ -32,8 +32,8 @@ class Fp8Recorder:
     sequences and positions of the micro-batch. An expert's x and dy are
     (N_e, K): the N_e tokens of the micro-batch routed to it over every
     replica, in serial's order (the global token order), placed from the
-    routing (``watch``, ``place_experts``); where the layout splits an
-    expert's rows over tp (2-D, 2.5-D, 3-D) they keep their tensor scales
+    routing (``watch``, ``place_experts``); on 3-D, whose linears
+    regroup an expert's rows over the cube, they keep their tensor scales
     only. A later micro-batch (or a recomputed forward) replaces an
     earlier one: the step keeps its last."""
 
@@ -134,7 +134,7 @@ class Fp8Recorder:
     def pieces(self, key, q, index, name, role, gemm) -> list:
         """The bytes and scale pieces of one quantized operand, or only a
         tensor scale where the operand's place is not known (an expert's
-        x and dy on 2-D, 2.5-D and 3-D)."""
+        x and dy on 3-D)."""
         scale = q.host_scale()                                # host numbers, from a CPU or a GPU run
         if q.group == "tensor":
             out = [Piece(key + "/scale", (1, 1), (ZERO, ZERO), scale.reshape(1, 1).copy())]

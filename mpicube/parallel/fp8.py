@@ -84,8 +84,8 @@ class OperandIndex:
     (the canonical form's: T/p of them under --sequence-parallel)). An
     expert's linear (``expert``) runs on the rows dispatched to it, which
     the observer places from the routing (analysis/trace_fp8.py); None
-    where the layout splits an expert's rows over tp (2-D, 2.5-D, 3-D:
-    not placed yet)."""
+    where the layout does not place them (3-D, whose linears regroup an
+    expert's rows over the cube: ``Layout.fp8_expert_rows``)."""
 
     x_cols: object                       # (K_in_l,) global indices
     dy_cols: object                      # (K_out_l,) global indices

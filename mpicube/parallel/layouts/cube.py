@@ -39,7 +39,7 @@ from .modules import replicated_linear
 class CubeLayout(Layout):
     name = "3d"
     token_split = True
-    fp8_expert_rows = False     # trace --fp8: an expert's x and dy rows not placed yet (its rows spread over the cube)
+    fp8_expert_rows = False     # trace --fp8: an expert's x and dy rows not placed yet (the linears regroup them over j and k)
 
     @classmethod
     def fp8_widths(cls, cfg, tp, depth):
