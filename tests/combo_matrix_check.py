@@ -317,9 +317,7 @@ def run_case(case: Case, refs: References) -> None:
         loss = forward_backward(parts, x, y, step, pc.LOSS_SCALE, after_forward=after_forward)
         if watched is not None:             # step 1's FP8 bytes and scales: serial's bit for bit
             got = fp8_operands.collected(parts, watched, case.accum, world)
-            wrong = (fp8_operands.differences(got, want["fp8"], case.recipe(),
-                                              experts_placed=parts.layout.fp8_expert_rows)
-                     if world.rank == 0 else None)
+            wrong = fp8_operands.differences(got, want["fp8"], case.recipe()) if world.rank == 0 else None
             wrong = world.bcast(wrong, root=0)
             assert not wrong, f"step 1 FP8 operands: {wrong[:3]} ({len(wrong)} in all)"
         pc.close(f"step {step} loss", [loss], [want["loss"][step - 1]])

@@ -73,17 +73,13 @@ def folded(codes: np.ndarray) -> np.ndarray:
 EXPERT_ROWS = re.compile(r"(^|/)fp8/h\.\d+\.moe\.experts\.\d+\.\w+/(x|dy)\.")   # an expert's x and dy
 
 
-def differences(got: dict, want: dict, recipe, noise: float = 0.0, experts_placed: bool = True) -> list:
+def differences(got: dict, want: dict, recipe, noise: float = 0.0) -> list:
     """What differs between a layout's operands and serial's: names one
     side lacks, then tensors whose scales are not the same bits or whose
     codes are not the same numbers (``folded``), with the first element
     that differs. A case whose linears record no x or dy bytes is a
     failure too (the check would hold nothing), and so is one with experts
     that records none of theirs (serial places every expert's rows).
-    ``experts_placed`` False (a layout that does not place an expert's
-    rows: 3-D, ``Layout.fp8_expert_rows``): the trace keeps an
-    expert's W and tensor scales only there, and serial's expert x and dy
-    bytes and their finer scales are left out.
 
     ``noise`` > 0 (a fraction of a tensor's largest value) lets elements
     differ where both sides' values lie below it, scales included: for two
@@ -95,8 +91,6 @@ def differences(got: dict, want: dict, recipe, noise: float = 0.0, experts_place
     experts = any(".moe.experts." in n for n in want)
     if experts and not any(EXPERT_ROWS.search(n) and n.endswith("/bytes") for n in want):
         return ["no expert's x or dy bytes recorded by serial"]
-    if not experts_placed:
-        want = {n: t for n, t in want.items() if not EXPERT_ROWS.search(n) or (n.endswith("/scale") and t.size == 1)}
     out = [f"missing on the layout: {n}" for n in sorted(set(want) - set(got))]
     out += [f"not in serial: {n}" for n in sorted(set(got) - set(want))]
     for name in sorted(n for n in set(got) & set(want) if n.endswith("/bytes")):

@@ -32,9 +32,9 @@ class Fp8Recorder:
     sequences and positions of the micro-batch. An expert's x and dy are
     (N_e, K): the N_e tokens of the micro-batch routed to it over every
     replica, in serial's order (the global token order), placed from the
-    routing (``watch``, ``place_experts``); on 3-D, whose linears
-    regroup an expert's rows over the cube, they keep their tensor scales
-    only. A later micro-batch (or a recomputed forward) replaces an
+    routing (``watch``, ``place_experts``; on 3-D an expert's
+    intermediate rows are another rank's input rows:
+    ``Layout.expert_mid_rows``). A later micro-batch (or a recomputed forward) replaces an
     earlier one: the step keeps its last."""
 
     def __init__(self, store, collect: Collector, T: int):
@@ -42,6 +42,7 @@ class Fp8Recorder:
         self.seen = {}                 # "fp8/<linear>/<role>.<gemm>" -> (Quantized, OperandIndex, name, role, gemm)
         self.dispatched = {}           # MoE layer -> ((m,) routed token row of each kept entry, (E,) kept, n)
         self.placed = {}               # "h.{i}.moe.experts.{e}" -> ((m_e,) its run rows' places among N_e, N_e)
+        self.mid = {}                  # the same for its intermediate rows ("mid": Layout.expert_mid_rows)
         self.watched = []              # the MoE instances whose dispatch is kept
 
     def watch(self, models: list) -> None:
@@ -96,6 +97,12 @@ class Fp8Recorder:
                 routed = np.unique(np.concatenate([r[layer][e] for r in everyone if layer in r]))   # (N_e,)
                 ran = np.concatenate([source[layer][e] for source in sources])                     # (m_e,)
                 self.placed[f"h.{layer}.moe.experts.{e}"] = (np.searchsorted(routed, ran), len(routed))
+        self.mid = self.placed
+        where = self.collect.layout.expert_mid_rows()
+        if where is not None:                        # 3-D: another rank's rows (uncounted, like the gathers above)
+            comm, source = where
+            theirs = comm.mpi.allgather({key: rows for key, (rows, _) in self.placed.items()})[source]
+            self.mid = {key: (theirs[key], N) for key, (_, N) in self.placed.items()}
 
     def __call__(self, name: str, role: str, gemm: str, q, index=None) -> None:
         if q.group == "tensor" and CANONICAL[role] != gemm:
@@ -134,7 +141,7 @@ class Fp8Recorder:
     def pieces(self, key, q, index, name, role, gemm) -> list:
         """The bytes and scale pieces of one quantized operand, or only a
         tensor scale where the operand's place is not known (an expert's
-        x and dy on 3-D)."""
+        whose routing was not watched)."""
         scale = q.host_scale()                                # host numbers, from a CPU or a GPU run
         if q.group == "tensor":
             out = [Piece(key + "/scale", (1, 1), (ZERO, ZERO), scale.reshape(1, 1).copy())]
@@ -150,10 +157,11 @@ class Fp8Recorder:
         else:
             cols, width = (index.x_cols, decl[0]) if role == "x" else (index.dy_cols, decl[1])
             n = q.q.shape[1 if gemm == "wgrad" else 0]
+            rows = index.x_rows if role == "x" else index.dy_rows
             if index.expert:                                  # its rows, then the layout's zero padding
-                tokens, N = self.placed[name.rpartition(".")[0]]
+                tokens, N = (self.mid if rows[0] == "mid" else self.placed)[name.rpartition(".")[0]]
             else:
-                tokens = self.tokens(index.x_rows if role == "x" else index.dy_rows)
+                tokens = self.tokens(rows)
                 _, b, replicas = self.micro_batch()
                 N = replicas * b * self.T                     # a micro-batch's tokens over every replica
             if n != len(tokens) and not (index.expert and n > len(tokens)):   # a layout's bookkeeping

@@ -83,9 +83,8 @@ class OperandIndex:
     "gathered" (every position of the rank's cp chunks) or "canonical"
     (the canonical form's: T/p of them under --sequence-parallel)). An
     expert's linear (``expert``) runs on the rows dispatched to it, which
-    the observer places from the routing (analysis/trace_fp8.py); None
-    where the layout does not place them (3-D, whose linears regroup an
-    expert's rows over the cube: ``Layout.fp8_expert_rows``)."""
+    the observer places from the routing (analysis/trace_fp8.py; on 3-D
+    its "mid" rows are another rank's: ``Layout.expert_mid_rows``)."""
 
     x_cols: object                       # (K_in_l,) global indices
     dy_cols: object                      # (K_out_l,) global indices

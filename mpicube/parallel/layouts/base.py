@@ -92,7 +92,6 @@ class Layout:
 
     name = "base"
     token_split = False         # True: tp splits the tokens too (2-D, 2.5-D, 3-D; an expert's rows spread)
-    fp8_expert_rows = True      # trace --fp8 places an expert's x and dy rows (OperandIndex.expert); not on 3-D
 
     def __init__(self, cfg: ModelConfig, axes: Axes, batch_size: int, depth: int = 1, recompute: str = "none",
                  overlap: bool = True, attention: str = "blocks", fp8=None):
@@ -129,8 +128,7 @@ class Layout:
         sequences at every position of the rank's cp chunks (serial, 1-D
         with or without --sequence-parallel, whose linears see the
         gathered sequence); an expert's rows are the tokens routed to it
-        (``OperandIndex.expert``), none where the layout does not place
-        them (``fp8_expert_rows``)."""
+        (``OperandIndex.expert``)."""
         if self.fp8 is None:
             return None
         spec = store.by_name[prefix + ".weight"]
@@ -140,7 +138,7 @@ class Layout:
         if index is None:
             index = OperandIndex(np.asarray(spec.index[0]), np.asarray(spec.index[1]))
         if spec.expert:
-            index = replace(index, expert=True) if self.fp8_expert_rows else None
+            index = replace(index, expert=True)
         return self.fp8.linear(prefix, splits, index, expert=bool(spec.expert))
 
     # --- what every layout provides (overridden) -------------------------
@@ -244,6 +242,13 @@ class Layout:
         tokens: the rows as held, an empty expert skipped, unless --fp8's
         amax reductions span other tokens (``fp8_every``)."""
         return held, self.fp8_every()
+
+    def expert_mid_rows(self):
+        """Where an expert's intermediate rows (between its two linears)
+        lie, for an observer (trace --fp8): None, the rows it ran on here
+        (serial, 1-D, 2-D, 2.5-D), or (comm, r): those rank r of ``comm``
+        ran it on (3-D)."""
+        return None
 
     def fp8_every(self) -> bool:
         """Whether --fp8 makes every expert run, with no rows too: on every

@@ -39,7 +39,6 @@ from .modules import replicated_linear
 class CubeLayout(Layout):
     name = "3d"
     token_split = True
-    fp8_expert_rows = False     # trace --fp8: an expert's x and dy rows not placed yet (the linears regroup them over j and k)
 
     @classmethod
     def fp8_widths(cls, cfg, tp, depth):
@@ -224,6 +223,13 @@ class CubeLayout(Layout):
         over i)."""
         mine = self.backend.asarray(np.asarray(held, dtype=np.int64)[None])     # (1, E_l) where the backend computes
         return self.cj.allgather(mine, axis=0).max(axis=0), True                # (E_l,) of (q, E_l)
+
+    def expert_mid_rows(self):
+        """``Layout.expert_mid_rows``: a first linear all-gathers its input
+        rows over j (each rank's padded to the line's most, ``expert_rows``)
+        and reduce-scatters its output over k in q equal blocks, so block k,
+        the rows of the j line's rank k, is this rank's."""
+        return self.cj, self.k
 
     def describe(self):
         return {**super().describe(), "q": self.q}

@@ -43,7 +43,6 @@ from ..fp8 import Fp8Scaling, OperandIndex, Splits
 class TesseractLayout(Layout):
     name = "2.5d"
     token_split = True
-    fp8_expert_rows = True      # trace --fp8: an expert's rows are its grid row's tokens (expert_rows: unpadded)
 
     @classmethod
     def fp8_widths(cls, cfg, tp, depth):
