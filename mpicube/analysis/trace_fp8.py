@@ -84,7 +84,8 @@ class Fp8Recorder:
         for layer, (rows, kept, n) in self.dispatched.items():
             tokens = self.tokens(("canonical", "canonical" if n == b * len(canonical) else "gathered"))   # (n,)
             if len(tokens) != n:                     # a layout's bookkeeping, not the user's input
-                raise RuntimeError(f"trace --fp8: layer {layer} routed {n} tokens on this rank, its index {len(tokens)}")
+                raise RuntimeError(f"trace --fp8: layer {layer} routed {n} tokens on this rank, "
+                                   f"its index {len(tokens)}")
             bounds = np.concatenate([[0], np.cumsum(kept)])
             mine[layer] = [tokens[rows[bounds[e]:bounds[e + 1]]] for e in range(len(kept))]
         everyone = world.allgather(mine)
