@@ -207,6 +207,45 @@ def test_trace_records_the_quantized_weights_and_scales_alike_on_serial_and_1d(m
     assert len(result.rows) > 100 and "step_2/fp8/h.0.mlp.c_proj/dy.dgrad/bytes" in {r.name for r in result.rows}
 
 
+def test_trace_places_an_experts_rows_in_serials_token_order(tmp_path):
+    """trace --fp8 records a mixture's expert x and dy as (N_e, K), N_e
+    the tokens routed to expert e, in global token order (docs/fp8.md, "In
+    traces"): in a serial trace (in this process: no launch) expert e's
+    x.forward decodes, row scale by row scale, to the rows of ln_2's
+    output (the mixture's input) of the tokens that chose e, in token
+    order, to FP8's rounding, and the experts' rows add up to every
+    (token, choice) pair. (Every layout's against serial's, bit for bit:
+    tests/combo_matrix_check.py's FP8 expert cases.)"""
+    import h5py
+    import ml_dtypes
+    from mpi4py import MPI
+
+    from mpicube.analysis.trace import run_trace
+    from mpicube.cli.common import env_settings
+    from mpicube.cli.train import trace_command
+
+    h, E = 16, 4
+    argv = ["--arch", "mixtral", "--n-experts", str(E), "--n-layer", "1", "--n-head", "2", "--n-embd", str(h),
+            "--ffn-hidden", "32", "--seq-len", "16", "--batch-size", "4", "--steps", "1", "--dtype", "float64",
+            "--fp8", "rowwise", "--layout", "serial", "--out", str(tmp_path / "moe.h5")]
+    options = trace_command.make_context("trace", argv).params
+    run_trace({**options, **env_settings()}, MPI.COMM_SELF, say=lambda *a, **k: None)
+    with h5py.File(tmp_path / "moe.h5") as f:
+        x = f["step_1/act/h.0.ln_2"][...].reshape(-1, h)                       # (B T, h) the mixture's input
+        chosen = f["step_1/moe/h.0.experts"][...].reshape(len(x), -1)          # (B T, K)
+        total = 0
+        for e in range(E):
+            got = f[f"step_1/fp8/h.0.moe.experts.{e}.c_fc"]
+            rows = np.flatnonzero((chosen == e).any(axis=1))                   # (N_e,) in token order
+            codes, scale = got["x.forward/bytes"][...], got["x.forward/scale"][...]   # (N_e, h), (N_e, 1)
+            assert codes.shape == (len(rows), h) and scale.shape == (len(rows), 1), (codes.shape, scale.shape)
+            assert got["x.wgrad/bytes"].shape == (h, len(rows)) and got["dy.dgrad/bytes"].shape == (len(rows), 64)
+            values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) / scale
+            np.testing.assert_allclose(values, x[rows], rtol=2.0 ** -4, atol=1e-5 * np.abs(x).max())
+            total += len(rows)
+        assert 0 < total == chosen.size
+
+
 FLOAT32_FP8 = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--seq-len", "32", "--batch-size", "8",
                "--steps", "1", "--dtype", "float32", "--fp8", "tensorwise"]
 
