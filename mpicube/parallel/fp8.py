@@ -33,7 +33,7 @@ every layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -124,20 +124,19 @@ class Fp8Scaling:
             h[:-1], h[-1] = h[1:].copy(), amax
         self.seen, self.step = {}, step
 
-    def linear(self, name: str, splits: Splits = None, index: OperandIndex = None,
-               expert: bool = False) -> "LinearFp8":
-        """The FP8 seam of linear ``name``. An ``expert``'s under --ep > 1
-        reduces its tensor amax, and its wgrad token rows' amaxes, over the
-        ranks holding that expert only (``expert_part``): the tokens
-        dispatched to it from every replica of its ep group lie there, and
-        the other ep ranks hold other experts, whose amaxes are not its own."""
+    def linear(self, name: str, splits: Splits = None, index: OperandIndex = None) -> "LinearFp8":
+        """The FP8 seam of linear ``name``. An expert's (``index.expert``)
+        under --ep > 1 reduces its tensor amax, and its wgrad token rows'
+        amaxes, over the ranks holding that expert only (``expert_part``):
+        the tokens dispatched to it from every replica of its ep group lie
+        there, and the other ep ranks hold other experts, whose amaxes are
+        not its own."""
         splits = splits or Splits(tokens=self.tokens)
-        if splits.dy_tokens is None:
-            splits.dy_tokens = splits.tokens
-        if not expert:
+        if index is None or not index.expert:
             return LinearFp8(self, name, splits, index)
-        splits.tokens, splits.dy_tokens = self.expert_part(splits.tokens), self.expert_part(splits.dy_tokens)
-        return LinearFp8(self, name, splits, index, stage=self.expert_part(self.stage))
+        dy_tokens = splits.tokens if splits.dy_tokens is None else splits.dy_tokens
+        expert_splits = replace(splits, tokens=self.expert_part(splits.tokens), dy_tokens=self.expert_part(dy_tokens))
+        return LinearFp8(self, name, expert_splits, index, stage=self.expert_part(self.stage))
 
     def expert_part(self, group: Comm) -> Comm:
         """The ranks of ``group`` that hold this rank's experts (``group``
@@ -184,11 +183,11 @@ class LinearFp8:
 
     def __init__(self, scaling: Fp8Scaling, name: str, splits: Splits, index: OperandIndex = None,
                  stage: Comm = None):
+        if splits.dy_tokens is None:                # dy's token rows are x's (a copy: the caller's stays as given)
+            splits = replace(splits, dy_tokens=splits.tokens)
         self.s, self.name, self.splits = scaling, name, splits
         self.index = index              # x's and dy's place in the logical tensors (an observer's), or None
         self.stage = stage if stage is not None else scaling.stage   # the ranks holding pieces of x, W, dy
-        if splits.dy_tokens is None:
-            splits.dy_tokens = splits.tokens
 
     # the three GEMMs ---------------------------------------------------------
     def forward(self, x, w):

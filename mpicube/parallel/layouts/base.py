@@ -139,7 +139,7 @@ class Layout:
             index = OperandIndex(np.asarray(spec.index[0]), np.asarray(spec.index[1]))
         if spec.expert:
             index = replace(index, expert=True)
-        return self.fp8.linear(prefix, splits, index, expert=bool(spec.expert))
+        return self.fp8.linear(prefix, splits, index)
 
     # --- what every layout provides (overridden) -------------------------
     canonical_seqs: np.ndarray      # (B_c,) sequences held in canonical form
