@@ -161,6 +161,21 @@ def judge(row, name: str, readers: list, shape: tuple, kinds: tuple, env: dict, 
 SUBNORMAL = 4          # magnitude codes 1..3: subnormal in e5m2 (exponent field 0) and in e4m3
 
 
+def code_steps(a, b, exponents: bool, noisy: bool):
+    """The FP8 steps between codes ``a`` and ``b`` (int16 arrays of one
+    shape): E8M0 exponents' difference (``exponents``: one code = a factor
+    2), else sign-and-magnitude codes' (across zero: both magnitudes'
+    steps), at most one where both are subnormal and ``noisy`` (rounding
+    noise around a zero)."""
+    if exponents:
+        return np.abs(a - b)
+    sa, sb, ma, mb = a >> 7, b >> 7, a & 0x7F, b & 0x7F
+    steps = np.where(sa == sb, np.abs(ma - mb), ma + mb)
+    if noisy:
+        steps = np.where((ma < SUBNORMAL) & (mb < SUBNORMAL), np.minimum(steps, 1), steps)
+    return steps
+
+
 def codes(row, name: str, readers: list, shape: tuple) -> None:
     """``--fp8``'s quantized weights (``fp8/.../bytes``: sign and magnitude
     codes) and MXFP8's E8M0 scales (``fp8/.../scale`` as uint8: exponent
@@ -182,13 +197,7 @@ def codes(row, name: str, readers: list, shape: tuple) -> None:
     for block in blocks(shape):
         a = np.asarray(readers[0](block)).astype(np.int16)
         b = np.asarray(readers[1](block)).astype(np.int16)
-        if name.endswith("/scale"):                          # E8M0: an exponent, one code = a factor 2
-            steps = np.abs(a - b)
-        else:                                                # sign bit, then the magnitude's code
-            sa, sb, ma, mb = a >> 7, b >> 7, a & 0x7F, b & 0x7F
-            steps = np.where(sa == sb, np.abs(ma - mb), ma + mb)   # across zero: both magnitudes' steps
-            if noisy:                                        # both subnormal: rounding noise around a zero
-                steps = np.where((ma < SUBNORMAL) & (mb < SUBNORMAL), np.minimum(steps, 1), steps)
+        steps = code_steps(a, b, name.endswith("/scale"), noisy)
         far = steps > 1
         if far.any():
             at = tuple(int(i) + (s.start or 0) for i, s in zip(np.unravel_index(int(np.flatnonzero(far)[0]),

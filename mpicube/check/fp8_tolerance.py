@@ -43,13 +43,12 @@ import math
 
 import numpy as np
 
-from .envelope import read_statistics
+from .envelope import code_steps, read_statistics
 from .measure import blocks
 
 CONFIDENCE = 1e-6           # a correct pair's chance of more flips than allowed, per tensor
 Z = 32.0                   # noise's projection onto one direction, in units of rel_fro / sqrt(n)
 SIGNIFICAND = {"e4m3": 3, "e5m2": 2, "e8m0": 0}      # m: the relative step of the format is 2^-m
-SUBNORMAL = 4               # magnitude codes below it: subnormal in both formats (envelope.SUBNORMAL)
 
 
 def unit_of(files: dict, paths: dict):
@@ -109,12 +108,8 @@ def code_stats(name: str, readers: list, shape: tuple, fmt: str, d: float) -> di
     for block in blocks(shape):
         a = np.asarray(readers[0](block)).astype(np.int16)
         b = np.asarray(readers[1](block)).astype(np.int16)
-        if fmt == "e8m0":
-            steps = np.abs(a - b)
-        else:
-            sa, sb, ma, mb = a >> 7, b >> 7, a & 0x7F, b & 0x7F
-            steps = np.where(sa == sb, np.abs(ma - mb), ma + mb)       # across zero: both magnitudes
-            steps = np.where((ma < SUBNORMAL) & (mb < SUBNORMAL), np.minimum(steps, 1), steps)
+        steps = code_steps(a, b, fmt == "e8m0", noisy=True)
+        if decode is not None:
             va, vb = decode(a.ravel()), decode(b.ravel())
             diff = vb - va
             aa, bb, dd, da = aa + float(va @ va), bb + float(vb @ vb), dd + float(diff @ diff), da + float(diff @ va)
